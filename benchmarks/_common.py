@@ -1,0 +1,152 @@
+"""Shared benchmark plumbing: timing, peak memory, measured ceilings, the report table and JSON.
+
+Every benchmark times its baselines and ours in the same process, puts the floor beside them, and
+saves a JSON record (device, versions, shapes) under benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+RESULTS_DIR = Path(os.environ.get("VF_BENCH_RESULTS", Path(__file__).resolve().parent / "results"))
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    cpu = platform.processor() or "cpu"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu} ({os.cpu_count()} cores)"
+
+
+def environment(device: str) -> Dict[str, object]:
+    env: Dict[str, object] = {
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    return env
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(torch.device(device))
+
+
+def time_ms(fn: Callable[[], object], device: str, *, warmup: int = 3, rep: int = 10,
+            max_seconds: float = 20.0) -> float:
+    """Median wall time of ``fn`` in milliseconds (CUDA events on a GPU)."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times: List[float] = []
+    deadline = time.perf_counter() + max_seconds
+    for _ in range(rep):
+        if device.startswith("cuda"):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        if time.perf_counter() > deadline:
+            break
+    return statistics.median(times)
+
+
+def peak_extra_bytes(fn: Callable[[], object], device: str) -> Optional[int]:
+    """Peak device memory ``fn`` allocates beyond what was live before it (CUDA only)."""
+    if not device.startswith("cuda"):
+        return None
+    sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    fn()
+    sync(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+def copy_bandwidth_gbs(device: str, nbytes: int = 1 << 30) -> float:
+    """Measured device-memory bandwidth in GB/s, counting bytes read plus bytes written."""
+    n = nbytes // 4 if device.startswith("cuda") else (64 << 20) // 4
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), device, warmup=3, rep=20)
+    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
+
+
+@dataclass
+class Row:
+    case: str
+    impl: str
+    ms: float
+    extra_bytes: Optional[int] = None
+    max_err: Optional[float] = None
+    note: str = ""
+
+
+@dataclass
+class Report:
+    name: str
+    device: str
+    rows: List[Row] = field(default_factory=list)
+    floors: Dict[str, float] = field(default_factory=dict)  # case -> floor ms
+    meta: Dict[str, object] = field(default_factory=dict)
+
+    def add(self, *args, **kwargs) -> Row:
+        row = Row(*args, **kwargs)
+        self.rows.append(row)
+        return row
+
+    def table(self) -> str:
+        lines = [f"{self.name} on {device_name(self.device)}",
+                 f"{'case':<28} {'impl':<26} {'ms':>10} {'x ours':>9} {'/floor':>8} {'extra MiB':>10} {'max err':>9}"]
+        ours = {r.case: r.ms for r in self.rows if r.impl.startswith("verl_fast")}
+        for r in self.rows:
+            speed = ours.get(r.case)
+            ratio = f"{r.ms / speed:8.1f}x" if speed and not r.impl.startswith("verl_fast") else ""
+            floor = self.floors.get(r.case)
+            over = f"{r.ms / floor:7.2f}x" if floor else ""
+            mem = f"{r.extra_bytes / 2**20:10.1f}" if r.extra_bytes is not None else ""
+            err = f"{r.max_err:9.1e}" if r.max_err is not None else ""
+            lines.append(f"{r.case:<28} {r.impl:<26} {r.ms:10.4f} {ratio:>9} {over:>8} {mem:>10} {err:>9}")
+        for case, floor in self.floors.items():
+            lines.append(f"{case:<28} {'floor':<26} {floor:10.4f}")
+        return "\n".join(lines)
+
+    def save(self) -> Path:
+        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        tag = "cuda" if self.device.startswith("cuda") else "cpu"
+        path = RESULTS_DIR / f"{self.name}_{tag}.json"
+        record = {"name": self.name, "environment": environment(self.device), "floors_ms": self.floors,
+                  "meta": self.meta, "rows": [asdict(r) for r in self.rows],
+                  "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        path.write_text(json.dumps(record, indent=2) + "\n")
+        return path

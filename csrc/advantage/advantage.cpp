@@ -1,0 +1,311 @@
+// CPU path of the advantage engine and the launchers' argument checks (shared by both devices).
+#include "advantage/advantage.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <unordered_map>
+#include <vector>
+
+#include "common/check.h"
+#include "common/dispatch.h"
+#include "common/parallel.h"
+
+namespace vf::advantage {
+namespace {
+
+void check_bt(const TensorRef& t, const char* name, int64_t B, int64_t T) {
+  VF_CHECK(t.dim() == 2 && t.sizes[0] == B && t.sizes[1] == T, name,
+           " must be a 2-D tensor of shape [B, T] = ", shape_str({B, T}), ", got ", shape_str(t.sizes));
+}
+
+void check_output(const TensorRef& t, const char* name, const TensorRef& like) {
+  check_bt(t, name, like.sizes[0], like.sizes[1]);
+  check_dtype(t, name, DType::f32);
+  check_contiguous(t, name);
+  check_same_device(t, name, like, "rewards");
+}
+
+void check_status_and_workspace(const TensorRef& status, const TensorRef& workspace, int64_t bytes,
+                                const TensorRef& like) {
+  VF_CHECK(status.dim() == 1 && status.sizes[0] == 1, "status must be a 1-D tensor of shape [1], got ",
+           shape_str(status.sizes));
+  check_dtype(status, "status", DType::i32);
+  check_same_device(status, "status", like, "rewards");
+  VF_CHECK(workspace.dim() == 1 && workspace.sizes[0] >= bytes, "workspace must be a 1-D uint8 tensor of ",
+           bytes, " bytes, got ", shape_str(workspace.sizes));
+  check_dtype(workspace, "workspace", DType::u8);
+  check_contiguous(workspace, "workspace");
+  check_same_device(workspace, "workspace", like, "rewards");
+  VF_CHECK(reinterpret_cast<uintptr_t>(workspace.data) % 16 == 0, "workspace must be 16-byte aligned");
+}
+
+void validate(const ScanArgs& a) {
+  const TensorRef& r = a.rewards;
+  VF_CHECK(r.dim() == 2, "rewards must be a 2-D tensor [B, T], got ", shape_str(r.sizes));
+  check_float(r, "rewards");
+  const int64_t B = r.sizes[0], T = r.sizes[1];
+  check_bt(a.mask, "response_mask", B, T);
+  check_mask(a.mask, "response_mask");
+  check_same_device(a.mask, "response_mask", r, "rewards");
+  if (a.kind == ScanKind::gae) {
+    check_bt(a.values, "values", B, T);
+    check_float(a.values, "values");
+    check_same_device(a.values, "values", r, "rewards");
+  }
+  if (a.kind == ScanKind::remax) {
+    VF_CHECK(a.baselines.dim() == 1 && a.baselines.sizes[0] == B,
+             "reward_baselines must be a 1-D tensor of shape [B] = [", B, "], got ", shape_str(a.baselines.sizes));
+    check_float(a.baselines, "reward_baselines");
+    check_same_device(a.baselines, "reward_baselines", r, "rewards");
+  }
+  check_output(a.advantages, "advantages", r);
+  check_output(a.returns, "returns", r);
+  check_status_and_workspace(a.status, a.workspace, scan_workspace_bytes(B), r);
+  VF_CHECK(std::isfinite(a.gamma) && std::isfinite(a.lam), "gamma and lam must be finite");
+}
+
+void validate(const GroupArgs& a) {
+  const TensorRef& r = a.rewards;
+  VF_CHECK(r.dim() == 2, "token_level_rewards must be a 2-D tensor [B, T], got ", shape_str(r.sizes));
+  check_float(r, "token_level_rewards");
+  const int64_t B = r.sizes[0], T = r.sizes[1];
+  check_bt(a.mask, "response_mask", B, T);
+  check_mask(a.mask, "response_mask");
+  check_same_device(a.mask, "response_mask", r, "token_level_rewards");
+  VF_CHECK(a.ids.dim() == 1 && a.ids.sizes[0] == B, "index must have one group id per sample: [B] = [", B,
+           "], got ", shape_str(a.ids.sizes));
+  check_dtype(a.ids, "index", DType::i64);
+  check_contiguous(a.ids, "index");
+  VF_CHECK(a.ids.device == Device::cpu, "index (group ids) must be on the CPU at this layer");
+  check_output(a.advantages, "advantages", r);
+  check_status_and_workspace(a.status, a.workspace, group_workspace_bytes(B), r);
+  VF_CHECK(std::isfinite(a.epsilon) && a.epsilon >= 0, "epsilon must be finite and >= 0, got ", a.epsilon);
+  VF_CHECK(B < (int64_t{1} << 31), "at most 2^31 - 1 samples, got ", B);
+}
+
+// One row of a reverse scan. Writes advantages/returns (unwhitened) and the row's moments of
+// what is whitened. Returns status bits.
+template <typename R, typename V, typename M>
+int32_t scan_row(const ScanArgs& a, int64_t b, Moments& mom) {
+  const int64_t T = a.rewards.sizes[1];
+  float* adv = a.advantages.ptr<float>() + b * T;
+  float* ret = a.returns.ptr<float>() + b * T;
+  const float g = a.gamma, gl = a.gamma * a.lam;
+  int32_t status = 0;
+  switch (a.kind) {
+    case ScanKind::gae: {
+      float next_value = 0.0f, last = 0.0f;
+      for (int64_t t = T - 1; t >= 0; --t) {
+        const float r = to_float(at2<R>(a.rewards, b, t)), v = to_float(at2<V>(a.values, b, t));
+        if (!std::isfinite(r)) status |= kBadRewards;
+        if (!std::isfinite(v)) status |= kBadValues;
+        const float delta = r + g * next_value - v;
+        if (nonzero(at2<M>(a.mask, b, t))) {
+          next_value = v;
+          last = delta + gl * last;
+          mom.add(last);
+        }
+        adv[t] = last;
+        ret[t] = last + v;
+      }
+      break;
+    }
+    case ScanKind::reinforce_pp: {
+      float running = 0.0f;
+      for (int64_t t = T - 1; t >= 0; --t) {
+        const float r = to_float(at2<R>(a.rewards, b, t));
+        if (!std::isfinite(r)) status |= kBadRewards;
+        running = r + g * running;
+        ret[t] = running;
+        if (nonzero(at2<M>(a.mask, b, t))) {
+          mom.add(running);
+          adv[t] = running;
+        } else {
+          running = 0.0f;  // reset after the end of a segment, as verl does
+          adv[t] = 0.0f;
+        }
+      }
+      break;
+    }
+    case ScanKind::remax: {
+      const float base = to_float(a.baselines.ptr<const V>()[b * a.baselines.strides[0]]);
+      if (!std::isfinite(base)) status |= kBadValues;
+      float running = 0.0f;
+      for (int64_t t = T - 1; t >= 0; --t) {
+        const float r = to_float(at2<R>(a.rewards, b, t));
+        if (!std::isfinite(r)) status |= kBadRewards;
+        const bool m = nonzero(at2<M>(a.mask, b, t));
+        if (m) running += r;
+        ret[t] = running;
+        adv[t] = running - (m ? base : 0.0f);
+      }
+      break;
+    }
+  }
+  return status;
+}
+
+void scan_cpu(const ScanArgs& a) {
+  const int64_t B = a.rewards.sizes[0];
+  auto ws = ScanWorkspace::at(a.workspace.data, B);
+  std::atomic<int32_t> status{0};
+  const DType vdt = a.kind == ScanKind::gae ? a.values.dtype
+                    : a.kind == ScanKind::remax ? a.baselines.dtype : a.rewards.dtype;
+  VF_DISPATCH_FLOAT(a.rewards.dtype, R, [&] {
+    VF_DISPATCH_FLOAT(vdt, V, [&] {
+      VF_DISPATCH_MASK(a.mask.dtype, M, [&] {
+        parallel_for(B, a.num_threads, [&](int64_t begin, int64_t end) {
+          int32_t s = 0;
+          for (int64_t b = begin; b < end; ++b) {
+            ws.rows[b] = Moments{};
+            s |= scan_row<R, V, M>(a, b, ws.rows[b]);
+          }
+          status.fetch_or(s);
+        });
+      });
+    });
+  });
+  const bool whiten = a.whiten && a.kind != ScanKind::remax;
+  int32_t s = status.load();
+  if (whiten) {
+    Moments total{};
+    for (int64_t b = 0; b < B; ++b) total.merge(ws.rows[b]);
+    *ws.total = total;
+    if (total.count < 2) s |= kTooFewToWhiten;
+    if (total.count >= 2 && !(s & (kBadRewards | kBadValues))) {
+      const double mean = total.mean, rstd = total.rstd();
+      const int64_t T = a.rewards.sizes[1];
+      float* adv = a.advantages.ptr<float>();
+      // GAE whitens every position (as verl); REINFORCE++ zeroes the positions outside the mask.
+      const bool zero_unmasked = a.kind == ScanKind::reinforce_pp;
+      VF_DISPATCH_MASK(a.mask.dtype, M, [&] {
+        parallel_for(B, a.num_threads, [&](int64_t begin, int64_t end) {
+          for (int64_t b = begin; b < end; ++b) {
+            for (int64_t t = 0; t < T; ++t) {
+              float& x = adv[b * T + t];
+              x = (zero_unmasked && !nonzero(at2<M>(a.mask, b, t))) ? 0.0f
+                                                                     : static_cast<float>((x - mean) * rstd);
+            }
+          }
+        });
+      });
+    }
+  }
+  a.status.ptr<int32_t>()[0] |= s;
+}
+
+void group_cpu(const GroupArgs& a) {
+  const int64_t B = a.rewards.sizes[0], T = a.rewards.sizes[1];
+  auto ws = GroupWorkspace::at(a.workspace.data, B);
+  std::atomic<int32_t> status{0};
+  VF_DISPATCH_FLOAT(a.rewards.dtype, R, [&] {
+    VF_DISPATCH_MASK(a.mask.dtype, M, [&] {
+      parallel_for(B, a.num_threads, [&](int64_t begin, int64_t end) {
+        int32_t s = 0;
+        for (int64_t b = begin; b < end; ++b) {
+          double score = 0.0, count = 0.0;
+          for (int64_t t = 0; t < T; ++t) {
+            const float r = to_float(at2<R>(a.rewards, b, t));
+            if (!std::isfinite(r)) s |= kBadRewards;
+            score += r;
+            count += nonzero(at2<M>(a.mask, b, t)) ? 1.0 : 0.0;
+          }
+          ws.score[b] = score;
+          ws.count[b] = count;
+        }
+        status.fetch_or(s);
+      });
+    });
+  });
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t g = ws.row_group[b];
+    ws.adv[b] = group_value(a.kind, ws.score, ws.members, ws.offsets[g], ws.offsets[g + 1], ws.score[b],
+                            a.epsilon, a.norm_by_std);
+  }
+  int32_t s = status.load();
+  double mean = 0.0, rstd = 1.0;
+  const bool whiten = a.whiten && a.kind == GroupKind::reinforce_pp_baseline;
+  if (whiten) {
+    // Whitening a_b * mask over masked positions: row b contributes count_b copies of a_b.
+    Moments total{};
+    for (int64_t b = 0; b < B; ++b) {
+      if (ws.count[b] == 0) continue;
+      total.merge(Moments{ws.count[b], ws.adv[b], 0.0});
+    }
+    *ws.total = total;
+    if (total.count < 2) s |= kTooFewToWhiten;
+    else {
+      mean = total.mean;
+      rstd = total.rstd();
+    }
+  }
+  float* out = a.advantages.ptr<float>();
+  VF_DISPATCH_MASK(a.mask.dtype, M, [&] {
+    parallel_for(B, a.num_threads, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        const float v = static_cast<float>(whiten ? (ws.adv[b] - mean) * rstd : ws.adv[b]);
+        for (int64_t t = 0; t < T; ++t) out[b * T + t] = nonzero(at2<M>(a.mask, b, t)) ? v : 0.0f;
+      }
+    });
+  });
+  a.status.ptr<int32_t>()[0] |= s;
+}
+
+}  // namespace
+
+int64_t scan_workspace_bytes(int64_t batch) { return (batch + 1) * static_cast<int64_t>(sizeof(Moments)); }
+int64_t group_workspace_bytes(int64_t batch) { return GroupWorkspace::bytes(batch); }
+
+int64_t build_groups(const int64_t* ids, int64_t batch, int32_t* row_group, int32_t* offsets,
+                     int32_t* members) {
+  std::unordered_map<int64_t, int32_t> slot;
+  slot.reserve(static_cast<size_t>(batch) * 2);
+  std::vector<int32_t> sizes;
+  for (int64_t b = 0; b < batch; ++b) {
+    auto [it, inserted] = slot.try_emplace(ids[b], static_cast<int32_t>(sizes.size()));
+    if (inserted) sizes.push_back(0);
+    row_group[b] = it->second;
+    ++sizes[it->second];
+  }
+  const int64_t G = static_cast<int64_t>(sizes.size());
+  offsets[0] = 0;
+  for (int64_t g = 0; g < G; ++g) offsets[g + 1] = offsets[g] + sizes[g];
+  std::vector<int32_t> fill(offsets, offsets + G);
+  for (int64_t b = 0; b < batch; ++b) members[fill[row_group[b]]++] = static_cast<int32_t>(b);
+  return G;
+}
+
+void advantage_scan(const ScanArgs& a) {
+  validate(a);
+  if (a.rewards.numel() == 0) return;
+  if (a.rewards.device == Device::cuda) {
+#if defined(VF_WITH_CUDA)
+    return advantage_scan_cuda(a);
+#else
+    throw ValueError("verl_fast._C was built without CUDA; reinstall with a CUDA toolkit to use CUDA tensors");
+#endif
+  }
+  scan_cpu(a);
+}
+
+void group_advantage(const GroupArgs& a) {
+  validate(a);
+  const int64_t B = a.rewards.sizes[0];
+  if (a.rewards.numel() == 0) return;
+  if (a.rewards.device == Device::cuda) {
+#if defined(VF_WITH_CUDA)
+    // Groups are formed on the host (ids live there); the CUDA path uploads them with the call.
+    std::vector<int32_t> csr(3 * B + 1);
+    build_groups(a.ids.ptr<const int64_t>(), B, csr.data(), csr.data() + B, csr.data() + 2 * B + 1);
+    return group_advantage_cuda(a, csr.data());
+#else
+    throw ValueError("verl_fast._C was built without CUDA; reinstall with a CUDA toolkit to use CUDA tensors");
+#endif
+  }
+  auto ws = GroupWorkspace::at(a.workspace.data, B);
+  build_groups(a.ids.ptr<const int64_t>(), B, ws.row_group, ws.offsets, ws.members);
+  group_cpu(a);
+}
+
+}  // namespace vf::advantage

@@ -1,0 +1,179 @@
+// The advantage engine: reverse scans (GAE, REINFORCE++, ReMax) and group-baseline estimators
+// (GRPO / Dr.GRPO, RLOO, REINFORCE++-baseline). Semantics follow verl's core_algos; see SPEC.md.
+//
+// Layers: this header holds the argument records and the per-element math shared by the CPU
+// (advantage.cpp) and CUDA (advantage.cu) paths; the launchers validate every argument, then run
+// on the device the tensors live on.
+#pragma once
+#include <cmath>
+#include <cstdint>
+
+#include "common/tensor.h"
+
+#if defined(__CUDACC__)
+#define VF_HD __host__ __device__ __forceinline__
+#else
+#define VF_HD inline
+#endif
+
+namespace vf::advantage {
+
+// Bits of the int32 status word the launchers write (read by Python after the call).
+enum Status : int32_t {
+  kBadRewards = 1,       // non-finite reward
+  kBadValues = 2,        // non-finite value or baseline
+  kTooFewToWhiten = 4,   // whitening needs >= 2 positions where the mask is set
+};
+
+enum class ScanKind : int { gae = 0, reinforce_pp = 1, remax = 2 };
+
+// Reverse scans along T, one row at a time.
+//   gae:          delta_t = r_t + gamma*V_next - V_t; A_t = delta_t + gamma*lam*A_{t+1}; positions with
+//                 mask 0 carry V_next and A through unchanged. returns = A + V; advantages = A, whitened
+//                 over masked positions (at every position) when `whiten`.
+//   reinforce_pp: G_t = r_t + gamma*G_{t+1}, the running return reset to 0 after a position with mask 0;
+//                 returns = G; advantages = whiten(G) * mask (plain G * mask without `whiten`).
+//   remax:        returns = reverse cumsum of r * mask; advantages = returns - baseline_b * mask.
+struct ScanArgs {
+  ScanKind kind = ScanKind::gae;
+  TensorRef rewards;     // [B, T] float
+  TensorRef values;      // [B, T] float (gae)
+  TensorRef baselines;   // [B] float (remax)
+  TensorRef mask;        // [B, T] bool / uint8 / int32 / int64 / float32
+  TensorRef advantages;  // out: [B, T] float32, contiguous
+  TensorRef returns;     // out: [B, T] float32, contiguous
+  TensorRef workspace;   // uint8 [scan_workspace_bytes(B)] on the device of the inputs
+  TensorRef status;      // int32 [1], zeroed by the caller; Status bits are OR-ed in
+  float gamma = 1.0f;
+  float lam = 1.0f;
+  bool whiten = true;
+  int num_threads = 0;   // CPU threads (0: all cores)
+  uintptr_t stream = 0;  // cudaStream_t for CUDA tensors
+};
+
+enum class GroupKind : int { grpo = 0, rloo = 1, reinforce_pp_baseline = 2 };
+
+// Per-sample score s_b = sum_t r_bt; per group g (samples with equal id) its size n, mean, unbiased std.
+//   grpo:                  a_b = (s_b - mean) / (std + epsilon), or s_b - mean without norm_by_std;
+//                          a group of one has mean 0 and std 1.
+//   rloo:                  a_b = n/(n-1) * (s_b - mean) for n > 1, s_b for n = 1.
+//   reinforce_pp_baseline: a_b = s_b - mean (mean 0 for n = 1), then whitened over masked positions.
+// advantages[b, t] = a_b * mask[b, t].
+struct GroupArgs {
+  GroupKind kind = GroupKind::grpo;
+  TensorRef rewards;     // [B, T] float
+  TensorRef mask;        // [B, T]
+  TensorRef ids;         // [B] int64 on the CPU: the group of each sample
+  TensorRef advantages;  // out: [B, T] float32, contiguous
+  TensorRef workspace;   // uint8 [group_workspace_bytes(B)] on the device of the inputs
+  TensorRef status;      // int32 [1]
+  float epsilon = 1e-6f;
+  bool norm_by_std = true;
+  bool whiten = true;    // reinforce_pp_baseline only
+  int num_threads = 0;
+  uintptr_t stream = 0;
+};
+
+int64_t scan_workspace_bytes(int64_t batch);
+int64_t group_workspace_bytes(int64_t batch);
+
+void advantage_scan(const ScanArgs& args);
+void group_advantage(const GroupArgs& args);
+
+// Groups as compressed rows: samples are numbered 0..B-1; group g holds members
+// [offsets[g], offsets[g+1]) in row order; groups are numbered by first appearance.
+// Returns the number of groups G. Host memory only.
+int64_t build_groups(const int64_t* ids, int64_t batch, int32_t* row_group, int32_t* offsets,
+                     int32_t* members);
+
+// Batch-wide statistics that turn A into (A - mean) * rstd (verl's masked_whiten, unbiased variance).
+struct Whitening {
+  double mean;
+  double rstd;
+};
+
+// Chan et al.'s merge of (count, mean, M2) partials. An aggregate (no member initialisers) so that
+// CUDA can hold it in shared memory: write `Moments m{}` for an empty one.
+struct Moments {
+  double count, mean, m2;
+  VF_HD void add(double x) {
+    count += 1;
+    const double d = x - mean;
+    mean += d / count;
+    m2 += d * (x - mean);
+  }
+  VF_HD void merge(const Moments& o) {
+    if (o.count == 0) return;
+    const double n = count + o.count, d = o.mean - mean;
+    mean += d * o.count / n;
+    m2 += o.m2 + d * d * count * o.count / n;
+    count = n;
+  }
+  // rsqrt(unbiased variance + 1e-8), as verl's masked_whiten. Needs count >= 2.
+  VF_HD double rstd() const { return 1.0 / sqrt(m2 / (count - 1) + 1e-8); }
+};
+
+// Workspace layout, shared by the CPU and CUDA paths.
+struct ScanWorkspace {
+  Moments* rows;   // [B] per-row moments of what gets whitened
+  Moments* total;  // [1]
+  static ScanWorkspace at(void* base, int64_t batch) {
+    auto* m = static_cast<Moments*>(base);
+    return {m, m + batch};
+  }
+};
+
+struct GroupWorkspace {
+  double* score;       // [B] s_b
+  double* count;       // [B] mask sum of row b
+  double* adv;         // [B] a_b
+  Moments* total;      // [1] count-weighted moments of a_b (for whitening)
+  int32_t* row_group;  // [B]
+  int32_t* offsets;    // [B + 1]
+  int32_t* members;    // [B]
+  static GroupWorkspace at(void* base, int64_t batch) {
+    auto* d = static_cast<double*>(base);
+    auto* total = reinterpret_cast<Moments*>(d + 3 * batch);
+    auto* i = reinterpret_cast<int32_t*>(total + 1);
+    return {d, d + batch, d + 2 * batch, total, i, i + batch, i + 2 * batch + 1};
+  }
+  static int64_t bytes(int64_t batch) {
+    return 3 * batch * 8 + static_cast<int64_t>(sizeof(Moments)) + (3 * batch + 1) * 4;
+  }
+};
+
+// a_b from the group's members' scores (see GroupArgs).
+VF_HD double group_value(GroupKind kind, const double* score, const int32_t* members, int32_t begin,
+                         int32_t end, double s, float epsilon, bool norm_by_std) {
+  const int32_t n = end - begin;
+  double mean = 0.0, var = 0.0;
+  if (n > 1) {
+    for (int32_t i = begin; i < end; ++i) mean += score[members[i]];
+    mean /= n;
+    for (int32_t i = begin; i < end; ++i) {
+      const double d = score[members[i]] - mean;
+      var += d * d;
+    }
+    var /= (n - 1);
+  }
+  switch (kind) {
+    case GroupKind::grpo: {
+      if (!norm_by_std) return s - mean;
+      const double std = n > 1 ? sqrt(var) : 1.0;
+      return (s - mean) / (std + epsilon);
+    }
+    case GroupKind::rloo:
+      return n > 1 ? (s - mean) * n / (n - 1) : s;
+    case GroupKind::reinforce_pp_baseline:
+      return s - mean;
+  }
+  return 0.0;
+}
+
+#if defined(VF_WITH_CUDA)
+void advantage_scan_cuda(const ScanArgs& args);
+// host_csr: row_group [B], offsets [B + 1], members [B] back to back, as build_groups wrote them.
+void group_advantage_cuda(const GroupArgs& args, const int32_t* host_csr);
+#endif
+
+}  // namespace vf::advantage

@@ -1,0 +1,75 @@
+// verl_fast._C: declarations only. Each area's launchers validate their arguments themselves.
+#include <pybind11/pybind11.h>
+
+#include "advantage/advantage.h"
+#include "py_tensor.h"
+
+namespace py = pybind11;
+using namespace vf;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "verl_fast compiled core (no libtorch: tensors cross as pointer + shape + dtype + strides)";
+  m.attr("__version__") = VF_VERSION;
+#if defined(VF_WITH_CUDA)
+  m.attr("has_cuda") = true;
+  m.attr("cuda_archs") = VF_CUDA_ARCHS;
+#else
+  m.attr("has_cuda") = false;
+  m.attr("cuda_archs") = "";
+#endif
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const vf::TypeError& e) {
+      PyErr_SetString(PyExc_TypeError, e.what());
+    } catch (const vf::ValueError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  // ---- advantage engine ----
+  py::enum_<advantage::ScanKind>(m, "ScanKind")
+      .value("gae", advantage::ScanKind::gae)
+      .value("reinforce_pp", advantage::ScanKind::reinforce_pp)
+      .value("remax", advantage::ScanKind::remax);
+  py::enum_<advantage::GroupKind>(m, "GroupKind")
+      .value("grpo", advantage::GroupKind::grpo)
+      .value("rloo", advantage::GroupKind::rloo)
+      .value("reinforce_pp_baseline", advantage::GroupKind::reinforce_pp_baseline);
+  py::class_<advantage::ScanArgs>(m, "ScanArgs")
+      .def(py::init<>())
+      .def_readwrite("kind", &advantage::ScanArgs::kind)
+      .def_readwrite("rewards", &advantage::ScanArgs::rewards)
+      .def_readwrite("values", &advantage::ScanArgs::values)
+      .def_readwrite("baselines", &advantage::ScanArgs::baselines)
+      .def_readwrite("mask", &advantage::ScanArgs::mask)
+      .def_readwrite("advantages", &advantage::ScanArgs::advantages)
+      .def_readwrite("returns", &advantage::ScanArgs::returns)
+      .def_readwrite("workspace", &advantage::ScanArgs::workspace)
+      .def_readwrite("status", &advantage::ScanArgs::status)
+      .def_readwrite("gamma", &advantage::ScanArgs::gamma)
+      .def_readwrite("lam", &advantage::ScanArgs::lam)
+      .def_readwrite("whiten", &advantage::ScanArgs::whiten)
+      .def_readwrite("num_threads", &advantage::ScanArgs::num_threads)
+      .def_readwrite("stream", &advantage::ScanArgs::stream);
+  py::class_<advantage::GroupArgs>(m, "GroupArgs")
+      .def(py::init<>())
+      .def_readwrite("kind", &advantage::GroupArgs::kind)
+      .def_readwrite("rewards", &advantage::GroupArgs::rewards)
+      .def_readwrite("mask", &advantage::GroupArgs::mask)
+      .def_readwrite("ids", &advantage::GroupArgs::ids)
+      .def_readwrite("advantages", &advantage::GroupArgs::advantages)
+      .def_readwrite("workspace", &advantage::GroupArgs::workspace)
+      .def_readwrite("status", &advantage::GroupArgs::status)
+      .def_readwrite("epsilon", &advantage::GroupArgs::epsilon)
+      .def_readwrite("norm_by_std", &advantage::GroupArgs::norm_by_std)
+      .def_readwrite("whiten", &advantage::GroupArgs::whiten)
+      .def_readwrite("num_threads", &advantage::GroupArgs::num_threads)
+      .def_readwrite("stream", &advantage::GroupArgs::stream);
+  m.def("scan_workspace_bytes", &advantage::scan_workspace_bytes, py::arg("batch"));
+  m.def("group_workspace_bytes", &advantage::group_workspace_bytes, py::arg("batch"));
+  m.def("advantage_scan", &advantage::advantage_scan, py::arg("args"), py::call_guard<py::gil_scoped_release>(),
+        "Reverse scan (GAE / REINFORCE++ / ReMax) over [B, T]; see ScanArgs");
+  m.def("group_advantage", &advantage::group_advantage, py::arg("args"), py::call_guard<py::gil_scoped_release>(),
+        "Group-baseline advantage (GRPO / RLOO / REINFORCE++-baseline); see GroupArgs");
+}

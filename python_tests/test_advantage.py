@@ -1,0 +1,438 @@
+"""The advantage engine against plain float64 references written here (verl's definitions)."""
+
+from collections import defaultdict
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import verl_fast as vf
+from conftest import DEVICES
+
+# ---------------------------------------------------------------- float64 references
+
+
+def ref_whiten(x, m):
+    n = m.sum()
+    mean = (x * m).sum() / n
+    var = (((x - mean) ** 2) * m).sum() / (n - 1)
+    return (x - mean) / torch.sqrt(var + 1e-8)
+
+
+def ref_gae(r, v, m, gamma, lam, whiten=True):
+    r, v, m = r.double(), v.double(), m.double()
+    B, T = r.shape
+    adv = torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        next_value, last = 0.0, 0.0
+        for t in reversed(range(T)):
+            delta = r[b, t] + gamma * next_value - v[b, t]
+            if m[b, t]:
+                next_value = v[b, t]
+                last = delta + gamma * lam * last
+            adv[b, t] = last
+    ret = adv + v
+    return (ref_whiten(adv, m) if whiten else adv), ret
+
+
+def ref_group_stats(scores, index):
+    groups = defaultdict(list)
+    for i, g in enumerate(index):
+        groups[g].append(float(scores[i]))
+    stats = {}
+    for g, xs in groups.items():
+        n = len(xs)
+        mean = sum(xs) / n
+        std = (sum((x - mean) ** 2 for x in xs) / (n - 1)) ** 0.5 if n > 1 else None
+        stats[g] = (n, mean, std)
+    return stats
+
+
+def ref_grpo(r, m, index, eps=1e-6, norm_by_std=True):
+    r, m = r.double(), m.double()
+    scores = r.sum(-1)
+    stats = ref_group_stats(scores, index)
+    out = torch.zeros_like(scores)
+    for i, g in enumerate(index):
+        n, mean, std = stats[g]
+        if n == 1:
+            mean, std = 0.0, 1.0
+        out[i] = (scores[i] - mean) / (std + eps) if norm_by_std else scores[i] - mean
+    return out[:, None] * m
+
+
+def ref_rloo(r, m, index):
+    r, m = r.double(), m.double()
+    scores = r.sum(-1)
+    stats = ref_group_stats(scores, index)
+    out = scores.clone()
+    for i, g in enumerate(index):
+        n, mean, _ = stats[g]
+        if n > 1:
+            out[i] = scores[i] * n / (n - 1) - mean * n / (n - 1)
+    return out[:, None] * m
+
+
+def ref_reinforce_pp(r, m, gamma, whiten=True):
+    r, m = r.double(), m.double()
+    B, T = r.shape
+    ret = torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        running = 0.0
+        for t in reversed(range(T)):
+            running = r[b, t] + gamma * running
+            ret[b, t] = running
+            running = running * m[b, t]
+    adv = (ref_whiten(ret, m) if whiten else ret) * m
+    return adv, ret
+
+
+def ref_reinforce_pp_baseline(r, m, index):
+    r, m = r.double(), m.double()
+    scores = r.sum(-1)
+    stats = ref_group_stats(scores, index)
+    out = scores.clone()
+    for i, g in enumerate(index):
+        n, mean, _ = stats[g]
+        out[i] = scores[i] - (mean if n > 1 else 0.0)
+    x = out[:, None] * m
+    return ref_whiten(x, m) * m
+
+
+def ref_remax(r, base, m):
+    r, m, base = r.double(), m.double(), base.double()
+    B, T = r.shape
+    ret = torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        running = 0.0
+        for t in reversed(range(T)):
+            running += r[b, t] * m[b, t]
+            ret[b, t] = running
+    return ret - base[:, None] * m, ret
+
+
+# ---------------------------------------------------------------- helpers
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-4, torch.float16: 1e-4, torch.float64: 1e-4}
+
+
+def close(out, ref, dtype=torch.float32, scale=None):
+    assert out.dtype == torch.float32
+    assert torch.isfinite(out).all()
+    scale = scale if scale is not None else max(1.0, ref.abs().max().item())
+    err = (out.double().cpu() - ref.cpu()).abs().max().item() if out.numel() else 0.0
+    assert err <= TOL[dtype] * scale, f"max error {err:.3e} > {TOL[dtype] * scale:.3e}"
+
+
+def make(B, T, dtype=torch.float32, seed=0, p_mask=0.7, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    r = torch.randn(B, T, generator=g).to(dtype)
+    v = torch.randn(B, T, generator=g).to(dtype)
+    m = torch.rand(B, T, generator=g) < p_mask
+    return r.to(device), v.to(device), m.to(device)
+
+
+def groups_for(B, seed=0, max_size=5):
+    rng = np.random.default_rng(seed)
+    return [int(x) for x in rng.integers(0, max(1, B // 2), size=B)] if B else []
+
+
+def enough_mask(m):
+    return int(m.sum()) >= 2
+
+
+# ---------------------------------------------------------------- GAE
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B,T", [(1, 1), (1, 7), (5, 1), (3, 17), (16, 100), (64, 300), (3, 5000)])
+def test_gae_matches_reference(device, dtype, B, T):
+    r, v, m = make(B, T, dtype, seed=B * 1000 + T, device=device)
+    m[0, :] = True  # at least the whitening needs two set positions
+    whiten = enough_mask(m)
+    adv, ret = vf.compute_gae(r, v, m, gamma=0.99, lam=0.95, whiten=whiten)
+    ra, rr = ref_gae(r.cpu(), v.cpu(), m.cpu(), 0.99, 0.95, whiten)
+    close(ret, rr, dtype)
+    close(adv, ra, dtype)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    B=st.integers(1, 6),
+    T=st.integers(1, 40),
+    gamma=st.floats(0.0, 1.0),
+    lam=st.floats(0.0, 1.0),
+    p=st.sampled_from([0.0, 0.3, 0.9, 1.0]),
+    seed=st.integers(0, 10_000),
+)
+def test_gae_hypothesis(B, T, gamma, lam, p, seed):
+    r, v, m = make(B, T, seed=seed, p_mask=p)
+    adv, ret = vf.compute_gae(r, v, m, gamma=gamma, lam=lam, whiten=False)
+    ra, rr = ref_gae(r, v, m, gamma, lam, whiten=False)
+    close(adv, ra)
+    close(ret, rr)
+
+
+def test_gae_mask_with_holes_and_empty_rows():
+    r, v, _ = make(4, 12, seed=3)
+    m = torch.tensor([[1] * 3 + [0] * 3 + [1] * 4 + [0] * 2,  # multi-turn: a hole in the middle
+                      [0] * 12,  # empty row
+                      [1] * 12,
+                      [0, 1] * 6], dtype=torch.int64)
+    adv, ret = vf.compute_gae(r, v, m, 0.9, 0.7)
+    ra, rr = ref_gae(r, v, m, 0.9, 0.7)
+    close(adv, ra)
+    close(ret, rr)
+    # the empty row carries nothing: advantages 0 before whitening, returns = values
+    adv_raw, ret_raw = vf.compute_gae(r, v, m, 0.9, 0.7, whiten=False)
+    assert torch.equal(adv_raw[1], torch.zeros(12))
+    assert torch.allclose(ret_raw[1], v[1])
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.uint8, torch.int32, torch.int64, torch.float32, torch.bfloat16])
+def test_gae_mask_dtypes(mask_dtype):
+    r, v, m = make(6, 20, seed=5)
+    adv, ret = vf.compute_gae(r, v, m.to(mask_dtype), 1.0, 0.9)
+    ra, rr = ref_gae(r, v, m, 1.0, 0.9)
+    close(adv, ra)
+    close(ret, rr)
+
+
+def test_gae_non_contiguous_inputs():
+    r, v, m = make(8, 40, seed=7)
+    rt, vt, mt = r.t().contiguous().t(), v[:, :].clone().t().contiguous().t(), m.t().contiguous().t()
+    assert not rt.is_contiguous()
+    wide = torch.randn(8, 80)
+    wide[:, ::2] = r
+    adv, ret = vf.compute_gae(wide[:, ::2], vt, mt, 0.95, 0.9)
+    ra, rr = ref_gae(r, v, m, 0.95, 0.9)
+    close(adv, ra)
+    close(ret, rr)
+    adv2, _ = vf.compute_gae(rt, v, m, 0.95, 0.9)
+    close(adv2, ra)
+
+
+def test_gae_empty_batch():
+    r = torch.zeros(0, 5)
+    adv, ret = vf.compute_gae(r, r, r.bool())
+    assert adv.shape == (0, 5) and ret.shape == (0, 5)
+
+
+# ---------------------------------------------------------------- group estimators
+
+
+INDEX_FORMS = {
+    "list_int": lambda ids: ids,
+    "list_str": lambda ids: [f"uid-{i}" for i in ids],
+    "numpy": lambda ids: np.asarray(ids),
+    "numpy_str": lambda ids: np.asarray([f"u{i}" for i in ids], dtype=object),
+    "tensor": lambda ids: torch.tensor(ids),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("form", list(INDEX_FORMS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grpo_matches_reference(device, form, dtype):
+    B, T = 23, 13
+    r, _, m = make(B, T, dtype, seed=11, device=device)
+    ids = groups_for(B, seed=1)
+    index = INDEX_FORMS[form](ids)
+    adv, ret = vf.compute_grpo_advantage(r, m, index)
+    assert adv is ret or torch.equal(adv, ret)
+    close(adv, ref_grpo(r.cpu(), m.cpu(), ids), dtype)
+    adv, _ = vf.compute_grpo_advantage(r, m, index, norm_by_std=False)
+    close(adv, ref_grpo(r.cpu(), m.cpu(), ids, norm_by_std=False), dtype)
+    adv, _ = vf.compute_drgrpo_advantage(r, m, index)
+    close(adv, ref_grpo(r.cpu(), m.cpu(), ids, norm_by_std=False), dtype)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    B=st.integers(1, 30),
+    T=st.integers(1, 12),
+    n_groups=st.integers(1, 8),
+    seed=st.integers(0, 10_000),
+    eps=st.sampled_from([1e-6, 1e-3]),
+)
+def test_group_estimators_hypothesis(B, T, n_groups, seed, eps):
+    r, _, m = make(B, T, seed=seed)
+    rng = np.random.default_rng(seed)
+    ids = [int(x) for x in rng.integers(0, n_groups, size=B)]
+    close(vf.compute_grpo_advantage(r, m, ids, epsilon=eps)[0], ref_grpo(r, m, ids, eps), scale=1e3)
+    close(vf.compute_rloo_advantage(r, m, ids)[0], ref_rloo(r, m, ids))
+    if enough_mask(m):
+        close(vf.compute_reinforce_pp_baseline_advantage(r, m, ids)[0], ref_reinforce_pp_baseline(r, m, ids),
+              scale=1e3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_group_edge_cases(device):
+    r, _, m = make(8, 6, seed=2, device=device)
+    # every sample its own group: GRPO gives s / (1 + eps), RLOO keeps s
+    ids = list(range(8))
+    close(vf.compute_grpo_advantage(r, m, ids)[0], ref_grpo(r.cpu(), m.cpu(), ids))
+    close(vf.compute_rloo_advantage(r, m, ids)[0], ref_rloo(r.cpu(), m.cpu(), ids))
+    # a single group; unequal group sizes
+    for ids in ([7] * 8, [0, 0, 0, 0, 0, 1, 1, 2]):
+        close(vf.compute_grpo_advantage(r, m, ids)[0], ref_grpo(r.cpu(), m.cpu(), ids))
+        close(vf.compute_rloo_advantage(r, m, ids)[0], ref_rloo(r.cpu(), m.cpu(), ids))
+        close(vf.compute_reinforce_pp_baseline_advantage(r, m, ids)[0],
+              ref_reinforce_pp_baseline(r.cpu(), m.cpu(), ids), scale=1e2)
+    # equal scores within a group: std 0, advantage 0
+    flat = torch.ones(4, 3, device=device)
+    adv, _ = vf.compute_grpo_advantage(flat, torch.ones(4, 3, device=device), [0, 0, 1, 1])
+    assert torch.equal(adv.cpu(), torch.zeros(4, 3))
+    # an empty row keeps zeros
+    m2 = m.clone()
+    m2[3] = False
+    adv, _ = vf.compute_grpo_advantage(r, m2, [0, 0, 1, 1, 2, 2, 3, 3])
+    assert torch.equal(adv[3].cpu(), torch.zeros(6))
+
+
+# ---------------------------------------------------------------- REINFORCE++ and ReMax
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("B,T", [(1, 2), (4, 9), (7, 33), (2, 4100)])
+def test_reinforce_pp_matches_reference(device, B, T):
+    r, _, m = make(B, T, seed=B + T, device=device)
+    m[0, :2] = True
+    for gamma in (1.0, 0.9):
+        adv, ret = vf.compute_reinforce_pp_advantage(r, m, gamma=gamma)
+        ra, rr = ref_reinforce_pp(r.cpu(), m.cpu(), gamma)
+        close(ret, rr)
+        close(adv, ra)
+        assert torch.equal(adv.cpu()[~m.cpu()], torch.zeros(int((~m).sum())))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("B,T", [(1, 1), (5, 8), (3, 2500)])
+def test_remax_matches_reference(device, B, T):
+    r, v, m = make(B, T, seed=B * T, device=device)
+    base = v[:, 0].contiguous()
+    adv, ret = vf.compute_remax_advantage(r, base, m)
+    ra, rr = ref_remax(r.cpu(), base.cpu(), m.cpu())
+    close(ret, rr)
+    close(adv, ra)
+
+
+# ---------------------------------------------------------------- CUDA against the CPU path
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T", [(1, 1), (33, 2049), (128, 4096), (3, 10_000)])
+def test_cuda_matches_cpu(B, T):
+    r, v, m = make(B, T, seed=B + T)
+    m[0, :2] = True
+    ids = groups_for(B, seed=B)
+    cpu = [vf.compute_gae(r, v, m, 0.99, 0.95), vf.compute_reinforce_pp_advantage(r, m, 0.99),
+           vf.compute_grpo_advantage(r, m, ids), vf.compute_rloo_advantage(r, m, ids)]
+    rc, vc, mc = r.cuda(), v.cuda(), m.cuda()
+    gpu = [vf.compute_gae(rc, vc, mc, 0.99, 0.95), vf.compute_reinforce_pp_advantage(rc, mc, 0.99),
+           vf.compute_grpo_advantage(rc, mc, ids), vf.compute_rloo_advantage(rc, mc, ids)]
+    for (ca, cr), (ga, gr) in zip(cpu, gpu):
+        assert ga.device.type == "cuda"
+        scale = max(1.0, ca.abs().max().item())
+        assert (ga.cpu() - ca).abs().max().item() <= 1e-4 * scale
+        assert (gr.cpu() - cr).abs().max().item() <= 1e-4 * max(1.0, cr.abs().max().item())
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_bad_inputs_name_the_argument():
+    r, v, m = make(4, 6)
+    with pytest.raises(ValueError, match="values"):
+        vf.compute_gae(r, v[:, :5], m)
+    with pytest.raises(TypeError, match="token_level_rewards"):
+        vf.compute_gae(r.long(), v, m)
+    with pytest.raises(ValueError, match="response_mask"):
+        vf.compute_gae(r, v, m[:3])
+    with pytest.raises(ValueError, match="token_level_rewards must be a 2-D"):
+        vf.compute_gae(r[0], v[0], m[0])
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        vf.compute_gae(r.numpy(), v, m)
+    with pytest.raises(ValueError, match="index must have one group id per sample"):
+        vf.compute_grpo_advantage(r, m, [0, 1, 2])
+    with pytest.raises(TypeError, match="index"):
+        vf.compute_grpo_advantage(r, m, torch.rand(4))
+    with pytest.raises(ValueError, match="reward_baselines"):
+        vf.compute_remax_advantage(r, torch.zeros(3), m)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_finite_inputs_raise(device):
+    r, v, m = make(4, 6, device=device)
+    bad = r.clone()
+    bad[2, 3] = float("nan")
+    with pytest.raises(ValueError, match="token_level_rewards contains NaN"):
+        vf.compute_gae(bad, v, m)
+    with pytest.raises(ValueError, match="token_level_rewards contains NaN"):
+        vf.compute_grpo_advantage(bad, m, [0, 0, 1, 1])
+    with pytest.raises(ValueError, match="token_level_rewards contains NaN"):
+        vf.compute_reinforce_pp_advantage(bad, m)
+    badv = v.clone()
+    badv[0, 0] = float("inf")
+    with pytest.raises(ValueError, match="values contains NaN"):
+        vf.compute_gae(r, badv, m)
+    with pytest.raises(ValueError, match="whitening needs at least 2"):
+        vf.compute_gae(r, v, torch.zeros_like(m))
+
+
+def test_direct_core_call_with_inconsistent_sizes_raises():
+    from verl_fast import _C
+
+    r, v, m = make(4, 6)
+    a = _C.ScanArgs()
+    a.rewards, a.values, a.mask = r, v[:, :5].contiguous(), m.view(torch.uint8)
+    a.advantages = torch.empty(4, 6)
+    a.returns = torch.empty(4, 6)
+    a.workspace = torch.empty(_C.scan_workspace_bytes(4), dtype=torch.uint8)
+    a.status = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"values must be a 2-D tensor of shape \[B, T\] = \[4, 6\], got \[4, 5\]"):
+        _C.advantage_scan(a)
+    a.values = v
+    a.advantages = torch.empty(4, 5)
+    with pytest.raises(ValueError, match="advantages"):
+        _C.advantage_scan(a)
+    a.advantages = torch.empty(4, 6)
+    a.workspace = torch.empty(8, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="workspace"):
+        _C.advantage_scan(a)
+    a.workspace = torch.empty(_C.scan_workspace_bytes(4), dtype=torch.uint8)
+    a.returns = torch.empty(4, 6, dtype=torch.float64)
+    with pytest.raises(TypeError, match="returns must be float32"):
+        _C.advantage_scan(a)
+    g = _C.GroupArgs()
+    g.rewards, g.mask = r, m.view(torch.uint8)
+    g.ids = torch.zeros(3, dtype=torch.int64)
+    g.advantages = torch.empty(4, 6)
+    g.workspace = torch.empty(_C.group_workspace_bytes(4), dtype=torch.uint8)
+    g.status = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="index must have one group id per sample"):
+        _C.group_advantage(g)
+    with pytest.raises(TypeError, match="expected a torch.Tensor"):
+        g.rewards = [1, 2, 3]
+
+
+# ---------------------------------------------------------------- masked reductions
+
+
+def test_masked_reductions_match_reference():
+    x = torch.randn(5, 9, dtype=torch.float64, requires_grad=True)
+    m = torch.rand(5, 9) < 0.6
+    n = m.sum().double()
+    ref_mean = (x.detach() * m).sum() / n
+    ref_var = (((x.detach() - ref_mean) ** 2) * m).sum() / (n - 1)
+    assert torch.allclose(vf.masked_mean(x, m), ref_mean, atol=1e-8)
+    assert torch.allclose(vf.masked_var(x, m), ref_var, atol=1e-8)
+    assert torch.allclose(vf.masked_whiten(x, m), ref_whiten(x.detach(), m.double()), atol=1e-6)
+    assert torch.allclose(vf.masked_mean(x, m, axis=1), (x.detach() * m).sum(1) / m.sum(1).clamp(min=1e-8), atol=1e-6)
+    vf.masked_whiten(x, m).sum().backward()  # differentiable
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    with pytest.raises(ValueError, match="at least 2"):
+        vf.masked_var(x, torch.zeros_like(m))

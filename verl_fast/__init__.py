@@ -1,0 +1,28 @@
+"""verl_fast: reinforcement-learning post-training for LLMs with a compiled core."""
+
+from verl_fast.ops.advantage import (
+    compute_drgrpo_advantage,
+    compute_gae,
+    compute_grpo_advantage,
+    compute_reinforce_pp_advantage,
+    compute_reinforce_pp_baseline_advantage,
+    compute_remax_advantage,
+    compute_rloo_advantage,
+)
+from verl_fast.ops.masked import masked_mean, masked_var, masked_whiten
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "compute_gae",
+    "compute_grpo_advantage",
+    "compute_drgrpo_advantage",
+    "compute_rloo_advantage",
+    "compute_reinforce_pp_advantage",
+    "compute_reinforce_pp_baseline_advantage",
+    "compute_remax_advantage",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+]

@@ -1,0 +1,27 @@
+"""Loads the compiled core ``verl_fast._C`` once, with a message that says what to do if it is missing."""
+
+from __future__ import annotations
+
+import functools
+
+
+@functools.lru_cache(maxsize=None)
+def ext():
+    try:
+        from verl_fast import _C
+    except ImportError as e:  # pragma: no cover - depends on how the package was installed
+        raise ImportError(
+            "verl_fast._C (the compiled core) is not importable: install the package with "
+            "`pip install .` (a C++17 compiler and CMake >= 3.18 are needed to build it). "
+            f"Cause: {e}"
+        ) from e
+    return _C
+
+
+def cuda_stream(tensor) -> int:
+    """The current CUDA stream of ``tensor``'s device as an integer handle (0 on the CPU)."""
+    if tensor.device.type != "cuda":
+        return 0
+    import torch
+
+    return torch.cuda.current_stream(tensor.device).cuda_stream

@@ -1,0 +1,58 @@
+"""Argument checks shared by the op wrappers. Messages name the argument and what was expected."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+MASK_DTYPES = (torch.bool, torch.uint8, torch.int32, torch.int64, torch.float32)
+
+
+def _shape(shape: Sequence[int]) -> str:
+    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
+
+
+def tensor(x, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def float_2d(x, name: str) -> torch.Tensor:
+    tensor(x, name)
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be a 2-D tensor [B, T], got shape {_shape(x.shape)}")
+    float_dtype(x, name)
+    return x
+
+
+def float_dtype(x: torch.Tensor, name: str) -> None:
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16, float16 or float64, got {x.dtype}")
+
+
+def same_shape(x, name: str, like: torch.Tensor, like_name: str) -> torch.Tensor:
+    tensor(x, name)
+    if tuple(x.shape) != tuple(like.shape):
+        raise ValueError(
+            f"{name} must have the shape of {like_name} {_shape(like.shape)}, got {_shape(x.shape)}"
+        )
+    if x.device != like.device:
+        raise ValueError(f"{name} must be on {like_name}'s device {like.device}, got {x.device}")
+    return x
+
+
+def mask(x, name: str, like: torch.Tensor, like_name: str) -> torch.Tensor:
+    same_shape(x, name, like, like_name)
+    if x.dtype not in MASK_DTYPES:
+        if x.dtype in FLOAT_DTYPES:
+            return x != 0
+        raise TypeError(f"{name} must be bool or an integer/float 0/1 tensor, got {x.dtype}")
+    return x
+
+
+def device_supported(x: torch.Tensor, name: str) -> None:
+    if x.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name} must be on the CPU or a CUDA device, got {x.device}")

@@ -1,0 +1,255 @@
+"""Advantage estimators over ``[B, T]`` token tensors, computed by the compiled core.
+
+Semantics follow verl's ``core_algos`` (SPEC.md): GAE with masks that may have holes, GRPO /
+Dr.GRPO, RLOO, REINFORCE++, REINFORCE++-baseline and ReMax. Inputs are CPU or CUDA tensors in
+float32 / bfloat16 / float16 (float64 accepted), any strides; outputs are new float32 tensors on
+the input's device. The CPU path runs C++ threads over the batch; the CUDA path runs one fused scan
+kernel per call (plus a reduction and an in-place pass when whitening).
+
+``check=True`` (the default) verifies that rewards and values are finite and that whitening has at
+least two masked positions, raising ``ValueError`` otherwise. On CUDA that check reads one int32
+back to the host, which synchronises the stream; pass ``check=False`` to stay asynchronous (the
+outputs are then undefined for such inputs).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from verl_fast.ops import _validate as V
+from verl_fast.ops._ext import cuda_stream, ext
+
+_BAD_REWARDS, _BAD_VALUES, _TOO_FEW = 1, 2, 4
+
+
+def _raise_for_status(status: torch.Tensor, rewards_name: str, values_name: str) -> None:
+    bits = int(status.item())
+    if bits & _BAD_REWARDS:
+        raise ValueError(f"{rewards_name} contains NaN or inf")
+    if bits & _BAD_VALUES:
+        raise ValueError(f"{values_name} contains NaN or inf")
+    if bits & _TOO_FEW:
+        raise ValueError(
+            "whitening needs at least 2 positions where response_mask is 1; "
+            "pass whiten=False for such batches"
+        )
+
+
+def _scan(kind, rewards, mask, *, values=None, baselines=None, gamma=1.0, lam=1.0, whiten=True,
+          check=True, values_name="values") -> Tuple[torch.Tensor, torch.Tensor]:
+    C = ext()
+    B, T = rewards.shape
+    adv = torch.empty((B, T), dtype=torch.float32, device=rewards.device)
+    ret = torch.empty_like(adv)
+    status = torch.zeros(1, dtype=torch.int32, device=rewards.device)
+    a = C.ScanArgs()
+    a.kind = kind
+    a.rewards = rewards
+    if values is not None:
+        a.values = values
+    if baselines is not None:
+        a.baselines = baselines
+    a.mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    a.advantages = adv
+    a.returns = ret
+    a.workspace = torch.empty(C.scan_workspace_bytes(B), dtype=torch.uint8, device=rewards.device)
+    a.status = status
+    a.gamma = float(gamma)
+    a.lam = float(lam)
+    a.whiten = bool(whiten)
+    a.num_threads = torch.get_num_threads()
+    a.stream = cuda_stream(rewards)
+    C.advantage_scan(a)
+    if check:
+        _raise_for_status(status, "token_level_rewards", values_name)
+    return adv, ret
+
+
+def compute_gae(
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    whiten: bool = True,
+    *,
+    check: bool = True,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation. Returns ``(advantages, returns)``, both ``[B, T]`` float32.
+
+    ``delta_t = r_t + gamma*V_next - V_t``, ``A_t = delta_t + gamma*lam*A_{t+1}``; where the mask is 0
+    the next value and the running advantage pass through unchanged. ``returns = A + V``; the
+    advantages are whitened over masked positions (unbiased variance) unless ``whiten=False``.
+    """
+    r = V.float_2d(token_level_rewards, "token_level_rewards")
+    V.device_supported(r, "token_level_rewards")
+    v = V.same_shape(values, "values", r, "token_level_rewards")
+    V.float_dtype(v, "values")
+    m = V.mask(response_mask, "response_mask", r, "token_level_rewards")
+    return _scan(ext().ScanKind.gae, r, m, values=v, gamma=gamma, lam=lam, whiten=whiten, check=check)
+
+
+def compute_reinforce_pp_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float = 1.0,
+    whiten: bool = True,
+    *,
+    check: bool = True,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: discounted returns (reset after each masked-out position), whitened over the mask.
+
+    Returns ``(advantages, returns)``; advantages are 0 outside the mask.
+    """
+    r = V.float_2d(token_level_rewards, "token_level_rewards")
+    V.device_supported(r, "token_level_rewards")
+    m = V.mask(response_mask, "response_mask", r, "token_level_rewards")
+    return _scan(ext().ScanKind.reinforce_pp, r, m, gamma=gamma, whiten=whiten, check=check)
+
+
+def compute_remax_advantage(
+    token_level_rewards: torch.Tensor,
+    reward_baselines: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    check: bool = True,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """ReMax: returns are the reverse cumulative sum of masked rewards; advantages subtract the
+    per-sample baseline (the greedy rollout's reward) at masked positions."""
+    r = V.float_2d(token_level_rewards, "token_level_rewards")
+    V.device_supported(r, "token_level_rewards")
+    base = V.tensor(reward_baselines, "reward_baselines")
+    if base.dim() != 1 or base.shape[0] != r.shape[0]:
+        raise ValueError(
+            f"reward_baselines must be a 1-D tensor of shape [B] = [{r.shape[0]}], got {list(base.shape)}"
+        )
+    V.float_dtype(base, "reward_baselines")
+    if base.device != r.device:
+        raise ValueError(f"reward_baselines must be on {r.device}, got {base.device}")
+    m = V.mask(response_mask, "response_mask", r, "token_level_rewards")
+    return _scan(ext().ScanKind.remax, r, m, baselines=base, whiten=False, check=check,
+                 values_name="reward_baselines")
+
+
+def group_ids(index: Any, batch: int) -> torch.Tensor:
+    """Group ids as a contiguous int64 CPU tensor: ints (list, numpy, tensor) pass through; any
+    other hashable ids (uid strings, tuples) are numbered by first appearance."""
+    if isinstance(index, torch.Tensor):
+        if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
+            raise TypeError(f"index must hold integer group ids, got a {index.dtype} tensor")
+        ids = index.detach().to("cpu", torch.int64).reshape(-1)
+    elif isinstance(index, np.ndarray) and index.dtype.kind in "iu":
+        ids = torch.from_numpy(index.astype(np.int64, copy=False).reshape(-1))
+    else:
+        if isinstance(index, np.ndarray):
+            index = index.tolist()
+        if not isinstance(index, Sequence) or isinstance(index, (str, bytes)):
+            raise TypeError(f"index must be a sequence, numpy array or tensor of group ids, got {type(index).__name__}")
+        if all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in index):
+            ids = torch.tensor([int(i) for i in index], dtype=torch.int64)
+        else:
+            numbering: dict = {}
+            try:
+                ids = torch.tensor([numbering.setdefault(i, len(numbering)) for i in index], dtype=torch.int64)
+            except TypeError as e:
+                raise TypeError(f"index entries must be hashable group ids: {e}") from None
+    if ids.numel() != batch:
+        raise ValueError(f"index must have one group id per sample: {batch} expected, got {ids.numel()}")
+    return ids.contiguous()
+
+
+def _group(kind, token_level_rewards, response_mask, index, *, epsilon=1e-6, norm_by_std=True,
+           whiten=True, check=True) -> torch.Tensor:
+    C = ext()
+    r = V.float_2d(token_level_rewards, "token_level_rewards")
+    V.device_supported(r, "token_level_rewards")
+    m = V.mask(response_mask, "response_mask", r, "token_level_rewards")
+    B, T = r.shape
+    ids = group_ids(index, B)
+    adv = torch.empty((B, T), dtype=torch.float32, device=r.device)
+    status = torch.zeros(1, dtype=torch.int32, device=r.device)
+    a = C.GroupArgs()
+    a.kind = kind
+    a.rewards = r
+    a.mask = m.view(torch.uint8) if m.dtype == torch.bool else m
+    a.ids = ids
+    a.advantages = adv
+    a.workspace = torch.empty(C.group_workspace_bytes(B), dtype=torch.uint8, device=r.device)
+    a.status = status
+    a.epsilon = float(epsilon)
+    a.norm_by_std = bool(norm_by_std)
+    a.whiten = bool(whiten)
+    a.num_threads = torch.get_num_threads()
+    a.stream = cuda_stream(r)
+    C.group_advantage(a)
+    if check:
+        _raise_for_status(status, "token_level_rewards", "token_level_rewards")
+    return adv
+
+
+def compute_grpo_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any,
+    epsilon: float = 1e-6,
+    norm_by_std: bool = True,
+    *,
+    check: bool = True,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """GRPO outcome advantage: ``(s - mean_g) / (std_g + epsilon)`` per sample, broadcast over the mask.
+
+    ``s`` is the sum of the sample's token rewards; mean and unbiased std are over its group (samples
+    sharing an ``index`` entry); a group of one has mean 0 and std 1. ``norm_by_std=False`` is
+    Dr.GRPO (no division). Returns ``(advantages, returns)``, which are equal.
+    """
+    adv = _group(ext().GroupKind.grpo, token_level_rewards, response_mask, index, epsilon=epsilon,
+                 norm_by_std=norm_by_std, check=check)
+    return adv, adv
+
+
+def compute_drgrpo_advantage(token_level_rewards, response_mask, index, *, check: bool = True):
+    """Dr.GRPO: GRPO without the division by the group's standard deviation."""
+    return compute_grpo_advantage(token_level_rewards, response_mask, index, norm_by_std=False, check=check)
+
+
+def compute_rloo_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any,
+    *,
+    check: bool = True,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """RLOO: each sample's score minus the mean of the other samples of its group
+    (``n/(n-1) * (s - mean_g)``); a group of one keeps its score. Returns ``(advantages, returns)``."""
+    adv = _group(ext().GroupKind.rloo, token_level_rewards, response_mask, index, check=check)
+    return adv, adv
+
+
+def compute_reinforce_pp_baseline_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any,
+    whiten: bool = True,
+    *,
+    check: bool = True,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline: score minus the group mean, broadcast over the mask, whitened over the
+    masked positions. Returns ``(advantages, returns)``, which are equal."""
+    adv = _group(ext().GroupKind.reinforce_pp_baseline, token_level_rewards, response_mask, index,
+                 whiten=whiten, check=check)
+    return adv, adv
+
+
+__all__ = [
+    "compute_gae",
+    "compute_grpo_advantage",
+    "compute_drgrpo_advantage",
+    "compute_rloo_advantage",
+    "compute_reinforce_pp_advantage",
+    "compute_reinforce_pp_baseline_advantage",
+    "compute_remax_advantage",
+    "group_ids",
+]
