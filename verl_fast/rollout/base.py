@@ -1,0 +1,134 @@
+"""The rollout interface every engine implements, and the padded batch it returns.
+
+An engine takes prompts (token-id lists) and one sampling spec per prompt (or one for all) and
+returns ``GenerationOutput``: ``n`` completions per prompt, right-padded, with a response mask and,
+when the engine provides them, the sampled tokens' log-probs. The trainer only ever sees this type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Per-request sampling, engine-neutral (mapped to vLLM SamplingParams or HF generate kwargs)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    max_tokens: int = 64
+    stop: Tuple[str, ...] = ()
+    stop_token_ids: Tuple[int, ...] = ()
+    seed: Optional[int] = None
+    logprobs: bool = True  # return the sampled tokens' log-probs
+
+    @staticmethod
+    def from_kwargs(base: "SamplingSpec", kwargs: dict) -> "SamplingSpec":
+        """``base`` with the keys of a generation-kwargs dict applied (HF names accepted too)."""
+        aliases = {"max_new_tokens": "max_tokens", "num_return_sequences": "n", "stop_strings": "stop"}
+        known = set(SamplingSpec.__dataclass_fields__)
+        changes = {}
+        for key, value in kwargs.items():
+            key = aliases.get(key, key)
+            if key == "do_sample":
+                if not value:
+                    changes["temperature"] = 0.0
+                continue
+            if key not in known:
+                raise ValueError(f"unknown generation argument {key!r}; allowed: {sorted(known | set(aliases))}")
+            if key in ("stop", "stop_token_ids"):
+                value = (value,) if isinstance(value, (str, int)) else tuple(value)
+            changes[key] = value
+        spec = replace(base, **changes)
+        spec.validate()
+        return spec
+
+    def validate(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class GenerationOutput:
+    """``N = sum of n over prompts`` completions, grouped by prompt in prompt order."""
+
+    prompt_index: torch.Tensor  # [N] int64: which input prompt each row answers
+    response_ids: torch.Tensor  # [N, L] int64, right-padded with pad_token_id
+    response_mask: torch.Tensor  # [N, L] int64: 1 on generated tokens, EOS included
+    logprobs: Optional[torch.Tensor]  # [N, L] float32 sampled-token log-probs (0 past the end)
+    texts: List[str] = field(default_factory=list)
+    finish_reasons: List[str] = field(default_factory=list)  # "stop" (EOS / stop string) or "length"
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.response_ids.shape[0])
+
+
+def pad_completions(
+    completions: Sequence[Sequence[int]],
+    logprobs: Optional[Sequence[Sequence[float]]],
+    prompt_index: Sequence[int],
+    pad_token_id: int,
+    texts: Sequence[str] = (),
+    finish_reasons: Sequence[str] = (),
+) -> GenerationOutput:
+    """Right-pads token lists (and their log-probs) into a ``GenerationOutput``."""
+    N = len(completions)
+    L = max((len(c) for c in completions), default=0)
+    L = max(L, 1)
+    ids = torch.full((N, L), pad_token_id, dtype=torch.int64)
+    mask = torch.zeros((N, L), dtype=torch.int64)
+    lp = torch.zeros((N, L), dtype=torch.float32) if logprobs is not None else None
+    for i, toks in enumerate(completions):
+        k = len(toks)
+        if k:
+            ids[i, :k] = torch.as_tensor(list(toks), dtype=torch.int64)
+            mask[i, :k] = 1
+            if lp is not None:
+                lp[i, :k] = torch.as_tensor(list(logprobs[i]), dtype=torch.float32)
+    return GenerationOutput(
+        prompt_index=torch.as_tensor(list(prompt_index), dtype=torch.int64),
+        response_ids=ids,
+        response_mask=mask,
+        logprobs=lp,
+        texts=list(texts),
+        finish_reasons=list(finish_reasons),
+    )
+
+
+class RolloutEngine:
+    """What the trainer needs from an engine. Subclasses: HFGenerateEngine, VLLMInferenceEngine."""
+
+    #: True when the engine holds its own copy of the weights (they must be pushed after updates).
+    owns_weights: bool = False
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: Union[SamplingSpec, Sequence[SamplingSpec]],
+    ) -> GenerationOutput:
+        raise NotImplementedError
+
+    def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        """Loads new weights in place (HF names). Engines that share the actor's weights do nothing."""
+
+    def sleep(self) -> None:
+        """Releases memory held for generation while training runs (where the engine can)."""
+
+    def wake_up(self) -> None:
+        """Re-acquires what ``sleep`` released, before the next rollout."""
+
+    def metrics(self) -> dict:
+        """Engine-side metrics (e.g. prefix-cache hit rate, KV-cache usage) for the trainer's metrics."""
+        return {}
