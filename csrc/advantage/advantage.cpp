@@ -84,70 +84,108 @@ void validate(const GroupArgs& a) {
   VF_CHECK(B < (int64_t{1} << 31), "at most 2^31 - 1 samples, got ", B);
 }
 
-// One row of a reverse scan. Writes advantages/returns (unwhitened) and the row's moments of
-// what is whitened. Returns status bits.
-template <typename R, typename V, typename M>
-int32_t scan_row(const ScanArgs& a, int64_t b, Moments& mom) {
-  const int64_t T = a.rewards.sizes[1];
-  float* adv = a.advantages.ptr<float>() + b * T;
-  float* ret = a.returns.ptr<float>() + b * T;
-  const float g = a.gamma, gl = a.gamma * a.lam;
-  int32_t status = 0;
-  switch (a.kind) {
-    case ScanKind::gae: {
-      float next_value = 0.0f, last = 0.0f;
-      for (int64_t t = T - 1; t >= 0; --t) {
-        const float r = to_float(at2<R>(a.rewards, b, t)), v = to_float(at2<V>(a.values, b, t));
-        if (!std::isfinite(r)) status |= kBadRewards;
-        if (!std::isfinite(v)) status |= kBadValues;
-        const float delta = r + g * next_value - v;
-        if (nonzero(at2<M>(a.mask, b, t))) {
-          next_value = v;
-          last = delta + gl * last;
-          mom.add(last);
-        }
-        adv[t] = last;
-        ret[t] = last + v;
-      }
-      break;
-    }
-    case ScanKind::reinforce_pp: {
-      float running = 0.0f;
-      for (int64_t t = T - 1; t >= 0; --t) {
-        const float r = to_float(at2<R>(a.rewards, b, t));
-        if (!std::isfinite(r)) status |= kBadRewards;
-        running = r + g * running;
-        ret[t] = running;
-        if (nonzero(at2<M>(a.mask, b, t))) {
-          mom.add(running);
-          adv[t] = running;
-        } else {
-          running = 0.0f;  // reset after the end of a segment, as verl does
-          adv[t] = 0.0f;
-        }
-      }
-      break;
-    }
-    case ScanKind::remax: {
-      const float base = to_float(a.baselines.ptr<const V>()[b * a.baselines.strides[0]]);
-      if (!std::isfinite(base)) status |= kBadValues;
-      float running = 0.0f;
-      for (int64_t t = T - 1; t >= 0; --t) {
-        const float r = to_float(at2<R>(a.rewards, b, t));
-        if (!std::isfinite(r)) status |= kBadRewards;
-        const bool m = nonzero(at2<M>(a.mask, b, t));
-        if (m) running += r;
-        ret[t] = running;
-        adv[t] = running - (m ? base : 0.0f);
-      }
-      break;
-    }
+// Plain sums of what gets whitened over one row (double: no cancellation at row sizes), turned
+// into moments once per row; Welford's per-element division would dominate the scan's cost.
+struct RowSums {
+  int64_t n = 0;
+  double s = 0, s2 = 0;
+  void add(float x) {
+    ++n;
+    s += x;
+    s2 += static_cast<double>(x) * x;
   }
+  Moments moments() const {
+    if (n == 0) return Moments{};
+    const double mean = s / static_cast<double>(n);
+    return Moments{static_cast<double>(n), mean, std::max(0.0, s2 - s * mean)};
+  }
+};
+
+// K rows of a reverse scan at once: the recurrences are serial along T, so interleaving rows
+// gives the core independent chains to overlap. K = 2 measured best on a 2-core Xeon (4096x8192:
+// 94 ms at K=2, 100 at K=1, 156 at K=4, 350 at K=8: more concurrent streams defeat the prefetchers).
+// Writes advantages/returns (unwhitened) and each row's moments of what is whitened; returns
+// status bits.
+template <int K, typename R, typename V, typename M>
+int32_t scan_rows(const ScanArgs& a, int64_t b0, Moments* row_moments) {
+  const int64_t T = a.rewards.sizes[1];
+  const float g = a.gamma, gl = a.gamma * a.lam;
+  const int64_t rs = a.rewards.strides[1], vs = a.kind == ScanKind::gae ? a.values.strides[1] : 0,
+                ms = a.mask.strides[1];
+  const R* r[K];
+  const V* v[K];
+  const M* m[K];
+  float *adv[K], *ret[K];
+  float state[K], next_value[K], base[K];
+  RowSums mom[K];
+  int32_t status = 0;
+  for (int k = 0; k < K; ++k) {
+    const int64_t b = b0 + k;
+    r[k] = a.rewards.ptr<const R>() + b * a.rewards.strides[0];
+    v[k] = a.kind == ScanKind::gae ? a.values.ptr<const V>() + b * a.values.strides[0] : nullptr;
+    m[k] = a.mask.ptr<const M>() + b * a.mask.strides[0];
+    adv[k] = a.advantages.ptr<float>() + b * T;
+    ret[k] = a.returns.ptr<float>() + b * T;
+    state[k] = next_value[k] = 0.0f;
+    base[k] = a.kind == ScanKind::remax ? to_float(a.baselines.ptr<const V>()[b * a.baselines.strides[0]]) : 0.0f;
+    if (!std::isfinite(base[k])) status |= kBadValues;
+  }
+  switch (a.kind) {
+    case ScanKind::gae:
+      for (int64_t t = T - 1; t >= 0; --t) {
+        for (int k = 0; k < K; ++k) {
+          const float rt = to_float(r[k][t * rs]), vt = to_float(v[k][t * vs]);
+          if (!std::isfinite(rt)) status |= kBadRewards;
+          if (!std::isfinite(vt)) status |= kBadValues;
+          const float delta = rt + g * next_value[k] - vt;
+          if (nonzero(m[k][t * ms])) {
+            next_value[k] = vt;
+            state[k] = delta + gl * state[k];
+            mom[k].add(state[k]);
+          }
+          adv[k][t] = state[k];
+          ret[k][t] = state[k] + vt;
+        }
+      }
+      break;
+    case ScanKind::reinforce_pp:
+      for (int64_t t = T - 1; t >= 0; --t) {
+        for (int k = 0; k < K; ++k) {
+          const float rt = to_float(r[k][t * rs]);
+          if (!std::isfinite(rt)) status |= kBadRewards;
+          state[k] = rt + g * state[k];
+          ret[k][t] = state[k];
+          if (nonzero(m[k][t * ms])) {
+            mom[k].add(state[k]);
+            adv[k][t] = state[k];
+          } else {
+            state[k] = 0.0f;  // reset after the end of a segment, as verl does
+            adv[k][t] = 0.0f;
+          }
+        }
+      }
+      break;
+    case ScanKind::remax:
+      for (int64_t t = T - 1; t >= 0; --t) {
+        for (int k = 0; k < K; ++k) {
+          const float rt = to_float(r[k][t * rs]);
+          if (!std::isfinite(rt)) status |= kBadRewards;
+          const bool mt = nonzero(m[k][t * ms]);
+          if (mt) state[k] += rt;
+          ret[k][t] = state[k];
+          adv[k][t] = state[k] - (mt ? base[k] : 0.0f);
+        }
+      }
+      break;
+  }
+  for (int k = 0; k < K; ++k) row_moments[k] = mom[k].moments();
   return status;
 }
 
 void scan_cpu(const ScanArgs& a) {
   const int64_t B = a.rewards.sizes[0];
+  advise_huge_pages(a.advantages.data, a.advantages.numel() * 4);
+  advise_huge_pages(a.returns.data, a.returns.numel() * 4);
   auto ws = ScanWorkspace::at(a.workspace.data, B);
   std::atomic<int32_t> status{0};
   const DType vdt = a.kind == ScanKind::gae ? a.values.dtype
@@ -157,10 +195,10 @@ void scan_cpu(const ScanArgs& a) {
       VF_DISPATCH_MASK(a.mask.dtype, M, [&] {
         parallel_for(B, a.num_threads, [&](int64_t begin, int64_t end) {
           int32_t s = 0;
-          for (int64_t b = begin; b < end; ++b) {
-            ws.rows[b] = Moments{};
-            s |= scan_row<R, V, M>(a, b, ws.rows[b]);
-          }
+          constexpr int K = 2;
+          int64_t b = begin;
+          for (; b + K <= end; b += K) s |= scan_rows<K, R, V, M>(a, b, ws.rows + b);
+          for (; b < end; ++b) s |= scan_rows<1, R, V, M>(a, b, ws.rows + b);
           status.fetch_or(s);
         });
       });
@@ -174,22 +212,25 @@ void scan_cpu(const ScanArgs& a) {
     *ws.total = total;
     if (total.count < 2) s |= kTooFewToWhiten;
     if (total.count >= 2 && !(s & (kBadRewards | kBadValues))) {
-      const double mean = total.mean, rstd = total.rstd();
+      const float mean = static_cast<float>(total.mean), rstd = static_cast<float>(total.rstd());
       const int64_t T = a.rewards.sizes[1];
       float* adv = a.advantages.ptr<float>();
-      // GAE whitens every position (as verl); REINFORCE++ zeroes the positions outside the mask.
-      const bool zero_unmasked = a.kind == ScanKind::reinforce_pp;
-      VF_DISPATCH_MASK(a.mask.dtype, M, [&] {
-        parallel_for(B, a.num_threads, [&](int64_t begin, int64_t end) {
-          for (int64_t b = begin; b < end; ++b) {
-            for (int64_t t = 0; t < T; ++t) {
-              float& x = adv[b * T + t];
-              x = (zero_unmasked && !nonzero(at2<M>(a.mask, b, t))) ? 0.0f
-                                                                     : static_cast<float>((x - mean) * rstd);
-            }
-          }
+      if (a.kind == ScanKind::gae) {  // GAE whitens every position, as verl does
+        parallel_for(B * T, a.num_threads, [&](int64_t begin, int64_t end) {
+          for (int64_t i = begin; i < end; ++i) adv[i] = (adv[i] - mean) * rstd;
         });
-      });
+      } else {  // REINFORCE++ zeroes the positions outside the mask
+        VF_DISPATCH_MASK(a.mask.dtype, M, [&] {
+          parallel_for(B, a.num_threads, [&](int64_t begin, int64_t end) {
+            for (int64_t b = begin; b < end; ++b) {
+              for (int64_t t = 0; t < T; ++t) {
+                float& x = adv[b * T + t];
+                x = nonzero(at2<M>(a.mask, b, t)) ? (x - mean) * rstd : 0.0f;
+              }
+            }
+          });
+        });
+      }
     }
   }
   a.status.ptr<int32_t>()[0] |= s;
