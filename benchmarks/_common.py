@@ -149,4 +149,8 @@ class Report:
                   "meta": self.meta, "rows": [asdict(r) for r in self.rows],
                   "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         path.write_text(json.dumps(record, indent=2) + "\n")
+        summary = os.environ.get("VF_BENCH_SUMMARY")  # gpu_run.sh collects every table here
+        if summary:
+            with open(summary, "a") as f:
+                f.write(self.table() + "\n\n")
         return path
