@@ -112,6 +112,21 @@ def bench_grpo(report: Report, device: str, bandwidth: float, n: int, group: int
     report.floors[case] = n * T * (4 + 1 + 4) / (bandwidth * 1e9) * 1e3
 
 
+def profile_gae(device: str, B: int = 1024, T: int = 4096) -> str:
+    """GPU time per kernel of one compute_gae call (torch.profiler), to place the time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    r, v, m = gae_inputs(B, T, device)
+    for _ in range(3):
+        vf.compute_gae(r, v, m, 0.99, 0.95)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            vf.compute_gae(r, v, m, 0.99, 0.95)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=12)
+
+
 def run(device: str, quick: bool = False) -> Report:
     report = Report("advantage", device)
     bandwidth = copy_bandwidth_gbs(device)
@@ -129,6 +144,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="smallest sizes only")
     args = p.parse_args(argv)
     report = run(args.device, args.quick)
+    if args.device.startswith("cuda"):
+        print(profile_gae(args.device))
     path = report.save()
     print(report.table())
     print(f"saved {path}")

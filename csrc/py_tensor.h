@@ -12,37 +12,50 @@
 
 namespace vf {
 
-inline DType dtype_from_name(const std::string& s) {
-  if (s == "torch.float32") return DType::f32;
-  if (s == "torch.float64") return DType::f64;
-  if (s == "torch.bfloat16") return DType::bf16;
-  if (s == "torch.float16") return DType::f16;
-  if (s == "torch.int64") return DType::i64;
-  if (s == "torch.int32") return DType::i32;
-  if (s == "torch.uint8") return DType::u8;
-  if (s == "torch.bool") return DType::boolean;
-  throw TypeError("unsupported tensor dtype " + s);
+// torch dtype objects are singletons: compare identities against a table built on first use.
+inline DType dtype_of(pybind11::handle dtype) {
+  namespace py = pybind11;
+  struct Entry {
+    const char* name;
+    DType dtype;
+    PyObject* object;
+  };
+  static Entry table[] = {{"float32", DType::f32, nullptr}, {"bfloat16", DType::bf16, nullptr},
+                          {"float16", DType::f16, nullptr}, {"float64", DType::f64, nullptr},
+                          {"int64", DType::i64, nullptr},   {"int32", DType::i32, nullptr},
+                          {"uint8", DType::u8, nullptr},    {"bool", DType::boolean, nullptr}};
+  static bool ready = false;
+  if (!ready) {
+    py::module_ torch = py::module_::import("torch");
+    for (auto& e : table) e.object = py::object(torch.attr(e.name)).release().ptr();
+    ready = true;
+  }
+  for (const auto& e : table)
+    if (dtype.ptr() == e.object) return e.dtype;
+  throw TypeError("unsupported tensor dtype " + std::string(py::str(dtype)));
 }
 
 inline TensorRef tensor_ref_from_py(pybind11::handle obj) {
   namespace py = pybind11;
-  if (!py::hasattr(obj, "data_ptr") || !py::hasattr(obj, "stride") || !py::hasattr(obj, "device")) {
+  if (!py::hasattr(obj, "data_ptr") || !py::hasattr(obj, "stride") || !py::hasattr(obj, "get_device")) {
     throw TypeError(std::string("expected a torch.Tensor, got ") +
                     std::string(py::str(py::type::handle_of(obj).attr("__name__"))));
   }
   TensorRef t;
-  t.dtype = dtype_from_name(py::str(obj.attr("dtype")));
-  py::object dev = obj.attr("device");
-  std::string dev_type = py::str(dev.attr("type"));
-  if (dev_type == "cpu") {
+  t.dtype = dtype_of(obj.attr("dtype"));
+  const int device = obj.attr("get_device")().cast<int>();  // -1 on the CPU
+  if (device < 0) {
+    if (!obj.attr("is_cpu").cast<bool>()) {
+      throw TypeError("unsupported device " + std::string(py::str(obj.attr("device"))) + " (expected cpu or cuda)");
+    }
     t.device = Device::cpu;
-  } else if (dev_type == "cuda") {
-    t.device = Device::cuda;
   } else {
-    throw TypeError("unsupported device type " + dev_type + " (expected cpu or cuda)");
+    if (!obj.attr("is_cuda").cast<bool>()) {
+      throw TypeError("unsupported device " + std::string(py::str(obj.attr("device"))) + " (expected cpu or cuda)");
+    }
+    t.device = Device::cuda;
   }
-  py::object idx = dev.attr("index");
-  t.device_index = idx.is_none() ? (t.device == Device::cpu ? -1 : 0) : idx.cast<int>();
+  t.device_index = device;
   for (auto s : py::tuple(obj.attr("shape"))) t.sizes.push_back(s.cast<int64_t>());
   for (auto s : py::tuple(obj.attr("stride")())) t.strides.push_back(s.cast<int64_t>());
   t.data = reinterpret_cast<void*>(obj.attr("data_ptr")().cast<uintptr_t>());

@@ -324,15 +324,16 @@ def test_remax_matches_reference(device, B, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,T", [(1, 1), (33, 2049), (128, 4096), (3, 10_000)])
+@pytest.mark.parametrize("B,T", [(1, 1), (33, 2049), (128, 4096), (3, 10_000), (5, 258), (9, 255)])
 def test_cuda_matches_cpu(B, T):
     r, v, m = make(B, T, seed=B + T)
     m[0, :2] = True
+    w = enough_mask(m)
     ids = groups_for(B, seed=B)
-    cpu = [vf.compute_gae(r, v, m, 0.99, 0.95), vf.compute_reinforce_pp_advantage(r, m, 0.99),
+    cpu = [vf.compute_gae(r, v, m, 0.99, 0.95, w), vf.compute_reinforce_pp_advantage(r, m, 0.99, w),
            vf.compute_grpo_advantage(r, m, ids), vf.compute_rloo_advantage(r, m, ids)]
     rc, vc, mc = r.cuda(), v.cuda(), m.cuda()
-    gpu = [vf.compute_gae(rc, vc, mc, 0.99, 0.95), vf.compute_reinforce_pp_advantage(rc, mc, 0.99),
+    gpu = [vf.compute_gae(rc, vc, mc, 0.99, 0.95, w), vf.compute_reinforce_pp_advantage(rc, mc, 0.99, w),
            vf.compute_grpo_advantage(rc, mc, ids), vf.compute_rloo_advantage(rc, mc, ids)]
     for (ca, cr), (ga, gr) in zip(cpu, gpu):
         assert ga.device.type == "cuda"
@@ -436,3 +437,18 @@ def test_masked_reductions_match_reference():
     assert x.grad is not None and torch.isfinite(x.grad).all()
     with pytest.raises(ValueError, match="at least 2"):
         vf.masked_var(x, torch.zeros_like(m))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_vector_and_scalar_loads_agree(dtype):
+    """Aligned rows take 16-byte loads, offset or strided rows scalar ones: same results."""
+    r, v, m = make(7, 1030, dtype, seed=3)
+    wide_r, wide_v, wide_m = (torch.zeros(7, 1031, dtype=dtype), torch.zeros(7, 1031, dtype=dtype),
+                              torch.zeros(7, 1031, dtype=torch.bool))
+    wide_r[:, 1:], wide_v[:, 1:], wide_m[:, 1:] = r, v, m  # misaligned by one element
+    ref = vf.compute_gae(r, v, m, 0.97, 0.9)
+    for args in [(r, v, m), (wide_r[:, 1:], wide_v[:, 1:], wide_m[:, 1:])]:
+        out = vf.compute_gae(*(x.cuda() for x in args), 0.97, 0.9)
+        for o, e in zip(out, ref):
+            assert (o.cpu() - e).abs().max().item() <= 1e-4 * max(1.0, e.abs().max().item())

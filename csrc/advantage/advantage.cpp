@@ -233,7 +233,7 @@ void scan_cpu(const ScanArgs& a) {
       }
     }
   }
-  a.status.ptr<int32_t>()[0] |= s;
+  a.status.ptr<int32_t>()[0] = s;
 }
 
 void group_cpu(const GroupArgs& a) {
@@ -290,7 +290,7 @@ void group_cpu(const GroupArgs& a) {
       }
     });
   });
-  a.status.ptr<int32_t>()[0] |= s;
+  a.status.ptr<int32_t>()[0] = s;
 }
 
 }  // namespace

@@ -11,13 +11,15 @@
 #include "common/check.h"
 #include "common/cuda_utils.h"
 
+#include <algorithm>
+
 namespace vf::advantage {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kItems = 8;
 constexpr int kWarps = kThreads / 32;
-constexpr int kTile = kThreads * kItems;
+constexpr int kItems = 8;             // consecutive positions per lane
+constexpr int kTile = 32 * kItems;    // positions per warp step
 
 struct Affine {
   float a, b;  // x -> a * x + b
@@ -29,13 +31,12 @@ __device__ __forceinline__ Affine after(Affine left, Affine right) {
 }
 __device__ __forceinline__ float apply(Affine f, float x) { return fmaf(f.a, x, f.b); }
 
-// Block-wide reverse exclusive scan. `chunk` maps the state entering this thread's positions from
-// the right to the state leaving them on the left. Returns the state entering this thread's chunk;
-// *tile_out receives the state leaving the whole tile (same in every thread).
-__device__ float block_reverse_scan(Affine chunk, float tile_in, float* tile_out) {
-  __shared__ Affine warp_total[kWarps];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  Affine inc = chunk;  // lanes lane..31 of this warp
+// Warp-wide reverse exclusive scan. `chunk` maps the state entering this lane's positions from the
+// right to the state leaving them on the left. Returns the state entering this lane's chunk;
+// *tile_out receives the state leaving the warp's whole tile (same in every lane).
+__device__ __forceinline__ float warp_reverse_scan(Affine chunk, float tile_in, float* tile_out) {
+  const int lane = threadIdx.x & 31;
+  Affine inc = chunk;  // lanes lane..31
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
     const Affine other{__shfl_down_sync(0xffffffffu, inc.a, o), __shfl_down_sync(0xffffffffu, inc.b, o)};
@@ -43,18 +44,220 @@ __device__ float block_reverse_scan(Affine chunk, float tile_in, float* tile_out
   }
   Affine exc{__shfl_down_sync(0xffffffffu, inc.a, 1), __shfl_down_sync(0xffffffffu, inc.b, 1)};
   if (lane == 31) exc = {1.0f, 0.0f};
-  if (lane == 0) warp_total[warp] = inc;
-  __syncthreads();
-  float x = tile_in;  // state entering warp `w` from the right, walking w down
-  float mine = 0.0f;
+  *tile_out = apply(Affine{__shfl_sync(0xffffffffu, inc.a, 0), __shfl_sync(0xffffffffu, inc.b, 0)}, tile_in);
+  return apply(exc, tile_in);
+}
+
+// Loads kItems consecutive positions [t, t + kItems) of row b as floats (0 past T). The common
+// layouts (unit inner stride, aligned rows) take 16-byte vector loads; anything else reads scalars.
+template <int N>
+__device__ __forceinline__ void load_items(const View2& v, bool vec_ok, int64_t b, int64_t t, int64_t T, float* out) {
+  if (vec_ok && t + N <= T) {
+    const char* base = static_cast<const char*>(v.p);
+    switch (static_cast<DType>(v.dtype)) {
+      case DType::f32: {
+        const float4* q = reinterpret_cast<const float4*>(base + (b * v.sb + t) * 4);
 #pragma unroll
-  for (int w = kWarps - 1; w >= 0; --w) {
-    if (w == warp) mine = apply(exc, x);
-    x = apply(warp_total[w], x);
+        for (int k = 0; k < N / 4; ++k) {
+          const float4 x = __ldg(q + k);
+          out[4 * k] = x.x, out[4 * k + 1] = x.y, out[4 * k + 2] = x.z, out[4 * k + 3] = x.w;
+        }
+        return;
+      }
+      case DType::bf16:
+      case DType::f16: {
+        const uint4* q = reinterpret_cast<const uint4*>(base + (b * v.sb + t) * 2);
+#pragma unroll
+        for (int k = 0; k < N / 8; ++k) {
+          const uint4 x = __ldg(q + k);
+          const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+          for (int h = 0; h < 4; ++h) {
+            const uint16_t lo = w[h] & 0xffffu, hi = w[h] >> 16;
+            if (static_cast<DType>(v.dtype) == DType::bf16) {
+              out[8 * k + 2 * h] = __uint_as_float(static_cast<uint32_t>(lo) << 16);
+              out[8 * k + 2 * h + 1] = __uint_as_float(static_cast<uint32_t>(hi) << 16);
+            } else {
+              out[8 * k + 2 * h] = __half2float(__ushort_as_half(lo));
+              out[8 * k + 2 * h + 1] = __half2float(__ushort_as_half(hi));
+            }
+          }
+        }
+        return;
+      }
+      case DType::u8:
+      case DType::boolean: {
+        const uint2* q = reinterpret_cast<const uint2*>(base + (b * v.sb + t));
+#pragma unroll
+        for (int k = 0; k < N / 8; ++k) {
+          const uint2 x = __ldg(q + k);
+#pragma unroll
+          for (int h = 0; h < 8; ++h) out[8 * k + h] = static_cast<float>(((h < 4 ? x.x : x.y) >> (8 * (h & 3))) & 0xffu);
+        }
+        return;
+      }
+      default:
+        break;
+    }
   }
-  *tile_out = x;
-  __syncthreads();  // warp_total is reused by the next call
-  return mine;
+#pragma unroll
+  for (int j = 0; j < N; ++j) out[j] = t + j < T ? load_float(v, b, t + j) : 0.0f;
+}
+
+// Whether rows of `v` can be read with 16-byte vector loads of kItems positions (decided on the host).
+bool vector_loadable(const TensorRef& t, int items) {
+  if (t.data == nullptr || t.dim() != 2 || t.strides[1] != 1) return false;
+  const int64_t esize = dtype_size(t.dtype);
+  const int64_t chunk = items * esize;  // bytes per lane step: 32 (f32), 16 (16-bit), 8 (bytes)
+  const int64_t align = chunk >= 16 ? 16 : chunk;
+  if (t.dtype != DType::f32 && t.dtype != DType::bf16 && t.dtype != DType::f16 && t.dtype != DType::u8 &&
+      t.dtype != DType::boolean)
+    return false;
+  return reinterpret_cast<uintptr_t>(t.data) % align == 0 && (t.strides[0] * esize) % align == 0;
+}
+
+__device__ __forceinline__ void store_items(float* row, bool vec_ok, int64_t t, int64_t T, const float* x) {
+  if (vec_ok && t + kItems <= T) {
+    float4* q = reinterpret_cast<float4*>(row + t);
+#pragma unroll
+    for (int k = 0; k < kItems / 4; ++k) q[k] = make_float4(x[4 * k], x[4 * k + 1], x[4 * k + 2], x[4 * k + 3]);
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < kItems; ++j)
+    if (t + j < T) row[t + j] = x[j];
+}
+
+struct ScanDev {
+  View2 r, v, base, m;
+  bool vec_r, vec_v, vec_m, vec_out;
+  float* adv;
+  float* ret;
+  Moments* rows;
+  int* status;
+  int64_t B, T;
+  float gamma, gl;
+};
+
+struct TileData {
+  float r[kItems], v[kItems], m[kItems];
+};
+
+template <ScanKind K>
+__device__ __forceinline__ void load_tile(const ScanDev& p, int64_t b, int64_t t, TileData& d) {
+  load_items<kItems>(p.r, p.vec_r, b, t, p.T, d.r);
+  if (K == ScanKind::gae) {
+    load_items<kItems>(p.v, p.vec_v, b, t, p.T, d.v);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) d.v[j] = 0.0f;
+  }
+  load_items<kItems>(p.m, p.vec_m, b, t, p.T, d.m);
+}
+
+// One warp per row: the warp walks its row from the right in tiles of 32 * kItems positions, each
+// lane owning kItems consecutive ones; the next tile's loads are issued before the current tile is
+// scanned, so memory stays busy while the shuffles run. No block-wide barriers at all.
+template <ScanKind K>
+__global__ void __launch_bounds__(kThreads) scan_kernel(ScanDev p) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t b = blockIdx.x * static_cast<int64_t>(kWarps) + (threadIdx.x >> 5); b < p.B; b += warps) {
+    float carry = 0.0f, carry_nv = 0.0f;
+    double sum = 0.0, sum_sq = 0.0;
+    int count = 0, status = 0;
+    const float base = K == ScanKind::remax ? load_float(p.base, b, 0) : 0.0f;
+    if (K == ScanKind::remax && !isfinite(base)) status |= kBadValues;
+    float* adv_row = p.adv + b * p.T;
+    float* ret_row = p.ret + b * p.T;
+    int64_t tile = (p.T - 1) / kTile * kTile;
+    TileData cur, next;
+    load_tile<K>(p, b, tile + lane * kItems, cur);
+    for (; tile >= 0; tile -= kTile) {
+      const int64_t t0 = tile + lane * kItems;
+      if (tile >= kTile) load_tile<K>(p, b, t0 - kTile, next);  // prefetch
+      bool m[kItems];
+#pragma unroll
+      for (int j = 0; j < kItems; ++j) {
+        m[j] = cur.m[j] != 0.0f;  // 0 past T
+        if (!isfinite(cur.r[j])) status |= kBadRewards;
+        if (!isfinite(cur.v[j])) status |= kBadValues;
+      }
+      float out_a[kItems], out_r[kItems];
+      if (K == ScanKind::gae) {
+        // Scan 1: the value of the next position with mask 1.
+        Affine f{1.0f, 0.0f};
+#pragma unroll
+        for (int j = 0; j < kItems; ++j) f = after(f, m[j] ? Affine{0.0f, cur.v[j]} : Affine{1.0f, 0.0f});
+        float x = warp_reverse_scan(f, carry_nv, &carry_nv);
+        float delta[kItems];
+#pragma unroll
+        for (int j = kItems - 1; j >= 0; --j) {
+          delta[j] = cur.r[j] + p.gamma * x - cur.v[j];
+          if (m[j]) x = cur.v[j];
+        }
+        // Scan 2: the advantage.
+        f = {1.0f, 0.0f};
+#pragma unroll
+        for (int j = 0; j < kItems; ++j) f = after(f, m[j] ? Affine{p.gl, delta[j]} : Affine{1.0f, 0.0f});
+        x = warp_reverse_scan(f, carry, &carry);
+#pragma unroll
+        for (int j = kItems - 1; j >= 0; --j) {
+          if (m[j]) x = fmaf(p.gl, x, delta[j]);
+          out_a[j] = x;
+          out_r[j] = x + cur.v[j];
+        }
+      } else if (K == ScanKind::reinforce_pp) {
+        Affine f{1.0f, 0.0f};
+#pragma unroll
+        for (int j = 0; j < kItems; ++j) f = after(f, m[j] ? Affine{p.gamma, cur.r[j]} : Affine{0.0f, 0.0f});
+        float x = warp_reverse_scan(f, carry, &carry);
+#pragma unroll
+        for (int j = kItems - 1; j >= 0; --j) {
+          out_r[j] = fmaf(p.gamma, x, cur.r[j]);  // G_t
+          out_a[j] = m[j] ? out_r[j] : 0.0f;
+          x = out_a[j];  // the running return restarts after a position outside the mask
+        }
+      } else {  // remax
+        Affine f{1.0f, 0.0f};
+#pragma unroll
+        for (int j = 0; j < kItems; ++j) f = after(f, Affine{1.0f, m[j] ? cur.r[j] : 0.0f});
+        float x = warp_reverse_scan(f, carry, &carry);
+#pragma unroll
+        for (int j = kItems - 1; j >= 0; --j) {
+          if (m[j]) x += cur.r[j];
+          out_r[j] = x;
+          out_a[j] = x - (m[j] ? base : 0.0f);
+        }
+      }
+      store_items(adv_row, p.vec_out, t0, p.T, out_a);
+      store_items(ret_row, p.vec_out, t0, p.T, out_r);
+      if (K != ScanKind::remax) {
+#pragma unroll
+        for (int j = 0; j < kItems; ++j) {
+          if (m[j]) {
+            ++count;
+            sum += out_a[j];
+            sum_sq += static_cast<double>(out_a[j]) * out_a[j];
+          }
+        }
+      }
+      cur = next;
+    }
+    if (status) atomicOr(p.status, status);
+    if (K != ScanKind::remax) {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        count += __shfl_down_sync(0xffffffffu, count, o);
+        sum += __shfl_down_sync(0xffffffffu, sum, o);
+        sum_sq += __shfl_down_sync(0xffffffffu, sum_sq, o);
+      }
+      if (lane == 0) {
+        const double mean = count ? sum / count : 0.0;
+        p.rows[b] = Moments{static_cast<double>(count), mean, count ? fmax(0.0, sum_sq - sum * mean) : 0.0};
+      }
+    }
+  }
 }
 
 __device__ void block_merge(Moments& m) {
@@ -74,122 +277,6 @@ __device__ void block_merge(Moments& m) {
   __syncthreads();
 }
 
-struct ScanDev {
-  View2 r, v, base, m;
-  float* adv;
-  float* ret;
-  Moments* rows;
-  int* status;
-  int64_t B, T;
-  float gamma, gl;
-};
-
-template <ScanKind K>
-__global__ void __launch_bounds__(kThreads) scan_kernel(ScanDev p) {
-  for (int64_t b = blockIdx.x; b < p.B; b += gridDim.x) {
-    float carry = 0.0f, carry_nv = 0.0f;
-    Moments mom{};
-    int status = 0;
-    const float base = K == ScanKind::remax ? load_float(p.base, b, 0) : 0.0f;
-    if (K == ScanKind::remax && !isfinite(base)) status |= kBadValues;
-    for (int64_t tile = (p.T - 1) / kTile * kTile; tile >= 0; tile -= kTile) {
-      const int64_t t0 = tile + static_cast<int64_t>(threadIdx.x) * kItems;
-      float r[kItems], v[kItems];
-      bool m[kItems], in[kItems];
-#pragma unroll
-      for (int j = 0; j < kItems; ++j) {
-        const int64_t t = t0 + j;
-        in[j] = t < p.T;
-        r[j] = in[j] ? load_float(p.r, b, t) : 0.0f;
-        v[j] = (K == ScanKind::gae && in[j]) ? load_float(p.v, b, t) : 0.0f;
-        m[j] = in[j] && load_float(p.m, b, t) != 0.0f;
-        if (!isfinite(r[j])) status |= kBadRewards;
-        if (!isfinite(v[j])) status |= kBadValues;
-      }
-      float next[kItems];  // state arriving at each position from its right
-      if (K == ScanKind::gae) {
-        // Scan 1: value of the next position with mask 1.
-        Affine f{1.0f, 0.0f};
-#pragma unroll
-        for (int j = 0; j < kItems; ++j) f = after(f, m[j] ? Affine{0.0f, v[j]} : Affine{1.0f, 0.0f});
-        float x = block_reverse_scan(f, carry_nv, &carry_nv);
-        float delta[kItems];
-#pragma unroll
-        for (int j = kItems - 1; j >= 0; --j) {
-          delta[j] = r[j] + p.gamma * x - v[j];
-          if (m[j]) x = v[j];
-        }
-        // Scan 2: the advantage.
-        f = {1.0f, 0.0f};
-#pragma unroll
-        for (int j = 0; j < kItems; ++j) f = after(f, m[j] ? Affine{p.gl, delta[j]} : Affine{1.0f, 0.0f});
-        x = block_reverse_scan(f, carry, &carry);
-#pragma unroll
-        for (int j = kItems - 1; j >= 0; --j) {
-          if (m[j]) x = fmaf(p.gl, x, delta[j]);
-          next[j] = x;  // A_t
-        }
-      } else if (K == ScanKind::reinforce_pp) {
-        Affine f{1.0f, 0.0f};
-#pragma unroll
-        for (int j = 0; j < kItems; ++j) f = after(f, m[j] ? Affine{p.gamma, r[j]} : Affine{0.0f, 0.0f});
-        float x = block_reverse_scan(f, carry, &carry);
-#pragma unroll
-        for (int j = kItems - 1; j >= 0; --j) {
-          next[j] = fmaf(p.gamma, x, r[j]);  // G_t (returns)
-          x = m[j] ? next[j] : 0.0f;
-        }
-      } else {  // remax
-        Affine f{1.0f, 0.0f};
-#pragma unroll
-        for (int j = 0; j < kItems; ++j) f = after(f, Affine{1.0f, m[j] ? r[j] : 0.0f});
-        float x = block_reverse_scan(f, carry, &carry);
-#pragma unroll
-        for (int j = kItems - 1; j >= 0; --j) {
-          if (m[j]) x += r[j];
-          next[j] = x;
-        }
-      }
-      // Outputs and this chunk's moments of what gets whitened (masked positions only).
-      float cnt = 0.0f, sum = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kItems; ++j) {
-        if (!in[j]) continue;
-        const int64_t i = b * p.T + t0 + j;
-        if (K == ScanKind::gae) {
-          p.adv[i] = next[j];
-          p.ret[i] = next[j] + v[j];
-        } else if (K == ScanKind::reinforce_pp) {
-          p.ret[i] = next[j];
-          p.adv[i] = m[j] ? next[j] : 0.0f;
-        } else {
-          p.ret[i] = next[j];
-          p.adv[i] = next[j] - (m[j] ? base : 0.0f);
-        }
-        if (m[j]) {
-          cnt += 1.0f;
-          sum += next[j];
-        }
-      }
-      if (K != ScanKind::remax && cnt > 0.0f) {
-        const float mean = sum / cnt;
-        float m2 = 0.0f;
-#pragma unroll
-        for (int j = 0; j < kItems; ++j) {
-          const float d = next[j] - mean;
-          if (m[j]) m2 = fmaf(d, d, m2);
-        }
-        mom.merge(Moments{cnt, mean, m2});
-      }
-    }
-    if (status) atomicOr(p.status, status);
-    if (K != ScanKind::remax) {
-      block_merge(mom);
-      if (threadIdx.x == 0) p.rows[b] = mom;
-    }
-  }
-}
-
 // One block: merges the rows' moments into *total; flags too few positions to whiten.
 __global__ void __launch_bounds__(kThreads) merge_rows_kernel(const Moments* rows, int64_t B, Moments* total,
                                                               int* status) {
@@ -202,16 +289,32 @@ __global__ void __launch_bounds__(kThreads) merge_rows_kernel(const Moments* row
   }
 }
 
-// adv <- (adv - mean) * rstd in place, zeroing positions outside the mask when asked.
-__global__ void __launch_bounds__(kThreads) whiten_kernel(float* adv, View2 mask, int64_t B, int64_t T,
-                                                          const Moments* total, bool zero_unmasked) {
+// GAE: adv <- (adv - mean) * rstd at every position, over the contiguous [B, T] output.
+__global__ void __launch_bounds__(kThreads) whiten_all_kernel(float* adv, int64_t n, const Moments* total) {
+  const Moments t = *total;
+  if (t.count < 2) return;
+  const float mean = static_cast<float>(t.mean), rstd = static_cast<float>(t.rstd());
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  float4* v = reinterpret_cast<float4*>(adv);  // the output is allocated 16-byte aligned
+  for (int64_t i = first; i < n / 4; i += stride) {
+    float4 x = v[i];
+    x.x = (x.x - mean) * rstd, x.y = (x.y - mean) * rstd, x.z = (x.z - mean) * rstd, x.w = (x.w - mean) * rstd;
+    v[i] = x;
+  }
+  for (int64_t i = n / 4 * 4 + first; i < n; i += stride) adv[i] = (adv[i] - mean) * rstd;
+}
+
+// REINFORCE++: adv <- (adv - mean) * rstd where the mask is set, 0 elsewhere.
+__global__ void __launch_bounds__(kThreads) whiten_masked_kernel(float* adv, View2 mask, int64_t B, int64_t T,
+                                                                 const Moments* total) {
   const Moments t = *total;
   if (t.count < 2) return;
   const float mean = static_cast<float>(t.mean), rstd = static_cast<float>(t.rstd());
   for (int64_t b = blockIdx.x; b < B; b += gridDim.x) {
     for (int64_t j = threadIdx.x; j < T; j += blockDim.x) {
       float& x = adv[b * T + j];
-      x = (zero_unmasked && load_float(mask, b, j) == 0.0f) ? 0.0f : (x - mean) * rstd;
+      x = load_float(mask, b, j) != 0.0f ? (x - mean) * rstd : 0.0f;
     }
   }
 }
@@ -299,30 +402,48 @@ void advantage_scan_cuda(const ScanArgs& a) {
   auto stream = reinterpret_cast<cudaStream_t>(a.stream);
   const int64_t B = a.rewards.sizes[0], T = a.rewards.sizes[1];
   auto ws = ScanWorkspace::at(a.workspace.data, B);
+  int* status = a.status.ptr<int>();
+  cuda_check(cudaMemsetAsync(status, 0, sizeof(int), stream), "cudaMemsetAsync (status)");
+  const bool gae = a.kind == ScanKind::gae, remax = a.kind == ScanKind::remax;
+  float* adv = a.advantages.ptr<float>();
+  float* ret = a.returns.ptr<float>();
+  const bool vec_out = T % 4 == 0 && reinterpret_cast<uintptr_t>(adv) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(ret) % 16 == 0;
   ScanDev p{View2::of(a.rewards),
-            a.kind == ScanKind::gae ? View2::of(a.values) : View2{nullptr, 0, 0, 0},
-            a.kind == ScanKind::remax ? View2::of(a.baselines) : View2{nullptr, 0, 0, 0},
+            gae ? View2::of(a.values) : View2{nullptr, 0, 0, 0},
+            remax ? View2::of(a.baselines) : View2{nullptr, 0, 0, 0},
             View2::of(a.mask),
-            a.advantages.ptr<float>(),
-            a.returns.ptr<float>(),
+            vector_loadable(a.rewards, kItems),
+            gae && vector_loadable(a.values, kItems),
+            vector_loadable(a.mask, kItems),
+            vec_out,
+            adv,
+            ret,
             ws.rows,
-            a.status.ptr<int>(),
+            status,
             B,
             T,
             a.gamma,
             a.gamma * a.lam};
-  const unsigned grid = grid_for(B);
+  const unsigned grid = grid_for((B + kWarps - 1) / kWarps);
   switch (a.kind) {
     case ScanKind::gae: scan_kernel<ScanKind::gae><<<grid, kThreads, 0, stream>>>(p); break;
     case ScanKind::reinforce_pp: scan_kernel<ScanKind::reinforce_pp><<<grid, kThreads, 0, stream>>>(p); break;
     case ScanKind::remax: scan_kernel<ScanKind::remax><<<grid, kThreads, 0, stream>>>(p); break;
   }
   VF_CUDA_LAUNCH_CHECK("advantage scan_kernel");
-  if (a.whiten && a.kind != ScanKind::remax) {
-    merge_rows_kernel<<<1, kThreads, 0, stream>>>(ws.rows, B, ws.total, p.status);
+  if (a.whiten && !remax) {
+    merge_rows_kernel<<<1, kThreads, 0, stream>>>(ws.rows, B, ws.total, status);
     VF_CUDA_LAUNCH_CHECK("advantage merge_rows_kernel");
-    whiten_kernel<<<grid, kThreads, 0, stream>>>(p.adv, p.m, B, T, ws.total, a.kind == ScanKind::reinforce_pp);
-    VF_CUDA_LAUNCH_CHECK("advantage whiten_kernel");
+    if (gae) {
+      const int64_t n = B * T;
+      const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n / 4 + kThreads - 1) / kThreads + 1, 4096));
+      whiten_all_kernel<<<blocks, kThreads, 0, stream>>>(adv, n, ws.total);
+      VF_CUDA_LAUNCH_CHECK("advantage whiten_all_kernel");
+    } else {
+      whiten_masked_kernel<<<grid_for(B), kThreads, 0, stream>>>(adv, p.m, B, T, ws.total);
+      VF_CUDA_LAUNCH_CHECK("advantage whiten_masked_kernel");
+    }
   }
 }
 
@@ -335,6 +456,7 @@ void group_advantage_cuda(const GroupArgs& a, const int32_t* host_csr) {
              "cudaMemcpyAsync (group ids to the device)");
   const View2 r = View2::of(a.rewards), m = View2::of(a.mask);
   int* status = a.status.ptr<int>();
+  cuda_check(cudaMemsetAsync(status, 0, sizeof(int), stream), "cudaMemsetAsync (status)");
   const unsigned grid = grid_for(B);
   row_sums_kernel<<<grid, kThreads, 0, stream>>>(r, m, B, T, ws.score, ws.count, status);
   VF_CUDA_LAUNCH_CHECK("advantage row_sums_kernel");

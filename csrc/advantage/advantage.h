@@ -43,7 +43,7 @@ struct ScanArgs {
   TensorRef advantages;  // out: [B, T] float32, contiguous
   TensorRef returns;     // out: [B, T] float32, contiguous
   TensorRef workspace;   // uint8 [scan_workspace_bytes(B)] on the device of the inputs
-  TensorRef status;      // int32 [1], zeroed by the caller; Status bits are OR-ed in
+  TensorRef status;      // out: int32 [1], the call's Status bits
   float gamma = 1.0f;
   float lam = 1.0f;
   bool whiten = true;
@@ -66,7 +66,7 @@ struct GroupArgs {
   TensorRef ids;         // [B] int64 on the CPU: the group of each sample
   TensorRef advantages;  // out: [B, T] float32, contiguous
   TensorRef workspace;   // uint8 [group_workspace_bytes(B)] on the device of the inputs
-  TensorRef status;      // int32 [1]
+  TensorRef status;      // out: int32 [1], the call's Status bits
   float epsilon = 1e-6f;
   bool norm_by_std = true;
   bool whiten = true;    // reinforce_pp_baseline only

@@ -20,8 +20,11 @@ def ext():
 
 def cuda_stream(tensor) -> int:
     """The current CUDA stream of ``tensor``'s device as an integer handle (0 on the CPU)."""
-    if tensor.device.type != "cuda":
+    if not tensor.is_cuda:
         return 0
     import torch
 
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # fast path, no Stream object
+    if raw is not None:
+        return raw(tensor.get_device())
     return torch.cuda.current_stream(tensor.device).cuda_stream

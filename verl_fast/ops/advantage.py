@@ -44,7 +44,7 @@ def _scan(kind, rewards, mask, *, values=None, baselines=None, gamma=1.0, lam=1.
     B, T = rewards.shape
     adv = torch.empty((B, T), dtype=torch.float32, device=rewards.device)
     ret = torch.empty_like(adv)
-    status = torch.zeros(1, dtype=torch.int32, device=rewards.device)
+    status = torch.empty(1, dtype=torch.int32, device=rewards.device)
     a = C.ScanArgs()
     a.kind = kind
     a.rewards = rewards
@@ -170,7 +170,7 @@ def _group(kind, token_level_rewards, response_mask, index, *, epsilon=1e-6, nor
     B, T = r.shape
     ids = group_ids(index, B)
     adv = torch.empty((B, T), dtype=torch.float32, device=r.device)
-    status = torch.zeros(1, dtype=torch.int32, device=r.device)
+    status = torch.empty(1, dtype=torch.int32, device=r.device)
     a = C.GroupArgs()
     a.kind = kind
     a.rewards = r
