@@ -45,7 +45,6 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("mask", &advantage::ScanArgs::mask)
       .def_readwrite("advantages", &advantage::ScanArgs::advantages)
       .def_readwrite("returns", &advantage::ScanArgs::returns)
-      .def_readwrite("workspace", &advantage::ScanArgs::workspace)
       .def_readwrite("status", &advantage::ScanArgs::status)
       .def_readwrite("gamma", &advantage::ScanArgs::gamma)
       .def_readwrite("lam", &advantage::ScanArgs::lam)
@@ -66,7 +65,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("whiten", &advantage::GroupArgs::whiten)
       .def_readwrite("num_threads", &advantage::GroupArgs::num_threads)
       .def_readwrite("stream", &advantage::GroupArgs::stream);
-  m.def("scan_workspace_bytes", &advantage::scan_workspace_bytes, py::arg("batch"));
+  m.attr("status_words") = advantage::kStatusWords;
   m.def("group_workspace_bytes", &advantage::group_workspace_bytes, py::arg("batch"));
   m.def("advantage_scan", &advantage::advantage_scan, py::arg("args"), py::call_guard<py::gil_scoped_release>(),
         "Reverse scan (GAE / REINFORCE++ / ReMax) over [B, T]; see ScanArgs");

@@ -392,8 +392,7 @@ def test_direct_core_call_with_inconsistent_sizes_raises():
     a.rewards, a.values, a.mask = r, v[:, :5].contiguous(), m.view(torch.uint8)
     a.advantages = torch.empty(4, 6)
     a.returns = torch.empty(4, 6)
-    a.workspace = torch.empty(_C.scan_workspace_bytes(4), dtype=torch.uint8)
-    a.status = torch.zeros(1, dtype=torch.int32)
+    a.status = torch.zeros(_C.status_words, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"values must be a 2-D tensor of shape \[B, T\] = \[4, 6\], got \[4, 5\]"):
         _C.advantage_scan(a)
     a.values = v
@@ -401,10 +400,10 @@ def test_direct_core_call_with_inconsistent_sizes_raises():
     with pytest.raises(ValueError, match="advantages"):
         _C.advantage_scan(a)
     a.advantages = torch.empty(4, 6)
-    a.workspace = torch.empty(8, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="workspace"):
+    a.status = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="status"):
         _C.advantage_scan(a)
-    a.workspace = torch.empty(_C.scan_workspace_bytes(4), dtype=torch.uint8)
+    a.status = torch.zeros(_C.status_words, dtype=torch.int32)
     a.returns = torch.empty(4, 6, dtype=torch.float64)
     with pytest.raises(TypeError, match="returns must be float32"):
         _C.advantage_scan(a)
@@ -413,7 +412,7 @@ def test_direct_core_call_with_inconsistent_sizes_raises():
     g.ids = torch.zeros(3, dtype=torch.int64)
     g.advantages = torch.empty(4, 6)
     g.workspace = torch.empty(_C.group_workspace_bytes(4), dtype=torch.uint8)
-    g.status = torch.zeros(1, dtype=torch.int32)
+    g.status = torch.zeros(_C.status_words, dtype=torch.int32)
     with pytest.raises(ValueError, match="index must have one group id per sample"):
         _C.group_advantage(g)
     with pytest.raises(TypeError, match="expected a torch.Tensor"):

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <mutex>
 #include <cmath>
 #include <unordered_map>
 #include <vector>
@@ -26,12 +27,16 @@ void check_output(const TensorRef& t, const char* name, const TensorRef& like) {
   check_same_device(t, name, like, "rewards");
 }
 
-void check_status_and_workspace(const TensorRef& status, const TensorRef& workspace, int64_t bytes,
-                                const TensorRef& like) {
-  VF_CHECK(status.dim() == 1 && status.sizes[0] == 1, "status must be a 1-D tensor of shape [1], got ",
-           shape_str(status.sizes));
+void check_status(const TensorRef& status, const TensorRef& like) {
+  VF_CHECK(status.dim() == 1 && status.sizes[0] == kStatusWords, "status must be a 1-D int32 tensor of shape [",
+           kStatusWords, "], got ", shape_str(status.sizes));
   check_dtype(status, "status", DType::i32);
+  check_contiguous(status, "status");
   check_same_device(status, "status", like, "rewards");
+  VF_CHECK(reinterpret_cast<uintptr_t>(status.data) % 8 == 0, "status must be 8-byte aligned");
+}
+
+void check_workspace(const TensorRef& workspace, int64_t bytes, const TensorRef& like) {
   VF_CHECK(workspace.dim() == 1 && workspace.sizes[0] >= bytes, "workspace must be a 1-D uint8 tensor of ",
            bytes, " bytes, got ", shape_str(workspace.sizes));
   check_dtype(workspace, "workspace", DType::u8);
@@ -61,7 +66,7 @@ void validate(const ScanArgs& a) {
   }
   check_output(a.advantages, "advantages", r);
   check_output(a.returns, "returns", r);
-  check_status_and_workspace(a.status, a.workspace, scan_workspace_bytes(B), r);
+  check_status(a.status, r);
   VF_CHECK(std::isfinite(a.gamma) && std::isfinite(a.lam), "gamma and lam must be finite");
 }
 
@@ -79,27 +84,11 @@ void validate(const GroupArgs& a) {
   check_contiguous(a.ids, "index");
   VF_CHECK(a.ids.device == Device::cpu, "index (group ids) must be on the CPU at this layer");
   check_output(a.advantages, "advantages", r);
-  check_status_and_workspace(a.status, a.workspace, group_workspace_bytes(B), r);
+  check_workspace(a.workspace, group_workspace_bytes(B), r);
+  check_status(a.status, r);
   VF_CHECK(std::isfinite(a.epsilon) && a.epsilon >= 0, "epsilon must be finite and >= 0, got ", a.epsilon);
   VF_CHECK(B < (int64_t{1} << 31), "at most 2^31 - 1 samples, got ", B);
 }
-
-// Plain sums of what gets whitened over one row (double: no cancellation at row sizes), turned
-// into moments once per row; Welford's per-element division would dominate the scan's cost.
-struct RowSums {
-  int64_t n = 0;
-  double s = 0, s2 = 0;
-  void add(float x) {
-    ++n;
-    s += x;
-    s2 += static_cast<double>(x) * x;
-  }
-  Moments moments() const {
-    if (n == 0) return Moments{};
-    const double mean = s / static_cast<double>(n);
-    return Moments{static_cast<double>(n), mean, std::max(0.0, s2 - s * mean)};
-  }
-};
 
 // K rows of a reverse scan at once: the recurrences are serial along T, so interleaving rows
 // gives the core independent chains to overlap. K = 2 measured best on a 2-core Xeon (4096x8192:
@@ -107,7 +96,7 @@ struct RowSums {
 // Writes advantages/returns (unwhitened) and each row's moments of what is whitened; returns
 // status bits.
 template <int K, typename R, typename V, typename M>
-int32_t scan_rows(const ScanArgs& a, int64_t b0, Moments* row_moments) {
+int32_t scan_rows(const ScanArgs& a, int64_t b0, Sums& sums) {
   const int64_t T = a.rewards.sizes[1];
   const float g = a.gamma, gl = a.gamma * a.lam;
   const int64_t rs = a.rewards.strides[1], vs = a.kind == ScanKind::gae ? a.values.strides[1] : 0,
@@ -117,7 +106,7 @@ int32_t scan_rows(const ScanArgs& a, int64_t b0, Moments* row_moments) {
   const M* m[K];
   float *adv[K], *ret[K];
   float state[K], next_value[K], base[K];
-  RowSums mom[K];
+  Sums mom[K] = {};
   int32_t status = 0;
   for (int k = 0; k < K; ++k) {
     const int64_t b = b0 + k;
@@ -178,62 +167,60 @@ int32_t scan_rows(const ScanArgs& a, int64_t b0, Moments* row_moments) {
       }
       break;
   }
-  for (int k = 0; k < K; ++k) row_moments[k] = mom[k].moments();
+  for (int k = 0; k < K; ++k) sums.merge(mom[k]);
   return status;
 }
 
 void scan_cpu(const ScanArgs& a) {
-  const int64_t B = a.rewards.sizes[0];
+  const int64_t B = a.rewards.sizes[0], T = a.rewards.sizes[1];
   advise_huge_pages(a.advantages.data, a.advantages.numel() * 4);
   advise_huge_pages(a.returns.data, a.returns.numel() * 4);
-  auto ws = ScanWorkspace::at(a.workspace.data, B);
-  std::atomic<int32_t> status{0};
+  std::mutex lock;
+  int32_t status = 0;
+  Sums total{};
   const DType vdt = a.kind == ScanKind::gae ? a.values.dtype
                     : a.kind == ScanKind::remax ? a.baselines.dtype : a.rewards.dtype;
   VF_DISPATCH_FLOAT(a.rewards.dtype, R, [&] {
     VF_DISPATCH_FLOAT(vdt, V, [&] {
       VF_DISPATCH_MASK(a.mask.dtype, M, [&] {
         parallel_for(B, a.num_threads, [&](int64_t begin, int64_t end) {
-          int32_t s = 0;
           constexpr int K = 2;
+          int32_t s = 0;
+          Sums sums{};
           int64_t b = begin;
-          for (; b + K <= end; b += K) s |= scan_rows<K, R, V, M>(a, b, ws.rows + b);
-          for (; b < end; ++b) s |= scan_rows<1, R, V, M>(a, b, ws.rows + b);
-          status.fetch_or(s);
+          for (; b + K <= end; b += K) s |= scan_rows<K, R, V, M>(a, b, sums);
+          for (; b < end; ++b) s |= scan_rows<1, R, V, M>(a, b, sums);
+          std::lock_guard<std::mutex> guard(lock);
+          status |= s;
+          total.merge(sums);
         });
       });
     });
   });
   const bool whiten = a.whiten && a.kind != ScanKind::remax;
-  int32_t s = status.load();
-  if (whiten) {
-    Moments total{};
-    for (int64_t b = 0; b < B; ++b) total.merge(ws.rows[b]);
-    *ws.total = total;
-    if (total.count < 2) s |= kTooFewToWhiten;
-    if (total.count >= 2 && !(s & (kBadRewards | kBadValues))) {
-      const float mean = static_cast<float>(total.mean), rstd = static_cast<float>(total.rstd());
-      const int64_t T = a.rewards.sizes[1];
-      float* adv = a.advantages.ptr<float>();
-      if (a.kind == ScanKind::gae) {  // GAE whitens every position, as verl does
-        parallel_for(B * T, a.num_threads, [&](int64_t begin, int64_t end) {
-          for (int64_t i = begin; i < end; ++i) adv[i] = (adv[i] - mean) * rstd;
-        });
-      } else {  // REINFORCE++ zeroes the positions outside the mask
-        VF_DISPATCH_MASK(a.mask.dtype, M, [&] {
-          parallel_for(B, a.num_threads, [&](int64_t begin, int64_t end) {
-            for (int64_t b = begin; b < end; ++b) {
-              for (int64_t t = 0; t < T; ++t) {
-                float& x = adv[b * T + t];
-                x = nonzero(at2<M>(a.mask, b, t)) ? (x - mean) * rstd : 0.0f;
-              }
+  if (whiten && total.n < 2) status |= kTooFewToWhiten;
+  if (whiten && !status) {
+    const float mean = static_cast<float>(total.mean()), rstd = static_cast<float>(total.rstd());
+    float* adv = a.advantages.ptr<float>();
+    if (a.kind == ScanKind::gae) {  // GAE whitens every position, as verl does
+      parallel_for(B * T, a.num_threads, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) adv[i] = (adv[i] - mean) * rstd;
+      });
+    } else {  // REINFORCE++ zeroes the positions outside the mask
+      VF_DISPATCH_MASK(a.mask.dtype, M, [&] {
+        parallel_for(B, a.num_threads, [&](int64_t begin, int64_t end) {
+          for (int64_t b = begin; b < end; ++b) {
+            for (int64_t t = 0; t < T; ++t) {
+              float& x = adv[b * T + t];
+              x = nonzero(at2<M>(a.mask, b, t)) ? (x - mean) * rstd : 0.0f;
             }
-          });
+          }
         });
-      }
+      });
     }
   }
-  a.status.ptr<int32_t>()[0] = s;
+  a.status.ptr<int32_t>()[0] = status;
+  *status_sums(a.status) = total;
 }
 
 void group_cpu(const GroupArgs& a) {
@@ -267,17 +254,14 @@ void group_cpu(const GroupArgs& a) {
   int32_t s = status.load();
   double mean = 0.0, rstd = 1.0;
   const bool whiten = a.whiten && a.kind == GroupKind::reinforce_pp_baseline;
+  Sums total{};
   if (whiten) {
     // Whitening a_b * mask over masked positions: row b contributes count_b copies of a_b.
-    Moments total{};
-    for (int64_t b = 0; b < B; ++b) {
-      if (ws.count[b] == 0) continue;
-      total.merge(Moments{ws.count[b], ws.adv[b], 0.0});
-    }
-    *ws.total = total;
-    if (total.count < 2) s |= kTooFewToWhiten;
-    else {
-      mean = total.mean;
+    for (int64_t b = 0; b < B; ++b) total.merge(Sums{ws.count[b], ws.count[b] * ws.adv[b], ws.count[b] * ws.adv[b] * ws.adv[b]});
+    if (total.n < 2) {
+      s |= kTooFewToWhiten;
+    } else {
+      mean = total.mean();
       rstd = total.rstd();
     }
   }
@@ -291,11 +275,11 @@ void group_cpu(const GroupArgs& a) {
     });
   });
   a.status.ptr<int32_t>()[0] = s;
+  *status_sums(a.status) = total;
 }
 
 }  // namespace
 
-int64_t scan_workspace_bytes(int64_t batch) { return (batch + 1) * static_cast<int64_t>(sizeof(Moments)); }
 int64_t group_workspace_bytes(int64_t batch) { return GroupWorkspace::bytes(batch); }
 
 int64_t build_groups(const int64_t* ids, int64_t batch, int32_t* row_group, int32_t* offsets,

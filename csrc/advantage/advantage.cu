@@ -128,13 +128,44 @@ __device__ __forceinline__ void store_items(float* row, bool vec_ok, int64_t t, 
     if (t + j < T) row[t + j] = x[j];
 }
 
+// Adds the block's Sums into the batch-wide ones in the status record and ORs in its status bits:
+// a warp-shuffle reduction, one through shared memory, then one thread's atomics per block.
+__device__ void block_publish(Sums sums, int status, int* record) {
+  __shared__ Sums partial[kWarps];
+  __shared__ int bits[kWarps];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    sums.merge(Sums{__shfl_down_sync(0xffffffffu, sums.n, o), __shfl_down_sync(0xffffffffu, sums.s, o),
+                    __shfl_down_sync(0xffffffffu, sums.s2, o)});
+    status |= __shfl_down_sync(0xffffffffu, status, o);
+  }
+  if (lane == 0) {
+    partial[warp] = sums;
+    bits[warp] = status;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) {
+      sums.merge(partial[w]);
+      status |= bits[w];
+    }
+    if (status) atomicOr(record, status);
+    if (sums.n > 0) {
+      auto* total = reinterpret_cast<double*>(record + 2);
+      atomicAdd(total, sums.n);
+      atomicAdd(total + 1, sums.s);
+      atomicAdd(total + 2, sums.s2);
+    }
+  }
+}
+
 struct ScanDev {
   View2 r, v, base, m;
   bool vec_r, vec_v, vec_m, vec_out;
   float* adv;
   float* ret;
-  Moments* rows;
-  int* status;
+  int* status;  // word 0: Status bits; words 2..7: Sums
   int64_t B, T;
   float gamma, gl;
 };
@@ -162,10 +193,10 @@ template <ScanKind K>
 __global__ void __launch_bounds__(kThreads) scan_kernel(ScanDev p) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  Sums sums{};  // this lane's share of what gets whitened, over all its warp's rows
+  int status = 0;
   for (int64_t b = blockIdx.x * static_cast<int64_t>(kWarps) + (threadIdx.x >> 5); b < p.B; b += warps) {
     float carry = 0.0f, carry_nv = 0.0f;
-    double sum = 0.0, sum_sq = 0.0;
-    int count = 0, status = 0;
     const float base = K == ScanKind::remax ? load_float(p.base, b, 0) : 0.0f;
     if (K == ScanKind::remax && !isfinite(base)) status |= kBadValues;
     float* adv_row = p.adv + b * p.T;
@@ -234,66 +265,32 @@ __global__ void __launch_bounds__(kThreads) scan_kernel(ScanDev p) {
       store_items(ret_row, p.vec_out, t0, p.T, out_r);
       if (K != ScanKind::remax) {
 #pragma unroll
-        for (int j = 0; j < kItems; ++j) {
-          if (m[j]) {
-            ++count;
-            sum += out_a[j];
-            sum_sq += static_cast<double>(out_a[j]) * out_a[j];
-          }
-        }
+        for (int j = 0; j < kItems; ++j)
+          if (m[j]) sums.add(out_a[j]);
       }
       cur = next;
     }
-    if (status) atomicOr(p.status, status);
-    if (K != ScanKind::remax) {
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        count += __shfl_down_sync(0xffffffffu, count, o);
-        sum += __shfl_down_sync(0xffffffffu, sum, o);
-        sum_sq += __shfl_down_sync(0xffffffffu, sum_sq, o);
-      }
-      if (lane == 0) {
-        const double mean = count ? sum / count : 0.0;
-        p.rows[b] = Moments{static_cast<double>(count), mean, count ? fmax(0.0, sum_sq - sum * mean) : 0.0};
-      }
-    }
   }
+  block_publish(sums, status, p.status);
 }
 
-__device__ void block_merge(Moments& m) {
-  __shared__ Moments partial[kWarps];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const Moments other{__shfl_down_sync(0xffffffffu, m.count, o), __shfl_down_sync(0xffffffffu, m.mean, o),
-                        __shfl_down_sync(0xffffffffu, m.m2, o)};
-    m.merge(other);
+// Mean and rstd from the batch-wide Sums in the status record. With fewer than 2 positions to
+// whiten (or bad inputs) it flags the record once and the caller leaves the data alone.
+__device__ bool whitening(int* record, float* mean, float* rstd) {
+  const Sums t = *reinterpret_cast<const Sums*>(record + 2);
+  if (t.n < 2.0) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(record, kTooFewToWhiten);
+    return false;
   }
-  if (lane == 0) partial[warp] = m;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < kWarps; ++w) m.merge(partial[w]);
-  }
-  __syncthreads();
-}
-
-// One block: merges the rows' moments into *total; flags too few positions to whiten.
-__global__ void __launch_bounds__(kThreads) merge_rows_kernel(const Moments* rows, int64_t B, Moments* total,
-                                                              int* status) {
-  Moments m{};
-  for (int64_t b = threadIdx.x; b < B; b += blockDim.x) m.merge(rows[b]);
-  block_merge(m);
-  if (threadIdx.x == 0) {
-    *total = m;
-    if (m.count < 2) atomicOr(status, kTooFewToWhiten);
-  }
+  *mean = static_cast<float>(t.mean());
+  *rstd = static_cast<float>(t.rstd());
+  return true;
 }
 
 // GAE: adv <- (adv - mean) * rstd at every position, over the contiguous [B, T] output.
-__global__ void __launch_bounds__(kThreads) whiten_all_kernel(float* adv, int64_t n, const Moments* total) {
-  const Moments t = *total;
-  if (t.count < 2) return;
-  const float mean = static_cast<float>(t.mean), rstd = static_cast<float>(t.rstd());
+__global__ void __launch_bounds__(kThreads) whiten_all_kernel(float* adv, int64_t n, int* record) {
+  float mean, rstd;
+  if (!whitening(record, &mean, &rstd)) return;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   float4* v = reinterpret_cast<float4*>(adv);  // the output is allocated 16-byte aligned
@@ -307,10 +304,9 @@ __global__ void __launch_bounds__(kThreads) whiten_all_kernel(float* adv, int64_
 
 // REINFORCE++: adv <- (adv - mean) * rstd where the mask is set, 0 elsewhere.
 __global__ void __launch_bounds__(kThreads) whiten_masked_kernel(float* adv, View2 mask, int64_t B, int64_t T,
-                                                                 const Moments* total) {
-  const Moments t = *total;
-  if (t.count < 2) return;
-  const float mean = static_cast<float>(t.mean), rstd = static_cast<float>(t.rstd());
+                                                                 int* record) {
+  float mean, rstd;
+  if (!whitening(record, &mean, &rstd)) return;
   for (int64_t b = blockIdx.x; b < B; b += gridDim.x) {
     for (int64_t j = threadIdx.x; j < T; j += blockDim.x) {
       float& x = adv[b * T + j];
@@ -356,37 +352,28 @@ __global__ void __launch_bounds__(kThreads) row_sums_kernel(View2 r, View2 m, in
   }
 }
 
-__global__ void group_value_kernel(GroupKind kind, GroupWorkspace ws, int64_t B, float epsilon, bool norm_by_std) {
+// a_b per row from its group's scores; for whitening, the count-weighted Sums of a_b (row b
+// contributes count_b copies) go into the status record.
+__global__ void __launch_bounds__(kThreads) group_value_kernel(GroupKind kind, GroupWorkspace ws, int64_t B,
+                                                               float epsilon, bool norm_by_std, bool whiten,
+                                                               int* record) {
   const int64_t b = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (b >= B) return;
-  const int32_t g = ws.row_group[b];
-  ws.adv[b] = group_value(kind, ws.score, ws.members, ws.offsets[g], ws.offsets[g + 1], ws.score[b], epsilon,
-                          norm_by_std);
-}
-
-// One block: count-weighted moments of a_b (each row contributes count_b copies).
-__global__ void __launch_bounds__(kThreads) group_moments_kernel(GroupWorkspace ws, int64_t B, int* status) {
-  Moments m{};
-  for (int64_t b = threadIdx.x; b < B; b += blockDim.x) {
-    if (ws.count[b] > 0) m.merge(Moments{ws.count[b], ws.adv[b], 0.0});
+  Sums sums{};
+  if (b < B) {
+    const int32_t g = ws.row_group[b];
+    const double a = group_value(kind, ws.score, ws.members, ws.offsets[g], ws.offsets[g + 1], ws.score[b],
+                                 epsilon, norm_by_std);
+    ws.adv[b] = a;
+    const double c = ws.count[b];
+    sums = Sums{c, c * a, c * a * a};
   }
-  block_merge(m);
-  if (threadIdx.x == 0) {
-    *ws.total = m;
-    if (m.count < 2) atomicOr(status, kTooFewToWhiten);
-  }
+  if (whiten) block_publish(sums, 0, record);
 }
 
 __global__ void __launch_bounds__(kThreads) broadcast_kernel(GroupWorkspace ws, View2 m, float* out, int64_t B,
-                                                             int64_t T, bool whiten) {
+                                                             int64_t T, bool whiten, int* record) {
   float mean = 0.0f, rstd = 1.0f;
-  if (whiten) {
-    const Moments t = *ws.total;
-    if (t.count >= 2) {
-      mean = static_cast<float>(t.mean);
-      rstd = static_cast<float>(t.rstd());
-    }
-  }
+  if (whiten && !whitening(record, &mean, &rstd)) mean = 0.0f, rstd = 1.0f;
   for (int64_t b = blockIdx.x; b < B; b += gridDim.x) {
     const float a = (static_cast<float>(ws.adv[b]) - mean) * rstd;
     for (int64_t t = threadIdx.x; t < T; t += blockDim.x) out[b * T + t] = load_float(m, b, t) != 0.0f ? a : 0.0f;
@@ -401,9 +388,8 @@ void advantage_scan_cuda(const ScanArgs& a) {
   DeviceGuard guard(a.rewards.device_index);
   auto stream = reinterpret_cast<cudaStream_t>(a.stream);
   const int64_t B = a.rewards.sizes[0], T = a.rewards.sizes[1];
-  auto ws = ScanWorkspace::at(a.workspace.data, B);
   int* status = a.status.ptr<int>();
-  cuda_check(cudaMemsetAsync(status, 0, sizeof(int), stream), "cudaMemsetAsync (status)");
+  cuda_check(cudaMemsetAsync(status, 0, kStatusWords * sizeof(int), stream), "cudaMemsetAsync (status)");
   const bool gae = a.kind == ScanKind::gae, remax = a.kind == ScanKind::remax;
   float* adv = a.advantages.ptr<float>();
   float* ret = a.returns.ptr<float>();
@@ -419,7 +405,6 @@ void advantage_scan_cuda(const ScanArgs& a) {
             vec_out,
             adv,
             ret,
-            ws.rows,
             status,
             B,
             T,
@@ -433,15 +418,13 @@ void advantage_scan_cuda(const ScanArgs& a) {
   }
   VF_CUDA_LAUNCH_CHECK("advantage scan_kernel");
   if (a.whiten && !remax) {
-    merge_rows_kernel<<<1, kThreads, 0, stream>>>(ws.rows, B, ws.total, status);
-    VF_CUDA_LAUNCH_CHECK("advantage merge_rows_kernel");
     if (gae) {
       const int64_t n = B * T;
       const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n / 4 + kThreads - 1) / kThreads + 1, 4096));
-      whiten_all_kernel<<<blocks, kThreads, 0, stream>>>(adv, n, ws.total);
+      whiten_all_kernel<<<blocks, kThreads, 0, stream>>>(adv, n, status);
       VF_CUDA_LAUNCH_CHECK("advantage whiten_all_kernel");
     } else {
-      whiten_masked_kernel<<<grid_for(B), kThreads, 0, stream>>>(adv, p.m, B, T, ws.total);
+      whiten_masked_kernel<<<grid_for(B), kThreads, 0, stream>>>(adv, p.m, B, T, status);
       VF_CUDA_LAUNCH_CHECK("advantage whiten_masked_kernel");
     }
   }
@@ -456,19 +439,15 @@ void group_advantage_cuda(const GroupArgs& a, const int32_t* host_csr) {
              "cudaMemcpyAsync (group ids to the device)");
   const View2 r = View2::of(a.rewards), m = View2::of(a.mask);
   int* status = a.status.ptr<int>();
-  cuda_check(cudaMemsetAsync(status, 0, sizeof(int), stream), "cudaMemsetAsync (status)");
+  cuda_check(cudaMemsetAsync(status, 0, kStatusWords * sizeof(int), stream), "cudaMemsetAsync (status)");
   const unsigned grid = grid_for(B);
   row_sums_kernel<<<grid, kThreads, 0, stream>>>(r, m, B, T, ws.score, ws.count, status);
   VF_CUDA_LAUNCH_CHECK("advantage row_sums_kernel");
-  group_value_kernel<<<static_cast<unsigned>((B + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-      a.kind, ws, B, a.epsilon, a.norm_by_std);
-  VF_CUDA_LAUNCH_CHECK("advantage group_value_kernel");
   const bool whiten = a.whiten && a.kind == GroupKind::reinforce_pp_baseline;
-  if (whiten) {
-    group_moments_kernel<<<1, kThreads, 0, stream>>>(ws, B, status);
-    VF_CUDA_LAUNCH_CHECK("advantage group_moments_kernel");
-  }
-  broadcast_kernel<<<grid, kThreads, 0, stream>>>(ws, m, a.advantages.ptr<float>(), B, T, whiten);
+  group_value_kernel<<<static_cast<unsigned>((B + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      a.kind, ws, B, a.epsilon, a.norm_by_std, whiten, status);
+  VF_CUDA_LAUNCH_CHECK("advantage group_value_kernel");
+  broadcast_kernel<<<grid, kThreads, 0, stream>>>(ws, m, a.advantages.ptr<float>(), B, T, whiten, status);
   VF_CUDA_LAUNCH_CHECK("advantage broadcast_kernel");
 }
 

@@ -18,12 +18,39 @@
 
 namespace vf::advantage {
 
-// Bits of the int32 status word the launchers write (read by Python after the call).
+// The call's status record, written by the launchers into an int32 [kStatusWords] tensor:
+// word 0 holds Status bits, words 2..7 the batch-wide Sums of what was whitened.
 enum Status : int32_t {
   kBadRewards = 1,       // non-finite reward
   kBadValues = 2,        // non-finite value or baseline
   kTooFewToWhiten = 4,   // whitening needs >= 2 positions where the mask is set
 };
+constexpr int kStatusWords = 8;
+
+// Count, sum and sum of squares, in double: merging is addition (no division on the hot path),
+// and double keeps s2 - s*mean exact enough for any advantage scale an RL batch produces.
+// An aggregate (no member initialisers) so CUDA can keep it in shared memory: `Sums x{}` is empty.
+struct Sums {
+  double n, s, s2;
+  VF_HD void add(double x) {
+    n += 1.0;
+    s += x;
+    s2 += x * x;
+  }
+  VF_HD void merge(const Sums& o) {
+    n += o.n;
+    s += o.s;
+    s2 += o.s2;
+  }
+  VF_HD double mean() const { return s / n; }
+  // rsqrt(unbiased variance + 1e-8), as verl's masked_whiten. Needs n >= 2.
+  VF_HD double rstd() const {
+    const double var = (s2 - s * mean()) / (n - 1.0);
+    return 1.0 / sqrt((var > 0.0 ? var : 0.0) + 1e-8);
+  }
+};
+
+inline Sums* status_sums(const TensorRef& status) { return reinterpret_cast<Sums*>(status.ptr<int32_t>() + 2); }
 
 enum class ScanKind : int { gae = 0, reinforce_pp = 1, remax = 2 };
 
@@ -42,8 +69,7 @@ struct ScanArgs {
   TensorRef mask;        // [B, T] bool / uint8 / int32 / int64 / float32
   TensorRef advantages;  // out: [B, T] float32, contiguous
   TensorRef returns;     // out: [B, T] float32, contiguous
-  TensorRef workspace;   // uint8 [scan_workspace_bytes(B)] on the device of the inputs
-  TensorRef status;      // out: int32 [1], the call's Status bits
+  TensorRef status;      // out: int32 [kStatusWords], 8-byte aligned
   float gamma = 1.0f;
   float lam = 1.0f;
   bool whiten = true;
@@ -66,7 +92,7 @@ struct GroupArgs {
   TensorRef ids;         // [B] int64 on the CPU: the group of each sample
   TensorRef advantages;  // out: [B, T] float32, contiguous
   TensorRef workspace;   // uint8 [group_workspace_bytes(B)] on the device of the inputs
-  TensorRef status;      // out: int32 [1], the call's Status bits
+  TensorRef status;      // out: int32 [kStatusWords], 8-byte aligned
   float epsilon = 1e-6f;
   bool norm_by_std = true;
   bool whiten = true;    // reinforce_pp_baseline only
@@ -74,7 +100,6 @@ struct GroupArgs {
   uintptr_t stream = 0;
 };
 
-int64_t scan_workspace_bytes(int64_t batch);
 int64_t group_workspace_bytes(int64_t batch);
 
 void advantage_scan(const ScanArgs& args);
@@ -86,60 +111,20 @@ void group_advantage(const GroupArgs& args);
 int64_t build_groups(const int64_t* ids, int64_t batch, int32_t* row_group, int32_t* offsets,
                      int32_t* members);
 
-// Batch-wide statistics that turn A into (A - mean) * rstd (verl's masked_whiten, unbiased variance).
-struct Whitening {
-  double mean;
-  double rstd;
-};
-
-// Chan et al.'s merge of (count, mean, M2) partials. An aggregate (no member initialisers) so that
-// CUDA can hold it in shared memory: write `Moments m{}` for an empty one.
-struct Moments {
-  double count, mean, m2;
-  VF_HD void add(double x) {
-    count += 1;
-    const double d = x - mean;
-    mean += d / count;
-    m2 += d * (x - mean);
-  }
-  VF_HD void merge(const Moments& o) {
-    if (o.count == 0) return;
-    const double n = count + o.count, d = o.mean - mean;
-    mean += d * o.count / n;
-    m2 += o.m2 + d * d * count * o.count / n;
-    count = n;
-  }
-  // rsqrt(unbiased variance + 1e-8), as verl's masked_whiten. Needs count >= 2.
-  VF_HD double rstd() const { return 1.0 / sqrt(m2 / (count - 1) + 1e-8); }
-};
-
-// Workspace layout, shared by the CPU and CUDA paths.
-struct ScanWorkspace {
-  Moments* rows;   // [B] per-row moments of what gets whitened
-  Moments* total;  // [1]
-  static ScanWorkspace at(void* base, int64_t batch) {
-    auto* m = static_cast<Moments*>(base);
-    return {m, m + batch};
-  }
-};
-
+// Workspace of the group estimators, shared by the CPU and CUDA paths.
 struct GroupWorkspace {
   double* score;       // [B] s_b
   double* count;       // [B] mask sum of row b
   double* adv;         // [B] a_b
-  Moments* total;      // [1] count-weighted moments of a_b (for whitening)
   int32_t* row_group;  // [B]
   int32_t* offsets;    // [B + 1]
   int32_t* members;    // [B]
   static GroupWorkspace at(void* base, int64_t batch) {
     auto* d = static_cast<double*>(base);
-    auto* total = reinterpret_cast<Moments*>(d + 3 * batch);
-    auto* i = reinterpret_cast<int32_t*>(total + 1);
-    return {d, d + batch, d + 2 * batch, total, i, i + batch, i + 2 * batch + 1};
+    auto* i = reinterpret_cast<int32_t*>(d + 3 * batch);
+    return {d, d + batch, d + 2 * batch, i, i + batch, i + 2 * batch + 1};
   }
-  static int64_t bytes(int64_t batch) {
-    return 3 * batch * 8 + static_cast<int64_t>(sizeof(Moments)) + (3 * batch + 1) * 4;
-  }
+  static int64_t bytes(int64_t batch) { return 3 * batch * 8 + (3 * batch + 1) * 4; }
 };
 
 // a_b from the group's members' scores (see GroupArgs).

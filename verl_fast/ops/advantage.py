@@ -23,10 +23,11 @@ from verl_fast.ops import _validate as V
 from verl_fast.ops._ext import cuda_stream, ext
 
 _BAD_REWARDS, _BAD_VALUES, _TOO_FEW = 1, 2, 4
+_STATUS_WORDS = 8  # word 0: the bits above; words 2..7: batch-wide sums of what was whitened
 
 
 def _raise_for_status(status: torch.Tensor, rewards_name: str, values_name: str) -> None:
-    bits = int(status.item())
+    bits = int(status[0].item())
     if bits & _BAD_REWARDS:
         raise ValueError(f"{rewards_name} contains NaN or inf")
     if bits & _BAD_VALUES:
@@ -44,7 +45,7 @@ def _scan(kind, rewards, mask, *, values=None, baselines=None, gamma=1.0, lam=1.
     B, T = rewards.shape
     adv = torch.empty((B, T), dtype=torch.float32, device=rewards.device)
     ret = torch.empty_like(adv)
-    status = torch.empty(1, dtype=torch.int32, device=rewards.device)
+    status = torch.empty(_STATUS_WORDS, dtype=torch.int32, device=rewards.device)
     a = C.ScanArgs()
     a.kind = kind
     a.rewards = rewards
@@ -55,7 +56,6 @@ def _scan(kind, rewards, mask, *, values=None, baselines=None, gamma=1.0, lam=1.
     a.mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
     a.advantages = adv
     a.returns = ret
-    a.workspace = torch.empty(C.scan_workspace_bytes(B), dtype=torch.uint8, device=rewards.device)
     a.status = status
     a.gamma = float(gamma)
     a.lam = float(lam)
@@ -170,7 +170,7 @@ def _group(kind, token_level_rewards, response_mask, index, *, epsilon=1e-6, nor
     B, T = r.shape
     ids = group_ids(index, B)
     adv = torch.empty((B, T), dtype=torch.float32, device=r.device)
-    status = torch.empty(1, dtype=torch.int32, device=r.device)
+    status = torch.empty(_STATUS_WORDS, dtype=torch.int32, device=r.device)
     a = C.GroupArgs()
     a.kind = kind
     a.rewards = r
