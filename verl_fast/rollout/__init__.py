@@ -1,5 +1,12 @@
 """Rollout: the engine interface and its engines (Hugging Face generate, vLLM)."""
 
+import importlib.util
+
 from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec, pad_completions
 
-__all__ = ["GenerationOutput", "RolloutEngine", "SamplingSpec", "pad_completions"]
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+__all__ = ["GenerationOutput", "RolloutEngine", "SamplingSpec", "pad_completions", "vllm_available"]

@@ -1,0 +1,63 @@
+"""Config loading: defaults, the seed-002 form, overrides, and errors that name the key."""
+
+import textwrap
+
+import pytest
+
+from verl_fast import config as C
+
+
+def test_defaults_and_embedded_default_load():
+    cfg = C.from_dict({})
+    assert cfg.algorithm.type == "grpo" and cfg.advantage_estimator == "grpo"
+    default = C.load(C.default_config_path())
+    assert default.actor.model_name == "smollm2-135m-instruct"
+    assert default.rollout.n == 8 and default.trainer.total_steps == 25
+
+
+def test_seed_002_form(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(textwrap.dedent("""
+        actor: {type: vllm, model_name: /models/llama, tensor_parallel_size: 2, dtype: bfloat16,
+                enable_prefix_caching: true, max_num_seqs: 64}
+        critic: {type: hf_transformers, model_name: /models/critic, use_flash_attention: true}
+        reward_fn: {type: pairwise_ranking, reference_free: false}
+        algorithm: {type: dpo, beta: 0.1, loss_type: sigmoid}
+        trainer: {num_epochs: 1, per_device_train_batch_size: 4, gradient_accumulation_steps: 4,
+                  learning_rate: 5.0e-7, max_grad_norm: 1.0}
+    """))
+    cfg = C.load(path)
+    assert cfg.rollout.type == "vllm" and cfg.rollout.tensor_parallel_size == 2 and cfg.rollout.max_num_seqs == 64
+    assert cfg.actor.lr == 5e-7 and cfg.actor.micro_batch_size == 4 and cfg.actor.ppo_mini_batch_size == 16
+    assert cfg.algorithm.type == "dpo" and cfg.advantage_estimator is None
+
+
+def test_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("actor: {lr: 1.0e-5}\n")
+    cfg = C.load(path, ["actor.lr=3e-5", "rollout.n=4", "trainer.dataset=reasoning_gym:chain_sum"])
+    assert cfg.actor.lr == 3e-5 and cfg.rollout.n == 4 and cfg.trainer.dataset == "reasoning_gym:chain_sum"
+    with pytest.raises(ValueError, match="section.key=value"):
+        C.load(path, ["lr=1"])
+
+
+@pytest.mark.parametrize("data,match", [
+    ({"actor": {"learning_rat": 1}}, r"unknown key actor.learning_rat; allowed keys in actor: \[.*'lr'"),
+    ({"trainr": {}}, r"unknown section 'trainr'"),
+    ({"actor": {"lr": "fast"}}, r"actor.lr must be a number, got 'fast'"),
+    ({"rollout": {"n": 2.5}}, r"rollout.n must be an integer"),
+    ({"rollout": {"n": 0}}, r"rollout.n must be >= 1, got 0"),
+    ({"actor": {"loss_agg_mode": "mean"}}, r"actor.loss_agg_mode must be one of \['token-mean'"),
+    ({"algorithm": {"type": "a2c"}}, r"algorithm.type must be one of"),
+    ({"rollout": {"enable_prefix_caching": "yes"}}, r"must be true or false"),
+    ({"algorithm": {"type": "grpo"}, "rollout": {"n": 1}}, r"grpo is not supported with rollout.n=1.*use rollout.n >= 2"),
+    ({"rollout": {"speculative_config": {"model": "draft"}}}, r"speculative_config is not supported"),
+    ({"rollout": {"guided_decoding": {"json": {}}}}, r"guided_decoding is not supported"),
+    ({"algorithm": {"type": "dpo"}}, r"dpo is not supported with reward_fn.type=reasoning_gym; use reward_fn.type=pairwise_ranking"),
+    ({"actor": {"use_kl_loss": True}, "algorithm": {"use_kl_in_reward": True}}, r"use one of them"),
+    ({"reward_fn": {"type": "callable"}}, r"needs reward_fn.path"),
+    ({"actor": {"clip_ratio_c": 1.0}}, r"clip_ratio_c must be > 1"),
+])
+def test_errors_name_the_key(data, match):
+    with pytest.raises(ValueError, match=match):
+        C.from_dict(data)

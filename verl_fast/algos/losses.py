@@ -1,0 +1,154 @@
+"""Losses as small pure functions over token tensors ``[B, L]``, as verl defines them.
+
+Each takes per-token tensors and a ``response_mask`` and returns a scalar (via ``agg_loss``) plus
+the statistics the trainer logs. No state, no config objects: the trainer picks the variant once.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from verl_fast.ops.masked import masked_mean, masked_sum
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_KINDS = ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs", "k1+", "k2+", "k3+", "low_var_kl+", "abs+")
+
+
+def agg_loss(loss_mat: torch.Tensor, response_mask: torch.Tensor, mode: str = "token-mean",
+             norm_length: int = 0, num_tokens: Optional[float] = None,
+             num_seqs: Optional[float] = None) -> torch.Tensor:
+    """Aggregates a ``[B, L]`` per-token loss into a scalar.
+
+    token-mean: mean over all response tokens of the batch; seq-mean-token-sum: per-sequence sum,
+    mean over sequences; seq-mean-token-mean: per-sequence mean, mean over sequences;
+    seq-mean-token-sum-norm: per-sequence sum divided by a constant length (``norm_length``, default
+    the padded L), mean over sequences (Dr.GRPO's normalisation, which does not depend on lengths).
+
+    ``num_tokens`` / ``num_seqs``: the counts of the whole (mini-)batch when this is one micro-batch
+    of it. The micro-batch losses then add up exactly to the whole batch's loss, whatever the
+    micro-batch sizes (gradient accumulation scaled by tokens or sequences, not by micro-batch count).
+    """
+    mask = response_mask.to(loss_mat.dtype)
+    if mode == "token-mean":
+        if num_tokens is None:
+            return masked_mean(loss_mat, mask)
+        return masked_sum(loss_mat, mask) / max(float(num_tokens), 1.0)
+    seq_sum = masked_sum(loss_mat, mask, axis=-1)
+    if mode == "seq-mean-token-sum":
+        per_seq = seq_sum
+    elif mode == "seq-mean-token-mean":
+        per_seq = seq_sum / (mask.sum(-1) + 1e-8)
+    elif mode == "seq-mean-token-sum-norm":
+        per_seq = seq_sum / float(norm_length or loss_mat.shape[-1])
+    else:
+        raise ValueError(f"loss_agg_mode must be one of {AGG_MODES}, got {mode!r}")
+    return per_seq.mean() if num_seqs is None else per_seq.sum() / max(float(num_seqs), 1.0)
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:
+    """Per-token KL estimate between the policy and the reference from sampled-token log-probs.
+
+    k1 (kl): logp - ref; abs: |logp - ref|; k2 (mse): 0.5 (logp - ref)^2; k3 (low_var_kl):
+    exp(ref - logp) - (ref - logp) - 1, clamped to [-10, 10] as verl does. A trailing ``+`` is the
+    straight-through form: the named estimator's value with k2's gradient (k1 and k3 are unbiased
+    in value but not in gradient; k2's gradient is the right one).
+    """
+    if kind.endswith("+"):
+        base = kind[:-1]
+        value = kl_penalty(logp, ref_logp, base)
+        k2 = kl_penalty(logp, ref_logp, "k2")
+        return value.detach() + k2 - k2.detach()
+    diff = logp - ref_logp
+    if kind in ("k1", "kl"):
+        return diff
+    if kind == "abs":
+        return diff.abs()
+    if kind in ("k2", "mse"):
+        return 0.5 * diff.square()
+    if kind in ("k3", "low_var_kl"):
+        # exp() of a large log-ratio overflows: clamp the exponent, then the estimate (verl's choice).
+        neg = torch.clamp(-diff, min=-20.0, max=20.0)
+        return torch.clamp(torch.exp(neg) - neg - 1.0, min=-10.0, max=10.0)
+    raise ValueError(f"kl kind must be one of {KL_KINDS}, got {kind!r}")
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    **counts,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """PPO clipped surrogate with asymmetric clipping and dual clip.
+
+    ratio = exp(clamp(logp - old_logp, -20, 20)); loss = max(-A r, -A clip(r, 1-low, 1+high));
+    for A < 0 the loss is further capped at -A c (dual clip, c > 1). Returns the aggregated loss and
+    ``{clipfrac, clipfrac_lower, approx_kl}`` (detached). ``counts``: ``num_tokens`` / ``num_seqs``
+    of the whole batch when this is a micro-batch of it (see ``agg_loss``).
+    """
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c (dual clip) must be > 1, got {clip_ratio_c}")
+    log_ratio = torch.clamp(logp - old_logp, min=-20.0, max=20.0)
+    ratio = torch.exp(log_ratio)
+    loss1 = -advantages * ratio
+    loss2 = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    clipped = torch.maximum(loss1, loss2)
+    loss3 = -advantages * clip_ratio_c
+    dual = torch.minimum(loss3, clipped)
+    per_token = torch.where(advantages < 0, dual, clipped)
+    mask = response_mask.to(per_token.dtype)
+    stats = {
+        "clipfrac": masked_mean((loss2 > loss1).float(), mask).detach(),
+        "clipfrac_lower": masked_mean(((clipped > loss3) & (advantages < 0)).float(), mask).detach(),
+        "approx_kl": masked_mean(-log_ratio, mask).detach(),
+    }
+    return agg_loss(per_token, mask, loss_agg_mode, **counts), stats
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+               response_mask: torch.Tensor, cliprange_value: float = 0.5,
+               loss_agg_mode: str = "token-mean", **counts) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """Clipped value loss: 0.5 * max((V - R)^2, (clip(V, V_old +- c) - R)^2)."""
+    clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    l1 = (values - returns).square()
+    l2 = (clipped - returns).square()
+    per_token = 0.5 * torch.maximum(l1, l2)
+    mask = response_mask.to(per_token.dtype)
+    return agg_loss(per_token, mask, loss_agg_mode, **counts), {"vf_clipfrac": masked_mean((l2 > l1).float(), mask).detach()}
+
+
+def entropy_loss(entropy: torch.Tensor, response_mask: torch.Tensor, loss_agg_mode: str = "token-mean",
+                 **counts) -> torch.Tensor:
+    """Mean entropy of the response tokens (subtracted, times a coefficient, for an entropy bonus)."""
+    return agg_loss(entropy, response_mask, loss_agg_mode, **counts)
+
+
+def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+             ref_rejected: torch.Tensor, beta: float = 0.1, loss_type: str = "sigmoid",
+             label_smoothing: float = 0.0) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """DPO over summed sequence log-probs ``[B]``. sigmoid: -log sigmoid(beta * margin) (with
+    conservative label smoothing); ipo: (margin - 1/(2 beta))^2; hinge: relu(1 - beta * margin).
+    margin = (pi_c - pi_r) - (ref_c - ref_r); pass zeros as ref for reference-free DPO."""
+    margin = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
+    if loss_type == "sigmoid":
+        losses = -(1 - label_smoothing) * F.logsigmoid(beta * margin) - label_smoothing * F.logsigmoid(-beta * margin)
+    elif loss_type == "ipo":
+        losses = (margin - 1.0 / (2.0 * beta)).square()
+    elif loss_type == "hinge":
+        losses = torch.relu(1.0 - beta * margin)
+    else:
+        raise ValueError(f"dpo loss_type must be sigmoid, ipo or hinge, got {loss_type!r}")
+    chosen_reward = beta * (policy_chosen - ref_chosen).detach()
+    rejected_reward = beta * (policy_rejected - ref_rejected).detach()
+    stats = {
+        "reward_margin": (chosen_reward - rejected_reward).mean(),
+        "reward_accuracy": (chosen_reward > rejected_reward).float().mean(),
+    }
+    return losses.mean(), stats

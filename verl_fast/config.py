@@ -1,0 +1,321 @@
+"""Typed run configuration: YAML sections ``actor``, ``critic``, ``rollout``, ``reward_fn``,
+``algorithm``, ``trainer`` (the shape of seed 002 section 3.3), validated once at start-up.
+
+Unknown keys, wrong types, out-of-range values and unsupported combinations fail with a message
+that names the key and what is allowed. ``--set section.key=value`` overrides go through the same
+checks. Seed 002's spellings are accepted: ``actor: {type: vllm, tensor_parallel_size: ...}`` selects
+and configures the rollout engine; ``trainer: {learning_rate, max_grad_norm,
+per_device_train_batch_size, gradient_accumulation_steps}`` set the actor's optimiser and batching.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
+
+from verl_fast.algos.advantage import ESTIMATORS, GROUP_ESTIMATORS
+from verl_fast.algos.losses import AGG_MODES, KL_KINDS
+
+
+def _f(default, *, choices=None, min=None, max=None, doc: str = ""):
+    """A dataclass field with validation metadata."""
+    kwargs = {"default_factory": default} if callable(default) else {"default": default}
+    return field(metadata={"choices": choices, "min": min, "max": max, "doc": doc}, **kwargs)
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+ALGORITHMS = ("grpo", "drgrpo", "ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "dpo")
+# What each algorithm estimates its advantages with (dpo has none).
+ADVANTAGE_OF = {"ppo": "gae", "dpo": None, **{a: a for a in ESTIMATORS}}
+
+
+@dataclass
+class ActorConfig:
+    model_name: Optional[str] = _f(None, doc="HF folder or the demo name 'smollm2-135m-instruct'")
+    type: str = _f("hf", choices=("hf", "hf_transformers", "vllm"), doc="seed 002 form: vllm = rollout.type")
+    dtype: str = _f("float32", choices=DTYPES)
+    autocast: str = _f("none", choices=("none", "bfloat16", "float16"), doc="autocast for forward passes")
+    lr: float = _f(1e-6, min=0.0)
+    weight_decay: float = _f(0.0, min=0.0)
+    max_grad_norm: float = _f(1.0, min=0.0, doc="0 = no clipping")
+    ppo_epochs: int = _f(1, min=1)
+    ppo_mini_batch_size: Optional[int] = _f(None, min=1, doc="sequences per optimiser step (None: the batch)")
+    micro_batch_size: int = _f(8, min=1, doc="sequences per forward/backward")
+    use_dynamic_bsz: bool = _f(False, doc="micro-batches by token budget instead of by count")
+    max_token_len_per_gpu: int = _f(16384, min=1)
+    clip_ratio: Optional[float] = _f(None, min=0.0, doc="sets clip_ratio_low and clip_ratio_high")
+    clip_ratio_low: float = _f(0.2, min=0.0)
+    clip_ratio_high: float = _f(0.2, min=0.0)
+    clip_ratio_c: float = _f(3.0, min=1.0, doc="dual-clip bound for negative advantages (> 1)")
+    loss_agg_mode: str = _f("token-mean", choices=AGG_MODES)
+    entropy_coeff: float = _f(0.0)
+    use_kl_loss: bool = _f(False)
+    kl_loss_coef: float = _f(0.001, min=0.0)
+    kl_loss_type: str = _f("low_var_kl", choices=KL_KINDS)
+    fused_logprobs: str = _f("auto", choices=("auto", "on", "off"), doc="fused lm_head + log-prob kernels")
+    gradient_checkpointing: bool = _f(False)
+    skip_zero_advantage: bool = _f(True, doc="leave samples whose advantages are all 0 out of the backward")
+    # seed 002 form: rollout-engine settings written in the actor section (copied to rollout)
+    model_path: Optional[str] = _f(None, doc="alias of model_name")
+    tensor_parallel_size: Optional[int] = _f(None, min=1)
+    enable_prefix_caching: Optional[bool] = _f(None)
+    max_num_seqs: Optional[int] = _f(None, min=1)
+    gpu_memory_utilization: Optional[float] = _f(None, min=0.0, max=1.0)
+    max_model_len: Optional[int] = _f(None, min=1)
+    enable_chunked_prefill: Optional[bool] = _f(None)
+
+
+@dataclass
+class CriticConfig:
+    model_name: Optional[str] = _f(None, doc="HF folder of the critic's base model (PPO)")
+    type: str = _f("hf_transformers", choices=("hf", "hf_transformers"))
+    dtype: str = _f("float32", choices=DTYPES)
+    lr: float = _f(1e-5, min=0.0)
+    weight_decay: float = _f(0.0, min=0.0)
+    max_grad_norm: float = _f(1.0, min=0.0)
+    micro_batch_size: int = _f(8, min=1)
+    cliprange_value: float = _f(0.5, min=0.0)
+    loss_agg_mode: str = _f("token-mean", choices=AGG_MODES)
+    use_flash_attention: bool = _f(False)
+
+
+@dataclass
+class RolloutConfig:
+    type: str = _f("auto", choices=("auto", "hf", "vllm"), doc="auto: vllm when installed, else hf")
+    n: int = _f(8, min=1, doc="samples per prompt")
+    temperature: float = _f(1.0, min=0.0)
+    top_p: float = _f(1.0, min=0.0, max=1.0)
+    top_k: int = _f(-1, min=-1)
+    max_new_tokens: int = _f(64, min=1, doc="response length")
+    seed: int = _f(0)
+    dtype: str = _f("auto", choices=("auto",) + DTYPES)
+    tensor_parallel_size: int = _f(1, min=1)
+    gpu_memory_utilization: float = _f(0.5, min=0.0, max=1.0)
+    enable_prefix_caching: bool = _f(True)
+    max_num_seqs: int = _f(256, min=1)
+    max_model_len: Optional[int] = _f(None, min=1)
+    enable_chunked_prefill: Optional[bool] = _f(None)
+    enable_sleep_mode: bool = _f(True, doc="free KV cache (GPU) during training")
+    speculative_config: Optional[Dict[str, Any]] = _f(None, doc="rejected: RL must sample from the policy")
+    guided_decoding: Optional[Dict[str, Any]] = _f(None, doc="rejected: RL must sample from the policy")
+
+
+@dataclass
+class RewardConfig:
+    type: str = _f("reasoning_gym", choices=("reasoning_gym", "gsm8k", "callable", "reward_model",
+                                             "pairwise_ranking"))
+    path: Optional[str] = _f(None, doc="'module:function' for type callable")
+    model_name: Optional[str] = _f(None, doc="sequence-classification model for type reward_model")
+    reference_free: bool = _f(False, doc="pairwise_ranking: DPO without a reference model")
+
+
+@dataclass
+class AlgorithmConfig:
+    type: str = _f("grpo", choices=ALGORITHMS)
+    gamma: float = _f(1.0, min=0.0, max=1.0)
+    lam: float = _f(1.0, min=0.0, max=1.0)
+    epsilon: float = _f(1e-6, min=0.0)
+    use_kl_in_reward: bool = _f(False)
+    kl_penalty: str = _f("kl", choices=KL_KINDS)
+    kl_coef: float = _f(0.001, min=0.0)
+    beta: float = _f(0.1, min=0.0, doc="DPO temperature")
+    loss_type: str = _f("sigmoid", choices=("sigmoid", "ipo", "hinge"), doc="DPO loss")
+    label_smoothing: float = _f(0.0, min=0.0, max=0.5)
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: Optional[int] = _f(None, min=1, doc="optimiser steps (None: num_epochs over the data)")
+    num_epochs: int = _f(1, min=1)
+    train_batch_size: int = _f(4, min=1, doc="prompts (or preference pairs) per step")
+    seed: int = _f(0)
+    device: str = _f("auto", choices=("auto", "cpu", "cuda"))
+    output_dir: str = _f("runs/verl_fast")
+    save_freq: int = _f(0, min=0, doc="checkpoint every N steps (0: only at the end)")
+    resume: bool = _f(True, doc="continue from the latest complete checkpoint in output_dir")
+    dataset: Optional[str] = _f(None, doc="parquet/jsonl path, HF dataset name, or reasoning_gym:<task>")
+    dataset_kwargs: Dict[str, Any] = _f(dict)
+    system_prompt: Optional[str] = _f(None)
+    max_prompt_length: int = _f(512, min=1)
+    progress_bar: bool = _f(True)
+    metrics_port: Optional[int] = _f(None, min=0, max=65535)
+    plot: bool = _f(True, doc="reward-curve PNG at the end")
+    # seed 002 form
+    per_device_train_batch_size: Optional[int] = _f(None, min=1, doc="alias: actor.micro_batch_size")
+    gradient_accumulation_steps: Optional[int] = _f(None, min=1)
+    learning_rate: Optional[float] = _f(None, min=0.0, doc="alias: actor.lr")
+    max_grad_norm: Optional[float] = _f(None, min=0.0, doc="alias: actor.max_grad_norm")
+
+
+@dataclass
+class Config:
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward_fn: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    @property
+    def advantage_estimator(self) -> Optional[str]:
+        return ADVANTAGE_OF[self.algorithm.type]
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _check_value(value: Any, annotation: Any, meta: Dict[str, Any], key: str) -> Any:
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is Union and type(None) in args:
+        if value is None:
+            return None
+        annotation = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{key} must be true or false, got {value!r}")
+    elif annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{key} must be an integer, got {value!r}")
+    elif annotation is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{key} must be a number, got {value!r}")
+        value = float(value)
+    elif annotation is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{key} must be a string, got {value!r}")
+    elif origin is dict or annotation is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{key} must be a mapping, got {value!r}")
+    if meta.get("choices") is not None and value not in meta["choices"]:
+        raise ValueError(f"{key} must be one of {list(meta['choices'])}, got {value!r}")
+    if meta.get("min") is not None and value < meta["min"]:
+        raise ValueError(f"{key} must be >= {meta['min']}, got {value!r}")
+    if meta.get("max") is not None and value > meta["max"]:
+        raise ValueError(f"{key} must be <= {meta['max']}, got {value!r}")
+    return value
+
+
+def _section(cls, data: Any, name: str):
+    if data is None:
+        return cls()
+    if not isinstance(data, dict):
+        raise ValueError(f"{name} must be a mapping of keys, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in data.items():
+        if key not in fields:
+            raise ValueError(f"unknown key {name}.{key}; allowed keys in {name}: {sorted(fields)}")
+        values[key] = _check_value(value, hints[key], dict(fields[key].metadata), f"{name}.{key}")
+    return cls(**values)
+
+
+def from_dict(data: Optional[Dict[str, Any]]) -> Config:
+    data = dict(data or {})
+    sections = {f.name: f.type for f in dataclasses.fields(Config)}
+    unknown = sorted(set(data) - set(sections))
+    if unknown:
+        raise ValueError(f"unknown section {unknown[0]!r}; allowed sections: {sorted(sections)}")
+    hints = typing.get_type_hints(Config)
+    cfg = Config(**{name: _section(hints[name], data.get(name), name) for name in sections})
+    _apply_aliases(cfg)
+    validate(cfg)
+    return cfg
+
+
+def load(path: Union[str, Path], overrides: Optional[List[str]] = None) -> Config:
+    """A YAML file plus ``section.key=value`` overrides (values parsed as YAML)."""
+    import yaml
+
+    text = Path(path).read_text()
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the config must be a mapping of sections")
+    return from_dict(apply_overrides(data, overrides or []))
+
+
+def apply_overrides(data: Dict[str, Any], overrides: List[str]) -> Dict[str, Any]:
+    import yaml
+
+    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    for item in overrides:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise ValueError(f"override {item!r} must look like section.key=value")
+        dotted, raw = item.split("=", 1)
+        section, key = dotted.split(".", 1)
+        data.setdefault(section, {})
+        if not isinstance(data[section], dict):
+            raise ValueError(f"{section} must be a mapping of keys")
+        data[section][key] = yaml.safe_load(raw) if raw != "" else None
+    return data
+
+
+def _apply_aliases(cfg: Config) -> None:
+    a, r, t = cfg.actor, cfg.rollout, cfg.trainer
+    if a.model_path and not a.model_name:
+        a.model_name = a.model_path
+    if a.clip_ratio is not None:
+        a.clip_ratio_low = a.clip_ratio_high = a.clip_ratio
+    if a.type == "vllm":
+        r.type = "vllm"
+    for key in ("tensor_parallel_size", "enable_prefix_caching", "max_num_seqs", "gpu_memory_utilization",
+                "max_model_len", "enable_chunked_prefill"):
+        if getattr(a, key) is not None:
+            setattr(r, key, getattr(a, key))
+    if t.learning_rate is not None:
+        a.lr = t.learning_rate
+    if t.max_grad_norm is not None:
+        a.max_grad_norm = t.max_grad_norm
+    if t.per_device_train_batch_size is not None:
+        a.micro_batch_size = t.per_device_train_batch_size
+        if t.gradient_accumulation_steps is not None:
+            a.ppo_mini_batch_size = t.per_device_train_batch_size * t.gradient_accumulation_steps
+
+
+def validate(cfg: Config) -> None:
+    """Combinations that cannot work, named with what to use instead."""
+    algo, est = cfg.algorithm.type, cfg.advantage_estimator
+    if est in GROUP_ESTIMATORS and cfg.rollout.n < 2:
+        raise ValueError(f"algorithm.type={algo} is not supported with rollout.n={cfg.rollout.n}: its baseline "
+                         "is the other samples of the same prompt; use rollout.n >= 2")
+    if cfg.rollout.speculative_config:
+        raise ValueError("rollout.speculative_config is not supported: RL rollout must sample from the policy "
+                         "itself, and a draft model changes what is sampled; remove it")
+    if cfg.rollout.guided_decoding:
+        raise ValueError("rollout.guided_decoding is not supported: constrained sampling is not the policy's "
+                         "distribution, so the policy gradient would be wrong; remove it")
+    if cfg.actor.use_kl_loss and cfg.algorithm.use_kl_in_reward:
+        raise ValueError("actor.use_kl_loss is not supported with algorithm.use_kl_in_reward; use one of them")
+    if algo == "dpo" and cfg.reward_fn.type not in ("pairwise_ranking",):
+        raise ValueError(f"algorithm.type=dpo is not supported with reward_fn.type={cfg.reward_fn.type}; "
+                         "use reward_fn.type=pairwise_ranking (DPO learns from chosen/rejected pairs)")
+    if algo != "dpo" and cfg.reward_fn.type == "pairwise_ranking":
+        raise ValueError(f"reward_fn.type=pairwise_ranking is not supported with algorithm.type={algo}; "
+                         "use algorithm.type=dpo")
+    if cfg.reward_fn.type == "callable" and not cfg.reward_fn.path:
+        raise ValueError("reward_fn.type=callable needs reward_fn.path ('module:function')")
+    if cfg.reward_fn.type == "reward_model" and not cfg.reward_fn.model_name:
+        raise ValueError("reward_fn.type=reward_model needs reward_fn.model_name")
+    if cfg.actor.clip_ratio_c <= 1.0:
+        raise ValueError(f"actor.clip_ratio_c must be > 1 (dual clip), got {cfg.actor.clip_ratio_c}")
+    if algo == "remax":
+        raise ValueError("algorithm.type=remax is not supported by the trainer yet (it needs a greedy baseline "
+                         "rollout per prompt); the estimator is available as verl_fast.compute_remax_advantage")
+
+
+def default_config_path() -> Path:
+    """The embedded default run (SPEC.md): GRPO on SmolLM2-135M-Instruct with reasoning-gym chain_sum."""
+    return Path(__file__).resolve().parent / "configs" / "default.yaml"

@@ -1,0 +1,55 @@
+"""The critic: a transformer backbone with a scalar value head on every position."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def backbone_of(model: nn.Module) -> nn.Module:
+    """The decoder stack of a Hugging Face causal LM (its ``base_model``), or the model itself."""
+    base = getattr(model, "base_model", None)
+    return base if isinstance(base, nn.Module) and base is not model else model
+
+
+class ValueModel(nn.Module):
+    """Values ``[B, T]`` from ``model``: a token-classification model with one label is used as it is;
+    any other model (e.g. a causal LM of any family) gets a linear head on its last hidden states,
+    initialised to zero so the first values are 0 and the first GAE advantages are the returns."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        config = getattr(model, "config", None)
+        self.token_classifier = "ForTokenClassification" in type(model).__name__
+        if self.token_classifier:
+            if getattr(config, "num_labels", 1) != 1:
+                raise ValueError(f"a token-classification critic needs num_labels=1, got {config.num_labels}")
+            self.backbone, self.head = None, None
+        else:
+            hidden = getattr(config, "hidden_size", None)
+            if hidden is None:
+                raise ValueError(f"cannot find hidden_size in the critic's config ({type(model).__name__})")
+            self.backbone = backbone_of(model)
+            self.head = nn.Linear(hidden, 1)
+            nn.init.zeros_(self.head.weight)
+            nn.init.zeros_(self.head.bias)
+            param = next(model.parameters())
+            self.head.to(device=param.device, dtype=param.dtype)
+
+    def forward(self, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
+        if self.token_classifier:
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+            return out.logits[..., 0].float()
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=False)
+        return self.head(out.last_hidden_state).squeeze(-1).float()
+
+
+def response_values(critic: ValueModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    response_length: int) -> torch.Tensor:
+    """Values of the states in which each of the last ``response_length`` tokens is produced: the
+    position before each token (as verl's critic reads them). ``[B, L]``."""
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    values = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    return values[:, -response_length - 1 : -1]

@@ -1,0 +1,49 @@
+"""Rewards: rule-based scorers, reward models, user callables, and the registry the config uses."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from verl_fast.rewards.base import (
+    CallableReward,
+    RewardFunction,
+    RewardInput,
+    as_reward_function,
+    load_callable,
+)
+from verl_fast.rewards.model import RewardModel
+from verl_fast.rewards.rule import GSM8KReward, ReasoningGymReward, gsm8k_answer, last_number
+
+
+def build_reward(cfg: Any, override: Optional[Any] = None) -> Optional[RewardFunction]:
+    """The reward for ``cfg`` (a RewardConfig); ``override`` (a callable or RewardFunction passed to
+    RLTrainer) wins. pairwise_ranking (DPO) scores nothing: preference pairs carry their ranking."""
+    if override is not None:
+        return as_reward_function(override)
+    kind = cfg.type
+    if kind == "reasoning_gym":
+        return ReasoningGymReward()
+    if kind == "gsm8k":
+        return GSM8KReward()
+    if kind == "callable":
+        return CallableReward(load_callable(cfg.path))
+    if kind == "reward_model":
+        return RewardModel.from_pretrained(cfg.model_name)
+    if kind == "pairwise_ranking":
+        return None
+    raise ValueError(f"unknown reward_fn.type {kind!r}")
+
+
+__all__ = [
+    "RewardInput",
+    "RewardFunction",
+    "CallableReward",
+    "RewardModel",
+    "GSM8KReward",
+    "ReasoningGymReward",
+    "as_reward_function",
+    "build_reward",
+    "gsm8k_answer",
+    "last_number",
+    "load_callable",
+]

@@ -1,0 +1,148 @@
+"""Rollout with Hugging Face ``generate`` on the actor itself (no second copy of the weights)."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec, pad_completions
+
+
+def _eos_ids(model, tokenizer) -> List[int]:
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def _full_params(model):
+    """FSDP1 keeps each rank's shard between forwards: generate needs the full parameters."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except ImportError:  # pragma: no cover
+        return contextlib.nullcontext()
+    if isinstance(model, FSDP):
+        return FSDP.summon_full_params(model, writeback=False, recurse=True)
+    return contextlib.nullcontext()
+
+
+class HFGenerateEngine(RolloutEngine):
+    """``model.generate`` over left-padded prompt batches, one call per distinct sampling spec.
+
+    Log-probs of the sampled tokens come from the raw logits divided by the temperature (what the
+    trainer's log-prob pass computes), not from the top-k/top-p-filtered scores.
+    """
+
+    owns_weights = False
+
+    def __init__(self, model, tokenizer, max_batch_size: int = 64, autocast_dtype: Optional[torch.dtype] = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.autocast_dtype = autocast_dtype
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if self.pad_id is None:
+            raise ValueError("the tokenizer has neither a pad nor an EOS token")
+
+    def _module(self):
+        inner = getattr(self.model, "module", None)  # FSDP1 / DDP keep the HF model in .module
+        return inner if inner is not None and hasattr(inner, "generate") else self.model
+
+    @property
+    def device(self) -> torch.device:
+        return next(self._module().parameters()).device
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 sampling: Union[SamplingSpec, Sequence[SamplingSpec]]) -> GenerationOutput:
+        specs = [sampling] * len(prompts) if isinstance(sampling, SamplingSpec) else list(sampling)
+        if len(specs) != len(prompts):
+            raise ValueError(f"one sampling spec per prompt expected: {len(prompts)} prompts, {len(specs)} specs")
+        for spec in specs:
+            spec.validate()
+        # generate() samples from the global RNG: seed it once per call (per-request seeds would
+        # force one generate call per prompt), and batch the prompts whose other settings agree.
+        seeds = [s.seed for s in specs if s.seed is not None]
+        if seeds:
+            torch.manual_seed(seeds[0])
+        groups: Dict[SamplingSpec, List[int]] = {}
+        for i, spec in enumerate(specs):
+            groups.setdefault(replace(spec, seed=None), []).append(i)
+        results: Dict[int, List[Tuple[List[int], List[float], str]]] = {}
+        for spec, members in groups.items():
+            per_call = max(1, self.max_batch_size // spec.n)
+            for start in range(0, len(members), per_call):
+                chunk = members[start : start + per_call]
+                for i, outs in zip(chunk, self._generate([prompts[i] for i in chunk], spec)):
+                    results[i] = outs
+        completions, logprobs, index, texts, reasons = [], [], [], [], []
+        for i in range(len(prompts)):
+            for toks, lps, reason in results[i]:
+                completions.append(toks)
+                logprobs.append(lps)
+                index.append(i)
+                reasons.append(reason)
+                texts.append(self.tokenizer.decode(toks, skip_special_tokens=True))
+        return pad_completions(completions, logprobs, index, self.pad_id, texts, reasons)
+
+    @torch.no_grad()
+    def _generate(self, prompts: List[Sequence[int]], spec: SamplingSpec) -> List[List[Tuple[List[int], List[float], str]]]:
+        module = self._module()
+        device = self.device
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, p in enumerate(prompts):
+            if len(p):
+                ids[row, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+                mask[row, width - len(p):] = 1
+        eos = _eos_ids(module, self.tokenizer)
+        greedy = spec.temperature == 0.0
+        copies = spec.n if greedy else 1  # greedy samples are identical: decode once, copy n times
+        kwargs = dict(max_new_tokens=spec.max_tokens, do_sample=not greedy, num_return_sequences=spec.n // copies,
+                      pad_token_id=self.pad_id, eos_token_id=eos or None, return_dict_in_generate=True,
+                      output_logits=spec.logprobs, use_cache=True)
+        if not greedy:
+            kwargs.update(temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k if spec.top_k > 0 else 0)
+        if spec.stop:
+            kwargs.update(stop_strings=list(spec.stop), tokenizer=self.tokenizer)
+        was_training = module.training
+        module.eval()
+        autocast = (torch.autocast(device.type, dtype=self.autocast_dtype) if self.autocast_dtype is not None
+                    else contextlib.nullcontext())
+        try:
+            with _full_params(self.model), autocast:
+                out = module.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
+        finally:
+            module.train(was_training)
+        new = out.sequences[:, width:].cpu()
+        logp = None
+        if spec.logprobs and out.logits:
+            logits = torch.stack(out.logits, dim=1).float().cpu()  # [rows, steps, V]
+            if not greedy:
+                logits = logits / spec.temperature
+            logp = torch.log_softmax(logits, dim=-1).gather(-1, new[:, : logits.shape[1], None]).squeeze(-1)
+            logp = logp.repeat_interleave(copies, dim=0)
+        new = new.repeat_interleave(copies, dim=0)
+        stop_ids = set(eos) | set(spec.stop_token_ids)
+        grouped: List[List[Tuple[List[int], List[float], str]]] = [[] for _ in prompts]
+        for row in range(new.shape[0]):
+            toks = new[row].tolist()
+            end, reason = len(toks), "length"
+            for t, tok in enumerate(toks):
+                if tok in stop_ids:
+                    end, reason = t + 1, "stop"  # the EOS token belongs to the response
+                    break
+            if reason == "length" and spec.stop:
+                # generate stopped on a stop string: trailing pad tokens are not part of the response
+                while end > 0 and toks[end - 1] == self.pad_id and self.pad_id not in stop_ids:
+                    end -= 1
+                reason = "stop" if end < len(toks) else reason
+            lps = logp[row, :end].tolist() if logp is not None else [0.0] * end
+            grouped[row // spec.n].append((toks[:end], lps, reason))
+        return grouped

@@ -1,0 +1,1 @@
+"""The trainer: RLTrainer's loop, experience building, checkpoints, the DPO step."""

@@ -1,0 +1,64 @@
+"""One DPO step: summed response log-probs of chosen and rejected under the actor and the
+reference, the DPO loss (sigmoid / ipo / hinge), backward. The caller steps the optimizer."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Dict, List, Tuple
+
+import torch
+
+from verl_fast.algos.losses import dpo_loss
+from verl_fast.data import PreferencePair
+from verl_fast.models.logprobs import response_logprobs
+
+if TYPE_CHECKING:  # pragma: no cover
+    from verl_fast.trainer.rl_trainer import RLTrainer
+
+
+def pair_tensors(pairs: List[PreferencePair], pad_id: int, device: torch.device) -> Tuple[torch.Tensor, ...]:
+    """``[2B, P + L]`` ids and attention mask (chosen rows first, then rejected) and the ``[2B, L]``
+    response mask: left-padded prompts, right-padded responses."""
+    P = max(len(p.prompt_ids) for p in pairs)
+    responses = [p.chosen_ids for p in pairs] + [p.rejected_ids for p in pairs]
+    prompts = [p.prompt_ids for p in pairs] * 2
+    L = max(1, max(len(r) for r in responses))
+    ids = torch.full((len(responses), P + L), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, (prompt, resp) in enumerate(zip(prompts, responses)):
+        if prompt:
+            ids[row, P - len(prompt) : P] = torch.as_tensor(prompt)
+            mask[row, P - len(prompt) : P] = 1
+        if resp:
+            ids[row, P : P + len(resp)] = torch.as_tensor(resp)
+            mask[row, P : P + len(resp)] = 1
+    return ids.to(device), mask.to(device), mask[:, P:].to(device)
+
+
+def sequence_logprobs(model, ids, mask, response_mask, autocast) -> torch.Tensor:
+    with autocast():
+        logp, _ = response_logprobs(model, ids, mask, response_mask.shape[1])
+    return (logp.float() * response_mask).sum(-1)
+
+
+def step(trainer: "RLTrainer", pairs: List[PreferencePair]) -> Dict[str, float]:
+    cfg = trainer.cfg
+    total = len(pairs)
+    size = max(1, cfg.actor.micro_batch_size // 2)  # each pair is two sequences
+    stats: Dict[str, float] = {"dpo/loss": 0.0, "dpo/reward_margin": 0.0, "dpo/reward_accuracy": 0.0}
+    for start in range(0, total, size):
+        chunk = pairs[start : start + size]
+        ids, mask, rmask = pair_tensors(chunk, trainer.tokenizer.pad_token_id, trainer.device)
+        policy = sequence_logprobs(trainer.actor, ids, mask, rmask, trainer._autocast)
+        if trainer.ref is not None:
+            with torch.no_grad():
+                ref = sequence_logprobs(trainer.ref, ids, mask, rmask, trainer._autocast)
+        else:  # reference-free DPO
+            ref = torch.zeros_like(policy)
+        B = len(chunk)
+        loss, s = dpo_loss(policy[:B], policy[B:], ref[:B], ref[B:], cfg.algorithm.beta, cfg.algorithm.loss_type,
+                           cfg.algorithm.label_smoothing)
+        (loss * B / total).backward()  # the mean over all pairs of the step
+        stats["dpo/loss"] += loss.item() * B / total
+        stats["dpo/reward_margin"] += float(s["reward_margin"]) * B / total
+        stats["dpo/reward_accuracy"] += float(s["reward_accuracy"]) * B / total
+    return stats
