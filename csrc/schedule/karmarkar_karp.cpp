@@ -1,14 +1,18 @@
-// k-way Karmarkar–Karp (largest differencing method) in O(n log n).
+// k-way Karmarkar–Karp (largest differencing method), O(n log n log k).
 //
 // A state is k sets sorted by sum, largest first; its spread is the largest sum minus the smallest.
 // Start from one state per item (or, with equal_size, one state per run of k items in sorted order,
 // one item per set), then repeatedly merge the two states of largest spread, pairing the i-th
 // largest set of one with the i-th smallest of the other, until one state remains.
 //
-// Two things keep this fast at 10^6 items:
-//  - a state stores only its non-empty sets (a singleton state is one set, not k), so memory is
-//    O(n) and a merge costs O(m_a + m_b log m_b) where m_b is the smaller state's set count;
-//  - a set's members are a linked list threaded through one `next` array, so merging sets is O(1).
+// What keeps this fast at 10^6 items and large k:
+//  - a state stores only its non-empty sets (a singleton state is one set, not k), as a binary
+//    min-heap plus its largest sum (sums only grow, so that is a running max). A merge touches only
+//    the smaller state's m sets and the m smallest sets of the other: O(m log k). m is at most the
+//    smaller state's item count, so all merges cost O(n log n log k) (smaller-half argument);
+//  - states live in one arena of power-of-two blocks with free lists (no allocation per state);
+//  - a set's members are a linked list threaded through one `next` array, so joining sets is O(1);
+//  - the initial states are popped from a sorted array, only merged states go through a heap.
 #include <algorithm>
 #include <numeric>
 #include <queue>
@@ -20,15 +24,22 @@ namespace vf::schedule {
 namespace {
 
 struct Set {
-  int64_t sum, count, head, tail;
+  int64_t sum;
+  int32_t count, head, tail;  // members: head -> next[head] -> ... -> tail (n < 2^31)
 };
 
 // Sets sort by sum, largest first; ties by member count, then by first member (unique across sets).
-bool heavier(const Set& a, const Set& b) {
-  if (a.sum != b.sum) return a.sum > b.sum;
-  if (a.count != b.count) return a.count > b.count;
-  return a.head < b.head;
-}
+// A functor rather than a function so that the std:: heap and sort templates inline it.
+struct Heavier {
+  bool operator()(const Set& a, const Set& b) const {
+    if (a.sum != b.sum) return a.sum > b.sum;
+    if (a.count != b.count) return a.count > b.count;
+    return a.head < b.head;
+  }
+};
+struct Lighter {
+  bool operator()(const Set& a, const Set& b) const { return Heavier{}(b, a); }
+};
 
 struct Entry {
   int64_t spread, top, id;
@@ -43,114 +54,205 @@ struct PopsLater {
   }
 };
 
-class Differencing {
+// Blocks of Sets in one vector; capacities are powers of two capped at k, freed blocks are reused.
+class Arena {
  public:
-  Differencing(int64_t n, int64_t k) : k_(k), next_(n, -1) {}
-
-  void add_state(std::vector<Set> sets) {
-    std::sort(sets.begin(), sets.end(), heavier);
-    const int64_t id = static_cast<int64_t>(states_.size());
-    states_.push_back(std::move(sets));
-    entries_.push_back(entry(id));
+  explicit Arena(int64_t k) : k_(k), free_(66) {}
+  int64_t capacity_for(int64_t need) const {
+    int64_t cap = 1;
+    while (cap < need) cap *= 2;
+    return std::min(cap, k_);
   }
-
-  // Merges until one state is left; returns its sets (at most k, largest first).
-  std::vector<Set> run() {
-    std::priority_queue<Entry, std::vector<Entry>, PopsLater> heap(PopsLater{}, std::move(entries_));
-    while (heap.size() > 1) {
-      const int64_t a = heap.top().id;
-      heap.pop();
-      const int64_t b = heap.top().id;
-      heap.pop();
-      merge_into(a, b);
-      heap.push(entry(a));
+  int64_t alloc(int64_t cap) {
+    auto& list = free_[slot(cap)];
+    if (!list.empty()) {
+      const int64_t off = list.back();
+      list.pop_back();
+      return off;
     }
-    return std::move(states_[heap.top().id]);
+    const int64_t off = static_cast<int64_t>(sets_.size());
+    sets_.resize(off + cap);
+    return off;
   }
-
-  const std::vector<int64_t>& next() const { return next_; }
+  void release(int64_t off, int64_t cap) { free_[slot(cap)].push_back(off); }
+  void reserve(int64_t n) { sets_.reserve(n); }
+  Set* at(int64_t off) { return sets_.data() + off; }
 
  private:
-  Entry entry(int64_t id) const {
-    const auto& s = states_[id];
-    const int64_t m = static_cast<int64_t>(s.size());
-    const int64_t smallest = m == k_ ? s.back().sum : 0;  // absent sets are empty
-    return {s.front().sum - smallest, s.front().sum, id};
+  int slot(int64_t cap) const { return cap == k_ ? 65 : 63 - __builtin_clzll(static_cast<uint64_t>(cap)); }
+  int64_t k_;
+  std::vector<Set> sets_;
+  std::vector<std::vector<int64_t>> free_;
+};
+
+struct State {
+  int64_t off, size, cap;  // sets in arena[off, off + size): a min-heap under Heavier (lightest first)
+  int64_t top;             // the largest sum
+};
+
+class Differencing {
+ public:
+  Differencing(int64_t n, int64_t k) : k_(k), next_(n, -1), arena_(k) { arena_.reserve(n); }
+
+  // A state from `m` single-item sets: items[0..m) with their costs.
+  void add_state(const int64_t* items, int64_t m, const int64_t* cost) {
+    const int64_t cap = arena_.capacity_for(m);
+    State s{arena_.alloc(cap), m, cap, 0};
+    Set* sets = arena_.at(s.off);
+    for (int64_t j = 0; j < m; ++j) {
+      const int32_t i = static_cast<int32_t>(items[j]);
+      sets[j] = {cost[i], 1, i, i};
+      s.top = std::max(s.top, cost[i]);
+    }
+    std::make_heap(sets, sets + m, Heavier{});
+    states_.push_back(s);
+    entries_.push_back(entry(static_cast<int64_t>(states_.size()) - 1));
+  }
+
+  // Merges until one state is left; returns its sets (at most k), largest first.
+  std::vector<Set> run() {
+    const PopsLater later;
+    std::vector<Entry> initial = std::move(entries_);
+    std::sort(initial.begin(), initial.end(), [&](const Entry& x, const Entry& y) { return later(y, x); });
+    std::priority_queue<Entry, std::vector<Entry>, PopsLater> merged;
+    size_t next_initial = 0;
+    auto pop = [&]() {
+      if (next_initial < initial.size() && (merged.empty() || !later(initial[next_initial], merged.top())))
+        return initial[next_initial++].id;
+      const int64_t id = merged.top().id;
+      merged.pop();
+      return id;
+    };
+    for (size_t live = initial.size(); live > 1; --live) {
+      const int64_t a = pop();
+      const int64_t b = pop();
+      merge_into(a, b);
+      merged.push(entry(a));
+    }
+    const State& last = states_[pop()];
+    std::vector<Set> sets(arena_.at(last.off), arena_.at(last.off) + last.size);
+    std::sort(sets.begin(), sets.end(), Heavier{});
+    return sets;
+  }
+
+  const std::vector<int32_t>& next() const { return next_; }
+
+ private:
+  Entry entry(int64_t id) {
+    const State& s = states_[id];
+    const int64_t smallest = s.size == k_ ? arena_.at(s.off)->sum : 0;  // absent sets are empty
+    return {s.top - smallest, s.top, id};
   }
 
   void join(Set& into, const Set& other) {
-    if (into.count == 0) {
-      into = other;
-      return;
-    }
     next_[into.tail] = other.head;
     into.tail = other.tail;
     into.sum += other.sum;
     into.count += other.count;
   }
 
-  // states_[a] <- states_[a] merged with states_[b] (set i of one joins set k-1-i of the other).
+  // states_[a] <- states_[a] merged with states_[b]: the i-th largest set of one joins the i-th
+  // smallest of the other (absent sets count as empty, hence smallest).
   void merge_into(int64_t a, int64_t b) {
     // The pairing is symmetric, so let the state with fewer sets be the one whose sets move.
-    const bool swap = states_[b].size() > states_[a].size();
-    std::vector<Set>& big = states_[swap ? b : a];
-    std::vector<Set>& small = states_[swap ? a : b];
-    const int64_t mb = static_cast<int64_t>(big.size()), ms = static_cast<int64_t>(small.size());
-    // Sets big[i] with i >= k - ms receive small[k - 1 - i]; the others are an unchanged sorted prefix.
-    const int64_t kept = std::min(mb, k_ - ms);
-    changed_.clear();
-    for (int64_t j = 0; j < ms; ++j) {
-      const int64_t i = k_ - 1 - j;
-      Set s = i < mb ? big[i] : Set{0, 0, -1, -1};
-      join(s, small[j]);
-      changed_.push_back(s);
+    if (states_[b].size > states_[a].size) std::swap(states_[a], states_[b]);
+    State& big = states_[a];
+    const State small_state = states_[b];
+    const int64_t ms = small_state.size, need = std::min(k_, big.size + ms);
+    if (need > big.cap) {
+      const int64_t cap = arena_.capacity_for(need), off = arena_.alloc(cap);
+      std::copy(arena_.at(big.off), arena_.at(big.off) + big.size, arena_.at(off));
+      arena_.release(big.off, big.cap);
+      big.off = off;
+      big.cap = cap;
     }
-    std::sort(changed_.begin(), changed_.end(), heavier);
-    merged_.resize(kept + ms);
-    std::merge(big.begin(), big.begin() + kept, changed_.begin(), changed_.end(), merged_.begin(), heavier);
-    std::vector<Set>& out = states_[a];
-    out.swap(merged_);
-    std::vector<Set>().swap(states_[b]);  // free b
+    Set* heap = arena_.at(big.off);
+    Set* small = arena_.at(small_state.off);
+    std::sort(small, small + ms, Heavier{});  // largest first
+    const int64_t empty = k_ - big.size;  // small[j] joins the j-th smallest set of big: an absent one for j < empty
+    const int64_t touched = std::max<int64_t>(0, ms - empty);
+    if (2 * touched >= big.size) {
+      // Most of big changes (always so with equal_size): sort it lightest first, join, re-heapify.
+      std::sort(heap, heap + big.size, Lighter{});
+      for (int64_t j = empty; j < ms; ++j) join(heap[j - empty], small[j]);
+      for (int64_t j = 0; j < std::min(ms, empty); ++j) heap[big.size++] = small[j];
+      for (int64_t j = 0; j < big.size; ++j) big.top = std::max(big.top, heap[j].sum);
+      std::make_heap(heap, heap + big.size, Heavier{});
+    } else {
+      changed_.clear();
+      for (int64_t j = 0; j < ms; ++j) {
+        if (j < empty) {
+          changed_.push_back(small[j]);
+          continue;
+        }
+        std::pop_heap(heap, heap + big.size, Heavier{});
+        Set s = heap[--big.size];
+        join(s, small[j]);
+        changed_.push_back(s);
+      }
+      for (const Set& s : changed_) {
+        heap[big.size++] = s;
+        std::push_heap(heap, heap + big.size, Heavier{});
+        big.top = std::max(big.top, s.sum);
+      }
+    }
+    arena_.release(small_state.off, small_state.cap);
   }
 
   int64_t k_;
-  std::vector<int64_t> next_;
-  std::vector<std::vector<Set>> states_;
+  std::vector<int32_t> next_;
+  Arena arena_;
+  std::vector<State> states_;
   std::vector<Entry> entries_;
-  std::vector<Set> changed_, merged_;
+  std::vector<Set> changed_;
 };
 
 }  // namespace
+
+std::vector<int64_t> order_by(const int64_t* key, int64_t n, bool descending) {
+  std::vector<int64_t> idx(n), tmp(n);
+  std::iota(idx.begin(), idx.end(), 0);
+  auto bits = [&](int64_t i) {
+    const uint64_t k = static_cast<uint64_t>(key[i]);
+    return descending ? ~k : k;
+  };
+  uint64_t any = 0, all = ~uint64_t{0};
+  for (int64_t i = 0; i < n; ++i) {
+    any |= bits(i);
+    all &= bits(i);
+  }
+  for (int shift = 0; shift < 64; shift += 8) {
+    if ((((any ^ all) >> shift) & 0xff) == 0) continue;  // this byte is the same in every key
+    int64_t start[257] = {0};
+    for (int64_t i = 0; i < n; ++i) ++start[((bits(i) >> shift) & 0xff) + 1];
+    for (int b = 0; b < 256; ++b) start[b + 1] += start[b];
+    for (int64_t j = 0; j < n; ++j) tmp[start[(bits(idx[j]) >> shift) & 0xff]++] = idx[j];  // stable
+    idx.swap(tmp);
+  }
+  return idx;
+}
 
 Groups karmarkar_karp(const int64_t* cost, int64_t n, int64_t k, bool equal_size) {
   Groups g;
   g.offsets.assign(k + 1, 0);
   if (n == 0) return g;
-  // Items by cost, smallest first; ties by index.
-  std::vector<int64_t> items(n);
-  std::iota(items.begin(), items.end(), 0);
-  std::sort(items.begin(), items.end(), [&](int64_t x, int64_t y) {
-    return cost[x] != cost[y] ? cost[x] < cost[y] : x < y;
-  });
+  const std::vector<int64_t> items = order_by(cost, n, false);  // smallest first
   Differencing kk(n, k);
   const int64_t per_state = equal_size ? k : 1;
-  for (int64_t start = 0; start < n; start += per_state) {
-    std::vector<Set> sets;
-    sets.reserve(per_state);
-    for (int64_t j = start; j < start + per_state; ++j) sets.push_back({cost[items[j]], 1, items[j], items[j]});
-    kk.add_state(std::move(sets));
-  }
+  for (int64_t start = 0; start < n; start += per_state) kk.add_state(items.data() + start, per_state, cost);
   const std::vector<Set> final_sets = kk.run();
+  // Label each item with its partition, then lay partitions out by a counting pass over the items
+  // in index order, which leaves every partition's members ascending.
   const auto& next = kk.next();
-  g.order.reserve(n);
-  for (int64_t p = 0; p < k; ++p) {
-    if (p < static_cast<int64_t>(final_sets.size())) {
-      const size_t begin = g.order.size();
-      for (int64_t i = final_sets[p].head; i != -1; i = next[i]) g.order.push_back(i);
-      std::sort(g.order.begin() + begin, g.order.end());
-    }
-    g.offsets[p + 1] = static_cast<int64_t>(g.order.size());
+  std::vector<int32_t> label(n);
+  for (int64_t p = 0; p < static_cast<int64_t>(final_sets.size()); ++p) {
+    for (int32_t i = final_sets[p].head; i != -1; i = next[i]) label[i] = static_cast<int32_t>(p);
+    g.offsets[p + 1] = final_sets[p].count;
   }
+  for (int64_t p = 0; p < k; ++p) g.offsets[p + 1] += g.offsets[p];
+  std::vector<int64_t> fill(g.offsets.begin(), g.offsets.end() - 1);
+  g.order.resize(n);
+  for (int64_t i = 0; i < n; ++i) g.order[fill[label[i]]++] = i;
   return g;
 }
 

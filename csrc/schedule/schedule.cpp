@@ -24,6 +24,7 @@ const int64_t* int64_input(const TensorRef& t, const char* name) {
   VF_CHECK(t.device == Device::cpu, name, " must be on the CPU (plans are host computations)");
   check_contiguous(t, name);
   VF_CHECK(t.sizes[0] >= 1, name, " must hold at least one sequence, got none");
+  VF_CHECK(t.sizes[0] < (int64_t{1} << 31), name, " may hold at most 2^31 - 1 sequences, got ", t.sizes[0]);
   return t.ptr<const int64_t>();
 }
 
@@ -55,14 +56,7 @@ void write(const Groups& g, int64_t* order, int64_t* offsets) {
 // ---- packing ----
 
 // Items by length, longest first; ties by index.
-std::vector<int64_t> longest_first(const int64_t* lengths, int64_t n) {
-  std::vector<int64_t> items(n);
-  std::iota(items.begin(), items.end(), 0);
-  std::sort(items.begin(), items.end(), [&](int64_t x, int64_t y) {
-    return lengths[x] != lengths[y] ? lengths[x] > lengths[y] : x < y;
-  });
-  return items;
-}
+std::vector<int64_t> longest_first(const int64_t* lengths, int64_t n) { return order_by(lengths, n, true); }
 
 // Groups from a list of member lists: members sorted, groups ordered by `weight`, largest first
 // (ties by first member).

@@ -23,6 +23,10 @@ struct Groups {
   int64_t count() const { return static_cast<int64_t>(offsets.size()) - 1; }
 };
 
+// Indices 0..n-1 ordered by key (keys >= 0), ascending or descending, ties by index ascending:
+// an LSD radix sort, O(n) per non-constant key byte.
+std::vector<int64_t> order_by(const int64_t* key, int64_t n, bool descending);
+
 // k-way largest differencing on cost[0..n): k groups ordered by cost, largest first; with
 // equal_size (k must divide n) every group has n / k members. Groups are empty only when n < k.
 // O(n log n + n k') time where k' is the size of the smaller state in a merge (1 for most merges).
