@@ -84,7 +84,7 @@ PYBIND11_MODULE(_C, m) {
         py::call_guard<py::gil_scoped_release>(),
         "Token-budget micro-batches of int64 lengths into order/offsets; returns their count");
   m.def("rollout_buckets", &schedule::rollout_buckets, py::arg("prompt_lens"), py::arg("max_new_tokens"),
-        py::arg("max_num_seqs"), py::arg("max_batch_tokens"), py::arg("max_model_len"), py::arg("order"),
-        py::arg("offsets"), py::arg("wave_max_tokens"), py::call_guard<py::gil_scoped_release>(),
+        py::arg("max_num_seqs"), py::arg("max_batch_tokens"), py::arg("max_model_len"), py::arg("max_length_ratio"),
+        py::arg("order"), py::arg("offsets"), py::arg("wave_max_tokens"), py::call_guard<py::gil_scoped_release>(),
         "Rollout dispatch waves by prompt length into order/offsets/wave_max_tokens; returns their count");
 }

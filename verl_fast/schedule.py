@@ -291,13 +291,14 @@ def _is_process_group(obj) -> bool:
 
 
 def rollout_buckets(prompt_lens: Lengths, max_new_tokens, max_num_seqs: int, max_batch_tokens: int, *,
-                    max_model_len: Optional[int] = None) -> Plan:
+                    max_model_len: Optional[int] = None, max_length_ratio: float = 2.0) -> Plan:
     """Dispatch waves for the rollout engine, short prompts first.
 
     Requests are sorted by prompt length (then by their max new tokens) and cut into consecutive
     waves of at most ``max_num_seqs`` requests whose worst-case KV tokens — the wave's prompt
-    tokens plus members * the wave's ``max_tokens`` — stay within ``max_batch_tokens``. So short
-    requests run together and are not held behind long ones. ``max_new_tokens`` is an int or one
+    tokens plus members * the wave's ``max_tokens`` — stay within ``max_batch_tokens``, and whose
+    longest prompt is at most ``max_length_ratio`` times the shortest (``float("inf")``: no limit).
+    So requests of similar length run together and short ones are not held behind long ones. ``max_new_tokens`` is an int or one
     per request; with ``max_model_len`` each is clipped to ``max_model_len - prompt_len``.
     ``plan.max_tokens[w]`` is wave w's generation limit (the largest of its members'); a request
     that alone exceeds ``max_batch_tokens`` gets a wave of its own and is listed in
@@ -315,6 +316,9 @@ def rollout_buckets(prompt_lens: Lengths, max_new_tokens, max_num_seqs: int, max
     max_num_seqs = _int(max_num_seqs, "max_num_seqs", 1)
     max_batch_tokens = _int(max_batch_tokens, "max_batch_tokens", 1)
     model_len = 0 if max_model_len is None else _int(max_model_len, "max_model_len", 2)
+    if isinstance(max_length_ratio, bool) or not isinstance(max_length_ratio, numbers.Real) \
+            or not max_length_ratio >= 1:
+        raise ValueError(f"max_length_ratio must be a number >= 1 (inf for no limit), got {max_length_ratio!r}")
     if model_len and p.max() >= model_len:
         i = int(np.argmax(p))
         raise ValueError(f"prompt_lens[{i}] = {int(p[i])} leaves no room for a response within "
@@ -323,7 +327,7 @@ def rollout_buckets(prompt_lens: Lengths, max_new_tokens, max_num_seqs: int, max
     offsets = torch.empty(n + 1, dtype=torch.int64)
     wave_max = torch.empty(n, dtype=torch.int64)
     count = ext().rollout_buckets(torch.from_numpy(p), torch.from_numpy(m), max_num_seqs, max_batch_tokens,
-                                  model_len, order, offsets, wave_max)
+                                  model_len, float(max_length_ratio), order, offsets, wave_max)
     m_eff = np.minimum(m, model_len - p) if model_len else m
     order_np, offsets_np, wave_max_np = order.numpy(), offsets.numpy()[: count + 1], wave_max.numpy()[:count]
     prompt_tokens, longest_prompt = _group_stats(p, order_np, offsets_np)

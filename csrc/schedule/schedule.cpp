@@ -268,8 +268,8 @@ int64_t pack_micro_batches(const TensorRef& lengths, int64_t max_tokens, int64_t
 }
 
 int64_t rollout_buckets(const TensorRef& prompt_lens, const TensorRef& max_new_tokens, int64_t max_num_seqs,
-                        int64_t max_batch_tokens, int64_t max_model_len, const TensorRef& order,
-                        const TensorRef& offsets, const TensorRef& wave_max_tokens) {
+                        int64_t max_batch_tokens, int64_t max_model_len, double max_length_ratio,
+                        const TensorRef& order, const TensorRef& offsets, const TensorRef& wave_max_tokens) {
   const int64_t* p = int64_input(prompt_lens, "prompt_lens");
   const int64_t n = prompt_lens.sizes[0];
   positive_sum(p, n, "prompt_lens");
@@ -280,6 +280,7 @@ int64_t rollout_buckets(const TensorRef& prompt_lens, const TensorRef& max_new_t
   VF_CHECK(max_num_seqs >= 1, "max_num_seqs must be >= 1, got ", max_num_seqs);
   VF_CHECK(max_batch_tokens >= 1, "max_batch_tokens must be >= 1, got ", max_batch_tokens);
   VF_CHECK(max_model_len >= 0, "max_model_len must be >= 1 (or 0 for none), got ", max_model_len);
+  VF_CHECK(max_length_ratio >= 1.0, "max_length_ratio must be >= 1 (inf for no limit), got ", max_length_ratio);
   int64_t* out_order = int64_output(order, "order", n);
   int64_t* out_offsets = int64_output(offsets, "offsets", n + 1);
   int64_t* out_max = int64_output(wave_max_tokens, "wave_max_tokens", n);
@@ -298,21 +299,24 @@ int64_t rollout_buckets(const TensorRef& prompt_lens, const TensorRef& max_new_t
     if (m[x] != m[y]) return m[x] < m[y];
     return x < y;
   });
-  // Consecutive cut: a wave grows while it has room for the next request at the wave's max_tokens.
-  int64_t waves = 0, count = 0, max_m = 0;
+  // Consecutive cut: a wave grows while it has room for the next request at the wave's max_tokens
+  // and the next prompt is at most max_length_ratio times the wave's first (shortest) prompt.
+  int64_t waves = 0, count = 0, max_m = 0, first_p = 0;
   __int128 prompt_sum = 0;
   out_offsets[0] = 0;
   for (int64_t j = 0; j < n; ++j) {
     const int64_t i = items[j];
     const int64_t new_max = std::max(max_m, m[i]);
     const __int128 need = prompt_sum + p[i] + static_cast<__int128>(count + 1) * new_max;
-    if (count > 0 && (count + 1 > max_num_seqs || need > max_batch_tokens)) {
+    const bool similar = static_cast<double>(p[i]) <= max_length_ratio * static_cast<double>(first_p);
+    if (count > 0 && (count + 1 > max_num_seqs || need > max_batch_tokens || !similar)) {
       out_max[waves] = max_m;
       out_offsets[++waves] = j;
       count = 0;
       prompt_sum = 0;
       max_m = 0;
     }
+    if (count == 0) first_p = p[i];
     ++count;
     prompt_sum += p[i];
     max_m = std::max(max_m, m[i]);

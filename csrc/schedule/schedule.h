@@ -53,12 +53,13 @@ int64_t pack_micro_batches(const TensorRef& lengths, int64_t max_tokens, int64_t
 
 // Dispatch waves for the rollout engine: requests sorted by prompt length (then by max new tokens),
 // cut into consecutive waves of at most max_num_seqs requests whose worst-case KV tokens
-// (sum of prompt lengths + members * the wave's max_tokens) stay within max_batch_tokens; a request
-// that alone exceeds it gets a wave of its own. max_new_tokens is [n] (per request); with
+// (sum of prompt lengths + members * the wave's max_tokens) stay within max_batch_tokens and whose
+// longest prompt is at most max_length_ratio times the shortest; a request that alone exceeds the
+// token budget gets a wave of its own. max_new_tokens is [n] (per request); with
 // max_model_len > 0 each is clipped to max_model_len - prompt_len (a prompt must be shorter).
 // order [n], offsets [n + 1], wave_max_tokens [n] (the first count entries are written). Returns count.
 int64_t rollout_buckets(const TensorRef& prompt_lens, const TensorRef& max_new_tokens, int64_t max_num_seqs,
-                        int64_t max_batch_tokens, int64_t max_model_len, const TensorRef& order,
-                        const TensorRef& offsets, const TensorRef& wave_max_tokens);
+                        int64_t max_batch_tokens, int64_t max_model_len, double max_length_ratio,
+                        const TensorRef& order, const TensorRef& offsets, const TensorRef& wave_max_tokens);
 
 }  // namespace vf::schedule
