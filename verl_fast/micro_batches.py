@@ -37,7 +37,8 @@ def loss_scales(weights: Sequence[float], dp_group=None) -> List[float]:
     ``weights[b]``: micro-batch b's loss weight — its response-token count for a token-mean loss,
     its sequence count for seq-mean-token-mean / seq-mean-token-sum. With ``dp_group`` (a
     ``torch.distributed`` process group) ``W`` is all-reduced over the group, and each scale is
-    multiplied by the group's size to undo the gradient averaging over ranks.
+    multiplied by the group's size to undo the gradient averaging over ranks. A micro-batch of
+    weight 0 (no response tokens) gets scale 0; skip its backward, as its mean loss is 0/0.
     """
     w = np.asarray([float(x) for x in weights], dtype=np.float64)
     if w.ndim != 1 or len(w) == 0:
@@ -48,10 +49,8 @@ def loss_scales(weights: Sequence[float], dp_group=None) -> List[float]:
     if dp_group is not None:
         import torch.distributed as dist
 
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(dp_group) == "nccl" else "cpu"
-        t = torch.tensor([total], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=dp_group)
-        total, world = float(t.item()), dist.get_world_size(dp_group)
+        total = float(schedule.reduce_over(dp_group, total, "sum", torch.float64))
+        world = dist.get_world_size(dp_group)
     if total <= 0:
         raise ValueError("the loss weights sum to 0 (no response tokens in the batch)")
     return [float(x) * world / total for x in w]

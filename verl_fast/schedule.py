@@ -213,16 +213,15 @@ def balance_partitions(lengths: Lengths, k: int, equal_size: bool = True, cost="
     return _make_plan(arr, order.numpy(), offsets.numpy(), costs.numpy(), as_torch)
 
 
-def _agreed_count(local_count: int, group) -> int:
-    """The largest micro-batch count over the ranks of ``group`` (a torch.distributed process group)."""
+def reduce_over(group, value, op: str = "max", dtype=torch.int64):
+    """``value`` all-reduced (``"max"`` or ``"sum"``) over a torch.distributed process group, as a
+    Python number. The tensor sits on the current CUDA device when the group's backend is NCCL."""
     import torch.distributed as dist
 
-    device = "cpu"
-    if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor([local_count], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return int(t.item())
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=dtype, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
+    return t.item()
 
 
 def pack_micro_batches(lengths: Lengths, max_tokens: int, min_num: int = 1, same_count_across=None, *,
@@ -269,7 +268,7 @@ def pack_micro_batches(lengths: Lengths, max_tokens: int, min_num: int = 1, same
         raise ValueError(f"same_count_across={agreed} is fewer than the {count} micro-batches this rank needs "
                          f"(max_tokens={max_tokens}, min_num={min_num})")
     if same_count_across is not None and agreed is None:
-        most = _agreed_count(count, same_count_across)
+        most = int(reduce_over(same_count_across, count, "max"))
         if most > n:
             raise ValueError(f"another rank needs {most} micro-batches but this rank has only {n} sequences; "
                              "give every rank the same batch size")
