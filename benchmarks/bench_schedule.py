@@ -134,98 +134,105 @@ def imbalance(costs: np.ndarray, parts) -> float:
     return float(sums.max() / sums.mean())
 
 
-def utilisation(lengths: np.ndarray, groups, budget: int) -> Dict[str, float]:
+def packing_quality(lengths: np.ndarray, groups, budget: int) -> Dict[str, float]:
+    """Micro-batch count, real / padded tokens, real / budget (a group over it counts as full)."""
+    groups = [np.asarray(g, dtype=np.int64) for g in groups if len(g)]
     real = float(lengths.sum())
+    sums = np.array([lengths[g].sum() for g in groups])
     padded = sum(len(g) * int(lengths[g].max()) for g in groups)
-    use = [max(budget, int(lengths[g].sum())) for g in groups]
-    return {"count": len(groups), "padded_utilisation": real / padded, "budget_utilisation": real / sum(use),
-            "over_budget": int(sum(int(lengths[g].sum()) > budget for g in groups))}
+    return {"groups": len(groups), "padded_util": real / padded,
+            "budget_util": real / float(np.maximum(sums, budget).sum()), "over_budget": int((sums > budget).sum())}
+
+
+def quality(report: Report, case: str, plan: str, **figures) -> None:
+    report.meta.setdefault("quality", []).append({"case": case, "plan": plan, **figures})
+
+
+def quality_table(report: Report) -> str:
+    lines = ["plan quality (same inputs)",
+             f"{'case':<28} {'plan':<30} {'groups':>7} {'imbalance':>11} {'padded util':>11} {'budget util':>11} "
+             f"{'over budget':>11}"]
+    for q in report.meta.get("quality", []):
+        def fmt(key, spec):
+            return format(q[key], spec) if q.get(key) is not None else ""
+        line = (f"{q['case']:<28} {q['plan']:<30} {fmt('groups', 'd'):>7} {fmt('imbalance', '.7f'):>11} "
+                f"{fmt('padded_util', '.4f'):>11} {fmt('budget_util', '.4f'):>11} {fmt('over_budget', 'd'):>11}")
+        lines.append(line + (f"  {q['note']}" if q.get("note") else ""))
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- sections
 
 
+def bench_balance_case(report: Report, case: str, lengths: np.ndarray, k: int, equal_size: bool, cost: str,
+                       python_estimate_s: float, python_limit_s: float):
+    """Times ours, the Python KK (unless estimated over the limit) and greedy on the same costs;
+    returns the Python KK's ms, or None when skipped."""
+    costs = lengths if cost == "tokens" else schedule.FLOPS_A * lengths + lengths ** 2
+    as_list = costs.tolist()
+    plan = schedule.balance_partitions(lengths, k, equal_size, cost)
+    ms = time_ms(lambda: schedule.balance_partitions(lengths, k, equal_size, cost), "cpu", warmup=2, rep=10)
+    report.add(case, "verl_fast", ms)
+    quality(report, case, "verl_fast KK", groups=k, imbalance=plan.report.imbalance)
+    kk_ms = None
+    if python_estimate_s > python_limit_s:
+        quality(report, case, "python KK (verl)", note=f"skipped: estimated {python_estimate_s:.0f} s")
+    else:
+        t0 = time.perf_counter()
+        parts = python_kk(as_list, k, equal_size)
+        first = (time.perf_counter() - t0) * 1e3
+        kk_ms = first if first > 2000 else time_ms(lambda: python_kk(as_list, k, equal_size), "cpu", warmup=0, rep=3)
+        report.add(case, "python KK (verl)", kk_ms)
+        quality(report, case, "python KK (verl)", groups=k, imbalance=imbalance(costs, parts))
+    parts = greedy(as_list, k, equal_size)
+    report.add(case, "greedy (verl)", time_ms(lambda: greedy(as_list, k, equal_size), "cpu", warmup=0, rep=3))
+    quality(report, case, "greedy (verl)", groups=k, imbalance=imbalance(costs, parts))
+    return kk_ms
+
+
 def bench_balance(report: Report, sizes, python_limit_s: float) -> None:
-    figures = report.meta.setdefault("balance", {})
     last_kk = {}  # (k, equal_size) -> (n, ms) of the last Python KK run
     for n in sizes:
         lengths = mixed_lengths(n, seed=n)
-        as_list = lengths.tolist()
         for k in KS:
             for equal_size in (True, False):
-                case = f"balance n={n} k={k}{' eq' if equal_size else ''}"
-                plan = schedule.balance_partitions(lengths, k, equal_size)
-                ms = time_ms(lambda: schedule.balance_partitions(lengths, k, equal_size), "cpu", warmup=2, rep=10)
-                fig = {"verl_fast_ms": ms, "verl_fast_imbalance": plan.report.imbalance}
-                report.add(case, "verl_fast", ms, note=f"imbalance {plan.report.imbalance:.7f}")
                 # Python KK is skipped where one run would pass the limit, estimated from the
                 # previous size of the same k and mode as time * (n / n_prev) * log n / log n_prev.
                 prev = last_kk.get((k, equal_size))
-                if prev is not None and prev[1] * n / prev[0] * np.log(n) / np.log(prev[0]) / 1e3 > python_limit_s:
-                    fig["python_kk_ms"] = None
-                    report.add(case, "python KK (verl)", float("nan"), note="skipped: too slow")
-                else:
-                    t0 = time.perf_counter()
-                    parts = python_kk(as_list, k, equal_size)
-                    first = (time.perf_counter() - t0) * 1e3
-                    kk_ms = first if first > 2000 else time_ms(lambda: python_kk(as_list, k, equal_size), "cpu",
-                                                               warmup=0, rep=3)
-                    fig["python_kk_ms"] = kk_ms
+                estimate = 0.0 if prev is None else prev[1] * n / prev[0] * np.log(n) / np.log(prev[0]) / 1e3
+                case = f"balance n={n} k={k}{' eq' if equal_size else ''}"
+                kk_ms = bench_balance_case(report, case, lengths, k, equal_size, "tokens", estimate, python_limit_s)
+                if kk_ms is not None:
                     last_kk[(k, equal_size)] = (n, kk_ms)
-                    fig["python_kk_imbalance"] = imbalance(lengths, parts)
-                    fig["speedup_vs_python_kk"] = kk_ms / ms
-                    report.add(case, "python KK (verl)", kk_ms, note=f"imbalance {fig['python_kk_imbalance']:.7f}")
-                parts = greedy(as_list, k, equal_size)
-                fig["greedy_imbalance"] = imbalance(lengths, parts)
-                g_ms = time_ms(lambda: greedy(as_list, k, equal_size), "cpu", warmup=0, rep=3)
-                report.add(case, "greedy (verl)", g_ms, note=f"imbalance {fig['greedy_imbalance']:.7f}")
-                figures[case] = fig
-    # verl's DP balancing uses the FLOP proxy: one case with it.
-    n, k = 16384, 8
-    lengths = mixed_lengths(n, seed=n)
-    case = f"balance n={n} k={k} eq flops"
-    plan = schedule.balance_partitions(lengths, k, True, cost="flops")
-    ms = time_ms(lambda: schedule.balance_partitions(lengths, k, True, cost="flops"), "cpu", warmup=2, rep=10)
-    report.add(case, "verl_fast", ms, note=f"imbalance {plan.report.imbalance:.9f}")
-    flops = (schedule.FLOPS_A * lengths + lengths ** 2).tolist()
-    t_kk = time_ms(lambda: python_kk(flops, k, True), "cpu", warmup=0, rep=3)
-    kk_imb = imbalance(np.asarray(flops), python_kk(flops, k, True))
-    report.add(case, "python KK (verl)", t_kk, note=f"imbalance {kk_imb:.9f}")
-    figures[case] = {"verl_fast_ms": ms, "verl_fast_imbalance": plan.report.imbalance, "python_kk_ms": t_kk,
-                     "python_kk_imbalance": kk_imb, "speedup_vs_python_kk": t_kk / ms}
+    # verl's DP balancing uses the FLOP proxy 24576 * L + L^2: one case with it.
+    n = 16384
+    bench_balance_case(report, f"balance n={n} k=8 eq flops", mixed_lengths(n, seed=n), 8, True, "flops", 0.0,
+                       python_limit_s)
 
 
 def bench_pack(report: Report, sizes) -> None:
-    figures = report.meta.setdefault("pack", {})
     for n in sizes:
         lengths = mixed_lengths(n, seed=7 * n)
         for budget in (8192, 16384):
             case = f"pack n={n} budget={budget}"
             plan = schedule.pack_micro_batches(lengths, budget)
-            ms = time_ms(lambda: schedule.pack_micro_batches(lengths, budget), "cpu", warmup=1, rep=5)
-            ours = utilisation(lengths, list(plan), budget)
-            padded_plan = schedule.pack_micro_batches(lengths, budget, layout="padded")
-            padded_ms = time_ms(lambda: schedule.pack_micro_batches(lengths, budget, layout="padded"), "cpu",
-                                warmup=1, rep=5)
-            ours_padded = utilisation(lengths, list(padded_plan), budget)
-            ours_padded["padded_budget_utilisation"] = padded_plan.report.budget_utilisation
+            report.add(case, "verl_fast", time_ms(lambda: schedule.pack_micro_batches(lengths, budget), "cpu",
+                                                  warmup=1, rep=5))
+            quality(report, case, "verl_fast packed", imbalance=plan.report.imbalance,
+                    **packing_quality(lengths, plan, budget))
+            padded = schedule.pack_micro_batches(lengths, budget, layout="padded")
+            report.add(case, "verl_fast layout=padded",
+                       time_ms(lambda: schedule.pack_micro_batches(lengths, budget, layout="padded"), "cpu",
+                               warmup=1, rep=5))
+            figures = packing_quality(lengths, padded, budget)
+            figures["budget_util"] = padded.report.budget_utilisation  # the budget counts padding here
+            quality(report, case, "verl_fast padded layout", **figures)
             per_mb = budget // MAX_LEN  # fixed count: the longest possible sequence must fit the budget
             fixed = [np.arange(s, min(n, s + per_mb)) for s in range(0, n, per_mb)]
-            fixed_u = utilisation(lengths, fixed, budget)
+            quality(report, case, f"fixed {per_mb} seqs/micro-batch", **packing_quality(lengths, fixed, budget))
             count = -(-int(lengths.sum()) // budget)
             verl = schedule.balance_partitions(lengths, count, False, cost="flops")
-            verl_u = utilisation(lengths, [g for g in verl if len(g)], budget)
-            report.add(case, "verl_fast packed", ms,
-                       note=f"{ours['count']} mbs, budget util {ours['budget_utilisation']:.4f}")
-            report.add(case, "padded layout (ours)", padded_ms,
-                       note=f"{ours_padded['count']} mbs, padded util {ours_padded['padded_utilisation']:.4f}")
-            report.add(case, f"fixed {per_mb}/micro-batch", float("nan"),
-                       note=f"{fixed_u['count']} mbs, budget util {fixed_u['budget_utilisation']:.4f}, "
-                            f"padded util {fixed_u['padded_utilisation']:.4f}")
-            report.add(case, "verl dynamic bsz (KK flops)", float("nan"),
-                       note=f"{verl_u['count']} mbs, {verl_u['over_budget']} over budget")
-            figures[case] = {"verl_fast_ms": ms, "verl_fast": ours, "verl_fast_padded_layout": ours_padded,
-                             "fixed_count": fixed_u, "fixed_count_per_mb": per_mb, "verl_dynamic_bsz": verl_u}
+            quality(report, case, "verl dynamic bsz (KK on flops)", **packing_quality(lengths, verl, budget))
 
 
 def bench_rollout(report: Report, n: int) -> None:
@@ -235,17 +242,18 @@ def bench_rollout(report: Report, n: int) -> None:
     max_num_seqs, budget = 64, 64 * 2048
     case = f"rollout n={n} seqs<={max_num_seqs}"
     plan = schedule.rollout_buckets(prompts, max_new, max_num_seqs, budget)
-    ms = time_ms(lambda: schedule.rollout_buckets(prompts, max_new, max_num_seqs, budget), "cpu", warmup=1, rep=5)
-    worst = prompts + max_new
-    fixed_padded = sum(len(c) * (int(prompts[c].max()) + int(max_new.max()))
-                       for c in np.array_split(np.arange(n), -(-n // max_num_seqs)))
-    fixed_util = float(worst.sum()) / fixed_padded
-    report.add(case, "verl_fast", ms, note=f"{len(plan)} waves, padded util {plan.report.padded_utilisation:.4f}")
-    report.add(case, "fixed chunks, global max_tokens", float("nan"), note=f"padded util {fixed_util:.4f}")
-    report.meta["rollout"] = {"verl_fast_ms": ms, "waves": len(plan),
-                              "verl_fast_padded_utilisation": plan.report.padded_utilisation,
-                              "verl_fast_budget_utilisation": plan.report.budget_utilisation,
-                              "fixed_chunks_padded_utilisation": fixed_util}
+    report.add(case, "verl_fast", time_ms(lambda: schedule.rollout_buckets(prompts, max_new, max_num_seqs, budget),
+                                          "cpu", warmup=1, rep=5))
+    quality(report, case, "verl_fast waves", groups=len(plan), padded_util=plan.report.padded_utilisation,
+            budget_util=plan.report.budget_utilisation)
+    # Arrival-order chunks of max_num_seqs, every request padded to the chunk's longest prompt and
+    # decoding up to the global max_new_tokens.
+    chunks = np.array_split(np.arange(n), -(-n // max_num_seqs))
+    worst = float((prompts + max_new).sum())
+    padded = sum(len(c) * (int(prompts[c].max()) + int(max_new.max())) for c in chunks)
+    kv = [min(budget, int(prompts[c].sum()) + len(c) * int(max_new.max())) for c in chunks]
+    quality(report, case, "fixed chunks, global max_tokens", groups=len(chunks), padded_util=worst / padded,
+            budget_util=worst / (len(chunks) * budget), note=f"{sum(k >= budget for k in kv)} chunks at the KV budget")
 
 
 def run(quick: bool = False, python_limit_s: float = 30.0) -> Report:
@@ -260,7 +268,6 @@ def run(quick: bool = False, python_limit_s: float = 30.0) -> Report:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cpu", choices=["cpu"], help="plans are host computations")
     p.add_argument("--quick", action="store_true", help="n up to 16k only")
     p.add_argument("--python-limit-s", type=float, default=30.0,
                    help="skip a Python KK run estimated to take longer than this")
@@ -268,6 +275,7 @@ def main(argv=None) -> int:
     report = run(args.quick, args.python_limit_s)
     path = report.save()
     print(report.table())
+    print(quality_table(report))
     print(f"saved {path}")
     return 0
 

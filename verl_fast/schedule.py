@@ -297,8 +297,8 @@ def rollout_buckets(prompt_lens: Lengths, max_new_tokens, max_num_seqs: int, max
     waves of at most ``max_num_seqs`` requests whose worst-case KV tokens — the wave's prompt
     tokens plus members * the wave's ``max_tokens`` — stay within ``max_batch_tokens``, and whose
     longest prompt is at most ``max_length_ratio`` times the shortest (``float("inf")``: no limit).
-    So requests of similar length run together and short ones are not held behind long ones. ``max_new_tokens`` is an int or one
-    per request; with ``max_model_len`` each is clipped to ``max_model_len - prompt_len``.
+    So requests of similar length run together and short ones are not held behind long ones.
+    ``max_new_tokens`` is an int or one per request; with ``max_model_len`` each is clipped to ``max_model_len - prompt_len``.
     ``plan.max_tokens[w]`` is wave w's generation limit (the largest of its members'); a request
     that alone exceeds ``max_batch_tokens`` gets a wave of its own and is listed in
     ``plan.oversize``. ``costs[w]``: the wave's worst-case KV tokens; the report counts each

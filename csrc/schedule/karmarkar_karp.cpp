@@ -86,13 +86,17 @@ class Arena {
 };
 
 struct State {
-  int64_t off, size, cap;  // sets in arena[off, off + size): a min-heap under Heavier (lightest first)
+  int64_t off, size, cap;  // sets in arena[off, off + size): a heap, lightest at the front (std::*_heap with Heavier)
   int64_t top;             // the largest sum
 };
 
 class Differencing {
  public:
-  Differencing(int64_t n, int64_t k) : k_(k), next_(n, -1), arena_(k) { arena_.reserve(n); }
+  Differencing(int64_t n, int64_t k, int64_t num_states) : k_(k), next_(n, -1), arena_(k) {
+    arena_.reserve(n);
+    states_.reserve(num_states);
+    entries_.reserve(num_states);
+  }
 
   // A state from `m` single-item sets: items[0..m) with their costs.
   void add_state(const int64_t* items, int64_t m, const int64_t* cost) {
@@ -104,7 +108,7 @@ class Differencing {
       sets[j] = {cost[i], 1, i, i};
       s.top = std::max(s.top, cost[i]);
     }
-    std::make_heap(sets, sets + m, Heavier{});
+    std::sort(sets, sets + m, Lighter{});  // sorted lightest first: a valid heap
     states_.push_back(s);
     entries_.push_back(entry(static_cast<int64_t>(states_.size()) - 1));
   }
@@ -168,26 +172,29 @@ class Differencing {
     }
     Set* heap = arena_.at(big.off);
     Set* small = arena_.at(small_state.off);
-    std::sort(small, small + ms, Heavier{});  // largest first
-    const int64_t empty = k_ - big.size;  // small[j] joins the j-th smallest set of big: an absent one for j < empty
+    // Lightest first (a sorted array is also a valid heap); small's j-th largest is small[ms - 1 - j].
+    // States that came out of the sorted branch below are sorted already, which insertion sort sees in O(m).
+    std::sort(small, small + ms, Lighter{});
+    auto largest = [&](int64_t j) -> const Set& { return small[ms - 1 - j]; };
+    const int64_t empty = k_ - big.size;  // largest(j) joins the j-th smallest set of big: an absent one for j < empty
     const int64_t touched = std::max<int64_t>(0, ms - empty);
     if (2 * touched >= big.size) {
-      // Most of big changes (always so with equal_size): sort it lightest first, join, re-heapify.
+      // Most of big changes (always so with equal_size): sort it, join, sort again.
       std::sort(heap, heap + big.size, Lighter{});
-      for (int64_t j = empty; j < ms; ++j) join(heap[j - empty], small[j]);
-      for (int64_t j = 0; j < std::min(ms, empty); ++j) heap[big.size++] = small[j];
-      for (int64_t j = 0; j < big.size; ++j) big.top = std::max(big.top, heap[j].sum);
-      std::make_heap(heap, heap + big.size, Heavier{});
+      for (int64_t j = empty; j < ms; ++j) join(heap[j - empty], largest(j));
+      for (int64_t j = 0; j < std::min(ms, empty); ++j) heap[big.size++] = largest(j);
+      std::sort(heap, heap + big.size, Lighter{});
+      big.top = heap[big.size - 1].sum;
     } else {
       changed_.clear();
       for (int64_t j = 0; j < ms; ++j) {
         if (j < empty) {
-          changed_.push_back(small[j]);
+          changed_.push_back(largest(j));
           continue;
         }
         std::pop_heap(heap, heap + big.size, Heavier{});
         Set s = heap[--big.size];
-        join(s, small[j]);
+        join(s, largest(j));
         changed_.push_back(s);
       }
       for (const Set& s : changed_) {
@@ -237,8 +244,8 @@ Groups karmarkar_karp(const int64_t* cost, int64_t n, int64_t k, bool equal_size
   g.offsets.assign(k + 1, 0);
   if (n == 0) return g;
   const std::vector<int64_t> items = order_by(cost, n, false);  // smallest first
-  Differencing kk(n, k);
   const int64_t per_state = equal_size ? k : 1;
+  Differencing kk(n, k, n / per_state);
   for (int64_t start = 0; start < n; start += per_state) kk.add_state(items.data() + start, per_state, cost);
   const std::vector<Set> final_sets = kk.run();
   // Label each item with its partition, then lay partitions out by a counting pass over the items
