@@ -233,6 +233,22 @@ def test_pack_mixed_workload_utilisation():
     assert plan.report.imbalance < 1.05
 
 
+def test_pack_beats_best_fit_decreasing_and_falls_back_when_balancing_does_not_fit():
+    lengths = [20, 12, 3, 2, 9, 2, 4]  # best-fit decreasing needs 3; 2 = ceil(52 / 26) suffice
+    assert reference_bfd(lengths, 26) == 3
+    plan = S.pack_micro_batches(lengths, 26)
+    assert len(plan) == 2 and plan.costs.tolist() == [26, 26]
+    # Karmarkar-Karp's balanced 6 micro-batches exceed the budget: best-fit decreasing's 6 stay.
+    lengths = [10, 9, 3, 7, 7, 4, 15, 4, 16, 6, 10, 5]
+    plan = S.pack_micro_batches(lengths, 17)
+    assert len(plan) == 6 and plan.costs.max() <= 17
+    # At min_num=9 the balanced split exceeds the budget again: the packed bins are split instead.
+    lengths = [4, 4, 4, 7, 4, 5, 7, 4, 6, 4, 5, 5, 6, 4, 7, 4, 7, 4, 5]
+    plan = S.pack_micro_batches(lengths, 12, min_num=9)
+    assert_each_index_once(plan, len(lengths))
+    assert len(plan) == 9 and plan.costs.max() <= 12
+
+
 def test_pack_oversize_is_reported_not_dropped():
     plan = S.pack_micro_batches([10, 500, 20, 30, 700], 100)
     assert sorted(plan.oversize.tolist()) == [1, 4]
