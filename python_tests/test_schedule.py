@@ -322,8 +322,8 @@ def test_rollout_short_requests_not_behind_long_ones():
     lambda x: S.rollout_buckets(x, 10, 4, 1000),
 ])
 def test_non_integer_lengths_are_type_errors(fn):
-    for bad in ([1, 2.5], np.array([1.0, 2.0]), torch.tensor([1.0, 2.0]), torch.tensor([True, False]),
-                [True, 1], "12", 12):
+    for bad in ([1, 2.5], [1, None], np.array([1.0, 2.0]), torch.tensor([1.0, 2.0]), torch.tensor([True, False]),
+                [True, False], np.array([True]), "12", 12):
         with pytest.raises(TypeError, match="must hold integers|must be a 1-D sequence"):
             fn(bad)
 
@@ -377,6 +377,8 @@ def test_bad_arguments_name_themselves():
 def test_costs_beyond_int64_are_refused():
     with pytest.raises(ValueError, match="beyond int64"):
         S.balance_partitions([3_000_000_000] * 2, 2, cost="flops")
+    with pytest.raises(ValueError, match="lengths holds values beyond int64"):
+        S.balance_partitions([2**70, 1], 2)
 
 
 def i64(*values):

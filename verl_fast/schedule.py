@@ -61,7 +61,7 @@ class PlanReport:
         return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Plan(Sequence):
     """Groups of sequence indices (``plan[g]``, ``len(plan)``, iteration) and their figures.
 
@@ -106,10 +106,14 @@ def _as_lengths(x, name: str) -> Tuple[np.ndarray, bool]:
     elif isinstance(x, (str, bytes)) or not hasattr(x, "__len__"):
         raise TypeError(f"{name} must be a 1-D sequence of integers, got {type(x).__name__}")
     else:
-        bad = next((v for v in x if isinstance(v, bool) or not isinstance(v, numbers.Integral)), None)
-        if bad is not None:
+        arr = np.asarray(x) if len(x) else np.zeros(0, dtype=np.int64)
+        if arr.dtype.kind not in "iu":
+            bad = [v for v in np.ravel(arr) if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral)]
+            if not bad:  # Python ints beyond int64 make an object array
+                raise ValueError(f"{name} holds values beyond int64")
+            bad = bad[0]
             raise TypeError(f"{name} must hold integers (token counts), got {bad!r} ({type(bad).__name__})")
-        arr = np.asarray(x, dtype=np.int64) if len(x) else np.zeros(0, dtype=np.int64)
+        arr = arr.astype(np.int64, copy=False)
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D (one length per sequence), got shape {list(arr.shape)}")
     if arr.size == 0:
@@ -160,10 +164,9 @@ def _group_stats(lengths: np.ndarray, order: np.ndarray, offsets: np.ndarray) ->
 
 def _make_plan(lengths: np.ndarray, order: np.ndarray, offsets: np.ndarray, costs: np.ndarray, as_torch: bool,
                budget: Optional[int] = None, oversize: Optional[np.ndarray] = None,
-               max_tokens: Optional[np.ndarray] = None, real_tokens: Optional[int] = None,
-               padded_tokens: Optional[int] = None) -> Plan:
+               max_tokens: Optional[np.ndarray] = None, padded_tokens: Optional[int] = None) -> Plan:
     tokens, longest = _group_stats(lengths, order, offsets)
-    real = int(lengths.sum()) if real_tokens is None else real_tokens
+    real = int(lengths.sum())
     padded = int((np.diff(offsets) * longest).sum()) if padded_tokens is None else padded_tokens
     k = len(offsets) - 1
     mean_cost = float(costs.sum()) / k
@@ -298,7 +301,8 @@ def rollout_buckets(prompt_lens: Lengths, max_new_tokens, max_num_seqs: int, max
     tokens plus members * the wave's ``max_tokens`` — stay within ``max_batch_tokens``, and whose
     longest prompt is at most ``max_length_ratio`` times the shortest (``float("inf")``: no limit).
     So requests of similar length run together and short ones are not held behind long ones.
-    ``max_new_tokens`` is an int or one per request; with ``max_model_len`` each is clipped to ``max_model_len - prompt_len``.
+    ``max_new_tokens`` is an int or one per request; with ``max_model_len`` each is clipped to
+    ``max_model_len - prompt_len``.
     ``plan.max_tokens[w]`` is wave w's generation limit (the largest of its members'); a request
     that alone exceeds ``max_batch_tokens`` gets a wave of its own and is listed in
     ``plan.oversize``. ``costs[w]``: the wave's worst-case KV tokens; the report counts each
