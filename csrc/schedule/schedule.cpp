@@ -103,7 +103,8 @@ void split_to(std::vector<std::vector<int64_t>>& mbs, int64_t count, const int64
   for (size_t b = 0; b < mbs.size(); ++b)
     if (mbs[b].size() >= 2) heap.push({budget_use(mbs[b], lengths, padded), -static_cast<int64_t>(b)});
   while (static_cast<int64_t>(mbs.size()) < count) {
-    const int64_t b = -heap.top().second;  // the caller ensured count <= n, so one is splittable
+    VF_CHECK(!heap.empty(), "cannot split ", mbs.size(), " micro-batches into ", count);  // callers keep count <= n
+    const int64_t b = -heap.top().second;
     heap.pop();
     std::vector<int64_t> items = mbs[b];
     std::sort(items.begin(), items.end(), [&](int64_t x, int64_t y) {
@@ -133,7 +134,7 @@ std::vector<std::vector<int64_t>> pack_fitting(const std::vector<int64_t>& items
   const Groups bfd = best_fit_decreasing(len.data(), n, budget);
   const int64_t total = std::accumulate(len.begin(), len.end(), int64_t{0});
   const int64_t lower = total / budget + (total % budget != 0);
-  int64_t target = std::max(count, bfd.count());
+  const int64_t target = std::max(count, bfd.count());
   auto fits = [&](const Groups& g) {
     for (int64_t b = 0; b < g.count(); ++b) {
       int64_t sum = 0;
