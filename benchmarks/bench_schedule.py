@@ -134,13 +134,14 @@ def imbalance(costs: np.ndarray, parts) -> float:
     return float(sums.max() / sums.mean())
 
 
-def packing_quality(lengths: np.ndarray, groups, budget: int) -> Dict[str, float]:
-    """Micro-batch count, real / padded tokens, real / budget (a group over it counts as full)."""
+def packing_quality(lengths: np.ndarray, groups, budget: int, packed: bool = False) -> Dict[str, float]:
+    """Micro-batch count, real / padded tokens (padded layouts only), real / budget (a group over
+    the budget counts as its own size)."""
     groups = [np.asarray(g, dtype=np.int64) for g in groups if len(g)]
     real = float(lengths.sum())
     sums = np.array([lengths[g].sum() for g in groups])
     padded = sum(len(g) * int(lengths[g].max()) for g in groups)
-    return {"groups": len(groups), "padded_util": real / padded,
+    return {"groups": len(groups), "padded_util": None if packed else real / padded,
             "budget_util": real / float(np.maximum(sums, budget).sum()), "over_budget": int((sums > budget).sum())}
 
 
@@ -219,7 +220,7 @@ def bench_pack(report: Report, sizes) -> None:
             report.add(case, "verl_fast", time_ms(lambda: schedule.pack_micro_batches(lengths, budget), "cpu",
                                                   warmup=1, rep=5))
             quality(report, case, "verl_fast packed", imbalance=plan.report.imbalance,
-                    **packing_quality(lengths, plan, budget))
+                    **packing_quality(lengths, plan, budget, packed=True))
             padded = schedule.pack_micro_batches(lengths, budget, layout="padded")
             report.add(case, "verl_fast layout=padded",
                        time_ms(lambda: schedule.pack_micro_batches(lengths, budget, layout="padded"), "cpu",
@@ -232,7 +233,8 @@ def bench_pack(report: Report, sizes) -> None:
             quality(report, case, f"fixed {per_mb} seqs/micro-batch", **packing_quality(lengths, fixed, budget))
             count = -(-int(lengths.sum()) // budget)
             verl = schedule.balance_partitions(lengths, count, False, cost="flops")
-            quality(report, case, "verl dynamic bsz (KK on flops)", **packing_quality(lengths, verl, budget))
+            quality(report, case, "verl dynamic bsz (KK on flops)",
+                    **packing_quality(lengths, verl, budget, packed=True))
 
 
 def bench_rollout(report: Report, n: int) -> None:
