@@ -3,6 +3,7 @@
 
 #include "advantage/advantage.h"
 #include "py_tensor.h"
+#include "schedule/schedule.h"
 
 namespace py = pybind11;
 using namespace vf;
@@ -71,4 +72,18 @@ PYBIND11_MODULE(_C, m) {
         "Reverse scan (GAE / REINFORCE++ / ReMax) over [B, T]; see ScanArgs");
   m.def("group_advantage", &advantage::group_advantage, py::arg("args"), py::call_guard<py::gil_scoped_release>(),
         "Group-baseline advantage (GRPO / RLOO / REINFORCE++-baseline); see GroupArgs");
+
+  // ---- schedule ----
+  m.def("balance_partitions", &schedule::balance_partitions, py::arg("lengths"), py::arg("k"), py::arg("equal_size"),
+        py::arg("linear"), py::arg("quadratic"), py::arg("order"), py::arg("offsets"), py::arg("costs"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Karmarkar-Karp k-way partition of int64 lengths by cost linear*L + quadratic*L^2 into order/offsets/costs");
+  m.def("pack_micro_batches", &schedule::pack_micro_batches, py::arg("lengths"), py::arg("max_tokens"),
+        py::arg("min_count"), py::arg("padded"), py::arg("order"), py::arg("offsets"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Token-budget micro-batches of int64 lengths into order/offsets; returns their count");
+  m.def("rollout_buckets", &schedule::rollout_buckets, py::arg("prompt_lens"), py::arg("max_new_tokens"),
+        py::arg("max_num_seqs"), py::arg("max_batch_tokens"), py::arg("max_model_len"), py::arg("max_length_ratio"),
+        py::arg("order"), py::arg("offsets"), py::arg("wave_max_tokens"), py::call_guard<py::gil_scoped_release>(),
+        "Rollout dispatch waves by prompt length into order/offsets/wave_max_tokens; returns their count");
 }
