@@ -32,6 +32,7 @@ from verl_fast.algos.losses import agg_loss, entropy_loss, kl_penalty, policy_lo
 from verl_fast.config import Config
 from verl_fast.data import PromptRow, RLDataProcessor
 from verl_fast.metrics import MetricsLogger
+from verl_fast.micro_batches import make_micro_batches
 from verl_fast.models.logprobs import response_logprobs
 from verl_fast.models.value import ValueModel, response_values
 from verl_fast.rewards import RewardInput, as_reward_function, build_reward
@@ -181,6 +182,9 @@ class RLTrainer:
             items = rows if _is_prepared(rows) else self.processor.encode_all(rows)
         if not items:
             raise ValueError("the dataset is empty")
+        if cfg.train_batch_size % self.world:
+            raise ValueError(f"trainer.train_batch_size={cfg.train_batch_size} must be a multiple of the "
+                             f"number of processes ({self.world}) so that every rank gets the same share")
         per_epoch = max(1, len(items) // cfg.train_batch_size)
         total = cfg.total_steps or cfg.num_epochs * per_epoch
         is_main = self.rank == 0
@@ -303,11 +307,13 @@ class RLTrainer:
         a = self.cfg.actor
         if not a.use_dynamic_bsz:
             return micro_batches(rows, a.micro_batch_size if for_update else max(a.micro_batch_size, 16))
-        from verl_fast.schedule import make_micro_batches
-
+        if rows.numel() == 0:
+            return []
         tokens = exp.attention_mask[rows].sum(-1).tolist()
-        return [rows[torch.as_tensor(mb, dtype=torch.long, device=rows.device)]
-                for mb in make_micro_batches(tokens, a.max_token_len_per_gpu)]
+        # under FSDP every rank must run the same number of forwards: agree on one count
+        group = dist.group.WORLD if self.world > 1 else None
+        plan = make_micro_batches(tokens, a.max_token_len_per_gpu, layout="padded", dp_group=group)
+        return [rows[idx.to(rows.device)] for idx in plan.indices]
 
     # ------------------------------------------------------------------ updates
 
@@ -317,7 +323,8 @@ class RLTrainer:
         rows = torch.arange(N, device=self.device)
         # Samples whose advantage is 0 everywhere add exactly nothing to the policy gradient: leave
         # them out of the backward (normalisers still count them, so the loss is unchanged).
-        skip = a.skip_zero_advantage and not a.use_kl_loss and a.entropy_coeff == 0
+        # (single process only: FSDP ranks must run the same number of forward/backward passes)
+        skip = a.skip_zero_advantage and not a.use_kl_loss and a.entropy_coeff == 0 and self.world == 1
         active = exp.advantages.abs().sum(-1) > 0 if skip else torch.ones(N, dtype=torch.bool, device=self.device)
         mini = a.ppo_mini_batch_size or N
         totals: Dict[str, float] = {}
