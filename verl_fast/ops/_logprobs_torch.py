@@ -1,0 +1,126 @@
+"""Chunked torch implementation of the log-prob ops (the CPU path, and the fallback without Triton).
+
+Same memory behaviour as the Triton kernels: fp32 work happens one chunk of at most
+``CHUNK_ELEMENTS`` logits at a time, the forward keeps only per-token statistics, and the backward
+recomputes each chunk. ``linear_*`` walks the vocabulary in chunks (like the Triton path), so each
+chunk's weight gradient is written once and only the [N, H] hidden gradient accumulates (in fp32).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from verl_fast.kernels.autograd import Impl
+from verl_fast.kernels.softmax_stats import Stats
+
+CHUNK_ELEMENTS = 1 << 22  # 16 MiB of fp32 per temporary
+
+
+def _row_chunks(logits: torch.Tensor):
+    """Yields ``(first flat row, [r, V] view)`` over a [B, T, V] tensor, at most CHUNK_ELEMENTS each."""
+    B, T, V = logits.shape
+    rows = max(1, CHUNK_ELEMENTS // max(V, 1))
+    for b in range(B):
+        for t0 in range(0, T, rows):
+            yield b * T + t0, logits[b, t0 : t0 + rows]
+
+
+def _dz(z, lse, entropy, labels, g_logp, g_entropy) -> torch.Tensor:
+    """d(loss)/dz for one chunk of scaled logits ``z`` [r, C]; ``labels`` are chunk-local (may be out of it)."""
+    p = torch.exp(z - lse[:, None])
+    coef = torch.zeros_like(lse) if g_logp is None else g_logp
+    coef = coef[:, None] if g_entropy is None else coef[:, None] + g_entropy[:, None] * (z - (lse - entropy)[:, None])
+    dz = -p * coef
+    if g_logp is not None:
+        inside = (labels >= 0) & (labels < z.shape[1])
+        rows = torch.nonzero(inside).squeeze(1)
+        dz[rows, labels[rows]] += g_logp[rows]
+    return dz
+
+
+def _entropy_term(z: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """sum exp(z - ref) * (z - ref) per row, with 0 * -inf taken as 0 (masked-out logits)."""
+    y = z - ref[:, None]
+    e = torch.exp(y)
+    return torch.where(e > 0, e * y, torch.zeros_like(y)).sum(-1)
+
+
+def logprobs_forward(logits, labels, inv_t: float, with_entropy: bool):
+    n = labels.numel()
+    logp = torch.empty(n, dtype=torch.float32, device=logits.device)
+    lse = torch.empty_like(logp)
+    entropy = torch.empty_like(logp) if with_entropy else None
+    for n0, chunk in _row_chunks(logits):
+        z = chunk.float() * inv_t
+        r = z.shape[0]
+        chunk_lse = torch.logsumexp(z, dim=-1)
+        lse[n0 : n0 + r] = chunk_lse
+        logp[n0 : n0 + r] = z.gather(-1, labels[n0 : n0 + r, None]).squeeze(-1) - chunk_lse
+        if with_entropy:
+            entropy[n0 : n0 + r] = -_entropy_term(z, chunk_lse)
+    return logp, entropy, lse
+
+
+def logprobs_backward(logits, labels, lse, entropy, g_logp, g_entropy, inv_t: float):
+    d_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    flat = d_logits.view(-1, logits.shape[-1])
+    for n0, chunk in _row_chunks(logits):
+        z = chunk.float() * inv_t
+        sl = slice(n0, n0 + z.shape[0])
+        dz = _dz(z, lse[sl], None if entropy is None else entropy[sl], labels[sl],
+                 None if g_logp is None else g_logp[sl], None if g_entropy is None else g_entropy[sl])
+        flat[sl] = (dz * inv_t).to(logits.dtype)
+    return d_logits
+
+
+def _vocab_chunks(n_tokens: int, vocab: int):
+    width = max(1, CHUNK_ELEMENTS // max(n_tokens, 1))
+    for v0 in range(0, vocab, width):
+        yield v0, min(v0 + width, vocab)
+
+
+def _scaled_logits(h32, weight, bias, v0, v1, inv_t) -> torch.Tensor:
+    z = h32 @ weight[v0:v1].float().t()
+    if bias is not None:
+        z += bias[v0:v1].float()
+    return z.mul_(inv_t)
+
+
+def linear_forward(hidden, weight, bias, labels, inv_t: float, vocab_start: int, with_entropy: bool) -> Stats:
+    h32 = hidden.float()
+    parts = []
+    for v0, v1 in _vocab_chunks(hidden.shape[0], weight.shape[0]):
+        z = _scaled_logits(h32, weight, bias, v0, v1, inv_t)
+        m = z.max(dim=-1).values
+        local = labels - (vocab_start + v0)
+        inside = (local >= 0) & (local < v1 - v0)
+        zl = z.gather(-1, local.clamp(0, v1 - v0 - 1)[:, None]).squeeze(-1)
+        parts.append((m, torch.exp(z - m[:, None]).sum(-1), _entropy_term(z, m) if with_entropy else None,
+                      torch.where(inside, zl, torch.zeros_like(zl))))
+    m, s, t, zl = zip(*parts)
+    return Stats(torch.stack(m), torch.stack(s), torch.stack(t) if with_entropy else None, torch.stack(zl))
+
+
+def linear_backward(hidden, weight, bias, labels, lse, entropy, g_logp, g_entropy, inv_t: float,
+                    vocab_start: int, needs) -> Tuple[Optional[torch.Tensor], ...]:
+    need_h, need_w, need_b = needs[0], needs[1], needs[2] and bias is not None
+    h32 = hidden.float()
+    d_hidden = torch.zeros_like(h32) if need_h else None
+    d_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if need_w else None
+    d_bias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device) if need_b else None
+    for v0, v1 in _vocab_chunks(hidden.shape[0], weight.shape[0]):
+        z = _scaled_logits(h32, weight, bias, v0, v1, inv_t)
+        d = _dz(z, lse, entropy, labels - (vocab_start + v0), g_logp, g_entropy).mul_(inv_t)
+        if need_w:
+            d_weight[v0:v1] = (d.t() @ h32).to(weight.dtype)
+        if need_h:
+            d_hidden += d @ weight[v0:v1].float()
+        if need_b:
+            d_bias[v0:v1] = d.sum(0).to(bias.dtype)
+    return d_hidden, d_weight, d_bias
+
+
+LOGPROBS = Impl(logprobs_forward, logprobs_backward)
+LINEAR = Impl(linear_forward, linear_backward)
