@@ -85,6 +85,7 @@ def _linear_fwd_kernel(h_ptr, w_ptr, b_ptr, labels_ptr, m_ptr, s_ptr, t_ptr, zl_
     pid_m, split = _swizzle(tl.program_id(0), tl.cdiv(N, BLOCK_M), num_splits, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     labels = tl.load(labels_ptr + offs_m, mask=offs_m < N, other=-1) - vocab_start
+    labels = tl.where((labels >= 0) & (labels < V), labels, -1)  # another rank's label must not hit padding
     m = tl.full([BLOCK_M], NEG_BIG, tl.float32)
     s = tl.zeros([BLOCK_M], tl.float32)
     t = tl.zeros([BLOCK_M], tl.float32)

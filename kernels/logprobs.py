@@ -74,7 +74,7 @@ def _logprobs_bwd_kernel(x_ptr, dx_ptr, labels_ptr, lse_ptr, ent_ptr, glp_ptr, g
     row = _row_start(x_ptr, n, T, stride_b, stride_t)
     z = tl.load(row + offs * stride_v, mask=mask, other=0.0).to(tl.float32) * inv_t
     lse = tl.load(lse_ptr + n)
-    p = tl.exp2((z - lse) * LOG2E)
+    p = tl.exp2(tl.minimum(z - lse, 0.0) * LOG2E)  # p <= 1; masked lanes (z = 0) would overflow
     if HAS_GLP:
         g_logp = tl.load(glp_ptr + n)
         coef = g_logp
@@ -98,7 +98,7 @@ def logprobs_config(vocab: int, block_v: Optional[int] = None, num_warps: Option
     """Block size and warps for a vocabulary of ``vocab``; raises ValueError naming a size it cannot handle."""
     if vocab < 1 or vocab >= 2**31:
         raise ValueError(f"logprobs_from_logits: vocabulary size V={vocab} is outside [1, 2^31)")
-    block_v = block_v or min(4096, triton.next_power_of_2(vocab))
+    block_v = block_v or max(16, min(4096, triton.next_power_of_2(vocab)))
     if block_v & (block_v - 1) or not 16 <= block_v <= 65536:
         raise ValueError(f"logprobs_from_logits: block_v={block_v} must be a power of two in [16, 65536]")
     if triton.cdiv(vocab, block_v) > 65535:
