@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -205,6 +205,8 @@ class LinearConfig:
 _DEFAULTS = {  # by device: (forward, dlogits, dhidden)
     "sm90": (Tiles(128, 256, 64, 8, 8, 3), Tiles(128, 256, 64, 8, 8, 3), Tiles(128, 256, 64, 8, 8, 3)),
     "sm80": (Tiles(128, 128, 32, 8, 4, 4), Tiles(128, 128, 32, 8, 4, 4), Tiles(128, 128, 32, 8, 4, 4)),
+    # fp32 inputs take exact (non-TF32) dots, which run on CUDA cores: small tiles keep them in registers.
+    "fp32": (Tiles(64, 64, 32, 8, 4, 3), Tiles(64, 64, 32, 8, 4, 3), Tiles(64, 64, 32, 8, 4, 3)),
     # The interpreter runs each program in numpy: a few large tiles are fastest.
     "cpu": (Tiles(32, 64, 32, 4, 4, 1), Tiles(32, 64, 32, 4, 4, 1), Tiles(32, 64, 32, 4, 4, 1)),
 }
@@ -237,6 +239,14 @@ def _fit(tiles: Tiles, name: str, m: int, n: int, k: int, elsize: int, smem: Opt
     return tiles
 
 
+def _device_limits(device: torch.device) -> Tuple[str, Optional[int]]:
+    """(key into _DEFAULTS, shared memory per block in bytes or None for the interpreter)."""
+    if device.type != "cuda":
+        return "cpu", None
+    props = torch.cuda.get_device_properties(device)
+    return ("sm90" if props.major >= 9 else "sm80"), getattr(props, "shared_memory_per_block_optin", 101376)
+
+
 def linear_config(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, device: torch.device, *,
                   forward: Optional[Tiles] = None, dlogits: Optional[Tiles] = None, dhidden: Optional[Tiles] = None,
                   chunk_bytes: Optional[int] = None, stats_bytes: Optional[int] = None) -> LinearConfig:
@@ -245,15 +255,8 @@ def linear_config(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, de
         raise ValueError(f"linear_logprobs: vocabulary size V={vocab} is outside [1, 2^31)")
     if not 1 <= hidden < 2**31 or not 0 <= n_tokens < 2**31:
         raise ValueError(f"linear_logprobs: sizes N={n_tokens}, H={hidden} must lie in [0, 2^31) and [1, 2^31)")
-    device = torch.device(device)
-    smem = None
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        kind = "sm90" if props.major >= 9 else "sm80"
-        smem = getattr(props, "shared_memory_per_block_optin", 101376)
-    else:
-        kind = "cpu"
-    defaults = _DEFAULTS[kind]
+    kind, smem = _device_limits(torch.device(device))
+    defaults = _DEFAULTS["fp32" if dtype == torch.float32 and kind != "cpu" else kind]
     elsize = torch.empty((), dtype=dtype).element_size()
     m = max(n_tokens, 1)
     return LinearConfig(
