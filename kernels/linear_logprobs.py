@@ -7,7 +7,8 @@ Cost model (N tokens, H hidden, V vocabulary; one GEMM = 2*N*H*V flops):
 - backward, 3 GEMMs over vocabulary chunks of width C: (1) the logits tiles are recomputed and
   their epilogue forms d_logits in registers, written in the input dtype into an [N, C] buffer;
   (2) d_weight[chunk] = d_logits^T @ hidden (cuBLAS), written once, never accumulated;
-  (3) d_hidden += d_logits @ weight[chunk] (Triton, fp32 accumulator).
+  (3) d_hidden += d_logits @ weight[chunk] into an fp32 accumulator (cuBLAS where torch can write
+  fp32 from 16-bit inputs, else a Triton kernel).
   Four GEMMs in all: d_weight depends on the upstream gradient, which only the backward knows,
   and nothing [N, V] fits the memory budget, so the logits are computed twice.
 - extra memory: fp32 d_hidden (4*N*H bytes), one d_logits chunk (chunk_bytes, default 64 MiB),
@@ -16,8 +17,8 @@ Cost model (N tokens, H hidden, V vocabulary; one GEMM = 2*N*H*V flops):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import Optional, Tuple
 
 import torch
@@ -200,6 +201,9 @@ class LinearConfig:
     dhidden: Tiles  # d_hidden += d_logits @ weight: tokens x hidden, vocabulary deep
     chunk_bytes: int = 64 << 20  # one [N, chunk] block of d_logits (input dtype) in the backward
     stats_bytes: int = 64 << 20  # the forward's per-split statistics (16 bytes per token and split)
+    # d_hidden += d_logits @ weight by cuBLAS (addmm into the fp32 accumulator) instead of the Triton
+    # kernel; None: cuBLAS on CUDA where torch supports 16-bit inputs into an fp32 output.
+    dhidden_cublas: Optional[bool] = None
 
 
 _DEFAULTS = {  # by device: (forward, dlogits, dhidden)
@@ -249,7 +253,8 @@ def _device_limits(device: torch.device) -> Tuple[str, Optional[int]]:
 
 def linear_config(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, device: torch.device, *,
                   forward: Optional[Tiles] = None, dlogits: Optional[Tiles] = None, dhidden: Optional[Tiles] = None,
-                  chunk_bytes: Optional[int] = None, stats_bytes: Optional[int] = None) -> LinearConfig:
+                  chunk_bytes: Optional[int] = None, stats_bytes: Optional[int] = None,
+                  dhidden_cublas: Optional[bool] = None) -> LinearConfig:
     """The one place block sizes come from. Raises ValueError naming a size it cannot handle."""
     if not 1 <= vocab < 2**31:
         raise ValueError(f"linear_logprobs: vocabulary size V={vocab} is outside [1, 2^31)")
@@ -265,7 +270,38 @@ def linear_config(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, de
         dhidden=_fit(dhidden or defaults[2], "dhidden", m, hidden, vocab, elsize, smem, dhidden is not None),
         chunk_bytes=chunk_bytes or LinearConfig.chunk_bytes,
         stats_bytes=stats_bytes or LinearConfig.stats_bytes,
+        dhidden_cublas=dhidden_cublas,
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _cublas_accumulates_in_fp32(device: torch.device) -> bool:
+    """Whether torch.addmm takes bf16 inputs into an fp32 output here (torch >= 2.8 on CUDA); checked once."""
+    if device.type != "cuda":
+        return False
+    try:
+        a = torch.ones(32, 32, dtype=torch.bfloat16, device=device)
+        c = torch.full((32, 32), 0.5, device=device)
+        torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
+        return bool((c == 32.5).all())
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _use_cublas_for_dhidden(cfg: LinearConfig, x: torch.Tensor) -> bool:
+    if cfg.dhidden_cublas is not None:
+        return cfg.dhidden_cublas
+    return x.device.type == "cuda" and (x.dtype == torch.float32 or _cublas_accumulates_in_fp32(x.device))
+
+
+def _accumulate_dhidden(d_hidden, d_logits, weight_chunk, cfg: LinearConfig, cublas: bool) -> None:
+    """d_hidden (fp32) += d_logits @ weight_chunk."""
+    if not cublas:
+        _accumulate_matmul(d_logits, weight_chunk, d_hidden, cfg.dhidden)
+    elif d_logits.dtype == torch.float32:
+        d_hidden.addmm_(d_logits, weight_chunk)
+    else:
+        torch.addmm(d_hidden, d_logits, weight_chunk, out_dtype=torch.float32, out=d_hidden)
 
 
 def _dot_options(x: torch.Tensor) -> dict:
@@ -326,6 +362,7 @@ def linear_logprobs_backward(hidden, weight, bias, labels, lse, entropy, g_logp,
         g_entropy = None if g_entropy is None else g_entropy.float().contiguous()
         width = _chunk_width(cfg, N, V, hidden.element_size())
         buf = torch.empty((N, width), dtype=hidden.dtype, device=dev)
+        cublas = need_h and _use_cublas_for_dhidden(cfg, hidden)
         for v0 in range(0, V, width):
             v1 = min(V, v0 + width)
             d_logits = _dlogits_chunk(hidden, weight, bias, labels, lse, entropy, g_logp, g_entropy, inv_t,
@@ -333,7 +370,7 @@ def linear_logprobs_backward(hidden, weight, bias, labels, lse, entropy, g_logp,
             if need_w:
                 torch.mm(d_logits.t(), hidden, out=d_weight[v0:v1])
             if need_h:
-                _accumulate_matmul(d_logits, weight[v0:v1], d_hidden, cfg.dhidden)
+                _accumulate_dhidden(d_hidden, d_logits, weight[v0:v1], cfg, cublas)
         del buf
     return d_hidden, d_weight, None if d_bias is None else d_bias.to(bias.dtype)
 
@@ -363,5 +400,6 @@ def _accumulate_matmul(a, b, c, tiles: Tiles) -> None:
 def linear_logprobs_triton(hidden, weight, bias, labels, inv_t: float, with_entropy: bool, tp_group=None,
                            config: Optional[LinearConfig] = None):
     """Autograd entry: hidden [N, H], weight [V, H], bias [V] or None, labels [N] (validated by the caller)."""
-    impl = Impl(partial(linear_logprobs_forward, config=config), partial(linear_logprobs_backward, config=config))
+    impl = Impl(functools.partial(linear_logprobs_forward, config=config),
+                functools.partial(linear_logprobs_backward, config=config))
     return LinearLogprobsFunction.apply(hidden, weight, bias, labels, inv_t, with_entropy, tp_group, impl)

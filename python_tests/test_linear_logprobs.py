@@ -71,7 +71,7 @@ def test_many_chunks_and_vocabulary_splits(backend, monkeypatch):
         from verl_fast.kernels.linear_logprobs import linear_config
 
         kw["config"] = linear_config(N, H, V, torch.float32, backend[0], chunk_bytes=N * 4 * 128,
-                                     stats_bytes=16 * N * 3)
+                                     stats_bytes=16 * N * 3, dhidden_cublas=backend[0] == "cpu")
     else:
         monkeypatch.setattr(_logprobs_torch, "CHUNK_ELEMENTS", N * 128)
     check(ours(*inputs, 0.9, backend[1], **kw), expected(*inputs, 0.9), torch.float32)

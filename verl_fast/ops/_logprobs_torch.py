@@ -28,14 +28,17 @@ def _row_chunks(logits: torch.Tensor):
 
 
 def _dz(z, lse, entropy, labels, g_logp, g_entropy) -> torch.Tensor:
-    """d(loss)/dz for one chunk of scaled logits ``z`` [r, C]; ``labels`` are chunk-local (may be out of it)."""
-    p = torch.exp(z - lse[:, None])
-    coef = torch.zeros_like(lse) if g_logp is None else g_logp
-    coef = coef[:, None] if g_entropy is None else coef[:, None] + g_entropy[:, None] * (z - (lse - entropy)[:, None])
-    dz = -p * coef
-    if g_logp is not None:
-        inside = (labels >= 0) & (labels < z.shape[1])
-        rows = torch.nonzero(inside).squeeze(1)
+    """d(loss)/dz for one chunk of scaled logits ``z`` [r, C], computed in z's storage (z is consumed).
+    ``labels`` are chunk-local and may fall outside the chunk."""
+    log_p = z.sub_(lse[:, None])
+    p = log_p.exp()
+    if g_entropy is None:
+        dz = p.mul_(-g_logp[:, None])
+    else:  # d H / dz = -p (log p + H)
+        coef = log_p.add_(entropy[:, None]).mul_(g_entropy[:, None])
+        dz = p.mul_(coef if g_logp is None else coef.add_(g_logp[:, None])).neg_()
+    if g_logp is not None:  # d logp / dz = onehot(label) - p
+        rows = torch.nonzero((labels >= 0) & (labels < z.shape[1])).squeeze(1)
         dz[rows, labels[rows]] += g_logp[rows]
     return dz
 
@@ -53,13 +56,17 @@ def logprobs_forward(logits, labels, inv_t: float, with_entropy: bool):
     lse = torch.empty_like(logp)
     entropy = torch.empty_like(logp) if with_entropy else None
     for n0, chunk in _row_chunks(logits):
-        z = chunk.float() * inv_t
-        r = z.shape[0]
-        chunk_lse = torch.logsumexp(z, dim=-1)
-        lse[n0 : n0 + r] = chunk_lse
-        logp[n0 : n0 + r] = z.gather(-1, labels[n0 : n0 + r, None]).squeeze(-1) - chunk_lse
-        if with_entropy:
-            entropy[n0 : n0 + r] = -_entropy_term(z, chunk_lse)
+        z = chunk.float() * inv_t  # a new tensor (for fp32 input .float() is the input itself)
+        sl = slice(n0, n0 + z.shape[0])
+        m = z.amax(dim=-1, keepdim=True)
+        y = z.sub_(m)  # z - m <= 0, in place (torch.logsumexp is several times slower on CPU)
+        e = y.exp()
+        s = e.sum(dim=-1)
+        log_s = s.log()
+        lse[sl] = m.squeeze(-1) + log_s
+        logp[sl] = y.gather(-1, labels[sl, None]).squeeze(-1) - log_s
+        if with_entropy:  # H = log s - sum e (z - m) / s; 0 * -inf (masked logits) -> 0
+            entropy[sl] = log_s - torch.nansum(e.mul_(y), dim=-1) / s
     return logp, entropy, lse
 
 
@@ -71,7 +78,7 @@ def logprobs_backward(logits, labels, lse, entropy, g_logp, g_entropy, inv_t: fl
         sl = slice(n0, n0 + z.shape[0])
         dz = _dz(z, lse[sl], None if entropy is None else entropy[sl], labels[sl],
                  None if g_logp is None else g_logp[sl], None if g_entropy is None else g_entropy[sl])
-        flat[sl] = (dz * inv_t).to(logits.dtype)
+        flat[sl] = dz.mul_(inv_t)
     return d_logits
 
 
