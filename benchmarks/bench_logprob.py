@@ -209,10 +209,10 @@ def _pick(rep: Report, case: str, candidates, label: Callable, time_one: Callabl
             rep.add(case, label(c), float("nan"), note=f"failed: {type(e).__name__}: {str(e)[:80]}")
             continue
         rep.add(case, label(c), ms)
-        timed.append((ms, i := len(timed), c))
+        timed.append((ms, len(timed), c))
     if not timed:
         raise RuntimeError(f"{case}: no candidate ran")
-    return min(timed, key=lambda x: (x[0], x[1]))[2]
+    return min(timed, key=lambda x: x[:2])[2]
 
 
 def sweep_logits(rep: Report, a):
@@ -225,8 +225,10 @@ def sweep_logits(rep: Report, a):
                  lambda c: time_ms(lambda: logprobs_forward(x, labels, 1.0, True, config=c), a.device, **TUNE_REPS))
 
 
-GEMM_TILES = [(128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (128, 256, 64, 16, 8, 3), (128, 128, 64, 8, 8, 4),
-              (128, 128, 64, 8, 4, 4), (256, 128, 64, 8, 8, 3), (64, 256, 64, 8, 4, 4)]
+# (block_m, block_n, block_k, group_m, num_warps, num_stages); the dhidden GEMM also tries cuBLAS.
+GEMM_TILES = [(128, 256, 64, 16, 8, 3), (128, 256, 64, 8, 8, 3), (128, 256, 64, 32, 8, 3), (128, 256, 64, 16, 8, 4),
+              (128, 128, 64, 16, 8, 4), (128, 128, 64, 16, 4, 4), (256, 128, 64, 16, 8, 3)]
+DHIDDEN_TILES = [(128, 256, 64, 16, 8, 3), (128, 128, 64, 16, 8, 4), (256, 128, 64, 16, 8, 3)]
 
 
 def sweep_linear(rep: Report, a):
@@ -258,7 +260,7 @@ def sweep_linear(rep: Report, a):
                                                       cfg, choice == "cublas") for v0 in range(0, V, width)],
                        a.device, **TUNE_REPS)
 
-    best_dh = _pick(rep, "tune: linear bwd dhidden", ["cublas"] + tiles,
+    best_dh = _pick(rep, "tune: linear bwd dhidden", ["cublas"] + [L.Tiles(*t) for t in DHIDDEN_TILES],
                     lambda c: "cuBLAS addmm fp32 out" if c == "cublas" else _tiles_label(c), dhidden)
     cfg = conf(forward=fwd, dlogits=dlogits, dhidden=None if best_dh == "cublas" else best_dh,
                dhidden_cublas=best_dh == "cublas")
