@@ -220,8 +220,8 @@ def sweep_logits(rep: Report, a):
 
     x = torch.randn(1, a.tokens, a.vocab, device=a.device).to(a.dtype)
     labels = torch.randint(0, a.vocab, (a.tokens,), device=a.device)
-    cands = [logprobs_config(a.vocab, bv, nw) for bv in (1024, 2048, 4096, 8192) for nw in (4, 8, 16)]
-    return _pick(rep, "tune: logits fwd", cands, lambda c: f"block_v {c.block_v} w{c.num_warps}",
+    cands = [logprobs_config(a.vocab, bv, nw, ns) for bv in (2048, 4096, 8192) for nw in (4, 8, 16) for ns in (1, 3)]
+    return _pick(rep, "tune: logits fwd", cands, lambda c: f"block_v {c.block_v} w{c.num_warps} s{c.num_stages}",
                  lambda c: time_ms(lambda: logprobs_forward(x, labels, 1.0, True, config=c), a.device, **TUNE_REPS))
 
 

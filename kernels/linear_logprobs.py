@@ -50,6 +50,25 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _mma_loop(a_ptrs, b_ptrs, acc, K, stride_ak, stride_bk, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
+              PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """acc += A[:, :K] @ B[:K, :], from a_ptrs [M, BLOCK_K] and b_ptrs [BLOCK_K, N] pointing at k = 0."""
+    offs_k = tl.arange(0, BLOCK_K)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = offs_k < K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = _dot(a, b, acc, PRECISION, UPCAST)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
 def _logits_tile(h_ptr, w_ptr, b_ptr, offs_m, offs_n, N, V, H, stride_hm, stride_hk, stride_wv, stride_wk, inv_t,
                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
@@ -61,17 +80,7 @@ def _logits_tile(h_ptr, w_ptr, b_ptr, offs_m, offs_n, N, V, H, stride_hm, stride
     a_ptrs = h_ptr + rows[:, None] * stride_hm + offs_k[None, :] * stride_hk
     b_ptrs = w_ptr + cols[None, :] * stride_wv + offs_k[:, None] * stride_wk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(H, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_ok = offs_k < H - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        acc = _dot(a, b, acc, PRECISION, UPCAST)
-        a_ptrs += BLOCK_K * stride_hk
-        b_ptrs += BLOCK_K * stride_wk
+    acc = _mma_loop(a_ptrs, b_ptrs, acc, H, stride_hk, stride_wk, EVEN_K, BLOCK_K, PRECISION, UPCAST)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
     return acc * inv_t
@@ -162,17 +171,7 @@ def _matmul_acc_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, strid
     ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
     acc = tl.load(c_ptrs, mask=ok, other=0.0)  # loaded up front: no second tile of registers at the end
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_ok = offs_k < K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        acc = _dot(a, b, acc, PRECISION, UPCAST)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+    acc = _mma_loop(a_ptrs, b_ptrs, acc, K, stride_ak, stride_bk, EVEN_K, BLOCK_K, PRECISION, UPCAST)
     tl.store(c_ptrs, acc, mask=ok)
 
 

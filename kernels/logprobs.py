@@ -35,14 +35,14 @@ def _row_start(x_ptr, n, T, stride_b, stride_t):
 
 @triton.jit
 def _logprobs_fwd_kernel(x_ptr, labels_ptr, logp_ptr, ent_ptr, lse_ptr, T, stride_b, stride_t, stride_v, V,
-                         inv_t, WITH_ENT: tl.constexpr, BLOCK_V: tl.constexpr):
+                         inv_t, WITH_ENT: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr):
     n = tl.program_id(0)
     row = _row_start(x_ptr, n, T, stride_b, stride_t)
     scale = inv_t * LOG2E  # base 2 throughout: exp2/log2 are the hardware instructions
     m = tl.full([], NEG_BIG, tl.float32)  # running max of y = z * log2(e), shared by all lanes
     s = tl.zeros([BLOCK_V], tl.float32)  # per-lane sum 2^(y - m): one max-reduction per block, no sum-reduction
     t = tl.zeros([BLOCK_V], tl.float32)  # per-lane sum 2^(y - m) * (y - m), for the entropy
-    for v0 in range(0, V, BLOCK_V):
+    for v0 in tl.range(0, V, BLOCK_V, num_stages=NUM_STAGES):  # stages > 1: the next blocks load meanwhile
         offs = v0 + tl.arange(0, BLOCK_V)
         y = tl.load(row + offs * stride_v, mask=offs < V, other=float("-inf")).to(tl.float32) * scale
         m_new = tl.maximum(m, tl.max(y, 0))
@@ -92,9 +92,11 @@ def _logprobs_bwd_kernel(x_ptr, dx_ptr, labels_ptr, lse_ptr, ent_ptr, glp_ptr, g
 class LogprobsConfig:
     block_v: int  # vocabulary elements per loop step (forward) / per program (backward)
     num_warps: int
+    num_stages: int = 3  # forward: blocks of a row in flight (software pipelining through shared memory)
 
 
-def logprobs_config(vocab: int, block_v: Optional[int] = None, num_warps: Optional[int] = None) -> LogprobsConfig:
+def logprobs_config(vocab: int, block_v: Optional[int] = None, num_warps: Optional[int] = None,
+                    num_stages: int = 3) -> LogprobsConfig:
     """Block size and warps for a vocabulary of ``vocab``; raises ValueError naming a size it cannot handle."""
     if vocab < 1 or vocab >= 2**31:
         raise ValueError(f"logprobs_from_logits: vocabulary size V={vocab} is outside [1, 2^31)")
@@ -106,7 +108,9 @@ def logprobs_config(vocab: int, block_v: Optional[int] = None, num_warps: Option
     num_warps = num_warps or (8 if block_v >= 2048 else 4)
     if num_warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"logprobs_from_logits: num_warps={num_warps} must be a power of two up to 32")
-    return LogprobsConfig(block_v, num_warps)
+    if not 1 <= num_stages <= 8:
+        raise ValueError(f"logprobs_from_logits: num_stages={num_stages} must be in [1, 8]")
+    return LogprobsConfig(block_v, num_warps, num_stages)
 
 
 def logprobs_forward(logits, labels, inv_t: float, with_entropy: bool, *, config: Optional[LogprobsConfig] = None):
@@ -118,7 +122,7 @@ def logprobs_forward(logits, labels, inv_t: float, with_entropy: bool, *, config
     if B * T:
         _logprobs_fwd_kernel[(B * T,)](logits, labels, logp, entropy, lse, T, logits.stride(0), logits.stride(1),
                                        logits.stride(2), V, inv_t, WITH_ENT=with_entropy, BLOCK_V=cfg.block_v,
-                                       num_warps=cfg.num_warps)
+                                       NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
     return logp, (entropy if with_entropy else None), lse
 
 
