@@ -190,3 +190,16 @@ def test_cuda_forward_extra_memory_is_o_tokens():
     extra = torch.cuda.max_memory_allocated() - before
     assert extra <= 64 * N + (1 << 20), f"forward allocated {extra} bytes for {N} tokens"
     del out
+
+
+def test_without_triton_cpu_works_and_triton_backend_says_what_to_install(monkeypatch):
+    from verl_fast.ops import logprobs as ops
+
+    monkeypatch.setattr(ops, "_has_triton", lambda: False)
+    logits = torch.randn(3, 20)
+    labels = torch.randint(0, 20, (3,))
+    r_logp, _ = reference(logits.double(), labels)
+    assert_values(vf.logprobs_from_logits(logits, labels), r_logp, "logp without Triton")
+    assert_values(vf.linear_logprobs(logits, torch.eye(20), labels), r_logp, "linear logp without Triton")
+    with pytest.raises(ImportError, match="pip install triton"):
+        vf.logprobs_from_logits(logits, labels, backend="triton")
