@@ -43,11 +43,15 @@ def _dz(z, lse, entropy, labels, g_logp, g_entropy) -> torch.Tensor:
     return dz
 
 
-def _entropy_term(z: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """sum exp(z - ref) * (z - ref) per row, with 0 * -inf taken as 0 (masked-out logits)."""
-    y = z - ref[:, None]
-    e = torch.exp(y)
-    return torch.where(e > 0, e * y, torch.zeros_like(y)).sum(-1)
+def _row_stats(z: torch.Tensor, with_entropy: bool):
+    """(m, s, t or None, y) of scaled logits z [r, C] (softmax_stats.py's summary); y = z - m is z's
+    storage (z is consumed). torch.logsumexp is several times slower than this on CPU."""
+    m = z.amax(dim=-1, keepdim=True)
+    y = z.sub_(m)
+    e = y.exp()
+    s = e.sum(dim=-1)
+    t = torch.nansum(e.mul_(y), dim=-1) if with_entropy else None  # 0 * -inf (masked logits) -> 0
+    return m.squeeze(-1), s, t, y
 
 
 def logprobs_forward(logits, labels, inv_t: float, with_entropy: bool):
@@ -58,15 +62,12 @@ def logprobs_forward(logits, labels, inv_t: float, with_entropy: bool):
     for n0, chunk in _row_chunks(logits):
         z = chunk.float() * inv_t  # a new tensor (for fp32 input .float() is the input itself)
         sl = slice(n0, n0 + z.shape[0])
-        m = z.amax(dim=-1, keepdim=True)
-        y = z.sub_(m)  # z - m <= 0, in place (torch.logsumexp is several times slower on CPU)
-        e = y.exp()
-        s = e.sum(dim=-1)
+        m, s, t, y = _row_stats(z, with_entropy)
         log_s = s.log()
-        lse[sl] = m.squeeze(-1) + log_s
+        lse[sl] = m + log_s
         logp[sl] = y.gather(-1, labels[sl, None]).squeeze(-1) - log_s
-        if with_entropy:  # H = log s - sum e (z - m) / s; 0 * -inf (masked logits) -> 0
-            entropy[sl] = log_s - torch.nansum(e.mul_(y), dim=-1) / s
+        if with_entropy:
+            entropy[sl] = log_s - t / s
     return logp, entropy, lse
 
 
@@ -99,13 +100,11 @@ def linear_forward(hidden, weight, bias, labels, inv_t: float, vocab_start: int,
     h32 = hidden.float()
     parts = []
     for v0, v1 in _vocab_chunks(hidden.shape[0], weight.shape[0]):
-        z = _scaled_logits(h32, weight, bias, v0, v1, inv_t)
-        m = z.max(dim=-1).values
+        m, s, t, y = _row_stats(_scaled_logits(h32, weight, bias, v0, v1, inv_t), with_entropy)
         local = labels - (vocab_start + v0)
         inside = (local >= 0) & (local < v1 - v0)
-        zl = z.gather(-1, local.clamp(0, v1 - v0 - 1)[:, None]).squeeze(-1)
-        parts.append((m, torch.exp(z - m[:, None]).sum(-1), _entropy_term(z, m) if with_entropy else None,
-                      torch.where(inside, zl, torch.zeros_like(zl))))
+        zl = y.gather(-1, local.clamp(0, v1 - v0 - 1)[:, None]).squeeze(-1) + m
+        parts.append((m, s, t, torch.where(inside, zl, torch.zeros_like(zl))))
     m, s, t, zl = zip(*parts)
     return Stats(torch.stack(m), torch.stack(s), torch.stack(t) if with_entropy else None, torch.stack(zl))
 
