@@ -14,6 +14,7 @@ and d/dlogits = (d/dz) / T.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, NamedTuple
 
 import torch
@@ -22,9 +23,16 @@ import torch.distributed as dist
 from verl_fast.kernels.softmax_stats import finalize, merge, merge_across, vocab_shard
 
 
-def _no_autocast(x: torch.Tensor):
-    """The implementations choose their own precisions (fp32 statistics, input-dtype GEMMs)."""
-    return torch.autocast(device_type=x.device.type, enabled=False)
+@contextlib.contextmanager
+def _as_implemented(x: torch.Tensor):
+    """On x's device (Triton launches on the current CUDA device), without autocast: the
+    implementations choose their own precisions (fp32 statistics, input-dtype GEMMs)."""
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        if x.device.type == "cuda":
+            with torch.cuda.device(x.device):
+                yield
+        else:
+            yield
 
 
 class Impl(NamedTuple):
@@ -37,7 +45,7 @@ class LogprobsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, inv_t, with_entropy, impl):
-        with _no_autocast(logits):
+        with _as_implemented(logits):
             logp, entropy, lse = impl.forward(logits, labels, inv_t, with_entropy)
         ctx.save_for_backward(logits, labels, lse, entropy)
         ctx.inv_t, ctx.impl = inv_t, impl
@@ -49,7 +57,7 @@ class LogprobsFunction(torch.autograd.Function):
         logits, labels, lse, entropy = ctx.saved_tensors
         if g_logp is None and g_entropy is None or not ctx.needs_input_grad[0]:
             return None, None, None, None, None
-        with _no_autocast(logits):
+        with _as_implemented(logits):
             d_logits = ctx.impl.backward(logits, labels, lse, entropy, g_logp, g_entropy, ctx.inv_t)
         return d_logits, None, None, None, None
 
@@ -61,7 +69,7 @@ class LinearLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, inv_t, with_entropy, tp_group, impl):
         vocab_start, _ = vocab_shard(tp_group, weight.shape[0])
-        with _no_autocast(hidden):
+        with _as_implemented(hidden):
             stats = merge(impl.forward(hidden, weight, bias, labels, inv_t, vocab_start, with_entropy))
             if tp_group is not None:
                 stats = merge_across(stats, tp_group)
@@ -77,7 +85,7 @@ class LinearLogprobsFunction(torch.autograd.Function):
         needs = tuple(ctx.needs_input_grad[:3])
         if g_logp is None and g_entropy is None or not any(needs):
             return (None,) * 8
-        with _no_autocast(hidden):
+        with _as_implemented(hidden):
             d_hidden, d_weight, d_bias = ctx.impl.backward(
                 hidden, weight, bias, labels, lse, entropy, g_logp, g_entropy, ctx.inv_t, ctx.vocab_start, needs)
         if d_hidden is not None:
