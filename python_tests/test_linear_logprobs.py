@@ -4,11 +4,14 @@ vocabulary-parallel form with gloo world size 2."""
 import os
 import socket
 import tempfile
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import verl_fast as vf
 from logprob_refs import BACKENDS, DTYPES, assert_grad, assert_values, reference
@@ -75,6 +78,16 @@ def test_many_chunks_and_vocabulary_splits(backend, monkeypatch):
     else:
         monkeypatch.setattr(_logprobs_torch, "CHUNK_ELEMENTS", N * 128)
     check(ours(*inputs, 0.9, backend[1], **kw), expected(*inputs, 0.9), torch.float32)
+
+
+@settings(max_examples=20, deadline=None)
+@given(N=st.integers(1, 9), H=st.integers(1, 20), V=st.integers(1, 90), with_bias=st.booleans(),
+       temperature=st.floats(0.3, 3.0), chunk=st.integers(1, 400), seed=st.integers(0, 2**16))
+def test_chunked_torch_path_hypothesis(N, H, V, with_bias, temperature, chunk, seed):
+    inputs = make_inputs(N, H, V, torch.float32, "cpu", with_bias, seed=seed)
+    with mock.patch.object(_logprobs_torch, "CHUNK_ELEMENTS", chunk):
+        got = ours(*inputs, temperature, "torch")
+    check(got, expected(*inputs, temperature), torch.float32)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

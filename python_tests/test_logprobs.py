@@ -1,7 +1,11 @@
 """logprobs_from_logits against a float64 log_softmax + gather reference (values and gradients)."""
 
+from unittest import mock
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import verl_fast as vf
 from logprob_refs import BACKENDS, DTYPES, assert_grad, assert_values, reference
@@ -103,6 +107,20 @@ def test_chunked_torch_path_huge_vocab_and_many_chunks(monkeypatch):
     logits = torch.randn(3, 4, 50)
     labels = torch.randint(0, 50, (3, 4))
     (logp, ent, grad), (r_logp, r_ent, r_grad) = run(logits, labels, 0.5, ("cpu", "torch"))
+    assert_values(logp, r_logp, "logp")
+    assert_values(ent, r_ent, "entropy")
+    assert_grad(grad, r_grad, torch.float32, "d_logits")
+
+
+@settings(max_examples=25, deadline=None)
+@given(B=st.integers(1, 3), T=st.integers(1, 6), V=st.integers(1, 70), temperature=st.floats(0.3, 3.0),
+       chunk=st.integers(1, 300), scale=st.floats(0.1, 30.0), seed=st.integers(0, 2**16))
+def test_chunked_torch_path_hypothesis(B, T, V, temperature, chunk, scale, seed):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, T, V, generator=gen) * scale
+    labels = torch.randint(0, V, (B, T), generator=gen)
+    with mock.patch.object(_logprobs_torch, "CHUNK_ELEMENTS", chunk):
+        (logp, ent, grad), (r_logp, r_ent, r_grad) = run(logits, labels, temperature, ("cpu", "torch"), seed=seed)
     assert_values(logp, r_logp, "logp")
     assert_values(ent, r_ent, "entropy")
     assert_grad(grad, r_grad, torch.float32, "d_logits")
