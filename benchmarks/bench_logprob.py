@@ -196,7 +196,7 @@ def _add_linear(rep: Report, case: str, name: str, run, logp_fn, h, w, ref, dev:
 
 
 def _tiles_label(t) -> str:
-    return f"{t.block_m}x{t.block_n}x{t.block_k} g{t.group_m} w{t.num_warps} s{t.num_stages}"
+    return f"{t.block_m}x{t.block_n}x{t.block_k} g{t.group_m} w{t.num_warps} s{t.num_stages}{' tma' if t.tma else ''}"
 
 
 def _pick(rep: Report, case: str, candidates, label: Callable, time_one: Callable):
@@ -225,9 +225,10 @@ def sweep_logits(rep: Report, a):
                  lambda c: time_ms(lambda: logprobs_forward(x, labels, 1.0, True, config=c), a.device, **TUNE_REPS))
 
 
-# (block_m, block_n, block_k, group_m, num_warps, num_stages); the dhidden GEMM also tries cuBLAS.
+# (block_m, block_n, block_k, group_m, num_warps, num_stages[, tma]); the dhidden GEMM also tries cuBLAS.
 GEMM_TILES = [(128, 256, 64, 16, 8, 3), (128, 256, 64, 8, 8, 3), (128, 256, 64, 32, 8, 3), (128, 256, 64, 16, 8, 4),
-              (128, 128, 64, 16, 8, 4), (128, 128, 64, 16, 4, 4), (256, 128, 64, 16, 8, 3)]
+              (128, 128, 64, 16, 8, 4), (128, 128, 64, 16, 4, 4), (256, 128, 64, 16, 8, 3),
+              (128, 256, 64, 16, 8, 3, True), (128, 256, 64, 16, 8, 4, True), (128, 128, 64, 16, 8, 4, True)]
 DHIDDEN_TILES = [(128, 256, 64, 16, 8, 3), (128, 128, 64, 16, 8, 4), (256, 128, 64, 16, 8, 3)]
 
 

@@ -69,18 +69,33 @@ def _mma_loop(a_ptrs, b_ptrs, acc, K, stride_ak, stride_bk, EVEN_K: tl.constexpr
 
 
 @triton.jit
-def _logits_tile(h_ptr, w_ptr, b_ptr, offs_m, offs_n, N, V, H, stride_hm, stride_hk, stride_wv, stride_wk, inv_t,
+def _mma_loop_tma(a_desc, b_desc, acc, m0, n0, K, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                  UPCAST: tl.constexpr):
+    """acc += A[m0:, :K] @ B[n0:, :K]^T through TMA descriptors (out-of-range elements read as 0)."""
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        a = a_desc.load([m0, k * BLOCK_K])
+        b = b_desc.load([n0, k * BLOCK_K])
+        acc = _dot(a, b.T, acc, PRECISION, UPCAST)
+    return acc
+
+
+@triton.jit
+def _logits_tile(h_ptr, w_ptr, b_ptr, m0, n0, N, V, H, stride_hm, stride_hk, stride_wv, stride_wk, inv_t,
                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] fp32 tile of (hidden @ weight^T + bias) / T. Rows and columns past N and V
-    wrap around (valid memory, finite values); callers mask them."""
-    rows = (offs_m % N).to(tl.int64)
-    cols = (offs_n % V).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = h_ptr + rows[:, None] * stride_hm + offs_k[None, :] * stride_hk
-    b_ptrs = w_ptr + cols[None, :] * stride_wv + offs_k[:, None] * stride_wk
+                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] fp32 tile at (m0, n0) of (hidden @ weight^T + bias) / T. Rows and columns
+    past N and V hold finite values (wrapped reads, or zeros through TMA); callers mask them. With
+    TMA, h_ptr and w_ptr are descriptors of hidden and weight with [BLOCK_M | BLOCK_N, BLOCK_K] blocks."""
+    cols = ((n0 + tl.arange(0, BLOCK_N)) % V).to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = _mma_loop(a_ptrs, b_ptrs, acc, H, stride_hk, stride_wk, EVEN_K, BLOCK_K, PRECISION, UPCAST)
+    if TMA:
+        acc = _mma_loop_tma(h_ptr, w_ptr, acc, m0, n0, H, BLOCK_K, PRECISION, UPCAST)
+    else:
+        rows = ((m0 + tl.arange(0, BLOCK_M)) % N).to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = h_ptr + rows[:, None] * stride_hm + offs_k[None, :] * stride_hk
+        b_ptrs = w_ptr + cols[None, :] * stride_wv + offs_k[:, None] * stride_wk
+        acc = _mma_loop(a_ptrs, b_ptrs, acc, H, stride_hk, stride_wk, EVEN_K, BLOCK_K, PRECISION, UPCAST)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
     return acc * inv_t
@@ -91,7 +106,7 @@ def _linear_fwd_kernel(h_ptr, w_ptr, b_ptr, labels_ptr, m_ptr, s_ptr, t_ptr, zl_
                        stride_wv, stride_wk, inv_t, vocab_start, num_splits, tiles_per_split,
                        HAS_BIAS: tl.constexpr, WITH_ENT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
-                       UPCAST: tl.constexpr):
+                       UPCAST: tl.constexpr, TMA: tl.constexpr):
     pid_m, split = _swizzle(tl.program_id(0), tl.cdiv(N, BLOCK_M), num_splits, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     labels = tl.load(labels_ptr + offs_m, mask=offs_m < N, other=-1) - vocab_start
@@ -103,8 +118,9 @@ def _linear_fwd_kernel(h_ptr, w_ptr, b_ptr, labels_ptr, m_ptr, s_ptr, t_ptr, zl_
     first = split * tiles_per_split
     for tile in range(first, tl.minimum(first + tiles_per_split, tl.cdiv(V, BLOCK_N))):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        z = _logits_tile(h_ptr, w_ptr, b_ptr, offs_m, offs_n, N, V, H, stride_hm, stride_hk, stride_wv, stride_wk,
-                         inv_t, HAS_BIAS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
+        z = _logits_tile(h_ptr, w_ptr, b_ptr, pid_m * BLOCK_M, tile * BLOCK_N, N, V, H, stride_hm, stride_hk,
+                         stride_wv, stride_wk, inv_t, HAS_BIAS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
+                         TMA)
         z = tl.where((offs_n < V)[None, :], z, float("-inf"))
         zl += tl.sum(tl.where(offs_n[None, :] == labels[:, None], z, 0.0), 1)
         m_new = tl.maximum(m, tl.max(z, 1))
@@ -130,12 +146,12 @@ def _linear_dlogits_kernel(h_ptr, w_ptr, b_ptr, labels_ptr, lse_ptr, ent_ptr, gl
                            vocab_start, HAS_BIAS: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr,
                            NEED_DB: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
-                           UPCAST: tl.constexpr):
+                           UPCAST: tl.constexpr, TMA: tl.constexpr):
     pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(v_end - v_begin, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = v_begin + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    z = _logits_tile(h_ptr, w_ptr, b_ptr, offs_m, offs_n, N, V, H, stride_hm, stride_hk, stride_wv, stride_wk, inv_t,
-                     HAS_BIAS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
+    z = _logits_tile(h_ptr, w_ptr, b_ptr, pid_m * BLOCK_M, v_begin + pid_n * BLOCK_N, N, V, H, stride_hm, stride_hk,
+                     stride_wv, stride_wk, inv_t, HAS_BIAS, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST, TMA)
     rows = offs_m % N
     lse = tl.load(lse_ptr + rows)
     p = tl.exp2((z - lse[:, None]) * LOG2E)
@@ -188,6 +204,7 @@ class Tiles:
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 3
+    tma: bool = False  # load hidden / weight tiles through TMA descriptors where they allow it (logits GEMMs)
 
     def smem_bytes(self, elsize: int) -> int:
         return self.num_stages * (self.block_m + self.block_n) * self.block_k * elsize
@@ -317,6 +334,20 @@ def _launch(tiles: Tiles) -> dict:
                 num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
+def _logits_operands(hidden: torch.Tensor, weight: torch.Tensor, tiles: Tiles):
+    """(hidden, weight, TMA) as the logits kernels take them: TMA descriptors when the tiles ask for
+    them and the tensors allow it (contiguous rows, 16-byte aligned base and row stride), else the tensors."""
+    def addressable(t):
+        return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+
+    if not (tiles.tma and addressable(hidden) and addressable(weight)):
+        return hidden, weight, False
+    from triton.tools.tensor_descriptor import TensorDescriptor  # Triton >= 3.4
+
+    return (TensorDescriptor.from_tensor(hidden, [tiles.block_m, tiles.block_k]),
+            TensorDescriptor.from_tensor(weight, [tiles.block_n, tiles.block_k]), True)
+
+
 # ----------------------------------------------------------------------------------- launchers
 
 
@@ -334,10 +365,11 @@ def linear_logprobs_forward(hidden, weight, bias, labels, inv_t: float, vocab_st
     out = torch.empty((4, splits, N), dtype=torch.float32, device=hidden.device)
     if N:
         grid = (triton.cdiv(N, f.block_m) * splits,)
-        _linear_fwd_kernel[grid](hidden, weight, bias, labels, out[0], out[1], out[2], out[3], N, V, H,
+        h_arg, w_arg, tma = _logits_operands(hidden, weight, f)
+        _linear_fwd_kernel[grid](h_arg, w_arg, bias, labels, out[0], out[1], out[2], out[3], N, V, H,
                                  hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), inv_t,
                                  vocab_start, splits, per_split, HAS_BIAS=bias is not None, WITH_ENT=with_entropy,
-                                 EVEN_K=H % f.block_k == 0, **_dot_options(hidden), **_launch(f))
+                                 EVEN_K=H % f.block_k == 0, TMA=tma, **_dot_options(hidden), **_launch(f))
     return Stats(out[0], out[1], out[2] if with_entropy else None, out[3])
 
 
@@ -364,10 +396,11 @@ def linear_logprobs_backward(hidden, weight, bias, labels, lse, entropy, g_logp,
         width = _chunk_width(cfg, N, V, hidden.element_size())
         buf = torch.empty((N, width), dtype=hidden.dtype, device=dev)
         cublas = need_h and _use_cublas_for_dhidden(cfg, hidden)
+        operands = _logits_operands(hidden, weight, cfg.dlogits)
         for v0 in range(0, V, width):
             v1 = min(V, v0 + width)
-            d_logits = _dlogits_chunk(hidden, weight, bias, labels, lse, entropy, g_logp, g_entropy, inv_t,
-                                      vocab_start, v0, v1, buf, d_bias, cfg.dlogits)
+            d_logits = _dlogits_chunk(hidden, weight, operands, bias, labels, lse, entropy, g_logp, g_entropy,
+                                      inv_t, vocab_start, v0, v1, buf, d_bias, cfg.dlogits)
             if need_w:
                 torch.mm(d_logits.t(), hidden, out=d_weight[v0:v1])
             if need_h:
@@ -376,15 +409,16 @@ def linear_logprobs_backward(hidden, weight, bias, labels, lse, entropy, g_logp,
     return d_hidden, d_weight, None if d_bias is None else d_bias.to(bias.dtype)
 
 
-def _dlogits_chunk(hidden, weight, bias, labels, lse, entropy, g_logp, g_entropy, inv_t, vocab_start, v0, v1, buf,
-                   d_bias, tiles: Tiles) -> torch.Tensor:
+def _dlogits_chunk(hidden, weight, operands, bias, labels, lse, entropy, g_logp, g_entropy, inv_t, vocab_start, v0,
+                   v1, buf, d_bias, tiles: Tiles) -> torch.Tensor:
     N, H = hidden.shape
+    h_arg, w_arg, tma = operands
     grid = (triton.cdiv(N, tiles.block_m) * triton.cdiv(v1 - v0, tiles.block_n),)
-    _linear_dlogits_kernel[grid](hidden, weight, bias, labels, lse, entropy, g_logp, g_entropy, buf, d_bias, N,
+    _linear_dlogits_kernel[grid](h_arg, w_arg, bias, labels, lse, entropy, g_logp, g_entropy, buf, d_bias, N,
                                  weight.shape[0], H, v0, v1, hidden.stride(0), hidden.stride(1), weight.stride(0),
                                  weight.stride(1), buf.stride(0), inv_t, vocab_start, HAS_BIAS=bias is not None,
                                  HAS_GLP=g_logp is not None, HAS_GENT=g_entropy is not None,
-                                 NEED_DB=d_bias is not None, EVEN_K=H % tiles.block_k == 0,
+                                 NEED_DB=d_bias is not None, EVEN_K=H % tiles.block_k == 0, TMA=tma,
                                  **_dot_options(hidden), **_launch(tiles))
     return buf[:, : v1 - v0]
 

@@ -80,6 +80,19 @@ def test_many_chunks_and_vocabulary_splits(backend, monkeypatch):
     check(ours(*inputs, 0.9, backend[1], **kw), expected(*inputs, 0.9), torch.float32)
 
 
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b.values[0][1] == "triton"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("H", [40, 33])  # 33 bf16: rows of 66 bytes, which TMA cannot address -> plain loads
+def test_tma_tiles(backend, dtype, H):
+    from verl_fast.kernels.linear_logprobs import Tiles, linear_config
+
+    N, V = 45, 300
+    tiles = Tiles(32, 64, 32, 4, 4, 2, tma=True) if backend[0] == "cpu" else Tiles(128, 128, 64, 8, 8, 3, tma=True)
+    cfg = linear_config(N, H, V, dtype, backend[0], forward=tiles, dlogits=tiles)
+    inputs = make_inputs(N, H, V, dtype, backend[0], True, seed=9)
+    check(ours(*inputs, 0.8, "triton", config=cfg), expected(*inputs, 0.8), dtype)
+
+
 @settings(max_examples=20, deadline=None)
 @given(N=st.integers(1, 9), H=st.integers(1, 20), V=st.integers(1, 90), with_bias=st.booleans(),
        temperature=st.floats(0.3, 3.0), chunk=st.integers(1, 400), seed=st.integers(0, 2**16))

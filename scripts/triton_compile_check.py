@@ -75,11 +75,21 @@ def _variants(device: torch.device):
         tag = f"{ltag}{' +bias' if bias else ''}"
         yield (f"linear fwd {tag} {cfg.forward}", L._linear_fwd_kernel,
                (h, w, b, labels, vec, vec, vec, vec, N, V, H, H, 1, H, 1, 1.0, 0, 297, 2),
-               dict(HAS_BIAS=bias, WITH_ENT=ent, EVEN_K=True, **dot, **L._launch(cfg.forward)))
+               dict(HAS_BIAS=bias, WITH_ENT=ent, EVEN_K=True, TMA=False, **dot, **L._launch(cfg.forward)))
         yield (f"linear dlogits {tag} {cfg.dlogits}", L._linear_dlogits_kernel,
                (h, w, b, labels, vec, vec, vec, vec, buf, vec if bias else None, N, V, H, 0, C, H, 1, H, 1, C, 1.0, 0),
-               dict(HAS_BIAS=bias, HAS_GLP=True, HAS_GENT=ent, NEED_DB=bias, EVEN_K=True, **dot,
+               dict(HAS_BIAS=bias, HAS_GLP=True, HAS_GENT=ent, NEED_DB=bias, EVEN_K=True, TMA=False, **dot,
                     **L._launch(cfg.dlogits)))
+        if dtype == torch.bfloat16:  # the TMA variant the benchmark sweeps
+            tma = L.replace(cfg.forward, tma=True)
+            h_desc, w_desc, _ = L._logits_operands(h, w, tma)
+            yield (f"linear fwd {tag} {tma}", L._linear_fwd_kernel,
+                   (h_desc, w_desc, b, labels, vec, vec, vec, vec, N, V, H, H, 1, H, 1, 1.0, 0, 297, 2),
+                   dict(HAS_BIAS=bias, WITH_ENT=ent, EVEN_K=True, TMA=True, **dot, **L._launch(tma)))
+            yield (f"linear dlogits {tag} {tma}", L._linear_dlogits_kernel,
+                   (h_desc, w_desc, b, labels, vec, vec, vec, vec, buf, vec, N, V, H, 0, C, H, 1, H, 1, C, 1.0, 0),
+                   dict(HAS_BIAS=bias, HAS_GLP=True, HAS_GENT=ent, NEED_DB=bias, EVEN_K=True, TMA=True, **dot,
+                        **L._launch(tma)))
         yield (f"linear dhidden {str(dtype)[6:]} {cfg.dhidden}", L._matmul_acc_kernel,
                (buf, w, dh, N, H, C - 8, C, 1, H, 1, H, 1), dict(EVEN_K=False, **dot, **L._launch(cfg.dhidden)))
         lp = P.logprobs_config(V)
