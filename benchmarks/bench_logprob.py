@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -28,6 +29,7 @@ from _common import Report, copy_bandwidth_gbs, peak_extra_bytes, sync, time_ms 
 import verl_fast as vf  # noqa: E402
 
 TUNE_REPS = dict(warmup=2, rep=5)
+DEADLINE = [float("inf")]  # time.monotonic() after which sweeps stop trying new candidates
 
 
 def parse_args():
@@ -38,6 +40,8 @@ def parse_args():
     p.add_argument("--vocab", type=int)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--no-sweep", action="store_true", help="use the built-in block sizes only")
+    p.add_argument("--sweep-seconds", type=float, default=240.0,
+                   help="time for the block-size sweeps (compiles included); candidates left are skipped")
     a = p.parse_args()
     cuda = a.device.startswith("cuda")
     a.tokens = a.tokens or (8192 if cuda else 512)
@@ -200,9 +204,13 @@ def _tiles_label(t) -> str:
 
 
 def _pick(rep: Report, case: str, candidates, label: Callable, time_one: Callable):
-    """Times each candidate (compile errors and out-of-resource configs are noted, not fatal)."""
+    """Times each candidate (compile errors and out-of-resource configs are noted, not fatal); the
+    first candidate is always tried, the others only while the sweep's deadline allows."""
     timed = []
-    for c in candidates:
+    for i, c in enumerate(candidates):
+        if i and time.monotonic() > DEADLINE[0]:
+            rep.add(case, label(c), float("nan"), note="skipped: sweep time used up")
+            continue
         try:
             ms = time_one(c)
         except Exception as e:  # a config this device or Triton version cannot take
@@ -226,9 +234,10 @@ def sweep_logits(rep: Report, a):
 
 
 # (block_m, block_n, block_k, group_m, num_warps, num_stages[, tma]); the dhidden GEMM also tries cuBLAS.
-GEMM_TILES = [(128, 256, 64, 16, 8, 3), (128, 256, 64, 8, 8, 3), (128, 256, 64, 32, 8, 3), (128, 256, 64, 16, 8, 4),
-              (128, 128, 64, 16, 8, 4), (128, 128, 64, 16, 4, 4), (256, 128, 64, 16, 8, 3),
-              (128, 256, 64, 16, 8, 3, True), (128, 256, 64, 16, 8, 4, True), (128, 128, 64, 16, 8, 4, True)]
+# Most promising first: a sweep cut short by --sweep-seconds still tries these.
+GEMM_TILES = [(128, 256, 64, 16, 8, 3), (128, 256, 64, 16, 8, 3, True), (128, 256, 64, 16, 8, 4),
+              (128, 256, 64, 16, 8, 4, True), (128, 256, 64, 8, 8, 3), (128, 256, 64, 32, 8, 3),
+              (128, 128, 64, 16, 8, 4), (128, 128, 64, 16, 8, 4, True), (128, 128, 64, 16, 4, 4), (256, 128, 64, 16, 8, 3)]
 DHIDDEN_TILES = [(128, 256, 64, 16, 8, 3), (128, 128, 64, 16, 8, 4), (256, 128, 64, 16, 8, 3)]
 
 
@@ -287,6 +296,7 @@ def main() -> None:
     mm = matmul_ms(a)
     gemm_tflops = 2 * a.tokens * a.hidden * a.vocab / (mm * 1e-3) / 1e12
     rep.meta.update(bandwidth_gbs=bw, matmul_ms=mm, matmul_tflops=gemm_tflops, four_gemm_floor_ms=4 * mm)
+    DEADLINE[0] = time.monotonic() + a.sweep_seconds
     lp_cfg = sweep_logits(rep, a) if a.sweep else None
     lin_cfg = sweep_linear(rep, a) if a.sweep else None
     rep.meta["logprobs_config"] = repr(lp_cfg)
