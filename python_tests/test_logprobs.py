@@ -23,9 +23,9 @@ def run(logits, labels, temperature, backend, with_entropy=True, seed=0, **kw):
     logp, entropy = out if with_entropy else (out, None)
     loss = (logp * g_logp).sum() + ((entropy * g_ent).sum() if with_entropy else 0)
     loss.backward()
-    x64 = logits.detach().cpu().double().requires_grad_(True)
-    r_logp, r_ent = reference(x64 / temperature, labels.cpu())
-    (r_logp * g_logp.cpu() + (r_ent * g_ent.cpu() if with_entropy else 0)).sum().backward()
+    x64 = logits.detach().double().requires_grad_(True)  # on the inputs' device
+    r_logp, r_ent = reference(x64 / temperature, labels)
+    (r_logp * g_logp + (r_ent * g_ent if with_entropy else 0)).sum().backward()
     return (logp, entropy, x.grad), (r_logp, r_ent, x64.grad)
 
 
