@@ -94,7 +94,7 @@ def test_tma_tiles(backend, dtype, H):
     check(ours(*inputs, 0.8, "triton", config=cfg), expected(*inputs, 0.8), dtype)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=20, deadline=None, derandomize=True)
 @given(N=st.integers(1, 9), H=st.integers(1, 20), V=st.integers(1, 90), with_bias=st.booleans(),
        temperature=st.floats(0.3, 3.0), chunk=st.integers(1, 400), seed=st.integers(0, 2**16))
 def test_chunked_torch_path_hypothesis(N, H, V, with_bias, temperature, chunk, seed):

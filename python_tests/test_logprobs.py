@@ -112,7 +112,7 @@ def test_chunked_torch_path_huge_vocab_and_many_chunks(monkeypatch):
     assert_grad(grad, r_grad, torch.float32, "d_logits")
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, derandomize=True)
 @given(B=st.integers(1, 3), T=st.integers(1, 6), V=st.integers(1, 70), temperature=st.floats(0.3, 3.0),
        chunk=st.integers(1, 300), scale=st.floats(0.1, 30.0), seed=st.integers(0, 2**16))
 def test_chunked_torch_path_hypothesis(B, T, V, temperature, chunk, scale, seed):
