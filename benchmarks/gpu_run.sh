@@ -2,42 +2,57 @@
 # The one script for the GPU machine (device tool): build the package, run the GPU tests, run the
 # GPU benchmarks, leave logs and results under $OUT, print a short table last.
 #
-#   bash benchmarks/gpu_run.sh [section ...]      sections: advantage (default: all)
+#   bash benchmarks/gpu_run.sh                          # every section
+#   SECTIONS="tests advantage" bash benchmarks/gpu_run.sh   # some (to fit a 10-minute call)
 #
-# That machine: H200(s), torch 2.11 + CUDA 13, Triton 3.6, Python 3.12, no network: build with
-# --no-build-isolation --no-deps; extra pure-Python wheels travel in .whl/ (carry it).
+# Sections: tests (every gpu-marked test), advantage, logprobs, reshard.
+# That machine: H200(s), torch 2.11 + CUDA 13, Triton 3.6, Python 3.12, no vLLM / megatron-core, no
+# network: build with --no-build-isolation --no-deps; pure-Python wheels (liger-kernel for the
+# logprobs baseline) travel in .whl/ (carry it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+py=${PYTHON:-python3}
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export VF_BENCH_SUMMARY="$OUT/summary.txt" VF_BENCH_RESULTS="$OUT/results"
 : > "$VF_BENCH_SUMMARY"
-sections=${*:-advantage}
-has() { [[ " $sections " == *" $1 "* ]]; }
+SECTIONS=${SECTIONS:-"tests advantage logprobs reshard"}
+want() { [[ " $SECTIONS " == *" $1 "* ]]; }
+failed=()
 
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+if ls .whl/*.whl > /dev/null 2>&1; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-
 start=$(date +%s)
-if ! python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
+if ! "$py" -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
   tail -n 60 "$OUT/build.log"; exit 1
 fi
 echo "build: $(( $(date +%s) - start )) s"
-python3 -m verl_fast info | tee -a "$OUT/gpu.txt"
+"$py" -m verl_fast info | tee -a "$OUT/gpu.txt"
 
-tests=()
-has advantage && tests+=(python_tests/test_advantage.py)
-python3 -m pytest -m gpu -q -x -p no:cacheprovider "${tests[@]}" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -n 15
-
-: > "$OUT/bench.log"
-if has advantage; then
-  python3 benchmarks/bench_advantage.py --device cuda >> "$OUT/bench.log" 2>&1 || tail -n 30 "$OUT/bench.log"
+# ---- tests: every area's gpu-marked tests ----
+if want tests; then
+  "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests > "$OUT/pytest_gpu.log" 2>&1 || failed+=("pytest -m gpu")
+  tail -n 15 "$OUT/pytest_gpu.log"
 fi
 
-(cd "$OUT" && tar czf results.tgz results 2>/dev/null && rm -rf results)
+: >> "$OUT/bench.log"
+# ---- advantage (issue 2): GAE / GRPO vs the Python loops, memory floor ----
+if want advantage; then
+  "$py" benchmarks/bench_advantage.py --device cuda >> "$OUT/bench.log" 2>&1 || failed+=("bench_advantage")
+fi
+
+# ---- logprobs (issue 4): fused log-prob / entropy kernels; sweeps block sizes first ----
+if want logprobs; then
+  timeout 540 "$py" benchmarks/bench_logprob.py --device cuda >> "$OUT/bench.log" 2>&1 || failed+=("bench_logprob")
+fi
+
+(cd "$OUT" && [ -d results ] && tar czf results.tgz results && rm -rf results)
 echo "==================== summary ===================="
-grep -E "passed|failed|error" "$OUT/pytest_gpu.log" | tail -n 3
+grep -E "passed|failed|error" "$OUT/pytest_gpu.log" 2>/dev/null | tail -n 3
 cat "$VF_BENCH_SUMMARY"
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "FAILED: ${failed[*]}"; tail -n 40 "$OUT/bench.log"; exit 1
+fi

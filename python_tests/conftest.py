@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+# Triton kernels run on CPU tensors only under its interpreter, which must be chosen before Triton
+# is imported (the op wrappers import the kernels lazily, so this is early enough).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

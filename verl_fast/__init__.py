@@ -10,6 +10,7 @@ from verl_fast.ops.advantage import (
     compute_rloo_advantage,
 )
 from verl_fast.ops.masked import masked_mean, masked_var, masked_whiten
+from verl_fast.ops.logprobs import linear_logprobs, logprobs_from_logits
 from verl_fast import schedule
 
 __version__ = "0.1.0"
@@ -26,5 +27,7 @@ __all__ = [
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "logprobs_from_logits",
+    "linear_logprobs",
     "schedule",
 ]
