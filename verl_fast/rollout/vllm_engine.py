@@ -198,7 +198,9 @@ class VLLMInferenceEngine(RolloutEngine):
             sampling = SamplingSpec()
         if isinstance(sampling, SamplingSpec) or compat.is_sampling_params(sampling):
             return [sampling] * count
-        sampling = list(sampling)
+        if not isinstance(sampling, (list, tuple)):
+            raise TypeError("sampling must be SamplingSpec or vllm.SamplingParams, or a list of them, "
+                            f"got {type(sampling).__name__}")
         if len(sampling) != count:
             raise ValueError(f"sampling must be one spec or one per prompt ({count}), got {len(sampling)}")
         return sampling
