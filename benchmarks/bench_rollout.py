@@ -85,7 +85,8 @@ def bench_model(name: str, args, report: Report, workdir: Path) -> None:
     prompts = make_prompts(tokenizer, size["prompts"])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(args.device).eval()
-    nbytes = sum(t.numel() * t.element_size() for t in hf.state_dict().values())
+    storages = {t.data_ptr(): t.numel() * t.element_size() for t in hf.state_dict().values()}
+    nbytes = sum(storages.values())  # tied embeddings counted once
     case = f"{name} P{size['prompts']}xn{size['n']}xT{size['tokens']}"
 
     torch._C.set_num_threads(args.threads)  # HF generate on the same thread count as the engine
