@@ -266,6 +266,27 @@ def test_sleep_wake_on_cpu_warns_once(engine, prompts, caplog):
     assert engine.generate(prompts[:1], SamplingSpec(max_tokens=2)).num_sequences == 1
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_frees_memory_and_update_while_asleep(engine, hf_model, prompts, pushed, level, monkeypatch):
+    if not vllm_compat.sleep_mode_available():
+        pytest.skip("no vLLM sleep mode on this platform")
+    monkeypatch.setattr(engine, "sleep_level", level)
+    free_awake = torch.cuda.mem_get_info()[0]
+    engine.sleep()
+    assert torch.cuda.mem_get_info()[0] > free_awake
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate(prompts, SamplingSpec(max_tokens=2))
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            p.mul_(1.1)
+    engine.update_weights(hf_model.state_dict().items())  # level 2 discarded the weights: refilled here
+    engine.wake_up()
+    out = engine.generate(prompts, SamplingSpec(temperature=0.0, max_tokens=8))
+    for i, toks, _ in rows(out):
+        assert toks == ref_greedy(hf_model, prompts[i], 8)
+
+
 @pytest.mark.parametrize("kwargs", [
     {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
     {"spec_method": "ngram"},
@@ -358,3 +379,11 @@ def test_lora_adapter_passes_through(model_dir, hf_model, prompts):
 def test_update_lora_needs_enable_lora(engine, hf_model):
     with pytest.raises(ValueError, match="enable_lora=True"):
         engine.update_lora(hf_model)
+
+
+def test_closing_another_engine_keeps_this_one_working(engine, model_dir, hf_model, prompts):
+    other = VLLMInferenceEngine(model_dir, kv_cache_memory_bytes=32 << 20, **ENGINE_KW)
+    other.close()
+    other.close()  # idempotent
+    out = engine.generate(prompts[:1], SamplingSpec(temperature=0.0, max_tokens=4))
+    assert rows(out)[0][1] == ref_greedy(hf_model, prompts[0], 4)

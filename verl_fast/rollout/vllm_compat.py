@@ -161,16 +161,18 @@ def load_lora(llm, request) -> None:
     llm.llm_engine.add_lora(request)
 
 
-def shutdown(llm, destroy_process_group: bool) -> None:
-    """Stops an in-process engine and frees its model; ``destroy_process_group`` also tears down
-    the torch.distributed group vLLM created (never one the trainer made)."""
+def shutdown(llm, last_engine: bool, destroy_process_group: bool) -> None:
+    """Stops an in-process engine and frees its model. vLLM's parallel groups are process-wide, so
+    they go only with the ``last_engine``; ``destroy_process_group`` also ends torch.distributed's
+    group (for the group vLLM created, never one the trainer made)."""
     import gc
 
     from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
     llm.llm_engine.engine_core.shutdown()
     del llm
-    destroy_model_parallel()
+    if last_engine:
+        destroy_model_parallel()
     if destroy_process_group:
         destroy_distributed_environment()
     gc.collect()

@@ -39,6 +39,7 @@ import logging
 import shutil
 import tempfile
 import time
+import weakref
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -89,6 +90,8 @@ class VLLMInferenceEngine(RolloutEngine):
     """
 
     owns_weights = True
+    _live: "weakref.WeakSet[VLLMInferenceEngine]" = weakref.WeakSet()  # engines not yet closed
+    _made_process_group = False  # vLLM created torch.distributed's group (no trainer group existed)
 
     def __init__(
         self,
@@ -146,7 +149,7 @@ class VLLMInferenceEngine(RolloutEngine):
         if enable_lora:
             engine_kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank)
         engine_kwargs.setdefault("disable_log_stats", False)
-        owned_dist = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+        had_group = torch.distributed.is_available() and torch.distributed.is_initialized()
         start = time.perf_counter()
         self.llm = vllm.LLM(
             model=str(model_name_or_path), tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size,
@@ -156,7 +159,9 @@ class VLLMInferenceEngine(RolloutEngine):
             kv_cache_memory_bytes=kv_cache_memory_bytes, enable_sleep_mode=enable_sleep_mode,
             logprobs_mode=logprobs_mode, **engine_kwargs)
         self.init_seconds = time.perf_counter() - start
-        self._owned_dist = owned_dist
+        if not had_group:
+            VLLMInferenceEngine._made_process_group = True
+        VLLMInferenceEngine._live.add(self)
         self.enable_sleep_mode = enable_sleep_mode
         self.sleep_level = sleep_level
         tok = self.llm.get_tokenizer()
@@ -335,12 +340,17 @@ class VLLMInferenceEngine(RolloutEngine):
         return out
 
     def close(self) -> None:
-        """Shuts the engine down and frees its memory (and vLLM's process group if it made one)."""
+        """Shuts the engine down and frees its memory. The last engine to close also tears down vLLM's
+        parallel groups, and torch.distributed's group if vLLM created it (never the trainer's)."""
         llm = getattr(self, "llm", None)
         if llm is None:
             return
         self.llm = None
-        compat.shutdown(llm, destroy_process_group=self._owned_dist)
+        VLLMInferenceEngine._live.discard(self)
+        last = not VLLMInferenceEngine._live
+        compat.shutdown(llm, last_engine=last, destroy_process_group=last and self._made_process_group)
+        if last:
+            VLLMInferenceEngine._made_process_group = False
         if self._lora_dir is not None:
             shutil.rmtree(self._lora_dir, ignore_errors=True)
             self._lora_dir = None
