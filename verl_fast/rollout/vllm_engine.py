@@ -11,7 +11,7 @@ reload, no engine restart), and the prefix cache is dropped after each update. T
     engine.sleep()                                   # before training (GPU: frees KV cache / weights)
     engine.update_weights(actor.state_dict().items())  # HF names, after each optimizer step
     engine.wake_up()                                 # before the next rollout
-    engine.metrics()  # {"prefix_cache_hit_rate": ..., "kv_cache_usage": ..., "weight_update_s": ...}
+    engine.metrics()  # {"prefix_cache_hit_rate": ..., "kv_cache_usage_peak": ..., "weight_update_s": ...}
 
 Choices:
 - Log-probs are the sampled tokens' log-probs under the distribution actually sampled from
@@ -181,6 +181,9 @@ class VLLMInferenceEngine(RolloutEngine):
 
         ``prompts``: token-id lists (or strings). ``sampling``: one ``SamplingSpec`` (or
         ``vllm.SamplingParams``) for all prompts, or one per prompt; ``None`` means ``SamplingSpec()``.
+        ``logprobs`` is filled when every request asks for log-probs (``SamplingSpec.logprobs``, or
+        ``SamplingParams.logprobs`` not None), else None. Responses end with their EOS / stop token,
+        which the response mask covers; ``texts`` are vLLM's detokenised strings.
         """
         if self._asleep:
             raise RuntimeError("the engine is asleep: call wake_up() before generate()")
