@@ -12,6 +12,7 @@ from verl_fast.ops.advantage import (
 from verl_fast.ops.masked import masked_mean, masked_var, masked_whiten
 from verl_fast.ops.logprobs import linear_logprobs, logprobs_from_logits
 from verl_fast import schedule
+from verl_fast.rollout.vllm_engine import VLLMInferenceEngine
 
 __version__ = "0.1.0"
 
@@ -30,4 +31,5 @@ __all__ = [
     "logprobs_from_logits",
     "linear_logprobs",
     "schedule",
+    "VLLMInferenceEngine",
 ]

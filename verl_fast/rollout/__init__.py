@@ -3,10 +3,13 @@
 import importlib.util
 
 from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec, pad_completions
+from verl_fast.rollout.vllm_engine import VLLMInferenceEngine
+from verl_fast.rollout.vllm_env import configure_vllm_env
 
 
 def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-__all__ = ["GenerationOutput", "RolloutEngine", "SamplingSpec", "pad_completions", "vllm_available"]
+__all__ = ["GenerationOutput", "RolloutEngine", "SamplingSpec", "pad_completions", "VLLMInferenceEngine",
+           "configure_vllm_env", "vllm_available"]

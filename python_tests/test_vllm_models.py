@@ -1,0 +1,80 @@
+"""VLLMInferenceEngine on other model families and with LoRA adapters (real vLLM, tiny models).
+
+Each test builds and closes its own engine: vLLM 0.32's engine shutdown tears down process-wide
+state, so engines live one after another (see test_vllm_engine.py).
+"""
+
+import pytest
+import torch
+
+from rollout_refs import ref_greedy, ref_logprobs, rows
+from tiny_models import save_tiny_model
+from verl_fast.rollout.base import SamplingSpec
+from verl_fast.rollout.vllm_engine import VLLMInferenceEngine
+from verl_fast.rollout.vllm_env import configure_vllm_env
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed")
+transformers = pytest.importorskip("transformers")
+
+FP32_ATOL = 1e-4
+ENGINE_KW = dict(dtype="float32", max_model_len=256, max_num_seqs=16, max_num_batched_tokens=512, block_size=32,
+                 seed=0, kv_cache_memory_bytes=32 << 20)
+QUESTIONS = ("What is 3 + 4?", "compute the sum of 12 and 30", "x")
+
+
+def build(tmp_path, family, **kwargs):
+    configure_vllm_env()
+    path = save_tiny_model(tmp_path / family, family=family, initializer_range=0.2, **kwargs)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    return path, hf, [tok.encode(q) for q in QUESTIONS]
+
+
+def assert_greedy_equal(engine, model, prompts, tokens=8):
+    out = engine.generate(prompts, SamplingSpec(temperature=0.0, max_tokens=tokens))
+    for i, toks, lp in rows(out):
+        assert toks == ref_greedy(model, prompts[i], tokens)
+        torch.testing.assert_close(lp.double(), ref_logprobs(model, prompts[i], toks), atol=FP32_ATOL, rtol=0)
+    return out
+
+
+@pytest.mark.parametrize("family,tied", [("llama", True), ("qwen3", False)])
+def test_family_greedy_equal_hf_before_and_after_update(tmp_path, family, tied):
+    path, hf, prompts = build(tmp_path, family, tie_word_embeddings=tied)
+    engine = VLLMInferenceEngine(path, **ENGINE_KW)
+    try:
+        assert_greedy_equal(engine, hf, prompts)
+        with torch.no_grad():
+            hf.model.embed_tokens.weight.mul_(1.5)  # when tied, lm_head changes with it
+            for layer in hf.model.layers:
+                layer.mlp.down_proj.weight.mul_(-1.0)
+        engine.update_weights(hf.state_dict().items())
+        assert_greedy_equal(engine, hf, prompts)
+    finally:
+        engine.close()
+    engine.close()  # idempotent
+
+
+def test_lora_adapter_passes_through(tmp_path):
+    peft = pytest.importorskip("peft")
+    path, hf, prompts = build(tmp_path, "qwen2")
+    actor = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                    target_modules=["q_proj", "v_proj", "gate_proj"]))
+    engine = VLLMInferenceEngine(path, enable_lora=True, max_lora_rank=8, **ENGINE_KW)
+    try:
+        with pytest.raises(TypeError, match="PEFT model"):
+            engine.update_lora(transformers.AutoModelForCausalLM.from_pretrained(path))
+        with pytest.raises(ValueError, match="update_lora"):
+            engine.update_weights(actor.state_dict().items())
+        plain = engine.generate(prompts, SamplingSpec(temperature=0.0, max_tokens=8))
+        torch.manual_seed(3)
+        for _ in range(2):  # the second push replaces the first adapter in place
+            with torch.no_grad():
+                for name, p in actor.named_parameters():
+                    if "lora_B" in name:
+                        p.normal_(0, 0.3)
+            engine.update_lora(actor)
+            out = assert_greedy_equal(engine, actor, prompts)
+            assert not torch.equal(out.response_ids, plain.response_ids)
+    finally:
+        engine.close()

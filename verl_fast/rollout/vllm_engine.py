@@ -1,0 +1,354 @@
+"""vLLM rollout inside the trainer's process: ``VLLMInferenceEngine``.
+
+``vllm.LLM`` runs in this process (no HTTP server, no engine subprocess): prompts go in as token ids,
+the actor's weights go in as tensors after every optimizer step and are loaded in place (no disk
+reload, no engine restart), and the prefix cache is dropped after each update. The launcher calls
+``verl_fast.rollout.vllm_env.configure_vllm_env()`` first (the ``verl-fast`` CLI does).
+
+    configure_vllm_env()
+    engine = VLLMInferenceEngine(path, dtype="bfloat16", max_model_len=1024)
+    out = engine.generate(prompt_token_ids, [SamplingSpec(n=8, max_tokens=256)] * len(prompt_token_ids))
+    engine.sleep()                                   # before training (GPU: frees KV cache / weights)
+    engine.update_weights(actor.state_dict().items())  # HF names, after each optimizer step
+    engine.wake_up()                                 # before the next rollout
+    engine.metrics()  # {"prefix_cache_hit_rate": ..., "kv_cache_usage_peak": ..., "weight_update_s": ...}
+
+Choices:
+- Log-probs are the sampled tokens' log-probs under the distribution actually sampled from
+  (vLLM ``logprobs_mode="processed_logprobs"``: after temperature, top-k and top-p), i.e. what
+  ``response_logprobs(..., temperature=T)`` computes for the actor when top-k / top-p are off.
+  Pass ``logprobs_mode="raw_logprobs"`` for log-probs of the unscaled logits.
+- Speculative decoding and guided (structured) decoding are refused: RL rollout must sample from the
+  policy itself, and both change what is sampled or how (seed 000 section 5.3).
+- Greedy requests with ``n > 1`` (which vLLM refuses) are sent as ``n`` requests of one sample.
+- Sleep mode: on CUDA / ROCm / XPU with ``enable_sleep_mode`` (on by default there) ``sleep()``
+  releases the KV cache and offloads the weights (``sleep_level=1``) or discards them
+  (``sleep_level=2``; the next ``update_weights`` refills them). On the CPU it is not supported:
+  a warning is logged once and nothing is released.
+- LoRA: with ``enable_lora=True``, ``update_lora(peft_model)`` saves the adapter (only the adapter)
+  to a private temporary folder and reloads it in place under one ``LoRARequest``; every later
+  ``generate`` uses it. Base weights then stay as loaded.
+- Lifetime: one engine per process at a time; ``close()`` (or garbage collection) runs vLLM's
+  shutdown, which destroys torch.distributed's default group too (see ``close``).
+- ``metrics()`` reads vLLM's per-step scheduler stats through a stat logger added to the engine.
+  On the CPU vLLM's KV block is 128 tokens unless ``block_size`` is passed, and only full blocks
+  are shared, so prompts shorter than a block never hit the prefix cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from verl_fast.rollout import vllm_compat as compat
+from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec, pad_completions
+from verl_fast.rollout.vllm_env import IN_PROCESS
+
+logger = logging.getLogger(__name__)
+
+Prompt = Union[str, Sequence[int]]
+LORA_NAME = "verl_fast_actor"
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
+CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+def check_engine_kwargs(engine_kwargs: Dict[str, Any]) -> None:
+    """Refuses speculative and guided decoding (before vLLM is imported, so at config time)."""
+    for key in compat.SPECULATIVE_KWARGS:
+        if engine_kwargs.get(key) is not None:
+            raise ValueError(
+                f"speculative decoding ({key}={engine_kwargs[key]!r}) is not supported for RL rollout: "
+                "the draft model proposes tokens and the log-probs no longer come from one forward of "
+                "the policy being trained; remove it (seed 000 section 5.3)")
+    for key in compat.GUIDED_KWARGS:
+        if engine_kwargs.get(key) is not None:
+            raise ValueError(
+                f"guided (structured) decoding ({key}) is not supported for RL rollout: it masks the "
+                "policy's distribution, so samples and log-probs are not the policy's; remove it "
+                "(seed 000 section 5.3)")
+
+
+class VLLMInferenceEngine(RolloutEngine):
+    """``vllm.LLM`` in this process, with in-place weight updates (see the module docstring).
+
+    Keyword arguments map to vLLM's ``EngineArgs`` of the same names; the rest go through
+    ``**engine_kwargs``. Defaults that differ from vLLM's: ``gpu_memory_utilization=0.5`` (the actor
+    shares the GPU), ``enforce_eager`` on the CPU (no compile step), ``kv_cache_memory_bytes`` 1 GiB on
+    the CPU unless ``VLLM_CPU_KVCACHE_SPACE`` is set (vLLM would reserve a large share of host RAM),
+    and ``disable_log_stats=False`` (``metrics()`` reads the stats).
+    ``kv_cache_memory_bytes``: KV-cache size (bytes) instead of ``gpu_memory_utilization``.
+    ``cpu_threads``: on the CPU, torch's intra-op threads while vLLM generates or loads weights
+    (the trainer's count is restored after each call; ``None`` leaves it alone). 1 by default, vLLM's
+    own serving setting: on the 2-core machines here 2 threads made rollout 3-30x slower (OpenMP
+    workers spin-waiting between the engine's many small ops).
+    ``enable_chunked_prefill``: off by default on the CPU (a vLLM-CPU 0.32 bug with seeded requests,
+    see ``vllm_compat.default_chunked_prefill``), vLLM's default elsewhere.
+    """
+
+    owns_weights = True
+
+    def __init__(
+        self,
+        model_name_or_path: str,
+        tensor_parallel_size: int = 1,
+        dtype: str = "bfloat16",
+        gpu_memory_utilization: float = 0.5,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 256,
+        max_model_len: Optional[int] = None,
+        enable_chunked_prefill: Optional[bool] = None,
+        seed: int = 0,
+        enforce_eager: Optional[bool] = None,
+        kv_cache_memory_bytes: Optional[int] = None,
+        enable_sleep_mode: Optional[bool] = None,
+        sleep_level: int = 1,
+        enable_lora: bool = False,
+        max_lora_rank: int = 16,
+        logprobs_mode: str = "processed_logprobs",
+        tokenizer: Optional[str] = None,
+        cpu_threads: Optional[int] = 1,
+        **engine_kwargs: Any,
+    ) -> None:
+        check_engine_kwargs(engine_kwargs)
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level must be 1 (KV cache; weights offloaded) or 2 (weights too), got {sleep_level}")
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+        vllm = compat.import_vllm()
+        external = engine_kwargs.get("distributed_executor_backend") == "external_launcher"
+        if not external and not compat.in_process_mode():
+            raise RuntimeError(
+                f"VLLMInferenceEngine runs vLLM inside this process and needs {IN_PROCESS}=0 in the "
+                "environment before the engine is built: call "
+                "verl_fast.rollout.vllm_env.configure_vllm_env() first (the verl-fast CLI does), or "
+                f"export {IN_PROCESS}=0")
+        on_cpu = compat.is_cpu_platform()
+        if enforce_eager is None:
+            enforce_eager = on_cpu
+        if kv_cache_memory_bytes is None and on_cpu and not compat.kv_cache_space_from_env():
+            kv_cache_memory_bytes = CPU_DEFAULT_KV_CACHE_BYTES
+        if cpu_threads is not None and cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1 or None, got {cpu_threads}")
+        self._threads = cpu_threads if on_cpu else None
+        self._sleep_supported = compat.sleep_mode_available()
+        if enable_sleep_mode is None:
+            enable_sleep_mode = self._sleep_supported
+        if enable_chunked_prefill is None:
+            enable_chunked_prefill = compat.default_chunked_prefill()
+        elif enable_chunked_prefill and on_cpu:
+            logger.warning("enable_chunked_prefill=True on the CPU: vLLM-CPU 0.32 crashes on seeded requests "
+                           "whose prompt gets split across steps; leave it unset to have it off")
+        if enable_chunked_prefill is not None:
+            engine_kwargs["enable_chunked_prefill"] = enable_chunked_prefill
+        if enable_lora:
+            engine_kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank)
+        engine_kwargs.setdefault("disable_log_stats", False)
+        start = time.perf_counter()
+        self.llm = vllm.LLM(
+            model=str(model_name_or_path), tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size,
+            dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,
+            kv_cache_memory_bytes=kv_cache_memory_bytes, enable_sleep_mode=enable_sleep_mode,
+            logprobs_mode=logprobs_mode, **engine_kwargs)
+        self.init_seconds = time.perf_counter() - start
+        self.enable_sleep_mode = enable_sleep_mode
+        self.sleep_level = sleep_level
+        tok = self.llm.get_tokenizer()
+        pad = getattr(tok, "pad_token_id", None)
+        self.pad_token_id = pad if pad is not None else (getattr(tok, "eos_token_id", None) or 0)
+        self._asleep = False
+        self._weights_asleep = False
+        self._warned_sleep = False
+        self._lora_dir: Optional[str] = None
+        self._lora_request = None
+        self._last_update_s: Optional[float] = None
+        self._stats = compat.attach_stats(self.llm)
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        sampling: Union[SamplingSpec, Sequence[SamplingSpec], Any, Sequence[Any], None] = None,
+    ) -> GenerationOutput:
+        """``n`` completions per prompt, grouped by prompt in prompt order (see ``GenerationOutput``).
+
+        ``prompts``: token-id lists (or strings). ``sampling``: one ``SamplingSpec`` (or
+        ``vllm.SamplingParams``) for all prompts, or one per prompt; ``None`` means ``SamplingSpec()``.
+        ``logprobs`` is filled when every request asks for log-probs (``SamplingSpec.logprobs``, or
+        ``SamplingParams.logprobs`` not None), else None. Responses end with their EOS / stop token,
+        which the response mask covers; ``texts`` are vLLM's detokenised strings.
+        """
+        if self._asleep:
+            raise RuntimeError("the engine is asleep: call wake_up() before generate()")
+        prompts = list(prompts)
+        requests, owners = [], []
+        for i, (prompt, spec) in enumerate(zip(prompts, self._per_prompt(sampling, len(prompts)))):
+            params, copies = self._to_vllm_params(spec)
+            requests.extend([(self._to_vllm_prompt(prompt, i), params)] * copies)
+            owners.extend([i] * copies)
+        if not requests:
+            return pad_completions([], [], [], self.pad_token_id)
+        with compat.torch_threads(self._threads):
+            outputs = self.llm.generate([r for r, _ in requests], [p for _, p in requests], use_tqdm=False,
+                                        lora_request=self._lora_request)
+        want_logprobs = all(p.logprobs is not None for _, p in requests)
+        tokens, logprobs, index, texts, reasons = [], [], [], [], []
+        for owner, out in zip(owners, outputs):
+            for completion in out.outputs:
+                tokens.append(list(completion.token_ids))
+                if want_logprobs:
+                    logprobs.append(compat.completion_logprobs(completion))
+                index.append(owner)
+                texts.append(completion.text)
+                reasons.append(completion.finish_reason or "length")
+        return pad_completions(tokens, logprobs if want_logprobs else None, index, self.pad_token_id,
+                               texts=texts, finish_reasons=reasons)
+
+    @staticmethod
+    def _per_prompt(sampling, count: int) -> List[Any]:
+        if sampling is None:
+            sampling = SamplingSpec()
+        if isinstance(sampling, SamplingSpec) or compat.is_sampling_params(sampling):
+            return [sampling] * count
+        if not isinstance(sampling, (list, tuple)):
+            raise TypeError("sampling must be SamplingSpec or vllm.SamplingParams, or a list of them, "
+                            f"got {type(sampling).__name__}")
+        if len(sampling) != count:
+            raise ValueError(f"sampling must be one spec or one per prompt ({count}), got {len(sampling)}")
+        return sampling
+
+    @staticmethod
+    def _to_vllm_params(spec):
+        """``(vllm.SamplingParams, copies)`` for one prompt; refuses guided decoding. vLLM refuses
+        greedy sampling with ``n > 1``, so that becomes ``n`` copies of a one-sample request."""
+        if compat.is_sampling_params(spec):
+            field = compat.guided_field(spec)
+            if field:
+                raise ValueError(
+                    f"guided (structured) decoding (SamplingParams.{field}) is not supported for RL "
+                    "rollout: it masks the policy's distribution, so samples and log-probs are not the "
+                    "policy's (seed 000 section 5.3)")
+            return spec, 1
+        if not isinstance(spec, SamplingSpec):
+            raise TypeError(f"sampling must be SamplingSpec or vllm.SamplingParams, got {type(spec).__name__}")
+        spec.validate()
+        copies = spec.n if spec.temperature == 0 else 1
+        params = compat.sampling_params(
+            n=spec.n // copies, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
+            max_tokens=spec.max_tokens, stop=list(spec.stop) or None,
+            stop_token_ids=list(spec.stop_token_ids) or None, seed=spec.seed,
+            logprobs=0 if spec.logprobs else None)
+        return params, copies
+
+    @staticmethod
+    def _to_vllm_prompt(prompt: Prompt, i: int):
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
+        return {"prompt_token_ids": ids}
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        """Loads HF-named tensors into the running engine in place; drops the prefix cache.
+
+        Accepts a ``state_dict().items()`` of the actor (DTensors of an FSDP2 model are gathered with
+        ``full_tensor()``). Tensors of a PEFT model (``lora_A`` / ``base_layer`` names) are refused:
+        use ``update_lora``."""
+        start = time.perf_counter()
+        weights = []
+        for name, tensor in named_tensors:
+            if ".lora_A." in name or ".lora_B." in name or ".base_layer." in name:
+                raise ValueError(f"{name!r} is a PEFT model's tensor: push adapters with "
+                                 "update_lora(peft_model), or merge_and_unload() the actor first")
+            if hasattr(tensor, "full_tensor"):
+                tensor = tensor.full_tensor()
+            weights.append((name, tensor.detach()))
+        if self._weights_asleep:  # after sleep(): weights must be resident before they are written
+            self.llm.wake_up(tags=["weights"])
+            self._weights_asleep = False
+        with compat.torch_threads(self._threads):
+            compat.reload_weights(self.llm, weights)
+        self._last_update_s = time.perf_counter() - start
+
+    def update_lora(self, peft_model) -> None:
+        """Pushes a PEFT model's adapter: saved to a private folder, reloaded in place in the engine."""
+        if not compat.lora_enabled(self.llm):
+            raise ValueError("this engine was built without LoRA: pass enable_lora=True (and max_lora_rank)")
+        if not hasattr(peft_model, "peft_config"):
+            raise TypeError(f"update_lora needs a PEFT model (peft.PeftModel), got {type(peft_model).__name__}")
+        start = time.perf_counter()
+        if self._lora_dir is None:
+            self._lora_dir = tempfile.mkdtemp(prefix="verl_fast_lora_")
+        peft_model.save_pretrained(self._lora_dir)
+        compat.load_lora(self.llm, compat.lora_request(LORA_NAME, 1, self._lora_dir, load_inplace=True))
+        self._lora_request = compat.lora_request(LORA_NAME, 1, self._lora_dir)
+        self.llm.reset_prefix_cache()
+        self._last_update_s = time.perf_counter() - start
+
+    # ------------------------------------------------------------------ memory
+
+    def sleep(self) -> None:
+        """Releases the KV cache (and offloads or drops the weights) until ``wake_up``; a logged
+        no-op where vLLM has no sleep mode (the CPU) or it was not enabled."""
+        if not (self._sleep_supported and self.enable_sleep_mode):
+            if not self._warned_sleep:
+                why = "this platform has no vLLM sleep mode" if not self._sleep_supported else \
+                    "the engine was built with enable_sleep_mode=False"
+                logger.warning("VLLMInferenceEngine.sleep(): %s; rollout memory stays allocated "
+                               "during training", why)
+                self._warned_sleep = True
+            return
+        if not self._asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self._asleep = self._weights_asleep = True
+
+    def wake_up(self) -> None:
+        if self._asleep:
+            self.llm.wake_up(tags=["weights", "kv_cache"] if self._weights_asleep else ["kv_cache"])
+            self._asleep = self._weights_asleep = False
+
+    # ------------------------------------------------------------------ metrics and shutdown
+
+    def metrics(self) -> Dict[str, float]:
+        """vLLM's stats since the last call: ``prefix_cache_hit_rate`` (hit tokens / queried prompt
+        tokens; only full KV blocks are cached), ``kv_cache_usage_peak`` (fraction of KV blocks in
+        use at the busiest step), ``preempted_requests``, ``generated_tokens``; plus
+        ``weight_update_s`` (the last update's seconds)."""
+        w = self._stats.take()
+        out = {
+            "prefix_cache_hit_rate": w["hits"] / w["queries"] if w["queries"] else 0.0,
+            "kv_cache_usage_peak": w["peak_kv_usage"],
+            "preempted_requests": float(w["preempted"]),
+            "generated_tokens": float(w["generated"]),
+        }
+        if self._last_update_s is not None:
+            out["weight_update_s"] = self._last_update_s
+        return out
+
+    def close(self) -> None:
+        """Shuts the engine down and frees its memory.
+
+        vLLM 0.32's in-process shutdown (also run when an un-closed engine is garbage-collected)
+        tears down process-wide state: vLLM's parallel groups AND torch.distributed's default group,
+        even one the trainer created. So: one engine per process at a time, closed after the
+        trainer's last collective (or left to process exit)."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        self.llm = None
+        compat.shutdown(llm)
+        if self._lora_dir is not None:
+            shutil.rmtree(self._lora_dir, ignore_errors=True)
+            self._lora_dir = None
