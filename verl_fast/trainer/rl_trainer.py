@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
@@ -107,6 +108,7 @@ class RLTrainer:
         self.processor = RLDataProcessor(tokenizer, cfg.trainer.max_prompt_length, cfg.rollout.max_new_tokens,
                                          system_prompt=cfg.trainer.system_prompt)
         self.engine = rollout_engine
+        self._engine_synced = rollout_engine is None and rollout_operator is None  # built from the actor below
         if rollout_operator is not None:
             self.rollout, self.engine = rollout_operator, rollout_operator.engine
         elif self.algorithm != "dpo":
@@ -157,8 +159,26 @@ class RLTrainer:
             return HFGenerateEngine(self.actor, self.tokenizer, autocast_dtype=self.autocast_dtype)
         from verl_fast.rollout.vllm_engine import VLLMInferenceEngine
 
-        return VLLMInferenceEngine.for_actor(checkpoint.hf_module(self.actor), self.tokenizer, self.cfg.rollout,
-                                             model_path=model_path)
+        r = self.cfg.rollout
+        peft = hasattr(self.actor, "peft_config")
+        self._engine_synced = self._engine_synced and not peft  # the adapter goes in at the first step
+        if peft and model_path is None:
+            raise ValueError("a PEFT actor with rollout.type=vllm needs model_path (the base model's folder); "
+                             "the adapter is pushed to the engine after each update")
+        if model_path is None:  # vLLM loads a folder: write the actor's current weights to one
+            self._engine_dir = tempfile.TemporaryDirectory(prefix="verl_fast_actor_")
+            model_path = self._engine_dir.name
+            checkpoint.hf_module(self.actor).save_pretrained(model_path, state_dict=checkpoint.full_state_dict(
+                self.actor), safe_serialization=True)
+            self.tokenizer.save_pretrained(model_path)
+        dtype = r.dtype if r.dtype != "auto" else (self.cfg.actor.autocast if self.autocast_dtype else
+                                                    self.cfg.actor.dtype)
+        max_len = r.max_model_len or (self.cfg.trainer.max_prompt_length + r.max_new_tokens)
+        return VLLMInferenceEngine(
+            str(model_path), tensor_parallel_size=r.tensor_parallel_size, dtype=dtype,
+            gpu_memory_utilization=r.gpu_memory_utilization, enable_prefix_caching=r.enable_prefix_caching,
+            max_num_seqs=r.max_num_seqs, max_model_len=max_len, enable_chunked_prefill=r.enable_chunked_prefill,
+            seed=r.seed, enable_sleep_mode=None if r.enable_sleep_mode else False, enable_lora=peft)
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -190,6 +210,8 @@ class RLTrainer:
         is_main = self.rank == 0
         logger = MetricsLogger(cfg.output_dir, total, cfg.progress_bar, cfg.metrics_port, enabled=is_main)
         self._resume(logger)
+        if not self._engine_synced or self.step > 0:  # a given engine, or weights restored from a checkpoint
+            self._sync_engine()
         try:
             while self.step < total:
                 batch = self._batch(items, self.step, per_epoch)
@@ -226,11 +248,21 @@ class RLTrainer:
         metrics.update(self.update_actor(exp))
         if self.critic is not None:
             metrics.update(self.update_critic(exp))
-        if self.engine.owns_weights:
-            start = time.perf_counter()
-            self.engine.update_weights(checkpoint.full_state_dict(self.actor).items())
+        start = time.perf_counter()
+        if self._sync_engine():
             metrics["time/weight_sync"] = time.perf_counter() - start
         return _reduce(metrics, self.world)
+
+    def _sync_engine(self) -> bool:
+        """Pushes the actor's weights into an engine that keeps its own copy (in place)."""
+        self._engine_synced = True
+        if self.engine is None or not self.engine.owns_weights:
+            return False
+        if hasattr(self.actor, "peft_config") and hasattr(self.engine, "update_lora"):
+            self.engine.update_lora(self.actor)  # PEFT actor: only the adapter moves
+        else:
+            self.engine.update_weights(checkpoint.full_state_dict(self.actor).items())
+        return True
 
     # ------------------------------------------------------------------ experience
 
@@ -448,8 +480,6 @@ class RLTrainer:
         self.history = list(state.get("history", []))
         torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
         logger.resume(self.history)
-        if self.engine is not None and self.engine.owns_weights:
-            self.engine.update_weights(checkpoint.full_state_dict(self.actor).items())
 
 
 def _is_prepared(items: Any) -> bool:
