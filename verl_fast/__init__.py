@@ -10,6 +10,7 @@ from verl_fast.ops.advantage import (
     compute_rloo_advantage,
 )
 from verl_fast.ops.masked import masked_mean, masked_var, masked_whiten
+from verl_fast.resharding import ModelSpec, ReshardPlan, reshard, vllm_weights
 
 __version__ = "0.1.0"
 
@@ -25,4 +26,8 @@ __all__ = [
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "reshard",
+    "ReshardPlan",
+    "ModelSpec",
+    "vllm_weights",
 ]
