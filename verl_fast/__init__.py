@@ -10,6 +10,7 @@ from verl_fast.ops.advantage import (
     compute_rloo_advantage,
 )
 from verl_fast.ops.masked import masked_mean, masked_var, masked_whiten
+from verl_fast.models.megatron_checkpoint import load_megatron_checkpoint
 from verl_fast.resharding import ModelSpec, ReshardPlan, reshard, vllm_weights
 
 __version__ = "0.1.0"
@@ -30,4 +31,5 @@ __all__ = [
     "ReshardPlan",
     "ModelSpec",
     "vllm_weights",
+    "load_megatron_checkpoint",
 ]

@@ -148,6 +148,20 @@ def flat_range_pieces(logical: str, shape: Shape, start: int, end: int, offset: 
     return out
 
 
+def slice_bands(bands: Sequence[Band], start: int, n: int) -> List[Band]:
+    """Rows ``[start, start+n)`` of the stack of ``bands``, as bands."""
+    out: List[Band] = []
+    pos = 0
+    for logical, row0, nrows in bands:
+        a, b = max(start, pos), min(start + n, pos + nrows)
+        if a < b:
+            out.append((logical, row0 + a - pos if logical is not None else 0, b - a))
+        pos += nrows
+    if sum(b[2] for b in out) != n:
+        raise ValueError(f"rows [{start}, {start + n}) outside a stack of {pos} rows")
+    return out
+
+
 # ---- splits -----------------------------------------------------------------------------------
 
 

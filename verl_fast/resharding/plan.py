@@ -41,6 +41,8 @@ def _tables(layout: Layout, index: Dict[str, int], groups: Optional[Dict[str, in
             group = groups.setdefault(t.group or t.name, len(groups))
         rows.append((t.rank, t.numel, _dtype_code(t.dtype, t.name), group))
         for p in t.pieces:
+            if p.logical is None and groups is None:
+                continue  # a source's padding feeds nothing
             pieces.append((index[p.logical] if p.logical is not None else -1, p.row0, p.nrows, p.col0, p.ncols, i,
                            p.offset, p.pitch))
     as_t = lambda x, n: torch.tensor(x, dtype=torch.int64).reshape(-1, n)  # noqa: E731

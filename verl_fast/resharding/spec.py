@@ -105,7 +105,8 @@ class ModelSpec:
             kw.update(num_experts=g("num_local_experts"), moe_intermediate_size=g("intermediate_size"),
                       sparse_layers=(True,) * kw["num_layers"])
         if dtype is None:
-            dtype = g("dtype", None) or g("torch_dtype", None) or torch.float32
+            dtype = g("dtype") if hasattr(config, "dtype") else g("torch_dtype")
+            dtype = dtype or torch.float32
             if isinstance(dtype, str):
                 dtype = getattr(torch, dtype)
         return ModelSpec(dtype=dtype, **kw)
