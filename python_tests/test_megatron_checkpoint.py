@@ -107,3 +107,30 @@ def test_bad_checkpoints_are_named(tmp_path):
         load_megatron_checkpoint(root, 2, 2, config=cfg)
     with pytest.raises(ValueError, match="no mp_rank"):
         load_megatron_checkpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize("family,with_config", [("qwen2_moe", True), ("qwen2", False)])
+def test_convert_cli_writes_a_loadable_hf_folder(tmp_path, family, with_config):
+    import transformers
+
+    from verl_fast.cli import main
+
+    model = tiny_model(family)
+    sd, cfg = model.state_dict(), model.config
+    args = argparse.Namespace(num_layers=2, hidden_size=64, num_attention_heads=4, group_query_attention=True,
+                              num_query_groups=2, kv_channels=16, ffn_hidden_size=96, add_qkv_bias=True,
+                              vocab_size=cfg.vocab_size, untie_embeddings_and_output_weights=True, norm_epsilon=1e-6,
+                              rotary_base=10000, max_position_embeddings=256)
+    root = write_legacy(str(tmp_path / "ckpt"), ref_megatron(sd, cfg, 2, 2, 512), 2, args=args)
+    argv = ["convert", root, str(tmp_path / "hf"), "--tp", "2", "--pp", "2", "--max-shard-gb", "0.0001"]
+    if with_config:
+        cfg.save_pretrained(tmp_path / "cfg")
+        argv += ["--config", str(tmp_path / "cfg")]
+    assert main(argv) == 0
+    assert os.path.exists(tmp_path / "hf" / "model.safetensors.index.json")  # sharded at 100 kB
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert type(loaded) is type(model)
+    assert_same(dict(loaded.state_dict()), dict(sd))
+    tokens = torch.randint(0, cfg.vocab_size, (1, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens).logits, model(tokens).logits, atol=0, rtol=0)

@@ -208,6 +208,16 @@ def _load_torch_dist(path: str, config, dtype, names: str) -> "OrderedDict[str, 
     return _to_hf(layout, state, spec, dtype, names)
 
 
+def megatron_args(checkpoint_path: str):
+    """Megatron-LM's saved training ``args`` (an argparse Namespace), or None if the checkpoint has none."""
+    path = resolve_iteration_dir(os.fspath(checkpoint_path))
+    if is_torch_dist(path):
+        common = os.path.join(path, "common.pt")
+        return _torch_load(common).get("args") if os.path.exists(common) else None
+    _, _, files = _legacy_shards(path, None, None)
+    return _torch_load(files[min(files)]).get("args")
+
+
 def load_megatron_checkpoint(checkpoint_path: str, tp_size: Optional[int] = None, pp_size: Optional[int] = None,
                              config: Union[ModelSpec, object, None] = None, dtype: Optional[torch.dtype] = None,
                              names: str = "module") -> "OrderedDict[str, torch.Tensor]":
