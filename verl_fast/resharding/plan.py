@@ -93,9 +93,9 @@ class ReshardPlan:
         a.bucket_bytes, a.tile_bytes = int(bucket_bytes), int(tile_bytes)
         self._c = C.ReshardPlan(a)
         self._phase = C.ReshardPhase
+        self.rank, self.world_size = rank, world
         if self.distributed:
             self._check_same_plan(src, dst)
-        self.rank, self.world_size = rank, world
         self.src_tensors: List[PhysTensor] = [src.tensors[i] for i in self._c.local_sources]
         self.dst_tensors: List[PhysTensor] = [dst.tensors[i] for i in self._c.local_destinations]
         self.src_aliases = src.aliases
