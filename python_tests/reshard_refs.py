@@ -154,3 +154,27 @@ def ref_megatron(sd, cfg, tp, pp, padded_vocab, te_norms=False):
                     s["output_layer.weight"] = pad_rows(sd["lm_head.weight"], padded_vocab).chunk(tp)[t]
             shards[(t, p)] = {k: v.contiguous() for k, v in s.items()}  # Megatron holds contiguous shards
     return shards
+
+
+def plain_config(family, **overrides):
+    """An HF-config-like object (no transformers needed: the GPU machine may not have it)."""
+    from types import SimpleNamespace
+
+    kw = dict(model_type=family, vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+    if family in ("qwen2_moe", "qwen3_moe"):
+        kw.update(num_experts=4, moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[])
+    if family == "qwen2_moe":
+        kw.update(shared_expert_intermediate_size=48)
+    if family == "mixtral":
+        kw.update(num_local_experts=4, intermediate_size=32)
+    kw.update(overrides)
+    return SimpleNamespace(**kw)
+
+
+def random_state(spec, dtype=torch.float32, device="cpu", seed=0):
+    """Random full tensors of every logical parameter of ``spec``."""
+    from verl_fast.resharding import logical_shapes
+
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(s, generator=g).to(dtype=dtype, device=device) for k, s in logical_shapes(spec).items()}

@@ -3,7 +3,6 @@
 // messages a rank sends are exactly those its peers expect to receive.
 #include <algorithm>
 #include <map>
-#include <numeric>
 
 #include "common/check.h"
 #include "reshard/reshard.h"
@@ -118,6 +117,233 @@ struct Transfer {
   int64_t src_rank, dst_rank;
 };
 
+// The validated input tables.
+struct Tables {
+  std::vector<int64_t> lrows, lcols;
+  std::vector<TensorRow> src_t, dst_t;
+  std::vector<PieceRow> src_p, dst_p;
+};
+
+Tables read_tables(const PlanArgs& a, int64_t world) {
+  Tables in;
+  const int64_t* ls = table(a.logical_shapes, "logical_shapes", 2);
+  const int64_t L = a.logical_shapes.sizes[0];
+  VF_CHECK(static_cast<int64_t>(a.logical_names.size()) == L, "logical_shapes has ", L, " rows but ",
+           a.logical_names.size(), " names");
+  in.lrows.resize(L);
+  in.lcols.resize(L);
+  for (int64_t i = 0; i < L; ++i) {
+    in.lrows[i] = ls[2 * i];
+    in.lcols[i] = ls[2 * i + 1];
+    VF_CHECK(in.lrows[i] >= 0 && in.lcols[i] >= 1, "logical tensor ", a.logical_names[i], ": bad 2-D shape [",
+             in.lrows[i], ", ", in.lcols[i], "]");
+  }
+  in.src_t = read_tensors(a.src_tensors, "source", a.src_names, world);
+  in.dst_t = read_tensors(a.dst_tensors, "destination", a.dst_names, world);
+  in.src_p = read_pieces(a.src_pieces, "source", in.src_t, a.src_names, in.lrows, in.lcols, a.logical_names, false);
+  in.dst_p = read_pieces(a.dst_pieces, "destination", in.dst_t, a.dst_names, in.lrows, in.lcols, a.logical_names, true);
+  // Every destination element is written exactly once when the pieces (zero padding included)
+  // tile each destination tensor; the layout builders guarantee no overlap, this checks the total.
+  std::vector<int64_t> covered(in.dst_t.size(), 0);
+  for (const auto& d : in.dst_p) covered[d.tensor] += d.nrows * d.ncols;
+  for (size_t i = 0; i < in.dst_t.size(); ++i)
+    VF_CHECK(covered[i] == in.dst_t[i].numel, "destination tensor ", a.dst_names[i], ": its pieces cover ",
+             covered[i], " of its ", in.dst_t[i].numel, " elements");
+  return in;
+}
+
+// Covers every destination piece with source pieces of its logical tensor: the destination rank's
+// own pieces first, then peers in ring order from it (spreads the load when several ranks hold the
+// same bytes). Throws, naming the tensor, when some rows are held by no source.
+std::vector<Transfer> cover(const Tables& in, const PlanArgs& a, int64_t world) {
+  std::vector<std::vector<int64_t>> by_logical(in.lrows.size());
+  for (size_t i = 0; i < in.src_p.size(); ++i) by_logical[in.src_p[i].logical].push_back(static_cast<int64_t>(i));
+  std::vector<Transfer> transfers;
+  std::vector<int64_t> order;
+  std::vector<Rect> remaining, next;
+  for (size_t j = 0; j < in.dst_p.size(); ++j) {
+    const PieceRow& d = in.dst_p[j];
+    if (d.logical < 0 || d.nrows == 0 || d.ncols == 0) continue;
+    const int64_t drank = in.dst_t[d.tensor].rank;
+    const auto ring = [&](int64_t s) { return (in.src_t[in.src_p[s].tensor].rank - drank + world) % world; };
+    order = by_logical[d.logical];
+    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return ring(x) < ring(y); });
+    remaining.assign(1, d.rect());
+    for (int64_t s : order) {
+      if (remaining.empty()) break;
+      next.clear();
+      for (const Rect& r : remaining) {
+        const Rect part = intersect(r, in.src_p[s].rect());
+        if (part.empty()) {
+          next.push_back(r);
+          continue;
+        }
+        const TensorRow& st = in.src_t[in.src_p[s].tensor];
+        VF_CHECK(convertible(st.dtype, in.dst_t[d.tensor].dtype), "cannot convert ", a.src_names[in.src_p[s].tensor],
+                 " (", dtype_name(static_cast<DType>(st.dtype)), ") to ", a.dst_names[d.tensor], " (",
+                 dtype_name(static_cast<DType>(in.dst_t[d.tensor].dtype)), ")");
+        transfers.push_back({s, static_cast<int64_t>(j), part, st.rank, drank});
+        subtract(r, part, next);
+      }
+      remaining.swap(next);
+    }
+    if (!remaining.empty()) {
+      const Rect& r = remaining.front();
+      throw ValueError(cat("no source holds rows [", r.r0, ", ", r.r0 + r.nr, ") x cols [", r.c0, ", ", r.c0 + r.nc,
+                           ") of ", a.logical_names[d.logical], " needed by ", a.dst_names[d.tensor], " on rank ",
+                           drank, " (missing shard?)"));
+    }
+  }
+  return transfers;
+}
+
+int32_t dst_dtype(const Tables& in, const Transfer& t) {
+  return static_cast<int32_t>(in.dst_t[in.dst_p[t.dst_piece].tensor].dtype);
+}
+
+int64_t group_of(const Tables& in, const Transfer& t) { return in.dst_t[in.dst_p[t.dst_piece].tensor].group; }
+
+// Bytes of a transfer on the wire (in the destination dtype), padded to keep regions aligned.
+int64_t wire_bytes(const Tables& in, const Transfer& t) {
+  return align_up(t.rect.area() * elem_size(dst_dtype(in, t)));
+}
+
+// Buckets over destination groups, in group order: a bucket closes when some rank would receive
+// more than bucket_bytes in it (a group larger than that gets a bucket of its own).
+std::map<int64_t, int64_t> assign_buckets(const Tables& in, const std::vector<Transfer>& transfers,
+                                          int64_t bucket_bytes, std::vector<Bucket>& buckets) {
+  std::map<int64_t, std::map<int64_t, int64_t>> group_recv;  // group -> rank -> bytes
+  for (const auto& d : in.dst_p) group_recv[in.dst_t[d.tensor].group];
+  for (const auto& t : transfers)
+    if (t.src_rank != t.dst_rank) group_recv[group_of(in, t)][t.dst_rank] += wire_bytes(in, t);
+  std::map<int64_t, int64_t> bucket_of, running;
+  int64_t b = 0;
+  for (const auto& [g, per_rank] : group_recv) {
+    bool over = false;
+    for (const auto& [r, bytes] : per_rank) over |= running[r] + bytes > bucket_bytes;
+    if (over && !bucket_of.empty()) {
+      ++b;
+      running.clear();
+    }
+    for (const auto& [r, bytes] : per_rank) running[r] += bytes;
+    bucket_of[g] = b;
+  }
+  buckets.assign(group_recv.empty() ? 0 : b + 1, Bucket{});
+  for (const auto& [g, bb] : bucket_of) buckets[bb].groups.push_back(g);
+  return bucket_of;
+}
+
+// Where a rank's tensors sit in the pointer table.
+struct Slots {
+  std::vector<int64_t> src, dst;  // global index -> local slot (-1: another rank's)
+  int32_t S = 0, D = 0;
+};
+
+// One bucket of one rank: its messages and the segments of its two phases.
+struct BucketWork {
+  std::vector<Segment> pack, copy;
+  int64_t local_bytes = 0, received_bytes = 0, zero_bytes = 0;
+};
+
+BucketWork build_bucket(int64_t b, const Tables& in, const std::vector<Transfer>& transfers,
+                        const std::vector<int64_t>& mine, const std::vector<int64_t>& zeros, const Slots& sl,
+                        int64_t rank, Bucket& bk) {
+  BucketWork w;
+  const int32_t send_slot = sl.S + sl.D + static_cast<int32_t>(b % 2);
+  const int32_t recv_slot = sl.S + sl.D + 2 + static_cast<int32_t>(b % 2);
+  auto src_side = [&](const Transfer& t, Segment& s) {
+    const PieceRow& p = in.src_p[t.src_piece];
+    s.src = static_cast<int32_t>(sl.src[p.tensor]);
+    s.src_dtype = static_cast<int32_t>(in.src_t[p.tensor].dtype);
+    s.src_off = p.offset + (t.rect.r0 - p.row0) * p.pitch + (t.rect.c0 - p.col0);
+    s.src_pitch = p.pitch;
+  };
+  auto dst_side = [&](const Transfer& t, Segment& s) {
+    const PieceRow& p = in.dst_p[t.dst_piece];
+    s.dst = static_cast<int32_t>(sl.S + sl.dst[p.tensor]);
+    s.dst_dtype = static_cast<int32_t>(in.dst_t[p.tensor].dtype);
+    s.dst_off = p.offset + (t.rect.r0 - p.row0) * p.pitch + (t.rect.c0 - p.col0);
+    s.dst_pitch = p.pitch;
+  };
+  // Messages: peers in ascending order, regions in transfer order (the same on both ends), each
+  // region packed densely in the destination dtype at a 16-byte aligned offset.
+  std::map<int64_t, std::vector<int64_t>> to_peer, from_peer;
+  for (int64_t i : mine) {
+    const Transfer& t = transfers[i];
+    if (t.src_rank == rank && t.dst_rank != rank) to_peer[t.dst_rank].push_back(i);
+    if (t.dst_rank == rank && t.src_rank != rank) from_peer[t.src_rank].push_back(i);
+  }
+  for (int side = 0; side < 2; ++side) {
+    int64_t offset = 0;
+    for (const auto& [peer, list] : side == 0 ? to_peer : from_peer) {
+      const int64_t start = offset;
+      for (int64_t i : list) {
+        const Transfer& t = transfers[i];
+        Segment s{};
+        const int32_t dt = dst_dtype(in, t);
+        if (side == 0) {
+          src_side(t, s);
+          s.dst = send_slot, s.dst_dtype = dt, s.dst_off = offset / elem_size(dt), s.dst_pitch = t.rect.nc;
+        } else {
+          dst_side(t, s);
+          s.src = recv_slot, s.src_dtype = dt, s.src_off = offset / elem_size(dt), s.src_pitch = t.rect.nc;
+          w.received_bytes += t.rect.area() * elem_size(dt);
+        }
+        s.rows = t.rect.nr, s.width = t.rect.nc;
+        (side == 0 ? w.pack : w.copy).push_back(s);
+        offset += wire_bytes(in, t);
+      }
+      (side == 0 ? bk.sends : bk.recvs).push_back({peer, start, offset - start});
+    }
+    (side == 0 ? bk.send_bytes : bk.recv_bytes) = offset;
+  }
+  for (int64_t i : mine) {
+    const Transfer& t = transfers[i];
+    if (t.src_rank != rank || t.dst_rank != rank) continue;
+    Segment s{};
+    src_side(t, s);
+    dst_side(t, s);
+    s.rows = t.rect.nr, s.width = t.rect.nc;
+    w.copy.push_back(s);
+    w.local_bytes += t.rect.area() * elem_size(s.dst_dtype);
+  }
+  for (int64_t j : zeros) {
+    const PieceRow& p = in.dst_p[j];
+    Segment s{};
+    s.src = -1;
+    s.dst = static_cast<int32_t>(sl.S + sl.dst[p.tensor]);
+    s.src_dtype = s.dst_dtype = static_cast<int32_t>(in.dst_t[p.tensor].dtype);
+    s.dst_off = p.offset, s.dst_pitch = p.pitch, s.rows = p.nrows, s.width = p.ncols;
+    w.copy.push_back(s);
+    w.zero_bytes += p.nrows * p.ncols * elem_size(s.dst_dtype);
+  }
+  return w;
+}
+
+// Tiles of a segment: rows grouped up to tile_bytes; rows wider than that split in columns.
+// Contiguous segments become one long row first.
+void add_tiles(std::vector<Segment>& segs, int64_t tile_bytes, std::vector<Segment>& all, std::vector<Tile>& tiles) {
+  for (Segment s : segs) {
+    if (s.rows == 1 || (s.src_pitch == s.width && s.dst_pitch == s.width)) {
+      s.width *= s.rows;
+      s.rows = 1;
+      s.src_pitch = s.dst_pitch = s.width;
+    }
+    const int64_t seg = static_cast<int64_t>(all.size());
+    all.push_back(s);
+    const int64_t esz = std::max(elem_size(s.src_dtype), elem_size(s.dst_dtype));
+    const int64_t row_bytes = s.width * esz;
+    if (row_bytes >= tile_bytes) {
+      const int64_t chunk = std::max<int64_t>(kAlign, tile_bytes / esz / kAlign * kAlign);
+      for (int64_t r = 0; r < s.rows; ++r)
+        for (int64_t c = 0; c < s.width; c += chunk) tiles.push_back({seg, r, 1, c, std::min(chunk, s.width - c)});
+    } else {
+      const int64_t per = std::max<int64_t>(1, tile_bytes / std::max<int64_t>(row_bytes, 1));
+      for (int64_t r = 0; r < s.rows; r += per) tiles.push_back({seg, r, std::min(per, s.rows - r), 0, s.width});
+    }
+  }
+}
+
 }  // namespace
 
 const Bucket& Plan::bucket(int64_t b) const {
@@ -131,259 +357,54 @@ Plan::Plan(const PlanArgs& a) : rank_(a.rank), world_(a.world_size) {
   VF_CHECK(a.bucket_bytes > 0, "bucket_bytes must be > 0, got ", a.bucket_bytes);
   VF_CHECK(a.tile_bytes >= kAlign && a.tile_bytes <= (int64_t{1} << 30), "tile_bytes must be in [", kAlign,
            ", 2^30], got ", a.tile_bytes);
-  plan_transfers(a);
-}
+  const Tables in = read_tables(a, world_);
+  const std::vector<Transfer> transfers = cover(in, a, world_);
+  const std::map<int64_t, int64_t> bucket_of = assign_buckets(in, transfers, a.bucket_bytes, buckets_);
 
-void Plan::plan_transfers(const PlanArgs& a) {
-  const int64_t* ls = table(a.logical_shapes, "logical_shapes", 2);
-  const int64_t L = a.logical_shapes.sizes[0];
-  VF_CHECK(static_cast<int64_t>(a.logical_names.size()) == L, "logical_shapes has ", L, " rows but ",
-           a.logical_names.size(), " names");
-  std::vector<int64_t> lrows(L), lcols(L);
-  for (int64_t i = 0; i < L; ++i) {
-    lrows[i] = ls[2 * i];
-    lcols[i] = ls[2 * i + 1];
-    VF_CHECK(lrows[i] >= 0 && lcols[i] >= 1, "logical tensor ", a.logical_names[i], ": bad 2-D shape [", lrows[i],
-             ", ", lcols[i], "]");
-  }
-  const auto src_t = read_tensors(a.src_tensors, "source", a.src_names, world_);
-  const auto dst_t = read_tensors(a.dst_tensors, "destination", a.dst_names, world_);
-  const auto src_p = read_pieces(a.src_pieces, "source", src_t, a.src_names, lrows, lcols, a.logical_names, false);
-  const auto dst_p = read_pieces(a.dst_pieces, "destination", dst_t, a.dst_names, lrows, lcols, a.logical_names, true);
-
-  // Every destination element is written exactly once when the pieces (zero padding included)
-  // tile each destination tensor; the layout builders guarantee no overlap, this checks the total.
-  std::vector<int64_t> covered(dst_t.size(), 0);
-  for (const auto& d : dst_p) covered[d.tensor] += d.nrows * d.ncols;
-  for (int64_t i = 0; i < static_cast<int64_t>(dst_t.size()); ++i)
-    VF_CHECK(covered[i] == dst_t[i].numel, "destination tensor ", a.dst_names[i], ": its pieces cover ", covered[i],
-             " of its ", dst_t[i].numel, " elements");
-
-  // Source pieces of each logical tensor.
-  std::vector<std::vector<int64_t>> by_logical(L);
-  for (int64_t i = 0; i < static_cast<int64_t>(src_p.size()); ++i) by_logical[src_p[i].logical].push_back(i);
-
-  // Cover every destination piece, local sources first, then peers in ring order from the
-  // destination rank (spreads the load when several ranks hold the same bytes).
-  std::vector<Transfer> transfers;
-  std::vector<int64_t> order;
-  std::vector<Rect> remaining, next;
-  for (int64_t j = 0; j < static_cast<int64_t>(dst_p.size()); ++j) {
-    const PieceRow& d = dst_p[j];
-    if (d.logical < 0 || d.nrows == 0 || d.ncols == 0) continue;
-    const int64_t drank = dst_t[d.tensor].rank;
-    const auto& cands = by_logical[d.logical];
-    order.assign(cands.begin(), cands.end());
-    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
-      const int64_t rx = (src_t[src_p[x].tensor].rank - drank + world_) % world_;
-      const int64_t ry = (src_t[src_p[y].tensor].rank - drank + world_) % world_;
-      return rx < ry;
-    });
-    remaining.assign(1, d.rect());
-    for (int64_t s : order) {
-      if (remaining.empty()) break;
-      const Rect sr = src_p[s].rect();
-      next.clear();
-      for (const Rect& r : remaining) {
-        const Rect in = intersect(r, sr);
-        if (in.empty()) {
-          next.push_back(r);
-          continue;
-        }
-        const TensorRow& st = src_t[src_p[s].tensor];
-        VF_CHECK(convertible(st.dtype, dst_t[d.tensor].dtype), "cannot convert ", a.src_names[src_p[s].tensor],
-                 " (", dtype_name(static_cast<DType>(st.dtype)), ") to ", a.dst_names[d.tensor], " (",
-                 dtype_name(static_cast<DType>(dst_t[d.tensor].dtype)), ")");
-        transfers.push_back({s, j, in, st.rank, drank});
-        subtract(r, in, next);
-      }
-      remaining.swap(next);
-    }
-    if (!remaining.empty()) {
-      const Rect& r = remaining.front();
-      throw ValueError(cat("no source holds rows [", r.r0, ", ", r.r0 + r.nr, ") x cols [", r.c0, ", ", r.c0 + r.nc,
-                           ") of ", a.logical_names[d.logical], " needed by ", a.dst_names[d.tensor], " on rank ",
-                           drank, " (missing shard?)"));
-    }
-  }
-
-  // Buckets over destination groups, in group order: a bucket closes when some rank would receive
-  // more than bucket_bytes in it (a group larger than that gets a bucket of its own).
-  auto wire_bytes = [&](const Transfer& t) {
-    return align_up(t.rect.area() * elem_size(static_cast<int32_t>(dst_t[dst_p[t.dst_piece].tensor].dtype)));
-  };
-  std::map<int64_t, std::map<int64_t, int64_t>> group_recv;  // group -> rank -> bytes
-  for (const auto& d : dst_p) group_recv[dst_t[d.tensor].group];
-  for (const auto& t : transfers)
-    if (t.src_rank != t.dst_rank) group_recv[dst_t[dst_p[t.dst_piece].tensor].group][t.dst_rank] += wire_bytes(t);
-  std::map<int64_t, int64_t> bucket_of;
-  {
-    std::map<int64_t, int64_t> running;
-    int64_t b = 0;
-    bool empty = true;
-    for (const auto& [g, per_rank] : group_recv) {
-      bool over = false;
-      for (const auto& [r, bytes] : per_rank) over |= running[r] + bytes > a.bucket_bytes;
-      if (over && !empty) {
-        ++b;
-        running.clear();
-      }
-      for (const auto& [r, bytes] : per_rank) running[r] += bytes;
-      bucket_of[g] = b;
-      empty = false;
-    }
-    buckets_.resize(group_recv.empty() ? 0 : b + 1);
-    for (const auto& [g, bb] : bucket_of) buckets_[bb].groups.push_back(g);
-  }
-
-  // Local slots.
-  std::vector<int64_t> src_slot(src_t.size(), -1), dst_slot(dst_t.size(), -1);
-  for (int64_t i = 0; i < static_cast<int64_t>(src_t.size()); ++i)
-    if (src_t[i].rank == rank_) {
-      src_slot[i] = static_cast<int64_t>(local_src_.size());
-      local_src_.push_back(i);
-      src_dtype_.push_back(static_cast<int32_t>(src_t[i].dtype));
-      src_numel_.push_back(src_t[i].numel);
+  Slots sl;
+  sl.src.assign(in.src_t.size(), -1);
+  sl.dst.assign(in.dst_t.size(), -1);
+  for (size_t i = 0; i < in.src_t.size(); ++i)
+    if (in.src_t[i].rank == rank_) {
+      sl.src[i] = static_cast<int64_t>(local_src_.size());
+      local_src_.push_back(static_cast<int64_t>(i));
+      src_dtype_.push_back(static_cast<int32_t>(in.src_t[i].dtype));
+      src_numel_.push_back(in.src_t[i].numel);
       src_names_.push_back(a.src_names[i]);
     }
-  for (int64_t i = 0; i < static_cast<int64_t>(dst_t.size()); ++i)
-    if (dst_t[i].rank == rank_) {
-      dst_slot[i] = static_cast<int64_t>(local_dst_.size());
-      local_dst_.push_back(i);
-      dst_dtype_.push_back(static_cast<int32_t>(dst_t[i].dtype));
-      dst_numel_.push_back(dst_t[i].numel);
+  for (size_t i = 0; i < in.dst_t.size(); ++i)
+    if (in.dst_t[i].rank == rank_) {
+      sl.dst[i] = static_cast<int64_t>(local_dst_.size());
+      local_dst_.push_back(static_cast<int64_t>(i));
+      dst_dtype_.push_back(static_cast<int32_t>(in.dst_t[i].dtype));
+      dst_numel_.push_back(in.dst_t[i].numel);
       dst_names_.push_back(a.dst_names[i]);
     }
-  const int32_t S = static_cast<int32_t>(local_src_.size()), D = static_cast<int32_t>(local_dst_.size());
+  sl.S = static_cast<int32_t>(local_src_.size());
+  sl.D = static_cast<int32_t>(local_dst_.size());
 
-  // Transfers of each bucket in (destination piece, discovery) order, identical on every rank.
-  std::vector<std::vector<int64_t>> in_bucket(buckets_.size());
-  for (int64_t i = 0; i < static_cast<int64_t>(transfers.size()); ++i)
-    in_bucket[bucket_of[dst_t[dst_p[transfers[i].dst_piece].tensor].group]].push_back(i);
-  std::vector<std::vector<int64_t>> zeros(buckets_.size());
-  for (int64_t j = 0; j < static_cast<int64_t>(dst_p.size()); ++j)
-    if (dst_p[j].logical < 0 && dst_t[dst_p[j].tensor].rank == rank_ && dst_p[j].nrows > 0 && dst_p[j].ncols > 0)
-      zeros[bucket_of[dst_t[dst_p[j].tensor].group]].push_back(j);
-
+  // Transfers and zero padding of each bucket, in (destination piece, discovery) order.
+  std::vector<std::vector<int64_t>> mine(buckets_.size()), zeros(buckets_.size());
+  for (size_t i = 0; i < transfers.size(); ++i)
+    if (transfers[i].src_rank == rank_ || transfers[i].dst_rank == rank_)
+      mine[bucket_of.at(group_of(in, transfers[i]))].push_back(static_cast<int64_t>(i));
+  for (size_t j = 0; j < in.dst_p.size(); ++j) {
+    const PieceRow& p = in.dst_p[j];
+    if (p.logical < 0 && in.dst_t[p.tensor].rank == rank_ && p.nrows > 0 && p.ncols > 0)
+      zeros[bucket_of.at(in.dst_t[p.tensor].group)].push_back(static_cast<int64_t>(j));
+  }
   for (int64_t b = 0; b < num_buckets(); ++b) {
     Bucket& bk = buckets_[b];
-    const int32_t send_slot = S + D + static_cast<int32_t>(b % 2), recv_slot = S + D + 2 + static_cast<int32_t>(b % 2);
-    // Messages: peers in ascending order; regions inside a message in transfer order.
-    std::map<int64_t, std::vector<int64_t>> to_peer, from_peer;
-    for (int64_t i : in_bucket[b]) {
-      const Transfer& t = transfers[i];
-      if (t.src_rank == rank_ && t.dst_rank != rank_) to_peer[t.dst_rank].push_back(i);
-      if (t.dst_rank == rank_ && t.src_rank != rank_) from_peer[t.src_rank].push_back(i);
-    }
-    std::vector<Segment> pack, copy;
-    auto src_segment = [&](const Transfer& t, Segment& s) {
-      const PieceRow& p = src_p[t.src_piece];
-      s.src = static_cast<int32_t>(src_slot[p.tensor]);
-      s.src_dtype = static_cast<int32_t>(src_t[p.tensor].dtype);
-      s.src_off = p.offset + (t.rect.r0 - p.row0) * p.pitch + (t.rect.c0 - p.col0);
-      s.src_pitch = p.pitch;
-    };
-    auto dst_segment = [&](const Transfer& t, Segment& s) {
-      const PieceRow& p = dst_p[t.dst_piece];
-      s.dst = static_cast<int32_t>(S + dst_slot[p.tensor]);
-      s.dst_dtype = static_cast<int32_t>(dst_t[p.tensor].dtype);
-      s.dst_off = p.offset + (t.rect.r0 - p.row0) * p.pitch + (t.rect.c0 - p.col0);
-      s.dst_pitch = p.pitch;
-    };
-    int64_t offset = 0;
-    for (const auto& [peer, list] : to_peer) {
-      Message m{peer, offset, 0};
-      for (int64_t i : list) {
-        const Transfer& t = transfers[i];
-        Segment s{};
-        src_segment(t, s);
-        s.dst = send_slot;
-        s.dst_dtype = static_cast<int32_t>(dst_t[dst_p[t.dst_piece].tensor].dtype);
-        s.dst_off = offset / elem_size(s.dst_dtype);
-        s.dst_pitch = t.rect.nc;
-        s.rows = t.rect.nr;
-        s.width = t.rect.nc;
-        pack.push_back(s);
-        offset += wire_bytes(t);
-      }
-      m.bytes = offset - m.offset;
-      bk.sends.push_back(m);
-    }
-    bk.send_bytes = offset;
-    offset = 0;
-    for (const auto& [peer, list] : from_peer) {
-      Message m{peer, offset, 0};
-      for (int64_t i : list) {
-        const Transfer& t = transfers[i];
-        Segment s{};
-        dst_segment(t, s);
-        s.src = recv_slot;
-        s.src_dtype = s.dst_dtype;
-        s.src_off = offset / elem_size(s.src_dtype);
-        s.src_pitch = t.rect.nc;
-        s.rows = t.rect.nr;
-        s.width = t.rect.nc;
-        copy.push_back(s);
-        received_bytes_ += t.rect.area() * elem_size(s.dst_dtype);
-        offset += wire_bytes(t);
-      }
-      m.bytes = offset - m.offset;
-      bk.recvs.push_back(m);
-    }
-    bk.recv_bytes = offset;
-    for (int64_t i : in_bucket[b]) {
-      const Transfer& t = transfers[i];
-      if (t.src_rank != rank_ || t.dst_rank != rank_) continue;
-      Segment s{};
-      src_segment(t, s);
-      dst_segment(t, s);
-      s.rows = t.rect.nr;
-      s.width = t.rect.nc;
-      copy.push_back(s);
-      local_bytes_ += t.rect.area() * elem_size(s.dst_dtype);
-    }
-    for (int64_t j : zeros[b]) {
-      const PieceRow& p = dst_p[j];
-      Segment s{};
-      s.src = -1;
-      s.dst = static_cast<int32_t>(S + dst_slot[p.tensor]);
-      s.src_dtype = s.dst_dtype = static_cast<int32_t>(dst_t[p.tensor].dtype);
-      s.dst_off = p.offset;
-      s.dst_pitch = p.pitch;
-      s.rows = p.nrows;
-      s.width = p.ncols;
-      copy.push_back(s);
-      zero_bytes_ += p.nrows * p.ncols * elem_size(s.dst_dtype);
-    }
+    BucketWork w = build_bucket(b, in, transfers, mine[b], zeros[b], sl, rank_, bk);
+    local_bytes_ += w.local_bytes;
+    received_bytes_ += w.received_bytes;
+    zero_bytes_ += w.zero_bytes;
     max_send_ = std::max(max_send_, bk.send_bytes);
     max_recv_ = std::max(max_recv_, bk.recv_bytes);
-
-    // Tiles: rows of a segment grouped up to tile_bytes; rows wider than that split in columns.
-    auto add_tiles = [&](std::vector<Segment>& segs) {
-      for (Segment s : segs) {
-        if (s.rows == 1 || (s.src_pitch == s.width && s.dst_pitch == s.width)) {  // contiguous: one long row
-          s.width *= s.rows;
-          s.rows = 1;
-          s.src_pitch = s.dst_pitch = s.width;
-        }
-        const int64_t seg = static_cast<int64_t>(segments_.size());
-        segments_.push_back(s);
-        const int64_t esz = std::max(elem_size(s.src_dtype), elem_size(s.dst_dtype));
-        const int64_t row_bytes = s.width * esz;
-        if (row_bytes >= a.tile_bytes) {
-          const int64_t chunk = std::max<int64_t>(kAlign, a.tile_bytes / esz / kAlign * kAlign);
-          for (int64_t r = 0; r < s.rows; ++r)
-            for (int64_t c = 0; c < s.width; c += chunk) tiles_.push_back({seg, r, 1, c, std::min(chunk, s.width - c)});
-        } else {
-          const int64_t per = std::max<int64_t>(1, a.tile_bytes / std::max<int64_t>(row_bytes, 1));
-          for (int64_t r = 0; r < s.rows; r += per) tiles_.push_back({seg, r, std::min(per, s.rows - r), 0, s.width});
-        }
-      }
-    };
     bk.pack_tiles_begin = static_cast<int64_t>(tiles_.size());
-    add_tiles(pack);
+    add_tiles(w.pack, a.tile_bytes, segments_, tiles_);
     bk.pack_tiles_end = bk.copy_tiles_begin = static_cast<int64_t>(tiles_.size());
-    add_tiles(copy);
+    add_tiles(w.copy, a.tile_bytes, segments_, tiles_);
     bk.copy_tiles_end = static_cast<int64_t>(tiles_.size());
   }
 }

@@ -114,7 +114,6 @@ class Plan {
   void run(int64_t bucket, Phase phase, uintptr_t stream, int num_threads);
 
  private:
-  void plan_transfers(const PlanArgs& args);
   void check_bound(const char* what) const;
 #if defined(VF_WITH_CUDA)
   void run_cuda(int64_t begin, int64_t end, const std::vector<void*>& ptrs, uintptr_t stream);  // reshard.cu

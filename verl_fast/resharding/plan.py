@@ -22,6 +22,8 @@ DEFAULT_BUCKET_BYTES = 256 << 20
 DEFAULT_TILE_BYTES = 256 << 10
 
 Tensors = Union[Mapping[str, torch.Tensor], Sequence[torch.Tensor]]
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_data_ptr = torch.Tensor.data_ptr
 
 _DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3, torch.int64: 4,
                 torch.int32: 5, torch.uint8: 6, torch.bool: 7}
@@ -153,7 +155,7 @@ class ReshardPlan:
         if len(given) != len(expected):
             raise ValueError(f"expected {len(expected)} {what} tensors on rank {self.rank} "
                              f"({', '.join(t.name for t in expected[:3])}, ...), got {len(given)}")
-        return [local_tensor(x) for x in given]
+        return [x if type(x) in _PLAIN else local_tensor(x) for x in given]
 
     def _check(self, tensors: List[torch.Tensor], expected: List[PhysTensor], what: str) -> None:
         for x, t in zip(tensors, expected):
@@ -167,7 +169,8 @@ class ReshardPlan:
                 raise ValueError(f"{what} {t.name!r} must be contiguous")
 
     def _bind(self, srcs: List[torch.Tensor], dsts: List[torch.Tensor]) -> torch.device:
-        key = tuple(map(id, srcs)) + tuple(map(id, dsts)), tuple(x.data_ptr() for x in srcs + dsts)
+        both = srcs + dsts
+        key = tuple(map(id, both)), tuple(map(_data_ptr, both))  # same objects, same memory: bound already
         if self._bound is not None and self._bound[0] == key:
             return self._bound[1]
         self._check(srcs, self.src_tensors, "source")
