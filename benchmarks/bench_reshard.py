@@ -65,7 +65,7 @@ def baseline_cat_copy(dst_tensors, dst: List[torch.Tensor], src: Dict[str, torch
         out.copy_((torch.cat(parts) if len(parts) > 1 else parts[0]).reshape(out.shape))
 
 
-def bench_one_device(device: str, spec: ModelSpec, buckets_mb: List[int]) -> Report:
+def bench_one_device(device: str, spec: ModelSpec, tiles_kb: List[int]) -> Report:
     rep = Report("reshard_1dev", device)
     case = "hf->vllm tp1"
     src_layout, dst_layout = hf_layout(spec), vllm_layout(spec, 1)
@@ -77,15 +77,15 @@ def bench_one_device(device: str, spec: ModelSpec, buckets_mb: List[int]) -> Rep
     bw = copy_bandwidth_gbs(device)
     rep.floors[case] = 2 * moved / (bw * 1e9) * 1e3
     ms = time_ms(lambda: baseline_cat_copy(dst_tensors, base_out, src), device)
-    rep.add(case, "per-param cat + copy", ms, note=f"{2 * moved / ms / 1e6:.0f} GB/s")
+    rep.add(case, "per-param cat + copy", ms, note=f"{2 * moved / ms / 1e6:.0f} GB/s read+written")
     src_list = [src[t.name] for t in src_layout.tensors]
-    for mb in buckets_mb:
-        p = plan(src_layout, dst_layout, bucket_bytes=mb << 20)
-        ours = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in p.dst_tensors]
+    ours = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in dst_tensors]
+    for kb in tiles_kb:
+        p = plan(src_layout, dst_layout, tile_bytes=kb << 10)
         ms = time_ms(lambda: p.execute(src_list, ours), device)
         err = max((a.float() - b.float()).abs().max().item() for a, b in zip(ours, base_out))
-        rep.add(case, f"verl_fast (bucket {mb} MiB)", ms, max_err=err,
-                note=f"{2 * moved / ms / 1e6:.0f} GB/s, {p.num_buckets} launches")
+        rep.add(case, f"verl_fast (tile {kb} KiB)", ms, max_err=err,
+                note=f"{2 * moved / ms / 1e6:.0f} GB/s read+written, {p.num_buckets} launch, {p.stats()['tiles']} tiles")
     rep.meta.update(bytes_moved=moved, copy_bandwidth_gbs=bw, spec=str(spec))
     return rep
 
@@ -157,9 +157,9 @@ def two_device_worker(rank: int, world: int, port: int, device_type: str, scale:
         dist.barrier()
         res["baseline_ms"] = time_ms(lambda: baseline_allgather_slice(spec_logical(spec), shards, by_logical), device)
         res["bytes_written"] = nbytes(base_out)
+        ours = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in mine]
         for mb in buckets_mb:
             p = plan(src_layout, dst_layout, bucket_bytes=mb << 20)
-            ours = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in p.dst_tensors]
             src_list = [shards[t.name] for t in p.src_tensors]
             dist.barrier()
             ms = time_ms(lambda: p.execute(src_list, ours), device)
@@ -218,7 +218,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     ap.add_argument("--scale", default=None, choices=list(SCALES), help="default: full on cuda, small on cpu")
-    ap.add_argument("--buckets-mb", default="64,256", help="bucket sizes to time (MiB, comma-separated)")
+    ap.add_argument("--buckets-mb", default="64,256", help="(b): bucket sizes to time (MiB, comma-separated)")
+    ap.add_argument("--tiles-kb", default="256", help="(a): executor tile sizes to time (KiB, comma-separated)")
     ap.add_argument("--only", choices=["1", "2"], default=None, help="run only (a) one device or (b) two")
     args = ap.parse_args()
     scale = args.scale or ("full" if args.device == "cuda" else "small")
@@ -226,7 +227,7 @@ def main() -> None:
     device = "cuda:0" if args.device == "cuda" else "cpu"
     reports = []
     if args.only in (None, "1"):
-        reports.append(bench_one_device(device, make_spec(scale), buckets))
+        reports.append(bench_one_device(device, make_spec(scale), [int(x) for x in args.tiles_kb.split(",")]))
         sync(device)
     two_ok = args.device == "cpu" or torch.cuda.device_count() >= 2
     if args.only in (None, "2"):
