@@ -42,7 +42,9 @@ def received_reference(sd, cfg, tp, t, rank, world):
         base += v.numel()
     held = set()
     for v in glob.values():
-        held.update(v.chunk(world)[rank].reshape(-1).long().tolist())
+        chunks = v.chunk(world)  # Shard(0): torch.chunk, ranks past the last chunk hold nothing
+        if rank < len(chunks):
+            held.update(chunks[rank].reshape(-1).long().tolist())
     need = [x for v in ref_vllm(glob, cfg, tp, t).values() for x in v.reshape(-1).long().tolist()]
     return sum(1 for x in need if x and x not in held)  # 0: vocab padding
 

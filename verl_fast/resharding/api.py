@@ -81,7 +81,13 @@ def vllm_weights(model_or_state_dict: Union[torch.nn.Module, Mapping[str, torch.
     ``gate_up_proj``, ``w13_weight``/``w2_weight``, padded vocab) from an HF model, its state dict,
     or an FSDP2-sharded model (then collective: every rank calls it and gets the shard of its TP
     rank, by default ``rank % tensor_parallel_size``). ``dtype`` converts on the way (default: the
-    sources')."""
+    sources').
+
+    Engines that repack weights after loading (vLLM's CPU backend) take these through
+    ``collective_rpc("reload_weights", ...)``: pass ``tensor_parallel_size=1`` there, vLLM slices its
+    own shard. Where the engine keeps its parameters in the loaded layout (GPU builds), write into
+    them directly and keep the plan: ``p = verl_fast.reshard.plan(src_layout, vllm_layout(spec, T,
+    ...))`` once, then ``p.execute(sources, dict(vllm_model.named_parameters()))`` every step."""
     if isinstance(model_or_state_dict, torch.nn.Module):
         spec = model_spec(config if config is not None else model_or_state_dict)
         state = model_or_state_dict.state_dict()
