@@ -96,6 +96,19 @@ const char* slot_kind(int64_t i, int64_t S, int64_t D) {
   return i < S ? "source" : i < S + D ? "destination" : i < S + D + 2 ? "send buffer" : "receive buffer";
 }
 
+void check_side(const std::vector<TensorRef>& given, const LocalTensors& want, const char* kind,
+                std::vector<TensorRef>& all) {
+  for (int64_t i = 0; i < want.size(); ++i) {
+    const TensorRef& t = given[i];
+    VF_CHECK_TYPE(static_cast<int32_t>(t.dtype) == want.dtypes[i], kind, " ", want.names[i], " must be ",
+                  dtype_name(static_cast<DType>(want.dtypes[i])), ", got ", dtype_name(t.dtype));
+    VF_CHECK(t.numel() == want.numels[i], kind, " ", want.names[i], " must have ", want.numels[i],
+             " elements, got shape ", shape_str(t.sizes));
+    VF_CHECK(t.is_contiguous(), kind, " ", want.names[i], " must be contiguous");
+    all.push_back(t);
+  }
+}
+
 }  // namespace
 
 #if !defined(VF_WITH_CUDA)
@@ -113,7 +126,7 @@ void run_tiles_cpu(const Segment* segs, const Tile* tiles, int64_t begin, int64_
 
 void Plan::bind(const std::vector<TensorRef>& sources, const std::vector<TensorRef>& destinations,
                 const std::vector<TensorRef>& send_slots, const std::vector<TensorRef>& recv_slots) {
-  const int64_t S = static_cast<int64_t>(local_src_.size()), D = static_cast<int64_t>(local_dst_.size());
+  const int64_t S = src_.size(), D = dst_.size();
   VF_CHECK(static_cast<int64_t>(sources.size()) == S, "expected ", S, " source tensors on rank ", rank_, ", got ",
            sources.size());
   VF_CHECK(static_cast<int64_t>(destinations.size()) == D, "expected ", D, " destination tensors on rank ", rank_,
@@ -122,24 +135,8 @@ void Plan::bind(const std::vector<TensorRef>& sources, const std::vector<TensorR
            send_slots.size(), " and ", recv_slots.size());
   std::vector<TensorRef> all;
   all.reserve(S + D + 4);
-  for (int64_t i = 0; i < S; ++i) {
-    const TensorRef& t = sources[i];
-    VF_CHECK_TYPE(static_cast<int32_t>(t.dtype) == src_dtype_[i], "source ", src_names_[i], " must be ",
-                  dtype_name(static_cast<DType>(src_dtype_[i])), ", got ", dtype_name(t.dtype));
-    VF_CHECK(t.numel() == src_numel_[i], "source ", src_names_[i], " must have ", src_numel_[i],
-             " elements, got shape ", shape_str(t.sizes));
-    VF_CHECK(t.is_contiguous(), "source ", src_names_[i], " must be contiguous");
-    all.push_back(t);
-  }
-  for (int64_t i = 0; i < D; ++i) {
-    const TensorRef& t = destinations[i];
-    VF_CHECK_TYPE(static_cast<int32_t>(t.dtype) == dst_dtype_[i], "destination ", dst_names_[i], " must be ",
-                  dtype_name(static_cast<DType>(dst_dtype_[i])), ", got ", dtype_name(t.dtype));
-    VF_CHECK(t.numel() == dst_numel_[i], "destination ", dst_names_[i], " must have ", dst_numel_[i],
-             " elements, got shape ", shape_str(t.sizes));
-    VF_CHECK(t.is_contiguous(), "destination ", dst_names_[i], " must be contiguous");
-    all.push_back(t);
-  }
+  check_side(sources, src_, "source", all);
+  check_side(destinations, dst_, "destination", all);
   for (int k = 0; k < 4; ++k) {
     const TensorRef& t = k < 2 ? send_slots[k] : recv_slots[k - 2];
     const int64_t need = k < 2 ? max_send_ : max_recv_;

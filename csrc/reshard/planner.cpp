@@ -239,6 +239,21 @@ struct Slots {
   int32_t S = 0, D = 0;
 };
 
+// The tensors of `rank` on one side; returns each global tensor's local slot (-1: another rank's).
+std::vector<int64_t> take_local(const std::vector<TensorRow>& tensors, const std::vector<std::string>& names,
+                                int64_t rank, LocalTensors& out) {
+  std::vector<int64_t> slot(tensors.size(), -1);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].rank != rank) continue;
+    slot[i] = out.size();
+    out.ids.push_back(static_cast<int64_t>(i));
+    out.dtypes.push_back(static_cast<int32_t>(tensors[i].dtype));
+    out.numels.push_back(tensors[i].numel);
+    out.names.push_back(names[i]);
+  }
+  return slot;
+}
+
 // One bucket of one rank: its messages and the segments of its two phases.
 struct BucketWork {
   std::vector<Segment> pack, copy;
@@ -362,26 +377,10 @@ Plan::Plan(const PlanArgs& a) : rank_(a.rank), world_(a.world_size) {
   const std::map<int64_t, int64_t> bucket_of = assign_buckets(in, transfers, a.bucket_bytes, buckets_);
 
   Slots sl;
-  sl.src.assign(in.src_t.size(), -1);
-  sl.dst.assign(in.dst_t.size(), -1);
-  for (size_t i = 0; i < in.src_t.size(); ++i)
-    if (in.src_t[i].rank == rank_) {
-      sl.src[i] = static_cast<int64_t>(local_src_.size());
-      local_src_.push_back(static_cast<int64_t>(i));
-      src_dtype_.push_back(static_cast<int32_t>(in.src_t[i].dtype));
-      src_numel_.push_back(in.src_t[i].numel);
-      src_names_.push_back(a.src_names[i]);
-    }
-  for (size_t i = 0; i < in.dst_t.size(); ++i)
-    if (in.dst_t[i].rank == rank_) {
-      sl.dst[i] = static_cast<int64_t>(local_dst_.size());
-      local_dst_.push_back(static_cast<int64_t>(i));
-      dst_dtype_.push_back(static_cast<int32_t>(in.dst_t[i].dtype));
-      dst_numel_.push_back(in.dst_t[i].numel);
-      dst_names_.push_back(a.dst_names[i]);
-    }
-  sl.S = static_cast<int32_t>(local_src_.size());
-  sl.D = static_cast<int32_t>(local_dst_.size());
+  sl.src = take_local(in.src_t, a.src_names, rank_, src_);
+  sl.dst = take_local(in.dst_t, a.dst_names, rank_, dst_);
+  sl.S = static_cast<int32_t>(src_.size());
+  sl.D = static_cast<int32_t>(dst_.size());
 
   // Transfers and zero padding of each bucket, in (destination piece, discovery) order.
   std::vector<std::vector<int64_t>> mine(buckets_.size()), zeros(buckets_.size());

@@ -20,14 +20,18 @@ struct CudaTables {
   std::vector<void*> uploaded;  // host copy of the pointer table last uploaded
 };
 
+// Runs from destructors (possibly at interpreter exit, after the runtime shut down): never throws,
+// ignores errors.
 void free_cuda_tables(CudaTables* t) {
   if (t == nullptr) return;
-  {
-    DeviceGuard guard(t->device);
+  int prev = -1;
+  if (cudaGetDevice(&prev) == cudaSuccess && cudaSetDevice(t->device) == cudaSuccess) {
     cudaFree(t->segs);
     cudaFree(t->tiles);
     cudaFree(t->ptrs);
+    cudaSetDevice(prev);
   }
+  cudaGetLastError();  // clear a sticky error from the calls above, if any
   delete t;
 }
 

@@ -84,6 +84,15 @@ struct CudaTablesDeleter {
   void operator()(CudaTables* t) const { free_cuda_tables(t); }
 };
 
+// The tensors one rank holds on one side of a plan, in pointer-table order.
+struct LocalTensors {
+  std::vector<int64_t> ids;        // global indices in the side's tensor table
+  std::vector<int32_t> dtypes;     // vf::DType
+  std::vector<int64_t> numels;
+  std::vector<std::string> names;
+  int64_t size() const { return static_cast<int64_t>(ids.size()); }
+};
+
 class Plan {
  public:
   // Builds the plan of `args.rank`. Throws ValueError naming the tensor on bad input.
@@ -93,8 +102,8 @@ class Plan {
   int64_t world_size() const { return world_; }
   int64_t num_buckets() const { return static_cast<int64_t>(buckets_.size()); }
   const Bucket& bucket(int64_t b) const;
-  const std::vector<int64_t>& local_sources() const { return local_src_; }       // global src ids
-  const std::vector<int64_t>& local_destinations() const { return local_dst_; }  // global dst ids
+  const std::vector<int64_t>& local_sources() const { return src_.ids; }       // global src ids
+  const std::vector<int64_t>& local_destinations() const { return dst_.ids; }  // global dst ids
   int64_t max_send_bytes() const { return max_send_; }
   int64_t max_recv_bytes() const { return max_recv_; }
   // Bytes this rank copies from its own sources / receives / zero-fills, summed over buckets.
@@ -123,12 +132,9 @@ class Plan {
   std::vector<Bucket> buckets_;
   std::vector<Segment> segments_;
   std::vector<Tile> tiles_;
-  std::vector<int64_t> local_src_, local_dst_;
-  std::vector<int32_t> src_dtype_, dst_dtype_;   // of local tensors, by slot
-  std::vector<int64_t> src_numel_, dst_numel_;   // of local tensors, by slot
+  LocalTensors src_, dst_;
   int64_t max_send_ = 0, max_recv_ = 0;
   int64_t local_bytes_ = 0, received_bytes_ = 0, zero_bytes_ = 0;
-  std::vector<std::string> src_names_, dst_names_;  // of local tensors, by slot
 
   std::vector<TensorRef> bound_;  // pointer table, bound by bind()
   Device device_ = Device::cpu;
