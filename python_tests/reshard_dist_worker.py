@@ -92,6 +92,16 @@ def _fsdp_family(rank, world, family):
         fsdp1 = FSDP(inner, use_orig_params=False, device_id=torch.device("cpu"), auto_wrap_policy=policy)
         p1 = plan(fsdp1_layout_from_module(spec, fsdp1), vllm_layout(spec, 2))
         assert_same(dict(p1.execute(fsdp1_sources(fsdp1))), ref_vllm(sd, cfg, 2, rank))
+    if family == "qwen2":  # DTensors placed every way: Shard(0), Shard(-1) (TP-style), Replicate
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (world,))
+        kinds = [Shard(0), Shard(-1), Replicate()]
+        mixed = {k: distribute_tensor(v, mesh, [kinds[i % 3] if v.dim() > 1 or i % 3 != 1 else Shard(0)])
+                 for i, (k, v) in enumerate(sd.items())}
+        got = dict(vllm_weights(mixed, cfg, tensor_parallel_size=2))
+        assert_same(got, ref_vllm(sd, cfg, 2, rank))
     if family == "llama":  # Megatron TP=2 shards in the two processes -> vLLM TP=2 and TP=1
         from verl_fast.resharding.megatron import megatron_layout
 
