@@ -33,7 +33,8 @@ if want reshard; then
   tail -n 15 "$OUT/pytest_reshard_gpu.log"
   # (a) 1 GPU HF -> vLLM TP=1 into preallocated tensors; (b) when 2 GPUs are visible, FSDP2 (2 ranks)
   # -> vLLM TP=2 over NCCL. Qwen2.5-7B shapes, bf16; ~30 GB per GPU.
-  timeout 540 "$py" benchmarks/bench_reshard.py --device cuda --buckets-mb 64,256,1024 > "$OUT/bench_reshard.log" 2>&1 \
+  timeout 540 "$py" benchmarks/bench_reshard.py --device cuda --tiles-kb 64,256,1024 --buckets-mb 64,256,1024 \
+    > "$OUT/bench_reshard.log" 2>&1 \
     || failed+=("bench_reshard")
   tail -n 40 "$OUT/bench_reshard.log"
 fi
