@@ -49,6 +49,13 @@ if want logprobs; then
   timeout 540 "$py" benchmarks/bench_logprob.py --device cuda >> "$OUT/bench.log" 2>&1 || failed+=("bench_logprob")
 fi
 
+# ---- reshard (issue 7): (a) 1 GPU HF -> vLLM TP=1 into preallocated tensors; (b) with 2 GPUs,
+# FSDP2 (2 ranks) -> vLLM TP=2 over NCCL. Qwen2.5-7B shapes, bf16; ~30 GB per GPU. ----
+if want reshard; then
+  timeout 540 "$py" benchmarks/bench_reshard.py --device cuda --tiles-kb 64,256,1024 --buckets-mb 64,256,1024 \
+    >> "$OUT/bench.log" 2>&1 || failed+=("bench_reshard")
+fi
+
 (cd "$OUT" && [ -d results ] && tar czf results.tgz results && rm -rf results)
 echo "==================== summary ===================="
 grep -E "passed|failed|error" "$OUT/pytest_gpu.log" 2>/dev/null | tail -n 3

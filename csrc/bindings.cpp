@@ -1,9 +1,11 @@
 // verl_fast._C: declarations only. Each area's launchers validate their arguments themselves.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include "advantage/advantage.h"
 #include "py_tensor.h"
 #include "schedule/schedule.h"
+#include "reshard/reshard.h"
 
 namespace py = pybind11;
 using namespace vf;
@@ -86,4 +88,50 @@ PYBIND11_MODULE(_C, m) {
         py::arg("max_num_seqs"), py::arg("max_batch_tokens"), py::arg("max_model_len"), py::arg("max_length_ratio"),
         py::arg("order"), py::arg("offsets"), py::arg("wave_max_tokens"), py::call_guard<py::gil_scoped_release>(),
         "Rollout dispatch waves by prompt length into order/offsets/wave_max_tokens; returns their count");
+  // ---- resharding engine ----
+  py::enum_<reshard::Phase>(m, "ReshardPhase").value("pack", reshard::Phase::pack).value("copy", reshard::Phase::copy);
+  py::class_<reshard::PlanArgs>(m, "ReshardPlanArgs")
+      .def(py::init<>())
+      .def_readwrite("logical_shapes", &reshard::PlanArgs::logical_shapes)
+      .def_readwrite("logical_names", &reshard::PlanArgs::logical_names)
+      .def_readwrite("src_tensors", &reshard::PlanArgs::src_tensors)
+      .def_readwrite("src_pieces", &reshard::PlanArgs::src_pieces)
+      .def_readwrite("dst_tensors", &reshard::PlanArgs::dst_tensors)
+      .def_readwrite("dst_pieces", &reshard::PlanArgs::dst_pieces)
+      .def_readwrite("src_names", &reshard::PlanArgs::src_names)
+      .def_readwrite("dst_names", &reshard::PlanArgs::dst_names)
+      .def_readwrite("rank", &reshard::PlanArgs::rank)
+      .def_readwrite("world_size", &reshard::PlanArgs::world_size)
+      .def_readwrite("bucket_bytes", &reshard::PlanArgs::bucket_bytes)
+      .def_readwrite("tile_bytes", &reshard::PlanArgs::tile_bytes);
+  auto messages = [](const std::vector<reshard::Message>& ms) {
+    std::vector<std::tuple<int64_t, int64_t, int64_t>> out;
+    for (const auto& x : ms) out.emplace_back(x.peer, x.offset, x.bytes);
+    return out;
+  };
+  py::class_<reshard::Plan>(m, "ReshardPlan")
+      .def(py::init<const reshard::PlanArgs&>(), py::arg("args"), py::call_guard<py::gil_scoped_release>(),
+           "Plans one rank's copies and messages; see csrc/reshard/reshard.h")
+      .def_property_readonly("rank", &reshard::Plan::rank)
+      .def_property_readonly("world_size", &reshard::Plan::world_size)
+      .def_property_readonly("num_buckets", &reshard::Plan::num_buckets)
+      .def_property_readonly("local_sources", &reshard::Plan::local_sources)
+      .def_property_readonly("local_destinations", &reshard::Plan::local_destinations)
+      .def_property_readonly("max_send_bytes", &reshard::Plan::max_send_bytes)
+      .def_property_readonly("max_recv_bytes", &reshard::Plan::max_recv_bytes)
+      .def_property_readonly("local_bytes", &reshard::Plan::local_bytes)
+      .def_property_readonly("received_bytes", &reshard::Plan::received_bytes)
+      .def_property_readonly("zero_bytes", &reshard::Plan::zero_bytes)
+      .def_property_readonly("num_segments", [](const reshard::Plan& p) { return p.segments().size(); })
+      .def_property_readonly("num_tiles", [](const reshard::Plan& p) { return p.tiles().size(); })
+      .def("sends", [messages](const reshard::Plan& p, int64_t b) { return messages(p.bucket(b).sends); },
+           py::arg("bucket"), "(peer, byte offset in the send slot, bytes) of each message")
+      .def("recvs", [messages](const reshard::Plan& p, int64_t b) { return messages(p.bucket(b).recvs); },
+           py::arg("bucket"), "(peer, byte offset in the receive slot, bytes) of each message")
+      .def("groups", [](const reshard::Plan& p, int64_t b) { return p.bucket(b).groups; }, py::arg("bucket"))
+      .def("bind", &reshard::Plan::bind, py::arg("sources"), py::arg("destinations"), py::arg("send_slots"),
+           py::arg("recv_slots"))
+      .def("run", &reshard::Plan::run, py::arg("bucket"), py::arg("phase"), py::arg("stream") = 0,
+           py::arg("num_threads") = 0, py::call_guard<py::gil_scoped_release>(),
+           "Runs the pack or copy phase of one bucket (one CUDA launch, or CPU threads)");
 }

@@ -7,17 +7,24 @@ safetensors, tokenizer with a chat template) that transformers and vLLM both loa
     from tiny_models import save_tiny_model
     path = save_tiny_model(tmp_path / "m", family="qwen2", num_layers=2)
     model = AutoModelForCausalLM.from_pretrained(path); tok = AutoTokenizer.from_pretrained(path)
+
+``tiny_model(family)`` / ``save_tiny(family, path)`` cover every family the resharding engine knows
+(dense and MoE), with every parameter drawn so that no two are alike.
 """
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
-from typing import List, Union
+from typing import List, Optional, Union
 
+import pytest
 import torch
 
-FAMILIES = ("qwen2", "qwen3", "llama")
+transformers = pytest.importorskip("transformers")  # the GPU machine may lack it: skip, don't fail
+
+CHAT_FAMILIES = ("qwen2", "qwen3", "llama")  # build_config / save_tiny_model
 EOS = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS, "<|im_start|>", "<|im_end|>"]
 # ChatML, as Qwen and SmolLM2 use; enough for tests of chat templating.
@@ -65,8 +72,8 @@ def build_config(family: str = "qwen2", vocab_size: int = 512, num_layers: int =
     ``hidden_size // num_heads`` in {32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512} (16 is refused)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    if family not in FAMILIES:
-        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    if family not in CHAT_FAMILIES:
+        raise ValueError(f"family must be one of {CHAT_FAMILIES}, got {family!r}")
     cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}[family]
     extra = {"head_dim": hidden_size // num_heads} if family in ("qwen3", "llama") else {}
     return cls(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
@@ -97,5 +104,53 @@ def save_tiny_model(path: Union[str, Path], family: str = "qwen2", vocab_size: i
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = eos
     model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+# ---------------------------------------------------------------- every family (resharding tests)
+
+_BASE = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
+
+_FAMILY = {
+    "llama": (transformers.LlamaConfig, {}),
+    "mistral": (transformers.MistralConfig, {}),
+    "qwen2": (transformers.Qwen2Config, {}),
+    "qwen3": (transformers.Qwen3Config, {"head_dim": 16}),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, {"num_experts": 4, "num_experts_per_tok": 2,
+                                                "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, {"num_experts": 4, "num_experts_per_tok": 2,
+                                                "moe_intermediate_size": 32, "head_dim": 16}),
+    "mixtral": (transformers.MixtralConfig, {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                             "intermediate_size": 32}),
+}
+FAMILIES = tuple(_FAMILY)
+
+
+def tiny_config(family: str, **overrides) -> "transformers.PretrainedConfig":
+    cls, extra = _FAMILY[family]
+    return cls(**{**_BASE, **extra, **overrides})
+
+
+def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    """A random model; every parameter (norms included) drawn so that no two are alike."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(family, **overrides))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.5 if p.dim() == 1 else 0.1)
+    return model.to(dtype).eval()
+
+
+def save_tiny(family: str, path: str, seed: int = 0, model: Optional[torch.nn.Module] = None, **overrides) -> str:
+    """Saves a tiny model of any family and its tokenizer as an HF folder (vLLM and transformers load it)."""
+    tokenizer = build_tokenizer(vocab_size=320)
+    overrides.setdefault("vocab_size", len(tokenizer))
+    model = model if model is not None else tiny_model(family, seed, **overrides)
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.config.bos_token_id = tokenizer.eos_token_id
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

@@ -13,6 +13,8 @@ from verl_fast.ops.masked import masked_mean, masked_var, masked_whiten
 from verl_fast.ops.logprobs import linear_logprobs, logprobs_from_logits
 from verl_fast import schedule
 from verl_fast.rollout.vllm_engine import VLLMInferenceEngine
+from verl_fast.models.megatron_checkpoint import load_megatron_checkpoint
+from verl_fast.resharding import ModelSpec, ReshardPlan, reshard, vllm_weights
 
 __version__ = "0.1.0"
 
@@ -32,4 +34,9 @@ __all__ = [
     "linear_logprobs",
     "schedule",
     "VLLMInferenceEngine",
+    "reshard",
+    "ReshardPlan",
+    "ModelSpec",
+    "vllm_weights",
+    "load_megatron_checkpoint",
 ]

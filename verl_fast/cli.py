@@ -18,6 +18,16 @@ def _train(args: argparse.Namespace) -> int:
     from verl_fast.train_cli import run
 
     return run(args)
+def _convert(args: argparse.Namespace) -> int:
+    import torch
+
+    from verl_fast.models.convert import convert_megatron_to_hf
+
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    out = convert_megatron_to_hf(args.checkpoint, args.output, args.tp, args.pp, config=args.config, dtype=dtype,
+                                 max_shard_bytes=int(args.max_shard_gb * (1 << 30)))
+    print(f"wrote {out}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +40,17 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_train)
     info = sub.add_parser("info", help="version, compiled core, CUDA architectures, optional parts")
     info.set_defaults(func=_info)
+    conv = sub.add_parser("convert", help="Megatron checkpoint (legacy mp_rank_* or torch_dist) -> HF safetensors folder")
+    conv.add_argument("checkpoint", help="checkpoint root (with latest_checkpointed_iteration.txt) or iteration folder")
+    conv.add_argument("output", help="HF folder to write (replaced atomically)")
+    conv.add_argument("--tp", type=int, default=None, help="tensor-parallel size (legacy; inferred if omitted)")
+    conv.add_argument("--pp", type=int, default=None, help="pipeline-parallel size (legacy; inferred if omitted)")
+    conv.add_argument("--config", default=None,
+                      help="HF config folder or config.json of the architecture (default: Megatron-LM's saved args)")
+    conv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                      help="output dtype (default: the checkpoint's)")
+    conv.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size limit")
+    conv.set_defaults(func=_convert)
     return p
 
 

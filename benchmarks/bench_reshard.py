@@ -1,0 +1,250 @@
+"""Resharding benchmark, Qwen2.5-7B shapes, bf16, random weights.
+
+(a) one device: HF layout -> vLLM layout (fused qkv_proj / gate_up_proj, TP=1) into preallocated
+    tensors with vLLM's names and shapes. Baseline: per-parameter cat + copy. Floor: bytes read +
+    written at the copy bandwidth measured in the same run.
+(b) two devices (spawned when two are visible, or two gloo processes on the CPU): FSDP2 shards
+    (Shard(0) over 2 ranks) -> vLLM TP=2. Baseline: per-parameter all-gather, then the TP slice
+    copied in (what vLLM's weight loaders do). Floor: the bytes a rank must receive, at the
+    point-to-point bandwidth measured in the same run.
+
+    python benchmarks/bench_reshard.py --device cuda             # Qwen2.5-7B on one or two H200s
+    python benchmarks/bench_reshard.py --device cpu --scale small
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from typing import Dict, List
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import RESULTS_DIR, Report, copy_bandwidth_gbs, sync, time_ms  # noqa: E402
+
+from verl_fast.resharding import ModelSpec, fsdp2_layout, hf_layout, plan, vllm_layout  # noqa: E402
+from verl_fast.resharding.spec import as_2d  # noqa: E402
+
+SCALES = {
+    # Qwen2.5-7B: 28 layers, hidden 3584, 28 heads / 4 kv heads of 128, MLP 18944, vocab 152064, QKV bias.
+    "full": dict(hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
+                 intermediate_size=18944, vocab_size=152064),
+    "small": dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=32, intermediate_size=768,
+                  vocab_size=4096),
+}
+
+
+def make_spec(scale: str) -> ModelSpec:
+    return ModelSpec(family="qwen2", qkv_bias=True, dtype=torch.bfloat16, **SCALES[scale])
+
+
+def region(t: torch.Tensor, p) -> torch.Tensor:
+    """The [nrows, ncols] view of a piece inside physical tensor ``t``."""
+    return torch.as_strided(t, (p.nrows, p.ncols), (p.pitch, 1), t.storage_offset() + p.offset)
+
+
+def logical_view(full: torch.Tensor, p) -> torch.Tensor:
+    rows, cols = as_2d(tuple(full.shape))
+    return full.reshape(rows, cols)[p.row0:p.row0 + p.nrows, p.col0:p.col0 + p.ncols]
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# ---- (a) one device --------------------------------------------------------------------------
+
+
+def baseline_cat_copy(dst_tensors, dst: List[torch.Tensor], src: Dict[str, torch.Tensor]) -> None:
+    """Per vLLM parameter: cat the HF pieces (zeros for padding), then copy into the parameter."""
+    for t, out in zip(dst_tensors, dst):
+        parts = [logical_view(src[p.logical], p) if p.logical else out.new_zeros(p.nrows, p.ncols) for p in t.pieces]
+        out.copy_((torch.cat(parts) if len(parts) > 1 else parts[0]).reshape(out.shape))
+
+
+def bench_one_device(device: str, spec: ModelSpec, tiles_kb: List[int]) -> Report:
+    rep = Report("reshard_1dev", device)
+    case = "hf->vllm tp1"
+    src_layout, dst_layout = hf_layout(spec), vllm_layout(spec, 1)
+    g = torch.Generator(device=device).manual_seed(0)
+    src = {t.name: torch.randn(t.shape, generator=g, device=device).to(torch.bfloat16) for t in src_layout.tensors}
+    dst_tensors = dst_layout.tensors
+    base_out = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in dst_tensors]
+    moved = nbytes(base_out)
+    bw = copy_bandwidth_gbs(device)
+    rep.floors[case] = 2 * moved / (bw * 1e9) * 1e3
+    ms = time_ms(lambda: baseline_cat_copy(dst_tensors, base_out, src), device)
+    rep.add(case, "per-param cat + copy", ms, note=f"{2 * moved / ms / 1e6:.0f} GB/s read+written")
+    src_list = [src[t.name] for t in src_layout.tensors]
+    ours = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in dst_tensors]
+    for kb in tiles_kb:
+        p = plan(src_layout, dst_layout, tile_bytes=kb << 10)
+        ms = time_ms(lambda: p.execute(src_list, ours), device)
+        err = max((a.float() - b.float()).abs().max().item() for a, b in zip(ours, base_out))
+        rep.add(case, f"verl_fast (tile {kb} KiB)", ms, max_err=err,
+                note=f"{2 * moved / ms / 1e6:.0f} GB/s read+written, {p.num_buckets} launch, {p.stats()['tiles']} tiles")
+    rep.meta.update(bytes_moved=moved, copy_bandwidth_gbs=bw, spec=str(spec))
+    return rep
+
+
+# ---- (b) two devices -------------------------------------------------------------------------
+
+
+def gather_full(shard: torch.Tensor, world: int) -> torch.Tensor:
+    import torch.distributed as dist
+
+    full = shard.new_empty((shard.shape[0] * world,) + tuple(shard.shape[1:]))
+    if dist.get_backend() == "nccl":
+        dist.all_gather_into_tensor(full, shard)
+    else:
+        dist.all_gather(list(full.chunk(world)), shard)
+    return full
+
+
+def baseline_allgather_slice(logical, shards, dst_by_logical) -> None:
+    """Per HF parameter: all-gather the full tensor, then copy this rank's TP slice into place."""
+    world = 2
+    for name in logical:
+        full = gather_full(shards[name], world)
+        for p, out in dst_by_logical.get(name, ()):
+            region(out, p).copy_(logical_view(full, p))
+
+
+def p2p_bandwidth_gbs(device: str, nbytes_: int) -> float:
+    """Per-direction bandwidth of simultaneous send/recv between the two ranks."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    a = torch.empty(nbytes_, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+
+    def exchange():
+        ops = [dist.P2POp(dist.isend, a, 1 - rank), dist.P2POp(dist.irecv, b, 1 - rank)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+
+    ms = time_ms(exchange, device, warmup=2, rep=10)
+    return nbytes_ / (ms * 1e-3) / 1e9
+
+
+def two_device_worker(rank: int, world: int, port: int, device_type: str, scale: str, buckets_mb, out) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = f"cuda:{rank}" if device_type == "cuda" else "cpu"
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world)
+    try:
+        spec = make_spec(scale)
+        src_layout, dst_layout = fsdp2_layout(spec, world), vllm_layout(spec, 2)
+        g = torch.Generator(device=device).manual_seed(rank)
+        shards = {t.name: torch.randn(t.shape, generator=g, device=device).to(torch.bfloat16)
+                  for t in src_layout.on_rank(rank)}
+        mine = dst_layout.on_rank(rank)
+        base_out = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in mine]
+        by_logical: Dict[str, list] = {}
+        for t, o in zip(mine, base_out):
+            for p in t.pieces:
+                if p.logical is None:
+                    region(o, p).zero_()
+                else:
+                    by_logical.setdefault(p.logical, []).append((p, o))
+        res = {}
+        dist.barrier()
+        res["baseline_ms"] = time_ms(lambda: baseline_allgather_slice(spec_logical(spec), shards, by_logical), device)
+        res["bytes_written"] = nbytes(base_out)
+        ours = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in mine]
+        for mb in buckets_mb:
+            p = plan(src_layout, dst_layout, bucket_bytes=mb << 20)
+            src_list = [shards[t.name] for t in p.src_tensors]
+            dist.barrier()
+            ms = time_ms(lambda: p.execute(src_list, ours), device)
+            err = max((a.float() - b.float()).abs().max().item() for a, b in zip(ours, base_out))
+            res[f"ours_{mb}"] = (ms, err, p.num_buckets)
+            res["received_bytes"] = p.stats()["received_bytes"]
+        probe = 1 << 30 if device_type == "cuda" else 16 << 20
+        res["p2p_gbs"] = p2p_bandwidth_gbs(device, probe)
+        res["copy_gbs"] = copy_bandwidth_gbs(device)
+        times = torch.tensor([res["baseline_ms"]] + [res[f"ours_{mb}"][0] for mb in buckets_mb], dtype=torch.float64)
+        if device_type == "cuda":
+            times = times.to(device)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
+        res["max_ms"] = times.cpu().tolist()
+        out[rank] = res
+    finally:
+        dist.destroy_process_group()
+
+
+def spec_logical(spec: ModelSpec):
+    from verl_fast.resharding import logical_shapes
+
+    return list(logical_shapes(spec))
+
+
+def bench_two_devices(device_type: str, scale: str, buckets_mb: List[int]) -> Report:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(two_device_worker, args=(2, port, device_type, scale, buckets_mb, out), nprocs=2, join=True)
+        res = dict(out)
+    r0 = res[0]
+    device = "cuda:0" if device_type == "cuda" else "cpu"
+    rep = Report("reshard_2dev", device)
+    case = "fsdp2(2)->vllm tp2"
+    received = max(r["received_bytes"] for r in res.values())
+    rep.floors[case] = received / (r0["p2p_gbs"] * 1e9) * 1e3
+    written = r0["bytes_written"]
+    rep.add(case, "per-param all-gather+slice", r0["max_ms"][0], note=f"{written / r0['max_ms'][0] / 1e6:.0f} GB/s written")
+    for i, mb in enumerate(buckets_mb):
+        ms = r0["max_ms"][1 + i]
+        _, err, nb = r0[f"ours_{mb}"]
+        err = max(err, res[1][f"ours_{mb}"][1])
+        rep.add(case, f"verl_fast (bucket {mb} MiB)", ms, max_err=err,
+                note=f"{written / ms / 1e6:.0f} GB/s written, {received / ms / 1e6:.0f} GB/s received, {nb} buckets")
+    rep.meta.update(received_bytes_per_rank=received, p2p_gbs=r0["p2p_gbs"], copy_gbs=r0["copy_gbs"],
+                    bytes_written_per_rank=written, spec=str(make_spec(scale)))
+    return rep
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    ap.add_argument("--scale", default=None, choices=list(SCALES), help="default: full on cuda, small on cpu")
+    ap.add_argument("--buckets-mb", default="64,256", help="(b): bucket sizes to time (MiB, comma-separated)")
+    ap.add_argument("--tiles-kb", default="256", help="(a): executor tile sizes to time (KiB, comma-separated)")
+    ap.add_argument("--only", choices=["1", "2"], default=None, help="run only (a) one device or (b) two")
+    args = ap.parse_args()
+    scale = args.scale or ("full" if args.device == "cuda" else "small")
+    buckets = [int(x) for x in args.buckets_mb.split(",")]
+    device = "cuda:0" if args.device == "cuda" else "cpu"
+    reports = []
+    if args.only in (None, "1"):
+        reports.append(bench_one_device(device, make_spec(scale), [int(x) for x in args.tiles_kb.split(",")]))
+        sync(device)
+    two_ok = args.device == "cpu" or torch.cuda.device_count() >= 2
+    if args.only in (None, "2"):
+        if two_ok:
+            reports.append(bench_two_devices(args.device, scale, buckets))
+        else:
+            print("(b) skipped: needs 2 visible GPUs")
+    for rep in reports:
+        rep.meta["scale"] = scale
+        table = rep.table() + "\n" + "\n".join(f"  {r.impl}: {r.note}" for r in rep.rows if r.note)
+        print(table)
+        print(f"  meta: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                       for k, v in rep.meta.items() if k != "spec"))
+        path = rep.save()
+        (RESULTS_DIR / f"{rep.name}_{'cuda' if args.device == 'cuda' else 'cpu'}.txt").write_text(table + "\n")
+        print(f"  saved {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""A reusable resharding plan: built once per rank by the C++ planner, executed every step.
+
+Execution, per bucket: the *pack* phase writes this rank's outgoing bytes into a send slot (one
+copy launch); ``torch.distributed`` point-to-point ops move exactly the bytes each peer needs
+(NCCL on GPUs, gloo on CPUs); the *copy* phase writes every destination slice of the bucket, from
+local sources, the receive slot and zero padding, in one launch. Bucket ``b + 1``'s messages are in
+flight while bucket ``b`` is copied; two send and two receive slots alternate.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Dict, List, Mapping, Optional, Sequence, Union
+
+import torch
+
+from verl_fast.ops._ext import cuda_stream, ext
+from verl_fast.resharding.layout import Layout, PhysTensor, local_tensor, order_tensors
+from verl_fast.resharding.spec import as_2d
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+DEFAULT_TILE_BYTES = 256 << 10
+
+Tensors = Union[Mapping[str, torch.Tensor], Sequence[torch.Tensor]]
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_data_ptr = torch.Tensor.data_ptr
+
+_DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3, torch.int64: 4,
+                torch.int32: 5, torch.uint8: 6, torch.bool: 7}
+
+
+def _dtype_code(dtype: torch.dtype, name: str) -> int:
+    if dtype not in _DTYPE_CODES:
+        raise TypeError(f"{name}: unsupported dtype {dtype}; supported: {list(_DTYPE_CODES)}")
+    return _DTYPE_CODES[dtype]
+
+
+def _tables(layout: Layout, index: Dict[str, int], groups: Optional[Dict[str, int]]):
+    rows, pieces = [], []
+    for i, t in enumerate(layout.tensors):
+        group = 0
+        if groups is not None:
+            group = groups.setdefault(t.group or t.name, len(groups))
+        rows.append((t.rank, t.numel, _dtype_code(t.dtype, t.name), group))
+        for p in t.pieces:
+            if p.logical is None and groups is None:
+                continue  # a source's padding feeds nothing
+            pieces.append((index[p.logical] if p.logical is not None else -1, p.row0, p.nrows, p.col0, p.ncols, i,
+                           p.offset, p.pitch))
+    as_t = lambda x, n: torch.tensor(x, dtype=torch.int64).reshape(-1, n)  # noqa: E731
+    return as_t(rows, 4), as_t(pieces, 8), [t.name for t in layout.tensors]
+
+
+class ReshardPlan:
+    """One rank's plan from ``src`` to ``dst`` (layouts over the same ranks).
+
+    ``group``: the process group whose ranks the layouts number (default: the world when the
+    layouts span more than one rank). ``bucket_bytes`` bounds what any rank receives per bucket
+    (the staging memory is twice that); ``tile_bytes`` is the executors' unit of work.
+    """
+
+    def __init__(self, src: Layout, dst: Layout, *, rank: Optional[int] = None, group=None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, tile_bytes: int = DEFAULT_TILE_BYTES):
+        if src.world_size != dst.world_size:
+            raise ValueError(f"source layout spans {src.world_size} ranks, destination {dst.world_size}; "
+                             "build both over the same process group")
+        world = src.world_size
+        self.group = group
+        self.distributed = world > 1
+        if self.distributed:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                raise ValueError(f"the layouts span {world} ranks but torch.distributed is not initialized")
+            if dist.get_world_size(group) != world:
+                raise ValueError(f"the layouts span {world} ranks but the process group has "
+                                 f"{dist.get_world_size(group)}")
+            rank = dist.get_rank(group) if rank is None else rank
+        rank = 0 if rank is None else int(rank)
+        for name, shape in dst.logical.items():
+            if name in src.logical and tuple(src.logical[name]) != tuple(shape):
+                raise ValueError(f"parameter {name}: shape {list(src.logical[name])} in the source layout, "
+                                 f"{list(shape)} in the destination layout")
+        logical = OrderedDict(src.logical)
+        for name, shape in dst.logical.items():
+            logical.setdefault(name, shape)
+        index = {name: i for i, name in enumerate(logical)}
+        C = ext()
+        a = C.ReshardPlanArgs()
+        a.logical_shapes = torch.tensor([as_2d(s) for s in logical.values()], dtype=torch.int64).reshape(-1, 2)
+        a.logical_names = list(logical)
+        a.src_tensors, a.src_pieces, a.src_names = _tables(src, index, None)
+        a.dst_tensors, a.dst_pieces, a.dst_names = _tables(dst, index, {})
+        a.rank, a.world_size = rank, world
+        a.bucket_bytes, a.tile_bytes = int(bucket_bytes), int(tile_bytes)
+        self._c = C.ReshardPlan(a)
+        self._phase = C.ReshardPhase
+        self.rank, self.world_size = rank, world
+        if self.distributed:
+            self._check_same_plan(src, dst)
+        self.src_tensors: List[PhysTensor] = [src.tensors[i] for i in self._c.local_sources]
+        self.dst_tensors: List[PhysTensor] = [dst.tensors[i] for i in self._c.local_destinations]
+        self.src_aliases = src.aliases
+        self._messages = [(self._c.sends(b), self._c.recvs(b)) for b in range(self._c.num_buckets)]
+        self._slots: Optional[tuple] = None
+        self._bound: Optional[tuple] = None
+
+    def _check_same_plan(self, src: Layout, dst: Layout) -> None:
+        import torch.distributed as dist
+
+        mine = (src.fingerprint(), dst.fingerprint())
+        every: List = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(every, mine, group=self.group)
+        if any(x != mine for x in every):
+            bad = [r for r, x in enumerate(every) if x != mine]
+            raise ValueError(f"ranks {bad} built different layouts than rank {self.rank}: every rank must "
+                             "pass the same global source and destination layouts")
+
+    # ---- introspection ----
+
+    @property
+    def src_names(self) -> List[str]:
+        return [t.name for t in self.src_tensors]
+
+    @property
+    def dst_names(self) -> List[str]:
+        return [t.name for t in self.dst_tensors]
+
+    @property
+    def num_buckets(self) -> int:
+        return self._c.num_buckets
+
+    def stats(self) -> Dict[str, int]:
+        """Bytes this rank copies locally, receives, sends and zero-fills; buckets; segments."""
+        sent = sum(n for sends, _ in self._messages for _, _, n in sends)
+        return {"local_bytes": self._c.local_bytes, "received_bytes": self._c.received_bytes,
+                "sent_wire_bytes": sent, "zero_bytes": self._c.zero_bytes, "buckets": self._c.num_buckets,
+                "segments": self._c.num_segments, "tiles": self._c.num_tiles,
+                "staging_bytes": 2 * (self._c.max_send_bytes + self._c.max_recv_bytes)}
+
+    def allocate_destinations(self, device=None) -> "OrderedDict[str, torch.Tensor]":
+        return OrderedDict((t.name, torch.empty(t.shape, dtype=t.dtype, device=device)) for t in self.dst_tensors)
+
+    # ---- execution ----
+
+    def _ordered(self, given: Tensors, expected: List[PhysTensor], what: str, aliases=()) -> List[torch.Tensor]:
+        if isinstance(given, Mapping):
+            try:  # fast path: exact names, nothing extra
+                if len(given) == len(expected):
+                    return [local_tensor(given[t.name]) for t in expected]
+            except KeyError:
+                pass
+            return order_tensors(given, expected, what, aliases)
+        given = list(given)
+        if len(given) != len(expected):
+            raise ValueError(f"expected {len(expected)} {what} tensors on rank {self.rank} "
+                             f"({', '.join(t.name for t in expected[:3])}, ...), got {len(given)}")
+        return [x if type(x) in _PLAIN else local_tensor(x) for x in given]
+
+    def _check(self, tensors: List[torch.Tensor], expected: List[PhysTensor], what: str) -> None:
+        for x, t in zip(tensors, expected):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{what} {t.name!r} must be a torch.Tensor, got {type(x).__name__}")
+            if tuple(x.shape) != tuple(t.shape):
+                raise ValueError(f"{what} {t.name!r} must have shape {list(t.shape)}, got {list(x.shape)}")
+            if x.dtype != t.dtype:
+                raise TypeError(f"{what} {t.name!r} must be {t.dtype}, got {x.dtype}")
+            if not x.is_contiguous():
+                raise ValueError(f"{what} {t.name!r} must be contiguous")
+
+    def _bind(self, srcs: List[torch.Tensor], dsts: List[torch.Tensor]) -> torch.device:
+        both = srcs + dsts
+        key = tuple(map(id, both)), tuple(map(_data_ptr, both))  # same objects, same memory: bound already
+        if self._bound is not None and self._bound[0] == key:
+            return self._bound[1]
+        self._check(srcs, self.src_tensors, "source")
+        self._check(dsts, self.dst_tensors, "destination")
+        devices = {x.device for x in srcs + dsts if x.numel()}
+        if len(devices) > 1:
+            raise ValueError(f"all source and destination tensors of rank {self.rank} must be on one device, "
+                             f"got {sorted(map(str, devices))}")
+        device = devices.pop() if devices else torch.device("cpu")
+        if self._slots is None or self._slots[0].device != device:
+            sizes = (self._c.max_send_bytes,) * 2 + (self._c.max_recv_bytes,) * 2
+            self._slots = tuple(torch.empty(n, dtype=torch.uint8, device=device) for n in sizes)
+        self._c.bind(srcs, dsts, list(self._slots[:2]), list(self._slots[2:]))
+        self._bound = (key, device, srcs, dsts)
+        return device
+
+    def execute(self, sources: Tensors, destinations: Optional[Tensors] = None, *,
+                device=None) -> "OrderedDict[str, torch.Tensor]":
+        """Writes this rank's destination tensors from its source tensors (a name -> tensor mapping,
+        or a sequence in ``src_names`` order; DTensors give their local shard). Destinations are
+        allocated (on ``device``, default the sources') unless given. Collective when distributed."""
+        srcs = self._ordered(sources, self.src_tensors, "source", self.src_aliases)
+        if destinations is None:
+            if device is None:
+                device = next((x.device for x in srcs if x.numel()), torch.device("cpu"))
+            destinations = self.allocate_destinations(device)
+        dsts = self._ordered(destinations, self.dst_tensors, "destination")
+        device = self._bind(srcs, dsts)
+        self._run(device)
+        return OrderedDict(zip(self.dst_names, dsts))
+
+    def _run(self, device: torch.device) -> None:
+        C, phase = self._c, self._phase
+        stream = cuda_stream(self._slots[0]) if device.type == "cuda" else 0
+        threads = torch.get_num_threads()
+        nb = C.num_buckets
+        pending: Dict[int, list] = {}
+
+        def start(b: int) -> None:
+            C.run(b, phase.pack, stream, threads)
+            pending[b] = self._exchange(b)
+
+        if nb:
+            start(0)
+        for b in range(nb):
+            if b + 1 < nb:
+                start(b + 1)
+            for work in pending.pop(b):
+                work.wait()
+            C.run(b, phase.copy, stream, threads)
+
+    def _exchange(self, b: int) -> list:
+        sends, recvs = self._messages[b]
+        if not sends and not recvs:
+            return []
+        import torch.distributed as dist
+
+        slot = b % 2
+        peer = (lambda r: dist.get_global_rank(self.group, r)) if self.group is not None else (lambda r: r)
+        ops = [dist.P2POp(dist.isend, self._slots[slot][off:off + n], peer(r), self.group) for r, off, n in sends]
+        ops += [dist.P2POp(dist.irecv, self._slots[2 + slot][off:off + n], peer(r), self.group)
+                for r, off, n in recvs]
+        return dist.batch_isend_irecv(ops)
