@@ -23,7 +23,7 @@ from typing import Dict, List
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import RESULTS_DIR, Report, copy_bandwidth_gbs, sync, time_ms  # noqa: E402
+from _common import Report, copy_bandwidth_gbs, sync, time_ms  # noqa: E402
 
 from verl_fast.resharding import ModelSpec, fsdp2_layout, hf_layout, plan, vllm_layout  # noqa: E402
 from verl_fast.resharding.spec import as_2d  # noqa: E402
@@ -239,10 +239,9 @@ def main() -> None:
         rep.meta["scale"] = scale
         table = rep.table() + "\n" + "\n".join(f"  {r.impl}: {r.note}" for r in rep.rows if r.note)
         print(table)
-        print(f"  meta: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+        print("  meta: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                        for k, v in rep.meta.items() if k != "spec"))
         path = rep.save()
-        (RESULTS_DIR / f"{rep.name}_{'cuda' if args.device == 'cuda' else 'cpu'}.txt").write_text(table + "\n")
         print(f"  saved {path}")
 
 

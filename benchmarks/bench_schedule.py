@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Dict, List
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Report, time_ms  # noqa: E402

@@ -1,9 +1,6 @@
 """Token-budget micro-batches for the trainer: gradient accumulation with token-scaled losses equals
 the gradient of one big batch (one process, and two data-parallel ranks over gloo)."""
 
-import os
-
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist

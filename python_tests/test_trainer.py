@@ -1,6 +1,5 @@
 """RLTrainer end to end on tiny random-weight models with Hugging Face generate as the rollout."""
 
-import copy
 
 import pytest
 import torch

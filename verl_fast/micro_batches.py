@@ -21,7 +21,7 @@ usual gradient-accumulation recipe) weights a 10-token micro-batch like a 10,000
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, Sequence, Tuple
 
 import numpy as np
 import torch

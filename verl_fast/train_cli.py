@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 from verl_fast import config as config_mod
 
