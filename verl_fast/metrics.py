@@ -98,7 +98,7 @@ class MetricsLogger:
         key = "reward/mean" if "reward/mean" in self.history[0] else "dpo/reward_margin"
         steps = [m["step"] for m in self.history if key in m]
         values = [m[key] for m in self.history if key in m]
-        window = max(1, len(values) // 10)
+        window = max(1, len(values) // 5)
         smooth = [sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
                   for i in range(len(values))]
         fig, ax = plt.subplots(figsize=(7, 4))

@@ -134,6 +134,13 @@ def guided_field(params) -> str:
     return ""
 
 
+def model_dtype(llm) -> Optional[torch.dtype]:
+    """The dtype the engine keeps its weights in (None if this vLLM does not say)."""
+    config = getattr(getattr(llm, "llm_engine", None), "model_config", None)
+    dtype = getattr(config, "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
 def reload_weights(llm, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
     """Loads HF-named tensors into the running model in place, then drops the prefix cache."""
     from vllm.v1.worker.gpu_worker import Worker

@@ -157,6 +157,7 @@ class VLLMInferenceEngine(RolloutEngine):
             kv_cache_memory_bytes=kv_cache_memory_bytes, enable_sleep_mode=enable_sleep_mode,
             logprobs_mode=logprobs_mode, **engine_kwargs)
         self.init_seconds = time.perf_counter() - start
+        self.dtype = compat.model_dtype(self.llm)  # weights are cast to it on update
         self.enable_sleep_mode = enable_sleep_mode
         self.sleep_level = sleep_level
         tok = self.llm.get_tokenizer()
@@ -274,7 +275,10 @@ class VLLMInferenceEngine(RolloutEngine):
                                  "update_lora(peft_model), or merge_and_unload() the actor first")
             if hasattr(tensor, "full_tensor"):
                 tensor = tensor.full_tensor()
-            weights.append((name, tensor.detach()))
+            tensor = tensor.detach()
+            if tensor.is_floating_point() and self.dtype is not None and tensor.dtype != self.dtype:
+                tensor = tensor.to(self.dtype)  # e.g. an fp32 actor into a bf16 engine
+            weights.append((name, tensor))
         if self._weights_asleep:  # after sleep(): weights must be resident before they are written
             self.llm.wake_up(tags=["weights"])
             self._weights_asleep = False

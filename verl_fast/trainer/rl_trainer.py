@@ -380,6 +380,7 @@ class RLTrainer:
                     self.actor, self.optimizer, a.max_grad_norm)
         steps = a.ppo_epochs * math.ceil(N / mini)
         out = {f"actor/{k}": v / max(weight, 1e-9) for k, v in totals.items() if k != "grad_norm"}
+        out.setdefault("actor/pg_loss", 0.0)  # every advantage 0: the policy loss is exactly 0
         out["actor/grad_norm"] = totals["grad_norm"] / steps
         out["actor/active_fraction"] = float(active.float().mean())
         return out
