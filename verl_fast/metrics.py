@@ -15,7 +15,7 @@ GAUGES = {
     "actor/entropy": ("verl_entropy", "mean entropy of the actor over response tokens"),
     "actor/clipfrac": ("verl_clip_fraction", "fraction of response tokens whose PPO ratio was clipped"),
     "rollout/prefix_cache_hit_rate": ("verl_gpu_cache_hit_ratio", "rollout engine prefix-cache hit ratio"),
-    "rollout/kv_cache_usage": ("verl_kv_cache_usage_ratio", "rollout engine KV-cache usage"),
+    "rollout/kv_cache_usage_peak": ("verl_kv_cache_usage_ratio", "rollout engine KV-cache usage at its busiest step"),
 }
 
 

@@ -1,0 +1,107 @@
+"""Typed stub of the compiled core (csrc/bindings.cpp). Tensors are torch.Tensor objects read by
+pointer, shape, strides, dtype and device; the op wrappers in verl_fast.ops are the public API."""
+
+from typing import List, Sequence, Tuple
+
+import torch
+
+__version__: str
+has_cuda: bool
+cuda_archs: str  # e.g. "80,90"; "" without CUDA
+status_words: int
+
+# ---- advantage engine ----
+class ScanKind:
+    gae: "ScanKind"
+    reinforce_pp: "ScanKind"
+    remax: "ScanKind"
+
+class GroupKind:
+    grpo: "GroupKind"
+    rloo: "GroupKind"
+    reinforce_pp_baseline: "GroupKind"
+
+class ScanArgs:
+    kind: ScanKind
+    rewards: torch.Tensor
+    values: torch.Tensor
+    baselines: torch.Tensor
+    mask: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    status: torch.Tensor
+    gamma: float
+    lam: float
+    whiten: bool
+    num_threads: int
+    stream: int
+    def __init__(self) -> None: ...
+
+class GroupArgs:
+    kind: GroupKind
+    rewards: torch.Tensor
+    mask: torch.Tensor
+    ids: torch.Tensor
+    advantages: torch.Tensor
+    workspace: torch.Tensor
+    status: torch.Tensor
+    epsilon: float
+    norm_by_std: bool
+    whiten: bool
+    num_threads: int
+    stream: int
+    def __init__(self) -> None: ...
+
+def group_workspace_bytes(batch: int) -> int: ...
+def advantage_scan(args: ScanArgs) -> None: ...
+def group_advantage(args: GroupArgs) -> None: ...
+
+# ---- schedule ----
+def balance_partitions(lengths: torch.Tensor, k: int, equal_size: bool, linear: int, quadratic: int,
+                       order: torch.Tensor, offsets: torch.Tensor, costs: torch.Tensor) -> None: ...
+def pack_micro_batches(lengths: torch.Tensor, max_tokens: int, min_count: int, padded: bool,
+                       order: torch.Tensor, offsets: torch.Tensor) -> int: ...
+def rollout_buckets(prompt_lens: torch.Tensor, max_new_tokens: torch.Tensor, max_num_seqs: int,
+                    max_batch_tokens: int, max_model_len: int, max_length_ratio: float, order: torch.Tensor,
+                    offsets: torch.Tensor, wave_max_tokens: torch.Tensor) -> int: ...
+
+# ---- resharding engine ----
+class ReshardPhase:
+    pack: "ReshardPhase"
+    copy: "ReshardPhase"
+
+class ReshardPlanArgs:
+    logical_shapes: torch.Tensor
+    logical_names: List[str]
+    src_tensors: torch.Tensor
+    src_pieces: torch.Tensor
+    dst_tensors: torch.Tensor
+    dst_pieces: torch.Tensor
+    src_names: List[str]
+    dst_names: List[str]
+    rank: int
+    world_size: int
+    bucket_bytes: int
+    tile_bytes: int
+    def __init__(self) -> None: ...
+
+class ReshardPlan:
+    rank: int
+    world_size: int
+    num_buckets: int
+    local_sources: List[int]
+    local_destinations: List[int]
+    max_send_bytes: int
+    max_recv_bytes: int
+    local_bytes: int
+    received_bytes: int
+    zero_bytes: int
+    num_segments: int
+    num_tiles: int
+    def __init__(self, args: ReshardPlanArgs) -> None: ...
+    def sends(self, bucket: int) -> List[Tuple[int, int, int]]: ...
+    def recvs(self, bucket: int) -> List[Tuple[int, int, int]]: ...
+    def groups(self, bucket: int) -> List[int]: ...
+    def bind(self, sources: Sequence[torch.Tensor], destinations: Sequence[torch.Tensor],
+             send_slots: Sequence[torch.Tensor], recv_slots: Sequence[torch.Tensor]) -> None: ...
+    def run(self, bucket: int, phase: ReshardPhase, stream: int = 0, num_threads: int = 0) -> None: ...
