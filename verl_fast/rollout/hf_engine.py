@@ -22,14 +22,32 @@ def _eos_ids(model, tokenizer) -> List[int]:
 
 
 def _full_params(model):
-    """FSDP1 keeps each rank's shard between forwards: generate needs the full parameters."""
+    """Whole parameters for the length of a ``generate`` call on a sharded actor. Ranks decode for
+    different numbers of steps (their sequences end at different times), so no collective may run
+    inside: FSDP1 summons the full parameters; FSDP2 modules are unsharded once and kept so."""
     try:
+        from torch.distributed.fsdp import FSDPModule
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     except ImportError:  # pragma: no cover
         return contextlib.nullcontext()
     if isinstance(model, FSDP):
         return FSDP.summon_full_params(model, writeback=False, recurse=True)
-    return contextlib.nullcontext()
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    return _unsharded(modules) if modules else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _unsharded(modules):
+    for m in modules:
+        m.set_reshard_after_forward(False, recurse=False)
+    for m in modules:
+        m.unshard()  # one all-gather per module, the same on every rank
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.reshard()
+            m.set_reshard_after_forward(True, recurse=False)
 
 
 class HFGenerateEngine(RolloutEngine):

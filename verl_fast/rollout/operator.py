@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from verl_fast.data import PromptRow
-from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec
+from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec, merge_outputs
+from verl_fast.schedule import rollout_buckets
 
 
 class RolloutOperator:
@@ -21,8 +22,14 @@ class RolloutOperator:
     override the defaults (``generation_config``) for that call only.
     """
 
-    def __init__(self, engine: RolloutEngine, default: Union[SamplingSpec, Dict[str, Any], None] = None):
+    def __init__(self, engine: RolloutEngine, default: Union[SamplingSpec, Dict[str, Any], None] = None,
+                 max_num_seqs: Optional[int] = None, max_batch_tokens: Optional[int] = None):
+        """With ``max_batch_tokens``, prompts go to the engine in length-bucketed waves
+        (``verl_fast.schedule.rollout_buckets``): similar prompt lengths together, at most
+        ``max_num_seqs`` sequences and ``max_batch_tokens`` worst-case tokens per wave."""
         self.engine = engine
+        self.max_num_seqs = max_num_seqs
+        self.max_batch_tokens = max_batch_tokens
         if isinstance(default, SamplingSpec):
             self.default = default
         else:
@@ -45,4 +52,18 @@ class RolloutOperator:
         return specs
 
     def rollout(self, batch: Sequence[PromptRow], seed: Optional[int] = None) -> GenerationOutput:
-        return self.engine.generate([row.prompt_ids for row in batch], self.specs(batch, seed))
+        prompts = [row.prompt_ids for row in batch]
+        specs = self.specs(batch, seed)
+        if self.max_batch_tokens is None or len(batch) < 2:
+            return self.engine.generate(prompts, specs)
+        n = max(s.n for s in specs)  # each prompt occupies n sequences
+        plan = rollout_buckets([len(p) for p in prompts], [s.max_tokens for s in specs],
+                               max(1, (self.max_num_seqs or len(batch) * n) // n),
+                               max(1, self.max_batch_tokens // n))
+        parts = []
+        for wave in plan:
+            members = [int(i) for i in wave]
+            out = self.engine.generate([prompts[i] for i in members], [specs[i] for i in members])
+            parts.append((out, members))
+        pad = getattr(self.engine, "pad_id", getattr(self.engine, "pad_token_id", None))
+        return merge_outputs(parts, int(pad) if pad is not None else 0)

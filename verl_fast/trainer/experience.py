@@ -58,6 +58,26 @@ class Experience:
         return Experience(**sub)
 
 
+def concat(parts: Sequence[Experience]) -> Experience:
+    """Row-wise concatenation; prompts stay left-aligned to the response boundary (padding on the
+    left), responses right-padded to the longest."""
+    P = max(e.input_ids.shape[1] - e.response_length for e in parts)
+    L = max(e.response_length for e in parts)
+    out = {}
+    for f in fields(Experience):
+        values = [getattr(e, f.name) for e in parts]
+        if any(v is None for v in values):
+            out[f.name] = None
+            continue
+        if f.name in ("input_ids", "attention_mask"):
+            values = [torch.nn.functional.pad(v, (P - (v.shape[1] - e.response_length), L - e.response_length))
+                      for v, e in zip(values, parts)]
+        elif values[0].dim() == 2:
+            values = [torch.nn.functional.pad(v, (0, L - v.shape[1])) for v in values]
+        out[f.name] = torch.cat(values)
+    return Experience(**out)
+
+
 def build_experience(prompts: Sequence[PromptRow], gen: GenerationOutput, pad_id: int) -> Experience:
     """Prompt tokens (left-padded, repeated per sample) joined to the generated responses."""
     N = gen.num_sequences

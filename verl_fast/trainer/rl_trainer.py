@@ -41,7 +41,8 @@ from verl_fast.rollout.base import RolloutEngine, SamplingSpec
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 from verl_fast.rollout.operator import RolloutOperator
 from verl_fast.trainer import checkpoint, dpo
-from verl_fast.trainer.experience import Experience, build_experience, last_token_rewards, micro_batches
+from verl_fast.schedule import balance_partitions
+from verl_fast.trainer.experience import Experience, build_experience, concat, last_token_rewards, micro_batches
 
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -113,7 +114,11 @@ class RLTrainer:
             self.rollout, self.engine = rollout_operator, rollout_operator.engine
         elif self.algorithm != "dpo":
             self.engine = rollout_engine or self._build_engine(model_path)
-            self.rollout = RolloutOperator(self.engine, self._sampling_defaults(generation_config))
+            r = cfg.rollout
+            waves = r.length_buckets == "on" or (r.length_buckets == "auto" and isinstance(self.engine, HFGenerateEngine))
+            budget = r.max_batch_tokens or r.max_num_seqs * (cfg.trainer.max_prompt_length + r.max_new_tokens)
+            self.rollout = RolloutOperator(self.engine, self._sampling_defaults(generation_config),
+                                           max_num_seqs=r.max_num_seqs, max_batch_tokens=budget if waves else None)
         self.step = 0
         self.history: List[Dict[str, Any]] = []
 
@@ -245,6 +250,8 @@ class RLTrainer:
     def _rl_step(self, batch: List[PromptRow]) -> Dict[str, Any]:
         metrics: Dict[str, Any] = {}
         exp = self.make_experience(batch, metrics)
+        if self.world > 1 and self.cfg.actor.balance_dp:
+            exp = self._balance_across_ranks(exp, metrics)
         metrics.update(self.update_actor(exp))
         if self.critic is not None:
             metrics.update(self.update_critic(exp))
@@ -263,6 +270,21 @@ class RLTrainer:
         else:
             self.engine.update_weights(checkpoint.full_state_dict(self.actor).items())
         return True
+
+    def _balance_across_ranks(self, exp: Experience, metrics: Dict[str, Any]) -> Experience:
+        """Redistributes the step's sequences over the data-parallel ranks so that each trains on a
+        nearly equal token count (Karmarkar-Karp on the sequences' lengths, equal counts). Advantages
+        were computed before, where each rank held whole prompt groups."""
+        local = exp.to(torch.device("cpu"))
+        parts: List[Experience] = [None] * self.world  # type: ignore[list-item]
+        dist.all_gather_object(parts, local)
+        everything = concat(parts)
+        lengths = everything.attention_mask.sum(-1)
+        plan = balance_partitions(lengths, self.world, equal_size=True)  # same plan on every rank
+        before = torch.stack([p.attention_mask.sum() for p in parts]).float()
+        metrics["dp/imbalance_before"] = float(before.max() / before.mean())
+        metrics["dp/imbalance_after"] = plan.report.imbalance
+        return everything.select(torch.as_tensor(plan[self.rank], dtype=torch.long)).to(self.device)
 
     # ------------------------------------------------------------------ experience
 
@@ -324,7 +346,8 @@ class RLTrainer:
     @torch.no_grad()
     def _values(self, exp: Experience) -> torch.Tensor:
         out = torch.zeros(exp.response_mask.shape, dtype=torch.float32, device=self.device)
-        for idx in micro_batches(torch.arange(exp.num_sequences, device=self.device), self.cfg.critic.micro_batch_size):
+        for idx in self._micro(exp, torch.arange(exp.num_sequences, device=self.device), for_update=False,
+                               size=self.cfg.critic.micro_batch_size):
             sub = exp.select(idx)
             with self._autocast():
                 out[idx, : sub.response_length] = response_values(self.critic, sub.input_ids, sub.attention_mask,
@@ -334,11 +357,13 @@ class RLTrainer:
     def _fused(self) -> Optional[bool]:
         return {"auto": None, "on": True, "off": False}[self.cfg.actor.fused_logprobs]
 
-    def _micro(self, exp: Experience, rows: torch.Tensor, for_update: bool = True) -> List[torch.Tensor]:
+    def _micro(self, exp: Experience, rows: torch.Tensor, for_update: bool = True,
+               size: Optional[int] = None) -> List[torch.Tensor]:
         """Micro-batches of ``rows``: by count, or under a token budget (``use_dynamic_bsz``)."""
         a = self.cfg.actor
         if not a.use_dynamic_bsz:
-            return micro_batches(rows, a.micro_batch_size if for_update else max(a.micro_batch_size, 16))
+            size = size or (a.micro_batch_size if for_update else max(a.micro_batch_size, 16))
+            return micro_batches(rows, size)
         if rows.numel() == 0:
             return []
         tokens = exp.attention_mask[rows].sum(-1).tolist()
@@ -369,7 +394,7 @@ class RLTrainer:
                 order = rows[torch.randperm(N, generator=g).to(self.device)]
             for start in range(0, N, mini):
                 mb = order[start : start + mini]
-                counts = {"num_tokens": float(exp.response_mask[mb].sum()), "num_seqs": float(mb.numel())}
+                counts = self._counts(exp.response_mask[mb])
                 for idx in self._micro(exp, mb[active[mb]]):
                     stats = self._actor_micro_step(exp.select(idx), counts)
                     w = float(exp.response_mask[idx].sum())
@@ -384,6 +409,17 @@ class RLTrainer:
         out["actor/grad_norm"] = totals["grad_norm"] / steps
         out["actor/active_fraction"] = float(active.float().mean())
         return out
+
+    def _counts(self, response_mask: torch.Tensor) -> Dict[str, float]:
+        """The normalisers of a (mini-)batch's loss. With several ranks, the global counts divided by
+        the number of ranks: FSDP averages gradients over ranks, so each rank's sum over its tokens
+        divided by this gives the gradient of the global token (or sequence) mean exactly."""
+        counts = torch.tensor([float(response_mask.sum()), float(response_mask.shape[0])], dtype=torch.float64)
+        if self.world > 1:
+            counts = counts.to(self.device)
+            dist.all_reduce(counts)
+            counts = counts.cpu() / self.world
+        return {"num_tokens": float(counts[0]), "num_seqs": float(counts[1])}
 
     def _actor_micro_step(self, sub: Experience, counts: Dict[str, float]) -> Dict[str, float]:
         a = self.cfg.actor
@@ -435,11 +471,11 @@ class RLTrainer:
         c = self.cfg.critic
         N = exp.num_sequences
         rows = torch.arange(N, device=self.device)
-        counts = {"num_tokens": float(exp.response_mask.sum()), "num_seqs": float(N)}
+        counts = self._counts(exp.response_mask)
         totals: Dict[str, float] = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
         self.critic.train()
         for _ in range(self.cfg.actor.ppo_epochs):
-            for idx in micro_batches(rows, c.micro_batch_size):
+            for idx in self._micro(exp, rows, size=c.micro_batch_size):
                 sub = exp.select(idx)
                 with self._autocast():
                     values = response_values(self.critic, sub.input_ids, sub.attention_mask, sub.response_length)
