@@ -111,6 +111,10 @@ def bench_logits(rep: Report, a, bw_gbs: float, lp_cfg) -> None:
         impls.append(("defaults", lambda x: vf.logprobs_from_logits(x, labels, with_entropy=True), ""))
     impls.append(("verl_fast", lambda x: vf.logprobs_from_logits(x, labels, with_entropy=True, **ours_kw),
                   "chunked torch" if dev == "cpu" else str(lp_cfg)))
+    if dev != "cpu":  # without the label-range check's device-to-host read (a host sync)
+        impls.append(("verl_fast check=False",
+                      lambda x: vf.logprobs_from_logits(x, labels, with_entropy=True, check=False, **ours_kw),
+                      "no label check read-back"))
     g = torch.randn(a.tokens, device=dev)
     x = logits.detach().requires_grad_(True)
     for name, fn, note in impls:
