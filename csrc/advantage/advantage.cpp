@@ -24,7 +24,7 @@ void check_output(const TensorRef& t, const char* name, const TensorRef& like) {
   check_bt(t, name, like.sizes[0], like.sizes[1]);
   check_dtype(t, name, DType::f32);
   check_contiguous(t, name);
-  check_same_device(t, name, like, "rewards");
+  check_same_device(t, name, like, "token_level_rewards");
 }
 
 void check_status(const TensorRef& status, const TensorRef& like) {
@@ -32,7 +32,7 @@ void check_status(const TensorRef& status, const TensorRef& like) {
            kStatusWords, "], got ", shape_str(status.sizes));
   check_dtype(status, "status", DType::i32);
   check_contiguous(status, "status");
-  check_same_device(status, "status", like, "rewards");
+  check_same_device(status, "status", like, "token_level_rewards");
   VF_CHECK(reinterpret_cast<uintptr_t>(status.data) % 8 == 0, "status must be 8-byte aligned");
 }
 
@@ -41,28 +41,33 @@ void check_workspace(const TensorRef& workspace, int64_t bytes, const TensorRef&
            bytes, " bytes, got ", shape_str(workspace.sizes));
   check_dtype(workspace, "workspace", DType::u8);
   check_contiguous(workspace, "workspace");
-  check_same_device(workspace, "workspace", like, "rewards");
+  check_same_device(workspace, "workspace", like, "token_level_rewards");
   VF_CHECK(reinterpret_cast<uintptr_t>(workspace.data) % 16 == 0, "workspace must be 16-byte aligned");
+}
+
+// token_level_rewards [B, T] (float) and response_mask of the same shape and device.
+void check_rewards_and_mask(const TensorRef& r, const TensorRef& mask) {
+  VF_CHECK(r.dim() == 2, "token_level_rewards must be a 2-D tensor [B, T], got ", shape_str(r.sizes));
+  check_float(r, "token_level_rewards");
+  check_bt(mask, "response_mask", r.sizes[0], r.sizes[1]);
+  check_mask(mask, "response_mask");
+  check_same_device(mask, "response_mask", r, "token_level_rewards");
 }
 
 void validate(const ScanArgs& a) {
   const TensorRef& r = a.rewards;
-  VF_CHECK(r.dim() == 2, "rewards must be a 2-D tensor [B, T], got ", shape_str(r.sizes));
-  check_float(r, "rewards");
+  check_rewards_and_mask(r, a.mask);
   const int64_t B = r.sizes[0], T = r.sizes[1];
-  check_bt(a.mask, "response_mask", B, T);
-  check_mask(a.mask, "response_mask");
-  check_same_device(a.mask, "response_mask", r, "rewards");
   if (a.kind == ScanKind::gae) {
     check_bt(a.values, "values", B, T);
     check_float(a.values, "values");
-    check_same_device(a.values, "values", r, "rewards");
+    check_same_device(a.values, "values", r, "token_level_rewards");
   }
   if (a.kind == ScanKind::remax) {
     VF_CHECK(a.baselines.dim() == 1 && a.baselines.sizes[0] == B,
              "reward_baselines must be a 1-D tensor of shape [B] = [", B, "], got ", shape_str(a.baselines.sizes));
     check_float(a.baselines, "reward_baselines");
-    check_same_device(a.baselines, "reward_baselines", r, "rewards");
+    check_same_device(a.baselines, "reward_baselines", r, "token_level_rewards");
   }
   check_output(a.advantages, "advantages", r);
   check_output(a.returns, "returns", r);
@@ -72,12 +77,8 @@ void validate(const ScanArgs& a) {
 
 void validate(const GroupArgs& a) {
   const TensorRef& r = a.rewards;
-  VF_CHECK(r.dim() == 2, "token_level_rewards must be a 2-D tensor [B, T], got ", shape_str(r.sizes));
-  check_float(r, "token_level_rewards");
-  const int64_t B = r.sizes[0], T = r.sizes[1];
-  check_bt(a.mask, "response_mask", B, T);
-  check_mask(a.mask, "response_mask");
-  check_same_device(a.mask, "response_mask", r, "token_level_rewards");
+  check_rewards_and_mask(r, a.mask);
+  const int64_t B = r.sizes[0];
   VF_CHECK(a.ids.dim() == 1 && a.ids.sizes[0] == B, "index must have one group id per sample: [B] = [", B,
            "], got ", shape_str(a.ids.sizes));
   check_dtype(a.ids, "index", DType::i64);
