@@ -24,9 +24,10 @@ def test_wheel_installs_in_a_fresh_venv(tmp_path):
     py = tmp_path / "venv" / "bin" / "python"
     site = Path(subprocess.check_output([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                         text=True).strip())
-    # the fresh venv sees this environment's torch (and numpy) after its own packages, nothing else
-    (site / "deps.pth").write_text(str(Path(torch.__file__).resolve().parents[1]) + "\n")
     subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheels[0])], check=True)
+    # then let it see this environment's torch (and numpy), after its own packages (written after the
+    # install: that folder may hold an installed verl_fast too, which pip would take as satisfying)
+    (site / "deps.pth").write_text(str(Path(torch.__file__).resolve().parents[1]) + "\n")
     check = (
         "import verl_fast, verl_fast._C as C, verl_fast.kernels, torch\n"
         f"assert verl_fast.__file__.startswith({str(tmp_path / 'venv')!r}), verl_fast.__file__\n"
