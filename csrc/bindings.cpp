@@ -89,7 +89,11 @@ PYBIND11_MODULE(_C, m) {
         py::arg("order"), py::arg("offsets"), py::arg("wave_max_tokens"), py::call_guard<py::gil_scoped_release>(),
         "Rollout dispatch waves by prompt length into order/offsets/wave_max_tokens; returns their count");
   // ---- resharding engine ----
-  py::enum_<reshard::Phase>(m, "ReshardPhase").value("pack", reshard::Phase::pack).value("copy", reshard::Phase::copy);
+  py::enum_<reshard::Phase>(m, "ReshardPhase")
+      .value("pack", reshard::Phase::pack)
+      .value("copy", reshard::Phase::copy)
+      .value("copy_local", reshard::Phase::copy_local)
+      .value("copy_received", reshard::Phase::copy_received);
   py::class_<reshard::PlanArgs>(m, "ReshardPlanArgs")
       .def(py::init<>())
       .def_readwrite("logical_shapes", &reshard::PlanArgs::logical_shapes)

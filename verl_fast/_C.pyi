@@ -68,7 +68,9 @@ def rollout_buckets(prompt_lens: torch.Tensor, max_new_tokens: torch.Tensor, max
 # ---- resharding engine ----
 class ReshardPhase:
     pack: "ReshardPhase"
-    copy: "ReshardPhase"
+    copy: "ReshardPhase"  # copy_local then copy_received
+    copy_local: "ReshardPhase"
+    copy_received: "ReshardPhase"
 
 class ReshardPlanArgs:
     logical_shapes: torch.Tensor

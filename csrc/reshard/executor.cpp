@@ -172,8 +172,10 @@ void Plan::check_bound(const char* what) const {
 void Plan::run(int64_t b, Phase phase, uintptr_t stream, int num_threads) {
   check_bound("run");
   const Bucket& bk = bucket(b);
-  const int64_t begin = phase == Phase::pack ? bk.pack_tiles_begin : bk.copy_tiles_begin;
-  const int64_t end = phase == Phase::pack ? bk.pack_tiles_end : bk.copy_tiles_end;
+  int64_t begin = bk.copy_tiles_begin, end = bk.copy_tiles_end;
+  if (phase == Phase::pack) begin = bk.pack_tiles_begin, end = bk.pack_tiles_end;
+  if (phase == Phase::copy_local) end = bk.copy_received_begin;
+  if (phase == Phase::copy_received) begin = bk.copy_received_begin;
   if (begin == end) return;
   std::vector<void*> ptrs(bound_.size());
   for (size_t i = 0; i < bound_.size(); ++i) ptrs[i] = bound_[i].data;

@@ -256,7 +256,7 @@ std::vector<int64_t> take_local(const std::vector<TensorRow>& tensors, const std
 
 // One bucket of one rank: its messages and the segments of its two phases.
 struct BucketWork {
-  std::vector<Segment> pack, copy;
+  std::vector<Segment> pack, copy_local, copy_received;  // copy_local needs nothing from other ranks
   int64_t local_bytes = 0, received_bytes = 0, zero_bytes = 0;
 };
 
@@ -305,7 +305,7 @@ BucketWork build_bucket(int64_t b, const Tables& in, const std::vector<Transfer>
           w.received_bytes += t.rect.area() * elem_size(dt);
         }
         s.rows = t.rect.nr, s.width = t.rect.nc;
-        (side == 0 ? w.pack : w.copy).push_back(s);
+        (side == 0 ? w.pack : w.copy_received).push_back(s);
         offset += wire_bytes(in, t);
       }
       (side == 0 ? bk.sends : bk.recvs).push_back({peer, start, offset - start});
@@ -319,7 +319,7 @@ BucketWork build_bucket(int64_t b, const Tables& in, const std::vector<Transfer>
     src_side(t, s);
     dst_side(t, s);
     s.rows = t.rect.nr, s.width = t.rect.nc;
-    w.copy.push_back(s);
+    w.copy_local.push_back(s);
     w.local_bytes += t.rect.area() * elem_size(s.dst_dtype);
   }
   for (int64_t j : zeros) {
@@ -329,7 +329,7 @@ BucketWork build_bucket(int64_t b, const Tables& in, const std::vector<Transfer>
     s.dst = static_cast<int32_t>(sl.S + sl.dst[p.tensor]);
     s.src_dtype = s.dst_dtype = static_cast<int32_t>(in.dst_t[p.tensor].dtype);
     s.dst_off = p.offset, s.dst_pitch = p.pitch, s.rows = p.nrows, s.width = p.ncols;
-    w.copy.push_back(s);
+    w.copy_local.push_back(s);
     w.zero_bytes += p.nrows * p.ncols * elem_size(s.dst_dtype);
   }
   return w;
@@ -403,7 +403,9 @@ Plan::Plan(const PlanArgs& a) : rank_(a.rank), world_(a.world_size) {
     bk.pack_tiles_begin = static_cast<int64_t>(tiles_.size());
     add_tiles(w.pack, a.tile_bytes, segments_, tiles_);
     bk.pack_tiles_end = bk.copy_tiles_begin = static_cast<int64_t>(tiles_.size());
-    add_tiles(w.copy, a.tile_bytes, segments_, tiles_);
+    add_tiles(w.copy_local, a.tile_bytes, segments_, tiles_);
+    bk.copy_received_begin = static_cast<int64_t>(tiles_.size());
+    add_tiles(w.copy_received, a.tile_bytes, segments_, tiles_);
     bk.copy_tiles_end = static_cast<int64_t>(tiles_.size());
   }
 }

@@ -72,11 +72,13 @@ struct Bucket {
   std::vector<Message> sends, recvs;
   int64_t send_bytes = 0, recv_bytes = 0;
   int64_t pack_tiles_begin = 0, pack_tiles_end = 0;  // into Plan::tiles (segments packing sends)
-  int64_t copy_tiles_begin = 0, copy_tiles_end = 0;  // (segments writing destinations)
+  int64_t copy_tiles_begin = 0, copy_tiles_end = 0;  // (segments writing destinations):
+  int64_t copy_received_begin = 0;  // [copy_tiles_begin, here) read local data, [here, end) received
   std::vector<int64_t> groups;                       // destination groups in this bucket
 };
 
-enum class Phase : int { pack = 0, copy = 1 };
+// copy = copy_local then copy_received; the split lets local copies overlap the exchange.
+enum class Phase : int { pack = 0, copy = 1, copy_local = 2, copy_received = 3 };
 
 struct CudaTables;  // device copies of segments/tiles/pointers (reshard.cu)
 void free_cuda_tables(CudaTables* t);

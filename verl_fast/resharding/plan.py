@@ -2,9 +2,10 @@
 
 Execution, per bucket: the *pack* phase writes this rank's outgoing bytes into a send slot (one
 copy launch); ``torch.distributed`` point-to-point ops move exactly the bytes each peer needs
-(NCCL on GPUs, gloo on CPUs); the *copy* phase writes every destination slice of the bucket, from
-local sources, the receive slot and zero padding, in one launch. Bucket ``b + 1``'s messages are in
-flight while bucket ``b`` is copied; two send and two receive slots alternate.
+(NCCL on GPUs, gloo on CPUs); the *copy* phase writes every destination slice of the bucket in two
+launches: the slices from local sources and zero padding first, while the bucket's messages are
+still in flight, then the slices from the receive slot. Bucket ``b + 1``'s messages are in flight
+while bucket ``b`` is copied; two send and two receive slots alternate.
 """
 
 from __future__ import annotations
@@ -218,9 +219,10 @@ class ReshardPlan:
         for b in range(nb):
             if b + 1 < nb:
                 start(b + 1)
+            C.run(b, phase.copy_local, stream, threads)  # overlaps bucket b's exchange
             for work in pending.pop(b):
                 work.wait()
-            C.run(b, phase.copy, stream, threads)
+            C.run(b, phase.copy_received, stream, threads)
 
     def _exchange(self, b: int) -> list:
         sends, recvs = self._messages[b]
