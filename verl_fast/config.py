@@ -85,7 +85,8 @@ class CriticConfig:
 
 @dataclass
 class RolloutConfig:
-    type: str = _f("auto", choices=("auto", "hf", "vllm"), doc="auto: vllm when installed, else hf")
+    type: str = _f("auto", choices=("auto", "hf", "vllm"),
+                   doc="auto: vllm when installed and configure_vllm_env() has run (the CLI runs it), else hf")
     n: int = _f(8, min=1, doc="samples per prompt")
     temperature: float = _f(1.0, min=0.0)
     top_p: float = _f(1.0, min=0.0, max=1.0)

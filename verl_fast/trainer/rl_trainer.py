@@ -156,10 +156,11 @@ class RLTrainer:
 
     def _build_engine(self, model_path: Optional[str]) -> RolloutEngine:
         kind = self.cfg.rollout.type
-        if kind == "auto":
+        if kind == "auto":  # vLLM when installed and set up for this process (the CLI does that)
             from verl_fast.rollout import vllm_available
+            from verl_fast.rollout.vllm_compat import in_process_mode
 
-            kind = "vllm" if vllm_available() and not _is_fsdp(self.actor) else "hf"
+            kind = "vllm" if vllm_available() and in_process_mode() and not _is_fsdp(self.actor) else "hf"
         if kind == "hf":
             return HFGenerateEngine(self.actor, self.tokenizer, autocast_dtype=self.autocast_dtype)
         from verl_fast.rollout.vllm_engine import VLLMInferenceEngine
