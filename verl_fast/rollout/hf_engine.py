@@ -8,6 +8,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from verl_fast.models.wrapping import hf_module
 from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec, pad_completions
 
 
@@ -69,8 +70,7 @@ class HFGenerateEngine(RolloutEngine):
             raise ValueError("the tokenizer has neither a pad nor an EOS token")
 
     def _module(self):
-        inner = getattr(self.model, "module", None)  # FSDP1 / DDP keep the HF model in .module
-        return inner if inner is not None and hasattr(inner, "generate") else self.model
+        return hf_module(self.model)  # FSDP1 / DDP keep the HF model in .module
 
     @property
     def device(self) -> torch.device:

@@ -18,6 +18,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from verl_fast.models.wrapping import hf_module, is_sharded
+
 _STEP = re.compile(r"^step_(\d+)$")
 
 
@@ -38,26 +40,11 @@ def full_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     try:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        if _is_sharded(model):
+        if is_sharded(model):
             return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     except ImportError:  # pragma: no cover
         pass
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}
-
-
-def _is_sharded(model: torch.nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    except ImportError:  # pragma: no cover
-        return False
-    if isinstance(model, FSDP):
-        return True
-    return any(type(p).__name__ == "DTensor" for p in model.parameters())
-
-
-def hf_module(model: torch.nn.Module) -> torch.nn.Module:
-    inner = getattr(model, "module", None)
-    return inner if inner is not None and hasattr(inner, "save_pretrained") else model
 
 
 def save(output_dir: str, step: int, actor: torch.nn.Module, tokenizer: Any, optimizer: torch.optim.Optimizer,
@@ -131,7 +118,7 @@ def load(path: Path, actor: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def _load_weights(model: torch.nn.Module, weights: Dict[str, torch.Tensor]) -> None:
-    if _is_sharded(model):
+    if is_sharded(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))

@@ -36,6 +36,7 @@ from verl_fast.metrics import MetricsLogger
 from verl_fast.micro_batches import make_micro_batches
 from verl_fast.models.logprobs import response_logprobs
 from verl_fast.models.value import ValueModel, response_values
+from verl_fast.models.wrapping import hf_module, is_sharded
 from verl_fast.rewards import RewardInput, as_reward_function, build_reward
 from verl_fast.rollout.base import RolloutEngine, SamplingSpec
 from verl_fast.rollout.hf_engine import HFGenerateEngine
@@ -45,14 +46,6 @@ from verl_fast.schedule import balance_partitions
 from verl_fast.trainer.experience import Experience, build_experience, concat, last_token_rewards, micro_batches
 
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _is_fsdp(model: torch.nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(model, FSDP) or type(model).__name__.startswith("FSDP")
 
 
 class RLTrainer:
@@ -84,13 +77,13 @@ class RLTrainer:
             tokenizer.pad_token = tokenizer.eos_token
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if self.world > 1 and not _is_fsdp(actor_model):
+        if self.world > 1 and not is_sharded(actor_model):
             raise ValueError("with several processes the actor must be FSDP-wrapped (fully_shard or "
                              "FullyShardedDataParallel) so that gradients are reduced across ranks")
         self.device = self._place(actor_model)
         self.autocast_dtype = AUTOCAST.get(cfg.actor.autocast)
         if cfg.actor.gradient_checkpointing:
-            checkpoint.hf_module(actor_model).gradient_checkpointing_enable()
+            hf_module(actor_model).gradient_checkpointing_enable()
         self.uses_kl = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward or (
             self.algorithm == "dpo" and not cfg.reward_fn.reference_free)
         self.ref = self._reference(ref_model) if self.uses_kl else None
@@ -127,7 +120,7 @@ class RLTrainer:
     def _place(self, model: torch.nn.Module) -> torch.device:
         want = self.cfg.trainer.device
         current = next(model.parameters()).device
-        if want == "auto" or _is_fsdp(model):
+        if want == "auto" or is_sharded(model):
             return current
         target = torch.device(want)
         if target.type == "cuda" and not torch.cuda.is_available():
@@ -138,10 +131,10 @@ class RLTrainer:
 
     def _reference(self, ref_model: Optional[torch.nn.Module]) -> torch.nn.Module:
         if ref_model is None:
-            if _is_fsdp(self.actor):
+            if is_sharded(self.actor):
                 raise ValueError("KL against a reference needs ref_model when the actor is FSDP-wrapped")
-            ref_model = copy.deepcopy(checkpoint.hf_module(self.actor))
-        if not _is_fsdp(ref_model):
+            ref_model = copy.deepcopy(hf_module(self.actor))
+        if not is_sharded(ref_model):
             ref_model.to(self.device)
         ref_model.eval()
         for p in ref_model.parameters():
@@ -160,7 +153,7 @@ class RLTrainer:
             from verl_fast.rollout import vllm_available
             from verl_fast.rollout.vllm_compat import in_process_mode
 
-            kind = "vllm" if vllm_available() and in_process_mode() and not _is_fsdp(self.actor) else "hf"
+            kind = "vllm" if vllm_available() and in_process_mode() and not is_sharded(self.actor) else "hf"
         if kind == "hf":
             return HFGenerateEngine(self.actor, self.tokenizer, autocast_dtype=self.autocast_dtype)
         from verl_fast.rollout.vllm_engine import VLLMInferenceEngine
@@ -174,7 +167,7 @@ class RLTrainer:
         if model_path is None:  # vLLM loads a folder: write the actor's current weights to one
             self._engine_dir = tempfile.TemporaryDirectory(prefix="verl_fast_actor_")
             model_path = self._engine_dir.name
-            checkpoint.hf_module(self.actor).save_pretrained(model_path, state_dict=checkpoint.full_state_dict(
+            hf_module(self.actor).save_pretrained(model_path, state_dict=checkpoint.full_state_dict(
                 self.actor), safe_serialization=True)
             self.tokenizer.save_pretrained(model_path)
         dtype = r.dtype if r.dtype != "auto" else (self.cfg.actor.autocast if self.autocast_dtype else

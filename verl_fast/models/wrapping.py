@@ -1,0 +1,24 @@
+"""What a training wrapper (FSDP1, FSDP2, DDP) did to a Hugging Face model, in one place."""
+
+from __future__ import annotations
+
+import torch
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """True for an FSDP1-wrapped model, an FSDP2 (``fully_shard``) model, or any model whose
+    parameters are DTensors: its full weights exist only after a gather."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    if isinstance(model, (FSDP, FSDPModule)):
+        return True
+    return any(type(p).__name__ == "DTensor" for p in model.parameters())
+
+
+def hf_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model inside an FSDP1 / DDP wrapper (its ``.module``), else the model itself."""
+    inner = getattr(model, "module", None)
+    return inner if inner is not None and hasattr(inner, "save_pretrained") else model
