@@ -215,10 +215,22 @@ def test_gae_non_contiguous_inputs():
     close(adv2, ra)
 
 
-def test_gae_empty_batch():
-    r = torch.zeros(0, 5)
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_batch_writes_a_clean_status(device):
+    from verl_fast import _C
+
+    r = torch.zeros(0, 5, device=device)
     adv, ret = vf.compute_gae(r, r, r.bool())
     assert adv.shape == (0, 5) and ret.shape == (0, 5)
+    assert vf.compute_grpo_advantage(r, r.bool(), [])[0].shape == (0, 5)
+    # the status record comes uninitialised from the caller: poison it, the call must overwrite it
+    a = _C.ScanArgs()
+    a.rewards, a.values, a.mask = r, r, r.bool().view(torch.uint8)
+    a.advantages, a.returns = torch.empty(0, 5, device=device), torch.empty(0, 5, device=device)
+    status = torch.full((_C.status_words,), -1, dtype=torch.int32, device=device)
+    a.status = status
+    _C.advantage_scan(a)
+    assert status.cpu().tolist() == [0] * _C.status_words
 
 
 # ---------------------------------------------------------------- group estimators

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <mutex>
 #include <cmath>
+#include <cstring>
 #include <unordered_map>
 #include <vector>
 
@@ -279,6 +280,18 @@ void group_cpu(const GroupArgs& a) {
   *status_sums(a.status) = total;
 }
 
+// An empty batch has nothing to report: the status record still has to be written (the
+// caller allocates it uninitialised).
+void clear_status(const TensorRef& status, uintptr_t stream) {
+  if (status.device == Device::cuda) {
+#if defined(VF_WITH_CUDA)
+    return clear_status_cuda(status, stream);
+#endif
+  }
+  (void)stream;
+  std::memset(status.data, 0, kStatusWords * sizeof(int32_t));
+}
+
 }  // namespace
 
 int64_t group_workspace_bytes(int64_t batch) { return GroupWorkspace::bytes(batch); }
@@ -304,7 +317,7 @@ int64_t build_groups(const int64_t* ids, int64_t batch, int32_t* row_group, int3
 
 void advantage_scan(const ScanArgs& a) {
   validate(a);
-  if (a.rewards.numel() == 0) return;
+  if (a.rewards.numel() == 0) return clear_status(a.status, a.stream);
   if (a.rewards.device == Device::cuda) {
 #if defined(VF_WITH_CUDA)
     return advantage_scan_cuda(a);
@@ -318,7 +331,7 @@ void advantage_scan(const ScanArgs& a) {
 void group_advantage(const GroupArgs& a) {
   validate(a);
   const int64_t B = a.rewards.sizes[0];
-  if (a.rewards.numel() == 0) return;
+  if (a.rewards.numel() == 0) return clear_status(a.status, a.stream);
   if (a.rewards.device == Device::cuda) {
 #if defined(VF_WITH_CUDA)
     // Groups are formed on the host (ids live there); the CUDA path uploads them with the call.

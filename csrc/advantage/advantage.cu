@@ -384,6 +384,12 @@ unsigned grid_for(int64_t rows) { return static_cast<unsigned>(rows < (1 << 30) 
 
 }  // namespace
 
+void clear_status_cuda(const TensorRef& status, uintptr_t stream) {
+  DeviceGuard guard(status.device_index);
+  cuda_check(cudaMemsetAsync(status.data, 0, kStatusWords * sizeof(int), reinterpret_cast<cudaStream_t>(stream)),
+             "cudaMemsetAsync (status)");
+}
+
 void advantage_scan_cuda(const ScanArgs& a) {
   DeviceGuard guard(a.rewards.device_index);
   auto stream = reinterpret_cast<cudaStream_t>(a.stream);

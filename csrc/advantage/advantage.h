@@ -157,6 +157,7 @@ VF_HD double group_value(GroupKind kind, const double* score, const int32_t* mem
 
 #if defined(VF_WITH_CUDA)
 void advantage_scan_cuda(const ScanArgs& args);
+void clear_status_cuda(const TensorRef& status, uintptr_t stream);
 // host_csr: row_group [B], offsets [B + 1], members [B] back to back, as build_groups wrote them.
 void group_advantage_cuda(const GroupArgs& args, const int32_t* host_csr);
 #endif
