@@ -57,16 +57,25 @@ def sync(device: str) -> None:
 
 
 def time_ms(fn: Callable[[], object], device: str, *, warmup: int = 3, rep: int = 10,
-            max_seconds: float = 20.0) -> float:
-    """Median wall time of ``fn`` in milliseconds (CUDA events on a GPU)."""
+            max_seconds: float = 20.0, busy_gpu: bool = False) -> float:
+    """Median wall time of ``fn`` in milliseconds (CUDA events on a GPU).
+
+    ``busy_gpu``: before each timed call, queue a 1 GiB fill (about 0.3 ms on an H200), so the GPU
+    is busy while the host runs ``fn``'s Python and launches -- as in a training step, where the host
+    runs ahead of the GPU -- and L2 holds none of the inputs (Triton's do_bench does the same). The
+    time is then the call's GPU time plus whatever host time the fill did not cover (a host sync
+    inside ``fn`` still shows)."""
     for _ in range(warmup):
         fn()
     sync(device)
     times: List[float] = []
     deadline = time.perf_counter() + max_seconds
+    filler = torch.empty(256 << 20, dtype=torch.int32, device=device) if busy_gpu and device.startswith("cuda") else None
     for _ in range(rep):
         if device.startswith("cuda"):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if filler is not None:
+                filler.fill_(0)
             start.record()
             fn()
             end.record()

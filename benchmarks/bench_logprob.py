@@ -1,6 +1,7 @@
 """Log-prob benchmarks (issue 4): logits -> log-prob (+ entropy), and hidden -> log-prob fused with the lm_head.
 
     python benchmarks/bench_logprob.py [--device cuda|cpu] [--tokens N] [--hidden H] [--vocab V] [--no-sweep]
+                                       [--cases logits,linear]
 
 Cases (defaults: CUDA N=8192, H=3584, V=151936, bf16; CPU: small sizes, the chunked torch path):
   logits fwd (lp+ent)      naive fp32 log_softmax + gather + entropy | ours | floor: read the logits once
@@ -10,7 +11,10 @@ Cases (defaults: CUDA N=8192, H=3584, V=151936, bf16; CPU: small sizes, the chun
 GEMM floors use the bf16 matmul rate measured in this run (torch.mm, cuBLAS). On CUDA the Triton
 block sizes are swept first, one kernel at a time ("tune: ..." rows), and the fastest are used for
 the "verl_fast" rows; "defaults" rows show the built-in choice. Errors are max |logp - ref| against a
-float64 reference; gradient errors (relative to the largest entry) are in the notes.
+float64 reference; gradient errors (relative to the largest entry) are in the notes. Extra memory is
+the peak above what was live before the call, counting the gradients a fwd+bwd step allocates.
+Logits cases are timed with the GPU kept busy while the host launches (time_ms busy_gpu): their
+GPU time, with host overhead hidden as in a training step, except where the op syncs.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from _common import Report, copy_bandwidth_gbs, peak_extra_bytes, sync, time_ms 
 
 import verl_fast as vf  # noqa: E402
 
-TUNE_REPS = dict(warmup=2, rep=5)
+TUNE_REPS = dict(warmup=3, rep=10)
 DEADLINE = [float("inf")]  # time.monotonic() after which sweeps stop trying new candidates
 
 
@@ -39,6 +43,8 @@ def parse_args():
     p.add_argument("--hidden", type=int)
     p.add_argument("--vocab", type=int)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--cases", default="logits,linear",
+                   help="logits, linear or both; a partial run saves bench_logprob_<case>_<device>.json")
     p.add_argument("--no-sweep", action="store_true", help="use the built-in block sizes only")
     p.add_argument("--sweep-seconds", type=float, default=240.0,
                    help="time for the block-size sweeps (compiles included); candidates left are skipped")
@@ -49,6 +55,9 @@ def parse_args():
     a.vocab = a.vocab or (151936 if cuda else 8192)
     a.dtype = getattr(torch, a.dtype)
     a.sweep = cuda and not a.no_sweep
+    a.cases = a.cases.split(",")
+    if not a.cases or not set(a.cases) <= {"logits", "linear"}:
+        p.error(f"--cases takes logits, linear or logits,linear; got {','.join(a.cases)}")
     return a
 
 
@@ -120,14 +129,17 @@ def bench_logits(rep: Report, a, bw_gbs: float, lp_cfg) -> None:
     for name, fn, note in impls:
         logp, ent = fn(logits)
         err = max((logp.double() - r_logp).abs().max().item(), (ent.double() - r_ent).abs().max().item())
-        rep.add(case_f, name, time_ms(lambda: fn(logits), dev), peak_extra_bytes(lambda: fn(logits), dev), err, note)
+        rep.add(case_f, name, time_ms(lambda: fn(logits), dev, busy_gpu=True), peak_extra_bytes(lambda: fn(logits), dev),
+                err, note)
 
         def step(fn=fn):
             x.grad = None
             logp, ent = fn(x)
             (logp * g + 0.01 * ent).sum().backward()
 
-        rep.add(case_b, name, time_ms(step, dev), peak_extra_bytes(step, dev), err, note)
+        ms = time_ms(step, dev, busy_gpu=True)
+        x.grad = None  # so the peak counts the d_logits the step allocates
+        rep.add(case_b, name, ms, peak_extra_bytes(step, dev), err, note)
         x.grad = None
 
 
@@ -191,6 +203,7 @@ def _add_linear(rep: Report, case: str, name: str, run, logp_fn, h, w, ref, dev:
         run()[1].backward()
 
     ms = time_ms(step, dev)
+    h.grad = w.grad = None  # so the peak counts the gradients the step allocates
     extra = peak_extra_bytes(step, dev)
     step()
     with torch.no_grad():
@@ -232,9 +245,11 @@ def sweep_logits(rep: Report, a):
 
     x = torch.randn(1, a.tokens, a.vocab, device=a.device).to(a.dtype)
     labels = torch.randint(0, a.vocab, (a.tokens,), device=a.device)
-    cands = [logprobs_config(a.vocab, bv, nw, ns) for bv in (2048, 4096, 8192) for nw in (4, 8, 16) for ns in (1, 3)]
+    cands = [logprobs_config(a.vocab, bv, nw, ns) for bv in (2048, 4096, 1024, 8192) for nw in (4, 2, 8)
+             for ns in (3, 4, 2)]
     return _pick(rep, "tune: logits fwd", cands, lambda c: f"block_v {c.block_v} w{c.num_warps} s{c.num_stages}",
-                 lambda c: time_ms(lambda: logprobs_forward(x, labels, 1.0, True, config=c), a.device, **TUNE_REPS))
+                 lambda c: time_ms(lambda: logprobs_forward(x, labels, 1.0, True, config=c), a.device, busy_gpu=True,
+                                   **TUNE_REPS))
 
 
 # (block_m, block_n, block_k, group_m, num_warps, num_stages[, tma]); the dhidden GEMM also tries cuBLAS.
@@ -294,19 +309,20 @@ def matmul_ms(a) -> float:
 def main() -> None:
     a = parse_args()
     torch.manual_seed(0)
-    rep = Report("bench_logprob", a.device)
+    rep = Report("bench_logprob" if len(a.cases) == 2 else f"bench_logprob_{a.cases[0]}", a.device)
     rep.meta.update(tokens=a.tokens, hidden=a.hidden, vocab=a.vocab, dtype=str(a.dtype))
     bw = copy_bandwidth_gbs(a.device)
     mm = matmul_ms(a)
     gemm_tflops = 2 * a.tokens * a.hidden * a.vocab / (mm * 1e-3) / 1e12
     rep.meta.update(bandwidth_gbs=bw, matmul_ms=mm, matmul_tflops=gemm_tflops, four_gemm_floor_ms=4 * mm)
     DEADLINE[0] = time.monotonic() + a.sweep_seconds
-    lp_cfg = sweep_logits(rep, a) if a.sweep else None
-    lin_cfg = sweep_linear(rep, a) if a.sweep else None
-    rep.meta["logprobs_config"] = repr(lp_cfg)
-    bench_logits(rep, a, bw, lp_cfg)
-    sync(a.device)
-    bench_linear(rep, a, mm, lin_cfg)
+    if "logits" in a.cases:
+        lp_cfg = sweep_logits(rep, a) if a.sweep else None
+        rep.meta["logprobs_config"] = repr(lp_cfg)
+        bench_logits(rep, a, bw, lp_cfg)
+        sync(a.device)
+    if "linear" in a.cases:
+        bench_linear(rep, a, mm, sweep_linear(rep, a) if a.sweep else None)
     table = rep.table()
     table += (f"\nmeasured: copy {bw:.0f} GB/s, one {a.tokens}x{a.hidden}x{a.vocab} GEMM {mm:.2f} ms "
               f"({gemm_tflops:.0f} TFLOP/s); exact recompute needs 4 GEMMs: {4 * mm:.1f} ms")

@@ -4,6 +4,8 @@
 #
 #   bash benchmarks/gpu_run.sh                          # every section
 #   SECTIONS="tests advantage" bash benchmarks/gpu_run.sh   # some (to fit a 10-minute call)
+#   GPU_TESTS="python_tests/test_logprobs.py" SECTIONS=tests ...  # some test files only
+#   LOGPROB_CASES=logits SECTIONS=logprobs ...                     # one of the log-prob cases
 #
 # Sections: tests (every gpu-marked test), advantage, logprobs, reshard.
 # That machine: H200(s), torch 2.11 + CUDA 13, Triton 3.6, Python 3.12, no vLLM / megatron-core, no
@@ -34,7 +36,7 @@ echo "build: $(( $(date +%s) - start )) s"
 
 # ---- tests: every area's gpu-marked tests ----
 if want tests; then
-  "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests > "$OUT/pytest_gpu.log" 2>&1 || failed+=("pytest -m gpu")
+  "$py" -m pytest -m gpu -q -p no:cacheprovider ${GPU_TESTS:-python_tests} > "$OUT/pytest_gpu.log" 2>&1 || failed+=("pytest -m gpu")
   tail -n 15 "$OUT/pytest_gpu.log"
 fi
 
@@ -46,7 +48,8 @@ fi
 
 # ---- logprobs (issue 4): fused log-prob / entropy kernels; sweeps block sizes first ----
 if want logprobs; then
-  timeout 540 "$py" benchmarks/bench_logprob.py --device cuda >> "$OUT/bench.log" 2>&1 || failed+=("bench_logprob")
+  timeout 540 "$py" benchmarks/bench_logprob.py --device cuda --cases "${LOGPROB_CASES:-logits,linear}" \
+    >> "$OUT/bench.log" 2>&1 || failed+=("bench_logprob")
 fi
 
 # ---- reshard (issue 7): (a) 1 GPU HF -> vLLM TP=1 into preallocated tensors; (b) with 2 GPUs,

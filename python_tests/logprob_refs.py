@@ -32,7 +32,8 @@ def reference(z64: torch.Tensor, labels: torch.Tensor):
     """(logp, entropy) of labels under softmax(z64), z64 = logits / T in float64."""
     logp_all = torch.log_softmax(z64, dim=-1)
     logp = logp_all.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    # 0 * log 0 = 0 for logits of -inf (a vocabulary mask), in the values and in the gradient
+    entropy = -(logp_all.exp() * logp_all.clamp(min=-1e300)).sum(-1)
     return logp, entropy
 
 

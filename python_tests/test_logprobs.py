@@ -77,6 +77,31 @@ def test_large_magnitude_logits_do_not_overflow(backend, scale, offset):
     assert_grad(grad, r_grad, torch.float32, "d_logits", rtol=atol)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)  # for Triton: the kernel's two passes
+@pytest.mark.parametrize("spike", [0.0, 30.0, 43.0, 46.0, 500.0, "masked-first-block"])
+def test_triton_rows_whose_largest_logits_come_late(backend, spike):
+    """The forward sums against the first block's max; a row whose later logits exceed it by more
+    than 64 log2 units (44 nats) must take the running-max pass, below that the fixed one."""
+    from verl_fast.kernels.logprobs import logprobs_config
+
+    torch.manual_seed(8)
+    V = 200
+    logits = torch.randn(5, V) * 2
+    if spike == "masked-first-block":  # a vocabulary mask of -inf over the first blocks
+        logits[:, :40] = float("-inf")
+        labels = torch.randint(40, V, (5,))
+    else:
+        logits[:, 150] += spike  # the first block (16 logits) sees none of it
+        labels = torch.randint(0, V, (5,))
+        labels[0] = 150
+    logits, labels = logits.to(backend[0]), labels.to(backend[0])
+    kw = dict(config=logprobs_config(V, block_v=16)) if backend[1] == "triton" else {}
+    (logp, ent, grad), (r_logp, r_ent, r_grad) = run(logits, labels, 1.0, backend, **kw)
+    assert_values(logp, r_logp, "logp")
+    assert_values(ent, r_ent, "entropy")
+    assert_grad(grad, r_grad, torch.float32, "d_logits")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_non_contiguous_logits(backend):
     torch.manual_seed(4)
@@ -134,6 +159,23 @@ def test_empty_batch(backend):
     assert logp.shape == (0, 5) and ent.shape == (0, 5)
     (logp.sum() + ent.sum()).backward()
     assert x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad", [-1, 10, 2**40], ids=["negative", "V", "huge"])
+def test_label_range_checked_on_every_backend(backend, bad):
+    device, name = backend
+    logits = torch.randn(3, 4, 10, device=device)
+    labels = torch.randint(0, 10, (3, 4), device=device)
+    labels[1, 2] = bad
+    with pytest.raises(ValueError, match=rf"labels must lie in \[0, V\) = \[0, 10\); got values from .* to "):
+        vf.logprobs_from_logits(logits, labels, with_entropy=True, backend=name)
+    labels[1, 2] = 9  # the largest valid label, and a fresh call: the kernel's count starts at zero each time
+    vf.logprobs_from_logits(logits, labels, backend=name)
+    if name == "triton":  # unchecked: the bad token's log-prob is NaN, the others are right
+        labels[1, 2] = bad
+        logp = vf.logprobs_from_logits(logits, labels, backend=name, check=False)
+        assert torch.isnan(logp[1, 2]) and torch.isfinite(logp.view(-1)[:6]).all()
 
 
 def test_backends_agree_and_labels_dtypes():

@@ -35,7 +35,8 @@ def _dz(z, lse, entropy, labels, g_logp, g_entropy) -> torch.Tensor:
     if g_entropy is None:
         dz = p.mul_(-g_logp[:, None])
     else:  # d H / dz = -p (log p + H)
-        coef = log_p.add_(entropy[:, None]).mul_(g_entropy[:, None])
+        # a logit of -inf has p = 0 and log p = -inf: clamped, so its term is 0 * finite = 0, not NaN
+        coef = log_p.clamp_(min=-1e30).add_(entropy[:, None]).mul_(g_entropy[:, None])
         dz = p.mul_(coef if g_logp is None else coef.add_(g_logp[:, None])).neg_()
     if g_logp is not None:  # d logp / dz = onehot(label) - p
         rows = torch.nonzero((labels >= 0) & (labels < z.shape[1])).squeeze(1)

@@ -12,8 +12,11 @@ environment variable ``VERL_FAST_LOGPROBS_BACKEND``) forces one; Triton on CPU t
 under the Triton interpreter (``TRITON_INTERPRET=1``, used by the tests). Without Triton, CUDA
 tensors take the torch path and a warning says what to install.
 
-``check=True`` verifies that every label lies in [0, V) (one device-to-host read on CUDA);
-``check=False`` skips that, and such a label then gives an undefined value for its token.
+``check=True`` verifies that every label lies in [0, V): on the Triton path of
+``logprobs_from_logits`` the forward kernel counts bad labels and the op reads that count (4 bytes)
+after the launch; elsewhere a min/max of the labels is read first. Either read waits for the GPU.
+``check=False`` skips it (no host sync, so CUDA-graph capturable); a label outside [0, V) then gives
+NaN (Triton) or an undefined value for its token.
 """
 
 from __future__ import annotations
@@ -47,8 +50,8 @@ def _float_input(x, name: str) -> torch.Tensor:
     return x
 
 
-def _labels(labels, shape, device: torch.device, vocab: int, check: bool, what: str) -> torch.Tensor:
-    """labels as a flat contiguous int64 tensor, checked against ``shape`` and [0, vocab)."""
+def _labels(labels, shape, device: torch.device, what: str) -> torch.Tensor:
+    """labels as a flat contiguous int64 tensor, checked against ``shape``."""
     V.tensor(labels, "labels")
     if labels.dtype not in _LABEL_DTYPES:
         raise TypeError(f"labels must be an integer tensor (int64, int32, int16 or uint8), got {labels.dtype}")
@@ -56,12 +59,17 @@ def _labels(labels, shape, device: torch.device, vocab: int, check: bool, what: 
         raise ValueError(f"labels must have shape {list(shape)} ({what}), got {list(labels.shape)}")
     if labels.device != device:
         raise ValueError(f"labels must be on {device}, got {labels.device}")
-    flat = labels.reshape(-1).to(torch.int64).contiguous()
-    if check and flat.numel():
-        lo, hi = torch.stack([flat.min(), flat.max()]).tolist()
-        if lo < 0 or hi >= vocab:
-            raise ValueError(f"labels must lie in [0, V) = [0, {vocab}); got values from {lo} to {hi}")
-    return flat
+    return labels.reshape(-1).to(torch.int64).contiguous()
+
+
+def _check_range(flat: torch.Tensor, vocab: int, bad_count: Optional[torch.Tensor] = None) -> None:
+    """Raises unless every label lies in [0, vocab). ``bad_count``: the number of labels outside it,
+    already counted on the device by a kernel (one 4-byte read instead of a min/max pass)."""
+    if not flat.numel() or (bad_count is not None and not bad_count.item()):
+        return
+    lo, hi = torch.stack([flat.min(), flat.max()]).tolist()
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"labels must lie in [0, V) = [0, {vocab}); got values from {lo} to {hi}")
 
 
 def _inverse_temperature(temperature) -> float:
@@ -132,14 +140,20 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature
     _float_input(logits, "logits")
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must be [..., V] with V >= 1, got shape {list(logits.shape)}")
-    flat = _labels(labels, logits.shape[:-1], logits.device, logits.shape[-1], check, "logits' leading dimensions")
+    flat = _labels(labels, logits.shape[:-1], logits.device, "logits' leading dimensions")
     inv_t = _inverse_temperature(temperature)
     x = _as_3d(logits)
     if _backend(logits, backend) == "triton":
         from verl_fast.kernels.logprobs import logprobs_from_logits_triton
 
-        logp, entropy = logprobs_from_logits_triton(x, flat, inv_t, with_entropy, config)
+        # the forward kernel counts out-of-range labels itself: the check costs one 4-byte read
+        bad = torch.zeros(1, dtype=torch.int32, device=logits.device) if check else None
+        logp, entropy = logprobs_from_logits_triton(x, flat, inv_t, with_entropy, config, bad)
+        if check:
+            _check_range(flat, logits.shape[-1], bad)
     else:
+        if check:
+            _check_range(flat, logits.shape[-1])
         logp, entropy = LogprobsFunction.apply(x, flat, inv_t, with_entropy, _logprobs_torch.LOGPROBS)
     return _result(logp, entropy, labels.shape, with_entropy)
 
@@ -169,7 +183,9 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
             raise ValueError(f"bias must be [V] = [{weight.shape[0]}] in {weight.dtype} on {weight.device}, "
                              f"got {list(bias.shape)} {bias.dtype} on {bias.device}")
     _, vocab = vocab_shard(tp_group, weight.shape[0])
-    flat = _labels(labels, hidden.shape[:-1], hidden.device, vocab, check, "hidden's leading dimensions")
+    flat = _labels(labels, hidden.shape[:-1], hidden.device, "hidden's leading dimensions")
+    if check:
+        _check_range(flat, vocab)
     inv_t = _inverse_temperature(temperature)
     h = hidden.reshape(-1, hidden.shape[-1])
     if h.stride(-1) != 1:
