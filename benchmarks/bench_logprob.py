@@ -7,6 +7,7 @@ Cases (defaults: CUDA N=8192, H=3584, V=151936, bf16; CPU: small sizes, the chun
   logits fwd (lp+ent)      naive fp32 log_softmax + gather + entropy | ours | floor: read the logits once
   logits fwd+bwd (lp+ent)  the same with the backward              | floor: read twice, write d_logits
   linear fwd+bwd (lp)      matmul + log_softmax | Liger FLCE (if importable) | ours | floor: 3 GEMMs
+                           | 3-GEMM bound: chunked cuBLAS GEMMs with the gradient known in the forward
   linear fwd+bwd (lp+ent)  matmul + log_softmax + entropy | ours
 GEMM floors use the bf16 matmul rate measured in this run (torch.mm, cuBLAS). On CUDA the Triton
 block sizes are swept first, one kernel at a time ("tune: ..." rows), and the fastest are used for
@@ -163,9 +164,35 @@ def _liger():
     return liger_fused_linear_cross_entropy
 
 
+def three_gemm_bound(h, w, chunk: int):
+    """What a scheme that knows the upstream gradient in the forward (Liger's FLCE; linear_logprobs
+    cannot: its callers' losses come after it) would at least cost: per chunk of tokens, the logits
+    GEMM (kept in bf16), one reduction and one in-place pass standing in for the softmax statistics
+    and d_logits (no real softmax), then the d_hidden and (accumulated) d_weight GEMMs."""
+    d_w = torch.zeros_like(w)
+    d_h = torch.empty_like(h)
+    for c0 in range(0, h.shape[0], chunk):
+        hc = h[c0 : c0 + chunk]
+        z = torch.mm(hc, w.t())
+        z.sub_(z.amax(-1, keepdim=True))
+        torch.mm(z, w, out=d_h[c0 : c0 + chunk])
+        d_w.addmm_(z.t(), hc)
+    return d_h, d_w
+
+
+def bench_three_gemm_bound(rep: Report, a, h, w) -> None:
+    h, w = h.detach(), w.detach()
+    for chunk in (512, 2048):
+        run = lambda: three_gemm_bound(h, w, chunk)  # noqa: E731
+        rep.add("linear fwd+bwd (lp)", f"3-GEMM bound, {chunk}-token chunks", time_ms(run, a.device),
+                peak_extra_bytes(run, a.device), note="gradient known in forward; stand-in elementwise passes")
+
+
 def bench_linear(rep: Report, a, mm_ms: float, cfg) -> None:
     h, w, labels = linear_inputs(a)
     rep.floors["linear fwd+bwd (lp)"] = 3 * mm_ms
+    if a.device != "cpu":
+        bench_three_gemm_bound(rep, a, h, w)
     ours_kw = dict(backend="torch") if a.device == "cpu" else dict(config=cfg)
     liger = _liger() if a.device != "cpu" else None
     for with_ent, g_ent in ((False, 0.0), (True, 0.01)):

@@ -94,8 +94,10 @@ def _variants(device: torch.device):
                (buf, w, dh, N, H, C - 8, C, 1, H, 1, H, 1), dict(EVEN_K=False, **dot, **L._launch(cfg.dhidden)))
         lp = P.logprobs_config(V)
         x = torch.empty(1, N, V, dtype=dtype)
-        yield (f"logprobs fwd {ltag} {lp}", P._logprobs_fwd_kernel, (x, labels, vec, vec, vec, N, 0, V, 1, V, 1.0),
-               dict(WITH_ENT=ent, BLOCK_V=lp.block_v, NUM_STAGES=lp.num_stages, num_warps=lp.num_warps))
+        bad = torch.zeros(1, dtype=torch.int32)  # the label-range count
+        yield (f"logprobs fwd {ltag} {lp}", P._logprobs_fwd_kernel,
+               (x, labels, vec, vec, vec, bad if ent else None, N, 0, V, 1, V, 1.0),
+               dict(WITH_ENT=ent, CHECK=ent, BLOCK_V=lp.block_v, NUM_STAGES=lp.num_stages, num_warps=lp.num_warps))
         yield (f"logprobs bwd {ltag} {lp}", P._logprobs_bwd_kernel,
                (x, x, labels, vec, vec, vec, vec if ent else None, N, 0, V, 1, V, 1.0),
                dict(HAS_GLP=True, HAS_GENT=ent, BLOCK_V=lp.block_v, num_warps=lp.num_warps))
