@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import Report, copy_bandwidth_gbs, sync, time_ms  # noqa: E402
 
-from verl_fast.resharding import ModelSpec, fsdp2_layout, hf_layout, plan, vllm_layout  # noqa: E402
-from verl_fast.resharding.spec import as_2d  # noqa: E402
+from verl_fast.ops.reshard import ModelSpec, fsdp2_layout, hf_layout, plan, vllm_layout  # noqa: E402
+from verl_fast.ops.reshard.spec import as_2d  # noqa: E402
 
 SCALES = {
     # Qwen2.5-7B: 28 layers, hidden 3584, 28 heads / 4 kv heads of 128, MLP 18944, vocab 152064, QKV bias.
@@ -180,7 +180,7 @@ def two_device_worker(rank: int, world: int, port: int, device_type: str, scale:
 
 
 def spec_logical(spec: ModelSpec):
-    from verl_fast.resharding import logical_shapes
+    from verl_fast.ops.reshard import logical_shapes
 
     return list(logical_shapes(spec))
 

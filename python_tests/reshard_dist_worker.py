@@ -63,7 +63,7 @@ def fsdp_case(rank, world, port, families, out):
 
 
 def _fsdp_family(rank, world, family):
-    from verl_fast.resharding import (ModelSpec, fsdp1_layout_from_module, fsdp1_sources, plan, source_layout,
+    from verl_fast.ops.reshard import (ModelSpec, fsdp1_layout_from_module, fsdp1_sources, plan, source_layout,
                                       vllm_layout, vllm_weights)
 
     extra = {"vocab_size": 301} if family == "qwen2" else {}  # 301 rows split 151 / 150, padded to 320
@@ -103,7 +103,7 @@ def _fsdp_family(rank, world, family):
         got = dict(vllm_weights(mixed, cfg, tensor_parallel_size=2))
         assert_same(got, ref_vllm(sd, cfg, 2, rank))
     if family == "llama":  # Megatron TP=2 shards in the two processes -> vLLM TP=2 and TP=1
-        from verl_fast.resharding.megatron import megatron_layout
+        from verl_fast.ops.reshard.megatron import megatron_layout
 
         shard = ref_megatron(sd, cfg, 2, 1, 512)[(rank, 0)]
         for tp in (2, 1):
@@ -119,7 +119,7 @@ def vllm_case(rank, world, port, model_dir, out):
         os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
         from vllm import LLM, SamplingParams
 
-        from verl_fast.resharding import ModelSpec, vllm_names, vllm_weights
+        from verl_fast.ops.reshard import ModelSpec, vllm_names, vllm_weights
 
         trained = tiny_model("qwen2", seed=0, **VLLM_MODEL)  # the weights to push; the folder holds seed 1
         prompts = [[5, 17, 42, 9], [100, 3, 250, 7, 8, 64]]

@@ -174,7 +174,7 @@ def plain_config(family, **overrides):
 
 def random_state(spec, dtype=torch.float32, device="cpu", seed=0):
     """Random full tensors of every logical parameter of ``spec``."""
-    from verl_fast.resharding import logical_shapes
+    from verl_fast.ops.reshard import logical_shapes
 
     g = torch.Generator().manual_seed(seed)
     return {k: torch.randn(s, generator=g).to(dtype=dtype, device=device) for k, s in logical_shapes(spec).items()}

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from verl_fast import load_megatron_checkpoint
-from verl_fast.resharding import ModelSpec, plan, vllm_layout
-from verl_fast.resharding.megatron import megatron_layout, shard_prefix
+from verl_fast.ops.reshard import ModelSpec, plan, vllm_layout
+from verl_fast.ops.reshard.megatron import megatron_layout, shard_prefix
 
 from reshard_refs import assert_same, ref_megatron, ref_vllm
 from tiny_models import FAMILIES, tiny_model

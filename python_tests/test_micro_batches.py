@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from verl_fast.micro_batches import loss_scales, make_micro_batches
+from verl_fast.trainer.batching import loss_scales, make_micro_batches
 
 D = 6
 

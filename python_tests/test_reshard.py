@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import verl_fast
-from verl_fast.resharding import ModelSpec, hf_layout, plan, vllm_layout, vllm_weights
-from verl_fast.resharding.layout import Layout, PhysTensor
+from verl_fast.ops.reshard import ModelSpec, hf_layout, plan, vllm_layout, vllm_weights
+from verl_fast.ops.reshard.layout import Layout, PhysTensor
 
 from reshard_refs import assert_same, moe_checkpoint_names, ref_vllm
 from tiny_models import FAMILIES, tiny_model
@@ -150,7 +150,7 @@ def test_wrong_dtype_and_device_named():
 
 
 def test_cpp_planner_validates_tables():
-    C = verl_fast.ops._ext.ext()
+    C = verl_fast.ops.native.ext()
     a = C.ReshardPlanArgs()
     a.logical_shapes = torch.tensor([[4, 4]])
     a.logical_names = ["w"]

@@ -9,8 +9,8 @@ import traceback
 import pytest
 import torch
 
-from verl_fast.resharding import ModelSpec, fsdp2_layout, hf_layout, plan, vllm_layout
-from verl_fast.resharding.layout import Layout
+from verl_fast.ops.reshard import ModelSpec, fsdp2_layout, hf_layout, plan, vllm_layout
+from verl_fast.ops.reshard.layout import Layout
 
 from reshard_refs import assert_same, plain_config, random_state, ref_vllm
 from test_reshard_planner import cells, materialise, pack

@@ -9,8 +9,8 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from verl_fast.resharding import plan
-from verl_fast.resharding.layout import Layout, PhysTensor, Piece
+from verl_fast.ops.reshard import plan
+from verl_fast.ops.reshard.layout import Layout, PhysTensor, Piece
 
 
 def cells(rng, rows, cols):

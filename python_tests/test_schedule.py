@@ -427,7 +427,7 @@ def test_direct_C_calls_with_bad_sizes_raise():
 
 
 def test_public_names():
-    from verl_fast import schedule
+    from verl_fast.ops import schedule
 
     assert verl_fast.schedule is schedule
     assert callable(verl_fast.schedule.balance_partitions)

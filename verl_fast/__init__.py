@@ -11,10 +11,10 @@ from verl_fast.ops.advantage import (
 )
 from verl_fast.ops.masked import masked_mean, masked_var, masked_whiten
 from verl_fast.ops.logprobs import linear_logprobs, logprobs_from_logits
-from verl_fast import schedule
+from verl_fast.ops import schedule
 from verl_fast.rollout.vllm_engine import VLLMInferenceEngine
 from verl_fast.models.megatron_checkpoint import load_megatron_checkpoint
-from verl_fast.resharding import ModelSpec, ReshardPlan, reshard, vllm_weights
+from verl_fast.ops.reshard import ModelSpec, ReshardPlan, reshard, vllm_weights
 
 __version__ = "0.1.0"
 

@@ -21,10 +21,10 @@ from typing import Dict, Mapping, Optional, Tuple, Union
 
 import torch
 
-from verl_fast.resharding.hf import hf_layout
-from verl_fast.resharding.megatron import detect_names, megatron_layout, shard_prefix, torch_dist_layout, vocab_rows
-from verl_fast.resharding.plan import ReshardPlan
-from verl_fast.resharding.spec import ModelSpec
+from verl_fast.ops.reshard.hf import hf_layout
+from verl_fast.ops.reshard.megatron import detect_names, megatron_layout, shard_prefix, torch_dist_layout, vocab_rows
+from verl_fast.ops.reshard.plan import ReshardPlan
+from verl_fast.ops.reshard.spec import ModelSpec
 
 _SHARD_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from verl_fast.ops import _validate as V
-from verl_fast.ops._ext import cuda_stream, ext
+from verl_fast.ops.native import cuda_stream, ext
 
 _BAD_REWARDS, _BAD_VALUES, _TOO_FEW = 1, 2, 4
 _STATUS_WORDS = 8  # word 0: the bits above; words 2..7: batch-wide sums of what was whitened

@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 from verl_fast.data import PromptRow
 from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec, merge_outputs
-from verl_fast.schedule import rollout_buckets
+from verl_fast.ops.schedule import rollout_buckets
 
 
 class RolloutOperator:

@@ -33,7 +33,7 @@ from verl_fast.algos.losses import agg_loss, entropy_loss, kl_penalty, policy_lo
 from verl_fast.config import Config
 from verl_fast.data import PromptRow, RLDataProcessor
 from verl_fast.metrics import MetricsLogger
-from verl_fast.micro_batches import make_micro_batches
+from verl_fast.trainer.batching import make_micro_batches
 from verl_fast.models.logprobs import response_logprobs
 from verl_fast.models.value import ValueModel, response_values
 from verl_fast.models.wrapping import hf_module, is_sharded
@@ -42,7 +42,7 @@ from verl_fast.rollout.base import RolloutEngine, SamplingSpec
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 from verl_fast.rollout.operator import RolloutOperator
 from verl_fast.trainer import checkpoint, dpo
-from verl_fast.schedule import balance_partitions
+from verl_fast.ops.schedule import balance_partitions
 from verl_fast.trainer.experience import Experience, build_experience, concat, last_token_rewards, micro_batches
 
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -15,7 +15,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from verl_fast.resharding.spec import as_2d
+from verl_fast.ops.reshard.spec import as_2d
 
 Shape = Tuple[int, ...]
 

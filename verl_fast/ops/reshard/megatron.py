@@ -25,9 +25,9 @@ from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from verl_fast.resharding.layout import (Band, Layout, PhysTensor, Piece, col_slice, even_split, replicated,
+from verl_fast.ops.reshard.layout import (Band, Layout, PhysTensor, Piece, col_slice, even_split, replicated,
                                          row_bands, slice_bands)
-from verl_fast.resharding.spec import ModelSpec, layer_prefix, logical_shapes
+from verl_fast.ops.reshard.spec import ModelSpec, layer_prefix, logical_shapes
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from typing import Iterator, List, Sequence, Tuple
 import numpy as np
 import torch
 
-from verl_fast import schedule
+from verl_fast.ops import schedule
 
 __all__ = ["MicroBatches", "make_micro_batches", "loss_scales"]
 

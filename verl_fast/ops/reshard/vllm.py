@@ -19,8 +19,8 @@ from typing import List, Mapping, Optional, Sequence
 
 import torch
 
-from verl_fast.resharding.layout import Layout, PhysTensor, col_slice, even_split, replicated, row_bands
-from verl_fast.resharding.spec import ModelSpec, layer_prefix, logical_shapes
+from verl_fast.ops.reshard.layout import Layout, PhysTensor, col_slice, even_split, replicated, row_bands
+from verl_fast.ops.reshard.spec import ModelSpec, layer_prefix, logical_shapes
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 EXPERTS_PREFIX = "experts.routed_experts."  # where vLLM 0.32 registers FusedMoE's weights

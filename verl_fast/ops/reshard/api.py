@@ -8,12 +8,12 @@ from typing import Dict, Iterator, Mapping, Optional, Tuple, Union
 
 import torch
 
-from verl_fast.resharding.fsdp import dtensor_layout
-from verl_fast.resharding.hf import detect_naming, hf_layout
-from verl_fast.resharding.layout import Layout
-from verl_fast.resharding.plan import DEFAULT_BUCKET_BYTES, DEFAULT_TILE_BYTES, ReshardPlan, Tensors
-from verl_fast.resharding.spec import ModelSpec
-from verl_fast.resharding.vllm import vllm_layout
+from verl_fast.ops.reshard.fsdp import dtensor_layout
+from verl_fast.ops.reshard.hf import detect_naming, hf_layout
+from verl_fast.ops.reshard.layout import Layout
+from verl_fast.ops.reshard.plan import DEFAULT_BUCKET_BYTES, DEFAULT_TILE_BYTES, ReshardPlan, Tensors
+from verl_fast.ops.reshard.spec import ModelSpec
+from verl_fast.ops.reshard.vllm import vllm_layout
 
 _PLANS: "OrderedDict[tuple, ReshardPlan]" = OrderedDict()
 _MAX_CACHED = 8

@@ -13,8 +13,8 @@ from typing import Iterable, List, Optional, Sequence
 
 import torch
 
-from verl_fast.resharding.layout import Layout, PhysTensor, Piece, replicated
-from verl_fast.resharding.spec import ModelSpec, layer_prefix, logical_shapes
+from verl_fast.ops.reshard.layout import Layout, PhysTensor, Piece, replicated
+from verl_fast.ops.reshard.spec import ModelSpec, layer_prefix, logical_shapes
 
 NAMINGS = ("module", "checkpoint")
 

@@ -15,9 +15,9 @@ from typing import Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 
-from verl_fast.ops._ext import cuda_stream, ext
-from verl_fast.resharding.layout import Layout, PhysTensor, local_tensor, order_tensors
-from verl_fast.resharding.spec import as_2d
+from verl_fast.ops.native import cuda_stream, ext
+from verl_fast.ops.reshard.layout import Layout, PhysTensor, local_tensor, order_tensors
+from verl_fast.ops.reshard.spec import as_2d
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 DEFAULT_TILE_BYTES = 256 << 10

@@ -18,9 +18,9 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from verl_fast.resharding.layout import (Layout, PhysTensor, Piece, chunk_split, clean_name, flat_range_pieces,
+from verl_fast.ops.reshard.layout import (Layout, PhysTensor, Piece, chunk_split, clean_name, flat_range_pieces,
                                          replicated)
-from verl_fast.resharding.spec import ModelSpec, as_2d, logical_shapes
+from verl_fast.ops.reshard.spec import ModelSpec, as_2d, logical_shapes
 
 
 def _shard_rows(name: str, shape, rank: int, start: int, size: int, dtype, col0: int = 0,
