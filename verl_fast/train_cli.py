@@ -44,16 +44,6 @@ def _distributed(cfg: config_mod.Config):
     return dist
 
 
-def _shard(model):
-    """FSDP2 over the decoder layers, then the whole model (the CLI's multi-process runs)."""
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in getattr(getattr(model, "model", model), "layers", []):
-        fully_shard(layer)
-    fully_shard(model)
-    return model
-
-
 def run(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
     if args.print_config:
@@ -83,21 +73,14 @@ def run(args: argparse.Namespace) -> int:
     attn = "flash_attention_2" if cfg.critic.use_flash_attention and device is not None and device.type == "cuda" else "sdpa"
     actor, tokenizer = load_causal_lm(cfg.actor.model_name, cfg.actor.dtype)
     actor.to(device)
-    ref = critic = None
-    if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward or (cfg.algorithm.type == "dpo"
-                                                                   and not cfg.reward_fn.reference_free):
-        ref, _ = load_causal_lm(cfg.actor.model_name, cfg.actor.dtype)
-        ref.to(device)
+    critic = None  # the reference, when KL needs one, is built from the actor's weights
     if cfg.algorithm.type == "ppo":
         if not cfg.critic.model_name:
             raise SystemExit("algorithm.type=ppo needs critic.model_name")
         critic, _ = load_causal_lm(cfg.critic.model_name, cfg.critic.dtype, attn_implementation=attn)
         critic.to(device)
-    if dist is not None:
-        actor = _shard(actor)
-        if ref is not None:
-            ref = _shard(ref)
-    trainer = RLTrainer(actor_model=actor, tokenizer=tokenizer, ref_model=ref, critic_model=critic, config=cfg,
+    # the trainer shards the models as actor.strategy / critic.strategy say (FSDP2 under torchrun)
+    trainer = RLTrainer(actor_model=actor, tokenizer=tokenizer, critic_model=critic, config=cfg,
                         model_path=resolve(cfg.actor.model_name))
     kwargs: Dict[str, Any] = dict(cfg.trainer.dataset_kwargs)
     history = trainer.fit(cfg.trainer.dataset, **kwargs)
