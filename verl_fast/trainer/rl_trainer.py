@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from verl_fast import config as config_mod
 from verl_fast import distributed
-from verl_fast.algos.advantage import AdvantageInput, get_estimator
+from verl_fast.algos.advantage import BATCH_WHITENED, AdvantageInput, get_estimator
 from verl_fast.algos.losses import agg_loss, entropy_loss, kl_penalty, policy_loss, value_loss
 from verl_fast.config import Config
 from verl_fast.data import PromptRow, RLDataProcessor
@@ -294,10 +294,13 @@ class RLTrainer:
             metrics["reward/kl_penalty"] = float((kl.sum() / exp.response_mask.sum().clamp(min=1)).item())
         if self.critic is not None:
             exp.values = self._values(exp)
+        whiten_over_ranks = self.world > 1 and cfg.advantage_estimator in BATCH_WHITENED
         exp.advantages, exp.returns = self.estimator(AdvantageInput(
             token_level_rewards=exp.token_level_rewards, response_mask=exp.response_mask,
             index=exp.prompt_index, values=exp.values, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
-            epsilon=cfg.algorithm.epsilon))
+            epsilon=cfg.algorithm.epsilon, whiten=not whiten_over_ranks))
+        if whiten_over_ranks:
+            exp.advantages = _whiten_over_ranks(exp.advantages, exp.response_mask)
         lengths = exp.response_mask.sum(-1).float()
         metrics.update({
             "reward/mean": exp.scores.mean().item(),
@@ -504,3 +507,17 @@ def _reduce(metrics: Dict[str, Any], world: int) -> Dict[str, Any]:
     keys = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)))
     values = distributed.all_reduce_numbers([float(metrics[k]) for k in keys])
     return {**metrics, **{k: v / world for k, v in zip(keys, values)}}
+
+
+def _whiten_over_ranks(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``values`` whitened with the masked mean and unbiased variance of every rank's tokens (what
+    one process whitening the whole batch computes), ``(v - mean) * rsqrt(var + 1e-8)``; zero where
+    ``mask`` is 0 (no loss reads those positions)."""
+    m = mask.to(torch.float64)
+    v = values.to(torch.float64) * m
+    n, s, s2 = distributed.all_reduce_numbers([float(m.sum()), float(v.sum()), float((v * v).sum())])
+    if n < 2:
+        raise ValueError(f"whitening needs at least 2 response tokens over all ranks, got {int(n)}")
+    mean = s / n
+    var = max((s2 - s * mean) / (n - 1), 0.0)
+    return ((values - mean) * (var + 1e-8) ** -0.5 * mask).to(values.dtype)

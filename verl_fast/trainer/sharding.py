@@ -59,6 +59,9 @@ class Sharding:
             key = "mixed_precision" if mixed else "cpu_offload"
             raise ValueError(f"{name}.{key} is not supported with {name}.strategy=none (one process); "
                              f"use {name}.autocast=bfloat16 for bf16 compute, or run under torchrun with fsdp2")
+        if section.cpu_offload and collective_device().type != "cuda":
+            raise ValueError(f"{name}.cpu_offload needs CUDA (NCCL): offloading moves shards from the GPU "
+                             "to the CPU, and without a GPU the model is on the CPU already; remove it")
         return Sharding(strategy, mixed, section.cpu_offload, section.gradient_checkpointing)
 
 
