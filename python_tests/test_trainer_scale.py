@@ -172,3 +172,22 @@ def test_nccl_two_gpus(tmp_path, case):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(torch.isfinite(torch.tensor(r["actor/grad_norm"])) for r in rows)
+
+
+def test_strategy_errors_name_the_key(tmp_path):
+    """Combinations that cannot work fail at start-up, naming the key and what to use instead."""
+    from verl_fast import config as config_mod
+    from verl_fast.trainer.sharding import Sharding
+
+    cfg = config_mod.from_dict({"actor": {"strategy": "fsdp2"}, "critic": {"mixed_precision": "bfloat16"}})
+    with pytest.raises(ValueError, match=r"actor.strategy=fsdp2 needs torch.distributed.*actor.strategy=none"):
+        Sharding.from_config(cfg.actor, "actor", world=1)
+    with pytest.raises(ValueError, match=r"critic.mixed_precision is not supported with critic.strategy=none"):
+        Sharding.from_config(cfg.critic, "critic", world=1)
+    with pytest.raises(ValueError, match=r"actor.strategy=none is not supported with 2 processes"):
+        Sharding.from_config(config_mod.from_dict({"actor": {"strategy": "none"}}).actor, "actor", world=2)
+    with pytest.raises(ValueError, match=r"critic.strategy=megatron is not supported yet"):
+        config_mod.from_dict({"critic": {"strategy": "megatron"}})
+    with pytest.raises(ValueError, match=r"actor.strategy must be one of"):
+        config_mod.from_dict({"actor": {"strategy": "ddp"}})
+    assert Sharding.from_config(config_mod.from_dict({}).actor, "actor", world=1).strategy == "none"

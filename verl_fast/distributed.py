@@ -35,7 +35,7 @@ def collective_device(group=None) -> torch.device:
     current CUDA device for NCCL, the CPU for gloo (and without a process group)."""
     import torch.distributed as dist
 
-    if is_distributed() and dist.get_backend(group) == "nccl":
+    if is_distributed() and "nccl" in dist.get_backend(group):  # "nccl" or "cpu:gloo,cuda:nccl"
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -31,7 +31,9 @@ def resolve_config(args: argparse.Namespace) -> config_mod.Config:
 
 
 def _distributed(cfg: config_mod.Config):
-    """Under torchrun (WORLD_SIZE > 1): the process group, on NCCL with CUDA else gloo."""
+    """Under torchrun (WORLD_SIZE > 1): the process group, NCCL for CUDA tensors with CUDA (plus gloo
+    for the CPU tensors of offloaded shards), else gloo. Multi-node is the same call: torchrun sets
+    RANK / WORLD_SIZE / LOCAL_RANK and the rendezvous address."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
     import torch
@@ -40,7 +42,7 @@ def _distributed(cfg: config_mod.Config):
     cuda = cfg.trainer.device != "cpu" and torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
     return dist
 
 

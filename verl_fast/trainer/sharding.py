@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import List, Optional
+from typing import List
 
 import torch
 from torch import nn
@@ -211,8 +211,3 @@ def freeze(model: nn.Module) -> nn.Module:
     for p in model.parameters():
         p.requires_grad_(False)
     return model
-
-
-def describe(model: Optional[nn.Module]) -> str:
-    """``fsdp2`` / ``fsdp1`` / ``none``: how a built model is laid out (for logs and tests)."""
-    return (wrapper_kind(model) or "none") if model is not None else "none"
