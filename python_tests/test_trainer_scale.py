@@ -54,8 +54,8 @@ def runs(tmp_path_factory):
     (root / "w2").mkdir()
     one = subprocess.Popen([sys.executable, str(WORKER), str(root / "w1"), str(actor), str(critic), "grpo", "ppo"],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=HERE)
-    two = torchrun([str(WORKER), str(root / "w2"), str(actor), str(critic), "grpo", "ppo", "grpo_fsdp1",
-                    "grpo_options"], extra=("--master_port", str(free_port())))
+    two = torchrun([str(WORKER), str(root / "w2"), str(actor), str(critic), "grpo", "ppo", "ppo_prewrapped",
+                    "grpo_fsdp1", "grpo_options"], extra=("--master_port", str(free_port())))
     finish([one, two])
 
     def load(world, scenario, rank=0):
@@ -101,6 +101,14 @@ def test_ppo_two_ranks_train_as_one_critic_reduced(runs):
     assert multi["kinds"]["critic"] == "fsdp2"
     assert_same_training(runs(1, "ppo"), multi, models=("actor", "critic"))
     assert_equal_across_ranks(multi, runs(2, "ppo", rank=1), ["actor", "critic"])
+
+
+def test_user_wrapped_models_used_as_they_are(runs):
+    """An actor and a critic backbone the user wrapped with FSDP2 are not re-wrapped; the value head
+    the trainer adds on the critic gets a root FSDP2 group, so its gradients are reduced too."""
+    multi = runs(2, "ppo_prewrapped")
+    assert multi["same_actor"] and multi["kinds"]["critic"] == "fsdp2"
+    assert_same_training(runs(1, "ppo"), multi, models=("actor", "critic"))
 
 
 def test_fsdp1_strategy_trains_as_one(runs):
