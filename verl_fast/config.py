@@ -1,9 +1,9 @@
 """Typed run configuration: YAML sections ``actor``, ``critic``, ``rollout``, ``reward_fn``,
-``algorithm``, ``trainer`` (the shape of seed 002 section 3.3), validated once at start-up.
+``algorithm``, ``trainer``, validated once at start-up.
 
 Unknown keys, wrong types, out-of-range values and unsupported combinations fail with a message
 that names the key and what is allowed. ``--set section.key=value`` overrides go through the same
-checks. Seed 002's spellings are accepted: ``actor: {type: vllm, tensor_parallel_size: ...}`` selects
+checks. Older spellings, common in existing configs, are accepted: ``actor: {type: vllm, tensor_parallel_size: ...}`` selects
 and configures the rollout engine; ``trainer: {learning_rate, max_grad_norm,
 per_device_train_batch_size, gradient_accumulation_steps}`` set the actor's optimiser and batching.
 """
@@ -35,7 +35,7 @@ ADVANTAGE_OF = {"ppo": "gae", "dpo": None, **{a: a for a in ESTIMATORS}}
 @dataclass
 class ActorConfig:
     model_name: Optional[str] = _f(None, doc="HF folder or the demo name 'smollm2-135m-instruct'")
-    type: str = _f("hf", choices=("hf", "hf_transformers", "vllm"), doc="seed 002 form: vllm = rollout.type")
+    type: str = _f("hf", choices=("hf", "hf_transformers", "vllm"), doc="older spelling: vllm sets rollout.type")
     dtype: str = _f("float32", choices=DTYPES)
     autocast: str = _f("none", choices=("none", "bfloat16", "float16"), doc="autocast for forward passes")
     lr: float = _f(1e-6, min=0.0)
@@ -59,7 +59,7 @@ class ActorConfig:
     fused_logprobs: str = _f("auto", choices=("auto", "on", "off"), doc="fused lm_head + log-prob kernels")
     gradient_checkpointing: bool = _f(False)
     skip_zero_advantage: bool = _f(True, doc="leave samples whose advantages are all 0 out of the backward")
-    # seed 002 form: rollout-engine settings written in the actor section (copied to rollout)
+    # older spelling: rollout-engine settings written in the actor section (copied to rollout)
     model_path: Optional[str] = _f(None, doc="alias of model_name")
     tensor_parallel_size: Optional[int] = _f(None, min=1)
     enable_prefix_caching: Optional[bool] = _f(None)
@@ -150,7 +150,7 @@ class TrainerConfig:
     progress_bar: bool = _f(True)
     metrics_port: Optional[int] = _f(None, min=0, max=65535)
     plot: bool = _f(True, doc="reward-curve PNG at the end")
-    # seed 002 form
+    # older spellings of actor settings (copied to the actor section)
     per_device_train_batch_size: Optional[int] = _f(None, min=1, doc="alias: actor.micro_batch_size")
     gradient_accumulation_steps: Optional[int] = _f(None, min=1)
     learning_rate: Optional[float] = _f(None, min=0.0, doc="alias: actor.lr")
@@ -331,5 +331,5 @@ def validate(cfg: Config) -> None:
 
 
 def default_config_path() -> Path:
-    """The embedded default run (SPEC.md): GRPO on SmolLM2-135M-Instruct with reasoning-gym chain_sum."""
+    """The embedded default run: GRPO on SmolLM2-135M-Instruct with reasoning-gym chain_sum."""
     return Path(__file__).resolve().parent / "configs" / "default.yaml"

@@ -1,5 +1,5 @@
 // The advantage engine: reverse scans (GAE, REINFORCE++, ReMax) and group-baseline estimators
-// (GRPO / Dr.GRPO, RLOO, REINFORCE++-baseline). Semantics follow verl's core_algos; see SPEC.md.
+// (GRPO / Dr.GRPO, RLOO, REINFORCE++-baseline). Semantics follow verl's core_algos.
 //
 // Layers: this header holds the argument records and the per-element math shared by the CPU
 // (advantage.cpp) and CUDA (advantage.cu) paths; the launchers validate every argument, then run

@@ -1,6 +1,6 @@
 """Advantage estimators over ``[B, T]`` token tensors, computed by the compiled core.
 
-Semantics follow verl's ``core_algos`` (SPEC.md): GAE with masks that may have holes, GRPO /
+Semantics follow verl's ``core_algos`` (the field's reference, so results compare): GAE with masks that may have holes, GRPO /
 Dr.GRPO, RLOO, REINFORCE++, REINFORCE++-baseline and ReMax. Inputs are CPU or CUDA tensors in
 float32 / bfloat16 / float16 (float64 accepted), any strides; outputs are new float32 tensors on
 the input's device. The CPU path runs C++ threads over the batch; the CUDA path runs one fused scan
