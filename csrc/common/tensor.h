@@ -56,7 +56,9 @@ struct TensorRef {
     for (auto s : sizes) n *= s;
     return n;
   }
+  // As torch defines it: an empty tensor is contiguous whatever its strides.
   bool is_contiguous() const {
+    if (numel() == 0) return true;
     int64_t expected = 1;
     for (int i = dim() - 1; i >= 0; --i) {
       if (sizes[i] != 1 && strides[i] != expected) return false;
