@@ -96,22 +96,53 @@ inline TensorRef tensor_ref_from_py(pybind11::handle obj) {
   return t;
 }
 
-// Throws ValueError naming `what` when the tensor behind `t` no longer points at the memory it
-// was bound with (set_(), resize_(), a storage resized). Needs the GIL.
-inline void check_unchanged(const TensorRef& t, const std::string& what) {
-  if (!t.owner) return;
-  namespace py = pybind11;
+// Whether the tensor behind `t` still points at the memory it was converted with (false after
+// set_(), a reallocating resize_() or a storage resized to nothing). Needs the GIL.
+inline bool still_bound(const TensorRef& t) {
+  if (!t.owner) return true;
   const auto* o = static_cast<const PyTensorOwner*>(t.owner.get());
-  const auto now = py::handle(o->tensor).attr("data_ptr")().cast<uintptr_t>();
-  if (now != reinterpret_cast<uintptr_t>(t.data) || (t.numel() > 0 && now == 0)) {
-    throw ValueError(what + ": the tensor's memory changed since it was bound (set_, resize_ or a freed "
-                     "storage); bind it again");
-  }
+  static PyObject* name = PyUnicode_InternFromString("data_ptr");
+  PyObject* ptr = PyObject_CallMethodNoArgs(o->tensor, name);
+  if (ptr == nullptr) throw pybind11::error_already_set();
+  const auto now = reinterpret_cast<void*>(PyLong_AsVoidPtr(ptr));
+  Py_DECREF(ptr);
+  return now == t.data;
+}
+
+// An argument record's field, checked before a launch (non-tensor fields pass).
+template <typename T>
+inline void check_still_bound(const T&, const char*) {}
+inline void check_still_bound(const TensorRef& t, const char* name) {
+  VF_CHECK(still_bound(t), name, ": the tensor's memory changed since it was assigned (set_, resize_ or a ",
+           "freed storage); assign it again");
 }
 
 }  // namespace vf
 
 namespace pybind11::detail {
+// torch.cuda.Stream (ExternalStream included) or None -> vf::CudaStream; integers are refused.
+template <>
+struct type_caster<vf::CudaStream> {
+  PYBIND11_TYPE_CASTER(vf::CudaStream, const_name("torch.cuda.Stream | None"));
+  bool load(handle src, bool) {
+    value.handle = 0;
+    if (src.is_none()) return true;
+    static PyObject* stream_type = nullptr;
+    if (stream_type == nullptr) {
+      stream_type = object(module_::import("torch.cuda").attr("Stream")).release().ptr();
+    }
+    if (PyObject_IsInstance(src.ptr(), stream_type) != 1) {
+      throw vf::TypeError("stream must be a torch.cuda.Stream or None, got " + vf::type_name(src));
+    }
+    value.handle = src.attr("cuda_stream").cast<uintptr_t>();
+    return true;
+  }
+  static handle cast(const vf::CudaStream& s, return_value_policy, handle) {
+    if (s.handle == 0) return none().release();
+    return PyLong_FromVoidPtr(reinterpret_cast<void*>(s.handle));
+  }
+};
+
 template <>
 struct type_caster<vf::TensorRef> {
   PYBIND11_TYPE_CASTER(vf::TensorRef, const_name("torch.Tensor"));

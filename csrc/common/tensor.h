@@ -69,6 +69,14 @@ struct TensorRef {
   template <typename T> T* ptr() const { return static_cast<T*>(data); }
 };
 
+// A CUDA stream handle (cudaStream_t) as the launchers receive it. From Python only a
+// torch.cuda.Stream or None (CUDA's default stream, 0) converts to one, never a bare integer: a
+// made-up handle would crash the driver.
+struct CudaStream {
+  uintptr_t handle = 0;
+  operator uintptr_t() const { return handle; }
+};
+
 // Argument records list their fields once, as X(type, name, default, doc) macros; this declares
 // one field of such a list (the area's bindings.cpp binds the same list to Python).
 #define VF_RECORD_FIELD(type, name, init, doc) type name = init;
