@@ -11,6 +11,7 @@ per_device_train_batch_size, gradient_accumulation_steps}`` set the actor's opti
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,8 @@ from typing import Any, Dict, List, Optional, Union
 
 from verl_fast.algos.advantage import ESTIMATORS, GROUP_ESTIMATORS
 from verl_fast.algos.losses import AGG_MODES, KL_KINDS
+from verl_fast.data import OVERLONG_PROMPTS
+from verl_fast.rewards.base import ON_ERROR
 
 
 def _f(default, *, choices=None, min=None, max=None, doc: str = ""):
@@ -117,6 +120,8 @@ class RewardConfig:
     path: Optional[str] = _f(None, doc="'module:function' for type callable")
     model_name: Optional[str] = _f(None, doc="sequence-classification model for type reward_model")
     reference_free: bool = _f(False, doc="pairwise_ranking: DPO without a reference model")
+    on_error: str = _f("raise", choices=ON_ERROR, doc="a sample whose scoring fails: raise, or score 0 "
+                       "(counted as reward/errors)")
 
 
 @dataclass
@@ -147,6 +152,9 @@ class TrainerConfig:
     dataset_kwargs: Dict[str, Any] = _f(dict)
     system_prompt: Optional[str] = _f(None)
     max_prompt_length: int = _f(512, min=1)
+    overlong_prompts: str = _f("skip", choices=OVERLONG_PROMPTS, doc="prompts over max_prompt_length: skip "
+                               "(counted as data/skipped_overlong), error, or truncate_left (the reward sees the "
+                               "kept text)")
     progress_bar: bool = _f(True)
     metrics_port: Optional[int] = _f(None, min=0, max=65535)
     plot: bool = _f(True, doc="reward-curve PNG at the end")
@@ -207,6 +215,8 @@ def _check_value(value: Any, annotation: Any, meta: Dict[str, Any], key: str) ->
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{key} must be a number, got {value!r}")
         value = float(value)
+        if not math.isfinite(value):  # NaN passes every range check below
+            raise ValueError(f"{key} must be a finite number, got {value!r}")
     elif annotation is str:
         if not isinstance(value, str):
             raise ValueError(f"{key} must be a string, got {value!r}")
@@ -235,6 +245,24 @@ def _section(cls, data: Any, name: str):
             raise ValueError(f"unknown key {name}.{key}; allowed keys in {name}: {sorted(fields)}")
         values[key] = _check_value(value, hints[key], dict(fields[key].metadata), f"{name}.{key}")
     return cls(**values)
+
+
+def checked(cfg: Config) -> Config:
+    """A Config built in Python (not from YAML or a dict) checked as from_dict checks one: every
+    field's type, finiteness and range, then the combinations."""
+    if not isinstance(cfg, Config):
+        raise TypeError(f"config must be a Config, a mapping of sections or None, got {type(cfg).__name__}")
+    hints = typing.get_type_hints(Config)
+    for name in hints:
+        section = getattr(cfg, name)
+        if not isinstance(section, hints[name]):
+            raise ValueError(f"{name} must be a {hints[name].__name__}, got {type(section).__name__}")
+        types = typing.get_type_hints(hints[name])
+        for f in dataclasses.fields(section):
+            value = _check_value(getattr(section, f.name), types[f.name], dict(f.metadata), f"{name}.{f.name}")
+            setattr(section, f.name, value)
+    validate(cfg)
+    return cfg
 
 
 def from_dict(data: Optional[Dict[str, Any]]) -> Config:

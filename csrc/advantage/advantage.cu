@@ -394,7 +394,7 @@ void clear_status_cuda(const TensorRef& status, uintptr_t stream) {
 
 void advantage_scan_cuda(const ScanArgs& a) {
   DeviceGuard guard(a.rewards.device_index);
-  auto stream = reinterpret_cast<cudaStream_t>(a.stream);
+  auto stream = reinterpret_cast<cudaStream_t>(a.stream.handle);
   const int64_t B = a.rewards.sizes[0], T = a.rewards.sizes[1];
   int* status = a.status.ptr<int>();
   cuda_check(cudaMemsetAsync(status, 0, kStatusWords * sizeof(int), stream), "cudaMemsetAsync (status)");
@@ -440,7 +440,7 @@ void advantage_scan_cuda(const ScanArgs& a) {
 
 void group_advantage_cuda(const GroupArgs& a, const int32_t* host_csr) {
   DeviceGuard guard(a.rewards.device_index);
-  auto stream = reinterpret_cast<cudaStream_t>(a.stream);
+  auto stream = reinterpret_cast<cudaStream_t>(a.stream.handle);
   const int64_t B = a.rewards.sizes[0], T = a.rewards.sizes[1];
   auto ws = GroupWorkspace::at(a.workspace.data, B);
   cuda_check(cudaMemcpyAsync(ws.row_group, host_csr, (3 * B + 1) * sizeof(int32_t), cudaMemcpyHostToDevice, stream),

@@ -77,7 +77,7 @@ enum class ScanKind : int { gae = 0, reinforce_pp = 1, remax = 2 };
   X(float, lam, 1.0f, "GAE lambda")                                                              \
   X(bool, whiten, true, "whiten the advantages over masked positions")                           \
   X(int, num_threads, 0, "CPU threads (0: all cores)")                                           \
-  X(uintptr_t, stream, 0, "cudaStream_t for CUDA tensors")
+  X(CudaStream, stream, {}, "torch.cuda.Stream for CUDA tensors (None: the default stream)")
 
 struct ScanArgs {
   VF_SCAN_ARGS_FIELDS(VF_RECORD_FIELD)
@@ -104,7 +104,7 @@ enum class GroupKind : int { grpo = 0, rloo = 1, reinforce_pp_baseline = 2 };
   X(bool, norm_by_std, true, "GRPO: divide by the group's std")                                  \
   X(bool, whiten, true, "reinforce_pp_baseline only")                                            \
   X(int, num_threads, 0, "CPU threads (0: all cores)")                                           \
-  X(uintptr_t, stream, 0, "cudaStream_t for CUDA tensors")
+  X(CudaStream, stream, {}, "torch.cuda.Stream for CUDA tensors (None: the default stream)")
 
 struct GroupArgs {
   VF_GROUP_ARGS_FIELDS(VF_RECORD_FIELD)

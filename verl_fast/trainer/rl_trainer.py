@@ -37,7 +37,7 @@ from verl_fast.trainer.batching import balance_across_ranks, loss_normalisers, m
 from verl_fast.models.logprobs import response_logprobs
 from verl_fast.models.value import ValueModel, response_values
 from verl_fast.models.wrapping import hf_module, is_sharded
-from verl_fast.rewards import RewardInput, as_reward_function, build_reward
+from verl_fast.rewards import RewardInput, build_reward
 from verl_fast.rollout.base import RolloutEngine, SamplingSpec
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 from verl_fast.rollout.operator import RolloutOperator
@@ -67,7 +67,7 @@ class RLTrainer:
         a callable with verl's ``compute_score`` signature or a RewardFunction (else the config's).
         ``generation_config``: default sampling (SamplingSpec fields or HF names). ``model_path``:
         the actor's folder, which a vLLM engine loads (else the actor is saved to a temporary one)."""
-        self.cfg = config if isinstance(config, Config) else config_mod.from_dict(config or {})
+        self.cfg = config_mod.checked(config) if isinstance(config, Config) else config_mod.from_dict(config or {})
         cfg = self.cfg
         self.algorithm = cfg.algorithm.type
         self.actor = actor_model
@@ -98,7 +98,8 @@ class RLTrainer:
         self.critic_optimizer = (torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic.lr,
                                                    weight_decay=cfg.critic.weight_decay) if self.critic else None)
         self.processor = RLDataProcessor(tokenizer, cfg.trainer.max_prompt_length, cfg.rollout.max_new_tokens,
-                                         system_prompt=cfg.trainer.system_prompt)
+                                         system_prompt=cfg.trainer.system_prompt,
+                                         overlong_prompts=cfg.trainer.overlong_prompts)
         self.engine = rollout_engine
         self._engine_synced = rollout_engine is None and rollout_operator is None  # built from the actor below
         if rollout_operator is not None:
@@ -184,7 +185,7 @@ class RLTrainer:
 
     def update_reward_fn(self, reward_fn: Any) -> None:
         """Swaps the reward without a restart; the next step scores with it."""
-        self.reward = as_reward_function(reward_fn)
+        self.reward = build_reward(self.cfg.reward_fn, reward_fn)
 
     # ------------------------------------------------------------------ the loop
 
@@ -282,6 +283,8 @@ class RLTrainer:
                                data_source=batch[i].data_source, extra_info=batch[i].extra_info)
                    for i, text in zip(gen.prompt_index.tolist(), gen.texts)]
         exp.scores = torch.tensor(self.reward(samples), dtype=torch.float32, device=self.device)
+        metrics["reward/errors"] = float(getattr(self.reward, "last_errors", 0))  # zeroed by reward_fn.on_error
+        metrics["data/skipped_overlong"] = float(self.processor.skipped_overlong)
         exp.token_level_rewards = last_token_rewards(exp.scores, exp.response_mask)
         a = cfg.actor
         needs_old = a.ppo_epochs > 1 or (a.ppo_mini_batch_size or exp.num_sequences) < exp.num_sequences \
