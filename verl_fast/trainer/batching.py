@@ -95,8 +95,8 @@ def make_micro_batches(token_counts, max_token_len_per_gpu: int, *, loss_weights
 
     ``token_counts``: tokens per sequence that occupy the model (e.g. ``attention_mask.sum(-1)``),
     a list / numpy array / integer tensor. ``loss_weights``: per-sequence loss weight — response
-    tokens (``response_mask.sum(-1)``) for a token-mean loss, ones for the seq-mean modes; default
-    ``token_counts``. ``dp_group``: with ``same_count_across_dp`` every rank of the group gets the
+    tokens (``response_mask.sum(-1)``) for a token-mean loss, 1 per row with a response token for the
+    seq-mean modes; default ``token_counts``. ``dp_group``: with ``same_count_across_dp`` every rank of the group gets the
     same micro-batch count, and loss weights are totalled over the group (see module docstring).
     ``layout``: ``"packed"`` (sequences concatenated, remove-padding) or ``"padded"`` (each micro-batch
     padded to its longest sequence). A sequence over the budget gets its own micro-batch

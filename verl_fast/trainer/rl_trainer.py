@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from verl_fast import config as config_mod
 from verl_fast.algos.advantage import AdvantageInput, get_estimator
-from verl_fast.algos.losses import agg_loss, entropy_loss, kl_penalty, policy_loss, value_loss
+from verl_fast.algos.losses import active_rows, agg_loss, entropy_loss, kl_penalty, policy_loss, value_loss
 from verl_fast.config import Config
 from verl_fast.data import PromptRow, RLDataProcessor
 from verl_fast.metrics import MetricsLogger
@@ -407,13 +407,14 @@ class RLTrainer:
     def _counts(self, response_mask: torch.Tensor) -> Dict[str, float]:
         """The normalisers of a (mini-)batch's loss. With several ranks, the global counts divided by
         the number of ranks: FSDP averages gradients over ranks, so each rank's sum over its tokens
-        divided by this gives the gradient of the global token (or sequence) mean exactly."""
-        counts = torch.tensor([float(response_mask.sum()), float(response_mask.shape[0])], dtype=torch.float64)
+        divided by this gives the gradient of the global token (or sequence) mean exactly. Sequences
+        are the rows with at least one response token; token-sum is scaled by the rank count instead."""
+        counts = torch.tensor([float(response_mask.sum()), float(active_rows(response_mask))], dtype=torch.float64)
         if self.world > 1:
             counts = counts.to(self.device)
             dist.all_reduce(counts)
             counts = counts.cpu() / self.world
-        return {"num_tokens": float(counts[0]), "num_seqs": float(counts[1])}
+        return {"num_tokens": float(counts[0]), "num_seqs": float(counts[1]), "dp_size": self.world}
 
     def _actor_micro_step(self, sub: Experience, counts: Dict[str, float]) -> Dict[str, float]:
         a = self.cfg.actor
@@ -439,8 +440,8 @@ class RLTrainer:
         loss.backward()
         # the losses above are this micro-batch's shares of the mini-batch loss: report them at the
         # scale of a whole batch (the caller averages micro-batches weighted by tokens)
-        share = (float(sub.response_mask.sum()) / max(counts["num_tokens"], 1.0) if a.loss_agg_mode == "token-mean"
-                 else sub.num_sequences / max(counts["num_seqs"], 1.0))
+        share = (float(sub.response_mask.sum()) / max(counts["num_tokens"], 1.0) if a.loss_agg_mode.startswith("token")
+                 else float(active_rows(sub.response_mask)) / max(counts["num_seqs"], 1.0))
         for k in ("pg_loss", "entropy", "kl"):
             if k in out:
                 out[k] = out[k] / max(share, 1e-9)
