@@ -30,9 +30,9 @@ def _f(default, *, choices=None, min=None, max=None, doc: str = ""):
 
 
 DTYPES = ("float32", "bfloat16", "float16")
-ALGORITHMS = ("grpo", "drgrpo", "ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "dpo")
+ALGORITHMS = ("grpo", "drgrpo", "ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "dpo", "online_dpo")
 # What each algorithm estimates its advantages with (dpo has none).
-ADVANTAGE_OF = {"ppo": "gae", "dpo": None, **{a: a for a in ESTIMATORS}}
+ADVANTAGE_OF = {"ppo": "gae", "dpo": None, "online_dpo": None, **{a: a for a in ESTIMATORS}}
 
 
 @dataclass
@@ -119,7 +119,7 @@ class RewardConfig:
                                              "pairwise_ranking"))
     path: Optional[str] = _f(None, doc="'module:function' for type callable")
     model_name: Optional[str] = _f(None, doc="sequence-classification model for type reward_model")
-    reference_free: bool = _f(False, doc="pairwise_ranking: DPO without a reference model")
+    reference_free: bool = _f(False, doc="dpo / online_dpo: DPO without a reference model")
     on_error: str = _f("raise", choices=ON_ERROR, doc="a sample whose scoring fails: raise, or score 0 "
                        "(counted as reward/errors)")
 
@@ -176,10 +176,10 @@ class Config:
 
     @property
     def needs_reference(self) -> bool:
-        """Whether the run uses a reference model: KL in the loss or in the reward, or DPO that is
-        not reference-free."""
+        """Whether the run uses a reference model: KL in the loss or in the reward, or (online) DPO
+        that is not reference-free."""
         return (self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
-                or (self.algorithm.type == "dpo" and not self.reward_fn.reference_free))
+                or (self.algorithm.type in ("dpo", "online_dpo") and not self.reward_fn.reference_free))
 
     @property
     def advantage_estimator(self) -> Optional[str]:
@@ -346,16 +346,18 @@ def validate(cfg: Config) -> None:
                          "use reward_fn.type=pairwise_ranking (DPO learns from chosen/rejected pairs)")
     if algo != "dpo" and cfg.reward_fn.type == "pairwise_ranking":
         raise ValueError(f"reward_fn.type=pairwise_ranking is not supported with algorithm.type={algo}; "
-                         "use algorithm.type=dpo")
+                         "use algorithm.type=dpo" + (" (online_dpo ranks its samples with a scoring reward: "
+                                                    "reasoning_gym, gsm8k, callable or reward_model)"
+                                                    if algo == "online_dpo" else ""))
     if cfg.reward_fn.type == "callable" and not cfg.reward_fn.path:
         raise ValueError("reward_fn.type=callable needs reward_fn.path ('module:function')")
     if cfg.reward_fn.type == "reward_model" and not cfg.reward_fn.model_name:
         raise ValueError("reward_fn.type=reward_model needs reward_fn.model_name")
     if cfg.actor.clip_ratio_c <= 1.0:
         raise ValueError(f"actor.clip_ratio_c must be > 1 (dual clip), got {cfg.actor.clip_ratio_c}")
-    if algo == "remax":
-        raise ValueError("algorithm.type=remax is not supported by the trainer yet (it needs a greedy baseline "
-                         "rollout per prompt); the estimator is available as verl_fast.compute_remax_advantage")
+    if algo == "online_dpo" and cfg.rollout.n < 2:
+        raise ValueError(f"algorithm.type=online_dpo is not supported with rollout.n={cfg.rollout.n}: a pair needs "
+                         "two sampled responses per prompt; use rollout.n >= 2")
 
 
 def default_config_path() -> Path:
