@@ -30,6 +30,9 @@ def _f(default, *, choices=None, min=None, max=None, doc: str = ""):
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+# How a model is trained over the ranks (trainer/sharding.py); auto: fsdp2 with several processes,
+# none (plain module) in one. megatron: the Megatron-core backend.
+STRATEGIES = ("auto", "fsdp2", "fsdp1", "none", "megatron")
 ALGORITHMS = ("grpo", "drgrpo", "ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "dpo", "online_dpo")
 # What each algorithm estimates its advantages with (dpo has none).
 ADVANTAGE_OF = {"ppo": "gae", "dpo": None, "online_dpo": None, **{a: a for a in ESTIMATORS}}
@@ -61,6 +64,10 @@ class ActorConfig:
     kl_loss_type: str = _f("low_var_kl", choices=KL_KINDS)
     fused_logprobs: str = _f("auto", choices=("auto", "on", "off"), doc="fused lm_head + log-prob kernels")
     gradient_checkpointing: bool = _f(False)
+    strategy: str = _f("auto", choices=STRATEGIES, doc="auto: fsdp2 under torchrun, none in one process")
+    mixed_precision: str = _f("none", choices=("none", "bfloat16"),
+                              doc="FSDP: bf16 parameters in forward/backward, fp32 gradient reduction")
+    cpu_offload: bool = _f(False, doc="FSDP: sharded parameters, gradients and optimizer state on the CPU")
     skip_zero_advantage: bool = _f(True, doc="leave samples whose advantages are all 0 out of the backward")
     # older spelling: rollout-engine settings written in the actor section (copied to rollout)
     model_path: Optional[str] = _f(None, doc="alias of model_name")
@@ -84,6 +91,11 @@ class CriticConfig:
     cliprange_value: float = _f(0.5, min=0.0)
     loss_agg_mode: str = _f("token-mean", choices=AGG_MODES)
     use_flash_attention: bool = _f(False)
+    strategy: str = _f("auto", choices=STRATEGIES, doc="auto: fsdp2 under torchrun, none in one process")
+    mixed_precision: str = _f("none", choices=("none", "bfloat16"),
+                              doc="FSDP: bf16 parameters in forward/backward, fp32 gradient reduction")
+    cpu_offload: bool = _f(False, doc="FSDP: sharded parameters, gradients and optimizer state on the CPU")
+    gradient_checkpointing: bool = _f(False)
 
 
 @dataclass
@@ -358,6 +370,9 @@ def validate(cfg: Config) -> None:
     if algo == "online_dpo" and cfg.rollout.n < 2:
         raise ValueError(f"algorithm.type=online_dpo is not supported with rollout.n={cfg.rollout.n}: a pair needs "
                          "two sampled responses per prompt; use rollout.n >= 2")
+    for section in ("actor", "critic"):
+        if getattr(cfg, section).strategy == "megatron":
+            raise ValueError(f"{section}.strategy=megatron is not supported yet; use fsdp2, fsdp1 or none")
 
 
 def default_config_path() -> Path:
