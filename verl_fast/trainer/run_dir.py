@@ -23,6 +23,7 @@ import threading
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from verl_fast.metrics import check_loggers
 from verl_fast.trainer.ranks import any_rank, on_main, rank_world
 
 LOCK = ".lock"
@@ -140,6 +141,7 @@ def precheck(cfg: Any) -> List[Dict[str, Any]]:
     claim(t)  # held until the trainer releases it at the end of fit (a re-entrant lock)
     try:
         on_main(lambda: check_port(t.metrics_host, t.metrics_port))
+        check_loggers(t.loggers)
         # reading rows needs no tokenizer; the trainer tokenizes them later
         rows = RLDataProcessor(None, t.max_prompt_length).load(t.dataset, **t.dataset_kwargs)
         if not rows:
