@@ -148,8 +148,9 @@ def _is_disk_full(e: BaseException) -> bool:
             return True
         if "No space left" in str(e) or "unexpected pos" in str(e):
             return True
-        nested = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: exception}
-        if isinstance(nested, dict) and any(_is_disk_full(x) for x in nested.values() if isinstance(x, BaseException)):
+        nested = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
+        if isinstance(nested, dict) and any(_is_disk_full(x[0] if isinstance(x, tuple) else x)
+                                            for x in nested.values()):
             return True
         e = e.__cause__ or e.__context__
     return False
@@ -186,7 +187,7 @@ def save(output_dir: str, step: int, actor: torch.nn.Module, tokenizer: Any, opt
         on_main(lambda: _write_metadata(tmp, step, actor, tokenizer, state, export_hf))
         records = _checksums(tmp, on_main(lambda: _files(tmp)))
         on_main(lambda: _publish(tmp, final, records, step))
-    except Exception as e:
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
         on_main(lambda: shutil.rmtree(tmp, ignore_errors=True))
         if _is_disk_full(e):
             free = shutil.disk_usage(root).free
@@ -307,7 +308,7 @@ def load(path: Path, actor: torch.nn.Module, optimizer: torch.optim.Optimizer,
     try:
         with _quiet():
             dcp.load(shards, checkpoint_id=str(path / DCP), no_dist=world == 1)
-    except Exception as e:
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
         raise CheckpointError(f"checkpoint {path} does not fit this run's models: {e}") from e
     set_model_state_dict(actor, shards["actor"])
     set_optimizer_state_dict(actor, optimizer, shards["actor_optim"])

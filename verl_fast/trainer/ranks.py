@@ -22,7 +22,7 @@ def on_main(fn: Callable[[], Any]) -> Any:
     if rank == 0:
         try:
             result = [fn(), None]
-        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+        except BaseException as e:  # noqa: BLE001 - re-raised below, on every rank (DCP raises BaseException)
             result = [None, e]
     if world > 1:
         dist.broadcast_object_list(result, src=0)
