@@ -1,5 +1,5 @@
-"""One rank of a 2-process FSDP2 (gloo) run that trains 2 steps and checkpoints:
-``python checkpoint_dist_worker.py RANK WORLD PORT MODEL_DIR OUT_DIR``. Rank 0 also writes the full
+"""One rank of a 2-process FSDP2 run that trains 2 steps and checkpoints:
+``python checkpoint_dist_worker.py RANK WORLD PORT MODEL_DIR OUT_DIR BACKEND`` (gloo on CPU, nccl on GPUs). Rank 0 also writes the full
 (gathered) weights and optimizer state at the end to ``OUT_DIR/reference.pt``, what a resume must restore."""
 
 import os
@@ -9,9 +9,12 @@ import torch
 import torch.distributed as dist
 
 
-def main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+def main(rank: int, world: int, port: int, model_dir: str, out_dir: str, backend: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     torch.manual_seed(0)
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
@@ -20,7 +23,7 @@ def main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None
 
     from verl_fast.trainer.rl_trainer import RLTrainer
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     tok = AutoTokenizer.from_pretrained(model_dir)
     for layer in model.model.layers:
         fully_shard(layer)
@@ -43,4 +46,4 @@ def main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6])

@@ -49,13 +49,17 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_fsdp2_checkpoint_of_two_ranks_resumes_in_one_process(tiny_path, tmp_path):
-    """Saved by 2 gloo processes with an FSDP2 actor (each writing its shards), restored into a plain
-    model in 1 process: the weights and every Adam moment equal the 2-rank run's (gathered there),
-    and training continues from them."""
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpu)])
+def test_fsdp2_checkpoint_of_two_ranks_resumes_in_one_process(tiny_path, tmp_path, backend):
+    """Saved by 2 processes with an FSDP2 actor (each writing its shards; gloo on CPU, or NCCL on 2
+    GPUs), restored into a plain CPU model in 1 process: the weights and every Adam moment equal the
+    2-rank run's (gathered there), and training continues from them."""
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
     port = free_port()
     worker = HERE / "checkpoint_dist_worker.py"
-    procs = [subprocess.Popen([sys.executable, str(worker), str(r), "2", str(port), str(tiny_path), str(tmp_path)],
+    procs = [subprocess.Popen([sys.executable, str(worker), str(r), "2", str(port), str(tiny_path), str(tmp_path),
+                               backend],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
