@@ -105,28 +105,26 @@ def test_export_cli_writes_an_hf_folder_from_the_shards(tiny_path, tmp_path):
         checkpoint.export(str(tmp_path / "nothing"), str(tmp_path / "x"))
 
 
-@pytest.mark.parametrize("damage", ["truncated safetensors", "empty shard"])
-def test_damaged_latest_checkpoint_is_named_and_skipped(tiny_path, tmp_path, capfd, damage):
-    trainer, _ = trainer_for(tiny_path, tmp_path, total_steps=2, save_freq=1)
+def test_damaged_checkpoints_are_named_and_skipped_for_the_last_complete_one(tiny_path, tmp_path, capfd):
+    trainer, _ = trainer_for(tiny_path, tmp_path, total_steps=3, save_freq=1)
     first = trainer.fit(PROMPTS)
-    latest = tmp_path / "checkpoints" / "step_000002"
-    if damage == "truncated safetensors":
-        bad = latest / "model.safetensors"
-        os.truncate(bad, bad.stat().st_size // 2)
-    else:
-        bad = sorted((latest / "dcp").glob("*.distcp"))[0]
-        os.truncate(bad, 0)
+    root = tmp_path / "checkpoints"
+    truncated = root / "step_000003" / "model.safetensors"  # the final one holds the HF export
+    os.truncate(truncated, truncated.stat().st_size // 2)
+    emptied = sorted((root / "step_000002" / "dcp").glob("*.distcp"))[0]  # weights + optimizer shards
+    os.truncate(emptied, 0)
     capfd.readouterr()
-    trainer, model = trainer_for(tiny_path, tmp_path, total_steps=2, save_freq=1)
+    trainer, model = trainer_for(tiny_path, tmp_path, total_steps=3, save_freq=1)
     history = trainer.fit(PROMPTS)
     err = capfd.readouterr().err
-    assert str(bad) in err and ("truncated" in err or "empty" in err), err
+    assert f"{truncated} is " in err and "(truncated)" in err, err
+    assert f"{emptied} is 0 bytes" in err and "(empty)" in err, err
     assert "resuming from step_000001" in err, err
-    assert [h["step"] for h in history] == [1, 2]
-    assert history[1]["reward/mean"] == first[1]["reward/mean"]  # step 2 re-run from step 1's state
+    assert [h["step"] for h in history] == [1, 2, 3]
+    assert [h["reward/mean"] for h in history] == [h["reward/mean"] for h in first]  # re-run from step 1
     rows = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows == [1, 2]  # the re-run step is logged once
-    assert checkpoint.verify(latest) is None  # written again, complete
+    assert rows == [1, 2, 3]  # the re-run steps are logged once
+    assert checkpoint.verify(root / "step_000002") is None and checkpoint.verify(root / "step_000003") is None
 
 
 def _wait_for(path: Path, proc: subprocess.Popen) -> None:
