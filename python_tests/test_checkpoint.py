@@ -213,6 +213,33 @@ def test_sigterm_finishes_the_step_and_checkpoints_a_second_signal_stops_at_once
     assert not list((tmp_path / "b" / "run").glob("checkpoints/step_*"))
 
 
+def test_critic_and_optimizers_round_trip(tmp_path):
+    """Actor, critic and both optimizers' moments come back exactly; a run without a critic loads a
+    checkpoint that has one, and the other way round."""
+    def models(seed):
+        torch.manual_seed(seed)
+        actor, critic = torch.nn.Linear(5, 3), torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 1))
+        opts = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (actor, critic)]
+        for m, opt in zip((actor, critic), opts):
+            m(torch.randn(2, 5)).sum().backward()
+            opt.step()
+        return actor, critic, opts
+
+    actor, critic, (opt, copt) = models(0)
+    path = checkpoint.save(str(tmp_path), 7, actor, None, opt, {"history": []}, critic, copt)
+    assert checkpoint.verify(path) is None and path.name == "step_000007"
+    actor2, critic2, (opt2, copt2) = models(1)
+    assert checkpoint.load(path, actor2, opt2, critic2, copt2)["step"] == 7
+    for a, b, oa, ob in ((actor, actor2, opt, opt2), (critic, critic2, copt, copt2)):
+        for p, q in zip(a.parameters(), b.parameters()):
+            assert torch.equal(p, q)
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(oa.state[p][key], ob.state[q][key]), key
+    checkpoint.load(path, actor2, opt2)  # no critic in this run
+    bare = checkpoint.save(str(tmp_path / "bare"), 1, actor, None, opt, {"history": []})
+    checkpoint.load(bare, actor2, opt2, critic2, copt2)  # the critic keeps its weights
+
+
 def test_partial_and_unfinished_folders_are_never_resumed(tmp_path):
     root = tmp_path / "checkpoints"
     (root / "step_000003.tmp" / "dcp").mkdir(parents=True)

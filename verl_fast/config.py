@@ -143,7 +143,8 @@ class TrainerConfig:
     output_dir: str = _f("runs/verl_fast")
     save_freq: int = _f(0, min=0, doc="checkpoint every N steps (0: only at the end)")
     resume: bool = _f(True, doc="continue from the latest complete checkpoint in output_dir")
-    overwrite: bool = _f(False, doc="clear an older run's checkpoints and metrics from output_dir first")
+    overwrite: bool = _f(False, doc="clear an older run's checkpoints and metrics from output_dir at start "
+                                                "(at every start: unset it to resume later)")
     hf_export: str = _f("final", choices=("final", "every", "none"),
                         doc="HF safetensors beside which checkpoints (the sharded state is always written)")
     dataset: Optional[str] = _f(None, doc="parquet/jsonl path, HF dataset name, or reasoning_gym:<task>")

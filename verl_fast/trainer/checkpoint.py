@@ -109,8 +109,6 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-
-
 def _state(actor, optimizer, critic, critic_optimizer) -> Dict[str, Any]:
     """What DCP writes: each rank's shards of the models and optimizer states (no gathering)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -128,8 +126,10 @@ def _local_bytes(obj: Any) -> int:
         return sum(_local_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
         return sum(_local_bytes(v) for v in obj)
+    if hasattr(obj, "local_shards"):  # FSDP1's ShardedTensor
+        return sum(_local_bytes(s.tensor) for s in obj.local_shards())
     if isinstance(obj, torch.Tensor):
-        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        local = obj.to_local() if hasattr(obj, "to_local") else obj  # DTensor: this rank's shard
         return local.numel() * local.element_size()
     return 0
 

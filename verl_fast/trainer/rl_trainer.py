@@ -111,6 +111,7 @@ class RLTrainer:
             self.rollout = RolloutOperator(self.engine, self._sampling_defaults(generation_config),
                                            max_num_seqs=r.max_num_seqs, max_batch_tokens=budget if waves else None)
         self.step = 0
+        self.stopped = False  # set when a signal ended fit() early (after a checkpoint)
         self.history: List[Dict[str, Any]] = []
 
     # ------------------------------------------------------------------ setup helpers
@@ -222,7 +223,6 @@ class RLTrainer:
               stop: "run_dir.StopSignals") -> None:
         cfg = self.cfg.trainer
         first = self.step
-        self.stopped = False
         if not self._engine_synced or self.step > 0:  # a given engine, or weights restored from a checkpoint
             self._sync_engine()
         while self.step < total:
