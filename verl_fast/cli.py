@@ -1,4 +1,4 @@
-"""The `verl-fast` command: train, bench, convert, info."""
+"""The `verl-fast` command: train, bench, convert, export, info."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ def _train(args: argparse.Namespace) -> int:
     from verl_fast.train_cli import run
 
     return run(args)
+
+
 def _convert(args: argparse.Namespace) -> int:
     import torch
 
@@ -27,6 +29,13 @@ def _convert(args: argparse.Namespace) -> int:
     out = convert_megatron_to_hf(args.checkpoint, args.output, args.tp, args.pp, config=args.config, dtype=dtype,
                                  max_shard_bytes=int(args.max_shard_gb * (1 << 30)))
     print(f"wrote {out}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from verl_fast.trainer.checkpoint import export
+
+    print(f"wrote {export(args.checkpoint, args.output, max_shard_bytes=int(args.max_shard_gb * (1 << 30)))}")
     return 0
 
 
@@ -51,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="output dtype (default: the checkpoint's)")
     conv.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size limit")
     conv.set_defaults(func=_convert)
+    exp = sub.add_parser("export", help="training checkpoint (sharded) -> HF safetensors folder (transformers, vLLM)")
+    exp.add_argument("checkpoint", help="a checkpoints/step_N folder, or a run's output_dir (its newest complete one)")
+    exp.add_argument("output", help="HF folder to write (replaced atomically)")
+    exp.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size limit")
+    exp.set_defaults(func=_export)
     return p
 
 

@@ -47,7 +47,7 @@ from verl_fast.rewards import RewardInput, build_reward
 from verl_fast.rollout.base import RolloutEngine, SamplingSpec
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 from verl_fast.rollout.operator import RolloutOperator
-from verl_fast.trainer import checkpoint, dpo, online_dpo, remax
+from verl_fast.trainer import checkpoint, dpo, online_dpo, remax, run_dir
 from verl_fast.trainer.experience import Experience, build_experience, last_token_rewards
 
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -121,6 +121,7 @@ class RLTrainer:
             self.rollout = RolloutOperator(self.engine, self._sampling_defaults(generation_config),
                                            max_num_seqs=r.max_num_seqs, max_batch_tokens=budget if waves else None)
         self.step = 0
+        self.stopped = False  # set when a signal ended fit() early (after a checkpoint)
         self.history: List[Dict[str, Any]] = []
 
     # ------------------------------------------------------------------ setup helpers
@@ -197,28 +198,46 @@ class RLTrainer:
                              f"number of processes ({self.world}) so that every rank gets the same share")
         per_epoch = max(1, len(items) // cfg.train_batch_size)
         total = cfg.total_steps or cfg.num_epochs * per_epoch
-        is_main = self.rank == 0
-        logger = MetricsLogger(cfg.output_dir, total, cfg.progress_bar, cfg.metrics_port, enabled=is_main)
-        self._resume(logger)
+        run_dir.claim(cfg)  # one writer per output_dir; an older run there is resumed, refused or cleared
+        logger = None
+        try:
+            logger = MetricsLogger(cfg.output_dir, total, cfg.progress_bar, cfg.metrics_port, enabled=self.rank == 0,
+                                   host=cfg.metrics_host, loggers=cfg.loggers, run_config=self.cfg.to_dict())
+            with run_dir.StopSignals() as stop:  # SIGTERM / Ctrl-C: finish the step, checkpoint, return
+                self._resume(logger)
+                self._loop(items, per_epoch, total, logger, stop)
+        finally:
+            if logger is not None:
+                logger.close()
+            run_dir.release(cfg)
+        return self.history
+
+    def _loop(self, items: Sequence[Any], per_epoch: int, total: int, logger: MetricsLogger,
+              stop: "run_dir.StopSignals") -> None:
+        cfg = self.cfg.trainer
+        first = self.step
         if not self._engine_synced or self.step > 0:  # a given engine, or weights restored from a checkpoint
             self._sync_engine()
-        try:
-            while self.step < total:
-                batch = self._batch(items, self.step, per_epoch)
-                start = time.perf_counter()
-                metrics = self._step(batch)
-                self.step += 1
-                metrics.update(step=self.step, **{"time/step": time.perf_counter() - start})
-                logger.log(metrics)
-                self.history = logger.history
-                if cfg.save_freq and self.step % cfg.save_freq == 0 and self.step < total:
-                    self.save()
-            self.save()
-            if cfg.plot:
-                logger.plot()
-        finally:
-            logger.close()
-        return self.history
+        while self.step < total:
+            batch = self._batch(items, self.step, per_epoch)
+            start = time.perf_counter()
+            metrics = self._step(batch)
+            self.step += 1
+            metrics.update(step=self.step, **{"time/step": time.perf_counter() - start})
+            logger.log(metrics)
+            self.history = logger.history
+            if stop.requested():
+                self.stopped = True
+                break
+            if cfg.save_freq and self.step % cfg.save_freq == 0 and self.step < total:
+                self.save(export_hf=cfg.hf_export == "every")
+        if self.step > first or checkpoint.latest_valid(cfg.output_dir, warn=lambda m: None) is None:
+            self.save(export_hf=cfg.hf_export == "every" or (cfg.hf_export == "final" and self.step >= total))
+        if self.stopped and self.rank == 0:
+            print(f"stopped after step {self.step} of {total}; the checkpoint is in "
+                  f"{checkpoint.checkpoint_root(cfg.output_dir)} (run again to resume)", flush=True)
+        elif cfg.plot:
+            logger.plot()
 
     def _batch(self, items: Sequence[Any], step: int, per_epoch: int) -> List[Any]:
         """This rank's share of the step's batch: a fixed permutation per epoch (seeded), so a resumed
@@ -487,24 +506,26 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save(self) -> None:
+    def save(self, export_hf: bool = False) -> None:
+        """A sharded checkpoint of this step (every rank writes its shards); ``export_hf`` adds the
+        HF safetensors folder that transformers and vLLM load."""
         state = {"history": self.history, "config": self.cfg.to_dict(), "torch_rng": torch.get_rng_state().tolist()}
         checkpoint.save(self.cfg.trainer.output_dir, self.step, self.actor, self.tokenizer, self.optimizer, state,
-                        self.critic, self.critic_optimizer, is_main=self.rank == 0)
-        distributed.barrier()
+                        self.critic, self.critic_optimizer, export_hf=export_hf)
 
     def _resume(self, logger: MetricsLogger) -> None:
-        if not self.cfg.trainer.resume:
-            return
-        if self.rank == 0:
-            checkpoint.clean_partial(self.cfg.trainer.output_dir)
-        path = checkpoint.latest(self.cfg.trainer.output_dir)
-        if path is None:
-            return
-        state = checkpoint.load(path, self.actor, self.optimizer, self.critic, self.critic_optimizer)
-        self.step = int(state["step"])
-        self.history = list(state.get("history", []))
-        torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+        """Restores the newest complete checkpoint (a damaged newer one is named and skipped) and
+        rewrites the metrics from its history, so re-run steps are not logged twice."""
+        path = None
+        if self.cfg.trainer.resume:
+            if self.rank == 0:
+                checkpoint.clean_partial(self.cfg.trainer.output_dir)
+            path = checkpoint.latest_valid(self.cfg.trainer.output_dir)
+        if path is not None:
+            state = checkpoint.load(path, self.actor, self.optimizer, self.critic, self.critic_optimizer)
+            self.step = int(state["step"])
+            self.history = list(state.get("history", []))
+            torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
         logger.resume(self.history)
 
 
