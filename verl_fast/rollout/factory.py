@@ -8,9 +8,10 @@
 - ``rollout.type: auto``: vLLM when it is installed and the process is set up to run it in process
   (``configure_vllm_env()``, which the CLI calls), else HF.
 
-Without ``model_path`` the engine starts from a folder holding only the actor's config and
-tokenizer, with placeholder weights (vLLM's ``load_format="dummy"``): the trainer's first
-``sync_from`` writes the real ones, so no full copy of a sharded actor is ever gathered.
+The engine comes back generating with the actor's weights: loaded from ``model_path`` (which must
+hold them), or, without it, from a folder holding only the actor's config and tokenizer with
+placeholder weights (vLLM's ``load_format="dummy"``) overwritten at once by ``sync_from(actor)``,
+so no full copy of a sharded actor is ever gathered.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def build_engine(cfg: Config, actor: torch.nn.Module, tokenizer: Any, model_path
         max_num_seqs=r.max_num_seqs, max_model_len=max_len, enable_chunked_prefill=r.enable_chunked_prefill,
         seed=r.seed, enable_sleep_mode=None if r.enable_sleep_mode else False, enable_lora=peft, **kwargs)
     engine.folder = folder  # lives as long as the engine
+    if folder is not None or peft:  # placeholder weights, or the adapter still to push
+        engine.sync_from(actor)
     if world > 1:
         return DataParallelEngine(engine, r.tensor_parallel_size, engine.pad_token_id)
     return engine

@@ -102,6 +102,7 @@ class RLTrainer:
         self.processor = RLDataProcessor(tokenizer, cfg.trainer.max_prompt_length, cfg.rollout.max_new_tokens,
                                          system_prompt=cfg.trainer.system_prompt)
         self.engine = rollout_engine
+        self._engine_fresh = rollout_engine is None and rollout_operator is None  # built below from the actor
         if rollout_operator is not None:
             self.rollout, self.engine = rollout_operator, rollout_operator.engine
         elif self.algorithm != "dpo":
@@ -177,7 +178,7 @@ class RLTrainer:
         is_main = self.rank == 0
         logger = MetricsLogger(cfg.output_dir, total, cfg.progress_bar, cfg.metrics_port, enabled=is_main)
         self._resume(logger)
-        if self.engine is not None:  # an engine keeping its own weights starts from the actor's (or a checkpoint's)
+        if self.engine is not None and (not self._engine_fresh or self.step > 0):  # given, or resumed
             self._sync_engine({})
         try:
             while self.step < total:
