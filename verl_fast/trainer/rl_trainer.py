@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence, Union
 
@@ -45,6 +44,7 @@ from verl_fast.trainer import sharding
 from verl_fast.trainer.sharding import Sharding
 from verl_fast.rewards import RewardInput, build_reward
 from verl_fast.rollout.base import RolloutEngine, SamplingSpec
+from verl_fast.rollout.factory import build_engine
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 from verl_fast.rollout.operator import RolloutOperator
 from verl_fast.trainer import checkpoint, dpo, online_dpo, remax, run_dir
@@ -110,13 +110,14 @@ class RLTrainer:
                                          system_prompt=cfg.trainer.system_prompt,
                                          overlong_prompts=cfg.trainer.overlong_prompts)
         self.engine = rollout_engine
-        self._engine_synced = rollout_engine is None and rollout_operator is None  # built from the actor below
+        self._engine_fresh = rollout_engine is None and rollout_operator is None  # built below from the actor
         if rollout_operator is not None:
             self.rollout, self.engine = rollout_operator, rollout_operator.engine
         elif self.algorithm != "dpo":
-            self.engine = rollout_engine or self._build_engine(model_path)
+            self.engine = rollout_engine or build_engine(cfg, self.actor, tokenizer, model_path, self.autocast_dtype)
             r = cfg.rollout
             waves = r.length_buckets == "on" or (r.length_buckets == "auto" and isinstance(self.engine, HFGenerateEngine))
+            waves = waves and not self.engine.collective  # ranks would make different numbers of calls
             budget = r.max_batch_tokens or r.max_num_seqs * (cfg.trainer.max_prompt_length + r.max_new_tokens)
             self.rollout = RolloutOperator(self.engine, self._sampling_defaults(generation_config),
                                            max_num_seqs=r.max_num_seqs, max_batch_tokens=budget if waves else None)
@@ -138,38 +139,6 @@ class RLTrainer:
         base = SamplingSpec(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                             max_tokens=r.max_new_tokens)
         return SamplingSpec.from_kwargs(base, dict(generation_config or {}))
-
-    def _build_engine(self, model_path: Optional[str]) -> RolloutEngine:
-        kind = self.cfg.rollout.type
-        if kind == "auto":  # vLLM when installed and set up for this process (the CLI does that)
-            from verl_fast.rollout import vllm_available
-            from verl_fast.rollout.vllm_compat import in_process_mode
-
-            kind = "vllm" if vllm_available() and in_process_mode() and not is_sharded(self.actor) else "hf"
-        if kind == "hf":
-            return HFGenerateEngine(self.actor, self.tokenizer, autocast_dtype=self.autocast_dtype)
-        from verl_fast.rollout.vllm_engine import VLLMInferenceEngine
-
-        r = self.cfg.rollout
-        peft = hasattr(self.actor, "peft_config")
-        self._engine_synced = self._engine_synced and not peft  # the adapter goes in at the first step
-        if peft and model_path is None:
-            raise ValueError("a PEFT actor with rollout.type=vllm needs model_path (the base model's folder); "
-                             "the adapter is pushed to the engine after each update")
-        if model_path is None:  # vLLM loads a folder: write the actor's current weights to one
-            self._engine_dir = tempfile.TemporaryDirectory(prefix="verl_fast_actor_")
-            model_path = self._engine_dir.name
-            hf_module(self.actor).save_pretrained(model_path, state_dict=checkpoint.full_state_dict(
-                self.actor), safe_serialization=True)
-            self.tokenizer.save_pretrained(model_path)
-        dtype = r.dtype if r.dtype != "auto" else (self.cfg.actor.autocast if self.autocast_dtype else
-                                                    self.cfg.actor.dtype)
-        max_len = r.max_model_len or (self.cfg.trainer.max_prompt_length + r.max_new_tokens)
-        return VLLMInferenceEngine(
-            str(model_path), tensor_parallel_size=r.tensor_parallel_size, dtype=dtype,
-            gpu_memory_utilization=r.gpu_memory_utilization, enable_prefix_caching=r.enable_prefix_caching,
-            max_num_seqs=r.max_num_seqs, max_model_len=max_len, enable_chunked_prefill=r.enable_chunked_prefill,
-            seed=r.seed, enable_sleep_mode=None if r.enable_sleep_mode else False, enable_lora=peft)
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -216,8 +185,8 @@ class RLTrainer:
               stop: "run_dir.StopSignals") -> None:
         cfg = self.cfg.trainer
         first = self.step
-        if not self._engine_synced or self.step > 0:  # a given engine, or weights restored from a checkpoint
-            self._sync_engine()
+        if self.engine is not None and (not self._engine_fresh or self.step > 0):  # given, or resumed
+            self._sync_engine({})
         while self.step < total:
             batch = self._batch(items, self.step, per_epoch)
             start = time.perf_counter()
@@ -260,21 +229,16 @@ class RLTrainer:
         metrics.update(self.update_actor(exp))
         if self.critic is not None:
             metrics.update(self.update_critic(exp))
-        start = time.perf_counter()
-        if self._sync_engine():
-            metrics["time/weight_sync"] = time.perf_counter() - start
+        self._sync_engine(metrics)
         return _reduce(metrics, self.world)
 
-    def _sync_engine(self) -> bool:
-        """Pushes the actor's weights into an engine that keeps its own copy (in place)."""
-        self._engine_synced = True
-        if self.engine is None or not self.engine.owns_weights:
-            return False
-        if hasattr(self.actor, "peft_config") and hasattr(self.engine, "update_lora"):
-            self.engine.update_lora(self.actor)  # PEFT actor: only the adapter moves
-        else:
-            self.engine.update_weights(checkpoint.full_state_dict(self.actor).items())
-        return True
+    def _sync_engine(self, metrics: Dict[str, Any]) -> None:
+        """The engine generates with the actor's current weights from now on (collective)."""
+        start = time.perf_counter()
+        moved = self.engine.sync_from(self.actor)
+        if self.engine.owns_weights:
+            metrics["time/weight_sync"] = time.perf_counter() - start
+            metrics["sync/bytes_per_rank"] = float(moved.get("bytes", 0))
 
     # ------------------------------------------------------------------ experience
 
@@ -501,7 +465,7 @@ class RLTrainer:
                                    "dpo/pairs": len(pairs)}
         if pairs:  # no pair (every prompt's samples tied): no update, the engine keeps its weights
             metrics.update(self._dpo_step(pairs))
-            self._sync_engine()
+            self._sync_engine(metrics)
         return metrics
 
     # ------------------------------------------------------------------ checkpoints
