@@ -8,6 +8,8 @@ import math
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from verl_fast.trainer.perf import summary as perf_summary
+
 # Gauges exported when present in a step's metrics: name in the step dict -> Prometheus name.
 GAUGES = {
     "reward/mean": ("verl_reward_mean", "mean sequence reward of the step"),
@@ -84,7 +86,7 @@ class MetricsLogger:
                                  loss=f"{metrics.get('actor/pg_loss', float('nan')):.3f}")
             self.bar.write(f"step {metrics['step']:4d}  reward {metrics.get('reward/mean', float('nan')):.3f}  "
                            f"response_len {metrics.get('response/length', float('nan')):.1f}  "
-                           f"step_time {metrics.get('time/step', float('nan')):.1f}s")
+                           f"step_time {metrics.get('time/step', float('nan')):.1f}s  {perf_summary(metrics)}")
 
     def plot(self, path: Optional[Path] = None) -> Optional[Path]:
         """Reward per step (and its running mean) as a PNG beside the JSONL."""

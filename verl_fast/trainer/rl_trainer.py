@@ -41,7 +41,7 @@ from verl_fast.rewards import RewardInput, as_reward_function, build_reward
 from verl_fast.rollout.base import RolloutEngine, SamplingSpec
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 from verl_fast.rollout.operator import RolloutOperator
-from verl_fast.trainer import checkpoint, dpo
+from verl_fast.trainer import checkpoint, dpo, perf
 from verl_fast.ops.schedule import balance_partitions
 from verl_fast.trainer.experience import Experience, build_experience, concat, last_token_rewards, micro_batches
 
@@ -114,6 +114,7 @@ class RLTrainer:
                                            max_num_seqs=r.max_num_seqs, max_batch_tokens=budget if waves else None)
         self.step = 0
         self.history: List[Dict[str, Any]] = []
+        self.perf = perf.StepPerf(actor_model, self.device)
 
     # ------------------------------------------------------------------ setup helpers
 
@@ -155,7 +156,8 @@ class RLTrainer:
 
             kind = "vllm" if vllm_available() and in_process_mode() and not is_sharded(self.actor) else "hf"
         if kind == "hf":
-            return HFGenerateEngine(self.actor, self.tokenizer, autocast_dtype=self.autocast_dtype)
+            return HFGenerateEngine(self.actor, self.tokenizer, autocast_dtype=self.autocast_dtype,
+                                    fast_decode=self.cfg.rollout.hf_fast_decode)
         from verl_fast.rollout.vllm_engine import VLLMInferenceEngine
 
         r = self.cfg.rollout
@@ -215,13 +217,18 @@ class RLTrainer:
             while self.step < total:
                 batch = self._batch(items, self.step, per_epoch)
                 start = time.perf_counter()
+                self.perf.begin()
                 metrics = self._dpo_step(batch) if self.algorithm == "dpo" else self._rl_step(batch)
                 self.step += 1
                 metrics.update(step=self.step, **{"time/step": time.perf_counter() - start})
+                metrics.update(perf.throughput(metrics))
+                if cfg.save_freq and self.step % cfg.save_freq == 0 and self.step < total:
+                    self.history = logger.history + [metrics]  # the checkpoint holds this step's metrics
+                    checkpoint_start = time.perf_counter()
+                    self.save()
+                    metrics["time/checkpoint"] = time.perf_counter() - checkpoint_start
                 logger.log(metrics)
                 self.history = logger.history
-                if cfg.save_freq and self.step % cfg.save_freq == 0 and self.step < total:
-                    self.save()
             self.save()
             if cfg.plot:
                 logger.plot()
@@ -246,12 +253,15 @@ class RLTrainer:
         exp = self.make_experience(batch, metrics)
         if self.world > 1 and self.cfg.actor.balance_dp:
             exp = self._balance_across_ranks(exp, metrics)
-        metrics.update(self.update_actor(exp))
+        with self.perf.phase("update_actor"):
+            metrics.update(self.update_actor(exp))
         if self.critic is not None:
-            metrics.update(self.update_critic(exp))
-        start = time.perf_counter()
-        if self._sync_engine():
-            metrics["time/weight_sync"] = time.perf_counter() - start
+            with self.perf.phase("update_critic"):
+                metrics.update(self.update_critic(exp))
+        if self.engine is not None and self.engine.owns_weights:
+            with self.perf.phase("weight_sync"):
+                self._sync_engine()
+        metrics.update(self.perf.figures())
         return _reduce(metrics, self.world)
 
     def _sync_engine(self) -> bool:
@@ -285,37 +295,43 @@ class RLTrainer:
     def make_experience(self, batch: List[PromptRow], metrics: Dict[str, Any]) -> Experience:
         """Rollout, rewards, old / reference log-probs and values, advantages."""
         cfg = self.cfg
-        start = time.perf_counter()
-        self.engine.wake_up()
-        seed = cfg.rollout.seed * 1_000_003 + self.step * 997 + self.rank * 7919
-        with self._autocast():
-            gen = self.rollout.rollout(batch, seed=seed)
-        self.engine.sleep()
-        metrics["time/generation"] = time.perf_counter() - start
+        timed = self.perf.phase
+        with timed("generation"):
+            self.engine.wake_up()
+            seed = cfg.rollout.seed * 1_000_003 + self.step * 997 + self.rank * 7919
+            with self._autocast():
+                gen = self.rollout.rollout(batch, seed=seed)
+            self.engine.sleep()
         metrics.update({f"rollout/{k}": v for k, v in self.engine.metrics().items()})
         exp = build_experience(batch, gen, self.tokenizer.pad_token_id).to(self.device)
-        samples = [RewardInput(prompt=batch[i].prompt_text, response=text, ground_truth=batch[i].ground_truth,
-                               data_source=batch[i].data_source, extra_info=batch[i].extra_info)
-                   for i, text in zip(gen.prompt_index.tolist(), gen.texts)]
-        exp.scores = torch.tensor(self.reward(samples), dtype=torch.float32, device=self.device)
-        exp.token_level_rewards = last_token_rewards(exp.scores, exp.response_mask)
+        self.perf.count_step_tokens(exp.attention_mask)
+        with timed("reward"):
+            samples = [RewardInput(prompt=batch[i].prompt_text, response=text, ground_truth=batch[i].ground_truth,
+                                   data_source=batch[i].data_source, extra_info=batch[i].extra_info)
+                       for i, text in zip(gen.prompt_index.tolist(), gen.texts)]
+            exp.scores = torch.tensor(self.reward(samples), dtype=torch.float32, device=self.device)
+            exp.token_level_rewards = last_token_rewards(exp.scores, exp.response_mask)
         a = cfg.actor
         needs_old = a.ppo_epochs > 1 or (a.ppo_mini_batch_size or exp.num_sequences) < exp.num_sequences \
             or cfg.algorithm.use_kl_in_reward
         if needs_old:
-            exp.old_logprobs = self._logprobs(self.actor, exp)
+            with timed("old_logprob"):
+                exp.old_logprobs = self._logprobs(self.actor, exp)
         if self.ref is not None and self.algorithm != "dpo":
-            exp.ref_logprobs = self._logprobs(self.ref, exp)
-        if cfg.algorithm.use_kl_in_reward:
-            kl = kl_penalty(exp.old_logprobs, exp.ref_logprobs, cfg.algorithm.kl_penalty) * exp.response_mask
-            exp.token_level_rewards = exp.token_level_rewards - cfg.algorithm.kl_coef * kl
-            metrics["reward/kl_penalty"] = float((kl.sum() / exp.response_mask.sum().clamp(min=1)).item())
+            with timed("ref"):
+                exp.ref_logprobs = self._logprobs(self.ref, exp)
         if self.critic is not None:
-            exp.values = self._values(exp)
-        exp.advantages, exp.returns = self.estimator(AdvantageInput(
-            token_level_rewards=exp.token_level_rewards, response_mask=exp.response_mask,
-            index=exp.prompt_index, values=exp.values, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
-            epsilon=cfg.algorithm.epsilon))
+            with timed("values"):
+                exp.values = self._values(exp)
+        with timed("advantages"):
+            if cfg.algorithm.use_kl_in_reward:
+                kl = kl_penalty(exp.old_logprobs, exp.ref_logprobs, cfg.algorithm.kl_penalty) * exp.response_mask
+                exp.token_level_rewards = exp.token_level_rewards - cfg.algorithm.kl_coef * kl
+                metrics["reward/kl_penalty"] = float((kl.sum() / exp.response_mask.sum().clamp(min=1)).item())
+            exp.advantages, exp.returns = self.estimator(AdvantageInput(
+                token_level_rewards=exp.token_level_rewards, response_mask=exp.response_mask,
+                index=exp.prompt_index, values=exp.values, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
+                epsilon=cfg.algorithm.epsilon))
         lengths = exp.response_mask.sum(-1).float()
         metrics.update({
             "reward/mean": exp.scores.mean().item(),
@@ -390,6 +406,7 @@ class RLTrainer:
                 mb = order[start : start + mini]
                 counts = self._counts(exp.response_mask[mb])
                 for idx in self._micro(exp, mb[active[mb]]):
+                    self.perf.count_update(exp.attention_mask[idx])
                     stats = self._actor_micro_step(exp.select(idx), counts)
                     w = float(exp.response_mask[idx].sum())
                     for k, v in stats.items():
@@ -485,8 +502,11 @@ class RLTrainer:
 
     def _dpo_step(self, batch: List[Any]) -> Dict[str, Any]:
         self.actor.train()
-        metrics = dpo.step(self, batch)
-        metrics["actor/grad_norm"] = self._optimizer_step(self.actor, self.optimizer, self.cfg.actor.max_grad_norm)
+        with self.perf.phase("update_actor"):
+            metrics = dpo.step(self, batch)
+            metrics["actor/grad_norm"] = self._optimizer_step(self.actor, self.optimizer,
+                                                              self.cfg.actor.max_grad_norm)
+        metrics.update(self.perf.figures())
         return _reduce(metrics, self.world)
 
     # ------------------------------------------------------------------ checkpoints
