@@ -215,13 +215,7 @@ class RLTrainer:
             self._sync_engine()
         try:
             while self.step < total:
-                batch = self._batch(items, self.step, per_epoch)
-                start = time.perf_counter()
-                self.perf.begin()
-                metrics = self._dpo_step(batch) if self.algorithm == "dpo" else self._rl_step(batch)
-                self.step += 1
-                metrics.update(step=self.step, **{"time/step": time.perf_counter() - start})
-                metrics.update(perf.throughput(metrics))
+                metrics = self.train_step(self._batch(items, self.step, per_epoch))
                 if cfg.save_freq and self.step % cfg.save_freq == 0 and self.step < total:
                     self.history = logger.history + [metrics]  # the checkpoint holds this step's metrics
                     checkpoint_start = time.perf_counter()
@@ -235,6 +229,17 @@ class RLTrainer:
         finally:
             logger.close()
         return self.history
+
+    def train_step(self, batch: List[Any]) -> Dict[str, Any]:
+        """One optimiser step on this rank's share of a batch (encoded prompts, or preference pairs
+        for DPO): its metrics, with the time of each phase."""
+        start = time.perf_counter()
+        self.perf.begin()
+        metrics = self._dpo_step(batch) if self.algorithm == "dpo" else self._rl_step(batch)
+        self.step += 1
+        metrics.update(step=self.step, **{"time/step": time.perf_counter() - start})
+        metrics.update(perf.throughput(metrics))
+        return metrics
 
     def _batch(self, items: Sequence[Any], step: int, per_epoch: int) -> List[Any]:
         """This rank's share of the step's batch: a fixed permutation per epoch (seeded), so a resumed
