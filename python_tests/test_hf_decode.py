@@ -130,3 +130,49 @@ def test_unsupported_models_and_fallback(tok, tmp_path):
     assert HFGenerateEngine(sdpa, tokenizer)._fast_reason(SamplingSpec()).startswith("fast_decode=auto on cpu")
     with pytest.raises(ValueError, match="fast_decode"):
         HFGenerateEngine(sdpa, tokenizer, fast_decode="yes")
+
+
+def _fsdp2_rank(rank, port, path, out):
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    p = prompts(tokenizer, 3)
+    engine = HFGenerateEngine(model, tokenizer, fast_decode="on")
+    out_fast = engine.generate(p, SamplingSpec(temperature=0.0, max_tokens=8))
+    hooks = sum(len(m._forward_pre_hooks) for m in model.modules())
+    dist.destroy_process_group()
+    if rank == 0:
+        torch.save({"ids": out_fast.response_ids, "lp": out_fast.logprobs, "hooks": hooks,
+                    "failed": engine.fast_failed}, out)
+
+
+def test_fsdp2_sharded_actor_decodes_like_the_whole_model(tmp_path):
+    """Two gloo ranks, FSDP2 per layer and at the root: the loop runs on the unsharded parameters
+    with the FSDP hooks set aside, and restores them."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    path = save_tiny_model(tmp_path / "m", family="qwen2")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_fsdp2_rank, args=(port, str(path), str(tmp_path / "out.pt")), nprocs=2)
+    got = torch.load(tmp_path / "out.pt")
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    want = HFGenerateEngine(model, tokenizer, fast_decode="off").generate(prompts(tokenizer, 3),
+                                                                          SamplingSpec(temperature=0.0, max_tokens=8))
+    assert got["failed"] is None
+    assert torch.equal(got["ids"], want.response_ids)
+    torch.testing.assert_close(got["lp"], want.logprobs, atol=1e-5, rtol=0)
+    assert got["hooks"] >= 3  # FSDP's pre-forward hooks are back on the root and the two layers

@@ -88,3 +88,19 @@ def test_trainer_reports_phases_per_step(tiny_path, tmp_path):
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert logged[0]["time/checkpoint"] == history[0]["time/checkpoint"]
     assert all(isinstance(v, float) for k, v in logged[1].items() if k.startswith(("time/", "perf/")))
+
+
+@pytest.mark.gpu
+def test_gpu_figures_peak_memory_and_mfu():
+    device = torch.device("cuda")
+    model = torch.nn.Linear(1024, 1024).to(device)
+    p = perf.StepPerf(model, device)
+    p.begin()
+    with p.phase("update_actor"):
+        x = torch.randn(4096, 1024, device=device, requires_grad=True)
+        model(x).sum().backward()
+    p.count_update(torch.ones(2, 2048, device=device))
+    out = p.figures()
+    assert out["perf/peak_memory_gib"] >= 4096 * 1024 * 4 / 2**30  # at least the input was live
+    if p.peak is not None:  # a GPU in the table
+        assert 0 < out["perf/mfu_update"] < 1

@@ -170,6 +170,13 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     @property
+    def needs_reference(self) -> bool:
+        """Whether the run uses a reference model: KL in the loss or in the reward, or DPO that is
+        not reference-free."""
+        return (self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+                or (self.algorithm.type == "dpo" and not self.reward_fn.reference_free))
+
+    @property
     def advantage_estimator(self) -> Optional[str]:
         return ADVANTAGE_OF[self.algorithm.type]
 

@@ -84,8 +84,7 @@ def run(args: argparse.Namespace) -> int:
     actor, tokenizer = load_causal_lm(cfg.actor.model_name, cfg.actor.dtype)
     actor.to(device)
     ref = critic = None
-    if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward or (cfg.algorithm.type == "dpo"
-                                                                   and not cfg.reward_fn.reference_free):
+    if cfg.needs_reference:
         ref, _ = load_causal_lm(cfg.actor.model_name, cfg.actor.dtype)
         ref.to(device)
     if cfg.algorithm.type == "ppo":

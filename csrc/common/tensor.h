@@ -67,6 +67,10 @@ struct TensorRef {
   template <typename T> T* ptr() const { return static_cast<T*>(data); }
 };
 
+// Argument records list their fields once, as X(type, name, default, doc) macros; this declares
+// one field of such a list (the area's bindings.cpp binds the same list to Python).
+#define VF_RECORD_FIELD(type, name, init, doc) type name = init;
+
 // "[8, 16]"
 inline std::string shape_str(const std::vector<int64_t>& s) {
   std::string out = "[";

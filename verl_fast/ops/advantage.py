@@ -22,17 +22,16 @@ import torch
 from verl_fast.ops import _validate as V
 from verl_fast.ops.native import cuda_stream, ext
 
-_BAD_REWARDS, _BAD_VALUES, _TOO_FEW = 1, 2, 4
-_STATUS_WORDS = 8  # word 0: the bits above; words 2..7: batch-wide sums of what was whitened
 
 
 def _raise_for_status(status: torch.Tensor, rewards_name: str, values_name: str) -> None:
-    bits = int(status[0].item())
-    if bits & _BAD_REWARDS:
+    """The launchers' status record (``_C.status_words`` int32): word 0 holds AdvantageStatus bits."""
+    bits, S = int(status[0].item()), ext().AdvantageStatus
+    if bits & S.bad_rewards:
         raise ValueError(f"{rewards_name} contains NaN or inf")
-    if bits & _BAD_VALUES:
+    if bits & S.bad_values:
         raise ValueError(f"{values_name} contains NaN or inf")
-    if bits & _TOO_FEW:
+    if bits & S.too_few_to_whiten:
         raise ValueError(
             "whitening needs at least 2 positions where response_mask is 1; "
             "pass whiten=False for such batches"
@@ -45,7 +44,7 @@ def _scan(kind, rewards, mask, *, values=None, baselines=None, gamma=1.0, lam=1.
     B, T = rewards.shape
     adv = torch.empty((B, T), dtype=torch.float32, device=rewards.device)
     ret = torch.empty_like(adv)
-    status = torch.empty(_STATUS_WORDS, dtype=torch.int32, device=rewards.device)
+    status = torch.empty(C.status_words, dtype=torch.int32, device=rewards.device)
     a = C.ScanArgs()
     a.kind = kind
     a.rewards = rewards
@@ -170,7 +169,7 @@ def _group(kind, token_level_rewards, response_mask, index, *, epsilon=1e-6, nor
     B, T = r.shape
     ids = group_ids(index, B)
     adv = torch.empty((B, T), dtype=torch.float32, device=r.device)
-    status = torch.empty(_STATUS_WORDS, dtype=torch.int32, device=r.device)
+    status = torch.empty(C.status_words, dtype=torch.int32, device=r.device)
     a = C.GroupArgs()
     a.kind = kind
     a.rewards = r

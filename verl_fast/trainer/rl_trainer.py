@@ -8,8 +8,8 @@ Algorithms, chosen once from ``config.algorithm.type``:
 - dpo: offline chosen/rejected pairs, no rollout (trainer/dpo.py).
 KL against the reference model goes either into the reward (``algorithm.use_kl_in_reward``,
 ``kl_penalty``, ``kl_coef``) or into the loss (``actor.use_kl_loss``, ``kl_loss_type``,
-``kl_loss_coef``). Losses aggregate with ``actor.loss_agg_mode`` over the whole mini-batch:
-micro-batches are scaled by its token (or sequence) count, so accumulation is exact.
+``kl_loss_coef``). Losses aggregate with ``actor.loss_agg_mode`` over the whole mini-batch
+(trainer/batching.py: micro-batches, DP balancing, the normalisers).
 
 Run it with ``verl-fast train --config c.yaml`` or ``RLTrainer(actor_model=..., tokenizer=...,
 reward_fn=..., config=...).fit(dataset)``.
@@ -33,7 +33,7 @@ from verl_fast.algos.losses import agg_loss, entropy_loss, kl_penalty, policy_lo
 from verl_fast.config import Config
 from verl_fast.data import PromptRow, RLDataProcessor
 from verl_fast.metrics import MetricsLogger
-from verl_fast.trainer.batching import make_micro_batches
+from verl_fast.trainer.batching import balance_across_ranks, loss_normalisers, micro_batches
 from verl_fast.models.logprobs import response_logprobs
 from verl_fast.models.value import ValueModel, response_values
 from verl_fast.models.wrapping import hf_module, is_sharded
@@ -42,8 +42,7 @@ from verl_fast.rollout.base import RolloutEngine, SamplingSpec
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 from verl_fast.rollout.operator import RolloutOperator
 from verl_fast.trainer import checkpoint, dpo, perf
-from verl_fast.ops.schedule import balance_partitions
-from verl_fast.trainer.experience import Experience, build_experience, concat, last_token_rewards, micro_batches
+from verl_fast.trainer.experience import Experience, build_experience, last_token_rewards
 
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -77,6 +76,7 @@ class RLTrainer:
             tokenizer.pad_token = tokenizer.eos_token
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.dp_group = dist.group.WORLD if self.world > 1 else None  # the ranks that split the data
         if self.world > 1 and not is_sharded(actor_model):
             raise ValueError("with several processes the actor must be FSDP-wrapped (fully_shard or "
                              "FullyShardedDataParallel) so that gradients are reduced across ranks")
@@ -84,9 +84,7 @@ class RLTrainer:
         self.autocast_dtype = AUTOCAST.get(cfg.actor.autocast)
         if cfg.actor.gradient_checkpointing:
             hf_module(actor_model).gradient_checkpointing_enable()
-        self.uses_kl = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward or (
-            self.algorithm == "dpo" and not cfg.reward_fn.reference_free)
-        self.ref = self._reference(ref_model) if self.uses_kl else None
+        self.ref = self._reference(ref_model) if cfg.needs_reference else None
         self.critic = None
         if self.algorithm == "ppo":
             if critic_model is None:
@@ -257,7 +255,8 @@ class RLTrainer:
         metrics: Dict[str, Any] = {}
         exp = self.make_experience(batch, metrics)
         if self.world > 1 and self.cfg.actor.balance_dp:
-            exp = self._balance_across_ranks(exp, metrics)
+            exp, balance = balance_across_ranks(exp, self.dp_group)
+            metrics.update(balance)
         with self.perf.phase("update_actor"):
             metrics.update(self.update_actor(exp))
         if self.critic is not None:
@@ -279,21 +278,6 @@ class RLTrainer:
         else:
             self.engine.update_weights(checkpoint.full_state_dict(self.actor).items())
         return True
-
-    def _balance_across_ranks(self, exp: Experience, metrics: Dict[str, Any]) -> Experience:
-        """Redistributes the step's sequences over the data-parallel ranks so that each trains on a
-        nearly equal token count (Karmarkar-Karp on the sequences' lengths, equal counts). Advantages
-        were computed before, where each rank held whole prompt groups."""
-        local = exp.to(torch.device("cpu"))
-        parts: List[Experience] = [None] * self.world  # type: ignore[list-item]
-        dist.all_gather_object(parts, local)
-        everything = concat(parts)
-        lengths = everything.attention_mask.sum(-1)
-        plan = balance_partitions(lengths, self.world, equal_size=True)  # same plan on every rank
-        before = torch.stack([p.attention_mask.sum() for p in parts]).float()
-        metrics["dp/imbalance_before"] = float(before.max() / before.mean())
-        metrics["dp/imbalance_after"] = plan.report.imbalance
-        return everything.select(torch.as_tensor(plan[self.rank], dtype=torch.long)).to(self.device)
 
     # ------------------------------------------------------------------ experience
 
@@ -376,16 +360,10 @@ class RLTrainer:
                size: Optional[int] = None) -> List[torch.Tensor]:
         """Micro-batches of ``rows``: by count, or under a token budget (``use_dynamic_bsz``)."""
         a = self.cfg.actor
-        if not a.use_dynamic_bsz:
-            size = size or (a.micro_batch_size if for_update else max(a.micro_batch_size, 16))
-            return micro_batches(rows, size)
-        if rows.numel() == 0:
-            return []
-        tokens = exp.attention_mask[rows].sum(-1).tolist()
-        # under FSDP every rank must run the same number of forwards: agree on one count
-        group = dist.group.WORLD if self.world > 1 else None
-        plan = make_micro_batches(tokens, a.max_token_len_per_gpu, layout="padded", dp_group=group)
-        return [rows[idx.to(rows.device)] for idx in plan.indices]
+        if a.use_dynamic_bsz:
+            return micro_batches(rows, exp.attention_mask.sum(-1), max_tokens=a.max_token_len_per_gpu,
+                                 group=self.dp_group)
+        return micro_batches(rows, size=size or (a.micro_batch_size if for_update else max(a.micro_batch_size, 16)))
 
     # ------------------------------------------------------------------ updates
 
@@ -409,7 +387,7 @@ class RLTrainer:
                 order = rows[torch.randperm(N, generator=g).to(self.device)]
             for start in range(0, N, mini):
                 mb = order[start : start + mini]
-                counts = self._counts(exp.response_mask[mb])
+                counts = loss_normalisers(exp.response_mask[mb], self.dp_group)
                 for idx in self._micro(exp, mb[active[mb]]):
                     self.perf.count_update(exp.attention_mask[idx])
                     stats = self._actor_micro_step(exp.select(idx), counts)
@@ -425,17 +403,6 @@ class RLTrainer:
         out["actor/grad_norm"] = totals["grad_norm"] / steps
         out["actor/active_fraction"] = float(active.float().mean())
         return out
-
-    def _counts(self, response_mask: torch.Tensor) -> Dict[str, float]:
-        """The normalisers of a (mini-)batch's loss. With several ranks, the global counts divided by
-        the number of ranks: FSDP averages gradients over ranks, so each rank's sum over its tokens
-        divided by this gives the gradient of the global token (or sequence) mean exactly."""
-        counts = torch.tensor([float(response_mask.sum()), float(response_mask.shape[0])], dtype=torch.float64)
-        if self.world > 1:
-            counts = counts.to(self.device)
-            dist.all_reduce(counts)
-            counts = counts.cpu() / self.world
-        return {"num_tokens": float(counts[0]), "num_seqs": float(counts[1])}
 
     def _actor_micro_step(self, sub: Experience, counts: Dict[str, float]) -> Dict[str, float]:
         a = self.cfg.actor
@@ -487,7 +454,7 @@ class RLTrainer:
         c = self.cfg.critic
         N = exp.num_sequences
         rows = torch.arange(N, device=self.device)
-        counts = self._counts(exp.response_mask)
+        counts = loss_normalisers(exp.response_mask, self.dp_group)
         totals: Dict[str, float] = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
         self.critic.train()
         for _ in range(self.cfg.actor.ppo_epochs):
@@ -508,7 +475,9 @@ class RLTrainer:
     def _dpo_step(self, batch: List[Any]) -> Dict[str, Any]:
         self.actor.train()
         with self.perf.phase("update_actor"):
-            metrics = dpo.step(self, batch)
+            metrics = dpo.step(self.actor, self.ref, batch, pad_id=self.tokenizer.pad_token_id, device=self.device,
+                               autocast=self._autocast, algorithm=self.cfg.algorithm,
+                               micro_batch_size=self.cfg.actor.micro_batch_size)
             metrics["actor/grad_norm"] = self._optimizer_step(self.actor, self.optimizer,
                                                               self.cfg.actor.max_grad_norm)
         metrics.update(self.perf.figures())
