@@ -51,7 +51,8 @@ def test_greedy_equals_generate(model, tok, device):
     fast, plain = engines(model, tok, device)
     spec = SamplingSpec(n=2, temperature=0.0, max_tokens=12)
     a, b = fast.generate(prompts(tok), spec), plain.generate(prompts(tok), spec)
-    assert fast.fast_failed is None
+    assert fast.last_mode == ("graph" if device == "cuda" else "eager") and plain.last_mode == "generate"
+    assert fast.metrics() == {"cuda_graph": float(device == "cuda")}
     assert torch.equal(a.response_ids, b.response_ids)
     assert torch.equal(a.response_mask, b.response_mask)
     assert a.finish_reasons == b.finish_reasons
@@ -63,7 +64,7 @@ def test_sampled_logprobs_match_teacher_forcing(model, tok, device):
     fast, _ = engines(model, tok, device)
     p = prompts(tok, 4)
     out = fast.generate(p, SamplingSpec(n=3, temperature=0.7, top_p=0.9, max_tokens=10, seed=3))
-    assert out.num_sequences == 12 and fast.fast_failed is None
+    assert out.num_sequences == 12 and fast.last_mode == ("graph" if device == "cuda" else "eager")
     for row in range(out.num_sequences):
         length = int(out.response_mask[row].sum())
         resp = out.response_ids[row, :length].tolist()
@@ -153,7 +154,7 @@ def _fsdp2_rank(rank, port, path, out):
     dist.destroy_process_group()
     if rank == 0:
         torch.save({"ids": out_fast.response_ids, "lp": out_fast.logprobs, "hooks": hooks,
-                    "failed": engine.fast_failed}, out)
+                    "mode": engine.last_mode}, out)
 
 
 def test_fsdp2_sharded_actor_decodes_like_the_whole_model(tmp_path):
@@ -172,7 +173,34 @@ def test_fsdp2_sharded_actor_decodes_like_the_whole_model(tmp_path):
     model, tokenizer = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     want = HFGenerateEngine(model, tokenizer, fast_decode="off").generate(prompts(tokenizer, 3),
                                                                           SamplingSpec(temperature=0.0, max_tokens=8))
-    assert got["failed"] is None
+    assert got["mode"] == "eager"
     assert torch.equal(got["ids"], want.response_ids)
     torch.testing.assert_close(got["lp"], want.logprobs, atol=1e-5, rtol=0)
     assert got["hooks"] >= 3  # FSDP's pre-forward hooks are back on the root and the two layers
+
+
+def test_capture_failure_decodes_eagerly_and_loop_failure_falls_back(model, tok, monkeypatch, caplog):
+    fast, plain = engines(model, tok)
+    spec = SamplingSpec(n=2, temperature=0.0, max_tokens=6)
+    want = plain.generate(prompts(tok, 3), spec)
+
+    def no_capture(decoder):
+        decoder.step()  # the warm-up step runs, then capture fails
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(hf_decode, "_capture", no_capture)
+    original = hf_decode.decode
+    monkeypatch.setattr(hf_decode, "decode", lambda *a, **k: original(*a, **{**k, "use_graph": True}))
+    with caplog.at_level("WARNING"):
+        got = fast.generate(prompts(tok, 3), spec)
+    assert "decoding eagerly" in caplog.text and fast.last_mode == "eager"
+    assert torch.equal(got.response_ids, want.response_ids)
+
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(hf_decode, "decode", broken)
+    got = fast.generate(prompts(tok, 3), spec)
+    assert fast.last_mode == "generate" and "boom" in fast.fast_failed
+    assert torch.equal(got.response_ids, want.response_ids)
+    assert "boom" in fast._fast_reason(spec)  # later calls go straight to generate

@@ -206,9 +206,10 @@ def _capture(decoder: _Decoder) -> "torch.cuda.CUDAGraph":
 @torch.no_grad()
 def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
            temperature: float, top_k: int, top_p: float, stop_ids: Sequence[int], pad_id: int,
-           use_graph: bool, check_every: int = 16) -> Tuple[torch.Tensor, torch.Tensor]:
+           use_graph: bool, check_every: int = 16) -> Tuple[torch.Tensor, torch.Tensor, str]:
     """New tokens [B, max_new_tokens] (pad after a row's stop token, and after an early exit once
-    every row stopped) and their log-probs [B, max_new_tokens] (0 past the end), on the host.
+    every row stopped) and their log-probs [B, max_new_tokens] (0 past the end), on the host, and
+    how the steps ran: "graph" (replays) or "eager".
 
     ``input_ids`` / ``attention_mask``: [B, W] left-padded prompts on the model's device. The caller
     holds the model in eval mode, under its autocast, with parameters unsharded. ``use_graph``:
@@ -236,5 +237,6 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
                 dec.step()
             steps += 1
         tokens, logprobs = dec.tokens.cpu(), dec.logprobs.cpu()
+    mode = "graph" if graph is not None else "eager"
     del graph
-    return tokens, logprobs
+    return tokens, logprobs, mode

@@ -91,6 +91,7 @@ class HFGenerateEngine(RolloutEngine):
         self.autocast_dtype = autocast_dtype
         self.fast_decode = fast_decode
         self.fast_failed: Optional[str] = None
+        self.last_mode: Optional[str] = None  # how the last call decoded: graph, eager or generate
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if self.pad_id is None:
             raise ValueError("the tokenizer has neither a pad nor an EOS token")
@@ -165,9 +166,10 @@ class HFGenerateEngine(RolloutEngine):
                     else contextlib.nullcontext())
         try:
             with _full_params(self.model), autocast:
-                new, logp = self._decode_fast(module, ids, mask, spec, eos, copies)
+                new, logp, self.last_mode = self._decode_fast(module, ids, mask, spec, eos, copies)
                 if new is None:
                     new, logp = self._decode_generate(module, ids, mask, spec, eos, copies)
+                    self.last_mode = "generate"
         finally:
             module.train(was_training)
         if not spec.logprobs:
@@ -178,9 +180,9 @@ class HFGenerateEngine(RolloutEngine):
         return self._split(new, logp, prompts, spec, eos)
 
     def _decode_fast(self, module, ids, mask, spec: SamplingSpec, eos: List[int], copies: int):
-        """(new tokens, log-probs) on the host from hf_decode, or (None, None) where it does not apply."""
+        """(new tokens, log-probs, mode) on the host from hf_decode, or Nones where it does not apply."""
         if self._fast_reason(spec) is not None:
-            return None, None
+            return None, None, None
         rows = spec.n // copies
         device = self.device
         try:
@@ -191,7 +193,11 @@ class HFGenerateEngine(RolloutEngine):
         except Exception as e:  # noqa: BLE001 - the loop is an optimisation: generate still works
             self.fast_failed = f"the static-cache loop failed before ({type(e).__name__}: {e})"
             logger.warning("fast HF decoding failed, using generate from now on: %s: %s", type(e).__name__, e)
-            return None, None
+            return None, None, None
+
+    def metrics(self) -> dict:
+        """``cuda_graph``: 1 when the last call decoded by graph replays, 0 otherwise."""
+        return {"cuda_graph": float(self.last_mode == "graph")} if self.last_mode else {}
 
     def _decode_generate(self, module, ids, mask, spec: SamplingSpec, eos: List[int], copies: int):
         width = ids.shape[1]
