@@ -121,6 +121,9 @@ class RolloutConfig:
                                  "whose own scheduler batches continuously)")
     max_batch_tokens: Optional[int] = _f(None, min=1, doc="worst-case tokens per wave (default: "
                                          "max_num_seqs * (max_prompt_length + max_new_tokens))")
+    hf_fast_decode: str = _f("auto", choices=("auto", "on", "off"),
+                             doc="type hf: static-KV-cache decoding of the whole batch, CUDA graphs on a GPU "
+                                 "(auto: on a GPU); off: model.generate")
     speculative_config: Optional[Dict[str, Any]] = _f(None, doc="rejected: RL must sample from the policy")
     guided_decoding: Optional[Dict[str, Any]] = _f(None, doc="rejected: RL must sample from the policy")
 

@@ -13,6 +13,8 @@ import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from verl_fast.trainer.perf import summary as perf_summary
+
 # Step-metric keys with the names dashboards know; every other numeric key is exported as a gauge
 # named verl_<key> (characters outside [a-zA-Z0-9_] become _).
 GAUGES = {
@@ -108,7 +110,8 @@ class _Console:
         self.bar.update(1)
         self.bar.set_postfix(reward=f"{m.get('reward/mean', nan):.3f}", loss=f"{m.get('actor/pg_loss', nan):.3f}")
         self.bar.write(f"step {m['step']:4d}  reward {m.get('reward/mean', nan):.3f}  "
-                       f"response_len {m.get('response/length', nan):.1f}  step_time {m.get('time/step', nan):.1f}s")
+                       f"response_len {m.get('response/length', nan):.1f}  step_time {m.get('time/step', nan):.1f}s  "
+                       f"{perf_summary(m)}")
 
     def close(self) -> None:
         self.bar.close()

@@ -47,7 +47,7 @@ from verl_fast.rollout.base import RolloutEngine, SamplingSpec
 from verl_fast.rollout.factory import build_engine
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 from verl_fast.rollout.operator import RolloutOperator
-from verl_fast.trainer import checkpoint, dpo, online_dpo, remax, run_dir
+from verl_fast.trainer import checkpoint, dpo, online_dpo, perf, remax, run_dir
 from verl_fast.trainer.experience import Experience, build_experience, last_token_rewards
 
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -124,6 +124,7 @@ class RLTrainer:
         self.step = 0
         self.stopped = False  # set when a signal ended fit() early (after a checkpoint)
         self.history: List[Dict[str, Any]] = []
+        self.perf = perf.StepPerf(self.actor, self.device)
 
     # ------------------------------------------------------------------ setup helpers
 
@@ -188,18 +189,18 @@ class RLTrainer:
         if self.engine is not None and (not self._engine_fresh or self.step > 0):  # given, or resumed
             self._sync_engine({})
         while self.step < total:
-            batch = self._batch(items, self.step, per_epoch)
-            start = time.perf_counter()
-            metrics = self._step(batch)
-            self.step += 1
-            metrics.update(step=self.step, **{"time/step": time.perf_counter() - start})
+            metrics = self.train_step(self._batch(items, self.step, per_epoch))
+            stopping = stop.requested()
+            if cfg.save_freq and self.step % cfg.save_freq == 0 and self.step < total and not stopping:
+                self.history = logger.history + [metrics]  # the checkpoint holds this step's metrics
+                checkpoint_start = time.perf_counter()
+                self.save(export_hf=cfg.hf_export == "every")
+                metrics["time/checkpoint"] = time.perf_counter() - checkpoint_start
             logger.log(metrics)
             self.history = logger.history
-            if stop.requested():
+            if stopping:
                 self.stopped = True
                 break
-            if cfg.save_freq and self.step % cfg.save_freq == 0 and self.step < total:
-                self.save(export_hf=cfg.hf_export == "every")
         if self.step > first or checkpoint.latest_valid(cfg.output_dir, warn=lambda m: None) is None:
             self.save(export_hf=cfg.hf_export == "every" or (cfg.hf_export == "final" and self.step >= total))
         if self.stopped and self.rank == 0:
@@ -207,6 +208,17 @@ class RLTrainer:
                   f"{checkpoint.checkpoint_root(cfg.output_dir)} (run again to resume)", flush=True)
         elif cfg.plot:
             logger.plot()
+
+    def train_step(self, batch: List[Any]) -> Dict[str, Any]:
+        """One optimiser step on this rank's share of a batch (encoded prompts, or preference pairs
+        for DPO): its metrics, with the time of each phase."""
+        start = time.perf_counter()
+        self.perf.begin()
+        metrics = self._step(batch)
+        self.step += 1
+        metrics.update(step=self.step, **{"time/step": time.perf_counter() - start})
+        metrics.update(perf.throughput(metrics))
+        return metrics
 
     def _batch(self, items: Sequence[Any], step: int, per_epoch: int) -> List[Any]:
         """This rank's share of the step's batch: a fixed permutation per epoch (seeded), so a resumed
@@ -226,18 +238,22 @@ class RLTrainer:
         if self.world > 1 and self.cfg.actor.balance_dp:
             exp, balance = balance_across_ranks(exp, self.dp_group)
             metrics.update(balance)
-        metrics.update(self.update_actor(exp))
+        with self.perf.phase("update_actor"):
+            metrics.update(self.update_actor(exp))
         if self.critic is not None:
-            metrics.update(self.update_critic(exp))
-        self._sync_engine(metrics)
+            with self.perf.phase("update_critic"):
+                metrics.update(self.update_critic(exp))
+        if self.engine is not None and self.engine.owns_weights:
+            with self.perf.phase("weight_sync"):
+                self._sync_engine(metrics)
+        metrics.update(self.perf.figures())
         return _reduce(metrics, self.world)
 
     def _sync_engine(self, metrics: Dict[str, Any]) -> None:
-        """The engine generates with the actor's current weights from now on (collective)."""
-        start = time.perf_counter()
+        """The engine generates with the actor's current weights from now on (collective); the bytes
+        this rank moved go into ``metrics`` (the step's phase timer times the call)."""
         moved = self.engine.sync_from(self.actor)
         if self.engine.owns_weights:
-            metrics["time/weight_sync"] = time.perf_counter() - start
             metrics["sync/bytes_per_rank"] = float(moved.get("bytes", 0))
 
     # ------------------------------------------------------------------ experience
@@ -245,45 +261,51 @@ class RLTrainer:
     def make_experience(self, batch: List[PromptRow], metrics: Dict[str, Any]) -> Experience:
         """Rollout, rewards, old / reference log-probs and values, advantages."""
         cfg = self.cfg
-        start = time.perf_counter()
-        self.engine.wake_up()
-        seed = cfg.rollout.seed * 1_000_003 + self.step * 997 + self.rank * 7919
-        with self._autocast():
-            gen = self.rollout.rollout(batch, seed=seed)
-            greedy = remax.greedy_rollout(self.rollout, batch) if self.algorithm == "remax" else None
-        self.engine.sleep()
-        metrics["time/generation"] = time.perf_counter() - start
+        timed = self.perf.phase
+        with timed("generation"):
+            self.engine.wake_up()
+            seed = cfg.rollout.seed * 1_000_003 + self.step * 997 + self.rank * 7919
+            with self._autocast():
+                gen = self.rollout.rollout(batch, seed=seed)
+                greedy = remax.greedy_rollout(self.rollout, batch) if self.algorithm == "remax" else None
+            self.engine.sleep()
         metrics.update({f"rollout/{k}": v for k, v in self.engine.metrics().items()})
         exp = build_experience(batch, gen, self.tokenizer.pad_token_id).to(self.device)
-        exp.scores = self._score(batch, gen)
+        self.perf.count_step_tokens(exp.attention_mask)
+        with timed("reward"):
+            exp.scores = self._score(batch, gen)
+            baselines = None
+            if greedy is not None:  # ReMax: each sample's baseline is its prompt's greedy reward
+                greedy_scores = self._score(batch, greedy)  # [P]: one per prompt, in prompt order
+                baselines = greedy_scores[exp.prompt_index]
+                metrics["reward/greedy_baseline"] = greedy_scores.mean().item()
+            exp.token_level_rewards = last_token_rewards(exp.scores, exp.response_mask)
         metrics["reward/errors"] = float(getattr(self.reward, "last_errors", 0))  # zeroed by reward_fn.on_error
         metrics["data/skipped_overlong"] = float(self.processor.skipped_overlong)
-        baselines = None
-        if greedy is not None:  # ReMax: each sample's baseline is its prompt's greedy reward
-            greedy_scores = self._score(batch, greedy)  # [P]: one per prompt, in prompt order
-            baselines = greedy_scores[exp.prompt_index]
-            metrics["reward/greedy_baseline"] = greedy_scores.mean().item()
-        exp.token_level_rewards = last_token_rewards(exp.scores, exp.response_mask)
         a = cfg.actor
         needs_old = a.ppo_epochs > 1 or (a.ppo_mini_batch_size or exp.num_sequences) < exp.num_sequences \
             or cfg.algorithm.use_kl_in_reward
         if needs_old:
-            exp.old_logprobs = self._logprobs(self.actor, exp)
+            with timed("old_logprob"):
+                exp.old_logprobs = self._logprobs(self.actor, exp)
         if self.ref is not None and self.algorithm != "dpo":
-            exp.ref_logprobs = self._logprobs(self.ref, exp)
-        if cfg.algorithm.use_kl_in_reward:
-            kl = kl_penalty(exp.old_logprobs, exp.ref_logprobs, cfg.algorithm.kl_penalty) * exp.response_mask
-            exp.token_level_rewards = exp.token_level_rewards - cfg.algorithm.kl_coef * kl
-            metrics["reward/kl_penalty"] = float((kl.sum() / exp.response_mask.sum().clamp(min=1)).item())
+            with timed("ref"):
+                exp.ref_logprobs = self._logprobs(self.ref, exp)
         if self.critic is not None:
-            exp.values = self._values(exp)
-        whiten_over_ranks = self.world > 1 and cfg.advantage_estimator in BATCH_WHITENED
-        exp.advantages, exp.returns = self.estimator(AdvantageInput(
-            token_level_rewards=exp.token_level_rewards, response_mask=exp.response_mask,
-            index=exp.prompt_index, values=exp.values, reward_baselines=baselines, gamma=cfg.algorithm.gamma,
-            lam=cfg.algorithm.lam, epsilon=cfg.algorithm.epsilon, whiten=not whiten_over_ranks))
-        if whiten_over_ranks:
-            exp.advantages = _whiten_over_ranks(exp.advantages, exp.response_mask)
+            with timed("values"):
+                exp.values = self._values(exp)
+        with timed("advantages"):
+            if cfg.algorithm.use_kl_in_reward:
+                kl = kl_penalty(exp.old_logprobs, exp.ref_logprobs, cfg.algorithm.kl_penalty) * exp.response_mask
+                exp.token_level_rewards = exp.token_level_rewards - cfg.algorithm.kl_coef * kl
+                metrics["reward/kl_penalty"] = float((kl.sum() / exp.response_mask.sum().clamp(min=1)).item())
+            whiten_over_ranks = self.world > 1 and cfg.advantage_estimator in BATCH_WHITENED
+            exp.advantages, exp.returns = self.estimator(AdvantageInput(
+                token_level_rewards=exp.token_level_rewards, response_mask=exp.response_mask,
+                index=exp.prompt_index, values=exp.values, reward_baselines=baselines, gamma=cfg.algorithm.gamma,
+                lam=cfg.algorithm.lam, epsilon=cfg.algorithm.epsilon, whiten=not whiten_over_ranks))
+            if whiten_over_ranks:
+                exp.advantages = _whiten_over_ranks(exp.advantages, exp.response_mask)
         lengths = exp.response_mask.sum(-1).float()
         metrics.update({
             "reward/mean": exp.scores.mean().item(),
@@ -359,6 +381,7 @@ class RLTrainer:
                 mb = order[start : start + mini]
                 counts = loss_normalisers(exp.response_mask[mb], self.dp_group)
                 for idx in self._micro(exp, mb[active[mb]]):
+                    self.perf.count_update(exp.attention_mask[idx])
                     stats = self._actor_micro_step(exp.select(idx), counts)
                     w = float(exp.response_mask[idx].sum())
                     for k, v in stats.items():
@@ -446,10 +469,13 @@ class RLTrainer:
 
     def _dpo_step(self, batch: List[Any]) -> Dict[str, Any]:
         self.actor.train()
-        metrics = dpo.step(self.actor, self.ref, batch, pad_id=self.tokenizer.pad_token_id, device=self.device,
-                           autocast=self._autocast, algorithm=self.cfg.algorithm,
-                           pairs_per_micro_batch=dpo.pairs_per_micro_batch(self.cfg))
-        metrics["actor/grad_norm"] = self._optimizer_step(self.actor, self.optimizer, self.cfg.actor.max_grad_norm)
+        with self.perf.phase("update_actor"):
+            metrics = dpo.step(self.actor, self.ref, batch, pad_id=self.tokenizer.pad_token_id, device=self.device,
+                               autocast=self._autocast, algorithm=self.cfg.algorithm,
+                               pairs_per_micro_batch=dpo.pairs_per_micro_batch(self.cfg))
+            metrics["actor/grad_norm"] = self._optimizer_step(self.actor, self.optimizer,
+                                                              self.cfg.actor.max_grad_norm)
+        metrics.update(self.perf.figures())
         return _reduce(metrics, self.world)
 
     def _online_dpo_step(self, batch: List[PromptRow]) -> Dict[str, Any]:
