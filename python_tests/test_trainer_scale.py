@@ -91,6 +91,7 @@ def test_grpo_two_ranks_train_as_one(runs):
     assert runs(1, "grpo")["kinds"]["actor"] is None
     assert_same_training(runs(1, "grpo"), multi)
     assert_equal_across_ranks(multi, runs(2, "grpo", rank=1), ["actor"])
+    assert multi["history"][0]["actor/kl"] == 0.0  # the reference built from the shards is the actor, exactly
     assert multi["history"][-1]["actor/kl"] > 0
 
 
@@ -114,6 +115,7 @@ def test_user_wrapped_models_used_as_they_are(runs):
 def test_fsdp1_strategy_trains_as_one(runs):
     multi = runs(2, "grpo_fsdp1")
     assert multi["kinds"] == {"actor": "fsdp1", "ref": "fsdp1", "critic": None}
+    assert multi["history"][0]["actor/kl"] == 0.0
     assert_same_training(runs(1, "grpo"), multi)
 
 
