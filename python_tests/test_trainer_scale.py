@@ -156,7 +156,7 @@ def test_two_nodes_with_the_cli(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-@pytest.mark.parametrize("case", ["grpo_kl", "ppo_bf16_offload"])
+@pytest.mark.parametrize("case", ["grpo_kl", "ppo_bf16_offload", "grpo_kl_offload"])
 def test_nccl_two_gpus(tmp_path, case):
     """2 ranks on NCCL through the CLI: every collective on the GPU, actor (and critic) sharded with
     FSDP2 from the config, the reference built from the actor; a few steps to the end."""
@@ -169,8 +169,8 @@ def test_nccl_two_gpus(tmp_path, case):
            "reward_fn": {"type": "gsm8k"}, "algorithm": {"type": "grpo"},
            "trainer": {"total_steps": 3, "train_batch_size": 4, "dataset": str(data), "device": "cuda",
                        "output_dir": str(tmp_path / "run"), "progress_bar": False, "plot": False}}
-    if case == "grpo_kl":
-        cfg["actor"]["use_kl_loss"] = True
+    if case.startswith("grpo_kl"):  # the reference built from the actor's (offloaded) shards
+        cfg["actor"].update(use_kl_loss=True, cpu_offload=case.endswith("offload"))
     else:
         cfg["algorithm"] = {"type": "ppo"}
         cfg["critic"] = {"model_name": str(model), "mixed_precision": "bfloat16", "cpu_offload": True}
