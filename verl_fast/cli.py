@@ -20,6 +20,12 @@ def _train(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from verl_fast.bench.runner import run
+
+    return run(args)
+
+
 def _convert(args: argparse.Namespace) -> int:
     import torch
 
@@ -47,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="run an RL job (no --config: the embedded default run)")
     add_arguments(train)
     train.set_defaults(func=_train)
+    bench = sub.add_parser("bench", help="benchmarks against their baselines and floors: one table, JSON, "
+                                         "Markdown and PNG in benchmarks/results/")
+    from verl_fast.bench.runner import add_arguments as bench_arguments
+
+    bench_arguments(bench)
+    bench.set_defaults(func=_bench)
     info = sub.add_parser("info", help="version, compiled core, CUDA architectures, optional parts")
     info.set_defaults(func=_info)
     conv = sub.add_parser("convert", help="Megatron checkpoint (legacy mp_rank_* or torch_dist) -> HF safetensors folder")
