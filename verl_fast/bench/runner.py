@@ -9,7 +9,6 @@ the process, thread settings, allocator caches) out of the next one's figures.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
