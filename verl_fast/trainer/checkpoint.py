@@ -18,6 +18,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from verl_fast import safe_load
 from verl_fast.models.wrapping import hf_module, is_sharded
 
 _STEP = re.compile(r"^step_(\d+)$")
@@ -109,11 +110,11 @@ def load(path: Path, actor: torch.nn.Module, optimizer: torch.optim.Optimizer,
     for f in sorted(path.glob("*.safetensors")):
         weights.update(load_file(f))
     _load_weights(actor, weights)
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
+    optimizer.load_state_dict(safe_load.load(path / "optimizer.pt"))  # state dicts are data only
     if critic is not None and (path / "critic.pt").exists():
-        critic.load_state_dict(torch.load(path / "critic.pt", weights_only=True))
+        critic.load_state_dict(safe_load.load(path / "critic.pt"))
         if critic_optimizer is not None and (path / "critic_optimizer.pt").exists():
-            critic_optimizer.load_state_dict(torch.load(path / "critic_optimizer.pt", weights_only=False))
+            critic_optimizer.load_state_dict(safe_load.load(path / "critic_optimizer.pt"))
     return json.loads((path / "trainer_state.json").read_text())
 
 
