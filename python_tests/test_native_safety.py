@@ -69,6 +69,12 @@ def test_tensor_bytes_beyond_int64_are_refused():
         _C.ReshardPlan(a)
 
 
+def test_workspace_size_cannot_wrap():
+    assert _C.group_workspace_bytes(3) == 3 * 8 * 3 + (3 * 3 + 1) * 4
+    with pytest.raises(ValueError, match=r"batch must be in \[0, 2\^31 - 1\], got 4611686018427387904"):
+        _C.group_workspace_bytes(2**62)
+
+
 def test_schedule_sizes_that_wrap_are_refused():
     with pytest.raises(ValueError, match=r"lengths\[0\] = 1099511627776 with linear=0, quadratic=4611686018427387904"):
         S.balance_partitions([2**40] * 2, 2, cost=(0, 2**62))

@@ -193,6 +193,8 @@ def _load_legacy(path: str, tp, pp, config, dtype, names: str) -> "OrderedDict[s
         if "model" not in ckpt:
             keys = [k for k in ckpt if k.startswith("model")]
             raise ValueError(f"{f}: no 'model' entry (found {keys}; virtual pipeline checkpoints are not supported)")
+        if not isinstance(ckpt["model"], dict):
+            raise ValueError(f"{f}: 'model' must be a state dict, got {type(ckpt['model']).__name__}")
         args = args if args is not None else ckpt.get("args")
         state = {k: v for k, v in ckpt["model"].items() if not k.endswith("_extra_state")}
         first = first if first is not None else state
