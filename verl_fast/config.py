@@ -1,9 +1,9 @@
 """Typed run configuration: YAML sections ``actor``, ``critic``, ``rollout``, ``reward_fn``,
-``algorithm``, ``trainer`` (the shape of seed 002 section 3.3), validated once at start-up.
+``algorithm``, ``trainer``, validated once at start-up.
 
 Unknown keys, wrong types, out-of-range values and unsupported combinations fail with a message
 that names the key and what is allowed. ``--set section.key=value`` overrides go through the same
-checks. Seed 002's spellings are accepted: ``actor: {type: vllm, tensor_parallel_size: ...}`` selects
+checks. Older spellings, common in existing configs, are accepted: ``actor: {type: vllm, tensor_parallel_size: ...}`` selects
 and configures the rollout engine; ``trainer: {learning_rate, max_grad_norm,
 per_device_train_batch_size, gradient_accumulation_steps}`` set the actor's optimiser and batching.
 """
@@ -30,15 +30,15 @@ def _f(default, *, choices=None, min=None, max=None, doc: str = ""):
 
 
 DTYPES = ("float32", "bfloat16", "float16")
-ALGORITHMS = ("grpo", "drgrpo", "ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "dpo")
+ALGORITHMS = ("grpo", "drgrpo", "ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "dpo", "online_dpo")
 # What each algorithm estimates its advantages with (dpo has none).
-ADVANTAGE_OF = {"ppo": "gae", "dpo": None, **{a: a for a in ESTIMATORS}}
+ADVANTAGE_OF = {"ppo": "gae", "dpo": None, "online_dpo": None, **{a: a for a in ESTIMATORS}}
 
 
 @dataclass
 class ActorConfig:
     model_name: Optional[str] = _f(None, doc="HF folder or the demo name 'smollm2-135m-instruct'")
-    type: str = _f("hf", choices=("hf", "hf_transformers", "vllm"), doc="seed 002 form: vllm = rollout.type")
+    type: str = _f("hf", choices=("hf", "hf_transformers", "vllm"), doc="older spelling: vllm sets rollout.type")
     dtype: str = _f("float32", choices=DTYPES)
     autocast: str = _f("none", choices=("none", "bfloat16", "float16"), doc="autocast for forward passes")
     lr: float = _f(1e-6, min=0.0)
@@ -62,7 +62,7 @@ class ActorConfig:
     fused_logprobs: str = _f("auto", choices=("auto", "on", "off"), doc="fused lm_head + log-prob kernels")
     gradient_checkpointing: bool = _f(False)
     skip_zero_advantage: bool = _f(True, doc="leave samples whose advantages are all 0 out of the backward")
-    # seed 002 form: rollout-engine settings written in the actor section (copied to rollout)
+    # older spelling: rollout-engine settings written in the actor section (copied to rollout)
     model_path: Optional[str] = _f(None, doc="alias of model_name")
     tensor_parallel_size: Optional[int] = _f(None, min=1)
     enable_prefix_caching: Optional[bool] = _f(None)
@@ -119,7 +119,7 @@ class RewardConfig:
                                              "pairwise_ranking"))
     path: Optional[str] = _f(None, doc="'module:function' for type callable")
     model_name: Optional[str] = _f(None, doc="sequence-classification model for type reward_model")
-    reference_free: bool = _f(False, doc="pairwise_ranking: DPO without a reference model")
+    reference_free: bool = _f(False, doc="dpo / online_dpo: DPO without a reference model")
     on_error: str = _f("raise", choices=ON_ERROR, doc="a sample whose scoring fails: raise, or score 0 "
                        "(counted as reward/errors)")
 
@@ -158,7 +158,7 @@ class TrainerConfig:
     progress_bar: bool = _f(True)
     metrics_port: Optional[int] = _f(None, min=0, max=65535)
     plot: bool = _f(True, doc="reward-curve PNG at the end")
-    # seed 002 form
+    # older spellings of actor settings (copied to the actor section)
     per_device_train_batch_size: Optional[int] = _f(None, min=1, doc="alias: actor.micro_batch_size")
     gradient_accumulation_steps: Optional[int] = _f(None, min=1)
     learning_rate: Optional[float] = _f(None, min=0.0, doc="alias: actor.lr")
@@ -176,10 +176,10 @@ class Config:
 
     @property
     def needs_reference(self) -> bool:
-        """Whether the run uses a reference model: KL in the loss or in the reward, or DPO that is
-        not reference-free."""
+        """Whether the run uses a reference model: KL in the loss or in the reward, or (online) DPO
+        that is not reference-free."""
         return (self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
-                or (self.algorithm.type == "dpo" and not self.reward_fn.reference_free))
+                or (self.algorithm.type in ("dpo", "online_dpo") and not self.reward_fn.reference_free))
 
     @property
     def advantage_estimator(self) -> Optional[str]:
@@ -346,18 +346,20 @@ def validate(cfg: Config) -> None:
                          "use reward_fn.type=pairwise_ranking (DPO learns from chosen/rejected pairs)")
     if algo != "dpo" and cfg.reward_fn.type == "pairwise_ranking":
         raise ValueError(f"reward_fn.type=pairwise_ranking is not supported with algorithm.type={algo}; "
-                         "use algorithm.type=dpo")
+                         "use algorithm.type=dpo" + (" (online_dpo ranks its samples with a scoring reward: "
+                                                    "reasoning_gym, gsm8k, callable or reward_model)"
+                                                    if algo == "online_dpo" else ""))
     if cfg.reward_fn.type == "callable" and not cfg.reward_fn.path:
         raise ValueError("reward_fn.type=callable needs reward_fn.path ('module:function')")
     if cfg.reward_fn.type == "reward_model" and not cfg.reward_fn.model_name:
         raise ValueError("reward_fn.type=reward_model needs reward_fn.model_name")
     if cfg.actor.clip_ratio_c <= 1.0:
         raise ValueError(f"actor.clip_ratio_c must be > 1 (dual clip), got {cfg.actor.clip_ratio_c}")
-    if algo == "remax":
-        raise ValueError("algorithm.type=remax is not supported by the trainer yet (it needs a greedy baseline "
-                         "rollout per prompt); the estimator is available as verl_fast.compute_remax_advantage")
+    if algo == "online_dpo" and cfg.rollout.n < 2:
+        raise ValueError(f"algorithm.type=online_dpo is not supported with rollout.n={cfg.rollout.n}: a pair needs "
+                         "two sampled responses per prompt; use rollout.n >= 2")
 
 
 def default_config_path() -> Path:
-    """The embedded default run (SPEC.md): GRPO on SmolLM2-135M-Instruct with reasoning-gym chain_sum."""
+    """The embedded default run: GRPO on SmolLM2-135M-Instruct with reasoning-gym chain_sum."""
     return Path(__file__).resolve().parent / "configs" / "default.yaml"

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg.rollout.type in ("auto", "vllm"):
         from verl_fast.rollout import vllm_env
 
-        vllm_env.configure_vllm_env()  # the launcher's job (STYLE.md): before vLLM is imported
+        vllm_env.configure_vllm_env()  # the launcher's job, not a constructor's: before vLLM is imported
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its per-step INFO lines drown the progress bar
     dist = _distributed(cfg)
     import torch

@@ -1,6 +1,6 @@
 """Advantage estimators over ``[B, T]`` token tensors, computed by the compiled core.
 
-Semantics follow verl's ``core_algos`` (SPEC.md): GAE with masks that may have holes, GRPO /
+Semantics follow verl's ``core_algos`` (the field's reference, so results compare): GAE with masks that may have holes, GRPO /
 Dr.GRPO, RLOO, REINFORCE++, REINFORCE++-baseline and ReMax. Inputs are CPU or CUDA tensors in
 float32 / bfloat16 / float16 (float64 accepted), any strides; outputs are new float32 tensors on
 the input's device. The CPU path runs C++ threads over the batch; the CUDA path runs one fused scan
@@ -99,9 +99,11 @@ def compute_reinforce_pp_advantage(
     *,
     check: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++: discounted returns (reset after each masked-out position), whitened over the mask.
+    """REINFORCE++: discounted returns over the masked positions, whitened over the mask.
 
-    Returns ``(advantages, returns)``; advantages are 0 outside the mask.
+    ``G_t = r_t + gamma*G_{t+1}`` where the mask is set; masked-out positions inside a response
+    (multi-turn observation spans) carry the running return through unchanged (no reward added, no
+    discount). Returns ``(advantages, returns)``, both 0 outside the mask.
     """
     r = V.float_2d(token_level_rewards, "token_level_rewards")
     V.device_supported(r, "token_level_rewards")

@@ -4,8 +4,12 @@ Algorithms, chosen once from ``config.algorithm.type``:
 - grpo, drgrpo, rloo, reinforce_pp, reinforce_pp_baseline: the outcome reward sits on each
   response's last token; advantages come from the named estimator (group baselines over the
   ``rollout.n`` samples of a prompt); PPO-clip policy loss; no critic.
+- remax: one greedy response per prompt is scored too; its reward is the baseline of the prompt's
+  samples (trainer/remax.py); PPO-clip policy loss; no critic.
 - ppo: a critic (value head) estimates values; GAE advantages; clipped policy and value losses.
 - dpo: offline chosen/rejected pairs, no rollout (trainer/dpo.py).
+- online_dpo: ``rollout.n >= 2`` samples per prompt, scored by the reward; each prompt's best and
+  worst sample train DPO in the same step (trainer/online_dpo.py).
 KL against the reference model goes either into the reward (``algorithm.use_kl_in_reward``,
 ``kl_penalty``, ``kl_coef``) or into the loss (``actor.use_kl_loss``, ``kl_loss_type``,
 ``kl_loss_coef``). Losses aggregate with ``actor.loss_agg_mode`` over the whole mini-batch
@@ -29,7 +33,7 @@ import torch.distributed as dist
 
 from verl_fast import config as config_mod
 from verl_fast.algos.advantage import AdvantageInput, get_estimator
-from verl_fast.algos.losses import agg_loss, entropy_loss, kl_penalty, policy_loss, value_loss
+from verl_fast.algos.losses import active_rows, agg_loss, entropy_loss, kl_penalty, policy_loss, value_loss
 from verl_fast.config import Config
 from verl_fast.data import PromptRow, RLDataProcessor
 from verl_fast.metrics import MetricsLogger
@@ -41,7 +45,7 @@ from verl_fast.rewards import RewardInput, build_reward
 from verl_fast.rollout.base import RolloutEngine, SamplingSpec
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 from verl_fast.rollout.operator import RolloutOperator
-from verl_fast.trainer import checkpoint, dpo
+from verl_fast.trainer import checkpoint, dpo, online_dpo, remax
 from verl_fast.trainer.experience import Experience, build_experience, last_token_rewards
 
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -81,6 +85,12 @@ class RLTrainer:
             raise ValueError("with several processes the actor must be FSDP-wrapped (fully_shard or "
                              "FullyShardedDataParallel) so that gradients are reduced across ranks")
         self.device = self._place(actor_model)
+        if self.algorithm in ("dpo", "online_dpo"):
+            if self.algorithm == "online_dpo" and self.world > 1:
+                raise ValueError("algorithm.type=online_dpo is not supported with several processes (ranks would "
+                                 "keep different numbers of pairs); use one process, or dpo with a pairs dataset")
+            dpo.configure(cfg, self.world)
+        self._step = {"dpo": self._dpo_step, "online_dpo": self._online_dpo_step}.get(self.algorithm, self._rl_step)
         self.autocast_dtype = AUTOCAST.get(cfg.actor.autocast)
         if cfg.actor.gradient_checkpointing:
             hf_module(actor_model).gradient_checkpointing_enable()
@@ -214,7 +224,7 @@ class RLTrainer:
             while self.step < total:
                 batch = self._batch(items, self.step, per_epoch)
                 start = time.perf_counter()
-                metrics = self._dpo_step(batch) if self.algorithm == "dpo" else self._rl_step(batch)
+                metrics = self._step(batch)
                 self.step += 1
                 metrics.update(step=self.step, **{"time/step": time.perf_counter() - start})
                 logger.log(metrics)
@@ -275,16 +285,19 @@ class RLTrainer:
         seed = cfg.rollout.seed * 1_000_003 + self.step * 997 + self.rank * 7919
         with self._autocast():
             gen = self.rollout.rollout(batch, seed=seed)
+            greedy = remax.greedy_rollout(self.rollout, batch) if self.algorithm == "remax" else None
         self.engine.sleep()
         metrics["time/generation"] = time.perf_counter() - start
         metrics.update({f"rollout/{k}": v for k, v in self.engine.metrics().items()})
         exp = build_experience(batch, gen, self.tokenizer.pad_token_id).to(self.device)
-        samples = [RewardInput(prompt=batch[i].prompt_text, response=text, ground_truth=batch[i].ground_truth,
-                               data_source=batch[i].data_source, extra_info=batch[i].extra_info)
-                   for i, text in zip(gen.prompt_index.tolist(), gen.texts)]
-        exp.scores = torch.tensor(self.reward(samples), dtype=torch.float32, device=self.device)
+        exp.scores = self._score(batch, gen)
         metrics["reward/errors"] = float(getattr(self.reward, "last_errors", 0))  # zeroed by reward_fn.on_error
         metrics["data/skipped_overlong"] = float(self.processor.skipped_overlong)
+        baselines = None
+        if greedy is not None:  # ReMax: each sample's baseline is its prompt's greedy reward
+            greedy_scores = self._score(batch, greedy)  # [P]: one per prompt, in prompt order
+            baselines = greedy_scores[exp.prompt_index]
+            metrics["reward/greedy_baseline"] = greedy_scores.mean().item()
         exp.token_level_rewards = last_token_rewards(exp.scores, exp.response_mask)
         a = cfg.actor
         needs_old = a.ppo_epochs > 1 or (a.ppo_mini_batch_size or exp.num_sequences) < exp.num_sequences \
@@ -301,8 +314,8 @@ class RLTrainer:
             exp.values = self._values(exp)
         exp.advantages, exp.returns = self.estimator(AdvantageInput(
             token_level_rewards=exp.token_level_rewards, response_mask=exp.response_mask,
-            index=exp.prompt_index, values=exp.values, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
-            epsilon=cfg.algorithm.epsilon))
+            index=exp.prompt_index, values=exp.values, reward_baselines=baselines, gamma=cfg.algorithm.gamma,
+            lam=cfg.algorithm.lam, epsilon=cfg.algorithm.epsilon))
         lengths = exp.response_mask.sum(-1).float()
         metrics.update({
             "reward/mean": exp.scores.mean().item(),
@@ -312,6 +325,13 @@ class RLTrainer:
             "advantages/abs_mean": exp.advantages.abs().mean().item(),
         })
         return exp
+
+    def _score(self, batch: List[PromptRow], gen: Any) -> torch.Tensor:
+        """The reward of each generated sample, ``[N]`` float32 on the trainer's device."""
+        samples = [RewardInput(prompt=batch[i].prompt_text, response=text, ground_truth=batch[i].ground_truth,
+                               data_source=batch[i].data_source, extra_info=batch[i].extra_info)
+                   for i, text in zip(gen.prompt_index.tolist(), gen.texts)]
+        return torch.tensor(self.reward(samples), dtype=torch.float32, device=self.device)
 
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, exp: Experience) -> torch.Tensor:
@@ -409,8 +429,8 @@ class RLTrainer:
         loss.backward()
         # the losses above are this micro-batch's shares of the mini-batch loss: report them at the
         # scale of a whole batch (the caller averages micro-batches weighted by tokens)
-        share = (float(sub.response_mask.sum()) / max(counts["num_tokens"], 1.0) if a.loss_agg_mode == "token-mean"
-                 else sub.num_sequences / max(counts["num_seqs"], 1.0))
+        share = (float(sub.response_mask.sum()) / max(counts["num_tokens"], 1.0) if a.loss_agg_mode.startswith("token")
+                 else float(active_rows(sub.response_mask)) / max(counts["num_seqs"], 1.0))
         for k in ("pg_loss", "entropy", "kl"):
             if k in out:
                 out[k] = out[k] / max(share, 1e-9)
@@ -457,9 +477,25 @@ class RLTrainer:
         self.actor.train()
         metrics = dpo.step(self.actor, self.ref, batch, pad_id=self.tokenizer.pad_token_id, device=self.device,
                            autocast=self._autocast, algorithm=self.cfg.algorithm,
-                           micro_batch_size=self.cfg.actor.micro_batch_size)
+                           pairs_per_micro_batch=dpo.pairs_per_micro_batch(self.cfg))
         metrics["actor/grad_norm"] = self._optimizer_step(self.actor, self.optimizer, self.cfg.actor.max_grad_norm)
         return _reduce(metrics, self.world)
+
+    def _online_dpo_step(self, batch: List[PromptRow]) -> Dict[str, Any]:
+        """Sample, score, pair each prompt's best with its worst sample, one DPO update."""
+        start = time.perf_counter()
+        self.engine.wake_up()
+        with self._autocast():
+            gen = self.rollout.rollout(batch, seed=self.cfg.rollout.seed * 1_000_003 + self.step * 997)
+        self.engine.sleep()
+        scores = self._score(batch, gen)
+        pairs = online_dpo.best_worst_pairs(batch, gen, scores)
+        metrics: Dict[str, Any] = {"time/generation": time.perf_counter() - start, "reward/mean": scores.mean().item(),
+                                   "dpo/pairs": len(pairs)}
+        if pairs:  # no pair (every prompt's samples tied): no update, the engine keeps its weights
+            metrics.update(self._dpo_step(pairs))
+            self._sync_engine()
+        return metrics
 
     # ------------------------------------------------------------------ checkpoints
 
