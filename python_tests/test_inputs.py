@@ -28,6 +28,7 @@ from verl_fast.trainer.rl_trainer import RLTrainer
     ("actor.entropy_coeff=-.inf", "actor.entropy_coeff must be a finite number, got -inf"),
     ("actor.lr=nan", "actor.lr must be a finite number, got nan"),
     ("algorithm.gamma=abc", "algorithm.gamma must be a number, got 'abc'"),
+    ("trainer.seed=100000000000000000000", "trainer.seed must fit in int64"),
 ])
 def test_config_rejects_non_finite_values_naming_the_key(tmp_path, override, message):
     path = tmp_path / "c.yaml"

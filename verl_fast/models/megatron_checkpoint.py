@@ -253,6 +253,9 @@ def load_megatron_checkpoint(checkpoint_path: str, tp_size: Optional[int] = None
     omitted; ``torch_dist`` holds global tensors, so they are not needed). ``config`` (an HF config
     or a ModelSpec) gives the architecture; without it Megatron-LM's saved ``args`` are used.
     ``names="checkpoint"`` gives MoE experts one tensor each, as HF checkpoint files name them.
+    The files are loaded as data only: ``torch.load(weights_only=True)`` with an allowlist
+    (argparse.Namespace, numpy RNG arrays, io.BytesIO, megatron-core's enums as inert stand-ins);
+    a pickle holding anything else (code to run) is refused with a ValueError naming the file.
     """
     path = resolve_iteration_dir(os.fspath(checkpoint_path))
     if is_torch_dist(path):
