@@ -228,6 +228,8 @@ def _check_value(value: Any, annotation: Any, meta: Dict[str, Any], key: str) ->
     elif annotation is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{key} must be an integer, got {value!r}")
+        if not -(2**63) <= value < 2**63:
+            raise ValueError(f"{key} must fit in int64, got {value!r}")
     elif annotation is float:
         if isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
             try:
