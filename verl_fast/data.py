@@ -22,6 +22,27 @@ class PromptRow:
     ground_truth: Any = None
     data_source: str = ""
     extra_info: Dict[str, Any] = field(default_factory=dict)
+    columns: Dict[str, Any] = field(default_factory=dict)  # every field of the source row, as given
+
+
+class PromptBatch(list):
+    """The prompts of one rollout call, as ``RolloutOperator.get_generation_kwargs`` sees them: a list
+    of PromptRow (``batch[0]``, ``for row in batch``) that also answers column access:
+    ``batch["task_type"]`` is that field of every row, in order (any column of the source rows, or a
+    PromptRow attribute such as ``data_source``)."""
+
+    def __getitem__(self, key):
+        if not isinstance(key, str):
+            return super().__getitem__(key)
+        values = []
+        for i, row in enumerate(self):
+            if key in row.columns:
+                values.append(row.columns[key])
+            elif key in PromptRow.__dataclass_fields__ and key != "columns":
+                values.append(getattr(row, key))
+            else:
+                raise KeyError(f"batch[{key!r}]: row {i} has no column {key!r}; its columns: {sorted(row.columns)}")
+        return values
 
 
 @dataclass
@@ -45,6 +66,25 @@ def _to_plain(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_to_plain(v) for v in x]
     return x
+
+
+def _load_torch_rows(path: Path) -> List[Any]:
+    """A ``torch.save``d list of rows (dicts), PromptRow or PreferencePair (what ``encode_all`` /
+    ``build_dpo_dataset`` return), read with ``weights_only=True``: plain containers and those two
+    classes unpickle, anything else is refused (a dataset file is data, never code)."""
+    import pickle
+
+    import torch
+
+    try:
+        with torch.serialization.safe_globals([PromptRow, PreferencePair]):
+            data = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"dataset {path}: refused to unpickle it ({str(e).splitlines()[-1][:200]}); a .pt "
+                         "dataset may hold only a list of dicts, PromptRow or PreferencePair") from None
+    if not isinstance(data, (list, tuple)):
+        raise ValueError(f"dataset {path} must hold a list of rows, got {type(data).__name__}")
+    return [r if isinstance(r, (PromptRow, PreferencePair)) else dict(r) for r in data]
 
 
 class RLDataProcessor:
@@ -94,10 +134,7 @@ class RLDataProcessor:
                 data = json.loads(path.read_text())
                 return data if isinstance(data, list) else [data]
             if path.suffix in (".pt", ".pth"):
-                import torch
-
-                data = torch.load(path, weights_only=False)
-                return [dict(r) for r in data]
+                return _load_torch_rows(path)
             raise ValueError(f"unsupported dataset file {path.name}: use .parquet, .jsonl, .json or .pt")
         if hasattr(source, "column_names") and hasattr(source, "__iter__"):  # datasets.Dataset
             return [dict(r) for r in source]
@@ -150,7 +187,7 @@ class RLDataProcessor:
             truth = row.get("ground_truth", row.get("answer"))
         return PromptRow(prompt_ids=self._truncate(ids, self.max_prompt_length, "a prompt"), prompt_text=text,
                          ground_truth=truth, data_source=str(row.get("data_source", "")),
-                         extra_info=dict(row.get("extra_info") or {}))
+                         extra_info=dict(row.get("extra_info") or {}), columns=dict(row))
 
     def encode_all(self, rows: Iterable[Dict[str, Any]]) -> List[PromptRow]:
         return [self.encode(r) for r in rows]

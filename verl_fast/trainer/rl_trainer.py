@@ -35,7 +35,7 @@ from verl_fast import config as config_mod
 from verl_fast.algos.advantage import AdvantageInput, get_estimator
 from verl_fast.algos.losses import active_rows, agg_loss, entropy_loss, kl_penalty, policy_loss, value_loss
 from verl_fast.config import Config
-from verl_fast.data import PromptRow, RLDataProcessor
+from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
 from verl_fast.metrics import MetricsLogger
 from verl_fast.trainer.batching import make_micro_batches
 from verl_fast.models.logprobs import response_logprobs
@@ -164,12 +164,17 @@ class RLTrainer:
             from verl_fast.rollout.vllm_compat import in_process_mode
 
             kind = "vllm" if vllm_available() and in_process_mode() and not is_sharded(self.actor) else "hf"
+        r = self.cfg.rollout
+        peft = hasattr(self.actor, "peft_config")
+        if r.quantization and (kind == "hf" or not peft):
+            raise ValueError(f"rollout.quantization={r.quantization} is not supported with " + (
+                "HF generate rollout (it runs the actor's own weights); use rollout.type=vllm" if kind == "hf" else
+                "a full-weight actor: the engine's quantized weights cannot take the trainer's updates; train a "
+                "LoRA (PEFT) actor on the quantized base, whose adapter is what moves, or drop rollout.quantization"))
         if kind == "hf":
             return HFGenerateEngine(self.actor, self.tokenizer, autocast_dtype=self.autocast_dtype)
         from verl_fast.rollout.vllm_engine import VLLMInferenceEngine
 
-        r = self.cfg.rollout
-        peft = hasattr(self.actor, "peft_config")
         self._engine_synced = self._engine_synced and not peft  # the adapter goes in at the first step
         if peft and model_path is None:
             raise ValueError("a PEFT actor with rollout.type=vllm needs model_path (the base model's folder); "
@@ -187,7 +192,8 @@ class RLTrainer:
             str(model_path), tensor_parallel_size=r.tensor_parallel_size, dtype=dtype,
             gpu_memory_utilization=r.gpu_memory_utilization, enable_prefix_caching=r.enable_prefix_caching,
             max_num_seqs=r.max_num_seqs, max_model_len=max_len, enable_chunked_prefill=r.enable_chunked_prefill,
-            seed=r.seed, enable_sleep_mode=None if r.enable_sleep_mode else False, enable_lora=peft)
+            seed=r.seed, enable_sleep_mode=None if r.enable_sleep_mode else False, enable_lora=peft,
+            **({"quantization": r.quantization} if r.quantization else {}))
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -211,6 +217,10 @@ class RLTrainer:
             items = rows if _is_prepared(rows) else self.processor.encode_all(rows)
         if not items:
             raise ValueError("the dataset is empty")
+        want = PreferencePair if self.algorithm == "dpo" else PromptRow
+        if not isinstance(items[0], want):
+            raise ValueError(f"algorithm.type={self.algorithm} trains on {want.__name__} items, but the dataset "
+                             f"holds {type(items[0]).__name__}")
         if cfg.train_batch_size % self.world:
             raise ValueError(f"trainer.train_batch_size={cfg.train_batch_size} must be a multiple of the "
                              f"number of processes ({self.world}) so that every rank gets the same share")
