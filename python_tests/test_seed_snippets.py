@@ -1,6 +1,5 @@
 """The seeds' snippets as users copy them (package name changed), on tiny local models."""
 
-import pickle
 
 import pytest
 import torch
@@ -51,8 +50,7 @@ class Payload:
 
 
 def test_pt_dataset_refuses_arbitrary_objects(tiny_path, tmp_path):
-    with open(tmp_path / "evil.pt", "wb") as f:
-        pickle.dump([Payload()], f)
+    torch.save([Payload()], tmp_path / "evil.pt")
     processor = RLDataProcessor(tokenizer_name=str(tiny_path))
     with pytest.raises(ValueError, match="refused to unpickle"):
         processor.load(str(tmp_path / "evil.pt"))

@@ -1,9 +1,9 @@
 """Typed run configuration: YAML sections ``actor``, ``critic``, ``rollout``, ``reward_fn``,
-``algorithm``, ``trainer`` (the shape of seed 002 section 3.3), validated once at start-up.
+``algorithm``, ``trainer``, validated once at start-up.
 
 Unknown keys, wrong types, out-of-range values and unsupported combinations fail with a message
 that names the key and what is allowed. ``--set section.key=value`` overrides go through the same
-checks. Seed 002's spellings are accepted: ``actor: {type: vllm, tensor_parallel_size: ...}`` selects
+checks. Older spellings, common in existing configs, are accepted: ``actor: {type: vllm, tensor_parallel_size: ...}`` selects
 and configures the rollout engine; ``trainer: {learning_rate, max_grad_norm,
 per_device_train_batch_size, gradient_accumulation_steps}`` set the actor's optimiser and batching.
 """
@@ -11,6 +11,7 @@ per_device_train_batch_size, gradient_accumulation_steps}`` set the actor's opti
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,8 @@ from typing import Any, Dict, List, Optional, Union
 
 from verl_fast.algos.advantage import ESTIMATORS, GROUP_ESTIMATORS
 from verl_fast.algos.losses import AGG_MODES, KL_KINDS
+from verl_fast.data import OVERLONG_PROMPTS
+from verl_fast.rewards.base import ON_ERROR
 
 
 def _f(default, *, choices=None, min=None, max=None, doc: str = ""):
@@ -36,7 +39,7 @@ ADVANTAGE_OF = {"ppo": "gae", "dpo": None, "online_dpo": None, **{a: a for a in 
 @dataclass
 class ActorConfig:
     model_name: Optional[str] = _f(None, doc="HF folder or the demo name 'smollm2-135m-instruct'")
-    type: str = _f("hf", choices=("hf", "hf_transformers", "vllm"), doc="seed 002 form: vllm = rollout.type")
+    type: str = _f("hf", choices=("hf", "hf_transformers", "vllm"), doc="older spelling: vllm sets rollout.type")
     dtype: str = _f("float32", choices=DTYPES)
     autocast: str = _f("none", choices=("none", "bfloat16", "float16"), doc="autocast for forward passes")
     lr: float = _f(1e-6, min=0.0)
@@ -63,7 +66,7 @@ class ActorConfig:
     attn_implementation: Optional[str] = _f(None, choices=ATTN_IMPLEMENTATIONS,
                                             doc="None: transformers' default; flash_attention_2 needs flash-attn")
     skip_zero_advantage: bool = _f(True, doc="leave samples whose advantages are all 0 out of the backward")
-    # seed 002 form: rollout-engine settings written in the actor section (copied to rollout)
+    # older spelling: rollout-engine settings written in the actor section (copied to rollout)
     model_path: Optional[str] = _f(None, doc="alias of model_name")
     tensor_parallel_size: Optional[int] = _f(None, min=1)
     enable_prefix_caching: Optional[bool] = _f(None)
@@ -129,6 +132,8 @@ class RewardConfig:
     trust_remote_code: bool = _f(False, doc="reward model: let transformers run the model folder's own code")
     attn_implementation: Optional[str] = _f(None, choices=ATTN_IMPLEMENTATIONS,
                                             doc="None: transformers' default; flash_attention_2 needs flash-attn")
+    on_error: str = _f("raise", choices=ON_ERROR, doc="a sample whose scoring fails: raise, or score 0 "
+                       "(counted as reward/errors)")
 
 
 @dataclass
@@ -159,10 +164,13 @@ class TrainerConfig:
     dataset_kwargs: Dict[str, Any] = _f(dict)
     system_prompt: Optional[str] = _f(None)
     max_prompt_length: int = _f(512, min=1)
+    overlong_prompts: str = _f("skip", choices=OVERLONG_PROMPTS, doc="prompts over max_prompt_length: skip "
+                               "(counted as data/skipped_overlong), error, or truncate_left (the reward sees the "
+                               "kept text)")
     progress_bar: bool = _f(True)
     metrics_port: Optional[int] = _f(None, min=0, max=65535)
     plot: bool = _f(True, doc="reward-curve PNG at the end")
-    # seed 002 form
+    # older spellings of actor settings (copied to the actor section)
     per_device_train_batch_size: Optional[int] = _f(None, min=1, doc="alias: actor.micro_batch_size")
     gradient_accumulation_steps: Optional[int] = _f(None, min=1)
     learning_rate: Optional[float] = _f(None, min=0.0, doc="alias: actor.lr")
@@ -177,6 +185,13 @@ class Config:
     reward_fn: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the run uses a reference model: KL in the loss or in the reward, or DPO that is
+        not reference-free."""
+        return (self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+                or (self.algorithm.type in ("dpo", "online_dpo") and not self.reward_fn.reference_free))
 
     @property
     def advantage_estimator(self) -> Optional[str]:
@@ -212,6 +227,8 @@ def _check_value(value: Any, annotation: Any, meta: Dict[str, Any], key: str) ->
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{key} must be a number, got {value!r}")
         value = float(value)
+        if not math.isfinite(value):  # NaN passes every range check below
+            raise ValueError(f"{key} must be a finite number, got {value!r}")
     elif annotation is str:
         if not isinstance(value, str):
             raise ValueError(f"{key} must be a string, got {value!r}")
@@ -240,6 +257,24 @@ def _section(cls, data: Any, name: str):
             raise ValueError(f"unknown key {name}.{key}; allowed keys in {name}: {sorted(fields)}")
         values[key] = _check_value(value, hints[key], dict(fields[key].metadata), f"{name}.{key}")
     return cls(**values)
+
+
+def checked(cfg: Config) -> Config:
+    """A Config built in Python (not from YAML or a dict) checked as from_dict checks one: every
+    field's type, finiteness and range, then the combinations."""
+    if not isinstance(cfg, Config):
+        raise TypeError(f"config must be a Config, a mapping of sections or None, got {type(cfg).__name__}")
+    hints = typing.get_type_hints(Config)
+    for name in hints:
+        section = getattr(cfg, name)
+        if not isinstance(section, hints[name]):
+            raise ValueError(f"{name} must be a {hints[name].__name__}, got {type(section).__name__}")
+        types = typing.get_type_hints(hints[name])
+        for f in dataclasses.fields(section):
+            value = _check_value(getattr(section, f.name), types[f.name], dict(f.metadata), f"{name}.{f.name}")
+            setattr(section, f.name, value)
+    validate(cfg)
+    return cfg
 
 
 def from_dict(data: Optional[Dict[str, Any]]) -> Config:
@@ -341,5 +376,5 @@ def validate(cfg: Config) -> None:
 
 
 def default_config_path() -> Path:
-    """The embedded default run (SPEC.md): GRPO on SmolLM2-135M-Instruct with reasoning-gym chain_sum."""
+    """The embedded default run: GRPO on SmolLM2-135M-Instruct with reasoning-gym chain_sum."""
     return Path(__file__).resolve().parent / "configs" / "default.yaml"

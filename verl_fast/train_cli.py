@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg.rollout.type in ("auto", "vllm"):
         from verl_fast.rollout import vllm_env
 
-        vllm_env.configure_vllm_env()  # the launcher's job (STYLE.md): before vLLM is imported
+        vllm_env.configure_vllm_env()  # the launcher's job, not a constructor's: before vLLM is imported
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its per-step INFO lines drown the progress bar
     dist = _distributed(cfg)
     import torch
@@ -85,8 +85,7 @@ def run(args: argparse.Namespace) -> int:
     actor, tokenizer = load_causal_lm(cfg.actor.model_name, cfg.actor.dtype, **actor_kwargs)
     actor.to(device)
     ref = critic = None
-    if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward or (cfg.algorithm.type in ("dpo", "online_dpo")
-                                                                   and not cfg.reward_fn.reference_free):
+    if cfg.needs_reference:
         ref, _ = load_causal_lm(cfg.actor.model_name, cfg.actor.dtype, **actor_kwargs)
         ref.to(device)
     if cfg.algorithm.type == "ppo":

@@ -1,5 +1,5 @@
 // The advantage engine: reverse scans (GAE, REINFORCE++, ReMax) and group-baseline estimators
-// (GRPO / Dr.GRPO, RLOO, REINFORCE++-baseline). Semantics follow verl's core_algos; see SPEC.md.
+// (GRPO / Dr.GRPO, RLOO, REINFORCE++-baseline). Semantics follow verl's core_algos.
 //
 // Layers: this header holds the argument records and the per-element math shared by the CPU
 // (advantage.cpp) and CUDA (advantage.cu) paths; the launchers validate every argument, then run
@@ -79,7 +79,7 @@ enum class ScanKind : int { gae = 0, reinforce_pp = 1, remax = 2 };
   X(float, lam, 1.0f, "GAE lambda")                                                              \
   X(bool, whiten, true, "whiten the advantages over masked positions")                           \
   X(int, num_threads, 0, "CPU threads (0: all cores)")                                           \
-  X(uintptr_t, stream, 0, "cudaStream_t for CUDA tensors")
+  X(CudaStream, stream, {}, "torch.cuda.Stream for CUDA tensors (None: the default stream)")
 
 struct ScanArgs {
   VF_SCAN_ARGS_FIELDS(VF_RECORD_FIELD)
@@ -106,7 +106,7 @@ enum class GroupKind : int { grpo = 0, rloo = 1, reinforce_pp_baseline = 2 };
   X(bool, norm_by_std, true, "GRPO: divide by the group's std")                                  \
   X(bool, whiten, true, "reinforce_pp_baseline only")                                            \
   X(int, num_threads, 0, "CPU threads (0: all cores)")                                           \
-  X(uintptr_t, stream, 0, "cudaStream_t for CUDA tensors")
+  X(CudaStream, stream, {}, "torch.cuda.Stream for CUDA tensors (None: the default stream)")
 
 struct GroupArgs {
   VF_GROUP_ARGS_FIELDS(VF_RECORD_FIELD)

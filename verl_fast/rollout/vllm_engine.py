@@ -19,7 +19,8 @@ Choices:
   ``response_logprobs(..., temperature=T)`` computes for the actor when top-k / top-p are off.
   Pass ``logprobs_mode="raw_logprobs"`` for log-probs of the unscaled logits.
 - Speculative decoding and guided (structured) decoding are refused: RL rollout must sample from the
-  policy itself, and both change what is sampled or how (seed 000 section 5.3).
+  policy itself, and both change what is sampled or how, so the samples would no longer be the
+  policy's own.
 - Greedy requests with ``n > 1`` (which vLLM refuses) are sent as ``n`` requests of one sample.
 - Sleep mode: on CUDA / ROCm / XPU with ``enable_sleep_mode`` (on by default there) ``sleep()``
   releases the KV cache and offloads the weights (``sleep_level=1``) or discards them
@@ -64,13 +65,12 @@ def check_engine_kwargs(engine_kwargs: Dict[str, Any]) -> None:
             raise ValueError(
                 f"speculative decoding ({key}={engine_kwargs[key]!r}) is not supported for RL rollout: "
                 "the draft model proposes tokens and the log-probs no longer come from one forward of "
-                "the policy being trained; remove it (seed 000 section 5.3)")
+                "the policy being trained; remove it")
     for key in compat.GUIDED_KWARGS:
         if engine_kwargs.get(key) is not None:
             raise ValueError(
                 f"guided (structured) decoding ({key}) is not supported for RL rollout: it masks the "
-                "policy's distribution, so samples and log-probs are not the policy's; remove it "
-                "(seed 000 section 5.3)")
+                "policy's distribution, so samples and log-probs are not the policy's; remove it")
 
 
 class VLLMInferenceEngine(RolloutEngine):
@@ -239,7 +239,7 @@ class VLLMInferenceEngine(RolloutEngine):
                 raise ValueError(
                     f"guided (structured) decoding (SamplingParams.{field}) is not supported for RL "
                     "rollout: it masks the policy's distribution, so samples and log-probs are not the "
-                    "policy's (seed 000 section 5.3)")
+                    "policy's")
             return spec, 1
         if not isinstance(spec, SamplingSpec):
             raise TypeError(f"sampling must be SamplingSpec or vllm.SamplingParams, got {type(spec).__name__}")

@@ -10,7 +10,7 @@ x gradient_accumulation_steps x processes`` pairs (else ``trainer.train_batch_si
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Dict, List, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 
@@ -18,9 +18,6 @@ from verl_fast.algos.losses import dpo_loss
 from verl_fast.config import Config, CriticConfig
 from verl_fast.data import PreferencePair
 from verl_fast.models.logprobs import response_logprobs
-
-if TYPE_CHECKING:  # pragma: no cover
-    from verl_fast.trainer.rl_trainer import RLTrainer
 
 
 def pairs_per_micro_batch(cfg: Config) -> int:
@@ -71,23 +68,26 @@ def sequence_logprobs(model, ids, mask, response_mask, autocast) -> torch.Tensor
     return (logp.float() * response_mask).sum(-1)
 
 
-def step(trainer: "RLTrainer", pairs: List[PreferencePair]) -> Dict[str, float]:
-    cfg = trainer.cfg
+def step(actor: torch.nn.Module, ref: Optional[torch.nn.Module], pairs: List[PreferencePair], *, pad_id: int,
+         device: torch.device, autocast: Callable[[], ContextManager[Any]], algorithm: Any,
+         pairs_per_micro: int) -> Dict[str, float]:
+    """``algorithm``: the config's algorithm section (beta, loss_type, label_smoothing); without a
+    ``ref`` the loss is reference-free. ``pairs_per_micro``: pairs per forward/backward."""
     total = len(pairs)
-    size = pairs_per_micro_batch(cfg)
+    size = pairs_per_micro
     stats: Dict[str, float] = {"dpo/loss": 0.0, "dpo/reward_margin": 0.0, "dpo/reward_accuracy": 0.0}
     for start in range(0, total, size):
         chunk = pairs[start : start + size]
-        ids, mask, rmask = pair_tensors(chunk, trainer.tokenizer.pad_token_id, trainer.device)
-        policy = sequence_logprobs(trainer.actor, ids, mask, rmask, trainer._autocast)
-        if trainer.ref is not None:
+        ids, mask, rmask = pair_tensors(chunk, pad_id, device)
+        policy = sequence_logprobs(actor, ids, mask, rmask, autocast)
+        if ref is not None:
             with torch.no_grad():
-                ref = sequence_logprobs(trainer.ref, ids, mask, rmask, trainer._autocast)
+                reference = sequence_logprobs(ref, ids, mask, rmask, autocast)
         else:  # reference-free DPO
-            ref = torch.zeros_like(policy)
+            reference = torch.zeros_like(policy)
         B = len(chunk)
-        loss, s = dpo_loss(policy[:B], policy[B:], ref[:B], ref[B:], cfg.algorithm.beta, cfg.algorithm.loss_type,
-                           cfg.algorithm.label_smoothing)
+        loss, s = dpo_loss(policy[:B], policy[B:], reference[:B], reference[B:], algorithm.beta, algorithm.loss_type,
+                           algorithm.label_smoothing)
         (loss * B / total).backward()  # the mean over all pairs of the step
         stats["dpo/loss"] += loss.item() * B / total
         stats["dpo/reward_margin"] += float(s["reward_margin"]) * B / total

@@ -12,8 +12,8 @@ Algorithms, chosen once from ``config.algorithm.type``:
   worst sample train DPO in the same step (trainer/online_dpo.py).
 KL against the reference model goes either into the reward (``algorithm.use_kl_in_reward``,
 ``kl_penalty``, ``kl_coef``) or into the loss (``actor.use_kl_loss``, ``kl_loss_type``,
-``kl_loss_coef``). Losses aggregate with ``actor.loss_agg_mode`` over the whole mini-batch:
-micro-batches are scaled by its token (or sequence) count, so accumulation is exact.
+``kl_loss_coef``). Losses aggregate with ``actor.loss_agg_mode`` over the whole mini-batch
+(trainer/batching.py: micro-batches, DP balancing, the normalisers).
 
 Run it with ``verl-fast train --config c.yaml`` or ``RLTrainer(actor_model=..., tokenizer=...,
 reward_fn=..., config=...).fit(dataset)``.
@@ -37,17 +37,16 @@ from verl_fast.algos.losses import active_rows, agg_loss, entropy_loss, kl_penal
 from verl_fast.config import Config
 from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
 from verl_fast.metrics import MetricsLogger
-from verl_fast.trainer.batching import make_micro_batches
+from verl_fast.trainer.batching import balance_across_ranks, loss_normalisers, micro_batches
 from verl_fast.models.logprobs import response_logprobs
 from verl_fast.models.value import ValueModel, response_values
 from verl_fast.models.wrapping import hf_module, is_sharded
-from verl_fast.rewards import RewardInput, as_reward_function, build_reward
+from verl_fast.rewards import RewardInput, build_reward
 from verl_fast.rollout.base import RolloutEngine, SamplingSpec
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 from verl_fast.rollout.operator import RolloutOperator
 from verl_fast.trainer import checkpoint, dpo, online_dpo, remax
-from verl_fast.ops.schedule import balance_partitions
-from verl_fast.trainer.experience import Experience, build_experience, concat, last_token_rewards, micro_batches
+from verl_fast.trainer.experience import Experience, build_experience, last_token_rewards
 
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -72,7 +71,7 @@ class RLTrainer:
         a callable with verl's ``compute_score`` signature or a RewardFunction (else the config's).
         ``generation_config``: default sampling (SamplingSpec fields or HF names). ``model_path``:
         the actor's folder, which a vLLM engine loads (else the actor is saved to a temporary one)."""
-        self.cfg = config if isinstance(config, Config) else config_mod.from_dict(config or {})
+        self.cfg = config_mod.checked(config) if isinstance(config, Config) else config_mod.from_dict(config or {})
         cfg = self.cfg
         self.algorithm = cfg.algorithm.type
         self.actor = actor_model
@@ -81,6 +80,7 @@ class RLTrainer:
             tokenizer.pad_token = tokenizer.eos_token
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.dp_group = dist.group.WORLD if self.world > 1 else None  # the ranks that split the data
         if self.world > 1 and not is_sharded(actor_model):
             raise ValueError("with several processes the actor must be FSDP-wrapped (fully_shard or "
                              "FullyShardedDataParallel) so that gradients are reduced across ranks")
@@ -94,9 +94,7 @@ class RLTrainer:
         self.autocast_dtype = AUTOCAST.get(cfg.actor.autocast)
         if cfg.actor.gradient_checkpointing:
             hf_module(actor_model).gradient_checkpointing_enable()
-        self.uses_kl = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward or (
-            self.algorithm in ("dpo", "online_dpo") and not cfg.reward_fn.reference_free)
-        self.ref = self._reference(ref_model) if self.uses_kl else None
+        self.ref = self._reference(ref_model) if cfg.needs_reference else None
         self.critic = None
         if self.algorithm == "ppo":
             if critic_model is None:
@@ -110,7 +108,8 @@ class RLTrainer:
         self.critic_optimizer = (torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic.lr,
                                                    weight_decay=cfg.critic.weight_decay) if self.critic else None)
         self.processor = RLDataProcessor(tokenizer, cfg.trainer.max_prompt_length, cfg.rollout.max_new_tokens,
-                                         system_prompt=cfg.trainer.system_prompt)
+                                         system_prompt=cfg.trainer.system_prompt,
+                                         overlong_prompts=cfg.trainer.overlong_prompts)
         self.engine = rollout_engine
         self._engine_synced = rollout_engine is None and rollout_operator is None  # built from the actor below
         if rollout_operator is not None:
@@ -202,7 +201,7 @@ class RLTrainer:
 
     def update_reward_fn(self, reward_fn: Any) -> None:
         """Swaps the reward without a restart; the next step scores with it."""
-        self.reward = as_reward_function(reward_fn)
+        self.reward = build_reward(self.cfg.reward_fn, reward_fn)
 
     # ------------------------------------------------------------------ the loop
 
@@ -265,7 +264,8 @@ class RLTrainer:
         metrics: Dict[str, Any] = {}
         exp = self.make_experience(batch, metrics)
         if self.world > 1 and self.cfg.actor.balance_dp:
-            exp = self._balance_across_ranks(exp, metrics)
+            exp, balance = balance_across_ranks(exp, self.dp_group)
+            metrics.update(balance)
         metrics.update(self.update_actor(exp))
         if self.critic is not None:
             metrics.update(self.update_critic(exp))
@@ -285,21 +285,6 @@ class RLTrainer:
             self.engine.update_weights(checkpoint.full_state_dict(self.actor).items())
         return True
 
-    def _balance_across_ranks(self, exp: Experience, metrics: Dict[str, Any]) -> Experience:
-        """Redistributes the step's sequences over the data-parallel ranks so that each trains on a
-        nearly equal token count (Karmarkar-Karp on the sequences' lengths, equal counts). Advantages
-        were computed before, where each rank held whole prompt groups."""
-        local = exp.to(torch.device("cpu"))
-        parts: List[Experience] = [None] * self.world  # type: ignore[list-item]
-        dist.all_gather_object(parts, local)
-        everything = concat(parts)
-        lengths = everything.attention_mask.sum(-1)
-        plan = balance_partitions(lengths, self.world, equal_size=True)  # same plan on every rank
-        before = torch.stack([p.attention_mask.sum() for p in parts]).float()
-        metrics["dp/imbalance_before"] = float(before.max() / before.mean())
-        metrics["dp/imbalance_after"] = plan.report.imbalance
-        return everything.select(torch.as_tensor(plan[self.rank], dtype=torch.long)).to(self.device)
-
     # ------------------------------------------------------------------ experience
 
     def make_experience(self, batch: List[PromptRow], metrics: Dict[str, Any]) -> Experience:
@@ -316,6 +301,8 @@ class RLTrainer:
         metrics.update({f"rollout/{k}": v for k, v in self.engine.metrics().items()})
         exp = build_experience(batch, gen, self.tokenizer.pad_token_id).to(self.device)
         exp.scores = self._score(batch, gen)
+        metrics["reward/errors"] = float(getattr(self.reward, "last_errors", 0))  # zeroed by reward_fn.on_error
+        metrics["data/skipped_overlong"] = float(self.processor.skipped_overlong)
         baselines = None
         if greedy is not None:  # ReMax: each sample's baseline is its prompt's greedy reward
             greedy_scores = self._score(batch, greedy)  # [P]: one per prompt, in prompt order
@@ -385,16 +372,10 @@ class RLTrainer:
                size: Optional[int] = None) -> List[torch.Tensor]:
         """Micro-batches of ``rows``: by count, or under a token budget (``use_dynamic_bsz``)."""
         a = self.cfg.actor
-        if not a.use_dynamic_bsz:
-            size = size or (a.micro_batch_size if for_update else max(a.micro_batch_size, 16))
-            return micro_batches(rows, size)
-        if rows.numel() == 0:
-            return []
-        tokens = exp.attention_mask[rows].sum(-1).tolist()
-        # under FSDP every rank must run the same number of forwards: agree on one count
-        group = dist.group.WORLD if self.world > 1 else None
-        plan = make_micro_batches(tokens, a.max_token_len_per_gpu, layout="padded", dp_group=group)
-        return [rows[idx.to(rows.device)] for idx in plan.indices]
+        if a.use_dynamic_bsz:
+            return micro_batches(rows, exp.attention_mask.sum(-1), max_tokens=a.max_token_len_per_gpu,
+                                 group=self.dp_group)
+        return micro_batches(rows, size=size or (a.micro_batch_size if for_update else max(a.micro_batch_size, 16)))
 
     # ------------------------------------------------------------------ updates
 
@@ -418,7 +399,7 @@ class RLTrainer:
                 order = rows[torch.randperm(N, generator=g).to(self.device)]
             for start in range(0, N, mini):
                 mb = order[start : start + mini]
-                counts = self._counts(exp.response_mask[mb])
+                counts = loss_normalisers(exp.response_mask[mb], self.dp_group)
                 for idx in self._micro(exp, mb[active[mb]]):
                     stats = self._actor_micro_step(exp.select(idx), counts)
                     w = float(exp.response_mask[idx].sum())
@@ -433,18 +414,6 @@ class RLTrainer:
         out["actor/grad_norm"] = totals["grad_norm"] / steps
         out["actor/active_fraction"] = float(active.float().mean())
         return out
-
-    def _counts(self, response_mask: torch.Tensor) -> Dict[str, float]:
-        """The normalisers of a (mini-)batch's loss. With several ranks, the global counts divided by
-        the number of ranks: FSDP averages gradients over ranks, so each rank's sum over its tokens
-        divided by this gives the gradient of the global token (or sequence) mean exactly. Sequences
-        are the rows with at least one response token; token-sum is scaled by the rank count instead."""
-        counts = torch.tensor([float(response_mask.sum()), float(active_rows(response_mask))], dtype=torch.float64)
-        if self.world > 1:
-            counts = counts.to(self.device)
-            dist.all_reduce(counts)
-            counts = counts.cpu() / self.world
-        return {"num_tokens": float(counts[0]), "num_seqs": float(counts[1]), "dp_size": self.world}
 
     def _actor_micro_step(self, sub: Experience, counts: Dict[str, float]) -> Dict[str, float]:
         a = self.cfg.actor
@@ -496,7 +465,7 @@ class RLTrainer:
         c = self.cfg.critic
         N = exp.num_sequences
         rows = torch.arange(N, device=self.device)
-        counts = self._counts(exp.response_mask)
+        counts = loss_normalisers(exp.response_mask, self.dp_group)
         totals: Dict[str, float] = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
         self.critic.train()
         for _ in range(self.cfg.actor.ppo_epochs):
@@ -516,7 +485,9 @@ class RLTrainer:
 
     def _dpo_step(self, batch: List[Any]) -> Dict[str, Any]:
         self.actor.train()
-        metrics = dpo.step(self, batch)
+        metrics = dpo.step(self.actor, self.ref, batch, pad_id=self.tokenizer.pad_token_id, device=self.device,
+                           autocast=self._autocast, algorithm=self.cfg.algorithm,
+                           pairs_per_micro=dpo.pairs_per_micro_batch(self.cfg))
         metrics["actor/grad_norm"] = self._optimizer_step(self.actor, self.optimizer, self.cfg.actor.max_grad_norm)
         return _reduce(metrics, self.world)
 

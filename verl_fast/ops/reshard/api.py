@@ -91,6 +91,9 @@ def vllm_weights(model_or_state_dict: Union[torch.nn.Module, Mapping[str, torch.
     if isinstance(model_or_state_dict, torch.nn.Module):
         spec = model_spec(config if config is not None else model_or_state_dict)
         state = model_or_state_dict.state_dict()
+    elif not isinstance(model_or_state_dict, Mapping):
+        raise TypeError("model_or_state_dict must be a torch.nn.Module or a state dict (name -> tensor), got "
+                        f"{type(model_or_state_dict).__name__}")
     else:
         if config is None:
             raise ValueError("config (an HF config or a ModelSpec) is required with a state dict")
