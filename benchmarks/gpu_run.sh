@@ -7,7 +7,7 @@
 #   GPU_TESTS="python_tests/test_logprobs.py" SECTIONS=tests ...  # some test files only
 #   LOGPROB_CASES=logits SECTIONS=logprobs ...                     # one of the log-prob cases
 #
-# Sections: tests (every gpu-marked test), advantage, logprobs, reshard.
+# Sections: tests (every gpu-marked test), advantage, logprobs, reshard, dist (needs 2 GPUs).
 # That machine: H200(s), torch 2.11 + CUDA 13, Triton 3.6, Python 3.12, no vLLM / megatron-core, no
 # network: build with --no-build-isolation --no-deps; pure-Python wheels (liger-kernel for the
 # logprobs baseline) travel in .whl/ (carry it).
@@ -38,6 +38,14 @@ echo "build: $(( $(date +%s) - start )) s"
 if want tests; then
   "$py" -m pytest -m gpu -q -p no:cacheprovider ${GPU_TESTS:-python_tests} > "$OUT/pytest_gpu.log" 2>&1 || failed+=("pytest -m gpu")
   tail -n 15 "$OUT/pytest_gpu.log"
+fi
+
+# ---- dist (issue 12): the trainer under torchrun on 2 GPUs (NCCL): FSDP2 actor + reference from
+# the config, PPO with bf16 mixed precision + CPU offload + checkpointing; a few steps each ----
+if want dist; then
+  "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/test_trainer_scale.py > "$OUT/pytest_dist.log" 2>&1 \
+    || failed+=("pytest dist")
+  tail -n 15 "$OUT/pytest_dist.log"
 fi
 
 : >> "$OUT/bench.log"

@@ -31,6 +31,9 @@ def _f(default, *, choices=None, min=None, max=None, doc: str = ""):
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = (None, "eager", "sdpa", "flash_attention_2", "flex_attention")
+# How a model is trained over the ranks (trainer/sharding.py); auto: fsdp2 with several processes,
+# none (plain module) in one. megatron: the Megatron-core backend.
+STRATEGIES = ("auto", "fsdp2", "fsdp1", "none", "megatron")
 ALGORITHMS = ("grpo", "drgrpo", "ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "dpo", "online_dpo")
 # What each algorithm estimates its advantages with (dpo has none).
 ADVANTAGE_OF = {"ppo": "gae", "dpo": None, "online_dpo": None, **{a: a for a in ESTIMATORS}}
@@ -65,6 +68,10 @@ class ActorConfig:
     trust_remote_code: bool = _f(False, doc="actor and reference: let transformers run the model folder's own code")
     attn_implementation: Optional[str] = _f(None, choices=ATTN_IMPLEMENTATIONS,
                                             doc="None: transformers' default; flash_attention_2 needs flash-attn")
+    strategy: str = _f("auto", choices=STRATEGIES, doc="auto: fsdp2 under torchrun, none in one process")
+    mixed_precision: str = _f("none", choices=("none", "bfloat16"),
+                              doc="FSDP: bf16 parameters in forward/backward, fp32 gradient reduction")
+    cpu_offload: bool = _f(False, doc="FSDP: sharded parameters, gradients and optimizer state on the CPU")
     skip_zero_advantage: bool = _f(True, doc="leave samples whose advantages are all 0 out of the backward")
     # older spelling: rollout-engine settings written in the actor section (copied to rollout)
     model_path: Optional[str] = _f(None, doc="alias of model_name")
@@ -91,6 +98,11 @@ class CriticConfig:
     trust_remote_code: bool = _f(False, doc="let transformers run the model folder's own code")
     attn_implementation: Optional[str] = _f(None, choices=ATTN_IMPLEMENTATIONS,
                                             doc="None: transformers' default; flash_attention_2 needs flash-attn")
+    strategy: str = _f("auto", choices=STRATEGIES, doc="auto: fsdp2 under torchrun, none in one process")
+    mixed_precision: str = _f("none", choices=("none", "bfloat16"),
+                              doc="FSDP: bf16 parameters in forward/backward, fp32 gradient reduction")
+    cpu_offload: bool = _f(False, doc="FSDP: sharded parameters, gradients and optimizer state on the CPU")
+    gradient_checkpointing: bool = _f(False)
 
 
 @dataclass
@@ -188,8 +200,8 @@ class Config:
 
     @property
     def needs_reference(self) -> bool:
-        """Whether the run uses a reference model: KL in the loss or in the reward, or DPO that is
-        not reference-free."""
+        """Whether the run uses a reference model: KL in the loss or in the reward, or (online) DPO
+        that is not reference-free."""
         return (self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
                 or (self.algorithm.type in ("dpo", "online_dpo") and not self.reward_fn.reference_free))
 
@@ -373,6 +385,9 @@ def validate(cfg: Config) -> None:
     if algo == "online_dpo" and cfg.rollout.n < 2:
         raise ValueError(f"algorithm.type=online_dpo is not supported with rollout.n={cfg.rollout.n}: a pair needs "
                          "two sampled responses per prompt; use rollout.n >= 2")
+    for section in ("actor", "critic"):
+        if getattr(cfg, section).strategy == "megatron":
+            raise ValueError(f"{section}.strategy=megatron is not supported yet; use fsdp2, fsdp1 or none")
 
 
 def default_config_path() -> Path:

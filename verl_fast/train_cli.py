@@ -31,7 +31,9 @@ def resolve_config(args: argparse.Namespace) -> config_mod.Config:
 
 
 def _distributed(cfg: config_mod.Config):
-    """Under torchrun (WORLD_SIZE > 1): the process group, on NCCL with CUDA else gloo."""
+    """Under torchrun (WORLD_SIZE > 1): the process group, NCCL for CUDA tensors with CUDA (plus gloo
+    for the CPU tensors of offloaded shards), else gloo. Multi-node is the same call: torchrun sets
+    RANK / WORLD_SIZE / LOCAL_RANK and the rendezvous address."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
     import torch
@@ -40,18 +42,8 @@ def _distributed(cfg: config_mod.Config):
     cuda = cfg.trainer.device != "cpu" and torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
     return dist
-
-
-def _shard(model):
-    """FSDP2 over the decoder layers, then the whole model (the CLI's multi-process runs)."""
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in getattr(getattr(model, "model", model), "layers", []):
-        fully_shard(layer)
-    fully_shard(model)
-    return model
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,20 +76,14 @@ def run(args: argparse.Namespace) -> int:
     actor_kwargs = attention_kwargs(cfg.actor, "actor", cuda)
     actor, tokenizer = load_causal_lm(cfg.actor.model_name, cfg.actor.dtype, **actor_kwargs)
     actor.to(device)
-    ref = critic = None
-    if cfg.needs_reference:
-        ref, _ = load_causal_lm(cfg.actor.model_name, cfg.actor.dtype, **actor_kwargs)
-        ref.to(device)
+    critic = None  # the reference, when KL needs one, is built from the actor's weights
     if cfg.algorithm.type == "ppo":
         if not cfg.critic.model_name:
             raise SystemExit("algorithm.type=ppo needs critic.model_name")
         critic, _ = load_causal_lm(cfg.critic.model_name, cfg.critic.dtype, **attention_kwargs(cfg.critic, "critic", cuda))
         critic.to(device)
-    if dist is not None:
-        actor = _shard(actor)
-        if ref is not None:
-            ref = _shard(ref)
-    trainer = RLTrainer(actor_model=actor, tokenizer=tokenizer, ref_model=ref, critic_model=critic, config=cfg,
+    # the trainer shards the models as actor.strategy / critic.strategy say (FSDP2 under torchrun)
+    trainer = RLTrainer(actor_model=actor, tokenizer=tokenizer, critic_model=critic, config=cfg,
                         model_path=resolve(cfg.actor.model_name))
     kwargs: Dict[str, Any] = dict(cfg.trainer.dataset_kwargs)
     history = trainer.fit(cfg.trainer.dataset, **kwargs)

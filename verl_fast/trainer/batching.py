@@ -26,9 +26,9 @@ __all__ = ["loss_normalisers", "micro_batches", "balance_across_ranks"]
 
 def loss_normalisers(response_mask: torch.Tensor, group=None) -> Dict[str, float]:
     """The counts a (mini-)batch's losses divide by (see the module docstring): ``num_tokens``
-    (response tokens) and ``num_seqs`` (rows with at least one response token: an all-padding row
-    is no sequence), over ``group``'s ranks and divided by its size; ``dp_size``, the rank count,
-    multiplies token-sum instead."""
+    (response tokens) and ``num_seqs`` (rows with at least one response token), over ``group``'s
+    ranks and divided by its size; ``dp_size``, the rank count (token-sum, a plain sum, is multiplied
+    by it instead, to undo the averaging)."""
     tokens = float(response_mask.sum())
     seqs = float(active_rows(response_mask))
     if group is None:

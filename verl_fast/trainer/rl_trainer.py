@@ -22,7 +22,6 @@ reward_fn=..., config=...).fit(dataset)``.
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import tempfile
 import time
@@ -32,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from verl_fast import config as config_mod
-from verl_fast.algos.advantage import AdvantageInput, get_estimator
+from verl_fast import distributed
+from verl_fast.algos.advantage import BATCH_WHITENED, AdvantageInput, get_estimator
 from verl_fast.algos.losses import active_rows, agg_loss, entropy_loss, kl_penalty, policy_loss, value_loss
 from verl_fast.config import Config
 from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
@@ -41,6 +41,8 @@ from verl_fast.trainer.batching import balance_across_ranks, loss_normalisers, m
 from verl_fast.models.logprobs import response_logprobs
 from verl_fast.models.value import ValueModel, response_values
 from verl_fast.models.wrapping import hf_module, is_sharded
+from verl_fast.trainer import sharding
+from verl_fast.trainer.sharding import Sharding
 from verl_fast.rewards import RewardInput, build_reward
 from verl_fast.rollout.base import RolloutEngine, SamplingSpec
 from verl_fast.rollout.hf_engine import HFGenerateEngine
@@ -66,25 +68,24 @@ class RLTrainer:
         model_path: Optional[str] = None,
     ):
         """``actor_model``: any PreTrainedModel, or an FSDP-wrapped one (used as it is, never
-        re-wrapped). ``ref_model`` / ``critic_model`` may be of other families; without a
-        ``ref_model`` a frozen copy of the actor is the reference when KL is used. ``reward_fn``:
+        re-wrapped); plain models are sharded as ``actor.strategy`` / ``critic.strategy`` say
+        (FSDP2 under torchrun). ``ref_model`` / ``critic_model`` may be of other families; without a
+        ``ref_model`` a frozen copy of the actor, laid out as the actor is, is the reference when KL
+        is used. ``reward_fn``:
         a callable with verl's ``compute_score`` signature or a RewardFunction (else the config's).
         ``generation_config``: default sampling (SamplingSpec fields or HF names). ``model_path``:
         the actor's folder, which a vLLM engine loads (else the actor is saved to a temporary one)."""
         self.cfg = config_mod.checked(config) if isinstance(config, Config) else config_mod.from_dict(config or {})
         cfg = self.cfg
         self.algorithm = cfg.algorithm.type
-        self.actor = actor_model
         self.tokenizer = tokenizer
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.rank, self.world = distributed.rank(), distributed.world_size()
         self.dp_group = dist.group.WORLD if self.world > 1 else None  # the ranks that split the data
-        if self.world > 1 and not is_sharded(actor_model):
-            raise ValueError("with several processes the actor must be FSDP-wrapped (fully_shard or "
-                             "FullyShardedDataParallel) so that gradients are reduced across ranks")
-        self.device = self._place(actor_model)
+        actor_sharding = Sharding.from_config(cfg.actor, "actor", self.world)
+        self.device = sharding.compute_device(actor_sharding, cfg.trainer.device, actor_model)
+        self.actor = sharding.shard(actor_model, actor_sharding, self.device)
         if self.algorithm in ("dpo", "online_dpo"):
             if self.algorithm == "online_dpo" and self.world > 1:
                 raise ValueError("algorithm.type=online_dpo is not supported with several processes (ranks would "
@@ -92,18 +93,16 @@ class RLTrainer:
             dpo.configure(cfg, self.world)
         self._step = {"dpo": self._dpo_step, "online_dpo": self._online_dpo_step}.get(self.algorithm, self._rl_step)
         self.autocast_dtype = AUTOCAST.get(cfg.actor.autocast)
-        if cfg.actor.gradient_checkpointing:
-            hf_module(actor_model).gradient_checkpointing_enable()
-        self.ref = self._reference(ref_model) if cfg.needs_reference else None
+        self.ref = self._reference(ref_model, actor_sharding) if cfg.needs_reference else None
         self.critic = None
         if self.algorithm == "ppo":
             if critic_model is None:
                 raise ValueError("algorithm.type=ppo needs a critic: pass critic_model (or critic.model_name)")
-            self.critic = critic_model if isinstance(critic_model, ValueModel) else ValueModel(critic_model)
-            self.critic.to(self.device)
+            critic = critic_model if isinstance(critic_model, ValueModel) else ValueModel(critic_model)
+            self.critic = sharding.shard(critic, Sharding.from_config(cfg.critic, "critic", self.world), self.device)
         self.reward = build_reward(cfg.reward_fn, reward_fn)
         self.estimator = get_estimator(cfg.advantage_estimator) if cfg.advantage_estimator else None
-        self.optimizer = torch.optim.AdamW(actor_model.parameters(), lr=cfg.actor.lr,
+        self.optimizer = torch.optim.AdamW(self.actor.parameters(), lr=cfg.actor.lr,
                                            weight_decay=cfg.actor.weight_decay)
         self.critic_optimizer = (torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic.lr,
                                                    weight_decay=cfg.critic.weight_decay) if self.critic else None)
@@ -126,29 +125,12 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ setup helpers
 
-    def _place(self, model: torch.nn.Module) -> torch.device:
-        want = self.cfg.trainer.device
-        current = next(model.parameters()).device
-        if want == "auto" or is_sharded(model):
-            return current
-        target = torch.device(want)
-        if target.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("trainer.device=cuda but no CUDA device is visible")
-        if current.type != target.type:
-            model.to(target)
-        return next(model.parameters()).device
-
-    def _reference(self, ref_model: Optional[torch.nn.Module]) -> torch.nn.Module:
+    def _reference(self, ref_model: Optional[torch.nn.Module], actor_sharding: Sharding) -> torch.nn.Module:
+        """The given reference laid out as the actor is, else a frozen copy of the actor's weights."""
         if ref_model is None:
-            if is_sharded(self.actor):
-                raise ValueError("KL against a reference needs ref_model when the actor is FSDP-wrapped")
-            ref_model = copy.deepcopy(hf_module(self.actor))
-        if not is_sharded(ref_model):
-            ref_model.to(self.device)
-        ref_model.eval()
-        for p in ref_model.parameters():
-            p.requires_grad_(False)
-        return ref_model
+            return sharding.reference_from(self.actor, actor_sharding, self.device)
+        layout = Sharding(actor_sharding.strategy, actor_sharding.mixed_precision, actor_sharding.cpu_offload)
+        return sharding.freeze(sharding.shard(ref_model, layout, self.device))
 
     def _sampling_defaults(self, generation_config: Optional[Dict[str, Any]]) -> SamplingSpec:
         r = self.cfg.rollout
@@ -322,10 +304,13 @@ class RLTrainer:
             metrics["reward/kl_penalty"] = float((kl.sum() / exp.response_mask.sum().clamp(min=1)).item())
         if self.critic is not None:
             exp.values = self._values(exp)
+        whiten_over_ranks = self.world > 1 and cfg.advantage_estimator in BATCH_WHITENED
         exp.advantages, exp.returns = self.estimator(AdvantageInput(
             token_level_rewards=exp.token_level_rewards, response_mask=exp.response_mask,
             index=exp.prompt_index, values=exp.values, reward_baselines=baselines, gamma=cfg.algorithm.gamma,
-            lam=cfg.algorithm.lam, epsilon=cfg.algorithm.epsilon))
+            lam=cfg.algorithm.lam, epsilon=cfg.algorithm.epsilon, whiten=not whiten_over_ranks))
+        if whiten_over_ranks:
+            exp.advantages = _whiten_over_ranks(exp.advantages, exp.response_mask)
         lengths = exp.response_mask.sum(-1).float()
         metrics.update({
             "reward/mean": exp.scores.mean().item(),
@@ -390,7 +375,7 @@ class RLTrainer:
         active = exp.advantages.abs().sum(-1) > 0 if skip else torch.ones(N, dtype=torch.bool, device=self.device)
         mini = a.ppo_mini_batch_size or N
         totals: Dict[str, float] = {}
-        weight = 0.0
+        weight, norms = 0.0, 0.0
         self.actor.train()
         for epoch in range(a.ppo_epochs):
             order = rows
@@ -406,12 +391,15 @@ class RLTrainer:
                     for k, v in stats.items():
                         totals[k] = totals.get(k, 0.0) + v * w
                     weight += w
-                totals["grad_norm"] = totals.get("grad_norm", 0.0) + self._optimizer_step(
-                    self.actor, self.optimizer, a.max_grad_norm)
+                norms += self._optimizer_step(self.actor, self.optimizer, a.max_grad_norm)
+        if self.world > 1:  # weighted by every rank's tokens, as one process would weight them
+            keys = sorted(totals)
+            summed = distributed.all_reduce_numbers([totals[k] for k in keys] + [weight])
+            totals, weight = dict(zip(keys, summed[:-1])), summed[-1]
         steps = a.ppo_epochs * math.ceil(N / mini)
-        out = {f"actor/{k}": v / max(weight, 1e-9) for k, v in totals.items() if k != "grad_norm"}
+        out = {f"actor/{k}": v / max(weight, 1e-9) for k, v in totals.items()}
         out.setdefault("actor/pg_loss", 0.0)  # every advantage 0: the policy loss is exactly 0
-        out["actor/grad_norm"] = totals["grad_norm"] / steps
+        out["actor/grad_norm"] = norms / steps
         out["actor/active_fraction"] = float(active.float().mean())
         return out
 
@@ -487,7 +475,7 @@ class RLTrainer:
         self.actor.train()
         metrics = dpo.step(self.actor, self.ref, batch, pad_id=self.tokenizer.pad_token_id, device=self.device,
                            autocast=self._autocast, algorithm=self.cfg.algorithm,
-                           pairs_per_micro=dpo.pairs_per_micro_batch(self.cfg))
+                           pairs_per_micro_batch=dpo.pairs_per_micro_batch(self.cfg))
         metrics["actor/grad_norm"] = self._optimizer_step(self.actor, self.optimizer, self.cfg.actor.max_grad_norm)
         return _reduce(metrics, self.world)
 
@@ -513,8 +501,7 @@ class RLTrainer:
         state = {"history": self.history, "config": self.cfg.to_dict(), "torch_rng": torch.get_rng_state().tolist()}
         checkpoint.save(self.cfg.trainer.output_dir, self.step, self.actor, self.tokenizer, self.optimizer, state,
                         self.critic, self.critic_optimizer, is_main=self.rank == 0)
-        if self.world > 1:
-            dist.barrier()
+        distributed.barrier()
 
     def _resume(self, logger: MetricsLogger) -> None:
         if not self.cfg.trainer.resume:
@@ -540,6 +527,19 @@ def _reduce(metrics: Dict[str, Any], world: int) -> Dict[str, Any]:
     if world == 1:
         return metrics
     keys = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)))
-    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-    dist.all_reduce(values)
-    return {**metrics, **{k: v / world for k, v in zip(keys, values.tolist())}}
+    values = distributed.all_reduce_numbers([float(metrics[k]) for k in keys])
+    return {**metrics, **{k: v / world for k, v in zip(keys, values)}}
+
+
+def _whiten_over_ranks(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``values`` whitened with the masked mean and unbiased variance of every rank's tokens (what
+    one process whitening the whole batch computes), ``(v - mean) * rsqrt(var + 1e-8)``; zero where
+    ``mask`` is 0 (no loss reads those positions)."""
+    m = mask.to(torch.float64)
+    v = values.to(torch.float64) * m
+    n, s, s2 = distributed.all_reduce_numbers([float(m.sum()), float(v.sum()), float((v * v).sum())])
+    if n < 2:
+        raise ValueError(f"whitening needs at least 2 response tokens over all ranks, got {int(n)}")
+    mean = s / n
+    var = max((s2 - s * mean) / (n - 1), 0.0)
+    return ((values - mean) * (var + 1e-8) ** -0.5 * mask).to(values.dtype)
