@@ -53,14 +53,16 @@ def run(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         return 0
-    if cfg.trainer.dataset is None:
-        raise SystemExit("no dataset: set trainer.dataset in the config or pass --dataset_path")
     if cfg.rollout.type in ("auto", "vllm"):
         from verl_fast.rollout import vllm_env
 
         vllm_env.configure_vllm_env()  # the launcher's job, not a constructor's: before vLLM is imported
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its per-step INFO lines drown the progress bar
     dist = _distributed(cfg)
+    from verl_fast.trainer import run_dir
+
+    # folder, lock, port, loggers, dataset: checked before any model loads (the lock is held to the end)
+    rows = run_dir.precheck(cfg)
     import torch
 
     from verl_fast.models.loading import attention_kwargs, load_causal_lm, resolve
@@ -85,9 +87,9 @@ def run(args: argparse.Namespace) -> int:
     # the trainer shards the models as actor.strategy / critic.strategy say (FSDP2 under torchrun)
     trainer = RLTrainer(actor_model=actor, tokenizer=tokenizer, critic_model=critic, config=cfg,
                         model_path=resolve(cfg.actor.model_name))
-    kwargs: Dict[str, Any] = dict(cfg.trainer.dataset_kwargs)
-    history = trainer.fit(cfg.trainer.dataset, **kwargs)
-    if trainer.rank == 0:
+    history = trainer.fit(rows)
+    run_dir.release(cfg.trainer)
+    if trainer.rank == 0 and history:
         summarize(history, cfg.trainer.output_dir)
     if dist is not None:
         dist.destroy_process_group()

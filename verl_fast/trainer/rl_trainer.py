@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence, Union
 
@@ -45,9 +44,10 @@ from verl_fast.trainer import sharding
 from verl_fast.trainer.sharding import Sharding
 from verl_fast.rewards import RewardInput, build_reward
 from verl_fast.rollout.base import RolloutEngine, SamplingSpec
+from verl_fast.rollout.factory import build_engine
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 from verl_fast.rollout.operator import RolloutOperator
-from verl_fast.trainer import checkpoint, dpo, online_dpo, remax
+from verl_fast.trainer import checkpoint, dpo, online_dpo, perf, remax, run_dir
 from verl_fast.trainer.experience import Experience, build_experience, last_token_rewards
 
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -71,8 +71,8 @@ class RLTrainer:
         re-wrapped); plain models are sharded as ``actor.strategy`` / ``critic.strategy`` say
         (FSDP2 under torchrun). ``ref_model`` / ``critic_model`` may be of other families; without a
         ``ref_model`` a frozen copy of the actor, laid out as the actor is, is the reference when KL
-        is used. ``reward_fn``:
-        a callable with verl's ``compute_score`` signature or a RewardFunction (else the config's).
+        is used. ``reward_fn``: a callable with verl's ``compute_score`` signature or a
+        RewardFunction (else the config's).
         ``generation_config``: default sampling (SamplingSpec fields or HF names). ``model_path``:
         the actor's folder, which a vLLM engine loads (else the actor is saved to a temporary one)."""
         self.cfg = config_mod.checked(config) if isinstance(config, Config) else config_mod.from_dict(config or {})
@@ -110,18 +110,21 @@ class RLTrainer:
                                          system_prompt=cfg.trainer.system_prompt,
                                          overlong_prompts=cfg.trainer.overlong_prompts)
         self.engine = rollout_engine
-        self._engine_synced = rollout_engine is None and rollout_operator is None  # built from the actor below
+        self._engine_fresh = rollout_engine is None and rollout_operator is None  # built below from the actor
         if rollout_operator is not None:
             self.rollout, self.engine = rollout_operator, rollout_operator.engine
         elif self.algorithm != "dpo":
-            self.engine = rollout_engine or self._build_engine(model_path)
+            self.engine = rollout_engine or build_engine(cfg, self.actor, tokenizer, model_path, self.autocast_dtype)
             r = cfg.rollout
             waves = r.length_buckets == "on" or (r.length_buckets == "auto" and isinstance(self.engine, HFGenerateEngine))
+            waves = waves and not self.engine.collective  # ranks would make different numbers of calls
             budget = r.max_batch_tokens or r.max_num_seqs * (cfg.trainer.max_prompt_length + r.max_new_tokens)
             self.rollout = RolloutOperator(self.engine, self._sampling_defaults(generation_config),
                                            max_num_seqs=r.max_num_seqs, max_batch_tokens=budget if waves else None)
         self.step = 0
+        self.stopped = False  # set when a signal ended fit() early (after a checkpoint)
         self.history: List[Dict[str, Any]] = []
+        self.perf = perf.StepPerf(self.actor, self.device)
 
     # ------------------------------------------------------------------ setup helpers
 
@@ -137,44 +140,6 @@ class RLTrainer:
         base = SamplingSpec(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                             max_tokens=r.max_new_tokens)
         return SamplingSpec.from_kwargs(base, dict(generation_config or {}))
-
-    def _build_engine(self, model_path: Optional[str]) -> RolloutEngine:
-        kind = self.cfg.rollout.type
-        if kind == "auto":  # vLLM when installed and set up for this process (the CLI does that)
-            from verl_fast.rollout import vllm_available
-            from verl_fast.rollout.vllm_compat import in_process_mode
-
-            kind = "vllm" if vllm_available() and in_process_mode() and not is_sharded(self.actor) else "hf"
-        r = self.cfg.rollout
-        peft = hasattr(self.actor, "peft_config")
-        if r.quantization and (kind == "hf" or not peft):
-            raise ValueError(f"rollout.quantization={r.quantization} is not supported with " + (
-                "HF generate rollout (it runs the actor's own weights); use rollout.type=vllm" if kind == "hf" else
-                "a full-weight actor: the engine's quantized weights cannot take the trainer's updates; train a "
-                "LoRA (PEFT) actor on the quantized base, whose adapter is what moves, or drop rollout.quantization"))
-        if kind == "hf":
-            return HFGenerateEngine(self.actor, self.tokenizer, autocast_dtype=self.autocast_dtype)
-        from verl_fast.rollout.vllm_engine import VLLMInferenceEngine
-
-        self._engine_synced = self._engine_synced and not peft  # the adapter goes in at the first step
-        if peft and model_path is None:
-            raise ValueError("a PEFT actor with rollout.type=vllm needs model_path (the base model's folder); "
-                             "the adapter is pushed to the engine after each update")
-        if model_path is None:  # vLLM loads a folder: write the actor's current weights to one
-            self._engine_dir = tempfile.TemporaryDirectory(prefix="verl_fast_actor_")
-            model_path = self._engine_dir.name
-            hf_module(self.actor).save_pretrained(model_path, state_dict=checkpoint.full_state_dict(
-                self.actor), safe_serialization=True)
-            self.tokenizer.save_pretrained(model_path)
-        dtype = r.dtype if r.dtype != "auto" else (self.cfg.actor.autocast if self.autocast_dtype else
-                                                    self.cfg.actor.dtype)
-        max_len = r.max_model_len or (self.cfg.trainer.max_prompt_length + r.max_new_tokens)
-        return VLLMInferenceEngine(
-            str(model_path), tensor_parallel_size=r.tensor_parallel_size, dtype=dtype,
-            gpu_memory_utilization=r.gpu_memory_utilization, enable_prefix_caching=r.enable_prefix_caching,
-            max_num_seqs=r.max_num_seqs, max_model_len=max_len, enable_chunked_prefill=r.enable_chunked_prefill,
-            seed=r.seed, enable_sleep_mode=None if r.enable_sleep_mode else False, enable_lora=peft,
-            **({"quantization": r.quantization} if r.quantization else {}))
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -207,28 +172,57 @@ class RLTrainer:
                              f"number of processes ({self.world}) so that every rank gets the same share")
         per_epoch = max(1, len(items) // cfg.train_batch_size)
         total = cfg.total_steps or cfg.num_epochs * per_epoch
-        is_main = self.rank == 0
-        logger = MetricsLogger(cfg.output_dir, total, cfg.progress_bar, cfg.metrics_port, enabled=is_main)
-        self._resume(logger)
-        if not self._engine_synced or self.step > 0:  # a given engine, or weights restored from a checkpoint
-            self._sync_engine()
+        run_dir.claim(cfg)  # one writer per output_dir; an older run there is resumed, refused or cleared
+        logger = None
         try:
-            while self.step < total:
-                batch = self._batch(items, self.step, per_epoch)
-                start = time.perf_counter()
-                metrics = self._step(batch)
-                self.step += 1
-                metrics.update(step=self.step, **{"time/step": time.perf_counter() - start})
-                logger.log(metrics)
-                self.history = logger.history
-                if cfg.save_freq and self.step % cfg.save_freq == 0 and self.step < total:
-                    self.save()
-            self.save()
-            if cfg.plot:
-                logger.plot()
+            logger = MetricsLogger(cfg.output_dir, total, cfg.progress_bar, cfg.metrics_port, enabled=self.rank == 0,
+                                   host=cfg.metrics_host, loggers=cfg.loggers, run_config=self.cfg.to_dict())
+            with run_dir.StopSignals() as stop:  # SIGTERM / Ctrl-C: finish the step, checkpoint, return
+                self._resume(logger)
+                self._loop(items, per_epoch, total, logger, stop)
         finally:
-            logger.close()
+            if logger is not None:
+                logger.close()
+            run_dir.release(cfg)
         return self.history
+
+    def _loop(self, items: Sequence[Any], per_epoch: int, total: int, logger: MetricsLogger,
+              stop: "run_dir.StopSignals") -> None:
+        cfg = self.cfg.trainer
+        first = self.step
+        if self.engine is not None and (not self._engine_fresh or self.step > 0):  # given, or resumed
+            self._sync_engine({})
+        while self.step < total:
+            metrics = self.train_step(self._batch(items, self.step, per_epoch))
+            stopping = stop.requested()
+            if cfg.save_freq and self.step % cfg.save_freq == 0 and self.step < total and not stopping:
+                self.history = logger.history + [metrics]  # the checkpoint holds this step's metrics
+                checkpoint_start = time.perf_counter()
+                self.save(export_hf=cfg.hf_export == "every")
+                metrics["time/checkpoint"] = time.perf_counter() - checkpoint_start
+            logger.log(metrics)
+            self.history = logger.history
+            if stopping:
+                self.stopped = True
+                break
+        if self.step > first or checkpoint.latest_valid(cfg.output_dir, warn=lambda m: None) is None:
+            self.save(export_hf=cfg.hf_export == "every" or (cfg.hf_export == "final" and self.step >= total))
+        if self.stopped and self.rank == 0:
+            print(f"stopped after step {self.step} of {total}; the checkpoint is in "
+                  f"{checkpoint.checkpoint_root(cfg.output_dir)} (run again to resume)", flush=True)
+        elif cfg.plot:
+            logger.plot()
+
+    def train_step(self, batch: List[Any]) -> Dict[str, Any]:
+        """One optimiser step on this rank's share of a batch (encoded prompts, or preference pairs
+        for DPO): its metrics, with the time of each phase."""
+        start = time.perf_counter()
+        self.perf.begin()
+        metrics = self._step(batch)
+        self.step += 1
+        metrics.update(step=self.step, **{"time/step": time.perf_counter() - start})
+        metrics.update(perf.throughput(metrics))
+        return metrics
 
     def _batch(self, items: Sequence[Any], step: int, per_epoch: int) -> List[Any]:
         """This rank's share of the step's batch: a fixed permutation per epoch (seeded), so a resumed
@@ -248,69 +242,74 @@ class RLTrainer:
         if self.world > 1 and self.cfg.actor.balance_dp:
             exp, balance = balance_across_ranks(exp, self.dp_group)
             metrics.update(balance)
-        metrics.update(self.update_actor(exp))
+        with self.perf.phase("update_actor"):
+            metrics.update(self.update_actor(exp))
         if self.critic is not None:
-            metrics.update(self.update_critic(exp))
-        start = time.perf_counter()
-        if self._sync_engine():
-            metrics["time/weight_sync"] = time.perf_counter() - start
+            with self.perf.phase("update_critic"):
+                metrics.update(self.update_critic(exp))
+        if self.engine is not None and self.engine.owns_weights:
+            with self.perf.phase("weight_sync"):
+                self._sync_engine(metrics)
+        metrics.update(self.perf.figures())
         return _reduce(metrics, self.world)
 
-    def _sync_engine(self) -> bool:
-        """Pushes the actor's weights into an engine that keeps its own copy (in place)."""
-        self._engine_synced = True
-        if self.engine is None or not self.engine.owns_weights:
-            return False
-        if hasattr(self.actor, "peft_config") and hasattr(self.engine, "update_lora"):
-            self.engine.update_lora(self.actor)  # PEFT actor: only the adapter moves
-        else:
-            self.engine.update_weights(checkpoint.full_state_dict(self.actor).items())
-        return True
+    def _sync_engine(self, metrics: Dict[str, Any]) -> None:
+        """The engine generates with the actor's current weights from now on (collective); the bytes
+        this rank moved go into ``metrics`` (the step's phase timer times the call)."""
+        moved = self.engine.sync_from(self.actor)
+        if self.engine.owns_weights:
+            metrics["sync/bytes_per_rank"] = float(moved.get("bytes", 0))
 
     # ------------------------------------------------------------------ experience
 
     def make_experience(self, batch: List[PromptRow], metrics: Dict[str, Any]) -> Experience:
         """Rollout, rewards, old / reference log-probs and values, advantages."""
         cfg = self.cfg
-        start = time.perf_counter()
-        self.engine.wake_up()
-        seed = cfg.rollout.seed * 1_000_003 + self.step * 997 + self.rank * 7919
-        with self._autocast():
-            gen = self.rollout.rollout(batch, seed=seed)
-            greedy = remax.greedy_rollout(self.rollout, batch) if self.algorithm == "remax" else None
-        self.engine.sleep()
-        metrics["time/generation"] = time.perf_counter() - start
+        timed = self.perf.phase
+        with timed("generation"):
+            self.engine.wake_up()
+            seed = cfg.rollout.seed * 1_000_003 + self.step * 997 + self.rank * 7919
+            with self._autocast():
+                gen = self.rollout.rollout(batch, seed=seed)
+                greedy = remax.greedy_rollout(self.rollout, batch) if self.algorithm == "remax" else None
+            self.engine.sleep()
         metrics.update({f"rollout/{k}": v for k, v in self.engine.metrics().items()})
         exp = build_experience(batch, gen, self.tokenizer.pad_token_id).to(self.device)
-        exp.scores = self._score(batch, gen)
+        self.perf.count_step_tokens(exp.attention_mask)
+        with timed("reward"):
+            exp.scores = self._score(batch, gen)
+            baselines = None
+            if greedy is not None:  # ReMax: each sample's baseline is its prompt's greedy reward
+                greedy_scores = self._score(batch, greedy)  # [P]: one per prompt, in prompt order
+                baselines = greedy_scores[exp.prompt_index]
+                metrics["reward/greedy_baseline"] = greedy_scores.mean().item()
+            exp.token_level_rewards = last_token_rewards(exp.scores, exp.response_mask)
         metrics["reward/errors"] = float(getattr(self.reward, "last_errors", 0))  # zeroed by reward_fn.on_error
         metrics["data/skipped_overlong"] = float(self.processor.skipped_overlong)
-        baselines = None
-        if greedy is not None:  # ReMax: each sample's baseline is its prompt's greedy reward
-            greedy_scores = self._score(batch, greedy)  # [P]: one per prompt, in prompt order
-            baselines = greedy_scores[exp.prompt_index]
-            metrics["reward/greedy_baseline"] = greedy_scores.mean().item()
-        exp.token_level_rewards = last_token_rewards(exp.scores, exp.response_mask)
         a = cfg.actor
         needs_old = a.ppo_epochs > 1 or (a.ppo_mini_batch_size or exp.num_sequences) < exp.num_sequences \
             or cfg.algorithm.use_kl_in_reward
         if needs_old:
-            exp.old_logprobs = self._logprobs(self.actor, exp)
+            with timed("old_logprob"):
+                exp.old_logprobs = self._logprobs(self.actor, exp)
         if self.ref is not None and self.algorithm != "dpo":
-            exp.ref_logprobs = self._logprobs(self.ref, exp)
-        if cfg.algorithm.use_kl_in_reward:
-            kl = kl_penalty(exp.old_logprobs, exp.ref_logprobs, cfg.algorithm.kl_penalty) * exp.response_mask
-            exp.token_level_rewards = exp.token_level_rewards - cfg.algorithm.kl_coef * kl
-            metrics["reward/kl_penalty"] = float((kl.sum() / exp.response_mask.sum().clamp(min=1)).item())
+            with timed("ref"):
+                exp.ref_logprobs = self._logprobs(self.ref, exp)
         if self.critic is not None:
-            exp.values = self._values(exp)
-        whiten_over_ranks = self.world > 1 and cfg.advantage_estimator in BATCH_WHITENED
-        exp.advantages, exp.returns = self.estimator(AdvantageInput(
-            token_level_rewards=exp.token_level_rewards, response_mask=exp.response_mask,
-            index=exp.prompt_index, values=exp.values, reward_baselines=baselines, gamma=cfg.algorithm.gamma,
-            lam=cfg.algorithm.lam, epsilon=cfg.algorithm.epsilon, whiten=not whiten_over_ranks))
-        if whiten_over_ranks:
-            exp.advantages = _whiten_over_ranks(exp.advantages, exp.response_mask)
+            with timed("values"):
+                exp.values = self._values(exp)
+        with timed("advantages"):
+            if cfg.algorithm.use_kl_in_reward:
+                kl = kl_penalty(exp.old_logprobs, exp.ref_logprobs, cfg.algorithm.kl_penalty) * exp.response_mask
+                exp.token_level_rewards = exp.token_level_rewards - cfg.algorithm.kl_coef * kl
+                metrics["reward/kl_penalty"] = float((kl.sum() / exp.response_mask.sum().clamp(min=1)).item())
+            whiten_over_ranks = self.world > 1 and cfg.advantage_estimator in BATCH_WHITENED
+            exp.advantages, exp.returns = self.estimator(AdvantageInput(
+                token_level_rewards=exp.token_level_rewards, response_mask=exp.response_mask,
+                index=exp.prompt_index, values=exp.values, reward_baselines=baselines, gamma=cfg.algorithm.gamma,
+                lam=cfg.algorithm.lam, epsilon=cfg.algorithm.epsilon, whiten=not whiten_over_ranks))
+            if whiten_over_ranks:
+                exp.advantages = _whiten_over_ranks(exp.advantages, exp.response_mask)
         lengths = exp.response_mask.sum(-1).float()
         metrics.update({
             "reward/mean": exp.scores.mean().item(),
@@ -386,6 +385,7 @@ class RLTrainer:
                 mb = order[start : start + mini]
                 counts = loss_normalisers(exp.response_mask[mb], self.dp_group)
                 for idx in self._micro(exp, mb[active[mb]]):
+                    self.perf.count_update(exp.attention_mask[idx])
                     stats = self._actor_micro_step(exp.select(idx), counts)
                     w = float(exp.response_mask[idx].sum())
                     for k, v in stats.items():
@@ -473,10 +473,13 @@ class RLTrainer:
 
     def _dpo_step(self, batch: List[Any]) -> Dict[str, Any]:
         self.actor.train()
-        metrics = dpo.step(self.actor, self.ref, batch, pad_id=self.tokenizer.pad_token_id, device=self.device,
-                           autocast=self._autocast, algorithm=self.cfg.algorithm,
-                           pairs_per_micro_batch=dpo.pairs_per_micro_batch(self.cfg))
-        metrics["actor/grad_norm"] = self._optimizer_step(self.actor, self.optimizer, self.cfg.actor.max_grad_norm)
+        with self.perf.phase("update_actor"):
+            metrics = dpo.step(self.actor, self.ref, batch, pad_id=self.tokenizer.pad_token_id, device=self.device,
+                               autocast=self._autocast, algorithm=self.cfg.algorithm,
+                               pairs_per_micro_batch=dpo.pairs_per_micro_batch(self.cfg))
+            metrics["actor/grad_norm"] = self._optimizer_step(self.actor, self.optimizer,
+                                                              self.cfg.actor.max_grad_norm)
+        metrics.update(self.perf.figures())
         return _reduce(metrics, self.world)
 
     def _online_dpo_step(self, batch: List[PromptRow]) -> Dict[str, Any]:
@@ -492,29 +495,31 @@ class RLTrainer:
                                    "dpo/pairs": len(pairs)}
         if pairs:  # no pair (every prompt's samples tied): no update, the engine keeps its weights
             metrics.update(self._dpo_step(pairs))
-            self._sync_engine()
+            self._sync_engine(metrics)
         return metrics
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save(self) -> None:
+    def save(self, export_hf: bool = False) -> None:
+        """A sharded checkpoint of this step (every rank writes its shards); ``export_hf`` adds the
+        HF safetensors folder that transformers and vLLM load."""
         state = {"history": self.history, "config": self.cfg.to_dict(), "torch_rng": torch.get_rng_state().tolist()}
         checkpoint.save(self.cfg.trainer.output_dir, self.step, self.actor, self.tokenizer, self.optimizer, state,
-                        self.critic, self.critic_optimizer, is_main=self.rank == 0)
-        distributed.barrier()
+                        self.critic, self.critic_optimizer, export_hf=export_hf)
 
     def _resume(self, logger: MetricsLogger) -> None:
-        if not self.cfg.trainer.resume:
-            return
-        if self.rank == 0:
-            checkpoint.clean_partial(self.cfg.trainer.output_dir)
-        path = checkpoint.latest(self.cfg.trainer.output_dir)
-        if path is None:
-            return
-        state = checkpoint.load(path, self.actor, self.optimizer, self.critic, self.critic_optimizer)
-        self.step = int(state["step"])
-        self.history = list(state.get("history", []))
-        torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+        """Restores the newest complete checkpoint (a damaged newer one is named and skipped) and
+        rewrites the metrics from its history, so re-run steps are not logged twice."""
+        path = None
+        if self.cfg.trainer.resume:
+            if self.rank == 0:
+                checkpoint.clean_partial(self.cfg.trainer.output_dir)
+            path = checkpoint.latest_valid(self.cfg.trainer.output_dir)
+        if path is not None:
+            state = checkpoint.load(path, self.actor, self.optimizer, self.critic, self.critic_optimizer)
+            self.step = int(state["step"])
+            self.history = list(state.get("history", []))
+            torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
         logger.resume(self.history)
 
 
