@@ -102,7 +102,7 @@ class VLLMInferenceEngine(RolloutEngine):
 
     def __init__(
         self,
-        model_name_or_path: str,
+        model_name_or_path: Optional[str] = None,
         tensor_parallel_size: int = 1,
         dtype: str = "bfloat16",
         gpu_memory_utilization: float = 0.5,
@@ -120,8 +120,12 @@ class VLLMInferenceEngine(RolloutEngine):
         logprobs_mode: str = "processed_logprobs",
         tokenizer: Optional[str] = None,
         cpu_threads: Optional[int] = 1,
+        model_name: Optional[str] = None,
         **engine_kwargs: Any,
     ) -> None:
+        if (model_name is None) == (model_name_or_path is None):  # model_name: the seeds' spelling
+            raise TypeError("VLLMInferenceEngine needs the model exactly once: model_name_or_path or model_name")
+        model_name_or_path = model_name_or_path or model_name
         check_engine_kwargs(engine_kwargs)
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 (KV cache; weights offloaded) or 2 (weights too), got {sleep_level}")

@@ -34,7 +34,7 @@ from verl_fast import distributed
 from verl_fast.algos.advantage import BATCH_WHITENED, AdvantageInput, get_estimator
 from verl_fast.algos.losses import active_rows, agg_loss, entropy_loss, kl_penalty, policy_loss, value_loss
 from verl_fast.config import Config
-from verl_fast.data import PromptRow, RLDataProcessor
+from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
 from verl_fast.metrics import MetricsLogger
 from verl_fast.trainer.batching import balance_across_ranks, loss_normalisers, micro_batches
 from verl_fast.models.logprobs import response_logprobs
@@ -163,6 +163,10 @@ class RLTrainer:
             items = rows if _is_prepared(rows) else self.processor.encode_all(rows)
         if not items:
             raise ValueError("the dataset is empty")
+        want = PreferencePair if self.algorithm == "dpo" else PromptRow
+        if not isinstance(items[0], want):
+            raise ValueError(f"algorithm.type={self.algorithm} trains on {want.__name__} items, but the dataset "
+                             f"holds {type(items[0]).__name__}")
         if cfg.train_batch_size % self.world:
             raise ValueError(f"trainer.train_batch_size={cfg.train_batch_size} must be a multiple of the "
                              f"number of processes ({self.world}) so that every rank gets the same share")
