@@ -323,17 +323,18 @@ class VLLMInferenceEngine(RolloutEngine):
 
     def _weight_sync(self, model: torch.nn.Module):
         from verl_fast.models.wrapping import hf_module
-        from verl_fast.ops.reshard import ModelSpec
-        from verl_fast.rollout.weight_sync import WeightSync
-
         import torch.distributed as dist
+
+        from verl_fast.ops.reshard import ModelSpec
+        from verl_fast.ops.reshard.vllm import consecutive_tp_ranks
+        from verl_fast.rollout.weight_sync import WeightSync
 
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         # an external-launcher engine is one TP rank of a group of consecutive ranks; any other
         # engine holds the whole model in this process
         tp = self.tensor_parallel_size if self.external_launcher else 1
         spec = ModelSpec.from_hf_config(hf_module(model).config, dtype=self.dtype)
-        return WeightSync(spec, tp, {r: r % tp for r in range(world)}, world, self.dtype or spec.dtype,
+        return WeightSync(spec, tp, consecutive_tp_ranks(world, tp), world, self.dtype or spec.dtype,
                           direct=not compat.is_cpu_platform())
 
     def _engine_parameters(self) -> Dict[str, torch.Tensor]:
