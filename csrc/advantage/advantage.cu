@@ -243,13 +243,12 @@ __global__ void __launch_bounds__(kThreads) scan_kernel(ScanDev p) {
       } else if (K == ScanKind::reinforce_pp) {
         Affine f{1.0f, 0.0f};
 #pragma unroll
-        for (int j = 0; j < kItems; ++j) f = after(f, m[j] ? Affine{p.gamma, cur.r[j]} : Affine{0.0f, 0.0f});
+        for (int j = 0; j < kItems; ++j) f = after(f, m[j] ? Affine{p.gamma, cur.r[j]} : Affine{1.0f, 0.0f});
         float x = warp_reverse_scan(f, carry, &carry);
 #pragma unroll
         for (int j = kItems - 1; j >= 0; --j) {
-          out_r[j] = fmaf(p.gamma, x, cur.r[j]);  // G_t
-          out_a[j] = m[j] ? out_r[j] : 0.0f;
-          x = out_a[j];  // the running return restarts after a position outside the mask
+          if (m[j]) x = fmaf(p.gamma, x, cur.r[j]);  // G_t; outside the mask it passes through unchanged
+          out_r[j] = out_a[j] = m[j] ? x : 0.0f;
         }
       } else {  // remax
         Affine f{1.0f, 0.0f};

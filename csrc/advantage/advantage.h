@@ -59,8 +59,10 @@ enum class ScanKind : int { gae = 0, reinforce_pp = 1, remax = 2 };
 //   gae:          delta_t = r_t + gamma*V_next - V_t; A_t = delta_t + gamma*lam*A_{t+1}; positions with
 //                 mask 0 carry V_next and A through unchanged. returns = A + V; advantages = A, whitened
 //                 over masked positions (at every position) when `whiten`.
-//   reinforce_pp: G_t = r_t + gamma*G_{t+1}, the running return reset to 0 after a position with mask 0;
-//                 returns = G; advantages = whiten(G) * mask (plain G * mask without `whiten`).
+//   reinforce_pp: G_t = r_t + gamma*G_{t+1} where the mask is set; positions with mask 0 (observation
+//                 spans inside a multi-turn response, padding) carry G through unchanged and neither add
+//                 their reward nor discount. returns = G * mask; advantages = whiten(G) * mask (plain
+//                 G * mask without `whiten`).
 //   remax:        returns = reverse cumsum of r * mask; advantages = returns - baseline_b * mask.
 // ScanArgs' fields, listed once: X(type, name, default, doc). The struct below and its Python
 // binding (advantage/bindings.cpp) are both generated from this list.

@@ -99,9 +99,11 @@ def compute_reinforce_pp_advantage(
     *,
     check: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++: discounted returns (reset after each masked-out position), whitened over the mask.
+    """REINFORCE++: discounted returns over the masked positions, whitened over the mask.
 
-    Returns ``(advantages, returns)``; advantages are 0 outside the mask.
+    ``G_t = r_t + gamma*G_{t+1}`` where the mask is set; masked-out positions inside a response
+    (multi-turn observation spans) carry the running return through unchanged (no reward added, no
+    discount). Returns ``(advantages, returns)``, both 0 outside the mask.
     """
     r = V.float_2d(token_level_rewards, "token_level_rewards")
     V.device_supported(r, "token_level_rewards")

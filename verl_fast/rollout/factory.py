@@ -45,7 +45,7 @@ def build_engine(cfg: Config, actor: torch.nn.Module, tokenizer: Any, model_path
                  autocast_dtype: Optional[torch.dtype] = None) -> RolloutEngine:
     """The engine for ``cfg.rollout`` (see the module docstring); collective under torchrun."""
     if resolve_type(cfg.rollout.type) == "hf":
-        return HFGenerateEngine(actor, tokenizer, autocast_dtype=autocast_dtype)
+        return HFGenerateEngine(actor, tokenizer, autocast_dtype=autocast_dtype, fast_decode=cfg.rollout.hf_fast_decode)
     from verl_fast.rollout.data_parallel import DataParallelEngine
     from verl_fast.rollout.vllm_engine import VLLMInferenceEngine
 
