@@ -123,6 +123,8 @@ class RolloutConfig:
     max_model_len: Optional[int] = _f(None, min=1)
     enable_chunked_prefill: Optional[bool] = _f(None)
     enable_sleep_mode: bool = _f(True, doc="free KV cache (GPU) during training")
+    sleep_level: int = _f(0, choices=(0, 1, 2), doc="during training (GPU): 0 frees the KV cache, 1 also "
+                          "offloads the weights to the host, 2 discards them (the next sync refills them)")
     length_buckets: str = _f("auto", choices=("auto", "on", "off"),
                              doc="send prompts in length-bucketed waves (auto: on for hf, off for vllm, "
                                  "whose own scheduler batches continuously)")

@@ -57,7 +57,9 @@ def run(args: argparse.Namespace) -> int:
         from verl_fast.rollout import vllm_env
 
         vllm_env.configure_vllm_env()  # the launcher's job, not a constructor's: before vLLM is imported
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its per-step INFO lines drown the progress bar
+        # its INFO lines and start-up tuning WARNINGs (thread binding, tcmalloc, dtype casts) drown the
+        # progress bar; errors still show
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     dist = _distributed(cfg)
     from verl_fast.trainer import run_dir
 

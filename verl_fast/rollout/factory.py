@@ -80,7 +80,8 @@ def build_engine(cfg: Config, actor: torch.nn.Module, tokenizer: Any, model_path
         str(model_path), tensor_parallel_size=r.tensor_parallel_size, dtype=dtype,
         gpu_memory_utilization=r.gpu_memory_utilization, enable_prefix_caching=r.enable_prefix_caching,
         max_num_seqs=r.max_num_seqs, max_model_len=max_len, enable_chunked_prefill=r.enable_chunked_prefill,
-        seed=r.seed, enable_sleep_mode=None if r.enable_sleep_mode else False, enable_lora=peft, **kwargs)
+        seed=r.seed, enable_sleep_mode=None if r.enable_sleep_mode else False, sleep_level=r.sleep_level,
+        enable_lora=peft, **kwargs)
     engine.folder = folder  # lives as long as the engine
     if folder is not None or peft:  # placeholder weights, or the adapter still to push
         engine.sync_from(actor)
