@@ -3,7 +3,7 @@ call, no host synchronisation per token, and on a GPU each decode step captured 
 graph and replayed.
 
 Plain ``generate`` spends most of a small model's decode step in Python and kernel launches (a
-0.4B 24-layer model launches ~700 kernels per token) and reads a flag back to the host every
+0.4B 24-layer model launches ~1,000 kernels per token) and reads a flag back to the host every
 token. Here the step -- one forward over a [B, 1] token batch, sampling, bookkeeping -- touches only
 tensors of fixed address (the cache, the token/position buffers, the mask), so one captured graph
 replays it for every token; finished rows are checked every ``check_every`` tokens.
@@ -22,7 +22,7 @@ import logging
 from typing import Iterator, Optional, Sequence, Tuple
 
 import torch
-from transformers.cache_utils import Cache
+from transformers.cache_utils import StaticCache, StaticLayer
 
 logger = logging.getLogger(__name__)
 
@@ -46,46 +46,16 @@ def unsupported(module: torch.nn.Module) -> Optional[str]:
         return f"attention implementation {attn!r} (the static-cache loop needs 'sdpa')"
     if getattr(cfg, "is_encoder_decoder", False):
         return "encoder-decoder model"
+    layers = StaticCache(config=cfg, max_cache_len=1).layers  # allocates nothing until the first write
+    if not all(type(layer) is StaticLayer for layer in layers):  # sliding-window / linear-attention layers
+        kinds = sorted({type(layer).__name__ for layer in layers})
+        return f"cache layers {kinds} (the loop's mask addresses plain full-attention layers)"
     gen = getattr(module, "generation_config", None)
     for name, plain in _PLAIN_GENERATION.items():
         value = getattr(gen, name, None)
         if value not in plain:
             return f"generation_config.{name}={value!r} changes the sampling distribution"
     return None
-
-
-class StaticKV(Cache):
-    """Keys and values of every layer in tensors of fixed shape [B, kv_heads, length, head_dim],
-    written at the columns ``cols`` (a device tensor the caller advances). The model calls only
-    ``update``; masks come in as ready 4-D tensors, so nothing asks the cache for lengths."""
-
-    is_compileable = False
-
-    def __init__(self, num_layers: int, length: int):  # no Cache.__init__: this class holds its own tensors
-        self.keys: list = [None] * num_layers
-        self.values: list = [None] * num_layers
-        self.length = length
-        self.cols: Optional[torch.Tensor] = None
-        self.seen = 0  # host-side count, for transformers versions that derive positions from it
-
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None, *args, **kwargs):
-        if self.keys[layer_idx] is None:  # allocated at the prefill, in the dtype autocast gives
-            b, h, _, d = key_states.shape
-            self.keys[layer_idx] = key_states.new_zeros((b, h, self.length, d))
-            self.values[layer_idx] = value_states.new_zeros((b, value_states.shape[1], self.length,
-                                                             value_states.shape[-1]))
-        self.keys[layer_idx].index_copy_(2, self.cols, key_states)
-        self.values[layer_idx].index_copy_(2, self.cols, value_states)
-        return self.keys[layer_idx], self.values[layer_idx]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.seen
-
-    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
-        return self.length
-
-    def __len__(self) -> int:
-        return len(self.keys)
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -141,7 +111,9 @@ class _Decoder:
         B, W = input_ids.shape
         device = input_ids.device
         L = W + max_new_tokens
-        self.cache = StaticKV(module.config.num_hidden_layers, L)
+        # transformers' static cache: fixed [B, kv_heads, L, head_dim] tensors per layer, written at a
+        # device-side position counter (so a captured step writes where the replay is)
+        self.cache = StaticCache(config=module.config, max_cache_len=L)
         self.stop = torch.tensor(sorted(set(stop_ids)) or [-1], dtype=torch.long, device=device)
         self.pad = torch.tensor(pad_id, dtype=torch.long, device=device)
         self.tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
@@ -155,7 +127,6 @@ class _Decoder:
         self.position = positions[:, -1:] + 1  # [B, 1]
         self.col = torch.tensor([W], dtype=torch.long, device=device)  # cache column of the next token
         self.t = torch.tensor([1], dtype=torch.long, device=device)  # output column of the next token
-        self.cache.cols = self.col
 
     def _forward(self, ids, mask, positions):
         out = self.module(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
@@ -168,9 +139,7 @@ class _Decoder:
         mask = torch.zeros((B, 1, W, L), dtype=torch.bool, device=input_ids.device)
         # a left-pad query attends to itself only: a row with no key would give NaN states
         mask[:, 0, :, :W] = (causal & self.valid[:, None, :W]) | torch.eye(W, dtype=torch.bool, device=input_ids.device)
-        self.cache.cols = torch.arange(W, device=input_ids.device)
         token, logp = sample(self._forward(input_ids, mask, positions), *self.sampling)
-        self.cache.seen = W
         self.tokens[:, 0] = token
         self.logprobs[:, 0] = logp
         self.done = torch.isin(token, self.stop)
