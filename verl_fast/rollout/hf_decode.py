@@ -22,7 +22,7 @@ import logging
 from typing import Iterator, Optional, Sequence, Tuple
 
 import torch
-from transformers.cache_utils import StaticCache, StaticLayer
+from transformers.cache_utils import Cache, StaticCache, StaticLayer
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def unsupported(module: torch.nn.Module) -> Optional[str]:
         return f"attention implementation {attn!r} (the static-cache loop needs 'sdpa')"
     if getattr(cfg, "is_encoder_decoder", False):
         return "encoder-decoder model"
-    layers = StaticCache(config=cfg, max_cache_len=1).layers  # allocates nothing until the first write
+    layers = StaticCache(config=cfg, max_cache_len=1).layers  # the config's layer kinds; allocates nothing
     if not all(type(layer) is StaticLayer for layer in layers):  # sliding-window / linear-attention layers
         kinds = sorted({type(layer).__name__ for layer in layers})
         return f"cache layers {kinds} (the loop's mask addresses plain full-attention layers)"
@@ -56,6 +56,42 @@ def unsupported(module: torch.nn.Module) -> Optional[str]:
         if value not in plain:
             return f"generation_config.{name}={value!r} changes the sampling distribution"
     return None
+
+
+class StaticKV(Cache):
+    """Keys and values of every layer in tensors of fixed shape [B, kv_heads, length, head_dim],
+    written at the columns ``cols`` (a device tensor the caller advances). The model calls only
+    ``update``; masks come in as ready 4-D tensors, so nothing asks the cache for lengths.
+    (transformers' StaticCache gives keys and values one dtype; under autocast they differ: values
+    leave a bf16 projection, keys leave the float32 rotary product.)"""
+
+    is_compileable = False
+
+    def __init__(self, num_layers: int, length: int):  # no Cache.__init__: this class holds its own tensors
+        self.keys: list = [None] * num_layers
+        self.values: list = [None] * num_layers
+        self.length = length
+        self.cols: Optional[torch.Tensor] = None
+        self.seen = 0  # host-side count, for transformers versions that derive positions from it
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None, *args, **kwargs):
+        if self.keys[layer_idx] is None:  # allocated at the prefill, in the dtype autocast gives
+            b, h, _, d = key_states.shape
+            self.keys[layer_idx] = key_states.new_zeros((b, h, self.length, d))
+            self.values[layer_idx] = value_states.new_zeros((b, value_states.shape[1], self.length,
+                                                             value_states.shape[-1]))
+        self.keys[layer_idx].index_copy_(2, self.cols, key_states)
+        self.values[layer_idx].index_copy_(2, self.cols, value_states)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def __len__(self) -> int:
+        return len(self.keys)
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -111,9 +147,7 @@ class _Decoder:
         B, W = input_ids.shape
         device = input_ids.device
         L = W + max_new_tokens
-        # transformers' static cache: fixed [B, kv_heads, L, head_dim] tensors per layer, written at a
-        # device-side position counter (so a captured step writes where the replay is)
-        self.cache = StaticCache(config=module.config, max_cache_len=L)
+        self.cache = StaticKV(module.config.num_hidden_layers, L)
         self.stop = torch.tensor(sorted(set(stop_ids)) or [-1], dtype=torch.long, device=device)
         self.pad = torch.tensor(pad_id, dtype=torch.long, device=device)
         self.tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
@@ -127,6 +161,7 @@ class _Decoder:
         self.position = positions[:, -1:] + 1  # [B, 1]
         self.col = torch.tensor([W], dtype=torch.long, device=device)  # cache column of the next token
         self.t = torch.tensor([1], dtype=torch.long, device=device)  # output column of the next token
+        self.cache.cols = self.col
 
     def _forward(self, ids, mask, positions):
         out = self.module(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
@@ -139,7 +174,9 @@ class _Decoder:
         mask = torch.zeros((B, 1, W, L), dtype=torch.bool, device=input_ids.device)
         # a left-pad query attends to itself only: a row with no key would give NaN states
         mask[:, 0, :, :W] = (causal & self.valid[:, None, :W]) | torch.eye(W, dtype=torch.bool, device=input_ids.device)
+        self.cache.cols = torch.arange(W, device=input_ids.device)
         token, logp = sample(self._forward(input_ids, mask, positions), *self.sampling)
+        self.cache.seen = W
         self.tokens[:, 0] = token
         self.logprobs[:, 0] = logp
         self.done = torch.isin(token, self.stop)
