@@ -226,3 +226,25 @@ def test_bf16_autocast_runs_the_loop(model, tok, device):
         assert (logits.max(-1).values - chosen).max() < 0.1, row
         want = torch.log_softmax(logits, -1).gather(-1, out.response_ids[row, :length, None]).squeeze(-1)
         torch.testing.assert_close(out.logprobs[row, :length].double(), want, atol=5e-2, rtol=0)
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_grouped_attention_matches_per_head_reference(q_len):
+    torch.manual_seed(0)
+    b, heads, kv_heads, length, d = 3, 6, 2, 11, 8
+    query = torch.randn(b, q_len, heads, d).transpose(1, 2)  # [b, heads, q, d], not contiguous, as models pass it
+    key, value = torch.randn(b, kv_heads, length, d), torch.randn(b, kv_heads, length, d)
+    mask = torch.rand(b, 1, q_len, length) > 0.4
+    mask[..., 0] = True
+    out, _ = hf_decode.grouped_attention(None, query, key, value, mask, scaling=0.3)
+    want = torch.empty(b, q_len, heads, d, dtype=torch.float64)
+    for i in range(b):
+        for h in range(heads):
+            kh = h // (heads // kv_heads)  # query head h shares KV head h // group
+            for t in range(q_len):
+                s = (key[i, kh].double() @ query[i, h, t].double()) * 0.3
+                s[~mask[i, 0, t]] = -math.inf
+                want[i, t, h] = torch.softmax(s, 0) @ value[i, kh].double()
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=0)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        hf_decode.grouped_attention(None, query, key, value, mask, softcap=30.0)
