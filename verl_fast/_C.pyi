@@ -2,7 +2,7 @@
 the records' fields here match the module's). Tensors are torch.Tensor objects read by
 pointer, shape, strides, dtype and device; the op wrappers in verl_fast.ops are the public API."""
 
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -52,7 +52,7 @@ class ScanArgs:
     lam: float
     whiten: bool
     num_threads: int
-    stream: int
+    stream: Optional[torch.cuda.Stream]  # None: the default stream; never a bare handle
     def __init__(self) -> None: ...
 
 class GroupArgs:
@@ -67,7 +67,7 @@ class GroupArgs:
     norm_by_std: bool
     whiten: bool
     num_threads: int
-    stream: int
+    stream: Optional[torch.cuda.Stream]  # None: the default stream; never a bare handle
     def __init__(self) -> None: ...
 
 def group_workspace_bytes(batch: int) -> int: ...
@@ -127,4 +127,5 @@ class ReshardPlan:
     def groups(self, bucket: int) -> List[int]: ...
     def bind(self, sources: Sequence[torch.Tensor], destinations: Sequence[torch.Tensor],
              send_slots: Sequence[torch.Tensor], recv_slots: Sequence[torch.Tensor]) -> None: ...
-    def run(self, bucket: int, phase: ReshardPhase, stream: int = 0, num_threads: int = 0) -> None: ...
+    def run(self, bucket: int, phase: ReshardPhase, stream: Optional[torch.cuda.Stream] = None,
+            num_threads: int = 0) -> None: ...

@@ -1,5 +1,5 @@
 // The advantage engine: reverse scans (GAE, REINFORCE++, ReMax) and group-baseline estimators
-// (GRPO / Dr.GRPO, RLOO, REINFORCE++-baseline). Semantics follow verl's core_algos; see SPEC.md.
+// (GRPO / Dr.GRPO, RLOO, REINFORCE++-baseline). Semantics follow verl's core_algos.
 //
 // Layers: this header holds the argument records and the per-element math shared by the CPU
 // (advantage.cpp) and CUDA (advantage.cu) paths; the launchers validate every argument, then run
@@ -59,8 +59,10 @@ enum class ScanKind : int { gae = 0, reinforce_pp = 1, remax = 2 };
 //   gae:          delta_t = r_t + gamma*V_next - V_t; A_t = delta_t + gamma*lam*A_{t+1}; positions with
 //                 mask 0 carry V_next and A through unchanged. returns = A + V; advantages = A, whitened
 //                 over masked positions (at every position) when `whiten`.
-//   reinforce_pp: G_t = r_t + gamma*G_{t+1}, the running return reset to 0 after a position with mask 0;
-//                 returns = G; advantages = whiten(G) * mask (plain G * mask without `whiten`).
+//   reinforce_pp: G_t = r_t + gamma*G_{t+1} where the mask is set; positions with mask 0 (observation
+//                 spans inside a multi-turn response, padding) carry G through unchanged and neither add
+//                 their reward nor discount. returns = G * mask; advantages = whiten(G) * mask (plain
+//                 G * mask without `whiten`).
 //   remax:        returns = reverse cumsum of r * mask; advantages = returns - baseline_b * mask.
 // ScanArgs' fields, listed once: X(type, name, default, doc). The struct below and its Python
 // binding (advantage/bindings.cpp) are both generated from this list.
@@ -77,7 +79,7 @@ enum class ScanKind : int { gae = 0, reinforce_pp = 1, remax = 2 };
   X(float, lam, 1.0f, "GAE lambda")                                                              \
   X(bool, whiten, true, "whiten the advantages over masked positions")                           \
   X(int, num_threads, 0, "CPU threads (0: all cores)")                                           \
-  X(uintptr_t, stream, 0, "cudaStream_t for CUDA tensors")
+  X(CudaStream, stream, {}, "torch.cuda.Stream for CUDA tensors (None: the default stream)")
 
 struct ScanArgs {
   VF_SCAN_ARGS_FIELDS(VF_RECORD_FIELD)
@@ -104,7 +106,7 @@ enum class GroupKind : int { grpo = 0, rloo = 1, reinforce_pp_baseline = 2 };
   X(bool, norm_by_std, true, "GRPO: divide by the group's std")                                  \
   X(bool, whiten, true, "reinforce_pp_baseline only")                                            \
   X(int, num_threads, 0, "CPU threads (0: all cores)")                                           \
-  X(uintptr_t, stream, 0, "cudaStream_t for CUDA tensors")
+  X(CudaStream, stream, {}, "torch.cuda.Stream for CUDA tensors (None: the default stream)")
 
 struct GroupArgs {
   VF_GROUP_ARGS_FIELDS(VF_RECORD_FIELD)

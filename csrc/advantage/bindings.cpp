@@ -1,4 +1,5 @@
-// Python bindings of the advantage engine (declarations only; the launchers check their inputs).
+// Python bindings of the advantage engine (declarations, and the GIL-held check that a record's
+// tensors are still where they were assigned; the launchers check everything else).
 #include <pybind11/pybind11.h>
 
 #include "advantage/advantage.h"
@@ -37,10 +38,25 @@ void bind_advantage(py::module_& m) {
 #undef VF_BIND
 
   m.def("group_workspace_bytes", &group_workspace_bytes, py::arg("batch"));
-  m.def("advantage_scan", &advantage_scan, py::arg("args"), py::call_guard<py::gil_scoped_release>(),
-        "Reverse scan (GAE / REINFORCE++ / ReMax) over [B, T]; see ScanArgs");
-  m.def("group_advantage", &group_advantage, py::arg("args"), py::call_guard<py::gil_scoped_release>(),
-        "Group-baseline advantage (GRPO / RLOO / REINFORCE++-baseline); see GroupArgs");
+  // Each launch first checks, holding the GIL, that the record's tensors still point where they did.
+#define VF_CHECK_FIELD(type, name, init, doc) check_still_bound(a.name, #name);
+  m.def(
+      "advantage_scan",
+      [](const ScanArgs& a) {
+        VF_SCAN_ARGS_FIELDS(VF_CHECK_FIELD)
+        py::gil_scoped_release nogil;
+        advantage_scan(a);
+      },
+      py::arg("args"), "Reverse scan (GAE / REINFORCE++ / ReMax) over [B, T]; see ScanArgs");
+  m.def(
+      "group_advantage",
+      [](const GroupArgs& a) {
+        VF_GROUP_ARGS_FIELDS(VF_CHECK_FIELD)
+        py::gil_scoped_release nogil;
+        group_advantage(a);
+      },
+      py::arg("args"), "Group-baseline advantage (GRPO / RLOO / REINFORCE++-baseline); see GroupArgs");
+#undef VF_CHECK_FIELD
 }
 
 }  // namespace vf

@@ -56,7 +56,9 @@ struct TensorRef {
     for (auto s : sizes) n *= s;
     return n;
   }
+  // As torch defines it: an empty tensor is contiguous whatever its strides.
   bool is_contiguous() const {
+    if (numel() == 0) return true;
     int64_t expected = 1;
     for (int i = dim() - 1; i >= 0; --i) {
       if (sizes[i] != 1 && strides[i] != expected) return false;
@@ -65,6 +67,14 @@ struct TensorRef {
     return true;
   }
   template <typename T> T* ptr() const { return static_cast<T*>(data); }
+};
+
+// A CUDA stream handle (cudaStream_t) as the launchers receive it. From Python only a
+// torch.cuda.Stream or None (CUDA's default stream, 0) converts to one, never a bare integer: a
+// made-up handle would crash the driver.
+struct CudaStream {
+  uintptr_t handle = 0;
+  operator uintptr_t() const { return handle; }
 };
 
 // Argument records list their fields once, as X(type, name, default, doc) macros; this declares

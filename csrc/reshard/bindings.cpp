@@ -1,4 +1,5 @@
-// Python bindings of the resharding engine (declarations only; the planner checks its tables).
+// Python bindings of the resharding engine (declarations, and the GIL-held check that bound tensors
+// did not move before a run; the planner checks its tables).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -56,9 +57,19 @@ void bind_reshard(py::module_& m) {
       .def("groups", [](const Plan& p, int64_t b) { return p.bucket(b).groups; }, py::arg("bucket"))
       .def("bind", &Plan::bind, py::arg("sources"), py::arg("destinations"), py::arg("send_slots"),
            py::arg("recv_slots"))
-      .def("run", &Plan::run, py::arg("bucket"), py::arg("phase"), py::arg("stream") = 0,
-           py::arg("num_threads") = 0, py::call_guard<py::gil_scoped_release>(),
-           "Runs the pack or copy phase of one bucket (one CUDA launch, or CPU threads)");
+      .def(
+          "run",
+          [](Plan& p, int64_t bucket, Phase phase, CudaStream stream, int num_threads) {
+            const auto& bound = p.bound();  // still where bind() found them (GIL held)
+            for (size_t i = 0; i < bound.size(); ++i)
+              VF_CHECK(still_bound(bound[i]), p.bound_name(static_cast<int64_t>(i)),
+                       ": the tensor's memory changed since bind() (set_, resize_ or a freed storage); bind again");
+            py::gil_scoped_release nogil;
+            p.run(bucket, phase, stream, num_threads);
+          },
+          py::arg("bucket"), py::arg("phase"), py::arg("stream") = py::none(), py::arg("num_threads") = 0,
+          "Runs the pack or copy phase of one bucket (one CUDA launch on `stream`, a torch.cuda.Stream or "
+          "None for the default stream; or CPU threads)");
 }
 
 }  // namespace vf

@@ -128,6 +128,9 @@ class Plan {
   // Runs one phase of one bucket: pack (sources -> send slot) or copy (sources, receive slot and
   // zeros -> destinations). CPU: `num_threads` threads; CUDA: one launch on `stream`.
   void run(int64_t bucket, Phase phase, uintptr_t stream, int num_threads);
+  // The pointer table bind() filled, and a name for each entry ("destination model.norm.weight").
+  const std::vector<TensorRef>& bound() const { return bound_; }
+  std::string bound_name(int64_t i) const;
 
  private:
   void check_bound(const char* what) const;

@@ -9,6 +9,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from verl_fast.distributed import collective_device
 from verl_fast.models.wrapping import hf_module, is_sharded
 from verl_fast.rollout import hf_decode
 from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec, pad_completions
@@ -101,6 +102,8 @@ class HFGenerateEngine(RolloutEngine):
 
     @property
     def device(self) -> torch.device:
+        if is_sharded(self.model):  # shards may be offloaded to the CPU: compute runs where collectives do
+            return collective_device()
         return next(self._module().parameters()).device
 
     def generate(self, prompts: Sequence[Sequence[int]],

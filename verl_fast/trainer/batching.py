@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from verl_fast.algos.losses import active_rows
 from verl_fast.ops import schedule
 from verl_fast.trainer.experience import Experience, concat
 
@@ -25,14 +26,16 @@ __all__ = ["loss_normalisers", "micro_batches", "balance_across_ranks"]
 
 def loss_normalisers(response_mask: torch.Tensor, group=None) -> Dict[str, float]:
     """The counts a (mini-)batch's losses divide by (see the module docstring): ``num_tokens``
-    (response tokens) and ``num_seqs`` (sequences), over ``group``'s ranks and divided by its size."""
+    (response tokens) and ``num_seqs`` (rows with at least one response token), over ``group``'s
+    ranks and divided by its size; ``dp_size``, the rank count (token-sum, a plain sum, is multiplied
+    by it instead, to undo the averaging)."""
     tokens = float(response_mask.sum())
-    seqs = float(response_mask.shape[0])
+    seqs = float(active_rows(response_mask))
     if group is None:
-        return {"num_tokens": tokens, "num_seqs": seqs}
+        return {"num_tokens": tokens, "num_seqs": seqs, "dp_size": 1}
     world = dist.get_world_size(group)
     return {"num_tokens": schedule.reduce_over(group, tokens, "sum", torch.float64) / world,
-            "num_seqs": schedule.reduce_over(group, seqs, "sum", torch.float64) / world}
+            "num_seqs": schedule.reduce_over(group, seqs, "sum", torch.float64) / world, "dp_size": world}
 
 
 def micro_batches(rows: torch.Tensor, token_counts: Optional[torch.Tensor] = None, *, size: Optional[int] = None,

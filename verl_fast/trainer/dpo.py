@@ -1,15 +1,46 @@
 """One DPO step: summed response log-probs of chosen and rejected under the actor and the
-reference, the DPO loss (sigmoid / ipo / hinge), backward. The caller steps the optimizer."""
+reference, the DPO loss (sigmoid / ipo / hinge), backward. The caller steps the optimizer.
+
+Batching: a forward/backward takes ``trainer.per_device_train_batch_size`` pairs (else half of
+``actor.micro_batch_size``: a pair is two sequences); with ``trainer.gradient_accumulation_steps``
+an optimiser step sees that many micro-batches on every process, i.e. ``per_device_train_batch_size
+x gradient_accumulation_steps x processes`` pairs (else ``trainer.train_batch_size`` pairs).
+"""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 
 from verl_fast.algos.losses import dpo_loss
+from verl_fast.config import Config, CriticConfig
 from verl_fast.data import PreferencePair
 from verl_fast.models.logprobs import response_logprobs
+
+
+def pairs_per_micro_batch(cfg: Config) -> int:
+    t = cfg.trainer
+    return t.per_device_train_batch_size or max(1, cfg.actor.micro_batch_size // 2)
+
+
+def configure(cfg: Config, world: int) -> None:
+    """Start-up for ``algorithm.type`` dpo / online_dpo: says which settings do not apply, and sizes
+    offline DPO's step from ``gradient_accumulation_steps`` (module docstring)."""
+    algo = cfg.algorithm.type
+    if cfg.critic != CriticConfig():
+        warnings.warn(f"the critic section does not apply to algorithm.type={algo} (DPO trains no value model); "
+                      "it is ignored", UserWarning, stacklevel=3)
+    if algo != "dpo":
+        return
+    if cfg.actor.type == "vllm" or cfg.rollout.type == "vllm":
+        warnings.warn("actor.type=vllm / rollout.type=vllm does not apply to algorithm.type=dpo: offline DPO "
+                      "generates nothing (it trains on the dataset's chosen/rejected pairs), so no vLLM engine "
+                      "is started; use algorithm.type=online_dpo to sample the pairs with vLLM",
+                      UserWarning, stacklevel=3)
+    if cfg.trainer.gradient_accumulation_steps:
+        cfg.trainer.train_batch_size = pairs_per_micro_batch(cfg) * cfg.trainer.gradient_accumulation_steps * world
 
 
 def pair_tensors(pairs: List[PreferencePair], pad_id: int, device: torch.device) -> Tuple[torch.Tensor, ...]:
@@ -39,11 +70,11 @@ def sequence_logprobs(model, ids, mask, response_mask, autocast) -> torch.Tensor
 
 def step(actor: torch.nn.Module, ref: Optional[torch.nn.Module], pairs: List[PreferencePair], *, pad_id: int,
          device: torch.device, autocast: Callable[[], ContextManager[Any]], algorithm: Any,
-         micro_batch_size: int) -> Dict[str, float]:
+         pairs_per_micro_batch: int) -> Dict[str, float]:
     """``algorithm``: the config's algorithm section (beta, loss_type, label_smoothing); without a
     ``ref`` the loss is reference-free."""
     total = len(pairs)
-    size = max(1, micro_batch_size // 2)  # each pair is two sequences
+    size = pairs_per_micro_batch
     stats: Dict[str, float] = {"dpo/loss": 0.0, "dpo/reward_margin": 0.0, "dpo/reward_accuracy": 0.0}
     for start in range(0, total, size):
         chunk = pairs[start : start + size]

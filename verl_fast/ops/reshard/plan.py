@@ -147,6 +147,9 @@ class ReshardPlan:
     # ---- execution ----
 
     def _ordered(self, given: Tensors, expected: List[PhysTensor], what: str, aliases=()) -> List[torch.Tensor]:
+        if not hasattr(given, "__iter__") or isinstance(given, (str, bytes, torch.Tensor)):
+            raise TypeError(f"{what}s must be a mapping of name -> tensor or a sequence of tensors in "
+                            f"{what}_names order, got {type(given).__name__}")
         if isinstance(given, Mapping):
             try:  # fast path: exact names, nothing extra
                 if len(given) == len(expected):
@@ -207,7 +210,7 @@ class ReshardPlan:
 
     def _run(self, device: torch.device) -> None:
         C, phase = self._c, self._phase
-        stream = cuda_stream(self._slots[0]) if device.type == "cuda" else 0
+        stream = cuda_stream(self._slots[0])
         threads = torch.get_num_threads()
         nb = C.num_buckets
         pending: Dict[int, list] = {}
