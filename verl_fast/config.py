@@ -59,6 +59,8 @@ class ActorConfig:
     fused_logprobs: str = _f("auto", choices=("auto", "on", "off"), doc="fused lm_head + log-prob kernels")
     gradient_checkpointing: bool = _f(False)
     skip_zero_advantage: bool = _f(True, doc="leave samples whose advantages are all 0 out of the backward")
+    share_prompt_forward: bool = _f(True, doc="log-prob passes run each prompt once for all its samples "
+                                              "(same log-probs and gradients, fewer tokens; not with fused_logprobs)")
     # seed 002 form: rollout-engine settings written in the actor section (copied to rollout)
     model_path: Optional[str] = _f(None, doc="alias of model_name")
     tensor_parallel_size: Optional[int] = _f(None, min=1)

@@ -30,6 +30,23 @@ def resolve_config(args: argparse.Namespace) -> config_mod.Config:
     return config_mod.load(args.config or config_mod.default_config_path(), overrides)
 
 
+def quiet_libraries() -> None:
+    """The console shows the progress bar and a line per step: the libraries' notes about their own
+    set-up (vLLM's platform warnings, per-weight dtype casts, loading bars) are silenced here, before
+    they are imported; their errors still show."""
+    import warnings
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # "Loading weights" of from_pretrained
+
+
 def _distributed(cfg: config_mod.Config):
     """Under torchrun (WORLD_SIZE > 1): the process group, on NCCL with CUDA else gloo."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
@@ -66,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
     if cfg.rollout.type in ("auto", "vllm"):
         from verl_fast.rollout import vllm_env
 
-        vllm_env.configure_vllm_env()  # the launcher's job (STYLE.md): before vLLM is imported
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its per-step INFO lines drown the progress bar
+        vllm_env.configure_vllm_env()  # the launcher's job: before vLLM is imported
+    quiet_libraries()
     dist = _distributed(cfg)
     import torch
 

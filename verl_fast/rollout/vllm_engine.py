@@ -148,6 +148,7 @@ class VLLMInferenceEngine(RolloutEngine):
         if enable_lora:
             engine_kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank)
         engine_kwargs.setdefault("disable_log_stats", False)
+        engine_kwargs.setdefault("use_tqdm_on_load", False)  # no loading bar beside the trainer's progress bar
         start = time.perf_counter()
         self.llm = vllm.LLM(
             model=str(model_name_or_path), tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size,
@@ -310,8 +311,9 @@ class VLLMInferenceEngine(RolloutEngine):
             if not self._warned_sleep:
                 why = "this platform has no vLLM sleep mode" if not self._sleep_supported else \
                     "the engine was built with enable_sleep_mode=False"
-                logger.warning("VLLMInferenceEngine.sleep(): %s; rollout memory stays allocated "
-                               "during training", why)
+                # expected where the platform has none (the CPU): a note, not a warning
+                logger.log(logging.WARNING if self._sleep_supported else logging.INFO,
+                           "VLLMInferenceEngine.sleep(): %s; rollout memory stays allocated during training", why)
                 self._warned_sleep = True
             return
         if not self._asleep:
