@@ -137,6 +137,26 @@ def test_runner_runs_a_script_and_collects_its_report(tmp_path, monkeypatch):
     assert runner.run_op("nothere", "cpu", True, tmp_path, echo=False)["status"] == "missing"
 
 
+def test_claims_read_from_the_claims_and_default_run_reports():
+    rows = [("rollout in-process vs HTTP", "vLLM OpenAI HTTP server", 3200.0),
+            ("rollout in-process vs HTTP", "verl_fast in-process vLLM", 1000.0),
+            ("P99 rollout latency", "one batch, no bucketing", 1200.0),
+            ("P99 rollout latency", "verl_fast length buckets", 430.0),
+            ("rollout throughput, colocated", "bare engine", 1.0),
+            ("rollout throughput, colocated", "verl_fast colocated with training", 1.25)]
+    claims_rep = {"name": "claims", "meta": {"hardware": "test cpu"},
+                  "rows": [{"case": c, "impl": i, "ms": ms} for c, i, ms in rows]}
+    run_rep = {"name": "default_run", "rows": [], "meta": {"runs": [{"ours": {"weight_sync_s": 0.5}},
+                                                                    {"ours": {"weight_sync_s": 0.3}}]}}
+    results = {"ops": [{"op": "claims", "reports": [claims_rep]}, {"op": "default_run", "reports": [run_rep]}]}
+    found = {c["key"]: c for c in claims.collect(results, "cpu")}
+    assert found["inprocess_vs_http"]["measured"].startswith("3.20x")
+    assert found["p99_bucketing"]["measured"] == "1.20 s -> 0.43 s"
+    assert found["colocated"]["measured"] == "80%" and found["colocated"]["hardware"] == "test cpu"
+    assert found["switch"]["measured"].startswith("400 ms per step")
+    assert found["utilisation"]["measured"] == "not measured in this run"
+
+
 def test_cli_lists_bench_and_regenerates_the_report(tmp_path, capsys):
     assert "bench" in build_parser().format_help()
     with pytest.raises(SystemExit, match="unknown benchmark"):

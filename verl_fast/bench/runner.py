@@ -37,7 +37,7 @@ class Op:
 
 OPS: Dict[str, Op] = {
     "gae": Op("bench_advantage.py"),
-    "logprob": Op("bench_logprob.py", quick=("--tokens", "64", "--hidden", "64", "--vocab", "1024")),
+    "logprob": Op("bench_logprob.py", quick=("--tokens", "64", "--hidden", "64", "--vocab", "1024", "--no-sweep")),
     "schedule": Op("bench_schedule.py", device_flag=False),
     "reshard": Op("bench_reshard.py", quick=("--only", "1")),
     "rollout": Op("bench_rollout.py", quick=("--models", "tiny", "--rep", "2")),
