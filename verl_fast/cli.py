@@ -1,4 +1,4 @@
-"""The `verl-fast` command: train, bench, convert, info."""
+"""The `verl-fast` command: train, bench, convert, export, info."""
 
 from __future__ import annotations
 
@@ -38,6 +38,13 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from verl_fast.trainer.checkpoint import export
+
+    print(f"wrote {export(args.checkpoint, args.output, max_shard_bytes=int(args.max_shard_gb * (1 << 30)))}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="verl-fast", description="RL post-training for LLMs with a compiled core")
     sub = p.add_subparsers(dest="command", required=True)
@@ -65,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="output dtype (default: the checkpoint's)")
     conv.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size limit")
     conv.set_defaults(func=_convert)
+    exp = sub.add_parser("export", help="training checkpoint (sharded) -> HF safetensors folder (transformers, vLLM)")
+    exp.add_argument("checkpoint", help="a checkpoints/step_N folder, or a run's output_dir (its newest complete one)")
+    exp.add_argument("output", help="HF folder to write (replaced atomically)")
+    exp.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size limit")
+    exp.set_defaults(func=_export)
     return p
 
 

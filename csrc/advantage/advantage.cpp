@@ -144,14 +144,12 @@ int32_t scan_rows(const ScanArgs& a, int64_t b0, Sums& sums) {
         for (int k = 0; k < K; ++k) {
           const float rt = to_float(r[k][t * rs]);
           if (!std::isfinite(rt)) status |= kBadRewards;
-          state[k] = rt + g * state[k];
-          ret[k][t] = state[k];
           if (nonzero(m[k][t * ms])) {
+            state[k] = rt + g * state[k];
             mom[k].add(state[k]);
-            adv[k][t] = state[k];
-          } else {
-            state[k] = 0.0f;  // reset after the end of a segment, as verl does
-            adv[k][t] = 0.0f;
+            ret[k][t] = adv[k][t] = state[k];
+          } else {  // the running return passes through unchanged; nothing is returned here
+            ret[k][t] = adv[k][t] = 0.0f;
           }
         }
       }

@@ -165,6 +165,13 @@ void Plan::bind(const std::vector<TensorRef>& sources, const std::vector<TensorR
   bound_ = std::move(all);
 }
 
+std::string Plan::bound_name(int64_t i) const {
+  const int64_t S = src_.size(), D = dst_.size();
+  if (i < S) return "source " + src_.names[i];
+  if (i < S + D) return "destination " + dst_.names[i - S];
+  return cat(slot_kind(i, S, D), " ", (i - S - D) % 2);
+}
+
 void Plan::check_bound(const char* what) const {
   VF_CHECK(!bound_.empty(), what, ": bind() the tensors first");
 }

@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from verl_fast.rewards.base import (
+    ON_ERROR,
     CallableReward,
+    GuardedReward,
     RewardFunction,
     RewardInput,
     as_reward_function,
@@ -16,8 +18,14 @@ from verl_fast.rewards.rule import GSM8KReward, ReasoningGymReward, gsm8k_answer
 
 
 def build_reward(cfg: Any, override: Optional[Any] = None) -> Optional[RewardFunction]:
-    """The reward for ``cfg`` (a RewardConfig); ``override`` (a callable or RewardFunction passed to
-    RLTrainer) wins. pairwise_ranking (DPO) scores nothing: preference pairs carry their ranking."""
+    """The reward for ``cfg`` (a RewardConfig), guarded by ``cfg.on_error``; ``override`` (a callable
+    or RewardFunction passed to RLTrainer) wins. pairwise_ranking (DPO) scores nothing: preference
+    pairs carry their ranking."""
+    reward = _unguarded(cfg, override)
+    return None if reward is None else GuardedReward(reward, cfg.on_error)
+
+
+def _unguarded(cfg: Any, override: Optional[Any]) -> Optional[RewardFunction]:
     if override is not None:
         return as_reward_function(override)
     kind = cfg.type
@@ -38,6 +46,8 @@ __all__ = [
     "RewardInput",
     "RewardFunction",
     "CallableReward",
+    "GuardedReward",
+    "ON_ERROR",
     "RewardModel",
     "GSM8KReward",
     "ReasoningGymReward",
