@@ -102,7 +102,7 @@ def test_results_schema_report_files_and_readme(tmp_path):
     assert report.save_results(results, tmp_path).name.endswith("_1.json")  # a second run that day
     assert json.loads(path.read_text())["summary"] == json.loads(json.dumps(results["summary"]))
     md, png = report.write_report(results, tmp_path, path.stem)
-    assert "| schedule | case a | python loop 40 ms | 1 ms | 2 ms | 20.00x | 2.00x |" in md.read_text()
+    assert "| schedule | case a | python loop 40 ms | 1 ms | 2 ms | 20.00x | 2.00x | 1.9-2.5 (10) | test cpu |" in md.read_text()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "e2e: missing" in report.render_table(results)
 

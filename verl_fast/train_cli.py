@@ -34,9 +34,12 @@ def quiet_libraries() -> None:
     """The console shows the progress bar and a line per step: the libraries' notes about their own
     set-up (vLLM's platform warnings, per-weight dtype casts, loading bars) are silenced here, before
     they are imported; their errors still show."""
+    import logging
     import warnings
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # vLLM logs some notes at import, before it configures its logger from the variable above
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
     try:
