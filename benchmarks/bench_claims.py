@@ -58,14 +58,15 @@ def free_port() -> int:
 def start_server(model: Path, port: int, max_len: int, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "bfloat16", "--max-model-len", str(max_len), "--enforce-eager",
-           "--seed", "0", "--disable-log-requests"]
+           "--seed", "0"]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server as vLLM ships it
     proc = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the vLLM server exited with {proc.returncode}; its log: {log}")
+            raise RuntimeError(f"the vLLM server exited with {proc.returncode}; the end of its log:\n"
+                               f"{log.read_text()[-3000:]}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
                 if r.status == 200:

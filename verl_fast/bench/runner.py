@@ -41,7 +41,7 @@ OPS: Dict[str, Op] = {
     "schedule": Op("bench_schedule.py", device_flag=False),
     "reshard": Op("bench_reshard.py", quick=("--only", "1")),
     "rollout": Op("bench_rollout.py", quick=("--models", "tiny", "--rep", "2")),
-    "e2e": Op("bench_e2e.py"),
+    "e2e": Op("bench_e2e.py", quick=("--tiny",)),
     "claims": Op("bench_claims.py"),
     "default_run": Op("bench_default_run.py", devices=("cpu",)),
 }
