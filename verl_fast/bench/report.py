@@ -206,11 +206,16 @@ def chart(results: Dict[str, Any], path: Path) -> Path:
     return path
 
 
-def write_report(results: Dict[str, Any], out: Path, stem: str) -> Tuple[Path, Path]:
+def write_report(results: Dict[str, Any], out: Path, stem: str) -> Tuple[Path, Optional[Path]]:
+    """The Markdown page, and the PNG chart where matplotlib is installed (else None)."""
     out.mkdir(parents=True, exist_ok=True)
     md = out / f"{stem}.md"
     md.write_text(markdown(results))
-    return md, chart(results, out / f"{stem}.png")
+    try:
+        return md, chart(results, out / f"{stem}.png")
+    except ImportError as error:
+        print(f"no PNG chart: {error} (pip install matplotlib)")
+        return md, None
 
 
 def readme_block(results: Dict[str, Any], source: str) -> str:
