@@ -121,10 +121,6 @@ def worker_ours(args) -> Dict[str, Any]:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    if world > 1:
-        from verl_fast.train_cli import _shard
-
-        model = _shard(model)
     rng = random.Random(rank)
     cfg = {
         "actor": {"lr": 1e-6, "autocast": "bfloat16", "micro_batch_size": 16},

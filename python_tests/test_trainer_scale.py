@@ -54,8 +54,8 @@ def runs(tmp_path_factory):
     (root / "w2").mkdir()
     one = subprocess.Popen([sys.executable, str(WORKER), str(root / "w1"), str(actor), str(critic), "grpo", "ppo"],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=HERE)
-    two = torchrun([str(WORKER), str(root / "w2"), str(actor), str(critic), "grpo", "ppo", "grpo_fsdp1",
-                    "grpo_options"], extra=("--master_port", str(free_port())))
+    two = torchrun([str(WORKER), str(root / "w2"), str(actor), str(critic), "grpo", "ppo", "ppo_prewrapped",
+                    "grpo_fsdp1", "grpo_options"], extra=("--master_port", str(free_port())))
     finish([one, two])
 
     def load(world, scenario, rank=0):
@@ -91,6 +91,7 @@ def test_grpo_two_ranks_train_as_one(runs):
     assert runs(1, "grpo")["kinds"]["actor"] is None
     assert_same_training(runs(1, "grpo"), multi)
     assert_equal_across_ranks(multi, runs(2, "grpo", rank=1), ["actor"])
+    assert multi["history"][0]["actor/kl"] == 0.0  # the reference built from the shards is the actor, exactly
     assert multi["history"][-1]["actor/kl"] > 0
 
 
@@ -103,9 +104,18 @@ def test_ppo_two_ranks_train_as_one_critic_reduced(runs):
     assert_equal_across_ranks(multi, runs(2, "ppo", rank=1), ["actor", "critic"])
 
 
+def test_user_wrapped_models_used_as_they_are(runs):
+    """An actor and a critic backbone the user wrapped with FSDP2 are not re-wrapped; the value head
+    the trainer adds on the critic gets a root FSDP2 group, so its gradients are reduced too."""
+    multi = runs(2, "ppo_prewrapped")
+    assert multi["same_actor"] and multi["kinds"]["critic"] == "fsdp2"
+    assert_same_training(runs(1, "ppo"), multi, models=("actor", "critic"))
+
+
 def test_fsdp1_strategy_trains_as_one(runs):
     multi = runs(2, "grpo_fsdp1")
     assert multi["kinds"] == {"actor": "fsdp1", "ref": "fsdp1", "critic": None}
+    assert multi["history"][0]["actor/kl"] == 0.0
     assert_same_training(runs(1, "grpo"), multi)
 
 
@@ -146,7 +156,7 @@ def test_two_nodes_with_the_cli(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-@pytest.mark.parametrize("case", ["grpo_kl", "ppo_bf16_offload"])
+@pytest.mark.parametrize("case", ["grpo_kl", "ppo_bf16_offload", "grpo_kl_offload"])
 def test_nccl_two_gpus(tmp_path, case):
     """2 ranks on NCCL through the CLI: every collective on the GPU, actor (and critic) sharded with
     FSDP2 from the config, the reference built from the actor; a few steps to the end."""
@@ -159,8 +169,8 @@ def test_nccl_two_gpus(tmp_path, case):
            "reward_fn": {"type": "gsm8k"}, "algorithm": {"type": "grpo"},
            "trainer": {"total_steps": 3, "train_batch_size": 4, "dataset": str(data), "device": "cuda",
                        "output_dir": str(tmp_path / "run"), "progress_bar": False, "plot": False}}
-    if case == "grpo_kl":
-        cfg["actor"]["use_kl_loss"] = True
+    if case.startswith("grpo_kl"):  # the reference built from the actor's (offloaded) shards
+        cfg["actor"].update(use_kl_loss=True, cpu_offload=case.endswith("offload"))
     else:
         cfg["algorithm"] = {"type": "ppo"}
         cfg["critic"] = {"model_name": str(model), "mixed_precision": "bfloat16", "cpu_offload": True}

@@ -57,7 +57,7 @@ def config(scenario: str, world: int, out_dir: str) -> dict:
         cfg["actor"]["strategy"] = "fsdp1"
     if scenario == "grpo_options" and sharded:
         cfg["actor"].update(mixed_precision="bfloat16", gradient_checkpointing=True)  # cpu_offload: CUDA only
-    if scenario == "ppo":
+    if scenario in ("ppo", "ppo_prewrapped"):
         cfg["algorithm"] = {"type": "ppo", "gamma": 1.0, "lam": 0.95}
         cfg["critic"] = {"lr": 1e-3, "micro_batch_size": 4}
     return cfg
@@ -84,7 +84,14 @@ def run(scenario: str, actor_dir: str, critic_dir: str, out_dir: str, rank: int,
     torch.manual_seed(0)
     actor = AutoModelForCausalLM.from_pretrained(actor_dir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(actor_dir)
-    critic = AutoModelForCausalLM.from_pretrained(critic_dir, dtype=torch.float32) if scenario == "ppo" else None
+    critic = AutoModelForCausalLM.from_pretrained(critic_dir, dtype=torch.float32) if "ppo" in scenario else None
+    if scenario == "ppo_prewrapped" and world > 1:  # the user's own FSDP2 wrapping, kept as it is
+        from torch.distributed.fsdp import fully_shard
+
+        for model in (actor, critic):
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
     trainer = RLTrainer(actor_model=actor, tokenizer=tok, critic_model=critic, config=config(scenario, world, out_dir),
                         rollout_engine=ScriptedEngine(tok),
                         reward_fn=lambda solution_str: float(len(solution_str) % 2))
@@ -93,11 +100,12 @@ def run(scenario: str, actor_dir: str, critic_dir: str, out_dir: str, rank: int,
     for step in range(STEPS):
         trainer.step = step
         history.append(trainer._rl_step(trainer._batch(items, step, per_epoch=1)))
-    result = {"history": history, "actor": full_weights(trainer.actor),
+    result = {"history": history, "actor": full_weights(trainer.actor), "same_actor": trainer.actor is actor,
               "kinds": {"actor": wrapper_kind(trainer.actor), "ref": wrapper_kind(trainer.ref) if trainer.ref else None,
                         "critic": wrapper_kind(trainer.critic) if trainer.critic else None}}
     if trainer.critic is not None:
-        result["critic"] = full_weights(trainer.critic)
+        # ValueModel also lists its backbone under "backbone." (the same tensors as "model.model.")
+        result["critic"] = {k: v for k, v in full_weights(trainer.critic).items() if not k.startswith("backbone.")}
     torch.save(result, os.path.join(out_dir, f"{scenario}.rank{rank}.pt"))
 
 

@@ -48,7 +48,7 @@ class ActorConfig:
     weight_decay: float = _f(0.0, min=0.0)
     max_grad_norm: float = _f(1.0, min=0.0, doc="0 = no clipping")
     ppo_epochs: int = _f(1, min=1)
-    ppo_mini_batch_size: Optional[int] = _f(None, min=1, doc="sequences per optimiser step (None: the batch)")
+    ppo_mini_batch_size: Optional[int] = _f(None, min=1, doc="sequences per optimiser step on each rank (None: the batch)")
     micro_batch_size: int = _f(8, min=1, doc="sequences per forward/backward")
     use_dynamic_bsz: bool = _f(False, doc="micro-batches by token budget instead of by count")
     max_token_len_per_gpu: int = _f(16384, min=1)

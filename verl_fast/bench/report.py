@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from verl_fast.bench import claims as claims_mod
+from verl_fast.bench.paths import default_out_dir
 from verl_fast.bench.timing import cpu_load
 
 SCHEMA = 1
@@ -274,8 +275,6 @@ def main(argv=None) -> int:
     p.add_argument("out", nargs="?", help="results folder (default: benchmarks/results)")
     p.add_argument("--readme", help="README to update (default: the repository's)")
     args = p.parse_args(argv)
-    from verl_fast.bench.runner import default_out_dir
-
     readme = Path(args.readme) if args.readme else repository_readme()
     latest, _, md, png = regenerate(Path(args.out) if args.out else default_out_dir(), readme)
     print(f"results: {latest}\nreport: {md}\nchart: {png}" + (f"\nREADME: {readme}" if readme else ""))

@@ -9,7 +9,6 @@ the process, thread settings, allocator caches) out of the next one's figures.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from verl_fast.bench import report as report_mod
+from verl_fast.bench.paths import benchmarks_dir, default_out_dir
 from verl_fast.bench.timing import cpu_load
 
 
@@ -51,24 +51,6 @@ REPORT_OPS = {"advantage": "gae", "bench": "logprob", "schedule": "schedule", "r
               "weight": "reshard", "rollout": "rollout", "e2e": "e2e", "claims": "claims", "default": "default_run"}
 DEFAULT_OPS = {"cpu": ("gae", "logprob", "schedule", "reshard", "rollout", "claims", "default_run"),
                "cuda": ("gae", "logprob", "reshard", "e2e")}
-
-
-def benchmarks_dir() -> Path:
-    """The bench_*.py scripts: shipped in the wheel as verl_fast/benchmarks, or the repository's
-    benchmarks/ folder beside the package (an editable install)."""
-    spec = importlib.util.find_spec("verl_fast.benchmarks")
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        if Path(folder, "_common.py").is_file():
-            return Path(folder)
-    repo = Path(__file__).resolve().parents[2] / "benchmarks"
-    if (repo / "_common.py").is_file():
-        return repo
-    raise FileNotFoundError("the benchmark scripts are missing: neither verl_fast/benchmarks (wheel) nor the "
-                            f"repository's benchmarks/ ({repo}) holds _common.py")
-
-
-def default_out_dir() -> Path:
-    return benchmarks_dir() / "results"
 
 
 def op_command(name: str, device: str, quick: bool, folder: Path) -> List[str]:

@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
-from verl_fast.models.wrapping import hf_module, is_sharded
+from verl_fast.models.wrapping import hf_module
 from verl_fast.trainer.ranks import gather, on_main, rank_world
 
 _STEP = re.compile(r"^step_(\d+)$")
@@ -60,17 +60,7 @@ def step_dirs(output_dir: str) -> List[Path]:
     return [p for _, p in sorted(steps, reverse=True)]
 
 
-def full_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
-    """The whole model's parameters on the CPU, gathered from FSDP shards when sharded (weight sync
-    into a rollout engine needs them; checkpoints never do)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    if is_sharded(model):
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
-
-
-# ----------------------------------------------------------------------------- ranks
+# ----------------------------------------------------------------------------- checksums
 
 
 def _checksums(folder: Path, files: List[str]) -> Dict[str, Dict[str, int]]:

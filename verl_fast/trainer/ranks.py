@@ -7,11 +7,11 @@ from typing import Any, Callable, List, Tuple
 import torch
 import torch.distributed as dist
 
+from verl_fast import distributed
+
 
 def rank_world() -> Tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    return distributed.rank(), distributed.world_size()
 
 
 def on_main(fn: Callable[[], Any]) -> Any:
@@ -43,10 +43,4 @@ def gather(value: Any) -> List[Any]:
 
 def any_rank(flag: bool) -> bool:
     """True on every rank when ``flag`` is true on at least one."""
-    _, world = rank_world()
-    if world == 1:
-        return flag
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return bool(distributed.all_reduce_numbers([int(flag)], "max", dtype=torch.int32)[0])

@@ -71,8 +71,8 @@ class RLTrainer:
         re-wrapped); plain models are sharded as ``actor.strategy`` / ``critic.strategy`` say
         (FSDP2 under torchrun). ``ref_model`` / ``critic_model`` may be of other families; without a
         ``ref_model`` a frozen copy of the actor, laid out as the actor is, is the reference when KL
-        is used. ``reward_fn``:
-        a callable with verl's ``compute_score`` signature or a RewardFunction (else the config's).
+        is used. ``reward_fn``: a callable with verl's ``compute_score`` signature or a
+        RewardFunction (else the config's).
         ``generation_config``: default sampling (SamplingSpec fields or HF names). ``model_path``:
         the actor's folder, which a vLLM engine loads (else the actor is saved to a temporary one)."""
         self.cfg = config_mod.checked(config) if isinstance(config, Config) else config_mod.from_dict(config or {})
