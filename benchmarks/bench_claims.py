@@ -44,8 +44,8 @@ def chat_prompts(tokenizer, count: int, long_every: int = 0) -> List[List[int]]:
         if long_every and i % long_every == 0:
             q = "Read the numbers carefully. " * 24 + q
         msgs = [{"role": "system", "content": "Answer with just the number."}, {"role": "user", "content": q}]
-        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        out.append(list(ids["input_ids"] if isinstance(ids, dict) else ids))
+        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        out.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
     return out
 
 
