@@ -73,6 +73,8 @@ class ActorConfig:
                               doc="FSDP: bf16 parameters in forward/backward, fp32 gradient reduction")
     cpu_offload: bool = _f(False, doc="FSDP: sharded parameters, gradients and optimizer state on the CPU")
     skip_zero_advantage: bool = _f(True, doc="leave samples whose advantages are all 0 out of the backward")
+    share_prompt_forward: bool = _f(True, doc="log-prob passes run each prompt once for all its samples "
+                                              "(same log-probs and gradients, fewer tokens; not with fused_logprobs)")
     # older spelling: rollout-engine settings written in the actor section (copied to rollout)
     model_path: Optional[str] = _f(None, doc="alias of model_name")
     tensor_parallel_size: Optional[int] = _f(None, min=1)

@@ -162,6 +162,7 @@ class VLLMInferenceEngine(RolloutEngine):
         if enable_lora:
             engine_kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank)
         engine_kwargs.setdefault("disable_log_stats", False)
+        engine_kwargs.setdefault("use_tqdm_on_load", False)  # no loading bar beside the trainer's progress bar
         start = time.perf_counter()
         self.llm = vllm.LLM(
             model=str(model_name_or_path), tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size,
