@@ -1,1 +1,2 @@
-"""The seeds' import path for the in-process vLLM engine (``verl.inference.vllm_engine``)."""
+"""verl_fast.inference.vllm_engine: the import path that user code written for verl uses for the
+vLLM engine."""

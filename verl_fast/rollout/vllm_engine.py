@@ -124,7 +124,7 @@ class VLLMInferenceEngine(RolloutEngine):
         model_name: Optional[str] = None,
         **engine_kwargs: Any,
     ) -> None:
-        if (model_name is None) == (model_name_or_path is None):  # model_name: the seeds' spelling
+        if (model_name is None) == (model_name_or_path is None):  # model_name: the name user code often passes
             raise TypeError("VLLMInferenceEngine needs the model exactly once: model_name_or_path or model_name")
         model_name_or_path = model_name_or_path or model_name
         check_engine_kwargs(engine_kwargs)
