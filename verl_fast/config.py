@@ -30,6 +30,9 @@ def _f(default, *, choices=None, min=None, max=None, doc: str = ""):
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+# How a model is trained over the ranks (trainer/sharding.py); auto: fsdp2 with several processes,
+# none (plain module) in one. megatron: the Megatron-core backend.
+STRATEGIES = ("auto", "fsdp2", "fsdp1", "none", "megatron")
 ALGORITHMS = ("grpo", "drgrpo", "ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "dpo", "online_dpo")
 # What each algorithm estimates its advantages with (dpo has none).
 ADVANTAGE_OF = {"ppo": "gae", "dpo": None, "online_dpo": None, **{a: a for a in ESTIMATORS}}
@@ -45,7 +48,7 @@ class ActorConfig:
     weight_decay: float = _f(0.0, min=0.0)
     max_grad_norm: float = _f(1.0, min=0.0, doc="0 = no clipping")
     ppo_epochs: int = _f(1, min=1)
-    ppo_mini_batch_size: Optional[int] = _f(None, min=1, doc="sequences per optimiser step (None: the batch)")
+    ppo_mini_batch_size: Optional[int] = _f(None, min=1, doc="sequences per optimiser step on each rank (None: the batch)")
     micro_batch_size: int = _f(8, min=1, doc="sequences per forward/backward")
     use_dynamic_bsz: bool = _f(False, doc="micro-batches by token budget instead of by count")
     max_token_len_per_gpu: int = _f(16384, min=1)
@@ -61,6 +64,10 @@ class ActorConfig:
     kl_loss_type: str = _f("low_var_kl", choices=KL_KINDS)
     fused_logprobs: str = _f("auto", choices=("auto", "on", "off"), doc="fused lm_head + log-prob kernels")
     gradient_checkpointing: bool = _f(False)
+    strategy: str = _f("auto", choices=STRATEGIES, doc="auto: fsdp2 under torchrun, none in one process")
+    mixed_precision: str = _f("none", choices=("none", "bfloat16"),
+                              doc="FSDP: bf16 parameters in forward/backward, fp32 gradient reduction")
+    cpu_offload: bool = _f(False, doc="FSDP: sharded parameters, gradients and optimizer state on the CPU")
     skip_zero_advantage: bool = _f(True, doc="leave samples whose advantages are all 0 out of the backward")
     # older spelling: rollout-engine settings written in the actor section (copied to rollout)
     model_path: Optional[str] = _f(None, doc="alias of model_name")
@@ -84,6 +91,11 @@ class CriticConfig:
     cliprange_value: float = _f(0.5, min=0.0)
     loss_agg_mode: str = _f("token-mean", choices=AGG_MODES)
     use_flash_attention: bool = _f(False)
+    strategy: str = _f("auto", choices=STRATEGIES, doc="auto: fsdp2 under torchrun, none in one process")
+    mixed_precision: str = _f("none", choices=("none", "bfloat16"),
+                              doc="FSDP: bf16 parameters in forward/backward, fp32 gradient reduction")
+    cpu_offload: bool = _f(False, doc="FSDP: sharded parameters, gradients and optimizer state on the CPU")
+    gradient_checkpointing: bool = _f(False)
 
 
 @dataclass
@@ -109,6 +121,9 @@ class RolloutConfig:
                                  "whose own scheduler batches continuously)")
     max_batch_tokens: Optional[int] = _f(None, min=1, doc="worst-case tokens per wave (default: "
                                          "max_num_seqs * (max_prompt_length + max_new_tokens))")
+    hf_fast_decode: str = _f("auto", choices=("auto", "on", "off"),
+                             doc="type hf: static-KV-cache decoding of the whole batch, CUDA graphs on a GPU "
+                                 "(auto: on a GPU); off: model.generate")
     speculative_config: Optional[Dict[str, Any]] = _f(None, doc="rejected: RL must sample from the policy")
     guided_decoding: Optional[Dict[str, Any]] = _f(None, doc="rejected: RL must sample from the policy")
 
@@ -148,6 +163,10 @@ class TrainerConfig:
     output_dir: str = _f("runs/verl_fast")
     save_freq: int = _f(0, min=0, doc="checkpoint every N steps (0: only at the end)")
     resume: bool = _f(True, doc="continue from the latest complete checkpoint in output_dir")
+    overwrite: bool = _f(False, doc="clear an older run's checkpoints and metrics from output_dir at start "
+                                                "(at every start: unset it to resume later)")
+    hf_export: str = _f("final", choices=("final", "every", "none"),
+                        doc="HF safetensors beside which checkpoints (the sharded state is always written)")
     dataset: Optional[str] = _f(None, doc="parquet/jsonl path, HF dataset name, or reasoning_gym:<task>")
     dataset_kwargs: Dict[str, Any] = _f(dict)
     system_prompt: Optional[str] = _f(None)
@@ -157,6 +176,9 @@ class TrainerConfig:
                                "kept text)")
     progress_bar: bool = _f(True)
     metrics_port: Optional[int] = _f(None, min=0, max=65535)
+    metrics_host: str = _f("127.0.0.1", doc="address the metrics endpoint binds (0.0.0.0: every interface)")
+    loggers: List[str] = _f(lambda: ["console", "jsonl"], choices=("console", "jsonl", "tensorboard", "wandb"),
+                            doc="where step metrics go (tensorboard and wandb need their packages)")
     plot: bool = _f(True, doc="reward-curve PNG at the end")
     # older spellings of actor settings (copied to the actor section)
     per_device_train_batch_size: Optional[int] = _f(None, min=1, doc="alias: actor.micro_batch_size")
@@ -225,6 +247,10 @@ def _check_value(value: Any, annotation: Any, meta: Dict[str, Any], key: str) ->
     elif origin is dict or annotation is dict:
         if not isinstance(value, dict):
             raise ValueError(f"{key} must be a mapping, got {value!r}")
+    elif origin is list:
+        if not isinstance(value, list):
+            raise ValueError(f"{key} must be a list, got {value!r}")
+        return [_check_value(v, args[0], meta, f"{key}[{i}]") for i, v in enumerate(value)]
     if meta.get("choices") is not None and value not in meta["choices"]:
         raise ValueError(f"{key} must be one of {list(meta['choices'])}, got {value!r}")
     if meta.get("min") is not None and value < meta["min"]:
@@ -360,6 +386,9 @@ def validate(cfg: Config) -> None:
     if algo == "online_dpo" and cfg.rollout.n < 2:
         raise ValueError(f"algorithm.type=online_dpo is not supported with rollout.n={cfg.rollout.n}: a pair needs "
                          "two sampled responses per prompt; use rollout.n >= 2")
+    for section in ("actor", "critic"):
+        if getattr(cfg, section).strategy == "megatron":
+            raise ValueError(f"{section}.strategy=megatron is not supported yet; use fsdp2, fsdp1 or none")
 
 
 def default_config_path() -> Path:

@@ -29,11 +29,9 @@ def agg_loss(loss_mat: torch.Tensor, response_mask: torch.Tensor, mode: str = "t
     not depend on lengths). The seq-mean modes count only the rows with at least one response token:
     an all-padding row changes nothing.
 
-    ``num_tokens`` / ``num_seqs``: the counts of the whole (mini-)batch when this is one micro-batch
-    of it (``num_seqs`` counting rows with a response token). The micro-batch losses then add up
-    exactly to the whole batch's loss, whatever the micro-batch sizes (gradient accumulation scaled
-    by tokens or sequences, not by micro-batch count). ``dp_size``: token-sum's factor under data
-    parallelism, where ranks' gradients are averaged (the means' counts are divided by it instead).
+    ``num_tokens`` / ``num_seqs`` / ``dp_size``: the whole (mini-)batch's normalisers when this is
+    one micro-batch of it (trainer/batching.py's ``loss_normalisers`` says what they count and why
+    the micro-batch losses then add up to the batch's loss).
     """
     mask = response_mask.to(loss_mat.dtype)
     if mode == "token-mean":

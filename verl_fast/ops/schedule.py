@@ -230,13 +230,10 @@ def balance_partitions(lengths: Lengths, k: int, equal_size: bool = True, cost="
 
 def reduce_over(group, value, op: str = "max", dtype=torch.int64):
     """``value`` all-reduced (``"max"`` or ``"sum"``) over a torch.distributed process group, as a
-    Python number. The tensor sits on the current CUDA device when the group's backend is NCCL."""
-    import torch.distributed as dist
+    Python number (on the device the group's backend works with)."""
+    from verl_fast.distributed import all_reduce_numbers
 
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-    t = torch.tensor([value], dtype=dtype, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
-    return t.item()
+    return all_reduce_numbers([value], op, group, dtype)[0]
 
 
 def pack_micro_batches(lengths: Lengths, max_tokens: int, min_num: int = 1, same_count_across=None, *,
