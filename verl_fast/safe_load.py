@@ -1,9 +1,11 @@
-"""``torch.load`` for files from outside the process (checkpoints, datasets): data only.
+"""Loading files from outside the process (checkpoints, datasets) as data only.
 
-Every file is read with ``weights_only=True``: tensors, plain containers, numbers and strings, plus
-the globals a caller allowlists for its format. Anything else in the pickle (a class to build, a
-function to call, such as ``os.system``) is refused with a ValueError that names the file and the
-global; nothing stored in a file ever runs.
+``load``: ``torch.load(weights_only=True)``: tensors, plain containers, numbers and strings, plus the
+globals a caller allowlists for its format. ``dcp_reader`` / ``dcp_planner``: torch DCP checkpoints,
+whose ``.metadata`` is unpickled with an allowlist of DCP's own types and whose non-tensor items
+with ``weights_only=True``. Anything else in a pickle (a class to build, a function to call, such
+as ``os.system``) is refused with a ValueError that names the file (or item) and the global;
+nothing stored in a file ever runs.
 """
 
 from __future__ import annotations
