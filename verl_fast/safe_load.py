@@ -49,6 +49,8 @@ def _reason(e: Exception) -> str:
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _PATHS = ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")
+# plans that savers (megatron-core's among them) keep in the metadata: dataclasses and enums
+_DCP_PLANS = ("SavePlan", "LoadPlan", "WriteItem", "ReadItem", "TensorWriteData", "WriteItemType", "LoadItemType")
 
 
 def _dcp_metadata_global(module: str, name: str) -> bool:
@@ -58,6 +60,8 @@ def _dcp_metadata_global(module: str, name: str) -> bool:
                                                       ("torch.serialization", "_get_layout"),
                                                       ("collections", "OrderedDict")}:
         return True
+    if module == "torch.distributed.checkpoint.planner":
+        return name in _DCP_PLANS
     if module == "torch":
         return isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format))
     return module == "pathlib" and name in _PATHS
