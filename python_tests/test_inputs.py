@@ -7,7 +7,6 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tiny_models import build_tokenizer, save_tiny_model
@@ -161,21 +160,33 @@ def test_trainer_counts_skipped_prompts_and_zeroed_rewards(tmp_path):
 # ---- checkpoints ----------------------------------------------------------------------------------
 
 
-def test_a_training_checkpoint_that_carries_code_is_refused(tmp_path):
-    from verl_fast.trainer import checkpoint
+def test_dcp_checkpoints_are_loaded_as_data_only(tmp_path):
+    """torch DCP unpickles its .metadata with no allowlist and non-tensor items with
+    weights_only=False; safe_load's reader and planner refuse code in either."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from verl_fast import safe_load
 
     marker = tmp_path / "ran"
-    model = torch.nn.Linear(2, 2)
-    optimizer = torch.optim.AdamW(model.parameters())
-    save_file(model.state_dict(), tmp_path / "model.safetensors")
-    torch.save({"state": {}, "param_groups": [RunsCode(marker)]}, tmp_path / "optimizer.pt")
-    with pytest.raises(ValueError, match=r"optimizer\.pt: refused to unpickle the global (posix|os)\.system"):
-        checkpoint.load(tmp_path, model, optimizer)
+    good = {"x": torch.arange(4.0), "lr": 0.1}
+    dcp.save(good, checkpoint_id=str(tmp_path / "ok"), no_dist=True)
+    out = {"x": torch.zeros(4), "lr": None}
+    dcp.load(out, storage_reader=safe_load.dcp_reader(tmp_path / "ok"), planner=safe_load.dcp_planner(), no_dist=True)
+    assert torch.equal(out["x"], good["x"]) and out["lr"] == 0.1
+    dcp.save({"x": torch.zeros(4), "evil": RunsCode(marker)}, checkpoint_id=str(tmp_path / "item"), no_dist=True)
+    with pytest.raises(BaseException, match=r"checkpoint item evil: refused to unpickle the global (posix|os)\.system"):
+        dcp.load({"x": torch.zeros(4), "evil": None}, storage_reader=safe_load.dcp_reader(tmp_path / "item"),
+                 planner=safe_load.dcp_planner(), no_dist=True)
+    meta = tmp_path / "meta"
+    meta.mkdir()
+    (meta / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+    with pytest.raises(ValueError, match=r"\.metadata: refused to unpickle the global (posix|os)\.system"):
+        safe_load.dcp_reader(meta).read_metadata()
+    with pytest.raises(ValueError, match=r"\.metadata: refused to unpickle"):
+        load_megatron_checkpoint(meta)  # a torch_dist folder
     assert not marker.exists()
-    torch.save(optimizer.state_dict(), tmp_path / "optimizer.pt")  # a real one loads
-    (tmp_path / "trainer_state.json").write_text("{}")
-    assert checkpoint.load(tmp_path, model, optimizer) == {}
-
 
 
 def test_a_megatron_checkpoint_that_carries_code_is_refused(tmp_path):

@@ -209,7 +209,7 @@ def _load_legacy(path: str, tp, pp, config, dtype, names: str) -> "OrderedDict[s
 def _load_torch_dist(path: str, config, dtype, names: str) -> "OrderedDict[str, torch.Tensor]":
     import torch.distributed.checkpoint as dcp
 
-    reader = dcp.FileSystemReader(path)
+    reader = safe_load.dcp_reader(path)
     meta = reader.read_metadata().state_dict_metadata
     tensors = {k: v for k, v in meta.items() if hasattr(v, "size") and hasattr(v, "properties")}
     args = None
@@ -230,7 +230,7 @@ def _load_torch_dist(path: str, config, dtype, names: str) -> "OrderedDict[str, 
             raise ValueError(f"{path}: tensor {t.name} has shape {list(got)}, expected {list(t.shape)} for this config")
         t.dtype = tensors[t.name].properties.dtype
         state[t.name] = torch.empty(got, dtype=t.dtype)
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    dcp.load(state, storage_reader=reader, planner=safe_load.dcp_planner(), no_dist=True)
     return _to_hf(layout, state, spec, dtype, names)
 
 
