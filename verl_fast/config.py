@@ -27,6 +27,7 @@ def _f(default, *, choices=None, min=None, max=None, doc: str = ""):
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+STRATEGIES = ("auto", "fsdp2", "fsdp1", "none", "megatron")
 ALGORITHMS = ("grpo", "drgrpo", "ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "dpo")
 # What each algorithm estimates its advantages with (dpo has none).
 ADVANTAGE_OF = {"ppo": "gae", "dpo": None, **{a: a for a in ESTIMATORS}}
@@ -59,6 +60,12 @@ class ActorConfig:
     fused_logprobs: str = _f("auto", choices=("auto", "on", "off"), doc="fused lm_head + log-prob kernels")
     gradient_checkpointing: bool = _f(False)
     skip_zero_advantage: bool = _f(True, doc="leave samples whose advantages are all 0 out of the backward")
+    strategy: str = _f("auto", choices=STRATEGIES, doc="training backend; megatron: a megatron-core GPTModel "
+                       "built from the actor's HF config (torchrun)")
+    tensor_model_parallel_size: int = _f(1, min=1, doc="megatron: TP size")
+    pipeline_model_parallel_size: int = _f(1, min=1, doc="megatron: PP size")
+    virtual_pipeline_model_parallel_size: Optional[int] = _f(None, min=1, doc="megatron: model chunks per PP rank")
+    expert_model_parallel_size: int = _f(1, min=1, doc="megatron: EP size (MoE families)")
     # seed 002 form: rollout-engine settings written in the actor section (copied to rollout)
     model_path: Optional[str] = _f(None, doc="alias of model_name")
     tensor_parallel_size: Optional[int] = _f(None, min=1)
@@ -81,6 +88,7 @@ class CriticConfig:
     cliprange_value: float = _f(0.5, min=0.0)
     loss_agg_mode: str = _f("token-mean", choices=AGG_MODES)
     use_flash_attention: bool = _f(False)
+    strategy: str = _f("auto", choices=STRATEGIES)
 
 
 @dataclass
@@ -318,6 +326,16 @@ def validate(cfg: Config) -> None:
         raise ValueError("reward_fn.type=reward_model needs reward_fn.model_name")
     if cfg.actor.clip_ratio_c <= 1.0:
         raise ValueError(f"actor.clip_ratio_c must be > 1 (dual clip), got {cfg.actor.clip_ratio_c}")
+    if cfg.critic.strategy == "megatron":
+        raise ValueError("critic.strategy=megatron is not supported yet; use critic.strategy=auto (an HF value model "
+                         "beside a megatron actor)")
+    if cfg.actor.strategy == "megatron":
+        for key in ("use_dynamic_bsz", "gradient_checkpointing"):
+            if getattr(cfg.actor, key):
+                raise ValueError(f"actor.{key} is not supported with actor.strategy=megatron; use fixed-size "
+                                 "micro-batches (actor.micro_batch_size)")
+        if cfg.actor.virtual_pipeline_model_parallel_size and cfg.actor.pipeline_model_parallel_size < 2:
+            raise ValueError("actor.virtual_pipeline_model_parallel_size needs actor.pipeline_model_parallel_size >= 2")
     if algo == "remax":
         raise ValueError("algorithm.type=remax is not supported by the trainer yet (it needs a greedy baseline "
                          "rollout per prompt); the estimator is available as verl_fast.compute_remax_advantage")

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from verl_fast import config as config_mod
 from verl_fast.algos.advantage import AdvantageInput, get_estimator
-from verl_fast.algos.losses import agg_loss, entropy_loss, kl_penalty, policy_loss, value_loss
+from verl_fast.algos.losses import kl_penalty, value_loss
 from verl_fast.config import Config
 from verl_fast.data import PromptRow, RLDataProcessor
 from verl_fast.metrics import MetricsLogger
@@ -42,6 +42,7 @@ from verl_fast.rollout.base import RolloutEngine, SamplingSpec
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 from verl_fast.rollout.operator import RolloutOperator
 from verl_fast.trainer import checkpoint, dpo
+from verl_fast.trainer.actor_loss import actor_loss
 from verl_fast.ops.schedule import balance_partitions
 from verl_fast.trainer.experience import Experience, build_experience, concat, last_token_rewards, micro_batches
 
@@ -77,7 +78,15 @@ class RLTrainer:
             tokenizer.pad_token = tokenizer.eos_token
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if self.world > 1 and not is_sharded(actor_model):
+        self.is_main = self.rank == 0
+        self.dp_group = None  # the data-parallel group (None: the world)
+        self.megatron = None
+        if cfg.actor.strategy == "megatron":  # a Megatron copy trains; the HF actor rolls out
+            from verl_fast.trainer.megatron_actor import MegatronActor
+
+            self.megatron = MegatronActor(actor_model, cfg)
+            self.rank, self.world, self.dp_group = self.megatron.dp_rank, self.megatron.dp_size, self.megatron.dp_group
+        elif self.world > 1 and not is_sharded(actor_model):
             raise ValueError("with several processes the actor must be FSDP-wrapped (fully_shard or "
                              "FullyShardedDataParallel) so that gradients are reduced across ranks")
         self.device = self._place(actor_model)
@@ -95,8 +104,8 @@ class RLTrainer:
             self.critic.to(self.device)
         self.reward = build_reward(cfg.reward_fn, reward_fn)
         self.estimator = get_estimator(cfg.advantage_estimator) if cfg.advantage_estimator else None
-        self.optimizer = torch.optim.AdamW(actor_model.parameters(), lr=cfg.actor.lr,
-                                           weight_decay=cfg.actor.weight_decay)
+        self.optimizer = self.megatron.optimizer if self.megatron else torch.optim.AdamW(
+            actor_model.parameters(), lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay)
         self.critic_optimizer = (torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic.lr,
                                                    weight_decay=cfg.critic.weight_decay) if self.critic else None)
         self.processor = RLDataProcessor(tokenizer, cfg.trainer.max_prompt_length, cfg.rollout.max_new_tokens,
@@ -206,7 +215,7 @@ class RLTrainer:
                              f"number of processes ({self.world}) so that every rank gets the same share")
         per_epoch = max(1, len(items) // cfg.train_batch_size)
         total = cfg.total_steps or cfg.num_epochs * per_epoch
-        is_main = self.rank == 0
+        is_main = self.is_main
         logger = MetricsLogger(cfg.output_dir, total, cfg.progress_bar, cfg.metrics_port, enabled=is_main)
         self._resume(logger)
         if not self._engine_synced or self.step > 0:  # a given engine, or weights restored from a checkpoint
@@ -252,7 +261,7 @@ class RLTrainer:
         start = time.perf_counter()
         if self._sync_engine():
             metrics["time/weight_sync"] = time.perf_counter() - start
-        return _reduce(metrics, self.world)
+        return _reduce(metrics, self.world, self.dp_group)
 
     def _sync_engine(self) -> bool:
         """Pushes the actor's weights into an engine that keeps its own copy (in place)."""
@@ -271,7 +280,7 @@ class RLTrainer:
         were computed before, where each rank held whole prompt groups."""
         local = exp.to(torch.device("cpu"))
         parts: List[Experience] = [None] * self.world  # type: ignore[list-item]
-        dist.all_gather_object(parts, local)
+        dist.all_gather_object(parts, local, group=self.dp_group)
         everything = concat(parts)
         lengths = everything.attention_mask.sum(-1)
         plan = balance_partitions(lengths, self.world, equal_size=True)  # same plan on every rank
@@ -328,6 +337,8 @@ class RLTrainer:
 
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, exp: Experience) -> torch.Tensor:
+        if self.megatron is not None and model is self.actor:
+            return self.megatron.logprobs(exp, self._micro(exp, torch.arange(exp.num_sequences), for_update=False))
         out = torch.zeros(exp.response_mask.shape, dtype=torch.float32, device=self.device)
         for idx in self._micro(exp, torch.arange(exp.num_sequences, device=self.device), for_update=False):
             sub = exp.select(idx)
@@ -375,7 +386,8 @@ class RLTrainer:
         # Samples whose advantage is 0 everywhere add exactly nothing to the policy gradient: leave
         # them out of the backward (normalisers still count them, so the loss is unchanged).
         # (single process only: FSDP ranks must run the same number of forward/backward passes)
-        skip = a.skip_zero_advantage and not a.use_kl_loss and a.entropy_coeff == 0 and self.world == 1
+        skip = a.skip_zero_advantage and not a.use_kl_loss and a.entropy_coeff == 0 and self.world == 1 \
+            and self.megatron is None
         active = exp.advantages.abs().sum(-1) > 0 if skip else torch.ones(N, dtype=torch.bool, device=self.device)
         mini = a.ppo_mini_batch_size or N
         totals: Dict[str, float] = {}
@@ -389,20 +401,30 @@ class RLTrainer:
             for start in range(0, N, mini):
                 mb = order[start : start + mini]
                 counts = self._counts(exp.response_mask[mb])
-                for idx in self._micro(exp, mb[active[mb]]):
-                    stats = self._actor_micro_step(exp.select(idx), counts)
+                micro = self._micro(exp, mb[active[mb]])
+                stats, norm = self._train_mini_batch(exp, micro, counts)
+                for idx, st in zip(micro, stats):
                     w = float(exp.response_mask[idx].sum())
-                    for k, v in stats.items():
+                    for k, v in st.items():
                         totals[k] = totals.get(k, 0.0) + v * w
                     weight += w
-                totals["grad_norm"] = totals.get("grad_norm", 0.0) + self._optimizer_step(
-                    self.actor, self.optimizer, a.max_grad_norm)
+                totals["grad_norm"] = totals.get("grad_norm", 0.0) + norm
         steps = a.ppo_epochs * math.ceil(N / mini)
         out = {f"actor/{k}": v / max(weight, 1e-9) for k, v in totals.items() if k != "grad_norm"}
         out.setdefault("actor/pg_loss", 0.0)  # every advantage 0: the policy loss is exactly 0
         out["actor/grad_norm"] = totals["grad_norm"] / steps
         out["actor/active_fraction"] = float(active.float().mean())
+        if self.megatron is not None:  # the rollout model gets the new weights
+            self.megatron.export_to(hf_module(self.actor))
         return out
+
+    def _train_mini_batch(self, exp: Experience, micro: List[torch.Tensor], counts: Dict[str, float]):
+        """One optimiser step over the micro-batches: each one's stats, and the gradient norm."""
+        if self.megatron is not None:
+            return self.megatron.train_mini_batch(
+                exp, micro, lambda logp, entropy, sub: actor_loss(self.cfg.actor, logp, entropy, sub, counts))
+        stats = [self._actor_micro_step(exp.select(idx), counts) for idx in micro]
+        return stats, self._optimizer_step(self.actor, self.optimizer, self.cfg.actor.max_grad_norm)
 
     def _counts(self, response_mask: torch.Tensor) -> Dict[str, float]:
         """The normalisers of a (mini-)batch's loss. With several ranks, the global counts divided by
@@ -411,40 +433,18 @@ class RLTrainer:
         counts = torch.tensor([float(response_mask.sum()), float(response_mask.shape[0])], dtype=torch.float64)
         if self.world > 1:
             counts = counts.to(self.device)
-            dist.all_reduce(counts)
+            dist.all_reduce(counts, group=self.dp_group)
             counts = counts.cpu() / self.world
         return {"num_tokens": float(counts[0]), "num_seqs": float(counts[1])}
 
     def _actor_micro_step(self, sub: Experience, counts: Dict[str, float]) -> Dict[str, float]:
-        a = self.cfg.actor
         with self._autocast():
             logp, entropy = response_logprobs(self.actor, sub.input_ids, sub.attention_mask, sub.response_length,
                                               temperature=self.cfg.rollout.temperature or 1.0, with_entropy=True,
                                               fused=self._fused())
-        logp = logp.float()
-        old = sub.old_logprobs if sub.old_logprobs is not None else logp.detach()
-        pg, stats = policy_loss(logp, old, sub.advantages, sub.response_mask, a.clip_ratio_low, a.clip_ratio_high,
-                                a.clip_ratio_c, a.loss_agg_mode, **counts)
-        loss = pg
-        ent = entropy_loss(entropy.float(), sub.response_mask, a.loss_agg_mode, **counts)
-        if a.entropy_coeff:
-            loss = loss - a.entropy_coeff * ent
-        out = {"pg_loss": pg.item(), "entropy": ent.item(), **{k: float(v) for k, v in stats.items()}}
-        if sub.ref_logprobs is not None:
-            kl = kl_penalty(logp, sub.ref_logprobs, a.kl_loss_type if a.use_kl_loss else "low_var_kl")
-            kl_term = agg_loss(kl, sub.response_mask, a.loss_agg_mode, **counts)
-            if a.use_kl_loss:
-                loss = loss + a.kl_loss_coef * kl_term
-            out["kl"] = kl_term.item()
+        loss, stats = actor_loss(self.cfg.actor, logp, entropy, sub, counts)
         loss.backward()
-        # the losses above are this micro-batch's shares of the mini-batch loss: report them at the
-        # scale of a whole batch (the caller averages micro-batches weighted by tokens)
-        share = (float(sub.response_mask.sum()) / max(counts["num_tokens"], 1.0) if a.loss_agg_mode == "token-mean"
-                 else sub.num_sequences / max(counts["num_seqs"], 1.0))
-        for k in ("pg_loss", "entropy", "kl"):
-            if k in out:
-                out[k] = out[k] / max(share, 1e-9)
-        return out
+        return stats
 
     def _optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
         params = [p for p in model.parameters() if p.requires_grad]
@@ -487,7 +487,7 @@ class RLTrainer:
         self.actor.train()
         metrics = dpo.step(self, batch)
         metrics["actor/grad_norm"] = self._optimizer_step(self.actor, self.optimizer, self.cfg.actor.max_grad_norm)
-        return _reduce(metrics, self.world)
+        return _reduce(metrics, self.world, self.dp_group)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -517,11 +517,11 @@ def _is_prepared(items: Any) -> bool:
     return isinstance(items, list) and bool(items) and not isinstance(items[0], dict)
 
 
-def _reduce(metrics: Dict[str, Any], world: int) -> Dict[str, Any]:
+def _reduce(metrics: Dict[str, Any], world: int, group=None) -> Dict[str, Any]:
     """Means of the numeric metrics over the ranks (what rank 0 logs)."""
     if world == 1:
         return metrics
     keys = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)))
     values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-    dist.all_reduce(values)
+    dist.all_reduce(values, group=group)
     return {**metrics, **{k: v / world for k, v in zip(keys, values.tolist())}}

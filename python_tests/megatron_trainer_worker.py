@@ -1,0 +1,71 @@
+"""RLTrainer with ``actor.strategy: megatron`` on CPU (gloo), run by test_megatron_trainer.py under
+torch.multiprocessing; ``run_updates`` is also the single-process HF reference."""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from tiny_models import build_tokenizer, tiny_model
+
+VOCAB = 320  # the tokenizer's size (build_tokenizer(vocab_size=320))
+
+
+def experiences(vocab: int, steps: int = 3, n: int = 8, prompt: int = 7, response: int = 5):
+    """Fixed GRPO-like batches: left-padded prompts of mixed lengths, responses with trailing padding."""
+    from verl_fast.trainer.experience import Experience
+
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(3, vocab, (n, prompt + response), generator=g)
+        attn = torch.ones_like(ids)
+        pads = torch.randint(0, prompt - 1, (n,), generator=g)
+        ends = torch.randint(1, response + 1, (n,), generator=g)
+        for i in range(n):
+            attn[i, : pads[i]] = 0
+            attn[i, prompt + ends[i]:] = 0
+        ids = ids.masked_fill(attn == 0, 0)
+        resp = attn[:, prompt:].float()
+        adv = torch.randn(n, 1, generator=g).expand(n, response) * resp
+        out.append(Experience(input_ids=ids, attention_mask=attn, response_mask=resp,
+                              prompt_index=torch.arange(n) // 4, advantages=adv.contiguous(),
+                              returns=adv.contiguous()))
+    return out
+
+
+def config(strategy: str, tp: int = 1, pp: int = 1, out_dir: str = "unused"):
+    return {"actor": {"lr": 5e-3, "max_grad_norm": 0.5, "micro_batch_size": 3, "ppo_mini_batch_size": 4,
+                      "strategy": strategy, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
+            "rollout": {"type": "hf", "n": 4, "max_new_tokens": 5},
+            "reward_fn": {"type": "gsm8k"}, "algorithm": {"type": "grpo"},
+            "trainer": {"output_dir": out_dir, "progress_bar": False, "plot": False}}
+
+
+def run_updates(family: str, cfg: dict):
+    """Each step: old log-probs, then the update. Returns (per-step metrics, old log-probs, HF weights)."""
+    from verl_fast.trainer.rl_trainer import RLTrainer
+
+    tok = build_tokenizer(vocab_size=320)
+    assert len(tok) == VOCAB, len(tok)
+    model = tiny_model(family, seed=3, vocab_size=VOCAB)
+    trainer = RLTrainer(actor_model=model, tokenizer=tok, config=cfg, reward_fn=lambda solution_str: 0.0)
+    metrics, old = [], []
+    for exp in experiences(len(tok)):
+        exp.old_logprobs = trainer._logprobs(trainer.actor, exp)
+        old.append(exp.old_logprobs)
+        metrics.append(trainer.update_actor(exp))
+    return metrics, old, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def worker(rank, world, port, family, tp, pp, out_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import megatron_worker
+
+    megatron_worker.neutralise_cuda_for_training()
+    metrics, old, weights = run_updates(family, config("megatron", tp, pp))
+    if rank == 0:
+        torch.save({"metrics": metrics, "old": old, "weights": weights}, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
