@@ -7,7 +7,7 @@
 #   GPU_TESTS="python_tests/test_logprobs.py" SECTIONS=tests ...  # some test files only
 #   LOGPROB_CASES=logits SECTIONS=logprobs ...                     # one of the log-prob cases
 #
-# Sections: tests (every gpu-marked test), advantage, logprobs, reshard.
+# Sections: tests (every gpu-marked test), advantage, logprobs, reshard, megatron (2 GPUs).
 # That machine: H200(s), torch 2.11 + CUDA 13, Triton 3.6, Python 3.12, no vLLM / megatron-core, no
 # network: build with --no-build-isolation --no-deps; pure-Python wheels (liger-kernel for the
 # logprobs baseline) travel in .whl/ (carry it).
@@ -19,7 +19,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export VF_BENCH_SUMMARY="$OUT/summary.txt" VF_BENCH_RESULTS="$OUT/results"
 : > "$VF_BENCH_SUMMARY"
-SECTIONS=${SECTIONS:-"tests advantage logprobs reshard"}
+SECTIONS=${SECTIONS:-"tests advantage logprobs reshard megatron"}
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 failed=()
 
@@ -57,6 +57,13 @@ fi
 if want reshard; then
   timeout 540 "$py" benchmarks/bench_reshard.py --device cuda --tiles-kb 64,256,1024 --buckets-mb 64,256,1024 \
     >> "$OUT/bench.log" 2>&1 || failed+=("bench_reshard")
+fi
+
+# ---- megatron (issue 14): GRPO update phase, Qwen2 1.5B shape, 2 GPUs: megatron-core TP=2 vs FSDP2;
+# time, MFU, peak memory per GPU (needs megatron-core's wheel in .whl/; ~3 minutes) ----
+if want megatron; then
+  timeout 300 "$py" -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_megatron.py \
+    >> "$OUT/bench.log" 2>&1 || failed+=("bench_megatron")
 fi
 
 (cd "$OUT" && [ -d results ] && tar czf results.tgz results && rm -rf results)

@@ -34,12 +34,12 @@ def experiences(vocab: int, steps: int = 3, n: int = 8, prompt: int = 7, respons
     return out
 
 
-def config(strategy: str, tp: int = 1, pp: int = 1, out_dir: str = "unused"):
+def config(strategy: str, tp: int = 1, pp: int = 1, out_dir: str = "unused", device: str = "auto"):
     return {"actor": {"lr": 5e-3, "max_grad_norm": 0.5, "micro_batch_size": 3, "ppo_mini_batch_size": 4,
                       "strategy": strategy, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
             "rollout": {"type": "hf", "n": 4, "max_new_tokens": 5},
             "reward_fn": {"type": "gsm8k"}, "algorithm": {"type": "grpo"},
-            "trainer": {"output_dir": out_dir, "progress_bar": False, "plot": False}}
+            "trainer": {"output_dir": out_dir, "progress_bar": False, "plot": False, "device": device}}
 
 
 def run_updates(family: str, cfg: dict):
@@ -52,20 +52,51 @@ def run_updates(family: str, cfg: dict):
     trainer = RLTrainer(actor_model=model, tokenizer=tok, config=cfg, reward_fn=lambda solution_str: 0.0)
     metrics, old = [], []
     for exp in experiences(len(tok)):
+        exp = exp.to(trainer.device)
         exp.old_logprobs = trainer._logprobs(trainer.actor, exp)
-        old.append(exp.old_logprobs)
+        old.append(exp.old_logprobs.cpu())
         metrics.append(trainer.update_actor(exp))
-    return metrics, old, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return metrics, old, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
-def worker(rank, world, port, family, tp, pp, out_path):
+def worker(rank, world, port, family, tp, pp, out_path, device="cpu"):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        import megatron_worker
+
+        megatron_worker.neutralise_cuda_for_training()
+    metrics, old, weights = run_updates(family, config("megatron", tp, pp, device="auto" if device == "cpu" else device))
+    if rank == 0:
+        torch.save({"metrics": metrics, "old": old, "weights": weights}, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def fit_worker(rank, world, port, model_dir, cfg, result_path, dataset=None):
+    """``RLTrainer.fit`` with the Megatron actor (resuming from the output folder's checkpoints)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import megatron_worker
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl_fast.trainer.rl_trainer import RLTrainer
 
     megatron_worker.neutralise_cuda_for_training()
-    metrics, old, weights = run_updates(family, config("megatron", tp, pp))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    if dataset is None:
+        dataset = [{"prompt": f"What is {i} + {i + 1}?" + " please" * i} for i in range(4)]
+        trainer = RLTrainer(actor_model=model, tokenizer=tok, config=cfg,
+                            reward_fn=lambda solution_str: float(len(solution_str) % 3 == 0))
+    else:
+        trainer = RLTrainer(actor_model=model, tokenizer=tok, config=cfg)
+    history = trainer.fit(dataset, **cfg["trainer"].get("dataset_kwargs", {}))
     if rank == 0:
-        torch.save({"metrics": metrics, "old": old, "weights": weights}, out_path)
+        torch.save({"history": history, "weights": {k: v.clone() for k, v in model.state_dict().items()}},
+                   result_path)
     dist.barrier()
     dist.destroy_process_group()

@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit("algorithm.type=ppo needs critic.model_name")
         critic, _ = load_causal_lm(cfg.critic.model_name, cfg.critic.dtype, attn_implementation=attn)
         critic.to(device)
-    if dist is not None:
+    if dist is not None and cfg.actor.strategy != "megatron":  # megatron builds its own sharded copy
         actor = _shard(actor)
         if ref is not None:
             ref = _shard(ref)
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
                         model_path=resolve(cfg.actor.model_name))
     kwargs: Dict[str, Any] = dict(cfg.trainer.dataset_kwargs)
     history = trainer.fit(cfg.trainer.dataset, **kwargs)
-    if trainer.rank == 0:
+    if trainer.is_main:
         summarize(history, cfg.trainer.output_dir)
     if dist is not None:
         dist.destroy_process_group()

@@ -128,6 +128,11 @@ class MegatronGPT:
         self.config = transformer_config(hf_config, self.spec, par)
         self.padded_vocab = default_padded_vocab(self.spec.vocab_size, par.tp)
         self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        if torch.cuda.is_available():  # megatron-core draws TP-sharded initial weights from its CUDA RNG tracker
+            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+            if not get_cuda_rng_tracker().get_states():
+                model_parallel_cuda_manual_seed(1234)
         layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=self.spec.qk_norm)
         self.chunks: List[torch.nn.Module] = []
         for v in range(par.chunks):

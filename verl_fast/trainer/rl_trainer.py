@@ -41,7 +41,7 @@ from verl_fast.rewards import RewardInput, as_reward_function, build_reward
 from verl_fast.rollout.base import RolloutEngine, SamplingSpec
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 from verl_fast.rollout.operator import RolloutOperator
-from verl_fast.trainer import checkpoint, dpo
+from verl_fast.trainer import checkpoint, dpo, megatron_checkpoint
 from verl_fast.trainer.actor_loss import actor_loss
 from verl_fast.ops.schedule import balance_partitions
 from verl_fast.trainer.experience import Experience, build_experience, concat, last_token_rewards, micro_batches
@@ -493,20 +493,25 @@ class RLTrainer:
 
     def save(self) -> None:
         state = {"history": self.history, "config": self.cfg.to_dict(), "torch_rng": torch.get_rng_state().tolist()}
-        checkpoint.save(self.cfg.trainer.output_dir, self.step, self.actor, self.tokenizer, self.optimizer, state,
-                        self.critic, self.critic_optimizer, is_main=self.rank == 0)
+        if self.megatron is not None:
+            megatron_checkpoint.save(self.cfg.trainer.output_dir, self.step, self.megatron, self.actor, self.tokenizer,
+                                     state, is_main=self.is_main)
+        else:
+            checkpoint.save(self.cfg.trainer.output_dir, self.step, self.actor, self.tokenizer, self.optimizer, state,
+                            self.critic, self.critic_optimizer, is_main=self.is_main)
         if self.world > 1:
             dist.barrier()
 
     def _resume(self, logger: MetricsLogger) -> None:
         if not self.cfg.trainer.resume:
             return
-        if self.rank == 0:
+        if self.is_main:
             checkpoint.clean_partial(self.cfg.trainer.output_dir)
         path = checkpoint.latest(self.cfg.trainer.output_dir)
         if path is None:
             return
-        state = checkpoint.load(path, self.actor, self.optimizer, self.critic, self.critic_optimizer)
+        state = (megatron_checkpoint.load(path, self.megatron, self.actor) if self.megatron is not None else
+                 checkpoint.load(path, self.actor, self.optimizer, self.critic, self.critic_optimizer))
         self.step = int(state["step"])
         self.history = list(state.get("history", []))
         torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
