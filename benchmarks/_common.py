@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -17,89 +15,45 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from verl_fast.bench.report import device_name, environment as report_environment  # noqa: F401 (device_name: used by the scripts)
+from verl_fast.bench.timing import Stats, measure, peak_memory, sync  # noqa: F401 (sync: used by the scripts)
+
 RESULTS_DIR = Path(os.environ.get("VF_BENCH_RESULTS", Path(__file__).resolve().parent / "results"))
 
 
-def device_name(device: str) -> str:
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_name(torch.device(device))
-    cpu = platform.processor() or "cpu"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu} ({os.cpu_count()} cores)"
-
-
 def environment(device: str) -> Dict[str, object]:
-    env: Dict[str, object] = {
-        "device": device_name(device),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "torch_threads": torch.get_num_threads(),
-    }
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = None
-    return env
+    """Device name, versions, load average and torch's thread count (saved with every report)."""
+    return {**report_environment(device), "torch_threads": torch.get_num_threads()}
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(torch.device(device))
+class Ms(float):
+    """A median time in milliseconds that also carries the runs' spread (``.stats``)."""
+
+    stats: Optional[Stats] = None
 
 
 def time_ms(fn: Callable[[], object], device: str, *, warmup: int = 3, rep: int = 10,
-            max_seconds: float = 20.0, busy_gpu: bool = False) -> float:
-    """Median wall time of ``fn`` in milliseconds (CUDA events on a GPU).
+            max_seconds: float = 20.0, busy_gpu: bool = False) -> Ms:
+    """Median wall time of ``fn`` in milliseconds (CUDA events on a GPU), with its spread attached.
 
     ``busy_gpu``: before each timed call, queue a 1 GiB fill (about 0.3 ms on an H200), so the GPU
     is busy while the host runs ``fn``'s Python and launches -- as in a training step, where the host
     runs ahead of the GPU -- and L2 holds none of the inputs (Triton's do_bench does the same). The
     time is then the call's GPU time plus whatever host time the fill did not cover (a host sync
     inside ``fn`` still shows)."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times: List[float] = []
-    deadline = time.perf_counter() + max_seconds
     filler = torch.empty(256 << 20, dtype=torch.int32, device=device) if busy_gpu and device.startswith("cuda") else None
-    for _ in range(rep):
-        if device.startswith("cuda"):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            if filler is not None:
-                filler.fill_(0)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        if time.perf_counter() > deadline:
-            break
-    return statistics.median(times)
+    stats = measure(fn, device, warmup=warmup, rep=rep, max_seconds=max_seconds,
+                    before=(lambda: filler.fill_(0)) if filler is not None else None)
+    ms = Ms(stats.median_ms)
+    ms.stats = stats
+    return ms
 
 
 def peak_extra_bytes(fn: Callable[[], object], device: str) -> Optional[int]:
     """Peak device memory ``fn`` allocates beyond what was live before it (CUDA only)."""
     if not device.startswith("cuda"):
         return None
-    sync(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    fn()
-    sync(device)
-    return torch.cuda.max_memory_allocated(device) - before
+    return peak_memory(fn, device)
 
 
 def copy_bandwidth_gbs(device: str, nbytes: int = 1 << 30) -> float:
@@ -119,6 +73,7 @@ class Row:
     extra_bytes: Optional[int] = None
     max_err: Optional[float] = None
     note: str = ""
+    spread: Optional[Dict[str, float]] = None  # p10 / p90 / min / runs of the timed runs, when known
 
 
 @dataclass
@@ -131,6 +86,10 @@ class Report:
 
     def add(self, *args, **kwargs) -> Row:
         row = Row(*args, **kwargs)
+        stats = getattr(row.ms, "stats", None)
+        if row.spread is None and stats is not None:
+            row.spread = stats.as_dict()
+        row.ms = float(row.ms)
         self.rows.append(row)
         return row
 

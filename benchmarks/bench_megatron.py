@@ -1,6 +1,6 @@
 """GRPO update phase (old log-probs + one PPO epoch of updates) on 2 GPUs: the actor trained by
 megatron-core at TP=2 (``actor.strategy: megatron``, bf16 parameters, fp32 main weights in the
-distributed optimizer) against FSDP2 (fp32 parameters sharded over 2 ranks, bf16 autocast), the
+distributed optimizer) against FSDP2 (fp32 parameters sharded over 2 ranks, bf16 mixed precision), the
 same global batch of sequences, the same RLTrainer code around them.
 
     torchrun --nproc_per_node 2 benchmarks/bench_megatron.py [--layers 28] [--seqs 64] [--length 512]
@@ -78,13 +78,8 @@ def run(strategy: str, args, device) -> dict:
              "ppo_mini_batch_size": args.seqs // 2 // (1 if megatron else world)}
     if megatron:
         actor.update(strategy="megatron", tensor_model_parallel_size=2, dtype="bfloat16")
-    else:
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-        actor.update(autocast="bfloat16", fused_logprobs="on")
+    else:  # bf16 parameters in forward and backward, fp32 gradient reduction and optimizer (as Megatron's)
+        actor.update(strategy="fsdp2", mixed_precision="bfloat16", fused_logprobs="on")
     trainer = RLTrainer(actor_model=model, tokenizer=build_tokenizer(), reward_fn=lambda solution_str: 0.0,
                         config={"actor": actor, "rollout": {"type": "hf", "n": 8},
                                 "trainer": {"progress_bar": False, "plot": False}})

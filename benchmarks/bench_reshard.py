@@ -3,10 +3,16 @@
 (a) one device: HF layout -> vLLM layout (fused qkv_proj / gate_up_proj, TP=1) into preallocated
     tensors with vLLM's names and shapes. Baseline: per-parameter cat + copy. Floor: bytes read +
     written at the copy bandwidth measured in the same run.
+    Also the one-shot public call ``vllm_weights(state_dict, spec, device)`` (plans and outputs
+    reused between calls) against per-parameter ``torch.cat`` allocating its outputs.
 (b) two devices (spawned when two are visible, or two gloo processes on the CPU): FSDP2 shards
     (Shard(0) over 2 ranks) -> vLLM TP=2. Baseline: per-parameter all-gather, then the TP slice
     copied in (what vLLM's weight loaders do). Floor: the bytes a rank must receive, at the
     point-to-point bandwidth measured in the same run.
+(c) weight sync as the trainer runs it: an FSDP2-sharded module (``fully_shard`` per decoder layer,
+    2 ranks) -> vLLM TP=2 parameter tensors, timed around ``WeightSync.run`` (the body of the vLLM
+    engine's ``sync_from`` on GPU builds: plan built once, direct writes). Same baseline and floor
+    as (b); the seeds' claim for the train/rollout switch printed beside.
 
     python benchmarks/bench_reshard.py --device cuda             # Qwen2.5-7B on one or two H200s
     python benchmarks/bench_reshard.py --device cpu --scale small
@@ -25,13 +31,18 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import Report, copy_bandwidth_gbs, sync, time_ms  # noqa: E402
 
-from verl_fast.ops.reshard import ModelSpec, fsdp2_layout, hf_layout, plan, vllm_layout  # noqa: E402
+from verl_fast.bench.shapes import shape  # noqa: E402
+from verl_fast.ops.reshard import (ModelSpec, fsdp2_layout, hf_layout, logical_shapes, plan,  # noqa: E402
+                                   vllm_layout, vllm_weights)
+from verl_fast.ops.reshard.layout import local_tensor  # noqa: E402
 from verl_fast.ops.reshard.spec import as_2d  # noqa: E402
 
+SEEDS_CLAIM = "train/rollout switch 2.3 s -> 87 ms on 8xA100 (the seeds' claim, not measured here)"
+
+_7B = shape("Qwen2.5-7B")  # 28 layers, hidden 3584, 28 heads / 4 kv heads of 128, MLP 18944, vocab 152064
 SCALES = {
-    # Qwen2.5-7B: 28 layers, hidden 3584, 28 heads / 4 kv heads of 128, MLP 18944, vocab 152064, QKV bias.
-    "full": dict(hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
-                 intermediate_size=18944, vocab_size=152064),
+    "full": {k: getattr(_7B, k) for k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                                          "intermediate_size", "vocab_size")},
     "small": dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=32, intermediate_size=768,
                   vocab_size=4096),
 }
@@ -65,6 +76,16 @@ def baseline_cat_copy(dst_tensors, dst: List[torch.Tensor], src: Dict[str, torch
         out.copy_((torch.cat(parts) if len(parts) > 1 else parts[0]).reshape(out.shape))
 
 
+def baseline_cat_alloc(dst_tensors, src: Dict[str, torch.Tensor]) -> List[torch.Tensor]:
+    """Per vLLM parameter: cat the HF pieces (zeros for padding) into a new tensor."""
+    out = []
+    for t in dst_tensors:
+        parts = [logical_view(src[p.logical], p) if p.logical else src[t.pieces[0].logical].new_zeros(p.nrows, p.ncols)
+                 for p in t.pieces]
+        out.append((torch.cat(parts) if len(parts) > 1 else parts[0].clone()).reshape(t.shape))
+    return out
+
+
 def bench_one_device(device: str, spec: ModelSpec, tiles_kb: List[int]) -> Report:
     rep = Report("reshard_1dev", device)
     case = "hf->vllm tp1"
@@ -86,6 +107,14 @@ def bench_one_device(device: str, spec: ModelSpec, tiles_kb: List[int]) -> Repor
         err = max((a.float() - b.float()).abs().max().item() for a, b in zip(ours, base_out))
         rep.add(case, f"verl_fast (tile {kb} KiB)", ms, max_err=err,
                 note=f"{2 * moved / ms / 1e6:.0f} GB/s read+written, {p.num_buckets} launch, {p.stats()['tiles']} tiles")
+    case = "hf->vllm one-shot call"
+    rep.floors[case] = rep.floors["hf->vllm tp1"]
+    ms = time_ms(lambda: baseline_cat_alloc(dst_tensors, src), device)
+    rep.add(case, "per-param torch.cat (alloc)", ms)
+    got = dict(vllm_weights(src, spec, device=device))
+    err = max((got[t.name].float() - b.float()).abs().max().item() for t, b in zip(dst_tensors, base_out))
+    ms = time_ms(lambda: dict(vllm_weights(src, spec, device=device)), device)
+    rep.add(case, "verl_fast vllm_weights", ms, max_err=err, note="plan and outputs reused between calls")
     rep.meta.update(bytes_moved=moved, copy_bandwidth_gbs=bw, spec=str(spec))
     return rep
 
@@ -214,13 +243,116 @@ def bench_two_devices(device_type: str, scale: str, buckets_mb: List[int]) -> Re
     return rep
 
 
+# ---- (c) weight sync in the trainer: FSDP2 module -> vLLM TP=2 parameters ----------------------
+
+
+def fsdp2_module(spec: ModelSpec, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A module holding ``spec``'s parameters under their HF names, ``fully_shard`` per decoder
+    layer and at the root (as the trainer shards an actor), random values."""
+    from torch.distributed.fsdp import fully_shard
+
+    root = torch.nn.Module()
+    with torch.device("meta"):
+        for name, shape in logical_shapes(spec).items():
+            *path, leaf = name.split(".")
+            mod = root
+            for part in path:
+                if not hasattr(mod, part):
+                    mod.add_module(part, torch.nn.Module())
+                mod = getattr(mod, part)
+            mod.register_parameter(leaf, torch.nn.Parameter(torch.empty(shape, dtype=dtype)))
+    for layer in root.model.layers.children():
+        fully_shard(layer)
+    fully_shard(root)
+    root.to_empty(device=device)
+    with torch.no_grad():
+        for p in root.parameters():
+            local_tensor(p).normal_()
+    return root
+
+
+def sync_worker(rank: int, world: int, port: int, device_type: str, scale: str, buckets_mb, out) -> None:
+    import torch.distributed as dist
+
+    from verl_fast.rollout.weight_sync import WeightSync
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = f"cuda:{rank}" if device_type == "cuda" else "cpu"
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world)
+    try:
+        spec = make_spec(scale)
+        model = fsdp2_module(spec, device, torch.bfloat16)
+        # the engine's parameters: vLLM's TP=2 tensors (fused qkv / gate_up, padded vocab) of this rank
+        params = {t.name: torch.empty(t.shape, dtype=t.dtype, device=device)
+                  for t in vllm_layout(spec, 2).on_rank(rank)}
+        shards = {name: local_tensor(p) for name, p in model.named_parameters()}
+        mine = vllm_layout(spec, 2).on_rank(rank)
+        by_logical: Dict[str, list] = {}
+        base = {t.name: torch.empty(t.shape, dtype=t.dtype, device=device) for t in mine}
+        for t in mine:
+            for p in t.pieces:
+                if p.logical is None:
+                    region(base[t.name], p).zero_()
+                else:
+                    by_logical.setdefault(p.logical, []).append((p, base[t.name]))
+        res = {}
+        dist.barrier()
+        res["baseline_ms"] = time_ms(lambda: baseline_allgather_slice(spec_logical(spec), shards, by_logical), device)
+        for mb in buckets_mb:
+            sync = WeightSync(spec, 2, {0: 0, 1: 1}, world, torch.bfloat16, direct=True, bucket_bytes=mb << 20)
+            dist.barrier()
+            ms = time_ms(lambda: sync.run(model, params), device)
+            err = max((params[k].float() - base[k].float()).abs().max().item() for k in params)
+            res[f"ours_{mb}"] = (ms, err, sync.plan.num_buckets)
+            res["received_bytes"] = sync.received_bytes
+        res["bytes_written"] = nbytes(params.values())
+        probe = 1 << 30 if device_type == "cuda" else 16 << 20
+        res["p2p_gbs"] = p2p_bandwidth_gbs(device, probe)
+        times = torch.tensor([res["baseline_ms"]] + [res[f"ours_{mb}"][0] for mb in buckets_mb], dtype=torch.float64)
+        if device_type == "cuda":
+            times = times.to(device)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        res["max_ms"] = times.cpu().tolist()
+        out[rank] = res
+    finally:
+        dist.destroy_process_group()
+
+
+def bench_sync(device_type: str, scale: str, buckets_mb: List[int]) -> Report:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(sync_worker, args=(2, port, device_type, scale, buckets_mb, out), nprocs=2, join=True)
+        res = dict(out)
+    r0 = res[0]
+    rep = Report("weight_sync_2dev", "cuda:0" if device_type == "cuda" else "cpu")
+    case = "fsdp2 module->vllm tp2"
+    received = max(r["received_bytes"] for r in res.values())
+    rep.floors[case] = received / (r0["p2p_gbs"] * 1e9) * 1e3
+    rep.add(case, "per-param all-gather+slice", r0["max_ms"][0])
+    for i, mb in enumerate(buckets_mb):
+        _, err, nb = r0[f"ours_{mb}"]
+        rep.add(case, f"verl_fast sync (bucket {mb} MiB)", r0["max_ms"][1 + i],
+                max_err=max(err, res[1][f"ours_{mb}"][1]), note=f"{nb} buckets, around WeightSync.run")
+    rep.meta.update(received_bytes_per_rank=received, p2p_gbs=r0["p2p_gbs"], seeds_claim=SEEDS_CLAIM,
+                    bytes_written_per_rank=r0["bytes_written"], spec=str(make_spec(scale)))
+    return rep
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     ap.add_argument("--scale", default=None, choices=list(SCALES), help="default: full on cuda, small on cpu")
     ap.add_argument("--buckets-mb", default="64,256", help="(b): bucket sizes to time (MiB, comma-separated)")
     ap.add_argument("--tiles-kb", default="256", help="(a): executor tile sizes to time (KiB, comma-separated)")
-    ap.add_argument("--only", choices=["1", "2"], default=None, help="run only (a) one device or (b) two")
+    ap.add_argument("--only", choices=["1", "2", "sync"], default=None,
+                    help="run only (a) one device, (b) two, or (c) the trainer's weight sync on two")
     args = ap.parse_args()
     scale = args.scale or ("full" if args.device == "cuda" else "small")
     buckets = [int(x) for x in args.buckets_mb.split(",")]
@@ -235,6 +367,11 @@ def main() -> None:
             reports.append(bench_two_devices(args.device, scale, buckets))
         else:
             print("(b) skipped: needs 2 visible GPUs")
+    if args.only in (None, "sync"):
+        if two_ok:
+            reports.append(bench_sync(args.device, scale, buckets))
+        else:
+            print("(c) skipped: needs 2 visible GPUs")
     for rep in reports:
         rep.meta["scale"] = scale
         table = rep.table() + "\n" + "\n".join(f"  {r.impl}: {r.note}" for r in rep.rows if r.note)

@@ -7,10 +7,13 @@
 #   GPU_TESTS="python_tests/test_logprobs.py" SECTIONS=tests ...  # some test files only
 #   LOGPROB_CASES=logits SECTIONS=logprobs ...                     # one of the log-prob cases
 #
-# Sections: tests (every gpu-marked test), advantage, logprobs, reshard, megatron (2 GPUs).
+# Sections: tests (every gpu-marked test), advantage, logprobs, reshard, hybrid, e2e, dist (needs 2 GPUs),
+# megatron (2 GPUs; megatron-core's wheel in .whl/),
+# bench (`verl-fast bench` itself, quick sizes).
 # That machine: H200(s), torch 2.11 + CUDA 13, Triton 3.6, Python 3.12, no vLLM / megatron-core, no
 # network: build with --no-build-isolation --no-deps; pure-Python wheels (liger-kernel for the
-# logprobs baseline) travel in .whl/ (carry it).
+# logprobs baseline; trl, datasets, dill, multiprocess for e2e) travel in .whl/ (carry it); e2e also needs
+# the demo tokenizer in .bench_assets/ (`python benchmarks/bench_e2e.py --prepare-assets` here; carry it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
@@ -19,7 +22,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export VF_BENCH_SUMMARY="$OUT/summary.txt" VF_BENCH_RESULTS="$OUT/results"
 : > "$VF_BENCH_SUMMARY"
-SECTIONS=${SECTIONS:-"tests advantage logprobs reshard megatron"}
+SECTIONS=${SECTIONS:-"tests advantage logprobs reshard hybrid e2e bench megatron"}
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 failed=()
 
@@ -40,6 +43,14 @@ if want tests; then
   tail -n 15 "$OUT/pytest_gpu.log"
 fi
 
+# ---- dist (issue 12): the trainer under torchrun on 2 GPUs (NCCL): FSDP2 actor + reference from
+# the config, PPO with bf16 mixed precision + CPU offload + checkpointing; a few steps each ----
+if want dist; then
+  "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/test_trainer_scale.py > "$OUT/pytest_dist.log" 2>&1 \
+    || failed+=("pytest dist")
+  tail -n 15 "$OUT/pytest_dist.log"
+fi
+
 : >> "$OUT/bench.log"
 # ---- advantage (issue 2): GAE / GRPO vs the Python loops, memory floor ----
 if want advantage; then
@@ -52,15 +63,44 @@ if want logprobs; then
     >> "$OUT/bench.log" 2>&1 || failed+=("bench_logprob")
 fi
 
-# ---- reshard (issue 7): (a) 1 GPU HF -> vLLM TP=1 into preallocated tensors; (b) with 2 GPUs,
-# FSDP2 (2 ranks) -> vLLM TP=2 over NCCL. Qwen2.5-7B shapes, bf16; ~30 GB per GPU. ----
+# ---- reshard (issue 7): (a) 1 GPU HF -> vLLM TP=1 into preallocated tensors, and the one-shot
+# vllm_weights call against torch.cat allocating (target <= 8 ms); (b) with 2 GPUs, FSDP2 (2 ranks)
+# -> vLLM TP=2 over NCCL. Qwen2.5-7B shapes, bf16; ~30 GB per GPU. ----
 if want reshard; then
-  timeout 540 "$py" benchmarks/bench_reshard.py --device cuda --tiles-kb 64,256,1024 --buckets-mb 64,256,1024 \
-    >> "$OUT/bench.log" 2>&1 || failed+=("bench_reshard")
+  timeout 300 "$py" benchmarks/bench_reshard.py --device cuda --only 1 --tiles-kb 64,256,1024 \
+    >> "$OUT/bench.log" 2>&1 || failed+=("bench_reshard 1")
+  timeout 300 "$py" benchmarks/bench_reshard.py --device cuda --only 2 --buckets-mb 64,256,1024 \
+    >> "$OUT/bench.log" 2>&1 || failed+=("bench_reshard 2")
+fi
+
+# ---- hybrid (issue 13): the trainer's weight sync, an FSDP2-sharded Qwen2.5-7B-shaped module on
+# 2 GPUs -> vLLM TP=2 parameter tensors, timed around WeightSync.run (the vLLM engine's sync_from
+# on GPU; target <= 10 ms), per-parameter all-gather baseline; plus the direct-write tests. ----
+if want hybrid; then
+  "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/test_weight_sync.py >> "$OUT/bench.log" 2>&1 \
+    || failed+=("test_weight_sync")
+  timeout 400 "$py" benchmarks/bench_reshard.py --device cuda --only sync --buckets-mb 256,1024 \
+    >> "$OUT/bench.log" 2>&1 || failed+=("bench_reshard sync")
+fi
+
+# ---- e2e (issue 12): our GRPO step vs TRL's GRPOTrainer (HF rollout), Qwen2 0.5B and 1.5B shapes with
+# random weights built here; 1 GPU (ours and TRL side by side on GPUs 0 and 1), 2 GPUs (ours, FSDP2,
+# torchrun, the same per-GPU batch). About 6 minutes on 2 H200. ----
+if want e2e; then
+  timeout 560 "$py" benchmarks/bench_e2e.py --device cuda --shapes "${E2E_SHAPES:-0.5b,1.5b}" \
+    --timeout 240 >> "$OUT/bench.log" 2>&1 || failed+=("bench_e2e")
+fi
+
+# ---- bench (issue 17): `verl-fast bench` itself on the GPU (CUDA events, peak memory, the one table,
+# JSON / Markdown / PNG under $OUT/bench); quick sizes, so it checks the harness, not the ops ----
+if want bench; then
+  timeout 400 "$py" -m verl_fast bench --device cuda --quick --ops gae,logprob,schedule --out "$OUT/bench" \
+    >> "$OUT/bench.log" 2>&1 || failed+=("verl-fast bench")
+  tail -n 30 "$OUT/bench.log"
 fi
 
 # ---- megatron (issue 14): GRPO update phase, Qwen2 1.5B shape, 2 GPUs: megatron-core TP=2 vs FSDP2;
-# time, MFU, peak memory per GPU (needs megatron-core's wheel in .whl/; ~3 minutes) ----
+# time, MFU, peak memory per GPU (~3 minutes) ----
 if want megatron; then
   timeout 300 "$py" -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_megatron.py \
     >> "$OUT/bench.log" 2>&1 || failed+=("bench_megatron")

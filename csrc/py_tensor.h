@@ -1,7 +1,11 @@
-// pybind11 conversion: any torch.Tensor (duck-typed: data_ptr(), shape, stride(), dtype, device)
-// becomes a vf::TensorRef. Reading the tensor's own metadata, rather than trusting sizes passed
-// beside a raw pointer, is what stops a direct _C call with inconsistent sizes from reading out
-// of bounds: every launcher checks the shapes it is given against each other.
+// pybind11 conversion: a torch.Tensor (or nn.Parameter) becomes a vf::TensorRef. Reading the
+// tensor's own metadata, rather than trusting sizes passed beside a raw pointer, is what stops a
+// direct _C call with inconsistent sizes from reading out of bounds: every launcher checks the
+// shapes it is given against each other. Only those two exact classes are accepted: any other
+// object (a subclass included) could report a data_ptr, shape or strides of its own making.
+// A TensorRef keeps the tensor and its storage alive, so memory bound into an argument record or
+// a plan is never freed under it, even if the tensor is given another storage (set_) meanwhile;
+// check_unchanged() tells the launch that the tensor no longer points where it did.
 #pragma once
 #include <pybind11/pybind11.h>
 
@@ -35,11 +39,32 @@ inline DType dtype_of(pybind11::handle dtype) {
   throw TypeError("unsupported tensor dtype " + std::string(py::str(dtype)));
 }
 
+// The tensor and its untyped storage, both referenced for as long as a TensorRef holds them.
+struct PyTensorOwner {
+  PyObject* tensor;
+  PyObject* storage;
+};
+
+inline std::string type_name(pybind11::handle obj) {
+  return std::string(pybind11::str(pybind11::type::handle_of(obj).attr("__qualname__")));
+}
+
 inline TensorRef tensor_ref_from_py(pybind11::handle obj) {
   namespace py = pybind11;
-  if (!py::hasattr(obj, "data_ptr") || !py::hasattr(obj, "stride") || !py::hasattr(obj, "get_device")) {
-    throw TypeError(std::string("expected a torch.Tensor, got ") +
-                    std::string(py::str(py::type::handle_of(obj).attr("__name__"))));
+  static PyObject* tensor_type = nullptr;
+  static PyObject* parameter_type = nullptr;
+  if (tensor_type == nullptr) {
+    py::module_ torch = py::module_::import("torch");
+    tensor_type = py::object(torch.attr("Tensor")).release().ptr();
+    parameter_type = py::object(torch.attr("nn").attr("Parameter")).release().ptr();
+  }
+  PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(obj.ptr()));
+  if (type != tensor_type && type != parameter_type) {
+    if (PyObject_IsInstance(obj.ptr(), tensor_type) == 1) {
+      throw TypeError("expected a plain torch.Tensor, got the subclass " + type_name(obj) +
+                      " (pass x.as_subclass(torch.Tensor), or a DTensor's to_local())");
+    }
+    throw TypeError("expected a torch.Tensor, got " + type_name(obj));
   }
   TensorRef t;
   t.dtype = dtype_of(obj.attr("dtype"));
@@ -59,16 +84,65 @@ inline TensorRef tensor_ref_from_py(pybind11::handle obj) {
   for (auto s : py::tuple(obj.attr("shape"))) t.sizes.push_back(s.cast<int64_t>());
   for (auto s : py::tuple(obj.attr("stride")())) t.strides.push_back(s.cast<int64_t>());
   t.data = reinterpret_cast<void*>(obj.attr("data_ptr")().cast<uintptr_t>());
-  t.owner = std::shared_ptr<const void>(obj.inc_ref().ptr(), [](const void* p) {
+  py::object storage = obj.attr("untyped_storage")();
+  auto* owner = new PyTensorOwner{obj.inc_ref().ptr(), storage.release().ptr()};
+  t.owner = std::shared_ptr<const void>(owner, [](const void* p) {
+    auto* o = static_cast<PyTensorOwner*>(const_cast<void*>(p));
     py::gil_scoped_acquire gil;
-    Py_DECREF(static_cast<PyObject*>(const_cast<void*>(p)));
+    Py_DECREF(o->tensor);
+    Py_DECREF(o->storage);
+    delete o;
   });
   return t;
+}
+
+// Whether the tensor behind `t` still points at the memory it was converted with (false after
+// set_(), a reallocating resize_() or a storage resized to nothing). Needs the GIL.
+inline bool still_bound(const TensorRef& t) {
+  if (!t.owner) return true;
+  const auto* o = static_cast<const PyTensorOwner*>(t.owner.get());
+  static PyObject* name = PyUnicode_InternFromString("data_ptr");
+  PyObject* ptr = PyObject_CallMethodNoArgs(o->tensor, name);
+  if (ptr == nullptr) throw pybind11::error_already_set();
+  const auto now = reinterpret_cast<void*>(PyLong_AsVoidPtr(ptr));
+  Py_DECREF(ptr);
+  return now == t.data;
+}
+
+// An argument record's field, checked before a launch (non-tensor fields pass).
+template <typename T>
+inline void check_still_bound(const T&, const char*) {}
+inline void check_still_bound(const TensorRef& t, const char* name) {
+  VF_CHECK(still_bound(t), name, ": the tensor's memory changed since it was assigned (set_, resize_ or a ",
+           "freed storage); assign it again");
 }
 
 }  // namespace vf
 
 namespace pybind11::detail {
+// torch.cuda.Stream (ExternalStream included) or None -> vf::CudaStream; integers are refused.
+template <>
+struct type_caster<vf::CudaStream> {
+  PYBIND11_TYPE_CASTER(vf::CudaStream, const_name("torch.cuda.Stream | None"));
+  bool load(handle src, bool) {
+    value.handle = 0;
+    if (src.is_none()) return true;
+    static PyObject* stream_type = nullptr;
+    if (stream_type == nullptr) {
+      stream_type = object(module_::import("torch.cuda").attr("Stream")).release().ptr();
+    }
+    if (PyObject_IsInstance(src.ptr(), stream_type) != 1) {
+      throw vf::TypeError("stream must be a torch.cuda.Stream or None, got " + vf::type_name(src));
+    }
+    value.handle = src.attr("cuda_stream").cast<uintptr_t>();
+    return true;
+  }
+  static handle cast(const vf::CudaStream& s, return_value_policy, handle) {
+    if (s.handle == 0) return none().release();
+    return PyLong_FromVoidPtr(reinterpret_cast<void*>(s.handle));
+  }
+};
+
 template <>
 struct type_caster<vf::TensorRef> {
   PYBIND11_TYPE_CASTER(vf::TensorRef, const_name("torch.Tensor"));

@@ -1,7 +1,16 @@
 import os
+import sys
+from pathlib import Path
 
-import pytest
-import torch
+# `python -m pytest` puts the working directory first on sys.path; from the repository root that
+# would import the source folder verl_fast/ (which holds neither the built _C nor the Triton
+# kernels, installed beside it as verl_fast.kernels) instead of the installed package. Test what is
+# installed (an editable install maps the source folder itself, so it is found either way).
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Triton kernels run on CPU tensors only under its interpreter, which must be chosen before Triton
 # is imported (the op wrappers import the kernels lazily, so this is early enough).

@@ -59,7 +59,28 @@ def run_updates(family: str, cfg: dict):
     return metrics, old, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
-def worker(rank, world, port, family, tp, pp, out_path, device="cpu"):
+def user_parallel_state(tp: int, pp: int):
+    """Initialises megatron-core's groups as a user would; the trainer must take them as they are (and
+    refuse a config that disagrees with them). Returns a check to run after training."""
+    from megatron.core import parallel_state as ps
+
+    from verl_fast.models.megatron_model import Parallel, init_parallel_state
+
+    ps.initialize_model_parallel(tp, pp)
+    groups = (ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group())
+    try:
+        init_parallel_state(Parallel(tp, pp + 1))
+        raise AssertionError("a pipeline size that disagrees with parallel_state was accepted")
+    except ValueError as e:
+        assert "actor.pipeline_model_parallel_size" in str(e), e
+
+    def check():
+        assert (ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()) == groups
+
+    return check
+
+
+def worker(rank, world, port, family, tp, pp, out_path, device="cpu", user_init=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if device == "cuda":
         torch.cuda.set_device(rank)
@@ -69,7 +90,9 @@ def worker(rank, world, port, family, tp, pp, out_path, device="cpu"):
         import megatron_worker
 
         megatron_worker.neutralise_cuda_for_training()
+    check = user_parallel_state(tp, pp) if user_init else (lambda: None)
     metrics, old, weights = run_updates(family, config("megatron", tp, pp, device="auto" if device == "cpu" else device))
+    check()
     if rank == 0:
         torch.save({"metrics": metrics, "old": old, "weights": weights}, out_path)
     dist.barrier()

@@ -82,9 +82,9 @@ def ref_reinforce_pp(r, m, gamma, whiten=True):
     for b in range(B):
         running = 0.0
         for t in reversed(range(T)):
-            running = r[b, t] + gamma * running
-            ret[b, t] = running
-            running = running * m[b, t]
+            if m[b, t]:  # masked-out positions carry the running return through untouched
+                running = r[b, t] + gamma * running
+                ret[b, t] = running
     adv = (ref_whiten(ret, m) if whiten else ret) * m
     return adv, ret
 
@@ -319,6 +319,32 @@ def test_reinforce_pp_matches_reference(device, B, T):
         close(ret, rr)
         close(adv, ra)
         assert torch.equal(adv.cpu()[~m.cpu()], torch.zeros(int((~m).sum())))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reinforce_pp_carries_across_a_masked_span(device):
+    # a multi-turn response: an observation span (mask 0) inside it, trailing padding after it
+    r = torch.tensor([[0.0, 0.0, 0.0, 1.0], [0.0, 5.0, 0.0, 1.0], [0.0, 0.0, 2.0, 7.0]], device=device)
+    m = torch.tensor([[1, 0, 1, 1], [1, 0, 1, 1], [1, 1, 1, 0]], dtype=torch.bool, device=device)
+    adv, ret = vf.compute_reinforce_pp_advantage(r, m, gamma=0.5, whiten=False)
+    expected = torch.tensor([[0.25, 0.0, 0.5, 1.0], [0.25, 0.0, 0.5, 1.0], [0.5, 1.0, 2.0, 0.0]])
+    assert torch.equal(ret.cpu(), expected)
+    assert torch.equal(adv.cpu(), expected)
+    ra, rr = ref_reinforce_pp(r.cpu(), m.cpu(), 0.5, whiten=True)
+    adv, ret = vf.compute_reinforce_pp_advantage(r, m, gamma=0.5)
+    close(ret, rr)
+    close(adv, ra)
+
+
+@settings(max_examples=40, deadline=None)
+@given(B=st.integers(1, 5), T=st.integers(1, 40), gamma=st.floats(0.0, 1.0),
+       p=st.sampled_from([0.0, 0.3, 0.9, 1.0]), seed=st.integers(0, 10_000))
+def test_reinforce_pp_hypothesis(B, T, gamma, p, seed):
+    r, _, m = make(B, T, seed=seed, p_mask=p)
+    adv, ret = vf.compute_reinforce_pp_advantage(r, m, gamma=gamma, whiten=False)
+    ra, rr = ref_reinforce_pp(r, m, gamma, whiten=False)
+    close(ret, rr)
+    close(adv, ra)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,4 +1,4 @@
-"""Config loading: defaults, the seed-002 form, overrides, and errors that name the key."""
+"""Config loading: defaults, the older spellings, overrides, and errors that name the key."""
 
 import textwrap
 

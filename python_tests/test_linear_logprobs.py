@@ -279,7 +279,7 @@ def test_cuda_bias_and_function_directly():
 
 @pytest.mark.gpu
 def test_cuda_peak_memory_within_budget():
-    """The SPEC's shape: fwd + bwd peak (including the gradients themselves) <= 1.2 GiB."""
+    """The benchmark's shape: fwd + bwd peak (including the gradients themselves) <= 1.2 GiB."""
     N, H, V = 8192, 3584, 151936
     hidden = torch.randn(N, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     weight = (torch.randn(V, H, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_(True)

@@ -22,10 +22,15 @@ def mask_of(B, L, seed=0):
 
 def ref_agg(x, m, mode):
     B, L = x.shape
+    total = sum(x[b, t] * m[b, t] for b in range(B) for t in range(L))
     if mode == "token-mean":
-        return sum(x[b, t] * m[b, t] for b in range(B) for t in range(L)) / m.sum()
+        return total / m.sum()
+    if mode == "token-sum":
+        return total
     per = []
     for b in range(B):
+        if m[b].sum() == 0:  # an all-padding row is no sequence
+            continue
         s = sum(x[b, t] * m[b, t] for t in range(L))
         if mode == "seq-mean-token-sum":
             per.append(s)
@@ -33,10 +38,13 @@ def ref_agg(x, m, mode):
             per.append(s / m[b].sum())
         else:
             per.append(s / L)
-    return sum(per) / B
+    return sum(per) / len(per)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_agg_loss_modes_and_exact_micro_batch_split(mode):
     x, m = rnd(5, 7), mask_of(5, 7)
     full = agg_loss(x, m, mode)
@@ -47,6 +55,31 @@ def test_agg_loss_modes_and_exact_micro_batch_split(mode):
     assert torch.allclose(parts, full, atol=1e-10)
     with pytest.raises(ValueError, match="loss_agg_mode"):
         agg_loss(x, m, "bogus")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_agg_loss_all_padding_row_changes_nothing(mode):
+    x, m = rnd(5, 7, seed=3), mask_of(5, 7, seed=3)
+    padded_x = torch.cat([x[:2], rnd(1, 7, seed=9) * 100, x[2:]])  # garbage under the padding
+    padded_m = torch.cat([m[:2], torch.zeros(1, 7, dtype=m.dtype), m[2:]])
+    ref = torch.as_tensor(ref_agg(x, m, mode), dtype=torch.float64)
+    assert torch.allclose(agg_loss(padded_x, padded_m, mode), ref, atol=1e-10)
+    # micro-batched, with the trainer's counts (rows that hold a response token)
+    from verl_fast.algos.losses import active_rows
+
+    counts = {"num_tokens": float(padded_m.sum()), "num_seqs": float(active_rows(padded_m))}
+    assert counts["num_seqs"] == 5.0
+    parts = sum(agg_loss(padded_x[i:j], padded_m[i:j], mode, **counts) for i, j in ((0, 2), (2, 3), (3, 6)))
+    assert torch.allclose(parts, ref, atol=1e-10)
+    # a batch of padding only: loss 0, not NaN
+    assert float(agg_loss(padded_x[2:3], padded_m[2:3], mode)) == 0.0
+
+
+def test_agg_loss_token_sum_under_data_parallelism():
+    # ranks average their gradients: each rank's token-sum times the rank count averages to the global sum
+    x, m = rnd(6, 5, seed=4), mask_of(6, 5, seed=4)
+    ranks = [agg_loss(x[:4], m[:4], "token-sum", dp_size=2), agg_loss(x[4:], m[4:], "token-sum", dp_size=2)]
+    assert torch.allclose(sum(ranks) / 2, agg_loss(x, m, "token-sum"), atol=1e-10)
 
 
 def test_policy_loss_matches_reference_and_dual_clip():
@@ -102,6 +135,16 @@ def test_kl_straight_through_forms(kind):
     assert torch.allclose(out, kl_penalty(logp, ref, kind[:-1]))  # value of the named estimator
     out.sum().backward()
     assert torch.allclose(logp.grad, (logp - ref).detach())  # gradient of k2 = 0.5 (logp - ref)^2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["k1+", "k2+", "k3+", "low_var_kl+", "abs+"])
+def test_kl_straight_through_value_equals_plain_form_exactly(kind, dtype):
+    # small penalties next to a large k2 (and the reverse): any other order of the terms rounds
+    logp = (rnd(4, 64, seed=11, scale=3.0)).to(dtype).requires_grad_(True)
+    ref = (logp.detach() + rnd(4, 64, seed=12, scale=1e-3).to(dtype))
+    ref[:, :8] = logp.detach()[:, :8] - 5.0
+    assert torch.equal(kl_penalty(logp, ref, kind).detach(), kl_penalty(logp, ref, kind[:-1]).detach())
 
 
 def test_kl_bad_kind():

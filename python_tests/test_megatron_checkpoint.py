@@ -4,13 +4,14 @@ resharded straight into vLLM's layout; bad checkpoints named."""
 
 import argparse
 import os
-import sys
-import types
+import random
 
+import numpy as np
 import pytest
 import torch
 
 from verl_fast import load_megatron_checkpoint
+from verl_fast.models.megatron_checkpoint import megatron_args
 from verl_fast.ops.reshard import ModelSpec, plan, vllm_layout
 from verl_fast.ops.reshard.megatron import megatron_layout, shard_prefix
 
@@ -18,12 +19,12 @@ from reshard_refs import assert_same, ref_megatron, ref_vllm
 from tiny_models import FAMILIES, tiny_model
 
 
-def write_legacy(root, shards, pp, args=None, iteration=7):
+def write_legacy(root, shards, pp, args=None, iteration=7, **extra):
     it = os.path.join(root, f"iter_{iteration:07d}")
     for (t, p), state in shards.items():
         d = os.path.join(it, shard_prefix(t, p, pp))
         os.makedirs(d, exist_ok=True)
-        torch.save({"model": state, "args": args, "checkpoint_version": 3.0, "iteration": iteration},
+        torch.save({"model": state, "args": args, "checkpoint_version": 3.0, "iteration": iteration, **extra},
                    os.path.join(d, "model_optim_rng.pt"))
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write(str(iteration))
@@ -63,30 +64,25 @@ def test_megatron_shards_to_vllm(family, tp, pp, vtp):
 
 
 def test_te_norm_names_and_megatron_args(tmp_path):
-    """Transformer Engine's fused norm names; the architecture from Megatron-LM's pickled args, one
-    of whose classes lives in a package that is not installed."""
+    """Transformer Engine's fused norm names; the architecture from Megatron-LM's pickled args, which
+    hold megatron-core enums and torch dtypes (the enums load as inert stand-ins; no megatron-core
+    class is imported or called), and numpy RNG states beside them."""
+    enums = pytest.importorskip("megatron.core.transformer.enums")
     model = tiny_model("qwen2")
     sd, cfg = model.state_dict(), model.config
-    enums = types.ModuleType("fake_megatron_enums")
-
-    class AttnBackend:
-        def __init__(self, v):
-            self.v = v
-
-    AttnBackend.__module__, AttnBackend.__qualname__ = enums.__name__, "AttnBackend"
-    enums.AttnBackend = AttnBackend
-    sys.modules[enums.__name__] = enums
     args = argparse.Namespace(num_layers=2, hidden_size=64, num_attention_heads=4, group_query_attention=True,
                               num_query_groups=2, kv_channels=16, ffn_hidden_size=96, add_qkv_bias=True,
                               vocab_size=cfg.vocab_size, untie_embeddings_and_output_weights=True,
-                              attention_backend=AttnBackend(3))
+                              attention_backend=enums.AttnBackend.auto, params_dtype=torch.bfloat16)
     shards = ref_megatron(sd, cfg, 2, 1, 512, te_norms=True)
-    try:
-        root = write_legacy(str(tmp_path), shards, 1, args=args)
-    finally:
-        del sys.modules[enums.__name__]
+    root = write_legacy(str(tmp_path), shards, 1, args=args,
+                        rng_state=[{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+                                    "torch_rng_state": torch.get_rng_state()}])
     got = load_megatron_checkpoint(root)  # tp/pp from the directories, architecture from args
     assert_same(dict(got), dict(sd))
+    loaded = megatron_args(root)
+    assert type(loaded.attention_backend).__name__ == "AttnBackend"
+    assert loaded.attention_backend.value == enums.AttnBackend.auto.value and loaded.params_dtype == torch.bfloat16
 
 
 def test_bad_checkpoints_are_named(tmp_path):

@@ -21,9 +21,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def check_updates_match_hf(tmp_path, family, tp, pp, device):
+def check_updates_match_hf(tmp_path, family, tp, pp, device, user_init=False):
     out = tmp_path / "rank0.pt"
-    mp.spawn(W.worker, args=(tp * pp, free_port(), family, tp, pp, str(out), device), nprocs=tp * pp, join=True)
+    mp.spawn(W.worker, args=(tp * pp, free_port(), family, tp, pp, str(out), device, user_init), nprocs=tp * pp,
+             join=True)
     got = torch.load(out)
     metrics, old, weights = W.run_updates(family, W.config("auto", device="auto" if device == "cpu" else device))
     for step, (a, b, exp) in enumerate(zip(got["old"], old, W.experiences(W.VOCAB))):
@@ -42,9 +43,10 @@ def check_updates_match_hf(tmp_path, family, tp, pp, device):
         torch.testing.assert_close(got["weights"][name], ref, atol=2e-4, rtol=0, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("family,tp,pp", [("llama", 2, 1), ("qwen2", 1, 2)])  # (qwen2, 2, 1), (llama, 1, 2) pass too
-def test_megatron_updates_match_hf(tmp_path, family, tp, pp):
-    check_updates_match_hf(tmp_path, family, tp, pp, "cpu")
+@pytest.mark.parametrize("family,tp,pp,user_init", [("llama", 2, 1, False), ("qwen2", 1, 2, True)])
+def test_megatron_updates_match_hf(tmp_path, family, tp, pp, user_init):
+    """(qwen2, TP=2) and (llama, PP=2) pass too; the PP=2 case reuses a parallel_state set up beforehand."""
+    check_updates_match_hf(tmp_path, family, tp, pp, "cpu", user_init)
 
 
 @pytest.mark.gpu

@@ -1,12 +1,14 @@
-"""Token-budget micro-batches for the trainer: gradient accumulation with token-scaled losses equals
-the gradient of one big batch (one process, and two data-parallel ranks over gloo)."""
+"""The trainer's batching (trainer/batching.py): micro-batches by count or under a token budget, and
+losses normalised by the whole batch's counts, so that gradient accumulation equals the gradient of
+one big batch (one process, and two data-parallel ranks over gloo)."""
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from verl_fast.trainer.batching import loss_scales, make_micro_batches
+from verl_fast.algos.losses import agg_loss
+from verl_fast.trainer.batching import loss_normalisers, micro_batches
 
 D = 6
 
@@ -28,80 +30,60 @@ def model(seed=0):
     return torch.nn.Linear(D, 1).double()
 
 
-def token_mean_loss(net, x, y, mask):
-    per_token = (net(x).squeeze(-1) - y) ** 2
-    return (per_token * mask).sum() / mask.sum()
-
-
-def seq_mean_token_mean_loss(net, x, y, mask):
-    per_token = (net(x).squeeze(-1) - y) ** 2
-    return ((per_token * mask).sum(-1) / mask.sum(-1)).mean()
+def per_token_loss(net, x, y):
+    return (net(x).squeeze(-1) - y) ** 2
 
 
 def grads(net):
     return torch.cat([p.grad.flatten() for p in net.parameters()])
 
 
-def full_batch_grad(loss_fn, x, y, mask):
+def full_batch_grad(x, y, mask, mode):
     net = model()
-    loss_fn(net, x, y, mask).backward()
+    agg_loss(per_token_loss(net, x, y), mask, mode).backward()
     return grads(net)
 
 
-def accumulated_grad(loss_fn, x, y, mask, mbs, scales):
+def accumulated_grad(x, y, mask, mode, mbs, counts):
     net = model()
-    for idx, scale in zip(mbs.indices, scales):
-        (loss_fn(net, x[idx], y[idx], mask[idx]) * scale).backward()
+    for idx in mbs:
+        agg_loss(per_token_loss(net, x[idx], y[idx]), mask[idx], mode, **counts).backward()
     return grads(net)
 
 
-@pytest.mark.parametrize("layout", ["packed", "padded"])
-def test_token_scaled_accumulation_equals_one_big_batch(layout):
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_normalised_accumulation_equals_one_big_batch(mode):
     x, y, tokens, mask = make_batch(0)
-    mbs = make_micro_batches(tokens, 160, loss_weights=mask.sum(-1), layout=layout)
-    sizes = [len(i) for i in mbs.indices]
+    rows = torch.arange(len(tokens))
+    mbs = micro_batches(rows, tokens, max_tokens=160)
+    sizes = [len(i) for i in mbs]
     assert len(mbs) >= 4 and len(set(sizes)) > 1, "micro-batches of different sizes"
-    assert all(t <= 160 for t in mbs.plan.costs)
-    assert sum(mbs.loss_scales) == pytest.approx(1.0)
-    ref = full_batch_grad(token_mean_loss, x, y, mask)
-    ours = accumulated_grad(token_mean_loss, x, y, mask, mbs, mbs.loss_scales)
-    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-12)
-    # Scaling by the micro-batch count instead is not exact: the test can tell the difference.
-    naive = accumulated_grad(token_mean_loss, x, y, mask, mbs, [1 / len(mbs)] * len(mbs))
-    assert (naive - ref).abs().max() > 1e-3
+    assert all(len(i) * int(tokens[i].max()) <= 160 for i in mbs), "padded micro-batches within the budget"
+    assert sorted(torch.cat(mbs).tolist()) == rows.tolist()
+    ref = full_batch_grad(x, y, mask, mode)
+    ours = accumulated_grad(x, y, mask, mode, mbs, loss_normalisers(mask))
+    torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-10)  # float64, summation order
+    if mode == "token-mean":  # averaging micro-batch means is not exact: the test can tell the difference
+        net = model()
+        for idx in mbs:
+            (agg_loss(per_token_loss(net, x[idx], y[idx]), mask[idx], mode) / len(mbs)).backward()
+        assert (grads(net) - ref).abs().max() > 1e-3
 
 
-def test_sequence_scaled_accumulation_for_seq_mean_modes():
-    x, y, tokens, mask = make_batch(1)
-    mbs = make_micro_batches(tokens, 200, loss_weights=torch.ones(len(tokens)))
-    ref = full_batch_grad(seq_mean_token_mean_loss, x, y, mask)
-    ours = accumulated_grad(seq_mean_token_mean_loss, x, y, mask, mbs, mbs.loss_scales)
-    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-12)
-
-
-def test_restore_puts_outputs_back_in_batch_order():
-    x, _, tokens, _ = make_batch(2)
-    mbs = make_micro_batches(tokens.tolist(), 100)
-    assert all(isinstance(i, torch.Tensor) and i.dtype == torch.int64 for i in mbs.indices)
-    outs = [x[idx].sum(dim=(1, 2)) for idx, _ in mbs]
-    torch.testing.assert_close(mbs.restore(outs), x.sum(dim=(1, 2)), rtol=0, atol=0)
-    with pytest.raises(ValueError, match="one tensor per micro-batch"):
-        mbs.restore(outs[:-1])
-    with pytest.raises(ValueError, match=r"outputs\[0\] must have"):
-        mbs.restore([outs[0][:-1]] + outs[1:])
+def test_micro_batches_by_count():
+    rows = torch.arange(10, 20)
+    assert [m.tolist() for m in micro_batches(rows, size=4)] == [[10, 11, 12, 13], [14, 15, 16, 17], [18, 19]]
+    assert micro_batches(rows[:0], torch.ones(10), max_tokens=8) == []
 
 
 def test_bad_input():
-    with pytest.raises(ValueError, match="loss_weights must hold one weight per sequence"):
-        make_micro_batches([3, 4, 5], 10, loss_weights=[1, 2])
-    with pytest.raises(ValueError, match="sum to 0"):
-        loss_scales([0, 0])
-    with pytest.raises(ValueError, match="finite and >= 0"):
-        loss_scales([1, -1])
+    rows = torch.arange(3)
+    with pytest.raises(ValueError, match="exactly one of size"):
+        micro_batches(rows)
+    with pytest.raises(ValueError, match="exactly one of size"):
+        micro_batches(rows, torch.ones(3), size=2, max_tokens=4)
     with pytest.raises(ValueError, match="max_tokens must be >= 1"):
-        make_micro_batches([3, 4], 0)
-    with pytest.raises(TypeError, match="lengths must hold integers"):
-        make_micro_batches([3.5, 4], 10)
+        micro_batches(rows, torch.tensor([3, 4, 5]), max_tokens=0)
 
 
 # ---------------------------------------------------------------- two data-parallel ranks (gloo)
@@ -113,24 +95,21 @@ def _dp_worker(rank, world, init_file):
         # Rank 1's sequences are longer, so on its own it needs more micro-batches.
         data = [make_batch(10 + r, B=24 + 8 * r, T=40 + 40 * r) for r in range(world)]
         x, y, tokens, mask = data[rank]
-        mine = make_micro_batches(tokens, 150, loss_weights=mask.sum(-1), same_count_across_dp=False)
-        mbs = make_micro_batches(tokens, 150, loss_weights=mask.sum(-1), dp_group=dist.group.WORLD)
+        rows = torch.arange(len(tokens))
+        mine = micro_batches(rows, tokens, max_tokens=400)
+        mbs = micro_batches(rows, tokens, max_tokens=400, group=dist.group.WORLD)
         counts = [None] * world
         dist.all_gather_object(counts, (len(mine), len(mbs)))
         assert counts[0][0] != counts[1][0], "the ranks need different counts on their own"
-        assert len({c[1] for c in counts}) == 1, "dp_group makes every rank run the same count"
-        assert all(c <= 150 for c in mbs.plan.costs)
-        net = model()
-        for idx, scale in mbs:
-            (token_mean_loss(net, x[idx], y[idx], mask[idx]) * scale).backward()
-        g = grads(net)
+        assert len({c[1] for c in counts}) == 1, "with a group every rank runs the same count"
+        g = accumulated_grad(x, y, mask, "token-mean", mbs, loss_normalisers(mask, dist.group.WORLD))
         dist.all_reduce(g)
         g /= world  # what FSDP / DDP do: average over ranks
         # Reference: the token-mean loss over every rank's data at once, in one process.
         ref_net = model()
-        num = sum(((ref_net(xr).squeeze(-1) - yr) ** 2 * mr).sum() for xr, yr, _, mr in data)
+        num = sum((per_token_loss(ref_net, xr, yr) * mr).sum() for xr, yr, _, mr in data)
         (num / sum(mr.sum() for *_, mr in data)).backward()
-        torch.testing.assert_close(g, grads(ref_net), rtol=0, atol=1e-12)
+        torch.testing.assert_close(g, grads(ref_net), rtol=1e-10, atol=1e-10)
     finally:
         dist.destroy_process_group()
 

@@ -98,6 +98,27 @@ def test_one_shot_reshard_entry():
 # ---- bad input ---------------------------------------------------------------------------------
 
 
+def test_one_shot_calls_reuse_plan_and_outputs():
+    """vllm_weights / reshard keep their plan and output tensors for the next call with the same
+    layouts: the second call writes the new weights into the first call's tensors."""
+    model = tiny_model("qwen2")
+    first = dict(vllm_weights(model, tensor_parallel_size=2, tp_rank=1))
+    pointers = {k: v.data_ptr() for k, v in first.items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    second = dict(vllm_weights(model, tensor_parallel_size=2, tp_rank=1))
+    assert {k: v.data_ptr() for k, v in second.items()} == pointers
+    assert_same(second, ref_vllm(model.state_dict(), model.config, 2, 1))
+    other = dict(vllm_weights(model, tensor_parallel_size=2, tp_rank=0))  # another shard: its own tensors
+    assert_same(other, ref_vllm(model.state_dict(), model.config, 2, 0))
+    assert other["model.norm.weight"].data_ptr() != pointers["model.norm.weight"]
+    spec = ModelSpec.from_hf_config(model.config)
+    a = verl_fast.reshard(model.state_dict(), hf_layout(spec), vllm_layout(spec, 1))
+    b = verl_fast.reshard(model.state_dict(), hf_layout(spec), vllm_layout(spec, 1))
+    assert all(a[k] is b[k] for k in a)
+
+
 def test_unknown_parameter_is_named():
     model = tiny_model("qwen2")
     sd = dict(model.state_dict())
@@ -160,11 +181,11 @@ def test_cpp_planner_validates_tables():
     a.dst_tensors = torch.tensor([[0, 16, 0, 0]])
     a.dst_names = ["w"]
     a.dst_pieces = torch.tensor([[0, 0, 4, 0, 4, 0, 0, 4]])
-    with pytest.raises(ValueError, match="source tensor w: a piece ends at element 17"):
+    with pytest.raises(ValueError, match=r"source tensor w: piece 0 \(offset 1, pitch 4, 4 x 4\) ends past its 16"):
         C.ReshardPlan(a)
     a.src_pieces = torch.tensor([[0, 0, 4, 0, 4, 0, 0, 4]])
     a.dst_pieces = torch.tensor([[0, 0, 3, 0, 4, 0, 0, 4]])
-    with pytest.raises(ValueError, match="destination tensor w: its pieces cover 12 of its 16"):
+    with pytest.raises(ValueError, match=r"destination tensor w: elements \[12, 16\) are written by no piece"):
         C.ReshardPlan(a)
     a.dst_pieces = torch.tensor([[0, 0, 4, 0, 4, 0, 0, 4]])
     p = C.ReshardPlan(a)

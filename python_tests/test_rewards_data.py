@@ -102,10 +102,11 @@ def test_data_sources_load_the_same_rows(tmp_path):
 def test_truncation_and_dpo_pairs():
     tok = build_tokenizer()
     long_prompt = "What is 1 + 2? " * 40
-    left = RLDataProcessor(tok, max_prompt_length=16, max_response_length=4).encode({"prompt": long_prompt})
+    left = RLDataProcessor(tok, max_prompt_length=16, max_response_length=4,
+                           overlong_prompts="truncate_left").encode({"prompt": long_prompt})
     assert len(left.prompt_ids) == 16
-    with pytest.raises(ValueError, match="more than 16"):
-        RLDataProcessor(tok, max_prompt_length=16, truncation="error").encode({"prompt": long_prompt})
+    with pytest.raises(ValueError, match="more than max_prompt_length=16"):
+        RLDataProcessor(tok, max_prompt_length=16, overlong_prompts="error").encode({"prompt": long_prompt})
     pairs = RLDataProcessor(tok, max_prompt_length=64, max_response_length=4).build_dpo_dataset([
         {"question": "q1", "answer_1": "good answer", "answer_2": "bad", "score_1": 2, "score_2": 1},
         {"question": "q2", "answer_1": "a", "answer_2": "b", "score_1": 1, "score_2": 1},  # a tie: dropped

@@ -104,8 +104,8 @@ def test_balance_within_bound_of_brute_force_optimum(k, equal_size):
        st.sampled_from(["tokens", "flops", (3, 2)]))
 def test_balance_invariants(lengths, k, equal_size, cost):
     n = len(lengths)
+    k = min(k, n)  # k > n is an error (test_balance_more_partitions_than_sequences_is_an_error)
     if equal_size:
-        k = max(1, min(k, n))
         lengths = lengths[: n - n % k]
         n = len(lengths)
     plan = S.balance_partitions(lengths, k, equal_size, cost)
@@ -119,7 +119,7 @@ def test_balance_invariants(lengths, k, equal_size, cost):
     assert np.all(np.diff(plan.costs) <= 0), "partitions come largest cost first"
     if equal_size:
         assert all(len(g) == n // k for g in plan)
-    elif k <= n:
+    else:
         assert all(len(g) >= 1 for g in plan)
     assert plan.report.imbalance == pytest.approx(sums.max() / (sums.sum() / k))
     assert plan.tokens.sum() == L.sum()
@@ -147,10 +147,12 @@ def test_balance_deterministic_and_input_types_agree():
     assert isinstance(a[0], np.ndarray) and a[0].dtype == np.int64
 
 
-def test_balance_more_partitions_than_sequences_without_equal_size():
-    plan = S.balance_partitions([5, 3], 4, equal_size=False)
+def test_balance_more_partitions_than_sequences_is_an_error():
+    with pytest.raises(ValueError, match=r"k must be <= the number of sequences \(2\), got 4"):
+        S.balance_partitions([5, 3], 4, equal_size=False)
+    plan = S.balance_partitions([5, 3], 2, equal_size=False)
     assert_each_index_once(plan, 2)
-    assert [len(g) for g in plan] == [1, 1, 0, 0]
+    assert [len(g) for g in plan] == [1, 1]
 
 
 @pytest.mark.slow
@@ -346,7 +348,7 @@ def test_bad_arguments_name_themselves():
         S.balance_partitions([1, 2], 0)
     with pytest.raises(TypeError, match="k must be an int"):
         S.balance_partitions([1, 2], 2.0)
-    with pytest.raises(ValueError, match=r"k must be <= the number of sequences \(2\) with equal_size"):
+    with pytest.raises(ValueError, match=r"k must be <= the number of sequences \(2\), got 3"):
         S.balance_partitions([1, 2], 3)
     with pytest.raises(ValueError, match="equal_size=True needs k to divide the number of sequences: 5 % 2 = 1"):
         S.balance_partitions([1] * 5, 2)

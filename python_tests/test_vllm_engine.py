@@ -222,6 +222,30 @@ def test_prefix_cache_hits_and_reset_after_update(engine, hf_model):
     assert engine.metrics()["prefix_cache_hit_rate"] == 0.0
 
 
+def test_sync_from_model_quietly(engine, hf_model, prompts, pushed):
+    """sync_from (the trainer's one call): the engine then decodes what the changed HF model decodes,
+    without vLLM's per-layer reload warnings."""
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            p.mul_(-1.3)
+    warned = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())
+    reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")  # vLLM's don't propagate
+    reload_log.addHandler(handler)
+    try:
+        moved = engine.sync_from(hf_model)
+        assert moved == {"bytes": 0}  # one process: nothing crosses ranks
+        assert warned == []
+        out = engine.generate(prompts, SamplingSpec(temperature=0.0, max_tokens=8))
+        for i, toks, _ in rows(out):
+            assert toks == ref_greedy(hf_model, prompts[i], 8)
+        vllm_compat.reload_weights(engine.llm, [])  # unsilenced, nothing loaded: the handler sees warnings
+        assert warned and all("Failed to load weights" in m for m in warned)
+    finally:
+        reload_log.removeHandler(handler)
+
+
 def test_peft_tensors_refused_by_update_weights(engine):
     with pytest.raises(ValueError, match="update_lora"):
         engine.update_weights([("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight",
@@ -231,20 +255,22 @@ def test_peft_tensors_refused_by_update_weights(engine):
 # ---------------------------------------------------------------- memory, refusals, install
 
 
-def test_sleep_wake_on_cpu_warns_once(engine, prompts, caplog):
+def test_sleep_wake_on_cpu_is_a_stated_no_op(engine, prompts, caplog):
     if vllm_compat.sleep_mode_available():
         pytest.skip("this platform has vLLM sleep mode")
     engine._warned_sleep = False
-    with caplog.at_level(logging.WARNING, logger="verl_fast.rollout.vllm_engine"):
+    with caplog.at_level(logging.INFO, logger="verl_fast.rollout.vllm_engine"):
         for _ in range(2):
             engine.sleep()
             engine.wake_up()
     assert sum("no vLLM sleep mode" in r.getMessage() for r in caplog.records) == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # the default run stays quiet
+    assert "sleep_freed_gib" not in engine.metrics()
     assert engine.generate(prompts[:1], SamplingSpec(max_tokens=2)).num_sequences == 1
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("level", [1, 2])
+@pytest.mark.parametrize("level", [0, 1, 2])
 def test_sleep_frees_memory_and_update_while_asleep(engine, hf_model, prompts, pushed, level, monkeypatch):
     if not vllm_compat.sleep_mode_available():
         pytest.skip("no vLLM sleep mode on this platform")
@@ -252,6 +278,7 @@ def test_sleep_frees_memory_and_update_while_asleep(engine, hf_model, prompts, p
     free_awake = torch.cuda.mem_get_info()[0]
     engine.sleep()
     assert torch.cuda.mem_get_info()[0] > free_awake
+    assert engine.metrics()["sleep_freed_gib"] > 0
     with pytest.raises(RuntimeError, match="asleep"):
         engine.generate(prompts, SamplingSpec(max_tokens=2))
     with torch.no_grad():

@@ -13,10 +13,10 @@ def main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from verl_fast.trainer import checkpoint
     from verl_fast.trainer.rl_trainer import RLTrainer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -34,7 +34,7 @@ def main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None
     trainer = RLTrainer(actor_model=model, tokenizer=tok, config=cfg,
                         reward_fn=lambda solution_str: float(len(solution_str) % 2))
     history = trainer.fit(prompts)
-    full = checkpoint.full_state_dict(model)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         after = torch.cat([full[k].flatten() for k, _ in AutoModelForCausalLM.from_pretrained(
             model_dir).named_parameters()])

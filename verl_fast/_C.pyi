@@ -1,16 +1,34 @@
-"""Typed stub of the compiled core (csrc/bindings.cpp). Tensors are torch.Tensor objects read by
+"""Typed stub of the compiled core (csrc/bindings.cpp and each area's bindings.cpp; a test checks that
+the records' fields here match the module's). Tensors are torch.Tensor objects read by
 pointer, shape, strides, dtype and device; the op wrappers in verl_fast.ops are the public API."""
 
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 __version__: str
 has_cuda: bool
 cuda_archs: str  # e.g. "80,90"; "" without CUDA
-status_words: int
+
+class DType:  # codes of the planner's tables, named as torch names its dtypes
+    float32: "DType"
+    float64: "DType"
+    bfloat16: "DType"
+    float16: "DType"
+    int64: "DType"
+    int32: "DType"
+    uint8: "DType"
+    bool: "DType"
+    __members__: dict
 
 # ---- advantage engine ----
+status_words: int  # int32 words of the status record
+
+class AdvantageStatus(int):  # bits of the status record's word 0
+    bad_rewards: "AdvantageStatus"
+    bad_values: "AdvantageStatus"
+    too_few_to_whiten: "AdvantageStatus"
+
 class ScanKind:
     gae: "ScanKind"
     reinforce_pp: "ScanKind"
@@ -34,7 +52,7 @@ class ScanArgs:
     lam: float
     whiten: bool
     num_threads: int
-    stream: int
+    stream: Optional[torch.cuda.Stream]  # None: the default stream; never a bare handle
     def __init__(self) -> None: ...
 
 class GroupArgs:
@@ -49,7 +67,7 @@ class GroupArgs:
     norm_by_std: bool
     whiten: bool
     num_threads: int
-    stream: int
+    stream: Optional[torch.cuda.Stream]  # None: the default stream; never a bare handle
     def __init__(self) -> None: ...
 
 def group_workspace_bytes(batch: int) -> int: ...
@@ -66,6 +84,9 @@ def rollout_buckets(prompt_lens: torch.Tensor, max_new_tokens: torch.Tensor, max
                     offsets: torch.Tensor, wave_max_tokens: torch.Tensor) -> int: ...
 
 # ---- resharding engine ----
+reshard_piece_cols: int  # columns of the piece tables (order: csrc/reshard/reshard.h PieceCol)
+reshard_tensor_cols: int  # columns of the tensor tables (TensorCol)
+
 class ReshardPhase:
     pack: "ReshardPhase"
     copy: "ReshardPhase"  # copy_local then copy_received
@@ -106,4 +127,5 @@ class ReshardPlan:
     def groups(self, bucket: int) -> List[int]: ...
     def bind(self, sources: Sequence[torch.Tensor], destinations: Sequence[torch.Tensor],
              send_slots: Sequence[torch.Tensor], recv_slots: Sequence[torch.Tensor]) -> None: ...
-    def run(self, bucket: int, phase: ReshardPhase, stream: int = 0, num_threads: int = 0) -> None: ...
+    def run(self, bucket: int, phase: ReshardPhase, stream: Optional[torch.cuda.Stream] = None,
+            num_threads: int = 0) -> None: ...

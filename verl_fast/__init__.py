@@ -15,6 +15,9 @@ from verl_fast.ops import schedule
 from verl_fast.rollout.vllm_engine import VLLMInferenceEngine
 from verl_fast.models.megatron_checkpoint import load_megatron_checkpoint
 from verl_fast.ops.reshard import ModelSpec, ReshardPlan, reshard, vllm_weights
+from verl_fast.trainer.rl_trainer import RLTrainer
+from verl_fast.rollout.operator import RolloutOperator
+from verl_fast.data import RLDataProcessor
 
 __version__ = "0.1.0"
 
@@ -39,4 +42,7 @@ __all__ = [
     "ModelSpec",
     "vllm_weights",
     "load_megatron_checkpoint",
+    "RLTrainer",
+    "RolloutOperator",
+    "RLDataProcessor",
 ]

@@ -1,4 +1,4 @@
-"""The `verl-fast` command: train, bench, convert, info."""
+"""The `verl-fast` command: train, bench, convert, export, info."""
 
 from __future__ import annotations
 
@@ -18,6 +18,14 @@ def _train(args: argparse.Namespace) -> int:
     from verl_fast.train_cli import run
 
     return run(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from verl_fast.bench.runner import run
+
+    return run(args)
+
+
 def _convert(args: argparse.Namespace) -> int:
     import torch
 
@@ -30,6 +38,13 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from verl_fast.trainer.checkpoint import export
+
+    print(f"wrote {export(args.checkpoint, args.output, max_shard_bytes=int(args.max_shard_gb * (1 << 30)))}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="verl-fast", description="RL post-training for LLMs with a compiled core")
     sub = p.add_subparsers(dest="command", required=True)
@@ -38,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="run an RL job (no --config: the embedded default run)")
     add_arguments(train)
     train.set_defaults(func=_train)
+    bench = sub.add_parser("bench", help="benchmarks against their baselines and floors: one table, JSON, "
+                                         "Markdown and PNG in benchmarks/results/")
+    from verl_fast.bench.runner import add_arguments as bench_arguments
+
+    bench_arguments(bench)
+    bench.set_defaults(func=_bench)
     info = sub.add_parser("info", help="version, compiled core, CUDA architectures, optional parts")
     info.set_defaults(func=_info)
     conv = sub.add_parser("convert", help="Megatron checkpoint (legacy mp_rank_* or torch_dist) -> HF safetensors folder")
@@ -51,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="output dtype (default: the checkpoint's)")
     conv.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size limit")
     conv.set_defaults(func=_convert)
+    exp = sub.add_parser("export", help="training checkpoint (sharded) -> HF safetensors folder (transformers, vLLM)")
+    exp.add_argument("checkpoint", help="a checkpoints/step_N folder, or a run's output_dir (its newest complete one)")
+    exp.add_argument("output", help="HF folder to write (replaced atomically)")
+    exp.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size limit")
+    exp.set_defaults(func=_export)
     return p
 
 

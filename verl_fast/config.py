@@ -1,9 +1,9 @@
 """Typed run configuration: YAML sections ``actor``, ``critic``, ``rollout``, ``reward_fn``,
-``algorithm``, ``trainer`` (the shape of seed 002 section 3.3), validated once at start-up.
+``algorithm``, ``trainer``, validated once at start-up.
 
 Unknown keys, wrong types, out-of-range values and unsupported combinations fail with a message
 that names the key and what is allowed. ``--set section.key=value`` overrides go through the same
-checks. Seed 002's spellings are accepted: ``actor: {type: vllm, tensor_parallel_size: ...}`` selects
+checks. Older spellings, common in existing configs, are accepted: ``actor: {type: vllm, tensor_parallel_size: ...}`` selects
 and configures the rollout engine; ``trainer: {learning_rate, max_grad_norm,
 per_device_train_batch_size, gradient_accumulation_steps}`` set the actor's optimiser and batching.
 """
@@ -11,6 +11,7 @@ per_device_train_batch_size, gradient_accumulation_steps}`` set the actor's opti
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,8 @@ from typing import Any, Dict, List, Optional, Union
 
 from verl_fast.algos.advantage import ESTIMATORS, GROUP_ESTIMATORS
 from verl_fast.algos.losses import AGG_MODES, KL_KINDS
+from verl_fast.data import OVERLONG_PROMPTS
+from verl_fast.rewards.base import ON_ERROR
 
 
 def _f(default, *, choices=None, min=None, max=None, doc: str = ""):
@@ -27,23 +30,26 @@ def _f(default, *, choices=None, min=None, max=None, doc: str = ""):
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+ATTN_IMPLEMENTATIONS = (None, "eager", "sdpa", "flash_attention_2", "flex_attention")
+# How a model is trained over the ranks (trainer/sharding.py); auto: fsdp2 with several processes,
+# none (plain module) in one. megatron: the Megatron-core backend.
 STRATEGIES = ("auto", "fsdp2", "fsdp1", "none", "megatron")
-ALGORITHMS = ("grpo", "drgrpo", "ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "dpo")
+ALGORITHMS = ("grpo", "drgrpo", "ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "dpo", "online_dpo")
 # What each algorithm estimates its advantages with (dpo has none).
-ADVANTAGE_OF = {"ppo": "gae", "dpo": None, **{a: a for a in ESTIMATORS}}
+ADVANTAGE_OF = {"ppo": "gae", "dpo": None, "online_dpo": None, **{a: a for a in ESTIMATORS}}
 
 
 @dataclass
 class ActorConfig:
     model_name: Optional[str] = _f(None, doc="HF folder or the demo name 'smollm2-135m-instruct'")
-    type: str = _f("hf", choices=("hf", "hf_transformers", "vllm"), doc="seed 002 form: vllm = rollout.type")
+    type: str = _f("hf", choices=("hf", "hf_transformers", "vllm"), doc="older spelling: vllm sets rollout.type")
     dtype: str = _f("float32", choices=DTYPES)
     autocast: str = _f("none", choices=("none", "bfloat16", "float16"), doc="autocast for forward passes")
     lr: float = _f(1e-6, min=0.0)
     weight_decay: float = _f(0.0, min=0.0)
     max_grad_norm: float = _f(1.0, min=0.0, doc="0 = no clipping")
     ppo_epochs: int = _f(1, min=1)
-    ppo_mini_batch_size: Optional[int] = _f(None, min=1, doc="sequences per optimiser step (None: the batch)")
+    ppo_mini_batch_size: Optional[int] = _f(None, min=1, doc="sequences per optimiser step on each rank (None: the batch)")
     micro_batch_size: int = _f(8, min=1, doc="sequences per forward/backward")
     use_dynamic_bsz: bool = _f(False, doc="micro-batches by token budget instead of by count")
     max_token_len_per_gpu: int = _f(16384, min=1)
@@ -59,14 +65,22 @@ class ActorConfig:
     kl_loss_type: str = _f("low_var_kl", choices=KL_KINDS)
     fused_logprobs: str = _f("auto", choices=("auto", "on", "off"), doc="fused lm_head + log-prob kernels")
     gradient_checkpointing: bool = _f(False)
+    trust_remote_code: bool = _f(False, doc="actor and reference: let transformers run the model folder's own code")
+    attn_implementation: Optional[str] = _f(None, choices=ATTN_IMPLEMENTATIONS,
+                                            doc="None: transformers' default; flash_attention_2 needs flash-attn")
+    strategy: str = _f("auto", choices=STRATEGIES, doc="auto: fsdp2 under torchrun, none in one process")
+    mixed_precision: str = _f("none", choices=("none", "bfloat16"),
+                              doc="FSDP: bf16 parameters in forward/backward, fp32 gradient reduction")
+    cpu_offload: bool = _f(False, doc="FSDP: sharded parameters, gradients and optimizer state on the CPU")
     skip_zero_advantage: bool = _f(True, doc="leave samples whose advantages are all 0 out of the backward")
-    strategy: str = _f("auto", choices=STRATEGIES, doc="training backend; megatron: a megatron-core GPTModel "
-                       "built from the actor's HF config (torchrun)")
-    tensor_model_parallel_size: int = _f(1, min=1, doc="megatron: TP size")
-    pipeline_model_parallel_size: int = _f(1, min=1, doc="megatron: PP size")
-    virtual_pipeline_model_parallel_size: Optional[int] = _f(None, min=1, doc="megatron: model chunks per PP rank")
-    expert_model_parallel_size: int = _f(1, min=1, doc="megatron: EP size (MoE families)")
-    # seed 002 form: rollout-engine settings written in the actor section (copied to rollout)
+    tensor_model_parallel_size: int = _f(1, min=1, doc="strategy megatron: TP size")
+    pipeline_model_parallel_size: int = _f(1, min=1, doc="strategy megatron: PP size")
+    virtual_pipeline_model_parallel_size: Optional[int] = _f(None, min=1, doc="strategy megatron: model chunks "
+                                                             "per PP rank")
+    expert_model_parallel_size: int = _f(1, min=1, doc="strategy megatron: EP size (MoE families)")
+    share_prompt_forward: bool = _f(True, doc="log-prob passes run each prompt once for all its samples "
+                                              "(same log-probs and gradients, fewer tokens; not with fused_logprobs)")
+    # older spelling: rollout-engine settings written in the actor section (copied to rollout)
     model_path: Optional[str] = _f(None, doc="alias of model_name")
     tensor_parallel_size: Optional[int] = _f(None, min=1)
     enable_prefix_caching: Optional[bool] = _f(None)
@@ -87,8 +101,15 @@ class CriticConfig:
     micro_batch_size: int = _f(8, min=1)
     cliprange_value: float = _f(0.5, min=0.0)
     loss_agg_mode: str = _f("token-mean", choices=AGG_MODES)
-    use_flash_attention: bool = _f(False)
-    strategy: str = _f("auto", choices=STRATEGIES)
+    use_flash_attention: bool = _f(False, doc="flash_attention_2 where flash-attn and CUDA are there, else sdpa")
+    trust_remote_code: bool = _f(False, doc="let transformers run the model folder's own code")
+    attn_implementation: Optional[str] = _f(None, choices=ATTN_IMPLEMENTATIONS,
+                                            doc="None: transformers' default; flash_attention_2 needs flash-attn")
+    strategy: str = _f("auto", choices=STRATEGIES, doc="auto: fsdp2 under torchrun, none in one process")
+    mixed_precision: str = _f("none", choices=("none", "bfloat16"),
+                              doc="FSDP: bf16 parameters in forward/backward, fp32 gradient reduction")
+    cpu_offload: bool = _f(False, doc="FSDP: sharded parameters, gradients and optimizer state on the CPU")
+    gradient_checkpointing: bool = _f(False)
 
 
 @dataclass
@@ -109,11 +130,18 @@ class RolloutConfig:
     max_model_len: Optional[int] = _f(None, min=1)
     enable_chunked_prefill: Optional[bool] = _f(None)
     enable_sleep_mode: bool = _f(True, doc="free KV cache (GPU) during training")
+    sleep_level: int = _f(0, choices=(0, 1, 2), doc="during training (GPU): 0 frees the KV cache, 1 also "
+                          "offloads the weights to the host, 2 discards them (the next sync refills them)")
     length_buckets: str = _f("auto", choices=("auto", "on", "off"),
                              doc="send prompts in length-bucketed waves (auto: on for hf, off for vllm, "
                                  "whose own scheduler batches continuously)")
     max_batch_tokens: Optional[int] = _f(None, min=1, doc="worst-case tokens per wave (default: "
                                          "max_num_seqs * (max_prompt_length + max_new_tokens))")
+    hf_fast_decode: str = _f("auto", choices=("auto", "on", "off"),
+                             doc="type hf: static-KV-cache decoding of the whole batch, CUDA graphs on a GPU "
+                                 "(auto: on a GPU); off: model.generate")
+    quantization: Optional[str] = _f(None, doc="vLLM's quantization (awq, gptq, fp8, ...); vllm rollout with a "
+                                     "PEFT actor only (the engine's quantized base cannot take full updates)")
     speculative_config: Optional[Dict[str, Any]] = _f(None, doc="rejected: RL must sample from the policy")
     guided_decoding: Optional[Dict[str, Any]] = _f(None, doc="rejected: RL must sample from the policy")
 
@@ -124,7 +152,12 @@ class RewardConfig:
                                              "pairwise_ranking"))
     path: Optional[str] = _f(None, doc="'module:function' for type callable")
     model_name: Optional[str] = _f(None, doc="sequence-classification model for type reward_model")
-    reference_free: bool = _f(False, doc="pairwise_ranking: DPO without a reference model")
+    reference_free: bool = _f(False, doc="dpo / online_dpo: DPO without a reference model")
+    trust_remote_code: bool = _f(False, doc="reward model: let transformers run the model folder's own code")
+    attn_implementation: Optional[str] = _f(None, choices=ATTN_IMPLEMENTATIONS,
+                                            doc="None: transformers' default; flash_attention_2 needs flash-attn")
+    on_error: str = _f("raise", choices=ON_ERROR, doc="a sample whose scoring fails: raise, or score 0 "
+                       "(counted as reward/errors)")
 
 
 @dataclass
@@ -151,14 +184,24 @@ class TrainerConfig:
     output_dir: str = _f("runs/verl_fast")
     save_freq: int = _f(0, min=0, doc="checkpoint every N steps (0: only at the end)")
     resume: bool = _f(True, doc="continue from the latest complete checkpoint in output_dir")
+    overwrite: bool = _f(False, doc="clear an older run's checkpoints and metrics from output_dir at start "
+                                                "(at every start: unset it to resume later)")
+    hf_export: str = _f("final", choices=("final", "every", "none"),
+                        doc="HF safetensors beside which checkpoints (the sharded state is always written)")
     dataset: Optional[str] = _f(None, doc="parquet/jsonl path, HF dataset name, or reasoning_gym:<task>")
     dataset_kwargs: Dict[str, Any] = _f(dict)
     system_prompt: Optional[str] = _f(None)
     max_prompt_length: int = _f(512, min=1)
+    overlong_prompts: str = _f("skip", choices=OVERLONG_PROMPTS, doc="prompts over max_prompt_length: skip "
+                               "(counted as data/skipped_overlong), error, or truncate_left (the reward sees the "
+                               "kept text)")
     progress_bar: bool = _f(True)
     metrics_port: Optional[int] = _f(None, min=0, max=65535)
+    metrics_host: str = _f("127.0.0.1", doc="address the metrics endpoint binds (0.0.0.0: every interface)")
+    loggers: List[str] = _f(lambda: ["console", "jsonl"], choices=("console", "jsonl", "tensorboard", "wandb"),
+                            doc="where step metrics go (tensorboard and wandb need their packages)")
     plot: bool = _f(True, doc="reward-curve PNG at the end")
-    # seed 002 form
+    # older spellings of actor settings (copied to the actor section)
     per_device_train_batch_size: Optional[int] = _f(None, min=1, doc="alias: actor.micro_batch_size")
     gradient_accumulation_steps: Optional[int] = _f(None, min=1)
     learning_rate: Optional[float] = _f(None, min=0.0, doc="alias: actor.lr")
@@ -173,6 +216,13 @@ class Config:
     reward_fn: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the run uses a reference model: KL in the loss or in the reward, or (online) DPO
+        that is not reference-free."""
+        return (self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+                or (self.algorithm.type in ("dpo", "online_dpo") and not self.reward_fn.reference_free))
 
     @property
     def advantage_estimator(self) -> Optional[str]:
@@ -199,6 +249,8 @@ def _check_value(value: Any, annotation: Any, meta: Dict[str, Any], key: str) ->
     elif annotation is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{key} must be an integer, got {value!r}")
+        if not -(2**63) <= value < 2**63:
+            raise ValueError(f"{key} must fit in int64, got {value!r}")
     elif annotation is float:
         if isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
             try:
@@ -208,12 +260,18 @@ def _check_value(value: Any, annotation: Any, meta: Dict[str, Any], key: str) ->
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{key} must be a number, got {value!r}")
         value = float(value)
+        if not math.isfinite(value):  # NaN passes every range check below
+            raise ValueError(f"{key} must be a finite number, got {value!r}")
     elif annotation is str:
         if not isinstance(value, str):
             raise ValueError(f"{key} must be a string, got {value!r}")
     elif origin is dict or annotation is dict:
         if not isinstance(value, dict):
             raise ValueError(f"{key} must be a mapping, got {value!r}")
+    elif origin is list:
+        if not isinstance(value, list):
+            raise ValueError(f"{key} must be a list, got {value!r}")
+        return [_check_value(v, args[0], meta, f"{key}[{i}]") for i, v in enumerate(value)]
     if meta.get("choices") is not None and value not in meta["choices"]:
         raise ValueError(f"{key} must be one of {list(meta['choices'])}, got {value!r}")
     if meta.get("min") is not None and value < meta["min"]:
@@ -236,6 +294,24 @@ def _section(cls, data: Any, name: str):
             raise ValueError(f"unknown key {name}.{key}; allowed keys in {name}: {sorted(fields)}")
         values[key] = _check_value(value, hints[key], dict(fields[key].metadata), f"{name}.{key}")
     return cls(**values)
+
+
+def checked(cfg: Config) -> Config:
+    """A Config built in Python (not from YAML or a dict) checked as from_dict checks one: every
+    field's type, finiteness and range, then the combinations."""
+    if not isinstance(cfg, Config):
+        raise TypeError(f"config must be a Config, a mapping of sections or None, got {type(cfg).__name__}")
+    hints = typing.get_type_hints(Config)
+    for name in hints:
+        section = getattr(cfg, name)
+        if not isinstance(section, hints[name]):
+            raise ValueError(f"{name} must be a {hints[name].__name__}, got {type(section).__name__}")
+        types = typing.get_type_hints(hints[name])
+        for f in dataclasses.fields(section):
+            value = _check_value(getattr(section, f.name), types[f.name], dict(f.metadata), f"{name}.{f.name}")
+            setattr(section, f.name, value)
+    validate(cfg)
+    return cfg
 
 
 def from_dict(data: Optional[Dict[str, Any]]) -> Config:
@@ -312,6 +388,9 @@ def validate(cfg: Config) -> None:
     if cfg.rollout.guided_decoding:
         raise ValueError("rollout.guided_decoding is not supported: constrained sampling is not the policy's "
                          "distribution, so the policy gradient would be wrong; remove it")
+    if cfg.rollout.quantization and cfg.rollout.type == "hf":
+        raise ValueError(f"rollout.quantization={cfg.rollout.quantization} is not supported with rollout.type=hf "
+                         "(generate runs the actor's own weights); use rollout.type=vllm")
     if cfg.actor.use_kl_loss and cfg.algorithm.use_kl_in_reward:
         raise ValueError("actor.use_kl_loss is not supported with algorithm.use_kl_in_reward; use one of them")
     if algo == "dpo" and cfg.reward_fn.type not in ("pairwise_ranking",):
@@ -319,28 +398,33 @@ def validate(cfg: Config) -> None:
                          "use reward_fn.type=pairwise_ranking (DPO learns from chosen/rejected pairs)")
     if algo != "dpo" and cfg.reward_fn.type == "pairwise_ranking":
         raise ValueError(f"reward_fn.type=pairwise_ranking is not supported with algorithm.type={algo}; "
-                         "use algorithm.type=dpo")
+                         "use algorithm.type=dpo" + (" (online_dpo ranks its samples with a scoring reward: "
+                                                    "reasoning_gym, gsm8k, callable or reward_model)"
+                                                    if algo == "online_dpo" else ""))
     if cfg.reward_fn.type == "callable" and not cfg.reward_fn.path:
         raise ValueError("reward_fn.type=callable needs reward_fn.path ('module:function')")
     if cfg.reward_fn.type == "reward_model" and not cfg.reward_fn.model_name:
         raise ValueError("reward_fn.type=reward_model needs reward_fn.model_name")
     if cfg.actor.clip_ratio_c <= 1.0:
         raise ValueError(f"actor.clip_ratio_c must be > 1 (dual clip), got {cfg.actor.clip_ratio_c}")
+    if algo == "online_dpo" and cfg.rollout.n < 2:
+        raise ValueError(f"algorithm.type=online_dpo is not supported with rollout.n={cfg.rollout.n}: a pair needs "
+                         "two sampled responses per prompt; use rollout.n >= 2")
     if cfg.critic.strategy == "megatron":
-        raise ValueError("critic.strategy=megatron is not supported yet; use critic.strategy=auto (an HF value model "
+        raise ValueError("critic.strategy=megatron is not supported yet; use fsdp2, fsdp1 or none (a value model "
                          "beside a megatron actor)")
     if cfg.actor.strategy == "megatron":
-        for key in ("use_dynamic_bsz", "gradient_checkpointing"):
+        for key in ("use_dynamic_bsz", "gradient_checkpointing", "cpu_offload"):
             if getattr(cfg.actor, key):
                 raise ValueError(f"actor.{key} is not supported with actor.strategy=megatron; use fixed-size "
-                                 "micro-batches (actor.micro_batch_size)")
+                                 "micro-batches (actor.micro_batch_size) on the accelerator")
+        if cfg.actor.mixed_precision != "none" or cfg.actor.autocast != "none":
+            raise ValueError("actor.mixed_precision / actor.autocast are not supported with actor.strategy=megatron; "
+                             "use actor.dtype=bfloat16 (bf16 weights, fp32 main weights in the optimizer)")
         if cfg.actor.virtual_pipeline_model_parallel_size and cfg.actor.pipeline_model_parallel_size < 2:
             raise ValueError("actor.virtual_pipeline_model_parallel_size needs actor.pipeline_model_parallel_size >= 2")
-    if algo == "remax":
-        raise ValueError("algorithm.type=remax is not supported by the trainer yet (it needs a greedy baseline "
-                         "rollout per prompt); the estimator is available as verl_fast.compute_remax_advantage")
 
 
 def default_config_path() -> Path:
-    """The embedded default run (SPEC.md): GRPO on SmolLM2-135M-Instruct with reasoning-gym chain_sum."""
+    """The embedded default run: GRPO on SmolLM2-135M-Instruct with reasoning-gym chain_sum."""
     return Path(__file__).resolve().parent / "configs" / "default.yaml"

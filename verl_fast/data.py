@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 
 @dataclass
@@ -22,6 +22,27 @@ class PromptRow:
     ground_truth: Any = None
     data_source: str = ""
     extra_info: Dict[str, Any] = field(default_factory=dict)
+    columns: Dict[str, Any] = field(default_factory=dict)  # every field of the source row, as given
+
+
+class PromptBatch(list):
+    """The prompts of one rollout call, as ``RolloutOperator.get_generation_kwargs`` sees them: a list
+    of PromptRow (``batch[0]``, ``for row in batch``) that also answers column access:
+    ``batch["task_type"]`` is that field of every row, in order (any column of the source rows, or a
+    PromptRow attribute such as ``data_source``)."""
+
+    def __getitem__(self, key):
+        if not isinstance(key, str):
+            return super().__getitem__(key)
+        values = []
+        for i, row in enumerate(self):
+            if key in row.columns:
+                values.append(row.columns[key])
+            elif key in PromptRow.__dataclass_fields__ and key != "columns":
+                values.append(getattr(row, key))
+            else:
+                raise KeyError(f"batch[{key!r}]: row {i} has no column {key!r}; its columns: {sorted(row.columns)}")
+        return values
 
 
 @dataclass
@@ -47,26 +68,57 @@ def _to_plain(x: Any) -> Any:
     return x
 
 
+def _parse_json(text: str, path: Path, line: Optional[int] = None) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        where = f"{path}:{line}" if line is not None else f"{path}:{e.lineno}"
+        raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+
+
+def _read_jsonl(path: Path) -> List[Dict[str, Any]]:
+    """One JSON object per non-empty line; errors name the file and the line number."""
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        row = _parse_json(line, path, number)
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{number}: expected a JSON object (a row), got {type(row).__name__}")
+        rows.append(row)
+    return rows
+
+
+OVERLONG_PROMPTS = ("skip", "error", "truncate_left")
+
+
 class RLDataProcessor:
-    """Turns datasets into tokenized prompts (and preference pairs) for the trainer."""
+    """Turns datasets into tokenized prompts (and preference pairs) for the trainer.
+
+    A prompt longer than ``max_prompt_length`` tokens (after the chat template) is, by
+    ``overlong_prompts``: ``"skip"`` left out of the data (counted in ``skipped_overlong``),
+    ``"error"`` a ValueError, or ``"truncate_left"`` cut to its last tokens, and then its text is
+    the decoded kept tokens, so the reward sees exactly the prompt the model saw.
+    """
 
     def __init__(self, tokenizer_name: Union[str, Any], max_prompt_length: int = 512,
                  max_response_length: int = 512, system_prompt: Optional[str] = None,
-                 truncation: str = "left"):
+                 overlong_prompts: str = "skip"):
         if isinstance(tokenizer_name, str):
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
         else:
             self.tokenizer = tokenizer_name
-        if truncation not in ("left", "right", "error"):
-            raise ValueError(f"truncation must be left, right or error, got {truncation!r}")
+        if overlong_prompts not in OVERLONG_PROMPTS:
+            raise ValueError(f"overlong_prompts must be one of {list(OVERLONG_PROMPTS)}, got {overlong_prompts!r}")
         if max_prompt_length < 1 or max_response_length < 1:
             raise ValueError("max_prompt_length and max_response_length must be >= 1")
         self.max_prompt_length = max_prompt_length
         self.max_response_length = max_response_length
         self.system_prompt = system_prompt
-        self.truncation = truncation
+        self.overlong_prompts = overlong_prompts
+        self.skipped_overlong = 0  # prompts left out by encode_all (overlong_prompts="skip")
 
     # ------------------------------------------------------------------ loading
 
@@ -89,15 +141,19 @@ class RLDataProcessor:
 
                 return [{k: _to_plain(v) for k, v in r.items()} for r in pd.read_parquet(path).to_dict("records")]
             if path.suffix == ".jsonl":
-                return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+                return _read_jsonl(path)
             if path.suffix == ".json":
-                data = json.loads(path.read_text())
+                data = _parse_json(path.read_text(), path)
                 return data if isinstance(data, list) else [data]
             if path.suffix in (".pt", ".pth"):
-                import torch
+                from verl_fast import safe_load
 
-                data = torch.load(path, weights_only=False)
-                return [dict(r) for r in data]
+                data = safe_load.load(path, [PromptRow, PreferencePair], what="a dataset")  # rows are plain data
+                kinds = (dict, PromptRow, PreferencePair)  # what encode_all / build_dpo_dataset return
+                if not isinstance(data, (list, tuple)) or not all(isinstance(r, kinds) for r in data):
+                    raise ValueError(f"{path}: expected a list of rows (dicts, PromptRow or PreferencePair), "
+                                     f"got {type(data).__name__}")
+                return [dict(r) if isinstance(r, dict) else r for r in data]
             raise ValueError(f"unsupported dataset file {path.name}: use .parquet, .jsonl, .json or .pt")
         if hasattr(source, "column_names") and hasattr(source, "__iter__"):  # datasets.Dataset
             return [dict(r) for r in source]
@@ -132,28 +188,46 @@ class RLDataProcessor:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return "\n".join(m["content"] for m in messages) + "\n"
 
-    def _truncate(self, ids: List[int], limit: int, what: str) -> List[int]:
+    def _fit(self, ids: List[int], text: str) -> Optional[Tuple[List[int], str]]:
+        """(ids, text) of a prompt within max_prompt_length, or None to skip it."""
+        limit = self.max_prompt_length
         if len(ids) <= limit:
-            return ids
-        if self.truncation == "error":
-            raise ValueError(f"{what} has {len(ids)} tokens, more than {limit}")
-        return ids[-limit:] if self.truncation == "left" else ids[:limit]
+            return ids, text
+        if self.overlong_prompts == "error":
+            raise ValueError(f"a prompt has {len(ids)} tokens, more than max_prompt_length={limit} "
+                             f"(overlong_prompts='error'; or 'skip' / 'truncate_left'): {text[:80]!r}...")
+        if self.overlong_prompts == "skip":
+            return None
+        kept = ids[-limit:]
+        return kept, self.tokenizer.decode(kept)
 
-    def encode(self, row: Dict[str, Any]) -> PromptRow:
-        if "prompt" not in row:
-            raise ValueError(f"a row needs a 'prompt' field (verl format), got keys {sorted(row)}")
+    def encode(self, row: Dict[str, Any]) -> Optional[PromptRow]:
+        """The row's prompt, or None when it is overlong and overlong_prompts is 'skip'."""
+        if not isinstance(row, dict) or "prompt" not in row:
+            got = sorted(row) if isinstance(row, dict) else type(row).__name__
+            raise ValueError(f"a row needs a 'prompt' field (verl format), got {got}")
         text = self.template(row["prompt"])
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        fitted = self._fit(self.tokenizer(text, add_special_tokens=False)["input_ids"], text)
+        if fitted is None:
+            return None
         reward = row.get("reward_model") or {}
         truth = reward.get("ground_truth") if isinstance(reward, dict) else None
         if truth is None:
             truth = row.get("ground_truth", row.get("answer"))
-        return PromptRow(prompt_ids=self._truncate(ids, self.max_prompt_length, "a prompt"), prompt_text=text,
-                         ground_truth=truth, data_source=str(row.get("data_source", "")),
-                         extra_info=dict(row.get("extra_info") or {}))
+        return PromptRow(prompt_ids=fitted[0], prompt_text=fitted[1], ground_truth=truth,
+                         data_source=str(row.get("data_source", "")), extra_info=dict(row.get("extra_info") or {}),
+                         columns=dict(row))
 
     def encode_all(self, rows: Iterable[Dict[str, Any]]) -> List[PromptRow]:
-        return [self.encode(r) for r in rows]
+        """Every row's prompt; overlong ones skipped are counted in ``skipped_overlong``."""
+        encoded = [self.encode(r) for r in rows]
+        kept = [p for p in encoded if p is not None]
+        self.skipped_overlong = len(encoded) - len(kept)
+        if encoded and not kept:
+            raise ValueError(f"all {len(encoded)} prompts are longer than max_prompt_length="
+                             f"{self.max_prompt_length} tokens and were skipped (overlong_prompts='skip'); "
+                             "raise the limit or use overlong_prompts='truncate_left'")
+        return kept
 
     # ------------------------------------------------------------------ DPO
 
@@ -182,8 +256,11 @@ class RLDataProcessor:
                 ids = self.tokenizer(r, add_special_tokens=False)["input_ids"] + eos
                 return ids[: self.max_response_length]
 
-            prompt_ids = self._truncate(self.tokenizer(text, add_special_tokens=False)["input_ids"],
-                                        self.max_prompt_length, "a prompt")
+            fitted = self._fit(self.tokenizer(text, add_special_tokens=False)["input_ids"], text)
+            if fitted is None:
+                self.skipped_overlong += 1
+                continue
+            prompt_ids, text = fitted
             pairs.append(PreferencePair(prompt=text, chosen=chosen, rejected=rejected, prompt_ids=prompt_ids,
                                         chosen_ids=response_ids(chosen), rejected_ids=response_ids(rejected)))
         return pairs

@@ -1,14 +1,22 @@
-"""Run metrics: a JSONL file, a console progress bar, an OpenMetrics (Prometheus) endpoint, and a
-PNG of the reward curve at the end."""
+"""Run metrics, one dict per step, to the sinks named in ``trainer.loggers``: ``jsonl``
+(``metrics.jsonl``), ``console`` (a progress bar and a line per step), ``tensorboard``
+(``<output_dir>/tensorboard``), ``wandb``; plus an OpenMetrics (Prometheus) endpoint when
+``trainer.metrics_port`` is set, and a PNG of the reward curve at the end."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import os
+import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
-# Gauges exported when present in a step's metrics: name in the step dict -> Prometheus name.
+from verl_fast.trainer.perf import summary as perf_summary
+
+# Step-metric keys with the names dashboards know; every other numeric key is exported as a gauge
+# named verl_<key> (characters outside [a-zA-Z0-9_] become _).
 GAUGES = {
     "reward/mean": ("verl_reward_mean", "mean sequence reward of the step"),
     "actor/kl": ("verl_kl", "mean KL(actor || reference) over response tokens"),
@@ -17,74 +25,193 @@ GAUGES = {
     "rollout/prefix_cache_hit_rate": ("verl_gpu_cache_hit_ratio", "rollout engine prefix-cache hit ratio"),
     "rollout/kv_cache_usage_peak": ("verl_kv_cache_usage_ratio", "rollout engine KV-cache usage at its busiest step"),
 }
+# Latencies (seconds) as histograms; other ``time/*`` keys get verl_time_<key>_seconds.
+HISTOGRAMS = {
+    "time/generation": ("verl_actor_generation_latency_seconds", "rollout generation latency"),
+    "time/step": ("verl_training_step_duration_seconds", "training step duration"),
+    "time/weight_sync": ("verl_weight_sync_duration_seconds", "actor -> rollout engine weight sync"),
+}
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+LOGGERS = {"console": None, "jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb"}  # name -> package
+
+
+def sanitize(key: str) -> str:
+    return "verl_" + re.sub(r"[^a-zA-Z0-9_]", "_", key).strip("_").lower()
+
+
+def numeric(metrics: Dict[str, Any]) -> Dict[str, float]:
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+
+
+def check_loggers(loggers: Sequence[str]) -> None:
+    """Raises naming the package to install for each logger that needs a missing one."""
+    for name in loggers:
+        package = LOGGERS.get(name)
+        if package and importlib.util.find_spec(package) is None:
+            raise ImportError(f"trainer.loggers has {name}, whose package is not installed: pip install {package} "
+                              f"(or remove {name} from trainer.loggers)")
 
 
 class MetricsServer:
-    """``verl_actor_generation_latency_seconds`` (histogram), ``verl_training_step_duration_seconds``
-    (histogram) and the GAUGES above, served on ``port`` by prometheus_client."""
+    """Every numeric step metric as a gauge, latencies also as histograms, served on ``host:port``
+    by prometheus_client (port 0: any free port, see ``.port``)."""
 
-    def __init__(self, port: int):
+    def __init__(self, port: int, host: str = "127.0.0.1"):
         try:
             import prometheus_client as prom
         except ImportError as e:
             raise ImportError("metrics_port needs prometheus-client: pip install prometheus-client") from e
+        self.prom = prom
         self.registry = prom.CollectorRegistry()
-        buckets = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-        self.generation = prom.Histogram("verl_actor_generation_latency_seconds", "rollout generation latency",
-                                         buckets=buckets, registry=self.registry)
-        self.step = prom.Histogram("verl_training_step_duration_seconds", "training step duration",
-                                   buckets=buckets, registry=self.registry)
+        self.histograms = {key: prom.Histogram(name, doc, buckets=BUCKETS, registry=self.registry)
+                           for key, (name, doc) in HISTOGRAMS.items()}
         self.gauges = {key: prom.Gauge(name, doc, registry=self.registry) for key, (name, doc) in GAUGES.items()}
-        self.server, self.thread = prom.start_http_server(port, registry=self.registry)
+        self.names = {name for name, _ in [*GAUGES.values(), *HISTOGRAMS.values()]}
+        self.server, self.thread = prom.start_http_server(port, addr=host, registry=self.registry)
         self.port = self.server.server_port
 
-    def observe(self, metrics: Dict[str, float]) -> None:
-        if "time/generation" in metrics:
-            self.generation.observe(metrics["time/generation"])
-        if "time/step" in metrics:
-            self.step.observe(metrics["time/step"])
-        for key, gauge in self.gauges.items():
-            if key in metrics and math.isfinite(metrics[key]):
-                gauge.set(metrics[key])
+    def _metric(self, table: Dict[str, Any], key: str, name: str, kind: str) -> Optional[Any]:
+        if key not in table:
+            if name in self.names:  # two keys that sanitise to one name: the first keeps it
+                table[key] = None
+            else:
+                self.names.add(name)
+                cls = self.prom.Histogram if kind == "histogram" else self.prom.Gauge
+                extra = {"buckets": BUCKETS} if kind == "histogram" else {}
+                table[key] = cls(name, f"step metric {key}", registry=self.registry, **extra)
+        return table[key]
+
+    def observe(self, metrics: Dict[str, Any]) -> None:
+        for key, value in numeric(metrics).items():
+            gauge = self._metric(self.gauges, key, sanitize(key), "gauge")
+            if gauge is not None:
+                gauge.set(value)
+            if key.startswith("time/") and math.isfinite(value):
+                hist = self._metric(self.histograms, key, sanitize(key) + "_seconds", "histogram")
+                if hist is not None:
+                    hist.observe(value)
 
     def close(self) -> None:
         self.server.shutdown()
+        self.server.server_close()
+
+
+class _Console:
+    def __init__(self, total_steps: int):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
+
+    def resume(self, history: List[Dict[str, Any]]) -> None:
+        self.bar.update(len(history))
+
+    def log(self, m: Dict[str, Any]) -> None:
+        nan = float("nan")
+        self.bar.update(1)
+        self.bar.set_postfix(reward=f"{m.get('reward/mean', nan):.3f}", loss=f"{m.get('actor/pg_loss', nan):.3f}")
+        self.bar.write(f"step {m['step']:4d}  reward {m.get('reward/mean', nan):.3f}  "
+                       f"response_len {m.get('response/length', nan):.1f}  step_time {m.get('time/step', nan):.1f}s  "
+                       f"{perf_summary(m)}")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class _JSONL:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def resume(self, history: List[Dict[str, Any]]) -> None:
+        """The file becomes the restored history: rows of steps after the checkpoint (which will run
+        again) go away."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(m) + "\n" for m in history))
+        os.replace(tmp, self.path)
+
+    def log(self, m: Dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(m) + "\n")
+
+    def close(self) -> None:
+        pass
+
+
+class _TensorBoard:
+    def __init__(self, folder: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.folder, self.writer = folder, None
+        self.make = SummaryWriter
+
+    def resume(self, history: List[Dict[str, Any]]) -> None:
+        # purge_step drops events of steps after the checkpoint that an earlier attempt wrote
+        self.writer = self.make(str(self.folder), purge_step=len(history) + 1 if history else None)
+
+    def log(self, m: Dict[str, Any]) -> None:
+        if self.writer is None:
+            self.resume([])
+        for k, v in numeric(m).items():
+            if k != "step":
+                self.writer.add_scalar(k, v, global_step=int(m["step"]))
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+class _WandB:
+    def __init__(self, folder: Path, run_config: Optional[Dict[str, Any]]):
+        import wandb
+
+        self.wandb = wandb
+        self.run = wandb.init(project="verl_fast", name=folder.name, dir=str(folder), config=run_config or {})
+
+    def resume(self, history: List[Dict[str, Any]]) -> None:
+        pass
+
+    def log(self, m: Dict[str, Any]) -> None:
+        self.run.log(numeric(m), step=int(m["step"]))
+
+    def close(self) -> None:
+        self.run.finish()
 
 
 class MetricsLogger:
     def __init__(self, output_dir: str, total_steps: int, progress_bar: bool = True,
-                 port: Optional[int] = None, enabled: bool = True):
+                 port: Optional[int] = None, enabled: bool = True, host: str = "127.0.0.1",
+                 loggers: Sequence[str] = ("console", "jsonl"), run_config: Optional[Dict[str, Any]] = None):
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
         self.history: List[Dict[str, Any]] = []
-        self.server = MetricsServer(port) if (port is not None and enabled) else None
-        self.bar = None
-        if progress_bar and enabled:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
+        self.sinks: List[Any] = []
+        self.server = None
+        if not enabled:
+            return
+        check_loggers(loggers)
+        if "jsonl" in loggers:
+            self.sinks.append(_JSONL(self.path))
+        if "console" in loggers and progress_bar:
+            self.sinks.append(_Console(total_steps))
+        if "tensorboard" in loggers:
+            self.sinks.append(_TensorBoard(Path(output_dir) / "tensorboard"))
+        if "wandb" in loggers:
+            self.sinks.append(_WandB(Path(output_dir), run_config))
+        self.server = MetricsServer(port, host) if port is not None else None
 
     def resume(self, history: List[Dict[str, Any]]) -> None:
+        """Starts from ``history`` (restored from a checkpoint; empty for a new run)."""
         self.history = list(history)
-        if self.bar is not None and history:
-            self.bar.update(len(history))
+        for sink in self.sinks:
+            sink.resume(self.history)
 
     def log(self, metrics: Dict[str, Any]) -> None:
         self.history.append(metrics)
-        if not self.enabled:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        for sink in self.sinks:
+            sink.log(metrics)
         if self.server is not None:
             self.server.observe(metrics)
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
-                                 loss=f"{metrics.get('actor/pg_loss', float('nan')):.3f}")
-            self.bar.write(f"step {metrics['step']:4d}  reward {metrics.get('reward/mean', float('nan')):.3f}  "
-                           f"response_len {metrics.get('response/length', float('nan')):.1f}  "
-                           f"step_time {metrics.get('time/step', float('nan')):.1f}s")
 
     def plot(self, path: Optional[Path] = None) -> Optional[Path]:
         """Reward per step (and its running mean) as a PNG beside the JSONL."""
@@ -115,7 +242,7 @@ class MetricsLogger:
         return path
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        for sink in self.sinks:
+            sink.close()
         if self.server is not None:
             self.server.close()

@@ -30,8 +30,30 @@ def resolve_config(args: argparse.Namespace) -> config_mod.Config:
     return config_mod.load(args.config or config_mod.default_config_path(), overrides)
 
 
+def quiet_libraries() -> None:
+    """The console shows the progress bar and a line per step: the libraries' notes about their own
+    set-up (vLLM's platform warnings, per-weight dtype casts, loading bars) are silenced here, before
+    they are imported; their errors still show."""
+    import logging
+    import warnings
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # vLLM logs some notes at import, before it configures its logger from the variable above
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # "Loading weights" of from_pretrained
+
+
 def _distributed(cfg: config_mod.Config):
-    """Under torchrun (WORLD_SIZE > 1): the process group, on NCCL with CUDA else gloo."""
+    """Under torchrun (WORLD_SIZE > 1): the process group, NCCL for CUDA tensors with CUDA (plus gloo
+    for the CPU tensors of offloaded shards), else gloo. Multi-node is the same call: torchrun sets
+    RANK / WORLD_SIZE / LOCAL_RANK and the rendezvous address."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
     import torch
@@ -40,18 +62,8 @@ def _distributed(cfg: config_mod.Config):
     cuda = cfg.trainer.device != "cpu" and torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
     return dist
-
-
-def _shard(model):
-    """FSDP2 over the decoder layers, then the whole model (the CLI's multi-process runs)."""
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in getattr(getattr(model, "model", model), "layers", []):
-        fully_shard(layer)
-    fully_shard(model)
-    return model
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,17 +73,19 @@ def run(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         return 0
-    if cfg.trainer.dataset is None:
-        raise SystemExit("no dataset: set trainer.dataset in the config or pass --dataset_path")
     if cfg.rollout.type in ("auto", "vllm"):
         from verl_fast.rollout import vllm_env
 
-        vllm_env.configure_vllm_env()  # the launcher's job (STYLE.md): before vLLM is imported
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its per-step INFO lines drown the progress bar
+        vllm_env.configure_vllm_env()  # the launcher's job, not a constructor's: before vLLM is imported
+    quiet_libraries()
     dist = _distributed(cfg)
+    from verl_fast.trainer import run_dir
+
+    # folder, lock, port, loggers, dataset: checked before any model loads (the lock is held to the end)
+    rows = run_dir.precheck(cfg)
     import torch
 
-    from verl_fast.models.loading import load_causal_lm, resolve
+    from verl_fast.models.loading import attention_kwargs, load_causal_lm, resolve
     from verl_fast.trainer.rl_trainer import RLTrainer
 
     if cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available()):
@@ -80,28 +94,22 @@ def run(args: argparse.Namespace) -> int:
         device = torch.device("cpu")
     if cfg.actor.model_name is None:
         raise SystemExit("actor.model_name is not set")
-    attn = "flash_attention_2" if cfg.critic.use_flash_attention and device is not None and device.type == "cuda" else "sdpa"
-    actor, tokenizer = load_causal_lm(cfg.actor.model_name, cfg.actor.dtype)
+    cuda = device is not None and device.type == "cuda"
+    actor_kwargs = attention_kwargs(cfg.actor, "actor", cuda)
+    actor, tokenizer = load_causal_lm(cfg.actor.model_name, cfg.actor.dtype, **actor_kwargs)
     actor.to(device)
-    ref = critic = None
-    if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward or (cfg.algorithm.type == "dpo"
-                                                                   and not cfg.reward_fn.reference_free):
-        ref, _ = load_causal_lm(cfg.actor.model_name, cfg.actor.dtype)
-        ref.to(device)
+    critic = None  # the reference, when KL needs one, is built from the actor's weights
     if cfg.algorithm.type == "ppo":
         if not cfg.critic.model_name:
             raise SystemExit("algorithm.type=ppo needs critic.model_name")
-        critic, _ = load_causal_lm(cfg.critic.model_name, cfg.critic.dtype, attn_implementation=attn)
+        critic, _ = load_causal_lm(cfg.critic.model_name, cfg.critic.dtype, **attention_kwargs(cfg.critic, "critic", cuda))
         critic.to(device)
-    if dist is not None and cfg.actor.strategy != "megatron":  # megatron builds its own sharded copy
-        actor = _shard(actor)
-        if ref is not None:
-            ref = _shard(ref)
-    trainer = RLTrainer(actor_model=actor, tokenizer=tokenizer, ref_model=ref, critic_model=critic, config=cfg,
+    # the trainer shards the models as actor.strategy / critic.strategy say (FSDP2 under torchrun)
+    trainer = RLTrainer(actor_model=actor, tokenizer=tokenizer, critic_model=critic, config=cfg,
                         model_path=resolve(cfg.actor.model_name))
-    kwargs: Dict[str, Any] = dict(cfg.trainer.dataset_kwargs)
-    history = trainer.fit(cfg.trainer.dataset, **kwargs)
-    if trainer.is_main:
+    history = trainer.fit(rows)
+    run_dir.release(cfg.trainer)
+    if trainer.is_main and history:
         summarize(history, cfg.trainer.output_dir)
     if dist is not None:
         dist.destroy_process_group()

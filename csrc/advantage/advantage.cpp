@@ -86,10 +86,10 @@ void validate(const GroupArgs& a) {
   check_contiguous(a.ids, "index");
   VF_CHECK(a.ids.device == Device::cpu, "index (group ids) must be on the CPU at this layer");
   check_output(a.advantages, "advantages", r);
+  VF_CHECK(B < (int64_t{1} << 31), "at most 2^31 - 1 samples, got ", B);
   check_workspace(a.workspace, group_workspace_bytes(B), r);
   check_status(a.status, r);
   VF_CHECK(std::isfinite(a.epsilon) && a.epsilon >= 0, "epsilon must be finite and >= 0, got ", a.epsilon);
-  VF_CHECK(B < (int64_t{1} << 31), "at most 2^31 - 1 samples, got ", B);
 }
 
 // K rows of a reverse scan at once: the recurrences are serial along T, so interleaving rows
@@ -144,14 +144,12 @@ int32_t scan_rows(const ScanArgs& a, int64_t b0, Sums& sums) {
         for (int k = 0; k < K; ++k) {
           const float rt = to_float(r[k][t * rs]);
           if (!std::isfinite(rt)) status |= kBadRewards;
-          state[k] = rt + g * state[k];
-          ret[k][t] = state[k];
           if (nonzero(m[k][t * ms])) {
+            state[k] = rt + g * state[k];
             mom[k].add(state[k]);
-            adv[k][t] = state[k];
-          } else {
-            state[k] = 0.0f;  // reset after the end of a segment, as verl does
-            adv[k][t] = 0.0f;
+            ret[k][t] = adv[k][t] = state[k];
+          } else {  // the running return passes through unchanged; nothing is returned here
+            ret[k][t] = adv[k][t] = 0.0f;
           }
         }
       }
@@ -294,7 +292,11 @@ void clear_status(const TensorRef& status, uintptr_t stream) {
 
 }  // namespace
 
-int64_t group_workspace_bytes(int64_t batch) { return GroupWorkspace::bytes(batch); }
+int64_t group_workspace_bytes(int64_t batch) {
+  // The group estimators index samples with int32; below that the byte count cannot wrap.
+  VF_CHECK(batch >= 0 && batch < (int64_t{1} << 31), "batch must be in [0, 2^31 - 1], got ", batch);
+  return GroupWorkspace::bytes(batch);
+}
 
 int64_t build_groups(const int64_t* ids, int64_t batch, int32_t* row_group, int32_t* offsets,
                      int32_t* members) {

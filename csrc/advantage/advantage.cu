@@ -1,12 +1,14 @@
 // CUDA path of the advantage engine.
 //
-// Reverse scans: one block per row; the row is cut into tiles of kThreads * kItems positions walked
-// from the right. Each position's update is an affine map of the state arriving from its right
-// (x -> a*x + b), so a thread composes the maps of its kItems consecutive positions, the block scans
-// the threads' composites (warp shuffles, then the warps' totals), and each thread replays its
-// positions from the state that reaches it. GAE runs two such scans per tile: the "next valid value"
-// (a = 1 - m, b = m*V) and then the advantage (a = m*gamma*lam + (1 - m), b = m*delta). One pass over
-// the inputs, no per-timestep launches; whitening adds a one-block reduction and an in-place pass.
+// Reverse scans (scan_kernel): one warp per row. The warp walks its row from the right in tiles of
+// 32 * kItems positions, each lane owning kItems consecutive ones. Each position's update is an
+// affine map of the state arriving from its right (x -> a*x + b), so a lane composes the maps of its
+// positions, the warp scans the lanes' composites with shuffles (no block-wide barriers), and each
+// lane replays its positions from the state that reaches it. GAE runs two such scans per tile: the "next
+// valid value" (a = 1 - m, b = m*V) and the advantage (a = m*gamma*lam + (1 - m), b = m*delta). The
+// next tile's loads are issued before the current tile is scanned. One pass over the inputs; the
+// whitening statistics are accumulated on the way (block_publish), and whitening adds one in-place pass.
+// Group estimators: per-row sums (row_sums_kernel), then a_b per row from its group's scores.
 #include "advantage/advantage.h"
 #include "common/check.h"
 #include "common/cuda_utils.h"
@@ -241,13 +243,12 @@ __global__ void __launch_bounds__(kThreads) scan_kernel(ScanDev p) {
       } else if (K == ScanKind::reinforce_pp) {
         Affine f{1.0f, 0.0f};
 #pragma unroll
-        for (int j = 0; j < kItems; ++j) f = after(f, m[j] ? Affine{p.gamma, cur.r[j]} : Affine{0.0f, 0.0f});
+        for (int j = 0; j < kItems; ++j) f = after(f, m[j] ? Affine{p.gamma, cur.r[j]} : Affine{1.0f, 0.0f});
         float x = warp_reverse_scan(f, carry, &carry);
 #pragma unroll
         for (int j = kItems - 1; j >= 0; --j) {
-          out_r[j] = fmaf(p.gamma, x, cur.r[j]);  // G_t
-          out_a[j] = m[j] ? out_r[j] : 0.0f;
-          x = out_a[j];  // the running return restarts after a position outside the mask
+          if (m[j]) x = fmaf(p.gamma, x, cur.r[j]);  // G_t; outside the mask it passes through unchanged
+          out_r[j] = out_a[j] = m[j] ? x : 0.0f;
         }
       } else {  // remax
         Affine f{1.0f, 0.0f};
@@ -392,7 +393,7 @@ void clear_status_cuda(const TensorRef& status, uintptr_t stream) {
 
 void advantage_scan_cuda(const ScanArgs& a) {
   DeviceGuard guard(a.rewards.device_index);
-  auto stream = reinterpret_cast<cudaStream_t>(a.stream);
+  auto stream = reinterpret_cast<cudaStream_t>(a.stream.handle);
   const int64_t B = a.rewards.sizes[0], T = a.rewards.sizes[1];
   int* status = a.status.ptr<int>();
   cuda_check(cudaMemsetAsync(status, 0, kStatusWords * sizeof(int), stream), "cudaMemsetAsync (status)");
@@ -438,7 +439,7 @@ void advantage_scan_cuda(const ScanArgs& a) {
 
 void group_advantage_cuda(const GroupArgs& a, const int32_t* host_csr) {
   DeviceGuard guard(a.rewards.device_index);
-  auto stream = reinterpret_cast<cudaStream_t>(a.stream);
+  auto stream = reinterpret_cast<cudaStream_t>(a.stream.handle);
   const int64_t B = a.rewards.sizes[0], T = a.rewards.sizes[1];
   auto ws = GroupWorkspace::at(a.workspace.data, B);
   cuda_check(cudaMemcpyAsync(ws.row_group, host_csr, (3 * B + 1) * sizeof(int32_t), cudaMemcpyHostToDevice, stream),

@@ -1,5 +1,5 @@
 // The advantage engine: reverse scans (GAE, REINFORCE++, ReMax) and group-baseline estimators
-// (GRPO / Dr.GRPO, RLOO, REINFORCE++-baseline). Semantics follow verl's core_algos; see SPEC.md.
+// (GRPO / Dr.GRPO, RLOO, REINFORCE++-baseline). Semantics follow verl's core_algos.
 //
 // Layers: this header holds the argument records and the per-element math shared by the CPU
 // (advantage.cpp) and CUDA (advantage.cu) paths; the launchers validate every argument, then run
@@ -20,6 +20,7 @@ namespace vf::advantage {
 
 // The call's status record, written by the launchers into an int32 [kStatusWords] tensor:
 // word 0 holds Status bits, words 2..7 the batch-wide Sums of what was whitened.
+// Python reads these bits and the record's size from _C (AdvantageStatus, status_words).
 enum Status : int32_t {
   kBadRewards = 1,       // non-finite reward
   kBadValues = 2,        // non-finite value or baseline
@@ -58,23 +59,30 @@ enum class ScanKind : int { gae = 0, reinforce_pp = 1, remax = 2 };
 //   gae:          delta_t = r_t + gamma*V_next - V_t; A_t = delta_t + gamma*lam*A_{t+1}; positions with
 //                 mask 0 carry V_next and A through unchanged. returns = A + V; advantages = A, whitened
 //                 over masked positions (at every position) when `whiten`.
-//   reinforce_pp: G_t = r_t + gamma*G_{t+1}, the running return reset to 0 after a position with mask 0;
-//                 returns = G; advantages = whiten(G) * mask (plain G * mask without `whiten`).
+//   reinforce_pp: G_t = r_t + gamma*G_{t+1} where the mask is set; positions with mask 0 (observation
+//                 spans inside a multi-turn response, padding) carry G through unchanged and neither add
+//                 their reward nor discount. returns = G * mask; advantages = whiten(G) * mask (plain
+//                 G * mask without `whiten`).
 //   remax:        returns = reverse cumsum of r * mask; advantages = returns - baseline_b * mask.
+// ScanArgs' fields, listed once: X(type, name, default, doc). The struct below and its Python
+// binding (advantage/bindings.cpp) are both generated from this list.
+#define VF_SCAN_ARGS_FIELDS(X)                                                                   \
+  X(ScanKind, kind, ScanKind::gae, "which scan")                                                 \
+  X(TensorRef, rewards, {}, "[B, T] float")                                                      \
+  X(TensorRef, values, {}, "[B, T] float (gae)")                                                 \
+  X(TensorRef, baselines, {}, "[B] float (remax)")                                               \
+  X(TensorRef, mask, {}, "[B, T] bool / uint8 / int32 / int64 / float32")                        \
+  X(TensorRef, advantages, {}, "out: [B, T] float32, contiguous")                                \
+  X(TensorRef, returns, {}, "out: [B, T] float32, contiguous")                                   \
+  X(TensorRef, status, {}, "out: int32 [status_words], 8-byte aligned")                          \
+  X(float, gamma, 1.0f, "discount")                                                              \
+  X(float, lam, 1.0f, "GAE lambda")                                                              \
+  X(bool, whiten, true, "whiten the advantages over masked positions")                           \
+  X(int, num_threads, 0, "CPU threads (0: all cores)")                                           \
+  X(CudaStream, stream, {}, "torch.cuda.Stream for CUDA tensors (None: the default stream)")
+
 struct ScanArgs {
-  ScanKind kind = ScanKind::gae;
-  TensorRef rewards;     // [B, T] float
-  TensorRef values;      // [B, T] float (gae)
-  TensorRef baselines;   // [B] float (remax)
-  TensorRef mask;        // [B, T] bool / uint8 / int32 / int64 / float32
-  TensorRef advantages;  // out: [B, T] float32, contiguous
-  TensorRef returns;     // out: [B, T] float32, contiguous
-  TensorRef status;      // out: int32 [kStatusWords], 8-byte aligned
-  float gamma = 1.0f;
-  float lam = 1.0f;
-  bool whiten = true;
-  int num_threads = 0;   // CPU threads (0: all cores)
-  uintptr_t stream = 0;  // cudaStream_t for CUDA tensors
+  VF_SCAN_ARGS_FIELDS(VF_RECORD_FIELD)
 };
 
 enum class GroupKind : int { grpo = 0, rloo = 1, reinforce_pp_baseline = 2 };
@@ -85,19 +93,23 @@ enum class GroupKind : int { grpo = 0, rloo = 1, reinforce_pp_baseline = 2 };
 //   rloo:                  a_b = n/(n-1) * (s_b - mean) for n > 1, s_b for n = 1.
 //   reinforce_pp_baseline: a_b = s_b - mean (mean 0 for n = 1), then whitened over masked positions.
 // advantages[b, t] = a_b * mask[b, t].
+// GroupArgs' fields, listed once (see VF_SCAN_ARGS_FIELDS).
+#define VF_GROUP_ARGS_FIELDS(X)                                                                  \
+  X(GroupKind, kind, GroupKind::grpo, "which estimator")                                         \
+  X(TensorRef, rewards, {}, "[B, T] float")                                                      \
+  X(TensorRef, mask, {}, "[B, T]")                                                               \
+  X(TensorRef, ids, {}, "[B] int64 on the CPU: the group of each sample")                        \
+  X(TensorRef, advantages, {}, "out: [B, T] float32, contiguous")                                \
+  X(TensorRef, workspace, {}, "uint8 [group_workspace_bytes(B)] on the device of the inputs")    \
+  X(TensorRef, status, {}, "out: int32 [status_words], 8-byte aligned")                          \
+  X(float, epsilon, 1e-6f, "GRPO's std epsilon")                                                 \
+  X(bool, norm_by_std, true, "GRPO: divide by the group's std")                                  \
+  X(bool, whiten, true, "reinforce_pp_baseline only")                                            \
+  X(int, num_threads, 0, "CPU threads (0: all cores)")                                           \
+  X(CudaStream, stream, {}, "torch.cuda.Stream for CUDA tensors (None: the default stream)")
+
 struct GroupArgs {
-  GroupKind kind = GroupKind::grpo;
-  TensorRef rewards;     // [B, T] float
-  TensorRef mask;        // [B, T]
-  TensorRef ids;         // [B] int64 on the CPU: the group of each sample
-  TensorRef advantages;  // out: [B, T] float32, contiguous
-  TensorRef workspace;   // uint8 [group_workspace_bytes(B)] on the device of the inputs
-  TensorRef status;      // out: int32 [kStatusWords], 8-byte aligned
-  float epsilon = 1e-6f;
-  bool norm_by_std = true;
-  bool whiten = true;    // reinforce_pp_baseline only
-  int num_threads = 0;
-  uintptr_t stream = 0;
+  VF_GROUP_ARGS_FIELDS(VF_RECORD_FIELD)
 };
 
 int64_t group_workspace_bytes(int64_t batch);

@@ -56,7 +56,9 @@ struct TensorRef {
     for (auto s : sizes) n *= s;
     return n;
   }
+  // As torch defines it: an empty tensor is contiguous whatever its strides.
   bool is_contiguous() const {
+    if (numel() == 0) return true;
     int64_t expected = 1;
     for (int i = dim() - 1; i >= 0; --i) {
       if (sizes[i] != 1 && strides[i] != expected) return false;
@@ -66,6 +68,18 @@ struct TensorRef {
   }
   template <typename T> T* ptr() const { return static_cast<T*>(data); }
 };
+
+// A CUDA stream handle (cudaStream_t) as the launchers receive it. From Python only a
+// torch.cuda.Stream or None (CUDA's default stream, 0) converts to one, never a bare integer: a
+// made-up handle would crash the driver.
+struct CudaStream {
+  uintptr_t handle = 0;
+  operator uintptr_t() const { return handle; }
+};
+
+// Argument records list their fields once, as X(type, name, default, doc) macros; this declares
+// one field of such a list (the area's bindings.cpp binds the same list to Python).
+#define VF_RECORD_FIELD(type, name, init, doc) type name = init;
 
 // "[8, 16]"
 inline std::string shape_str(const std::vector<int64_t>& s) {

@@ -11,6 +11,9 @@ namespace vf::reshard {
 namespace {
 
 constexpr int64_t kAlign = 16;  // byte alignment of every packed region (16-byte vector copies)
+// Every byte count the plan derives (message offsets, slot sizes) is bounded by the bytes of one
+// side's tensors; keeping those below 2^62 leaves room for alignment and sums without overflow.
+constexpr int64_t kMaxBytes = int64_t{1} << 62;
 
 int64_t align_up(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
@@ -58,6 +61,7 @@ std::vector<TensorRow> read_tensors(const TensorRef& t, const char* what, const 
   const int64_t n = t.sizes[0];
   VF_CHECK(static_cast<int64_t>(names.size()) == n, what, ": ", n, " tensors but ", names.size(), " names");
   std::vector<TensorRow> out(n);
+  __int128 bytes = 0;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t* r = p + i * kTensorCols;
     out[i] = {r[kRank], r[kNumel], r[kDType], r[kGroup]};
@@ -67,6 +71,9 @@ std::vector<TensorRow> read_tensors(const TensorRef& t, const char* what, const 
     VF_CHECK(out[i].dtype >= 0 && out[i].dtype <= static_cast<int64_t>(DType::boolean), what, " tensor ",
              names[i], ": unknown dtype code ", out[i].dtype);
     VF_CHECK(out[i].group >= 0, what, " tensor ", names[i], ": negative group ", out[i].group);
+    bytes += static_cast<__int128>(out[i].numel) * dtype_size(static_cast<DType>(out[i].dtype));
+    VF_CHECK(bytes <= kMaxBytes, what, " tensor ", names[i], ": numel ", out[i].numel, " takes the ", what,
+             " tensors' bytes beyond 2^62");
   }
   return out;
 }
@@ -86,19 +93,24 @@ std::vector<PieceRow> read_pieces(const TensorRef& t, const char* what, const st
     VF_CHECK(q.logical >= (allow_zero ? -1 : 0) && q.logical < L, what, " tensor ", tn, ": logical index ",
              q.logical, " outside [0, ", L, ")");
     VF_CHECK(q.row0 >= 0 && q.nrows >= 0 && q.col0 >= 0 && q.ncols >= 0 && q.offset >= 0, what, " tensor ", tn,
-             ": negative row/col/offset in a piece");
+             ": negative row/col/offset in piece ", i);
+    // Ends in 128-bit arithmetic: each term is below 2^63, so no sum or product here can wrap.
+    using wide = __int128;
     if (q.logical >= 0) {
-      VF_CHECK(q.row0 + q.nrows <= lrows[q.logical] && q.col0 + q.ncols <= lcols[q.logical], what, " tensor ", tn,
-               ": piece rows [", q.row0, ", ", q.row0 + q.nrows, ") x cols [", q.col0, ", ", q.col0 + q.ncols,
-               ") outside ", lnames[q.logical], " of shape [", lrows[q.logical], ", ", lcols[q.logical], "]");
+      VF_CHECK(wide{q.row0} + q.nrows <= lrows[q.logical] && wide{q.col0} + q.ncols <= lcols[q.logical], what,
+               " tensor ", tn, ": piece ", i, " rows [", q.row0, ", +", q.nrows, ") x cols [", q.col0, ", +",
+               q.ncols, ") outside ", lnames[q.logical], " of shape [", lrows[q.logical], ", ", lcols[q.logical],
+               "]");
     }
     if (q.nrows > 1) {
-      VF_CHECK(q.pitch >= q.ncols, what, " tensor ", tn, ": row pitch ", q.pitch, " < ", q.ncols, " columns");
+      VF_CHECK(q.pitch >= q.ncols, what, " tensor ", tn, ": piece ", i, " has row pitch ", q.pitch, " < ", q.ncols,
+               " columns");
     }
     if (q.nrows > 0 && q.ncols > 0) {
-      const int64_t end = q.offset + (q.nrows - 1) * q.pitch + q.ncols;
-      VF_CHECK(end <= tensors[q.tensor].numel, what, " tensor ", tn, ": a piece ends at element ", end,
-               " past its ", tensors[q.tensor].numel, " elements");
+      const wide end = wide{q.offset} + wide{q.nrows - 1} * q.pitch + q.ncols;
+      VF_CHECK(end <= tensors[q.tensor].numel, what, " tensor ", tn, ": piece ", i, " (offset ", q.offset,
+               ", pitch ", q.pitch, ", ", q.nrows, " x ", q.ncols, ") ends past its ", tensors[q.tensor].numel,
+               " elements");
     }
     out[i] = q;
   }
@@ -124,6 +136,42 @@ struct Tables {
   std::vector<PieceRow> src_p, dst_p;
 };
 
+// Every destination element must be written exactly once: the pieces (zero padding included) of
+// each destination tensor tile it, with no element covered twice and none left out. Each piece
+// is a run of element intervals (one per row, or one in all when its rows are back to back).
+void check_tiling(const Tables& in, const std::vector<std::string>& names) {
+  struct Span {
+    int64_t begin, end, piece;
+  };
+  std::vector<std::vector<Span>> spans(in.dst_t.size());
+  for (size_t j = 0; j < in.dst_p.size(); ++j) {
+    const PieceRow& d = in.dst_p[j];
+    if (d.nrows == 0 || d.ncols == 0) continue;
+    auto& out = spans[d.tensor];
+    const auto piece = static_cast<int64_t>(j);
+    if (d.nrows == 1 || d.pitch == d.ncols) {
+      out.push_back({d.offset, d.offset + d.nrows * d.ncols, piece});  // bounds checked by read_pieces
+      continue;
+    }
+    for (int64_t r = 0; r < d.nrows; ++r) out.push_back({d.offset + r * d.pitch, d.offset + r * d.pitch + d.ncols, piece});
+  }
+  for (size_t i = 0; i < spans.size(); ++i) {
+    auto& s = spans[i];
+    std::sort(s.begin(), s.end(), [](const Span& x, const Span& y) { return x.begin < y.begin; });
+    int64_t covered = 0;  // elements [0, covered) are written by the spans so far
+    for (size_t k = 0; k < s.size(); ++k) {
+      VF_CHECK(s[k].begin >= covered, "destination tensor ", names[i], ": destination pieces ",
+               s[k - 1].piece, " and ", s[k].piece, " both write element ", s[k].begin,
+               " (pieces of a destination must not overlap)");
+      VF_CHECK(s[k].begin == covered, "destination tensor ", names[i], ": elements [", covered, ", ", s[k].begin,
+               ") are written by no piece (add zero padding pieces for them)");
+      covered = s[k].end;
+    }
+    VF_CHECK(covered == in.dst_t[i].numel, "destination tensor ", names[i], ": elements [", covered, ", ",
+             in.dst_t[i].numel, ") are written by no piece (add zero padding pieces for them)");
+  }
+}
+
 Tables read_tables(const PlanArgs& a, int64_t world) {
   Tables in;
   const int64_t* ls = table(a.logical_shapes, "logical_shapes", 2);
@@ -142,13 +190,7 @@ Tables read_tables(const PlanArgs& a, int64_t world) {
   in.dst_t = read_tensors(a.dst_tensors, "destination", a.dst_names, world);
   in.src_p = read_pieces(a.src_pieces, "source", in.src_t, a.src_names, in.lrows, in.lcols, a.logical_names, false);
   in.dst_p = read_pieces(a.dst_pieces, "destination", in.dst_t, a.dst_names, in.lrows, in.lcols, a.logical_names, true);
-  // Every destination element is written exactly once when the pieces (zero padding included)
-  // tile each destination tensor; the layout builders guarantee no overlap, this checks the total.
-  std::vector<int64_t> covered(in.dst_t.size(), 0);
-  for (const auto& d : in.dst_p) covered[d.tensor] += d.nrows * d.ncols;
-  for (size_t i = 0; i < in.dst_t.size(); ++i)
-    VF_CHECK(covered[i] == in.dst_t[i].numel, "destination tensor ", a.dst_names[i], ": its pieces cover ",
-             covered[i], " of its ", in.dst_t[i].numel, " elements");
+  check_tiling(in, a.dst_names);
   return in;
 }
 
@@ -407,6 +449,16 @@ Plan::Plan(const PlanArgs& a) : rank_(a.rank), world_(a.world_size) {
     bk.copy_received_begin = static_cast<int64_t>(tiles_.size());
     add_tiles(w.copy_received, a.tile_bytes, segments_, tiles_);
     bk.copy_tiles_end = static_cast<int64_t>(tiles_.size());
+    const Phase phases[3] = {Phase::pack, Phase::copy_local, Phase::copy_received};
+    for (int k = 0; k < 3; ++k) {
+      std::vector<char> seen(sl.S + sl.D + 4, 0);
+      const auto [begin, end] = tile_range(bk, phases[k]);
+      for (int64_t t = begin; t < end; ++t) {
+        const Segment& s = segments_[tiles_[t].seg];
+        for (int32_t slot : {s.src, s.dst})
+          if (slot >= 0 && !seen[slot]) seen[slot] = 1, bk.touched[k].push_back(slot);
+      }
+    }
   }
 }
 

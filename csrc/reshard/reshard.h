@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/tensor.h"
@@ -28,19 +29,24 @@ enum PieceCol : int { kLogical, kRow0, kNRows, kCol0, kNCols, kTensor, kOffset, 
 // Columns of the int64 tensor table: [T, kTensorCols]. `group` keys the bucketing (destinations).
 enum TensorCol : int { kRank, kNumel, kDType, kGroup, kTensorCols };
 
+// PlanArgs' fields, listed once: X(type, name, default, doc); the struct and its Python binding
+// (reshard/bindings.cpp) are generated from this list.
+#define VF_PLAN_ARGS_FIELDS(X)                                                                        \
+  X(TensorRef, logical_shapes, {}, "int64 [L, 2]: rows, cols of each logical tensor")                 \
+  X(std::vector<std::string>, logical_names, {}, "[L], for messages")                                 \
+  X(TensorRef, src_tensors, {}, "int64 [S, tensor_cols]")                                             \
+  X(TensorRef, src_pieces, {}, "int64 [Ns, piece_cols]")                                              \
+  X(TensorRef, dst_tensors, {}, "int64 [D, tensor_cols]")                                             \
+  X(TensorRef, dst_pieces, {}, "int64 [Nd, piece_cols]")                                              \
+  X(std::vector<std::string>, src_names, {}, "[S]")                                                   \
+  X(std::vector<std::string>, dst_names, {}, "[D]")                                                   \
+  X(int64_t, rank, 0, "this rank")                                                                    \
+  X(int64_t, world_size, 1, "ranks the layouts span")                                                 \
+  X(int64_t, bucket_bytes, 256ll << 20, "max bytes any rank receives per bucket (staging memory)")    \
+  X(int64_t, tile_bytes, 256ll << 10, "work unit of the executors")
+
 struct PlanArgs {
-  TensorRef logical_shapes;  // int64 [L, 2]: rows, cols of each logical tensor
-  std::vector<std::string> logical_names;  // [L], for messages
-  TensorRef src_tensors;     // int64 [S, kTensorCols]
-  TensorRef src_pieces;      // int64 [Ns, kPieceCols]
-  TensorRef dst_tensors;     // int64 [D, kTensorCols]
-  TensorRef dst_pieces;      // int64 [Nd, kPieceCols]
-  std::vector<std::string> src_names;  // [S]
-  std::vector<std::string> dst_names;  // [D]
-  int64_t rank = 0;
-  int64_t world_size = 1;
-  int64_t bucket_bytes = 256ll << 20;  // max bytes any rank receives per bucket (staging memory)
-  int64_t tile_bytes = 256ll << 10;    // work unit of the executors
+  VF_PLAN_ARGS_FIELDS(VF_RECORD_FIELD)
 };
 
 // Pointer-table slots: [local sources..., local destinations..., send slot 0/1, recv slot 0/1].
@@ -75,6 +81,8 @@ struct Bucket {
   int64_t copy_tiles_begin = 0, copy_tiles_end = 0;  // (segments writing destinations):
   int64_t copy_received_begin = 0;  // [copy_tiles_begin, here) read local data, [here, end) received
   std::vector<int64_t> groups;                       // destination groups in this bucket
+  // Pointer-table slots the tiles of each phase read or write: pack, copy_local, copy_received.
+  std::vector<int32_t> touched[3];
 };
 
 // copy = copy_local then copy_received; the split lets local copies overlap the exchange.
@@ -123,9 +131,15 @@ class Plan {
   // Runs one phase of one bucket: pack (sources -> send slot) or copy (sources, receive slot and
   // zeros -> destinations). CPU: `num_threads` threads; CUDA: one launch on `stream`.
   void run(int64_t bucket, Phase phase, uintptr_t stream, int num_threads);
+  // The pointer table bind() filled, and a name for each entry ("destination model.norm.weight").
+  const std::vector<TensorRef>& bound() const { return bound_; }
+  std::string bound_name(int64_t i) const;
+  // The slots a run of `phase` on bucket `b` reads or writes (copy: copy_local's then copy_received's).
+  std::vector<int32_t> touched(int64_t b, Phase phase) const;
 
  private:
   void check_bound(const char* what) const;
+  std::pair<int64_t, int64_t> tile_range(const Bucket& bk, Phase phase) const;  // [begin, end) in tiles_
 #if defined(VF_WITH_CUDA)
   void run_cuda(int64_t begin, int64_t end, const std::vector<void*>& ptrs, uintptr_t stream);  // reshard.cu
 #endif

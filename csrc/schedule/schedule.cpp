@@ -28,15 +28,17 @@ const int64_t* int64_input(const TensorRef& t, const char* name) {
   return t.ptr<const int64_t>();
 }
 
-// lengths >= 1; returns their sum, checked against int64 overflow.
-int64_t positive_sum(const int64_t* x, int64_t n, const char* name) {
-  __int128 total = 0;
+// lengths >= 1; returns the longest. The plans' figures (token sums, padded sizes: count times
+// the longest member) stay within n * longest, which must therefore fit in int64.
+int64_t checked_lengths(const int64_t* x, int64_t n, const char* name) {
+  int64_t longest = 0;
   for (int64_t i = 0; i < n; ++i) {
     VF_CHECK(x[i] >= 1, name, " must be >= 1 everywhere, got ", x[i], " at index ", i);
-    total += x[i];
+    longest = std::max(longest, x[i]);
   }
-  VF_CHECK(total <= kMax, name, " sums beyond int64");
-  return static_cast<int64_t>(total);
+  VF_CHECK(static_cast<__int128>(longest) * n <= kMax, name, ": ", n, " sequences times the longest (", longest,
+           ") is beyond int64");
+  return longest;
 }
 
 int64_t* int64_output(const TensorRef& t, const char* name, int64_t min_size) {
@@ -200,10 +202,10 @@ void balance_partitions(const TensorRef& lengths, int64_t k, bool equal_size, in
                         const TensorRef& order, const TensorRef& offsets, const TensorRef& costs) {
   const int64_t* len = int64_input(lengths, "lengths");
   const int64_t n = lengths.sizes[0];
-  positive_sum(len, n, "lengths");
+  checked_lengths(len, n, "lengths");
   VF_CHECK(k >= 1, "k must be >= 1, got ", k);
+  VF_CHECK(k <= n, "k must be <= the number of sequences (", n, "), got ", k);
   if (equal_size) {
-    VF_CHECK(k <= n, "k must be <= the number of sequences (", n, ") with equal_size=True, got ", k);
     VF_CHECK(n % k == 0, "equal_size=True needs k to divide the number of sequences: ", n, " % ", k, " = ", n % k,
              " (pass equal_size=False, or drop or pad sequences)");
   }
@@ -213,13 +215,15 @@ void balance_partitions(const TensorRef& lengths, int64_t k, bool equal_size, in
   int64_t* out_offsets = int64_output(offsets, "offsets", k + 1);
   int64_t* out_costs = int64_output(costs, "costs", k);
   std::vector<int64_t> cost(n);
-  __int128 total = 0;
+  int64_t total = 0;
   for (int64_t i = 0; i < n; ++i) {
-    const __int128 c = static_cast<__int128>(linear) * len[i] + static_cast<__int128>(quadratic) * len[i] * len[i];
-    total += c;
-    VF_CHECK(total <= kMax, "the costs of lengths sum beyond int64 (lengths up to ", len[i],
-             " with linear=", linear, ", quadratic=", quadratic, ")");
-    cost[i] = static_cast<int64_t>(c);
+    int64_t lin = 0, sq = 0, quad = 0, c = 0;
+    const bool wraps = __builtin_mul_overflow(linear, len[i], &lin) || __builtin_mul_overflow(len[i], len[i], &sq) ||
+                       __builtin_mul_overflow(quadratic, sq, &quad) || __builtin_add_overflow(lin, quad, &c) ||
+                       __builtin_add_overflow(total, c, &total);
+    VF_CHECK(!wraps, "the costs linear*L + quadratic*L^2 of lengths sum beyond int64 (at lengths[", i, "] = ",
+             len[i], " with linear=", linear, ", quadratic=", quadratic, ")");
+    cost[i] = c;
   }
   const Groups g = karmarkar_karp(cost.data(), n, k, equal_size);
   write(g, out_order, out_offsets);
@@ -234,7 +238,7 @@ int64_t pack_micro_batches(const TensorRef& lengths, int64_t max_tokens, int64_t
                            const TensorRef& order, const TensorRef& offsets) {
   const int64_t* len = int64_input(lengths, "lengths");
   const int64_t n = lengths.sizes[0];
-  positive_sum(len, n, "lengths");
+  checked_lengths(len, n, "lengths");
   VF_CHECK(max_tokens >= 1, "max_tokens must be >= 1, got ", max_tokens);
   VF_CHECK(min_count >= 1, "min_num must be >= 1, got ", min_count);
   VF_CHECK(min_count <= n, "cannot make ", min_count, " micro-batches from ", n,
@@ -273,11 +277,15 @@ int64_t rollout_buckets(const TensorRef& prompt_lens, const TensorRef& max_new_t
                         const TensorRef& order, const TensorRef& offsets, const TensorRef& wave_max_tokens) {
   const int64_t* p = int64_input(prompt_lens, "prompt_lens");
   const int64_t n = prompt_lens.sizes[0];
-  positive_sum(p, n, "prompt_lens");
+  const int64_t longest_prompt = checked_lengths(p, n, "prompt_lens");
   const int64_t* m_in = int64_input(max_new_tokens, "max_new_tokens");
   VF_CHECK(max_new_tokens.sizes[0] == n, "max_new_tokens must have one entry per prompt: [", n, "], got ",
            shape_str(max_new_tokens.sizes));
-  positive_sum(m_in, n, "max_new_tokens");
+  const int64_t most_new = checked_lengths(m_in, n, "max_new_tokens");
+  // A wave's worst-case tokens (and the padded figures) stay within n * (longest prompt + most new tokens).
+  VF_CHECK((static_cast<__int128>(longest_prompt) + most_new) * n <= kMax, "prompt_lens and max_new_tokens: ", n,
+           " requests times (the longest prompt ", longest_prompt, " + the largest max_new_tokens ", most_new,
+           ") is beyond int64");
   VF_CHECK(max_num_seqs >= 1, "max_num_seqs must be >= 1, got ", max_num_seqs);
   VF_CHECK(max_batch_tokens >= 1, "max_batch_tokens must be >= 1, got ", max_batch_tokens);
   VF_CHECK(max_model_len >= 0, "max_model_len must be >= 1 (or 0 for none), got ", max_model_len);

@@ -20,6 +20,7 @@ class AdvantageInput:
     gamma: float = 1.0
     lam: float = 1.0
     epsilon: float = 1e-6
+    whiten: bool = True  # batch-wide whitening (the estimators in BATCH_WHITENED); False: the caller does it
 
 
 Estimator = Callable[[AdvantageInput], Tuple[torch.Tensor, torch.Tensor]]
@@ -28,7 +29,7 @@ Estimator = Callable[[AdvantageInput], Tuple[torch.Tensor, torch.Tensor]]
 def _gae(x: AdvantageInput):
     if x.values is None:
         raise ValueError("gae needs critic values")
-    return ops.compute_gae(x.token_level_rewards, x.values, x.response_mask, x.gamma, x.lam)
+    return ops.compute_gae(x.token_level_rewards, x.values, x.response_mask, x.gamma, x.lam, whiten=x.whiten)
 
 
 ESTIMATORS: Dict[str, Estimator] = {
@@ -37,11 +38,16 @@ ESTIMATORS: Dict[str, Estimator] = {
     "drgrpo": lambda x: ops.compute_grpo_advantage(x.token_level_rewards, x.response_mask, x.index,
                                                    norm_by_std=False),
     "rloo": lambda x: ops.compute_rloo_advantage(x.token_level_rewards, x.response_mask, x.index),
-    "reinforce_pp": lambda x: ops.compute_reinforce_pp_advantage(x.token_level_rewards, x.response_mask, x.gamma),
+    "reinforce_pp": lambda x: ops.compute_reinforce_pp_advantage(x.token_level_rewards, x.response_mask, x.gamma,
+                                                                 whiten=x.whiten),
     "reinforce_pp_baseline": lambda x: ops.compute_reinforce_pp_baseline_advantage(
-        x.token_level_rewards, x.response_mask, x.index),
+        x.token_level_rewards, x.response_mask, x.index, whiten=x.whiten),
     "remax": lambda x: ops.compute_remax_advantage(x.token_level_rewards, x.reward_baselines, x.response_mask),
 }
+
+#: estimators that whiten their advantages over the whole batch's response tokens (with several
+#: data-parallel ranks the batch is every rank's share: the trainer whitens over all of them)
+BATCH_WHITENED = frozenset({"gae", "reinforce_pp", "reinforce_pp_baseline"})
 
 #: estimators whose baseline is the other samples of the same prompt (need n > 1 per prompt)
 GROUP_ESTIMATORS = frozenset({"grpo", "drgrpo", "rloo", "reinforce_pp_baseline"})

@@ -13,39 +13,52 @@ import torch.nn.functional as F
 
 from verl_fast.ops.masked import masked_mean, masked_sum
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs", "k1+", "k2+", "k3+", "low_var_kl+", "abs+")
 
 
 def agg_loss(loss_mat: torch.Tensor, response_mask: torch.Tensor, mode: str = "token-mean",
              norm_length: int = 0, num_tokens: Optional[float] = None,
-             num_seqs: Optional[float] = None) -> torch.Tensor:
+             num_seqs: Optional[float] = None, dp_size: int = 1) -> torch.Tensor:
     """Aggregates a ``[B, L]`` per-token loss into a scalar.
 
-    token-mean: mean over all response tokens of the batch; seq-mean-token-sum: per-sequence sum,
-    mean over sequences; seq-mean-token-mean: per-sequence mean, mean over sequences;
-    seq-mean-token-sum-norm: per-sequence sum divided by a constant length (``norm_length``, default
-    the padded L), mean over sequences (Dr.GRPO's normalisation, which does not depend on lengths).
+    token-mean: mean over all response tokens of the batch; token-sum: their sum;
+    seq-mean-token-sum: per-sequence sum, mean over sequences; seq-mean-token-mean: per-sequence
+    mean, mean over sequences; seq-mean-token-sum-norm: per-sequence sum divided by a constant length
+    (``norm_length``, default the padded L), mean over sequences (Dr.GRPO's normalisation, which does
+    not depend on lengths). The seq-mean modes count only the rows with at least one response token:
+    an all-padding row changes nothing.
 
-    ``num_tokens`` / ``num_seqs``: the counts of the whole (mini-)batch when this is one micro-batch
-    of it. The micro-batch losses then add up exactly to the whole batch's loss, whatever the
-    micro-batch sizes (gradient accumulation scaled by tokens or sequences, not by micro-batch count).
+    ``num_tokens`` / ``num_seqs`` / ``dp_size``: the whole (mini-)batch's normalisers when this is
+    one micro-batch of it (trainer/batching.py's ``loss_normalisers`` says what they count and why
+    the micro-batch losses then add up to the batch's loss).
     """
     mask = response_mask.to(loss_mat.dtype)
     if mode == "token-mean":
         if num_tokens is None:
             return masked_mean(loss_mat, mask)
         return masked_sum(loss_mat, mask) / max(float(num_tokens), 1.0)
+    if mode == "token-sum":
+        return masked_sum(loss_mat, mask) * dp_size
     seq_sum = masked_sum(loss_mat, mask, axis=-1)
     if mode == "seq-mean-token-sum":
         per_seq = seq_sum
     elif mode == "seq-mean-token-mean":
-        per_seq = seq_sum / (mask.sum(-1) + 1e-8)
+        per_seq = seq_sum / (mask.sum(-1) + 1e-8)  # an all-padding row gives 0 / 1e-8 = 0
     elif mode == "seq-mean-token-sum-norm":
         per_seq = seq_sum / float(norm_length or loss_mat.shape[-1])
     else:
         raise ValueError(f"loss_agg_mode must be one of {AGG_MODES}, got {mode!r}")
-    return per_seq.mean() if num_seqs is None else per_seq.sum() / max(float(num_seqs), 1.0)
+    # all-padding rows contribute 0 to the sum; leave them out of the count too
+    if num_seqs is None:
+        return per_seq.sum() / active_rows(mask).clamp(min=1).to(per_seq.dtype)
+    return per_seq.sum() / max(float(num_seqs), 1.0)
+
+
+def active_rows(response_mask: torch.Tensor) -> torch.Tensor:
+    """Rows of a ``[B, L]`` mask with at least one response token (the seq-mean modes' count), as a
+    0-d int64 tensor on the mask's device."""
+    return (response_mask != 0).any(-1).sum()
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:
@@ -60,7 +73,8 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "low_var_
         base = kind[:-1]
         value = kl_penalty(logp, ref_logp, base)
         k2 = kl_penalty(logp, ref_logp, "k2")
-        return value.detach() + k2 - k2.detach()
+        # k2 - k2.detach() is exactly 0 in value: adding it last keeps the named value bit for bit
+        return value.detach() + (k2 - k2.detach())
     diff = logp - ref_logp
     if kind in ("k1", "kl"):
         return diff

@@ -7,24 +7,31 @@ Two formats:
   ``torch.distributed.checkpoint.FileSystemReader``, whatever the TP/PP they were saved with.
 Either way the shards are resharded by the same planner that feeds vLLM (Megatron layout -> HF
 layout), bit for bit.
+
+Checkpoint files are read as data only (``verl_fast.safe_load``: ``torch.load(weights_only=True)``)
+with an allowlist of the globals Megatron writes besides tensors: argparse.Namespace for ``args``,
+numpy arrays in the RNG states, io.BytesIO extra states, and megatron-core's enums, which load as
+inert stand-ins whether or not megatron-core is installed. Anything else in the pickle is refused
+with an error naming the file and the global; no code stored in a checkpoint ever runs.
 """
 
 from __future__ import annotations
 
+import argparse
+import io
 import json
 import os
-import pickle
 import re
-import types
 from collections import OrderedDict
 from typing import Dict, Mapping, Optional, Tuple, Union
 
 import torch
 
+from verl_fast import safe_load
 from verl_fast.ops.reshard.hf import hf_layout
 from verl_fast.ops.reshard.megatron import detect_names, megatron_layout, shard_prefix, torch_dist_layout, vocab_rows
 from verl_fast.ops.reshard.plan import ReshardPlan
-from verl_fast.ops.reshard.spec import ModelSpec
+from verl_fast.ops.reshard.spec import ModelSpec, positive_ints
 
 _SHARD_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 
@@ -32,35 +39,50 @@ _SHARD_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 # ---- reading files -----------------------------------------------------------------------------
 
 
-class _Missing:
-    """Stands in for a class of a package that is not installed (Megatron's enums in ``args``)."""
+class MegatronEnum:
+    """An inert stand-in for a megatron-core enum member found in a checkpoint (``args.model_type``,
+    ``args.attention_backend``, ...): it keeps the member's value and nothing runs."""
 
-    def __init__(self, *args, **kwargs):
-        self.args = args
-        self.__dict__.update(kwargs)
+    def __init__(self, value=None):
+        self.value = value
 
-    def __setstate__(self, state):
-        if isinstance(state, dict):
-            self.__dict__.update(state)
-        else:
-            self.state = state
+    def __repr__(self) -> str:
+        return f"{type(self).__qualname__}({self.value!r})"
 
 
-class _LenientUnpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-        try:
-            return super().find_class(module, name)
-        except (ImportError, AttributeError):
-            return type(name, (_Missing,), {"__module__": module})
+# The enums megatron-core and Megatron-LM put into saved args and common state.
+_MEGATRON_ENUMS = (
+    "megatron.core.enums.ModelType", "megatron.core.enums.Fp8Recipe", "megatron.core.enums.Fp4Recipe",
+    *(f"megatron.core.transformer.enums.{n}" for n in ("ModelType", "LayerType", "AttnType", "AttnMaskType",
+                                                        "AttnBackend", "CudaGraphScope")),
+    *(f"megatron.core.rerun_state_machine.{n}" for n in ("RerunMode", "RerunState", "RerunDiagnostic",
+                                                          "RerunValidationStatus")),
+    "megatron.core.dist_checkpointing.validation.StrictHandling",
+    *(f"{m}.{n}" for m in ("megatron.model.enums", "megatron.legacy.model.enums")
+      for n in ("ModelType", "LayerType", "AttnType", "AttnMaskType", "PositionEmbeddingType")),
+)
 
 
-_lenient_pickle = types.SimpleNamespace(Unpickler=_LenientUnpickler, load=pickle.load, __name__="pickle")
+def _safe_globals() -> list:
+    """What besides tensors and plain containers a Megatron checkpoint may hold, as torch.load's
+    allowlist: (callable, the name the pickle uses) pairs where the two differ."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core  # numpy 2 renamed numpy.core to numpy._core
+    reconstruct = core.multiarray._reconstruct
+    dtypes = [getattr(np.dtypes, n) for n in dir(getattr(np, "dtypes", object)) if n.endswith("DType")]
+    enums = [(type(q.rsplit(".", 1)[1], (MegatronEnum,), {"__module__": q.rsplit(".", 1)[0]}), q)
+             for q in _MEGATRON_ENUMS]
+    return [argparse.Namespace, io.BytesIO, np.ndarray, np.dtype, *dtypes,
+            (reconstruct, "numpy.core.multiarray._reconstruct"), (reconstruct, "numpy._core.multiarray._reconstruct"),
+            *enums]
 
 
-def _torch_load(path: str):
-    # Megatron checkpoints are pickles (args, RNG states); classes of packages that are not
-    # installed load as placeholders instead of failing.
-    return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_lenient_pickle)
+def _load_dict(path: str) -> dict:
+    ckpt = safe_load.load(path, _safe_globals(), "a Megatron checkpoint")
+    if not isinstance(ckpt, dict):
+        raise ValueError(f"{path}: expected a dict (model, args, ...), got {type(ckpt).__name__}")
+    return ckpt
 
 
 def resolve_iteration_dir(path: str) -> str:
@@ -110,10 +132,12 @@ def _legacy_shards(path: str, tp: Optional[int], pp: Optional[int]) -> Tuple[int
 # ---- the model's shape -------------------------------------------------------------------------
 
 
-def spec_from_megatron_args(args, vocab_size: Optional[int] = None) -> ModelSpec:
+def spec_from_megatron_args(args, vocab_size: Optional[int] = None, where: str = "Megatron args") -> ModelSpec:
     """A ModelSpec from Megatron-LM's training ``args``; the family is inferred (qk layernorm:
     Qwen3 / Qwen3-MoE; QKV bias: Qwen2; shared expert: Qwen2-MoE; experts: Mixtral; else Llama).
-    Pass an HF config instead when the family matters beyond that."""
+    Pass an HF config instead when the family matters beyond that. ``where`` names the args in errors."""
+    positive_ints(args, ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size"),
+                  ("kv_channels", "num_query_groups"), where)
     g = lambda k, d=None: getattr(args, k, d)  # noqa: E731
     heads = g("num_attention_heads")
     experts = g("num_experts") or 0
@@ -134,14 +158,14 @@ def spec_from_megatron_args(args, vocab_size: Optional[int] = None) -> ModelSpec
         shared_expert_intermediate_size=shared, sparse_layers=(True,) * layers if experts else ())
 
 
-def _spec(config, args) -> ModelSpec:
+def _spec(config, args, path: str) -> ModelSpec:
     if isinstance(config, ModelSpec):
         return config
     if config is not None:
         return ModelSpec.from_hf_config(config)
     if args is None:
-        raise ValueError("the checkpoint carries no Megatron args: pass config= (an HF config or a ModelSpec)")
-    return spec_from_megatron_args(args)
+        raise ValueError(f"{path}: the checkpoint carries no Megatron args: pass config= (an HF config or a ModelSpec)")
+    return spec_from_megatron_args(args, where=f"{path}: Megatron args")
 
 
 # ---- loading -----------------------------------------------------------------------------------
@@ -165,16 +189,18 @@ def _load_legacy(path: str, tp, pp, config, dtype, names: str) -> "OrderedDict[s
     sources: "OrderedDict[str, torch.Tensor]" = OrderedDict()
     args, first = None, None
     for (t, p), f in sorted(files.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        ckpt = _torch_load(f)
+        ckpt = _load_dict(f)
         if "model" not in ckpt:
             keys = [k for k in ckpt if k.startswith("model")]
             raise ValueError(f"{f}: no 'model' entry (found {keys}; virtual pipeline checkpoints are not supported)")
+        if not isinstance(ckpt["model"], dict):
+            raise ValueError(f"{f}: 'model' must be a state dict, got {type(ckpt['model']).__name__}")
         args = args if args is not None else ckpt.get("args")
         state = {k: v for k, v in ckpt["model"].items() if not k.endswith("_extra_state")}
         first = first if first is not None else state
         prefix = shard_prefix(t, p, pp)
         sources.update((prefix + k, v.contiguous()) for k, v in state.items() if isinstance(v, torch.Tensor))
-    spec = _spec(config, args)
+    spec = _spec(config, args, files[min(files)])
     layout = megatron_layout(spec, tp, pp, padded_vocab_size=vocab_rows(first, tp), names=detect_names(first),
                              in_one_process=True)
     return _to_hf(_with_dtypes(layout, sources), sources, spec, dtype, names)
@@ -189,8 +215,8 @@ def _load_torch_dist(path: str, config, dtype, names: str) -> "OrderedDict[str, 
     args = None
     common = os.path.join(path, "common.pt")
     if config is None and os.path.exists(common):
-        args = _torch_load(common).get("args")
-    spec = _spec(config, args)
+        args = _load_dict(common).get("args")
+    spec = _spec(config, args, common if os.path.exists(common) else path)
     if "embedding.word_embeddings.weight" not in tensors:
         raise ValueError(f"{path}: no embedding.word_embeddings.weight in the torch_dist metadata")
     padded = int(tensors["embedding.word_embeddings.weight"].size[0])
@@ -213,9 +239,9 @@ def megatron_args(checkpoint_path: str):
     path = resolve_iteration_dir(os.fspath(checkpoint_path))
     if is_torch_dist(path):
         common = os.path.join(path, "common.pt")
-        return _torch_load(common).get("args") if os.path.exists(common) else None
+        return _load_dict(common).get("args") if os.path.exists(common) else None
     _, _, files = _legacy_shards(path, None, None)
-    return _torch_load(files[min(files)]).get("args")
+    return _load_dict(files[min(files)]).get("args")
 
 
 def load_megatron_checkpoint(checkpoint_path: str, tp_size: Optional[int] = None, pp_size: Optional[int] = None,
@@ -227,6 +253,9 @@ def load_megatron_checkpoint(checkpoint_path: str, tp_size: Optional[int] = None
     omitted; ``torch_dist`` holds global tensors, so they are not needed). ``config`` (an HF config
     or a ModelSpec) gives the architecture; without it Megatron-LM's saved ``args`` are used.
     ``names="checkpoint"`` gives MoE experts one tensor each, as HF checkpoint files name them.
+    The files are loaded as data only: ``torch.load(weights_only=True)`` with an allowlist
+    (argparse.Namespace, numpy RNG arrays, io.BytesIO, megatron-core's enums as inert stand-ins);
+    a pickle holding anything else (code to run) is refused with a ValueError naming the file.
     """
     path = resolve_iteration_dir(os.fspath(checkpoint_path))
     if is_torch_dist(path):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from verl_fast.models.wrapping import wrapper_kind
+
 
 def backbone_of(model: nn.Module) -> nn.Module:
     """The decoder stack of a Hugging Face causal LM (its ``base_model``), or the model itself."""
@@ -30,7 +32,10 @@ class ValueModel(nn.Module):
             hidden = getattr(config, "hidden_size", None)
             if hidden is None:
                 raise ValueError(f"cannot find hidden_size in the critic's config ({type(model).__name__})")
-            self.backbone = backbone_of(model)
+            # A model the user wrapped with FSDP gathers its top-level shards (embeddings, final
+            # norm) only when it is called itself: go through it (its last hidden states, one
+            # position's logits) instead of calling its backbone directly.
+            self.backbone = None if wrapper_kind(model) is not None else backbone_of(model)
             self.head = nn.Linear(hidden, 1)
             nn.init.zeros_(self.head.weight)
             nn.init.zeros_(self.head.bias)
@@ -41,6 +46,10 @@ class ValueModel(nn.Module):
         if self.token_classifier:
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
             return out.logits[..., 0].float()
+        if self.backbone is None:
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             use_cache=False, output_hidden_states=True, logits_to_keep=1)
+            return self.head(out.hidden_states[-1]).squeeze(-1).float()
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             use_cache=False)
         return self.head(out.last_hidden_state).squeeze(-1).float()

@@ -22,3 +22,31 @@ def hf_module(model: torch.nn.Module) -> torch.nn.Module:
     """The Hugging Face model inside an FSDP1 / DDP wrapper (its ``.module``), else the model itself."""
     inner = getattr(model, "module", None)
     return inner if inner is not None and hasattr(inner, "save_pretrained") else model
+
+
+def wrapper_kind(model: torch.nn.Module):
+    """``"fsdp2"`` or ``"fsdp1"`` when ``model`` or any module inside it carries that wrapper (the
+    outermost one found first), else None."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            return "fsdp2"
+        if isinstance(m, FSDP):
+            return "fsdp1"
+    return None
+
+
+def unwrapped_parameters(model: torch.nn.Module):
+    """The parameters of ``model`` that no FSDP wrapper inside it manages (their gradients would not
+    be reduced across ranks), e.g. a value head added on top of a wrapped backbone."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except ImportError:  # pragma: no cover
+        return list(model.parameters())
+    managed = {id(p) for m in model.modules() if isinstance(m, (FSDP, FSDPModule)) for p in m.parameters()}
+    return [p for p in model.parameters() if id(p) not in managed]

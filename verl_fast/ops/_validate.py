@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Sequence
 
 import torch
@@ -12,6 +14,22 @@ MASK_DTYPES = (torch.bool, torch.uint8, torch.int32, torch.int64, torch.float32)
 
 def _shape(shape: Sequence[int]) -> str:
     return "[" + ", ".join(str(int(s)) for s in shape) + "]"
+
+
+def flag(x, name: str) -> bool:
+    """A real bool (numpy's too): a truthy string such as 'no' must not read as True."""
+    if not isinstance(x, bool) and type(x).__name__ != "bool_":
+        raise TypeError(f"{name} must be True or False, got {x!r}")
+    return bool(x)
+
+
+def finite(x, name: str) -> float:
+    """A finite real number (not a bool)."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {x!r}")
+    if not math.isfinite(x):
+        raise ValueError(f"{name} must be finite, got {x!r}")
+    return float(x)
 
 
 def tensor(x, name: str) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Advantage estimators over ``[B, T]`` token tensors, computed by the compiled core.
 
-Semantics follow verl's ``core_algos`` (SPEC.md): GAE with masks that may have holes, GRPO /
+Semantics follow verl's ``core_algos`` (the field's reference, so results compare): GAE with masks that may have holes, GRPO /
 Dr.GRPO, RLOO, REINFORCE++, REINFORCE++-baseline and ReMax. Inputs are CPU or CUDA tensors in
 float32 / bfloat16 / float16 (float64 accepted), any strides; outputs are new float32 tensors on
 the input's device. The CPU path runs C++ threads over the batch; the CUDA path runs one fused scan
@@ -22,17 +22,16 @@ import torch
 from verl_fast.ops import _validate as V
 from verl_fast.ops.native import cuda_stream, ext
 
-_BAD_REWARDS, _BAD_VALUES, _TOO_FEW = 1, 2, 4
-_STATUS_WORDS = 8  # word 0: the bits above; words 2..7: batch-wide sums of what was whitened
 
 
 def _raise_for_status(status: torch.Tensor, rewards_name: str, values_name: str) -> None:
-    bits = int(status[0].item())
-    if bits & _BAD_REWARDS:
+    """The launchers' status record (``_C.status_words`` int32): word 0 holds AdvantageStatus bits."""
+    bits, S = int(status[0].item()), ext().AdvantageStatus
+    if bits & S.bad_rewards:
         raise ValueError(f"{rewards_name} contains NaN or inf")
-    if bits & _BAD_VALUES:
+    if bits & S.bad_values:
         raise ValueError(f"{values_name} contains NaN or inf")
-    if bits & _TOO_FEW:
+    if bits & S.too_few_to_whiten:
         raise ValueError(
             "whitening needs at least 2 positions where response_mask is 1; "
             "pass whiten=False for such batches"
@@ -45,7 +44,7 @@ def _scan(kind, rewards, mask, *, values=None, baselines=None, gamma=1.0, lam=1.
     B, T = rewards.shape
     adv = torch.empty((B, T), dtype=torch.float32, device=rewards.device)
     ret = torch.empty_like(adv)
-    status = torch.empty(_STATUS_WORDS, dtype=torch.int32, device=rewards.device)
+    status = torch.empty(C.status_words, dtype=torch.int32, device=rewards.device)
     a = C.ScanArgs()
     a.kind = kind
     a.rewards = rewards
@@ -57,13 +56,13 @@ def _scan(kind, rewards, mask, *, values=None, baselines=None, gamma=1.0, lam=1.
     a.advantages = adv
     a.returns = ret
     a.status = status
-    a.gamma = float(gamma)
-    a.lam = float(lam)
-    a.whiten = bool(whiten)
+    a.gamma = V.finite(gamma, "gamma")
+    a.lam = V.finite(lam, "lam")
+    a.whiten = V.flag(whiten, "whiten")
     a.num_threads = torch.get_num_threads()
     a.stream = cuda_stream(rewards)
     C.advantage_scan(a)
-    if check:
+    if V.flag(check, "check"):
         _raise_for_status(status, "token_level_rewards", values_name)
     return adv, ret
 
@@ -100,9 +99,11 @@ def compute_reinforce_pp_advantage(
     *,
     check: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++: discounted returns (reset after each masked-out position), whitened over the mask.
+    """REINFORCE++: discounted returns over the masked positions, whitened over the mask.
 
-    Returns ``(advantages, returns)``; advantages are 0 outside the mask.
+    ``G_t = r_t + gamma*G_{t+1}`` where the mask is set; masked-out positions inside a response
+    (multi-turn observation spans) carry the running return through unchanged (no reward added, no
+    discount). Returns ``(advantages, returns)``, both 0 outside the mask.
     """
     r = V.float_2d(token_level_rewards, "token_level_rewards")
     V.device_supported(r, "token_level_rewards")
@@ -170,7 +171,7 @@ def _group(kind, token_level_rewards, response_mask, index, *, epsilon=1e-6, nor
     B, T = r.shape
     ids = group_ids(index, B)
     adv = torch.empty((B, T), dtype=torch.float32, device=r.device)
-    status = torch.empty(_STATUS_WORDS, dtype=torch.int32, device=r.device)
+    status = torch.empty(C.status_words, dtype=torch.int32, device=r.device)
     a = C.GroupArgs()
     a.kind = kind
     a.rewards = r
@@ -179,13 +180,13 @@ def _group(kind, token_level_rewards, response_mask, index, *, epsilon=1e-6, nor
     a.advantages = adv
     a.workspace = torch.empty(C.group_workspace_bytes(B), dtype=torch.uint8, device=r.device)
     a.status = status
-    a.epsilon = float(epsilon)
-    a.norm_by_std = bool(norm_by_std)
-    a.whiten = bool(whiten)
+    a.epsilon = V.finite(epsilon, "epsilon")
+    a.norm_by_std = V.flag(norm_by_std, "norm_by_std")
+    a.whiten = V.flag(whiten, "whiten")
     a.num_threads = torch.get_num_threads()
     a.stream = cuda_stream(r)
     C.group_advantage(a)
-    if check:
+    if V.flag(check, "check"):
         _raise_for_status(status, "token_level_rewards", "token_level_rewards")
     return adv
 

@@ -18,13 +18,11 @@ def ext():
     return _C
 
 
-def cuda_stream(tensor) -> int:
-    """The current CUDA stream of ``tensor``'s device as an integer handle (0 on the CPU)."""
+def cuda_stream(tensor):
+    """torch's current CUDA stream of ``tensor``'s device (None on the CPU). _C takes streams only
+    as torch.cuda.Stream objects, never as bare integer handles."""
     if not tensor.is_cuda:
-        return 0
+        return None
     import torch
 
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # fast path, no Stream object
-    if raw is not None:
-        return raw(tensor.get_device())
-    return torch.cuda.current_stream(tensor.device).cuda_stream
+    return torch.cuda.current_stream(tensor.device)

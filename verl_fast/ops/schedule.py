@@ -24,6 +24,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
+from verl_fast.ops import _validate as V
 from verl_fast.ops.native import ext
 
 __all__ = ["Plan", "PlanReport", "balance_partitions", "pack_micro_batches", "rollout_buckets", "FLOPS_A"]
@@ -106,6 +107,9 @@ def _as_lengths(x, name: str) -> Tuple[np.ndarray, bool]:
     elif isinstance(x, (str, bytes)) or not hasattr(x, "__len__"):
         raise TypeError(f"{name} must be a 1-D sequence of integers, got {type(x).__name__}")
     else:
+        flag = next((v for v in x if isinstance(v, (bool, np.bool_))), None)
+        if flag is not None:  # numpy would read True as 1
+            raise TypeError(f"{name} must hold integers (token counts), got {flag!r} (bool)")
         arr = np.asarray(x) if len(x) else np.zeros(0, dtype=np.int64)
         if arr.dtype.kind not in "iu":
             bad = [v for v in np.ravel(arr) if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral)]
@@ -124,12 +128,18 @@ def _as_lengths(x, name: str) -> Tuple[np.ndarray, bool]:
     return arr, is_torch
 
 
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
+
 def _int(x, name: str, minimum: int) -> int:
     if isinstance(x, bool) or not isinstance(x, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(x).__name__}")
     if x < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {x}")
+    if x > _INT64_MAX:
+        raise ValueError(f"{name} must fit in int64 (<= 2**63 - 1), got {x}")
     return int(x)
+
 
 
 def _cost_coefficients(cost, flops_a: int) -> Tuple[int, int]:
@@ -196,15 +206,17 @@ def balance_partitions(lengths: Lengths, k: int, equal_size: bool = True, cost="
     ``cost``: ``"tokens"`` (L), ``"flops"`` (``flops_a * L + L^2``, verl's proxy with
     ``flops_a = 24576``), or a ``(linear, quadratic)`` pair of non-negative ints for
     ``linear * L + quadratic * L^2``. ``equal_size=True`` gives every partition ``n / k`` sequences
-    (``k`` must divide ``n``); otherwise partitions may differ in count, and are empty only when
-    ``k > n``. Partitions come largest cost first; indices inside each are ascending.
+    (``k`` must divide ``n``); otherwise partitions may differ in count. ``k > n`` is a ValueError
+    (no empty partitions). Partitions come largest cost first; indices inside each are ascending.
+    Costs beyond int64 are a ValueError naming the length.
     ``report.imbalance`` is max / mean partition cost.
     """
     arr, as_torch = _as_lengths(lengths, "lengths")
     n = len(arr)
     k = _int(k, "k", 1)
-    if equal_size and k > n:
-        raise ValueError(f"k must be <= the number of sequences ({n}) with equal_size=True, got {k}")
+    equal_size = V.flag(equal_size, "equal_size")
+    if k > n:
+        raise ValueError(f"k must be <= the number of sequences ({n}), got {k}")
     if equal_size and n % k:
         raise ValueError(f"equal_size=True needs k to divide the number of sequences: {n} % {k} = {n % k} "
                          "(pass equal_size=False, or drop or pad sequences)")
@@ -218,13 +230,10 @@ def balance_partitions(lengths: Lengths, k: int, equal_size: bool = True, cost="
 
 def reduce_over(group, value, op: str = "max", dtype=torch.int64):
     """``value`` all-reduced (``"max"`` or ``"sum"``) over a torch.distributed process group, as a
-    Python number. The tensor sits on the current CUDA device when the group's backend is NCCL."""
-    import torch.distributed as dist
+    Python number (on the device the group's backend works with)."""
+    from verl_fast.distributed import all_reduce_numbers
 
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-    t = torch.tensor([value], dtype=dtype, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
-    return t.item()
+    return all_reduce_numbers([value], op, group, dtype)[0]
 
 
 def pack_micro_batches(lengths: Lengths, max_tokens: int, min_num: int = 1, same_count_across=None, *,

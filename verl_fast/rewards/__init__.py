@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from verl_fast.rewards.base import (
+    ON_ERROR,
     CallableReward,
+    GuardedReward,
     RewardFunction,
     RewardInput,
     as_reward_function,
@@ -16,8 +18,14 @@ from verl_fast.rewards.rule import GSM8KReward, ReasoningGymReward, gsm8k_answer
 
 
 def build_reward(cfg: Any, override: Optional[Any] = None) -> Optional[RewardFunction]:
-    """The reward for ``cfg`` (a RewardConfig); ``override`` (a callable or RewardFunction passed to
-    RLTrainer) wins. pairwise_ranking (DPO) scores nothing: preference pairs carry their ranking."""
+    """The reward for ``cfg`` (a RewardConfig), guarded by ``cfg.on_error``; ``override`` (a callable
+    or RewardFunction passed to RLTrainer) wins. pairwise_ranking (DPO) scores nothing: preference
+    pairs carry their ranking."""
+    reward = _unguarded(cfg, override)
+    return None if reward is None else GuardedReward(reward, cfg.on_error)
+
+
+def _unguarded(cfg: Any, override: Optional[Any]) -> Optional[RewardFunction]:
     if override is not None:
         return as_reward_function(override)
     kind = cfg.type
@@ -28,7 +36,11 @@ def build_reward(cfg: Any, override: Optional[Any] = None) -> Optional[RewardFun
     if kind == "callable":
         return CallableReward(load_callable(cfg.path))
     if kind == "reward_model":
-        return RewardModel.from_pretrained(cfg.model_name)
+        import torch
+
+        from verl_fast.models.loading import attention_kwargs
+
+        return RewardModel.from_pretrained(cfg.model_name, attention_kwargs(cfg, "reward_fn", torch.cuda.is_available()))
     if kind == "pairwise_ranking":
         return None
     raise ValueError(f"unknown reward_fn.type {kind!r}")
@@ -38,6 +50,8 @@ __all__ = [
     "RewardInput",
     "RewardFunction",
     "CallableReward",
+    "GuardedReward",
+    "ON_ERROR",
     "RewardModel",
     "GSM8KReward",
     "ReasoningGymReward",

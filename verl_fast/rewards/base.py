@@ -56,12 +56,18 @@ class CallableReward(RewardFunction):
 
     def __call__(self, samples: Sequence[RewardInput]) -> List[float]:
         if self.batched:
-            out = [_as_score(x, self.name) for x in self.fn(list(samples))]
-        else:
-            out = [_as_score(self.fn(**{a: _PER_SAMPLE_ARGS[a](s) for a in self.args}), self.name) for s in samples]
-        if len(out) != len(samples):
-            raise ValueError(f"reward function {self.name} returned {len(out)} scores for {len(samples)} samples")
-        return out
+            return scores_of(self.fn(list(samples)), len(samples), self.name)
+        return [_as_score(self.fn(**{a: _PER_SAMPLE_ARGS[a](s) for a in self.args}), self.name) for s in samples]
+
+
+def scores_of(out: Any, n: int, name: str) -> List[float]:
+    """A batch reward's result as n finite floats (a list, tuple, numpy array or 1-D tensor)."""
+    if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__") or not hasattr(out, "__iter__"):
+        raise TypeError(f"reward function {name} scored a batch of {n} samples and must return one score per "
+                        f"sample (a list of {n} numbers), got {type(out).__name__}")
+    if len(out) != n:
+        raise ValueError(f"reward function {name} returned {len(out)} scores for {n} samples")
+    return [_as_score(x, name) for x in out]
 
 
 def _as_score(x: Any, name: str) -> float:
@@ -74,6 +80,45 @@ def _as_score(x: Any, name: str) -> float:
     if value != value or value in (float("inf"), float("-inf")):
         raise ValueError(f"reward function {name} returned a non-finite score {value}")
     return value
+
+
+ON_ERROR = ("raise", "zero")
+
+
+class GuardedReward(RewardFunction):
+    """Checks what ``inner`` returns (one finite float per sample) and applies ``on_error``:
+    ``"raise"`` lets a failure through; ``"zero"`` scores 0 for each sample whose scoring fails (a
+    failing batch is scored again one sample at a time to find them), so that one bad sample does
+    not stop a long run. ``last_errors`` counts the zeroed samples of the latest call."""
+
+    def __init__(self, inner: RewardFunction, on_error: str = "raise"):
+        if on_error not in ON_ERROR:
+            raise ValueError(f"reward_fn.on_error must be one of {list(ON_ERROR)}, got {on_error!r}")
+        self.inner, self.on_error = inner, on_error
+        self.name = getattr(inner, "name", type(inner).__name__)
+        self.last_errors = 0
+
+    def _score(self, samples: Sequence[RewardInput]) -> List[float]:
+        return scores_of(self.inner(samples), len(samples), self.name)
+
+    def __call__(self, samples: Sequence[RewardInput]) -> List[float]:
+        self.last_errors = 0
+        if self.on_error == "raise":
+            return self._score(samples)
+        try:
+            return self._score(samples)
+        except Exception:  # noqa: BLE001 - on_error=zero: any failure of the user's scorer
+            if len(samples) == 1:
+                self.last_errors = 1
+                return [0.0]
+        out = []
+        for s in samples:
+            try:
+                out.extend(self._score([s]))
+            except Exception:  # noqa: BLE001
+                self.last_errors += 1
+                out.append(0.0)
+        return out
 
 
 def as_reward_function(obj: Any) -> RewardFunction:

@@ -8,7 +8,7 @@ when the engine provides them, the sampled tokens' log-probs. The trainer only e
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -147,6 +147,15 @@ class RolloutEngine:
         sampling: Union[SamplingSpec, Sequence[SamplingSpec]],
     ) -> GenerationOutput:
         raise NotImplementedError
+
+    #: True when ``generate`` is a collective call (every rank calls it the same number of times).
+    collective: bool = False
+
+    def sync_from(self, model: torch.nn.Module) -> Dict[str, float]:
+        """Makes the engine generate with ``model``'s current weights (after every optimizer step;
+        collective when the model is sharded). Returns ``{"bytes": ...}``: what this rank received.
+        Engines that generate with the model itself have nothing to do."""
+        return {"bytes": 0}
 
     def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
         """Loads new weights in place (HF names). Engines that share the actor's weights do nothing."""

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import replace
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from verl_fast.models.wrapping import hf_module
+from verl_fast.distributed import collective_device
+from verl_fast.models.wrapping import hf_module, is_sharded
+from verl_fast.rollout import hf_decode
 from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec, pad_completions
+
+logger = logging.getLogger(__name__)
+FAST_DECODE = ("auto", "on", "off")
 
 
 def _eos_ids(model, tokenizer) -> List[int]:
@@ -20,6 +26,14 @@ def _eos_ids(model, tokenizer) -> List[int]:
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
     return ids
+
+
+def _fsdp1(model) -> bool:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except ImportError:  # pragma: no cover
+        return False
+    return any(isinstance(m, FSDP) for m in model.modules())
 
 
 def _full_params(model):
@@ -52,7 +66,15 @@ def _unsharded(modules):
 
 
 class HFGenerateEngine(RolloutEngine):
-    """``model.generate`` over left-padded prompt batches, one call per distinct sampling spec.
+    """Hugging Face decoding on the actor itself over left-padded prompt batches, one call per
+    distinct sampling spec.
+
+    ``fast_decode``: ``on`` decodes with verl_fast.rollout.hf_decode (static KV cache, the whole
+    batch at once, no host sync per token; on a GPU each token's step is a replayed CUDA graph);
+    ``off`` calls ``model.generate`` in chunks of ``max_batch_size`` sequences; ``auto`` is ``on``
+    on a GPU. Models the loop cannot serve (another attention implementation, extra logits
+    processors in their generation_config) and stop strings go to ``generate``, and so does any
+    later call once the loop has failed (the reason is logged). Both give the same distribution.
 
     Log-probs of the sampled tokens come from the raw logits divided by the temperature (what the
     trainer's log-prob pass computes), not from the top-k/top-p-filtered scores.
@@ -60,11 +82,17 @@ class HFGenerateEngine(RolloutEngine):
 
     owns_weights = False
 
-    def __init__(self, model, tokenizer, max_batch_size: int = 64, autocast_dtype: Optional[torch.dtype] = None):
+    def __init__(self, model, tokenizer, max_batch_size: int = 64, autocast_dtype: Optional[torch.dtype] = None,
+                 fast_decode: str = "auto"):
+        if fast_decode not in FAST_DECODE:
+            raise ValueError(f"fast_decode must be one of {list(FAST_DECODE)}, got {fast_decode!r}")
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.autocast_dtype = autocast_dtype
+        self.fast_decode = fast_decode
+        self.fast_failed: Optional[str] = None
+        self.last_mode: Optional[str] = None  # how the last call decoded: graph, eager or generate
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if self.pad_id is None:
             raise ValueError("the tokenizer has neither a pad nor an EOS token")
@@ -74,6 +102,8 @@ class HFGenerateEngine(RolloutEngine):
 
     @property
     def device(self) -> torch.device:
+        if is_sharded(self.model):  # shards may be offloaded to the CPU: compute runs where collectives do
+            return collective_device()
         return next(self._module().parameters()).device
 
     def generate(self, prompts: Sequence[Sequence[int]],
@@ -93,7 +123,8 @@ class HFGenerateEngine(RolloutEngine):
             groups.setdefault(replace(spec, seed=None), []).append(i)
         results: Dict[int, List[Tuple[List[int], List[float], str]]] = {}
         for spec, members in groups.items():
-            per_call = max(1, self.max_batch_size // spec.n)
+            # the static-cache loop takes the whole group at once (its batch is the point)
+            per_call = len(members) if self._fast_reason(spec) is None else max(1, self.max_batch_size // spec.n)
             for start in range(0, len(members), per_call):
                 chunk = members[start : start + per_call]
                 for i, outs in zip(chunk, self._generate([prompts[i] for i in chunk], spec)):
@@ -107,6 +138,16 @@ class HFGenerateEngine(RolloutEngine):
                 reasons.append(reason)
                 texts.append(self.tokenizer.decode(toks, skip_special_tokens=True))
         return pad_completions(completions, logprobs, index, self.pad_id, texts, reasons)
+
+    def _fast_reason(self, spec: SamplingSpec) -> Optional[str]:
+        """Why this call goes to ``generate`` rather than the static-cache loop (None: it does not)."""
+        if self.fast_decode == "off" or (self.fast_decode == "auto" and self.device.type != "cuda"):
+            return f"fast_decode={self.fast_decode} on {self.device.type}"
+        if self.fast_failed:
+            return self.fast_failed
+        if spec.stop:
+            return "stop strings"
+        return hf_decode.unsupported(self._module())
 
     @torch.no_grad()
     def _generate(self, prompts: List[Sequence[int]], spec: SamplingSpec) -> List[List[Tuple[List[int], List[float], str]]]:
@@ -122,6 +163,49 @@ class HFGenerateEngine(RolloutEngine):
         eos = _eos_ids(module, self.tokenizer)
         greedy = spec.temperature == 0.0
         copies = spec.n if greedy else 1  # greedy samples are identical: decode once, copy n times
+        was_training = module.training
+        module.eval()
+        autocast = (torch.autocast(device.type, dtype=self.autocast_dtype) if self.autocast_dtype is not None
+                    else contextlib.nullcontext())
+        try:
+            with _full_params(self.model), autocast:
+                new, logp, self.last_mode = self._decode_fast(module, ids, mask, spec, eos, copies)
+                if new is None:
+                    new, logp = self._decode_generate(module, ids, mask, spec, eos, copies)
+                    self.last_mode = "generate"
+        finally:
+            module.train(was_training)
+        if not spec.logprobs:
+            logp = None
+        elif logp is not None:
+            logp = logp.repeat_interleave(copies, dim=0)
+        new = new.repeat_interleave(copies, dim=0)
+        return self._split(new, logp, prompts, spec, eos)
+
+    def _decode_fast(self, module, ids, mask, spec: SamplingSpec, eos: List[int], copies: int):
+        """(new tokens, log-probs, mode) on the host from hf_decode, or Nones where it does not apply."""
+        if self._fast_reason(spec) is not None:
+            return None, None, None
+        rows = spec.n // copies
+        device = self.device
+        try:
+            return hf_decode.decode(
+                module, ids.repeat_interleave(rows, 0).to(device), mask.repeat_interleave(rows, 0).to(device),
+                spec.max_tokens, spec.temperature, spec.top_k, spec.top_p, list(eos) + list(spec.stop_token_ids),
+                self.pad_id, use_graph=device.type == "cuda" and not _fsdp1(self.model))
+        except Exception as e:  # noqa: BLE001 - the loop is an optimisation: generate still works
+            self.fast_failed = f"the static-cache loop failed before ({type(e).__name__}: {e})"
+            logger.warning("fast HF decoding failed, using generate from now on: %s: %s", type(e).__name__, e)
+            return None, None, None
+
+    def metrics(self) -> dict:
+        """``cuda_graph``: 1 when the last call decoded by graph replays, 0 otherwise."""
+        return {"cuda_graph": float(self.last_mode == "graph")} if self.last_mode else {}
+
+    def _decode_generate(self, module, ids, mask, spec: SamplingSpec, eos: List[int], copies: int):
+        width = ids.shape[1]
+        device = self.device
+        greedy = spec.temperature == 0.0
         kwargs = dict(max_new_tokens=spec.max_tokens, do_sample=not greedy, num_return_sequences=spec.n // copies,
                       pad_token_id=self.pad_id, eos_token_id=eos or None, return_dict_in_generate=True,
                       output_logits=spec.logprobs, use_cache=True)
@@ -129,15 +213,7 @@ class HFGenerateEngine(RolloutEngine):
             kwargs.update(temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k if spec.top_k > 0 else 0)
         if spec.stop:
             kwargs.update(stop_strings=list(spec.stop), tokenizer=self.tokenizer)
-        was_training = module.training
-        module.eval()
-        autocast = (torch.autocast(device.type, dtype=self.autocast_dtype) if self.autocast_dtype is not None
-                    else contextlib.nullcontext())
-        try:
-            with _full_params(self.model), autocast:
-                out = module.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
-        finally:
-            module.train(was_training)
+        out = module.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
         new = out.sequences[:, width:].cpu()
         logp = None
         if spec.logprobs and out.logits:
@@ -145,8 +221,10 @@ class HFGenerateEngine(RolloutEngine):
             if not greedy:
                 logits = logits / spec.temperature
             logp = torch.log_softmax(logits, dim=-1).gather(-1, new[:, : logits.shape[1], None]).squeeze(-1)
-            logp = logp.repeat_interleave(copies, dim=0)
-        new = new.repeat_interleave(copies, dim=0)
+        return new, logp
+
+    def _split(self, new: torch.Tensor, logp: Optional[torch.Tensor], prompts, spec: SamplingSpec, eos: List[int]):
+        """Rows of new tokens -> per prompt, (tokens up to and with the stop token, log-probs, reason)."""
         stop_ids = set(eos) | set(spec.stop_token_ids)
         grouped: List[List[Tuple[List[int], List[float], str]]] = [[] for _ in prompts]
         for row in range(new.shape[0]):

@@ -153,6 +153,35 @@ def reload_weights(llm, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> No
     llm.reset_prefix_cache()
 
 
+@contextlib.contextmanager
+def quiet_reload() -> Iterator[None]:
+    """vLLM's reload logs "<Layer>: Failed to load weights" for every layer whose buffers are not
+    weights (e.g. RotaryEmbedding's cos/sin cache, rebuilt from the config, never loaded) at every
+    reload; its own reload log lines are INFO. Both are noise in a training run: hidden here."""
+    import logging
+
+    log = logging.getLogger("vllm.model_executor.model_loader.reload")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def model_parameters(llm) -> Dict[str, torch.Tensor]:
+    """The running model's parameters by vLLM name (this process's worker; TP-sharded, fused)."""
+    return llm.collective_rpc(lambda worker: dict(worker.model_runner.get_model().named_parameters()))[0]
+
+
+def free_device_bytes() -> int:
+    """Free accelerator memory in bytes (0 without CUDA)."""
+    if not torch.cuda.is_available():
+        return 0
+    torch.cuda.synchronize()
+    return int(torch.cuda.mem_get_info()[0])
+
+
 def lora_enabled(llm) -> bool:
     return llm.llm_engine.vllm_config.lora_config is not None
 

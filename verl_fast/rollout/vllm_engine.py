@@ -9,7 +9,7 @@ reload, no engine restart), and the prefix cache is dropped after each update. T
     engine = VLLMInferenceEngine(path, dtype="bfloat16", max_model_len=1024)
     out = engine.generate(prompt_token_ids, [SamplingSpec(n=8, max_tokens=256)] * len(prompt_token_ids))
     engine.sleep()                                   # before training (GPU: frees KV cache / weights)
-    engine.update_weights(actor.state_dict().items())  # HF names, after each optimizer step
+    engine.sync_from(actor)                          # after each optimizer step (HF, FSDP1 or FSDP2 actor)
     engine.wake_up()                                 # before the next rollout
     engine.metrics()  # {"prefix_cache_hit_rate": ..., "kv_cache_usage_peak": ..., "weight_update_s": ...}
 
@@ -19,12 +19,22 @@ Choices:
   ``response_logprobs(..., temperature=T)`` computes for the actor when top-k / top-p are off.
   Pass ``logprobs_mode="raw_logprobs"`` for log-probs of the unscaled logits.
 - Speculative decoding and guided (structured) decoding are refused: RL rollout must sample from the
-  policy itself, and both change what is sampled or how (seed 000 section 5.3).
+  policy itself, and both change what is sampled or how, so the samples would no longer be the
+  policy's own.
+- Weight sync (``sync_from``): a ``WeightSync`` plan built at the first call and reused, moving each
+  rank's own TP shard from where the actor's shards live (``rollout/weight_sync.py``). Where vLLM
+  keeps the loaded layout (GPU builds) it writes straight into the engine's parameter tensors; on
+  the CPU (which repacks linear weights after loading) it goes through vLLM's reload path.
+  ``update_weights(named_tensors)`` loads whole HF-named tensors instead (any source).
+- Under torchrun, engines built with ``distributed_executor_backend="external_launcher"`` join the
+  trainer's world: consecutive ranks form a TP group; the groups generate independently.
 - Greedy requests with ``n > 1`` (which vLLM refuses) are sent as ``n`` requests of one sample.
 - Sleep mode: on CUDA / ROCm / XPU with ``enable_sleep_mode`` (on by default there) ``sleep()``
-  releases the KV cache and offloads the weights (``sleep_level=1``) or discards them
-  (``sleep_level=2``; the next ``update_weights`` refills them). On the CPU it is not supported:
-  a warning is logged once and nothing is released.
+  releases the KV cache only (``sleep_level=0``: the weights stay resident for the next sync to
+  write into), or also offloads the weights to the host (``sleep_level=1``) or discards them
+  (``sleep_level=2``; the next ``sync_from`` refills them); the memory released is measured
+  (``metrics()["sleep_freed_gib"]``). On the CPU it is a no-op: vLLM-CPU has no sleep mode (said
+  once at INFO level).
 - LoRA: with ``enable_lora=True``, ``update_lora(peft_model)`` saves the adapter (only the adapter)
   to a private temporary folder and reloads it in place under one ``LoRARequest``; every later
   ``generate`` uses it. Base weights then stay as loaded.
@@ -64,13 +74,12 @@ def check_engine_kwargs(engine_kwargs: Dict[str, Any]) -> None:
             raise ValueError(
                 f"speculative decoding ({key}={engine_kwargs[key]!r}) is not supported for RL rollout: "
                 "the draft model proposes tokens and the log-probs no longer come from one forward of "
-                "the policy being trained; remove it (seed 000 section 5.3)")
+                "the policy being trained; remove it")
     for key in compat.GUIDED_KWARGS:
         if engine_kwargs.get(key) is not None:
             raise ValueError(
                 f"guided (structured) decoding ({key}) is not supported for RL rollout: it masks the "
-                "policy's distribution, so samples and log-probs are not the policy's; remove it "
-                "(seed 000 section 5.3)")
+                "policy's distribution, so samples and log-probs are not the policy's; remove it")
 
 
 class VLLMInferenceEngine(RolloutEngine):
@@ -94,7 +103,7 @@ class VLLMInferenceEngine(RolloutEngine):
 
     def __init__(
         self,
-        model_name_or_path: str,
+        model_name_or_path: Optional[str] = None,
         tensor_parallel_size: int = 1,
         dtype: str = "bfloat16",
         gpu_memory_utilization: float = 0.5,
@@ -112,11 +121,16 @@ class VLLMInferenceEngine(RolloutEngine):
         logprobs_mode: str = "processed_logprobs",
         tokenizer: Optional[str] = None,
         cpu_threads: Optional[int] = 1,
+        model_name: Optional[str] = None,
         **engine_kwargs: Any,
     ) -> None:
+        if (model_name is None) == (model_name_or_path is None):  # model_name: the seeds' spelling
+            raise TypeError("VLLMInferenceEngine needs the model exactly once: model_name_or_path or model_name")
+        model_name_or_path = model_name_or_path or model_name
         check_engine_kwargs(engine_kwargs)
-        if sleep_level not in (1, 2):
-            raise ValueError(f"sleep_level must be 1 (KV cache; weights offloaded) or 2 (weights too), got {sleep_level}")
+        if sleep_level not in (0, 1, 2):
+            raise ValueError(f"sleep_level must be 0 (KV cache only), 1 (KV cache; weights offloaded) or 2 "
+                             f"(KV cache and weights discarded), got {sleep_level}")
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
         vllm = compat.import_vllm()
@@ -148,6 +162,7 @@ class VLLMInferenceEngine(RolloutEngine):
         if enable_lora:
             engine_kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank)
         engine_kwargs.setdefault("disable_log_stats", False)
+        engine_kwargs.setdefault("use_tqdm_on_load", False)  # no loading bar beside the trainer's progress bar
         start = time.perf_counter()
         self.llm = vllm.LLM(
             model=str(model_name_or_path), tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size,
@@ -157,6 +172,10 @@ class VLLMInferenceEngine(RolloutEngine):
             kv_cache_memory_bytes=kv_cache_memory_bytes, enable_sleep_mode=enable_sleep_mode,
             logprobs_mode=logprobs_mode, **engine_kwargs)
         self.init_seconds = time.perf_counter() - start
+        self.tensor_parallel_size = int(tensor_parallel_size)
+        self.external_launcher = external
+        self._sync = None  # WeightSync, built at the first sync_from
+        self.sleep_freed_bytes = 0
         self.dtype = compat.model_dtype(self.llm)  # weights are cast to it on update
         self.enable_sleep_mode = enable_sleep_mode
         self.sleep_level = sleep_level
@@ -235,7 +254,7 @@ class VLLMInferenceEngine(RolloutEngine):
                 raise ValueError(
                     f"guided (structured) decoding (SamplingParams.{field}) is not supported for RL "
                     "rollout: it masks the policy's distribution, so samples and log-probs are not the "
-                    "policy's (seed 000 section 5.3)")
+                    "policy's")
             return spec, 1
         if not isinstance(spec, SamplingSpec):
             raise TypeError(f"sampling must be SamplingSpec or vllm.SamplingParams, got {type(spec).__name__}")
@@ -286,6 +305,50 @@ class VLLMInferenceEngine(RolloutEngine):
             compat.reload_weights(self.llm, weights)
         self._last_update_s = time.perf_counter() - start
 
+    def sync_from(self, model: torch.nn.Module) -> Dict[str, float]:
+        """Pushes ``model``'s current weights (an HF model, FSDP1 or FSDP2; a PEFT model's adapter)
+        into the engine in place; collective over the actor's ranks. Returns ``{"bytes": ...}``,
+        the bytes this rank received from others. See the module docstring."""
+        if hasattr(model, "peft_config"):
+            self.update_lora(model)
+            return {"bytes": 0}
+        start = time.perf_counter()
+        if self._sync is None:
+            self._sync = self._weight_sync(model)
+        if self._weights_asleep:  # after sleep(): weights must be resident before they are written
+            self.llm.wake_up(tags=["weights"])
+            self._weights_asleep = False
+        if self._sync.direct:
+            self._sync.run(model, self._engine_parameters())
+            self.llm.reset_prefix_cache()
+        else:
+            tensors = self._sync.run(model)
+            with compat.torch_threads(self._threads), compat.quiet_reload():
+                compat.reload_weights(self.llm, tensors.items())
+        self._last_update_s = time.perf_counter() - start
+        return {"bytes": self._sync.received_bytes}
+
+    def _weight_sync(self, model: torch.nn.Module):
+        from verl_fast.models.wrapping import hf_module
+        import torch.distributed as dist
+
+        from verl_fast.ops.reshard import ModelSpec
+        from verl_fast.ops.reshard.vllm import consecutive_tp_ranks
+        from verl_fast.rollout.weight_sync import WeightSync
+
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        # an external-launcher engine is one TP rank of a group of consecutive ranks; any other
+        # engine holds the whole model in this process
+        tp = self.tensor_parallel_size if self.external_launcher else 1
+        spec = ModelSpec.from_hf_config(hf_module(model).config, dtype=self.dtype)
+        return WeightSync(spec, tp, consecutive_tp_ranks(world, tp), world, self.dtype or spec.dtype,
+                          direct=not compat.is_cpu_platform())
+
+    def _engine_parameters(self) -> Dict[str, torch.Tensor]:
+        if not hasattr(self, "_params"):
+            self._params = compat.model_parameters(self.llm)
+        return self._params
+
     def update_lora(self, peft_model) -> None:
         """Pushes a PEFT model's adapter: saved to a private folder, reloaded in place in the engine."""
         if not compat.lora_enabled(self.llm):
@@ -310,13 +373,20 @@ class VLLMInferenceEngine(RolloutEngine):
             if not self._warned_sleep:
                 why = "this platform has no vLLM sleep mode" if not self._sleep_supported else \
                     "the engine was built with enable_sleep_mode=False"
-                logger.warning("VLLMInferenceEngine.sleep(): %s; rollout memory stays allocated "
-                               "during training", why)
+                logger.info("VLLMInferenceEngine.sleep(): %s; rollout memory stays allocated "
+                            "during training", why)
                 self._warned_sleep = True
             return
         if not self._asleep:
-            self.llm.sleep(level=self.sleep_level)
-            self._asleep = self._weights_asleep = True
+            free = compat.free_device_bytes()
+            if self.sleep_level == 0:  # pause, then drop the KV cache's memory; weights stay
+                self.llm.sleep(level=0)
+                self.llm.release_kv_cache_memory()
+            else:
+                self.llm.sleep(level=self.sleep_level)
+            self.sleep_freed_bytes = compat.free_device_bytes() - free
+            self._asleep = True
+            self._weights_asleep = self.sleep_level > 0
 
     def wake_up(self) -> None:
         if self._asleep:
@@ -329,7 +399,8 @@ class VLLMInferenceEngine(RolloutEngine):
         """vLLM's stats since the last call: ``prefix_cache_hit_rate`` (hit tokens / queried prompt
         tokens; only full KV blocks are cached), ``kv_cache_usage_peak`` (fraction of KV blocks in
         use at the busiest step), ``preempted_requests``, ``generated_tokens``; plus
-        ``weight_update_s`` (the last update's seconds)."""
+        ``weight_update_s`` (the last update's seconds) and ``sleep_freed_gib`` (device memory the
+        last ``sleep`` released; absent where sleep frees nothing)."""
         w = self._stats.take()
         out = {
             "prefix_cache_hit_rate": w["hits"] / w["queries"] if w["queries"] else 0.0,
@@ -339,6 +410,8 @@ class VLLMInferenceEngine(RolloutEngine):
         }
         if self._last_update_s is not None:
             out["weight_update_s"] = self._last_update_s
+        if self.sleep_freed_bytes:
+            out["sleep_freed_gib"] = self.sleep_freed_bytes / 2**30
         return out
 
     def close(self) -> None:

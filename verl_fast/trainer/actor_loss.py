@@ -6,7 +6,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from verl_fast.algos.losses import agg_loss, entropy_loss, kl_penalty, policy_loss
+from verl_fast.algos.losses import active_rows, agg_loss, entropy_loss, kl_penalty, policy_loss
 from verl_fast.trainer.experience import Experience
 
 
@@ -30,8 +30,8 @@ def actor_loss(a, logp: torch.Tensor, entropy: torch.Tensor, sub: Experience,
         if a.use_kl_loss:
             loss = loss + a.kl_loss_coef * kl_term
         out["kl"] = kl_term.item()
-    share = (float(sub.response_mask.sum()) / max(counts["num_tokens"], 1.0) if a.loss_agg_mode == "token-mean"
-             else sub.num_sequences / max(counts["num_seqs"], 1.0))
+    share = (float(sub.response_mask.sum()) / max(counts["num_tokens"], 1.0) if a.loss_agg_mode.startswith("token")
+             else float(active_rows(sub.response_mask)) / max(counts["num_seqs"], 1.0))
     for k in ("pg_loss", "entropy", "kl"):
         if k in out:
             out[k] = out[k] / max(share, 1e-9)

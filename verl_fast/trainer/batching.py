@@ -1,118 +1,71 @@
-"""Token-budget micro-batches for the trainer, with loss scales that keep gradient accumulation exact.
+"""How the trainer splits a step's sequences: over data-parallel ranks (balanced by tokens), into
+micro-batches (by count or under a token budget), and the normalisers that keep gradient
+accumulation exact.
 
-The trainer's update over one (per-rank) batch::
-
-    mbs = make_micro_batches(attention_mask.sum(-1), max_token_len_per_gpu,
-                             loss_weights=response_mask.sum(-1), dp_group=dp_group)
-    for idx, scale in mbs:                       # idx: int64 indices into the batch
-        loss = token_mean_loss(model(batch[idx]), response_mask[idx])   # mean over this micro-batch
-        (loss * scale).backward()
-    log_probs = mbs.restore([... one output per micro-batch ...])       # back in batch order
-
-A micro-batch's mean loss times ``scale`` sums, over micro-batches, to the mean over the whole
-batch, whatever the micro-batches' sizes: ``scale_b = W_b / W`` where ``W_b`` is the loss weight in
-micro-batch b (response tokens for a token-mean loss; sequences for the seq-mean-* modes) and ``W``
-the batch's total. With ``dp_group``, ``W`` is the total over all data-parallel ranks and the scale
-is multiplied by the group's size, because FSDP / DDP average gradients over ranks: the averaged
-gradient is then the gradient of the global mean. Dividing by the micro-batch count instead (the
-usual gradient-accumulation recipe) weights a 10-token micro-batch like a 10,000-token one.
+Exactness. A micro-batch's loss is its *sum* over response tokens (or sequences) divided by the
+count of the whole mini-batch (``loss_normalisers``), so the micro-batch losses add up to the
+mini-batch's mean whatever their sizes; dividing each micro-batch's own mean by the number of
+micro-batches instead would weight a 10-token micro-batch like a 10,000-token one. With R
+data-parallel ranks the count is the global one divided by R, because FSDP averages gradients over
+ranks: the average of the ranks' gradients is then the gradient of the global mean.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterator, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional
 
-import numpy as np
 import torch
+import torch.distributed as dist
 
+from verl_fast.algos.losses import active_rows
 from verl_fast.ops import schedule
+from verl_fast.trainer.experience import Experience, concat
 
-__all__ = ["MicroBatches", "make_micro_batches", "loss_scales"]
-
-
-def loss_scales(weights: Sequence[float], dp_group=None) -> List[float]:
-    """Per-micro-batch loss multipliers ``W_b / W`` (times the DP world size with ``dp_group``).
-
-    ``weights[b]``: micro-batch b's loss weight — its response-token count for a token-mean loss,
-    its sequence count for seq-mean-token-mean / seq-mean-token-sum. With ``dp_group`` (a
-    ``torch.distributed`` process group) ``W`` is all-reduced over the group, and each scale is
-    multiplied by the group's size to undo the gradient averaging over ranks. A micro-batch of
-    weight 0 (no response tokens) gets scale 0; skip its backward, as its mean loss is 0/0.
-    """
-    w = np.asarray([float(x) for x in weights], dtype=np.float64)
-    if w.ndim != 1 or len(w) == 0:
-        raise ValueError(f"weights must be a non-empty 1-D sequence (one per micro-batch), got {len(w)} values")
-    if not np.isfinite(w).all() or (w < 0).any():
-        raise ValueError("weights must be finite and >= 0")
-    total, world = float(w.sum()), 1
-    if dp_group is not None:
-        import torch.distributed as dist
-
-        total = float(schedule.reduce_over(dp_group, total, "sum", torch.float64))
-        world = dist.get_world_size(dp_group)
-    if total <= 0:
-        raise ValueError("the loss weights sum to 0 (no response tokens in the batch)")
-    return [float(x) * world / total for x in w]
+__all__ = ["loss_normalisers", "micro_batches", "balance_across_ranks"]
 
 
-@dataclass(frozen=True)
-class MicroBatches:
-    """Micro-batch index tensors, their loss scales, and the packing plan they came from.
-
-    Iterating gives ``(indices, loss_scale)`` pairs; ``len()`` is the micro-batch count.
-    """
-
-    indices: List[torch.Tensor]  # int64 CPU tensors: micro-batch b is batch[indices[b]]
-    loss_scales: List[float]
-    plan: schedule.Plan
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __iter__(self) -> Iterator[Tuple[torch.Tensor, float]]:
-        return iter(zip(self.indices, self.loss_scales))
-
-    def restore(self, outputs: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Per-micro-batch outputs (dim 0 runs over the micro-batch's sequences) in batch order."""
-        if len(outputs) != len(self.indices):
-            raise ValueError(f"outputs must hold one tensor per micro-batch ({len(self.indices)}), got {len(outputs)}")
-        for b, (out, idx) in enumerate(zip(outputs, self.indices)):
-            if out.shape[0] != len(idx):
-                raise ValueError(f"outputs[{b}] must have {len(idx)} rows (its micro-batch's sequences), "
-                                 f"got {out.shape[0]}")
-        cat = torch.cat(list(outputs), dim=0)
-        order = torch.cat(self.indices).to(cat.device)
-        restored = torch.empty_like(cat)
-        restored[order] = cat
-        return restored
+def loss_normalisers(response_mask: torch.Tensor, group=None) -> Dict[str, float]:
+    """The counts a (mini-)batch's losses divide by (see the module docstring): ``num_tokens``
+    (response tokens) and ``num_seqs`` (rows with at least one response token), over ``group``'s
+    ranks and divided by its size; ``dp_size``, the rank count (token-sum, a plain sum, is multiplied
+    by it instead, to undo the averaging)."""
+    tokens = float(response_mask.sum())
+    seqs = float(active_rows(response_mask))
+    if group is None:
+        return {"num_tokens": tokens, "num_seqs": seqs, "dp_size": 1}
+    world = dist.get_world_size(group)
+    return {"num_tokens": schedule.reduce_over(group, tokens, "sum", torch.float64) / world,
+            "num_seqs": schedule.reduce_over(group, seqs, "sum", torch.float64) / world, "dp_size": world}
 
 
-def make_micro_batches(token_counts, max_token_len_per_gpu: int, *, loss_weights=None, dp_group=None,
-                       same_count_across_dp: bool = True, min_num: int = 1,
-                       layout: str = "packed") -> MicroBatches:
-    """Micro-batches of one rank's batch within ``max_token_len_per_gpu`` tokens each.
+def micro_batches(rows: torch.Tensor, token_counts: Optional[torch.Tensor] = None, *, size: Optional[int] = None,
+                  max_tokens: Optional[int] = None, group=None) -> List[torch.Tensor]:
+    """``rows`` (indices into a batch) cut into micro-batches: ``size`` rows each, or, with
+    ``max_tokens``, padded micro-batches (rows x longest) within that token budget, where
+    ``token_counts[r]`` is row r's tokens. Under a budget every rank of ``group`` gets the same
+    micro-batch count (FSDP ranks must run the same number of forward passes)."""
+    if (size is None) == (max_tokens is None):
+        raise ValueError("give exactly one of size (rows per micro-batch) or max_tokens (a token budget)")
+    if max_tokens is None:
+        return [rows[i : i + size] for i in range(0, rows.numel(), size)]
+    if rows.numel() == 0:
+        return []
+    tokens = token_counts[rows].tolist()
+    plan = schedule.pack_micro_batches(tokens, max_tokens, 1, group, layout="padded")
+    return [rows[torch.as_tensor(idx, dtype=torch.long).to(rows.device)] for idx in plan]
 
-    ``token_counts``: tokens per sequence that occupy the model (e.g. ``attention_mask.sum(-1)``),
-    a list / numpy array / integer tensor. ``loss_weights``: per-sequence loss weight — response
-    tokens (``response_mask.sum(-1)``) for a token-mean loss, ones for the seq-mean modes; default
-    ``token_counts``. ``dp_group``: with ``same_count_across_dp`` every rank of the group gets the
-    same micro-batch count, and loss weights are totalled over the group (see module docstring).
-    ``layout``: ``"packed"`` (sequences concatenated, remove-padding) or ``"padded"`` (each micro-batch
-    padded to its longest sequence). A sequence over the budget gets its own micro-batch
-    (``plan.oversize`` lists them).
-    """
-    plan = schedule.pack_micro_batches(token_counts, max_token_len_per_gpu, min_num,
-                                       dp_group if (dp_group is not None and same_count_across_dp) else None,
-                                       layout=layout)
-    indices = [torch.as_tensor(g) for g in plan]
-    if loss_weights is None:
-        weights = plan.tokens
-    else:
-        w = loss_weights.detach().cpu().double().numpy() if isinstance(loss_weights, torch.Tensor) \
-            else np.asarray(loss_weights, dtype=np.float64)
-        n = sum(len(i) for i in indices)
-        if w.shape != (n,):
-            raise ValueError(f"loss_weights must hold one weight per sequence ({n}), got shape {list(w.shape)}")
-        weights = [float(w[i.numpy()].sum()) for i in indices]
-    return MicroBatches(indices=indices, loss_scales=loss_scales(weights, dp_group), plan=plan)
+
+def balance_across_ranks(exp: Experience, group=None) -> tuple[Experience, Dict[str, Any]]:
+    """The step's sequences redistributed over the ranks of ``group`` so that each trains on a nearly
+    equal token count (Karmarkar-Karp on the sequences' lengths, equal counts per rank). Call it after
+    the advantages are computed, while each rank still holds whole prompt groups."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    device = exp.input_ids.device
+    parts: List[Experience] = [None] * world  # type: ignore[list-item]
+    dist.all_gather_object(parts, exp.to(torch.device("cpu")), group=group)
+    everything = concat(parts)
+    plan = schedule.balance_partitions(everything.attention_mask.sum(-1), world, equal_size=True)
+    before = torch.stack([p.attention_mask.sum() for p in parts]).float()
+    metrics = {"dp/imbalance_before": float(before.max() / before.mean()),
+               "dp/imbalance_after": plan.report.imbalance}
+    return everything.select(torch.as_tensor(plan[rank], dtype=torch.long)).to(device), metrics

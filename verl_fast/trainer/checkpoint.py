@@ -1,89 +1,216 @@
-"""Checkpoints as Hugging Face folders (safetensors that transformers and vLLM load) plus the
-optimizer and trainer state, written atomically: into a temporary folder, then renamed.
+"""Sharded, verified checkpoints (torch DCP) and their Hugging Face export.
 
-Layout: ``<output_dir>/checkpoints/step_000010/{config.json, model.safetensors, tokenizer files,
-optimizer.pt, trainer_state.json[, critic.pt, critic_optimizer.pt]}``. A folder named ``step_N``
-is complete by construction; a run killed mid-write leaves only a ``.tmp`` folder, which resume
-ignores (and removes).
+Layout of ``<output_dir>/checkpoints/step_000010/``:
+- ``dcp/``: torch.distributed.checkpoint files; every rank writes its own shards of the actor,
+  its optimizer state (and the critic's), so no rank ever holds the whole model. DCP reshards on
+  load, so a checkpoint saved by N processes resumes in M (an FSDP2 actor resumes as a plain one).
+- ``config.json``, ``generation_config.json``, tokenizer files: the actor's HF metadata.
+- ``model.safetensors`` (or shards + index): the HF export that transformers and vLLM load, written
+  from ``dcp/`` at the end of a run (``trainer.hf_export: final``; ``every`` for each checkpoint) and
+  on demand by ``verl-fast export``.
+- ``trainer_state.json``: step, metrics history, RNG state, config.
+- ``manifest.json``: size and CRC-32 of every file above, written last.
+
+Writes go to ``step_N.tmp`` and are renamed when the manifest is in place, so a folder named
+``step_N`` is complete; on resume each candidate is verified against its manifest, newest first,
+and a damaged one is named (file and what is wrong) and skipped for the previous complete one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
 import shutil
+import sys
+import warnings
+import zlib
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
-from verl_fast.models.wrapping import hf_module, is_sharded
+from verl_fast.models.wrapping import hf_module
+from verl_fast.trainer.ranks import gather, on_main, rank_world
 
 _STEP = re.compile(r"^step_(\d+)$")
+MANIFEST = "manifest.json"
+STATE = "trainer_state.json"
+DCP = "dcp"
+# files of a checkpoint folder that are not part of the HF export
+_NOT_HF = {DCP, MANIFEST, STATE}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message names the folder or file."""
 
 
 def checkpoint_root(output_dir: str) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
-def latest(output_dir: str) -> Optional[Path]:
+def step_dirs(output_dir: str) -> List[Path]:
+    """Finished checkpoint folders, newest first."""
     root = checkpoint_root(output_dir)
     if not root.is_dir():
-        return None
+        return []
     steps = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP.match(p.name))]
-    return max(steps)[1] if steps else None
+    return [p for _, p in sorted(steps, reverse=True)]
 
 
-def full_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
-    """The whole model's parameters on the CPU, gathered from FSDP shards when sharded."""
+# ----------------------------------------------------------------------------- checksums
+
+
+def _checksums(folder: Path, files: List[str]) -> Dict[str, Dict[str, int]]:
+    """Size and CRC-32 of ``files`` (relative to ``folder``), the work split over the ranks."""
+    rank, world = rank_world()
+    records: Dict[str, Dict[str, int]] = {}
+    for part in gather({f: _file_record(folder / f) for f in files[rank::world]}):
+        records.update(part)
+    return records
+
+
+def _file_record(path: Path) -> Dict[str, Any]:
+    crc, size = 0, 0
     try:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                crc = zlib.crc32(chunk, crc)
+                size += len(chunk)
+    except OSError as e:  # reported by verify (every rank must still reach the gather)
+        return {"bytes": -1, "crc32": -1, "error": e.strerror or str(e)}
+    return {"bytes": size, "crc32": crc}
 
-        if is_sharded(model):
-            return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    except ImportError:  # pragma: no cover
-        pass
-    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+def _files(folder: Path) -> List[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+# ----------------------------------------------------------------------------- saving
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP warns on every single-process call that it assumes one process, which is what we mean."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        yield
+
+
+def _state(actor, optimizer, critic, critic_optimizer) -> Dict[str, Any]:
+    """What DCP writes: each rank's shards of the models and optimizer states (no gathering)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    state = {"actor": get_model_state_dict(actor), "actor_optim": get_optimizer_state_dict(actor, optimizer)}
+    if critic is not None:
+        state["critic"] = get_model_state_dict(critic)
+        if critic_optimizer is not None:
+            state["critic_optim"] = get_optimizer_state_dict(critic, critic_optimizer)
+    return state
+
+
+def _local_bytes(obj: Any) -> int:
+    if isinstance(obj, dict):
+        return sum(_local_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_local_bytes(v) for v in obj)
+    if hasattr(obj, "local_shards"):  # FSDP1's ShardedTensor
+        return sum(_local_bytes(s.tensor) for s in obj.local_shards())
+    if isinstance(obj, torch.Tensor):
+        local = obj.to_local() if hasattr(obj, "to_local") else obj  # DTensor: this rank's shard
+        return local.numel() * local.element_size()
+    return 0
+
+
+def _disk_full_message(root: Path, needed: int, free: int, previous: Optional[Path]) -> str:
+    intact = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+    return (f"not enough disk space for a checkpoint in {root}: about {needed:,} bytes needed, "
+            f"{free:,} free; nothing was written ({intact}). Free space or set trainer.output_dir elsewhere")
+
+
+def _is_disk_full(e: BaseException) -> bool:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left" in str(e) or "unexpected pos" in str(e):
+            return True
+        nested = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
+        if isinstance(nested, dict) and any(_is_disk_full(x[0] if isinstance(x, tuple) else x)
+                                            for x in nested.values()):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def save(output_dir: str, step: int, actor: torch.nn.Module, tokenizer: Any, optimizer: torch.optim.Optimizer,
          state: Dict[str, Any], critic: Optional[torch.nn.Module] = None,
-         critic_optimizer: Optional[torch.optim.Optimizer] = None, is_main: bool = True) -> Optional[Path]:
-    """Writes ``step_<step>`` atomically; returns its path (on the main rank)."""
-    weights = full_state_dict(actor)  # collective under FSDP: every rank calls it
-    if not is_main:
-        return None
+         critic_optimizer: Optional[torch.optim.Optimizer] = None, export_hf: bool = False) -> Path:
+    """Writes ``step_<step>`` (every rank calls this; each writes its shards). Raises CheckpointError
+    naming the folder when the disk is too full, after removing the partial write."""
+    import torch.distributed.checkpoint as dcp
+
+    _, world = rank_world()
     root = checkpoint_root(output_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:06d}"
-    tmp = root / f"step_{step:06d}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    model = hf_module(actor)
-    # tied embeddings share storage; save_pretrained de-duplicates them itself
-    model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    if critic is not None:
-        torch.save({k: v.detach().cpu() for k, v in critic.state_dict().items()}, tmp / "critic.pt")
-        if critic_optimizer is not None:
-            torch.save(critic_optimizer.state_dict(), tmp / "critic_optimizer.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=1, default=str))
-    _fsync_dir(tmp)
-    if final.exists():  # an older run's checkpoint of the same step
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
+    final, tmp = root / f"step_{step:06d}", root / f"step_{step:06d}.tmp"
+    previous = next((p for p in step_dirs(output_dir) if p != final), None)
+    shards = _state(actor, optimizer, critic, critic_optimizer)
+    # the tensors' bytes (an export writes the actor's weights once more), summed over the ranks
+    needed_bytes = sum(gather(_local_bytes(shards) + (_local_bytes(shards["actor"]) if export_hf else 0)))
+
+    def prepare() -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        free = shutil.disk_usage(root).free
+        if free < needed_bytes:
+            raise CheckpointError(_disk_full_message(root, needed_bytes, free, previous))
+        (tmp / DCP).mkdir(parents=True)
+
+    on_main(prepare)
+    try:
+        with _quiet():
+            dcp.save(shards, checkpoint_id=str(tmp / DCP), no_dist=world == 1)
+        on_main(lambda: _write_metadata(tmp, step, actor, tokenizer, state, export_hf))
+        records = _checksums(tmp, on_main(lambda: _files(tmp)))
+        on_main(lambda: _publish(tmp, final, records, step))
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        on_main(lambda: shutil.rmtree(tmp, ignore_errors=True))
+        if _is_disk_full(e):
+            free = shutil.disk_usage(root).free
+            raise CheckpointError(_disk_full_message(root, needed_bytes, free, previous)) from e
+        raise
     return final
 
 
-def _fsync_dir(path: Path) -> None:
-    for p in path.iterdir() if path.is_dir() else []:
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
+def _write_metadata(tmp: Path, step: int, actor: torch.nn.Module, tokenizer: Any, state: Dict[str, Any],
+                    export_hf: bool) -> None:
+    model = hf_module(actor)
+    if hasattr(model, "config"):
+        model.config.save_pretrained(tmp)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    (tmp / STATE).write_text(json.dumps({"step": step, **state}, indent=1, default=str))
+    if export_hf:
+        _write_safetensors(tmp / DCP, tmp)
+
+
+def _publish(tmp: Path, final: Path, records: Dict[str, Dict[str, int]], step: int) -> None:
+    """The manifest last (fsynced with everything before it), then the rename that completes it."""
+    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": records}, indent=1))
+    _fsync_tree(tmp)
+    if final.exists():  # an older run's (or a damaged) checkpoint of the same step
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync(final.parent)
+
+
+def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -91,42 +218,184 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _fsync_tree(folder: Path) -> None:
+    for p in folder.rglob("*"):
+        if p.is_file():
+            _fsync(p)
+    for p in [*(q for q in folder.rglob("*") if q.is_dir()), folder]:
+        _fsync(p)
+
+
 def clean_partial(output_dir: str) -> None:
+    """Removes the leftovers of a write that was killed (``step_N.tmp`` folders)."""
     root = checkpoint_root(output_dir)
     if root.is_dir():
         for p in root.iterdir():
-            if ".tmp-" in p.name:
+            if p.name.endswith(".tmp") or ".tmp-" in p.name:
                 shutil.rmtree(p, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- verifying and loading
+
+
+def verify(path: Path) -> Optional[str]:
+    """None when every file in ``path``'s manifest is there with its size and checksum; else what is
+    wrong, naming the file."""
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return f"{manifest} is missing (the write did not finish)"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        return f"{manifest} is unreadable ({e})"
+    names = sorted(files)
+    found = _checksums(path, names)
+    for name in names:
+        want, got = files[name], found[name]
+        if "error" in got:
+            return f"{path / name}: {got['error']}"
+        if got["bytes"] != want["bytes"]:
+            how = "empty" if got["bytes"] == 0 else "truncated" if got["bytes"] < want["bytes"] else "too long"
+            return f"{path / name} is {got['bytes']:,} bytes, the manifest says {want['bytes']:,} ({how})"
+        if got["crc32"] != want["crc32"]:
+            return f"{path / name} does not match its checksum in the manifest (corrupt)"
+    return None
+
+
+def _warn(message: str) -> None:
+    if rank_world()[0] == 0:
+        print(message, file=sys.stderr, flush=True)
+
+
+def latest_valid(output_dir: str, warn: Callable[[str], None] = _warn) -> Optional[Path]:
+    """The newest checkpoint that passes ``verify``; each damaged newer one is named and skipped."""
+    bad: List[str] = []
+    for path in step_dirs(output_dir):
+        problem = verify(path)
+        if problem is None:
+            if bad:
+                warn(f"resuming from {path.name}, the latest complete checkpoint")
+            return path
+        bad.append(path.name)
+        warn(f"checkpoint {path.name} is damaged and skipped: {problem}")
+    if bad:
+        warn(f"no complete checkpoint in {checkpoint_root(output_dir)}: starting from the initial weights")
+    return None
 
 
 def load(path: Path, actor: torch.nn.Module, optimizer: torch.optim.Optimizer,
          critic: Optional[torch.nn.Module] = None,
          critic_optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
-    """Restores weights and optimizer state in place; returns the trainer state."""
-    from safetensors.torch import load_file
+    """Restores weights and optimizer states in place, resharded to this run's layout (any number of
+    processes, sharded or not); returns the trainer state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    weights: Dict[str, torch.Tensor] = {}
-    for f in sorted(path.glob("*.safetensors")):
-        weights.update(load_file(f))
-    _load_weights(actor, weights)
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
-    if critic is not None and (path / "critic.pt").exists():
-        critic.load_state_dict(torch.load(path / "critic.pt", weights_only=True))
-        if critic_optimizer is not None and (path / "critic_optimizer.pt").exists():
-            critic_optimizer.load_state_dict(torch.load(path / "critic_optimizer.pt", weights_only=False))
-    return json.loads((path / "trainer_state.json").read_text())
+    _, world = rank_world()
+    if critic is not None and not _has_key(path, "critic."):
+        critic_optimizer, critic = None, None  # a checkpoint of a run without a critic
+    shards = _state(actor, optimizer, critic, critic_optimizer)
+    try:
+        with _quiet():
+            dcp.load(shards, checkpoint_id=str(path / DCP), no_dist=world == 1)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        raise CheckpointError(f"checkpoint {path} does not fit this run's models: {e}") from e
+    set_model_state_dict(actor, shards["actor"])
+    set_optimizer_state_dict(actor, optimizer, shards["actor_optim"])
+    if critic is not None:
+        set_model_state_dict(critic, shards["critic"])
+        if critic_optimizer is not None and "critic_optim" in shards:
+            set_optimizer_state_dict(critic, critic_optimizer, shards["critic_optim"])
+    return json.loads((path / STATE).read_text())
 
 
-def _load_weights(model: torch.nn.Module, weights: Dict[str, torch.Tensor]) -> None:
-    if is_sharded(model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+def _has_key(path: Path, prefix: str) -> bool:
+    from torch.distributed.checkpoint import FileSystemReader
 
-        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
-        return
-    module = hf_module(model)
-    missing, unexpected = module.load_state_dict(weights, strict=False)
-    tied = set(getattr(module, "_tied_weights_keys", None) or [])
-    tied_embeddings = getattr(getattr(module, "config", None), "tie_word_embeddings", False)
-    missing = [k for k in missing if k not in tied and not (tied_embeddings and k.endswith("lm_head.weight"))]
-    if missing or unexpected:
-        raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return any(k.startswith(prefix) for k in FileSystemReader(str(path / DCP)).read_metadata().state_dict_metadata)
+
+
+# ----------------------------------------------------------------------------- HF export
+
+
+def _write_safetensors(dcp_dir: Path, out: Path, max_shard_bytes: int = 5 << 30) -> List[str]:
+    """The actor's weights from ``dcp_dir`` as HF safetensors in ``out``, read a shard's worth at a
+    time (memory stays under ``max_shard_bytes`` whatever the model's size); returns the file names."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = FileSystemReader(str(dcp_dir))
+    meta = reader.read_metadata().state_dict_metadata
+    tensors = {k: m for k, m in sorted(meta.items())
+               if k.startswith("actor.") and isinstance(m, TensorStorageMetadata)}
+    if not tensors:
+        raise CheckpointError(f"{dcp_dir} holds no actor weights")
+    config = out / "config.json"
+    if config.is_file() and json.loads(config.read_text()).get("tie_word_embeddings"):
+        tensors.pop("actor.lm_head.weight", None)  # transformers ties it to the input embeddings
+    groups: List[List[str]] = [[]]
+    size = 0
+    for k, m in tensors.items():
+        nbytes = m.size.numel() * torch.empty((), dtype=m.properties.dtype).element_size()
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(k)
+        size += nbytes
+    names = (["model.safetensors"] if len(groups) == 1 else
+             [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    weight_map: Dict[str, str] = {}
+    for name, keys in zip(names, groups):
+        part = {k: torch.empty(tensors[k].size, dtype=tensors[k].properties.dtype) for k in keys}
+        with _quiet():
+            dcp.load(part, storage_reader=FileSystemReader(str(dcp_dir)), no_dist=True)
+        save_file({k[len("actor."):]: v for k, v in part.items()}, str(out / name), metadata={"format": "pt"})
+        weight_map.update({k[len("actor."):]: name for k in keys})
+    if len(names) > 1:
+        total = sum(m.size.numel() * torch.empty((), dtype=m.properties.dtype).element_size()
+                    for m in tensors.values())
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    return names
+
+
+def resolve(checkpoint: str) -> Path:
+    """A step folder as it is, or an output_dir / checkpoints folder: its newest complete checkpoint."""
+    path = Path(checkpoint)
+    if (path / DCP).is_dir():
+        return path
+    output_dir = path.parent if path.name == "checkpoints" else path
+    found = latest_valid(str(output_dir))
+    if found is None:
+        raise CheckpointError(f"{checkpoint}: no complete checkpoint there (expected a step_N folder with "
+                              f"{DCP}/ and {MANIFEST}, or a run's output_dir)")
+    return found
+
+
+def export(checkpoint: str, out_dir: str, max_shard_bytes: int = 5 << 30) -> Path:
+    """Writes the HF folder (config, tokenizer, safetensors) of ``checkpoint`` to ``out_dir``,
+    atomically: into ``out_dir.tmp``, then renamed."""
+    src = resolve(checkpoint)
+    problem = verify(src)
+    if problem is not None:
+        raise CheckpointError(f"cannot export {src}: {problem}")
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        for p in src.iterdir():
+            if p.name not in _NOT_HF and p.is_file() and not p.name.endswith(".safetensors") \
+                    and p.name != "model.safetensors.index.json":
+                shutil.copy2(p, tmp / p.name)
+        _write_safetensors(src / DCP, tmp, max_shard_bytes)
+        _fsync_tree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out

@@ -13,10 +13,23 @@ from verl_fast.ops.reshard.hf import detect_naming, hf_layout
 from verl_fast.ops.reshard.layout import Layout
 from verl_fast.ops.reshard.plan import DEFAULT_BUCKET_BYTES, DEFAULT_TILE_BYTES, ReshardPlan, Tensors
 from verl_fast.ops.reshard.spec import ModelSpec
-from verl_fast.ops.reshard.vllm import vllm_layout
+from verl_fast.ops.reshard.vllm import consecutive_tp_ranks, vllm_layout
 
+# One-shot calls keep their plans and the destination tensors they allocated, least recently used
+# dropped first: a plan's planning and a model's worth of allocations cost more than the copy itself.
 _PLANS: "OrderedDict[tuple, ReshardPlan]" = OrderedDict()
+_BUFFERS: "OrderedDict[tuple, OrderedDict]" = OrderedDict()
 _MAX_CACHED = 8
+
+
+def _remember(cache: OrderedDict, key: tuple, make):
+    if key in cache:
+        cache.move_to_end(key)
+        return cache[key]
+    value = cache[key] = make()
+    while len(cache) > _MAX_CACHED:
+        cache.popitem(last=False)
+    return value
 
 
 def plan(src_layout: Layout, dst_layout: Layout, *, rank: Optional[int] = None, group=None,
@@ -27,17 +40,16 @@ def plan(src_layout: Layout, dst_layout: Layout, *, rank: Optional[int] = None, 
                        tile_bytes=tile_bytes)
 
 
-def _cached_plan(src_layout: Layout, dst_layout: Layout, **kw) -> ReshardPlan:
-    key = (src_layout.fingerprint(), dst_layout.fingerprint(), id(kw.get("group")), kw.get("rank"),
-           kw.get("bucket_bytes"), kw.get("tile_bytes"))
-    if key in _PLANS:
-        _PLANS.move_to_end(key)
-        return _PLANS[key]
-    p = plan(src_layout, dst_layout, **kw)
-    _PLANS[key] = p
-    while len(_PLANS) > _MAX_CACHED:
-        _PLANS.popitem(last=False)
-    return p
+def _execute_cached(key: tuple, make_plan, sources: Tensors, destinations: Optional[Tensors], device):
+    """Runs the cached plan of ``key``; without ``destinations``, into the buffers this key's
+    earlier calls allocated on the same device (allocated at the first call)."""
+    p = _remember(_PLANS, key, make_plan)
+    if destinations is None:
+        if device is None:
+            first = next(iter(sources.values() if isinstance(sources, Mapping) else sources), None)
+            device = getattr(first, "device", None) or torch.device("cpu")
+        destinations = _remember(_BUFFERS, key + (str(device),), lambda: p.allocate_destinations(device))
+    return p.execute(sources, destinations)
 
 
 def reshard(sources: Tensors, src_layout: Layout, dst_layout: Layout, destinations: Optional[Tensors] = None, *,
@@ -46,12 +58,15 @@ def reshard(sources: Tensors, src_layout: Layout, dst_layout: Layout, destinatio
     """Moves this rank's ``sources`` (held as ``src_layout`` says) into ``dst_layout``'s tensors.
 
     Returns this rank's destination tensors by name (written into ``destinations`` when given).
-    The plan is built on the first call for a pair of layouts and reused afterwards; for full
-    control keep the plan yourself: ``p = verl_fast.reshard.plan(src, dst); p.execute(s, d)``.
+    The plan is built on the first call for a pair of layouts and reused afterwards, and so are the
+    destination tensors it allocates: a later call with the same layouts overwrites the tensors an
+    earlier one returned (clone them to keep them). For full control keep the plan yourself:
+    ``p = verl_fast.reshard.plan(src, dst); p.execute(s, d)``.
     """
-    p = _cached_plan(src_layout, dst_layout, rank=rank, group=group, bucket_bytes=bucket_bytes,
-                     tile_bytes=tile_bytes)
-    return p.execute(sources, destinations, device=device)
+    key = (src_layout.fingerprint(), dst_layout.fingerprint(), id(group), rank, bucket_bytes, tile_bytes)
+    return _execute_cached(key, lambda: plan(src_layout, dst_layout, rank=rank, group=group,
+                                             bucket_bytes=bucket_bytes, tile_bytes=tile_bytes),
+                           sources, destinations, device)
 
 
 reshard.plan = plan  # verl_fast.reshard.plan(src_layout, dst_layout, ...)
@@ -81,7 +96,8 @@ def vllm_weights(model_or_state_dict: Union[torch.nn.Module, Mapping[str, torch.
     ``gate_up_proj``, ``w13_weight``/``w2_weight``, padded vocab) from an HF model, its state dict,
     or an FSDP2-sharded model (then collective: every rank calls it and gets the shard of its TP
     rank, by default ``rank % tensor_parallel_size``). ``dtype`` converts on the way (default: the
-    sources').
+    sources'). Layouts, plan and output tensors are kept for the next call with the same model
+    shape, tensors and placements: the tensors returned are overwritten by that call.
 
     Engines that repack weights after loading (vLLM's CPU backend) take these through
     ``collective_rpc("reload_weights", ...)``: pass ``tensor_parallel_size=1`` there, vLLM slices its
@@ -91,22 +107,39 @@ def vllm_weights(model_or_state_dict: Union[torch.nn.Module, Mapping[str, torch.
     if isinstance(model_or_state_dict, torch.nn.Module):
         spec = model_spec(config if config is not None else model_or_state_dict)
         state = model_or_state_dict.state_dict()
+    elif not isinstance(model_or_state_dict, Mapping):
+        raise TypeError("model_or_state_dict must be a torch.nn.Module or a state dict (name -> tensor), got "
+                        f"{type(model_or_state_dict).__name__}")
     else:
         if config is None:
             raise ValueError("config (an HF config or a ModelSpec) is required with a state dict")
         spec, state = model_spec(config), model_or_state_dict
-    src = source_layout(spec, state)
-    dtype = dtype or next((t.dtype for t in src.tensors), spec.dtype)
     tp = int(tensor_parallel_size)
-    if src.world_size > 1:
-        import torch.distributed as dist
+    key = ("vllm", spec, tp, tp_rank, dtype, bucket_bytes, _signature(state))
 
-        mine = (dist.get_rank() % tp) if tp_rank is None else int(tp_rank)
-        every = [None] * src.world_size
-        dist.all_gather_object(every, mine)
-        tp_of: Dict[int, int] = dict(enumerate(every))
-    else:
-        tp_of = {0: 0 if tp_rank is None else int(tp_rank)}
-    dst = vllm_layout(spec, tp, tp_of, world_size=src.world_size, dtype=dtype)
-    out = reshard(state, src, dst, bucket_bytes=bucket_bytes, device=device)
-    return iter(out.items())
+    def make_plan() -> ReshardPlan:
+        src = source_layout(spec, state)
+        wire = dtype or next((t.dtype for t in src.tensors), spec.dtype)
+        return plan(src, vllm_layout(spec, tp, _tp_ranks(src.world_size, tp, tp_rank), world_size=src.world_size,
+                                     dtype=wire), bucket_bytes=bucket_bytes)
+
+    return iter(_execute_cached(key, make_plan, state, None, device).items())
+
+
+def _signature(state: Mapping[str, torch.Tensor]) -> tuple:
+    """What a state dict's layout depends on: names, shapes, dtypes, devices, DTensor placements."""
+    return tuple((k, tuple(v.shape), v.dtype, v.device, str(getattr(v, "placements", "")),
+                  id(getattr(v, "device_mesh", None))) for k, v in state.items())
+
+
+def _tp_ranks(world: int, tp: int, tp_rank: Optional[int]) -> Dict[int, int]:
+    """Each process rank's TP rank (gathered when this rank's was given explicitly)."""
+    if world == 1:
+        return {0: 0 if tp_rank is None else int(tp_rank)}
+    if tp_rank is None:
+        return consecutive_tp_ranks(world, tp)
+    import torch.distributed as dist
+
+    every = [None] * world
+    dist.all_gather_object(every, int(tp_rank))
+    return dict(enumerate(every))

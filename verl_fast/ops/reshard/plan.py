@@ -26,14 +26,15 @@ Tensors = Union[Mapping[str, torch.Tensor], Sequence[torch.Tensor]]
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _data_ptr = torch.Tensor.data_ptr
 
-_DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3, torch.int64: 4,
-                torch.int32: 5, torch.uint8: 6, torch.bool: 7}
 
 
 def _dtype_code(dtype: torch.dtype, name: str) -> int:
-    if dtype not in _DTYPE_CODES:
-        raise TypeError(f"{name}: unsupported dtype {dtype}; supported: {list(_DTYPE_CODES)}")
-    return _DTYPE_CODES[dtype]
+    """The planner's code for ``dtype`` (``_C.DType``, whose names are torch's)."""
+    codes = ext().DType.__members__
+    key = str(dtype).removeprefix("torch.")
+    if key not in codes:
+        raise TypeError(f"{name}: unsupported dtype {dtype}; supported: {list(codes)}")
+    return int(codes[key])
 
 
 def _tables(layout: Layout, index: Dict[str, int], groups: Optional[Dict[str, int]]):
@@ -48,8 +49,9 @@ def _tables(layout: Layout, index: Dict[str, int], groups: Optional[Dict[str, in
                 continue  # a source's padding feeds nothing
             pieces.append((index[p.logical] if p.logical is not None else -1, p.row0, p.nrows, p.col0, p.ncols, i,
                            p.offset, p.pitch))
+    # column order: reshard.h's TensorCol and PieceCol
     as_t = lambda x, n: torch.tensor(x, dtype=torch.int64).reshape(-1, n)  # noqa: E731
-    return as_t(rows, 4), as_t(pieces, 8), [t.name for t in layout.tensors]
+    return as_t(rows, ext().reshard_tensor_cols), as_t(pieces, ext().reshard_piece_cols), [t.name for t in layout.tensors]
 
 
 class ReshardPlan:
@@ -145,6 +147,9 @@ class ReshardPlan:
     # ---- execution ----
 
     def _ordered(self, given: Tensors, expected: List[PhysTensor], what: str, aliases=()) -> List[torch.Tensor]:
+        if not hasattr(given, "__iter__") or isinstance(given, (str, bytes, torch.Tensor)):
+            raise TypeError(f"{what}s must be a mapping of name -> tensor or a sequence of tensors in "
+                            f"{what}_names order, got {type(given).__name__}")
         if isinstance(given, Mapping):
             try:  # fast path: exact names, nothing extra
                 if len(given) == len(expected):
@@ -205,7 +210,7 @@ class ReshardPlan:
 
     def _run(self, device: torch.device) -> None:
         C, phase = self._c, self._phase
-        stream = cuda_stream(self._slots[0]) if device.type == "cuda" else 0
+        stream = cuda_stream(self._slots[0])
         threads = torch.get_num_threads()
         nb = C.num_buckets
         pending: Dict[int, list] = {}

@@ -8,9 +8,10 @@ memory: dense layers as ``model.layers.N.{self_attn,mlp}.*``; MoE experts fused 
 
 from __future__ import annotations
 
+import numbers
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Dict, Tuple
+from typing import Dict, Sequence, Tuple
 
 import torch
 
@@ -75,6 +76,8 @@ class ModelSpec:
         if family not in FAMILIES:
             raise ValueError(f"unsupported model_type {family!r}; supported: {FAMILIES}")
         g = lambda key, default=None: getattr(config, key, default)  # noqa: E731
+        positive_ints(config, ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"),
+                      ("num_key_value_heads", "head_dim"), "the model config")
         heads = g("num_attention_heads")
         head_dim = g("head_dim") or g("hidden_size") // heads
         kw = dict(
@@ -110,6 +113,17 @@ class ModelSpec:
             if isinstance(dtype, str):
                 dtype = getattr(torch, dtype)
         return ModelSpec(dtype=dtype, **kw)
+
+
+def positive_ints(config, required: Sequence[str], optional: Sequence[str], what: str) -> None:
+    """Each ``required`` attribute of ``config`` is an int >= 1, and each ``optional`` one too
+    unless it is missing or None (a ValueError naming the key, before anything divides by it)."""
+    for key in list(required) + list(optional):
+        value = getattr(config, key, None)
+        if value is None and key in optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{what}: {key} must be an integer >= 1, got {value!r}")
 
 
 def layer_prefix(i: int) -> str:

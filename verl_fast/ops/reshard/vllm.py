@@ -15,12 +15,13 @@ layers' weight loaders:
 
 from __future__ import annotations
 
-from typing import List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from verl_fast.ops.reshard.layout import Layout, PhysTensor, col_slice, even_split, replicated, row_bands
-from verl_fast.ops.reshard.spec import ModelSpec, layer_prefix, logical_shapes
+from verl_fast.ops.reshard.hf import hf_layout
+from verl_fast.ops.reshard.layout import Layout, PhysTensor, Piece, col_slice, even_split, replicated, row_bands
+from verl_fast.ops.reshard.spec import ModelSpec, as_2d, layer_prefix, logical_shapes
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 EXPERTS_PREFIX = "experts.routed_experts."  # where vLLM 0.32 registers FusedMoE's weights
@@ -128,6 +129,12 @@ def vllm_tensors(spec: ModelSpec, tp: int, t: int, rank: int, dtype, experts_pre
     return out
 
 
+def consecutive_tp_ranks(world_size: int, tensor_parallel_size: int) -> Dict[int, int]:
+    """Each process rank's TP rank when consecutive ranks form TP groups (vLLM's own grouping under
+    an external launcher): ``r % T``."""
+    return {r: r % int(tensor_parallel_size) for r in range(int(world_size))}
+
+
 def vllm_layout(spec: ModelSpec, tensor_parallel_size: int = 1, tp_rank_of: Optional[Mapping[int, int]] = None,
                 world_size: Optional[int] = None, dtype: Optional[torch.dtype] = None,
                 experts_prefix: str = EXPERTS_PREFIX) -> Layout:
@@ -151,3 +158,62 @@ def vllm_layout(spec: ModelSpec, tensor_parallel_size: int = 1, tp_rank_of: Opti
 def vllm_names(spec: ModelSpec, tensor_parallel_size: int = 1) -> Sequence[str]:
     """vLLM's parameter names in load order (the same on every TP rank)."""
     return [t.name for t in vllm_tensors(spec, tensor_parallel_size, 0, 0, spec.dtype)]
+
+
+Rect = Tuple[int, int, int, int]  # row0, nrows, col0, ncols
+
+
+def _needed(spec: ModelSpec, tp: int, t: int) -> Dict[str, List[Rect]]:
+    """The regions of each logical tensor that vLLM's TP rank ``t`` holds."""
+    out: Dict[str, List[Rect]] = {}
+    for phys in vllm_tensors(spec, tp, t, 0, spec.dtype):
+        for p in phys.pieces:
+            if p.logical is not None:
+                out.setdefault(p.logical, []).append((p.row0, p.nrows, p.col0, p.ncols))
+    return out
+
+
+def _gaps(rows: int, cols: int, covered: List[Rect]) -> List[Rect]:
+    """Rectangles tiling the part of a ``rows x cols`` grid that ``covered`` (disjoint) leaves free:
+    horizontal strips between row boundaries, and the column gaps inside each strip."""
+    cuts = sorted({0, rows} | {r for r0, n, _, _ in covered for r in (r0, r0 + n)})
+    out = []
+    for a, b in zip(cuts, cuts[1:]):
+        spans = sorted((c0, c0 + n) for r0, nr, c0, n in covered if r0 <= a and b <= r0 + nr)
+        col = 0
+        for c0, c1 in spans + [(cols, cols)]:
+            if c0 > col:
+                out.append((a, b - a, col, c0 - col))
+            col = max(col, c1)
+    return out
+
+
+def vllm_reload_layout(spec: ModelSpec, tensor_parallel_size: int = 1,
+                       tp_rank_of: Optional[Mapping[int, int]] = None, world_size: Optional[int] = None,
+                       dtype: Optional[torch.dtype] = None) -> Layout:
+    """What vLLM's reload path (``reload_weights``, the model's own ``load_weights``) takes on each
+    rank: whole tensors with checkpoint names, out of which vLLM's loaders slice their TP shard.
+    Only the regions that rank's TP shard reads are filled from the sources (so each rank receives
+    exactly its shard's bytes, as with :func:`vllm_layout`); the rest is zeros, never read."""
+    tp = int(tensor_parallel_size)
+    ranks = dict(tp_rank_of) if tp_rank_of is not None else {t: t for t in range(tp)}
+    world = world_size if world_size is not None else max(ranks) + 1
+    dtype = dtype or spec.dtype
+    whole = hf_layout(spec, names="checkpoint", dtype=dtype)
+    needed = {t: _needed(spec, tp, t) for t in set(ranks.values())}
+    tensors: List[PhysTensor] = []
+    for rank, t in sorted(ranks.items()):
+        for phys in whole.tensors:
+            rows, cols = as_2d(phys.shape)
+            pieces, covered = [], []
+            for p in phys.pieces:  # whole HF tensors: pitch == cols
+                for r0, nr, c0, nc in needed[t].get(p.logical, ()):
+                    a, b = max(r0, p.row0), min(r0 + nr, p.row0 + p.nrows)
+                    c, d = max(c0, p.col0), min(c0 + nc, p.col0 + p.ncols)
+                    if a < b and c < d:
+                        at = p.offset + (a - p.row0) * p.pitch + (c - p.col0)
+                        pieces.append(Piece(p.logical, a, b - a, c, d - c, at, p.pitch))
+                        covered.append((at // cols, b - a, at % cols, d - c))
+            pieces += [Piece(None, 0, nr, 0, nc, r0 * cols + c0, cols) for r0, nr, c0, nc in _gaps(rows, cols, covered)]
+            tensors.append(PhysTensor(phys.name, rank, phys.shape, dtype, pieces, phys.group))
+    return Layout(whole.logical, tensors, world, kind=f"vllm-reload[tp={tp}]", aliases=whole.aliases)

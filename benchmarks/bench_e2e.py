@@ -1,0 +1,388 @@
+"""End to end: our GRPO step against TRL's ``GRPOTrainer`` -- same model, prompts, reward, batch and
+lengths -- on 1 GPU, and ours on 2 GPUs (FSDP2 under torchrun); per-phase times, tokens/s per GPU,
+update MFU and peak memory.
+
+The setup: a Qwen2-shaped model with random float32 weights, built here from its config (``0.5b``:
+hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864; ``1.5b``: 1536, 28, 12, 2, 8960;
+vocab 49152 = the demo tokenizer's, tied embeddings); 16 chat prompts x 8 samples, 256 new tokens
+(random weights almost never emit EOS), temperature 1, bf16 autocast, Hugging Face rollout, lr 1e-6,
+no KL, a random reward in [0, 1) (a constant one would zero every advantage and skip the backward).
+TRL 1.16: ``per_device_train_batch_size=16, gradient_accumulation_steps=8, num_generations=8`` (128
+completions per optimizer step), ``bf16=True, beta=0.0, model_init_kwargs={"dtype": float32}``,
+``max_completion_length=256``, its other defaults (gradient checkpointing on, as it ships). Ours:
+micro-batches of 16 sequences, as TRL's. The first ``--skip`` steps of each run are warm-up; the
+figures are medians of the rest. Each run is its own process (ours and TRL's 1-GPU runs side by side
+on two GPUs when there are two).
+
+    python benchmarks/bench_e2e.py --prepare-assets      # copy the demo tokenizer into .bench_assets/
+    python benchmarks/bench_e2e.py --device cuda [--shapes 0.5b,1.5b] [--gpus 1,2]
+    python benchmarks/bench_e2e.py --device cpu --tiny   # smoke test of every path on a tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import Report, device_name  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+ASSETS = Path(os.environ.get("VF_BENCH_ASSETS", REPO / ".bench_assets")) / "tokenizer"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+SHAPES = {
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864),
+    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                 intermediate_size=8960),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128),
+}
+SYSTEM = "Answer with just the number."
+
+
+# ---------------------------------------------------------------- setup (parent process)
+
+
+def prepare_assets() -> Path:
+    """Copies the demo model's tokenizer files (about 3.5 MB) to .bench_assets/tokenizer."""
+    from verl_fast.models.demo import demo_model_path
+
+    source = demo_model_path()
+    ASSETS.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, ASSETS / name)
+    return ASSETS
+
+
+def build_model(shape: str, folder: Path, device: str) -> Path:
+    """Random float32 weights of ``shape`` (initialised on ``device``), saved with the tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
+    if not (ASSETS / "tokenizer.json").is_file():
+        raise SystemExit(f"{ASSETS} has no tokenizer: run `python benchmarks/bench_e2e.py --prepare-assets` "
+                         "where the demo model is installed, and carry .bench_assets/")
+    tokenizer = AutoTokenizer.from_pretrained(ASSETS)
+    eos = tokenizer.eos_token_id
+    cfg = Qwen2Config(vocab_size=len(tokenizer), tie_word_embeddings=True, max_position_embeddings=4096,
+                      eos_token_id=eos, pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                      else eos, bos_token_id=tokenizer.bos_token_id, **SHAPES[shape])
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def chat_prompts(count: int, seed: int = 0) -> List[List[Dict[str, str]]]:
+    """Arithmetic questions in the demo's chat form, a few lengths."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        terms = [str(rng.randint(0, 99)) for _ in range(2 + i % 4)]
+        out.append([{"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": f"What is {' + '.join(terms)}?"}])
+    return out
+
+
+# ---------------------------------------------------------------- workers (one process per run)
+
+
+def worker_ours(args) -> Dict[str, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl_fast.trainer.rl_trainer import RLTrainer
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # the CPU smoke test: ranks and runs share a few cores
+    if world > 1:
+        import torch.distributed as dist
+
+        if args.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    rng = random.Random(rank)
+    cfg = {
+        "actor": {"lr": 1e-6, "autocast": "bfloat16", "micro_batch_size": 16},
+        "rollout": {"type": "hf", "n": args.n, "max_new_tokens": args.tokens, "temperature": 1.0},
+        "algorithm": {"type": "grpo"},
+        "trainer": {"train_batch_size": args.prompts, "total_steps": args.steps, "device": args.device,
+                    "output_dir": tempfile.mkdtemp(prefix="bench_e2e_"), "progress_bar": False, "plot": False},
+    }
+    trainer = RLTrainer(actor_model=model, tokenizer=tokenizer, config=cfg,
+                        reward_fn=lambda solution_str, ground_truth: rng.random())
+    rows = trainer.processor.encode_all([{"prompt": p, "reward_model": {"ground_truth": "0"}, "data_source": "bench"}
+                                         for p in chat_prompts(args.prompts * args.steps)])
+    steps = []
+    for s in range(args.steps):
+        batch = rows[s * args.prompts : (s + 1) * args.prompts][rank::world]
+        m = trainer.train_step(batch)
+        steps.append({k: v for k, v in m.items() if isinstance(v, (int, float))})
+        if rank == 0:
+            print(f"ours {args.shape} x{world}: step {s + 1} {m['time/step']:.2f} s  "
+                  f"gen {m.get('time/generation', 0):.2f} s  update {m.get('time/update_actor', 0):.2f} s", flush=True)
+    return {"impl": "verl_fast", "world": world, "steps": steps,
+            "prompt_tokens_mean": statistics.mean(len(r.prompt_ids) for r in rows), "rank": rank}
+
+
+def worker_trl(args) -> Dict[str, Any]:
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    import trl
+
+    rng = random.Random(0)
+
+    def reward(completions, **kwargs):
+        return [rng.random() for _ in completions]
+
+    class Timer(TrainerCallback):
+        def __init__(self):
+            self.steps: List[Dict[str, float]] = []
+            self.logs: List[Dict[str, float]] = []
+
+        def on_step_begin(self, *a, **k):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            step = {"wall_s": time.perf_counter() - self.start}
+            if torch.cuda.is_available():
+                step["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            self.steps.append(step)
+            print(f"trl {args.shape}: step {len(self.steps)} {step['wall_s']:.2f} s", flush=True)
+
+        def on_log(self, _args, state, control, logs=None, **k):
+            self.logs.append({k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))})
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    prompts = chat_prompts(args.prompts * (args.steps + 1))
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="bench_e2e_trl_"), per_device_train_batch_size=args.prompts,
+        gradient_accumulation_steps=args.n, num_generations=args.n, max_completion_length=args.tokens,
+        bf16=args.device == "cuda", beta=0.0, learning_rate=1e-6, temperature=1.0,
+        model_init_kwargs={"dtype": torch.float32}, max_steps=args.steps, logging_steps=1, save_strategy="no",
+        report_to="none", disable_tqdm=True, seed=0, use_cpu=args.device == "cpu")
+    timer = Timer()
+    trainer = GRPOTrainer(model=args.model, reward_funcs=reward, args=config, processing_class=tokenizer,
+                          train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]), callbacks=[timer])
+    trainer.train()
+    prompt_tokens = [len(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False)) for p in prompts]
+    return {"impl": f"trl {trl.__version__}", "world": 1, "steps": timer.steps,
+            "logs": [log for log in timer.logs if "step_time" in log], "prompt_tokens_mean": statistics.mean(prompt_tokens)}
+
+
+# ---------------------------------------------------------------- orchestration
+
+
+def launch(kind: str, args, model: Path, gpus: int, visible: Optional[str], out: Path) -> subprocess.Popen:
+    """Starts one worker process (torchrun for ours on several GPUs); its JSON goes to ``out``. On
+    ``gpus`` GPUs the job has ``gpus`` times the prompts: each GPU decodes and trains as many
+    sequences as the 1-GPU run (decoding time hardly depends on the batch, so a fixed job split
+    over more GPUs would measure latency, not throughput)."""
+    steps = args.trl_steps if kind == "trl" else args.steps
+    worker = [str(Path(__file__).resolve()), "--worker", kind, "--model", str(model), "--out", str(out),
+              "--device", args.device, "--shape", args.current_shape, "--steps", str(steps),
+              "--prompts", str(args.prompts * gpus), "--samples", str(args.n), "--tokens", str(args.tokens)]
+    if gpus > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"] + worker
+    else:
+        cmd = [sys.executable] + worker
+    env = dict(os.environ)
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    return subprocess.Popen(cmd, env=env)
+
+
+def wait(proc: subprocess.Popen, out: Path, label: str, timeout: float) -> Optional[Dict[str, Any]]:
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        print(f"bench_e2e: {label} ran past {timeout:.0f} s and was stopped", flush=True)
+        return None
+    if code != 0 or not out.is_file():
+        print(f"bench_e2e: {label} failed (exit {code})", flush=True)
+        return None
+    return json.loads(out.read_text())
+
+
+def steady(run: Dict[str, Any], key: str, skip: int) -> Optional[float]:
+    values = [s[key] for s in run["steps"][skip:] if key in s]
+    return statistics.median(values) if values else None
+
+
+PHASES = ("generation", "reward", "old_logprob", "ref", "advantages", "update_actor", "weight_sync")
+
+
+def summarise_ours(run: Dict[str, Any], skip: int) -> Dict[str, Any]:
+    out = {"step_s": steady(run, "time/step", skip), "world": run["world"],
+           "tokens_per_s_per_gpu": steady(run, "perf/tokens_per_s_per_gpu", skip),
+           "mfu_update": steady(run, "perf/mfu_update", skip),
+           "peak_memory_gib": max((s["perf/peak_memory_gib"] for s in run["steps"] if "perf/peak_memory_gib" in s),
+                                  default=None),
+           "response_length": steady(run, "response/length", skip),
+           "cuda_graph_decoding": steady(run, "rollout/cuda_graph", skip)}
+    out["phases_s"] = {p: steady(run, f"time/{p}", skip) for p in PHASES if steady(run, f"time/{p}", skip) is not None}
+    return out
+
+
+def summarise_trl(run: Dict[str, Any], skip: int, sequences: int) -> Dict[str, Any]:
+    logs = run["logs"][skip:]
+    length = statistics.median(log["completions/mean_length"] for log in logs) if logs else None
+    step = steady(run, "wall_s", skip)
+    out = {"step_s": step, "world": 1, "step_time_logged_s": statistics.median(log["step_time"] for log in logs)
+           if logs else None, "response_length": length,
+           "peak_memory_gib": max((s["peak_memory_gib"] for s in run["steps"] if "peak_memory_gib" in s),
+                                  default=None)}
+    if step and length is not None:
+        out["tokens_per_s_per_gpu"] = sequences * (run["prompt_tokens_mean"] + length) / step
+    return out
+
+
+def run_shape(shape: str, args, workdir: Path, report: Report) -> None:
+    args.current_shape = shape
+    folder = build_model(shape, workdir / shape, args.device)
+    gpus_here = torch.cuda.device_count() if args.device == "cuda" else 2
+    side_by_side = args.device == "cuda" and gpus_here >= 2
+    results: Dict[str, Optional[Dict[str, Any]]] = {}
+    ours1 = launch("ours", args, folder, 1, "0" if args.device == "cuda" else None, workdir / f"{shape}_ours1.json")
+    if not args.no_trl:
+        if not side_by_side:
+            results["ours1"] = wait(ours1, workdir / f"{shape}_ours1.json", f"ours {shape} 1 GPU", args.timeout)
+        trl = launch("trl", args, folder, 1, "1" if side_by_side else None, workdir / f"{shape}_trl.json")
+        results["trl"] = wait(trl, workdir / f"{shape}_trl.json", f"TRL {shape}", args.timeout)
+    if "ours1" not in results:
+        results["ours1"] = wait(ours1, workdir / f"{shape}_ours1.json", f"ours {shape} 1 GPU", args.timeout)
+    if 2 in args.gpus and gpus_here >= 2:
+        proc = launch("ours", args, folder, 2, None, workdir / f"{shape}_ours2.json")
+        results["ours2"] = wait(proc, workdir / f"{shape}_ours2.json", f"ours {shape} 2 GPUs", args.timeout)
+    shutil.rmtree(folder, ignore_errors=True)
+    sequences = args.prompts * args.n
+    summary = {}
+    for key, run in results.items():
+        if run is not None:
+            summary[key] = summarise_trl(run, args.skip, sequences) if key == "trl" else summarise_ours(run, args.skip)
+    report.meta[shape] = {"config": SHAPES[shape], "prompts_per_gpu": args.prompts, "n": args.n,
+                          "new_tokens": args.tokens,
+                          "runs": summary, "raw": results}
+    for key, s in summary.items():
+        if s.get("step_s") is None:
+            continue
+        impl = "trl GRPOTrainer" if key == "trl" else "verl_fast"
+        gpus = s["world"]
+        peak = s.get("peak_memory_gib")
+        report.add(f"{shape} step {gpus} GPU", impl, s["step_s"] * 1e3,
+                   extra_bytes=int(peak * 2**30) if peak else None,
+                   note=f"{s.get('tokens_per_s_per_gpu') or 0:.0f} tok/s/GPU")
+
+
+def table(report: Report) -> str:
+    lines = [f"e2e GRPO step ({report.meta['setup']}) on {report.meta['device_name']}",
+             f"{'shape':<6} {'GPUs':>4} {'impl':<10} {'step s':>7} {'vs TRL':>7} {'tok/s/GPU':>10} {'job x1GPU':>9} "
+             f"{'peak GiB':>8} {'gen s':>6} {'update s':>8} {'MFU upd':>7} {'graphs':>6}"]
+    for shape, meta in report.meta.items():
+        if not isinstance(meta, dict) or "runs" not in meta:
+            continue
+        runs = meta["runs"]
+        trl_step = (runs.get("trl") or {}).get("step_s")
+        base = (runs.get("ours1") or {}).get("tokens_per_s_per_gpu")
+        for key in ("ours1", "trl", "ours2"):
+            s = runs.get(key)
+            if not s or s.get("step_s") is None:
+                continue
+            tps = s.get("tokens_per_s_per_gpu")
+            scale = f"{tps * s['world'] / base:9.2f}" if tps and base and key == "ours2" else ""
+            ratio = f"{s['step_s'] / trl_step:7.2f}" if trl_step and key == "ours1" else ""
+            phases = s.get("phases_s", {})
+            fmt = lambda v, w, d: f"{v:{w}.{d}f}" if v is not None else " " * w  # noqa: E731
+            lines.append(f"{shape:<6} {s['world']:>4} {'trl' if key == 'trl' else 'ours':<10} {s['step_s']:7.2f} "
+                         f"{ratio:>7} {fmt(tps, 10, 0)} {scale:>9} {fmt(s.get('peak_memory_gib'), 8, 1)} "
+                         f"{fmt(phases.get('generation'), 6, 2)} {fmt(phases.get('update_actor'), 8, 2)} "
+                         f"{fmt(100 * s['mfu_update'] if s.get('mfu_update') else None, 7, 1)} "
+                         f"{ {None: '', 0.0: 'no', 1.0: 'yes'}.get(s.get('cuda_graph_decoding'), 'some'):>6}")
+    lines.append("vs TRL: our step time / TRL's (wall time per optimizer step); job x1GPU: the 2-GPU job's tokens/s "
+                 "over the 1-GPU run's; MFU upd: percent of the bf16 peak in the actor update; graphs: whether our "
+                 "rollout decoded by CUDA-graph replays")
+    return "\n".join(lines)
+
+
+class E2EReport(Report):
+    def table(self) -> str:
+        return table(self)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prepare-assets", action="store_true", help="copy the demo tokenizer to .bench_assets/")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    p.add_argument("--tiny", action="store_true", help="2-layer model, 4 prompts x 4 samples x 16 tokens, 3 steps")
+    p.add_argument("--shapes", default="0.5b,1.5b")
+    p.add_argument("--gpus", default="1,2", help="1: ours and TRL on one GPU; 2: ours on two (FSDP2)")
+    p.add_argument("--steps", type=int, default=5, help="steps of each of our runs")
+    p.add_argument("--trl-steps", type=int, default=4)
+    p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the medians")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--samples", dest="n", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--no-trl", action="store_true")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+    p.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--shape", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.prepare_assets:
+        print(f"tokenizer files in {prepare_assets()}")
+        return 0
+    if args.worker:
+        result = (worker_ours if args.worker == "ours" else worker_trl)(args)
+        if result.get("rank", 0) == 0:
+            Path(args.out).write_text(json.dumps(result))
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        return 0
+    shapes = args.shapes.split(",")
+    if args.tiny:
+        shapes, args.prompts, args.n, args.tokens, args.steps, args.trl_steps, args.skip = ["tiny"], 4, 4, 16, 3, 3, 1
+    args.gpus = [int(g) for g in args.gpus.split(",")]
+    report = E2EReport("e2e" + ("_tiny" if args.tiny else ""), args.device)
+    report.meta.update(setup=f"{args.prompts} prompts x {args.n} per GPU, {args.tokens} new tokens",
+                       device_name=device_name(args.device))
+    with tempfile.TemporaryDirectory(prefix="bench_e2e_") as work:
+        for shape in shapes:
+            run_shape(shape, args, Path(work), report)
+    path = report.save()
+    print(f"saved {path}")
+    print(report.table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+// Python bindings of the resharding engine (declarations, and the GIL-held check that bound tensors
+// did not move before a run; the planner checks its tables).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <tuple>
+
+#include "bindings.h"
+#include "py_tensor.h"
+#include "reshard/reshard.h"
+
+namespace py = pybind11;
+
+namespace vf {
+
+void bind_reshard(py::module_& m) {
+  using namespace reshard;
+  py::enum_<Phase>(m, "ReshardPhase")
+      .value("pack", Phase::pack)
+      .value("copy", Phase::copy)
+      .value("copy_local", Phase::copy_local)
+      .value("copy_received", Phase::copy_received);
+  // Column counts of the int64 tables Python builds (the column order is reshard.h's).
+  m.attr("reshard_piece_cols") = static_cast<int>(kPieceCols);
+  m.attr("reshard_tensor_cols") = static_cast<int>(kTensorCols);
+
+  py::class_<PlanArgs> args(m, "ReshardPlanArgs");
+  args.def(py::init<>());
+#define VF_BIND(type, name, init, doc) args.def_readwrite(#name, &PlanArgs::name, doc);
+  VF_PLAN_ARGS_FIELDS(VF_BIND)
+#undef VF_BIND
+
+  auto messages = [](const std::vector<Message>& ms) {
+    std::vector<std::tuple<int64_t, int64_t, int64_t>> out;
+    for (const auto& x : ms) out.emplace_back(x.peer, x.offset, x.bytes);
+    return out;
+  };
+  py::class_<Plan>(m, "ReshardPlan")
+      .def(py::init<const PlanArgs&>(), py::arg("args"), py::call_guard<py::gil_scoped_release>(),
+           "Plans one rank's copies and messages; see csrc/reshard/reshard.h")
+      .def_property_readonly("rank", &Plan::rank)
+      .def_property_readonly("world_size", &Plan::world_size)
+      .def_property_readonly("num_buckets", &Plan::num_buckets)
+      .def_property_readonly("local_sources", &Plan::local_sources)
+      .def_property_readonly("local_destinations", &Plan::local_destinations)
+      .def_property_readonly("max_send_bytes", &Plan::max_send_bytes)
+      .def_property_readonly("max_recv_bytes", &Plan::max_recv_bytes)
+      .def_property_readonly("local_bytes", &Plan::local_bytes)
+      .def_property_readonly("received_bytes", &Plan::received_bytes)
+      .def_property_readonly("zero_bytes", &Plan::zero_bytes)
+      .def_property_readonly("num_segments", [](const Plan& p) { return p.segments().size(); })
+      .def_property_readonly("num_tiles", [](const Plan& p) { return p.tiles().size(); })
+      .def("sends", [messages](const Plan& p, int64_t b) { return messages(p.bucket(b).sends); },
+           py::arg("bucket"), "(peer, byte offset in the send slot, bytes) of each message")
+      .def("recvs", [messages](const Plan& p, int64_t b) { return messages(p.bucket(b).recvs); },
+           py::arg("bucket"), "(peer, byte offset in the receive slot, bytes) of each message")
+      .def("groups", [](const Plan& p, int64_t b) { return p.bucket(b).groups; }, py::arg("bucket"))
+      .def("bind", &Plan::bind, py::arg("sources"), py::arg("destinations"), py::arg("send_slots"),
+           py::arg("recv_slots"))
+      .def(
+          "run",
+          [](Plan& p, int64_t bucket, Phase phase, CudaStream stream, int num_threads) {
+            // The tensors this run touches are still where bind() found them (checked holding the GIL).
+            if (!p.bound().empty()) {
+              for (int32_t i : p.touched(bucket, phase))
+                VF_CHECK(still_bound(p.bound()[i]), p.bound_name(i),
+                         ": the tensor's memory changed since bind() (set_, resize_ or a freed storage); bind again");
+            }
+            py::gil_scoped_release nogil;
+            p.run(bucket, phase, stream, num_threads);
+          },
+          py::arg("bucket"), py::arg("phase"), py::arg("stream") = py::none(), py::arg("num_threads") = 0,
+          "Runs the pack or copy phase of one bucket (one CUDA launch on `stream`, a torch.cuda.Stream or "
+          "None for the default stream; or CPU threads)");
+}
+
+}  // namespace vf

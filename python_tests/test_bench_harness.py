@@ -1,0 +1,172 @@
+"""The benchmark harness (verl_fast.bench): timing, peak memory, the runner, the results JSON, the
+Markdown / PNG report, the README block and `verl-fast bench` on the command line."""
+
+import json
+import textwrap
+import time
+
+import pytest
+import torch
+
+from verl_fast.bench import claims, report, runner
+from verl_fast.bench.shapes import SHAPES, shape
+from verl_fast.bench.timing import CPU_CACHE_BYTES, measure, peak_memory, rotating, summarize
+from verl_fast.cli import build_parser, main
+
+
+def test_measure_times_a_known_sleep():
+    stats = measure(lambda: time.sleep(0.03), warmup=1, rep=5)
+    assert stats.runs == 5
+    assert 30.0 <= stats.min_ms <= stats.p10_ms <= stats.median_ms <= stats.p90_ms
+    assert stats.median_ms < 30.0 * 4  # a loaded machine oversleeps, but not by 4x
+    short = measure(lambda: time.sleep(0.003), warmup=1, rep=5)
+    assert short.median_ms < stats.median_ms
+
+
+def test_measure_rotates_inputs_and_stops_at_the_deadline():
+    seen = []
+    stats = measure(seen.append, inputs=["a", "b", "c"], warmup=2, rep=4)
+    assert seen == ["a", "b", "c", "a", "b", "c"] and stats.runs == 4
+    assert measure(lambda: time.sleep(0.02), rep=50, warmup=0, max_seconds=0.05).runs < 10
+    with pytest.raises(ValueError, match="inputs"):
+        measure(lambda x: x, inputs=[])
+
+
+def test_summarize_against_plain_percentiles():
+    values = [5.0, 1.0, 4.0, 2.0, 3.0, 10.0]
+    stats = summarize(values)
+    ordered = sorted(values)
+
+    def pct(q):  # linear interpolation between the two closest ranks
+        k = (len(ordered) - 1) * q
+        lo = int(k)
+        return ordered[lo] + (ordered[min(lo + 1, len(ordered) - 1)] - ordered[lo]) * (k - lo)
+
+    assert stats.median_ms == pytest.approx((3.0 + 4.0) / 2)
+    assert stats.p10_ms == pytest.approx(pct(0.1)) and stats.p90_ms == pytest.approx(pct(0.9))
+    assert stats.min_ms == 1.0 and stats.runs == 6
+
+
+def test_rotating_inputs_outgrow_the_cache():
+    nbytes = 32 << 20
+    inputs = rotating(lambda i: i, nbytes)
+    assert len(inputs) * nbytes > CPU_CACHE_BYTES and inputs[:3] == [0, 1, 2]
+
+
+def test_peak_memory_of_a_known_allocation():
+    size = 96 << 20
+
+    def allocate():
+        x = torch.ones(size // 4, dtype=torch.float32)  # written, so resident
+        return float(x[-1])
+
+    peak = peak_memory(allocate)
+    if peak is None:
+        pytest.skip("no /proc/self/clear_refs on this system")
+    assert size * 0.9 <= peak <= size + (64 << 20)
+    assert peak_memory(lambda: None) < size // 4
+
+
+def test_shapes_registry():
+    assert {"Qwen2.5-0.5B", "Qwen2.5-1.5B", "Qwen2.5-7B", "Llama-3-8B", "Qwen3-30B-A3B"} <= set(SHAPES)
+    assert shape("Qwen2.5-7B").params() == pytest.approx(7.62e9, rel=0.01)
+    assert shape("Llama-3-8B").params() == pytest.approx(8.03e9, rel=0.01)
+    with pytest.raises(KeyError, match="Qwen2.5-7B"):
+        shape("qwen-7b")
+
+
+def _fake_report(name="fake"):
+    return {"name": name, "environment": {"device": "test cpu"}, "floors_ms": {"case a": 1.0},
+            "meta": {"quality": [{"case": "pack n=8", "plan": "fixed 4 seqs/micro-batch", "padded_util": 0.5},
+                                 {"case": "pack n=8", "plan": "verl_fast padded layout", "padded_util": 0.98}]},
+            "rows": [{"case": "case a", "impl": "python loop", "ms": 40.0},
+                     {"case": "case a", "impl": "verl_fast eager", "ms": 4.0},
+                     {"case": "case a", "impl": "verl_fast graph", "ms": 2.0,
+                      "spread": {"median_ms": 2.0, "p10_ms": 1.9, "p90_ms": 2.5, "min_ms": 1.8, "runs": 10}}]}
+
+
+def test_results_schema_report_files_and_readme(tmp_path):
+    records = [{"op": "schedule", "status": "ok", "seconds": 1.5, "reports": [_fake_report()]},
+               {"op": "e2e", "status": "missing", "reason": "bench_e2e.py is not here", "reports": []}]
+    results = report.build_results(records, "cpu", quick=True)
+    assert {"schema", "time", "device", "quick", "environment", "ops", "summary", "claims"} <= set(results)
+    (row,) = results["summary"]
+    assert row["baseline"] == "python loop" and row["ours"] == "verl_fast graph"
+    assert row["speedup"] == pytest.approx(20.0) and row["over_floor"] == pytest.approx(2.0)
+    util = next(c for c in results["claims"] if c["key"] == "utilisation")
+    assert util["measured"].startswith("50% -> 98%") and util["seed"] == "63% -> 89%"
+    assert len(results["claims"]) == len(claims.SEED)
+
+    path = report.save_results(results, tmp_path)
+    assert path.name == f"cpu-{results['time'][:10]}.json"
+    assert report.save_results(results, tmp_path).name.endswith("_1.json")  # a second run that day
+    assert json.loads(path.read_text())["summary"] == json.loads(json.dumps(results["summary"]))
+    md, png = report.write_report(results, tmp_path, path.stem)
+    assert "| schedule | case a | python loop 40 ms | 1 ms | 2 ms | 20.00x | 2.00x | 1.9-2.5 (10) | test cpu |" in md.read_text()
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "e2e: missing" in report.render_table(results)
+
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n\n## Measured\n\nhand-written H200 table\n\n## Building\n\ntext\n")
+    report.update_readme(readme, results, path.name)
+    report.update_readme(readme, results, path.name)  # rewrites its block, adds no second one
+    text = readme.read_text()
+    assert text.count(report.BEGIN) == 1 and "hand-written H200 table" in text
+    assert text.index(report.BEGIN) < text.index("## Building") and "| schedule | case a |" in text
+
+
+def test_runner_runs_a_script_and_collects_its_report(tmp_path, monkeypatch):
+    folder = runner.benchmarks_dir()
+    script = tmp_path / "bench_sleep.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(folder)!r})
+        from _common import Report, time_ms
+        rep = Report("sleep", "cpu")
+        rep.add("sleep", "time.sleep 20 ms", time_ms(lambda: time.sleep(0.02), "cpu", warmup=1, rep=3))
+        rep.add("sleep", "verl_fast sleep 5 ms", time_ms(lambda: time.sleep(0.005), "cpu", warmup=1, rep=3))
+        rep.save()
+    """))
+    monkeypatch.setitem(runner.OPS, "sleep", runner.Op("bench_sleep.py", device_flag=False, quick=()))
+    record = runner.run_op("sleep", "cpu", True, tmp_path, echo=False)
+    assert record["status"] == "ok", record.get("output_tail")
+    (rep,) = record["reports"]
+    (row,) = report.summarize_report("sleep", rep)
+    assert row["spread"]["runs"] == 3 and row["ours_ms"] >= 5.0 and row["baseline_ms"] >= 20.0
+    monkeypatch.setitem(runner.OPS, "nothere", runner.Op("bench_nothere.py"))
+    assert runner.run_op("nothere", "cpu", True, tmp_path, echo=False)["status"] == "missing"
+
+
+def test_claims_read_from_the_claims_and_default_run_reports():
+    rows = [("rollout in-process vs HTTP", "vLLM OpenAI HTTP server", 3200.0),
+            ("rollout in-process vs HTTP", "verl_fast in-process vLLM", 1000.0),
+            ("P99 rollout latency", "one batch, no bucketing", 1200.0),
+            ("P99 rollout latency", "verl_fast length buckets", 430.0),
+            ("rollout throughput, colocated", "bare engine", 1.0),
+            ("rollout throughput, colocated", "verl_fast colocated with training", 1.25)]
+    claims_rep = {"name": "claims", "meta": {"hardware": "test cpu"},
+                  "rows": [{"case": c, "impl": i, "ms": ms} for c, i, ms in rows]}
+    run_rep = {"name": "default_run", "rows": [], "meta": {"runs": [{"ours": {"weight_sync_s": 0.5}},
+                                                                    {"ours": {"weight_sync_s": 0.3}}]}}
+    results = {"ops": [{"op": "claims", "reports": [claims_rep]}, {"op": "default_run", "reports": [run_rep]}]}
+    found = {c["key"]: c for c in claims.collect(results, "cpu")}
+    assert found["inprocess_vs_http"]["measured"].startswith("3.20x")
+    assert found["p99_bucketing"]["measured"] == "1.20 s -> 0.43 s"
+    assert found["colocated"]["measured"] == "80%" and found["colocated"]["hardware"] == "test cpu"
+    assert found["switch"]["measured"].startswith("400 ms per step")
+    assert found["utilisation"]["measured"] == "not measured in this run"
+
+
+def test_cli_lists_bench_and_regenerates_the_report(tmp_path, capsys):
+    assert "bench" in build_parser().format_help()
+    with pytest.raises(SystemExit, match="unknown benchmark"):
+        runner.parse_ops("gae,nope", "cpu", True)
+    assert runner.parse_ops(None, "cpu", True) == list(runner.QUICK_OPS)
+    results = report.build_results([{"op": "gae", "status": "ok", "seconds": 1.0, "reports": [_fake_report()]}],
+                                   "cpu", quick=True)
+    report.save_results(results, tmp_path)
+    readme = tmp_path / "README.md"
+    readme.write_text("## Measured\n")
+    assert main(["bench", "--report-only", "--out", str(tmp_path), "--readme", str(readme)]) == 0
+    assert "baseline/ours" in capsys.readouterr().out
+    assert report.BEGIN in readme.read_text() and list(tmp_path.glob("cpu-*.png"))

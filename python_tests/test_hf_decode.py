@@ -1,0 +1,250 @@
+"""The static-KV-cache decode loop (rollout/hf_decode.py) against plain ``generate``: greedy tokens
+exactly, sampled tokens' log-probs against a teacher-forced forward, the sampler's distribution
+against a float64 reference, stop tokens, and the fallbacks. The CUDA-graph path: gpu-marked."""
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tiny_models import build_model, build_tokenizer, save_tiny_model
+from verl_fast.rollout import hf_decode
+from verl_fast.rollout.base import SamplingSpec
+from verl_fast.rollout.hf_engine import HFGenerateEngine
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def model(request, tok):
+    m = build_model(request.param, vocab_size=len(tok), num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                    eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    m.generation_config.eos_token_id = tok.eos_token_id
+    return m
+
+
+def prompts(tok, count=5):
+    texts = ["What is 1 + 2?", "the answer is", "compute the sum of 41 and 7 please", "x", "What is 99 - 3? total"]
+    return [tok(texts[i % len(texts)])["input_ids"] for i in range(count)]
+
+
+def engines(model, tok, device="cpu"):
+    model.to(device)
+    return (HFGenerateEngine(model, tok, fast_decode="on"), HFGenerateEngine(model, tok, fast_decode="off"))
+
+
+def teacher_forced_logprobs(model, prompt, response, temperature):
+    """Log-probs of ``response`` after ``prompt`` from one plain forward (no cache, no padding)."""
+    ids = torch.tensor([list(prompt) + list(response)], device=next(model.parameters()).device)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].double()
+    logp = torch.log_softmax(logits / (temperature or 1.0), -1)
+    return logp.gather(-1, ids[0, len(prompt):, None]).squeeze(-1).cpu()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_greedy_equals_generate(model, tok, device):
+    fast, plain = engines(model, tok, device)
+    spec = SamplingSpec(n=2, temperature=0.0, max_tokens=12)
+    a, b = fast.generate(prompts(tok), spec), plain.generate(prompts(tok), spec)
+    assert fast.last_mode == ("graph" if device == "cuda" else "eager") and plain.last_mode == "generate"
+    assert fast.metrics() == {"cuda_graph": float(device == "cuda")}
+    assert torch.equal(a.response_ids, b.response_ids)
+    assert torch.equal(a.response_mask, b.response_mask)
+    assert a.finish_reasons == b.finish_reasons
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_sampled_logprobs_match_teacher_forcing(model, tok, device):
+    fast, _ = engines(model, tok, device)
+    p = prompts(tok, 4)
+    out = fast.generate(p, SamplingSpec(n=3, temperature=0.7, top_p=0.9, max_tokens=10, seed=3))
+    assert out.num_sequences == 12 and fast.last_mode == ("graph" if device == "cuda" else "eager")
+    for row in range(out.num_sequences):
+        length = int(out.response_mask[row].sum())
+        resp = out.response_ids[row, :length].tolist()
+        want = teacher_forced_logprobs(model, p[int(out.prompt_index[row])], resp, 0.7)
+        torch.testing.assert_close(out.logprobs[row, :length].double(), want, atol=1e-4, rtol=0)
+        assert (out.logprobs[row, length:] == 0).all()
+
+
+def reference_probs(logits, temperature, top_k, top_p):
+    """The distribution generate samples from (temperature, top-k, top-p warpers), in float64."""
+    s = logits.double() / temperature
+    if top_k > 0:
+        kth = sorted(s.tolist(), reverse=True)[top_k - 1]
+        s = torch.where(s < kth, torch.tensor(-math.inf, dtype=torch.float64), s)
+    if top_p < 1:
+        order = torch.argsort(s)  # ascending
+        probs = torch.softmax(s[order], 0)
+        cum = 0.0
+        for i, idx in enumerate(order.tolist()):
+            cum += float(probs[i])
+            if cum <= 1 - top_p and i < len(order) - 1:
+                s[idx] = -math.inf
+    return torch.softmax(s, 0)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (1.0, 6, 0.9)])
+def test_sampler_distribution(temperature, top_k, top_p):
+    torch.manual_seed(0)
+    logits = torch.randn(12) * 2
+    draws = 40000
+    token, logp = hf_decode.sample(logits.expand(draws, -1).clone(), temperature, top_k, top_p)
+    freq = torch.bincount(token, minlength=12).double() / draws
+    want = reference_probs(logits, temperature, top_k, top_p)
+    assert (freq[want == 0] == 0).all(), "a filtered token was drawn"
+    assert (freq - want).abs().max() < 0.015, (freq, want)  # ~6 standard errors at p = 0.5
+    full = torch.log_softmax(logits.double() / temperature, 0)  # reported from the unfiltered scores
+    torch.testing.assert_close(logp.double(), full[token], atol=1e-5, rtol=0)
+
+
+def test_stop_token_ids_end_rows_like_generate(model, tok):
+    fast, plain = engines(model, tok)
+    p = prompts(tok, 3)
+    greedy = plain.generate(p, SamplingSpec(temperature=0.0, max_tokens=10))
+    stop = int(greedy.response_ids[0, 2])  # row 0 stops at its third token
+    spec = SamplingSpec(temperature=0.0, max_tokens=10, stop_token_ids=(stop,))
+    a, b = fast.generate(p, spec), plain.generate(p, spec)
+    assert a.finish_reasons[0] == "stop" and int(a.response_mask[0].sum()) <= 3
+    assert torch.equal(a.response_ids, b.response_ids) and a.finish_reasons == b.finish_reasons
+
+
+def test_unsupported_models_and_fallback(tok, tmp_path):
+    path = save_tiny_model(tmp_path / "m", family="qwen2")
+    eager = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    assert "eager" in hf_decode.unsupported(eager)
+    sdpa = AutoModelForCausalLM.from_pretrained(path)
+    assert hf_decode.unsupported(sdpa) is None
+    sdpa.generation_config.repetition_penalty = 1.2
+    assert "repetition_penalty" in hf_decode.unsupported(sdpa)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    engine = HFGenerateEngine(eager, tokenizer, fast_decode="on")
+    assert engine._fast_reason(SamplingSpec()) is not None
+    out = engine.generate(prompts(tokenizer, 2), SamplingSpec(n=2, max_tokens=4, seed=0))  # through generate
+    assert out.num_sequences == 4
+    assert HFGenerateEngine(sdpa, tokenizer)._fast_reason(SamplingSpec()).startswith("fast_decode=auto on cpu")
+    with pytest.raises(ValueError, match="fast_decode"):
+        HFGenerateEngine(sdpa, tokenizer, fast_decode="yes")
+
+
+def _fsdp2_rank(rank, port, path, out):
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    p = prompts(tokenizer, 3)
+    engine = HFGenerateEngine(model, tokenizer, fast_decode="on")
+    out_fast = engine.generate(p, SamplingSpec(temperature=0.0, max_tokens=8))
+    hooks = sum(len(m._forward_pre_hooks) for m in model.modules())
+    dist.destroy_process_group()
+    if rank == 0:
+        torch.save({"ids": out_fast.response_ids, "lp": out_fast.logprobs, "hooks": hooks,
+                    "mode": engine.last_mode}, out)
+
+
+def test_fsdp2_sharded_actor_decodes_like_the_whole_model(tmp_path):
+    """Two gloo ranks, FSDP2 per layer and at the root: the loop runs on the unsharded parameters
+    with the FSDP hooks set aside, and restores them."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    path = save_tiny_model(tmp_path / "m", family="qwen2")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_fsdp2_rank, args=(port, str(path), str(tmp_path / "out.pt")), nprocs=2)
+    got = torch.load(tmp_path / "out.pt")
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    want = HFGenerateEngine(model, tokenizer, fast_decode="off").generate(prompts(tokenizer, 3),
+                                                                          SamplingSpec(temperature=0.0, max_tokens=8))
+    assert got["mode"] == "eager"
+    assert torch.equal(got["ids"], want.response_ids)
+    torch.testing.assert_close(got["lp"], want.logprobs, atol=1e-5, rtol=0)
+    assert got["hooks"] >= 3  # FSDP's pre-forward hooks are back on the root and the two layers
+
+
+def test_capture_failure_decodes_eagerly_and_loop_failure_falls_back(model, tok, monkeypatch, caplog):
+    fast, plain = engines(model, tok)
+    spec = SamplingSpec(n=2, temperature=0.0, max_tokens=6)
+    want = plain.generate(prompts(tok, 3), spec)
+
+    def no_capture(decoder):
+        decoder.step()  # the warm-up step runs, then capture fails
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(hf_decode, "_capture", no_capture)
+    original = hf_decode.decode
+    monkeypatch.setattr(hf_decode, "decode", lambda *a, **k: original(*a, **{**k, "use_graph": True}))
+    with caplog.at_level("WARNING"):
+        got = fast.generate(prompts(tok, 3), spec)
+    assert "decoding eagerly" in caplog.text and fast.last_mode == "eager"
+    assert torch.equal(got.response_ids, want.response_ids)
+
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(hf_decode, "decode", broken)
+    got = fast.generate(prompts(tok, 3), spec)
+    assert fast.last_mode == "generate" and "boom" in fast.fast_failed
+    assert torch.equal(got.response_ids, want.response_ids)
+    assert "boom" in fast._fast_reason(spec)  # later calls go straight to generate
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_bf16_autocast_runs_the_loop(model, tok, device):
+    """The trainer's setting (fp32 weights, bf16 autocast): keys leave the rotary product in fp32,
+    values the projection in bf16; the loop keeps both. bf16 rounding differs between attention
+    shapes, so near-ties may break differently from generate: each greedy token must be the argmax
+    of a teacher-forced float32 forward within a bf16 margin, and its log-prob agree with it."""
+    model.to(device)
+    fast = HFGenerateEngine(model, tok, fast_decode="on", autocast_dtype=torch.bfloat16)
+    p = prompts(tok)
+    out = fast.generate(p, SamplingSpec(temperature=0.0, max_tokens=8))
+    assert fast.last_mode == ("graph" if device == "cuda" else "eager")
+    for row in range(out.num_sequences):
+        length = int(out.response_mask[row].sum())
+        ids = torch.tensor([list(p[row]) + out.response_ids[row, :length].tolist()], device=device)
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(p[row]) - 1 : -1].double().cpu()
+        chosen = logits.gather(-1, out.response_ids[row, :length, None]).squeeze(-1)
+        assert (logits.max(-1).values - chosen).max() < 0.1, row
+        want = torch.log_softmax(logits, -1).gather(-1, out.response_ids[row, :length, None]).squeeze(-1)
+        torch.testing.assert_close(out.logprobs[row, :length].double(), want, atol=5e-2, rtol=0)
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_grouped_attention_matches_per_head_reference(q_len):
+    torch.manual_seed(0)
+    b, heads, kv_heads, length, d = 3, 6, 2, 11, 8
+    query = torch.randn(b, q_len, heads, d).transpose(1, 2)  # [b, heads, q, d], not contiguous, as models pass it
+    key, value = torch.randn(b, kv_heads, length, d), torch.randn(b, kv_heads, length, d)
+    mask = torch.rand(b, 1, q_len, length) > 0.4
+    mask[..., 0] = True
+    out, _ = hf_decode.grouped_attention(None, query, key, value, mask, scaling=0.3)
+    want = torch.empty(b, q_len, heads, d, dtype=torch.float64)
+    for i in range(b):
+        for h in range(heads):
+            kh = h // (heads // kv_heads)  # query head h shares KV head h // group
+            for t in range(q_len):
+                s = (key[i, kh].double() @ query[i, h, t].double()) * 0.3
+                s[~mask[i, 0, t]] = -math.inf
+                want[i, t, h] = torch.softmax(s, 0) @ value[i, kh].double()
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=0)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        hf_decode.grouped_attention(None, query, key, value, mask, softcap=30.0)

@@ -1,0 +1,285 @@
+"""The benchmark report: one results JSON per run, one table, a Markdown page, a PNG chart, and the
+generated block of README's "Measured" section.
+
+Results JSON (``<device>-<date>.json``)::
+
+    {"schema": 1, "time": ISO time, "device": "cpu" | "cuda", "quick": bool,
+     "environment": {"device": name, "torch", "cuda", "triton", "python", "load_before"},
+     "ops": [{"op", "status": ok|failed|missing|skipped, "seconds", "reports": [Report JSON, ...]}],
+     "summary": [{"op", "case", "baseline", "baseline_ms", "floor_ms", "ours", "ours_ms", "speedup",
+                  "over_floor", "ours_extra_bytes", "spread"}],
+     "claims": [{"claim", "seed", "measured", "hardware", "source"}]}
+
+python -m verl_fast.bench.report [DIR] [--readme README.md] rebuilds the Markdown, PNG and README
+block from the latest results JSON in DIR (the same as ``verl-fast bench --report-only``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from verl_fast.bench import claims as claims_mod
+from verl_fast.bench.paths import default_out_dir
+from verl_fast.bench.timing import cpu_load
+
+SCHEMA = 1
+RESULTS_NAME = re.compile(r"^(cpu|cuda)-\d{4}-\d{2}-\d{2}(?:_\d+)?\.json$")
+BEGIN, END = "<!-- verl-fast bench: begin (generated) -->", "<!-- verl-fast bench: end -->"
+
+
+def environment(device: str) -> Dict[str, Any]:
+    import torch
+
+    env: Dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda,
+                           "python": platform.python_version(), "load_before": cpu_load()}
+    env["device"] = device_name(device)
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    return env
+
+
+def device_name(device: str) -> str:
+    """The GPU's name for a CUDA device, else the CPU model and its core count."""
+    import os
+
+    if str(device).startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(torch.device(device))
+    name = platform.processor() or "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{name} ({os.cpu_count()} cores)"
+
+
+def summarize_report(op: str, rep: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Per case: the first baseline row, the fastest of ours (impl ``verl_fast...``), the floor."""
+    floors = rep.get("floors_ms") or {}
+    cases: Dict[str, List[Dict[str, Any]]] = {}
+    for row in rep.get("rows", []):
+        if isinstance(row.get("ms"), (int, float)):
+            cases.setdefault(row["case"], []).append(row)
+    out = []
+    for case, rows in cases.items():
+        ours = [r for r in rows if str(r["impl"]).startswith("verl_fast")]
+        base = [r for r in rows if not str(r["impl"]).startswith("verl_fast")]
+        if not ours:
+            continue
+        best = min(ours, key=lambda r: r["ms"])
+        b = base[0] if base else None
+        floor = floors.get(case)
+        out.append({"op": op, "case": case, "baseline": b["impl"] if b else None,
+                    "baseline_ms": b["ms"] if b else None, "floor_ms": floor, "ours": best["impl"],
+                    "ours_ms": best["ms"], "speedup": b["ms"] / best["ms"] if b and best["ms"] > 0 else None,
+                    "over_floor": best["ms"] / floor if floor else None,
+                    "ours_extra_bytes": best.get("extra_bytes"), "spread": best.get("spread"),
+                    "hardware": (rep.get("environment") or {}).get("device")})
+    return out
+
+
+def build_results(records: List[Dict[str, Any]], device: str, quick: bool) -> Dict[str, Any]:
+    summary = [row for r in records for rep in r.get("reports", []) for row in summarize_report(r["op"], rep)]
+    env = environment(device)
+    results = {"schema": SCHEMA, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "device": device, "quick": quick,
+               "environment": env, "ops": records, "summary": summary}
+    results["claims"] = claims_mod.collect(results, env["device"])
+    return results
+
+
+def save_results(results: Dict[str, Any], out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{results['device']}-{results['time'][:10]}"
+    path, i = out / f"{stem}.json", 1
+    while path.exists():  # several runs in one day keep their own files
+        path, i = out / f"{stem}_{i}.json", i + 1
+    path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    return path
+
+
+def latest_results(out: Path) -> Optional[Path]:
+    found = [p for p in out.glob("*.json") if RESULTS_NAME.match(p.name)] if out.is_dir() else []
+    return max(found, key=lambda p: (json.loads(p.read_text()).get("time", ""), p.name)) if found else None
+
+
+def _fmt_ms(ms: Optional[float]) -> str:
+    if ms is None:
+        return ""
+    if ms >= 10_000:
+        return f"{ms / 1e3:.1f} s"
+    return f"{ms:.4g} ms"
+
+
+def _fmt_x(x: Optional[float]) -> str:
+    return f"{x:.2f}x" if x is not None else ""
+
+
+def _spread(row: Dict[str, Any]) -> str:
+    s = row.get("spread")
+    return f"{s['p10_ms']:.3g}-{s['p90_ms']:.3g} ({s['runs']})" if s else ""
+
+
+def table_rows(results: Dict[str, Any]) -> Tuple[List[str], List[List[str]]]:
+    head = ["op", "case", "baseline", "floor", "ours", "baseline/ours", "ours/floor", "ours p10-p90 ms (runs)",
+            "measured on"]
+    rows = [[r["op"], r["case"], f"{r['baseline'] or ''} {_fmt_ms(r['baseline_ms'])}".strip(),
+             _fmt_ms(r["floor_ms"]), _fmt_ms(r["ours_ms"]), _fmt_x(r["speedup"]), _fmt_x(r["over_floor"]),
+             _spread(r), r.get("hardware") or ""] for r in results["summary"]]
+    return head, rows
+
+
+def render_table(results: Dict[str, Any]) -> str:
+    head, rows = table_rows(results)
+    widths = [max(len(str(c)) for c in col) for col in zip(head, *rows)] if rows else [len(h) for h in head]
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    env = results["environment"]
+    out = [f"verl-fast bench on {env['device']} ({results['time']}, load {env.get('load_before')})",
+           line(head), line(["-" * w for w in widths])] + [line(r) for r in rows]
+    for op in results["ops"]:
+        if op["status"] != "ok":
+            out.append(f"{op['op']}: {op['status']} {op.get('reason', '')}".rstrip())
+    if results.get("claims"):
+        out.append("\nseeds' claims (A100) beside ours:")
+        out += [f"  {c['claim']}: seed {c['seed']}; ours {c['measured']} [{c['hardware']}]" for c in results["claims"]]
+    return "\n".join(out)
+
+
+def markdown(results: Dict[str, Any]) -> str:
+    head, rows = table_rows(results)
+    env = results["environment"]
+    lines = [f"# verl-fast bench: {env['device']}", "",
+             f"{results['time']}; torch {env['torch']}, CUDA {env['cuda']}, Triton {env['triton']}, "
+             f"Python {env['python']}; load average {env.get('load_before')}"
+             + ("; --quick sizes" if results.get("quick") else ""), "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in rows]
+    lines += ["", "| op | status | seconds |", "|---|---|---|"]
+    lines += [f"| {o['op']} | {o['status']} {o.get('reason', '')} | {o.get('seconds', 0):.1f} |" for o in results["ops"]]
+    if results.get("claims"):
+        lines += ["", "## The seeds' claims (measured on A100 by the seeds) beside ours", "",
+                  "| claim | seed (A100) | ours | hardware | source |", "|---|---|---|---|---|"]
+        lines += [f"| {c['claim']} | {c['seed']} | {c['measured']} | {c['hardware']} | {c['source']} |"
+                  for c in results["claims"]]
+    return "\n".join(lines) + "\n"
+
+
+def chart(results: Dict[str, Any], path: Path) -> Path:
+    """Horizontal bars per case: baseline, ours and floor (log scale, milliseconds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["summary"]
+    labels = [f"{r['op']}: {r['case']}"[:60] for r in rows]
+    fig, ax = plt.subplots(figsize=(10, 1.0 + 0.45 * max(len(rows), 1)))
+    bars = (("baseline_ms", "baseline", "#bbbbbb"), ("ours_ms", "verl_fast", "#1f77b4"), ("floor_ms", "floor", "#2ca02c"))
+    h = 0.27
+    for k, (key, name, color) in enumerate(bars):
+        ys = [i + (k - 1) * h for i in range(len(rows))]
+        ax.barh(ys, [r[key] or 0 for r in rows], height=h, label=name, color=color)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.invert_yaxis()
+    if any(r["ours_ms"] for r in rows):
+        ax.set_xscale("log")
+    ax.set_xlabel("milliseconds (log scale; shorter is better)")
+    ax.set_title(f"verl-fast bench, {results['environment']['device']}", fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(results: Dict[str, Any], out: Path, stem: str) -> Tuple[Path, Optional[Path]]:
+    """The Markdown page, and the PNG chart where matplotlib is installed (else None)."""
+    out.mkdir(parents=True, exist_ok=True)
+    md = out / f"{stem}.md"
+    md.write_text(markdown(results))
+    try:
+        return md, chart(results, out / f"{stem}.png")
+    except ImportError as error:
+        print(f"no PNG chart: {error} (pip install matplotlib)")
+        return md, None
+
+
+def readme_block(results: Dict[str, Any], source: str) -> str:
+    env = results["environment"]
+    head = ["op", "case", "baseline", "floor", "ours", "baseline/ours"]
+    lines = [BEGIN, f"Latest `verl-fast bench` run ({env['device']}, {results['time'][:10]}, load average "
+             f"{env.get('load_before')}; `benchmarks/results/{source}`; regenerate this block with "
+             "`verl-fast bench --report-only`):", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results["summary"]:
+        lines.append(f"| {r['op']} | {r['case']} | {r['baseline'] or ''} {_fmt_ms(r['baseline_ms'])} | "
+                     f"{_fmt_ms(r['floor_ms'])} | {_fmt_ms(r['ours_ms'])} | {_fmt_x(r['speedup'])} |")
+    if results.get("claims"):
+        lines += ["", "| seeds' claim | seed (A100) | ours | hardware |", "|---|---|---|---|"]
+        lines += [f"| {c['claim']} | {c['seed']} | {c['measured']} | {c['hardware']} |" for c in results["claims"]]
+    return "\n".join(lines + [END])
+
+
+def update_readme(readme: Path, results: Dict[str, Any], source: str) -> None:
+    """Rewrites the generated block (between the markers) of README's "## Measured" section; the
+    hand-written figures around it stay. Without markers, the block goes at the section's end."""
+    text = readme.read_text()
+    block = readme_block(results, source)
+    if BEGIN in text and END in text:
+        start, stop = text.index(BEGIN), text.index(END) + len(END)
+        text = text[:start] + block + text[stop:]
+    else:
+        m = re.search(r"^## Measured\s*$", text, flags=re.M)
+        if m is None:
+            raise ValueError(f"{readme}: no '## Measured' section to put the benchmark block in")
+        nxt = re.search(r"^## ", text[m.end():], flags=re.M)
+        at = m.end() + nxt.start() if nxt else len(text)
+        text = text[:at].rstrip("\n") + "\n\n" + block + "\n\n" + text[at:]
+    readme.write_text(text)
+
+
+def repository_readme() -> Optional[Path]:
+    path = Path(__file__).resolve().parents[2] / "README.md"
+    return path if path.is_file() else None
+
+
+def regenerate(out: Path, readme: Optional[Path]) -> Tuple[Path, Dict[str, Any], Path, Path]:
+    """Markdown, PNG and (when ``readme`` is given) README block again from the latest results JSON."""
+    latest = latest_results(out)
+    if latest is None:
+        raise SystemExit(f"no <device>-<date>.json in {out}; run `verl-fast bench` first")
+    results = json.loads(latest.read_text())
+    md, png = write_report(results, out, latest.stem)
+    if readme is not None:
+        update_readme(readme, results, latest.name)
+    return latest, results, md, png
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="rebuild the benchmark report from the latest results JSON")
+    p.add_argument("out", nargs="?", help="results folder (default: benchmarks/results)")
+    p.add_argument("--readme", help="README to update (default: the repository's)")
+    args = p.parse_args(argv)
+    readme = Path(args.readme) if args.readme else repository_readme()
+    latest, _, md, png = regenerate(Path(args.out) if args.out else default_out_dir(), readme)
+    print(f"results: {latest}\nreport: {md}\nchart: {png}" + (f"\nREADME: {readme}" if readme else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,68 @@
+"""Facts about the torch.distributed world this process runs in, and the few collectives the trainer
+makes on plain Python numbers. One process (no process group) is a world of size 1.
+
+Collectives run on the device the group's backend works with: NCCL only moves CUDA tensors (a CPU
+tensor fails with "No backend type associated with device type cpu"), gloo works on CPU tensors.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+
+def is_distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def collective_device(group=None) -> torch.device:
+    """The device tensors must sit on for a collective over ``group`` (default: the world): the
+    current CUDA device for NCCL, the CPU for gloo (and without a process group)."""
+    import torch.distributed as dist
+
+    if is_distributed() and "nccl" in dist.get_backend(group):  # "nccl" or "cpu:gloo,cuda:nccl"
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_numbers(values: Sequence[float], op: str = "sum", group=None,
+                       dtype: torch.dtype = torch.float64) -> List[float]:
+    """``values`` reduced element-wise over the ranks of ``group`` (``"sum"`` or ``"max"``), as
+    Python numbers; one collective for the whole list. Without a process group: ``values``."""
+    import torch.distributed as dist
+
+    if op not in ("sum", "max"):
+        raise ValueError(f"op must be 'sum' or 'max', got {op!r}")
+    if not is_distributed():
+        return [float(v) if dtype.is_floating_point else int(v) for v in values]
+    t = torch.tensor(list(values), dtype=dtype, device=collective_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
+    return t.cpu().tolist()
+
+
+def barrier(group=None) -> None:
+    """A barrier that names this rank's CUDA device under NCCL (else NCCL guesses it from the rank)."""
+    import torch.distributed as dist
+
+    if not is_distributed():
+        return
+    device: Optional[torch.device] = collective_device(group)
+    if device.type == "cuda":
+        dist.barrier(group=group, device_ids=[device.index])
+    else:
+        dist.barrier(group=group)

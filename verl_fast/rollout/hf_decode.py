@@ -1,0 +1,293 @@
+"""A sampling decode loop for a Hugging Face causal LM over a static KV cache: the whole batch in one
+call, no host synchronisation per token, and on a GPU each decode step captured once in a CUDA
+graph and replayed.
+
+Plain ``generate`` spends most of a small model's decode step in Python and kernel launches (a
+0.4B 24-layer model launches ~1,000 kernels per token) and reads a flag back to the host every
+token. Here the step -- one forward over a [B, 1] token batch, sampling, bookkeeping -- touches only
+tensors of fixed address (the cache, the token/position buffers, the mask), so one captured graph
+replays it for every token; finished rows are checked every ``check_every`` tokens. The prefill
+runs the model's own sdpa attention; the decode steps an attention that reads each cached KV head
+once for all the query heads that share it (``grouped_attention``).
+
+What it computes is what ``generate`` computes: the same forward (left padding, positions from the
+attention mask), temperature then top-k then top-p over the float32 logits, a draw from the
+resulting categorical distribution (the exponential race: argmax of log p - log E with E ~ Exp(1),
+exactly categorical, and free of host syncs), pad after a row's EOS. The sampled tokens' log-probs
+are taken from the raw logits divided by the temperature, as the HF engine reports them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterator, Optional, Sequence, Tuple
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, StaticCache, StaticLayer
+
+logger = logging.getLogger(__name__)
+
+# generation_config fields that change the next-token distribution beyond temperature / top-k /
+# top-p (and the values that leave it alone): a model that sets one decodes with ``generate``.
+_PLAIN_GENERATION = {
+    "repetition_penalty": (None, 1.0), "encoder_repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0),
+    "bad_words_ids": (None,), "min_length": (None, 0), "min_new_tokens": (None, 0), "suppress_tokens": (None,),
+    "begin_suppress_tokens": (None,), "forced_bos_token_id": (None,), "forced_eos_token_id": (None,),
+    "sequence_bias": (None,), "typical_p": (None, 1.0), "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0),
+    "min_p": (None, 0.0), "exponential_decay_length_penalty": (None,), "guidance_scale": (None, 1.0),
+    "renormalize_logits": (None, False),
+}
+
+
+def unsupported(module: torch.nn.Module) -> Optional[str]:
+    """Why this model cannot use the loop (None when it can)."""
+    cfg = getattr(module, "config", None)
+    attn = getattr(cfg, "_attn_implementation", None)
+    if attn != "sdpa":  # the 4-D boolean mask below is sdpa's format
+        return f"attention implementation {attn!r} (the static-cache loop needs 'sdpa')"
+    if getattr(cfg, "is_encoder_decoder", False):
+        return "encoder-decoder model"
+    layers = StaticCache(config=cfg, max_cache_len=1).layers  # the config's layer kinds; allocates nothing
+    if not all(type(layer) is StaticLayer for layer in layers):  # sliding-window / linear-attention layers
+        kinds = sorted({type(layer).__name__ for layer in layers})
+        return f"cache layers {kinds} (the loop's mask addresses plain full-attention layers)"
+    gen = getattr(module, "generation_config", None)
+    for name, plain in _PLAIN_GENERATION.items():
+        value = getattr(gen, name, None)
+        if value not in plain:
+            return f"generation_config.{name}={value!r} changes the sampling distribution"
+    return None
+
+
+class StaticKV(Cache):
+    """Keys and values of every layer in tensors of fixed shape [B, kv_heads, length, head_dim],
+    written at the columns ``cols`` (a device tensor the caller advances). The model calls only
+    ``update``; masks come in as ready 4-D tensors, so nothing asks the cache for lengths.
+    (transformers' StaticCache gives keys and values the dtype of the first keys; under autocast
+    values leave a bf16 projection while keys leave the float32 rotary product.)"""
+
+    is_compileable = False
+
+    def __init__(self, num_layers: int, length: int):  # no Cache.__init__: this class holds its own tensors
+        self.keys: list = [None] * num_layers
+        self.values: list = [None] * num_layers
+        self.length = length
+        self.cols: Optional[torch.Tensor] = None
+        self.seen = 0  # host-side count, for transformers versions that derive positions from it
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None, *args, **kwargs):
+        if self.keys[layer_idx] is None:  # allocated at the prefill
+            b, h, _, d = key_states.shape
+            device = key_states.device.type
+            # under autocast, sdpa casts its inputs to the autocast dtype: keys stored in it attend
+            # exactly as the fp32 keys would, with half the bytes read per token
+            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else key_states.dtype
+            self.keys[layer_idx] = key_states.new_zeros((b, h, self.length, d), dtype=dtype)
+            self.values[layer_idx] = value_states.new_zeros((b, value_states.shape[1], self.length,
+                                                             value_states.shape[-1]))
+        self.keys[layer_idx].index_copy_(2, self.cols, key_states.to(self.keys[layer_idx].dtype))
+        self.values[layer_idx].index_copy_(2, self.cols, value_states.to(self.values[layer_idx].dtype))
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def grouped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Decode-step attention that reads each cached key and value once: the query heads sharing a KV
+    head are stacked into one matrix ([B, kv, group * q, D] against [B, kv, L, D]). With a mask,
+    sdpa needs the KV heads repeated to every query head first (a copy of the whole cache per layer
+    and token, 7x its size for 14 heads over 2). ``attention_mask``: [B, 1, q, L] boolean, True =
+    attend. Returns [B, q, heads, D] as transformers' attention functions do."""
+    for name in ("softcap", "s_aux", "sinks", "sliding_window"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"grouped_attention does not implement {name}")
+    b, heads, q_len, d = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    q = query.reshape(b, kv_heads, group * q_len, d)  # head h uses KV head h // group, as repeat_kv does
+    scores = torch.matmul(q, key.transpose(-1, -2)).float() * (scaling if scaling is not None else d ** -0.5)
+    mask = attention_mask[:, :, None].expand(b, 1, group, q_len, length).reshape(b, 1, group * q_len, length)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(value.dtype)
+    out = torch.matmul(probs, value).reshape(b, heads, q_len, d).transpose(1, 2)
+    return out, None
+
+
+ATTENTION = "verl_fast_grouped"
+AttentionInterface.register(ATTENTION, grouped_attention)
+
+
+@contextlib.contextmanager
+def _attention(module, name: str) -> Iterator[None]:
+    """The model's attention implementation set to ``name`` for the decode steps only."""
+    cfg = module.config
+    before = cfg._attn_implementation
+    cfg._attn_implementation = name
+    try:
+        yield
+    finally:
+        cfg._attn_implementation = before
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Next tokens [B] and their log-probs [B] from float32 logits [B, V] (temperature 0: greedy)."""
+    if temperature == 0:
+        token = logits.argmax(-1)
+        return token, torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)
+    scores = logits / temperature
+    logp = torch.log_softmax(scores, -1)
+    if 0 < top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:  # drop the least likely tokens whose total mass stays within 1 - top_p; keep >= 1
+        ordered, order = torch.sort(scores, dim=-1)
+        drop = ordered.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop[:, -1] = False
+        scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    # exponential race: argmax_i (s_i - log E_i), E_i ~ Exp(1) draws i with probability softmax(s)_i;
+    # E is kept above 0 so that a filtered token (-inf) can never win
+    noise = torch.empty_like(scores).exponential_().clamp_(min=torch.finfo(torch.float32).tiny)
+    token = (scores - noise.log()).argmax(-1)
+    return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+
+@contextlib.contextmanager
+def _without_fsdp_hooks(module: torch.nn.Module) -> Iterator[None]:
+    """FSDP2 modules whose parameters the caller has unsharded for the whole decode: their forward
+    hooks would only re-check that state (and record stream events a graph capture cannot hold)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    saved = []
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            saved.append((m, m._forward_pre_hooks, m._forward_hooks))
+            m._forward_pre_hooks, m._forward_hooks = type(m._forward_pre_hooks)(), type(m._forward_hooks)()
+    try:
+        yield
+    finally:
+        for m, pre, post in saved:
+            m._forward_pre_hooks, m._forward_hooks = pre, post
+
+
+class _Decoder:
+    """The loop's state: static buffers and the step that advances them by one token."""
+
+    def __init__(self, module, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+                 sampling: Tuple[float, int, float], stop_ids: Sequence[int], pad_id: int):
+        self.module = module
+        self.sampling = sampling
+        B, W = input_ids.shape
+        device = input_ids.device
+        L = W + max_new_tokens
+        self.cache = StaticKV(module.config.num_hidden_layers, L)
+        self.stop = torch.tensor(sorted(set(stop_ids)) or [-1], dtype=torch.long, device=device)
+        self.pad = torch.tensor(pad_id, dtype=torch.long, device=device)
+        self.tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
+        self.valid = torch.zeros((B, L), dtype=torch.bool, device=device)  # keys each row may attend to
+        self.valid[:, :W] = attention_mask.bool()
+        self.mask = self.valid[:, None, None, :]  # the decode step's [B, 1, 1, L] view
+        positions = attention_mask.long().cumsum(-1) - 1
+        positions.masked_fill_(attention_mask == 0, 1)  # as generate does for left padding
+        self._prefill(input_ids, positions, W, L)
+        self.position = positions[:, -1:] + 1  # [B, 1]
+        self.col = torch.tensor([W], dtype=torch.long, device=device)  # cache column of the next token
+        self.t = torch.tensor([1], dtype=torch.long, device=device)  # output column of the next token
+        self.cache.cols = self.col
+
+    def _forward(self, ids, mask, positions):
+        out = self.module(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
+                          use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1].float()
+
+    def _prefill(self, input_ids, positions, W, L):
+        B = input_ids.shape[0]
+        causal = torch.ones((W, W), dtype=torch.bool, device=input_ids.device).tril()
+        mask = torch.zeros((B, 1, W, L), dtype=torch.bool, device=input_ids.device)
+        # a left-pad query attends to itself only: a row with no key would give NaN states
+        mask[:, 0, :, :W] = (causal & self.valid[:, None, :W]) | torch.eye(W, dtype=torch.bool, device=input_ids.device)
+        self.cache.cols = torch.arange(W, device=input_ids.device)
+        token, logp = sample(self._forward(input_ids, mask, positions), *self.sampling)
+        self.cache.seen = W
+        self.tokens[:, 0] = token
+        self.logprobs[:, 0] = logp
+        self.done = torch.isin(token, self.stop)
+        self.current = token[:, None].clone()
+
+    def step(self) -> None:
+        self.valid.index_fill_(1, self.col, True)
+        token, logp = sample(self._forward(self.current, self.mask, self.position), *self.sampling)
+        token = torch.where(self.done, self.pad, token)
+        logp = logp.masked_fill(self.done, 0.0)
+        self.tokens.index_copy_(1, self.t, token[:, None])
+        self.logprobs.index_copy_(1, self.t, logp[:, None])
+        self.done |= torch.isin(token, self.stop)
+        self.current.copy_(token[:, None])
+        self.position.add_(1)
+        self.col.add_(1)
+        self.t.add_(1)
+
+
+def _capture(decoder: _Decoder) -> "torch.cuda.CUDAGraph":
+    """Runs one real step on a side stream (warm-up), then captures the step (capturing runs nothing)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        decoder.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        decoder.step()
+    return graph
+
+
+@torch.no_grad()
+def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+           temperature: float, top_k: int, top_p: float, stop_ids: Sequence[int], pad_id: int,
+           use_graph: bool, check_every: int = 16) -> Tuple[torch.Tensor, torch.Tensor, str]:
+    """New tokens [B, max_new_tokens] (pad after a row's stop token, and after an early exit once
+    every row stopped) and their log-probs [B, max_new_tokens] (0 past the end), on the host, and
+    how the steps ran: "graph" (replays) or "eager".
+
+    ``input_ids`` / ``attention_mask``: [B, W] left-padded prompts on the model's device. The caller
+    holds the model in eval mode, under its autocast, with parameters unsharded. ``use_graph``:
+    replay a CUDA graph of the step (falls back to running it eagerly, with a logged reason, if
+    capture fails)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_without_fsdp_hooks(module))
+        dec = _Decoder(module, input_ids, attention_mask, max_new_tokens, (temperature, top_k, top_p), stop_ids,
+                       pad_id)  # the prefill: sdpa
+        stack.enter_context(_attention(module, ATTENTION))
+        graph = None
+        steps = 1
+        if use_graph and max_new_tokens > 2:
+            try:
+                graph = _capture(dec)
+                steps += 1
+            except Exception as e:  # noqa: BLE001 - any capture failure: decode eagerly instead
+                logger.warning("CUDA-graph decoding unavailable (%s: %s); decoding eagerly", type(e).__name__, e)
+                graph = None
+                steps = int(dec.t.item())  # the warm-up step may have run
+        while steps < max_new_tokens:
+            if steps % check_every == 0 and bool(dec.done.all()):
+                break
+            if graph is not None:
+                graph.replay()
+            else:
+                dec.step()
+            steps += 1
+        tokens, logprobs = dec.tokens.cpu(), dec.logprobs.cpu()
+    mode = "graph" if graph is not None else "eager"
+    del graph
+    return tokens, logprobs, mode

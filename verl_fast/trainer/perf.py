@@ -1,0 +1,126 @@
+"""Where a step's time goes: per-phase wall times, tokens/s per GPU, an MFU estimate of the update
+phase and peak GPU memory, as plain numbers in the step's metrics dict.
+
+Keys (all floats): ``time/<phase>`` for generation, reward, old_logprob, ref, values, advantages,
+update_actor, update_critic, weight_sync, checkpoint (only the phases a step ran);
+``perf/tokens_per_s_per_gpu`` (prompt + response tokens of the step / step time / ranks);
+``perf/mfu_update`` (GPU only, device in PEAK_BF16_FLOPS); ``perf/peak_memory_gib`` (GPU only).
+
+GPU work is asynchronous: a phase's time is taken between two device synchronisations, one at each
+phase boundary (never inside a phase), so each phase is charged the GPU work it queued.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Dict, Iterator, Optional
+
+import torch
+
+# Dense bf16 tensor-core peak per device (no sparsity), by a substring of the device name; the
+# first match wins, so longer names come first.
+PEAK_BF16_FLOPS = (
+    ("GH200", 989e12), ("H200", 989e12), ("H100", 989e12), ("H800", 989e12), ("H20", 148e12),
+    ("B200", 2250e12), ("B100", 1750e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12),
+    ("L40", 181e12), ("L4", 121e12), ("A10", 125e12),
+)
+
+
+def peak_bf16_flops(device: torch.device) -> Optional[float]:
+    """The device's dense bf16 peak in FLOP/s, or None (CPU, or a GPU not in the table)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+
+
+def update_flops(num_params: int, num_layers: int, attn_width: int, seq_lens: torch.Tensor) -> float:
+    """Forward + backward FLOPs of training on sequences of ``seq_lens`` tokens: 6 per parameter per
+    token for the matmuls, plus causal attention's score and value products (2 matmuls of
+    ``attn_width`` per query-key pair, half the pairs under the causal mask, x3 for the backward)."""
+    lens = seq_lens.double()
+    return float(6.0 * num_params * lens.sum() + 6.0 * num_layers * attn_width * (lens * lens).sum())
+
+
+class StepPerf:
+    """Times one step's phases and gathers the figures above. One instance per trainer; ``begin``
+    at the start of each step, ``phase(name)`` around each phase, ``figures`` at its end."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.device = device
+        self.peak = peak_bf16_flops(device)
+        # DTensor parameters (FSDP2) report their global size; frozen parameters do no update work
+        self.num_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        cfg = getattr(getattr(model, "module", model), "config", None)
+        self.num_layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
+        heads = getattr(cfg, "num_attention_heads", 0) or 0
+        head_dim = getattr(cfg, "head_dim", None) or (getattr(cfg, "hidden_size", 0) // max(heads, 1))
+        self.attn_width = int(heads * head_dim)
+        self.begin()
+
+    def begin(self) -> None:
+        self.times: Dict[str, float] = {}
+        self.tokens = 0.0
+        self.flops = 0.0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self._sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            key = f"time/{name}"
+            self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - start
+
+    def count_step_tokens(self, attention_mask: torch.Tensor) -> None:
+        """Prompt + response tokens of this rank's sequences ([N, T] 0/1 mask)."""
+        self.tokens += float(attention_mask.sum())
+
+    def count_update(self, attention_mask: torch.Tensor) -> None:
+        """One forward + backward over these sequences ([n, T] 0/1 mask) in the actor update."""
+        self.flops += update_flops(self.num_params, self.num_layers, self.attn_width, attention_mask.sum(-1))
+
+    def figures(self) -> Dict[str, float]:
+        """Phase times, update MFU and peak memory of this rank; call before the ranks' metrics are
+        averaged (the averages are then per-GPU figures)."""
+        out = dict(self.times)
+        update = self.times.get("time/update_actor")
+        if self.peak and update and self.flops:
+            out["perf/mfu_update"] = self.flops / update / self.peak
+        if self.device.type == "cuda":
+            out["perf/peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        out["perf/tokens"] = self.tokens
+        return out
+
+
+def throughput(metrics: Dict[str, float]) -> Dict[str, float]:
+    """``perf/tokens_per_s_per_gpu`` from the (rank-averaged) token count and the step's time."""
+    step = metrics.get("time/step")
+    tokens = metrics.get("perf/tokens")
+    if not step or tokens is None:
+        return {}
+    return {"perf/tokens_per_s_per_gpu": tokens / step}
+
+
+def summary(metrics: Dict[str, float]) -> str:
+    """The progress bar's short account of a step: the two big phases and throughput."""
+    parts = []
+    for key, label in (("time/generation", "gen"), ("time/update_actor", "update")):
+        if key in metrics:
+            parts.append(f"{label} {metrics[key]:.1f}s")
+    if "perf/tokens_per_s_per_gpu" in metrics:
+        parts.append(f"{metrics['perf/tokens_per_s_per_gpu']:.0f} tok/s/gpu")
+    if "perf/mfu_update" in metrics:
+        parts.append(f"mfu {100 * metrics['perf/mfu_update']:.0f}%")
+    if "perf/peak_memory_gib" in metrics:
+        parts.append(f"mem {metrics['perf/peak_memory_gib']:.1f}GiB")
+    return "  ".join(parts)

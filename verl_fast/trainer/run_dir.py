@@ -1,0 +1,188 @@
+"""A run's life around its output folder: one writer per folder (an fcntl lock), the rules for a
+folder that holds an older run, cheap checks before any model loads, and SIGTERM / Ctrl-C.
+
+- Lock: ``<output_dir>/.lock`` held with ``fcntl.flock`` by rank 0 for the whole run; it holds the
+  owner's PID, which a second run names when it refuses. The kernel drops the lock when the owner
+  dies, even by kill -9, so a stale file never blocks a restart.
+- Older run: ``trainer.resume=false`` over a folder with checkpoints or metrics refuses unless
+  ``trainer.overwrite=true``, which removes what a run writes there (nothing else).
+- Signals: the first SIGTERM or SIGINT lets the current step finish, then the trainer writes a
+  checkpoint and returns (the CLI exits 0); a second one ends the process at once.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import shutil
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from verl_fast.metrics import check_loggers
+from verl_fast.trainer.ranks import any_rank, on_main, rank_world
+
+LOCK = ".lock"
+# what a run writes into its output_dir (overwrite removes exactly these)
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "reward_curve.png", "tensorboard", "wandb")
+
+_held: Dict[str, Tuple[int, int]] = {}  # folder -> (fd, count): the CLI and fit() take the same lock
+
+
+def _acquire(folder: Path) -> None:
+    key = str(folder.resolve())
+    if key in _held:
+        fd, count = _held[key]
+        _held[key] = (fd, count + 1)
+        return
+    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise RuntimeError(f"trainer.output_dir={folder} is in use by another run (PID {owner}); "
+                               "one run writes a folder at a time: wait for it, stop it, or choose another "
+                               "output_dir") from None
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _held[key] = (fd, 1)
+
+
+def _release(folder: Path) -> None:
+    key = str(folder.resolve())
+    if key not in _held:
+        return
+    fd, count = _held.pop(key)
+    if count > 1:
+        _held[key] = (fd, count - 1)
+        return
+    os.ftruncate(fd, 0)
+    os.close(fd)  # closing the descriptor drops the flock
+
+
+def _older_run(folder: Path) -> List[str]:
+    found = [name for name in RUN_OUTPUTS if (folder / name).exists()]
+    root = folder / "checkpoints"
+    if "checkpoints" in found and not any(root.iterdir()):
+        found.remove("checkpoints")
+    return found
+
+
+def _check_writable(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise RuntimeError(f"trainer.output_dir={folder} is not writable: {e.strerror or e}") from None
+
+
+def claim(trainer_cfg: Any) -> Path:
+    """Rank 0 checks the folder, takes its lock and applies the resume / overwrite rules; every rank
+    gets the same outcome. Pair with ``release``."""
+    folder = Path(trainer_cfg.output_dir)
+
+    def main() -> None:
+        _check_writable(folder)
+        _acquire(folder)
+        try:
+            older = _older_run(folder)
+            if older and trainer_cfg.overwrite:
+                for name in older:
+                    p = folder / name
+                    shutil.rmtree(p) if p.is_dir() else p.unlink()
+            elif older and not trainer_cfg.resume:
+                raise RuntimeError(
+                    f"trainer.output_dir={folder} holds an older run ({', '.join(older)}) and trainer.resume is "
+                    "false: set trainer.overwrite=true to clear it, trainer.resume=true to continue it, or "
+                    "choose another output_dir")
+        except BaseException:
+            _release(folder)
+            raise
+
+    on_main(main)
+    return folder
+
+
+def release(trainer_cfg: Any) -> None:
+    if rank_world()[0] == 0:
+        _release(Path(trainer_cfg.output_dir))
+
+
+def check_port(host: str, port: Optional[int]) -> None:
+    """Raises naming the port when the metrics endpoint could not bind it."""
+    if not port:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the HTTP server binds it
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise RuntimeError(f"trainer.metrics_port={port} on {host} is not free ({e.strerror or e}): choose "
+                               "another port, or stop what listens there") from None
+
+
+def precheck(cfg: Any) -> List[Dict[str, Any]]:
+    """Everything that can fail before the models load, checked first: the output folder (writable,
+    not another run's), the metrics port, and the dataset (whose rows are returned, for ``fit``)."""
+    from verl_fast.data import RLDataProcessor
+
+    t = cfg.trainer
+    if t.dataset is None:
+        raise SystemExit("no dataset: set trainer.dataset in the config or pass --dataset_path")
+    claim(t)  # held until the trainer releases it at the end of fit (a re-entrant lock)
+    try:
+        on_main(lambda: check_port(t.metrics_host, t.metrics_port))
+        check_loggers(t.loggers)
+        # reading rows needs no tokenizer; the trainer tokenizes them later
+        rows = RLDataProcessor(None, t.max_prompt_length).load(t.dataset, **t.dataset_kwargs)
+        if not rows:
+            raise ValueError(f"trainer.dataset={t.dataset} has no rows")
+    except BaseException:
+        release(t)
+        raise
+    return rows
+
+
+class StopSignals:
+    """``with StopSignals() as stop:`` ... ``if stop.requested(): ...`` (a collective with several
+    ranks: true everywhere when any rank was signalled, so all stop after the same step)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self._got: Optional[int] = None
+        self._previous: Dict[int, Any] = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+            for s in self.SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self._got is not None:  # the second one: stop now
+            print(f"\n{name} again: stopping at once (no checkpoint)", file=sys.stderr, flush=True)
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+            return
+        self._got = signum
+        print(f"\n{name}: finishing this step, then writing a checkpoint and exiting (send it again to stop "
+              "at once)", file=sys.stderr, flush=True)
+
+    def requested(self) -> bool:
+        return any_rank(self._got is not None)
