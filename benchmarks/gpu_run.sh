@@ -8,6 +8,7 @@
 #   LOGPROB_CASES=logits SECTIONS=logprobs ...                     # one of the log-prob cases
 #
 # Sections: tests (every gpu-marked test), advantage, logprobs, reshard, hybrid, e2e, dist (needs 2 GPUs),
+# megatron (2 GPUs; megatron-core's wheel in .whl/),
 # bench (`verl-fast bench` itself, quick sizes).
 # That machine: H200(s), torch 2.11 + CUDA 13, Triton 3.6, Python 3.12, no vLLM / megatron-core, no
 # network: build with --no-build-isolation --no-deps; pure-Python wheels (liger-kernel for the
@@ -21,7 +22,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export VF_BENCH_SUMMARY="$OUT/summary.txt" VF_BENCH_RESULTS="$OUT/results"
 : > "$VF_BENCH_SUMMARY"
-SECTIONS=${SECTIONS:-"tests advantage logprobs reshard hybrid e2e bench"}
+SECTIONS=${SECTIONS:-"tests advantage logprobs reshard hybrid e2e bench megatron"}
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 failed=()
 
@@ -96,6 +97,13 @@ if want bench; then
   timeout 400 "$py" -m verl_fast bench --device cuda --quick --ops gae,logprob,schedule --out "$OUT/bench" \
     >> "$OUT/bench.log" 2>&1 || failed+=("verl-fast bench")
   tail -n 30 "$OUT/bench.log"
+fi
+
+# ---- megatron (issue 14): GRPO update phase, Qwen2 1.5B shape, 2 GPUs: megatron-core TP=2 vs FSDP2;
+# time, MFU, peak memory per GPU (~3 minutes) ----
+if want megatron; then
+  timeout 300 "$py" -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_megatron.py \
+    >> "$OUT/bench.log" 2>&1 || failed+=("bench_megatron")
 fi
 
 (cd "$OUT" && [ -d results ] && tar czf results.tgz results && rm -rf results)

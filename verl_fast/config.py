@@ -73,6 +73,11 @@ class ActorConfig:
                               doc="FSDP: bf16 parameters in forward/backward, fp32 gradient reduction")
     cpu_offload: bool = _f(False, doc="FSDP: sharded parameters, gradients and optimizer state on the CPU")
     skip_zero_advantage: bool = _f(True, doc="leave samples whose advantages are all 0 out of the backward")
+    tensor_model_parallel_size: int = _f(1, min=1, doc="strategy megatron: TP size")
+    pipeline_model_parallel_size: int = _f(1, min=1, doc="strategy megatron: PP size")
+    virtual_pipeline_model_parallel_size: Optional[int] = _f(None, min=1, doc="strategy megatron: model chunks "
+                                                             "per PP rank")
+    expert_model_parallel_size: int = _f(1, min=1, doc="strategy megatron: EP size (MoE families)")
     share_prompt_forward: bool = _f(True, doc="log-prob passes run each prompt once for all its samples "
                                               "(same log-probs and gradients, fewer tokens; not with fused_logprobs)")
     # older spelling: rollout-engine settings written in the actor section (copied to rollout)
@@ -405,9 +410,19 @@ def validate(cfg: Config) -> None:
     if algo == "online_dpo" and cfg.rollout.n < 2:
         raise ValueError(f"algorithm.type=online_dpo is not supported with rollout.n={cfg.rollout.n}: a pair needs "
                          "two sampled responses per prompt; use rollout.n >= 2")
-    for section in ("actor", "critic"):
-        if getattr(cfg, section).strategy == "megatron":
-            raise ValueError(f"{section}.strategy=megatron is not supported yet; use fsdp2, fsdp1 or none")
+    if cfg.critic.strategy == "megatron":
+        raise ValueError("critic.strategy=megatron is not supported yet; use fsdp2, fsdp1 or none (a value model "
+                         "beside a megatron actor)")
+    if cfg.actor.strategy == "megatron":
+        for key in ("use_dynamic_bsz", "gradient_checkpointing", "cpu_offload"):
+            if getattr(cfg.actor, key):
+                raise ValueError(f"actor.{key} is not supported with actor.strategy=megatron; use fixed-size "
+                                 "micro-batches (actor.micro_batch_size) on the accelerator")
+        if cfg.actor.mixed_precision != "none" or cfg.actor.autocast != "none":
+            raise ValueError("actor.mixed_precision / actor.autocast are not supported with actor.strategy=megatron; "
+                             "use actor.dtype=bfloat16 (bf16 weights, fp32 main weights in the optimizer)")
+        if cfg.actor.virtual_pipeline_model_parallel_size and cfg.actor.pipeline_model_parallel_size < 2:
+            raise ValueError("actor.virtual_pipeline_model_parallel_size needs actor.pipeline_model_parallel_size >= 2")
 
 
 def default_config_path() -> Path:

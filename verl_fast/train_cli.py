@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
                         model_path=resolve(cfg.actor.model_name))
     history = trainer.fit(rows)
     run_dir.release(cfg.trainer)
-    if trainer.rank == 0 and history:
+    if trainer.is_main and history:
         summarize(history, cfg.trainer.output_dir)
     if dist is not None:
         dist.destroy_process_group()
