@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -16,27 +15,15 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from verl_fast.bench.report import device_name
+from verl_fast.bench.report import device_name, environment as report_environment  # noqa: F401 (device_name: used by the scripts)
 from verl_fast.bench.timing import Stats, measure, peak_memory, sync  # noqa: F401 (sync: used by the scripts)
 
 RESULTS_DIR = Path(os.environ.get("VF_BENCH_RESULTS", Path(__file__).resolve().parent / "results"))
 
 
 def environment(device: str) -> Dict[str, object]:
-    env: Dict[str, object] = {
-        "device": device_name(device),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "torch_threads": torch.get_num_threads(),
-    }
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = None
-    return env
+    """Device name, versions, load average and torch's thread count (saved with every report)."""
+    return {**report_environment(device), "torch_threads": torch.get_num_threads()}
 
 
 class Ms(float):

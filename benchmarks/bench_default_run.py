@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Report  # noqa: E402
@@ -36,18 +36,24 @@ def first_last(rewards: List[float], k: int = 5) -> Dict[str, float]:
     return {"first5": sum(rewards[:k]) / k, "last5": sum(rewards[-k:]) / k, "steps": len(rewards)}
 
 
-def timed(cmd: List[str], cwd: Path, env: Dict[str, str], log: Path) -> Dict[str, float]:
-    load_before = os.getloadavg()[0]
-    start = time.perf_counter()
-    with open(log, "w") as out:
-        proc = subprocess.run(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}; its output: {log}")
-    return {"wall_s": wall, "load_before": load_before, "load_after": os.getloadavg()[0]}
+def start(cmd: List[str], cwd: Path, env: Dict[str, str], log: Path):
+    """Starts ``cmd``; the returned function waits for it and gives its wall time and load."""
+    load_before, t0 = os.getloadavg()[0], time.perf_counter()
+    out = open(log, "w")
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def wait() -> Dict[str, float]:
+        code = proc.wait()
+        wall = time.perf_counter() - t0
+        out.close()
+        if code != 0:
+            raise RuntimeError(f"{' '.join(cmd)} exited with {code}; its output: {log}")
+        return {"wall_s": wall, "load_before": load_before, "load_after": os.getloadavg()[0]}
+
+    return wait
 
 
-def run_plain(baseline: Path, model_dir: Path, steps: int, work: Path) -> Dict[str, float]:
+def start_plain(baseline: Path, model_dir: Path, steps: int, work: Path):
     script = baseline / "grpo.py"
     if not script.is_file():
         raise FileNotFoundError(f"--baseline-dir {baseline}: no grpo.py there (the plain GRPO loop)")
@@ -55,16 +61,32 @@ def run_plain(baseline: Path, model_dir: Path, steps: int, work: Path) -> Dict[s
     cmd = [sys.executable, str(script), "--P", "4", "--G", "8", "--bf16", "--skip_zero", "--lr", "2e-5",
            "--steps", str(steps), "--eval", "0", "--out", str(out)]
     env = {**os.environ, "SMOLLM2_DIR": str(model_dir)}
-    res = timed(cmd, baseline, env, work / "plain.log")
-    res.update(first_last([s["reward"] for s in json.loads(out.read_text())["steps"]]))
-    return res
+    wait = start(cmd, baseline, env, work / "plain.log")
+
+    def finish() -> Dict[str, float]:
+        res = wait()
+        res.update(first_last([s["reward"] for s in json.loads(out.read_text())["steps"]]))
+        return res
+
+    return finish
 
 
-def run_ours(steps: int, work: Path) -> Dict[str, float]:
+def start_ours(steps: int, work: Path):
     out = work / "ours"
     cmd = [sys.executable, "-m", "verl_fast", "train", "--output_dir", str(out),
            "--set", f"trainer.total_steps={steps}"]
-    res = timed(cmd, work, dict(os.environ), work / "ours.log")
+    wait = start(cmd, work, dict(os.environ), work / "ours.log")
+
+    def finish() -> Dict[str, float]:
+        res = wait()
+        res.update(read_ours(out))
+        return res
+
+    return finish
+
+
+def read_ours(out: Path) -> Dict[str, float]:
+    res: Dict[str, float] = {}
     lines = (out / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines if line.strip()]
     res.update(first_last([r["reward/mean"] for r in records if "reward/mean" in r]))
@@ -74,17 +96,23 @@ def run_ours(steps: int, work: Path) -> Dict[str, float]:
     return res
 
 
-def run(steps: int = 25, repeats: int = 1, baseline_dir: str = DEFAULT_BASELINE) -> Report:
+def run(steps: int = 25, repeats: int = 1, baseline_dir: str = DEFAULT_BASELINE, concurrent: bool = False,
+        work_dir: Optional[str] = None) -> Report:
     from verl_fast.models.demo import demo_model_path
 
     model_dir = demo_model_path()
-    report = Report("default_run", "cpu", meta={"steps": steps, "baseline": str(baseline_dir), "runs": []})
+    report = Report("default_run", "cpu", meta={"steps": steps, "baseline": str(baseline_dir), "runs": [],
+                                                "concurrent": concurrent})
     with tempfile.TemporaryDirectory(prefix="vf_default_run_") as tmp:
         for i in range(repeats):
-            work = Path(tmp) / f"r{i}"
-            work.mkdir()
-            plain = run_plain(Path(baseline_dir), model_dir, steps, work)
-            ours = run_ours(steps, work)
+            work = Path(work_dir or tmp) / f"r{i}"
+            work.mkdir(parents=True, exist_ok=True)
+            if concurrent:  # both at once: on a shared, busy machine both then see the same load
+                finish_plain, finish_ours = start_plain(Path(baseline_dir), model_dir, steps, work), start_ours(steps, work)
+                plain, ours = finish_plain(), finish_ours()
+            else:
+                plain = start_plain(Path(baseline_dir), model_dir, steps, work)()
+                ours = start_ours(steps, work)()
             report.meta["runs"].append({"plain": plain, "ours": ours})
             note = "reward first5 {first5:.3f} -> last5 {last5:.3f}; load {load_before:.1f}->{load_after:.1f}"
             report.add(CASE, "plain GRPO loop (HF generate)", plain["wall_s"] * 1e3, note=note.format(**plain))
@@ -100,8 +128,11 @@ def main(argv=None) -> int:
     p.add_argument("--baseline-dir", default=DEFAULT_BASELINE, help="folder holding the plain loop's grpo.py")
     p.add_argument("--device", default="cpu", choices=["cpu"], help="the default run is a CPU job")
     p.add_argument("--quick", action="store_true", help="3 steps (a smoke run, not the measurement)")
+    p.add_argument("--concurrent", action="store_true",
+                   help="run both at the same time (a shared machine: both see the same load)")
+    p.add_argument("--work", help="keep the runs' logs and outputs here (default: a temporary folder)")
     args = p.parse_args(argv)
-    report = run(3 if args.quick else args.steps, args.repeats, args.baseline_dir)
+    report = run(3 if args.quick else args.steps, args.repeats, args.baseline_dir, args.concurrent, args.work)
     print(report.table())
     for row in report.rows:
         print(f"  {row.impl:<30} {row.ms / 1e3:7.1f} s  {row.note}")

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Report, copy_bandwidth_gbs, peak_extra_bytes, sync, time_ms  # noqa: E402
 
 import verl_fast as vf  # noqa: E402
+from verl_fast.bench.shapes import shape  # noqa: E402
 
 TUNE_REPS = dict(warmup=3, rep=10)
 DEADLINE = [float("inf")]  # time.monotonic() after which sweeps stop trying new candidates
@@ -52,8 +53,9 @@ def parse_args():
     a = p.parse_args()
     cuda = a.device.startswith("cuda")
     a.tokens = a.tokens or (8192 if cuda else 512)
-    a.hidden = a.hidden or (3584 if cuda else 256)
-    a.vocab = a.vocab or (151936 if cuda else 8192)
+    # GPU: Qwen2.5-7B's hidden size with the Qwen2.5 vocabulary of the 0.5B-3B models (151936)
+    a.hidden = a.hidden or (shape("Qwen2.5-7B").hidden_size if cuda else 256)
+    a.vocab = a.vocab or (shape("Qwen2.5-1.5B").vocab_size if cuda else 8192)
     a.dtype = getattr(torch, a.dtype)
     a.sweep = cuda and not a.no_sweep
     a.cases = a.cases.split(",")

@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import Report, copy_bandwidth_gbs, sync, time_ms  # noqa: E402
 
+from verl_fast.bench.shapes import shape  # noqa: E402
 from verl_fast.ops.reshard import (ModelSpec, fsdp2_layout, hf_layout, logical_shapes, plan,  # noqa: E402
                                    vllm_layout, vllm_weights)
 from verl_fast.ops.reshard.layout import local_tensor  # noqa: E402
@@ -38,10 +39,10 @@ from verl_fast.ops.reshard.spec import as_2d  # noqa: E402
 
 SEEDS_CLAIM = "train/rollout switch 2.3 s -> 87 ms on 8xA100 (the seeds' claim, not measured here)"
 
+_7B = shape("Qwen2.5-7B")  # 28 layers, hidden 3584, 28 heads / 4 kv heads of 128, MLP 18944, vocab 152064
 SCALES = {
-    # Qwen2.5-7B: 28 layers, hidden 3584, 28 heads / 4 kv heads of 128, MLP 18944, vocab 152064, QKV bias.
-    "full": dict(hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
-                 intermediate_size=18944, vocab_size=152064),
+    "full": {k: getattr(_7B, k) for k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                                          "intermediate_size", "vocab_size")},
     "small": dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=32, intermediate_size=768,
                   vocab_size=4096),
 }

@@ -7,7 +7,8 @@
 #   GPU_TESTS="python_tests/test_logprobs.py" SECTIONS=tests ...  # some test files only
 #   LOGPROB_CASES=logits SECTIONS=logprobs ...                     # one of the log-prob cases
 #
-# Sections: tests (every gpu-marked test), advantage, logprobs, reshard, hybrid, e2e, dist (needs 2 GPUs).
+# Sections: tests (every gpu-marked test), advantage, logprobs, reshard, hybrid, e2e, dist (needs 2 GPUs),
+# bench (`verl-fast bench` itself, quick sizes).
 # That machine: H200(s), torch 2.11 + CUDA 13, Triton 3.6, Python 3.12, no vLLM / megatron-core, no
 # network: build with --no-build-isolation --no-deps; pure-Python wheels (liger-kernel for the
 # logprobs baseline; trl, datasets, dill, multiprocess for e2e) travel in .whl/ (carry it); e2e also needs
@@ -20,7 +21,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export VF_BENCH_SUMMARY="$OUT/summary.txt" VF_BENCH_RESULTS="$OUT/results"
 : > "$VF_BENCH_SUMMARY"
-SECTIONS=${SECTIONS:-"tests advantage logprobs reshard hybrid e2e"}
+SECTIONS=${SECTIONS:-"tests advantage logprobs reshard hybrid e2e bench"}
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 failed=()
 
@@ -87,6 +88,14 @@ fi
 if want e2e; then
   timeout 560 "$py" benchmarks/bench_e2e.py --device cuda --shapes "${E2E_SHAPES:-0.5b,1.5b}" \
     --timeout 240 >> "$OUT/bench.log" 2>&1 || failed+=("bench_e2e")
+fi
+
+# ---- bench (issue 17): `verl-fast bench` itself on the GPU (CUDA events, peak memory, the one table,
+# JSON / Markdown / PNG under $OUT/bench); quick sizes, so it checks the harness, not the ops ----
+if want bench; then
+  timeout 400 "$py" -m verl_fast bench --device cuda --quick --ops gae,logprob,schedule --out "$OUT/bench" \
+    >> "$OUT/bench.log" 2>&1 || failed+=("verl-fast bench")
+  tail -n 30 "$OUT/bench.log"
 fi
 
 (cd "$OUT" && [ -d results ] && tar czf results.tgz results && rm -rf results)

@@ -102,7 +102,7 @@ def test_results_schema_report_files_and_readme(tmp_path):
     assert report.save_results(results, tmp_path).name.endswith("_1.json")  # a second run that day
     assert json.loads(path.read_text())["summary"] == json.loads(json.dumps(results["summary"]))
     md, png = report.write_report(results, tmp_path, path.stem)
-    assert "| schedule | case a | python loop 40 ms | 1 ms | 2 ms | 20.00x | 2.00x |" in md.read_text()
+    assert "| schedule | case a | python loop 40 ms | 1 ms | 2 ms | 20.00x | 2.00x | 1.9-2.5 (10) | test cpu |" in md.read_text()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "e2e: missing" in report.render_table(results)
 
@@ -135,6 +135,26 @@ def test_runner_runs_a_script_and_collects_its_report(tmp_path, monkeypatch):
     assert row["spread"]["runs"] == 3 and row["ours_ms"] >= 5.0 and row["baseline_ms"] >= 20.0
     monkeypatch.setitem(runner.OPS, "nothere", runner.Op("bench_nothere.py"))
     assert runner.run_op("nothere", "cpu", True, tmp_path, echo=False)["status"] == "missing"
+
+
+def test_claims_read_from_the_claims_and_default_run_reports():
+    rows = [("rollout in-process vs HTTP", "vLLM OpenAI HTTP server", 3200.0),
+            ("rollout in-process vs HTTP", "verl_fast in-process vLLM", 1000.0),
+            ("P99 rollout latency", "one batch, no bucketing", 1200.0),
+            ("P99 rollout latency", "verl_fast length buckets", 430.0),
+            ("rollout throughput, colocated", "bare engine", 1.0),
+            ("rollout throughput, colocated", "verl_fast colocated with training", 1.25)]
+    claims_rep = {"name": "claims", "meta": {"hardware": "test cpu"},
+                  "rows": [{"case": c, "impl": i, "ms": ms} for c, i, ms in rows]}
+    run_rep = {"name": "default_run", "rows": [], "meta": {"runs": [{"ours": {"weight_sync_s": 0.5}},
+                                                                    {"ours": {"weight_sync_s": 0.3}}]}}
+    results = {"ops": [{"op": "claims", "reports": [claims_rep]}, {"op": "default_run", "reports": [run_rep]}]}
+    found = {c["key"]: c for c in claims.collect(results, "cpu")}
+    assert found["inprocess_vs_http"]["measured"].startswith("3.20x")
+    assert found["p99_bucketing"]["measured"] == "1.20 s -> 0.43 s"
+    assert found["colocated"]["measured"] == "80%" and found["colocated"]["hardware"] == "test cpu"
+    assert found["switch"]["measured"].startswith("400 ms per step")
+    assert found["utilisation"]["measured"] == "not measured in this run"
 
 
 def test_cli_lists_bench_and_regenerates_the_report(tmp_path, capsys):

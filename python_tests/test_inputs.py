@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tiny_models import build_tokenizer, save_tiny_model
@@ -27,6 +28,7 @@ from verl_fast.trainer.rl_trainer import RLTrainer
     ("actor.entropy_coeff=-.inf", "actor.entropy_coeff must be a finite number, got -inf"),
     ("actor.lr=nan", "actor.lr must be a finite number, got nan"),
     ("algorithm.gamma=abc", "algorithm.gamma must be a number, got 'abc'"),
+    ("trainer.seed=100000000000000000000", "trainer.seed must fit in int64"),
 ])
 def test_config_rejects_non_finite_values_naming_the_key(tmp_path, override, message):
     path = tmp_path / "c.yaml"
@@ -156,7 +158,24 @@ def test_trainer_counts_skipped_prompts_and_zeroed_rewards(tmp_path):
     assert all(len(tok(p, add_special_tokens=False)["input_ids"]) <= 40 for p in seen)
 
 
-# ---- Megatron checkpoints ---------------------------------------------------------------------
+# ---- checkpoints ----------------------------------------------------------------------------------
+
+
+def test_a_training_checkpoint_that_carries_code_is_refused(tmp_path):
+    from verl_fast.trainer import checkpoint
+
+    marker = tmp_path / "ran"
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    save_file(model.state_dict(), tmp_path / "model.safetensors")
+    torch.save({"state": {}, "param_groups": [RunsCode(marker)]}, tmp_path / "optimizer.pt")
+    with pytest.raises(ValueError, match=r"optimizer\.pt: refused to unpickle the global (posix|os)\.system"):
+        checkpoint.load(tmp_path, model, optimizer)
+    assert not marker.exists()
+    torch.save(optimizer.state_dict(), tmp_path / "optimizer.pt")  # a real one loads
+    (tmp_path / "trainer_state.json").write_text("{}")
+    assert checkpoint.load(tmp_path, model, optimizer) == {}
+
 
 
 def test_a_megatron_checkpoint_that_carries_code_is_refused(tmp_path):

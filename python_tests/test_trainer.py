@@ -112,8 +112,9 @@ def test_kl_in_loss_and_in_reward(tiny_path, tmp_path):
         assert len(history) == 2
         if "actor" in extra:
             assert "actor/kl" in history[-1]
-        else:  # the first step's KL is 0 (actor = reference); the second's is not
-            assert history[0]["reward/kl_penalty"] == 0.0 and history[-1]["reward/kl_penalty"] != 0.0
+        else:  # the first step's KL is 0 (actor = reference; up to the last bits: the two copies' weights
+            # sit at other addresses, and the CPU GEMM's blocking may differ with alignment); the second's is not
+            assert abs(history[0]["reward/kl_penalty"]) < 1e-6 and abs(history[-1]["reward/kl_penalty"]) > 1e-4
 
 
 def test_dpo_increases_margin(tiny_path, tmp_path):

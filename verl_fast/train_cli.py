@@ -30,6 +30,26 @@ def resolve_config(args: argparse.Namespace) -> config_mod.Config:
     return config_mod.load(args.config or config_mod.default_config_path(), overrides)
 
 
+def quiet_libraries() -> None:
+    """The console shows the progress bar and a line per step: the libraries' notes about their own
+    set-up (vLLM's platform warnings, per-weight dtype casts, loading bars) are silenced here, before
+    they are imported; their errors still show."""
+    import logging
+    import warnings
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # vLLM logs some notes at import, before it configures its logger from the variable above
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # "Loading weights" of from_pretrained
+
+
 def _distributed(cfg: config_mod.Config):
     """Under torchrun (WORLD_SIZE > 1): the process group, NCCL for CUDA tensors with CUDA (plus gloo
     for the CPU tensors of offloaded shards), else gloo. Multi-node is the same call: torchrun sets
@@ -57,9 +77,7 @@ def run(args: argparse.Namespace) -> int:
         from verl_fast.rollout import vllm_env
 
         vllm_env.configure_vllm_env()  # the launcher's job, not a constructor's: before vLLM is imported
-        # its INFO lines and start-up tuning WARNINGs (thread binding, tcmalloc, dtype casts) drown the
-        # progress bar; errors still show
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    quiet_libraries()
     dist = _distributed(cfg)
     from verl_fast.trainer import run_dir
 
@@ -67,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     rows = run_dir.precheck(cfg)
     import torch
 
-    from verl_fast.models.loading import load_causal_lm, resolve
+    from verl_fast.models.loading import attention_kwargs, load_causal_lm, resolve
     from verl_fast.trainer.rl_trainer import RLTrainer
 
     if cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available()):
@@ -76,14 +94,15 @@ def run(args: argparse.Namespace) -> int:
         device = torch.device("cpu")
     if cfg.actor.model_name is None:
         raise SystemExit("actor.model_name is not set")
-    attn = "flash_attention_2" if cfg.critic.use_flash_attention and device is not None and device.type == "cuda" else "sdpa"
-    actor, tokenizer = load_causal_lm(cfg.actor.model_name, cfg.actor.dtype)
+    cuda = device is not None and device.type == "cuda"
+    actor_kwargs = attention_kwargs(cfg.actor, "actor", cuda)
+    actor, tokenizer = load_causal_lm(cfg.actor.model_name, cfg.actor.dtype, **actor_kwargs)
     actor.to(device)
     critic = None  # the reference, when KL needs one, is built from the actor's weights
     if cfg.algorithm.type == "ppo":
         if not cfg.critic.model_name:
             raise SystemExit("algorithm.type=ppo needs critic.model_name")
-        critic, _ = load_causal_lm(cfg.critic.model_name, cfg.critic.dtype, attn_implementation=attn)
+        critic, _ = load_causal_lm(cfg.critic.model_name, cfg.critic.dtype, **attention_kwargs(cfg.critic, "critic", cuda))
         critic.to(device)
     # the trainer shards the models as actor.strategy / critic.strategy say (FSDP2 under torchrun)
     trainer = RLTrainer(actor_model=actor, tokenizer=tokenizer, critic_model=critic, config=cfg,

@@ -88,7 +88,8 @@ def summarize_report(op: str, rep: Dict[str, Any]) -> List[Dict[str, Any]]:
                     "baseline_ms": b["ms"] if b else None, "floor_ms": floor, "ours": best["impl"],
                     "ours_ms": best["ms"], "speedup": b["ms"] / best["ms"] if b and best["ms"] > 0 else None,
                     "over_floor": best["ms"] / floor if floor else None,
-                    "ours_extra_bytes": best.get("extra_bytes"), "spread": best.get("spread")})
+                    "ours_extra_bytes": best.get("extra_bytes"), "spread": best.get("spread"),
+                    "hardware": (rep.get("environment") or {}).get("device")})
     return out
 
 
@@ -134,10 +135,11 @@ def _spread(row: Dict[str, Any]) -> str:
 
 
 def table_rows(results: Dict[str, Any]) -> Tuple[List[str], List[List[str]]]:
-    head = ["op", "case", "baseline", "floor", "ours", "baseline/ours", "ours/floor", "ours p10-p90 ms (runs)"]
+    head = ["op", "case", "baseline", "floor", "ours", "baseline/ours", "ours/floor", "ours p10-p90 ms (runs)",
+            "measured on"]
     rows = [[r["op"], r["case"], f"{r['baseline'] or ''} {_fmt_ms(r['baseline_ms'])}".strip(),
              _fmt_ms(r["floor_ms"]), _fmt_ms(r["ours_ms"]), _fmt_x(r["speedup"]), _fmt_x(r["over_floor"]),
-             _spread(r)] for r in results["summary"]]
+             _spread(r), r.get("hardware") or ""] for r in results["summary"]]
     return head, rows
 
 
@@ -205,11 +207,16 @@ def chart(results: Dict[str, Any], path: Path) -> Path:
     return path
 
 
-def write_report(results: Dict[str, Any], out: Path, stem: str) -> Tuple[Path, Path]:
+def write_report(results: Dict[str, Any], out: Path, stem: str) -> Tuple[Path, Optional[Path]]:
+    """The Markdown page, and the PNG chart where matplotlib is installed (else None)."""
     out.mkdir(parents=True, exist_ok=True)
     md = out / f"{stem}.md"
     md.write_text(markdown(results))
-    return md, chart(results, out / f"{stem}.png")
+    try:
+        return md, chart(results, out / f"{stem}.png")
+    except ImportError as error:
+        print(f"no PNG chart: {error} (pip install matplotlib)")
+        return md, None
 
 
 def readme_block(results: Dict[str, Any], source: str) -> str:

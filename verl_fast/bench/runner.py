@@ -37,15 +37,18 @@ class Op:
 
 OPS: Dict[str, Op] = {
     "gae": Op("bench_advantage.py"),
-    "logprob": Op("bench_logprob.py", quick=("--tokens", "64", "--hidden", "64", "--vocab", "1024")),
+    "logprob": Op("bench_logprob.py", quick=("--tokens", "64", "--hidden", "64", "--vocab", "1024", "--no-sweep")),
     "schedule": Op("bench_schedule.py", device_flag=False),
     "reshard": Op("bench_reshard.py", quick=("--only", "1")),
     "rollout": Op("bench_rollout.py", quick=("--models", "tiny", "--rep", "2")),
-    "e2e": Op("bench_e2e.py"),
+    "e2e": Op("bench_e2e.py", quick=("--tiny",)),
     "claims": Op("bench_claims.py"),
     "default_run": Op("bench_default_run.py", devices=("cpu",)),
 }
 QUICK_OPS = ("gae", "logprob", "schedule")
+# the op each script's saved Report belongs to, by the report name's first word
+REPORT_OPS = {"advantage": "gae", "bench": "logprob", "schedule": "schedule", "reshard": "reshard",
+              "weight": "reshard", "rollout": "rollout", "e2e": "e2e", "claims": "claims", "default": "default_run"}
 DEFAULT_OPS = {"cpu": ("gae", "logprob", "schedule", "reshard", "rollout", "claims", "default_run"),
                "cuda": ("gae", "logprob", "reshard", "e2e")}
 
@@ -88,6 +91,20 @@ def run_op(name: str, device: str, quick: bool, folder: Path, echo: bool = True)
     return record
 
 
+def collect_saved(folder: Path, device: str, ops: List[str]) -> List[Dict[str, object]]:
+    """Records of ``ops`` from the Report JSONs already saved in ``folder`` (``<name>_<device>.json``)."""
+    records: Dict[str, Dict[str, object]] = {name: {"op": name, "status": "missing", "reports": [],
+                                                    "reason": f"no saved report in {folder}"} for name in ops}
+    for path in sorted(folder.glob(f"*_{device}.json")):
+        rep = json.loads(path.read_text())
+        op = REPORT_OPS.get(str(rep.get("name", "")).split("_")[0])
+        if op in records:
+            rec = records[op]
+            rec.update(status="ok", reason=f"saved {rep.get('time', '')}", seconds=0.0)
+            rec["reports"].append(rep)
+    return list(records.values())
+
+
 def parse_ops(text: Optional[str], device: str, quick: bool) -> List[str]:
     if not text:
         return list(QUICK_OPS if quick else DEFAULT_OPS[device])
@@ -104,6 +121,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     p.add_argument("--quick", action="store_true", help="small sizes (CI on the CPU, under 2 minutes)")
     p.add_argument("--out", help="results folder (default: benchmarks/results)")
+    p.add_argument("--collect", action="store_true",
+                   help="run nothing: one results JSON from the <name>_<device>.json files the scripts saved in DIR")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: rebuild the Markdown, PNG and README section from the latest results JSON")
     p.add_argument("--readme", help="README whose generated 'Measured' block to rewrite (--report-only rewrites "
@@ -121,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if _cuda() else "cpu")
     folder = benchmarks_dir()
     ops = parse_ops(args.ops, device, args.quick)
-    records = [run_op(name, device, args.quick, folder) for name in ops]
+    records = collect_saved(out, device, ops) if args.collect else [run_op(name, device, args.quick, folder) for name in ops]
     results = report_mod.build_results(records, device, args.quick)
     latest = report_mod.save_results(results, out)
     print(report_mod.render_table(results))

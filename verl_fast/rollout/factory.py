@@ -44,7 +44,13 @@ def resolve_type(kind: str) -> str:
 def build_engine(cfg: Config, actor: torch.nn.Module, tokenizer: Any, model_path: Optional[str] = None,
                  autocast_dtype: Optional[torch.dtype] = None) -> RolloutEngine:
     """The engine for ``cfg.rollout`` (see the module docstring); collective under torchrun."""
-    if resolve_type(cfg.rollout.type) == "hf":
+    kind, quantization = resolve_type(cfg.rollout.type), cfg.rollout.quantization
+    if quantization and (kind == "hf" or not hasattr(actor, "peft_config")):
+        raise ValueError(f"rollout.quantization={quantization} is not supported with " + (
+            "HF generate rollout (it runs the actor's own weights); use rollout.type=vllm" if kind == "hf" else
+            "a full-weight actor: the engine's quantized weights cannot take the trainer's updates; train a "
+            "LoRA (PEFT) actor on the quantized base, whose adapter is what moves, or drop rollout.quantization"))
+    if kind == "hf":
         return HFGenerateEngine(actor, tokenizer, autocast_dtype=autocast_dtype, fast_decode=cfg.rollout.hf_fast_decode)
     from verl_fast.rollout.data_parallel import DataParallelEngine
     from verl_fast.rollout.vllm_engine import VLLMInferenceEngine
@@ -58,7 +64,7 @@ def build_engine(cfg: Config, actor: torch.nn.Module, tokenizer: Any, model_path
     if world > 1 and world % r.tensor_parallel_size:
         raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide the number of "
                          f"processes ({world}): each group of that many consecutive ranks runs one engine")
-    kwargs = {}
+    kwargs = {"quantization": r.quantization} if r.quantization else {}
     folder = None
     if model_path is None:
         folder = tempfile.TemporaryDirectory(prefix="verl_fast_actor_")

@@ -103,7 +103,7 @@ class VLLMInferenceEngine(RolloutEngine):
 
     def __init__(
         self,
-        model_name_or_path: str,
+        model_name_or_path: Optional[str] = None,
         tensor_parallel_size: int = 1,
         dtype: str = "bfloat16",
         gpu_memory_utilization: float = 0.5,
@@ -121,8 +121,12 @@ class VLLMInferenceEngine(RolloutEngine):
         logprobs_mode: str = "processed_logprobs",
         tokenizer: Optional[str] = None,
         cpu_threads: Optional[int] = 1,
+        model_name: Optional[str] = None,
         **engine_kwargs: Any,
     ) -> None:
+        if (model_name is None) == (model_name_or_path is None):  # model_name: the seeds' spelling
+            raise TypeError("VLLMInferenceEngine needs the model exactly once: model_name_or_path or model_name")
+        model_name_or_path = model_name_or_path or model_name
         check_engine_kwargs(engine_kwargs)
         if sleep_level not in (0, 1, 2):
             raise ValueError(f"sleep_level must be 0 (KV cache only), 1 (KV cache; weights offloaded) or 2 "
@@ -158,6 +162,7 @@ class VLLMInferenceEngine(RolloutEngine):
         if enable_lora:
             engine_kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank)
         engine_kwargs.setdefault("disable_log_stats", False)
+        engine_kwargs.setdefault("use_tqdm_on_load", False)  # no loading bar beside the trainer's progress bar
         start = time.perf_counter()
         self.llm = vllm.LLM(
             model=str(model_name_or_path), tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size,

@@ -34,10 +34,10 @@ from verl_fast import distributed
 from verl_fast.algos.advantage import BATCH_WHITENED, AdvantageInput, get_estimator
 from verl_fast.algos.losses import active_rows, agg_loss, entropy_loss, kl_penalty, policy_loss, value_loss
 from verl_fast.config import Config
-from verl_fast.data import PromptRow, RLDataProcessor
+from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
 from verl_fast.metrics import MetricsLogger
 from verl_fast.trainer.batching import balance_across_ranks, loss_normalisers, micro_batches
-from verl_fast.models.logprobs import response_logprobs
+from verl_fast.models.shared_prefix import experience_logprobs
 from verl_fast.models.value import ValueModel, response_values
 from verl_fast.models.wrapping import hf_module, is_sharded
 from verl_fast.trainer import sharding
@@ -102,10 +102,8 @@ class RLTrainer:
             self.critic = sharding.shard(critic, Sharding.from_config(cfg.critic, "critic", self.world), self.device)
         self.reward = build_reward(cfg.reward_fn, reward_fn)
         self.estimator = get_estimator(cfg.advantage_estimator) if cfg.advantage_estimator else None
-        self.optimizer = torch.optim.AdamW(self.actor.parameters(), lr=cfg.actor.lr,
-                                           weight_decay=cfg.actor.weight_decay)
-        self.critic_optimizer = (torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic.lr,
-                                                   weight_decay=cfg.critic.weight_decay) if self.critic else None)
+        self.optimizer = _adamw(self.actor, cfg.actor.lr, cfg.actor.weight_decay)
+        self.critic_optimizer = _adamw(self.critic, cfg.critic.lr, cfg.critic.weight_decay) if self.critic else None
         self.processor = RLDataProcessor(tokenizer, cfg.trainer.max_prompt_length, cfg.rollout.max_new_tokens,
                                          system_prompt=cfg.trainer.system_prompt,
                                          overlong_prompts=cfg.trainer.overlong_prompts)
@@ -163,6 +161,10 @@ class RLTrainer:
             items = rows if _is_prepared(rows) else self.processor.encode_all(rows)
         if not items:
             raise ValueError("the dataset is empty")
+        want = PreferencePair if self.algorithm == "dpo" else PromptRow
+        if not isinstance(items[0], want):
+            raise ValueError(f"algorithm.type={self.algorithm} trains on {want.__name__} items, but the dataset "
+                             f"holds {type(items[0]).__name__}")
         if cfg.train_batch_size % self.world:
             raise ValueError(f"trainer.train_batch_size={cfg.train_batch_size} must be a multiple of the "
                              f"number of processes ({self.world}) so that every rank gets the same share")
@@ -329,8 +331,9 @@ class RLTrainer:
         for idx in self._micro(exp, torch.arange(exp.num_sequences, device=self.device), for_update=False):
             sub = exp.select(idx)
             with self._autocast():
-                logp, _ = response_logprobs(model, sub.input_ids, sub.attention_mask, sub.response_length,
-                                            fused=self._fused())
+                logp, _ = experience_logprobs(model, sub.input_ids, sub.attention_mask, sub.response_length,
+                                              sub.prompt_index, fused=self._fused(),
+                                              share=self.cfg.actor.share_prompt_forward)
             out[idx, : sub.response_length] = logp.float()
         return out
 
@@ -402,9 +405,10 @@ class RLTrainer:
     def _actor_micro_step(self, sub: Experience, counts: Dict[str, float]) -> Dict[str, float]:
         a = self.cfg.actor
         with self._autocast():
-            logp, entropy = response_logprobs(self.actor, sub.input_ids, sub.attention_mask, sub.response_length,
-                                              temperature=self.cfg.rollout.temperature or 1.0, with_entropy=True,
-                                              fused=self._fused())
+            logp, entropy = experience_logprobs(self.actor, sub.input_ids, sub.attention_mask, sub.response_length,
+                                                sub.prompt_index, temperature=self.cfg.rollout.temperature or 1.0,
+                                                with_entropy=True, fused=self._fused(),
+                                                share=self.cfg.actor.share_prompt_forward)
         logp = logp.float()
         old = sub.old_logprobs if sub.old_logprobs is not None else logp.detach()
         pg, stats = policy_loss(logp, old, sub.advantages, sub.response_mask, a.clip_ratio_low, a.clip_ratio_high,
@@ -517,6 +521,15 @@ class RLTrainer:
             self.history = list(state.get("history", []))
             torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
         logger.resume(self.history)
+
+
+def _adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW; the fused kernel (one pass over all parameters, ~5x faster on the CPU than the default
+    per-tensor loop) for plain CPU / CUDA parameters; sharded (DTensor) ones keep torch's default."""
+    params = list(model.parameters())
+    fused = not is_sharded(model) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point()
+                                          and type(p.data) is torch.Tensor for p in params)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
 
 
 def _is_prepared(items: Any) -> bool:

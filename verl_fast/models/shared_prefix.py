@@ -1,0 +1,85 @@
+"""Response log-probs with the prompt run once per group: the samples of one prompt share its keys
+and values.
+
+GRPO-style batches hold ``n`` responses to each prompt. A plain forward runs the prompt's tokens
+``n`` times; here the prompt runs once per group (with the model's KV cache kept, gradients
+included), the cache rows are repeated for the group's responses, and the responses run on top.
+The log-probs and their gradients are the plain forward's (the same attention over the same keys
+and values; the prompt's gradient arrives summed over its responses, as it does when the prompt is
+run ``n`` times). Work saved: (n - 1) x prompt tokens per group, e.g. 36-token prompts and 16-token
+responses at n = 8: 164 tokens instead of 416 per group.
+
+Used for Hugging Face causal LMs whose forward takes ``past_key_values`` (Llama, Qwen2, Qwen3, ...);
+``prompt_groups`` returns None when rows of a group do not hold the same prompt tokens, and the
+caller then takes the plain path.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from verl_fast.ops.logprobs import logprobs_from_logits
+
+
+def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, group: torch.Tensor,
+                  response_length: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """``(first_row [G], row_group [N])`` when rows of equal ``group`` hold identical prompt columns
+    and sharing saves work (some group has 2+ rows), else None."""
+    P = input_ids.shape[1] - int(response_length)
+    _, row_group, counts = torch.unique(group, return_inverse=True, return_counts=True)
+    if P < 1 or int(counts.max()) < 2:
+        return None
+    first = torch.full((counts.numel(),), input_ids.shape[0], dtype=torch.long, device=group.device)
+    first = first.scatter_reduce(0, row_group, torch.arange(group.numel(), device=group.device), "amin")
+    same = (input_ids[:, :P] == input_ids[first][row_group, :P]).all() and \
+        (attention_mask[:, :P] == attention_mask[first][row_group, :P]).all()
+    return (first, row_group) if bool(same) else None
+
+
+def shared_prompt_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,  # [N, P + L]: left-padded prompt, then right-padded response
+    attention_mask: torch.Tensor,  # [N, P + L]
+    response_length: int,  # L
+    groups: Tuple[torch.Tensor, torch.Tensor],  # from prompt_groups
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(logprobs [N, L] float32, entropy [N, L] or None)`` of the last L tokens, differentiable."""
+    first, row_group = groups
+    L = int(response_length)
+    P = input_ids.shape[1] - L
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    # the prompt, once per group; its last position predicts the first response token
+    head = model(input_ids=input_ids[first, :P], attention_mask=attention_mask[first, :P],
+                 position_ids=position_ids[first, :P], use_cache=True, logits_to_keep=1)
+    cache = head.past_key_values
+    cache.batch_select_indices(row_group)  # [G, ...] -> [N, ...], differentiable
+    body = model(input_ids=input_ids[:, P:], attention_mask=attention_mask, position_ids=position_ids[:, P:],
+                 past_key_values=cache, use_cache=True, logits_to_keep=L)
+    logits = torch.cat([head.logits[row_group], body.logits[:, :-1]], dim=1)  # [N, L, V]
+    result = logprobs_from_logits(logits, input_ids[:, P:], temperature, with_entropy)
+    return result if with_entropy else (result, None)
+
+
+def experience_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        response_length: int, group: torch.Tensor, temperature: float = 1.0,
+                        with_entropy: bool = False, fused: Optional[bool] = None,
+                        share: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``response_logprobs`` of rows grouped by prompt (``group [N]``): the prompt runs once per group
+    when ``share`` and the model allows it (an HF causal LM with a KV cache, no fused head, no
+    gradient checkpointing); otherwise the plain forward."""
+    from verl_fast.models.logprobs import _accepts, _fused_default, response_logprobs
+    from verl_fast.models.wrapping import hf_module
+
+    use_fused = _fused_default(model) if fused is None else fused
+    if share and not use_fused and _accepts(model, "logits_to_keep") and _accepts(model, "past_key_values") \
+            and not getattr(hf_module(model), "is_gradient_checkpointing", False):
+        groups = prompt_groups(input_ids, attention_mask, group, response_length)
+        if groups is not None:
+            return shared_prompt_logprobs(model, input_ids, attention_mask, response_length, groups,
+                                          temperature, with_entropy)
+    return response_logprobs(model, input_ids, attention_mask, response_length, temperature, with_entropy,
+                             fused=fused)
