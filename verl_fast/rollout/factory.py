@@ -20,8 +20,8 @@ import tempfile
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
+from verl_fast import distributed
 from verl_fast.config import Config
 from verl_fast.models.wrapping import hf_module
 from verl_fast.rollout.base import RolloutEngine
@@ -56,7 +56,7 @@ def build_engine(cfg: Config, actor: torch.nn.Module, tokenizer: Any, model_path
     from verl_fast.rollout.vllm_engine import VLLMInferenceEngine
 
     r = cfg.rollout
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    world = distributed.world_size()
     peft = hasattr(actor, "peft_config")
     if peft and model_path is None:
         raise ValueError("a PEFT actor with rollout.type=vllm needs model_path (the base model's folder); "

@@ -330,13 +330,12 @@ class VLLMInferenceEngine(RolloutEngine):
 
     def _weight_sync(self, model: torch.nn.Module):
         from verl_fast.models.wrapping import hf_module
-        import torch.distributed as dist
-
+        from verl_fast import distributed
         from verl_fast.ops.reshard import ModelSpec
         from verl_fast.ops.reshard.vllm import consecutive_tp_ranks
         from verl_fast.rollout.weight_sync import WeightSync
 
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        world = distributed.world_size()
         # an external-launcher engine is one TP rank of a group of consecutive ranks; any other
         # engine holds the whole model in this process
         tp = self.tensor_parallel_size if self.external_launcher else 1
