@@ -222,6 +222,7 @@ def main(argv=None) -> int:
                 vllm_compat.import_vllm()
                 prompts = chat_prompts(AutoTokenizer.from_pretrained(model), args.prompts)
                 bench_http_vs_inprocess(report, model, prompts, args, Path(tmp))
+                report.save()  # what is measured so far survives a later case's failure
             except ImportError as error:
                 print(f"in-process vs HTTP skipped: {error}")
         if "bucketing" in cases:
