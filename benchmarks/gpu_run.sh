@@ -75,7 +75,7 @@ fi
 
 # ---- hybrid (issue 13): the trainer's weight sync, an FSDP2-sharded Qwen2.5-7B-shaped module on
 # 2 GPUs -> vLLM TP=2 parameter tensors, timed around WeightSync.run (the vLLM engine's sync_from
-# on GPU; target <= 10 ms), per-parameter all-gather baseline; plus the direct-write tests. ----
+# on GPU; target <= 10 ms), per-parameter all-gather baseline (the direct-write tests run in the tests section). ----
 if want hybrid; then
   timeout 400 "$py" benchmarks/bench_reshard.py --device cuda --only sync --buckets-mb 256,1024 \
     >> "$OUT/bench.log" 2>&1 || failed+=("bench_reshard sync")
