@@ -90,6 +90,13 @@ def _fsdp2_worker(rank, world, port, device_type, out):
                 full = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
             assert sync.received_bytes > 0, sync.stats()
             assert sync.plan.num_buckets > 1, sync.stats()
+        whole = tiny_model("qwen2").to(device)  # a whole copy on every rank: nothing crosses ranks
+        want = {k: v.to(torch.bfloat16) for k, v in ref_vllm(whole.state_dict(), whole.config, 2, rank).items()}
+        sync = WeightSync(ModelSpec.from_hf_config(whole.config), 2, {0: 0, 1: 1}, world, torch.bfloat16, direct=True)
+        params = {k: torch.full(v.shape, float("nan"), dtype=torch.bfloat16, device=device) for k, v in want.items()}
+        sync.run(whole, params)
+        assert_same({k: v.cpu() for k, v in params.items()}, want)
+        assert sync.received_bytes == 0, sync.stats()
         if device_type == "cpu":  # FSDP1: flat-parameter shards (one per decoder layer, one for the rest)
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
             from torch.distributed.fsdp.wrap import ModuleWrapPolicy
