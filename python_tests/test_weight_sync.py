@@ -91,7 +91,7 @@ def _fsdp2_worker(rank, world, port, device_type, out):
             assert sync.received_bytes > 0, sync.stats()
             assert sync.plan.num_buckets > 1, sync.stats()
         whole = tiny_model("qwen2").to(device)  # a whole copy on every rank: nothing crosses ranks
-        want = {k: v.to(torch.bfloat16) for k, v in ref_vllm(whole.state_dict(), whole.config, 2, rank).items()}
+        want = {k: v.to(torch.bfloat16).cpu() for k, v in ref_vllm(whole.state_dict(), whole.config, 2, rank).items()}
         sync = WeightSync(ModelSpec.from_hf_config(whole.config), 2, {0: 0, 1: 1}, world, torch.bfloat16, direct=True)
         params = {k: torch.full(v.shape, float("nan"), dtype=torch.bfloat16, device=device) for k, v in want.items()}
         sync.run(whole, params)

@@ -145,6 +145,12 @@ class MegatronGPT:
                 share_embeddings_and_output_weights=self.spec.tie_word_embeddings,
                 position_embedding_type="rope", rotary_base=int(rope_theta(hf_config)),
                 vp_stage=vp)
+            # without Apex the local spec's norms are torch norms made in the default dtype, whatever
+            # params_dtype says: every parameter in the layout's dtype (buffers such as the rotary
+            # frequencies keep theirs)
+            for param in model.parameters():
+                if param.is_floating_point() and param.dtype != self.spec.dtype:
+                    param.data = param.data.to(self.spec.dtype)
             if torch.cuda.is_available():
                 model.cuda(torch.cuda.current_device())
             self.chunks.append(model)
