@@ -70,13 +70,15 @@ def experience_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attenti
                         share: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``response_logprobs`` of rows grouped by prompt (``group [N]``): the prompt runs once per group
     when ``share`` and the model allows it (an HF causal LM with a KV cache, no fused head, no
-    gradient checkpointing); otherwise the plain forward."""
+    gradient checkpointing, not sharded); otherwise the plain forward. A sharded (FSDP) model takes
+    the plain path: its ranks must run the same number of forward passes, and whether a micro-batch
+    can share depends on the rows each rank holds."""
     from verl_fast.models.logprobs import _accepts, _fused_default, response_logprobs
-    from verl_fast.models.wrapping import hf_module
+    from verl_fast.models.wrapping import hf_module, is_sharded
 
     use_fused = _fused_default(model) if fused is None else fused
-    if share and not use_fused and _accepts(model, "logits_to_keep") and _accepts(model, "past_key_values") \
-            and not getattr(hf_module(model), "is_gradient_checkpointing", False):
+    if share and not use_fused and not is_sharded(model) and _accepts(model, "logits_to_keep") \
+            and _accepts(model, "past_key_values") and not getattr(hf_module(model), "is_gradient_checkpointing", False):
         groups = prompt_groups(input_ids, attention_mask, group, response_length)
         if groups is not None:
             return shared_prompt_logprobs(model, input_ids, attention_mask, response_length, groups,
