@@ -247,7 +247,8 @@ def summarise_ours(run: Dict[str, Any], skip: int) -> Dict[str, Any]:
            "mfu_update": steady(run, "perf/mfu_update", skip),
            "peak_memory_gib": max((s["perf/peak_memory_gib"] for s in run["steps"] if "perf/peak_memory_gib" in s),
                                   default=None),
-           "response_length": steady(run, "response/length", skip)}
+           "response_length": steady(run, "response/length", skip),
+           "cuda_graph_decoding": steady(run, "rollout/cuda_graph", skip)}
     out["phases_s"] = {p: steady(run, f"time/{p}", skip) for p in PHASES if steady(run, f"time/{p}", skip) is not None}
     return out
 
@@ -305,7 +306,7 @@ def run_shape(shape: str, args, workdir: Path, report: Report) -> None:
 def table(report: Report) -> str:
     lines = [f"e2e GRPO step ({report.meta['setup']}) on {report.meta['device_name']}",
              f"{'shape':<6} {'GPUs':>4} {'impl':<10} {'step s':>7} {'vs TRL':>7} {'tok/s/GPU':>10} {'job x1GPU':>9} "
-             f"{'peak GiB':>8} {'gen s':>6} {'update s':>8} {'MFU upd':>7}"]
+             f"{'peak GiB':>8} {'gen s':>6} {'update s':>8} {'MFU upd':>7} {'graphs':>6}"]
     for shape, meta in report.meta.items():
         if not isinstance(meta, dict) or "runs" not in meta:
             continue
@@ -318,15 +319,17 @@ def table(report: Report) -> str:
                 continue
             tps = s.get("tokens_per_s_per_gpu")
             scale = f"{tps * s['world'] / base:9.2f}" if tps and base and key == "ours2" else ""
-            ratio = f"{s['step_s'] / trl_step:7.2f}" if trl_step and key != "trl" else ""
+            ratio = f"{s['step_s'] / trl_step:7.2f}" if trl_step and key == "ours1" else ""
             phases = s.get("phases_s", {})
             fmt = lambda v, w, d: f"{v:{w}.{d}f}" if v is not None else " " * w  # noqa: E731
             lines.append(f"{shape:<6} {s['world']:>4} {'trl' if key == 'trl' else 'ours':<10} {s['step_s']:7.2f} "
                          f"{ratio:>7} {fmt(tps, 10, 0)} {scale:>9} {fmt(s.get('peak_memory_gib'), 8, 1)} "
                          f"{fmt(phases.get('generation'), 6, 2)} {fmt(phases.get('update_actor'), 8, 2)} "
-                         f"{fmt(100 * s['mfu_update'] if s.get('mfu_update') else None, 6, 1)}")
+                         f"{fmt(100 * s['mfu_update'] if s.get('mfu_update') else None, 7, 1)} "
+                         f"{ {None: '', 0.0: 'no', 1.0: 'yes'}.get(s.get('cuda_graph_decoding'), 'some'):>6}")
     lines.append("vs TRL: our step time / TRL's (wall time per optimizer step); job x1GPU: the 2-GPU job's tokens/s "
-                 "over the 1-GPU run's; MFU upd: percent of the bf16 peak in the actor update")
+                 "over the 1-GPU run's; MFU upd: percent of the bf16 peak in the actor update; graphs: whether our "
+                 "rollout decoded by CUDA-graph replays")
     return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@
 #   LOGPROB_CASES=logits SECTIONS=logprobs ...                     # one of the log-prob cases
 #
 # Sections: tests (every gpu-marked test), advantage, logprobs, reshard, hybrid, e2e, dist (needs 2 GPUs),
+# megatron (2 GPUs; megatron-core's wheel in .whl/),
 # bench (`verl-fast bench` itself, quick sizes).
 # That machine: H200(s), torch 2.11 + CUDA 13, Triton 3.6, Python 3.12, no vLLM / megatron-core, no
 # network: build with --no-build-isolation --no-deps; pure-Python wheels (liger-kernel for the
@@ -21,7 +22,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export VF_BENCH_SUMMARY="$OUT/summary.txt" VF_BENCH_RESULTS="$OUT/results"
 : > "$VF_BENCH_SUMMARY"
-SECTIONS=${SECTIONS:-"tests advantage logprobs reshard hybrid e2e bench"}
+SECTIONS=${SECTIONS:-"tests advantage logprobs reshard hybrid e2e bench megatron"}
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 failed=()
 
@@ -74,10 +75,8 @@ fi
 
 # ---- hybrid (issue 13): the trainer's weight sync, an FSDP2-sharded Qwen2.5-7B-shaped module on
 # 2 GPUs -> vLLM TP=2 parameter tensors, timed around WeightSync.run (the vLLM engine's sync_from
-# on GPU; target <= 10 ms), per-parameter all-gather baseline; plus the direct-write tests. ----
+# on GPU; target <= 10 ms), per-parameter all-gather baseline (the direct-write tests run in the tests section). ----
 if want hybrid; then
-  "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/test_weight_sync.py >> "$OUT/bench.log" 2>&1 \
-    || failed+=("test_weight_sync")
   timeout 400 "$py" benchmarks/bench_reshard.py --device cuda --only sync --buckets-mb 256,1024 \
     >> "$OUT/bench.log" 2>&1 || failed+=("bench_reshard sync")
 fi
@@ -87,7 +86,7 @@ fi
 # torchrun, the same per-GPU batch). About 6 minutes on 2 H200. ----
 if want e2e; then
   timeout 560 "$py" benchmarks/bench_e2e.py --device cuda --shapes "${E2E_SHAPES:-0.5b,1.5b}" \
-    --timeout 240 >> "$OUT/bench.log" 2>&1 || failed+=("bench_e2e")
+    --steps "${E2E_STEPS:-7}" --timeout 240 >> "$OUT/bench.log" 2>&1 || failed+=("bench_e2e")
 fi
 
 # ---- bench (issue 17): `verl-fast bench` itself on the GPU (CUDA events, peak memory, the one table,
@@ -96,6 +95,13 @@ if want bench; then
   timeout 400 "$py" -m verl_fast bench --device cuda --quick --ops gae,logprob,schedule --out "$OUT/bench" \
     >> "$OUT/bench.log" 2>&1 || failed+=("verl-fast bench")
   tail -n 30 "$OUT/bench.log"
+fi
+
+# ---- megatron (issue 14): GRPO update phase, Qwen2 1.5B shape, 2 GPUs: megatron-core TP=2 vs FSDP2;
+# time, MFU, peak memory per GPU (~3 minutes) ----
+if want megatron; then
+  timeout 300 "$py" -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_megatron.py \
+    >> "$OUT/bench.log" 2>&1 || failed+=("bench_megatron")
 fi
 
 (cd "$OUT" && [ -d results ] && tar czf results.tgz results && rm -rf results)

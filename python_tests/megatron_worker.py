@@ -16,6 +16,29 @@ import torch.distributed as dist
 HIDDEN, HEADS, GROUPS, FFN, LAYERS, VOCAB_PADDED, SEQ = 64, 4, 2, 96, 4, 256, 12
 
 
+class CudaOnCpu(torch.overrides.TorchFunctionMode):
+    """Tensors megatron-core's DDP, optimizer and schedules ask for on ``device="cuda"`` are made on
+    the CPU, ``.cuda()`` is the identity, and ``Tensor.type()`` answers as for a CUDA tensor (its
+    gradient-clipping asserts it). Test code only: the library never asks for this."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        device = kwargs.get("device")
+        if device is not None and (isinstance(device, int) or torch.device(device).type == "cuda"):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return func(*args).replace("torch.", "torch.cuda.")
+        if func is torch.Tensor.cuda:
+            return args[0]
+        return func(*args, **kwargs)
+
+
+def neutralise_cuda_for_training():
+    """What megatron-core training (DDP, distributed optimizer, pipeline schedules) needs on CPU."""
+    _neutralise_cuda()
+    CudaOnCpu().__enter__()  # for the rest of this (spawned) process
+
+
 def _neutralise_cuda():
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"

@@ -204,3 +204,47 @@ def test_capture_failure_decodes_eagerly_and_loop_failure_falls_back(model, tok,
     assert fast.last_mode == "generate" and "boom" in fast.fast_failed
     assert torch.equal(got.response_ids, want.response_ids)
     assert "boom" in fast._fast_reason(spec)  # later calls go straight to generate
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_bf16_autocast_runs_the_loop(model, tok, device):
+    """The trainer's setting (fp32 weights, bf16 autocast): keys leave the rotary product in fp32,
+    values the projection in bf16; the loop keeps both. bf16 rounding differs between attention
+    shapes, so near-ties may break differently from generate: each greedy token must be the argmax
+    of a teacher-forced float32 forward within a bf16 margin, and its log-prob agree with it."""
+    model.to(device)
+    fast = HFGenerateEngine(model, tok, fast_decode="on", autocast_dtype=torch.bfloat16)
+    p = prompts(tok)
+    out = fast.generate(p, SamplingSpec(temperature=0.0, max_tokens=8))
+    assert fast.last_mode == ("graph" if device == "cuda" else "eager")
+    for row in range(out.num_sequences):
+        length = int(out.response_mask[row].sum())
+        ids = torch.tensor([list(p[row]) + out.response_ids[row, :length].tolist()], device=device)
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(p[row]) - 1 : -1].double().cpu()
+        chosen = logits.gather(-1, out.response_ids[row, :length, None]).squeeze(-1)
+        assert (logits.max(-1).values - chosen).max() < 0.1, row
+        want = torch.log_softmax(logits, -1).gather(-1, out.response_ids[row, :length, None]).squeeze(-1)
+        torch.testing.assert_close(out.logprobs[row, :length].double(), want, atol=5e-2, rtol=0)
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_grouped_attention_matches_per_head_reference(q_len):
+    torch.manual_seed(0)
+    b, heads, kv_heads, length, d = 3, 6, 2, 11, 8
+    query = torch.randn(b, q_len, heads, d).transpose(1, 2)  # [b, heads, q, d], not contiguous, as models pass it
+    key, value = torch.randn(b, kv_heads, length, d), torch.randn(b, kv_heads, length, d)
+    mask = torch.rand(b, 1, q_len, length) > 0.4
+    mask[..., 0] = True
+    out, _ = hf_decode.grouped_attention(None, query, key, value, mask, scaling=0.3)
+    want = torch.empty(b, q_len, heads, d, dtype=torch.float64)
+    for i in range(b):
+        for h in range(heads):
+            kh = h // (heads // kv_heads)  # query head h shares KV head h // group
+            for t in range(q_len):
+                s = (key[i, kh].double() @ query[i, h, t].double()) * 0.3
+                s[~mask[i, 0, t]] = -math.inf
+                want[i, t, h] = torch.softmax(s, 0) @ value[i, kh].double()
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=0)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        hf_decode.grouped_attention(None, query, key, value, mask, softcap=30.0)

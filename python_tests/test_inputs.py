@@ -27,6 +27,7 @@ from verl_fast.trainer.rl_trainer import RLTrainer
     ("actor.entropy_coeff=-.inf", "actor.entropy_coeff must be a finite number, got -inf"),
     ("actor.lr=nan", "actor.lr must be a finite number, got nan"),
     ("algorithm.gamma=abc", "algorithm.gamma must be a number, got 'abc'"),
+    ("trainer.seed=100000000000000000000", "trainer.seed must fit in int64"),
 ])
 def test_config_rejects_non_finite_values_naming_the_key(tmp_path, override, message):
     path = tmp_path / "c.yaml"
@@ -156,7 +157,36 @@ def test_trainer_counts_skipped_prompts_and_zeroed_rewards(tmp_path):
     assert all(len(tok(p, add_special_tokens=False)["input_ids"]) <= 40 for p in seen)
 
 
-# ---- Megatron checkpoints ---------------------------------------------------------------------
+# ---- checkpoints ----------------------------------------------------------------------------------
+
+
+def test_dcp_checkpoints_are_loaded_as_data_only(tmp_path):
+    """torch DCP unpickles its .metadata with no allowlist and non-tensor items with
+    weights_only=False; safe_load's reader and planner refuse code in either."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from verl_fast import safe_load
+
+    marker = tmp_path / "ran"
+    good = {"x": torch.arange(4.0), "lr": 0.1}
+    dcp.save(good, checkpoint_id=str(tmp_path / "ok"), no_dist=True)
+    out = {"x": torch.zeros(4), "lr": None}
+    dcp.load(out, storage_reader=safe_load.dcp_reader(tmp_path / "ok"), planner=safe_load.dcp_planner(), no_dist=True)
+    assert torch.equal(out["x"], good["x"]) and out["lr"] == 0.1
+    dcp.save({"x": torch.zeros(4), "evil": RunsCode(marker)}, checkpoint_id=str(tmp_path / "item"), no_dist=True)
+    with pytest.raises(BaseException, match=r"checkpoint item evil: refused to unpickle the global (posix|os)\.system"):
+        dcp.load({"x": torch.zeros(4), "evil": None}, storage_reader=safe_load.dcp_reader(tmp_path / "item"),
+                 planner=safe_load.dcp_planner(), no_dist=True)
+    meta = tmp_path / "meta"
+    meta.mkdir()
+    (meta / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+    with pytest.raises(ValueError, match=r"\.metadata: refused to unpickle the global (posix|os)\.system"):
+        safe_load.dcp_reader(meta).read_metadata()
+    with pytest.raises(ValueError, match=r"\.metadata: refused to unpickle"):
+        load_megatron_checkpoint(meta)  # a torch_dist folder
+    assert not marker.exists()
 
 
 def test_a_megatron_checkpoint_that_carries_code_is_refused(tmp_path):

@@ -69,6 +69,12 @@ def test_tensor_bytes_beyond_int64_are_refused():
         _C.ReshardPlan(a)
 
 
+def test_workspace_size_cannot_wrap():
+    assert _C.group_workspace_bytes(3) == 3 * 8 * 3 + (3 * 3 + 1) * 4
+    with pytest.raises(ValueError, match=r"batch must be in \[0, 2\^31 - 1\], got 4611686018427387904"):
+        _C.group_workspace_bytes(2**62)
+
+
 def test_schedule_sizes_that_wrap_are_refused():
     with pytest.raises(ValueError, match=r"lengths\[0\] = 1099511627776 with linear=0, quadratic=4611686018427387904"):
         S.balance_partitions([2**40] * 2, 2, cost=(0, 2**62))
@@ -135,7 +141,7 @@ def scan_args(r):
     a.kind = _C.ScanKind.gae
     a.rewards, a.values, a.mask = r, torch.zeros_like(r), torch.ones_like(r)
     a.advantages, a.returns = torch.empty_like(r), torch.empty_like(r)
-    a.status = torch.empty(_C.status_words, dtype=torch.int32)
+    a.status = torch.empty(_C.status_words, dtype=torch.int32, device=r.device)
     a.whiten = False
     return a
 
@@ -183,6 +189,34 @@ def test_streams_come_from_torch_never_as_integers():
     p.execute({"a": torch.zeros(16)})
     with pytest.raises(TypeError, match="stream must be a torch.cuda.Stream or None"):
         p._c.run(0, _C.ReshardPhase.copy, 0xBAD, 1)
+
+
+@pytest.mark.gpu
+def test_cuda_launches_use_the_stream_torch_gives():
+    r, v = torch.randn(4, 7, dtype=torch.float64), torch.randn(4, 7, dtype=torch.float64)
+    want_adv, want_ret = vf.compute_gae(r, v, torch.ones(4, 7), gamma=0.9, lam=0.8)
+    rc, vc, mc = r.cuda(), v.cuda(), torch.ones(4, 7, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        adv, ret = vf.compute_gae(rc, vc, mc, gamma=0.9, lam=0.8)
+    side.synchronize()
+    torch.testing.assert_close(adv.cpu(), want_adv, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ret.cpu(), want_ret, atol=1e-5, rtol=1e-5)
+    a = scan_args(rc.float())
+    a.stream = side
+    assert a.stream == side.cuda_stream
+    _C.advantage_scan(a)
+    side.synchronize()
+    p = plan(*layouts([Piece("w", 0, 4, 0, 4, 0, 4)]))
+    src = torch.arange(16, dtype=F32, device="cuda")
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = p.execute({"a": src})
+    side.synchronize()
+    assert torch.equal(out["x"].cpu(), src.cpu())
+    with pytest.raises(TypeError, match="stream must be a torch.cuda.Stream or None"):
+        p._c.run(0, _C.ReshardPhase.copy, side.cuda_stream, 1)
 
 
 # ---- 3. flags, empty batches, None ----------------------------------------------------------------

@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rollout_refs import ref_logprobs
 from tiny_models import save_tiny_model
 from verl_fast.data import PromptRow
 from verl_fast.rollout.base import pad_completions
@@ -130,3 +131,34 @@ def test_dpo_says_what_does_not_apply(tiny_path, tmp_path):
     text = " ".join(str(w.message) for w in caught)
     assert "critic section does not apply" in text and "no vLLM engine is started" in text
     assert trainer.engine is None
+
+
+def test_online_dpo_with_vllm_rollout(tiny_path, tmp_path):
+    """vLLM samples the pairs; after the DPO update the engine holds the actor's new weights."""
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    from verl_fast.rollout.vllm_env import configure_vllm_env
+
+    configure_vllm_env()
+    model, tok = load(tiny_path)
+    cfg = config(tmp_path, algorithm={"type": "online_dpo", "beta": 0.5},
+                 rollout={"type": "vllm", "dtype": "float32", "max_model_len": 128, "max_num_seqs": 16})
+    trainer = RLTrainer(actor_model=model, tokenizer=tok, reward_fn=length_reward, config=cfg,
+                        model_path=str(tiny_path))
+    initial, _ = load(tiny_path)
+    try:
+        history = trainer.fit(PROMPTS)
+        assert history[0]["dpo/pairs"] > 0 and "dpo/reward_margin" in history[0]
+        rows = trainer.processor.encode_all(PROMPTS[:2])
+        out = trainer.engine.generate([r.prompt_ids for r in rows],
+                                      trainer.rollout.default.__class__(n=1, temperature=0.0, max_tokens=4))
+        model.eval()
+        moved = 0.0
+        for i, r in enumerate(rows):
+            toks = out.response_ids[i][: int(out.response_mask[i].sum())].tolist()
+            # the engine's log-probs are the updated actor's, not the initial weights'
+            got = out.logprobs[i, : len(toks)].double()
+            torch.testing.assert_close(got, ref_logprobs(model, r.prompt_ids, toks), atol=1e-4, rtol=0)
+            moved = max(moved, float((got - ref_logprobs(initial, r.prompt_ids, toks)).abs().max()))
+        assert moved > 1e-3, "the update did not change the engine's log-probs measurably"
+    finally:
+        trainer.engine.close()

@@ -270,7 +270,7 @@ def test_sleep_wake_on_cpu_is_a_stated_no_op(engine, prompts, caplog):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("level", [1, 2])
+@pytest.mark.parametrize("level", [0, 1, 2])
 def test_sleep_frees_memory_and_update_while_asleep(engine, hf_model, prompts, pushed, level, monkeypatch):
     if not vllm_compat.sleep_mode_available():
         pytest.skip("no vLLM sleep mode on this platform")

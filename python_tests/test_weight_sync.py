@@ -2,7 +2,7 @@
 
 - the reload layout (vLLM-CPU's path): whole checkpoint-named tensors of which only the TP shard's
   regions are filled; what vLLM's loaders slice out of them must be exactly the TP shard;
-- the direct path: an HF or FSDP2 actor written into tensors held as vLLM's GPU model holds them
+- the direct path: an HF, FSDP2 or FSDP1 actor written into tensors held as vLLM's GPU model holds them
   (qkv_proj / gate_up_proj fused, TP-sharded, vocab padded), in place, bit-exact, again after the
   actor changes (the plan is reused); on two gloo ranks, and on two GPUs over NCCL.
 """
@@ -90,6 +90,26 @@ def _fsdp2_worker(rank, world, port, device_type, out):
                 full = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
             assert sync.received_bytes > 0, sync.stats()
             assert sync.plan.num_buckets > 1, sync.stats()
+        whole = tiny_model("qwen2").to(device)  # a whole copy on every rank: nothing crosses ranks
+        want = {k: v.to(torch.bfloat16) for k, v in ref_vllm(whole.state_dict(), whole.config, 2, rank).items()}
+        sync = WeightSync(ModelSpec.from_hf_config(whole.config), 2, {0: 0, 1: 1}, world, torch.bfloat16, direct=True)
+        params = {k: torch.full(v.shape, float("nan"), dtype=torch.bfloat16, device=device) for k, v in want.items()}
+        sync.run(whole, params)
+        assert_same({k: v.cpu() for k, v in params.items()}, want)
+        assert sync.received_bytes == 0, sync.stats()
+        if device_type == "cpu":  # FSDP1: flat-parameter shards (one per decoder layer, one for the rest)
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+            inner = tiny_model("qwen2", vocab_size=301)
+            want = {k: v.to(torch.bfloat16) for k, v in ref_vllm(inner.state_dict(), inner.config, 2, rank).items()}
+            model = FSDP(inner, use_orig_params=False, device_id=device,
+                         auto_wrap_policy=ModuleWrapPolicy({type(inner.model.layers[0])}))
+            sync = WeightSync(ModelSpec.from_hf_config(inner.config), 2, {0: 0, 1: 1}, world, torch.bfloat16,
+                              direct=True)
+            params = {k: torch.full(v.shape, float("nan"), dtype=torch.bfloat16) for k, v in want.items()}
+            sync.run(model, params)
+            assert_same(params, want)
         out[rank] = "ok"
     except Exception:
         out[rank] = traceback.format_exc()

@@ -30,6 +30,7 @@ def _f(default, *, choices=None, min=None, max=None, doc: str = ""):
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+ATTN_IMPLEMENTATIONS = (None, "eager", "sdpa", "flash_attention_2", "flex_attention")
 # How a model is trained over the ranks (trainer/sharding.py); auto: fsdp2 with several processes,
 # none (plain module) in one. megatron: the Megatron-core backend.
 STRATEGIES = ("auto", "fsdp2", "fsdp1", "none", "megatron")
@@ -64,11 +65,19 @@ class ActorConfig:
     kl_loss_type: str = _f("low_var_kl", choices=KL_KINDS)
     fused_logprobs: str = _f("auto", choices=("auto", "on", "off"), doc="fused lm_head + log-prob kernels")
     gradient_checkpointing: bool = _f(False)
+    trust_remote_code: bool = _f(False, doc="actor and reference: let transformers run the model folder's own code")
+    attn_implementation: Optional[str] = _f(None, choices=ATTN_IMPLEMENTATIONS,
+                                            doc="None: transformers' default; flash_attention_2 needs flash-attn")
     strategy: str = _f("auto", choices=STRATEGIES, doc="auto: fsdp2 under torchrun, none in one process")
     mixed_precision: str = _f("none", choices=("none", "bfloat16"),
                               doc="FSDP: bf16 parameters in forward/backward, fp32 gradient reduction")
     cpu_offload: bool = _f(False, doc="FSDP: sharded parameters, gradients and optimizer state on the CPU")
     skip_zero_advantage: bool = _f(True, doc="leave samples whose advantages are all 0 out of the backward")
+    tensor_model_parallel_size: int = _f(1, min=1, doc="strategy megatron: TP size")
+    pipeline_model_parallel_size: int = _f(1, min=1, doc="strategy megatron: PP size")
+    virtual_pipeline_model_parallel_size: Optional[int] = _f(None, min=1, doc="strategy megatron: model chunks "
+                                                             "per PP rank")
+    expert_model_parallel_size: int = _f(1, min=1, doc="strategy megatron: EP size (MoE families)")
     share_prompt_forward: bool = _f(True, doc="log-prob passes run each prompt once for all its samples "
                                               "(same log-probs and gradients, fewer tokens; not with fused_logprobs)")
     # older spelling: rollout-engine settings written in the actor section (copied to rollout)
@@ -92,7 +101,10 @@ class CriticConfig:
     micro_batch_size: int = _f(8, min=1)
     cliprange_value: float = _f(0.5, min=0.0)
     loss_agg_mode: str = _f("token-mean", choices=AGG_MODES)
-    use_flash_attention: bool = _f(False)
+    use_flash_attention: bool = _f(False, doc="flash_attention_2 where flash-attn and CUDA are there, else sdpa")
+    trust_remote_code: bool = _f(False, doc="let transformers run the model folder's own code")
+    attn_implementation: Optional[str] = _f(None, choices=ATTN_IMPLEMENTATIONS,
+                                            doc="None: transformers' default; flash_attention_2 needs flash-attn")
     strategy: str = _f("auto", choices=STRATEGIES, doc="auto: fsdp2 under torchrun, none in one process")
     mixed_precision: str = _f("none", choices=("none", "bfloat16"),
                               doc="FSDP: bf16 parameters in forward/backward, fp32 gradient reduction")
@@ -118,6 +130,8 @@ class RolloutConfig:
     max_model_len: Optional[int] = _f(None, min=1)
     enable_chunked_prefill: Optional[bool] = _f(None)
     enable_sleep_mode: bool = _f(True, doc="free KV cache (GPU) during training")
+    sleep_level: int = _f(0, choices=(0, 1, 2), doc="during training (GPU): 0 frees the KV cache, 1 also "
+                          "offloads the weights to the host, 2 discards them (the next sync refills them)")
     length_buckets: str = _f("auto", choices=("auto", "on", "off"),
                              doc="send prompts in length-bucketed waves (auto: on for hf, off for vllm, "
                                  "whose own scheduler batches continuously)")
@@ -126,6 +140,8 @@ class RolloutConfig:
     hf_fast_decode: str = _f("auto", choices=("auto", "on", "off"),
                              doc="type hf: static-KV-cache decoding of the whole batch, CUDA graphs on a GPU "
                                  "(auto: on a GPU); off: model.generate")
+    quantization: Optional[str] = _f(None, doc="vLLM's quantization (awq, gptq, fp8, ...); vllm rollout with a "
+                                     "PEFT actor only (the engine's quantized base cannot take full updates)")
     speculative_config: Optional[Dict[str, Any]] = _f(None, doc="rejected: RL must sample from the policy")
     guided_decoding: Optional[Dict[str, Any]] = _f(None, doc="rejected: RL must sample from the policy")
 
@@ -137,6 +153,9 @@ class RewardConfig:
     path: Optional[str] = _f(None, doc="'module:function' for type callable")
     model_name: Optional[str] = _f(None, doc="sequence-classification model for type reward_model")
     reference_free: bool = _f(False, doc="dpo / online_dpo: DPO without a reference model")
+    trust_remote_code: bool = _f(False, doc="reward model: let transformers run the model folder's own code")
+    attn_implementation: Optional[str] = _f(None, choices=ATTN_IMPLEMENTATIONS,
+                                            doc="None: transformers' default; flash_attention_2 needs flash-attn")
     on_error: str = _f("raise", choices=ON_ERROR, doc="a sample whose scoring fails: raise, or score 0 "
                        "(counted as reward/errors)")
 
@@ -230,6 +249,8 @@ def _check_value(value: Any, annotation: Any, meta: Dict[str, Any], key: str) ->
     elif annotation is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{key} must be an integer, got {value!r}")
+        if not -(2**63) <= value < 2**63:
+            raise ValueError(f"{key} must fit in int64, got {value!r}")
     elif annotation is float:
         if isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
             try:
@@ -367,6 +388,9 @@ def validate(cfg: Config) -> None:
     if cfg.rollout.guided_decoding:
         raise ValueError("rollout.guided_decoding is not supported: constrained sampling is not the policy's "
                          "distribution, so the policy gradient would be wrong; remove it")
+    if cfg.rollout.quantization and cfg.rollout.type == "hf":
+        raise ValueError(f"rollout.quantization={cfg.rollout.quantization} is not supported with rollout.type=hf "
+                         "(generate runs the actor's own weights); use rollout.type=vllm")
     if cfg.actor.use_kl_loss and cfg.algorithm.use_kl_in_reward:
         raise ValueError("actor.use_kl_loss is not supported with algorithm.use_kl_in_reward; use one of them")
     if algo == "dpo" and cfg.reward_fn.type not in ("pairwise_ranking",):
@@ -386,9 +410,19 @@ def validate(cfg: Config) -> None:
     if algo == "online_dpo" and cfg.rollout.n < 2:
         raise ValueError(f"algorithm.type=online_dpo is not supported with rollout.n={cfg.rollout.n}: a pair needs "
                          "two sampled responses per prompt; use rollout.n >= 2")
-    for section in ("actor", "critic"):
-        if getattr(cfg, section).strategy == "megatron":
-            raise ValueError(f"{section}.strategy=megatron is not supported yet; use fsdp2, fsdp1 or none")
+    if cfg.critic.strategy == "megatron":
+        raise ValueError("critic.strategy=megatron is not supported yet; use fsdp2, fsdp1 or none (a value model "
+                         "beside a megatron actor)")
+    if cfg.actor.strategy == "megatron":
+        for key in ("use_dynamic_bsz", "gradient_checkpointing", "cpu_offload"):
+            if getattr(cfg.actor, key):
+                raise ValueError(f"actor.{key} is not supported with actor.strategy=megatron; use fixed-size "
+                                 "micro-batches (actor.micro_batch_size) on the accelerator")
+        if cfg.actor.mixed_precision != "none" or cfg.actor.autocast != "none":
+            raise ValueError("actor.mixed_precision / actor.autocast are not supported with actor.strategy=megatron; "
+                             "use actor.dtype=bfloat16 (bf16 weights, fp32 main weights in the optimizer)")
+        if cfg.actor.virtual_pipeline_model_parallel_size and cfg.actor.pipeline_model_parallel_size < 2:
+            raise ValueError("actor.virtual_pipeline_model_parallel_size needs actor.pipeline_model_parallel_size >= 2")
 
 
 def default_config_path() -> Path:

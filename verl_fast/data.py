@@ -22,6 +22,27 @@ class PromptRow:
     ground_truth: Any = None
     data_source: str = ""
     extra_info: Dict[str, Any] = field(default_factory=dict)
+    columns: Dict[str, Any] = field(default_factory=dict)  # every field of the source row, as given
+
+
+class PromptBatch(list):
+    """The prompts of one rollout call, as ``RolloutOperator.get_generation_kwargs`` sees them: a list
+    of PromptRow (``batch[0]``, ``for row in batch``) that also answers column access:
+    ``batch["task_type"]`` is that field of every row, in order (any column of the source rows, or a
+    PromptRow attribute such as ``data_source``)."""
+
+    def __getitem__(self, key):
+        if not isinstance(key, str):
+            return super().__getitem__(key)
+        values = []
+        for i, row in enumerate(self):
+            if key in row.columns:
+                values.append(row.columns[key])
+            elif key in PromptRow.__dataclass_fields__ and key != "columns":
+                values.append(getattr(row, key))
+            else:
+                raise KeyError(f"batch[{key!r}]: row {i} has no column {key!r}; its columns: {sorted(row.columns)}")
+        return values
 
 
 @dataclass
@@ -127,10 +148,12 @@ class RLDataProcessor:
             if path.suffix in (".pt", ".pth"):
                 from verl_fast import safe_load
 
-                data = safe_load.load(path, what="a dataset")  # rows are plain data
-                if not isinstance(data, (list, tuple)) or not all(isinstance(r, dict) for r in data):
-                    raise ValueError(f"{path}: expected a list of rows (dicts), got {type(data).__name__}")
-                return [dict(r) for r in data]
+                data = safe_load.load(path, [PromptRow, PreferencePair], what="a dataset")  # rows are plain data
+                kinds = (dict, PromptRow, PreferencePair)  # what encode_all / build_dpo_dataset return
+                if not isinstance(data, (list, tuple)) or not all(isinstance(r, kinds) for r in data):
+                    raise ValueError(f"{path}: expected a list of rows (dicts, PromptRow or PreferencePair), "
+                                     f"got {type(data).__name__}")
+                return [dict(r) if isinstance(r, dict) else r for r in data]
             raise ValueError(f"unsupported dataset file {path.name}: use .parquet, .jsonl, .json or .pt")
         if hasattr(source, "column_names") and hasattr(source, "__iter__"):  # datasets.Dataset
             return [dict(r) for r in source]
@@ -192,7 +215,8 @@ class RLDataProcessor:
         if truth is None:
             truth = row.get("ground_truth", row.get("answer"))
         return PromptRow(prompt_ids=fitted[0], prompt_text=fitted[1], ground_truth=truth,
-                         data_source=str(row.get("data_source", "")), extra_info=dict(row.get("extra_info") or {}))
+                         data_source=str(row.get("data_source", "")), extra_info=dict(row.get("extra_info") or {}),
+                         columns=dict(row))
 
     def encode_all(self, rows: Iterable[Dict[str, Any]]) -> List[PromptRow]:
         """Every row's prompt; overlong ones skipped are counted in ``skipped_overlong``."""

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     rows = run_dir.precheck(cfg)
     import torch
 
-    from verl_fast.models.loading import load_causal_lm, resolve
+    from verl_fast.models.loading import attention_kwargs, load_causal_lm, resolve
     from verl_fast.trainer.rl_trainer import RLTrainer
 
     if cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available()):
@@ -94,21 +94,22 @@ def run(args: argparse.Namespace) -> int:
         device = torch.device("cpu")
     if cfg.actor.model_name is None:
         raise SystemExit("actor.model_name is not set")
-    attn = "flash_attention_2" if cfg.critic.use_flash_attention and device is not None and device.type == "cuda" else "sdpa"
-    actor, tokenizer = load_causal_lm(cfg.actor.model_name, cfg.actor.dtype)
+    cuda = device is not None and device.type == "cuda"
+    actor_kwargs = attention_kwargs(cfg.actor, "actor", cuda)
+    actor, tokenizer = load_causal_lm(cfg.actor.model_name, cfg.actor.dtype, **actor_kwargs)
     actor.to(device)
     critic = None  # the reference, when KL needs one, is built from the actor's weights
     if cfg.algorithm.type == "ppo":
         if not cfg.critic.model_name:
             raise SystemExit("algorithm.type=ppo needs critic.model_name")
-        critic, _ = load_causal_lm(cfg.critic.model_name, cfg.critic.dtype, attn_implementation=attn)
+        critic, _ = load_causal_lm(cfg.critic.model_name, cfg.critic.dtype, **attention_kwargs(cfg.critic, "critic", cuda))
         critic.to(device)
     # the trainer shards the models as actor.strategy / critic.strategy say (FSDP2 under torchrun)
     trainer = RLTrainer(actor_model=actor, tokenizer=tokenizer, critic_model=critic, config=cfg,
                         model_path=resolve(cfg.actor.model_name))
     history = trainer.fit(rows)
     run_dir.release(cfg.trainer)
-    if trainer.rank == 0 and history:
+    if trainer.is_main and history:
         summarize(history, cfg.trainer.output_dir)
     if dist is not None:
         dist.destroy_process_group()

@@ -86,10 +86,10 @@ void validate(const GroupArgs& a) {
   check_contiguous(a.ids, "index");
   VF_CHECK(a.ids.device == Device::cpu, "index (group ids) must be on the CPU at this layer");
   check_output(a.advantages, "advantages", r);
+  VF_CHECK(B < (int64_t{1} << 31), "at most 2^31 - 1 samples, got ", B);
   check_workspace(a.workspace, group_workspace_bytes(B), r);
   check_status(a.status, r);
   VF_CHECK(std::isfinite(a.epsilon) && a.epsilon >= 0, "epsilon must be finite and >= 0, got ", a.epsilon);
-  VF_CHECK(B < (int64_t{1} << 31), "at most 2^31 - 1 samples, got ", B);
 }
 
 // K rows of a reverse scan at once: the recurrences are serial along T, so interleaving rows
@@ -292,7 +292,11 @@ void clear_status(const TensorRef& status, uintptr_t stream) {
 
 }  // namespace
 
-int64_t group_workspace_bytes(int64_t batch) { return GroupWorkspace::bytes(batch); }
+int64_t group_workspace_bytes(int64_t batch) {
+  // The group estimators index samples with int32; below that the byte count cannot wrap.
+  VF_CHECK(batch >= 0 && batch < (int64_t{1} << 31), "batch must be in [0, 2^31 - 1], got ", batch);
+  return GroupWorkspace::bytes(batch);
+}
 
 int64_t build_groups(const int64_t* ids, int64_t batch, int32_t* row_group, int32_t* offsets,
                      int32_t* members) {

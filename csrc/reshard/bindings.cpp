@@ -60,10 +60,12 @@ void bind_reshard(py::module_& m) {
       .def(
           "run",
           [](Plan& p, int64_t bucket, Phase phase, CudaStream stream, int num_threads) {
-            const auto& bound = p.bound();  // still where bind() found them (GIL held)
-            for (size_t i = 0; i < bound.size(); ++i)
-              VF_CHECK(still_bound(bound[i]), p.bound_name(static_cast<int64_t>(i)),
-                       ": the tensor's memory changed since bind() (set_, resize_ or a freed storage); bind again");
+            // The tensors this run touches are still where bind() found them (checked holding the GIL).
+            if (!p.bound().empty()) {
+              for (int32_t i : p.touched(bucket, phase))
+                VF_CHECK(still_bound(p.bound()[i]), p.bound_name(i),
+                         ": the tensor's memory changed since bind() (set_, resize_ or a freed storage); bind again");
+            }
             py::gil_scoped_release nogil;
             p.run(bucket, phase, stream, num_threads);
           },

@@ -176,13 +176,29 @@ void Plan::check_bound(const char* what) const {
   VF_CHECK(!bound_.empty(), what, ": bind() the tensors first");
 }
 
+std::pair<int64_t, int64_t> Plan::tile_range(const Bucket& bk, Phase phase) const {
+  switch (phase) {
+    case Phase::pack: return {bk.pack_tiles_begin, bk.pack_tiles_end};
+    case Phase::copy_local: return {bk.copy_tiles_begin, bk.copy_received_begin};
+    case Phase::copy_received: return {bk.copy_received_begin, bk.copy_tiles_end};
+    case Phase::copy: break;
+  }
+  return {bk.copy_tiles_begin, bk.copy_tiles_end};
+}
+
+std::vector<int32_t> Plan::touched(int64_t b, Phase phase) const {
+  const Bucket& bk = bucket(b);
+  if (phase == Phase::pack) return bk.touched[0];
+  if (phase == Phase::copy_local) return bk.touched[1];
+  if (phase == Phase::copy_received) return bk.touched[2];
+  std::vector<int32_t> both = bk.touched[1];
+  both.insert(both.end(), bk.touched[2].begin(), bk.touched[2].end());
+  return both;
+}
+
 void Plan::run(int64_t b, Phase phase, uintptr_t stream, int num_threads) {
   check_bound("run");
-  const Bucket& bk = bucket(b);
-  int64_t begin = bk.copy_tiles_begin, end = bk.copy_tiles_end;
-  if (phase == Phase::pack) begin = bk.pack_tiles_begin, end = bk.pack_tiles_end;
-  if (phase == Phase::copy_local) end = bk.copy_received_begin;
-  if (phase == Phase::copy_received) begin = bk.copy_received_begin;
+  const auto [begin, end] = tile_range(bucket(b), phase);
   if (begin == end) return;
   std::vector<void*> ptrs(bound_.size());
   for (size_t i = 0; i < bound_.size(); ++i) ptrs[i] = bound_[i].data;

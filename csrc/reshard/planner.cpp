@@ -449,6 +449,16 @@ Plan::Plan(const PlanArgs& a) : rank_(a.rank), world_(a.world_size) {
     bk.copy_received_begin = static_cast<int64_t>(tiles_.size());
     add_tiles(w.copy_received, a.tile_bytes, segments_, tiles_);
     bk.copy_tiles_end = static_cast<int64_t>(tiles_.size());
+    const Phase phases[3] = {Phase::pack, Phase::copy_local, Phase::copy_received};
+    for (int k = 0; k < 3; ++k) {
+      std::vector<char> seen(sl.S + sl.D + 4, 0);
+      const auto [begin, end] = tile_range(bk, phases[k]);
+      for (int64_t t = begin; t < end; ++t) {
+        const Segment& s = segments_[tiles_[t].seg];
+        for (int32_t slot : {s.src, s.dst})
+          if (slot >= 0 && !seen[slot]) seen[slot] = 1, bk.touched[k].push_back(slot);
+      }
+    }
   }
 }
 

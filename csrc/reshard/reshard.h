@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/tensor.h"
@@ -80,6 +81,8 @@ struct Bucket {
   int64_t copy_tiles_begin = 0, copy_tiles_end = 0;  // (segments writing destinations):
   int64_t copy_received_begin = 0;  // [copy_tiles_begin, here) read local data, [here, end) received
   std::vector<int64_t> groups;                       // destination groups in this bucket
+  // Pointer-table slots the tiles of each phase read or write: pack, copy_local, copy_received.
+  std::vector<int32_t> touched[3];
 };
 
 // copy = copy_local then copy_received; the split lets local copies overlap the exchange.
@@ -131,9 +134,12 @@ class Plan {
   // The pointer table bind() filled, and a name for each entry ("destination model.norm.weight").
   const std::vector<TensorRef>& bound() const { return bound_; }
   std::string bound_name(int64_t i) const;
+  // The slots a run of `phase` on bucket `b` reads or writes (copy: copy_local's then copy_received's).
+  std::vector<int32_t> touched(int64_t b, Phase phase) const;
 
  private:
   void check_bound(const char* what) const;
+  std::pair<int64_t, int64_t> tile_range(const Bucket& bk, Phase phase) const;  // [begin, end) in tiles_
 #if defined(VF_WITH_CUDA)
   void run_cuda(int64_t begin, int64_t end, const std::vector<void*>& ptrs, uintptr_t stream);  // reshard.cu
 #endif

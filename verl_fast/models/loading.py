@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import warnings
 from pathlib import Path
-from typing import Any, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 
@@ -20,15 +22,40 @@ def resolve(name: str) -> str:
     return name
 
 
-def load_causal_lm(name: str, dtype: str = "float32", attn_implementation: str = "sdpa") -> Tuple[Any, Any]:
+def attention_kwargs(section: Any, key: str, cuda: bool) -> Dict[str, Any]:
+    """``from_pretrained`` keywords from a config section's ``attn_implementation`` /
+    ``trust_remote_code`` (and the critic's ``use_flash_attention``); ``key`` names the section in
+    messages. An explicit flash_attention_2 without the flash-attn package is an error; the
+    ``use_flash_attention`` switch falls back to sdpa with a warning where flash-attn or CUDA is missing."""
+    attn = section.attn_implementation
+    flash_ok = importlib.util.find_spec("flash_attn") is not None
+    if attn == "flash_attention_2" and not flash_ok:
+        raise ValueError(f"{key}.attn_implementation=flash_attention_2 needs the flash-attn package, which is not "
+                         "installed (pip install flash-attn, on a CUDA machine); use sdpa or leave it unset")
+    if attn is None and getattr(section, "use_flash_attention", False):
+        if flash_ok and cuda:
+            attn = "flash_attention_2"
+        else:
+            warnings.warn(f"{key}.use_flash_attention: flash-attn "
+                          f"{'needs a CUDA device' if flash_ok else 'is not installed'}; using sdpa", UserWarning)
+            attn = "sdpa"
+    kwargs: Dict[str, Any] = {"trust_remote_code": section.trust_remote_code}
+    if attn is not None:
+        kwargs["attn_implementation"] = attn
+    return kwargs
+
+
+def load_causal_lm(name: str, dtype: str = "float32", **kwargs: Any) -> Tuple[Any, Any]:
+    """Model and tokenizer from a local folder; ``kwargs`` (``attn_implementation``,
+    ``trust_remote_code``) go to ``from_pretrained``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve(name)
     if not Path(path).exists():
         raise FileNotFoundError(f"model {name!r}: no such folder (this machine reaches no model hub; "
                                 "give a local Hugging Face folder or 'smollm2-135m-instruct')")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attn_implementation)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=kwargs.get("trust_remote_code", False))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer

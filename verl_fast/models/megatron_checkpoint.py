@@ -193,6 +193,8 @@ def _load_legacy(path: str, tp, pp, config, dtype, names: str) -> "OrderedDict[s
         if "model" not in ckpt:
             keys = [k for k in ckpt if k.startswith("model")]
             raise ValueError(f"{f}: no 'model' entry (found {keys}; virtual pipeline checkpoints are not supported)")
+        if not isinstance(ckpt["model"], dict):
+            raise ValueError(f"{f}: 'model' must be a state dict, got {type(ckpt['model']).__name__}")
         args = args if args is not None else ckpt.get("args")
         state = {k: v for k, v in ckpt["model"].items() if not k.endswith("_extra_state")}
         first = first if first is not None else state
@@ -207,7 +209,7 @@ def _load_legacy(path: str, tp, pp, config, dtype, names: str) -> "OrderedDict[s
 def _load_torch_dist(path: str, config, dtype, names: str) -> "OrderedDict[str, torch.Tensor]":
     import torch.distributed.checkpoint as dcp
 
-    reader = dcp.FileSystemReader(path)
+    reader = safe_load.dcp_reader(path)
     meta = reader.read_metadata().state_dict_metadata
     tensors = {k: v for k, v in meta.items() if hasattr(v, "size") and hasattr(v, "properties")}
     args = None
@@ -228,7 +230,7 @@ def _load_torch_dist(path: str, config, dtype, names: str) -> "OrderedDict[str, 
             raise ValueError(f"{path}: tensor {t.name} has shape {list(got)}, expected {list(t.shape)} for this config")
         t.dtype = tensors[t.name].properties.dtype
         state[t.name] = torch.empty(got, dtype=t.dtype)
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    dcp.load(state, storage_reader=reader, planner=safe_load.dcp_planner(), no_dist=True)
     return _to_hf(layout, state, spec, dtype, names)
 
 
@@ -251,6 +253,9 @@ def load_megatron_checkpoint(checkpoint_path: str, tp_size: Optional[int] = None
     omitted; ``torch_dist`` holds global tensors, so they are not needed). ``config`` (an HF config
     or a ModelSpec) gives the architecture; without it Megatron-LM's saved ``args`` are used.
     ``names="checkpoint"`` gives MoE experts one tensor each, as HF checkpoint files name them.
+    The files are loaded as data only: ``torch.load(weights_only=True)`` with an allowlist
+    (argparse.Namespace, numpy RNG arrays, io.BytesIO, megatron-core's enums as inert stand-ins);
+    a pickle holding anything else (code to run) is refused with a ValueError naming the file.
     """
     path = resolve_iteration_dir(os.fspath(checkpoint_path))
     if is_torch_dist(path):

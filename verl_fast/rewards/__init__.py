@@ -36,7 +36,11 @@ def _unguarded(cfg: Any, override: Optional[Any]) -> Optional[RewardFunction]:
     if kind == "callable":
         return CallableReward(load_callable(cfg.path))
     if kind == "reward_model":
-        return RewardModel.from_pretrained(cfg.model_name)
+        import torch
+
+        from verl_fast.models.loading import attention_kwargs
+
+        return RewardModel.from_pretrained(cfg.model_name, attention_kwargs(cfg, "reward_fn", torch.cuda.is_available()))
     if kind == "pairwise_ranking":
         return None
     raise ValueError(f"unknown reward_fn.type {kind!r}")

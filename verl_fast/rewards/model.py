@@ -29,11 +29,14 @@ class RewardModel(RewardFunction):
             tokenizer.pad_token = tokenizer.eos_token
 
     @classmethod
-    def from_pretrained(cls, path: str, **kwargs) -> "RewardModel":
+    def from_pretrained(cls, path: str, load_kwargs: Optional[dict] = None, **kwargs) -> "RewardModel":
+        """``load_kwargs`` (``attn_implementation``, ``trust_remote_code``) go to transformers."""
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
-        return cls(model, AutoTokenizer.from_pretrained(path), **kwargs)
+        load_kwargs = dict(load_kwargs or {})
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **load_kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=load_kwargs.get("trust_remote_code", False))
+        return cls(model, tokenizer, **kwargs)
 
     def _text(self, s: RewardInput) -> str:
         if getattr(self.tokenizer, "chat_template", None):

@@ -20,8 +20,8 @@ import tempfile
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
+from verl_fast import distributed
 from verl_fast.config import Config
 from verl_fast.models.wrapping import hf_module
 from verl_fast.rollout.base import RolloutEngine
@@ -44,13 +44,19 @@ def resolve_type(kind: str) -> str:
 def build_engine(cfg: Config, actor: torch.nn.Module, tokenizer: Any, model_path: Optional[str] = None,
                  autocast_dtype: Optional[torch.dtype] = None) -> RolloutEngine:
     """The engine for ``cfg.rollout`` (see the module docstring); collective under torchrun."""
-    if resolve_type(cfg.rollout.type) == "hf":
+    kind, quantization = resolve_type(cfg.rollout.type), cfg.rollout.quantization
+    if quantization and (kind == "hf" or not hasattr(actor, "peft_config")):
+        raise ValueError(f"rollout.quantization={quantization} is not supported with " + (
+            "HF generate rollout (it runs the actor's own weights); use rollout.type=vllm" if kind == "hf" else
+            "a full-weight actor: the engine's quantized weights cannot take the trainer's updates; train a "
+            "LoRA (PEFT) actor on the quantized base, whose adapter is what moves, or drop rollout.quantization"))
+    if kind == "hf":
         return HFGenerateEngine(actor, tokenizer, autocast_dtype=autocast_dtype, fast_decode=cfg.rollout.hf_fast_decode)
     from verl_fast.rollout.data_parallel import DataParallelEngine
     from verl_fast.rollout.vllm_engine import VLLMInferenceEngine
 
     r = cfg.rollout
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    world = distributed.world_size()
     peft = hasattr(actor, "peft_config")
     if peft and model_path is None:
         raise ValueError("a PEFT actor with rollout.type=vllm needs model_path (the base model's folder); "
@@ -58,7 +64,7 @@ def build_engine(cfg: Config, actor: torch.nn.Module, tokenizer: Any, model_path
     if world > 1 and world % r.tensor_parallel_size:
         raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide the number of "
                          f"processes ({world}): each group of that many consecutive ranks runs one engine")
-    kwargs = {}
+    kwargs = {"quantization": r.quantization} if r.quantization else {}
     folder = None
     if model_path is None:
         folder = tempfile.TemporaryDirectory(prefix="verl_fast_actor_")
@@ -74,7 +80,8 @@ def build_engine(cfg: Config, actor: torch.nn.Module, tokenizer: Any, model_path
         str(model_path), tensor_parallel_size=r.tensor_parallel_size, dtype=dtype,
         gpu_memory_utilization=r.gpu_memory_utilization, enable_prefix_caching=r.enable_prefix_caching,
         max_num_seqs=r.max_num_seqs, max_model_len=max_len, enable_chunked_prefill=r.enable_chunked_prefill,
-        seed=r.seed, enable_sleep_mode=None if r.enable_sleep_mode else False, enable_lora=peft, **kwargs)
+        seed=r.seed, enable_sleep_mode=None if r.enable_sleep_mode else False, sleep_level=r.sleep_level,
+        enable_lora=peft, **kwargs)
     engine.folder = folder  # lives as long as the engine
     if folder is not None or peft:  # placeholder weights, or the adapter still to push
         engine.sync_from(actor)

@@ -3,10 +3,12 @@ call, no host synchronisation per token, and on a GPU each decode step captured 
 graph and replayed.
 
 Plain ``generate`` spends most of a small model's decode step in Python and kernel launches (a
-0.4B 24-layer model launches ~700 kernels per token) and reads a flag back to the host every
+0.4B 24-layer model launches ~1,000 kernels per token) and reads a flag back to the host every
 token. Here the step -- one forward over a [B, 1] token batch, sampling, bookkeeping -- touches only
 tensors of fixed address (the cache, the token/position buffers, the mask), so one captured graph
-replays it for every token; finished rows are checked every ``check_every`` tokens.
+replays it for every token; finished rows are checked every ``check_every`` tokens. The prefill
+runs the model's own sdpa attention; the decode steps an attention that reads each cached KV head
+once for all the query heads that share it (``grouped_attention``).
 
 What it computes is what ``generate`` computes: the same forward (left padding, positions from the
 attention mask), temperature then top-k then top-p over the float32 logits, a draw from the
@@ -22,7 +24,8 @@ import logging
 from typing import Iterator, Optional, Sequence, Tuple
 
 import torch
-from transformers.cache_utils import Cache
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, StaticCache, StaticLayer
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +49,10 @@ def unsupported(module: torch.nn.Module) -> Optional[str]:
         return f"attention implementation {attn!r} (the static-cache loop needs 'sdpa')"
     if getattr(cfg, "is_encoder_decoder", False):
         return "encoder-decoder model"
+    layers = StaticCache(config=cfg, max_cache_len=1).layers  # the config's layer kinds; allocates nothing
+    if not all(type(layer) is StaticLayer for layer in layers):  # sliding-window / linear-attention layers
+        kinds = sorted({type(layer).__name__ for layer in layers})
+        return f"cache layers {kinds} (the loop's mask addresses plain full-attention layers)"
     gen = getattr(module, "generation_config", None)
     for name, plain in _PLAIN_GENERATION.items():
         value = getattr(gen, name, None)
@@ -57,7 +64,9 @@ def unsupported(module: torch.nn.Module) -> Optional[str]:
 class StaticKV(Cache):
     """Keys and values of every layer in tensors of fixed shape [B, kv_heads, length, head_dim],
     written at the columns ``cols`` (a device tensor the caller advances). The model calls only
-    ``update``; masks come in as ready 4-D tensors, so nothing asks the cache for lengths."""
+    ``update``; masks come in as ready 4-D tensors, so nothing asks the cache for lengths.
+    (transformers' StaticCache gives keys and values the dtype of the first keys; under autocast
+    values leave a bf16 projection while keys leave the float32 rotary product.)"""
 
     is_compileable = False
 
@@ -69,13 +78,17 @@ class StaticKV(Cache):
         self.seen = 0  # host-side count, for transformers versions that derive positions from it
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None, *args, **kwargs):
-        if self.keys[layer_idx] is None:  # allocated at the prefill, in the dtype autocast gives
+        if self.keys[layer_idx] is None:  # allocated at the prefill
             b, h, _, d = key_states.shape
-            self.keys[layer_idx] = key_states.new_zeros((b, h, self.length, d))
+            device = key_states.device.type
+            # under autocast, sdpa casts its inputs to the autocast dtype: keys stored in it attend
+            # exactly as the fp32 keys would, with half the bytes read per token
+            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else key_states.dtype
+            self.keys[layer_idx] = key_states.new_zeros((b, h, self.length, d), dtype=dtype)
             self.values[layer_idx] = value_states.new_zeros((b, value_states.shape[1], self.length,
                                                              value_states.shape[-1]))
-        self.keys[layer_idx].index_copy_(2, self.cols, key_states)
-        self.values[layer_idx].index_copy_(2, self.cols, value_states)
+        self.keys[layer_idx].index_copy_(2, self.cols, key_states.to(self.keys[layer_idx].dtype))
+        self.values[layer_idx].index_copy_(2, self.cols, value_states.to(self.values[layer_idx].dtype))
         return self.keys[layer_idx], self.values[layer_idx]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -86,6 +99,42 @@ class StaticKV(Cache):
 
     def __len__(self) -> int:
         return len(self.keys)
+
+
+def grouped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Decode-step attention that reads each cached key and value once: the query heads sharing a KV
+    head are stacked into one matrix ([B, kv, group * q, D] against [B, kv, L, D]). With a mask,
+    sdpa needs the KV heads repeated to every query head first (a copy of the whole cache per layer
+    and token, 7x its size for 14 heads over 2). ``attention_mask``: [B, 1, q, L] boolean, True =
+    attend. Returns [B, q, heads, D] as transformers' attention functions do."""
+    for name in ("softcap", "s_aux", "sinks", "sliding_window"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"grouped_attention does not implement {name}")
+    b, heads, q_len, d = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    q = query.reshape(b, kv_heads, group * q_len, d)  # head h uses KV head h // group, as repeat_kv does
+    scores = torch.matmul(q, key.transpose(-1, -2)).float() * (scaling if scaling is not None else d ** -0.5)
+    mask = attention_mask[:, :, None].expand(b, 1, group, q_len, length).reshape(b, 1, group * q_len, length)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(value.dtype)
+    out = torch.matmul(probs, value).reshape(b, heads, q_len, d).transpose(1, 2)
+    return out, None
+
+
+ATTENTION = "verl_fast_grouped"
+AttentionInterface.register(ATTENTION, grouped_attention)
+
+
+@contextlib.contextmanager
+def _attention(module, name: str) -> Iterator[None]:
+    """The model's attention implementation set to ``name`` for the decode steps only."""
+    cfg = module.config
+    before = cfg._attn_implementation
+    cfg._attn_implementation = name
+    try:
+        yield
+    finally:
+        cfg._attn_implementation = before
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -215,9 +264,11 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
     holds the model in eval mode, under its autocast, with parameters unsharded. ``use_graph``:
     replay a CUDA graph of the step (falls back to running it eagerly, with a logged reason, if
     capture fails)."""
-    with _without_fsdp_hooks(module):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_without_fsdp_hooks(module))
         dec = _Decoder(module, input_ids, attention_mask, max_new_tokens, (temperature, top_k, top_p), stop_ids,
-                       pad_id)
+                       pad_id)  # the prefill: sdpa
+        stack.enter_context(_attention(module, ATTENTION))
         graph = None
         steps = 1
         if use_graph and max_new_tokens > 2:

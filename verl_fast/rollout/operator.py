@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Union
 
-from verl_fast.data import PromptRow
+from verl_fast.data import PromptBatch, PromptRow
 from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec, merge_outputs
 from verl_fast.ops.schedule import rollout_buckets
 
@@ -17,9 +17,11 @@ class RolloutOperator:
             def get_generation_kwargs(self, batch):
                 return [{"temperature": 0.0} if row.data_source == "exact" else {} for row in batch]
 
-    It returns one dict for the whole batch or one per prompt; keys are SamplingSpec's fields
-    (HF's ``max_new_tokens``, ``num_return_sequences``, ``do_sample`` are accepted too) and
-    override the defaults (``generation_config``) for that call only.
+    ``batch`` is a ``PromptBatch``: rows (``row.data_source``, ``row.columns``) and columns
+    (``batch["task_type"]``: any field of the dataset's rows). It returns one dict for the whole
+    batch or one per prompt; keys are SamplingSpec's fields (HF's ``max_new_tokens``,
+    ``num_return_sequences``, ``do_sample`` are accepted too) and override the defaults
+    (``generation_config``) for that call only.
     """
 
     def __init__(self, engine: RolloutEngine, default: Union[SamplingSpec, Dict[str, Any], None] = None,
@@ -39,7 +41,7 @@ class RolloutOperator:
         return {}
 
     def specs(self, batch: Sequence[PromptRow], seed: Optional[int] = None) -> List[SamplingSpec]:
-        kwargs = self.get_generation_kwargs(batch)
+        kwargs = self.get_generation_kwargs(PromptBatch(batch))
         per_prompt = kwargs if isinstance(kwargs, list) else [kwargs] * len(batch)
         if len(per_prompt) != len(batch):
             raise ValueError(f"get_generation_kwargs returned {len(per_prompt)} dicts for {len(batch)} prompts")

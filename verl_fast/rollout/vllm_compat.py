@@ -171,7 +171,7 @@ def quiet_reload() -> Iterator[None]:
 
 def model_parameters(llm) -> Dict[str, torch.Tensor]:
     """The running model's parameters by vLLM name (this process's worker; TP-sharded, fused)."""
-    return llm.collective_rpc(lambda worker: dict(worker.model_runner.model.named_parameters()))[0]
+    return llm.collective_rpc(lambda worker: dict(worker.model_runner.get_model().named_parameters()))[0]
 
 
 def free_device_bytes() -> int:

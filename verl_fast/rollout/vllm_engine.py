@@ -30,7 +30,8 @@ Choices:
   trainer's world: consecutive ranks form a TP group; the groups generate independently.
 - Greedy requests with ``n > 1`` (which vLLM refuses) are sent as ``n`` requests of one sample.
 - Sleep mode: on CUDA / ROCm / XPU with ``enable_sleep_mode`` (on by default there) ``sleep()``
-  releases the KV cache and offloads the weights (``sleep_level=1``) or discards them
+  releases the KV cache only (``sleep_level=0``: the weights stay resident for the next sync to
+  write into), or also offloads the weights to the host (``sleep_level=1``) or discards them
   (``sleep_level=2``; the next ``sync_from`` refills them); the memory released is measured
   (``metrics()["sleep_freed_gib"]``). On the CPU it is a no-op: vLLM-CPU has no sleep mode (said
   once at INFO level).
@@ -102,7 +103,7 @@ class VLLMInferenceEngine(RolloutEngine):
 
     def __init__(
         self,
-        model_name_or_path: str,
+        model_name_or_path: Optional[str] = None,
         tensor_parallel_size: int = 1,
         dtype: str = "bfloat16",
         gpu_memory_utilization: float = 0.5,
@@ -120,11 +121,16 @@ class VLLMInferenceEngine(RolloutEngine):
         logprobs_mode: str = "processed_logprobs",
         tokenizer: Optional[str] = None,
         cpu_threads: Optional[int] = 1,
+        model_name: Optional[str] = None,
         **engine_kwargs: Any,
     ) -> None:
+        if (model_name is None) == (model_name_or_path is None):  # model_name: the name user code often passes
+            raise TypeError("VLLMInferenceEngine needs the model exactly once: model_name_or_path or model_name")
+        model_name_or_path = model_name_or_path or model_name
         check_engine_kwargs(engine_kwargs)
-        if sleep_level not in (1, 2):
-            raise ValueError(f"sleep_level must be 1 (KV cache; weights offloaded) or 2 (weights too), got {sleep_level}")
+        if sleep_level not in (0, 1, 2):
+            raise ValueError(f"sleep_level must be 0 (KV cache only), 1 (KV cache; weights offloaded) or 2 "
+                             f"(KV cache and weights discarded), got {sleep_level}")
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
         vllm = compat.import_vllm()
@@ -324,17 +330,17 @@ class VLLMInferenceEngine(RolloutEngine):
 
     def _weight_sync(self, model: torch.nn.Module):
         from verl_fast.models.wrapping import hf_module
+        from verl_fast import distributed
         from verl_fast.ops.reshard import ModelSpec
+        from verl_fast.ops.reshard.vllm import consecutive_tp_ranks
         from verl_fast.rollout.weight_sync import WeightSync
 
-        import torch.distributed as dist
-
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        world = distributed.world_size()
         # an external-launcher engine is one TP rank of a group of consecutive ranks; any other
         # engine holds the whole model in this process
         tp = self.tensor_parallel_size if self.external_launcher else 1
         spec = ModelSpec.from_hf_config(hf_module(model).config, dtype=self.dtype)
-        return WeightSync(spec, tp, {r: r % tp for r in range(world)}, world, self.dtype or spec.dtype,
+        return WeightSync(spec, tp, consecutive_tp_ranks(world, tp), world, self.dtype or spec.dtype,
                           direct=not compat.is_cpu_platform())
 
     def _engine_parameters(self) -> Dict[str, torch.Tensor]:
@@ -372,9 +378,14 @@ class VLLMInferenceEngine(RolloutEngine):
             return
         if not self._asleep:
             free = compat.free_device_bytes()
-            self.llm.sleep(level=self.sleep_level)
+            if self.sleep_level == 0:  # pause, then drop the KV cache's memory; weights stay
+                self.llm.sleep(level=0)
+                self.llm.release_kv_cache_memory()
+            else:
+                self.llm.sleep(level=self.sleep_level)
             self.sleep_freed_bytes = compat.free_device_bytes() - free
-            self._asleep = self._weights_asleep = True
+            self._asleep = True
+            self._weights_asleep = self.sleep_level > 0
 
     def wake_up(self) -> None:
         if self._asleep:

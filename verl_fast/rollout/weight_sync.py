@@ -27,6 +27,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 
+from verl_fast import distributed
 from verl_fast.models.wrapping import hf_module
 from verl_fast.ops.reshard import (Layout, ModelSpec, ReshardPlan, dtensor_layout, fsdp1_layout_from_module,
                                    fsdp1_sources, hf_layout, plan, vllm_layout)
@@ -36,7 +37,8 @@ from verl_fast.ops.reshard.vllm import vllm_reload_layout
 
 
 def actor_source(spec: ModelSpec, model: torch.nn.Module) -> Tuple[Layout, Mapping[str, torch.Tensor]]:
-    """The layout the actor's parameters are in, and this rank's tensors of it by name."""
+    """The layout the actor's parameters are in, and this rank's tensors of it by name. A plain module
+    under several processes is a whole copy on every rank: each rank's TP shard is then copied locally."""
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     except ImportError:  # pragma: no cover - torch without distributed
@@ -47,7 +49,8 @@ def actor_source(spec: ModelSpec, model: torch.nn.Module) -> Tuple[Layout, Mappi
     if any(hasattr(v, "placements") for v in params.values()):
         return dtensor_layout(spec, params), params
     dtype = next(v.dtype for v in params.values() if v.is_floating_point())
-    return hf_layout(spec, dtype=dtype), params
+    world = distributed.world_size()  # e.g. the HF copy a Megatron actor exports to, on every rank
+    return hf_layout(spec, ranks=range(world), world_size=world, dtype=dtype), params
 
 
 class WeightSync:

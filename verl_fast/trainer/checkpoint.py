@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
+from verl_fast import safe_load
 from verl_fast.models.wrapping import hf_module
 from verl_fast.trainer.ranks import gather, on_main, rank_world
 
@@ -297,7 +298,8 @@ def load(path: Path, actor: torch.nn.Module, optimizer: torch.optim.Optimizer,
     shards = _state(actor, optimizer, critic, critic_optimizer)
     try:
         with _quiet():
-            dcp.load(shards, checkpoint_id=str(path / DCP), no_dist=world == 1)
+            dcp.load(shards, storage_reader=safe_load.dcp_reader(path / DCP), planner=safe_load.dcp_planner(),
+                     no_dist=world == 1)  # data only: nothing in the files runs
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         raise CheckpointError(f"checkpoint {path} does not fit this run's models: {e}") from e
     set_model_state_dict(actor, shards["actor"])
@@ -310,9 +312,7 @@ def load(path: Path, actor: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def _has_key(path: Path, prefix: str) -> bool:
-    from torch.distributed.checkpoint import FileSystemReader
-
-    return any(k.startswith(prefix) for k in FileSystemReader(str(path / DCP)).read_metadata().state_dict_metadata)
+    return any(k.startswith(prefix) for k in safe_load.dcp_reader(path / DCP).read_metadata().state_dict_metadata)
 
 
 # ----------------------------------------------------------------------------- HF export
@@ -323,10 +323,9 @@ def _write_safetensors(dcp_dir: Path, out: Path, max_shard_bytes: int = 5 << 30)
     time (memory stays under ``max_shard_bytes`` whatever the model's size); returns the file names."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = FileSystemReader(str(dcp_dir))
+    reader = safe_load.dcp_reader(dcp_dir)
     meta = reader.read_metadata().state_dict_metadata
     tensors = {k: m for k, m in sorted(meta.items())
                if k.startswith("actor.") and isinstance(m, TensorStorageMetadata)}
@@ -350,7 +349,7 @@ def _write_safetensors(dcp_dir: Path, out: Path, max_shard_bytes: int = 5 << 30)
     for name, keys in zip(names, groups):
         part = {k: torch.empty(tensors[k].size, dtype=tensors[k].properties.dtype) for k in keys}
         with _quiet():
-            dcp.load(part, storage_reader=FileSystemReader(str(dcp_dir)), no_dist=True)
+            dcp.load(part, storage_reader=safe_load.dcp_reader(dcp_dir), planner=safe_load.dcp_planner(), no_dist=True)
         save_file({k[len("actor."):]: v for k, v in part.items()}, str(out / name), metadata={"format": "pt"})
         weight_map.update({k[len("actor."):]: name for k in keys})
     if len(names) > 1:

@@ -72,7 +72,7 @@ def step(actor: torch.nn.Module, ref: Optional[torch.nn.Module], pairs: List[Pre
          device: torch.device, autocast: Callable[[], ContextManager[Any]], algorithm: Any,
          pairs_per_micro_batch: int) -> Dict[str, float]:
     """``algorithm``: the config's algorithm section (beta, loss_type, label_smoothing); without a
-    ``ref`` the loss is reference-free."""
+    ``ref`` the loss is reference-free. ``pairs_per_micro``: pairs per forward/backward."""
     total = len(pairs)
     size = pairs_per_micro_batch
     stats: Dict[str, float] = {"dpo/loss": 0.0, "dpo/reward_margin": 0.0, "dpo/reward_accuracy": 0.0}

@@ -32,9 +32,9 @@ import torch.distributed as dist
 from verl_fast import config as config_mod
 from verl_fast import distributed
 from verl_fast.algos.advantage import BATCH_WHITENED, AdvantageInput, get_estimator
-from verl_fast.algos.losses import active_rows, agg_loss, entropy_loss, kl_penalty, policy_loss, value_loss
+from verl_fast.algos.losses import kl_penalty, value_loss
 from verl_fast.config import Config
-from verl_fast.data import PromptRow, RLDataProcessor
+from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
 from verl_fast.metrics import MetricsLogger
 from verl_fast.trainer.batching import balance_across_ranks, loss_normalisers, micro_batches
 from verl_fast.models.shared_prefix import experience_logprobs
@@ -47,7 +47,8 @@ from verl_fast.rollout.base import RolloutEngine, SamplingSpec
 from verl_fast.rollout.factory import build_engine
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 from verl_fast.rollout.operator import RolloutOperator
-from verl_fast.trainer import checkpoint, dpo, online_dpo, perf, remax, run_dir
+from verl_fast.trainer import checkpoint, dpo, megatron_checkpoint, online_dpo, perf, remax, run_dir
+from verl_fast.trainer.actor_loss import actor_loss
 from verl_fast.trainer.experience import Experience, build_experience, last_token_rewards
 
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -82,10 +83,21 @@ class RLTrainer:
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         self.rank, self.world = distributed.rank(), distributed.world_size()
+        self.is_main = self.rank == 0
         self.dp_group = dist.group.WORLD if self.world > 1 else None  # the ranks that split the data
-        actor_sharding = Sharding.from_config(cfg.actor, "actor", self.world)
+        self.megatron = None
+        if cfg.actor.strategy == "megatron":  # a Megatron copy trains; the plain HF actor rolls out
+            actor_sharding = Sharding("none")
+        else:
+            actor_sharding = Sharding.from_config(cfg.actor, "actor", self.world)
         self.device = sharding.compute_device(actor_sharding, cfg.trainer.device, actor_model)
         self.actor = sharding.shard(actor_model, actor_sharding, self.device)
+        if cfg.actor.strategy == "megatron":
+            from verl_fast.trainer.megatron_actor import MegatronActor
+
+            self.megatron = MegatronActor(self.actor, cfg)
+            self.rank, self.world = self.megatron.dp_rank, self.megatron.dp_size  # data splits over DP only
+            self.dp_group = self.megatron.dp_group if self.world > 1 else None
         if self.algorithm in ("dpo", "online_dpo"):
             if self.algorithm == "online_dpo" and self.world > 1:
                 raise ValueError("algorithm.type=online_dpo is not supported with several processes (ranks would "
@@ -102,7 +114,8 @@ class RLTrainer:
             self.critic = sharding.shard(critic, Sharding.from_config(cfg.critic, "critic", self.world), self.device)
         self.reward = build_reward(cfg.reward_fn, reward_fn)
         self.estimator = get_estimator(cfg.advantage_estimator) if cfg.advantage_estimator else None
-        self.optimizer = _adamw(self.actor, cfg.actor.lr, cfg.actor.weight_decay)
+        self.optimizer = self.megatron.optimizer if self.megatron else _adamw(self.actor, cfg.actor.lr,
+                                                                                cfg.actor.weight_decay)
         self.critic_optimizer = _adamw(self.critic, cfg.critic.lr, cfg.critic.weight_decay) if self.critic else None
         self.processor = RLDataProcessor(tokenizer, cfg.trainer.max_prompt_length, cfg.rollout.max_new_tokens,
                                          system_prompt=cfg.trainer.system_prompt,
@@ -161,6 +174,10 @@ class RLTrainer:
             items = rows if _is_prepared(rows) else self.processor.encode_all(rows)
         if not items:
             raise ValueError("the dataset is empty")
+        want = PreferencePair if self.algorithm == "dpo" else PromptRow
+        if not isinstance(items[0], want):
+            raise ValueError(f"algorithm.type={self.algorithm} trains on {want.__name__} items, but the dataset "
+                             f"holds {type(items[0]).__name__}")
         if cfg.train_batch_size % self.world:
             raise ValueError(f"trainer.train_batch_size={cfg.train_batch_size} must be a multiple of the "
                              f"number of processes ({self.world}) so that every rank gets the same share")
@@ -169,7 +186,7 @@ class RLTrainer:
         run_dir.claim(cfg)  # one writer per output_dir; an older run there is resumed, refused or cleared
         logger = None
         try:
-            logger = MetricsLogger(cfg.output_dir, total, cfg.progress_bar, cfg.metrics_port, enabled=self.rank == 0,
+            logger = MetricsLogger(cfg.output_dir, total, cfg.progress_bar, cfg.metrics_port, enabled=self.is_main,
                                    host=cfg.metrics_host, loggers=cfg.loggers, run_config=self.cfg.to_dict())
             with run_dir.StopSignals() as stop:  # SIGTERM / Ctrl-C: finish the step, checkpoint, return
                 self._resume(logger)
@@ -201,7 +218,7 @@ class RLTrainer:
                 break
         if self.step > first or checkpoint.latest_valid(cfg.output_dir, warn=lambda m: None) is None:
             self.save(export_hf=cfg.hf_export == "every" or (cfg.hf_export == "final" and self.step >= total))
-        if self.stopped and self.rank == 0:
+        if self.stopped and self.is_main:
             print(f"stopped after step {self.step} of {total}; the checkpoint is in "
                   f"{checkpoint.checkpoint_root(cfg.output_dir)} (run again to resume)", flush=True)
         elif cfg.plot:
@@ -245,7 +262,7 @@ class RLTrainer:
             with self.perf.phase("weight_sync"):
                 self._sync_engine(metrics)
         metrics.update(self.perf.figures())
-        return _reduce(metrics, self.world)
+        return _reduce(metrics, self.world, self.dp_group)
 
     def _sync_engine(self, metrics: Dict[str, Any]) -> None:
         """The engine generates with the actor's current weights from now on (collective); the bytes
@@ -303,7 +320,7 @@ class RLTrainer:
                 index=exp.prompt_index, values=exp.values, reward_baselines=baselines, gamma=cfg.algorithm.gamma,
                 lam=cfg.algorithm.lam, epsilon=cfg.algorithm.epsilon, whiten=not whiten_over_ranks))
             if whiten_over_ranks:
-                exp.advantages = _whiten_over_ranks(exp.advantages, exp.response_mask)
+                exp.advantages = _whiten_over_ranks(exp.advantages, exp.response_mask, self.dp_group)
         lengths = exp.response_mask.sum(-1).float()
         metrics.update({
             "reward/mean": exp.scores.mean().item(),
@@ -323,6 +340,8 @@ class RLTrainer:
 
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, exp: Experience) -> torch.Tensor:
+        if self.megatron is not None and model is self.actor:
+            return self.megatron.logprobs(exp, self._micro(exp, torch.arange(exp.num_sequences), for_update=False))
         out = torch.zeros(exp.response_mask.shape, dtype=torch.float32, device=self.device)
         for idx in self._micro(exp, torch.arange(exp.num_sequences, device=self.device), for_update=False):
             sub = exp.select(idx)
@@ -365,7 +384,8 @@ class RLTrainer:
         # Samples whose advantage is 0 everywhere add exactly nothing to the policy gradient: leave
         # them out of the backward (normalisers still count them, so the loss is unchanged).
         # (single process only: FSDP ranks must run the same number of forward/backward passes)
-        skip = a.skip_zero_advantage and not a.use_kl_loss and a.entropy_coeff == 0 and self.world == 1
+        skip = a.skip_zero_advantage and not a.use_kl_loss and a.entropy_coeff == 0 and self.world == 1 \
+            and self.megatron is None
         active = exp.advantages.abs().sum(-1) > 0 if skip else torch.ones(N, dtype=torch.bool, device=self.device)
         mini = a.ppo_mini_batch_size or N
         totals: Dict[str, float] = {}
@@ -379,56 +399,46 @@ class RLTrainer:
             for start in range(0, N, mini):
                 mb = order[start : start + mini]
                 counts = loss_normalisers(exp.response_mask[mb], self.dp_group)
-                for idx in self._micro(exp, mb[active[mb]]):
+                micro = self._micro(exp, mb[active[mb]])
+                for idx in micro:
                     self.perf.count_update(exp.attention_mask[idx])
-                    stats = self._actor_micro_step(exp.select(idx), counts)
+                stats, norm = self._train_mini_batch(exp, micro, counts)
+                for idx, st in zip(micro, stats):
                     w = float(exp.response_mask[idx].sum())
-                    for k, v in stats.items():
+                    for k, v in st.items():
                         totals[k] = totals.get(k, 0.0) + v * w
                     weight += w
-                norms += self._optimizer_step(self.actor, self.optimizer, a.max_grad_norm)
+                norms += norm
         if self.world > 1:  # weighted by every rank's tokens, as one process would weight them
             keys = sorted(totals)
-            summed = distributed.all_reduce_numbers([totals[k] for k in keys] + [weight])
+            summed = distributed.all_reduce_numbers([totals[k] for k in keys] + [weight], group=self.dp_group)
             totals, weight = dict(zip(keys, summed[:-1])), summed[-1]
         steps = a.ppo_epochs * math.ceil(N / mini)
         out = {f"actor/{k}": v / max(weight, 1e-9) for k, v in totals.items()}
         out.setdefault("actor/pg_loss", 0.0)  # every advantage 0: the policy loss is exactly 0
         out["actor/grad_norm"] = norms / steps
         out["actor/active_fraction"] = float(active.float().mean())
+        if self.megatron is not None:  # the rollout model gets the new weights
+            self.megatron.export_to(hf_module(self.actor))
         return out
 
+    def _train_mini_batch(self, exp: Experience, micro: List[torch.Tensor], counts: Dict[str, float]):
+        """One optimiser step over the micro-batches: each one's stats, and the gradient norm."""
+        if self.megatron is not None:
+            return self.megatron.train_mini_batch(
+                exp, micro, lambda logp, entropy, sub: actor_loss(self.cfg.actor, logp, entropy, sub, counts))
+        stats = [self._actor_micro_step(exp.select(idx), counts) for idx in micro]
+        return stats, self._optimizer_step(self.actor, self.optimizer, self.cfg.actor.max_grad_norm)
+
     def _actor_micro_step(self, sub: Experience, counts: Dict[str, float]) -> Dict[str, float]:
-        a = self.cfg.actor
         with self._autocast():
             logp, entropy = experience_logprobs(self.actor, sub.input_ids, sub.attention_mask, sub.response_length,
                                                 sub.prompt_index, temperature=self.cfg.rollout.temperature or 1.0,
                                                 with_entropy=True, fused=self._fused(),
                                                 share=self.cfg.actor.share_prompt_forward)
-        logp = logp.float()
-        old = sub.old_logprobs if sub.old_logprobs is not None else logp.detach()
-        pg, stats = policy_loss(logp, old, sub.advantages, sub.response_mask, a.clip_ratio_low, a.clip_ratio_high,
-                                a.clip_ratio_c, a.loss_agg_mode, **counts)
-        loss = pg
-        ent = entropy_loss(entropy.float(), sub.response_mask, a.loss_agg_mode, **counts)
-        if a.entropy_coeff:
-            loss = loss - a.entropy_coeff * ent
-        out = {"pg_loss": pg.item(), "entropy": ent.item(), **{k: float(v) for k, v in stats.items()}}
-        if sub.ref_logprobs is not None:
-            kl = kl_penalty(logp, sub.ref_logprobs, a.kl_loss_type if a.use_kl_loss else "low_var_kl")
-            kl_term = agg_loss(kl, sub.response_mask, a.loss_agg_mode, **counts)
-            if a.use_kl_loss:
-                loss = loss + a.kl_loss_coef * kl_term
-            out["kl"] = kl_term.item()
+        loss, stats = actor_loss(self.cfg.actor, logp, entropy, sub, counts)
         loss.backward()
-        # the losses above are this micro-batch's shares of the mini-batch loss: report them at the
-        # scale of a whole batch (the caller averages micro-batches weighted by tokens)
-        share = (float(sub.response_mask.sum()) / max(counts["num_tokens"], 1.0) if a.loss_agg_mode.startswith("token")
-                 else float(active_rows(sub.response_mask)) / max(counts["num_seqs"], 1.0))
-        for k in ("pg_loss", "entropy", "kl"):
-            if k in out:
-                out[k] = out[k] / max(share, 1e-9)
-        return out
+        return stats
 
     def _optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
         params = [p for p in model.parameters() if p.requires_grad]
@@ -476,7 +486,7 @@ class RLTrainer:
             metrics["actor/grad_norm"] = self._optimizer_step(self.actor, self.optimizer,
                                                               self.cfg.actor.max_grad_norm)
         metrics.update(self.perf.figures())
-        return _reduce(metrics, self.world)
+        return _reduce(metrics, self.world, self.dp_group)
 
     def _online_dpo_step(self, batch: List[PromptRow]) -> Dict[str, Any]:
         """Sample, score, pair each prompt's best with its worst sample, one DPO update."""
@@ -500,19 +510,24 @@ class RLTrainer:
         """A sharded checkpoint of this step (every rank writes its shards); ``export_hf`` adds the
         HF safetensors folder that transformers and vLLM load."""
         state = {"history": self.history, "config": self.cfg.to_dict(), "torch_rng": torch.get_rng_state().tolist()}
-        checkpoint.save(self.cfg.trainer.output_dir, self.step, self.actor, self.tokenizer, self.optimizer, state,
-                        self.critic, self.critic_optimizer, export_hf=export_hf)
+        if self.megatron is not None:  # a Megatron distributed checkpoint, and always the HF export
+            megatron_checkpoint.save(self.cfg.trainer.output_dir, self.step, self.megatron, self.actor,
+                                     self.tokenizer, state)
+        else:
+            checkpoint.save(self.cfg.trainer.output_dir, self.step, self.actor, self.tokenizer, self.optimizer, state,
+                            self.critic, self.critic_optimizer, export_hf=export_hf)
 
     def _resume(self, logger: MetricsLogger) -> None:
         """Restores the newest complete checkpoint (a damaged newer one is named and skipped) and
         rewrites the metrics from its history, so re-run steps are not logged twice."""
         path = None
         if self.cfg.trainer.resume:
-            if self.rank == 0:
+            if self.is_main:
                 checkpoint.clean_partial(self.cfg.trainer.output_dir)
             path = checkpoint.latest_valid(self.cfg.trainer.output_dir)
         if path is not None:
-            state = checkpoint.load(path, self.actor, self.optimizer, self.critic, self.critic_optimizer)
+            state = (megatron_checkpoint.load(path, self.megatron, self.actor) if self.megatron is not None else
+                     checkpoint.load(path, self.actor, self.optimizer, self.critic, self.critic_optimizer))
             self.step = int(state["step"])
             self.history = list(state.get("history", []))
             torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
@@ -532,22 +547,22 @@ def _is_prepared(items: Any) -> bool:
     return isinstance(items, list) and bool(items) and not isinstance(items[0], dict)
 
 
-def _reduce(metrics: Dict[str, Any], world: int) -> Dict[str, Any]:
+def _reduce(metrics: Dict[str, Any], world: int, group=None) -> Dict[str, Any]:
     """Means of the numeric metrics over the ranks (what rank 0 logs)."""
     if world == 1:
         return metrics
     keys = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)))
-    values = distributed.all_reduce_numbers([float(metrics[k]) for k in keys])
+    values = distributed.all_reduce_numbers([float(metrics[k]) for k in keys], group=group)
     return {**metrics, **{k: v / world for k, v in zip(keys, values)}}
 
 
-def _whiten_over_ranks(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _whiten_over_ranks(values: torch.Tensor, mask: torch.Tensor, group=None) -> torch.Tensor:
     """``values`` whitened with the masked mean and unbiased variance of every rank's tokens (what
     one process whitening the whole batch computes), ``(v - mean) * rsqrt(var + 1e-8)``; zero where
     ``mask`` is 0 (no loss reads those positions)."""
     m = mask.to(torch.float64)
     v = values.to(torch.float64) * m
-    n, s, s2 = distributed.all_reduce_numbers([float(m.sum()), float(v.sum()), float((v * v).sum())])
+    n, s, s2 = distributed.all_reduce_numbers([float(m.sum()), float(v.sum()), float((v * v).sum())], group=group)
     if n < 2:
         raise ValueError(f"whitening needs at least 2 response tokens over all ranks, got {int(n)}")
     mean = s / n

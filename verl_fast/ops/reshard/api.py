@@ -13,7 +13,7 @@ from verl_fast.ops.reshard.hf import detect_naming, hf_layout
 from verl_fast.ops.reshard.layout import Layout
 from verl_fast.ops.reshard.plan import DEFAULT_BUCKET_BYTES, DEFAULT_TILE_BYTES, ReshardPlan, Tensors
 from verl_fast.ops.reshard.spec import ModelSpec
-from verl_fast.ops.reshard.vllm import vllm_layout
+from verl_fast.ops.reshard.vllm import consecutive_tp_ranks, vllm_layout
 
 # One-shot calls keep their plans and the destination tensors they allocated, least recently used
 # dropped first: a plan's planning and a model's worth of allocations cost more than the copy itself.
@@ -137,7 +137,7 @@ def _tp_ranks(world: int, tp: int, tp_rank: Optional[int]) -> Dict[int, int]:
     if world == 1:
         return {0: 0 if tp_rank is None else int(tp_rank)}
     if tp_rank is None:
-        return {r: r % tp for r in range(world)}
+        return consecutive_tp_ranks(world, tp)
     import torch.distributed as dist
 
     every = [None] * world

@@ -129,6 +129,12 @@ def vllm_tensors(spec: ModelSpec, tp: int, t: int, rank: int, dtype, experts_pre
     return out
 
 
+def consecutive_tp_ranks(world_size: int, tensor_parallel_size: int) -> Dict[int, int]:
+    """Each process rank's TP rank when consecutive ranks form TP groups (vLLM's own grouping under
+    an external launcher): ``r % T``."""
+    return {r: r % int(tensor_parallel_size) for r in range(int(world_size))}
+
+
 def vllm_layout(spec: ModelSpec, tensor_parallel_size: int = 1, tp_rank_of: Optional[Mapping[int, int]] = None,
                 world_size: Optional[int] = None, dtype: Optional[torch.dtype] = None,
                 experts_prefix: str = EXPERTS_PREFIX) -> Layout:

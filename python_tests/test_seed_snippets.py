@@ -1,0 +1,139 @@
+"""The seeds' snippets as users copy them (package name changed), on tiny local models."""
+
+
+import pytest
+import torch
+
+from tiny_models import save_tiny_model
+from verl_fast.data import PromptBatch, RLDataProcessor
+from verl_fast.rollout.operator import RolloutOperator
+from verl_fast.rollout.base import SamplingSpec
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", family="qwen2")
+
+
+WEBGPT = [{"question": {"full_text": f"What is {a} + {a}?"}, "answer_1": f"It is {2 * a}.", "answer_2": "No idea.",
+           "score_1": 1.0, "score_2": -1.0} for a in range(4)]
+
+
+def test_rl_dataset_pt_from_build_dpo_dataset_trains(tiny_path, tmp_path):
+    import datasets
+
+    dataset = datasets.Dataset.from_list(WEBGPT)  # load_dataset("openai/webgpt_comparisons") without the hub
+    processor = RLDataProcessor(tokenizer_name=str(tiny_path), max_prompt_length=512, max_response_length=512)
+    rl_dataset = processor.build_dpo_dataset(dataset)
+    torch.save(rl_dataset, tmp_path / "rl_dataset.pt")
+    loaded = processor.load(str(tmp_path / "rl_dataset.pt"))
+    assert loaded == rl_dataset
+    from verl_fast import train_cli
+
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(f"""
+actor: {{model_name: {tiny_path}, dtype: float32}}
+reward_fn: {{type: pairwise_ranking, reference_free: false}}
+algorithm: {{type: dpo, beta: 0.1, loss_type: sigmoid}}
+trainer: {{num_epochs: 1, per_device_train_batch_size: 2, gradient_accumulation_steps: 2, learning_rate: 5e-7,
+          max_grad_norm: 1.0, device: cpu, progress_bar: false, plot: false, output_dir: {tmp_path / 'run'}}}
+""")
+    parser = __import__("argparse").ArgumentParser()
+    train_cli.add_arguments(parser)
+    assert train_cli.run(parser.parse_args(["--config", str(cfg), "--dataset_path", str(tmp_path / "rl_dataset.pt")])) == 0
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("dpo/loss") == 1  # 4 pairs = 2 x 2: one step
+
+
+class Payload:
+    def __reduce__(self):
+        return (print, ("this must never run",))
+
+
+def test_pt_dataset_refuses_arbitrary_objects(tiny_path, tmp_path):
+    torch.save([Payload()], tmp_path / "evil.pt")
+    processor = RLDataProcessor(tokenizer_name=str(tiny_path))
+    with pytest.raises(ValueError, match="refused to unpickle"):
+        processor.load(str(tmp_path / "evil.pt"))
+    torch.save([{"prompt": "What is 1 + 1?", "reward_model": {"ground_truth": "2"}}], tmp_path / "rows.pt")
+    assert processor.load(str(tmp_path / "rows.pt"))[0]["prompt"] == "What is 1 + 1?"
+
+
+class MathRolloutOperator(RolloutOperator):  # seed 000, as written
+    def get_generation_kwargs(self, batch):
+        if "math" in batch["task_type"]:
+            return {"do_sample": True, "temperature": 0.7, "max_new_tokens": 512}
+        else:
+            return {"do_sample": False, "max_new_tokens": 256}
+
+
+def test_get_generation_kwargs_column_and_row_access(tiny_path):
+    processor = RLDataProcessor(tokenizer_name=str(tiny_path))
+    rows = processor.encode_all([{"prompt": "What is 1 + 1?", "task_type": "math", "difficulty": 3},
+                                 {"prompt": "Say hi", "task_type": "chat", "difficulty": 1}])
+    op = MathRolloutOperator(engine=None, default=SamplingSpec(n=2, max_tokens=8))
+    specs = op.specs(rows)
+    assert [(s.temperature, s.max_tokens, s.n) for s in specs] == [(0.7, 512, 2)] * 2
+    chat = op.specs(rows[1:])
+    assert [(s.temperature, s.max_tokens) for s in chat] == [(0.0, 256)]
+    batch = PromptBatch(rows)
+    assert batch["difficulty"] == [3, 1] and batch["data_source"] == ["", ""]  # every column kept
+    assert batch[0] is rows[0] and [r.columns["task_type"] for r in batch] == ["math", "chat"]
+    with pytest.raises(KeyError, match="no column 'topic'"):
+        batch["topic"]
+
+
+def test_vllm_engine_model_name_argument(tiny_path):
+    from verl_fast.inference.vllm_engine import VLLMInferenceEngine
+
+    with pytest.raises(TypeError, match="exactly once"):
+        VLLMInferenceEngine(str(tiny_path), model_name=str(tiny_path))
+    with pytest.raises(TypeError, match="exactly once"):
+        VLLMInferenceEngine()
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    from verl_fast.rollout.vllm_env import configure_vllm_env
+
+    configure_vllm_env()
+    engine = VLLMInferenceEngine(model_name=str(tiny_path), tensor_parallel_size=1, dtype="bfloat16",
+                                 kv_cache_memory_bytes=64 << 20, max_model_len=128, max_num_seqs=4)
+    try:
+        out = engine.generate([[1, 2, 3]], SamplingSpec(n=2, max_tokens=4, temperature=0.0))
+        assert out.num_sequences == 2 and out.response_mask.sum() > 0
+    finally:
+        engine.close()
+
+
+def test_model_loading_options(tiny_path):
+    from verl_fast.config import from_dict
+    from verl_fast.models.loading import attention_kwargs, load_causal_lm
+
+    cfg = from_dict({"actor": {"attn_implementation": "eager", "trust_remote_code": True},
+                     "critic": {"use_flash_attention": True},
+                     "reward_fn": {"attn_implementation": "flash_attention_2"}})
+    kwargs = attention_kwargs(cfg.actor, "actor", cuda=False)
+    assert kwargs == {"attn_implementation": "eager", "trust_remote_code": True}
+    model, _ = load_causal_lm(str(tiny_path), "float32", **kwargs)
+    assert model.config._attn_implementation == "eager"
+    with pytest.warns(UserWarning, match="critic.use_flash_attention"):
+        assert attention_kwargs(cfg.critic, "critic", cuda=False)["attn_implementation"] == "sdpa"
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is None:
+        with pytest.raises(ValueError, match="reward_fn.attn_implementation=flash_attention_2 needs the flash-attn"):
+            attention_kwargs(cfg.reward_fn, "reward_fn", cuda=True)
+    with pytest.raises(ValueError, match="actor.attn_implementation must be one of"):
+        from_dict({"actor": {"attn_implementation": "flash"}})
+
+
+def test_rollout_quantization_refused_where_the_engine_cannot(tiny_path, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl_fast.config import from_dict
+    from verl_fast.trainer.rl_trainer import RLTrainer
+
+    with pytest.raises(ValueError, match="rollout.quantization=awq is not supported with rollout.type=hf"):
+        from_dict({"rollout": {"type": "hf", "quantization": "awq"}})
+    model = AutoModelForCausalLM.from_pretrained(tiny_path)
+    cfg = {"rollout": {"type": "vllm", "quantization": "gptq", "n": 2}, "reward_fn": {"type": "gsm8k"},
+           "trainer": {"output_dir": str(tmp_path), "device": "cpu"}}
+    with pytest.raises(ValueError, match="a full-weight actor"):
+        RLTrainer(actor_model=model, tokenizer=AutoTokenizer.from_pretrained(tiny_path), config=cfg)
