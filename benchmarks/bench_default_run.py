@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -41,14 +42,21 @@ def start(cmd: List[str], cwd: Path, env: Dict[str, str], log: Path):
     load_before, t0 = os.getloadavg()[0], time.perf_counter()
     out = open(log, "w")
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    ended: Dict[str, float] = {}
+
+    def watch() -> None:  # the end time is taken when the process exits, not when the caller asks
+        proc.wait()
+        ended.update(wall_s=time.perf_counter() - t0, load_after=os.getloadavg()[0])
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
 
     def wait() -> Dict[str, float]:
-        code = proc.wait()
-        wall = time.perf_counter() - t0
+        watcher.join()
         out.close()
-        if code != 0:
-            raise RuntimeError(f"{' '.join(cmd)} exited with {code}; its output: {log}")
-        return {"wall_s": wall, "load_before": load_before, "load_after": os.getloadavg()[0]}
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}; its output: {log}")
+        return {"load_before": load_before, **ended}
 
     return wait
 

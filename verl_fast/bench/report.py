@@ -30,6 +30,7 @@ from verl_fast.bench.timing import cpu_load
 
 SCHEMA = 1
 RESULTS_NAME = re.compile(r"^(cpu|cuda)-\d{4}-\d{2}-\d{2}(?:_\d+)?\.json$")
+README_ROWS_PER_OP = 3
 BEGIN, END = "<!-- verl-fast bench: begin (generated) -->", "<!-- verl-fast bench: end -->"
 
 
@@ -219,16 +220,27 @@ def write_report(results: Dict[str, Any], out: Path, stem: str) -> Tuple[Path, O
         return md, None
 
 
+def _load(env: Dict[str, Any]) -> str:
+    load = env.get("load_before")
+    return f"{load:.1f}" if isinstance(load, (int, float)) else "unknown"
+
+
 def readme_block(results: Dict[str, Any], source: str) -> str:
     env = results["environment"]
-    head = ["op", "case", "baseline", "floor", "ours", "baseline/ours"]
-    lines = [BEGIN, f"Latest `verl-fast bench` run ({env['device']}, {results['time'][:10]}, load average "
-             f"{env.get('load_before')}; `benchmarks/results/{source}`; regenerate this block with "
+    head = ["op", "case", "baseline", "floor", "ours", "baseline/ours", "measured on"]
+    lines = [BEGIN, f"Latest `verl-fast bench` results ({results['time'][:10]}, load average {_load(env)} when "
+             f"written; `benchmarks/results/{source}`, every case in the `.md` beside it; regenerate "
+             "this block with "
              "`verl-fast bench --report-only`):", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    shown: Dict[str, int] = {}
     for r in results["summary"]:
+        shown[r["op"]] = shown.get(r["op"], 0) + 1
+        if shown[r["op"]] > README_ROWS_PER_OP:  # the full table is in the Markdown report
+            continue
         lines.append(f"| {r['op']} | {r['case']} | {r['baseline'] or ''} {_fmt_ms(r['baseline_ms'])} | "
-                     f"{_fmt_ms(r['floor_ms'])} | {_fmt_ms(r['ours_ms'])} | {_fmt_x(r['speedup'])} |")
+                     f"{_fmt_ms(r['floor_ms'])} | {_fmt_ms(r['ours_ms'])} | {_fmt_x(r['speedup'])} | "
+                     f"{r.get('hardware') or ''} |")
     if results.get("claims"):
         lines += ["", "| seeds' claim | seed (A100) | ours | hardware |", "|---|---|---|---|"]
         lines += [f"| {c['claim']} | {c['seed']} | {c['measured']} | {c['hardware']} |" for c in results["claims"]]
