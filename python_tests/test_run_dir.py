@@ -30,7 +30,8 @@ def test_second_writer_is_refused_with_the_owner_pid(tmp_path):
             from verl_fast.trainer import run_dir
             run_dir.claim(config.from_dict({{"trainer": {{"output_dir": {str(tmp_path / 'run')!r}}}}}).trainer)
         """)
-        done = subprocess.run([sys.executable, "-c", other], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([sys.executable, "-c", other], capture_output=True, text=True, timeout=120,
+                              cwd=tmp_path)  # not the checkout, whose unbuilt verl_fast/ would shadow the package
         assert done.returncode != 0
         assert f"is in use by another run (PID {os.getpid()})" in done.stderr, done.stderr[-2000:]
     finally:
