@@ -112,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
     if trainer.is_main and history:
         summarize(history, cfg.trainer.output_dir)
     if dist is not None:
+        dist.barrier()  # every rank done with its collectives before any tears the group down
         dist.destroy_process_group()
     return 0
 
