@@ -159,14 +159,21 @@ def p2p_bandwidth_gbs(device: str, nbytes_: int) -> float:
     return nbytes_ / (ms * 1e-3) / 1e9
 
 
-def two_device_worker(rank: int, world: int, port: int, device_type: str, scale: str, buckets_mb, out) -> None:
+def init_group(rank: int, world: int, port: int, device_type: str) -> str:
+    """This worker's process group (NCCL on GPUs, gloo on CPUs); returns its device."""
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    device = f"cuda:{rank}" if device_type == "cuda" else "cpu"
     if device_type == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world)
+    return f"cuda:{rank}" if device_type == "cuda" else "cpu"
+
+
+def two_device_worker(rank: int, world: int, port: int, device_type: str, scale: str, buckets_mb, out) -> None:
+    import torch.distributed as dist
+
+    device = init_group(rank, world, port, device_type)
     try:
         spec = make_spec(scale)
         src_layout, dst_layout = fsdp2_layout(spec, world), vllm_layout(spec, 2)
@@ -276,11 +283,7 @@ def sync_worker(rank: int, world: int, port: int, device_type: str, scale: str, 
 
     from verl_fast.rollout.weight_sync import WeightSync
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    device = f"cuda:{rank}" if device_type == "cuda" else "cpu"
-    if device_type == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world)
+    device = init_group(rank, world, port, device_type)
     try:
         spec = make_spec(scale)
         model = fsdp2_module(spec, device, torch.bfloat16)
