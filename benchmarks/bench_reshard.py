@@ -4,7 +4,8 @@
     tensors with vLLM's names and shapes. Baseline: per-parameter cat + copy. Floor: bytes read +
     written at the copy bandwidth measured in the same run.
     Also the one-shot public call ``vllm_weights(state_dict, spec, device)`` (plans and outputs
-    reused between calls) against per-parameter ``torch.cat`` allocating its outputs.
+    reused between calls) against per-parameter ``torch.cat`` allocating its outputs; and that
+    call's host work alone (``--only host``: 7B's 339 tensor names, tiny tensors).
 (b) two devices (spawned when two are visible, or two gloo processes on the CPU): FSDP2 shards
     (Shard(0) over 2 ranks) -> vLLM TP=2. Baseline: per-parameter all-gather, then the TP slice
     copied in (what vLLM's weight loaders do). Floor: the bytes a rank must receive, at the
@@ -45,6 +46,10 @@ SCALES = {
                                           "intermediate_size", "vocab_size")},
     "small": dict(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=32, intermediate_size=768,
                   vocab_size=4096),
+    # 7B's tensor names and count (28 layers, 339 tensors) in ~0.5 MiB: the one-shot call's host
+    # work, with a copy too small to matter
+    "names": dict(hidden_size=32, num_layers=_7B.num_layers, num_heads=4, num_kv_heads=2, head_dim=8,
+                  intermediate_size=64, vocab_size=256),
 }
 
 
@@ -114,8 +119,38 @@ def bench_one_device(device: str, spec: ModelSpec, tiles_kb: List[int]) -> Repor
     got = dict(vllm_weights(src, spec, device=device))
     err = max((got[t.name].float() - b.float()).abs().max().item() for t, b in zip(dst_tensors, base_out))
     ms = time_ms(lambda: dict(vllm_weights(src, spec, device=device)), device)
-    rep.add(case, "verl_fast vllm_weights", ms, max_err=err, note="plan and outputs reused between calls")
+    rep.add(case, "verl_fast vllm_weights", ms, max_err=err, note="the same state dict every call (short path)")
+    ms = time_ms(lambda: dict(vllm_weights(dict(src), spec, device=device)), device)
+    rep.add(case, "vllm_weights, new dict", ms, note="a new dict of the same tensors every call (plan looked up)")
     rep.meta.update(bytes_moved=moved, copy_bandwidth_gbs=bw, spec=str(spec))
+    return rep
+
+
+def bench_host(device: str) -> Report:
+    """The one-shot call's own cost: 7B's 339 tensor names in ~0.5 MiB, so that what is timed is the
+    host's work around a negligible copy (on a GPU: the time the GPU waits for the launch)."""
+    spec = make_spec("names")
+    rep = Report("reshard_host", device)
+    src_layout, dst_tensors = hf_layout(spec), vllm_layout(spec, 1).tensors
+    g = torch.Generator(device=device).manual_seed(0)
+    src = {t.name: torch.randn(t.shape, generator=g, device=device).to(torch.bfloat16) for t in src_layout.tensors}
+    case = f"one-shot call, {len(src)} tensors"
+    rep.add(case, "per-param torch.cat (alloc)", time_ms(lambda: baseline_cat_alloc(dst_tensors, src), device, rep=50))
+    rep.add(case, "verl_fast vllm_weights", time_ms(lambda: dict(vllm_weights(src, spec, device=device)), device, rep=50),
+            note="the same state dict every call: the short path")
+    rep.add(case, "vllm_weights, new dict", time_ms(lambda: dict(vllm_weights(dict(src), spec, device=device)),
+                                                   device, rep=50),
+            note="the same tensors in a new dict: signature, plan lookup, binding check")
+    detached = lambda: {k: v.detach() for k, v in src.items()}  # noqa: E731  (what state_dict() gives)
+    rep.add(case, "vllm_weights, new tensors", time_ms(lambda: dict(vllm_weights(detached(), spec, device=device)),
+                                                    device, rep=50),
+            note="new tensor objects (state_dict()) every call: bound again; includes building the dict")
+    p = plan(src_layout, vllm_layout(spec, 1))
+    ours = p.allocate_destinations(device)
+    src_list = [src[n] for n in p.src_names]
+    rep.add(case, "plan.execute (kept plan)", time_ms(lambda: p.execute(src_list, ours), device, rep=50),
+            note="a kept plan into kept outputs")
+    rep.meta.update(tensors=len(src), bytes_moved=nbytes(ours.values()), spec=str(spec), scale="names")
     return rep
 
 
@@ -354,8 +389,9 @@ def main() -> None:
     ap.add_argument("--scale", default=None, choices=list(SCALES), help="default: full on cuda, small on cpu")
     ap.add_argument("--buckets-mb", default="64,256", help="(b): bucket sizes to time (MiB, comma-separated)")
     ap.add_argument("--tiles-kb", default="256", help="(a): executor tile sizes to time (KiB, comma-separated)")
-    ap.add_argument("--only", choices=["1", "2", "sync"], default=None,
-                    help="run only (a) one device, (b) two, or (c) the trainer's weight sync on two")
+    ap.add_argument("--only", choices=["1", "host", "2", "sync"], default=None,
+                    help="run only (a) one device, its one-shot call's host work (7B names, tiny tensors), "
+                         "(b) two devices, or (c) the trainer's weight sync on two")
     args = ap.parse_args()
     scale = args.scale or ("full" if args.device == "cuda" else "small")
     buckets = [int(x) for x in args.buckets_mb.split(",")]
@@ -363,6 +399,9 @@ def main() -> None:
     reports = []
     if args.only in (None, "1"):
         reports.append(bench_one_device(device, make_spec(scale), [int(x) for x in args.tiles_kb.split(",")]))
+        sync(device)
+    if args.only in (None, "host"):
+        reports.append(bench_host(device))
         sync(device)
     two_ok = args.device == "cpu" or torch.cuda.device_count() >= 2
     if args.only in (None, "2"):
@@ -376,7 +415,7 @@ def main() -> None:
         else:
             print("(c) skipped: needs 2 visible GPUs")
     for rep in reports:
-        rep.meta["scale"] = scale
+        rep.meta.setdefault("scale", scale)
         table = rep.table() + "\n" + "\n".join(f"  {r.impl}: {r.note}" for r in rep.rows if r.note)
         print(table)
         print("  meta: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"

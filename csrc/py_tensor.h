@@ -49,6 +49,22 @@ inline std::string type_name(pybind11::handle obj) {
   return std::string(pybind11::str(pybind11::type::handle_of(obj).attr("__qualname__")));
 }
 
+// The tensor's elements lie inside its storage: a storage resized to nothing (FSDP frees its
+// unsharded parameters so) or shrunk under the tensor would otherwise be read out of bounds.
+inline void check_inside_storage(const TensorRef& t, pybind11::handle storage) {
+  if (t.numel() == 0) return;
+  int64_t last = 0;  // offset of the last element, in elements (torch strides are never negative)
+  for (int d = 0; d < t.dim(); ++d) last += (t.sizes[d] - 1) * t.strides[d];
+  const auto base = storage.attr("data_ptr")().cast<uintptr_t>();
+  const auto bytes = storage.attr("nbytes")().cast<uint64_t>();
+  const auto begin = reinterpret_cast<uintptr_t>(t.data);
+  const uint64_t need = static_cast<uint64_t>(last + 1) * dtype_size(t.dtype);
+  if (base == 0 || begin < base || begin - base > bytes || need > bytes - (begin - base)) {
+    throw ValueError("a tensor of shape " + shape_str(t.sizes) + " lies outside its storage (" + std::to_string(bytes) +
+                     " bytes): the storage was freed or resized to fewer bytes under it");
+  }
+}
+
 inline TensorRef tensor_ref_from_py(pybind11::handle obj) {
   namespace py = pybind11;
   static PyObject* tensor_type = nullptr;
@@ -85,6 +101,7 @@ inline TensorRef tensor_ref_from_py(pybind11::handle obj) {
   for (auto s : py::tuple(obj.attr("stride")())) t.strides.push_back(s.cast<int64_t>());
   t.data = reinterpret_cast<void*>(obj.attr("data_ptr")().cast<uintptr_t>());
   py::object storage = obj.attr("untyped_storage")();
+  check_inside_storage(t, storage);
   auto* owner = new PyTensorOwner{obj.inc_ref().ptr(), storage.release().ptr()};
   t.owner = std::shared_ptr<const void>(owner, [](const void* p) {
     auto* o = static_cast<PyTensorOwner*>(const_cast<void*>(p));

@@ -58,6 +58,24 @@ void bind_reshard(py::module_& m) {
       .def("bind", &Plan::bind, py::arg("sources"), py::arg("destinations"), py::arg("send_slots"),
            py::arg("recv_slots"))
       .def(
+          "is_bound",
+          [](const Plan& p, const py::list& sources, const py::list& destinations) {
+            // Binding these again would change nothing: they are the very objects bind() took, each
+            // still pointing where it did (checked holding the GIL, like run's check).
+            const auto& bound = p.bound();
+            const size_t S = p.local_sources().size(), D = p.local_destinations().size();
+            if (bound.size() < S + D || sources.size() != S || destinations.size() != D) return false;
+            for (size_t i = 0; i < S + D; ++i) {
+              PyObject* given = i < S ? PyList_GET_ITEM(sources.ptr(), i) : PyList_GET_ITEM(destinations.ptr(), i - S);
+              const TensorRef& t = bound[i];
+              if (!t.owner || static_cast<const PyTensorOwner*>(t.owner.get())->tensor != given || !still_bound(t))
+                return false;
+            }
+            return true;
+          },
+          py::arg("sources"), py::arg("destinations"),
+          "Whether bind() holds exactly these lists' tensors, unmoved (binding them again would change nothing)")
+      .def(
           "run",
           [](Plan& p, int64_t bucket, Phase phase, CudaStream stream, int num_threads) {
             // The tensors this run touches are still where bind() found them (checked holding the GIL).

@@ -1,7 +1,9 @@
 // Binding tensors to a plan, and the CPU executor: the plan's tiles split over threads, each tile
 // a run of memcpy / memset rows, or an element loop where the dtype changes.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <thread>
 
 #include "common/check.h"
 #include "common/dispatch.h"
@@ -203,7 +205,17 @@ void Plan::run(int64_t b, Phase phase, uintptr_t stream, int num_threads) {
   std::vector<void*> ptrs(bound_.size());
   for (size_t i = 0; i < bound_.size(); ++i) ptrs[i] = bound_[i].data;
   if (device_ == Device::cpu) {
-    run_tiles_cpu(segments_.data(), tiles_.data(), begin, end, ptrs.data(), num_threads);
+    // A thread per kMinBytesPerThread written at most: starting a thread costs about as much as
+    // copying that much, so a small model's weights copy on fewer threads, or on this one.
+    constexpr int64_t kMinBytesPerThread = int64_t{1} << 20;
+    const Bucket& bk = bucket(b);
+    const int64_t bytes = phase == Phase::pack            ? bk.bytes[0]
+                          : phase == Phase::copy_local    ? bk.bytes[1]
+                          : phase == Phase::copy_received ? bk.bytes[2]
+                                                          : bk.bytes[1] + bk.bytes[2];
+    int threads = num_threads > 0 ? num_threads : static_cast<int>(std::thread::hardware_concurrency());
+    threads = static_cast<int>(std::clamp<int64_t>(bytes / kMinBytesPerThread, 1, std::max(threads, 1)));
+    run_tiles_cpu(segments_.data(), tiles_.data(), begin, end, ptrs.data(), threads);
     return;
   }
 #if defined(VF_WITH_CUDA)

@@ -457,6 +457,7 @@ Plan::Plan(const PlanArgs& a) : rank_(a.rank), world_(a.world_size) {
         const Segment& s = segments_[tiles_[t].seg];
         for (int32_t slot : {s.src, s.dst})
           if (slot >= 0 && !seen[slot]) seen[slot] = 1, bk.touched[k].push_back(slot);
+        bk.bytes[k] += tiles_[t].nrows * tiles_[t].ncols * elem_size(s.dst_dtype);
       }
     }
   }

@@ -1,6 +1,7 @@
 // CUDA executor of the resharding plan: one launch per phase of a bucket, one thread block per
 // tile. The segment and tile tables are uploaded once per plan; the pointer table (sources,
-// destinations, staging slots) again only when the bound tensors changed. Same-dtype tiles copy
+// destinations, staging slots) again only when the bound tensors changed, queued on the stream
+// (no host wait). Same-dtype tiles copy
 // with the widest vector (16, 8, 4, 2 or 1 bytes) that every address, pitch and width of the tile
 // allows; dtype changes go element by element through float.
 #include <cuda_bf16.h>
@@ -18,6 +19,8 @@ struct CudaTables {
   Tile* tiles = nullptr;
   void** ptrs = nullptr;
   std::vector<void*> uploaded;  // host copy of the pointer table last uploaded
+  cudaStream_t last_stream = nullptr;  // where the last launch went (reads `ptrs` until it finishes)
+  bool launched = false;
 };
 
 // Runs from destructors (possibly at interpreter exit, after the runtime shut down): never throws,
@@ -155,21 +158,26 @@ void Plan::run_cuda(int64_t begin, int64_t end, const std::vector<void*>& ptrs, 
     cuda_check(cudaMalloc(&cuda_->ptrs, ptrs.size() * sizeof(void*)), "cudaMalloc (reshard pointers)");
   }
   if (cuda_->uploaded != ptrs) {
-    if (cuda_->uploaded.size() != ptrs.size()) {
+    if (cuda_->uploaded.size() != ptrs.size()) {  // cudaFree waits for the kernels that read the old table
       cudaFree(cuda_->ptrs);
       cuda_check(cudaMalloc(&cuda_->ptrs, ptrs.size() * sizeof(void*)), "cudaMalloc (reshard pointers)");
     }
-    // Synchronous with respect to the host so that `ptrs` may go away; ordered after the work
-    // already queued on the stream, which may still read the previous table.
-    cuda_check(cudaStreamSynchronize(st), "cudaStreamSynchronize (reshard pointers)");
-    cuda_check(cudaMemcpy(cuda_->ptrs, ptrs.data(), ptrs.size() * sizeof(void*), cudaMemcpyHostToDevice),
-               "cudaMemcpy (reshard pointers)");
+    // Launches already queued may still read the old table. On this stream the copy is ordered
+    // after them; a launch on another stream (the caller switched streams: rare) is waited for
+    // first, through the whole device, since that stream may no longer exist.
+    if (cuda_->launched && cuda_->last_stream != st)
+      cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize (reshard pointers)");
+    // A small copy from pageable memory: the driver stages `ptrs` before returning, so it may go away.
+    cuda_check(cudaMemcpyAsync(cuda_->ptrs, ptrs.data(), ptrs.size() * sizeof(void*), cudaMemcpyHostToDevice, st),
+               "cudaMemcpyAsync (reshard pointers)");
     cuda_->uploaded = ptrs;
   }
   const int64_t n = end - begin;
   VF_CHECK(n < (int64_t{1} << 31), "too many tiles in one bucket (", n, "): raise tile_bytes");
   reshard_tiles_kernel<<<static_cast<unsigned>(n), kThreads, 0, st>>>(cuda_->segs, cuda_->tiles, begin, cuda_->ptrs);
   VF_CUDA_LAUNCH_CHECK("reshard_tiles_kernel");
+  cuda_->last_stream = st;
+  cuda_->launched = true;
 }
 
 }  // namespace vf::reshard

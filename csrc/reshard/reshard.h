@@ -83,6 +83,7 @@ struct Bucket {
   std::vector<int64_t> groups;                       // destination groups in this bucket
   // Pointer-table slots the tiles of each phase read or write: pack, copy_local, copy_received.
   std::vector<int32_t> touched[3];
+  int64_t bytes[3] = {0, 0, 0};  // bytes each phase writes (the CPU executor sizes its threads by it)
 };
 
 // copy = copy_local then copy_received; the split lets local copies overlap the exchange.
@@ -129,7 +130,8 @@ class Plan {
   void bind(const std::vector<TensorRef>& sources, const std::vector<TensorRef>& destinations,
             const std::vector<TensorRef>& send_slots, const std::vector<TensorRef>& recv_slots);
   // Runs one phase of one bucket: pack (sources -> send slot) or copy (sources, receive slot and
-  // zeros -> destinations). CPU: `num_threads` threads; CUDA: one launch on `stream`.
+  // zeros -> destinations). CPU: up to `num_threads` threads (fewer for small phases); CUDA: one
+  // launch on `stream`.
   void run(int64_t bucket, Phase phase, uintptr_t stream, int num_threads);
   // The pointer table bind() filled, and a name for each entry ("destination model.norm.weight").
   const std::vector<TensorRef>& bound() const { return bound_; }

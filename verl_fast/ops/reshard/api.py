@@ -8,6 +8,7 @@ from typing import Dict, Iterator, Mapping, Optional, Tuple, Union
 
 import torch
 
+from verl_fast.ops.reshard import oneshot
 from verl_fast.ops.reshard.fsdp import dtensor_layout
 from verl_fast.ops.reshard.hf import detect_naming, hf_layout
 from verl_fast.ops.reshard.layout import Layout
@@ -15,41 +16,12 @@ from verl_fast.ops.reshard.plan import DEFAULT_BUCKET_BYTES, DEFAULT_TILE_BYTES,
 from verl_fast.ops.reshard.spec import ModelSpec
 from verl_fast.ops.reshard.vllm import consecutive_tp_ranks, vllm_layout
 
-# One-shot calls keep their plans and the destination tensors they allocated, least recently used
-# dropped first: a plan's planning and a model's worth of allocations cost more than the copy itself.
-_PLANS: "OrderedDict[tuple, ReshardPlan]" = OrderedDict()
-_BUFFERS: "OrderedDict[tuple, OrderedDict]" = OrderedDict()
-_MAX_CACHED = 8
-
-
-def _remember(cache: OrderedDict, key: tuple, make):
-    if key in cache:
-        cache.move_to_end(key)
-        return cache[key]
-    value = cache[key] = make()
-    while len(cache) > _MAX_CACHED:
-        cache.popitem(last=False)
-    return value
-
-
 def plan(src_layout: Layout, dst_layout: Layout, *, rank: Optional[int] = None, group=None,
          bucket_bytes: int = DEFAULT_BUCKET_BYTES, tile_bytes: int = DEFAULT_TILE_BYTES) -> ReshardPlan:
     """Plans this rank's part of moving ``src_layout`` to ``dst_layout`` (collective when the layouts
     span several ranks). Execute it every step with ``plan.execute(sources, destinations)``."""
     return ReshardPlan(src_layout, dst_layout, rank=rank, group=group, bucket_bytes=bucket_bytes,
                        tile_bytes=tile_bytes)
-
-
-def _execute_cached(key: tuple, make_plan, sources: Tensors, destinations: Optional[Tensors], device):
-    """Runs the cached plan of ``key``; without ``destinations``, into the buffers this key's
-    earlier calls allocated on the same device (allocated at the first call)."""
-    p = _remember(_PLANS, key, make_plan)
-    if destinations is None:
-        if device is None:
-            first = next(iter(sources.values() if isinstance(sources, Mapping) else sources), None)
-            device = getattr(first, "device", None) or torch.device("cpu")
-        destinations = _remember(_BUFFERS, key + (str(device),), lambda: p.allocate_destinations(device))
-    return p.execute(sources, destinations)
 
 
 def reshard(sources: Tensors, src_layout: Layout, dst_layout: Layout, destinations: Optional[Tensors] = None, *,
@@ -60,13 +32,18 @@ def reshard(sources: Tensors, src_layout: Layout, dst_layout: Layout, destinatio
     Returns this rank's destination tensors by name (written into ``destinations`` when given).
     The plan is built on the first call for a pair of layouts and reused afterwards, and so are the
     destination tensors it allocates: a later call with the same layouts overwrites the tensors an
-    earlier one returned (clone them to keep them). For full control keep the plan yourself:
-    ``p = verl_fast.reshard.plan(src, dst); p.execute(s, d)``.
+    earlier one returned (clone them to keep them, or pass ``destinations``). A layout is read when
+    a call first sees it: build a new one rather than changing one in place. For full control keep
+    the plan yourself: ``p = verl_fast.reshard.plan(src, dst); p.execute(s, d)``.
     """
-    key = (src_layout.fingerprint(), dst_layout.fingerprint(), id(group), rank, bucket_bytes, tile_bytes)
-    return _execute_cached(key, lambda: plan(src_layout, dst_layout, rank=rank, group=group,
-                                             bucket_bytes=bucket_bytes, tile_bytes=tile_bytes),
-                           sources, destinations, device)
+    call_key = ("reshard", id(src_layout), id(dst_layout), id(sources), id(destinations), id(group), rank,
+                bucket_bytes, tile_bytes, str(device))
+    names, tensors = oneshot.execute(
+        call_key, lambda: (src_layout.fingerprint(), dst_layout.fingerprint(), id(group), rank, bucket_bytes,
+                           tile_bytes),
+        lambda: plan(src_layout, dst_layout, rank=rank, group=group, bucket_bytes=bucket_bytes, tile_bytes=tile_bytes),
+        sources, destinations, device, keep=(src_layout, dst_layout, group))
+    return OrderedDict(zip(names, tensors))
 
 
 reshard.plan = plan  # verl_fast.reshard.plan(src_layout, dst_layout, ...)
@@ -91,13 +68,19 @@ def source_layout(spec: ModelSpec, state: Mapping[str, torch.Tensor]) -> Layout:
 def vllm_weights(model_or_state_dict: Union[torch.nn.Module, Mapping[str, torch.Tensor]],
                  config: Union[ModelSpec, object, None] = None, tensor_parallel_size: int = 1,
                  tp_rank: Optional[int] = None, dtype: Optional[torch.dtype] = None, device=None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[Tuple[str, torch.Tensor]]:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 out: Optional[Mapping[str, torch.Tensor]] = None) -> Iterator[Tuple[str, torch.Tensor]]:
     """``(vLLM name, tensor)`` pairs of vLLM's tensor-parallel shard ``tp_rank`` (fused ``qkv_proj``,
     ``gate_up_proj``, ``w13_weight``/``w2_weight``, padded vocab) from an HF model, its state dict,
     or an FSDP2-sharded model (then collective: every rank calls it and gets the shard of its TP
     rank, by default ``rank % tensor_parallel_size``). ``dtype`` converts on the way (default: the
-    sources'). Layouts, plan and output tensors are kept for the next call with the same model
-    shape, tensors and placements: the tensors returned are overwritten by that call.
+    sources').
+
+    Plan and output tensors are kept for the next call with the same model shape, dtypes, devices
+    and placements, and a call repeating the last one's state dict (the same dict holding the same
+    tensors) goes straight to the copy. The tensors returned are therefore written again by the
+    next such call: they are valid until then (clone them to keep them). ``out`` (vLLM name ->
+    tensor, e.g. the engine's own parameters) is written instead, and returned.
 
     Engines that repack weights after loading (vLLM's CPU backend) take these through
     ``collective_rpc("reload_weights", ...)``: pass ``tensor_parallel_size=1`` there, vLLM slices its
@@ -106,7 +89,9 @@ def vllm_weights(model_or_state_dict: Union[torch.nn.Module, Mapping[str, torch.
     ...))`` once, then ``p.execute(sources, dict(vllm_model.named_parameters()))`` every step."""
     if isinstance(model_or_state_dict, torch.nn.Module):
         spec = model_spec(config if config is not None else model_or_state_dict)
-        state = model_or_state_dict.state_dict()
+        # the parameters themselves (not detached copies): the same objects every call, so a plan
+        # bound to them last time is still bound (FSDP1's full state dict clones them regardless)
+        state = model_or_state_dict.state_dict(keep_vars=True)
     elif not isinstance(model_or_state_dict, Mapping):
         raise TypeError("model_or_state_dict must be a torch.nn.Module or a state dict (name -> tensor), got "
                         f"{type(model_or_state_dict).__name__}")
@@ -115,7 +100,7 @@ def vllm_weights(model_or_state_dict: Union[torch.nn.Module, Mapping[str, torch.
             raise ValueError("config (an HF config or a ModelSpec) is required with a state dict")
         spec, state = model_spec(config), model_or_state_dict
     tp = int(tensor_parallel_size)
-    key = ("vllm", spec, tp, tp_rank, dtype, bucket_bytes, _signature(state))
+    call_key = ("vllm", id(state), id(out), spec, tp, tp_rank, dtype, bucket_bytes, str(device))
 
     def make_plan() -> ReshardPlan:
         src = source_layout(spec, state)
@@ -123,7 +108,10 @@ def vllm_weights(model_or_state_dict: Union[torch.nn.Module, Mapping[str, torch.
         return plan(src, vllm_layout(spec, tp, _tp_ranks(src.world_size, tp, tp_rank), world_size=src.world_size,
                                      dtype=wire), bucket_bytes=bucket_bytes)
 
-    return iter(_execute_cached(key, make_plan, state, None, device).items())
+    names, tensors = oneshot.execute(call_key, lambda: ("vllm", spec, tp, tp_rank, dtype, bucket_bytes,
+                                                        _signature(state)),
+                                     make_plan, state, out, device)
+    return zip(names, tensors)
 
 
 def _signature(state: Mapping[str, torch.Tensor]) -> tuple:

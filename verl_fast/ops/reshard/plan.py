@@ -11,7 +11,7 @@ while bucket ``b`` is copied; two send and two receive slots alternate.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Dict, List, Mapping, Optional, Sequence, Union
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -24,8 +24,6 @@ DEFAULT_TILE_BYTES = 256 << 10
 
 Tensors = Union[Mapping[str, torch.Tensor], Sequence[torch.Tensor]]
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-_data_ptr = torch.Tensor.data_ptr
-
 
 
 def _dtype_code(dtype: torch.dtype, name: str) -> int:
@@ -103,10 +101,12 @@ class ReshardPlan:
             self._check_same_plan(src, dst)
         self.src_tensors: List[PhysTensor] = [src.tensors[i] for i in self._c.local_sources]
         self.dst_tensors: List[PhysTensor] = [dst.tensors[i] for i in self._c.local_destinations]
+        self._src_names = tuple(t.name for t in self.src_tensors)
+        self._dst_names = tuple(t.name for t in self.dst_tensors)
         self.src_aliases = src.aliases
         self._messages = [(self._c.sends(b), self._c.recvs(b)) for b in range(self._c.num_buckets)]
         self._slots: Optional[tuple] = None
-        self._bound: Optional[tuple] = None
+        self._device: Optional[torch.device] = None  # of the tensors bound, None before the first bind
 
     def _check_same_plan(self, src: Layout, dst: Layout) -> None:
         import torch.distributed as dist
@@ -122,12 +122,12 @@ class ReshardPlan:
     # ---- introspection ----
 
     @property
-    def src_names(self) -> List[str]:
-        return [t.name for t in self.src_tensors]
+    def src_names(self) -> Tuple[str, ...]:
+        return self._src_names
 
     @property
-    def dst_names(self) -> List[str]:
-        return [t.name for t in self.dst_tensors]
+    def dst_names(self) -> Tuple[str, ...]:
+        return self._dst_names
 
     @property
     def num_buckets(self) -> int:
@@ -173,12 +173,13 @@ class ReshardPlan:
                 raise TypeError(f"{what} {t.name!r} must be {t.dtype}, got {x.dtype}")
             if not x.is_contiguous():
                 raise ValueError(f"{what} {t.name!r} must be contiguous")
+            if x.numel() and x.untyped_storage().nbytes() < (x.storage_offset() + x.numel()) * x.element_size():
+                raise ValueError(f"{what} {t.name!r} has no memory behind it (its storage was freed or resized "
+                                 "to fewer bytes, as FSDP does with unsharded parameters)")
 
     def _bind(self, srcs: List[torch.Tensor], dsts: List[torch.Tensor]) -> torch.device:
-        both = srcs + dsts
-        key = tuple(map(id, both)), tuple(map(_data_ptr, both))  # same objects, same memory: bound already
-        if self._bound is not None and self._bound[0] == key:
-            return self._bound[1]
+        if self._device is not None and self._c.is_bound(srcs, dsts):  # same objects, same memory: bound already
+            return self._device
         self._check(srcs, self.src_tensors, "source")
         self._check(dsts, self.dst_tensors, "destination")
         devices = {x.device for x in srcs + dsts if x.numel()}
@@ -189,26 +190,39 @@ class ReshardPlan:
         if self._slots is None or self._slots[0].device != device:
             sizes = (self._c.max_send_bytes,) * 2 + (self._c.max_recv_bytes,) * 2
             self._slots = tuple(torch.empty(n, dtype=torch.uint8, device=device) for n in sizes)
+        self._device = None  # until bind() succeeds
         self._c.bind(srcs, dsts, list(self._slots[:2]), list(self._slots[2:]))
-        self._bound = (key, device, srcs, dsts)
+        self._device = device
         return device
 
-    def execute(self, sources: Tensors, destinations: Optional[Tensors] = None, *,
-                device=None) -> "OrderedDict[str, torch.Tensor]":
-        """Writes this rank's destination tensors from its source tensors (a name -> tensor mapping,
-        or a sequence in ``src_names`` order; DTensors give their local shard). Destinations are
-        allocated (on ``device``, default the sources') unless given. Collective when distributed."""
+    def bind(self, sources: Tensors, destinations: Optional[Tensors] = None, *,
+             device=None) -> Tuple[List[torch.Tensor], List[torch.Tensor], torch.device]:
+        """Orders, checks and binds ``execute``'s arguments: ``(sources, destinations, device)``, the
+        tensors as lists in ``src_names`` / ``dst_names`` order. ``run`` then executes them (again
+        and again while :meth:`is_bound` says they are still the tensors bound)."""
         srcs = self._ordered(sources, self.src_tensors, "source", self.src_aliases)
         if destinations is None:
             if device is None:
                 device = next((x.device for x in srcs if x.numel()), torch.device("cpu"))
             destinations = self.allocate_destinations(device)
         dsts = self._ordered(destinations, self.dst_tensors, "destination")
-        device = self._bind(srcs, dsts)
-        self._run(device)
+        return srcs, dsts, self._bind(srcs, dsts)
+
+    def is_bound(self, srcs: List[torch.Tensor], dsts: List[torch.Tensor]) -> bool:
+        """Whether the tensors bound are exactly these (the same objects, at the same memory)."""
+        return self._device is not None and self._c.is_bound(srcs, dsts)
+
+    def execute(self, sources: Tensors, destinations: Optional[Tensors] = None, *,
+                device=None) -> "OrderedDict[str, torch.Tensor]":
+        """Writes this rank's destination tensors from its source tensors (a name -> tensor mapping,
+        or a sequence in ``src_names`` order; DTensors give their local shard). Destinations are
+        allocated (on ``device``, default the sources') unless given. Collective when distributed."""
+        _, dsts, device = self.bind(sources, destinations, device=device)
+        self.run(device)
         return OrderedDict(zip(self.dst_names, dsts))
 
-    def _run(self, device: torch.device) -> None:
+    def run(self, device: torch.device) -> None:
+        """Executes the plan on the tensors bound last (see :meth:`bind`), on ``device``."""
         C, phase = self._c, self._phase
         stream = cuda_stream(self._slots[0])
         threads = torch.get_num_threads()
