@@ -89,11 +89,11 @@ def test_every_change_leaves_the_short_path(signatures):
     assert signatures[0] == 9  # every one of the nine calls followed a change: each took the full path
 
 
-def test_a_new_dict_of_the_same_tensors_and_a_module():
+def test_a_new_dict_of_the_same_tensors_and_a_module(signatures):
     sd = random_state(SPEC)
     a = dict(vllm_weights(sd, SPEC))
-    b = dict(vllm_weights(dict(sd), SPEC))  # another dict, same layout: the same plan and outputs
-    assert all(a[k] is b[k] for k in a)
+    b = dict(vllm_weights(dict(sd), SPEC))  # another dict of the same tensors: the short path
+    assert all(a[k] is b[k] for k in a) and signatures[0] == 1
     model = torch.nn.Module()  # parameters under their HF names, as a module
     for k, v in sd.items():
         *path, leaf = k.split(".")
@@ -108,6 +108,7 @@ def test_a_new_dict_of_the_same_tensors_and_a_module():
             for p in model.parameters():
                 p.add_(1.0)
         exact(dict(vllm_weights(model, SPEC)), ref_vllm(model.state_dict(), CFG, 1, 0))
+    assert signatures[0] == 2  # the module's parameters are the same objects at every call
 
 
 def test_out_is_written_and_returned():
@@ -140,8 +141,8 @@ def test_reshard_one_shot_repeats_and_sees_new_layouts():
 
 def test_the_call_cache_is_bounded():
     sd = random_state(SPEC)
-    for t in range(oneshot.MAX_CACHED + 3):
-        vllm_weights(dict(sd), SPEC)  # a new dict each call: a new call entry each
+    for i in range(oneshot.MAX_CACHED + 3):
+        vllm_weights(sd, SPEC, bucket_bytes=(1 << 20) + i)  # other arguments, other plan: new entries
     assert len(oneshot._CALLS) <= oneshot.MAX_CACHED
     assert len(oneshot._PLANS) <= oneshot.MAX_CACHED and len(oneshot._BUFFERS) <= oneshot.MAX_CACHED
 
@@ -201,3 +202,14 @@ def test_the_extension_refuses_a_tensor_outside_its_storage():
         srcs[3].untyped_storage().resize_(shrink)
         with pytest.raises(ValueError, match="lies outside its storage"):
             p._c.bind(srcs, dsts, slots[:2], slots[2:])
+
+
+def test_an_alias_swapped_for_an_unknown_name_is_refused():
+    cfg = plain_config("qwen2", tie_word_embeddings=True)
+    spec = ModelSpec.from_hf_config(cfg, dtype=torch.float32)
+    sd = random_state(spec)
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"]  # a tied model's state dict carries the alias
+    exact(dict(vllm_weights(sd, spec)), ref_vllm(sd, cfg, 1, 0))
+    sd["lm_head.bias"] = sd.pop("lm_head.weight")  # same count of keys, all the layout's names present
+    with pytest.raises(ValueError, match="unknown source parameter 'lm_head.bias'"):
+        vllm_weights(sd, spec)

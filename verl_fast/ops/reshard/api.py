@@ -12,7 +12,8 @@ from verl_fast.ops.reshard import oneshot
 from verl_fast.ops.reshard.fsdp import dtensor_layout
 from verl_fast.ops.reshard.hf import detect_naming, hf_layout
 from verl_fast.ops.reshard.layout import Layout
-from verl_fast.ops.reshard.plan import DEFAULT_BUCKET_BYTES, DEFAULT_TILE_BYTES, ReshardPlan, Tensors
+from verl_fast.ops.reshard.plan import (DEFAULT_BUCKET_BYTES, DEFAULT_TILE_BYTES, PLAIN_TENSOR_TYPES, ReshardPlan,
+                                       Tensors)
 from verl_fast.ops.reshard.spec import ModelSpec
 from verl_fast.ops.reshard.vllm import consecutive_tp_ranks, vllm_layout
 
@@ -36,8 +37,7 @@ def reshard(sources: Tensors, src_layout: Layout, dst_layout: Layout, destinatio
     a call first sees it: build a new one rather than changing one in place. For full control keep
     the plan yourself: ``p = verl_fast.reshard.plan(src, dst); p.execute(s, d)``.
     """
-    call_key = ("reshard", id(src_layout), id(dst_layout), id(sources), id(destinations), id(group), rank,
-                bucket_bytes, tile_bytes, str(device))
+    call_key = ("reshard", id(src_layout), id(dst_layout), id(group), rank, bucket_bytes, tile_bytes, str(device))
     names, tensors = oneshot.execute(
         call_key, lambda: (src_layout.fingerprint(), dst_layout.fingerprint(), id(group), rank, bucket_bytes,
                            tile_bytes),
@@ -77,10 +77,10 @@ def vllm_weights(model_or_state_dict: Union[torch.nn.Module, Mapping[str, torch.
     sources').
 
     Plan and output tensors are kept for the next call with the same model shape, dtypes, devices
-    and placements, and a call repeating the last one's state dict (the same dict holding the same
-    tensors) goes straight to the copy. The tensors returned are therefore written again by the
-    next such call: they are valid until then (clone them to keep them). ``out`` (vLLM name ->
-    tensor, e.g. the engine's own parameters) is written instead, and returned.
+    and placements, and a call passing the same tensors as the last one (the same objects at the
+    same memory, in any dict) goes straight to the copy. The tensors returned are therefore written
+    again by the next such call: they are valid until then (clone them to keep them). ``out``
+    (vLLM name -> tensor, e.g. the engine's own parameters) is written instead, and returned.
 
     Engines that repack weights after loading (vLLM's CPU backend) take these through
     ``collective_rpc("reload_weights", ...)``: pass ``tensor_parallel_size=1`` there, vLLM slices its
@@ -100,7 +100,7 @@ def vllm_weights(model_or_state_dict: Union[torch.nn.Module, Mapping[str, torch.
             raise ValueError("config (an HF config or a ModelSpec) is required with a state dict")
         spec, state = model_spec(config), model_or_state_dict
     tp = int(tensor_parallel_size)
-    call_key = ("vllm", id(state), id(out), spec, tp, tp_rank, dtype, bucket_bytes, str(device))
+    call_key = ("vllm", spec, tp, tp_rank, dtype, bucket_bytes, str(device))
 
     def make_plan() -> ReshardPlan:
         src = source_layout(spec, state)
@@ -116,7 +116,8 @@ def vllm_weights(model_or_state_dict: Union[torch.nn.Module, Mapping[str, torch.
 
 def _signature(state: Mapping[str, torch.Tensor]) -> tuple:
     """What a state dict's layout depends on: names, shapes, dtypes, devices, DTensor placements."""
-    return tuple((k, tuple(v.shape), v.dtype, v.device, str(getattr(v, "placements", "")),
+    return tuple((k, v.shape, v.dtype, v.device) if type(v) in PLAIN_TENSOR_TYPES else
+                 (k, tuple(v.shape), v.dtype, v.device, str(getattr(v, "placements", "")),
                   id(getattr(v, "device_mesh", None))) for k, v in state.items())
 
 

@@ -1,28 +1,30 @@
 """What the one-shot calls (``reshard``, ``vllm_weights``) keep between calls, so that calling them
 every step costs little more than the copy itself.
 
-Two caches, least recently used dropped first:
-
-- by *layout* (the layouts' digest, or a state dict's signature: names, shapes, dtypes, devices,
+- By *layout* (the layouts' digest, or a state dict's signature: names, shapes, dtypes, devices,
   placements): the plan, and the output tensors it allocated on each device. Every call that
   converts the same layouts without ``destinations`` writes into those same tensors: a call's
   outputs stay valid until the next call of the same conversion (clone them, or pass your own
   ``destinations`` / ``out``, to keep them).
-- by *call* (the identity of the objects passed): the last call's inputs, ordered and bound. A call
-  that passes the same dict holding the same tensor objects at the same memory skips the
-  signature, the name lookups and the checks, and goes straight to the launch. The entry holds the
-  dict and its tensors, so that no new object can take their identities while it is kept. Any
-  change (a tensor replaced, resized or moved, a key added) misses, and the call takes the full path.
+- By *arguments* (everything but the tensors): the last such call's plan, names and outputs. A call
+  whose tensors are the very objects the plan is bound to, at the same memory (the C++ side checks
+  each one), with the same keys, goes straight to the launch: no signature, no checks, no binding.
+  Anything else (a tensor replaced, resized or moved, a key added) takes the full path, which
+  checks everything. Nothing is held here beyond what the plan's binding holds anyway.
+
+Both caches drop the least recently used entry beyond ``MAX_CACHED``.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from operator import itemgetter
 from typing import Callable, Hashable, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from verl_fast.ops.reshard.plan import ReshardPlan, Tensors
+from verl_fast.ops.reshard.layout import local_tensor
+from verl_fast.ops.reshard.plan import PLAIN_TENSOR_TYPES, ReshardPlan, Tensors
 
 MAX_CACHED = 8
 
@@ -32,64 +34,88 @@ _CALLS: "OrderedDict[Hashable, _Call]" = OrderedDict()
 
 
 def remember(cache: OrderedDict, key: Hashable, make: Callable[[], object]):
-    if key in cache:
+    value = cache.get(key)
+    if value is not None:
         cache.move_to_end(key)
-        return cache[key]
+        return value
     value = cache[key] = make()
     while len(cache) > MAX_CACHED:
         cache.popitem(last=False)
     return value
 
 
-def _snapshot(x: Optional[Tensors]) -> Tuple[tuple, tuple, tuple]:
-    """``(keys, values, ids of the values)`` of a mapping, sequence or None."""
-    if x is None:
-        return (), (), ()
-    if isinstance(x, Mapping):
-        values = tuple(x.values())
-        return tuple(x), values, tuple(map(id, values))
-    values = tuple(x)
-    return (), values, tuple(map(id, values))
+class _Key:
+    """A cache key that hashes its (large) tuple once."""
+
+    __slots__ = ("key", "hash")
+
+    def __init__(self, key: tuple):
+        self.key, self.hash = key, hash(key)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Key) and self.hash == other.hash and self.key == other.key
+
+
+def _as_list(given, names: Sequence[str], keys: Optional[tuple], plain: bool) -> Optional[List[torch.Tensor]]:
+    """``given``'s tensors in ``names`` order when its keys are ``keys`` (a mapping) or it is a
+    sequence of ``len(names)`` (``keys`` None); None otherwise. DTensors give their local shards."""
+    if keys is None:
+        if isinstance(given, Mapping) or len(given) != len(names):
+            return None
+        values = list(given)
+    else:
+        if not isinstance(given, Mapping) or len(given) != len(keys) or tuple(given) != keys:
+            return None
+        try:
+            values = [given[n] for n in names] if len(names) == 1 else list(itemgetter(*names)(given))
+        except KeyError:  # names with wrapper parts: the full path cleans them
+            return None
+    return values if plain else [local_tensor(v) for v in values]
 
 
 class _Call:
-    """One call's inputs, kept to recognise the same call again (see the module docstring)."""
+    """The last full call of one argument combination (see the module docstring)."""
 
-    __slots__ = ("sources", "destinations", "keep", "snapshot", "plan", "srcs", "dsts", "device")
+    __slots__ = ("keep", "plan", "device", "dsts", "src_keys", "dst_keys", "plain", "own_outputs")
 
-    def __init__(self, sources: Tensors, destinations: Optional[Tensors], keep: tuple, plan: ReshardPlan,
+    def __init__(self, keep: tuple, plan: ReshardPlan, sources: Tensors, destinations: Optional[Tensors],
                  srcs: List[torch.Tensor], dsts: List[torch.Tensor], device: torch.device):
-        self.sources, self.destinations, self.keep = sources, destinations, keep
-        self.snapshot = (_snapshot(sources), _snapshot(destinations))  # holds every value passed
-        self.plan, self.srcs, self.dsts, self.device = plan, srcs, dsts, device
+        self.keep = keep  # the objects whose identities the argument key holds
+        self.plan, self.device, self.dsts = plan, device, dsts
+        self.own_outputs = destinations is None
+        self.src_keys = tuple(sources) if isinstance(sources, Mapping) else None
+        self.dst_keys = tuple(destinations) if isinstance(destinations, Mapping) else None
+        values = sources.values() if isinstance(sources, Mapping) else sources
+        self.plain = all(type(v) in PLAIN_TENSOR_TYPES for v in values)  # else DTensors: their local shards are bound
 
-    def repeats(self, sources: Tensors, destinations: Optional[Tensors]) -> bool:
-        """The same containers, holding the same keys and tensor objects as when this call was kept,
-        and the plan still bound to them at the memory they had (the C++ side checks each pointer)."""
-        if sources is not self.sources or destinations is not self.destinations:
+    def repeat(self, sources: Tensors, destinations: Optional[Tensors]) -> bool:
+        """Runs the plan again if ``sources`` and ``destinations`` are what it is bound to."""
+        if (destinations is None) != self.own_outputs:
             return False
-        for x, (keys, _, ids) in zip((sources, destinations), self.snapshot):
-            if x is None:
-                continue
-            values = x.values() if isinstance(x, Mapping) else x
-            if len(x) != len(ids) or tuple(map(id, values)) != ids or (keys and tuple(x) != keys):
-                return False
-        return self.plan.is_bound(self.srcs, self.dsts)
+        srcs = _as_list(sources, self.plan.src_names, self.src_keys, self.plain)
+        dsts = self.dsts if destinations is None else _as_list(destinations, self.plan.dst_names, self.dst_keys, True)
+        if srcs is None or dsts is None or not self.plan.is_bound(srcs, dsts):
+            return False
+        self.plan.run(self.device)
+        self.dsts = dsts
+        return True
 
 
 def execute(call_key: Hashable, layout_key: Callable[[], Hashable], make_plan: Callable[[], ReshardPlan],
             sources: Tensors, destinations: Optional[Tensors], device, keep: tuple = ()
             ) -> Tuple[Sequence[str], List[torch.Tensor]]:
-    """Runs the conversion ``call_key`` names (a key cheap to hash: the identities of ``sources``,
-    ``destinations`` and of the objects in ``keep``, which the entry holds, and plain arguments); on
-    a miss, through the plan of ``layout_key()`` into ``destinations``, or into that plan's outputs
-    on ``device`` (default: the sources'). Returns the destination names and tensors."""
+    """Runs a conversion: ``call_key`` names its arguments (cheap to hash: plain values, and the
+    identities of the objects in ``keep``, which the entry holds); on a miss, through the plan of
+    ``layout_key()`` into ``destinations``, or into that plan's outputs on ``device`` (default:
+    the sources'). Returns the destination names and tensors."""
     call = _CALLS.get(call_key)
-    if call is not None and call.repeats(sources, destinations):
+    if call is not None and call.repeat(sources, destinations):
         _CALLS.move_to_end(call_key)
-        call.plan.run(call.device)
         return call.plan.dst_names, call.dsts
-    key = layout_key()
+    key = _Key(layout_key())
     p = remember(_PLANS, key, make_plan)
     if destinations is None:
         if device is None:
@@ -102,7 +128,7 @@ def execute(call_key: Hashable, layout_key: Callable[[], Hashable], make_plan: C
         srcs, dsts, bound_device = p.bind(sources, destinations)
     p.run(bound_device)
     _CALLS.pop(call_key, None)
-    remember(_CALLS, call_key, lambda: _Call(sources, destinations, keep, p, srcs, dsts, bound_device))
+    remember(_CALLS, call_key, lambda: _Call(keep, p, sources, destinations, srcs, dsts, bound_device))
     return p.dst_names, dsts
 
 

@@ -23,7 +23,7 @@ DEFAULT_BUCKET_BYTES = 256 << 20
 DEFAULT_TILE_BYTES = 256 << 10
 
 Tensors = Union[Mapping[str, torch.Tensor], Sequence[torch.Tensor]]
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)  # what _C takes; DTensors give their local shards
 
 
 def _dtype_code(dtype: torch.dtype, name: str) -> int:
@@ -50,6 +50,14 @@ def _tables(layout: Layout, index: Dict[str, int], groups: Optional[Dict[str, in
     # column order: reshard.h's TensorCol and PieceCol
     as_t = lambda x, n: torch.tensor(x, dtype=torch.int64).reshape(-1, n)  # noqa: E731
     return as_t(rows, ext().reshard_tensor_cols), as_t(pieces, ext().reshard_piece_cols), [t.name for t in layout.tensors]
+
+
+def _name_outside_storage(tensors: List[torch.Tensor], expected: List[PhysTensor], what: str) -> None:
+    """Names the first tensor whose elements lie outside its storage (_C refuses it, unnamed)."""
+    for x, t in zip(tensors, expected):
+        if x.numel() and x.untyped_storage().nbytes() < (x.storage_offset() + x.numel()) * x.element_size():
+            raise ValueError(f"{what} {t.name!r} has no memory behind it (its storage was freed or resized to "
+                             "fewer bytes, as FSDP does with unsharded parameters)")
 
 
 class ReshardPlan:
@@ -161,7 +169,7 @@ class ReshardPlan:
         if len(given) != len(expected):
             raise ValueError(f"expected {len(expected)} {what} tensors on rank {self.rank} "
                              f"({', '.join(t.name for t in expected[:3])}, ...), got {len(given)}")
-        return [x if type(x) in _PLAIN else local_tensor(x) for x in given]
+        return [x if type(x) in PLAIN_TENSOR_TYPES else local_tensor(x) for x in given]
 
     def _check(self, tensors: List[torch.Tensor], expected: List[PhysTensor], what: str) -> None:
         for x, t in zip(tensors, expected):
@@ -173,9 +181,6 @@ class ReshardPlan:
                 raise TypeError(f"{what} {t.name!r} must be {t.dtype}, got {x.dtype}")
             if not x.is_contiguous():
                 raise ValueError(f"{what} {t.name!r} must be contiguous")
-            if x.numel() and x.untyped_storage().nbytes() < (x.storage_offset() + x.numel()) * x.element_size():
-                raise ValueError(f"{what} {t.name!r} has no memory behind it (its storage was freed or resized "
-                                 "to fewer bytes, as FSDP does with unsharded parameters)")
 
     def _bind(self, srcs: List[torch.Tensor], dsts: List[torch.Tensor]) -> torch.device:
         if self._device is not None and self._c.is_bound(srcs, dsts):  # same objects, same memory: bound already
@@ -191,7 +196,12 @@ class ReshardPlan:
             sizes = (self._c.max_send_bytes,) * 2 + (self._c.max_recv_bytes,) * 2
             self._slots = tuple(torch.empty(n, dtype=torch.uint8, device=device) for n in sizes)
         self._device = None  # until bind() succeeds
-        self._c.bind(srcs, dsts, list(self._slots[:2]), list(self._slots[2:]))
+        try:
+            self._c.bind(srcs, dsts, list(self._slots[:2]), list(self._slots[2:]))
+        except ValueError:
+            _name_outside_storage(srcs, self.src_tensors, "source")
+            _name_outside_storage(dsts, self.dst_tensors, "destination")
+            raise
         self._device = device
         return device
 
