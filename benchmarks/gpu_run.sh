@@ -64,11 +64,16 @@ if want logprobs; then
 fi
 
 # ---- reshard (issue 7): (a) 1 GPU HF -> vLLM TP=1 into preallocated tensors, and the one-shot
-# vllm_weights call against torch.cat allocating (target <= 8 ms); (b) with 2 GPUs, FSDP2 (2 ranks)
-# -> vLLM TP=2 over NCCL. Qwen2.5-7B shapes, bf16; ~30 GB per GPU. ----
+# vllm_weights call against torch.cat allocating (target <= 8 ms); the one-shot call's host work
+# (7B's 339 names, tiny tensors: what the GPU waits for before the launch) and its GPU tests;
+# (b) with 2 GPUs, FSDP2 (2 ranks) -> vLLM TP=2 over NCCL. Qwen2.5-7B shapes, bf16; ~30 GB per GPU. ----
 if want reshard; then
   timeout 300 "$py" benchmarks/bench_reshard.py --device cuda --only 1 --tiles-kb 64,256,1024 \
     >> "$OUT/bench.log" 2>&1 || failed+=("bench_reshard 1")
+  timeout 120 "$py" benchmarks/bench_reshard.py --device cuda --only host \
+    >> "$OUT/bench.log" 2>&1 || failed+=("bench_reshard host")
+  "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/test_reshard_oneshot.py >> "$OUT/bench.log" 2>&1 \
+    || failed+=("pytest reshard one-shot")
   timeout 300 "$py" benchmarks/bench_reshard.py --device cuda --only 2 --buckets-mb 64,256,1024 \
     >> "$OUT/bench.log" 2>&1 || failed+=("bench_reshard 2")
 fi

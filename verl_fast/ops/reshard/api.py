@@ -68,7 +68,7 @@ def source_layout(spec: ModelSpec, state: Mapping[str, torch.Tensor]) -> Layout:
 def vllm_weights(model_or_state_dict: Union[torch.nn.Module, Mapping[str, torch.Tensor]],
                  config: Union[ModelSpec, object, None] = None, tensor_parallel_size: int = 1,
                  tp_rank: Optional[int] = None, dtype: Optional[torch.dtype] = None, device=None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, tile_bytes: int = DEFAULT_TILE_BYTES,
                  out: Optional[Mapping[str, torch.Tensor]] = None) -> Iterator[Tuple[str, torch.Tensor]]:
     """``(vLLM name, tensor)`` pairs of vLLM's tensor-parallel shard ``tp_rank`` (fused ``qkv_proj``,
     ``gate_up_proj``, ``w13_weight``/``w2_weight``, padded vocab) from an HF model, its state dict,
@@ -100,15 +100,15 @@ def vllm_weights(model_or_state_dict: Union[torch.nn.Module, Mapping[str, torch.
             raise ValueError("config (an HF config or a ModelSpec) is required with a state dict")
         spec, state = model_spec(config), model_or_state_dict
     tp = int(tensor_parallel_size)
-    call_key = ("vllm", spec, tp, tp_rank, dtype, bucket_bytes, str(device))
+    call_key = ("vllm", spec, tp, tp_rank, dtype, bucket_bytes, tile_bytes, str(device))
 
     def make_plan() -> ReshardPlan:
         src = source_layout(spec, state)
         wire = dtype or next((t.dtype for t in src.tensors), spec.dtype)
         return plan(src, vllm_layout(spec, tp, _tp_ranks(src.world_size, tp, tp_rank), world_size=src.world_size,
-                                     dtype=wire), bucket_bytes=bucket_bytes)
+                                     dtype=wire), bucket_bytes=bucket_bytes, tile_bytes=tile_bytes)
 
-    names, tensors = oneshot.execute(call_key, lambda: ("vllm", spec, tp, tp_rank, dtype, bucket_bytes,
+    names, tensors = oneshot.execute(call_key, lambda: ("vllm", spec, tp, tp_rank, dtype, bucket_bytes, tile_bytes,
                                                         _signature(state)),
                                      make_plan, state, out, device)
     return zip(names, tensors)
