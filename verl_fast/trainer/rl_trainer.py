@@ -149,8 +149,10 @@ class RLTrainer:
 
     def _sampling_defaults(self, generation_config: Optional[Dict[str, Any]]) -> SamplingSpec:
         r = self.cfg.rollout
+        # logprobs off: the trainer recomputes them with the actor, and asking vLLM for them costs a
+        # top-k per sampled token (and on vLLM-CPU a torch.compile in the first step: ~2 s)
         base = SamplingSpec(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                            max_tokens=r.max_new_tokens)
+                            max_tokens=r.max_new_tokens, logprobs=False)
         return SamplingSpec.from_kwargs(base, dict(generation_config or {}))
 
     def _autocast(self):
