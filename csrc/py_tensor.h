@@ -49,15 +49,60 @@ inline std::string type_name(pybind11::handle obj) {
   return std::string(pybind11::str(pybind11::type::handle_of(obj).attr("__qualname__")));
 }
 
+// Attribute and method names, interned once: a tensor crossing into _C costs a handful of
+// attribute lookups, not a string allocation each.
+struct TensorAttrNames {
+  PyObject *dtype, *get_device, *is_cpu, *is_cuda, *device, *shape, *stride, *data_ptr, *untyped_storage, *nbytes;
+};
+inline const TensorAttrNames& tensor_attr_names() {
+  static const TensorAttrNames n{PyUnicode_InternFromString("dtype"),    PyUnicode_InternFromString("get_device"),
+                                 PyUnicode_InternFromString("is_cpu"),   PyUnicode_InternFromString("is_cuda"),
+                                 PyUnicode_InternFromString("device"),   PyUnicode_InternFromString("shape"),
+                                 PyUnicode_InternFromString("stride"),   PyUnicode_InternFromString("data_ptr"),
+                                 PyUnicode_InternFromString("untyped_storage"), PyUnicode_InternFromString("nbytes")};
+  return n;
+}
+
+// obj.name and obj.name() as new references; a Python error propagates.
+inline pybind11::object py_attr(pybind11::handle obj, PyObject* name) {
+  PyObject* r = PyObject_GetAttr(obj.ptr(), name);
+  if (r == nullptr) throw pybind11::error_already_set();
+  return pybind11::reinterpret_steal<pybind11::object>(r);
+}
+inline pybind11::object py_call(pybind11::handle obj, PyObject* name) {
+  PyObject* r = PyObject_CallMethodNoArgs(obj.ptr(), name);
+  if (r == nullptr) throw pybind11::error_already_set();
+  return pybind11::reinterpret_steal<pybind11::object>(r);
+}
+
+// A tuple of ints (torch.Size, a stride tuple) into `out`.
+inline void int_tuple(pybind11::handle tuple, std::vector<int64_t>& out) {
+  PyObject* t = tuple.ptr();
+  if (!PyTuple_Check(t)) throw TypeError("expected a tuple of ints (a tensor's shape or strides)");
+  const Py_ssize_t n = PyTuple_GET_SIZE(t);
+  out.resize(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    out[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(t, i));
+    if (out[i] == -1 && PyErr_Occurred()) throw pybind11::error_already_set();
+  }
+}
+
+inline uint64_t py_uint(pybind11::handle x) {
+  const unsigned long long v = PyLong_AsUnsignedLongLong(x.ptr());
+  if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) throw pybind11::error_already_set();
+  return v;
+}
+
 // The tensor's elements lie inside its storage: a storage resized to nothing (FSDP frees its
 // unsharded parameters so) or shrunk under the tensor would otherwise be read out of bounds.
 inline void check_inside_storage(const TensorRef& t, pybind11::handle storage) {
   if (t.numel() == 0) return;
+  const auto& n = tensor_attr_names();
   int64_t last = 0;  // offset of the last element, in elements (torch strides are never negative)
   for (int d = 0; d < t.dim(); ++d) last += (t.sizes[d] - 1) * t.strides[d];
-  const auto base = storage.attr("data_ptr")().cast<uintptr_t>();
-  const auto bytes = storage.attr("nbytes")().cast<uint64_t>();
-  const auto begin = reinterpret_cast<uintptr_t>(t.data);
+  const uint64_t base = py_uint(py_call(storage, n.data_ptr));
+  const uint64_t bytes = py_uint(py_call(storage, n.nbytes));
+  const auto begin = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(t.data));
   const uint64_t need = static_cast<uint64_t>(last + 1) * dtype_size(t.dtype);
   if (base == 0 || begin < base || begin - base > bytes || need > bytes - (begin - base)) {
     throw ValueError("a tensor of shape " + shape_str(t.sizes) + " lies outside its storage (" + std::to_string(bytes) +
@@ -82,25 +127,22 @@ inline TensorRef tensor_ref_from_py(pybind11::handle obj) {
     }
     throw TypeError("expected a torch.Tensor, got " + type_name(obj));
   }
+  const auto& n = tensor_attr_names();
   TensorRef t;
-  t.dtype = dtype_of(obj.attr("dtype"));
-  const int device = obj.attr("get_device")().cast<int>();  // -1 on the CPU
-  if (device < 0) {
-    if (!obj.attr("is_cpu").cast<bool>()) {
-      throw TypeError("unsupported device " + std::string(py::str(obj.attr("device"))) + " (expected cpu or cuda)");
-    }
-    t.device = Device::cpu;
-  } else {
-    if (!obj.attr("is_cuda").cast<bool>()) {
-      throw TypeError("unsupported device " + std::string(py::str(obj.attr("device"))) + " (expected cpu or cuda)");
-    }
-    t.device = Device::cuda;
+  t.dtype = dtype_of(py_attr(obj, n.dtype));
+  const long device = PyLong_AsLong(py_call(obj, n.get_device).ptr());  // -1 on the CPU
+  if (device == -1 && PyErr_Occurred()) throw py::error_already_set();
+  const bool ok = device < 0 ? PyObject_IsTrue(py_attr(obj, n.is_cpu).ptr()) == 1
+                             : PyObject_IsTrue(py_attr(obj, n.is_cuda).ptr()) == 1;
+  if (!ok) {
+    throw TypeError("unsupported device " + std::string(py::str(py_attr(obj, n.device))) + " (expected cpu or cuda)");
   }
-  t.device_index = device;
-  for (auto s : py::tuple(obj.attr("shape"))) t.sizes.push_back(s.cast<int64_t>());
-  for (auto s : py::tuple(obj.attr("stride")())) t.strides.push_back(s.cast<int64_t>());
-  t.data = reinterpret_cast<void*>(obj.attr("data_ptr")().cast<uintptr_t>());
-  py::object storage = obj.attr("untyped_storage")();
+  t.device = device < 0 ? Device::cpu : Device::cuda;
+  t.device_index = static_cast<int>(device);
+  int_tuple(py_attr(obj, n.shape), t.sizes);
+  int_tuple(py_call(obj, n.stride), t.strides);
+  t.data = reinterpret_cast<void*>(static_cast<uintptr_t>(py_uint(py_call(obj, n.data_ptr))));
+  py::object storage = py_call(obj, n.untyped_storage);
   check_inside_storage(t, storage);
   auto* owner = new PyTensorOwner{obj.inc_ref().ptr(), storage.release().ptr()};
   t.owner = std::shared_ptr<const void>(owner, [](const void* p) {
@@ -118,8 +160,7 @@ inline TensorRef tensor_ref_from_py(pybind11::handle obj) {
 inline bool still_bound(const TensorRef& t) {
   if (!t.owner) return true;
   const auto* o = static_cast<const PyTensorOwner*>(t.owner.get());
-  static PyObject* name = PyUnicode_InternFromString("data_ptr");
-  PyObject* ptr = PyObject_CallMethodNoArgs(o->tensor, name);
+  PyObject* ptr = PyObject_CallMethodNoArgs(o->tensor, tensor_attr_names().data_ptr);
   if (ptr == nullptr) throw pybind11::error_already_set();
   const auto now = reinterpret_cast<void*>(PyLong_AsVoidPtr(ptr));
   Py_DECREF(ptr);

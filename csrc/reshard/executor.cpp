@@ -98,16 +98,16 @@ const char* slot_kind(int64_t i, int64_t S, int64_t D) {
   return i < S ? "source" : i < S + D ? "destination" : i < S + D + 2 ? "send buffer" : "receive buffer";
 }
 
-void check_side(const std::vector<TensorRef>& given, const LocalTensors& want, const char* kind,
+void check_side(std::vector<TensorRef>& given, const LocalTensors& want, const char* kind,
                 std::vector<TensorRef>& all) {
   for (int64_t i = 0; i < want.size(); ++i) {
-    const TensorRef& t = given[i];
+    TensorRef& t = given[i];
     VF_CHECK_TYPE(static_cast<int32_t>(t.dtype) == want.dtypes[i], kind, " ", want.names[i], " must be ",
                   dtype_name(static_cast<DType>(want.dtypes[i])), ", got ", dtype_name(t.dtype));
     VF_CHECK(t.numel() == want.numels[i], kind, " ", want.names[i], " must have ", want.numels[i],
              " elements, got shape ", shape_str(t.sizes));
     VF_CHECK(t.is_contiguous(), kind, " ", want.names[i], " must be contiguous");
-    all.push_back(t);
+    all.push_back(std::move(t));
   }
 }
 
@@ -126,7 +126,7 @@ void run_tiles_cpu(const Segment* segs, const Tile* tiles, int64_t begin, int64_
   });
 }
 
-void Plan::bind(const std::vector<TensorRef>& sources, const std::vector<TensorRef>& destinations,
+void Plan::bind(std::vector<TensorRef> sources, std::vector<TensorRef> destinations,
                 const std::vector<TensorRef>& send_slots, const std::vector<TensorRef>& recv_slots) {
   const int64_t S = src_.size(), D = dst_.size();
   VF_CHECK(static_cast<int64_t>(sources.size()) == S, "expected ", S, " source tensors on rank ", rank_, ", got ",

@@ -127,7 +127,7 @@ class Plan {
   // Binds the tensors the next runs use: local sources and destinations in the order of
   // local_sources() / local_destinations(), two send and two receive byte buffers (slot b % 2).
   // Checks count, dtype, numel, contiguity and that all live on one device.
-  void bind(const std::vector<TensorRef>& sources, const std::vector<TensorRef>& destinations,
+  void bind(std::vector<TensorRef> sources, std::vector<TensorRef> destinations,
             const std::vector<TensorRef>& send_slots, const std::vector<TensorRef>& recv_slots);
   // Runs one phase of one bucket: pack (sources -> send slot) or copy (sources, receive slot and
   // zeros -> destinations). CPU: up to `num_threads` threads (fewer for small phases); CUDA: one

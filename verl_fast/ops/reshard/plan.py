@@ -11,6 +11,7 @@ while bucket ``b`` is copied; two send and two receive slots alternate.
 from __future__ import annotations
 
 from collections import OrderedDict
+from operator import attrgetter
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -24,6 +25,7 @@ DEFAULT_TILE_BYTES = 256 << 10
 
 Tensors = Union[Mapping[str, torch.Tensor], Sequence[torch.Tensor]]
 PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)  # what _C takes; DTensors give their local shards
+_SHAPE = attrgetter("shape")
 
 
 def _dtype_code(dtype: torch.dtype, name: str) -> int:
@@ -111,6 +113,8 @@ class ReshardPlan:
         self.dst_tensors: List[PhysTensor] = [dst.tensors[i] for i in self._c.local_destinations]
         self._src_names = tuple(t.name for t in self.src_tensors)
         self._dst_names = tuple(t.name for t in self.dst_tensors)
+        self._src_shapes = [torch.Size(t.shape) for t in self.src_tensors]
+        self._dst_shapes = [torch.Size(t.shape) for t in self.dst_tensors]
         self.src_aliases = src.aliases
         self._messages = [(self._c.sends(b), self._c.recvs(b)) for b in range(self._c.num_buckets)]
         self._slots: Optional[tuple] = None
@@ -185,25 +189,37 @@ class ReshardPlan:
     def _bind(self, srcs: List[torch.Tensor], dsts: List[torch.Tensor]) -> torch.device:
         if self._device is not None and self._c.is_bound(srcs, dsts):  # same objects, same memory: bound already
             return self._device
+        self._device = None  # until bind() succeeds
+        # _C checks the types, dtypes, sizes, contiguity, storage and one device; the exact shapes are
+        # checked here; any failure is diagnosed again in Python, for an error that names the tensor
+        try:
+            fit = list(map(_SHAPE, srcs)) == self._src_shapes and list(map(_SHAPE, dsts)) == self._dst_shapes
+        except AttributeError:
+            fit = False
+        if not fit:
+            self._diagnose(srcs, dsts)
+        device = next((x.device for x in srcs + dsts if x.numel()), torch.device("cpu"))
+        if self._slots is None or self._slots[0].device != device:
+            sizes = (self._c.max_send_bytes,) * 2 + (self._c.max_recv_bytes,) * 2
+            self._slots = tuple(torch.empty(n, dtype=torch.uint8, device=device) for n in sizes)
+        try:
+            self._c.bind(srcs, dsts, list(self._slots[:2]), list(self._slots[2:]))
+        except (TypeError, ValueError):
+            self._diagnose(srcs, dsts)
+            raise
+        self._device = device
+        return device
+
+    def _diagnose(self, srcs: List[torch.Tensor], dsts: List[torch.Tensor]) -> None:
+        """Raises the error that names what makes ``srcs`` / ``dsts`` unfit for this plan, if it finds it."""
         self._check(srcs, self.src_tensors, "source")
         self._check(dsts, self.dst_tensors, "destination")
         devices = {x.device for x in srcs + dsts if x.numel()}
         if len(devices) > 1:
             raise ValueError(f"all source and destination tensors of rank {self.rank} must be on one device, "
                              f"got {sorted(map(str, devices))}")
-        device = devices.pop() if devices else torch.device("cpu")
-        if self._slots is None or self._slots[0].device != device:
-            sizes = (self._c.max_send_bytes,) * 2 + (self._c.max_recv_bytes,) * 2
-            self._slots = tuple(torch.empty(n, dtype=torch.uint8, device=device) for n in sizes)
-        self._device = None  # until bind() succeeds
-        try:
-            self._c.bind(srcs, dsts, list(self._slots[:2]), list(self._slots[2:]))
-        except ValueError:
-            _name_outside_storage(srcs, self.src_tensors, "source")
-            _name_outside_storage(dsts, self.dst_tensors, "destination")
-            raise
-        self._device = device
-        return device
+        _name_outside_storage(srcs, self.src_tensors, "source")
+        _name_outside_storage(dsts, self.dst_tensors, "destination")
 
     def bind(self, sources: Tensors, destinations: Optional[Tensors] = None, *,
              device=None) -> Tuple[List[torch.Tensor], List[torch.Tensor], torch.device]:
