@@ -97,9 +97,8 @@ class _Call:
             return False
         srcs = _as_list(sources, self.plan.src_names, self.src_keys, self.plain)
         dsts = self.dsts if destinations is None else _as_list(destinations, self.plan.dst_names, self.dst_keys, True)
-        if srcs is None or dsts is None or not self.plan.is_bound(srcs, dsts):
+        if srcs is None or dsts is None or not self.plan.run_bound(srcs, dsts):
             return False
-        self.plan.run(self.device)
         self.dsts = dsts
         return True
 

@@ -221,30 +221,53 @@ class ReshardPlan:
         _name_outside_storage(srcs, self.src_tensors, "source")
         _name_outside_storage(dsts, self.dst_tensors, "destination")
 
-    def bind(self, sources: Tensors, destinations: Optional[Tensors] = None, *,
-             device=None) -> Tuple[List[torch.Tensor], List[torch.Tensor], torch.device]:
-        """Orders, checks and binds ``execute``'s arguments: ``(sources, destinations, device)``, the
-        tensors as lists in ``src_names`` / ``dst_names`` order. ``run`` then executes them (again
-        and again while :meth:`is_bound` says they are still the tensors bound)."""
+    def _inputs(self, sources: Tensors, destinations: Optional[Tensors],
+                device) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """``execute``'s arguments as lists in ``src_names`` / ``dst_names`` order (destinations
+        allocated on ``device``, default the sources', when not given)."""
         srcs = self._ordered(sources, self.src_tensors, "source", self.src_aliases)
         if destinations is None:
             if device is None:
                 device = next((x.device for x in srcs if x.numel()), torch.device("cpu"))
             destinations = self.allocate_destinations(device)
-        dsts = self._ordered(destinations, self.dst_tensors, "destination")
+        return srcs, self._ordered(destinations, self.dst_tensors, "destination")
+
+    def bind(self, sources: Tensors, destinations: Optional[Tensors] = None, *,
+             device=None) -> Tuple[List[torch.Tensor], List[torch.Tensor], torch.device]:
+        """Orders, checks and binds ``execute``'s arguments: ``(sources, destinations, device)``, the
+        tensors as lists in ``src_names`` / ``dst_names`` order. ``run`` then executes them, and
+        :meth:`run_bound` again while they are still the tensors bound."""
+        srcs, dsts = self._inputs(sources, destinations, device)
         return srcs, dsts, self._bind(srcs, dsts)
 
-    def is_bound(self, srcs: List[torch.Tensor], dsts: List[torch.Tensor]) -> bool:
-        """Whether the tensors bound are exactly these (the same objects, at the same memory)."""
-        return self._device is not None and self._c.is_bound(srcs, dsts)
+    def run_bound(self, srcs: List[torch.Tensor], dsts: List[torch.Tensor]) -> bool:
+        """Runs the plan if ``srcs`` / ``dsts`` are the tensors bound (the same objects, at the same
+        memory); returns False otherwise, having written nothing that a run after binding them
+        would not rewrite."""
+        if self._device is None:
+            return False
+        # One process: run checks, before it copies, that each tensor is still at the memory bound,
+        # and a copy cut short is redone whole after binding again. Across processes a rank must not
+        # stop inside the exchange: the memory is checked first.
+        local = not self.distributed
+        if not self._c.is_bound(srcs, dsts, not local):
+            return False
+        try:
+            self.run(self._device)
+        except ValueError:
+            if not local or self._c.is_bound(srcs, dsts):
+                raise
+            return False  # a tensor moved
+        return True
 
     def execute(self, sources: Tensors, destinations: Optional[Tensors] = None, *,
                 device=None) -> "OrderedDict[str, torch.Tensor]":
         """Writes this rank's destination tensors from its source tensors (a name -> tensor mapping,
         or a sequence in ``src_names`` order; DTensors give their local shard). Destinations are
         allocated (on ``device``, default the sources') unless given. Collective when distributed."""
-        _, dsts, device = self.bind(sources, destinations, device=device)
-        self.run(device)
+        srcs, dsts = self._inputs(sources, destinations, device)
+        if not self.run_bound(srcs, dsts):
+            self.run(self._bind(srcs, dsts))
         return OrderedDict(zip(self.dst_names, dsts))
 
     def run(self, device: torch.device) -> None:
