@@ -63,7 +63,7 @@ def _as_list(given, names: Sequence[str], keys: Optional[tuple], plain: bool) ->
     """``given``'s tensors in ``names`` order when its keys are ``keys`` (a mapping) or it is a
     sequence of ``len(names)`` (``keys`` None); None otherwise. DTensors give their local shards."""
     if keys is None:
-        if isinstance(given, Mapping) or len(given) != len(names):
+        if isinstance(given, Mapping) or not hasattr(given, "__len__") or len(given) != len(names):
             return None
         values = list(given)
     else:
@@ -82,14 +82,14 @@ class _Call:
     __slots__ = ("keep", "plan", "device", "dsts", "src_keys", "dst_keys", "plain", "own_outputs")
 
     def __init__(self, keep: tuple, plan: ReshardPlan, sources: Tensors, destinations: Optional[Tensors],
-                 srcs: List[torch.Tensor], dsts: List[torch.Tensor], device: torch.device):
+                 dsts: List[torch.Tensor], device: torch.device):
         self.keep = keep  # the objects whose identities the argument key holds
         self.plan, self.device, self.dsts = plan, device, dsts
         self.own_outputs = destinations is None
         self.src_keys = tuple(sources) if isinstance(sources, Mapping) else None
         self.dst_keys = tuple(destinations) if isinstance(destinations, Mapping) else None
         values = sources.values() if isinstance(sources, Mapping) else sources
-        self.plain = all(type(v) in PLAIN_TENSOR_TYPES for v in values)  # else DTensors: their local shards are bound
+        self.plain = all(type(v) in PLAIN_TENSOR_TYPES for v in values)  # else DTensors: their shards are bound
 
     def repeat(self, sources: Tensors, destinations: Optional[Tensors]) -> bool:
         """Runs the plan again if ``sources`` and ``destinations`` are what it is bound to."""
@@ -122,12 +122,12 @@ def execute(call_key: Hashable, layout_key: Callable[[], Hashable], make_plan: C
         buffers = remember(_BUFFERS, (key, str(device)), lambda: p.allocate_destinations(device))
         if not _intact(buffers.values(), p):  # a caller resized an output or freed its memory: fresh ones
             buffers = _BUFFERS[(key, str(device))] = p.allocate_destinations(device)
-        srcs, dsts, bound_device = p.bind(sources, buffers)
+        _, dsts, bound_device = p.bind(sources, buffers)
     else:
-        srcs, dsts, bound_device = p.bind(sources, destinations)
+        _, dsts, bound_device = p.bind(sources, destinations)
     p.run(bound_device)
     _CALLS.pop(call_key, None)
-    remember(_CALLS, call_key, lambda: _Call(keep, p, sources, destinations, srcs, dsts, bound_device))
+    remember(_CALLS, call_key, lambda: _Call(keep, p, sources, destinations, dsts, bound_device))
     return p.dst_names, dsts
 
 
