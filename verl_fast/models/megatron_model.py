@@ -26,6 +26,7 @@ from verl_fast.ops.reshard.megatron import default_padded_vocab, megatron_stage_
 from verl_fast.ops.reshard.spec import ModelSpec, logical_shapes
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+VALUE_HEAD = ("score.weight", "score.bias")  # the critic's head under HF names ([1, H], [1])
 
 
 @dataclass(frozen=True)
@@ -74,23 +75,23 @@ def init_parallel_state(par: Parallel) -> bool:
     return True
 
 
-def model_spec(hf_config, dtype: torch.dtype) -> ModelSpec:
+def model_spec(hf_config, dtype: torch.dtype, role: str = "actor") -> ModelSpec:
     spec = ModelSpec.from_hf_config(hf_config, dtype=dtype)
     if spec.family not in DENSE_FAMILIES:
-        raise ValueError(f"actor.strategy=megatron supports model_type {DENSE_FAMILIES}, got {spec.family!r}")
+        raise ValueError(f"{role}.strategy=megatron supports model_type {DENSE_FAMILIES}, got {spec.family!r}")
     if spec.o_bias or spec.mlp_bias:
-        raise ValueError("actor.strategy=megatron: attention output / MLP biases (attention_bias or mlp_bias in "
+        raise ValueError(f"{role}.strategy=megatron: attention output / MLP biases (attention_bias or mlp_bias in "
                          "the HF config) are not supported by the local layer spec mapping; use strategy fsdp2")
-    rope_theta(hf_config)  # raises on scaled rotary embeddings
+    rope_theta(hf_config, role)  # raises on scaled rotary embeddings
     return spec
 
 
-def rope_theta(hf_config) -> float:
+def rope_theta(hf_config, role: str = "actor") -> float:
     """The rotary base; scaled variants (YaRN, Llama-3's) are refused: the local spec has none of them."""
     rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind != "default":
-        raise ValueError(f"actor.strategy=megatron: rotary scaling {kind!r} is not supported; use strategy fsdp2")
+        raise ValueError(f"{role}.strategy=megatron: rotary scaling {kind!r} is not supported; use strategy fsdp2")
     return float(rope.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0)
 
 
@@ -115,16 +116,40 @@ def transformer_config(hf_config, spec: ModelSpec, par: Parallel):
         use_cpu_initialization=not torch.cuda.is_available())
 
 
-class MegatronGPT:
-    """The model chunks of this rank and what moves weights in and out of them."""
+class ValueHead(torch.nn.Module):
+    """A critic's output layer: one value per position from the final (normed) hidden states, in place
+    of the vocabulary projection (called as GPTModel calls its output layer). Replicated on every TP
+    rank: each gets the same hidden states, so the same gradient."""
 
-    def __init__(self, hf_config, par: Parallel, dtype: torch.dtype = torch.float32):
+    def __init__(self, hidden: int, bias: bool, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden, dtype=dtype, device=device))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device)) if bias else None
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        return torch.nn.functional.linear(hidden, self.weight, self.bias), None  # [S, n, 1]
+
+
+class MegatronGPT:
+    """The model chunks of this rank and what moves weights in and out of them. ``value_head``: a
+    critic, whose last stage ends in a ``ValueHead`` (HF names ``score.weight`` / ``score.bias``, the
+    bias only with ``value_bias``) instead of the vocabulary projection."""
+
+    def __init__(self, hf_config, par: Parallel, dtype: torch.dtype = torch.float32, value_head: bool = False,
+                 value_bias: bool = True):
         from megatron.core import parallel_state as ps
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         self.par = par
-        self.spec = model_spec(hf_config, dtype)
+        self.spec = model_spec(hf_config, dtype, "critic" if value_head else "actor")
+        self.value_head = value_head
+        self.logical = logical_shapes(self.spec)
+        if value_head:  # the body's tensors, then the head's; no vocabulary projection
+            self.logical.pop("lm_head.weight", None)
+            self.logical[VALUE_HEAD[0]] = (1, self.spec.hidden_size)
+            if value_bias:
+                self.logical[VALUE_HEAD[1]] = (1,)
         self.config = transformer_config(hf_config, self.spec, par)
         self.padded_vocab = default_padded_vocab(self.spec.vocab_size, par.tp)
         self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
@@ -142,9 +167,11 @@ class MegatronGPT:
                 max_sequence_length=int(getattr(hf_config, "max_position_embeddings", 4096)),
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-                share_embeddings_and_output_weights=self.spec.tie_word_embeddings,
+                share_embeddings_and_output_weights=self.spec.tie_word_embeddings and not value_head,
                 position_embedding_type="rope", rotary_base=int(rope_theta(hf_config)),
                 vp_stage=vp)
+            if value_head and model.post_process:
+                model.output_layer = ValueHead(self.spec.hidden_size, value_bias, self.spec.dtype)
             # without Apex the local spec's norms are torch norms made in the default dtype, whatever
             # params_dtype says: every parameter in the layout's dtype (buffers such as the rotary
             # frequencies keep theirs)
@@ -160,21 +187,35 @@ class MegatronGPT:
     def _chunk_tensors(self, t: int, p: int, v: int, rank: int) -> List[PhysTensor]:
         par = self.par
         prefix = f"{v}." if par.vpp else ""
-        return megatron_stage_tensors(self.spec, par.tp, par.pp * par.chunks, t, v * par.pp + p, rank, self.spec.dtype,
-                                      self.padded_vocab, prefix=prefix)
+        stage, stages = v * par.pp + p, par.pp * par.chunks
+        out = megatron_stage_tensors(self.spec, par.tp, stages, t, stage, rank, self.spec.dtype, self.padded_vocab,
+                                     prefix=prefix)
+        if self.value_head:
+            out = [x for x in out if x.name != prefix + "output_layer.weight"]
+            if stage == stages - 1:
+                out += [replicated(f"{prefix}output_layer.{n.split('.')[-1]}", n, self.logical[n], rank, self.spec.dtype)
+                        for n in VALUE_HEAD if n in self.logical]
+        return out
 
     def local_layout(self) -> Layout:
         """This rank's parameters as a one-process layout (names ``[v.]<megatron name>``)."""
         tensors = [x for v in range(self.par.chunks) for x in self._chunk_tensors(self.tp_rank, self.pp_rank, v, 0)]
-        return Layout(logical_shapes(self.spec), tensors, 1, kind="megatron-local")
+        return Layout(self.logical, tensors, 1, kind="megatron-local")
 
     def parallel_layout(self, rank_of: Mapping[tuple, int], world: int) -> Layout:
         """Every shard of the model over the model-parallel group (``rank_of[(t, p)]``: group rank)."""
         tensors = [x for (t, p), r in sorted(rank_of.items()) for v in range(self.par.chunks)
                    for x in self._chunk_tensors(t, p, v, r)]
-        aliases = ("output_layer.weight",) if self.spec.tie_word_embeddings else ()
-        return Layout(logical_shapes(self.spec), tensors, world, kind=f"megatron[tp={self.par.tp},pp={self.par.pp}]",
+        aliases = ("output_layer.weight",) if self.spec.tie_word_embeddings and not self.value_head else ()
+        return Layout(self.logical, tensors, world, kind=f"megatron[tp={self.par.tp},pp={self.par.pp}]",
                       aliases=aliases)
+
+    def hf_layout(self, world: int) -> Layout:
+        """The whole model under HF names on each of ``world`` ranks."""
+        if not self.value_head:
+            return hf_layout(self.spec, ranks=range(world), world_size=world)
+        tensors = [replicated(n, n, shape, r, self.spec.dtype) for r in range(world) for n, shape in self.logical.items()]
+        return Layout(self.logical, tensors, world, kind="hf-critic")
 
     def named_parameters(self) -> Dict[str, torch.Tensor]:
         """This rank's parameters under the layout's names (through DDP wrappers: ``.module``)."""
@@ -201,7 +242,7 @@ class MegatronGPT:
         if missing:
             raise ValueError(f"the HF weights lack {missing[:5]} (needed by this rank's shards)")
         sources = {n: state[n] for n in needed}
-        src = Layout(logical_shapes(self.spec), [replicated(n, n, tuple(sources[n].shape), 0, sources[n].dtype)
+        src = Layout(self.logical, [replicated(n, n, tuple(sources[n].shape), 0, sources[n].dtype)
                                                  for n in needed], 1, kind="hf-needed")
         with torch.no_grad():
             reshard(sources, src, dst, {n: p.data for n, p in params.items()})
@@ -216,7 +257,7 @@ class MegatronGPT:
         coords: List = [None] * world
         dist.all_gather_object(coords, (self.tp_rank, self.pp_rank), group=group)
         src = self.parallel_layout({tuple(c): r for r, c in enumerate(coords)}, world)
-        dst = hf_layout(self.spec, ranks=range(world), world_size=world)
+        dst = self.hf_layout(world)
         sources = {n: p.detach() for n, p in self.named_parameters().items()}
         with torch.no_grad():
             return reshard(sources, src, dst, destinations, group=group if world > 1 else None)
