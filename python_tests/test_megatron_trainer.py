@@ -58,8 +58,9 @@ def test_megatron_tp2_on_two_gpus_matches_hf(tmp_path, family):
 
 
 def test_megatron_fit_resumes_at_another_layout(tmp_path):
-    """Two GRPO steps at TP=2, against one step at TP=2 then a resume at PP=2 from its Megatron checkpoint;
-    the step folders' HF export equals the Megatron checkpoint read back by load_megatron_checkpoint."""
+    """Two PPO steps (Megatron actor and critic) at TP=2, against one step at TP=2 then a resume at PP=2
+    from its Megatron checkpoints; the step folders' HF export equals the Megatron checkpoint read back by
+    load_megatron_checkpoint."""
     from tiny_models import save_tiny_model
     from transformers import AutoConfig
 
@@ -69,13 +70,16 @@ def test_megatron_fit_resumes_at_another_layout(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     runs = [(full, 2, 1, 2, "full.pt"), (part, 2, 1, 1, "first.pt"), (part, 1, 2, 2, "resumed.pt")]
     for out_dir, tp, pp, steps, name in runs:
-        cfg = W.config("megatron", tp, pp, str(out_dir))
-        cfg["trainer"].update(total_steps=steps, train_batch_size=2, save_freq=1)
+        cfg = W.critic_config("megatron", tp, pp)
+        cfg["trainer"].update(output_dir=str(out_dir), total_steps=steps, train_batch_size=2, save_freq=1)
         mp.spawn(W.fit_worker, args=(2, free_port(), str(model_dir), cfg, str(tmp_path / name)), nprocs=2, join=True)
     a, b = torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "resumed.pt")
     assert [h["step"] for h in b["history"]] == [1, 2]
     assert b["history"][0]["actor/pg_loss"] == a["history"][0]["actor/pg_loss"]  # restored from the checkpoint
-    assert b["history"][1]["actor/pg_loss"] == pytest.approx(a["history"][1]["actor/pg_loss"], rel=1e-4, abs=1e-6)
+    for key in ("actor/pg_loss", "critic/vf_loss", "critic/values_mean"):  # GAE reads the resumed critic's values
+        assert b["history"][1][key] == pytest.approx(a["history"][1][key], rel=1e-4, abs=1e-6), key
+    assert a["history"][1]["critic/values_mean"] != 0  # the value head trained in step 1
+    assert (part / "checkpoints" / "step_000001" / "megatron_critic").is_dir()
     first = torch.load(tmp_path / "first.pt")["weights"]
     for name, ref in a["weights"].items():
         assert (ref - first[name]).abs().max() > 0, f"{name} did not move in step 2"
@@ -107,3 +111,29 @@ def test_megatron_example_one_step(tmp_path):
     history = torch.load(out)["history"]
     assert [h["step"] for h in history] == [1] and "actor/pg_loss" in history[0]
     assert (tmp_path / "run" / "checkpoints" / "step_000001" / "megatron").is_dir()
+
+
+@pytest.mark.parametrize("family,head,tp,pp", [("llama", "causal_lm", 2, 1), ("qwen2", "token_classification", 1, 2)])
+def test_megatron_critic_matches_hf(tmp_path, family, head, tp, pp):
+    """critic.strategy=megatron: values, value losses and updated weights (gathered to HF names) equal the
+    single-process HF critic's over 3 PPO critic updates; a critic resumed from the Megatron checkpoint
+    written before the last update (other initial weights, fresh optimizer) ends where the run ended."""
+    out = tmp_path / "rank0.pt"
+    (tmp_path / "ckpt").mkdir()
+    mp.spawn(W.critic_worker, args=(tp * pp, free_port(), family, head, tp, pp, str(out), str(tmp_path / "ckpt")),
+             nprocs=tp * pp, join=True)
+    got = torch.load(out)
+    metrics, values, weights = W.run_critic_updates(family, head, W.critic_config("auto"))
+    before = W.hf_critic_weights(W.tiny_critic(family, head))
+    for step, (a, b) in enumerate(zip(got["values"], values)):
+        assert b.abs().max() > 0
+        torch.testing.assert_close(a, b, atol=2e-5 if step == 0 else 2e-4, rtol=0, msg=lambda m: f"values, step {step}: {m}")
+    for step, (a, b) in enumerate(zip(got["metrics"], metrics)):
+        for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/values_mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-5), (step, key)
+    assert set(got["weights"]) == set(weights)
+    for name, ref in weights.items():
+        assert (ref - before[name]).abs().max() > 0, f"{name} did not move in the HF run"
+        torch.testing.assert_close(got["weights"][name], ref, atol=2e-4, rtol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got["resumed"][name], got["weights"][name], atol=1e-6, rtol=0,
+                                   msg=lambda m: f"resumed {name}: {m}")

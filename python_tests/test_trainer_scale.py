@@ -196,8 +196,12 @@ def test_strategy_errors_name_the_key(tmp_path):
         Sharding.from_config(cfg.critic, "critic", world=1)
     with pytest.raises(ValueError, match=r"actor.strategy=none is not supported with 2 processes"):
         Sharding.from_config(config_mod.from_dict({"actor": {"strategy": "none"}}).actor, "actor", world=2)
-    with pytest.raises(ValueError, match=r"critic.strategy=megatron is not supported yet"):
+    with pytest.raises(ValueError, match=r"critic.strategy=megatron is not supported with actor.strategy=auto.*"
+                                         r"use actor.strategy=megatron"):
         config_mod.from_dict({"critic": {"strategy": "megatron"}})
+    with pytest.raises(ValueError, match=r"critic.mixed_precision is not supported with critic.strategy=megatron"):
+        config_mod.from_dict({"actor": {"strategy": "megatron"},
+                              "critic": {"strategy": "megatron", "mixed_precision": "bfloat16"}})
     with pytest.raises(ValueError, match=r"actor.strategy must be one of"):
         config_mod.from_dict({"actor": {"strategy": "ddp"}})
     assert Sharding.from_config(config_mod.from_dict({}).actor, "actor", world=1).strategy == "none"

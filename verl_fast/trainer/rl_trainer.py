@@ -111,12 +111,19 @@ class RLTrainer:
             if critic_model is None:
                 raise ValueError("algorithm.type=ppo needs a critic: pass critic_model (or critic.model_name)")
             critic = critic_model if isinstance(critic_model, ValueModel) else ValueModel(critic_model)
-            self.critic = sharding.shard(critic, Sharding.from_config(cfg.critic, "critic", self.world), self.device)
+            if cfg.critic.strategy == "megatron":  # trained in Megatron's layout; the HF copy is not kept
+                from verl_fast.trainer.megatron_critic import MegatronCritic
+
+                self.critic = MegatronCritic(critic, cfg)
+            else:
+                self.critic = sharding.shard(critic, Sharding.from_config(cfg.critic, "critic", self.world),
+                                             self.device)
         self.reward = build_reward(cfg.reward_fn, reward_fn)
         self.estimator = get_estimator(cfg.advantage_estimator) if cfg.advantage_estimator else None
         self.optimizer = self.megatron.optimizer if self.megatron else _adamw(self.actor, cfg.actor.lr,
                                                                                 cfg.actor.weight_decay)
-        self.critic_optimizer = _adamw(self.critic, cfg.critic.lr, cfg.critic.weight_decay) if self.critic else None
+        self.critic_optimizer = None if self.critic is None else self.critic.optimizer if self._megatron_critic else \
+            _adamw(self.critic, cfg.critic.lr, cfg.critic.weight_decay)
         self.processor = RLDataProcessor(tokenizer, cfg.trainer.max_prompt_length, cfg.rollout.max_new_tokens,
                                          system_prompt=cfg.trainer.system_prompt,
                                          overlong_prompts=cfg.trainer.overlong_prompts)
@@ -352,11 +359,18 @@ class RLTrainer:
             out[idx, : sub.response_length] = logp.float()
         return out
 
+    @property
+    def _megatron_critic(self) -> bool:
+        return self.critic is not None and self.cfg.critic.strategy == "megatron"
+
     @torch.no_grad()
     def _values(self, exp: Experience) -> torch.Tensor:
+        micro = self._micro(exp, torch.arange(exp.num_sequences, device=self.device), for_update=False,
+                            size=self.cfg.critic.micro_batch_size)
+        if self._megatron_critic:
+            return self.critic.values(exp, micro) * exp.response_mask
         out = torch.zeros(exp.response_mask.shape, dtype=torch.float32, device=self.device)
-        for idx in self._micro(exp, torch.arange(exp.num_sequences, device=self.device), for_update=False,
-                               size=self.cfg.critic.micro_batch_size):
+        for idx in micro:
             sub = exp.select(idx)
             with self._autocast():
                 out[idx, : sub.response_length] = response_values(self.critic, sub.input_ids, sub.attention_mask,
@@ -461,18 +475,30 @@ class RLTrainer:
         rows = torch.arange(N, device=self.device)
         counts = loss_normalisers(exp.response_mask, self.dp_group)
         totals: Dict[str, float] = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
-        self.critic.train()
+
+        def loss_fn(values: torch.Tensor, sub: Experience):
+            loss, stats = value_loss(values.float(), sub.values, sub.returns, sub.response_mask,
+                                     c.cliprange_value, c.loss_agg_mode, **counts)
+            return loss, {"vf_loss": loss.item(), "vf_clipfrac": float(stats["vf_clipfrac"]) * sub.num_sequences / N}
+
         for _ in range(self.cfg.actor.ppo_epochs):
-            for idx in self._micro(exp, rows, size=c.micro_batch_size):
-                sub = exp.select(idx)
-                with self._autocast():
-                    values = response_values(self.critic, sub.input_ids, sub.attention_mask, sub.response_length)
-                loss, stats = value_loss(values.float(), sub.values, sub.returns, sub.response_mask,
-                                         c.cliprange_value, c.loss_agg_mode, **counts)
-                loss.backward()
-                totals["vf_loss"] += loss.item()
-                totals["vf_clipfrac"] += float(stats["vf_clipfrac"]) * idx.numel() / N
-            self._optimizer_step(self.critic, self.critic_optimizer, c.max_grad_norm)
+            micro = self._micro(exp, rows, size=c.micro_batch_size)
+            if self._megatron_critic:
+                results, _ = self.critic.train_mini_batch(exp, micro, loss_fn)
+            else:
+                self.critic.train()
+                results = []
+                for idx in micro:
+                    sub = exp.select(idx)
+                    with self._autocast():
+                        values = response_values(self.critic, sub.input_ids, sub.attention_mask, sub.response_length)
+                    loss, stats = loss_fn(values, sub)
+                    loss.backward()
+                    results.append(stats)
+                self._optimizer_step(self.critic, self.critic_optimizer, c.max_grad_norm)
+            for stats in results:
+                totals["vf_loss"] += stats["vf_loss"]
+                totals["vf_clipfrac"] += stats["vf_clipfrac"]
         epochs = self.cfg.actor.ppo_epochs
         return {"critic/vf_loss": totals["vf_loss"] / epochs, "critic/vf_clipfrac": totals["vf_clipfrac"] / epochs,
                 "critic/values_mean": float((exp.values * exp.response_mask).sum() / exp.response_mask.sum())}
@@ -512,7 +538,7 @@ class RLTrainer:
         state = {"history": self.history, "config": self.cfg.to_dict(), "torch_rng": torch.get_rng_state().tolist()}
         if self.megatron is not None:  # a Megatron distributed checkpoint, and always the HF export
             megatron_checkpoint.save(self.cfg.trainer.output_dir, self.step, self.megatron, self.actor,
-                                     self.tokenizer, state)
+                                     self.tokenizer, state, self.critic)
         else:
             checkpoint.save(self.cfg.trainer.output_dir, self.step, self.actor, self.tokenizer, self.optimizer, state,
                             self.critic, self.critic_optimizer, export_hf=export_hf)
@@ -526,8 +552,10 @@ class RLTrainer:
                 checkpoint.clean_partial(self.cfg.trainer.output_dir)
             path = checkpoint.latest_valid(self.cfg.trainer.output_dir)
         if path is not None:
-            state = (megatron_checkpoint.load(path, self.megatron, self.actor) if self.megatron is not None else
-                     checkpoint.load(path, self.actor, self.optimizer, self.critic, self.critic_optimizer))
+            if self.megatron is not None:
+                state = megatron_checkpoint.load(path, self.megatron, self.actor, self.critic)
+            else:
+                state = checkpoint.load(path, self.actor, self.optimizer, self.critic, self.critic_optimizer)
             self.step = int(state["step"])
             self.history = list(state.get("history", []))
             torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
