@@ -421,6 +421,9 @@ def validate(cfg: Config) -> None:
             raise ValueError("critic.mixed_precision is not supported with critic.strategy=megatron; use "
                              "critic.dtype=bfloat16 (bf16 weights, fp32 main weights in the optimizer)")
     if cfg.actor.strategy == "megatron":
+        if algo in ("dpo", "online_dpo"):
+            raise ValueError(f"algorithm.type={algo} is not supported with actor.strategy=megatron; use fsdp2, "
+                             "fsdp1 or none")
         for key in ("use_dynamic_bsz", "gradient_checkpointing", "cpu_offload"):
             if getattr(cfg.actor, key):
                 raise ValueError(f"actor.{key} is not supported with actor.strategy=megatron; use fixed-size "

@@ -14,7 +14,7 @@ distributed plan over the model-parallel group: every rank ends with the whole H
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -202,19 +202,26 @@ class MegatronGPT:
         tensors = [x for v in range(self.par.chunks) for x in self._chunk_tensors(self.tp_rank, self.pp_rank, v, 0)]
         return Layout(self.logical, tensors, 1, kind="megatron-local")
 
-    def parallel_layout(self, rank_of: Mapping[tuple, int], world: int) -> Layout:
-        """Every shard of the model over the model-parallel group (``rank_of[(t, p)]``: group rank)."""
-        tensors = [x for (t, p), r in sorted(rank_of.items()) for v in range(self.par.chunks)
+    def parallel_layout(self, coords: Sequence[Tuple[int, int]]) -> Layout:
+        """Every rank's shards over a group: ``coords[r]`` is the ``(tp rank, pp rank)`` of group rank r
+        (data-parallel replicas of a shard may appear several times)."""
+        tensors = [x for r, (t, p) in enumerate(coords) for v in range(self.par.chunks)
                    for x in self._chunk_tensors(t, p, v, r)]
         aliases = ("output_layer.weight",) if self.spec.tie_word_embeddings and not self.value_head else ()
-        return Layout(self.logical, tensors, world, kind=f"megatron[tp={self.par.tp},pp={self.par.pp}]",
+        return Layout(self.logical, tensors, len(coords), kind=f"megatron[tp={self.par.tp},pp={self.par.pp}]",
                       aliases=aliases)
 
-    def hf_layout(self, world: int) -> Layout:
-        """The whole model under HF names on each of ``world`` ranks."""
+    def group_layout(self, group=None) -> Layout:
+        """``parallel_layout`` of ``group`` (default: the world); collective over it."""
+        coords: List = [None] * dist.get_world_size(group)
+        dist.all_gather_object(coords, (self.tp_rank, self.pp_rank), group=group)
+        return self.parallel_layout([tuple(c) for c in coords])
+
+    def hf_layout(self, ranks: Sequence[int], world: int) -> Layout:
+        """The whole model under HF names on each of ``ranks`` (of ``world``)."""
         if not self.value_head:
-            return hf_layout(self.spec, ranks=range(world), world_size=world)
-        tensors = [replicated(n, n, shape, r, self.spec.dtype) for r in range(world) for n, shape in self.logical.items()]
+            return hf_layout(self.spec, ranks=ranks, world_size=world)
+        tensors = [replicated(n, n, shape, r, self.spec.dtype) for r in ranks for n, shape in self.logical.items()]
         return Layout(self.logical, tensors, world, kind="hf-critic")
 
     def named_parameters(self) -> Dict[str, torch.Tensor]:
@@ -247,17 +254,17 @@ class MegatronGPT:
         with torch.no_grad():
             reshard(sources, src, dst, {n: p.data for n, p in params.items()})
 
-    def to_hf(self, destinations: Optional[Mapping[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
-        """The whole model under HF names on every rank of the model-parallel group (collective over it);
-        written into ``destinations`` (e.g. an HF model's parameters) when given."""
+    def to_hf(self, destinations: Optional[Mapping[str, torch.Tensor]] = None,
+              only_first: bool = False) -> Dict[str, torch.Tensor]:
+        """The whole model under HF names on every rank of the model-parallel group (collective over it),
+        or on its first rank only (``only_first``; the others get ``{}``); written into ``destinations``
+        (e.g. an HF model's parameters) when given."""
         from megatron.core import parallel_state as ps
 
         group = ps.get_model_parallel_group()
         world = dist.get_world_size(group)
-        coords: List = [None] * world
-        dist.all_gather_object(coords, (self.tp_rank, self.pp_rank), group=group)
-        src = self.parallel_layout({tuple(c): r for r, c in enumerate(coords)}, world)
-        dst = self.hf_layout(world)
+        src = self.group_layout(group)
+        dst = self.hf_layout([0] if only_first else range(world), world)
         sources = {n: p.detach() for n, p in self.named_parameters().items()}
         with torch.no_grad():
             return reshard(sources, src, dst, destinations, group=group if world > 1 else None)

@@ -67,6 +67,7 @@ class MegatronActor(MegatronTrained):
         self.cfg = cfg
         par = Parallel.from_actor_config(a)
         init_parallel_state(par)
+        self.hf_config = hf_model.config
         model = MegatronGPT(hf_model.config, par, DTYPES[a.dtype])
         model.load_hf(hf_model.state_dict())
         super().__init__(model, a.lr, a.weight_decay, a.max_grad_norm)
@@ -99,3 +100,26 @@ class MegatronActor(MegatronTrained):
     def export_to(self, hf_model: torch.nn.Module) -> None:
         """Writes the trained weights into the HF model (every rank; collective over the model-parallel group)."""
         self.model.to_hf(dict(hf_model.named_parameters()))
+
+    def hf_state(self) -> Dict[str, torch.Tensor]:
+        """The trained weights under HF names, on the CPU, on the model-parallel group's first rank ({} on
+        the others); collective over the model-parallel group. Nothing is kept after the call."""
+        first = dist.get_rank(self.model_parallel_group()) == 0
+        device = next(iter(self.model.named_parameters().values())).device
+        out = {n: torch.empty(shape, dtype=self.model.spec.dtype, device=device)
+               for n, shape in self.model.logical.items()} if first else {}
+        self.model.to_hf(out, only_first=True)
+        return {n: t.cpu() for n, t in out.items()}
+
+    def weight_source(self) -> Tuple[Any, Dict[str, torch.Tensor]]:
+        """The source of a rollout engine's weight sync: the Megatron shards as a layout over the world
+        (each rank its TP / PP shard, data-parallel replicas included) and this rank's parameters by the
+        layout's names. Collective over the world."""
+        return self.model.group_layout(), self.model.named_parameters()
+
+    @staticmethod
+    def model_parallel_group():
+        """The ranks that hold one copy of the model between them (and the same data)."""
+        from megatron.core import parallel_state as ps
+
+        return ps.get_model_parallel_group()

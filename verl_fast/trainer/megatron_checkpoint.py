@@ -3,7 +3,8 @@
 resume): ``step_N/megatron/`` is a Megatron distributed (``torch_dist``) checkpoint of the model and
 its optimizer state, which resumes at any TP / PP layout and which ``verl-fast convert`` /
 ``load_megatron_checkpoint`` read; ``step_N/megatron_critic/`` the same for a Megatron critic;
-beside them the HF export (safetensors that transformers and vLLM load) of the actor."""
+beside them the HF export (safetensors that transformers and vLLM load) of the actor, from the HF
+actor, or gathered from the Megatron shards where the HF actor keeps no weights (vLLM rollout)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 
 from verl_fast.models.wrapping import hf_module
 from verl_fast.trainer import checkpoint
+from verl_fast.trainer.megatron_rollout import released
 from verl_fast.trainer.ranks import on_main
 
 MEGATRON = "megatron"
@@ -36,8 +38,10 @@ def save(output_dir: str, step: int, actor, hf_model: torch.nn.Module, tokenizer
         if _is_megatron(critic):
             (tmp / MEGATRON_CRITIC).mkdir()
 
+    weights = actor.hf_state() if released(hf_model) else None  # the HF actor keeps no weights (vLLM rollout)
+
     def write_hf() -> None:
-        hf_module(hf_model).save_pretrained(tmp, safe_serialization=True)
+        hf_module(hf_model).save_pretrained(tmp, safe_serialization=True, state_dict=weights)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         (tmp / checkpoint.STATE).write_text(json.dumps({"step": step, **state}, indent=1, default=str))
@@ -66,7 +70,8 @@ def load(path: Path, actor, hf_model: torch.nn.Module, critic=None) -> Dict[str,
     actor.load_checkpoint(path / MEGATRON)
     if _is_megatron(critic):
         critic.load_checkpoint(path / MEGATRON_CRITIC)
-    actor.export_to(hf_module(hf_model))
+    if not released(hf_model):
+        actor.export_to(hf_module(hf_model))
     return json.loads((path / checkpoint.STATE).read_text())
 
 

@@ -50,6 +50,7 @@ from verl_fast.rollout.operator import RolloutOperator
 from verl_fast.trainer import checkpoint, dpo, megatron_checkpoint, online_dpo, perf, remax, run_dir
 from verl_fast.trainer.actor_loss import actor_loss
 from verl_fast.trainer.experience import Experience, build_experience, last_token_rewards
+from verl_fast.trainer.megatron_rollout import megatron_rollout
 
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -132,7 +133,10 @@ class RLTrainer:
         if rollout_operator is not None:
             self.rollout, self.engine = rollout_operator, rollout_operator.engine
         elif self.algorithm != "dpo":
-            self.engine = rollout_engine or build_engine(cfg, self.actor, tokenizer, model_path, self.autocast_dtype)
+            self.engine = rollout_engine or build_engine(cfg, self.actor, tokenizer, model_path, self.autocast_dtype,
+                                                         source=self.megatron)
+            if self.megatron is not None and self.engine.owns_weights:
+                self.engine = megatron_rollout(self.engine, self.megatron, self.actor)
             r = cfg.rollout
             waves = r.length_buckets == "on" or (r.length_buckets == "auto" and isinstance(self.engine, HFGenerateEngine))
             waves = waves and not self.engine.collective  # ranks would make different numbers of calls
@@ -274,7 +278,7 @@ class RLTrainer:
     def _sync_engine(self, metrics: Dict[str, Any]) -> None:
         """The engine generates with the actor's current weights from now on (collective); the bytes
         this rank moved go into ``metrics`` (the step's phase timer times the call)."""
-        moved = self.engine.sync_from(self.actor)
+        moved = self.engine.sync_from(self._rollout_source)
         if self.engine.owns_weights:
             metrics["sync/bytes_per_rank"] = float(moved.get("bytes", 0))
 
@@ -360,6 +364,13 @@ class RLTrainer:
         return out
 
     @property
+    def _rollout_source(self) -> Any:
+        """What the engine's weights come from: the Megatron shards when the engine holds its own
+        weights (vLLM), else the actor."""
+        owns = self.engine is not None and self.engine.owns_weights
+        return self.megatron if self.megatron is not None and owns else self.actor
+
+    @property
     def _megatron_critic(self) -> bool:
         return self.critic is not None and self.cfg.critic.strategy == "megatron"
 
@@ -432,7 +443,7 @@ class RLTrainer:
         out.setdefault("actor/pg_loss", 0.0)  # every advantage 0: the policy loss is exactly 0
         out["actor/grad_norm"] = norms / steps
         out["actor/active_fraction"] = float(active.float().mean())
-        if self.megatron is not None:  # the rollout model gets the new weights
+        if self._rollout_source is self.actor and self.megatron is not None:  # HF rollout runs the HF actor
             self.megatron.export_to(hf_module(self.actor))
         return out
 
