@@ -9,6 +9,12 @@ import torch.distributed as dist
 from tiny_models import build_tokenizer, tiny_model
 
 VOCAB = 320  # the tokenizer's size (build_tokenizer(vocab_size=320))
+# Qwen3-MoE's released configs renormalise the top-k routing weights (transformers' default does not)
+OVERRIDES = {"qwen3_moe": {"norm_topk_prob": True}}
+
+
+def actor_model(family: str):
+    return tiny_model(family, seed=3, vocab_size=VOCAB, **OVERRIDES.get(family, {}))
 
 
 def experiences(vocab: int, steps: int = 3, n: int = 8, prompt: int = 7, response: int = 5):
@@ -34,9 +40,10 @@ def experiences(vocab: int, steps: int = 3, n: int = 8, prompt: int = 7, respons
     return out
 
 
-def config(strategy: str, tp: int = 1, pp: int = 1, out_dir: str = "unused", device: str = "auto"):
+def config(strategy: str, tp: int = 1, pp: int = 1, out_dir: str = "unused", device: str = "auto", ep: int = 1):
     return {"actor": {"lr": 5e-3, "max_grad_norm": 0.5, "micro_batch_size": 3, "ppo_mini_batch_size": 4,
-                      "strategy": strategy, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
+                      "strategy": strategy, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                      "expert_model_parallel_size": ep},
             "rollout": {"type": "hf", "n": 4, "max_new_tokens": 5},
             "reward_fn": {"type": "gsm8k"}, "algorithm": {"type": "grpo"},
             "trainer": {"output_dir": out_dir, "progress_bar": False, "plot": False, "device": device}}
@@ -48,7 +55,7 @@ def run_updates(family: str, cfg: dict):
 
     tok = build_tokenizer(vocab_size=320)
     assert len(tok) == VOCAB, len(tok)
-    model = tiny_model(family, seed=3, vocab_size=VOCAB)
+    model = actor_model(family)
     trainer = RLTrainer(actor_model=model, tokenizer=tok, config=cfg, reward_fn=lambda solution_str: 0.0)
     metrics, old = [], []
     for exp in experiences(len(tok)):
@@ -80,7 +87,7 @@ def user_parallel_state(tp: int, pp: int):
     return check
 
 
-def worker(rank, world, port, family, tp, pp, out_path, device="cpu", user_init=False):
+def worker(rank, world, port, family, tp, pp, out_path, device="cpu", user_init=False, ep=1):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if device == "cuda":
         torch.cuda.set_device(rank)
@@ -91,7 +98,8 @@ def worker(rank, world, port, family, tp, pp, out_path, device="cpu", user_init=
 
         megatron_worker.neutralise_cuda_for_training()
     check = user_parallel_state(tp, pp) if user_init else (lambda: None)
-    metrics, old, weights = run_updates(family, config("megatron", tp, pp, device="auto" if device == "cpu" else device))
+    metrics, old, weights = run_updates(family, config("megatron", tp, pp, device="auto" if device == "cpu" else device,
+                                                       ep=ep))
     check()
     if rank == 0:
         torch.save({"metrics": metrics, "old": old, "weights": weights}, out_path)
@@ -172,7 +180,7 @@ def run_critic_updates(family: str, head: str, cfg: dict, resume_dir=None):
     from verl_fast.trainer.rl_trainer import RLTrainer
 
     critic = tiny_critic(family, head)
-    trainer = RLTrainer(actor_model=tiny_model(family, seed=3, vocab_size=VOCAB), tokenizer=build_tokenizer(vocab_size=320),
+    trainer = RLTrainer(actor_model=actor_model(family), tokenizer=build_tokenizer(vocab_size=320),
                         critic_model=critic, config=cfg, reward_fn=lambda solution_str: 0.0)
     metrics, values = [], []
     batches = [exp.to(trainer.device) for exp in experiences(VOCAB)]

@@ -21,9 +21,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def check_updates_match_hf(tmp_path, family, tp, pp, device, user_init=False):
+def check_updates_match_hf(tmp_path, family, tp, pp, device, user_init=False, ep=1):
     out = tmp_path / "rank0.pt"
-    mp.spawn(W.worker, args=(tp * pp, free_port(), family, tp, pp, str(out), device, user_init), nprocs=tp * pp,
+    world = tp * pp * ep  # with experts spread, the data-parallel ranks see the same data
+    mp.spawn(W.worker, args=(world, free_port(), family, tp, pp, str(out), device, user_init, ep), nprocs=world,
              join=True)
     got = torch.load(out)
     metrics, old, weights = W.run_updates(family, W.config("auto", device="auto" if device == "cpu" else device))
@@ -36,17 +37,27 @@ def check_updates_match_hf(tmp_path, family, tp, pp, device, user_init=False):
         for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/pg_clipfrac"):
             if key in b:
                 assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-4), (step, key)
-    before = W.tiny_model(family, seed=3, vocab_size=len(W.build_tokenizer(vocab_size=320))).state_dict()
+    before = W.actor_model(family).state_dict()
     for name, ref in weights.items():
         assert (ref - before[name]).abs().max() > 0, f"{name} did not move in the HF run"
-        # each weight moves by ~1e-2 (6 AdamW steps at lr 5e-3); rounding differences stay ~1e-5
-        torch.testing.assert_close(got["weights"][name], ref, atol=2e-4, rtol=0, msg=lambda m: f"{name}: {m}")
+        # each weight moves by ~1e-2 (6 AdamW steps at lr 5e-3); rounding differences stay ~1e-5, except in
+        # experts few tokens reach: near-zero gradients, which Adam's normalisation turns into lr-sized steps
+        atol = 1e-3 if ".experts." in name else 2e-4
+        torch.testing.assert_close(got["weights"][name], ref, atol=atol, rtol=0, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("family,tp,pp,user_init", [("llama", 2, 1, False), ("qwen2", 1, 2, True)])
 def test_megatron_updates_match_hf(tmp_path, family, tp, pp, user_init):
     """(qwen2, TP=2) and (llama, PP=2) pass too; the PP=2 case reuses a parallel_state set up beforehand."""
     check_updates_match_hf(tmp_path, family, tp, pp, "cpu", user_init)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_megatron_moe_expert_parallel_matches_hf(tmp_path, family):
+    """EP=2 (each rank two of the four experts, the all-gather token dispatcher on gloo), the same data on
+    both data-parallel ranks: as the single-process HF run. Qwen3-MoE with renormalised top-k routing
+    weights, Qwen2-MoE with unnormalised ones and its gated shared expert."""
+    check_updates_match_hf(tmp_path, family, 1, 1, "cpu", ep=2)
 
 
 @pytest.mark.gpu

@@ -2,13 +2,17 @@
 Hugging Face names through the resharding layouts (``ops/reshard/megatron.py``).
 
 The model uses megatron-core's local layer spec (no Transformer Engine): RMSNorm, SwiGLU MLP,
-grouped-query attention with rotary embeddings; Qwen2's QKV bias and Qwen3's per-head q/k norms.
+grouped-query attention with rotary embeddings; Qwen2's QKV bias and Qwen3's per-head q/k norms;
+Qwen2-MoE / Qwen3-MoE sparse blocks (top-k router, renormalised or not as ``norm_topk_prob`` says,
+no auxiliary loss, Qwen2-MoE's gated shared expert; experts as a SequentialMLP, the all-gather token
+dispatcher) with ``ep`` expert-parallel ranks each holding ``num_experts / ep`` consecutive experts.
 With a virtual pipeline (``vpp`` chunks per stage) chunk ``v`` of stage ``p`` is virtual stage
 ``v * pp + p`` of ``pp * vpp`` equal stages, megatron-core's interleaved order.
 
 Weights: each rank plans, in its own process, the copy from the HF tensors its shards need into
 its parameters (it reads nothing else). The way back (rollout weights, HF export) is one
-distributed plan over the model-parallel group: every rank ends with the whole HF model.
+distributed plan over the model-parallel group (with experts spread, the expert-model-pipeline
+group, which holds every expert): every rank of it ends with the whole HF model.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from verl_fast.ops.reshard.megatron import default_padded_vocab, megatron_stage_
 from verl_fast.ops.reshard.spec import ModelSpec, logical_shapes
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe")
 VALUE_HEAD = ("score.weight", "score.bias")  # the critic's head under HF names ([1, H], [1])
 
 
@@ -75,10 +80,20 @@ def init_parallel_state(par: Parallel) -> bool:
     return True
 
 
-def model_spec(hf_config, dtype: torch.dtype, role: str = "actor") -> ModelSpec:
+def model_spec(hf_config, dtype: torch.dtype, role: str = "actor", par: Parallel = Parallel()) -> ModelSpec:
     spec = ModelSpec.from_hf_config(hf_config, dtype=dtype)
-    if spec.family not in DENSE_FAMILIES:
-        raise ValueError(f"{role}.strategy=megatron supports model_type {DENSE_FAMILIES}, got {spec.family!r}")
+    if spec.family not in DENSE_FAMILIES + MOE_FAMILIES:
+        raise ValueError(f"{role}.strategy=megatron supports model_type {DENSE_FAMILIES + MOE_FAMILIES}, got "
+                         f"{spec.family!r}")
+    if par.ep > 1 and not spec.is_moe:
+        raise ValueError(f"actor.expert_model_parallel_size={par.ep} needs a mixture-of-experts model "
+                         f"({MOE_FAMILIES}), got {spec.family!r}; set it to 1")
+    if spec.is_moe and not all(spec.sparse_layers):
+        raise ValueError(f"{role}.strategy=megatron: dense layers among the MoE layers (mlp_only_layers / "
+                         "decoder_sparse_step in the HF config) are not supported; use strategy fsdp2")
+    if par.ep > 1 and par.tp > 1:
+        raise ValueError("actor.expert_model_parallel_size > 1 is not supported with tensor_model_parallel_size > 1 "
+                         "(megatron-core needs sequence parallelism there); use one of them")
     if spec.o_bias or spec.mlp_bias:
         raise ValueError(f"{role}.strategy=megatron: attention output / MLP biases (attention_bias or mlp_bias in "
                          "the HF config) are not supported by the local layer spec mapping; use strategy fsdp2")
@@ -113,7 +128,24 @@ def transformer_config(hf_config, spec: ModelSpec, par: Parallel):
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         # perform_initialization stays on although the weights are overwritten: without it megatron-core
         # never marks its parameters tensor-parallel, and the gradient norm skips every TP rank but 0
-        use_cpu_initialization=not torch.cuda.is_available())
+        use_cpu_initialization=not torch.cuda.is_available(), **moe_config(hf_config, spec))
+
+
+def moe_config(hf_config, spec: ModelSpec) -> Dict:
+    """TransformerConfig's MoE fields for a Qwen MoE config (none for a dense model). HF's router: softmax
+    over every expert, the top k, renormalised when ``norm_topk_prob``; megatron-core's pre-softmax
+    router is the unnormalised form, its default (softmax over the top k logits) the renormalised one."""
+    if not spec.is_moe:
+        return {}
+    shared = spec.shared_expert_intermediate_size if spec.has_shared_expert else 0
+    # the all-gather dispatcher: the all-to-all one needs CUDA streams; no auxiliary loss (HF adds none
+    # unless output_router_logits is set)
+    return dict(num_moe_experts=spec.num_experts, moe_ffn_hidden_size=spec.moe_intermediate_size,
+                moe_router_topk=int(hf_config.num_experts_per_tok),
+                moe_router_pre_softmax=not bool(getattr(hf_config, "norm_topk_prob", False)),
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather",
+                moe_grouped_gemm=False, moe_shared_expert_intermediate_size=shared or None,
+                moe_shared_expert_gate=bool(shared))
 
 
 class ValueHead(torch.nn.Module):
@@ -142,7 +174,7 @@ class MegatronGPT:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         self.par = par
-        self.spec = model_spec(hf_config, dtype, "critic" if value_head else "actor")
+        self.spec = model_spec(hf_config, dtype, "critic" if value_head else "actor", par)
         self.value_head = value_head
         self.logical = logical_shapes(self.spec)
         if value_head:  # the body's tensors, then the head's; no vocabulary projection
@@ -153,12 +185,14 @@ class MegatronGPT:
         self.config = transformer_config(hf_config, self.spec, par)
         self.padded_vocab = default_padded_vocab(self.spec.vocab_size, par.tp)
         self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        self.ep_rank = ps.get_expert_model_parallel_rank()
         if torch.cuda.is_available():  # megatron-core draws TP-sharded initial weights from its CUDA RNG tracker
             from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
             if not get_cuda_rng_tracker().get_states():
                 model_parallel_cuda_manual_seed(1234)
-        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=self.spec.qk_norm)
+        layer_spec = get_gpt_layer_local_spec(num_experts=self.spec.num_experts or None, moe_grouped_gemm=False,
+                                              normalization="RMSNorm", qk_layernorm=self.spec.qk_norm)
         self.chunks: List[torch.nn.Module] = []
         for v in range(par.chunks):
             vp = v if par.vpp else None
@@ -184,12 +218,12 @@ class MegatronGPT:
 
     # ---- layouts
 
-    def _chunk_tensors(self, t: int, p: int, v: int, rank: int) -> List[PhysTensor]:
+    def _chunk_tensors(self, t: int, p: int, e: int, v: int, rank: int) -> List[PhysTensor]:
         par = self.par
         prefix = f"{v}." if par.vpp else ""
         stage, stages = v * par.pp + p, par.pp * par.chunks
         out = megatron_stage_tensors(self.spec, par.tp, stages, t, stage, rank, self.spec.dtype, self.padded_vocab,
-                                     prefix=prefix)
+                                     prefix=prefix, ep=par.ep, ep_rank=e)
         if self.value_head:
             out = [x for x in out if x.name != prefix + "output_layer.weight"]
             if stage == stages - 1:
@@ -199,14 +233,15 @@ class MegatronGPT:
 
     def local_layout(self) -> Layout:
         """This rank's parameters as a one-process layout (names ``[v.]<megatron name>``)."""
-        tensors = [x for v in range(self.par.chunks) for x in self._chunk_tensors(self.tp_rank, self.pp_rank, v, 0)]
+        tensors = [x for v in range(self.par.chunks)
+                   for x in self._chunk_tensors(self.tp_rank, self.pp_rank, self.ep_rank, v, 0)]
         return Layout(self.logical, tensors, 1, kind="megatron-local")
 
-    def parallel_layout(self, coords: Sequence[Tuple[int, int]]) -> Layout:
-        """Every rank's shards over a group: ``coords[r]`` is the ``(tp rank, pp rank)`` of group rank r
-        (data-parallel replicas of a shard may appear several times)."""
-        tensors = [x for r, (t, p) in enumerate(coords) for v in range(self.par.chunks)
-                   for x in self._chunk_tensors(t, p, v, r)]
+    def parallel_layout(self, coords: Sequence[Tuple[int, int, int]]) -> Layout:
+        """Every rank's shards over a group: ``coords[r]`` is the ``(tp rank, pp rank, ep rank)`` of group
+        rank r (data-parallel replicas of a shard may appear several times)."""
+        tensors = [x for r, (t, p, e) in enumerate(coords) for v in range(self.par.chunks)
+                   for x in self._chunk_tensors(t, p, e, v, r)]
         aliases = ("output_layer.weight",) if self.spec.tie_word_embeddings and not self.value_head else ()
         return Layout(self.logical, tensors, len(coords), kind=f"megatron[tp={self.par.tp},pp={self.par.pp}]",
                       aliases=aliases)
@@ -214,8 +249,16 @@ class MegatronGPT:
     def group_layout(self, group=None) -> Layout:
         """``parallel_layout`` of ``group`` (default: the world); collective over it."""
         coords: List = [None] * dist.get_world_size(group)
-        dist.all_gather_object(coords, (self.tp_rank, self.pp_rank), group=group)
+        dist.all_gather_object(coords, (self.tp_rank, self.pp_rank, self.ep_rank), group=group)
         return self.parallel_layout([tuple(c) for c in coords])
+
+    def weights_group(self):
+        """The smallest group holding every weight: the model-parallel group, or with experts spread
+        the expert-tensor-model-pipeline group (its dense shards repeat over the expert ranks)."""
+        from megatron.core import parallel_state as ps
+
+        return ps.get_expert_tensor_model_pipeline_parallel_group() if self.par.ep > 1 else \
+            ps.get_model_parallel_group()
 
     def hf_layout(self, ranks: Sequence[int], world: int) -> Layout:
         """The whole model under HF names on each of ``ranks`` (of ``world``)."""
@@ -256,12 +299,10 @@ class MegatronGPT:
 
     def to_hf(self, destinations: Optional[Mapping[str, torch.Tensor]] = None,
               only_first: bool = False) -> Dict[str, torch.Tensor]:
-        """The whole model under HF names on every rank of the model-parallel group (collective over it),
-        or on its first rank only (``only_first``; the others get ``{}``); written into ``destinations``
-        (e.g. an HF model's parameters) when given."""
-        from megatron.core import parallel_state as ps
-
-        group = ps.get_model_parallel_group()
+        """The whole model under HF names on every rank of ``weights_group()`` (collective over it), or on
+        its first rank only (``only_first``; the others get ``{}``); written into ``destinations`` (e.g. an
+        HF model's parameters) when given."""
+        group = self.weights_group()
         world = dist.get_world_size(group)
         src = self.group_layout(group)
         dst = self.hf_layout([0] if only_first else range(world), world)

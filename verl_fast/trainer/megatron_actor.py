@@ -98,13 +98,14 @@ class MegatronActor(MegatronTrained):
         return super().train_mini_batch(exp, micro, loss_fn, self._around(self.cfg.rollout.temperature or 1.0))
 
     def export_to(self, hf_model: torch.nn.Module) -> None:
-        """Writes the trained weights into the HF model (every rank; collective over the model-parallel group)."""
+        """Writes the trained weights into the HF model (every rank; collective over the group holding
+        every weight)."""
         self.model.to_hf(dict(hf_model.named_parameters()))
 
     def hf_state(self) -> Dict[str, torch.Tensor]:
-        """The trained weights under HF names, on the CPU, on the model-parallel group's first rank ({} on
-        the others); collective over the model-parallel group. Nothing is kept after the call."""
-        first = dist.get_rank(self.model_parallel_group()) == 0
+        """The trained weights under HF names, on the CPU, on the first rank of the group holding every
+        weight (``{}`` on the others); collective over that group. Nothing is kept after the call."""
+        first = dist.get_rank(self.model.weights_group()) == 0
         device = next(iter(self.model.named_parameters().values())).device
         out = {n: torch.empty(shape, dtype=self.model.spec.dtype, device=device)
                for n, shape in self.model.logical.items()} if first else {}
