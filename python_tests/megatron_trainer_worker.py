@@ -88,15 +88,7 @@ def user_parallel_state(tp: int, pp: int):
 
 
 def worker(rank, world, port, family, tp, pp, out_path, device="cpu", user_init=False, ep=1):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world)
-    else:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        import megatron_worker
-
-        megatron_worker.neutralise_cuda_for_training()
+    init_worker(rank, world, port, device)
     check = user_parallel_state(tp, pp) if user_init else (lambda: None)
     metrics, old, weights = run_updates(family, config("megatron", tp, pp, device="auto" if device == "cpu" else device,
                                                        ep=ep))
@@ -139,8 +131,8 @@ def fit_worker(rank, world, port, model_dir, cfg, result_path, dataset=None):
 # ---------------------------------------------------------------- the PPO critic (critic.strategy: megatron)
 
 
-def critic_config(strategy: str, tp: int = 1, pp: int = 1):
-    cfg = config(strategy, tp, pp)
+def critic_config(strategy: str, tp: int = 1, pp: int = 1, device: str = "auto"):
+    cfg = config(strategy, tp, pp, device=device)
     cfg["algorithm"] = {"type": "ppo"}
     cfg["critic"] = {"strategy": strategy, "lr": 5e-3, "max_grad_norm": 0.5, "micro_batch_size": 3}
     return cfg
@@ -195,7 +187,7 @@ def run_critic_updates(family: str, head: str, cfg: dict, resume_dir=None):
     final = {k: v.cpu().clone() for k, v in trainer.critic.to_hf().items()}
     from verl_fast.trainer.megatron_critic import MegatronCritic
 
-    trainer.critic = MegatronCritic(tiny_critic(family, head), trainer.cfg)  # other weights, fresh optimizer
+    trainer.critic = MegatronCritic(tiny_critic(family, head).to(trainer.device), trainer.cfg)  # fresh weights, optimizer
     trainer.critic_optimizer = trainer.critic.optimizer
     trainer.critic.load_checkpoint(resume_dir)
     trainer.update_critic(batches[-1])
@@ -203,13 +195,23 @@ def run_critic_updates(family: str, head: str, cfg: dict, resume_dir=None):
     return metrics, values, final, resumed
 
 
-def critic_worker(rank, world, port, family, head, tp, pp, out_path, resume_dir):
+def init_worker(rank, world, port, device):
+    """The process group (NCCL on GPUs, else gloo with megatron-core's CUDA calls neutralised)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    import megatron_worker
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        import megatron_worker
 
-    megatron_worker.neutralise_cuda_for_training()
-    metrics, values, weights, resumed = run_critic_updates(family, head, critic_config("megatron", tp, pp), resume_dir)
+        megatron_worker.neutralise_cuda_for_training()
+
+
+def critic_worker(rank, world, port, family, head, tp, pp, out_path, resume_dir, device="cpu"):
+    init_worker(rank, world, port, device)
+    cfg = critic_config("megatron", tp, pp, device="auto" if device == "cpu" else device)
+    metrics, values, weights, resumed = run_critic_updates(family, head, cfg, resume_dir)
     if rank == 0:
         torch.save({"metrics": metrics, "values": values, "weights": weights, "resumed": resumed}, out_path)
     dist.barrier()

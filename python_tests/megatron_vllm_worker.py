@@ -14,7 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hybrid_worker import PROMPTS, greedy_hf
+from hybrid_worker import PROMPTS, greedy_hf, grpo_config
 
 
 def received_minimum(model, hf_config, megatron_tp, tp, rank):
@@ -52,12 +52,8 @@ def main(rank: int, world: int, port: int, model_dir: str, out_dir: str, tp: int
     tok = AutoTokenizer.from_pretrained(model_dir)
     initial = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    cfg = {"actor": {"lr": 2e-2, "micro_batch_size": 16, "strategy": "megatron", "tensor_model_parallel_size": 2},
-           "rollout": {"type": "vllm", "n": 4, "max_new_tokens": 4, "dtype": "float32", "max_model_len": 96,
-                       "max_num_seqs": 16, "tensor_parallel_size": tp},
-           "reward_fn": {"type": "gsm8k"}, "algorithm": {"type": "grpo"},
-           "trainer": {"total_steps": 3, "train_batch_size": 4, "output_dir": out_dir, "progress_bar": False,
-                       "plot": False, "save_freq": 0, "max_prompt_length": 64}}
+    cfg = grpo_config(out_dir, tp, strategy="megatron", tensor_model_parallel_size=2)
+    cfg["rollout"]["type"] = "vllm"
     trainer = RLTrainer(actor_model=model, tokenizer=tok, config=cfg, model_path=None,
                         reward_fn=lambda solution_str: float(len(solution_str) % 2))
     released = all(p.is_meta for p in model.parameters())  # no HF copy of the weights kept for the sync

@@ -124,17 +124,14 @@ def test_megatron_example_one_step(tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "step_000001" / "megatron").is_dir()
 
 
-@pytest.mark.parametrize("family,head,tp,pp", [("llama", "causal_lm", 2, 1), ("qwen2", "token_classification", 1, 2)])
-def test_megatron_critic_matches_hf(tmp_path, family, head, tp, pp):
-    """critic.strategy=megatron: values, value losses and updated weights (gathered to HF names) equal the
-    single-process HF critic's over 3 PPO critic updates; a critic resumed from the Megatron checkpoint
-    written before the last update (other initial weights, fresh optimizer) ends where the run ended."""
+def check_critic_matches_hf(tmp_path, family, head, tp, pp, device):
     out = tmp_path / "rank0.pt"
     (tmp_path / "ckpt").mkdir()
-    mp.spawn(W.critic_worker, args=(tp * pp, free_port(), family, head, tp, pp, str(out), str(tmp_path / "ckpt")),
-             nprocs=tp * pp, join=True)
+    mp.spawn(W.critic_worker, args=(tp * pp, free_port(), family, head, tp, pp, str(out), str(tmp_path / "ckpt"),
+                                    device), nprocs=tp * pp, join=True)
     got = torch.load(out)
-    metrics, values, weights = W.run_critic_updates(family, head, W.critic_config("auto"))
+    metrics, values, weights = W.run_critic_updates(family, head, W.critic_config("auto", device="auto" if device ==
+                                                                                  "cpu" else device))
     before = W.hf_critic_weights(W.tiny_critic(family, head))
     for step, (a, b) in enumerate(zip(got["values"], values)):
         assert b.abs().max() > 0
@@ -148,3 +145,25 @@ def test_megatron_critic_matches_hf(tmp_path, family, head, tp, pp):
         torch.testing.assert_close(got["weights"][name], ref, atol=2e-4, rtol=0, msg=lambda m: f"{name}: {m}")
         torch.testing.assert_close(got["resumed"][name], got["weights"][name], atol=1e-6, rtol=0,
                                    msg=lambda m: f"resumed {name}: {m}")
+
+
+@pytest.mark.parametrize("family,head,tp,pp", [("llama", "causal_lm", 2, 1), ("qwen2", "token_classification", 1, 2)])
+def test_megatron_critic_matches_hf(tmp_path, family, head, tp, pp):
+    """critic.strategy=megatron: values, value losses and updated weights (gathered to HF names) equal the
+    single-process HF critic's over 3 PPO critic updates; a critic resumed from the Megatron checkpoint
+    written before the last update (other initial weights, fresh optimizer) ends where the run ended."""
+    check_critic_matches_hf(tmp_path, family, head, tp, pp, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_megatron_critic_tp2_on_two_gpus_matches_hf(tmp_path):
+    """The Megatron critic at TP=2 over NCCL, against the HF critic on one GPU."""
+    check_critic_matches_hf(tmp_path, "qwen2", "causal_lm", 2, 1, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_megatron_moe_ep2_on_two_gpus_matches_hf(tmp_path):
+    """Qwen3-MoE at EP=2 over NCCL (megatron-core without Transformer Engine), against HF on one GPU."""
+    check_updates_match_hf(tmp_path, "qwen3_moe", 1, 1, "cuda", ep=2)

@@ -148,6 +148,16 @@ def moe_config(hf_config, spec: ModelSpec) -> Dict:
                 moe_shared_expert_gate=bool(shared))
 
 
+def _router_without_te() -> None:
+    """megatron-core 0.16's router GEMM tests ``te_general_gemm is not None``, a name its module defines
+    only when Transformer Engine imports (a NameError without it): define it as absent, so that the
+    router takes its plain torch path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 class ValueHead(torch.nn.Module):
     """A critic's output layer: one value per position from the final (normed) hidden states, in place
     of the vocabulary projection (called as GPTModel calls its output layer). Replicated on every TP
@@ -191,6 +201,8 @@ class MegatronGPT:
 
             if not get_cuda_rng_tracker().get_states():
                 model_parallel_cuda_manual_seed(1234)
+        if self.spec.is_moe:
+            _router_without_te()
         layer_spec = get_gpt_layer_local_spec(num_experts=self.spec.num_experts or None, moe_grouped_gemm=False,
                                               normalization="RMSNorm", qk_layernorm=self.spec.qk_norm)
         self.chunks: List[torch.nn.Module] = []

@@ -115,7 +115,7 @@ class RLTrainer:
             if cfg.critic.strategy == "megatron":  # trained in Megatron's layout; the HF copy is not kept
                 from verl_fast.trainer.megatron_critic import MegatronCritic
 
-                self.critic = MegatronCritic(critic, cfg)
+                self.critic = MegatronCritic(critic.to(self.device), cfg)
             else:
                 self.critic = sharding.shard(critic, Sharding.from_config(cfg.critic, "critic", self.world),
                                              self.device)
