@@ -105,6 +105,21 @@ def test_export_cli_writes_an_hf_folder_from_the_shards(tiny_path, tmp_path):
         checkpoint.export(str(tmp_path / "nothing"), str(tmp_path / "x"))
 
 
+def test_final_export_of_one_process_written_from_memory_equals_the_shards(tiny_path, tmp_path):
+    """hf_export: final in one process writes the export from the model's own tensors (not read back
+    from dcp/): the same file contents as `verl-fast export` from the shards."""
+    from safetensors.torch import load_file
+
+    trainer, model = trainer_for(tiny_path, tmp_path / "run", total_steps=1, hf_export="final")
+    trainer.fit(PROMPTS)
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000001"
+    assert cli_main(["export", str(ckpt), str(tmp_path / "hf")]) == 0
+    ours, theirs = load_file(ckpt / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    want = dict(model.named_parameters())
+    assert all(torch.equal(v, want[k]) for k, v in ours.items())
+
+
 def test_damaged_checkpoints_are_named_and_skipped_for_the_last_complete_one(tiny_path, tmp_path, capfd):
     trainer, _ = trainer_for(tiny_path, tmp_path, total_steps=3, save_freq=1)
     first = trainer.fit(PROMPTS)

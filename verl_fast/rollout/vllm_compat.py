@@ -105,6 +105,13 @@ def torch_threads(count: Optional[int]) -> Iterator[None]:
         torch._C.set_num_threads(before)
 
 
+def cores_per_local_process() -> int:
+    """The cores this process may run on, shared with the other processes torchrun started on this
+    machine (``LOCAL_WORLD_SIZE``); at least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
 def kv_cache_space_from_env() -> bool:
     """True when the CPU backend's legacy ``VLLM_CPU_KVCACHE_SPACE`` (GiB) is set: it overrides
     ``kv_cache_memory_bytes``."""

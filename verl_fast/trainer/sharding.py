@@ -12,7 +12,8 @@ built from the config when the user passes plain Hugging Face models.
 Options of a sharded model: ``mixed_precision: bfloat16`` (bf16 parameters in forward and backward,
 fp32 gradient reduction, fp32 weights in the optimizer; the alternative to ``autocast``),
 ``cpu_offload`` (sharded parameters, gradients and optimizer state live on the CPU),
-``gradient_checkpointing`` (recompute each layer's activations in the backward).
+``gradient_checkpointing`` (recompute each layer's activations in the backward),
+``unsharded_accumulation`` (FSDP2, see ``micro_steps``).
 
 A model the user already wrapped (FSDP2 or FSDP1) is used as it is, never re-wrapped; only
 parameters left outside every wrapper (a value head on a wrapped backbone) get a root wrapper of the
@@ -22,9 +23,12 @@ same kind, so that their gradients are reduced too.
 from __future__ import annotations
 
 import copy
+import os
+import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import List
+from typing import Iterator, List, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -41,6 +45,7 @@ class Sharding:
     mixed_precision: bool = False
     cpu_offload: bool = False
     gradient_checkpointing: bool = False
+    unsharded_accumulation: str = "off"
 
     @staticmethod
     def from_config(section, name: str, world: int) -> "Sharding":
@@ -62,7 +67,8 @@ class Sharding:
         if section.cpu_offload and collective_device().type != "cuda":
             raise ValueError(f"{name}.cpu_offload needs CUDA (NCCL): offloading moves shards from the GPU "
                              "to the CPU, and without a GPU the model is on the CPU already; remove it")
-        return Sharding(strategy, mixed, section.cpu_offload, section.gradient_checkpointing)
+        return Sharding(strategy, mixed, section.cpu_offload, section.gradient_checkpointing,
+                        section.unsharded_accumulation)
 
 
 def compute_device(sharding: Sharding, wanted: str, model: nn.Module) -> torch.device:
@@ -139,7 +145,77 @@ def _fsdp2(model: nn.Module, sharding: Sharding, layers: List[nn.Module], mesh=N
     for layer in layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+    if layers and _keeps_unsharded(model, sharding):  # never for a model the user wrapped
+        _GATHER_ONCE.add(model)
     return model
+
+
+# FSDP2 models this module wrapped whose micro-batches run on parameters gathered once per step
+_GATHER_ONCE: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+T = TypeVar("T")
+
+
+def _keeps_unsharded(model: nn.Module, sharding: Sharding) -> bool:
+    """``unsharded_accumulation`` resolved: ``auto`` is on when the whole model's parameters (in
+    the compute dtype) and fp32 gradients take at most a quarter of the device's memory."""
+    if sharding.unsharded_accumulation != "auto" or sharding.cpu_offload:
+        return sharding.unsharded_accumulation == "on" and not sharding.cpu_offload
+    numel = sum(p.numel() for p in model.parameters())  # DTensors count their global size
+    param_bytes = 2 if sharding.mixed_precision else next(model.parameters()).element_size()
+    device = collective_device()
+    if device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return numel * (param_bytes + 4) <= memory // 4
+
+
+def _set_fsdp2_resharding(model: nn.Module, after_forward: bool) -> None:
+    model.set_reshard_after_forward(after_forward)
+    if after_forward:  # the root's own default: not resharded after forward (backward needs it at once)
+        model.set_reshard_after_forward(False, recurse=False)
+
+
+def micro_steps(model: nn.Module, micro: Sequence[T]) -> Iterator[T]:
+    """Yields the micro-batches of one optimiser step. For an FSDP2 model wrapped here with
+    ``unsharded_accumulation`` on, the parameters are all-gathered by the first forward and kept
+    until the last backward, and gradients accumulate unsharded and unreduced until the last
+    backward reduce-scatters them: one all-gather and one reduce-scatter per step instead of one per
+    micro-batch, the same gradient. Other models: the micro-batches as they are."""
+    if model not in _GATHER_ONCE or len(micro) < 2:
+        yield from micro
+        return
+    _set_fsdp2_resharding(model, after_forward=False)
+    try:
+        for i, item in enumerate(micro):
+            last = i == len(micro) - 1
+            model.set_requires_gradient_sync(last)
+            model.set_reshard_after_backward(last)
+            yield item
+    finally:
+        model.set_requires_gradient_sync(True)
+        model.set_reshard_after_backward(True)
+        _set_fsdp2_resharding(model, after_forward=True)
+
+
+@contextmanager
+def gathered_for_passes(model: nn.Module, passes: int) -> Iterator[None]:
+    """Around ``passes`` no-grad forwards of an FSDP2 model wrapped here with
+    ``unsharded_accumulation`` on: parameters all-gathered by the first forward, kept for the others
+    and resharded at the end."""
+    if model not in _GATHER_ONCE or passes < 2:
+        yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    _set_fsdp2_resharding(model, after_forward=False)
+    try:
+        yield
+    finally:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        _set_fsdp2_resharding(model, after_forward=True)
 
 
 def _fsdp1(model: nn.Module, sharding: Sharding, layers: List[nn.Module]) -> nn.Module:
