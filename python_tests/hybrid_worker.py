@@ -25,6 +25,16 @@ def greedy_hf(model, prompts, tokens):
     return out
 
 
+def grpo_config(out_dir: str, tp: int, **actor):
+    """3 GRPO steps with vLLM rollout at TP ``tp``; ``actor``: more actor settings."""
+    return {"actor": {"lr": 2e-2, "micro_batch_size": 16, **actor},
+            "rollout": {"type": "auto", "n": 4, "max_new_tokens": 4, "dtype": "float32", "max_model_len": 96,
+                        "max_num_seqs": 16, "tensor_parallel_size": tp},
+            "reward_fn": {"type": "gsm8k"}, "algorithm": {"type": "grpo"},
+            "trainer": {"total_steps": 3, "train_batch_size": 4, "output_dir": out_dir, "progress_bar": False,
+                        "plot": False, "save_freq": 0, "max_prompt_length": 64}}
+
+
 def main(rank: int, world: int, port: int, model_dir: str, out_dir: str, tp: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), VLLM_CPU_KVCACHE_SPACE="1")
@@ -46,13 +56,7 @@ def main(rank: int, world: int, port: int, model_dir: str, out_dir: str, tp: int
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
-    cfg = {"actor": {"lr": 2e-2, "micro_batch_size": 16},
-           "rollout": {"type": "auto", "n": 4, "max_new_tokens": 4, "dtype": "float32", "max_model_len": 96,
-                       "max_num_seqs": 16, "tensor_parallel_size": tp},
-           "reward_fn": {"type": "gsm8k"}, "algorithm": {"type": "grpo"},
-           "trainer": {"total_steps": 3, "train_batch_size": 4, "output_dir": out_dir, "progress_bar": False,
-                       "plot": False, "save_freq": 0, "max_prompt_length": 64}}
-    trainer = RLTrainer(actor_model=model, tokenizer=tok, config=cfg, model_path=None,
+    trainer = RLTrainer(actor_model=model, tokenizer=tok, config=grpo_config(out_dir, tp), model_path=None,
                         reward_fn=lambda solution_str: float(len(solution_str) % 2))
     history = trainer.fit(PROMPTS)
     moved = trainer.engine.sync_from(model)["bytes"]  # what one sync moves into this rank

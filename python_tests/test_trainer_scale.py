@@ -204,8 +204,32 @@ def test_strategy_errors_name_the_key(tmp_path):
         Sharding.from_config(cfg.critic, "critic", world=1)
     with pytest.raises(ValueError, match=r"actor.strategy=none is not supported with 2 processes"):
         Sharding.from_config(config_mod.from_dict({"actor": {"strategy": "none"}}).actor, "actor", world=2)
-    with pytest.raises(ValueError, match=r"critic.strategy=megatron is not supported yet"):
+    with pytest.raises(ValueError, match=r"critic.strategy=megatron is not supported with actor.strategy=auto.*"
+                                         r"use actor.strategy=megatron"):
         config_mod.from_dict({"critic": {"strategy": "megatron"}})
+    with pytest.raises(ValueError, match=r"critic.mixed_precision is not supported with critic.strategy=megatron"):
+        config_mod.from_dict({"actor": {"strategy": "megatron"},
+                              "critic": {"strategy": "megatron", "mixed_precision": "bfloat16"}})
     with pytest.raises(ValueError, match=r"actor.strategy must be one of"):
         config_mod.from_dict({"actor": {"strategy": "ddp"}})
+    with pytest.raises(ValueError, match=r"algorithm.type=dpo is not supported with actor.strategy=megatron"):
+        config_mod.from_dict({"actor": {"strategy": "megatron"}, "algorithm": {"type": "dpo"},
+                              "reward_fn": {"type": "pairwise_ranking"}})
     assert Sharding.from_config(config_mod.from_dict({}).actor, "actor", world=1).strategy == "none"
+
+
+def test_megatron_model_refusals_name_the_key():
+    """What the Megatron model mapping cannot build fails before megatron-core is touched."""
+    from tiny_models import tiny_config
+
+    from verl_fast.models.megatron_model import Parallel, model_spec
+
+    with pytest.raises(ValueError, match=r"actor.expert_model_parallel_size=2 needs a mixture-of-experts model"):
+        model_spec(tiny_config("qwen2"), torch.float32, "actor", Parallel(ep=2))
+    with pytest.raises(ValueError, match=r"expert_model_parallel_size > 1 is not supported with tensor_model"):
+        model_spec(tiny_config("qwen3_moe"), torch.float32, "actor", Parallel(tp=2, ep=2))
+    with pytest.raises(ValueError, match=r"dense layers among the MoE layers .*mlp_only_layers"):
+        model_spec(tiny_config("qwen2_moe", mlp_only_layers=[1]), torch.float32, "actor", Parallel())
+    with pytest.raises(ValueError, match=r"critic.strategy=megatron supports model_type .* got 'mixtral'"):
+        model_spec(tiny_config("mixtral"), torch.float32, "critic", Parallel())
+    assert model_spec(tiny_config("qwen3_moe"), torch.float32, "actor", Parallel(ep=2)).num_experts == 4

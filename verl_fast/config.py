@@ -419,9 +419,19 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"algorithm.type=online_dpo is not supported with rollout.n={cfg.rollout.n}: a pair needs "
                          "two sampled responses per prompt; use rollout.n >= 2")
     if cfg.critic.strategy == "megatron":
-        raise ValueError("critic.strategy=megatron is not supported yet; use fsdp2, fsdp1 or none (a value model "
-                         "beside a megatron actor)")
+        if cfg.actor.strategy != "megatron":
+            raise ValueError(f"critic.strategy=megatron is not supported with actor.strategy={cfg.actor.strategy}: "
+                             "the critic takes the actor's Megatron layout; use actor.strategy=megatron")
+        for key in ("gradient_checkpointing", "cpu_offload"):
+            if getattr(cfg.critic, key):
+                raise ValueError(f"critic.{key} is not supported with critic.strategy=megatron; leave it off")
+        if cfg.critic.mixed_precision != "none":
+            raise ValueError("critic.mixed_precision is not supported with critic.strategy=megatron; use "
+                             "critic.dtype=bfloat16 (bf16 weights, fp32 main weights in the optimizer)")
     if cfg.actor.strategy == "megatron":
+        if algo in ("dpo", "online_dpo"):
+            raise ValueError(f"algorithm.type={algo} is not supported with actor.strategy=megatron; use fsdp2, "
+                             "fsdp1 or none")
         for key in ("use_dynamic_bsz", "gradient_checkpointing", "cpu_offload"):
             if getattr(cfg.actor, key):
                 raise ValueError(f"actor.{key} is not supported with actor.strategy=megatron; use fixed-size "

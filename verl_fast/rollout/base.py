@@ -153,7 +153,7 @@ class RolloutEngine:
 
     def sync_from(self, model: torch.nn.Module) -> Dict[str, float]:
         """Makes the engine generate with ``model``'s current weights (after every optimizer step;
-        collective when the model is sharded). Returns ``{"bytes": ...}``: what this rank received.
+        collective when the model is sharded; engines that own weights also take a Megatron actor). Returns ``{"bytes": ...}``: what this rank received.
         Engines that generate with the model itself have nothing to do."""
         return {"bytes": 0}
 

@@ -7,6 +7,9 @@ rank passes its own prompts; all prompts are split over the groups balanced by e
 group generates its group's share (the same requests, so a TP group stays in step), and the
 results are gathered so that each rank gets the completions of its own prompts, in its order.
 Each prompt keeps its sampling spec (and seed) whichever group serves it.
+
+``GroupSharedEngine``: ranks that hold the same data (a Megatron model-parallel group) send their
+prompts once, from the group's first rank, and all get its completions.
 """
 
 from __future__ import annotations
@@ -34,7 +37,34 @@ def rows_of(out: GenerationOutput, start: int, stop: int) -> GenerationOutput:
         texts=out.texts[lo:hi], finish_reasons=out.finish_reasons[lo:hi])
 
 
-class DataParallelEngine(RolloutEngine):
+class EngineWrapper(RolloutEngine):
+    """Passes everything but ``generate`` to the wrapped ``self.engine``."""
+
+    engine: RolloutEngine
+
+    @property
+    def owns_weights(self) -> bool:
+        return self.engine.owns_weights
+
+    def sync_from(self, model: torch.nn.Module) -> Dict[str, float]:
+        return self.engine.sync_from(model)
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def metrics(self) -> dict:
+        return self.engine.metrics()
+
+    def close(self) -> None:
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
+
+class DataParallelEngine(EngineWrapper):
     """``engine`` (this rank's member of a TP group of ``tensor_parallel_size`` consecutive ranks)
     serving the whole world's prompts; see the module docstring."""
 
@@ -50,10 +80,6 @@ class DataParallelEngine(RolloutEngine):
         self.tp = tp
         self.num_groups = self.world // tp
         self.pad_token_id = pad_token_id
-
-    @property
-    def owns_weights(self) -> bool:
-        return self.engine.owns_weights
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  sampling: Union[SamplingSpec, Sequence[SamplingSpec]]) -> GenerationOutput:
@@ -78,19 +104,23 @@ class DataParallelEngine(RolloutEngine):
                                self.pad_token_id)
         return rows_of(merged, start, start + len(prompts))
 
-    def sync_from(self, model: torch.nn.Module) -> Dict[str, float]:
-        return self.engine.sync_from(model)
 
-    def sleep(self) -> None:
-        self.engine.sleep()
+class GroupSharedEngine(EngineWrapper):
+    """``engine`` (collective over the world) for ranks whose ``group`` holds the same prompts: only the
+    group's first rank sends them, the others send none, and the completions are broadcast over the
+    group, so every rank of it trains on the same samples and each prompt is generated once."""
 
-    def wake_up(self) -> None:
-        self.engine.wake_up()
+    collective = True
 
-    def metrics(self) -> dict:
-        return self.engine.metrics()
+    def __init__(self, engine: RolloutEngine, group):
+        self.engine, self.group = engine, group
+        self.first = dist.get_rank(group) == 0
+        self.src = dist.get_global_rank(group, 0)
 
-    def close(self) -> None:
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 sampling: Union[SamplingSpec, Sequence[SamplingSpec]]) -> GenerationOutput:
+        out = self.engine.generate(prompts if self.first else [], sampling if self.first else [])
+        box = [out if self.first else None]
+        dist.broadcast_object_list(box, src=self.src, group=self.group)
+        return box[0]
+

@@ -42,8 +42,9 @@ def resolve_type(kind: str) -> str:
 
 
 def build_engine(cfg: Config, actor: torch.nn.Module, tokenizer: Any, model_path: Optional[str] = None,
-                 autocast_dtype: Optional[torch.dtype] = None) -> RolloutEngine:
-    """The engine for ``cfg.rollout`` (see the module docstring); collective under torchrun."""
+                 autocast_dtype: Optional[torch.dtype] = None, source: Any = None) -> RolloutEngine:
+    """The engine for ``cfg.rollout`` (see the module docstring); collective under torchrun. ``source``:
+    what a vLLM engine takes its weights from, when not the actor itself (the Megatron actor)."""
     kind, quantization = resolve_type(cfg.rollout.type), cfg.rollout.quantization
     if quantization and (kind == "hf" or not hasattr(actor, "peft_config")):
         raise ValueError(f"rollout.quantization={quantization} is not supported with " + (
@@ -84,7 +85,7 @@ def build_engine(cfg: Config, actor: torch.nn.Module, tokenizer: Any, model_path
         enable_lora=peft, **kwargs)
     engine.folder = folder  # lives as long as the engine
     if folder is not None or peft:  # placeholder weights, or the adapter still to push
-        engine.sync_from(actor)
+        engine.sync_from(actor if source is None or peft else source)
     if world > 1:
         return DataParallelEngine(engine, r.tensor_parallel_size, engine.pad_token_id)
     return engine

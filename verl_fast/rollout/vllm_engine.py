@@ -9,7 +9,7 @@ reload, no engine restart), and the prefix cache is dropped after each update. T
     engine = VLLMInferenceEngine(path, dtype="bfloat16", max_model_len=1024)
     out = engine.generate(prompt_token_ids, [SamplingSpec(n=8, max_tokens=256)] * len(prompt_token_ids))
     engine.sleep()                                   # before training (GPU: frees KV cache / weights)
-    engine.sync_from(actor)                          # after each optimizer step (HF, FSDP1 or FSDP2 actor)
+    engine.sync_from(actor)                          # after each optimizer step (HF, FSDP1, FSDP2, Megatron)
     engine.wake_up()                                 # before the next rollout
     engine.metrics()  # {"prefix_cache_hit_rate": ..., "kv_cache_usage_peak": ..., "weight_update_s": ...}
 
@@ -310,8 +310,8 @@ class VLLMInferenceEngine(RolloutEngine):
         self._last_update_s = time.perf_counter() - start
 
     def sync_from(self, model: torch.nn.Module) -> Dict[str, float]:
-        """Pushes ``model``'s current weights (an HF model, FSDP1 or FSDP2; a PEFT model's adapter)
-        into the engine in place; collective over the actor's ranks. Returns ``{"bytes": ...}``,
+        """Pushes ``model``'s current weights (an HF model, FSDP1 or FSDP2, the trainer's Megatron actor;
+        a PEFT model's adapter) into the engine in place; collective over the actor's ranks. Returns ``{"bytes": ...}``,
         the bytes this rank received from others. See the module docstring."""
         if hasattr(model, "peft_config"):
             self.update_lora(model)
@@ -343,7 +343,8 @@ class VLLMInferenceEngine(RolloutEngine):
         # an external-launcher engine is one TP rank of a group of consecutive ranks; any other
         # engine holds the whole model in this process
         tp = self.tensor_parallel_size if self.external_launcher else 1
-        spec = ModelSpec.from_hf_config(hf_module(model).config, dtype=self.dtype)
+        config = getattr(model, "hf_config", None) or hf_module(model).config  # hf_config: a Megatron actor
+        spec = ModelSpec.from_hf_config(config, dtype=self.dtype)
         return WeightSync(spec, tp, consecutive_tp_ranks(world, tp), world, self.dtype or spec.dtype,
                           direct=not compat.is_cpu_platform())
 

@@ -2,7 +2,8 @@
 ``ReshardPlan`` built at the first sync and reused every step.
 
 The actor is read where it lives (no full state dict is ever gathered): FSDP2 / DTensor shards,
-FSDP1 flat-parameter shards, or a whole HF model. Every rank receives only the bytes of its own
+FSDP1 flat-parameter shards, a whole HF model, or the tensor / pipeline-parallel shards of a
+Megatron actor (anything with ``weight_source()``: a layout over the world and this rank's tensors). Every rank receives only the bytes of its own
 vLLM TP shard that it does not hold, converted to the engine's dtype before they are sent. Two
 destinations:
 
@@ -39,6 +40,8 @@ from verl_fast.ops.reshard.vllm import vllm_reload_layout
 def actor_source(spec: ModelSpec, model: torch.nn.Module) -> Tuple[Layout, Mapping[str, torch.Tensor]]:
     """The layout the actor's parameters are in, and this rank's tensors of it by name. A plain module
     under several processes is a whole copy on every rank: each rank's TP shard is then copied locally."""
+    if hasattr(model, "weight_source"):  # e.g. trainer/megatron_actor.MegatronActor
+        return model.weight_source()
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     except ImportError:  # pragma: no cover - torch without distributed

@@ -1,27 +1,21 @@
 """The actor trained with megatron-core (``actor.strategy: megatron``): log-probs and updates for
-RLTrainer through megatron-core's pipeline schedules, DDP and distributed optimizer.
+RLTrainer through megatron-core's pipeline schedules, DDP and distributed optimizer
+(``megatron_training.py``).
 
 - Model: ``models/megatron_model.MegatronGPT`` built from the HF actor's config, its weights
   loaded from the HF actor's state dict (each rank its shards). The HF actor stays the rollout
-  model: after each update the Megatron weights are written back into it (``export_to``).
+  model of HF generate: after each update the Megatron weights are written back into it
+  (``export_to``); a vLLM engine takes them straight from the Megatron shards instead.
 - Log-probs and entropy: the output layer is swapped, for the duration of a forward, for
   ``linear_logprobs(hidden, output_layer weight shard, labels, tp_group=TP group)`` on the final
   (normed) hidden states: vocab-parallel, the [tokens, vocab] logits never exist. Padded vocabulary
   rows get a -1e4 bias, so the softmax runs over the real vocabulary only, as in the HF model.
-- Positions: megatron-core's rotary embedding numbers positions from 0, so each left-padded row is
-  rotated to start at its first real token (its trailing padding is then harmless under the causal mask).
-- One optimiser step per mini-batch: ``get_forward_backward_func`` runs our micro-batches
-  (variable shapes, their sizes sent between stages); the loss of a micro-batch is its share of
-  the mini-batch loss (normalised by the DP-global counts divided by the DP size), multiplied by
-  the number of micro-batches because the schedule divides by it; DDP averages over DP ranks.
-  Gradient clipping is megatron-core's (norm over every model-parallel shard). AdamW as megatron-core
-  sets it up: no weight decay on biases and norms.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,22 +23,9 @@ import torch.distributed as dist
 from verl_fast.models.megatron_model import MegatronGPT, Parallel, init_parallel_state
 from verl_fast.ops.logprobs import linear_logprobs
 from verl_fast.trainer.experience import Experience
+from verl_fast.trainer.megatron_training import DTYPES, MegatronTrained
 
 _PAD_LOGIT = -1e4  # exp(-1e4 - max) is exactly 0 in float32: padded vocabulary rows drop out
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def rotate_to_start(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int):
-    """Rows rotated left past their left padding: ``(tokens [n, S], positions [n, L])`` where
-    ``positions[i, j]`` is the position whose output predicts response token j of row i."""
-    n, width = input_ids.shape
-    pads = attention_mask.long().argmax(-1)  # first real token of each (left-padded) row
-    index = (torch.arange(width, device=input_ids.device) + pads[:, None]) % width
-    tokens = input_ids.gather(1, index)
-    first = width - response_length - 1 - pads  # the response starts at width - L, minus the padding
-    positions = first[:, None] + torch.arange(response_length, device=input_ids.device)
-    return tokens, positions
 
 
 class _Head:
@@ -78,181 +59,68 @@ class _Head:
             del self.layer.forward
 
 
-class MegatronActor:
+class MegatronActor(MegatronTrained):
     """Builds the Megatron model from ``hf_model`` and trains it; collective over the world."""
 
     def __init__(self, hf_model: torch.nn.Module, cfg: Any):
-        from megatron.core import parallel_state as ps
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed import finalize_model_grads
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
         a = cfg.actor
         self.cfg = cfg
-        self.par = Parallel.from_actor_config(a)
-        init_parallel_state(self.par)
-        dtype = DTYPES[a.dtype]
-        self.model = MegatronGPT(hf_model.config, self.par, dtype)
-        self.model.load_hf(hf_model.state_dict())
-        config = self.model.config
-        config.variable_seq_lengths = True  # micro-batches keep their own lengths; shapes go between stages
-        config.finalize_model_grads_func = finalize_model_grads
-        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
-        self.model.chunks = [DistributedDataParallel(config, ddp, c) for c in self.model.chunks]
-        self.optimizer = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=a.lr, weight_decay=a.weight_decay, clip_grad=a.max_grad_norm, params_dtype=dtype,
-            bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, use_distributed_optimizer=True),
-            self.model.chunks)
-        self.dp_group = ps.get_data_parallel_group()
-        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        self.tp_group = ps.get_tensor_model_parallel_group()
-        self.pp_group = ps.get_pipeline_model_parallel_group()
-        self.last_stage_rank = ps.get_pipeline_model_parallel_last_rank()
-        self.is_last_stage = ps.is_pipeline_last_stage()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
-            torch.device("cpu")
+        par = Parallel.from_actor_config(a)
+        init_parallel_state(par)
+        self.hf_config = hf_model.config
+        model = MegatronGPT(hf_model.config, par, DTYPES[a.dtype])
+        model.load_hf(hf_model.state_dict())
+        super().__init__(model, a.lr, a.weight_decay, a.max_grad_norm)
 
-    # ---- one pass of the schedule over micro-batches
-
-    def _head(self, temperature: float) -> _Head:
+    def _around(self, temperature: float):
+        """The fused log-prob head, active around each forward of the last stage (None elsewhere)."""
         last = self.model.chunks[-1].module
         layer = getattr(last, "output_layer", None) if last.post_process else None
-        return _Head(layer, self.tp_group, self.model.spec.vocab_size, temperature) if layer is not None else None
+        if layer is None:
+            return None
+        head = _Head(layer, self.tp_group, self.model.spec.vocab_size, temperature)
 
-    def _run(self, exp: Experience, micro: List[torch.Tensor], temperature: float, forward_only: bool,
-             loss_fn: Callable[[torch.Tensor, torch.Tensor, Experience], Tuple[torch.Tensor, Dict[str, Any]]]):
-        """Runs the schedule; ``loss_fn(logp [n, L], entropy [n, L], sub)`` on the last stage gives the
-        micro-batch's loss and what to return for it. Returns those results (last stage only)."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
+        def around(tokens):
+            head.labels = tokens.roll(-1, dims=1).t()  # [S, n]: position s predicts token s + 1
+            return head.active()
 
-        head = self._head(temperature)
-        n_micro = len(micro)
-        batches = []
-        for idx in micro:
-            sub = exp.select(idx.to(exp.input_ids.device))
-            tokens, positions = rotate_to_start(sub.input_ids, sub.attention_mask, sub.response_length)
-            width = int(positions.max()) + 2  # nothing after the last response token is needed
-            batches.append((sub, tokens[:, :width].to(self.device), positions.to(self.device)))
-
-        def forward_step(data_iterator, model):
-            sub, tokens, positions = next(data_iterator)
-            n, width = tokens.shape
-            mask = torch.triu(torch.ones(1, 1, width, width, dtype=torch.bool, device=self.device), diagonal=1)
-            pos = torch.arange(width, device=self.device).expand(n, width)
-            if head is not None:
-                head.labels = tokens.roll(-1, dims=1).t()  # [S, n]: position s predicts token s + 1
-                with head.active():
-                    out = model(tokens, pos, mask)
-            else:
-                out = model(tokens, pos, mask)
-
-            def loss_func(output):
-                logp = output[..., 0].gather(1, positions)  # [n, L]
-                entropy = output[..., 1].gather(1, positions)
-                loss, result = loss_fn(logp, entropy, sub)
-                return loss * n_micro, result  # the schedule divides every micro-batch's loss by n_micro
-
-            return out, loss_func
-
-        chunks = self.model.chunks
-        iterators = [iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches)
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iterators, model=chunks if len(chunks) > 1 else chunks[0],
-            num_microbatches=n_micro, seq_length=exp.input_ids.shape[1], micro_batch_size=max(len(m) for m in micro),
-            forward_only=forward_only)
+        return around
 
     # ---- the trainer's interface
 
-    @torch.no_grad()
     def logprobs(self, exp: Experience, micro: List[torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
         """[N, L] float32 log-probs of the response tokens, on every rank (sent from the last stage)."""
-        for c in self.model.chunks:
-            c.eval()
-        out = torch.zeros(exp.response_mask.shape, dtype=torch.float32, device=self.device)
-        results = self._run(exp, micro, temperature, True,
-                            lambda logp, entropy, sub: (logp.sum() * 0, logp.float()))
-        if self.is_last_stage:
-            for idx, logp in zip(micro, results):  # [n, L of the micro-batch]
-                out[idx.to(self.device), : logp.shape[1]] = logp
-        if self.par.pp > 1:
-            dist.broadcast(out, src=self.last_stage_rank, group=self.pp_group)
-        return out.to(exp.response_mask.device)
+        return self.response_outputs(exp, micro, self._around(temperature))
 
     def train_mini_batch(self, exp: Experience, micro: List[torch.Tensor], loss_fn) -> Tuple[List[Dict], float]:
         """One optimiser step over ``micro``; ``loss_fn(logp, entropy, sub) -> (loss, stats)``. Returns
-        each micro-batch's stats (every rank; sent from the last stage) and the gradient norm."""
-        for c in self.model.chunks:
-            c.train()
-            c.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        stats = self._run(exp, micro, self.cfg.rollout.temperature or 1.0, False, loss_fn) if micro else []
-        ok, grad_norm, _ = self.optimizer.step()
-        if self.par.pp > 1:
-            box = [stats]
-            dist.broadcast_object_list(box, src=self.last_stage_rank, group=self.pp_group)
-            stats = box[0]
-        return list(stats), float(grad_norm or 0.0) if ok else float("nan")
+        each micro-batch's stats (every rank) and the gradient norm."""
+        return super().train_mini_batch(exp, micro, loss_fn, self._around(self.cfg.rollout.temperature or 1.0))
 
     def export_to(self, hf_model: torch.nn.Module) -> None:
-        """Writes the trained weights into the HF model (every rank; collective over the model-parallel group)."""
+        """Writes the trained weights into the HF model (every rank; collective over the group holding
+        every weight)."""
         self.model.to_hf(dict(hf_model.named_parameters()))
 
-    # ---- Megatron distributed checkpoints (model + optimizer; loadable at another TP / PP layout)
+    def hf_state(self) -> Dict[str, torch.Tensor]:
+        """The trained weights under HF names, on the CPU, on the first rank of the group holding every
+        weight (``{}`` on the others); collective over that group. Nothing is kept after the call."""
+        first = dist.get_rank(self.model.weights_group()) == 0
+        device = next(iter(self.model.named_parameters().values())).device
+        out = {n: torch.empty(shape, dtype=self.model.spec.dtype, device=device)
+               for n, shape in self.model.logical.items()} if first else {}
+        self.model.to_hf(out, only_first=True)
+        return {n: t.cpu() for n, t in out.items()}
 
-    def _sharded_state(self, is_loading: bool) -> Dict[str, Any]:
-        model = {(f"model{v}" if self.par.vpp else "model"): c.module.sharded_state_dict()
-                 for v, c in enumerate(self.model.chunks)}
-        # the canonical per-parameter optimizer state: reloadable at any TP / PP / DP layout
-        meta = {"distrib_optim_sharding_type": "fully_reshardable"}
-        return {**model, "optimizer": self.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=meta)}
+    def weight_source(self) -> Tuple[Any, Dict[str, torch.Tensor]]:
+        """The source of a rollout engine's weight sync: the Megatron shards as a layout over the world
+        (each rank its TP / PP shard, data-parallel replicas included) and this rank's parameters by the
+        layout's names. Collective over the world."""
+        return self.model.group_layout(), self.model.named_parameters()
 
-    def save_checkpoint(self, path) -> None:
-        """Writes a ``torch_dist`` checkpoint into the (existing, empty) folder ``path``; collective."""
-        from megatron.core import dist_checkpointing
+    @staticmethod
+    def model_parallel_group():
+        """The ranks that hold one copy of the model between them (and the same data)."""
+        from megatron.core import parallel_state as ps
 
-        dist_checkpointing.save(self._sharded_state(is_loading=False), str(path))
-
-    def load_checkpoint(self, path) -> None:
-        """Restores the model and optimizer from ``save_checkpoint``'s folder, whatever layout wrote it."""
-        from megatron.core import dist_checkpointing
-
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            if not opt.optimizer.state:  # never stepped: megatron-core needs states to load into (its own
-                opt._init_optimizer_states_with_dummy_values()  # zero-gradient step; the load overwrites it)
-        state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(path))
-        for v, c in enumerate(self.model.chunks):
-            c.module.load_state_dict(state[f"model{v}" if self.par.vpp else "model"])
-        with _torch_adam_step_kept(self.optimizer):
-            self.optimizer.load_state_dict(state["optimizer"])
-
-
-@contextlib.contextmanager
-def _torch_adam_step_kept(optimizer):
-    """Two slips of megatron-core 0.16 when it loads a fully reshardable state into torch's Adam (no Apex
-    / Transformer Engine): it copies every state tensor a parameter has, "step" included, from a record
-    that leaves "step" out (a KeyError), and it gives every parameter the same "step" tensor, which
-    torch's Adam then increments once per parameter. While active, only the tensors the record holds
-    are copied; on exit each parameter gets its own "step"."""
-    patched = []
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if getattr(opt.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
-            continue
-
-        def copy_present(model_param, tensors, opt=opt):
-            group, order = opt.model_param_group_index_map[model_param]
-            main = opt.optimizer.param_groups[group]["params"][order]
-            dst = {"param": main, **opt.optimizer.state[main]}
-            for key, value in tensors.items():
-                dst[key].copy_(value)
-
-        opt._set_main_param_and_optimizer_states = copy_present
-        patched.append(opt)
-    try:
-        yield
-    finally:
-        for opt in patched:
-            del opt._set_main_param_and_optimizer_states
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for state in opt.optimizer.state.values():
-            if isinstance(state.get("step"), torch.Tensor):
-                state["step"] = state["step"].clone()
+        return ps.get_model_parallel_group()

@@ -2,8 +2,9 @@
 ``trainer/checkpoint.py`` (``step_N.tmp`` renamed once ``manifest.json`` is written; verified on
 resume): ``step_N/megatron/`` is a Megatron distributed (``torch_dist``) checkpoint of the model and
 its optimizer state, which resumes at any TP / PP layout and which ``verl-fast convert`` /
-``load_megatron_checkpoint`` read; beside it the HF export (safetensors that transformers and vLLM
-load), written from the rollout model, which carries the trained weights."""
+``load_megatron_checkpoint`` read; ``step_N/megatron_critic/`` the same for a Megatron critic;
+beside them the HF export (safetensors that transformers and vLLM load) of the actor, from the HF
+actor, or gathered from the Megatron shards where the HF actor keeps no weights (vLLM rollout)."""
 
 from __future__ import annotations
 
@@ -16,14 +17,17 @@ import torch
 
 from verl_fast.models.wrapping import hf_module
 from verl_fast.trainer import checkpoint
+from verl_fast.trainer.megatron_rollout import released
 from verl_fast.trainer.ranks import on_main
 
 MEGATRON = "megatron"
+MEGATRON_CRITIC = "megatron_critic"
 
 
 def save(output_dir: str, step: int, actor, hf_model: torch.nn.Module, tokenizer: Any,
-         state: Dict[str, Any]) -> Path:
-    """Collective: every rank writes its Megatron shards; rank 0 the HF export and the trainer state."""
+         state: Dict[str, Any], critic=None) -> Path:
+    """Collective: every rank writes its Megatron shards (the actor's, and ``critic``'s when it is a
+    Megatron critic); rank 0 the HF export and the trainer state."""
     root = checkpoint.checkpoint_root(output_dir)
     final, tmp = root / f"step_{step:06d}", root / f"step_{step:06d}.tmp"
 
@@ -31,9 +35,13 @@ def save(output_dir: str, step: int, actor, hf_model: torch.nn.Module, tokenizer
         if tmp.exists():
             shutil.rmtree(tmp)
         (tmp / MEGATRON).mkdir(parents=True)
+        if _is_megatron(critic):
+            (tmp / MEGATRON_CRITIC).mkdir()
+
+    weights = actor.hf_state() if released(hf_model) else None  # the HF actor keeps no weights (vLLM rollout)
 
     def write_hf() -> None:
-        hf_module(hf_model).save_pretrained(tmp, safe_serialization=True)
+        hf_module(hf_model).save_pretrained(tmp, safe_serialization=True, state_dict=weights)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         (tmp / checkpoint.STATE).write_text(json.dumps({"step": step, **state}, indent=1, default=str))
@@ -41,6 +49,8 @@ def save(output_dir: str, step: int, actor, hf_model: torch.nn.Module, tokenizer
     on_main(prepare)
     try:
         actor.save_checkpoint(tmp / MEGATRON)
+        if _is_megatron(critic):
+            critic.save_checkpoint(tmp / MEGATRON_CRITIC)
         on_main(write_hf)
         records = checkpoint._checksums(tmp, on_main(lambda: checkpoint._files(tmp)))
         on_main(lambda: checkpoint._publish(tmp, final, records, step))
@@ -50,11 +60,20 @@ def save(output_dir: str, step: int, actor, hf_model: torch.nn.Module, tokenizer
     return final
 
 
-def load(path: Path, actor, hf_model: torch.nn.Module) -> Dict[str, Any]:
-    """Restores the Megatron model and optimizer, then the rollout model from them; the trainer state."""
-    if not (path / MEGATRON).is_dir():
-        raise checkpoint.CheckpointError(f"{path} has no {MEGATRON}/ folder: it was not written by an "
-                                         "actor.strategy=megatron run")
+def load(path: Path, actor, hf_model: torch.nn.Module, critic=None) -> Dict[str, Any]:
+    """Restores the Megatron model and optimizer (and a Megatron critic's), then the rollout model from
+    them; the trainer state."""
+    for folder, needed, strategy in ((MEGATRON, True, "actor"), (MEGATRON_CRITIC, _is_megatron(critic), "critic")):
+        if needed and not (path / folder).is_dir():
+            raise checkpoint.CheckpointError(f"{path} has no {folder}/ folder: it was not written by a "
+                                             f"{strategy}.strategy=megatron run")
     actor.load_checkpoint(path / MEGATRON)
-    actor.export_to(hf_module(hf_model))
+    if _is_megatron(critic):
+        critic.load_checkpoint(path / MEGATRON_CRITIC)
+    if not released(hf_model):
+        actor.export_to(hf_module(hf_model))
     return json.loads((path / checkpoint.STATE).read_text())
+
+
+def _is_megatron(critic) -> bool:
+    return critic is not None and hasattr(critic, "save_checkpoint")

@@ -51,6 +51,7 @@ from verl_fast.rollout.operator import RolloutOperator
 from verl_fast.trainer import checkpoint, dpo, megatron_checkpoint, online_dpo, perf, remax, run_dir
 from verl_fast.trainer.actor_loss import actor_loss
 from verl_fast.trainer.experience import Experience, build_experience, last_token_rewards
+from verl_fast.trainer.megatron_rollout import megatron_rollout
 
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -112,12 +113,19 @@ class RLTrainer:
             if critic_model is None:
                 raise ValueError("algorithm.type=ppo needs a critic: pass critic_model (or critic.model_name)")
             critic = critic_model if isinstance(critic_model, ValueModel) else ValueModel(critic_model)
-            self.critic = sharding.shard(critic, Sharding.from_config(cfg.critic, "critic", self.world), self.device)
+            if cfg.critic.strategy == "megatron":  # trained in Megatron's layout; the HF copy is not kept
+                from verl_fast.trainer.megatron_critic import MegatronCritic
+
+                self.critic = MegatronCritic(critic.to(self.device), cfg)
+            else:
+                self.critic = sharding.shard(critic, Sharding.from_config(cfg.critic, "critic", self.world),
+                                             self.device)
         self.reward = build_reward(cfg.reward_fn, reward_fn)
         self.estimator = get_estimator(cfg.advantage_estimator) if cfg.advantage_estimator else None
         self.optimizer = self.megatron.optimizer if self.megatron else _adamw(self.actor, cfg.actor.lr,
                                                                                 cfg.actor.weight_decay)
-        self.critic_optimizer = _adamw(self.critic, cfg.critic.lr, cfg.critic.weight_decay) if self.critic else None
+        self.critic_optimizer = None if self.critic is None else self.critic.optimizer if self._megatron_critic else \
+            _adamw(self.critic, cfg.critic.lr, cfg.critic.weight_decay)
         self.processor = RLDataProcessor(tokenizer, cfg.trainer.max_prompt_length, cfg.rollout.max_new_tokens,
                                          system_prompt=cfg.trainer.system_prompt,
                                          overlong_prompts=cfg.trainer.overlong_prompts)
@@ -126,7 +134,10 @@ class RLTrainer:
         if rollout_operator is not None:
             self.rollout, self.engine = rollout_operator, rollout_operator.engine
         elif self.algorithm != "dpo":
-            self.engine = rollout_engine or build_engine(cfg, self.actor, tokenizer, model_path, self.autocast_dtype)
+            self.engine = rollout_engine or build_engine(cfg, self.actor, tokenizer, model_path, self.autocast_dtype,
+                                                         source=self.megatron)
+            if self.megatron is not None and self.engine.owns_weights:
+                self.engine = megatron_rollout(self.engine, self.megatron, self.actor)
             r = cfg.rollout
             waves = r.length_buckets == "on" or (r.length_buckets == "auto" and isinstance(self.engine, HFGenerateEngine))
             waves = waves and not self.engine.collective  # ranks would make different numbers of calls
@@ -270,7 +281,7 @@ class RLTrainer:
     def _sync_engine(self, metrics: Dict[str, Any]) -> None:
         """The engine generates with the actor's current weights from now on (collective); the bytes
         this rank moved go into ``metrics`` (the step's phase timer times the call)."""
-        moved = self.engine.sync_from(self.actor)
+        moved = self.engine.sync_from(self._rollout_source)
         if self.engine.owns_weights:
             metrics["sync/bytes_per_rank"] = float(moved.get("bytes", 0))
 
@@ -357,11 +368,24 @@ class RLTrainer:
                 out[idx, : sub.response_length] = logp.float()
         return out
 
+    @property
+    def _rollout_source(self) -> Any:
+        """What the engine's weights come from: the Megatron shards when the engine holds its own
+        weights (vLLM), else the actor."""
+        owns = self.engine is not None and self.engine.owns_weights
+        return self.megatron if self.megatron is not None and owns else self.actor
+
+    @property
+    def _megatron_critic(self) -> bool:
+        return self.critic is not None and self.cfg.critic.strategy == "megatron"
+
     @torch.no_grad()
     def _values(self, exp: Experience) -> torch.Tensor:
-        out = torch.zeros(exp.response_mask.shape, dtype=torch.float32, device=self.device)
         micro = self._micro(exp, torch.arange(exp.num_sequences, device=self.device), for_update=False,
                             size=self.cfg.critic.micro_batch_size)
+        if self._megatron_critic:
+            return self.critic.values(exp, micro) * exp.response_mask
+        out = torch.zeros(exp.response_mask.shape, dtype=torch.float32, device=self.device)
         with sharding.gathered_for_passes(self.critic, len(micro)):
             for idx in micro:
                 sub = exp.select(idx)
@@ -425,7 +449,7 @@ class RLTrainer:
         out.setdefault("actor/pg_loss", 0.0)  # every advantage 0: the policy loss is exactly 0
         out["actor/grad_norm"] = norms / steps
         out["actor/active_fraction"] = float(active.float().mean())
-        if self.megatron is not None:  # the rollout model gets the new weights
+        if self._rollout_source is self.actor and self.megatron is not None:  # HF rollout runs the HF actor
             self.megatron.export_to(hf_module(self.actor))
         return out
 
@@ -468,18 +492,30 @@ class RLTrainer:
         rows = torch.arange(N, device=self.device)
         counts = loss_normalisers(exp.response_mask, self.dp_group)
         totals: Dict[str, float] = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
-        self.critic.train()
+
+        def loss_fn(values: torch.Tensor, sub: Experience):
+            loss, stats = value_loss(values.float(), sub.values, sub.returns, sub.response_mask,
+                                     c.cliprange_value, c.loss_agg_mode, **counts)
+            return loss, {"vf_loss": loss.item(), "vf_clipfrac": float(stats["vf_clipfrac"]) * sub.num_sequences / N}
+
         for _ in range(self.cfg.actor.ppo_epochs):
-            for idx in sharding.micro_steps(self.critic, self._micro(exp, rows, size=c.micro_batch_size)):
-                sub = exp.select(idx)
-                with self._autocast():
-                    values = response_values(self.critic, sub.input_ids, sub.attention_mask, sub.response_length)
-                loss, stats = value_loss(values.float(), sub.values, sub.returns, sub.response_mask,
-                                         c.cliprange_value, c.loss_agg_mode, **counts)
-                loss.backward()
-                totals["vf_loss"] += loss.item()
-                totals["vf_clipfrac"] += float(stats["vf_clipfrac"]) * idx.numel() / N
-            self._optimizer_step(self.critic, self.critic_optimizer, c.max_grad_norm)
+            micro = self._micro(exp, rows, size=c.micro_batch_size)
+            if self._megatron_critic:
+                results, _ = self.critic.train_mini_batch(exp, micro, loss_fn)
+            else:
+                self.critic.train()
+                results = []
+                for idx in sharding.micro_steps(self.critic, micro):
+                    sub = exp.select(idx)
+                    with self._autocast():
+                        values = response_values(self.critic, sub.input_ids, sub.attention_mask, sub.response_length)
+                    loss, stats = loss_fn(values, sub)
+                    loss.backward()
+                    results.append(stats)
+                self._optimizer_step(self.critic, self.critic_optimizer, c.max_grad_norm)
+            for stats in results:
+                totals["vf_loss"] += stats["vf_loss"]
+                totals["vf_clipfrac"] += stats["vf_clipfrac"]
         epochs = self.cfg.actor.ppo_epochs
         return {"critic/vf_loss": totals["vf_loss"] / epochs, "critic/vf_clipfrac": totals["vf_clipfrac"] / epochs,
                 "critic/values_mean": float((exp.values * exp.response_mask).sum() / exp.response_mask.sum())}
@@ -519,7 +555,7 @@ class RLTrainer:
         state = {"history": self.history, "config": self.cfg.to_dict(), "torch_rng": torch.get_rng_state().tolist()}
         if self.megatron is not None:  # a Megatron distributed checkpoint, and always the HF export
             megatron_checkpoint.save(self.cfg.trainer.output_dir, self.step, self.megatron, self.actor,
-                                     self.tokenizer, state)
+                                     self.tokenizer, state, self.critic)
         else:
             checkpoint.save(self.cfg.trainer.output_dir, self.step, self.actor, self.tokenizer, self.optimizer, state,
                             self.critic, self.critic_optimizer, export_hf=export_hf)
@@ -533,8 +569,10 @@ class RLTrainer:
                 checkpoint.clean_partial(self.cfg.trainer.output_dir)
             path = checkpoint.latest_valid(self.cfg.trainer.output_dir)
         if path is not None:
-            state = (megatron_checkpoint.load(path, self.megatron, self.actor) if self.megatron is not None else
-                     checkpoint.load(path, self.actor, self.optimizer, self.critic, self.critic_optimizer))
+            if self.megatron is not None:
+                state = megatron_checkpoint.load(path, self.megatron, self.actor, self.critic)
+            else:
+                state = checkpoint.load(path, self.actor, self.optimizer, self.critic, self.critic_optimizer)
             self.step = int(state["step"])
             self.history = list(state.get("history", []))
             torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))

@@ -94,7 +94,9 @@ def _dense_mlp(mp: str, lp: str, spec: ModelSpec, tp: int, t: int, rank: int, dt
 
 
 def _layer(spec: ModelSpec, shapes, i: int, j: int, tp: int, t: int, rank: int, dtype, names: MegatronNames,
-           pre: str) -> List[PhysTensor]:
+           pre: str, experts: Optional[Tuple[int, int]] = None) -> List[PhysTensor]:
+    """Layer i as stage-local layer j; ``experts``: ``(first, count)`` of the experts held (default all),
+    numbered from 0 locally."""
     lp, mp = layer_prefix(i), f"{pre}decoder.layers.{j}."
     H, d = spec.hidden_size, spec.head_dim
     sparse = spec.is_sparse(i)
@@ -122,11 +124,13 @@ def _layer(spec: ModelSpec, shapes, i: int, j: int, tp: int, t: int, rank: int, 
     E, I = spec.num_experts, spec.moe_intermediate_size
     out.append(replicated(mp + "mlp.router.weight", lp + "mlp.gate.weight", (E, H), rank, dtype))
     gate_up, down = lp + "mlp.experts.gate_up_proj", lp + "mlp.experts.down_proj"
-    for e in range(E):
+    first, count = experts or (0, E)
+    for e in range(first, first + count):
+        local = e - first
         if names.experts == "grouped":
-            prefix, fc1, fc2 = mp + "mlp.experts.", f"linear_fc1.weight{e}", f"linear_fc2.weight{e}"
+            prefix, fc1, fc2 = mp + "mlp.experts.", f"linear_fc1.weight{local}", f"linear_fc2.weight{local}"
         else:
-            prefix, fc1, fc2 = f"{mp}mlp.experts.local_experts.{e}.", "linear_fc1.weight", "linear_fc2.weight"
+            prefix, fc1, fc2 = f"{mp}mlp.experts.local_experts.{local}.", "linear_fc1.weight", "linear_fc2.weight"
         out += _gated(prefix, (gate_up, e * 2 * I), (gate_up, e * 2 * I + I), (down, e * H), I, spec, tp, t, rank,
                       dtype, fc1, fc2)
     if spec.has_shared_expert:
@@ -140,16 +144,19 @@ def _layer(spec: ModelSpec, shapes, i: int, j: int, tp: int, t: int, rank: int, 
 
 def megatron_stage_tensors(spec: ModelSpec, tp: int, pp: int, t: int, p: int, rank: int, dtype,
                            padded_vocab: int, names: MegatronNames = MegatronNames(), prefix: str = "",
-                           num_layers_per_stage: Optional[Sequence[int]] = None) -> List[PhysTensor]:
-    """The parameters of TP rank ``t``, pipeline stage ``p``, held by process ``rank``."""
+                           num_layers_per_stage: Optional[Sequence[int]] = None, ep: int = 1,
+                           ep_rank: int = 0) -> List[PhysTensor]:
+    """The parameters of TP rank ``t``, pipeline stage ``p``, expert-parallel rank ``ep_rank`` of ``ep``
+    (its ``num_experts / ep`` consecutive experts, each split over the TP ranks), held by process ``rank``."""
     shapes = logical_shapes(spec)
+    experts = even_split(spec.num_experts, ep, ep_rank, "num_experts over expert-parallel ranks") if ep > 1 else None
     first, count = stage_layers(spec.num_layers, pp, p, num_layers_per_stage)
     out: List[PhysTensor] = []
     if p == 0:
         out.append(_vocab(prefix + "embedding.word_embeddings.weight", "model.embed_tokens.weight", spec,
                           padded_vocab, tp, t, rank, dtype))
     for j in range(count):
-        out += _layer(spec, shapes, first + j, j, tp, t, rank, dtype, names, prefix)
+        out += _layer(spec, shapes, first + j, j, tp, t, rank, dtype, names, prefix, experts)
     if p == pp - 1:
         out.append(replicated(prefix + "decoder.final_layernorm.weight", "model.norm.weight", (spec.hidden_size,),
                               rank, dtype))
