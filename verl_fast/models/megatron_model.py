@@ -2,7 +2,8 @@
 Hugging Face names through the resharding layouts (``ops/reshard/megatron.py``).
 
 The model uses megatron-core's local layer spec (no Transformer Engine): RMSNorm, SwiGLU MLP,
-grouped-query attention with rotary embeddings; Qwen2's QKV bias and Qwen3's per-head q/k norms.
+grouped-query attention with rotary embeddings; Qwen2's QKV bias and Qwen3's per-head q/k norms. Its
+core attention is ``megatron_attention.SDPAttention`` (torch's fused attention kernels).
 With a virtual pipeline (``vpp`` chunks per stage) chunk ``v`` of stage ``p`` is virtual stage
 ``v * pp + p`` of ``pp * vpp`` equal stages, megatron-core's interleaved order.
 
@@ -123,6 +124,8 @@ class MegatronGPT:
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+        from verl_fast.models.megatron_attention import with_sdpa
+
         self.par = par
         self.spec = model_spec(hf_config, dtype)
         self.config = transformer_config(hf_config, self.spec, par)
@@ -133,7 +136,7 @@ class MegatronGPT:
 
             if not get_cuda_rng_tracker().get_states():
                 model_parallel_cuda_manual_seed(1234)
-        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=self.spec.qk_norm)
+        layer_spec = with_sdpa(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=self.spec.qk_norm))
         self.chunks: List[torch.nn.Module] = []
         for v in range(par.chunks):
             vp = v if par.vpp else None

@@ -8,6 +8,8 @@ RLTrainer through megatron-core's pipeline schedules, DDP and distributed optimi
   ``linear_logprobs(hidden, output_layer weight shard, labels, tp_group=TP group)`` on the final
   (normed) hidden states: vocab-parallel, the [tokens, vocab] logits never exist. Padded vocabulary
   rows get a -1e4 bias, so the softmax runs over the real vocabulary only, as in the HF model.
+- Attention: no mask is passed; the layers are causal and their core attention (``SDPAttention``) then
+  asks torch for its causal kernel (flash attention on the GPU) instead of a masked [s, s] softmax.
 - Positions: megatron-core's rotary embedding numbers positions from 0, so each left-padded row is
   rotated to start at its first real token (its trailing padding is then harmless under the causal mask).
 - One optimiser step per mini-batch: ``get_forward_backward_func`` runs our micro-batches
@@ -137,14 +139,13 @@ class MegatronActor:
         def forward_step(data_iterator, model):
             sub, tokens, positions = next(data_iterator)
             n, width = tokens.shape
-            mask = torch.triu(torch.ones(1, 1, width, width, dtype=torch.bool, device=self.device), diagonal=1)
             pos = torch.arange(width, device=self.device).expand(n, width)
             if head is not None:
                 head.labels = tokens.roll(-1, dims=1).t()  # [S, n]: position s predicts token s + 1
                 with head.active():
-                    out = model(tokens, pos, mask)
+                    out = model(tokens, pos, None)
             else:
-                out = model(tokens, pos, mask)
+                out = model(tokens, pos, None)
 
             def loss_func(output):
                 logp = output[..., 0].gather(1, positions)  # [n, L]
