@@ -6,7 +6,8 @@ RLTrainer through megatron-core's pipeline schedules, DDP and distributed optimi
   model: after each update the Megatron weights are written back into it (``export_to``).
 - Log-probs and entropy: the output layer is swapped, for the duration of a forward, for
   ``linear_logprobs(hidden, output_layer weight shard, labels, tp_group=TP group)`` on the final
-  (normed) hidden states: vocab-parallel, the [tokens, vocab] logits never exist. Padded vocabulary
+  (normed) hidden states of the positions that predict a response token only (the prompt's are never
+  projected): vocab-parallel, the [tokens, vocab] logits never exist. Padded vocabulary
   rows get a -1e4 bias, so the softmax runs over the real vocabulary only, as in the HF model.
 - Attention: no mask is passed; the layers are causal and their core attention (``SDPAttention``) then
   asks torch for its causal kernel (flash attention on the GPU) instead of a masked [s, s] softmax.
@@ -54,7 +55,12 @@ class _Head:
 
     def __init__(self, layer, tp_group, vocab: int, temperature: float):
         self.layer, self.tp_group, self.vocab, self.temperature = layer, tp_group, vocab, temperature
-        self.labels = None  # [S, n] global token ids, set before each forward
+        self.index = self.labels = None  # [L, n] positions and the global ids they predict, set by ``select``
+
+    def select(self, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+        """The next forward projects, of the rows ``tokens [n, S]``, the positions ``positions [n, L]``."""
+        self.index = positions.t()
+        self.labels = tokens.gather(1, positions + 1).t()  # position s predicts token s + 1
 
     def _padding_bias(self, weight: torch.Tensor):
         rows = weight.shape[0]
@@ -67,9 +73,11 @@ class _Head:
 
     def forward(self, hidden, weight=None, runtime_gather_output=None):
         weight = self.layer.weight if weight is None else weight  # shared embeddings come as ``weight``
+        rows = torch.arange(hidden.shape[1], device=hidden.device)
+        hidden = hidden[self.index, rows]  # [S, n, H] -> [L, n, H]
         logp, entropy = linear_logprobs(hidden, weight, self.labels, self.temperature, True,
                                         bias=self._padding_bias(weight), tp_group=self.tp_group)
-        return torch.stack([logp, entropy], dim=-1), None  # [S, n, 2]
+        return torch.stack([logp, entropy], dim=-1), None  # [L, n, 2]; the model returns it as [n, L, 2]
 
     @contextlib.contextmanager
     def active(self):
@@ -141,15 +149,14 @@ class MegatronActor:
             n, width = tokens.shape
             pos = torch.arange(width, device=self.device).expand(n, width)
             if head is not None:
-                head.labels = tokens.roll(-1, dims=1).t()  # [S, n]: position s predicts token s + 1
+                head.select(tokens, positions)
                 with head.active():
                     out = model(tokens, pos, None)
             else:
                 out = model(tokens, pos, None)
 
             def loss_func(output):
-                logp = output[..., 0].gather(1, positions)  # [n, L]
-                entropy = output[..., 1].gather(1, positions)
+                logp, entropy = output[..., 0], output[..., 1]  # [n, L]
                 loss, result = loss_fn(logp, entropy, sub)
                 return loss * n_micro, result  # the schedule divides every micro-batch's loss by n_micro
 
