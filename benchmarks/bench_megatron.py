@@ -6,9 +6,11 @@ same global batch of sequences, the same RLTrainer code around them.
     torchrun --nproc_per_node 2 benchmarks/bench_megatron.py [--layers 28] [--seqs 64] [--length 512]
 
 Shape: the 1.5B Qwen2 (hidden 1536, 28 layers, 12 heads, 2 KV heads, intermediate 8960, vocab 151936,
-tied embeddings), random weights. Reports time per update, model FLOPs utilisation (6 x parameters x
-tokens plus attention, over 2 GPUs at the H200's dense bf16 peak) and peak memory per GPU; JSON in
-benchmarks/results/.
+tied embeddings), random weights. The Megatron layers' core attention is ``SDPAttention`` (torch's
+flash kernel through ``scaled_dot_product_attention``; MegatronGPT puts it in the local layer spec), and
+its log-prob head projects the response positions only. Reports time per update, model FLOPs
+utilisation (6 x parameters x tokens plus attention, over 2 GPUs at the H200's dense bf16 peak) and peak
+memory per GPU; JSON in benchmarks/results/.
 """
 
 from __future__ import annotations

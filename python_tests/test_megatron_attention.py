@@ -50,7 +50,7 @@ def reference(q, k, v):
     q, k, v = (x.double() for x in (q, k, v))
     k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     scores = torch.einsum("qbhd,kbhd->bhqk", q, k) / math.sqrt(hn)
-    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     return torch.einsum("bhqk,kbhd->qbhd", scores.softmax(-1), v).reshape(s, b, heads * hn)
 
 
@@ -113,3 +113,31 @@ def test_megatron_gpt_layers_use_sdpa(megatron_tp1):
     model = MegatronGPT(cfg, Parallel())
     cores = [m.core_attention for m in model.chunks[0].modules() if hasattr(m, "core_attention")]
     assert len(cores) == 2 and all(isinstance(c, SDPAttention) for c in cores)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mask", [False, True])
+def test_sdpa_flash_on_gpu(mask):
+    """The 1.5B model's per-rank shape at TP=2 (6 query heads, 1 KV head, head dim 128) in bf16: without a
+    mask the causal layer runs on the flash kernel alone (it raises if torch would choose another)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from verl_fast.models.megatron_attention import SDPAttention
+
+    s, b, heads, groups, hn = 512, 2, 6, 1, 128
+    ours = SDPAttention(config(heads, groups, hn, torch.bfloat16), 1, AttnMaskType.causal, "self")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(s, b, heads, hn, generator=g, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(s, b, groups, hn, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    grad_out = torch.randn(s, b, heads * hn, generator=g, device="cuda", dtype=torch.bfloat16)
+    explicit = torch.ones(1, 1, s, s, dtype=torch.bool, device="cuda").triu(1) if mask else None
+    backends = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION] if mask else [SDPBackend.FLASH_ATTENTION]
+    with sdpa_kernel(backends):
+        out, grads = run(ours, q, k, v, explicit, grad_out)
+    qd, kd, vd = (x.double().requires_grad_() for x in (q, k, v))
+    want = reference(qd, kd, vd)
+    want.backward(grad_out.double())
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+    for name, got, ref in zip("qkv", grads, (qd.grad, kd.grad, vd.grad)):
+        torch.testing.assert_close(got.double(), ref, atol=1e-1, rtol=5e-2, msg=lambda m: f"grad of {name}: {m}")
