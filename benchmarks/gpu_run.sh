@@ -98,12 +98,12 @@ if want bench; then
 fi
 
 # ---- megatron (issue 14): GRPO update phase, Qwen2 1.5B shape, 2 GPUs: megatron-core TP=2 vs FSDP2;
-# time, MFU, peak memory per GPU (~3 minutes); first the SDPA core attention on the flash kernel ----
+# time, MFU, peak memory per GPU, then one profiled update each (~4 minutes); first the SDPA core attention on the flash kernel ----
 if want megatron; then
   "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/test_megatron_attention.py > "$OUT/pytest_megatron_attention.log" \
     2>&1 || failed+=("pytest megatron_attention")
   tail -n 3 "$OUT/pytest_megatron_attention.log"
-  timeout 300 "$py" -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_megatron.py \
+  timeout 420 "$py" -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_megatron.py --profile \
     >> "$OUT/bench.log" 2>&1 || failed+=("bench_megatron")
 fi
 
