@@ -98,11 +98,12 @@ if want bench; then
 fi
 
 # ---- megatron (issue 14): GRPO update phase, Qwen2 1.5B shape, 2 GPUs: megatron-core TP=2 vs FSDP2;
-# time, MFU, peak memory per GPU, then one profiled update each (~4 minutes); first the SDPA core attention on the flash kernel ----
+# time, MFU, peak memory per GPU, then one profiled update each (~4 minutes); first the gpu tests of
+# the SDPA core attention (flash kernel) and the sync-free gradient norm ----
 if want megatron; then
-  "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/test_megatron_attention.py > "$OUT/pytest_megatron_attention.log" \
-    2>&1 || failed+=("pytest megatron_attention")
-  tail -n 3 "$OUT/pytest_megatron_attention.log"
+  "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/test_megatron_attention.py python_tests/test_megatron_grad_norm.py \
+    > "$OUT/pytest_megatron_fast.log" 2>&1 || failed+=("pytest megatron_fast")
+  tail -n 3 "$OUT/pytest_megatron_fast.log"
   timeout 420 "$py" -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_megatron.py --profile \
     >> "$OUT/bench.log" 2>&1 || failed+=("bench_megatron")
 fi

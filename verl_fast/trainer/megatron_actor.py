@@ -17,7 +17,8 @@ RLTrainer through megatron-core's pipeline schedules, DDP and distributed optimi
   (variable shapes, their sizes sent between stages); the loss of a micro-batch is its share of
   the mini-batch loss (normalised by the DP-global counts divided by the DP size), multiplied by
   the number of micro-batches because the schedule divides by it; DDP averages over DP ranks.
-  Gradient clipping is megatron-core's (norm over every model-parallel shard). AdamW as megatron-core
+  Gradient clipping is megatron-core's (norm over every model-parallel shard; without Apex / TE
+  its per-tensor norms through ``megatron_grad_norm``, on the device). AdamW as megatron-core
   sets it up: no weight decay on biases and norms.
 """
 
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from verl_fast.models.megatron_model import MegatronGPT, Parallel, init_parallel_state
+from verl_fast.trainer.megatron_grad_norm import use_foreach_grad_norm
 from verl_fast.ops.logprobs import linear_logprobs
 from verl_fast.trainer.experience import Experience
 
@@ -109,6 +111,7 @@ class MegatronActor:
         config.finalize_model_grads_func = finalize_model_grads
         ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
         self.model.chunks = [DistributedDataParallel(config, ddp, c) for c in self.model.chunks]
+        use_foreach_grad_norm()  # without Apex / TE megatron-core's clipping norm waits on the host per tensor
         self.optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=a.lr, weight_decay=a.weight_decay, clip_grad=a.max_grad_norm, params_dtype=dtype,
             bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, use_distributed_optimizer=True),
