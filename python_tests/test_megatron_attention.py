@@ -23,7 +23,8 @@ def megatron_tp1():
 
     mp = pytest.MonkeyPatch()
     mp.setattr(torch.cuda, "current_device", lambda: "cpu")  # megatron-core's score buffer
-    mp.setattr(mrandom.CudaRNGStatesTracker, "fork", lambda self, name=None: contextlib.nullcontext())  # its attention-dropout RNG region
+    # its attention-dropout RNG region
+    mp.setattr(mrandom.CudaRNGStatesTracker, "fork", lambda self, name=None: contextlib.nullcontext())
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

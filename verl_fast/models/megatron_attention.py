@@ -1,4 +1,4 @@
-"""Core attention for megatron-core's local layer spec through ``torch.nn.functional.scaled_dot_product_attention``.
+"""Core attention for megatron-core's local layer spec through torch's ``scaled_dot_product_attention``.
 
 megatron-core's own ``DotProductAttention`` (the local spec's choice without Transformer Engine) writes the
 ``[b, heads, s, s]`` scores, masks them and runs an unfused softmax. This module takes its place in the
@@ -37,7 +37,6 @@ class SDPAttention(MegatronModule):
         for value, name in unsupported:
             if value:
                 raise ValueError(f"SDPAttention: TransformerConfig.{name}={getattr(config, name)!r} is not supported")
-        self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         # query-key layer scaling divides the scale by the layer number and the softmax multiplies it
         # back: the same attention, so only the plain scale matters here
@@ -53,7 +52,7 @@ class SDPAttention(MegatronModule):
         groups = key.shape[2]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, hn]
         if attention_mask is None:
-            # a one-token query (or none causal) sees every key
+            # as megatron-core's: causal only for the causal type, and a one-token query sees every key
             causal = mask_type == AttnMaskType.causal and sq > 1
             if causal and key.shape[0] != sq:
                 raise ValueError(f"SDPAttention: a causal layer without a mask needs as many keys as queries, "
