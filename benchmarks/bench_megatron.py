@@ -3,12 +3,14 @@ megatron-core at TP=2 (``actor.strategy: megatron``, bf16 parameters, fp32 main 
 distributed optimizer) against FSDP2 (fp32 parameters sharded over 2 ranks, bf16 mixed precision), the
 same global batch of sequences, the same RLTrainer code around them.
 
-    torchrun --nproc_per_node 2 benchmarks/bench_megatron.py [--layers 28] [--seqs 64] [--length 512]
+    torchrun --nproc_per_node 2 benchmarks/bench_megatron.py [--layers 28] [--seqs 64] [--length 512] [--profile]
 
 Shape: the 1.5B Qwen2 (hidden 1536, 28 layers, 12 heads, 2 KV heads, intermediate 8960, vocab 151936,
-tied embeddings), random weights. Reports time per update, model FLOPs utilisation (6 x parameters x
-tokens plus attention, over 2 GPUs at the H200's dense bf16 peak) and peak memory per GPU; JSON in
-benchmarks/results/.
+tied embeddings), random weights. The Megatron layers' core attention is ``SDPAttention`` (torch's
+flash kernel through ``scaled_dot_product_attention``; MegatronGPT puts it in the local layer spec), and
+its log-prob head projects the response positions only. Reports time per update, model FLOPs
+utilisation (6 x parameters x tokens plus attention, over 2 GPUs at the H200's dense bf16 peak) and peak
+memory per GPU; JSON in benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ def run(strategy: str, args, device) -> dict:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     peak = torch.tensor([torch.cuda.max_memory_allocated()], device=device)
+    if args.profile:
+        profile_update(strategy, update)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     seconds = sorted(times)[len(times) // 2]
     mfu = flops_per_update(cfg, args.seqs * args.length, args.length) / seconds / (2 * PEAK_BF16_FLOPS)
@@ -109,6 +113,25 @@ def run(strategy: str, args, device) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     return {"ms": seconds * 1e3, "mfu": mfu, "peak_gib": float(peak) / 2**30, "pg_loss": metrics["actor/pg_loss"]}
+
+
+def profile_update(strategy: str, update) -> None:
+    """One more update under torch.profiler; rank 0 prints the GPU time per kernel and how much of the
+    wall time the GPU was busy (a low share means the host's launches are the limit)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        update()
+        torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) * 1e3
+    if dist.get_rank() == 0:
+        events = prof.key_averages()
+        busy_ms = sum(e.self_device_time_total for e in events) / 1e3
+        print(f"---- {strategy} profile (rank 0): wall {wall_ms:.0f} ms under the profiler, kernel time "
+              f"(summed over streams) {busy_ms:.0f} ms ({busy_ms / wall_ms:.0%})")
+        print(events.table(sort_by="self_device_time_total", row_limit=25))
 
 
 def main() -> None:
@@ -119,6 +142,7 @@ def main() -> None:
     p.add_argument("--micro", type=int, default=8, help="sequences per micro-batch")
     p.add_argument("--rep", type=int, default=3)
     p.add_argument("--only", choices=("fsdp2", "megatron"), default=None)
+    p.add_argument("--profile", action="store_true", help="print each strategy's GPU time per kernel")
     args = p.parse_args()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)

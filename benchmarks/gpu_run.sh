@@ -103,10 +103,14 @@ if want bench; then
 fi
 
 # ---- megatron (issue 14): GRPO update phase, Qwen2 1.5B shape, 2 GPUs: megatron-core TP=2 vs FSDP2;
-# time, MFU, peak memory per GPU (~3 minutes); then the Megatron GPU tests on 2 GPUs (NCCL): actor
-# TP=2, critic TP=2, Qwen3-MoE EP=2, each against HF on one GPU (~2 minutes) ----
+# time, MFU, peak memory per GPU, then one profiled update each (~4 minutes); first the gpu tests of the
+# SDPA core attention (flash kernel) and the sync-free gradient norm; last the Megatron GPU tests on 2
+# GPUs (NCCL): actor TP=2, critic TP=2, Qwen3-MoE EP=2, each against HF on one GPU (~2 minutes) ----
 if want megatron; then
-  timeout 300 "$py" -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_megatron.py \
+  "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/test_megatron_attention.py python_tests/test_megatron_grad_norm.py \
+    > "$OUT/pytest_megatron_fast.log" 2>&1 || failed+=("pytest megatron_fast")
+  tail -n 3 "$OUT/pytest_megatron_fast.log"
+  timeout 420 "$py" -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_megatron.py --profile \
     >> "$OUT/bench.log" 2>&1 || failed+=("bench_megatron")
   timeout 400 "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/test_megatron_trainer.py \
     > "$OUT/pytest_megatron.log" 2>&1 || failed+=("pytest megatron")

@@ -6,6 +6,7 @@ grouped-query attention with rotary embeddings; Qwen2's QKV bias and Qwen3's per
 Qwen2-MoE / Qwen3-MoE sparse blocks (top-k router, renormalised or not as ``norm_topk_prob`` says,
 no auxiliary loss, Qwen2-MoE's gated shared expert; experts as a SequentialMLP, the all-gather token
 dispatcher) with ``ep`` expert-parallel ranks each holding ``num_experts / ep`` consecutive experts.
+Its core attention is ``megatron_attention.SDPAttention`` (torch's fused attention kernels).
 With a virtual pipeline (``vpp`` chunks per stage) chunk ``v`` of stage ``p`` is virtual stage
 ``v * pp + p`` of ``pp * vpp`` equal stages, megatron-core's interleaved order.
 
@@ -183,6 +184,8 @@ class MegatronGPT:
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+        from verl_fast.models.megatron_attention import with_sdpa
+
         self.par = par
         self.spec = model_spec(hf_config, dtype, "critic" if value_head else "actor", par)
         self.value_head = value_head
@@ -203,8 +206,9 @@ class MegatronGPT:
                 model_parallel_cuda_manual_seed(1234)
         if self.spec.is_moe:
             _router_without_te()
-        layer_spec = get_gpt_layer_local_spec(num_experts=self.spec.num_experts or None, moe_grouped_gemm=False,
-                                              normalization="RMSNorm", qk_layernorm=self.spec.qk_norm)
+        layer_spec = with_sdpa(get_gpt_layer_local_spec(num_experts=self.spec.num_experts or None,
+                                                        moe_grouped_gemm=False, normalization="RMSNorm",
+                                                        qk_layernorm=self.spec.qk_norm))
         self.chunks: List[torch.nn.Module] = []
         for v in range(par.chunks):
             vp = v if par.vpp else None

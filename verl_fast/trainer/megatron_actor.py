@@ -8,7 +8,8 @@ RLTrainer through megatron-core's pipeline schedules, DDP and distributed optimi
   (``export_to``); a vLLM engine takes them straight from the Megatron shards instead.
 - Log-probs and entropy: the output layer is swapped, for the duration of a forward, for
   ``linear_logprobs(hidden, output_layer weight shard, labels, tp_group=TP group)`` on the final
-  (normed) hidden states: vocab-parallel, the [tokens, vocab] logits never exist. Padded vocabulary
+  (normed) hidden states of the positions that predict a response token only (the prompt's are never
+  projected): vocab-parallel, the [tokens, vocab] logits never exist. Padded vocabulary
   rows get a -1e4 bias, so the softmax runs over the real vocabulary only, as in the HF model.
 """
 
@@ -33,7 +34,12 @@ class _Head:
 
     def __init__(self, layer, tp_group, vocab: int, temperature: float):
         self.layer, self.tp_group, self.vocab, self.temperature = layer, tp_group, vocab, temperature
-        self.labels = None  # [S, n] global token ids, set before each forward
+        self.index = self.labels = None  # [L, n] positions and the global ids they predict, set by ``select``
+
+    def select(self, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+        """The next forward projects, of the rows ``tokens [n, S]``, the positions ``positions [n, L]``."""
+        self.index = positions.t()
+        self.labels = tokens.gather(1, positions + 1).t()  # position s predicts token s + 1
 
     def _padding_bias(self, weight: torch.Tensor):
         rows = weight.shape[0]
@@ -46,9 +52,11 @@ class _Head:
 
     def forward(self, hidden, weight=None, runtime_gather_output=None):
         weight = self.layer.weight if weight is None else weight  # shared embeddings come as ``weight``
+        rows = torch.arange(hidden.shape[1], device=hidden.device)
+        hidden = hidden[self.index, rows]  # [S, n, H] -> [L, n, H]
         logp, entropy = linear_logprobs(hidden, weight, self.labels, self.temperature, True,
                                         bias=self._padding_bias(weight), tp_group=self.tp_group)
-        return torch.stack([logp, entropy], dim=-1), None  # [S, n, 2]
+        return torch.stack([logp, entropy], dim=-1), None  # [L, n, 2]; the model returns it as [n, L, 2]
 
     @contextlib.contextmanager
     def active(self):
@@ -80,8 +88,8 @@ class MegatronActor(MegatronTrained):
             return None
         head = _Head(layer, self.tp_group, self.model.spec.vocab_size, temperature)
 
-        def around(tokens):
-            head.labels = tokens.roll(-1, dims=1).t()  # [S, n]: position s predicts token s + 1
+        def around(tokens, positions):
+            head.select(tokens, positions)
             return head.active()
 
         return around

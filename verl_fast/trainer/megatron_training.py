@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from verl_fast.models.megatron_model import MegatronGPT
 from verl_fast.trainer.experience import Experience
+from verl_fast.trainer.megatron_grad_norm import use_foreach_grad_norm
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -59,6 +60,7 @@ class MegatronTrained:
         config.finalize_model_grads_func = finalize_model_grads
         ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
         model.chunks = [DistributedDataParallel(config, ddp, c) for c in model.chunks]
+        use_foreach_grad_norm()  # without Apex / TE megatron-core's clipping norm waits on the host per tensor
         self.optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=max_grad_norm, params_dtype=dtype,
             bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, use_distributed_optimizer=True),
@@ -75,9 +77,11 @@ class MegatronTrained:
     # ---- one pass of the schedule over micro-batches
 
     def _run(self, exp: Experience, micro: List[torch.Tensor], forward_only: bool, loss_fn: LossFn,
-             around: Optional[Callable[[torch.Tensor], ContextManager]] = None) -> List[Any]:
+             around: Optional[Callable[[torch.Tensor, torch.Tensor], ContextManager]] = None) -> List[Any]:
         """Runs the schedule; on the last stage ``loss_fn(*columns, sub)`` gives each micro-batch's loss
-        and result. ``around(tokens)``: a context the model's forward runs in (tokens ``[n, S]``).
+        and result. ``around(tokens, positions)``: a context the model's forward runs in (tokens
+        ``[n, S]``, response positions ``[n, L]``) under which the last stage outputs the response
+        positions only; without it every position's output is taken at ``positions``.
         Returns the results (last stage only)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -92,13 +96,15 @@ class MegatronTrained:
         def forward_step(data_iterator, model):
             sub, tokens, positions = next(data_iterator)
             n, width = tokens.shape
-            mask = torch.triu(torch.ones(1, 1, width, width, dtype=torch.bool, device=self.device), diagonal=1)
             pos = torch.arange(width, device=self.device).expand(n, width)
-            with around(tokens) if around is not None else contextlib.nullcontext():
-                out = model(tokens, pos, mask)  # last stage: [n, S, features]
+            # no mask: the layers are causal and SDPAttention asks torch for its causal kernel
+            with around(tokens, positions) if around is not None else contextlib.nullcontext():
+                out = model(tokens, pos, None)  # last stage: [n, L, features] under around, else [n, S, ...]
 
             def loss_func(output):
-                columns = [output[..., k].gather(1, positions) for k in range(output.shape[-1])]  # each [n, L]
+                if around is None:
+                    output = output.gather(1, positions[..., None].expand(-1, -1, output.shape[-1]))
+                columns = [output[..., k] for k in range(output.shape[-1])]  # each [n, L]
                 loss, result = loss_fn(*columns, sub)
                 return loss * n_micro, result  # the schedule divides every micro-batch's loss by n_micro
 
@@ -112,7 +118,7 @@ class MegatronTrained:
             forward_only=forward_only)
 
     def response_outputs(self, exp: Experience, micro: List[torch.Tensor],
-                         around: Optional[Callable[[torch.Tensor], ContextManager]] = None) -> torch.Tensor:
+                         around: Optional[Callable[[torch.Tensor, torch.Tensor], ContextManager]] = None) -> torch.Tensor:
         """[N, L] float32: the model's first output feature at each response position, on every rank
         (sent from the last stage); no gradient."""
         for c in self.model.chunks:
@@ -128,7 +134,7 @@ class MegatronTrained:
         return out.to(exp.response_mask.device)
 
     def train_mini_batch(self, exp: Experience, micro: List[torch.Tensor], loss_fn: LossFn,
-                         around: Optional[Callable[[torch.Tensor], ContextManager]] = None
+                         around: Optional[Callable[[torch.Tensor, torch.Tensor], ContextManager]] = None
                          ) -> Tuple[List[Dict], float]:
         """One optimiser step over ``micro``; ``loss_fn(*columns, sub) -> (loss, stats)``. Returns each
         micro-batch's stats (every rank; sent from the last stage) and the gradient norm."""
