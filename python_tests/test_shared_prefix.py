@@ -108,3 +108,21 @@ def test_packed_layout_refuses_holes_and_large_batches(monkeypatch):
     assert packed_layout(mask, L, groups) is None
     monkeypatch.setattr(shared_prefix, "PACKED_MAX_TOKENS", 8 + int(mask[:, -L:].sum()))
     assert packed_layout(mask, L, groups) is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_packed_on_cuda_matches_the_cpu_path():
+    """The packed forward on the GPU (SDPA with the 4-D boolean mask, under bf16 autocast as the
+    trainer runs it): the CPU float32 log-probs within bf16 rounding, zeros past each response."""
+    model = tiny_model("qwen2", seed=1)
+    ids, mask, group, L = _batch(model.config.vocab_size, [5, 3, 7], 3, [4, 2, 1, 4, 3])
+    groups = prompt_groups(ids, mask, group, L)
+    want, _ = packed_prompt_logprobs(model, ids, packed_layout(mask, L, groups), L)
+    model, ids, mask, group = model.cuda(), ids.cuda(), mask.cuda(), group.cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got, ent = packed_prompt_logprobs(model, ids, packed_layout(mask, L, prompt_groups(ids, mask, group, L)), L,
+                                          with_entropy=True)
+    resp = mask[:, -L:].bool()
+    assert (got[~resp] == 0).all() and (ent[~resp] == 0).all()
+    torch.testing.assert_close(got.cpu(), want, atol=0.05, rtol=0.02)
