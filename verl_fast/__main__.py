@@ -1,5 +1,3 @@
-import sys
+from verl_fast.cli import program
 
-from verl_fast.cli import main
-
-sys.exit(main())
+program()

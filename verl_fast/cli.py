@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import List, Optional
 
@@ -85,5 +86,25 @@ def main(argv: Optional[List[str]] = None) -> int:
     return args.func(args)
 
 
+def program() -> None:
+    """The ``verl-fast`` program: ``main`` on the command line, then out of the process without the
+    interpreter's own teardown. Everything a command writes is closed when it returns and the exit
+    handlers still run (the vLLM engine's shutdown among them); what is skipped is freeing every
+    module and tensor one by one, which after a training run takes ~3 s on 2 cores and writes nothing."""
+    import atexit
+
+    try:
+        code = main()
+    except SystemExit as e:  # argparse errors, --help, SystemExit("message")
+        code = e.code
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    program()
