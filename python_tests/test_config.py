@@ -61,3 +61,21 @@ def test_overrides(tmp_path):
 def test_errors_name_the_key(data, match):
     with pytest.raises(ValueError, match=match):
         C.from_dict(data)
+
+
+def test_program_exit_codes(tmp_path):
+    """`verl-fast` as a program leaves without the interpreter's teardown: its exit code and output
+    must still be those of the command (0 for help, 1 and the message for a bad key)."""
+    import os
+    import subprocess
+    import sys
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "verl_fast", *args], capture_output=True, text=True,
+                              cwd=tmp_path, env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=120)
+
+    helped = run("--help")
+    assert helped.returncode == 0 and "train" in helped.stdout
+    bad = run("train", "--set", "actor.lrr=1", "--output_dir", str(tmp_path / "run"))
+    assert bad.returncode == 1 and "unknown key actor.lrr" in bad.stderr
+    assert run("bogus").returncode == 2  # argparse's usage error
