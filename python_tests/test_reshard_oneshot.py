@@ -111,6 +111,29 @@ def test_a_new_dict_of_the_same_tensors_and_a_module(signatures):
     assert signatures[0] == 2  # the module's parameters are the same objects at every call
 
 
+def test_new_views_of_the_same_memory_take_the_short_path(signatures):
+    """model.state_dict() makes new detached tensors at every call: over the bound tensors' memory
+    they repeat the bound plan (no signature), and stay bit-exact as the weights change; a view with
+    another memory (a clone) takes the full path."""
+    sd = random_state(SPEC)
+    for step in range(3):
+        with torch.no_grad():
+            for v in sd.values():
+                v.add_(step)
+        views = {k: v.detach() for k, v in sd.items()}  # new objects, the same memory
+        exact(dict(vllm_weights(views, SPEC)), ref_vllm(sd, CFG, 1, 0))
+    assert signatures[0] == 1
+    views = {k: v.detach() for k, v in sd.items()}
+    views["model.norm.weight"] = views["model.norm.weight"].clone()  # other memory
+    views["model.norm.weight"].add_(1)
+    exact(dict(vllm_weights(views, SPEC)), ref_vllm(views, CFG, 1, 0))
+    assert signatures[0] == 2
+    views = {k: v.detach() for k, v in sd.items()}
+    views["model.norm.weight"] = views["model.norm.weight"][: views["model.norm.weight"].numel() // 2]
+    with pytest.raises(ValueError, match="model.norm.weight.*must have shape"):  # a narrower view: refused
+        vllm_weights(views, SPEC)
+
+
 def test_out_is_written_and_returned():
     sd = random_state(SPEC)
     out = {t.name: torch.full(t.shape, 7.0) for t in vllm_layout(SPEC, 2, {0: 1}).tensors}

@@ -9,8 +9,11 @@ every step costs little more than the copy itself.
 - By *arguments* (everything but the tensors): the last such call's plan, names and outputs. A call
   whose tensors are the very objects the plan is bound to, at the same memory (the C++ side checks
   each one), with the same keys, goes straight to the launch: no signature, no checks, no binding.
-  Anything else (a tensor replaced, resized or moved, a key added) takes the full path, which
-  checks everything. Nothing is held here beyond what the plan's binding holds anyway.
+  So does a call whose tensors are new objects over the bound ones' memory (``model.state_dict()``
+  makes new detached views at every call): same data pointer, shape, strides, dtype and device, so
+  the bound objects, which keep that memory alive, describe them exactly. Anything else (a tensor
+  replaced, resized or moved, a key added) takes the full path, which checks everything. Nothing is
+  held here beyond what the plan's binding holds anyway.
 
 Both caches drop the least recently used entry beyond ``MAX_CACHED``.
 """
@@ -79,12 +82,13 @@ def _as_list(given, names: Sequence[str], keys: Optional[tuple], plain: bool) ->
 class _Call:
     """The last full call of one argument combination (see the module docstring)."""
 
-    __slots__ = ("keep", "plan", "device", "dsts", "src_keys", "dst_keys", "plain", "own_outputs")
+    __slots__ = ("keep", "plan", "device", "srcs", "dsts", "src_keys", "dst_keys", "plain", "own_outputs")
 
     def __init__(self, keep: tuple, plan: ReshardPlan, sources: Tensors, destinations: Optional[Tensors],
-                 dsts: List[torch.Tensor], device: torch.device):
+                 srcs: List[torch.Tensor], dsts: List[torch.Tensor], device: torch.device):
         self.keep = keep  # the objects whose identities the argument key holds
         self.plan, self.device, self.dsts = plan, device, dsts
+        self.srcs = srcs  # the objects bind() holds, in plan order
         self.own_outputs = destinations is None
         self.src_keys = tuple(sources) if isinstance(sources, Mapping) else None
         self.dst_keys = tuple(destinations) if isinstance(destinations, Mapping) else None
@@ -97,10 +101,21 @@ class _Call:
             return False
         srcs = _as_list(sources, self.plan.src_names, self.src_keys, self.plain)
         dsts = self.dsts if destinations is None else _as_list(destinations, self.plan.dst_names, self.dst_keys, True)
-        if srcs is None or dsts is None or not self.plan.run_bound(srcs, dsts):
+        if srcs is None or dsts is None:
             return False
+        if not self.plan.run_bound(srcs, dsts):
+            if not _same_memory(srcs, self.srcs) or not self.plan.run_bound(self.srcs, dsts):
+                return False
         self.dsts = dsts
         return True
+
+
+def _same_memory(given: List[torch.Tensor], bound: List[torch.Tensor]) -> bool:
+    """Whether each given tensor views exactly what the bound one at its place views."""
+    return len(given) == len(bound) and all(
+        a is b or (type(a) in PLAIN_TENSOR_TYPES and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+                   and a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device)
+        for a, b in zip(given, bound))
 
 
 def execute(call_key: Hashable, layout_key: Callable[[], Hashable], make_plan: Callable[[], ReshardPlan],
@@ -122,12 +137,12 @@ def execute(call_key: Hashable, layout_key: Callable[[], Hashable], make_plan: C
         buffers = remember(_BUFFERS, (key, str(device)), lambda: p.allocate_destinations(device))
         if not _intact(buffers.values(), p):  # a caller resized an output or freed its memory: fresh ones
             buffers = _BUFFERS[(key, str(device))] = p.allocate_destinations(device)
-        _, dsts, bound_device = p.bind(sources, buffers)
+        srcs, dsts, bound_device = p.bind(sources, buffers)
     else:
-        _, dsts, bound_device = p.bind(sources, destinations)
+        srcs, dsts, bound_device = p.bind(sources, destinations)
     p.run(bound_device)
     _CALLS.pop(call_key, None)
-    remember(_CALLS, call_key, lambda: _Call(keep, p, sources, destinations, dsts, bound_device))
+    remember(_CALLS, call_key, lambda: _Call(keep, p, sources, destinations, srcs, dsts, bound_device))
     return p.dst_names, dsts
 
 
