@@ -40,7 +40,21 @@ ADVANTAGE_OF = {"ppo": "gae", "dpo": None, "online_dpo": None, **{a: a for a in 
 
 
 @dataclass
-class ActorConfig:
+class ModelLayoutConfig:
+    """How a trained model (actor or critic) is laid out over the ranks: the fields both sections share."""
+
+    strategy: str = _f("auto", choices=STRATEGIES, doc="auto: fsdp2 under torchrun, none in one process")
+    mixed_precision: str = _f("none", choices=("none", "bfloat16"),
+                              doc="FSDP: bf16 parameters in forward/backward, fp32 gradient reduction")
+    cpu_offload: bool = _f(False, doc="FSDP: sharded parameters, gradients and optimizer state on the CPU")
+    unsharded_accumulation: str = _f("auto", choices=("auto", "on", "off"),
+                                     doc="FSDP2: parameters gathered once per step and gradients reduced once, "
+                                     "not per micro-batch; costs the whole model's parameters and gradients in "
+                                     "memory (auto: on when they fit in a quarter of the device's)")
+
+
+@dataclass
+class ActorConfig(ModelLayoutConfig):
     model_name: Optional[str] = _f(None, doc="HF folder or the demo name 'smollm2-135m-instruct'")
     type: str = _f("hf", choices=("hf", "hf_transformers", "vllm"), doc="older spelling: vllm sets rollout.type")
     dtype: str = _f("float32", choices=DTYPES)
@@ -68,14 +82,6 @@ class ActorConfig:
     trust_remote_code: bool = _f(False, doc="actor and reference: let transformers run the model folder's own code")
     attn_implementation: Optional[str] = _f(None, choices=ATTN_IMPLEMENTATIONS,
                                             doc="None: transformers' default; flash_attention_2 needs flash-attn")
-    strategy: str = _f("auto", choices=STRATEGIES, doc="auto: fsdp2 under torchrun, none in one process")
-    mixed_precision: str = _f("none", choices=("none", "bfloat16"),
-                              doc="FSDP: bf16 parameters in forward/backward, fp32 gradient reduction")
-    cpu_offload: bool = _f(False, doc="FSDP: sharded parameters, gradients and optimizer state on the CPU")
-    unsharded_accumulation: str = _f("auto", choices=("auto", "on", "off"),
-                                     doc="FSDP2: parameters gathered once per step and gradients reduced once, "
-                                     "not per micro-batch; costs the whole model's parameters and gradients in "
-                                     "memory (auto: on when they fit in a quarter of the device's)")
     skip_zero_advantage: bool = _f(True, doc="leave samples whose advantages are all 0 out of the backward")
     tensor_model_parallel_size: int = _f(1, min=1, doc="strategy megatron: TP size")
     pipeline_model_parallel_size: int = _f(1, min=1, doc="strategy megatron: PP size")
@@ -95,7 +101,7 @@ class ActorConfig:
 
 
 @dataclass
-class CriticConfig:
+class CriticConfig(ModelLayoutConfig):
     model_name: Optional[str] = _f(None, doc="HF folder of the critic's base model (PPO)")
     type: str = _f("hf_transformers", choices=("hf", "hf_transformers"))
     dtype: str = _f("float32", choices=DTYPES)
@@ -109,14 +115,6 @@ class CriticConfig:
     trust_remote_code: bool = _f(False, doc="let transformers run the model folder's own code")
     attn_implementation: Optional[str] = _f(None, choices=ATTN_IMPLEMENTATIONS,
                                             doc="None: transformers' default; flash_attention_2 needs flash-attn")
-    strategy: str = _f("auto", choices=STRATEGIES, doc="auto: fsdp2 under torchrun, none in one process")
-    mixed_precision: str = _f("none", choices=("none", "bfloat16"),
-                              doc="FSDP: bf16 parameters in forward/backward, fp32 gradient reduction")
-    cpu_offload: bool = _f(False, doc="FSDP: sharded parameters, gradients and optimizer state on the CPU")
-    unsharded_accumulation: str = _f("auto", choices=("auto", "on", "off"),
-                                     doc="FSDP2: parameters gathered once per step and gradients reduced once, "
-                                     "not per micro-batch; costs the whole model's parameters and gradients in "
-                                     "memory (auto: on when they fit in a quarter of the device's)")
     gradient_checkpointing: bool = _f(False)
 
 
