@@ -95,47 +95,42 @@ def packed_layout(attention_mask: torch.Tensor, response_length: int, groups: Tu
     if total > PACKED_MAX_TOKENS:
         return None
     cols = torch.arange(width, device=keep.device)
-    source, position, owner, predictor, target, slot = [], [], [], [], [], []
+    source, position, owner, group_of, predictor, target, slot = [], [], [], [], [], [], []
+
+    def segment(src: torch.Tensor, first_position: int, row: int, g: int) -> None:
+        source.append(src)
+        position.append(first_position + torch.arange(src.numel(), device=keep.device))
+        owner.append(torch.full((src.numel(),), row, device=keep.device))
+        group_of.append(torch.full((src.numel(),), g, device=keep.device))
+
     start = 0
     for g in range(first.numel()):
-        # the group's prompt: owner -1 (every row of the group sees it)
         pcols = cols[:P][p_keep[g]]
         p = pcols.numel()
-        source.append(first[g] * width + pcols)
-        position.append(torch.arange(p, device=keep.device))
-        owner.append(torch.full((p,), -1, device=keep.device))
+        segment(first[g] * width + pcols, 0, -1, g)  # the group's prompt: owner -1, every row sees it
         last_prompt = start + p - 1
         start += p
         for row in (row_group == g).nonzero()[:, 0].tolist():
             r = int(r_len[row])
-            source.append(row * width + P + cols[:r])
-            position.append(p + torch.arange(r, device=keep.device))
-            owner.append(torch.full((r,), row, device=keep.device))
+            tokens = row * width + P + cols[:r]
+            segment(tokens, p, row, g)
             # token j of the response is predicted at the token before it (the prompt's last for j = 0)
-            predictor.append(torch.cat([torch.tensor([last_prompt], device=keep.device),
-                                        start + torch.arange(r - 1, device=keep.device)]) if r else
-                             torch.zeros(0, dtype=torch.long, device=keep.device))
-            target.append(row * width + P + cols[:r])
+            pred = start - 1 + torch.arange(r, device=keep.device)
+            pred[:1] = last_prompt
+            predictor.append(pred)
+            target.append(tokens)
             slot.append(row * L + cols[:r])
             start += r
-    source, position, owner = torch.cat(source), torch.cat(position), torch.cat(owner)
-    group_of = torch.repeat_interleave(torch.arange(first.numel(), device=keep.device),
-                                       _group_sizes(p_keep.sum(1), r_len, row_group))
+    position, owner, group_of = torch.cat(position), torch.cat(owner), torch.cat(group_of)
     mask = (group_of[:, None] == group_of[None, :]) & (position[None, :] <= position[:, None]) \
         & ((owner[None, :] == -1) | (owner[None, :] == owner[:, None]))
-    return source, position, mask, torch.cat(predictor), torch.cat(target), torch.cat(slot)
+    return torch.cat(source), position, mask, torch.cat(predictor), torch.cat(target), torch.cat(slot)
 
 
 def _attention(model: torch.nn.Module) -> Optional[str]:
     from verl_fast.models.wrapping import hf_module
 
     return getattr(getattr(hf_module(model), "config", None), "_attn_implementation", None)
-
-
-def _group_sizes(prompt_lengths: torch.Tensor, response_lengths: torch.Tensor, row_group: torch.Tensor) -> torch.Tensor:
-    """Tokens each group takes in the packed sequence: its prompt and all its responses."""
-    sizes = prompt_lengths.clone()
-    return sizes.index_add_(0, row_group, response_lengths.to(sizes.dtype))
 
 
 def packed_prompt_logprobs(
