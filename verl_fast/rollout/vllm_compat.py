@@ -112,24 +112,6 @@ def cores_per_local_process() -> int:
     return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
-def restore_memory_policy() -> None:
-    """Gives the calling thread the kernel's default NUMA memory policy back. Building a vLLM-CPU
-    engine binds the process's memory to one NUMA node (``init_cpu_memory_env``: strict MEMBIND),
-    which stays on for the trainer sharing the process; with it, page-cache writes were seen to run
-    3-12x slower (a 1.6 GB checkpoint: 4 s of writes instead of 0.3 s). The engine's own memory
-    (weights, KV cache) is allocated by then. Linux x86-64 / aarch64 only; elsewhere nothing."""
-    import ctypes
-    import platform
-
-    number = {"x86_64": 238, "aarch64": 237}.get(platform.machine())  # set_mempolicy
-    if number is None or not os.path.exists("/proc/self/numa_maps"):
-        return
-    try:
-        ctypes.CDLL(None, use_errno=True).syscall(number, 0, None, 0)  # MPOL_DEFAULT
-    except (OSError, AttributeError):
-        pass
-
-
 def kv_cache_space_from_env() -> bool:
     """True when the CPU backend's legacy ``VLLM_CPU_KVCACHE_SPACE`` (GiB) is set: it overrides
     ``kv_cache_memory_bytes``."""

@@ -176,8 +176,6 @@ class VLLMInferenceEngine(RolloutEngine):
             kv_cache_memory_bytes=kv_cache_memory_bytes, enable_sleep_mode=enable_sleep_mode,
             logprobs_mode=logprobs_mode, **engine_kwargs)
         self.init_seconds = time.perf_counter() - start
-        if on_cpu:
-            compat.restore_memory_policy()
         self.tensor_parallel_size = int(tensor_parallel_size)
         self.external_launcher = external
         self._sync = None  # WeightSync, built at the first sync_from
