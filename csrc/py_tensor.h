@@ -39,6 +39,20 @@ inline DType dtype_of(pybind11::handle dtype) {
   throw TypeError("unsupported tensor dtype " + std::string(py::str(dtype)));
 }
 
+// Whether obj is exactly a torch.Tensor or nn.Parameter (no subclass: see the top of this file).
+inline bool is_plain_tensor(pybind11::handle obj) {
+  namespace py = pybind11;
+  static PyObject* tensor_type = nullptr;
+  static PyObject* parameter_type = nullptr;
+  if (tensor_type == nullptr) {
+    py::module_ torch = py::module_::import("torch");
+    tensor_type = py::object(torch.attr("Tensor")).release().ptr();
+    parameter_type = py::object(torch.attr("nn").attr("Parameter")).release().ptr();
+  }
+  PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(obj.ptr()));
+  return type == tensor_type || type == parameter_type;
+}
+
 // The tensor and its untyped storage, both referenced for as long as a TensorRef holds them.
 struct PyTensorOwner {
   PyObject* tensor;
@@ -112,16 +126,8 @@ inline void check_inside_storage(const TensorRef& t, pybind11::handle storage) {
 
 inline TensorRef tensor_ref_from_py(pybind11::handle obj) {
   namespace py = pybind11;
-  static PyObject* tensor_type = nullptr;
-  static PyObject* parameter_type = nullptr;
-  if (tensor_type == nullptr) {
-    py::module_ torch = py::module_::import("torch");
-    tensor_type = py::object(torch.attr("Tensor")).release().ptr();
-    parameter_type = py::object(torch.attr("nn").attr("Parameter")).release().ptr();
-  }
-  PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(obj.ptr()));
-  if (type != tensor_type && type != parameter_type) {
-    if (PyObject_IsInstance(obj.ptr(), tensor_type) == 1) {
+  if (!is_plain_tensor(obj)) {
+    if (PyObject_IsInstance(obj.ptr(), py::module_::import("torch").attr("Tensor").ptr()) == 1) {
       throw TypeError("expected a plain torch.Tensor, got the subclass " + type_name(obj) +
                       " (pass x.as_subclass(torch.Tensor), or a DTensor's to_local())");
     }
@@ -165,6 +171,38 @@ inline bool still_bound(const TensorRef& t) {
   const auto now = reinterpret_cast<void*>(PyLong_AsVoidPtr(ptr));
   Py_DECREF(ptr);
   return now == t.data;
+}
+
+// Whether ints tuple `tuple` (a torch.Size or stride tuple) holds exactly `values`.
+inline bool int_tuple_equals(pybind11::handle tuple, const std::vector<int64_t>& values) {
+  PyObject* t = tuple.ptr();
+  if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != static_cast<Py_ssize_t>(values.size())) return false;
+  for (size_t i = 0; i < values.size(); ++i) {
+    const long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(t, static_cast<Py_ssize_t>(i)));
+    if (v == -1 && PyErr_Occurred()) throw pybind11::error_already_set();
+    if (v != values[i]) return false;
+  }
+  return true;
+}
+
+// Whether obj, a tensor other than the one `t` was converted from, views the very elements `t`
+// does: a plain tensor at the same address, with the same dtype, device, shape and strides
+// (model.state_dict() gives such new objects at every call). Needs the GIL.
+inline bool views_same(pybind11::handle obj, const TensorRef& t) {
+  namespace py = pybind11;
+  if (!is_plain_tensor(obj)) return false;
+  const auto& n = tensor_attr_names();
+  if (reinterpret_cast<void*>(static_cast<uintptr_t>(py_uint(py_call(obj, n.data_ptr)))) != t.data) return false;
+  const long device = PyLong_AsLong(py_call(obj, n.get_device).ptr());
+  if (device == -1 && PyErr_Occurred()) throw py::error_already_set();
+  if (device != t.device_index || (device < 0 && PyObject_IsTrue(py_attr(obj, n.is_cpu).ptr()) != 1)) return false;
+  py::object dtype = py_attr(obj, n.dtype);
+  try {
+    if (dtype_of(dtype) != t.dtype) return false;
+  } catch (const TypeError&) {
+    return false;
+  }
+  return int_tuple_equals(py_attr(obj, n.shape), t.sizes) && int_tuple_equals(py_call(obj, n.stride), t.strides);
 }
 
 // An argument record's field, checked before a launch (non-tensor fields pass).

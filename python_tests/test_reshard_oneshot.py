@@ -114,7 +114,7 @@ def test_a_new_dict_of_the_same_tensors_and_a_module(signatures):
 def test_new_views_of_the_same_memory_take_the_short_path(signatures):
     """model.state_dict() makes new detached tensors at every call: over the bound tensors' memory
     they repeat the bound plan (no signature), and stay bit-exact as the weights change; a view with
-    another memory (a clone) takes the full path."""
+    another memory (a clone) takes the full path, also when the call copied before checking."""
     sd = random_state(SPEC)
     for step in range(3):
         with torch.no_grad():
@@ -128,10 +128,45 @@ def test_new_views_of_the_same_memory_take_the_short_path(signatures):
     views["model.norm.weight"].add_(1)
     exact(dict(vllm_weights(views, SPEC)), ref_vllm(views, CFG, 1, 0))
     assert signatures[0] == 2
+    for _ in range(2):  # views again: the second call copies first and checks while it copies
+        views = {k: v.detach() for k, v in sd.items()}
+        exact(dict(vllm_weights(views, SPEC)), ref_vllm(sd, CFG, 1, 0))
+    assert signatures[0] == 3
+    with torch.no_grad():  # a bound tensor given other memory: the early copy refuses to run
+        sd["model.embed_tokens.weight"].set_(sd["model.embed_tokens.weight"].clone().neg_())
+    views = {k: v.detach() for k, v in sd.items()}
+    exact(dict(vllm_weights(views, SPEC)), ref_vllm(sd, CFG, 1, 0))
+    assert signatures[0] == 4
     views = {k: v.detach() for k, v in sd.items()}
     views["model.norm.weight"] = views["model.norm.weight"][: views["model.norm.weight"].numel() // 2]
     with pytest.raises(ValueError, match="model.norm.weight.*must have shape"):  # a narrower view: refused
         vllm_weights(views, SPEC)
+
+
+def test_only_exact_views_of_the_bound_memory_repeat_a_bound_plan():
+    """The C++ check behind the short path: a new tensor object repeats the plan only if it views the
+    bound tensor's very elements -- same address, dtype, device, shape and strides."""
+    from verl_fast.ops.reshard import plan as make_plan
+
+    sd = random_state(SPEC)
+    p = make_plan(hf_layout(SPEC), vllm_layout(SPEC, 1))
+    outs = p.allocate_destinations("cpu")
+    srcs, dsts = [sd[n] for n in p.src_names], list(outs.values())
+    p.execute(srcs, outs)
+    assert p.run_bound(srcs, dsts)  # the very objects
+    assert p.run_bound([t.detach() for t in srcs], dsts)  # new objects, the same elements
+    assert p.run_bound(srcs, [torch.nn.Parameter(t, requires_grad=False) for t in dsts])
+    i = next(i for i, t in enumerate(srcs) if t.dim() == 2)
+    base = srcs[i]
+    rows, cols = base.shape
+    for other in (base.as_strided((rows, cols), (1, rows)),  # same address and shape, other strides
+                  base.view(torch.int32),  # same address and shape, other dtype
+                  base.clone(),  # other memory
+                  base.as_subclass(type("Sub", (torch.Tensor,), {}))):  # not a plain tensor
+        given = list(srcs)
+        given[i] = other
+        assert not p.run_bound(given, dsts)
+    assert p.run_bound(srcs, dsts)
 
 
 def test_out_is_written_and_returned():

@@ -60,23 +60,25 @@ void bind_reshard(py::module_& m) {
       .def(
           "is_bound",
           [](const Plan& p, const py::list& sources, const py::list& destinations, bool check_memory) {
-            // Binding these again would change nothing: they are the very objects bind() took, each
-            // still pointing where it did (unless check_memory is false: run checks that again).
+            // Binding these again would change nothing: each is the object bind() took, or a tensor
+            // viewing exactly its elements, and the bound one still points where it did (unless
+            // check_memory is false: run checks that again).
             const auto& bound = p.bound();
             const size_t S = p.local_sources().size(), D = p.local_destinations().size();
             if (bound.size() < S + D || sources.size() != S || destinations.size() != D) return false;
             for (size_t i = 0; i < S + D; ++i) {
               PyObject* given = i < S ? PyList_GET_ITEM(sources.ptr(), i) : PyList_GET_ITEM(destinations.ptr(), i - S);
               const TensorRef& t = bound[i];
-              if (!t.owner || static_cast<const PyTensorOwner*>(t.owner.get())->tensor != given ||
-                  (check_memory && !still_bound(t)))
-                return false;
+              if (!t.owner) return false;
+              if (static_cast<const PyTensorOwner*>(t.owner.get())->tensor != given && !views_same(given, t)) return false;
+              if (check_memory && !still_bound(t)) return false;
             }
             return true;
           },
           py::arg("sources"), py::arg("destinations"), py::arg("check_memory") = true,
-          "Whether bind() holds exactly these lists' tensors, unmoved (check_memory=False: the same objects, "
-          "their memory left to run's check)")
+          "Whether running what bind() holds would run on these lists' tensors: each the object bound, or "
+          "one viewing exactly its elements, the bound one unmoved (check_memory=False: the memory is left "
+          "to run's check)")
       .def(
           "run",
           [](Plan& p, int64_t bucket, Phase phase, CudaStream stream, int num_threads) {

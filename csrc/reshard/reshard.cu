@@ -42,6 +42,11 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
+// Block b copies part b % kParts of tile begin + b / kParts: consecutive blocks, which run at the
+// same time, then work on neighbouring addresses, as they would with tiles kParts times smaller
+// (a 7.6 GB copy in 256 KiB tiles on an H200: 3.89 ms whole, 3.63 ms in 16 KiB parts, cudaMemcpy
+// 3.55 ms), while the plan keeps one tile table entry per tile_bytes.
+constexpr int kParts = 16;
 
 template <int V>
 struct Vec;
@@ -51,19 +56,24 @@ template <> struct Vec<4> { using T = uint32_t; };
 template <> struct Vec<2> { using T = uint16_t; };
 template <> struct Vec<1> { using T = uint8_t; };
 
-// rows x (nv vectors of V bytes); src == nullptr writes zeros. Each thread keeps kUnroll loads in
-// flight before its stores (memory-level parallelism for a bandwidth-bound copy).
+// Where part `part` of `total` items begins (part kParts: where the last one ends).
+__device__ __forceinline__ uint32_t part_begin(uint32_t total, uint32_t part) {
+  return static_cast<uint32_t>(static_cast<uint64_t>(total) * part / kParts);
+}
+
+// Part `part` of rows x (nv vectors of V bytes); src == nullptr writes zeros. Each thread keeps
+// kUnroll loads in flight before its stores (memory-level parallelism for a bandwidth-bound copy).
 template <int V>
 __device__ void copy_rows(const char* __restrict__ src, char* __restrict__ dst, int64_t sp, int64_t dp,
-                          uint32_t rows, uint32_t nv) {
+                          uint32_t rows, uint32_t nv, uint32_t part) {
   using T = typename Vec<V>::T;
-  const uint32_t total = rows * nv;
-  for (uint32_t base = threadIdx.x; base < total; base += kThreads * kUnroll) {
+  const uint32_t end = part_begin(rows * nv, part + 1);
+  for (uint32_t base = part_begin(rows * nv, part) + threadIdx.x; base < end; base += kThreads * kUnroll) {
     T v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const uint32_t i = base + u * kThreads;
-      if (i < total) {
+      if (i < end) {
         const uint32_t r = rows == 1 ? 0 : i / nv, c = i - r * nv;
         v[u] = src ? *reinterpret_cast<const T*>(src + r * sp + static_cast<int64_t>(c) * V) : T{};
       }
@@ -71,7 +81,7 @@ __device__ void copy_rows(const char* __restrict__ src, char* __restrict__ dst, 
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const uint32_t i = base + u * kThreads;
-      if (i < total) {
+      if (i < end) {
         const uint32_t r = rows == 1 ? 0 : i / nv, c = i - r * nv;
         *reinterpret_cast<T*>(dst + r * dp + static_cast<int64_t>(c) * V) = v[u];
       }
@@ -111,7 +121,8 @@ __device__ __forceinline__ int64_t esize(int dtype) {
 __global__ void __launch_bounds__(kThreads)
 reshard_tiles_kernel(const Segment* __restrict__ segs, const Tile* __restrict__ tiles, int64_t begin,
                      void* const* __restrict__ ptrs) {
-  const Tile t = tiles[begin + blockIdx.x];
+  const Tile t = tiles[begin + blockIdx.x / kParts];
+  const uint32_t part = blockIdx.x % kParts;
   const Segment s = segs[t.seg];
   const int64_t dsz = esize(s.dst_dtype), ssz = esize(s.src_dtype);
   char* dst = static_cast<char*>(ptrs[s.dst]) + (s.dst_off + t.row0 * s.dst_pitch + t.col0) * dsz;
@@ -123,14 +134,15 @@ reshard_tiles_kernel(const Segment* __restrict__ segs, const Tile* __restrict__ 
     uint64_t bits = reinterpret_cast<uintptr_t>(dst) | static_cast<uint64_t>(width);
     if (src) bits |= reinterpret_cast<uintptr_t>(src);
     if (rows > 1) bits |= static_cast<uint64_t>(dp) | (src ? static_cast<uint64_t>(sp) : 0);
-    if ((bits & 15) == 0) return copy_rows<16>(src, dst, sp, dp, rows, static_cast<uint32_t>(width / 16));
-    if ((bits & 7) == 0) return copy_rows<8>(src, dst, sp, dp, rows, static_cast<uint32_t>(width / 8));
-    if ((bits & 3) == 0) return copy_rows<4>(src, dst, sp, dp, rows, static_cast<uint32_t>(width / 4));
-    if ((bits & 1) == 0) return copy_rows<2>(src, dst, sp, dp, rows, static_cast<uint32_t>(width / 2));
-    return copy_rows<1>(src, dst, sp, dp, rows, static_cast<uint32_t>(width));
+    if ((bits & 15) == 0) return copy_rows<16>(src, dst, sp, dp, rows, static_cast<uint32_t>(width / 16), part);
+    if ((bits & 7) == 0) return copy_rows<8>(src, dst, sp, dp, rows, static_cast<uint32_t>(width / 8), part);
+    if ((bits & 3) == 0) return copy_rows<4>(src, dst, sp, dp, rows, static_cast<uint32_t>(width / 4), part);
+    if ((bits & 1) == 0) return copy_rows<2>(src, dst, sp, dp, rows, static_cast<uint32_t>(width / 2), part);
+    return copy_rows<1>(src, dst, sp, dp, rows, static_cast<uint32_t>(width), part);
   }
   const uint32_t cols = static_cast<uint32_t>(t.ncols), total = rows * cols;
-  for (uint32_t i = threadIdx.x; i < total; i += kThreads) {
+  const uint32_t end = part_begin(total, part + 1);
+  for (uint32_t i = part_begin(total, part) + threadIdx.x; i < end; i += kThreads) {
     const uint32_t r = rows == 1 ? 0 : i / cols, c = i - r * cols;
     store_f(dst + (r * s.dst_pitch + c) * dsz, s.dst_dtype, load_f(src + (r * s.src_pitch + c) * ssz, s.src_dtype));
   }
@@ -172,8 +184,8 @@ void Plan::run_cuda(int64_t begin, int64_t end, const std::vector<void*>& ptrs, 
                "cudaMemcpyAsync (reshard pointers)");
     cuda_->uploaded = ptrs;
   }
-  const int64_t n = end - begin;
-  VF_CHECK(n < (int64_t{1} << 31), "too many tiles in one bucket (", n, "): raise tile_bytes");
+  const int64_t n = (end - begin) * kParts;
+  VF_CHECK(n < (int64_t{1} << 31), "too many tiles in one bucket (", end - begin, "): raise tile_bytes");
   reshard_tiles_kernel<<<static_cast<unsigned>(n), kThreads, 0, st>>>(cuda_->segs, cuda_->tiles, begin, cuda_->ptrs);
   VF_CUDA_LAUNCH_CHECK("reshard_tiles_kernel");
   cuda_->last_stream = st;

@@ -187,7 +187,7 @@ class ReshardPlan:
                 raise ValueError(f"{what} {t.name!r} must be contiguous")
 
     def _bind(self, srcs: List[torch.Tensor], dsts: List[torch.Tensor]) -> torch.device:
-        if self._device is not None and self._c.is_bound(srcs, dsts):  # same objects, same memory: bound already
+        if self._device is not None and self._c.is_bound(srcs, dsts):  # the same elements, unmoved: bound already
             return self._device
         self._device = None  # until bind() succeeds
         # _C checks the types, dtypes, sizes, contiguity, storage and one device; the exact shapes are
@@ -240,16 +240,24 @@ class ReshardPlan:
         srcs, dsts = self._inputs(sources, destinations, device)
         return srcs, dsts, self._bind(srcs, dsts)
 
-    def run_bound(self, srcs: List[torch.Tensor], dsts: List[torch.Tensor]) -> bool:
-        """Runs the plan if ``srcs`` / ``dsts`` are the tensors bound (the same objects, at the same
-        memory); returns False otherwise, having written nothing that a run after binding them
-        would not rewrite."""
+    def run_bound(self, srcs: List[torch.Tensor], dsts: List[torch.Tensor], *, check_after: bool = False) -> bool:
+        """Runs the plan if ``srcs`` / ``dsts`` are the tensors bound (the same objects, or new ones
+        viewing exactly their elements, as ``state_dict()`` gives, the bound ones unmoved); returns
+        False otherwise, having written nothing that a run after binding them would not rewrite.
+        ``check_after`` (one process): runs the bound tensors first and checks the given ones while
+        the copy runs; a False then leaves the bound destinations written from the bound sources."""
         if self._device is None:
             return False
         # One process: run checks, before it copies, that each tensor is still at the memory bound,
         # and a copy cut short is redone whole after binding again. Across processes a rank must not
         # stop inside the exchange: the memory is checked first.
         local = not self.distributed
+        if check_after and local:
+            try:
+                self.run(self._device)
+            except ValueError:
+                return False  # a bound tensor moved
+            return self._c.is_bound(srcs, dsts, False)
         if not self._c.is_bound(srcs, dsts, not local):
             return False
         try:
