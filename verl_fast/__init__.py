@@ -1,48 +1,51 @@
-"""verl_fast: reinforcement-learning post-training for LLMs with a compiled core."""
+"""verl_fast: reinforcement-learning post-training for LLMs with a compiled core.
 
-from verl_fast.ops.advantage import (
-    compute_drgrpo_advantage,
-    compute_gae,
-    compute_grpo_advantage,
-    compute_reinforce_pp_advantage,
-    compute_reinforce_pp_baseline_advantage,
-    compute_remax_advantage,
-    compute_rloo_advantage,
-)
-from verl_fast.ops.masked import masked_mean, masked_var, masked_whiten
-from verl_fast.ops.logprobs import linear_logprobs, logprobs_from_logits
-from verl_fast.ops import schedule
-from verl_fast.rollout.vllm_engine import VLLMInferenceEngine
-from verl_fast.models.megatron_checkpoint import load_megatron_checkpoint
-from verl_fast.ops.reshard import ModelSpec, ReshardPlan, reshard, vllm_weights
-from verl_fast.trainer.rl_trainer import RLTrainer
-from verl_fast.rollout.operator import RolloutOperator
-from verl_fast.data import RLDataProcessor
+The public names below are imported when first used (PEP 562), so that ``import verl_fast`` and the
+``verl-fast`` command start without loading torch, transformers and vLLM before they are needed.
+"""
+
+from importlib import import_module
+from typing import Any, List
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "__version__",
-    "compute_gae",
-    "compute_grpo_advantage",
-    "compute_drgrpo_advantage",
-    "compute_rloo_advantage",
-    "compute_reinforce_pp_advantage",
-    "compute_reinforce_pp_baseline_advantage",
-    "compute_remax_advantage",
-    "masked_mean",
-    "masked_var",
-    "masked_whiten",
-    "logprobs_from_logits",
-    "linear_logprobs",
-    "schedule",
-    "VLLMInferenceEngine",
-    "reshard",
-    "ReshardPlan",
-    "ModelSpec",
-    "vllm_weights",
-    "load_megatron_checkpoint",
-    "RLTrainer",
-    "RolloutOperator",
-    "RLDataProcessor",
-]
+# public name -> the module that defines it
+_PUBLIC = {
+    "compute_gae": "verl_fast.ops.advantage",
+    "compute_grpo_advantage": "verl_fast.ops.advantage",
+    "compute_drgrpo_advantage": "verl_fast.ops.advantage",
+    "compute_rloo_advantage": "verl_fast.ops.advantage",
+    "compute_reinforce_pp_advantage": "verl_fast.ops.advantage",
+    "compute_reinforce_pp_baseline_advantage": "verl_fast.ops.advantage",
+    "compute_remax_advantage": "verl_fast.ops.advantage",
+    "masked_mean": "verl_fast.ops.masked",
+    "masked_var": "verl_fast.ops.masked",
+    "masked_whiten": "verl_fast.ops.masked",
+    "logprobs_from_logits": "verl_fast.ops.logprobs",
+    "linear_logprobs": "verl_fast.ops.logprobs",
+    "schedule": "verl_fast.ops",
+    "VLLMInferenceEngine": "verl_fast.rollout.vllm_engine",
+    "reshard": "verl_fast.ops.reshard",
+    "ReshardPlan": "verl_fast.ops.reshard",
+    "ModelSpec": "verl_fast.ops.reshard",
+    "vllm_weights": "verl_fast.ops.reshard",
+    "load_megatron_checkpoint": "verl_fast.models.megatron_checkpoint",
+    "RLTrainer": "verl_fast.trainer.rl_trainer",
+    "RolloutOperator": "verl_fast.rollout.operator",
+    "RLDataProcessor": "verl_fast.data",
+}
+
+__all__ = ["__version__", *_PUBLIC]
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'verl_fast' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

