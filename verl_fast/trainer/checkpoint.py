@@ -11,6 +11,9 @@ Layout of ``<output_dir>/checkpoints/step_000010/``:
 - ``trainer_state.json``: step, metrics history, RNG state, config.
 - ``manifest.json``: size and CRC-32 of every file above, written last.
 
+The large files (``dcp/`` and the export) are written around the page cache (``direct_write``),
+their CRCs taken as they are written.
+
 Writes go to ``step_N.tmp`` and are renamed when the manifest is in place, so a folder named
 ``step_N`` is complete; on resume each candidate is verified against its manifest, newest first,
 and a damaged one is named (file and what is wrong) and skipped for the previous complete one.
@@ -34,6 +37,8 @@ import torch
 
 from verl_fast import safe_load
 from verl_fast.models.wrapping import hf_module
+from verl_fast.trainer import direct_write
+from verl_fast.trainer.direct_write import Records
 from verl_fast.trainer.ranks import gather, on_main, rank_world
 
 _STEP = re.compile(r"^step_(\d+)$")
@@ -64,13 +69,19 @@ def step_dirs(output_dir: str) -> List[Path]:
 # ----------------------------------------------------------------------------- checksums
 
 
-def _checksums(folder: Path, files: List[str]) -> Dict[str, Dict[str, int]]:
-    """Size and CRC-32 of ``files`` (relative to ``folder``), the work split over the ranks."""
+def _checksums(folder: Path, files: List[str], written: Optional[Records] = None) -> Dict[str, Dict[str, int]]:
+    """Size and CRC-32 of ``files`` (relative to ``folder``): those in ``written`` (each rank's
+    records of the files it wrote, by path) as recorded, the others read, the work split over the
+    ranks. Collective."""
     rank, world = rank_world()
     records: Dict[str, Dict[str, int]] = {}
-    for part in gather({f: _file_record(folder / f) for f in files[rank::world]}):
+    if written is not None:
+        for part in gather({os.path.relpath(p, folder): {"bytes": n, "crc32": c} for p, (n, c) in written.items()}):
+            records.update(part)
+    rest = [f for f in files if f not in records]
+    for part in gather({f: _file_record(folder / f) for f in rest[rank::world]}):
         records.update(part)
-    return records
+    return {f: records[f] for f in files}
 
 
 def _file_record(path: Path) -> Dict[str, Any]:
@@ -173,13 +184,15 @@ def save(output_dir: str, step: int, actor: torch.nn.Module, tokenizer: Any, opt
 
     on_main(prepare)
     try:
+        writer = direct_write.dcp_writer(tmp / DCP)  # around the page cache, CRCs taken while writing
         with _quiet():
-            dcp.save(shards, checkpoint_id=str(tmp / DCP), no_dist=world == 1)
+            dcp.save(shards, storage_writer=writer, no_dist=world == 1)
+        written = dict(getattr(writer.fs, "records", {}))
         # in one process the actor's own tensors are whole: exported as they are, not read back from dcp/
         whole = shards["actor"] if world == 1 and all(type(v) is torch.Tensor or not isinstance(v, torch.Tensor)
                                                         for v in shards["actor"].values()) else None
-        on_main(lambda: _write_metadata(tmp, step, actor, tokenizer, state, export_hf, whole))
-        records = _checksums(tmp, on_main(lambda: _files(tmp)))
+        written.update(on_main(lambda: _write_metadata(tmp, step, actor, tokenizer, state, export_hf, whole)))
+        records = _checksums(tmp, on_main(lambda: _files(tmp)), written)
         on_main(lambda: _publish(tmp, final, records, step))
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         on_main(lambda: shutil.rmtree(tmp, ignore_errors=True))
@@ -191,7 +204,9 @@ def save(output_dir: str, step: int, actor: torch.nn.Module, tokenizer: Any, opt
 
 
 def _write_metadata(tmp: Path, step: int, actor: torch.nn.Module, tokenizer: Any, state: Dict[str, Any],
-                    export_hf: bool, whole: Optional[Dict[str, torch.Tensor]] = None) -> None:
+                    export_hf: bool, whole: Optional[Dict[str, torch.Tensor]] = None) -> Records:
+    """Config, tokenizer, trainer state and (``export_hf``) the HF weights; returns the weights'
+    files' records."""
     model = hf_module(actor)
     if hasattr(model, "config"):
         model.config.save_pretrained(tmp)
@@ -200,8 +215,7 @@ def _write_metadata(tmp: Path, step: int, actor: torch.nn.Module, tokenizer: Any
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     (tmp / STATE).write_text(json.dumps({"step": step, **state}, indent=1, default=str))
-    if export_hf:
-        _write_safetensors(tmp / DCP, tmp, whole=whole)
+    return _write_safetensors(tmp / DCP, tmp, whole=whole) if export_hf else {}
 
 
 def _publish(tmp: Path, final: Path, records: Dict[str, Dict[str, int]], step: int) -> None:
@@ -322,13 +336,12 @@ def _has_key(path: Path, prefix: str) -> bool:
 
 
 def _write_safetensors(dcp_dir: Path, out: Path, max_shard_bytes: int = 5 << 30,
-                       whole: Optional[Dict[str, torch.Tensor]] = None) -> List[str]:
+                       whole: Optional[Dict[str, torch.Tensor]] = None) -> Records:
     """The actor's weights from ``dcp_dir`` as HF safetensors in ``out``, read a shard's worth at a
-    time (memory stays under ``max_shard_bytes`` whatever the model's size); returns the file names.
-    ``whole``: the actor's state dict as DCP saved it, whole tensors in this process: written from
-    memory instead."""
+    time (memory stays under ``max_shard_bytes`` whatever the model's size); returns the weight
+    files' records. ``whole``: the actor's state dict as DCP saved it, whole tensors in this process:
+    written from memory instead."""
     import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     if whole is not None:
@@ -354,6 +367,7 @@ def _write_safetensors(dcp_dir: Path, out: Path, max_shard_bytes: int = 5 << 30,
     names = (["model.safetensors"] if len(groups) == 1 else
              [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
     weight_map: Dict[str, str] = {}
+    written: Records = {}
     for name, keys in zip(names, groups):
         if whole is not None:
             part = {k: whole[k[len("actor."):]].detach().cpu().contiguous() for k in keys}
@@ -362,13 +376,14 @@ def _write_safetensors(dcp_dir: Path, out: Path, max_shard_bytes: int = 5 << 30,
             with _quiet():
                 dcp.load(part, storage_reader=safe_load.dcp_reader(dcp_dir), planner=safe_load.dcp_planner(),
                          no_dist=True)
-        save_file({k[len("actor."):]: v for k, v in part.items()}, str(out / name), metadata={"format": "pt"})
+        written[str(out / name)] = direct_write.write_safetensors(
+            out / name, {k[len("actor."):]: v for k, v in part.items()}, metadata={"format": "pt"})
         weight_map.update({k[len("actor."):]: name for k in keys})
     if len(names) > 1:
         total = sum(shape.numel() * torch.empty((), dtype=dtype).element_size() for shape, dtype in tensors.values())
         (out / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    return names
+    return written
 
 
 def resolve(checkpoint: str) -> Path:
