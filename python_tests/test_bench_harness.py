@@ -137,6 +137,16 @@ def test_runner_runs_a_script_and_collects_its_report(tmp_path, monkeypatch):
     assert runner.run_op("nothere", "cpu", True, tmp_path, echo=False)["status"] == "missing"
 
 
+def test_the_summary_pairs_repeated_runs_by_their_medians():
+    """A whole run repeated (the default run: plain loop, ours, plain, ours) is summarised by each
+    impl's median, not by pairing one impl's first run with the other's fastest."""
+    rows = [{"case": "run", "impl": impl, "ms": ms} for impl, ms in
+            [("plain", 107.0), ("verl_fast train", 61.0), ("plain", 100.0), ("verl_fast train", 59.0),
+             ("plain", 120.0), ("verl_fast train", 66.0), ("verl_fast variant", 70.0)]]
+    (row,) = report.summarize_report("default_run", {"rows": rows})
+    assert (row["baseline_ms"], row["ours"], row["ours_ms"]) == (107.0, "verl_fast train", 61.0)
+
+
 def test_claims_read_from_the_claims_and_default_run_reports():
     rows = [("rollout in-process vs HTTP", "vLLM OpenAI HTTP server", 3200.0),
             ("rollout in-process vs HTTP", "verl_fast in-process vLLM", 1000.0),

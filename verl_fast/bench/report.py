@@ -70,14 +70,16 @@ def device_name(device: str) -> str:
 
 
 def summarize_report(op: str, rep: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """Per case: the first baseline row, the fastest of ours (impl ``verl_fast...``), the floor."""
+    """Per case: the first baseline, the fastest of ours (impl ``verl_fast...``), the floor. An impl
+    timed several times in one report (repeats of a whole run) counts by its median row."""
     floors = rep.get("floors_ms") or {}
-    cases: Dict[str, List[Dict[str, Any]]] = {}
+    cases: Dict[str, Dict[str, List[Dict[str, Any]]]] = {}
     for row in rep.get("rows", []):
         if isinstance(row.get("ms"), (int, float)):
-            cases.setdefault(row["case"], []).append(row)
+            cases.setdefault(row["case"], {}).setdefault(row["impl"], []).append(row)
     out = []
-    for case, rows in cases.items():
+    for case, impls in cases.items():
+        rows = [sorted(repeats, key=lambda r: r["ms"])[(len(repeats) - 1) // 2] for repeats in impls.values()]
         ours = [r for r in rows if str(r["impl"]).startswith("verl_fast")]
         base = [r for r in rows if not str(r["impl"]).startswith("verl_fast")]
         if not ours:
