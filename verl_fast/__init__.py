@@ -23,7 +23,7 @@ _PUBLIC = {
     "masked_whiten": "verl_fast.ops.masked",
     "logprobs_from_logits": "verl_fast.ops.logprobs",
     "linear_logprobs": "verl_fast.ops.logprobs",
-    "schedule": "verl_fast.ops",
+    "schedule": "verl_fast.ops.schedule",
     "VLLMInferenceEngine": "verl_fast.rollout.vllm_engine",
     "reshard": "verl_fast.ops.reshard",
     "ReshardPlan": "verl_fast.ops.reshard",
@@ -35,6 +35,8 @@ _PUBLIC = {
     "RLDataProcessor": "verl_fast.data",
 }
 
+_MODULES = {"schedule"}  # public names that are modules themselves
+
 __all__ = ["__version__", *_PUBLIC]
 
 
@@ -42,7 +44,9 @@ def __getattr__(name: str) -> Any:
     module = _PUBLIC.get(name)
     if module is None:
         raise AttributeError(f"module 'verl_fast' has no attribute {name!r}")
-    value = getattr(import_module(module), name)
+    value = import_module(module)
+    if name not in _MODULES:
+        value = getattr(value, name)
     globals()[name] = value  # later lookups skip this function
     return value
 
