@@ -408,7 +408,7 @@ const Bucket& Plan::bucket(int64_t b) const {
   return buckets_[b];
 }
 
-Plan::Plan(const PlanArgs& a) : rank_(a.rank), world_(a.world_size) {
+Plan::Plan(const PlanArgs& a) : rank_(a.rank), world_(a.world_size), tile_bytes_(a.tile_bytes) {
   VF_CHECK(world_ >= 1, "world_size must be >= 1, got ", world_);
   VF_CHECK(rank_ >= 0 && rank_ < world_, "rank must be in [0, ", world_, "), got ", rank_);
   VF_CHECK(a.bucket_bytes > 0, "bucket_bytes must be > 0, got ", a.bucket_bytes);

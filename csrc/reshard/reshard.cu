@@ -7,6 +7,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
+
 #include "common/check.h"
 #include "common/cuda_utils.h"
 #include "reshard/reshard.h"
@@ -42,11 +44,12 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
-// Block b copies part b % kParts of tile begin + b / kParts: consecutive blocks, which run at the
-// same time, then work on neighbouring addresses, as they would with tiles kParts times smaller
-// (a 7.6 GB copy in 256 KiB tiles on an H200: 3.89 ms whole, 3.63 ms in 16 KiB parts, cudaMemcpy
-// 3.55 ms), while the plan keeps one tile table entry per tile_bytes.
-constexpr int kParts = 16;
+// Block b copies part b % parts of tile begin + b / parts, each part about kPartBytes: consecutive
+// blocks, which run at the same time, then work on neighbouring addresses, as they would with tiles
+// that small (a 7.6 GB copy on an H200: 3.89 ms in 256 KiB tiles, 3.77 in 64 KiB, 3.63 in 16 KiB,
+// cudaMemcpy 3.55 ms), while the plan keeps one table entry per tile_bytes.
+constexpr int64_t kPartBytes = 16 << 10;
+constexpr int64_t kMaxParts = 64;
 
 template <int V>
 struct Vec;
@@ -56,19 +59,19 @@ template <> struct Vec<4> { using T = uint32_t; };
 template <> struct Vec<2> { using T = uint16_t; };
 template <> struct Vec<1> { using T = uint8_t; };
 
-// Where part `part` of `total` items begins (part kParts: where the last one ends).
-__device__ __forceinline__ uint32_t part_begin(uint32_t total, uint32_t part) {
-  return static_cast<uint32_t>(static_cast<uint64_t>(total) * part / kParts);
+// Where part `part` of `parts` over `total` items begins (part `parts`: where the last one ends).
+__device__ __forceinline__ uint32_t part_begin(uint32_t total, uint32_t part, uint32_t parts) {
+  return static_cast<uint32_t>(static_cast<uint64_t>(total) * part / parts);
 }
 
-// Part `part` of rows x (nv vectors of V bytes); src == nullptr writes zeros. Each thread keeps
-// kUnroll loads in flight before its stores (memory-level parallelism for a bandwidth-bound copy).
+// Part `part` of `parts` of rows x (nv vectors of V bytes); src == nullptr writes zeros. Each thread
+// keeps kUnroll loads in flight before its stores (memory-level parallelism for a bandwidth-bound copy).
 template <int V>
 __device__ void copy_rows(const char* __restrict__ src, char* __restrict__ dst, int64_t sp, int64_t dp,
-                          uint32_t rows, uint32_t nv, uint32_t part) {
+                          uint32_t rows, uint32_t nv, uint32_t part, uint32_t parts) {
   using T = typename Vec<V>::T;
-  const uint32_t end = part_begin(rows * nv, part + 1);
-  for (uint32_t base = part_begin(rows * nv, part) + threadIdx.x; base < end; base += kThreads * kUnroll) {
+  const uint32_t end = part_begin(rows * nv, part + 1, parts);
+  for (uint32_t base = part_begin(rows * nv, part, parts) + threadIdx.x; base < end; base += kThreads * kUnroll) {
     T v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -120,9 +123,9 @@ __device__ __forceinline__ int64_t esize(int dtype) {
 
 __global__ void __launch_bounds__(kThreads)
 reshard_tiles_kernel(const Segment* __restrict__ segs, const Tile* __restrict__ tiles, int64_t begin,
-                     void* const* __restrict__ ptrs) {
-  const Tile t = tiles[begin + blockIdx.x / kParts];
-  const uint32_t part = blockIdx.x % kParts;
+                     void* const* __restrict__ ptrs, uint32_t parts) {
+  const Tile t = tiles[begin + blockIdx.x / parts];
+  const uint32_t part = blockIdx.x % parts;
   const Segment s = segs[t.seg];
   const int64_t dsz = esize(s.dst_dtype), ssz = esize(s.src_dtype);
   char* dst = static_cast<char*>(ptrs[s.dst]) + (s.dst_off + t.row0 * s.dst_pitch + t.col0) * dsz;
@@ -134,15 +137,15 @@ reshard_tiles_kernel(const Segment* __restrict__ segs, const Tile* __restrict__ 
     uint64_t bits = reinterpret_cast<uintptr_t>(dst) | static_cast<uint64_t>(width);
     if (src) bits |= reinterpret_cast<uintptr_t>(src);
     if (rows > 1) bits |= static_cast<uint64_t>(dp) | (src ? static_cast<uint64_t>(sp) : 0);
-    if ((bits & 15) == 0) return copy_rows<16>(src, dst, sp, dp, rows, static_cast<uint32_t>(width / 16), part);
-    if ((bits & 7) == 0) return copy_rows<8>(src, dst, sp, dp, rows, static_cast<uint32_t>(width / 8), part);
-    if ((bits & 3) == 0) return copy_rows<4>(src, dst, sp, dp, rows, static_cast<uint32_t>(width / 4), part);
-    if ((bits & 1) == 0) return copy_rows<2>(src, dst, sp, dp, rows, static_cast<uint32_t>(width / 2), part);
-    return copy_rows<1>(src, dst, sp, dp, rows, static_cast<uint32_t>(width), part);
+    if ((bits & 15) == 0) return copy_rows<16>(src, dst, sp, dp, rows, static_cast<uint32_t>(width / 16), part, parts);
+    if ((bits & 7) == 0) return copy_rows<8>(src, dst, sp, dp, rows, static_cast<uint32_t>(width / 8), part, parts);
+    if ((bits & 3) == 0) return copy_rows<4>(src, dst, sp, dp, rows, static_cast<uint32_t>(width / 4), part, parts);
+    if ((bits & 1) == 0) return copy_rows<2>(src, dst, sp, dp, rows, static_cast<uint32_t>(width / 2), part, parts);
+    return copy_rows<1>(src, dst, sp, dp, rows, static_cast<uint32_t>(width), part, parts);
   }
   const uint32_t cols = static_cast<uint32_t>(t.ncols), total = rows * cols;
-  const uint32_t end = part_begin(total, part + 1);
-  for (uint32_t i = part_begin(total, part) + threadIdx.x; i < end; i += kThreads) {
+  const uint32_t end = part_begin(total, part + 1, parts);
+  for (uint32_t i = part_begin(total, part, parts) + threadIdx.x; i < end; i += kThreads) {
     const uint32_t r = rows == 1 ? 0 : i / cols, c = i - r * cols;
     store_f(dst + (r * s.dst_pitch + c) * dsz, s.dst_dtype, load_f(src + (r * s.src_pitch + c) * ssz, s.src_dtype));
   }
@@ -184,9 +187,11 @@ void Plan::run_cuda(int64_t begin, int64_t end, const std::vector<void*>& ptrs, 
                "cudaMemcpyAsync (reshard pointers)");
     cuda_->uploaded = ptrs;
   }
-  const int64_t n = (end - begin) * kParts;
+  const int64_t parts = std::min(kMaxParts, std::max<int64_t>(1, tile_bytes_ / kPartBytes));
+  const int64_t n = (end - begin) * parts;
   VF_CHECK(n < (int64_t{1} << 31), "too many tiles in one bucket (", end - begin, "): raise tile_bytes");
-  reshard_tiles_kernel<<<static_cast<unsigned>(n), kThreads, 0, st>>>(cuda_->segs, cuda_->tiles, begin, cuda_->ptrs);
+  reshard_tiles_kernel<<<static_cast<unsigned>(n), kThreads, 0, st>>>(cuda_->segs, cuda_->tiles, begin, cuda_->ptrs,
+                                                                       static_cast<uint32_t>(parts));
   VF_CUDA_LAUNCH_CHECK("reshard_tiles_kernel");
   cuda_->last_stream = st;
   cuda_->launched = true;

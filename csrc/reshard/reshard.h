@@ -147,6 +147,7 @@ class Plan {
 #endif
 
   int64_t rank_ = 0, world_ = 1;
+  int64_t tile_bytes_ = 0;
   std::vector<Bucket> buckets_;
   std::vector<Segment> segments_;
   std::vector<Tile> tiles_;
