@@ -337,3 +337,16 @@ def test_in_process_setting_required(monkeypatch, model_dir):
 def test_update_lora_needs_enable_lora(engine, hf_model):
     with pytest.raises(ValueError, match="enable_lora=True"):
         engine.update_lora(hf_model)
+
+
+def test_engines_left_to_exit_skip_their_shutdown_at_exit(engine, prompts):
+    """`verl-fast` ends its process without the teardown: the open engines' shutdown at exit (which
+    unfreezes and sweeps the whole heap twice) is cancelled; `close()` still shuts one down, and it
+    still generates until then."""
+    from verl_fast.rollout import vllm_engine
+
+    finalizer = engine.llm.llm_engine.engine_core._finalizer  # vLLM 0.32's exit handler for this engine
+    assert finalizer.alive
+    vllm_engine.leave_engines_to_exit()
+    assert not finalizer.alive
+    assert engine.generate(prompts[:1], SamplingSpec(max_tokens=2)).num_sequences == 1

@@ -266,6 +266,14 @@ def shutdown(llm) -> None:
         torch.cuda.empty_cache()
 
 
+def cancel_shutdown_at_exit(llm) -> None:
+    """The in-process engine's shutdown is a ``weakref.finalize`` of its ``InprocClient`` (run at
+    exit or when the client is collected): detached, for a process that ends next."""
+    finalizer = getattr(getattr(llm.llm_engine, "engine_core", None), "_finalizer", None)
+    if finalizer is not None:
+        finalizer.detach()
+
+
 class RolloutStats:
     """A vLLM stat logger (the ``StatLoggerBase`` methods, duck-typed) that keeps, per engine, what
     ``VLLMInferenceEngine.metrics()`` reports: prefix-cache queries and hits (tokens), the peak
