@@ -21,7 +21,7 @@ def _train(args: argparse.Namespace) -> int:
     # Start-up (imports, models, the engine) makes about a million long-lived objects, which the
     # cyclic collector sweeps whole again each time they grow by a quarter: 14 full sweeps, 3.5 s of
     # the default run's 11 s start-up on 2 cores. It is off until the trainer is built; run() then
-    # freezes what exists (never swept again, so the engine's collections at exit are quick too).
+    # freezes what exists (never swept again) and turns it back on.
     gc.disable()
     try:
         from verl_fast.train_cli import run

@@ -153,8 +153,9 @@ class RolloutEngine:
 
     def sync_from(self, model: torch.nn.Module) -> Dict[str, float]:
         """Makes the engine generate with ``model``'s current weights (after every optimizer step;
-        collective when the model is sharded; engines that own weights also take a Megatron actor). Returns ``{"bytes": ...}``: what this rank received.
-        Engines that generate with the model itself have nothing to do."""
+        collective when the model is sharded; engines that own weights also take a Megatron actor).
+        Returns ``{"bytes": ...}``: what this rank received. Engines that generate with the model
+        itself have nothing to do."""
         return {"bytes": 0}
 
     def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:

@@ -77,8 +77,8 @@ def vllm_weights(model_or_state_dict: Union[torch.nn.Module, Mapping[str, torch.
     sources').
 
     Plan and output tensors are kept for the next call with the same model shape, dtypes, devices
-    and placements, and a call passing the same tensors as the last one (the same objects at the
-    same memory, in any dict) goes straight to the copy. The tensors returned are therefore written
+    and placements, and a call passing the same tensors as the last one (the same objects, or new
+    ones over the same memory such as ``state_dict()`` makes, in any dict) goes straight to the copy. The tensors returned are therefore written
     again by the next such call: they are valid until then (clone them to keep them). ``out``
     (vLLM name -> tensor, e.g. the engine's own parameters) is written instead, and returned.
 
