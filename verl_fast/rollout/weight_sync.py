@@ -15,6 +15,11 @@ destinations:
   post-load processing (the CPU backend repacks its linear weights there). The buffers are
   allocated once and reused.
 
+The plan runs on one device per rank. An actor on another device than the engine (a CPU model, or
+FSDP shards offloaded to the host, beside an engine on a GPU) is first copied into buffers on the
+engine's device, allocated once (the actor's own bytes on this rank, in its dtype); nothing else
+goes through the host.
+
     sync = WeightSync(ModelSpec.from_hf_config(cfg), tensor_parallel_size=2, tp_rank_of={0: 0, 1: 1},
                       world_size=2, dtype=torch.bfloat16, direct=True)
     sync.run(actor, dict(vllm_model.named_parameters()))   # every step, on every rank
@@ -32,7 +37,7 @@ from verl_fast import distributed
 from verl_fast.models.wrapping import hf_module
 from verl_fast.ops.reshard import (Layout, ModelSpec, ReshardPlan, dtensor_layout, fsdp1_layout_from_module,
                                    fsdp1_sources, hf_layout, plan, vllm_layout)
-from verl_fast.ops.reshard.layout import clean_name
+from verl_fast.ops.reshard.layout import clean_name, local_tensor
 from verl_fast.ops.reshard.plan import DEFAULT_BUCKET_BYTES
 from verl_fast.ops.reshard.vllm import vllm_reload_layout
 
@@ -70,12 +75,16 @@ class WeightSync:
         self.bucket_bytes = bucket_bytes
         self.plan: Optional[ReshardPlan] = None
         self._sources: List[torch.Tensor] = []
+        self._staged: Optional[List[torch.Tensor]] = None  # the sources' copies on the engine's device
         self._buffers: Optional["OrderedDict[str, torch.Tensor]"] = None
 
-    def _prepare(self, model: torch.nn.Module) -> None:
+    def _prepare(self, model: torch.nn.Module, device: Optional[torch.device]) -> None:
         src, tensors = actor_source(self.spec, model)
         self.plan = plan(src, self.dst_layout, group=self.group, bucket_bytes=self.bucket_bytes)
         self._sources = [tensors[name] for name in self.plan.src_names]
+        local = [local_tensor(x) for x in self._sources]
+        if device is not None and any(x.numel() and x.device != device for x in local):
+            self._staged = [torch.empty_like(x, device=device) for x in local]
 
     def run(self, model: torch.nn.Module,
             destinations: Optional[Mapping[str, torch.Tensor]] = None) -> "OrderedDict[str, torch.Tensor]":
@@ -84,13 +93,19 @@ class WeightSync:
         ``destinations``: the engine's parameters by name (direct); ``None`` for the reload path,
         which returns the reused buffers to hand to vLLM's loader."""
         if self.plan is None:
-            self._prepare(model)
+            device = next((x.device for x in (destinations or {}).values() if x.numel()), None)
+            self._prepare(model, device)
         if destinations is None:
             if self._buffers is None:
                 device = next((x.device for x in self._sources if x.numel()), torch.device("cpu"))
                 self._buffers = self.plan.allocate_destinations(device)
             destinations = self._buffers
-        return self.plan.execute(self._sources, destinations)
+        sources = self._sources
+        if self._staged is not None:
+            for staged, x in zip(self._staged, self._sources):
+                staged.copy_(local_tensor(x), non_blocking=True)
+            sources = self._staged
+        return self.plan.execute(sources, destinations)
 
     @property
     def received_bytes(self) -> int:
