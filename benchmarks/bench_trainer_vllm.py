@@ -1,5 +1,5 @@
 """The trainer with vLLM rollout through the `verl-fast` command, as a user runs it: GRPO (checkpoint,
-then resume to more steps), PPO (a critic of the same family) and the embedded default config moved
+then resume to more steps), PPO (a critic of the same family; sleep level 1) and the embedded default config moved
 to the accelerator (``--set trainer.device=cuda``), each in its own process on a random-weight Qwen2
 model built here with the demo tokenizer (``.bench_assets/``; random weights cannot learn, so the
 figures are about the machinery: engine start, weight sync, sleep, checkpoints).
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
         # resume: the same folder, two more steps; the run must start from the step-4 checkpoint
         resumed = one("grpo_resume", "grpo", 6, grpo)
         resumed["resumed_from_checkpoint"] = resumed["steps"] == [1, 2, 3, 4, 5, 6]
-        one("ppo", "ppo", 4, work / "ppo")
+        one("ppo", "ppo", 4, work / "ppo", ["--set", "rollout.sleep_level=1"])  # weights offloaded, not dropped
         default = run_cli(["--set", f"trainer.device={args.device}", "--set", f"actor.model_name={model}",
                            "--set", f"trainer.dataset={data}", "--set", "reward_fn.type=callable",
                            "--set", "reward_fn.path=bench_trainer_vllm:length_reward",

@@ -7,13 +7,17 @@
 #   GPU_TESTS="python_tests/test_logprobs.py" SECTIONS=tests ...  # some test files only
 #   LOGPROB_CASES=logits SECTIONS=logprobs ...                     # one of the log-prob cases
 #
-# Sections: tests (every gpu-marked test), advantage, logprobs, reshard, hybrid, e2e, dist (needs 2 GPUs),
-# megatron (2 GPUs; megatron-core's wheel in .whl/),
+# Sections: tests (every gpu-marked test), vllm (every vLLM test, on the GPU's vLLM), trainer (the CLI
+# with vLLM rollout: GRPO + resume, PPO, the default config), advantage, logprobs, reshard, hybrid, e2e,
+# dist (needs 2 GPUs), megatron (2 GPUs; megatron-core's wheel in .whl/),
 # bench (`verl-fast bench` itself, quick sizes).
 # That machine: H200(s), torch 2.11 + CUDA 13, Triton 3.6, Python 3.12, no vLLM / megatron-core, no
 # network: build with --no-build-isolation --no-deps; pure-Python wheels (liger-kernel for the
-# logprobs baseline; trl, datasets, dill, multiprocess for e2e) travel in .whl/ (carry it); e2e also needs
-# the demo tokenizer in .bench_assets/ (`python benchmarks/bench_e2e.py --prepare-assets` here; carry it).
+# logprobs baseline; trl, datasets, dill, multiprocess for e2e; megatron-core) travel in .whl/ (carry it);
+# e2e also needs the demo tokenizer in .bench_assets/ (`python benchmarks/bench_e2e.py --prepare-assets`
+# here; carry it). vLLM 0.26 travels in pieces (../shared/tools/device_vllm/README.md): earlier calls
+# copy .dv0 ... .dv4 and .dvdeps1 into /tmp/dv/; the call that carries .dvdeps2 installs it into
+# /tmp/site here (later calls on the same machine find it there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
@@ -26,9 +30,15 @@ SECTIONS=${SECTIONS:-"tests advantage logprobs reshard hybrid e2e bench megatron
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 failed=()
 
-if ls .whl/*.whl > /dev/null 2>&1; then
-  "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+if [ -f .dvdeps2/install.sh ] && [ ! -d /tmp/site/vllm ]; then
+  bash .dvdeps2/install.sh > "$OUT/vllm_install.log" 2>&1 || { tail -n 20 "$OUT/vllm_install.log"; exit 1; }
 fi
+if ls .whl/*.whl > /dev/null 2>&1 || [ -d /tmp/whl ]; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $(ls .whl/*.whl /tmp/whl/*.whl 2>/dev/null) \
+    > "$OUT/whl_install.log" 2>&1
+fi
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16} CMAKE_ARGS="${CMAKE_ARGS:--DCMAKE_CUDA_ARCHITECTURES=90}"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 start=$(date +%s)
 if ! "$py" -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
@@ -41,6 +51,24 @@ echo "build: $(( $(date +%s) - start )) s"
 if want tests; then
   "$py" -m pytest -m gpu -q -p no:cacheprovider ${GPU_TESTS:-python_tests} > "$OUT/pytest_gpu.log" 2>&1 || failed+=("pytest -m gpu")
   tail -n 15 "$OUT/pytest_gpu.log"
+fi
+
+# ---- vllm (issue 23): every test of the vLLM engine, the weight sync and the trainer with vLLM rollout, on the
+# GPU's vLLM (bf16 engine; sleep levels; the direct write from HF / FSDP2 / FSDP1 / Megatron on one GPU) ----
+VLLM_TESTS="python_tests/test_vllm_engine.py python_tests/test_vllm_models.py python_tests/test_weight_sync.py
+  python_tests/test_trainer_vllm.py python_tests/test_hybrid_engine.py python_tests/test_megatron_rollout.py"
+if want vllm; then
+  timeout ${VLLM_TIMEOUT:-500} "$py" -m pytest -q -p no:cacheprovider -rs ${VLLM_TESTS_ONLY:-$VLLM_TESTS} \
+    > "$OUT/pytest_vllm.log" 2>&1 || failed+=("pytest vllm")
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_vllm.log" | tail -n 20
+fi
+
+# ---- trainer (issue 23): `verl-fast train` with rollout.type vllm: GRPO + checkpoint + resume, PPO, the
+# embedded default config with trainer.device=cuda (a small random-weight model; eager engine) ----
+if want trainer; then
+  timeout ${TRAINER_TIMEOUT:-400} "$py" benchmarks/bench_trainer_vllm.py --device cuda --eager \
+    > "$OUT/trainer_vllm.log" 2>&1 || failed+=("bench_trainer_vllm")
+  tail -n 8 "$OUT/trainer_vllm.log"
 fi
 
 # ---- dist (issue 12): the trainer under torchrun on 2 GPUs (NCCL): FSDP2 actor + reference from
@@ -90,8 +118,11 @@ fi
 # random weights built here; 1 GPU (ours and TRL side by side on GPUs 0 and 1), 2 GPUs (ours, FSDP2,
 # torchrun, the same per-GPU batch). About 6 minutes on 2 H200. ----
 if want e2e; then
-  timeout 560 "$py" benchmarks/bench_e2e.py --device cuda --shapes "${E2E_SHAPES:-0.5b,1.5b}" \
-    --steps "${E2E_STEPS:-7}" --timeout 240 >> "$OUT/bench.log" 2>&1 || failed+=("bench_e2e")
+  timeout ${E2E_TIMEOUT:-560} "$py" benchmarks/bench_e2e.py --device cuda --shapes "${E2E_SHAPES:-0.5b,1.5b}" \
+    --impls "${E2E_IMPLS:-ours_hf,ours_vllm,trl_hf,trl_vllm}" --tokens "${E2E_TOKENS:-256}" \
+    --steps "${E2E_STEPS:-6}" --trl-steps "${E2E_TRL_STEPS:-hf:3,vllm:5}" --timeout "${E2E_RUN_TIMEOUT:-240}" \
+    >> "$OUT/bench.log" 2>&1 || failed+=("bench_e2e")
+  sed -n '/^e2e GRPO step/,$p' "$OUT/bench.log" | tail -n 12
 fi
 
 # ---- bench (issue 17): `verl-fast bench` itself on the GPU (CUDA events, peak memory, the one table,

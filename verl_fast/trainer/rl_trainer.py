@@ -230,6 +230,8 @@ class RLTrainer:
             if stopping:
                 self.stopped = True
                 break
+        if self.engine is not None:  # the engine leaves fit() generating with the final weights
+            self.engine.wake_up()
         if self.step > first or checkpoint.latest_valid(cfg.output_dir, warn=lambda m: None) is None:
             self.save(export_hf=cfg.hf_export == "every" or (cfg.hf_export == "final" and self.step >= total))
         if self.stopped and self.is_main:
@@ -542,9 +544,9 @@ class RLTrainer:
         pairs = online_dpo.best_worst_pairs(batch, gen, scores)
         metrics: Dict[str, Any] = {"time/generation": time.perf_counter() - start, "reward/mean": scores.mean().item(),
                                    "dpo/pairs": len(pairs)}
-        if pairs:  # no pair (every prompt's samples tied): no update, the engine keeps its weights
+        if pairs:  # no pair (every prompt's samples tied): no update
             metrics.update(self._dpo_step(pairs))
-            self._sync_engine(metrics)
+        self._sync_engine(metrics)  # also without an update: a sleep may have discarded the engine's weights
         return metrics
 
     # ------------------------------------------------------------------ checkpoints
