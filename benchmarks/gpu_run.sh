@@ -15,9 +15,10 @@
 # network: build with --no-build-isolation --no-deps; pure-Python wheels (liger-kernel for the
 # logprobs baseline; trl, datasets, dill, multiprocess for e2e; megatron-core) travel in .whl/ (carry it);
 # e2e also needs the demo tokenizer in .bench_assets/ (`python benchmarks/bench_e2e.py --prepare-assets`
-# here; carry it). vLLM 0.26 travels in pieces (../shared/tools/device_vllm/README.md): earlier calls
-# copy .dv0 ... .dv4 and .dvdeps1 into /tmp/dv/; the call that carries .dvdeps2 installs it into
-# /tmp/site here (later calls on the same machine find it there).
+# here; carry it). vLLM 0.26 travels in pieces (../shared/tools/device_vllm/README.md; here its wheel less
+# the MoE kernels, the Rust frontend and other Pythons' deep_gemm, in four pieces): earlier calls copy
+# .dv0 ... .dv3 and .dvdeps1 into /tmp/dv/; the call that carries .dvdeps2 installs it all into /tmp/site
+# (later calls on the same machine find it there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
@@ -30,8 +31,11 @@ SECTIONS=${SECTIONS:-"tests advantage logprobs reshard hybrid e2e bench megatron
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 failed=()
 
-if [ -f .dvdeps2/install.sh ] && [ ! -d /tmp/site/vllm ]; then
-  bash .dvdeps2/install.sh > "$OUT/vllm_install.log" 2>&1 || { tail -n 20 "$OUT/vllm_install.log"; exit 1; }
+if [ -d .dvdeps2 ] && [ ! -d /tmp/site/vllm ]; then  # the pieces' last folder: assemble the wheel, install all
+  cp -n .dvdeps2/*.whl /tmp/dv/ && cat /tmp/dv/vllm.part.? > "/tmp/$(cat /tmp/dv/WHEEL_NAME)" &&
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      "/tmp/$(cat /tmp/dv/WHEEL_NAME)" /tmp/dv/*.whl > "$OUT/vllm_install.log" 2>&1 ||
+    { tail -n 20 "$OUT/vllm_install.log"; exit 1; }
 fi
 if ls .whl/*.whl > /dev/null 2>&1 || [ -d /tmp/whl ]; then
   "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $(ls .whl/*.whl /tmp/whl/*.whl 2>/dev/null) \
