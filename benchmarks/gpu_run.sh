@@ -34,12 +34,12 @@ failed=()
 if [ -d .dvdeps2 ] && [ ! -d /tmp/site/vllm ]; then  # the pieces' last folder: assemble the wheel, install all
   cp -n .dvdeps2/*.whl /tmp/dv/ && cat /tmp/dv/vllm.part.? > "/tmp/$(cat /tmp/dv/WHEEL_NAME)" &&
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      "/tmp/$(cat /tmp/dv/WHEEL_NAME)" /tmp/dv/*.whl > "$OUT/vllm_install.log" 2>&1 ||
-    { tail -n 20 "$OUT/vllm_install.log"; exit 1; }
+      "/tmp/$(cat /tmp/dv/WHEEL_NAME)" /tmp/dv/*.whl > "$OUT/install.log" 2>&1 ||
+    { tail -n 20 "$OUT/install.log"; exit 1; }
 fi
 if ls .whl/*.whl > /dev/null 2>&1 || [ -d /tmp/whl ]; then
   "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $(ls .whl/*.whl /tmp/whl/*.whl 2>/dev/null) \
-    > "$OUT/whl_install.log" 2>&1
+    >> "$OUT/install.log" 2>&1
 fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16} CMAKE_ARGS="${CMAKE_ARGS:--DCMAKE_CUDA_ARCHITECTURES=90}"

@@ -1,6 +1,8 @@
 """The seeds' snippets as users copy them (package name changed), on tiny local models."""
 
 
+import os
+
 import pytest
 import torch
 
@@ -82,7 +84,7 @@ def test_get_generation_kwargs_column_and_row_access(tiny_path):
         batch["topic"]
 
 
-def test_vllm_engine_model_name_argument(tiny_path):
+def test_vllm_engine_model_name_argument(tiny_path, monkeypatch):
     from verl_fast.inference.vllm_engine import VLLMInferenceEngine
 
     with pytest.raises(TypeError, match="exactly once"):
@@ -90,12 +92,13 @@ def test_vllm_engine_model_name_argument(tiny_path):
     with pytest.raises(TypeError, match="exactly once"):
         VLLMInferenceEngine()
     pytest.importorskip("vllm", reason="vLLM is not installed")
-    from verl_fast.rollout.vllm_env import configure_vllm_env
+    from verl_fast.rollout.vllm_env import IN_PROCESS
 
-    configure_vllm_env()
+    monkeypatch.delenv(IN_PROCESS, raising=False)  # seed 000 §5.1 as written: no configure_vllm_env() first
     engine = VLLMInferenceEngine(model_name=str(tiny_path), tensor_parallel_size=1, dtype="bfloat16",
                                  kv_cache_memory_bytes=64 << 20, max_model_len=128, max_num_seqs=4)
     try:
+        assert os.environ[IN_PROCESS] == "0"  # the engine configured vLLM's in-process mode itself
         out = engine.generate([[1, 2, 3]], SamplingSpec(n=2, max_tokens=4, temperature=0.0))
         assert out.num_sequences == 2 and out.response_mask.sum() > 0
     finally:

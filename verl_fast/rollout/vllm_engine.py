@@ -3,7 +3,9 @@
 ``vllm.LLM`` runs in this process (no HTTP server, no engine subprocess): prompts go in as token ids,
 the actor's weights go in as tensors after every optimizer step and are loaded in place (no disk
 reload, no engine restart), and the prefix cache is dropped after each update. The launcher calls
-``verl_fast.rollout.vllm_env.configure_vllm_env()`` first (the ``verl-fast`` CLI does).
+``verl_fast.rollout.vllm_env.configure_vllm_env()`` first (the ``verl-fast`` CLI does); where nobody
+has set ``VLLM_ENABLE_V1_MULTIPROCESSING``, the engine calls it itself (the seeds' snippets build an
+engine directly).
 
     configure_vllm_env()
     engine = VLLMInferenceEngine(path, dtype="bfloat16", max_model_len=1024)
@@ -50,6 +52,7 @@ Choices:
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -60,7 +63,7 @@ import torch
 
 from verl_fast.rollout import vllm_compat as compat
 from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec, pad_completions
-from verl_fast.rollout.vllm_env import IN_PROCESS
+from verl_fast.rollout.vllm_env import IN_PROCESS, configure_vllm_env
 
 logger = logging.getLogger(__name__)
 
@@ -163,14 +166,20 @@ class VLLMInferenceEngine(RolloutEngine):
                              f"(KV cache and weights discarded), got {sleep_level}")
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
-        vllm = compat.import_vllm()
         external = engine_kwargs.get("distributed_executor_backend") == "external_launcher"
+        if not external and IN_PROCESS not in os.environ:  # nobody chose: this class is the in-process engine
+            configure_vllm_env()
+        vllm = compat.import_vllm()
         if not external and not compat.in_process_mode():
+            if os.environ.get(IN_PROCESS) != "0":
+                raise RuntimeError(
+                    f"VLLMInferenceEngine runs vLLM inside this process and needs {IN_PROCESS}=0, but the "
+                    f"environment has {IN_PROCESS}={os.environ[IN_PROCESS]!r}: unset it or set it to 0 before "
+                    "the engine is built (verl_fast.rollout.vllm_env.configure_vllm_env() does)")
             raise RuntimeError(
-                f"VLLMInferenceEngine runs vLLM inside this process and needs {IN_PROCESS}=0 in the "
-                "environment before the engine is built: call "
-                "verl_fast.rollout.vllm_env.configure_vllm_env() first (the verl-fast CLI does), or "
-                f"export {IN_PROCESS}=0")
+                f"vLLM read {IN_PROCESS} before it was set to 0 (vLLM caches its environment variables once an "
+                "engine has started in this process): call verl_fast.rollout.vllm_env.configure_vllm_env() "
+                "before the first engine, or vllm.envs.disable_envs_cache() before this one")
         on_cpu = compat.is_cpu_platform()
         if enforce_eager is None:
             enforce_eager = on_cpu
