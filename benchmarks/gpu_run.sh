@@ -37,9 +37,10 @@ if [ -d .dvdeps2 ] && [ ! -d /tmp/site/vllm ]; then  # the pieces' last folder: 
       "/tmp/$(cat /tmp/dv/WHEEL_NAME)" /tmp/dv/*.whl > "$OUT/install.log" 2>&1 ||
     { tail -n 20 "$OUT/install.log"; exit 1; }
 fi
-if ls .whl/*.whl > /dev/null 2>&1 || [ -d /tmp/whl ]; then
-  "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $(ls .whl/*.whl /tmp/whl/*.whl 2>/dev/null) \
-    >> "$OUT/install.log" 2>&1
+wheels=$(ls .whl/*.whl 2>/dev/null || ls /tmp/whl/*.whl 2>/dev/null)  # carried now, or by an earlier call
+if [ -n "$wheels" ]; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site $wheels \
+    >> "$OUT/install.log" 2>&1 || { echo "the carried wheels did not install:"; tail -n 5 "$OUT/install.log"; }
 fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16} CMAKE_ARGS="${CMAKE_ARGS:--DCMAKE_CUDA_ARCHITECTURES=90}"

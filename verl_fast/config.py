@@ -130,7 +130,11 @@ class RolloutConfig:
     seed: int = _f(0)
     dtype: str = _f("auto", choices=("auto",) + DTYPES)
     tensor_parallel_size: int = _f(1, min=1)
-    gpu_memory_utilization: float = _f(0.5, min=0.0, max=1.0)
+    gpu_memory_utilization: float = _f(0.5, min=0.0, max=1.0, doc="vLLM's share of the GPU it checks for at start "
+                                       "(and sizes the KV cache by when kv_cache_gib is 0)")
+    kv_cache_gib: Optional[float] = _f(None, min=0.0, doc="vLLM's KV cache on a GPU (null: what one step's sequences "
+                                       "need at max_model_len, x1.25, which keeps sleep and wake cheap; 0: "
+                                       "gpu_memory_utilization's share)")
     enable_prefix_caching: bool = _f(True)
     max_num_seqs: int = _f(256, min=1)
     max_model_len: Optional[int] = _f(None, min=1)
@@ -138,7 +142,8 @@ class RolloutConfig:
     enable_sleep_mode: bool = _f(True, doc="free the engine's GPU memory during training")
     sleep_level: Optional[int] = _f(None, choices=(0, 1, 2), doc="during training (GPU): 0 frees the KV cache, "
                                     "1 also offloads the weights to the host, 2 discards them (the next sync "
-                                    "refills them); null (auto): 2, or 1 for a LoRA actor (base weights kept)")
+                                    "refills them); null (auto): 0 when the weights take at most 1/8 of the GPU, else 2; 1 for a "
+                                    "LoRA actor (base weights kept)")
     enforce_eager: Optional[bool] = _f(None, doc="vLLM without torch.compile and CUDA graphs (null: on the CPU "
                                        "only); faster to start, slower to decode")
     compilation_config: Optional[Dict[str, Any]] = _f(None, doc="vLLM's compilation_config as is (null: CUDA "

@@ -307,7 +307,8 @@ class MegatronGPT:
         missing = [n for n in needed if n not in state]
         if missing:
             raise ValueError(f"the HF weights lack {missing[:5]} (needed by this rank's shards)")
-        sources = {n: state[n] for n in needed}
+        device = next(iter(params.values())).device  # an HF model on the host loads into shards on the GPU
+        sources = {n: state[n].to(device) for n in needed}
         src = Layout(self.logical, [replicated(n, n, tuple(sources[n].shape), 0, sources[n].dtype)
                                                  for n in needed], 1, kind="hf-needed")
         with torch.no_grad():

@@ -230,6 +230,7 @@ class VLLMInferenceEngine(RolloutEngine):
         self._sleeping: set = set()  # what sleep() released: "kv_cache", "weights"
         self._weights_stale = False  # sleep_level 2 discarded the weights and nothing has refilled them
         self._sleep_s = self._wake_s = None
+        self._waking_s = 0.0  # wakes since the last sleep
         self._warned_sleep = False
         self._lora_dir: Optional[str] = None
         self._lora_request = None
@@ -430,7 +431,8 @@ class VLLMInferenceEngine(RolloutEngine):
         self.sleep_freed_bytes = compat.free_device_bytes() - free
         self._sleeping = {"kv_cache", "weights"} if self.sleep_level > 0 else {"kv_cache"}
         self._weights_stale = self.sleep_level == 2
-        self._sleep_s, self._wake_s = time.perf_counter() - start, 0.0
+        self._sleep_s = time.perf_counter() - start
+        self._wake_s, self._waking_s = self._waking_s, 0.0  # the cycle that ended here
 
     def wake_up(self) -> None:
         """Brings back what ``sleep`` released; refuses weights that sleep level 2 discarded and no
@@ -447,7 +449,7 @@ class VLLMInferenceEngine(RolloutEngine):
         start = time.perf_counter()
         compat.wake_up(self.llm, self.sleep_level, tags)
         self._sleeping -= set(tags)
-        self._wake_s = (self._wake_s or 0.0) + time.perf_counter() - start  # summed since the last sleep
+        self._waking_s += time.perf_counter() - start  # summed until the next sleep
 
     # ------------------------------------------------------------------ metrics and shutdown
 
@@ -457,7 +459,8 @@ class VLLMInferenceEngine(RolloutEngine):
         use at the busiest step), ``preempted_requests``, ``generated_tokens``; plus
         ``weight_update_s`` (the last update's seconds), ``sleep_freed_gib`` (device memory the
         last ``sleep`` released; absent where sleep frees nothing), ``sleep_s`` / ``wake_s`` (the
-        last sleep's seconds, and the wakes' since it)."""
+        last sleep's seconds, and those of the wakes between the sleep before it and it: the weights
+        before a sync, the KV cache before a rollout)."""
         w = self._stats.take()
         out = {
             "prefix_cache_hit_rate": w["hits"] / w["queries"] if w["queries"] else 0.0,
@@ -483,6 +486,10 @@ class VLLMInferenceEngine(RolloutEngine):
         llm = getattr(self, "llm", None)
         if llm is None:
             return
+        # our references to the engine's parameters go first: vLLM 0.26's sleep-mode allocator refuses
+        # a second engine in the process while any memory of the first is still allocated
+        self._sync = None
+        self.__dict__.pop("_params", None)
         self.llm = None
         compat.shutdown(llm)
         if self._lora_dir is not None:

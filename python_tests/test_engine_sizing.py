@@ -1,0 +1,70 @@
+"""How the trainer sizes the vLLM engine it builds (rollout/factory.py, rollout/vllm_engine.py): the
+KV cache for one step, the CUDA-graph batch sizes, the sleep level, and the placeholder folder named
+by its contents. No engine is started here."""
+
+import os
+
+import pytest
+import torch
+
+from tiny_models import build_tokenizer, tiny_model
+from verl_fast.rollout import factory
+from verl_fast.rollout.vllm_engine import capture_sizes
+
+
+def test_step_kv_cache_bytes_counts_k_and_v_of_every_layer():
+    cfg = tiny_model("qwen2").config  # 2 layers, 2 KV heads, head_dim 16
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    # 5 sequences of 37 tokens: 3 blocks of 16 each; K and V; bf16; the 1.25 margin
+    want = 1.25 * 5 * 48 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2
+    assert factory.step_kv_cache_bytes(cfg, 5, 37, "bfloat16", 1) == int(want)
+    assert factory.step_kv_cache_bytes(cfg, 5, 37, "float32", 1) == int(2 * want)
+    assert factory.step_kv_cache_bytes(cfg, 5, 37, "bfloat16", 2) == int(want / 2)  # KV heads split over TP
+
+
+def test_step_kv_cache_bytes_unknown_config():
+    class Opaque:
+        hidden_size = 64
+
+    assert factory.step_kv_cache_bytes(Opaque(), 4, 32, "bfloat16", 1) is None
+
+
+def test_capture_sizes_follow_vllm_stride_up_to_the_batch():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(16) == [1, 2, 4, 8, 16]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    sizes = capture_sizes(300)
+    assert sizes[:4] == [1, 2, 4, 8] and 248 in sizes and 256 in sizes and 272 in sizes and sizes[-1] == 300
+    assert sizes == sorted(set(sizes))
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="cudagraph_batch"):
+            capture_sizes(bad)
+
+
+def test_sleep_level_auto(monkeypatch):
+    assert factory.resolve_sleep_level(2, False, 1) == 2  # a set level is kept
+    assert factory.resolve_sleep_level(None, True, 1) == 1  # LoRA: the base weights must survive
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 8 << 30})())
+    assert factory.resolve_sleep_level(None, False, 1 << 30) == 0  # an eighth of the GPU: kept resident
+    assert factory.resolve_sleep_level(None, False, (1 << 30) + 1) == 2
+
+
+def test_engine_weight_bytes():
+    model = tiny_model("qwen2")
+    numel = sum(p.numel() for p in model.parameters())
+    assert factory.engine_weight_bytes(model, "bfloat16") == 2 * numel
+    assert factory.engine_weight_bytes(model, "float32") == 4 * numel
+
+
+def test_engine_folder_named_by_its_contents(tmp_path, monkeypatch):
+    monkeypatch.setenv("VERL_FAST_CACHE", str(tmp_path))
+    tok = build_tokenizer(vocab_size=320)
+    a = factory.engine_folder(tiny_model("qwen2", vocab_size=len(tok)), tok)
+    b = factory.engine_folder(tiny_model("qwen2", vocab_size=len(tok), seed=1), tok)  # other weights, same config
+    c = factory.engine_folder(tiny_model("qwen2", vocab_size=len(tok), num_hidden_layers=3), tok)
+    assert a == b != c  # vLLM's compile cache, keyed on the path, is found again for the same model
+    assert os.path.dirname(a) == str(tmp_path / "engine_models")
+    assert sorted(os.listdir(a)) == sorted(os.listdir(c)) and "config.json" in os.listdir(a)
+    assert not [f for f in os.listdir(tmp_path / "engine_models") if "." in f]  # no staging folder left
