@@ -63,7 +63,7 @@ _MEGATRON_ENUMS = (
 )
 
 
-def _safe_globals() -> list:
+def checkpoint_globals() -> list:
     """What besides tensors and plain containers a Megatron checkpoint may hold, as torch.load's
     allowlist: (callable, the name the pickle uses) pairs where the two differ."""
     import numpy as np
@@ -79,7 +79,7 @@ def _safe_globals() -> list:
 
 
 def _load_dict(path: str) -> dict:
-    ckpt = safe_load.load(path, _safe_globals(), "a Megatron checkpoint")
+    ckpt = safe_load.load(path, checkpoint_globals(), "a Megatron checkpoint")
     if not isinstance(ckpt, dict):
         raise ValueError(f"{path}: expected a dict (model, args, ...), got {type(ckpt).__name__}")
     return ckpt

@@ -310,12 +310,15 @@ def load(path: Path, actor: torch.nn.Module, optimizer: torch.optim.Optimizer,
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     _, world = rank_world()
-    if critic is not None and not _has_key(path, "critic."):
+    reader = safe_load.dcp_reader(path / DCP)
+    # read first, as data only: a refused pickle is named as such, not as a checkpoint that does not fit
+    keys = reader.read_metadata().state_dict_metadata
+    if critic is not None and not any(k.startswith("critic.") for k in keys):
         critic_optimizer, critic = None, None  # a checkpoint of a run without a critic
     shards = _state(actor, optimizer, critic, critic_optimizer)
     try:
         with _quiet():
-            dcp.load(shards, storage_reader=safe_load.dcp_reader(path / DCP), planner=safe_load.dcp_planner(),
+            dcp.load(shards, storage_reader=reader, planner=safe_load.dcp_planner(),
                      no_dist=world == 1)  # data only: nothing in the files runs
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         raise CheckpointError(f"checkpoint {path} does not fit this run's models: {e}") from e
@@ -326,10 +329,6 @@ def load(path: Path, actor: torch.nn.Module, optimizer: torch.optim.Optimizer,
         if critic_optimizer is not None and "critic_optim" in shards:
             set_optimizer_state_dict(critic, critic_optimizer, shards["critic_optim"])
     return json.loads((path / STATE).read_text())
-
-
-def _has_key(path: Path, prefix: str) -> bool:
-    return any(k.startswith(prefix) for k in safe_load.dcp_reader(path / DCP).read_metadata().state_dict_metadata)
 
 
 # ----------------------------------------------------------------------------- HF export
