@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import sys
 import warnings
 import zlib
@@ -85,14 +86,20 @@ def _checksums(folder: Path, files: List[str], written: Optional[Records] = None
 
 
 def _file_record(path: Path) -> Dict[str, Any]:
+    """Size and CRC-32 of the regular file ``path``, read without following a symbolic link (and
+    without blocking on a FIFO: anything but a regular file is an error, never read)."""
     crc, size = 0, 0
     try:
-        with open(path, "rb") as f:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return {"bytes": -1, "crc32": -1, "error": "not a regular file"}
             while chunk := f.read(1 << 24):
                 crc = zlib.crc32(chunk, crc)
                 size += len(chunk)
     except OSError as e:  # reported by verify (every rank must still reach the gather)
-        return {"bytes": -1, "crc32": -1, "error": e.strerror or str(e)}
+        reason = "a symbolic link" if e.errno == errno.ELOOP else e.strerror or str(e)
+        return {"bytes": -1, "crc32": -1, "error": reason}
     return {"bytes": size, "crc32": crc}
 
 
@@ -257,15 +264,22 @@ def clean_partial(output_dir: str) -> None:
 
 
 def verify(path: Path) -> Optional[str]:
-    """None when every file in ``path``'s manifest is there with its size and checksum; else what is
-    wrong, naming the file."""
+    """None when ``path`` holds exactly the files its manifest lists, each a regular file with the
+    size and checksum recorded; else what is wrong, naming the file. Only regular files inside
+    ``path`` are read: a manifest naming anything else (an absolute path, ``..``, a symbolic link,
+    a device) or malformed in any way is itself the problem found."""
+    if path.is_symlink():
+        return f"{path} is a symbolic link (to {os.readlink(path)}); a checkpoint must lie inside the run folder"
     manifest = path / MANIFEST
-    if not manifest.is_file():
+    if not manifest.is_file() or manifest.is_symlink():
         return f"{manifest} is missing (the write did not finish)"
-    try:
-        files = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError, TypeError) as e:
-        return f"{manifest} is unreadable ({e})"
+    files, problem = _manifest_files(manifest)
+    if problem is None:
+        on_disk, problem = _regular_files(path)
+    if problem is None:
+        problem = _listed_as_found(path, files, on_disk)
+    if problem is not None:
+        return problem
     names = sorted(files)
     found = _checksums(path, names)
     for name in names:
@@ -280,24 +294,98 @@ def verify(path: Path) -> Optional[str]:
     return None
 
 
+# what every checkpoint's manifest lists: the trainer state, and the sharded weights' DCP metadata
+# (``dcp/``, or ``megatron/`` for a Megatron-trained actor: trainer/megatron_checkpoint.py)
+_REQUIRED = (STATE,)
+_WEIGHTS_METADATA = (f"{DCP}/.metadata", "megatron/.metadata")
+
+
+def _manifest_files(manifest: Path):
+    """``(files, None)``: the manifest's file -> {bytes, crc32} records, each name a plain relative
+    path; ``(None, problem)`` when it is not that."""
+    try:
+        data = json.loads(manifest.read_bytes())
+    except (OSError, ValueError) as e:
+        return None, f"{manifest} is not readable JSON ({e})"
+    files = data.get("files") if isinstance(data, dict) else None
+    if not isinstance(files, dict):
+        return None, (f"{manifest}: 'files' must map each file to its size and CRC-32, got "
+                      f"{type(files).__name__}")
+    for name, record in files.items():
+        if not _inside(name):
+            return None, f"{manifest} lists {name!r}, which is not a path inside the checkpoint folder"
+        if not (isinstance(record, dict) and all(_count(record.get(k)) for k in ("bytes", "crc32"))):
+            return None, f"{manifest}: the entry of {name} must be {{\"bytes\": size, \"crc32\": checksum}}, got {record!r}"
+    missing = [n for n in _REQUIRED if n not in files]
+    if not any(n in files for n in _WEIGHTS_METADATA):
+        missing.append(" or ".join(_WEIGHTS_METADATA))
+    if missing:
+        return None, f"{manifest} does not list {missing[0]}"
+    return files, None
+
+
+def _inside(name: Any) -> bool:
+    """A plain relative path: no absolute path, no ``.`` / ``..`` / empty part, nothing to normalise."""
+    return (isinstance(name, str) and bool(name) and "\0" not in name and not os.path.isabs(name)
+            and os.path.normpath(name) == name and all(part not in ("", ".", "..") for part in name.split("/")))
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _regular_files(folder: Path):
+    """``(names, None)``: every file under ``folder`` (relative names), walked without following a
+    symbolic link; ``(None, problem)`` when it holds a link, a device, a FIFO or a socket."""
+    names: List[str] = []
+    pending = [folder]
+    while pending:
+        current = pending.pop()
+        with os.scandir(current) as entries:
+            for entry in entries:
+                if entry.is_symlink():
+                    return None, (f"{entry.path} is a symbolic link (to {os.readlink(entry.path)}); a checkpoint "
+                                  "reads only files inside its folder")
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(Path(entry.path))
+                elif entry.is_file(follow_symlinks=False):
+                    names.append(os.path.relpath(entry.path, folder))
+                else:
+                    return None, f"{entry.path} is not a regular file (a device, FIFO or socket)"
+    return names, None
+
+
+def _listed_as_found(path: Path, files: Dict[str, Any], on_disk: List[str]) -> Optional[str]:
+    """The files on disk and those in the manifest must be the same (a file it does not list is
+    unchecked, and may be the damaged one)."""
+    missing = sorted(set(files) - set(on_disk))
+    if missing:
+        return f"{path / missing[0]} is missing (the manifest lists it)"
+    unlisted = sorted(set(on_disk) - set(files) - {MANIFEST})
+    if unlisted:
+        return f"{path / unlisted[0]} is not in the manifest (its contents are unchecked)"
+    return None
+
+
 def _warn(message: str) -> None:
     if rank_world()[0] == 0:
         print(message, file=sys.stderr, flush=True)
 
 
 def latest_valid(output_dir: str, warn: Callable[[str], None] = _warn) -> Optional[Path]:
-    """The newest checkpoint that passes ``verify``; each damaged newer one is named and skipped."""
+    """The newest checkpoint that passes ``verify``; each damaged newer one is named, with what is
+    wrong and the checkpoint resumed instead ("checkpoint step_N is damaged: ...; resuming from ...")."""
     bad: List[str] = []
     for path in step_dirs(output_dir):
         problem = verify(path)
         if problem is None:
-            if bad:
-                warn(f"resuming from {path.name}, the latest complete checkpoint")
+            for message in bad:
+                warn(f"{message}; resuming from {path.name}")
             return path
-        bad.append(path.name)
-        warn(f"checkpoint {path.name} is damaged and skipped: {problem}")
-    if bad:
-        warn(f"no complete checkpoint in {checkpoint_root(output_dir)}: starting from the initial weights")
+        bad.append(f"checkpoint {path.name} is damaged: {problem}")
+    for message in bad:
+        warn(f"{message}; no complete checkpoint is left in {checkpoint_root(output_dir)}: starting from the "
+             "initial weights")
     return None
 
 
