@@ -385,6 +385,9 @@ def _apply_aliases(cfg: Config) -> None:
 def validate(cfg: Config) -> None:
     """Combinations that cannot work, named with what to use instead."""
     algo, est = cfg.algorithm.type, cfg.advantage_estimator
+    if not cfg.trainer.output_dir.strip():  # "" would be the current folder, among the user's files
+        raise ValueError(f"trainer.output_dir must name the run's folder (e.g. runs/<name>), got "
+                         f"{cfg.trainer.output_dir!r}")
     if est in GROUP_ESTIMATORS and cfg.rollout.n < 2:
         raise ValueError(f"algorithm.type={algo} is not supported with rollout.n={cfg.rollout.n}: its baseline "
                          "is the other samples of the same prompt; use rollout.n >= 2")

@@ -8,11 +8,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from verl_fast.trainer import run_files
 from verl_fast.trainer.perf import summary as perf_summary
 
 # Step-metric keys with the names dashboards know; every other numeric key is exported as a gauge
@@ -125,12 +125,11 @@ class _JSONL:
         """The file becomes the restored history: rows of steps after the checkpoint (which will run
         again) go away."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(m) + "\n" for m in history))
-        os.replace(tmp, self.path)
+        text = "".join(json.dumps(m) + "\n" for m in history).encode()
+        run_files.replace_file(self.path, lambda f: f.write(text))  # a link at the name is replaced, not followed
 
     def log(self, m: Dict[str, Any]) -> None:
-        with open(self.path, "a") as f:
+        with run_files.open_append(self.path) as f:
             f.write(json.dumps(m) + "\n")
 
     def close(self) -> None:
@@ -237,7 +236,7 @@ class MetricsLogger:
         ax.legend()
         fig.tight_layout()
         path = path or self.path.with_name("reward_curve.png")
-        fig.savefig(path, dpi=120)
+        run_files.replace_file(path, lambda f: fig.savefig(f, format="png", dpi=120))
         plt.close(fig)
         return path
 

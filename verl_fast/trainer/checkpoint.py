@@ -38,7 +38,7 @@ import torch
 
 from verl_fast import safe_load
 from verl_fast.models.wrapping import hf_module
-from verl_fast.trainer import direct_write
+from verl_fast.trainer import direct_write, run_files
 from verl_fast.trainer.direct_write import Records
 from verl_fast.trainer.ranks import gather, on_main, rank_world
 
@@ -181,9 +181,8 @@ def save(output_dir: str, step: int, actor: torch.nn.Module, tokenizer: Any, opt
     needed_bytes = sum(gather(_local_bytes(shards) + (_local_bytes(shards["actor"]) if export_hf else 0)))
 
     def prepare() -> None:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        prepare_root(root)
+        run_files.remove(tmp)  # a killed write's leftover (a link by that name: the link only)
         free = shutil.disk_usage(root).free
         if free < needed_bytes:
             raise CheckpointError(_disk_full_message(root, needed_bytes, free, previous))
@@ -229,8 +228,8 @@ def _publish(tmp: Path, final: Path, records: Dict[str, Dict[str, int]], step: i
     """The manifest last (fsynced with everything before it), then the rename that completes it."""
     (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": records}, indent=1))
     _fsync_tree(tmp)
-    if final.exists():  # an older run's (or a damaged) checkpoint of the same step
-        shutil.rmtree(final)
+    if os.path.lexists(final):  # an older run's (or a damaged) checkpoint of the same step
+        run_files.remove(final)
     os.replace(tmp, final)
     _fsync(final.parent)
 
@@ -251,13 +250,25 @@ def _fsync_tree(folder: Path) -> None:
         _fsync(p)
 
 
+def prepare_root(root: Path) -> None:
+    """``checkpoints/``, created if need be; a symbolic link there is refused (every write and
+    removal of checkpoints would land where it points)."""
+    run_files.refuse_link(root, "the run's checkpoints folder")
+    root.mkdir(parents=True, exist_ok=True)
+
+
+_PARTIAL = re.compile(r"^step_\d+\.tmp$")
+
+
 def clean_partial(output_dir: str) -> None:
-    """Removes the leftovers of a write that was killed (``step_N.tmp`` folders)."""
+    """Removes the leftovers of a write that was killed: ``step_N.tmp`` entries of ``checkpoints/``,
+    and nothing else (a link by such a name is unlinked, never followed)."""
     root = checkpoint_root(output_dir)
+    run_files.refuse_link(root, "the run's checkpoints folder")
     if root.is_dir():
         for p in root.iterdir():
-            if p.name.endswith(".tmp") or ".tmp-" in p.name:
-                shutil.rmtree(p, ignore_errors=True)
+            if _PARTIAL.match(p.name):
+                run_files.remove(p)
 
 
 # ----------------------------------------------------------------------------- verifying and loading
