@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
-from verl_fast import safe_load
+from verl_fast import output_folder, safe_load
 from verl_fast.models.wrapping import hf_module
 from verl_fast.trainer import direct_write, run_files
 from verl_fast.trainer.direct_write import Records
@@ -497,28 +497,29 @@ def resolve(checkpoint: str) -> Path:
     return found
 
 
-def export(checkpoint: str, out_dir: str, max_shard_bytes: int = 5 << 30) -> Path:
-    """Writes the HF folder (config, tokenizer, safetensors) of ``checkpoint`` to ``out_dir``,
-    atomically: into ``out_dir.tmp``, then renamed."""
+def export(checkpoint: str, out_dir: str, max_shard_bytes: int = 5 << 30, overwrite: bool = False) -> Path:
+    """Writes the HF folder (config, tokenizer, safetensors) of ``checkpoint`` to ``out_dir``, which
+    may not be the run or lie inside it; a folder holding files is refused unless ``overwrite``
+    (which replaces only the files an export writes). Written under a unique temporary name beside
+    ``out_dir``, then renamed (``verl_fast.output_folder``)."""
     src = resolve(checkpoint)
+    run = src.parent.parent if src.parent.name == "checkpoints" else src
+    out = Path(out_dir)
+    output_folder.check_target(out, run, overwrite, "the export")  # before any work
     problem = verify(src)
     if problem is not None:
         raise CheckpointError(f"cannot export {src}: {problem}")
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+
+    def fill(tmp: Path) -> None:
         for p in src.iterdir():
-            if p.name not in _NOT_HF and p.is_file() and not p.name.endswith(".safetensors") \
-                    and p.name != "model.safetensors.index.json":
+            if p.name not in _NOT_HF and p.is_file() and not _is_weights(p.name):
                 shutil.copy2(p, tmp / p.name)
         _write_safetensors(src / DCP, tmp, max_shard_bytes)
         _fsync_tree(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
+
+    return output_folder.write_folder(out, run, fill, overwrite=overwrite, what="the export", stale=_is_weights)
+
+
+def _is_weights(name: str) -> bool:
+    """An HF export's weight files (an older export's shards are stale beside new ones)."""
+    return (name.startswith("model") and name.endswith(".safetensors")) or name == "model.safetensors.index.json"
