@@ -164,6 +164,9 @@ class RewardConfig:
                                             doc="None: transformers' default; flash_attention_2 needs flash-attn")
     on_error: str = _f("raise", choices=ON_ERROR, doc="a sample whose scoring fails: raise, or score 0 "
                        "(counted as reward/errors)")
+    timeout_s: Optional[float] = _f(300.0, min=0.0, doc="seconds one batch's scoring may take; past that the run "
+                                    "checkpoints its last complete step and stops (null: no limit, scored in the "
+                                    "trainer's own thread)")
 
 
 @dataclass
@@ -410,6 +413,8 @@ def validate(cfg: Config) -> None:
                          "use algorithm.type=dpo" + (" (online_dpo ranks its samples with a scoring reward: "
                                                     "reasoning_gym, gsm8k, callable or reward_model)"
                                                     if algo == "online_dpo" else ""))
+    if cfg.reward_fn.timeout_s is not None and cfg.reward_fn.timeout_s <= 0:
+        raise ValueError(f"reward_fn.timeout_s must be > 0 seconds (or null for no limit), got {cfg.reward_fn.timeout_s}")
     if cfg.reward_fn.type == "callable" and not cfg.reward_fn.path:
         raise ValueError("reward_fn.type=callable needs reward_fn.path ('module:function')")
     if cfg.reward_fn.type == "reward_model" and not cfg.reward_fn.model_name:

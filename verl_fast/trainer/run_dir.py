@@ -186,6 +186,7 @@ class StopSignals:
     def __init__(self) -> None:
         self._got: Optional[int] = None
         self._previous: Dict[int, Any] = {}
+        self.event = threading.Event()  # set by the first signal: what a thread waiting on a reward watches
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there
@@ -206,6 +207,7 @@ class StopSignals:
             signal.raise_signal(signum)
             return
         self._got = signum
+        self.event.set()
         print(f"\n{name}: finishing this step, then writing a checkpoint and exiting (send it again to stop "
               "at once)", file=sys.stderr, flush=True)
 
