@@ -413,6 +413,8 @@ def validate(cfg: Config) -> None:
                          "use algorithm.type=dpo" + (" (online_dpo ranks its samples with a scoring reward: "
                                                     "reasoning_gym, gsm8k, callable or reward_model)"
                                                     if algo == "online_dpo" else ""))
+    if cfg.algorithm.epsilon <= 0:  # GRPO divides by std + epsilon, and a group of equal rewards has std 0
+        raise ValueError(f"algorithm.epsilon must be > 0, got {cfg.algorithm.epsilon}")
     if cfg.reward_fn.timeout_s is not None and cfg.reward_fn.timeout_s <= 0:
         raise ValueError(f"reward_fn.timeout_s must be > 0 seconds (or null for no limit), got {cfg.reward_fn.timeout_s}")
     if cfg.reward_fn.type == "callable" and not cfg.reward_fn.path:

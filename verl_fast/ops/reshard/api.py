@@ -8,6 +8,7 @@ from typing import Dict, Iterator, Mapping, Optional, Tuple, Union
 
 import torch
 
+from verl_fast.ops import _validate as V
 from verl_fast.ops.reshard import oneshot
 from verl_fast.ops.reshard.fsdp import dtensor_layout
 from verl_fast.ops.reshard.hf import detect_naming, hf_layout
@@ -99,7 +100,12 @@ def vllm_weights(model_or_state_dict: Union[torch.nn.Module, Mapping[str, torch.
         if config is None:
             raise ValueError("config (an HF config or a ModelSpec) is required with a state dict")
         spec, state = model_spec(config), model_or_state_dict
-    tp = int(tensor_parallel_size)
+    tp = V.size(tensor_parallel_size, "tensor_parallel_size", 1)
+    if tp_rank is not None:
+        tp_rank = V.size(tp_rank, "tp_rank")
+        if tp_rank >= tp:
+            raise ValueError(f"tp_rank must be in [0, tensor_parallel_size) = [0, {tp}), got {tp_rank}")
+    bucket_bytes, tile_bytes = V.size(bucket_bytes, "bucket_bytes", 1), V.size(tile_bytes, "tile_bytes", 1)
     call_key = ("vllm", spec, tp, tp_rank, dtype, bucket_bytes, tile_bytes, str(device))
 
     def make_plan() -> ReshardPlan:
@@ -124,11 +130,11 @@ def _signature(state: Mapping[str, torch.Tensor]) -> tuple:
 def _tp_ranks(world: int, tp: int, tp_rank: Optional[int]) -> Dict[int, int]:
     """Each process rank's TP rank (gathered when this rank's was given explicitly)."""
     if world == 1:
-        return {0: 0 if tp_rank is None else int(tp_rank)}
+        return {0: 0 if tp_rank is None else tp_rank}
     if tp_rank is None:
         return consecutive_tp_ranks(world, tp)
     import torch.distributed as dist
 
     every = [None] * world
-    dist.all_gather_object(every, int(tp_rank))
+    dist.all_gather_object(every, tp_rank)
     return dict(enumerate(every))
