@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from verl_fast import metrics_http
 from verl_fast.trainer import run_files
 from verl_fast.trainer.perf import summary as perf_summary
 
@@ -53,10 +54,12 @@ def check_loggers(loggers: Sequence[str]) -> None:
 
 
 class MetricsServer:
-    """Every numeric step metric as a gauge, latencies also as histograms, served on ``host:port``
-    by prometheus_client (port 0: any free port, see ``.port``)."""
+    """Every numeric step metric as a gauge, latencies also as histograms, in prometheus_client's
+    exposition, served on ``host:port`` (port 0: any free port, see ``.port``) from a bounded pool of
+    threads that closes idle connections (``metrics_http``; ``limits``: its workers, max_open,
+    idle_s, request_timeout_s)."""
 
-    def __init__(self, port: int, host: str = "127.0.0.1"):
+    def __init__(self, port: int, host: str = "127.0.0.1", **limits: Any):
         try:
             import prometheus_client as prom
         except ImportError as e:
@@ -67,7 +70,7 @@ class MetricsServer:
                            for key, (name, doc) in HISTOGRAMS.items()}
         self.gauges = {key: prom.Gauge(name, doc, registry=self.registry) for key, (name, doc) in GAUGES.items()}
         self.names = {name for name, _ in [*GAUGES.values(), *HISTOGRAMS.values()]}
-        self.server, self.thread = prom.start_http_server(port, addr=host, registry=self.registry)
+        self.server, self.thread = metrics_http.serve(prom.make_wsgi_app(self.registry), host, port, **limits)
         self.port = self.server.server_port
 
     def _metric(self, table: Dict[str, Any], key: str, name: str, kind: str) -> Optional[Any]:
