@@ -3,9 +3,10 @@
 (a) one device: HF layout -> vLLM layout (fused qkv_proj / gate_up_proj, TP=1) into preallocated
     tensors with vLLM's names and shapes. Baseline: per-parameter cat + copy. Floor: bytes read +
     written at the copy bandwidth measured in the same run.
-    Also the one-shot public call ``vllm_weights(state_dict, spec, device)`` (plans and outputs
-    reused between calls) against per-parameter ``torch.cat`` allocating its outputs; and that
-    call's host work alone (``--only host``: 7B's 339 tensor names, tiny tensors).
+    Also the one-shot public call ``vllm_weights(state_dict, spec, device, reuse=True)`` (plans and
+    outputs reused between calls, as a sync loop asks for) and its default (new outputs every call,
+    the plan reused) against per-parameter ``torch.cat`` allocating its outputs; and that call's
+    host work alone (``--only host``: 7B's 339 tensor names, tiny tensors).
 (b) two devices (spawned when two are visible, or two gloo processes on the CPU): FSDP2 shards
     (Shard(0) over 2 ranks) -> vLLM TP=2. Baseline: per-parameter all-gather, then the TP slice
     copied in (what vLLM's weight loaders do). Floor: the bytes a rank must receive, at the
@@ -116,16 +117,22 @@ def bench_one_device(device: str, spec: ModelSpec, tiles_kb: List[int]) -> Repor
     rep.floors[case] = rep.floors["hf->vllm tp1"]
     ms = time_ms(lambda: baseline_cat_alloc(dst_tensors, src), device)
     rep.add(case, "per-param torch.cat (alloc)", ms)
-    got = dict(vllm_weights(src, spec, device=device))
+    got = dict(vllm_weights(src, spec, device=device, reuse=True))
     err = max((got[t.name].float() - b.float()).abs().max().item() for t, b in zip(dst_tensors, base_out))
+    ms = time_ms(lambda: dict(vllm_weights(src, spec, device=device, reuse=True)), device)
+    rep.add(case, "verl_fast vllm_weights", ms, max_err=err, note="reuse=True, the same state dict every call "
+                                                                  "(short path)")
+    ms = time_ms(lambda: dict(vllm_weights(dict(src), spec, device=device, reuse=True)), device)
+    rep.add(case, "vllm_weights, new dict", ms, note="reuse=True, a new dict of the same tensors every call")
+    ms = time_ms(lambda: dict(vllm_weights({k: v.detach() for k, v in src.items()}, spec, device=device,
+                                           reuse=True)), device)
+    rep.add(case, "vllm_weights, new tensors", ms, note="reuse=True, new tensor objects every call, as state_dict() "
+                                                        "gives")
     ms = time_ms(lambda: dict(vllm_weights(src, spec, device=device)), device)
-    rep.add(case, "verl_fast vllm_weights", ms, max_err=err, note="the same state dict every call (short path)")
-    ms = time_ms(lambda: dict(vllm_weights(dict(src), spec, device=device)), device)
-    rep.add(case, "vllm_weights, new dict", ms, note="a new dict of the same tensors every call")
-    ms = time_ms(lambda: dict(vllm_weights({k: v.detach() for k, v in src.items()}, spec, device=device)), device)
-    rep.add(case, "vllm_weights, new tensors", ms, note="new tensor objects every call, as state_dict() gives")
+    rep.add(case, "vllm_weights, new outputs", ms, note="the default: outputs allocated every call, no later call "
+                                                        "writes them")
     for kb in tiles_kb:  # the executor's tile size, as in (a): the copy kernel's share of the call
-        ms = time_ms(lambda: dict(vllm_weights(src, spec, device=device, tile_bytes=kb << 10)), device)
+        ms = time_ms(lambda: dict(vllm_weights(src, spec, device=device, tile_bytes=kb << 10, reuse=True)), device)
         rep.add(case, f"vllm_weights, tile {kb} KiB", ms)
     rep.meta.update(bytes_moved=moved, copy_bandwidth_gbs=bw, spec=str(spec))
     return rep
@@ -141,15 +148,20 @@ def bench_host(device: str) -> Report:
     src = {t.name: torch.randn(t.shape, generator=g, device=device).to(torch.bfloat16) for t in src_layout.tensors}
     case = f"one-shot call, {len(src)} tensors"
     rep.add(case, "per-param torch.cat (alloc)", time_ms(lambda: baseline_cat_alloc(dst_tensors, src), device, rep=50))
-    rep.add(case, "verl_fast vllm_weights", time_ms(lambda: dict(vllm_weights(src, spec, device=device)), device, rep=50),
-            note="the same state dict every call: the short path")
-    rep.add(case, "vllm_weights, new dict", time_ms(lambda: dict(vllm_weights(dict(src), spec, device=device)),
-                                                   device, rep=50),
-            note="the same tensors in a new dict: signature, plan lookup, binding check")
+    rep.add(case, "verl_fast vllm_weights",
+            time_ms(lambda: dict(vllm_weights(src, spec, device=device, reuse=True)), device, rep=50),
+            note="reuse=True, the same state dict every call: the short path")
+    rep.add(case, "vllm_weights, new dict",
+            time_ms(lambda: dict(vllm_weights(dict(src), spec, device=device, reuse=True)), device, rep=50),
+            note="reuse=True, the same tensors in a new dict: signature, plan lookup, binding check")
     detached = lambda: {k: v.detach() for k, v in src.items()}  # noqa: E731  (what state_dict() gives)
-    rep.add(case, "vllm_weights, new tensors", time_ms(lambda: dict(vllm_weights(detached(), spec, device=device)),
-                                                    device, rep=50),
-            note="new tensor objects (state_dict()) every call over the same memory; includes building the dict")
+    rep.add(case, "vllm_weights, new tensors",
+            time_ms(lambda: dict(vllm_weights(detached(), spec, device=device, reuse=True)), device, rep=50),
+            note="reuse=True, new tensor objects (state_dict()) every call over the same memory; includes "
+                 "building the dict")
+    rep.add(case, "vllm_weights, new outputs",
+            time_ms(lambda: dict(vllm_weights(src, spec, device=device)), device, rep=50),
+            note="the default: signature, plan lookup, outputs allocated and bound every call")
     p = plan(src_layout, vllm_layout(spec, 1))
     ours = p.allocate_destinations(device)
     src_list = [src[n] for n in p.src_names]

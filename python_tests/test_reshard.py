@@ -99,18 +99,18 @@ def test_one_shot_reshard_entry():
 
 
 def test_one_shot_calls_reuse_plan_and_outputs():
-    """vllm_weights / reshard keep their plan and output tensors for the next call with the same
-    layouts: the second call writes the new weights into the first call's tensors."""
+    """vllm_weights(reuse=True) / reshard keep their plan and output tensors for the next call with
+    the same layouts: the second call writes the new weights into the first call's tensors."""
     model = tiny_model("qwen2")
-    first = dict(vllm_weights(model, tensor_parallel_size=2, tp_rank=1))
+    first = dict(vllm_weights(model, tensor_parallel_size=2, tp_rank=1, reuse=True))
     pointers = {k: v.data_ptr() for k, v in first.items()}
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(0.5)
-    second = dict(vllm_weights(model, tensor_parallel_size=2, tp_rank=1))
+    second = dict(vllm_weights(model, tensor_parallel_size=2, tp_rank=1, reuse=True))
     assert {k: v.data_ptr() for k, v in second.items()} == pointers
     assert_same(second, ref_vllm(model.state_dict(), model.config, 2, 1))
-    other = dict(vllm_weights(model, tensor_parallel_size=2, tp_rank=0))  # another shard: its own tensors
+    other = dict(vllm_weights(model, tensor_parallel_size=2, tp_rank=0, reuse=True))  # another shard: its own
     assert_same(other, ref_vllm(model.state_dict(), model.config, 2, 0))
     assert other["model.norm.weight"].data_ptr() != pointers["model.norm.weight"]
     spec = ModelSpec.from_hf_config(model.config)

@@ -1,5 +1,5 @@
-"""The one-shot calls (``vllm_weights``, ``reshard``) called again and again, as a training loop
-does: bit-exact against the plain per-parameter torch.cat reference of reshard_refs at every call,
+"""The one-shot calls (``vllm_weights(..., reuse=True)``, ``reshard``) called again and again, as a
+training loop does: bit-exact against the plain per-parameter torch.cat reference of reshard_refs at every call,
 the repeated call taking the short path (no signature, no binding), and every change that must
 leave that path -- a tensor replaced, resized, given other memory, its storage freed, a key added,
 an output tampered with -- seen. GPU: the same on CUDA, and a call whose pointers changed does not
@@ -47,7 +47,7 @@ def test_repeated_calls_are_bit_exact_and_take_the_short_path(signatures):
             for v in sd.values():
                 v.mul_(0.5).add_(step)
         for tp, t in ((1, 0), (2, 1)):
-            exact(dict(vllm_weights(sd, SPEC, tensor_parallel_size=tp, tp_rank=t)), ref_vllm(sd, CFG, tp, t))
+            exact(dict(vllm_weights(sd, SPEC, reuse=True, tensor_parallel_size=tp, tp_rank=t)), ref_vllm(sd, CFG, tp, t))
     assert signatures[0] == 2  # the first call of each shard; every later one repeated it
 
 
@@ -55,44 +55,44 @@ def test_every_change_leaves_the_short_path(signatures):
     sd = random_state(SPEC)
     name = "model.layers.1.mlp.down_proj.weight"
     vllm_name = "model.layers.1.mlp.down_proj.weight"
-    first = dict(vllm_weights(sd, SPEC))
+    first = dict(vllm_weights(sd, SPEC, reuse=True))
     keep = first[vllm_name]
 
     sd[name] = torch.randn_like(sd[name])  # replaced by another tensor
-    exact(dict(vllm_weights(sd, SPEC)), ref_vllm(sd, CFG, 1, 0))
+    exact(dict(vllm_weights(sd, SPEC, reuse=True)), ref_vllm(sd, CFG, 1, 0))
 
     sd[name].set_(torch.randn(sd[name].shape))  # the same tensor given other memory
-    exact(dict(vllm_weights(sd, SPEC)), ref_vllm(sd, CFG, 1, 0))
+    exact(dict(vllm_weights(sd, SPEC, reuse=True)), ref_vllm(sd, CFG, 1, 0))
 
     shape = sd[name].shape
     sd[name].resize_(shape[0] + 1, shape[1])  # resized (reallocated): refused, naming the tensor
     with pytest.raises(ValueError, match=f"{name}.*must have shape"):
-        vllm_weights(sd, SPEC)
+        vllm_weights(sd, SPEC, reuse=True)
     sd[name] = torch.randn(shape)
-    exact(dict(vllm_weights(sd, SPEC)), ref_vllm(sd, CFG, 1, 0))
+    exact(dict(vllm_weights(sd, SPEC, reuse=True)), ref_vllm(sd, CFG, 1, 0))
 
     sd[name].untyped_storage().resize_(0)  # freed under the tensor, as FSDP frees unsharded parameters
     with pytest.raises(ValueError, match=f"{name}.*no memory behind it"):
-        vllm_weights(sd, SPEC)
+        vllm_weights(sd, SPEC, reuse=True)
     sd[name] = torch.randn(shape)
 
     sd["model.layers.0.self_attn.rotary.weight"] = torch.zeros(3)  # a key added: refused as unknown
     with pytest.raises(ValueError, match="unknown source parameter 'model.layers.0.self_attn.rotary.weight'"):
-        vllm_weights(sd, SPEC)
+        vllm_weights(sd, SPEC, reuse=True)
     del sd["model.layers.0.self_attn.rotary.weight"]
 
-    out = dict(vllm_weights(sd, SPEC))
+    out = dict(vllm_weights(sd, SPEC, reuse=True))
     exact(out, ref_vllm(sd, CFG, 1, 0))
     assert out[vllm_name] is keep  # the outputs are still the first call's tensors
     keep.set_(torch.zeros(3))  # an output tampered with: fresh outputs, still right
-    exact(dict(vllm_weights(sd, SPEC)), ref_vllm(sd, CFG, 1, 0))
+    exact(dict(vllm_weights(sd, SPEC, reuse=True)), ref_vllm(sd, CFG, 1, 0))
     assert signatures[0] == 9  # every one of the nine calls followed a change: each took the full path
 
 
 def test_a_new_dict_of_the_same_tensors_and_a_module(signatures):
     sd = random_state(SPEC)
-    a = dict(vllm_weights(sd, SPEC))
-    b = dict(vllm_weights(dict(sd), SPEC))  # another dict of the same tensors: the short path
+    a = dict(vllm_weights(sd, SPEC, reuse=True))
+    b = dict(vllm_weights(dict(sd), SPEC, reuse=True))  # another dict of the same tensors: the short path
     assert all(a[k] is b[k] for k in a) and signatures[0] == 1
     model = torch.nn.Module()  # parameters under their HF names, as a module
     for k, v in sd.items():
@@ -107,7 +107,7 @@ def test_a_new_dict_of_the_same_tensors_and_a_module(signatures):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)
-        exact(dict(vllm_weights(model, SPEC)), ref_vllm(model.state_dict(), CFG, 1, 0))
+        exact(dict(vllm_weights(model, SPEC, reuse=True)), ref_vllm(model.state_dict(), CFG, 1, 0))
     assert signatures[0] == 2  # the module's parameters are the same objects at every call
 
 
@@ -121,26 +121,26 @@ def test_new_views_of_the_same_memory_take_the_short_path(signatures):
             for v in sd.values():
                 v.add_(step)
         views = {k: v.detach() for k, v in sd.items()}  # new objects, the same memory
-        exact(dict(vllm_weights(views, SPEC)), ref_vllm(sd, CFG, 1, 0))
+        exact(dict(vllm_weights(views, SPEC, reuse=True)), ref_vllm(sd, CFG, 1, 0))
     assert signatures[0] == 1
     views = {k: v.detach() for k, v in sd.items()}
     views["model.norm.weight"] = views["model.norm.weight"].clone()  # other memory
     views["model.norm.weight"].add_(1)
-    exact(dict(vllm_weights(views, SPEC)), ref_vllm(views, CFG, 1, 0))
+    exact(dict(vllm_weights(views, SPEC, reuse=True)), ref_vllm(views, CFG, 1, 0))
     assert signatures[0] == 2
     for _ in range(2):  # views again: the second call copies first and checks while it copies
         views = {k: v.detach() for k, v in sd.items()}
-        exact(dict(vllm_weights(views, SPEC)), ref_vllm(sd, CFG, 1, 0))
+        exact(dict(vllm_weights(views, SPEC, reuse=True)), ref_vllm(sd, CFG, 1, 0))
     assert signatures[0] == 3
     with torch.no_grad():  # a bound tensor given other memory: the early copy refuses to run
         sd["model.embed_tokens.weight"].set_(sd["model.embed_tokens.weight"].clone().neg_())
     views = {k: v.detach() for k, v in sd.items()}
-    exact(dict(vllm_weights(views, SPEC)), ref_vllm(sd, CFG, 1, 0))
+    exact(dict(vllm_weights(views, SPEC, reuse=True)), ref_vllm(sd, CFG, 1, 0))
     assert signatures[0] == 4
     views = {k: v.detach() for k, v in sd.items()}
     views["model.norm.weight"] = views["model.norm.weight"][: views["model.norm.weight"].numel() // 2]
     with pytest.raises(ValueError, match="model.norm.weight.*must have shape"):  # a narrower view: refused
-        vllm_weights(views, SPEC)
+        vllm_weights(views, SPEC, reuse=True)
 
 
 def test_only_exact_views_of_the_bound_memory_repeat_a_bound_plan():
@@ -173,13 +173,13 @@ def test_out_is_written_and_returned():
     sd = random_state(SPEC)
     out = {t.name: torch.full(t.shape, 7.0) for t in vllm_layout(SPEC, 2, {0: 1}).tensors}
     for _ in range(2):
-        got = dict(vllm_weights(sd, SPEC, tensor_parallel_size=2, tp_rank=1, out=out))
+        got = dict(vllm_weights(sd, SPEC, reuse=True, tensor_parallel_size=2, tp_rank=1, out=out))
         assert all(got[k] is out[k] for k in out)
         exact(got, ref_vllm(sd, CFG, 2, 1))
         with torch.no_grad():
             sd["model.norm.weight"].add_(1.0)
     with pytest.raises(ValueError, match="missing destination parameter"):
-        vllm_weights(sd, SPEC, tensor_parallel_size=2, tp_rank=1, out={})
+        vllm_weights(sd, SPEC, reuse=True, tensor_parallel_size=2, tp_rank=1, out={})
 
 
 def test_reshard_one_shot_repeats_and_sees_new_layouts():
@@ -200,7 +200,7 @@ def test_reshard_one_shot_repeats_and_sees_new_layouts():
 def test_the_call_cache_is_bounded():
     sd = random_state(SPEC)
     for i in range(oneshot.MAX_CACHED + 3):
-        vllm_weights(sd, SPEC, bucket_bytes=(1 << 20) + i)  # other arguments, other plan: new entries
+        vllm_weights(sd, SPEC, reuse=True, bucket_bytes=(1 << 20) + i)  # other arguments, other plan: new entries
     assert len(oneshot._CALLS) <= oneshot.MAX_CACHED
     assert len(oneshot._PLANS) <= oneshot.MAX_CACHED and len(oneshot._BUFFERS) <= oneshot.MAX_CACHED
 
@@ -218,7 +218,7 @@ def test_cuda_repeated_calls_bit_exact_with_cpu(signatures):
                 sd[k].add_(step)
                 gpu[k].add_(step)
         for tp, t in ((1, 0), (2, 1)):
-            got = {k: v.cpu() for k, v in vllm_weights(gpu, SPEC, tensor_parallel_size=tp, tp_rank=t, device="cuda")}
+            got = {k: v.cpu() for k, v in vllm_weights(gpu, SPEC, reuse=True, tensor_parallel_size=tp, tp_rank=t, device="cuda")}
             exact(got, ref_vllm(sd, CFG, tp, t))
     assert signatures[0] == 2
 
@@ -228,13 +228,13 @@ def test_cuda_new_pointers_do_not_wait_for_the_gpu():
     """A call with other tensors uploads its pointer table on the stream: it returns while earlier
     work still runs, and its result is right once that work is done; likewise on another stream."""
     sd = random_state(SPEC)
-    dict(vllm_weights({k: v.cuda() for k, v in sd.items()}, SPEC, device="cuda"))  # plan, outputs
+    dict(vllm_weights({k: v.cuda() for k, v in sd.items()}, SPEC, reuse=True, device="cuda"))  # plan, outputs
     fresh = {k: (v + 1).cuda() for k, v in sd.items()}
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # a second or so of GPU time queued ahead of the call
     done = torch.cuda.Event()
     t0 = time.perf_counter()
-    out = dict(vllm_weights(fresh, SPEC, device="cuda"))
+    out = dict(vllm_weights(fresh, SPEC, reuse=True, device="cuda"))
     done.record()
     host = time.perf_counter() - t0
     assert not done.query(), f"the call waited for the GPU ({host * 1e3:.0f} ms)"
@@ -243,7 +243,7 @@ def test_cuda_new_pointers_do_not_wait_for_the_gpu():
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         other = {k: (v - 1).cuda() for k, v in sd.items()}
-        out = {k: v.cpu() for k, v in vllm_weights(other, SPEC, device="cuda")}
+        out = {k: v.cpu() for k, v in vllm_weights(other, SPEC, reuse=True, device="cuda")}
     exact(out, ref_vllm({k: v - 1 for k, v in sd.items()}, CFG, 1, 0))
 
 
@@ -267,7 +267,7 @@ def test_an_alias_swapped_for_an_unknown_name_is_refused():
     spec = ModelSpec.from_hf_config(cfg, dtype=torch.float32)
     sd = random_state(spec)
     sd["lm_head.weight"] = sd["model.embed_tokens.weight"]  # a tied model's state dict carries the alias
-    exact(dict(vllm_weights(sd, spec)), ref_vllm(sd, cfg, 1, 0))
+    exact(dict(vllm_weights(sd, spec, reuse=True)), ref_vllm(sd, cfg, 1, 0))
     sd["lm_head.bias"] = sd.pop("lm_head.weight")  # same count of keys, all the layout's names present
     with pytest.raises(ValueError, match="unknown source parameter 'lm_head.bias'"):
-        vllm_weights(sd, spec)
+        vllm_weights(sd, spec, reuse=True)

@@ -44,7 +44,7 @@ def _convert(args: argparse.Namespace) -> int:
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
     out = convert_megatron_to_hf(args.checkpoint, args.output, args.tp, args.pp, config=args.config, dtype=dtype,
-                                 max_shard_bytes=int(args.max_shard_gb * (1 << 30)))
+                                 max_shard_bytes=int(args.max_shard_gb * (1 << 30)), overwrite=args.overwrite)
     print(f"wrote {out}")
     return 0
 
@@ -52,7 +52,9 @@ def _convert(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from verl_fast.trainer.checkpoint import export
 
-    print(f"wrote {export(args.checkpoint, args.output, max_shard_bytes=int(args.max_shard_gb * (1 << 30)))}")
+    out = export(args.checkpoint, args.output, max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
+                 overwrite=args.overwrite)
+    print(f"wrote {out}")
     return 0
 
 
@@ -74,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(func=_info)
     conv = sub.add_parser("convert", help="Megatron checkpoint (legacy mp_rank_* or torch_dist) -> HF safetensors folder")
     conv.add_argument("checkpoint", help="checkpoint root (with latest_checkpointed_iteration.txt) or iteration folder")
-    conv.add_argument("output", help="HF folder to write (replaced atomically)")
+    conv.add_argument("output", help="HF folder to write (new or empty; written under a temporary name, then renamed)")
     conv.add_argument("--tp", type=int, default=None, help="tensor-parallel size (legacy; inferred if omitted)")
     conv.add_argument("--pp", type=int, default=None, help="pipeline-parallel size (legacy; inferred if omitted)")
     conv.add_argument("--config", default=None,
@@ -82,11 +84,16 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                       help="output dtype (default: the checkpoint's)")
     conv.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size limit")
+    conv.add_argument("--overwrite", action="store_true",
+                      help="write into a folder that holds files: replaces only the files the conversion writes")
     conv.set_defaults(func=_convert)
     exp = sub.add_parser("export", help="training checkpoint (sharded) -> HF safetensors folder (transformers, vLLM)")
     exp.add_argument("checkpoint", help="a checkpoints/step_N folder, or a run's output_dir (its newest complete one)")
-    exp.add_argument("output", help="HF folder to write (replaced atomically)")
+    exp.add_argument("output", help="HF folder to write (new or empty, outside the run; written under a temporary "
+                                    "name, then renamed)")
     exp.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size limit")
+    exp.add_argument("--overwrite", action="store_true",
+                     help="write into a folder that holds files: replaces only the files an export writes")
     exp.set_defaults(func=_export)
     return p
 

@@ -174,6 +174,9 @@ class RewardConfig:
                                             doc="None: transformers' default; flash_attention_2 needs flash-attn")
     on_error: str = _f("raise", choices=ON_ERROR, doc="a sample whose scoring fails: raise, or score 0 "
                        "(counted as reward/errors)")
+    timeout_s: Optional[float] = _f(300.0, min=0.0, doc="seconds one batch's scoring may take; past that the run "
+                                    "checkpoints its last complete step and stops (null: no limit, scored in the "
+                                    "trainer's own thread)")
 
 
 @dataclass
@@ -395,6 +398,9 @@ def _apply_aliases(cfg: Config) -> None:
 def validate(cfg: Config) -> None:
     """Combinations that cannot work, named with what to use instead."""
     algo, est = cfg.algorithm.type, cfg.advantage_estimator
+    if not cfg.trainer.output_dir.strip():  # "" would be the current folder, among the user's files
+        raise ValueError(f"trainer.output_dir must name the run's folder (e.g. runs/<name>), got "
+                         f"{cfg.trainer.output_dir!r}")
     if est in GROUP_ESTIMATORS and cfg.rollout.n < 2:
         raise ValueError(f"algorithm.type={algo} is not supported with rollout.n={cfg.rollout.n}: its baseline "
                          "is the other samples of the same prompt; use rollout.n >= 2")
@@ -417,6 +423,10 @@ def validate(cfg: Config) -> None:
                          "use algorithm.type=dpo" + (" (online_dpo ranks its samples with a scoring reward: "
                                                     "reasoning_gym, gsm8k, callable or reward_model)"
                                                     if algo == "online_dpo" else ""))
+    if cfg.algorithm.epsilon <= 0:  # GRPO divides by std + epsilon, and a group of equal rewards has std 0
+        raise ValueError(f"algorithm.epsilon must be > 0, got {cfg.algorithm.epsilon}")
+    if cfg.reward_fn.timeout_s is not None and cfg.reward_fn.timeout_s <= 0:
+        raise ValueError(f"reward_fn.timeout_s must be > 0 seconds (or null for no limit), got {cfg.reward_fn.timeout_s}")
     if cfg.reward_fn.type == "callable" and not cfg.reward_fn.path:
         raise ValueError("reward_fn.type=callable needs reward_fn.path ('module:function')")
     if cfg.reward_fn.type == "reward_model" and not cfg.reward_fn.model_name:

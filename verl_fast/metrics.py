@@ -8,11 +8,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from verl_fast import metrics_http
+from verl_fast.trainer import run_files
 from verl_fast.trainer.perf import summary as perf_summary
 
 # Step-metric keys with the names dashboards know; every other numeric key is exported as a gauge
@@ -53,10 +54,12 @@ def check_loggers(loggers: Sequence[str]) -> None:
 
 
 class MetricsServer:
-    """Every numeric step metric as a gauge, latencies also as histograms, served on ``host:port``
-    by prometheus_client (port 0: any free port, see ``.port``)."""
+    """Every numeric step metric as a gauge, latencies also as histograms, in prometheus_client's
+    exposition, served on ``host:port`` (port 0: any free port, see ``.port``) from a bounded pool of
+    threads that closes idle connections (``metrics_http``; ``limits``: its workers, max_open,
+    idle_s, request_timeout_s)."""
 
-    def __init__(self, port: int, host: str = "127.0.0.1"):
+    def __init__(self, port: int, host: str = "127.0.0.1", **limits: Any):
         try:
             import prometheus_client as prom
         except ImportError as e:
@@ -67,7 +70,7 @@ class MetricsServer:
                            for key, (name, doc) in HISTOGRAMS.items()}
         self.gauges = {key: prom.Gauge(name, doc, registry=self.registry) for key, (name, doc) in GAUGES.items()}
         self.names = {name for name, _ in [*GAUGES.values(), *HISTOGRAMS.values()]}
-        self.server, self.thread = prom.start_http_server(port, addr=host, registry=self.registry)
+        self.server, self.thread = metrics_http.serve(prom.make_wsgi_app(self.registry), host, port, **limits)
         self.port = self.server.server_port
 
     def _metric(self, table: Dict[str, Any], key: str, name: str, kind: str) -> Optional[Any]:
@@ -125,12 +128,11 @@ class _JSONL:
         """The file becomes the restored history: rows of steps after the checkpoint (which will run
         again) go away."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(m) + "\n" for m in history))
-        os.replace(tmp, self.path)
+        text = "".join(json.dumps(m) + "\n" for m in history).encode()
+        run_files.replace_file(self.path, lambda f: f.write(text))  # a link at the name is replaced, not followed
 
     def log(self, m: Dict[str, Any]) -> None:
-        with open(self.path, "a") as f:
+        with run_files.open_append(self.path) as f:
             f.write(json.dumps(m) + "\n")
 
     def close(self) -> None:
@@ -237,7 +239,7 @@ class MetricsLogger:
         ax.legend()
         fig.tight_layout()
         path = path or self.path.with_name("reward_curve.png")
-        fig.savefig(path, dpi=120)
+        run_files.replace_file(path, lambda f: fig.savefig(f, format="png", dpi=120))
         plt.close(fig)
         return path
 

@@ -87,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from verl_fast.models.loading import attention_kwargs, load_causal_lm, resolve
+    from verl_fast.rewards import RewardTimeout
     from verl_fast.trainer.rl_trainer import RLTrainer
 
     if cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available()):
@@ -111,7 +112,10 @@ def run(args: argparse.Namespace) -> int:
                         model_path=resolve(cfg.actor.model_name))
     gc.freeze()  # start-up's objects (the collector is off until here: see cli._train)
     gc.enable()
-    history = trainer.fit(rows)
+    try:
+        history = trainer.fit(rows)
+    except RewardTimeout as e:  # checkpointed already: the message, without a traceback, and exit 1
+        raise SystemExit(f"error: {e}") from None
     run_dir.release(cfg.trainer)
     if trainer.is_main and history:
         summarize(history, cfg.trainer.output_dir)

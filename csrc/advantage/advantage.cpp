@@ -73,7 +73,11 @@ void validate(const ScanArgs& a) {
   check_output(a.advantages, "advantages", r);
   check_output(a.returns, "returns", r);
   check_status(a.status, r);
-  VF_CHECK(std::isfinite(a.gamma) && std::isfinite(a.lam), "gamma and lam must be finite");
+  // outside [0, 1] the scan grows geometrically (gamma = 1e30: every advantage inf or NaN); the
+  // negated form also refuses NaN
+  VF_CHECK(a.gamma >= 0.0f && a.gamma <= 1.0f, "gamma must be in [0, 1], got ", a.gamma);
+  VF_CHECK(a.lam >= 0.0f && a.lam <= 1.0f, "lam must be in [0, 1], got ", a.lam);
+  VF_CHECK(a.num_threads >= 0, "num_threads must be >= 0 (0: all cores), got ", a.num_threads);
 }
 
 void validate(const GroupArgs& a) {
@@ -89,7 +93,9 @@ void validate(const GroupArgs& a) {
   VF_CHECK(B < (int64_t{1} << 31), "at most 2^31 - 1 samples, got ", B);
   check_workspace(a.workspace, group_workspace_bytes(B), r);
   check_status(a.status, r);
-  VF_CHECK(std::isfinite(a.epsilon) && a.epsilon >= 0, "epsilon must be finite and >= 0, got ", a.epsilon);
+  // epsilon > 0 keeps a group of equal scores (std 0) from computing 0 / 0
+  VF_CHECK(std::isfinite(a.epsilon) && a.epsilon > 0, "epsilon must be finite and > 0, got ", a.epsilon);
+  VF_CHECK(a.num_threads >= 0, "num_threads must be >= 0 (0: all cores), got ", a.num_threads);
 }
 
 // K rows of a reverse scan at once: the recurrences are serial along T, so interleaving rows

@@ -1,9 +1,11 @@
-// Python bindings of the advantage engine (declarations, and the GIL-held check that a record's
-// tensors are still where they were assigned; the launchers check everything else).
+// Python bindings of the advantage engine (declarations, strict scalar fields (py_scalar.h), and the
+// GIL-held check that a record's tensors are still where they were assigned; the launchers check
+// everything else).
 #include <pybind11/pybind11.h>
 
 #include "advantage/advantage.h"
 #include "bindings.h"
+#include "py_scalar.h"
 #include "py_tensor.h"
 
 namespace py = pybind11;
@@ -28,16 +30,18 @@ void bind_advantage(py::module_& m) {
 
   py::class_<ScanArgs> scan(m, "ScanArgs");
   scan.def(py::init<>());
-#define VF_BIND(type, name, init, doc) scan.def_readwrite(#name, &ScanArgs::name, doc);
+#define VF_BIND(type, name, init, doc) bind_field(scan, #name, &ScanArgs::name, doc);
   VF_SCAN_ARGS_FIELDS(VF_BIND)
 #undef VF_BIND
   py::class_<GroupArgs> group(m, "GroupArgs");
   group.def(py::init<>());
-#define VF_BIND(type, name, init, doc) group.def_readwrite(#name, &GroupArgs::name, doc);
+#define VF_BIND(type, name, init, doc) bind_field(group, #name, &GroupArgs::name, doc);
   VF_GROUP_ARGS_FIELDS(VF_BIND)
 #undef VF_BIND
 
-  m.def("group_workspace_bytes", &group_workspace_bytes, py::arg("batch"));
+  m.def(
+      "group_workspace_bytes", [](py::handle batch) { return group_workspace_bytes(strict_int(batch, "batch")); },
+      py::arg("batch"));
   // Each launch first checks, holding the GIL, that the record's tensors still point where they did.
 #define VF_CHECK_FIELD(type, name, init, doc) check_still_bound(a.name, #name);
   m.def(

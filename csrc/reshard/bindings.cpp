@@ -1,11 +1,12 @@
-// Python bindings of the resharding engine (declarations, and the GIL-held check that bound tensors
-// did not move before a run; the planner checks its tables).
+// Python bindings of the resharding engine (declarations, strict scalar arguments (py_scalar.h), and
+// the GIL-held check that bound tensors did not move before a run; the planner checks its tables).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <tuple>
 
 #include "bindings.h"
+#include "py_scalar.h"
 #include "py_tensor.h"
 #include "reshard/reshard.h"
 
@@ -26,7 +27,7 @@ void bind_reshard(py::module_& m) {
 
   py::class_<PlanArgs> args(m, "ReshardPlanArgs");
   args.def(py::init<>());
-#define VF_BIND(type, name, init, doc) args.def_readwrite(#name, &PlanArgs::name, doc);
+#define VF_BIND(type, name, init, doc) bind_field(args, #name, &PlanArgs::name, doc);
   VF_PLAN_ARGS_FIELDS(VF_BIND)
 #undef VF_BIND
 
@@ -50,16 +51,18 @@ void bind_reshard(py::module_& m) {
       .def_property_readonly("zero_bytes", &Plan::zero_bytes)
       .def_property_readonly("num_segments", [](const Plan& p) { return p.segments().size(); })
       .def_property_readonly("num_tiles", [](const Plan& p) { return p.tiles().size(); })
-      .def("sends", [messages](const Plan& p, int64_t b) { return messages(p.bucket(b).sends); },
+      .def("sends", [messages](const Plan& p, py::handle b) { return messages(p.bucket(strict_int(b, "bucket")).sends); },
            py::arg("bucket"), "(peer, byte offset in the send slot, bytes) of each message")
-      .def("recvs", [messages](const Plan& p, int64_t b) { return messages(p.bucket(b).recvs); },
+      .def("recvs", [messages](const Plan& p, py::handle b) { return messages(p.bucket(strict_int(b, "bucket")).recvs); },
            py::arg("bucket"), "(peer, byte offset in the receive slot, bytes) of each message")
-      .def("groups", [](const Plan& p, int64_t b) { return p.bucket(b).groups; }, py::arg("bucket"))
+      .def("groups", [](const Plan& p, py::handle b) { return p.bucket(strict_int(b, "bucket")).groups; },
+           py::arg("bucket"))
       .def("bind", &Plan::bind, py::arg("sources"), py::arg("destinations"), py::arg("send_slots"),
            py::arg("recv_slots"))
       .def(
           "is_bound",
-          [](const Plan& p, const py::list& sources, const py::list& destinations, bool check_memory) {
+          [](const Plan& p, const py::list& sources, const py::list& destinations, py::handle check) {
+            const bool check_memory = strict_bool(check, "check_memory");
             // Binding these again would change nothing: each is the object bind() took, or a tensor
             // viewing exactly its elements, and the bound one still points where it did (unless
             // check_memory is false: run checks that again).
@@ -81,7 +84,10 @@ void bind_reshard(py::module_& m) {
           "to run's check)")
       .def(
           "run",
-          [](Plan& p, int64_t bucket, Phase phase, CudaStream stream, int num_threads) {
+          [](Plan& p, py::handle bucket_arg, Phase phase, CudaStream stream, py::handle threads_arg) {
+            const int64_t bucket = strict_int(bucket_arg, "bucket");
+            const int num_threads = strict_scalar<int>(threads_arg, "num_threads");
+            VF_CHECK(num_threads >= 0, "num_threads must be >= 0 (0: all cores), got ", num_threads);
             // The tensors this run touches are still where bind() found them (checked holding the GIL).
             if (!p.bound().empty()) {
               for (int32_t i : p.touched(bucket, phase))

@@ -1,15 +1,17 @@
 """``verl-fast convert``: a Megatron checkpoint to a Hugging Face folder (safetensors + config.json)
-that transformers and vLLM load directly. Written to a temporary folder, then renamed."""
+that transformers and vLLM load directly. Written to a temporary folder, then renamed (see
+``verl_fast.output_folder``)."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
+from pathlib import Path
 from typing import Dict, List, Optional, Union
 
 import torch
 
+from verl_fast import output_folder
 from verl_fast.models.megatron_checkpoint import load_megatron_checkpoint, megatron_args, spec_from_megatron_args
 from verl_fast.ops.reshard.spec import ModelSpec
 
@@ -87,25 +89,26 @@ def save_safetensors(state: Dict[str, torch.Tensor], folder: str, max_shard_byte
 
 def convert_megatron_to_hf(checkpoint_path: str, output_dir: str, tp_size: Optional[int] = None,
                            pp_size: Optional[int] = None, config: Union[str, object, None] = None,
-                           dtype: Optional[torch.dtype] = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> str:
-    """Writes ``output_dir`` (config.json + safetensors with HF checkpoint names) atomically."""
+                           dtype: Optional[torch.dtype] = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                           overwrite: bool = False) -> str:
+    """Writes ``output_dir`` (config.json + safetensors with HF checkpoint names) under a temporary
+    name, then renames it (``verl_fast.output_folder``: not inside the checkpoint; a folder holding
+    files only with ``overwrite``, which replaces just the files written)."""
+    out, source = Path(output_dir), Path(checkpoint_path)
+    output_folder.check_target(out, source, overwrite, "the conversion")  # before any work
     config = _load_config(config)
     args = megatron_args(checkpoint_path) if config is None else None
     state = load_megatron_checkpoint(checkpoint_path, tp_size, pp_size, config=config, dtype=dtype,
                                      names="checkpoint")
     if config is None:
         config = hf_config_from_spec(spec_from_megatron_args(args), args)
-    out_dtype = next(iter(state.values())).dtype
-    config.dtype = out_dtype
-    tmp = f"{os.fspath(output_dir).rstrip('/')}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
+    config.dtype = next(iter(state.values())).dtype
+
+    def fill(tmp: Path) -> None:
         config.save_pretrained(tmp)
-        save_safetensors(state, tmp, max_shard_bytes)
-        if os.path.exists(output_dir):
-            shutil.rmtree(output_dir)
-        os.replace(tmp, output_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        save_safetensors(state, str(tmp), max_shard_bytes)
+
+    output_folder.write_folder(out, source, fill, overwrite=overwrite, what="the conversion",
+                               stale=lambda name: name.startswith("model") and (name.endswith(".safetensors")
+                                                                                or name.endswith(".index.json")))
     return os.fspath(output_dir)

@@ -28,6 +28,7 @@ from typing import Dict, Mapping, Optional, Tuple, Union
 import torch
 
 from verl_fast import safe_load
+from verl_fast.ops import _validate as V
 from verl_fast.ops.reshard.hf import hf_layout
 from verl_fast.ops.reshard.megatron import detect_names, megatron_layout, shard_prefix, torch_dist_layout, vocab_rows
 from verl_fast.ops.reshard.plan import ReshardPlan
@@ -63,7 +64,7 @@ _MEGATRON_ENUMS = (
 )
 
 
-def _safe_globals() -> list:
+def checkpoint_globals() -> list:
     """What besides tensors and plain containers a Megatron checkpoint may hold, as torch.load's
     allowlist: (callable, the name the pickle uses) pairs where the two differ."""
     import numpy as np
@@ -79,7 +80,7 @@ def _safe_globals() -> list:
 
 
 def _load_dict(path: str) -> dict:
-    ckpt = safe_load.load(path, _safe_globals(), "a Megatron checkpoint")
+    ckpt = safe_load.load(path, checkpoint_globals(), "a Megatron checkpoint")
     if not isinstance(ckpt, dict):
         raise ValueError(f"{path}: expected a dict (model, args, ...), got {type(ckpt).__name__}")
     return ckpt
@@ -257,6 +258,8 @@ def load_megatron_checkpoint(checkpoint_path: str, tp_size: Optional[int] = None
     (argparse.Namespace, numpy RNG arrays, io.BytesIO, megatron-core's enums as inert stand-ins);
     a pickle holding anything else (code to run) is refused with a ValueError naming the file.
     """
+    tp_size = None if tp_size is None else V.size(tp_size, "tp_size", 1)
+    pp_size = None if pp_size is None else V.size(pp_size, "pp_size", 1)
     path = resolve_iteration_dir(os.fspath(checkpoint_path))
     if is_torch_dist(path):
         return _load_torch_dist(path, config, dtype, names)

@@ -6,6 +6,7 @@ import math
 import numbers
 from typing import Sequence
 
+import numpy as np
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -18,7 +19,7 @@ def _shape(shape: Sequence[int]) -> str:
 
 def flag(x, name: str) -> bool:
     """A real bool (numpy's too): a truthy string such as 'no' must not read as True."""
-    if not isinstance(x, bool) and type(x).__name__ != "bool_":
+    if not isinstance(x, (bool, np.bool_)):
         raise TypeError(f"{name} must be True or False, got {x!r}")
     return bool(x)
 
@@ -30,6 +31,37 @@ def finite(x, name: str) -> float:
     if not math.isfinite(x):
         raise ValueError(f"{name} must be finite, got {x!r}")
     return float(x)
+
+
+def in_range(x, name: str, low: float, high: float) -> float:
+    """A finite real number in [low, high] (a discount, a mixing weight)."""
+    value = finite(x, name)
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {x!r}")
+    return value
+
+
+def positive(x, name: str) -> float:
+    """A finite real number > 0 (a divisor's epsilon, a temperature)."""
+    value = finite(x, name)
+    if not value > 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {x!r}")
+    return value
+
+
+_INT64_MAX = 2**63 - 1
+
+
+def size(x, name: str, minimum: int = 0) -> int:
+    """An integer (numpy's too) >= ``minimum`` that fits int64; never a bool (True is not 1 here) or
+    a float (2.9 is not 2)."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {x!r} ({type(x).__name__})")
+    if x < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {x}")
+    if x > _INT64_MAX:
+        raise ValueError(f"{name} must fit in int64 (<= 2**63 - 1), got {x}")
+    return int(x)
 
 
 def tensor(x, name: str) -> torch.Tensor:

@@ -56,8 +56,9 @@ def _scan(kind, rewards, mask, *, values=None, baselines=None, gamma=1.0, lam=1.
     a.advantages = adv
     a.returns = ret
     a.status = status
-    a.gamma = V.finite(gamma, "gamma")
-    a.lam = V.finite(lam, "lam")
+    # a discount or mixing weight outside [0, 1] grows the returns geometrically (1e30: all inf / NaN)
+    a.gamma = V.in_range(gamma, "gamma", 0.0, 1.0)
+    a.lam = V.in_range(lam, "lam", 0.0, 1.0)
     a.whiten = V.flag(whiten, "whiten")
     a.num_threads = torch.get_num_threads()
     a.stream = cuda_stream(rewards)
@@ -180,7 +181,8 @@ def _group(kind, token_level_rewards, response_mask, index, *, epsilon=1e-6, nor
     a.advantages = adv
     a.workspace = torch.empty(C.group_workspace_bytes(B), dtype=torch.uint8, device=r.device)
     a.status = status
-    a.epsilon = V.finite(epsilon, "epsilon")
+    # epsilon keeps a group of equal scores (std 0) from dividing 0 by 0
+    a.epsilon = V.positive(epsilon, "epsilon")
     a.norm_by_std = V.flag(norm_by_std, "norm_by_std")
     a.whiten = V.flag(whiten, "whiten")
     a.num_threads = torch.get_num_threads()
@@ -204,7 +206,8 @@ def compute_grpo_advantage(
 
     ``s`` is the sum of the sample's token rewards; mean and unbiased std are over its group (samples
     sharing an ``index`` entry); a group of one has mean 0 and std 1. ``norm_by_std=False`` is
-    Dr.GRPO (no division). Returns ``(advantages, returns)``, which are equal.
+    Dr.GRPO (no division). ``epsilon`` must be > 0 (a group of equal rewards has std 0). Returns
+    ``(advantages, returns)``, which are equal.
     """
     adv = _group(ext().GroupKind.grpo, token_level_rewards, response_mask, index, epsilon=epsilon,
                  norm_by_std=norm_by_std, check=check)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import math
 import os
 import warnings
 from typing import Optional, Tuple, Union
@@ -77,10 +76,7 @@ def _inverse_temperature(temperature) -> float:
         if temperature.numel() != 1:
             raise ValueError(f"temperature must be a number, got a tensor of shape {list(temperature.shape)}")
         temperature = temperature.item()
-    t = float(temperature)
-    if not math.isfinite(t) or t <= 0:
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
-    return 1.0 / t
+    return 1.0 / V.positive(temperature, "temperature")
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,6 +134,7 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature
     directly. ``config``: a ``verl_fast.kernels.logprobs.LogprobsConfig`` for the Triton path.
     """
     _float_input(logits, "logits")
+    with_entropy, check = V.flag(with_entropy, "with_entropy"), V.flag(check, "check")
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must be [..., V] with V >= 1, got shape {list(logits.shape)}")
     flat = _labels(labels, logits.shape[:-1], logits.device, "logits' leading dimensions")
@@ -170,6 +167,7 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     """
     _float_input(hidden, "hidden")
     _float_input(weight, "weight")
+    with_entropy, check = V.flag(with_entropy, "with_entropy"), V.flag(check, "check")
     if hidden.dim() < 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] < 1:
         raise ValueError(f"weight must be [V, H] with V >= 1 and H = hidden.shape[-1] = "
                          f"{hidden.shape[-1] if hidden.dim() else '?'}, got weight {list(weight.shape)} and "

@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 
+from verl_fast.ops import _validate as V
+
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, axis: Optional[int] = None) -> torch.Tensor:
     # where() rather than values * mask: a NaN at a masked-out position must not leak into the sum.
@@ -24,7 +26,7 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
     """Variance of the masked positions; unbiased (n - 1) by default, which needs 2 or more of them."""
     mean = masked_mean(values, mask)
     var = masked_mean((values - mean) ** 2, mask)
-    if unbiased:
+    if V.flag(unbiased, "unbiased"):
         n = mask.sum()
         if n < 2:
             raise ValueError(f"the unbiased masked variance needs at least 2 positions where mask is set, got {int(n)}")
@@ -35,6 +37,7 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
     """``(values - mean) * rsqrt(var + 1e-8)`` with the masked mean and unbiased variance, applied at
     every position; ``shift_mean=False`` adds the mean back."""
+    shift_mean = V.flag(shift_mean, "shift_mean")
     mean, var = masked_mean(values, mask), masked_var(values, mask)
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     return whitened if shift_mean else whitened + mean

@@ -128,18 +128,6 @@ def _as_lengths(x, name: str) -> Tuple[np.ndarray, bool]:
     return arr, is_torch
 
 
-_INT64_MAX = int(np.iinfo(np.int64).max)
-
-
-def _int(x, name: str, minimum: int) -> int:
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
-    if x < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {x}")
-    if x > _INT64_MAX:
-        raise ValueError(f"{name} must fit in int64 (<= 2**63 - 1), got {x}")
-    return int(x)
-
 
 
 def _cost_coefficients(cost, flops_a: int) -> Tuple[int, int]:
@@ -147,10 +135,10 @@ def _cost_coefficients(cost, flops_a: int) -> Tuple[int, int]:
         if cost == "tokens":
             return 1, 0
         if cost == "flops":
-            return _int(flops_a, "flops_a", 0), 1
+            return V.size(flops_a, "flops_a", 0), 1
         raise ValueError(f"cost must be 'tokens', 'flops' or (linear, quadratic) integers, got {cost!r}")
     if isinstance(cost, (tuple, list)) and len(cost) == 2:
-        linear, quadratic = (_int(c, "cost coefficients", 0) for c in cost)
+        linear, quadratic = (V.size(c, "cost coefficients", 0) for c in cost)
         if linear == 0 and quadratic == 0:
             raise ValueError("cost coefficients (linear, quadratic) must not both be 0")
         return linear, quadratic
@@ -213,7 +201,7 @@ def balance_partitions(lengths: Lengths, k: int, equal_size: bool = True, cost="
     """
     arr, as_torch = _as_lengths(lengths, "lengths")
     n = len(arr)
-    k = _int(k, "k", 1)
+    k = V.size(k, "k", 1)
     equal_size = V.flag(equal_size, "equal_size")
     if k > n:
         raise ValueError(f"k must be <= the number of sequences ({n}), got {k}")
@@ -256,13 +244,13 @@ def pack_micro_batches(lengths: Lengths, max_tokens: int, min_num: int = 1, same
     """
     arr, as_torch = _as_lengths(lengths, "lengths")
     n = len(arr)
-    max_tokens = _int(max_tokens, "max_tokens", 1)
-    min_num = _int(min_num, "min_num", 1)
+    max_tokens = V.size(max_tokens, "max_tokens", 1)
+    min_num = V.size(min_num, "min_num", 1)
     if layout not in ("packed", "padded"):
         raise ValueError(f"layout must be 'packed' or 'padded', got {layout!r}")
     agreed = None
     if isinstance(same_count_across, numbers.Integral) and not isinstance(same_count_across, bool):
-        agreed = _int(same_count_across, "same_count_across", 1)
+        agreed = V.size(same_count_across, "same_count_across", 1)
     elif same_count_across is not None and not _is_process_group(same_count_across):
         raise TypeError("same_count_across must be None, an int (the agreed count) or a torch.distributed "
                         f"process group, got {type(same_count_across).__name__}")
@@ -320,14 +308,14 @@ def rollout_buckets(prompt_lens: Lengths, max_new_tokens, max_num_seqs: int, max
     p, as_torch = _as_lengths(prompt_lens, "prompt_lens")
     n = len(p)
     if isinstance(max_new_tokens, numbers.Integral) and not isinstance(max_new_tokens, bool):
-        m = np.full(n, _int(max_new_tokens, "max_new_tokens", 1), dtype=np.int64)
+        m = np.full(n, V.size(max_new_tokens, "max_new_tokens", 1), dtype=np.int64)
     else:
         m, _ = _as_lengths(max_new_tokens, "max_new_tokens")
         if len(m) != n:
             raise ValueError(f"max_new_tokens must be an int or one per prompt ({n}), got {len(m)}")
-    max_num_seqs = _int(max_num_seqs, "max_num_seqs", 1)
-    max_batch_tokens = _int(max_batch_tokens, "max_batch_tokens", 1)
-    model_len = 0 if max_model_len is None else _int(max_model_len, "max_model_len", 2)
+    max_num_seqs = V.size(max_num_seqs, "max_num_seqs", 1)
+    max_batch_tokens = V.size(max_batch_tokens, "max_batch_tokens", 1)
+    model_len = 0 if max_model_len is None else V.size(max_model_len, "max_model_len", 2)
     if isinstance(max_length_ratio, bool) or not isinstance(max_length_ratio, numbers.Real) \
             or not max_length_ratio >= 1:
         raise ValueError(f"max_length_ratio must be a number >= 1 (inf for no limit), got {max_length_ratio!r}")

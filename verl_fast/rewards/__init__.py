@@ -13,16 +13,17 @@ from verl_fast.rewards.base import (
     as_reward_function,
     load_callable,
 )
+from verl_fast.rewards.deadline import RewardStopped, RewardTimeout
 from verl_fast.rewards.model import RewardModel
 from verl_fast.rewards.rule import GSM8KReward, ReasoningGymReward, gsm8k_answer, last_number
 
 
 def build_reward(cfg: Any, override: Optional[Any] = None) -> Optional[RewardFunction]:
-    """The reward for ``cfg`` (a RewardConfig), guarded by ``cfg.on_error``; ``override`` (a callable
+    """The reward for ``cfg`` (a RewardConfig), guarded by ``cfg.on_error`` and ``cfg.timeout_s``; ``override`` (a callable
     or RewardFunction passed to RLTrainer) wins. pairwise_ranking (DPO) scores nothing: preference
     pairs carry their ranking."""
     reward = _unguarded(cfg, override)
-    return None if reward is None else GuardedReward(reward, cfg.on_error)
+    return None if reward is None else GuardedReward(reward, cfg.on_error, cfg.timeout_s)
 
 
 def _unguarded(cfg: Any, override: Optional[Any]) -> Optional[RewardFunction]:
@@ -53,6 +54,8 @@ __all__ = [
     "GuardedReward",
     "ON_ERROR",
     "RewardModel",
+    "RewardStopped",
+    "RewardTimeout",
     "GSM8KReward",
     "ReasoningGymReward",
     "as_reward_function",

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
+import numbers
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from verl_fast.rewards import deadline
 
 
 @dataclass
@@ -57,29 +62,52 @@ class CallableReward(RewardFunction):
     def __call__(self, samples: Sequence[RewardInput]) -> List[float]:
         if self.batched:
             return scores_of(self.fn(list(samples)), len(samples), self.name)
-        return [_as_score(self.fn(**{a: _PER_SAMPLE_ARGS[a](s) for a in self.args}), self.name) for s in samples]
+        return [_as_score(self.fn(**{a: _PER_SAMPLE_ARGS[a](s) for a in self.args}), self.name, i)
+                for i, s in enumerate(samples)]
 
 
-def scores_of(out: Any, n: int, name: str) -> List[float]:
-    """A batch reward's result as n finite floats (a list, tuple, numpy array or 1-D tensor)."""
+def scores_of(out: Any, n: int, name: str, first: int = 0) -> List[float]:
+    """A batch reward's result as n finite floats (a list, tuple, numpy array or 1-D tensor);
+    ``first``: the batch's first sample index, for messages."""
     if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__") or not hasattr(out, "__iter__"):
         raise TypeError(f"reward function {name} scored a batch of {n} samples and must return one score per "
                         f"sample (a list of {n} numbers), got {type(out).__name__}")
     if len(out) != n:
         raise ValueError(f"reward function {name} returned {len(out)} scores for {n} samples")
-    return [_as_score(x, name) for x in out]
+    return [_as_score(x, name, first + i) for i, x in enumerate(out)]
 
 
-def _as_score(x: Any, name: str) -> float:
+def _as_score(x: Any, name: str, index: int) -> float:
+    """A score as a finite float: a real number (bools, numpy numbers and one-element tensors
+    included), or a dict whose 'score' is one; never a string, which float() would also parse."""
     if isinstance(x, dict):
         x = x.get("score")
+    if _one_element(x):
+        x = x.item()
+    if not isinstance(x, numbers.Real):
+        raise TypeError(f"reward function {name} must return a number (or a dict with 'score') for each sample, "
+                        f"got {_short(x)} for sample {index}")
     try:
         value = float(x)
-    except (TypeError, ValueError):
-        raise TypeError(f"reward function {name} must return a number (or a dict with 'score'), got {x!r}") from None
-    if value != value or value in (float("inf"), float("-inf")):
-        raise ValueError(f"reward function {name} returned a non-finite score {value}")
+    except OverflowError:
+        raise ValueError(f"reward function {name} returned {_short(x)} for sample {index}, which overflows a "
+                         "float") from None
+    if not math.isfinite(value):
+        raise ValueError(f"reward function {name} returned a non-finite score {value} for sample {index}")
     return value
+
+
+def _one_element(x: Any) -> bool:
+    """A one-element torch tensor, numpy array or numpy scalar (its ``.item()`` is the score)."""
+    numel = getattr(x, "numel", None)
+    if callable(numel):
+        return numel() == 1
+    return getattr(x, "size", None) == 1 and hasattr(x, "item")
+
+
+def _short(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 60 else f"{text[:40]}...({len(text)} characters)"
 
 
 ON_ERROR = ("raise", "zero")
@@ -89,19 +117,25 @@ class GuardedReward(RewardFunction):
     """Checks what ``inner`` returns (one finite float per sample) and applies ``on_error``:
     ``"raise"`` lets a failure through; ``"zero"`` scores 0 for each sample whose scoring fails (a
     failing batch is scored again one sample at a time to find them), so that one bad sample does
-    not stop a long run. ``last_errors`` counts the zeroed samples of the latest call."""
+    not stop a long run. ``last_errors`` counts the zeroed samples of the latest call. The whole
+    batch runs under ``timeout_s`` and stop requests (``rewards.deadline``): a timeout, a stop, or
+    SystemExit / KeyboardInterrupt in the scorer are never zeroed."""
 
-    def __init__(self, inner: RewardFunction, on_error: str = "raise"):
+    def __init__(self, inner: RewardFunction, on_error: str = "raise", timeout_s: Optional[float] = None):
         if on_error not in ON_ERROR:
             raise ValueError(f"reward_fn.on_error must be one of {list(ON_ERROR)}, got {on_error!r}")
-        self.inner, self.on_error = inner, on_error
+        self.inner, self.on_error, self.timeout_s = inner, on_error, timeout_s
         self.name = getattr(inner, "name", type(inner).__name__)
         self.last_errors = 0
 
-    def _score(self, samples: Sequence[RewardInput]) -> List[float]:
-        return scores_of(self.inner(samples), len(samples), self.name)
+    def _score(self, samples: Sequence[RewardInput], first: int = 0) -> List[float]:
+        return scores_of(self.inner(samples), len(samples), self.name, first)
 
-    def __call__(self, samples: Sequence[RewardInput]) -> List[float]:
+    def __call__(self, samples: Sequence[RewardInput], stop: Optional[threading.Event] = None) -> List[float]:
+        """The batch's scores; ``stop``: set by the trainer's first SIGTERM / Ctrl-C."""
+        return deadline.score(lambda: self._guarded(samples), self.name, len(samples), self.timeout_s, stop)
+
+    def _guarded(self, samples: Sequence[RewardInput]) -> List[float]:
         self.last_errors = 0
         if self.on_error == "raise":
             return self._score(samples)
@@ -112,9 +146,9 @@ class GuardedReward(RewardFunction):
                 self.last_errors = 1
                 return [0.0]
         out = []
-        for s in samples:
+        for i, s in enumerate(samples):
             try:
-                out.extend(self._score([s]))
+                out.extend(self._score([s], i))
             except Exception:  # noqa: BLE001
                 self.last_errors += 1
                 out.append(0.0)

@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import sys
 import warnings
 import zlib
@@ -35,9 +36,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
-from verl_fast import safe_load
+from verl_fast import output_folder, safe_load
 from verl_fast.models.wrapping import hf_module
-from verl_fast.trainer import direct_write
+from verl_fast.trainer import direct_write, run_files
 from verl_fast.trainer.direct_write import Records
 from verl_fast.trainer.ranks import gather, on_main, rank_world
 
@@ -85,14 +86,20 @@ def _checksums(folder: Path, files: List[str], written: Optional[Records] = None
 
 
 def _file_record(path: Path) -> Dict[str, Any]:
+    """Size and CRC-32 of the regular file ``path``, read without following a symbolic link (and
+    without blocking on a FIFO: anything but a regular file is an error, never read)."""
     crc, size = 0, 0
     try:
-        with open(path, "rb") as f:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return {"bytes": -1, "crc32": -1, "error": "not a regular file"}
             while chunk := f.read(1 << 24):
                 crc = zlib.crc32(chunk, crc)
                 size += len(chunk)
     except OSError as e:  # reported by verify (every rank must still reach the gather)
-        return {"bytes": -1, "crc32": -1, "error": e.strerror or str(e)}
+        reason = "a symbolic link" if e.errno == errno.ELOOP else e.strerror or str(e)
+        return {"bytes": -1, "crc32": -1, "error": reason}
     return {"bytes": size, "crc32": crc}
 
 
@@ -174,9 +181,8 @@ def save(output_dir: str, step: int, actor: torch.nn.Module, tokenizer: Any, opt
     needed_bytes = sum(gather(_local_bytes(shards) + (_local_bytes(shards["actor"]) if export_hf else 0)))
 
     def prepare() -> None:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        prepare_root(root)
+        run_files.remove(tmp)  # a killed write's leftover (a link by that name: the link only)
         free = shutil.disk_usage(root).free
         if free < needed_bytes:
             raise CheckpointError(_disk_full_message(root, needed_bytes, free, previous))
@@ -222,8 +228,8 @@ def _publish(tmp: Path, final: Path, records: Dict[str, Dict[str, int]], step: i
     """The manifest last (fsynced with everything before it), then the rename that completes it."""
     (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": records}, indent=1))
     _fsync_tree(tmp)
-    if final.exists():  # an older run's (or a damaged) checkpoint of the same step
-        shutil.rmtree(final)
+    if os.path.lexists(final):  # an older run's (or a damaged) checkpoint of the same step
+        run_files.remove(final)
     os.replace(tmp, final)
     _fsync(final.parent)
 
@@ -244,28 +250,47 @@ def _fsync_tree(folder: Path) -> None:
         _fsync(p)
 
 
+def prepare_root(root: Path) -> None:
+    """``checkpoints/``, created if need be; a symbolic link there is refused (every write and
+    removal of checkpoints would land where it points)."""
+    run_files.refuse_link(root, "the run's checkpoints folder")
+    root.mkdir(parents=True, exist_ok=True)
+
+
+_PARTIAL = re.compile(r"^step_\d+\.tmp$")
+
+
 def clean_partial(output_dir: str) -> None:
-    """Removes the leftovers of a write that was killed (``step_N.tmp`` folders)."""
+    """Removes the leftovers of a write that was killed: ``step_N.tmp`` entries of ``checkpoints/``,
+    and nothing else (a link by such a name is unlinked, never followed)."""
     root = checkpoint_root(output_dir)
+    run_files.refuse_link(root, "the run's checkpoints folder")
     if root.is_dir():
         for p in root.iterdir():
-            if p.name.endswith(".tmp") or ".tmp-" in p.name:
-                shutil.rmtree(p, ignore_errors=True)
+            if _PARTIAL.match(p.name):
+                run_files.remove(p)
 
 
 # ----------------------------------------------------------------------------- verifying and loading
 
 
 def verify(path: Path) -> Optional[str]:
-    """None when every file in ``path``'s manifest is there with its size and checksum; else what is
-    wrong, naming the file."""
+    """None when ``path`` holds exactly the files its manifest lists, each a regular file with the
+    size and checksum recorded; else what is wrong, naming the file. Only regular files inside
+    ``path`` are read: a manifest naming anything else (an absolute path, ``..``, a symbolic link,
+    a device) or malformed in any way is itself the problem found."""
+    if path.is_symlink():
+        return f"{path} is a symbolic link (to {os.readlink(path)}); a checkpoint must lie inside the run folder"
     manifest = path / MANIFEST
-    if not manifest.is_file():
+    if not manifest.is_file() or manifest.is_symlink():
         return f"{manifest} is missing (the write did not finish)"
-    try:
-        files = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError, TypeError) as e:
-        return f"{manifest} is unreadable ({e})"
+    files, problem = _manifest_files(manifest)
+    if problem is None:
+        on_disk, problem = _regular_files(path)
+    if problem is None:
+        problem = _listed_as_found(path, files, on_disk)
+    if problem is not None:
+        return problem
     names = sorted(files)
     found = _checksums(path, names)
     for name in names:
@@ -280,24 +305,98 @@ def verify(path: Path) -> Optional[str]:
     return None
 
 
+# what every checkpoint's manifest lists: the trainer state, and the sharded weights' DCP metadata
+# (``dcp/``, or ``megatron/`` for a Megatron-trained actor: trainer/megatron_checkpoint.py)
+_REQUIRED = (STATE,)
+_WEIGHTS_METADATA = (f"{DCP}/.metadata", "megatron/.metadata")
+
+
+def _manifest_files(manifest: Path):
+    """``(files, None)``: the manifest's file -> {bytes, crc32} records, each name a plain relative
+    path; ``(None, problem)`` when it is not that."""
+    try:
+        data = json.loads(manifest.read_bytes())
+    except (OSError, ValueError) as e:
+        return None, f"{manifest} is not readable JSON ({e})"
+    files = data.get("files") if isinstance(data, dict) else None
+    if not isinstance(files, dict):
+        return None, (f"{manifest}: 'files' must map each file to its size and CRC-32, got "
+                      f"{type(files).__name__}")
+    for name, record in files.items():
+        if not _inside(name):
+            return None, f"{manifest} lists {name!r}, which is not a path inside the checkpoint folder"
+        if not (isinstance(record, dict) and all(_count(record.get(k)) for k in ("bytes", "crc32"))):
+            return None, f"{manifest}: the entry of {name} must be {{\"bytes\": size, \"crc32\": checksum}}, got {record!r}"
+    missing = [n for n in _REQUIRED if n not in files]
+    if not any(n in files for n in _WEIGHTS_METADATA):
+        missing.append(" or ".join(_WEIGHTS_METADATA))
+    if missing:
+        return None, f"{manifest} does not list {missing[0]}"
+    return files, None
+
+
+def _inside(name: Any) -> bool:
+    """A plain relative path: no absolute path, no ``.`` / ``..`` / empty part, nothing to normalise."""
+    return (isinstance(name, str) and bool(name) and "\0" not in name and not os.path.isabs(name)
+            and os.path.normpath(name) == name and all(part not in ("", ".", "..") for part in name.split("/")))
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _regular_files(folder: Path):
+    """``(names, None)``: every file under ``folder`` (relative names), walked without following a
+    symbolic link; ``(None, problem)`` when it holds a link, a device, a FIFO or a socket."""
+    names: List[str] = []
+    pending = [folder]
+    while pending:
+        current = pending.pop()
+        with os.scandir(current) as entries:
+            for entry in entries:
+                if entry.is_symlink():
+                    return None, (f"{entry.path} is a symbolic link (to {os.readlink(entry.path)}); a checkpoint "
+                                  "reads only files inside its folder")
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(Path(entry.path))
+                elif entry.is_file(follow_symlinks=False):
+                    names.append(os.path.relpath(entry.path, folder))
+                else:
+                    return None, f"{entry.path} is not a regular file (a device, FIFO or socket)"
+    return names, None
+
+
+def _listed_as_found(path: Path, files: Dict[str, Any], on_disk: List[str]) -> Optional[str]:
+    """The files on disk and those in the manifest must be the same (a file it does not list is
+    unchecked, and may be the damaged one)."""
+    missing = sorted(set(files) - set(on_disk))
+    if missing:
+        return f"{path / missing[0]} is missing (the manifest lists it)"
+    unlisted = sorted(set(on_disk) - set(files) - {MANIFEST})
+    if unlisted:
+        return f"{path / unlisted[0]} is not in the manifest (its contents are unchecked)"
+    return None
+
+
 def _warn(message: str) -> None:
     if rank_world()[0] == 0:
         print(message, file=sys.stderr, flush=True)
 
 
 def latest_valid(output_dir: str, warn: Callable[[str], None] = _warn) -> Optional[Path]:
-    """The newest checkpoint that passes ``verify``; each damaged newer one is named and skipped."""
+    """The newest checkpoint that passes ``verify``; each damaged newer one is named, with what is
+    wrong and the checkpoint resumed instead ("checkpoint step_N is damaged: ...; resuming from ...")."""
     bad: List[str] = []
     for path in step_dirs(output_dir):
         problem = verify(path)
         if problem is None:
-            if bad:
-                warn(f"resuming from {path.name}, the latest complete checkpoint")
+            for message in bad:
+                warn(f"{message}; resuming from {path.name}")
             return path
-        bad.append(path.name)
-        warn(f"checkpoint {path.name} is damaged and skipped: {problem}")
-    if bad:
-        warn(f"no complete checkpoint in {checkpoint_root(output_dir)}: starting from the initial weights")
+        bad.append(f"checkpoint {path.name} is damaged: {problem}")
+    for message in bad:
+        warn(f"{message}; no complete checkpoint is left in {checkpoint_root(output_dir)}: starting from the "
+             "initial weights")
     return None
 
 
@@ -310,12 +409,15 @@ def load(path: Path, actor: torch.nn.Module, optimizer: torch.optim.Optimizer,
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     _, world = rank_world()
-    if critic is not None and not _has_key(path, "critic."):
+    reader = safe_load.dcp_reader(path / DCP)
+    # read first, as data only: a refused pickle is named as such, not as a checkpoint that does not fit
+    keys = reader.read_metadata().state_dict_metadata
+    if critic is not None and not any(k.startswith("critic.") for k in keys):
         critic_optimizer, critic = None, None  # a checkpoint of a run without a critic
     shards = _state(actor, optimizer, critic, critic_optimizer)
     try:
         with _quiet():
-            dcp.load(shards, storage_reader=safe_load.dcp_reader(path / DCP), planner=safe_load.dcp_planner(),
+            dcp.load(shards, storage_reader=reader, planner=safe_load.dcp_planner(),
                      no_dist=world == 1)  # data only: nothing in the files runs
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         raise CheckpointError(f"checkpoint {path} does not fit this run's models: {e}") from e
@@ -326,10 +428,6 @@ def load(path: Path, actor: torch.nn.Module, optimizer: torch.optim.Optimizer,
         if critic_optimizer is not None and "critic_optim" in shards:
             set_optimizer_state_dict(critic, critic_optimizer, shards["critic_optim"])
     return json.loads((path / STATE).read_text())
-
-
-def _has_key(path: Path, prefix: str) -> bool:
-    return any(k.startswith(prefix) for k in safe_load.dcp_reader(path / DCP).read_metadata().state_dict_metadata)
 
 
 # ----------------------------------------------------------------------------- HF export
@@ -399,28 +497,29 @@ def resolve(checkpoint: str) -> Path:
     return found
 
 
-def export(checkpoint: str, out_dir: str, max_shard_bytes: int = 5 << 30) -> Path:
-    """Writes the HF folder (config, tokenizer, safetensors) of ``checkpoint`` to ``out_dir``,
-    atomically: into ``out_dir.tmp``, then renamed."""
+def export(checkpoint: str, out_dir: str, max_shard_bytes: int = 5 << 30, overwrite: bool = False) -> Path:
+    """Writes the HF folder (config, tokenizer, safetensors) of ``checkpoint`` to ``out_dir``, which
+    may not be the run or lie inside it; a folder holding files is refused unless ``overwrite``
+    (which replaces only the files an export writes). Written under a unique temporary name beside
+    ``out_dir``, then renamed (``verl_fast.output_folder``)."""
     src = resolve(checkpoint)
+    run = src.parent.parent if src.parent.name == "checkpoints" else src
+    out = Path(out_dir)
+    output_folder.check_target(out, run, overwrite, "the export")  # before any work
     problem = verify(src)
     if problem is not None:
         raise CheckpointError(f"cannot export {src}: {problem}")
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+
+    def fill(tmp: Path) -> None:
         for p in src.iterdir():
-            if p.name not in _NOT_HF and p.is_file() and not p.name.endswith(".safetensors") \
-                    and p.name != "model.safetensors.index.json":
+            if p.name not in _NOT_HF and p.is_file() and not _is_weights(p.name):
                 shutil.copy2(p, tmp / p.name)
         _write_safetensors(src / DCP, tmp, max_shard_bytes)
         _fsync_tree(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
+
+    return output_folder.write_folder(out, run, fill, overwrite=overwrite, what="the export", stale=_is_weights)
+
+
+def _is_weights(name: str) -> bool:
+    """An HF export's weight files (an older export's shards are stale beside new ones)."""
+    return (name.startswith("model") and name.endswith(".safetensors")) or name == "model.safetensors.index.json"

@@ -44,7 +44,7 @@ class DirectWriter:
         self.size = 0
         self.crc32 = 0
         self.closed = False
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW  # never write through a link
         self._direct = hasattr(os, "O_DIRECT")
         try:
             self._fd = os.open(self.path, flags | (os.O_DIRECT if self._direct else 0), 0o644)

@@ -15,8 +15,10 @@ from typing import Any, Dict
 
 import torch
 
+from verl_fast import safe_load
+from verl_fast.models.megatron_checkpoint import checkpoint_globals
 from verl_fast.models.wrapping import hf_module
-from verl_fast.trainer import checkpoint
+from verl_fast.trainer import checkpoint, run_files
 from verl_fast.trainer.megatron_rollout import released
 from verl_fast.trainer.ranks import on_main
 
@@ -32,8 +34,8 @@ def save(output_dir: str, step: int, actor, hf_model: torch.nn.Module, tokenizer
     final, tmp = root / f"step_{step:06d}", root / f"step_{step:06d}.tmp"
 
     def prepare() -> None:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        checkpoint.prepare_root(root)
+        run_files.remove(tmp)  # a killed write's leftover (a link by that name: the link only)
         (tmp / MEGATRON).mkdir(parents=True)
         if _is_megatron(critic):
             (tmp / MEGATRON_CRITIC).mkdir()
@@ -67,6 +69,8 @@ def load(path: Path, actor, hf_model: torch.nn.Module, critic=None) -> Dict[str,
         if needed and not (path / folder).is_dir():
             raise checkpoint.CheckpointError(f"{path} has no {folder}/ folder: it was not written by a "
                                              f"{strategy}.strategy=megatron run")
+        if needed:  # megatron-core unpickles these with no allowlist: each is read as data only first
+            safe_load.check_dcp_data(path / folder, checkpoint_globals(), "a Megatron checkpoint")
     actor.load_checkpoint(path / MEGATRON)
     if _is_megatron(critic):
         critic.load_checkpoint(path / MEGATRON_CRITIC)

@@ -43,7 +43,7 @@ from verl_fast.models.value import ValueModel, response_values
 from verl_fast.models.wrapping import hf_module, is_sharded
 from verl_fast.trainer import sharding
 from verl_fast.trainer.sharding import Sharding
-from verl_fast.rewards import RewardInput, build_reward
+from verl_fast.rewards import RewardInput, RewardStopped, RewardTimeout, build_reward
 from verl_fast.rollout.base import RolloutEngine, SamplingSpec
 from verl_fast.rollout.factory import build_engine
 from verl_fast.rollout.hf_engine import HFGenerateEngine
@@ -52,6 +52,7 @@ from verl_fast.trainer import checkpoint, dpo, megatron_checkpoint, online_dpo, 
 from verl_fast.trainer.actor_loss import actor_loss
 from verl_fast.trainer.experience import Experience, build_experience, last_token_rewards
 from verl_fast.trainer.megatron_rollout import megatron_rollout
+from verl_fast.trainer.ranks import any_rank
 
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -146,6 +147,7 @@ class RLTrainer:
                                            max_num_seqs=r.max_num_seqs, max_batch_tokens=budget if waves else None)
         self.step = 0
         self.stopped = False  # set when a signal ended fit() early (after a checkpoint)
+        self._stop_event = None  # fit's StopSignals event: a reward still scoring watches it
         self.history: List[Dict[str, Any]] = []
         self.perf = perf.StepPerf(self.actor, self.device)
 
@@ -203,9 +205,11 @@ class RLTrainer:
             logger = MetricsLogger(cfg.output_dir, total, cfg.progress_bar, cfg.metrics_port, enabled=self.is_main,
                                    host=cfg.metrics_host, loggers=cfg.loggers, run_config=self.cfg.to_dict())
             with run_dir.StopSignals() as stop:  # SIGTERM / Ctrl-C: finish the step, checkpoint, return
+                self._stop_event = stop.event
                 self._resume(logger)
                 self._loop(items, per_epoch, total, logger, stop)
         finally:
+            self._stop_event = None
             if logger is not None:
                 logger.close()
             run_dir.release(cfg)
@@ -217,8 +221,17 @@ class RLTrainer:
         first = self.step
         if self.engine is not None and (not self._engine_fresh or self.step > 0):  # given, or resumed
             self._sync_engine({})
+        abandoned: Optional[str] = None  # why a step was given up in its reward (the run then stops)
+        timeout: Optional[RewardTimeout] = None
         while self.step < total:
-            metrics = self.train_step(self._batch(items, self.step, per_epoch))
+            try:
+                metrics = self.train_step(self._batch(items, self.step, per_epoch))
+            except RewardStopped as e:  # a signal, or SystemExit / KeyboardInterrupt inside the reward
+                abandoned, self.stopped = str(e), True
+                break
+            except RewardTimeout as e:
+                abandoned, timeout = str(e), e
+                break
             stopping = stop.requested()
             if cfg.save_freq and self.step % cfg.save_freq == 0 and self.step < total and not stopping:
                 self.history = logger.history + [metrics]  # the checkpoint holds this step's metrics
@@ -234,6 +247,11 @@ class RLTrainer:
             self.engine.wake_up()
         if self.step > first or checkpoint.latest_valid(cfg.output_dir, warn=lambda m: None) is None:
             self.save(export_hf=cfg.hf_export == "every" or (cfg.hf_export == "final" and self.step >= total))
+        if abandoned is not None and self.is_main:
+            print(f"step {self.step + 1} stopped in its reward: {abandoned}", flush=True)
+        if timeout is not None:
+            raise RewardTimeout(f"{timeout}; the run stopped after step {self.step}, whose checkpoint is in "
+                                f"{checkpoint.checkpoint_root(cfg.output_dir)} (run again to resume)") from None
         if self.stopped and self.is_main:
             print(f"stopped after step {self.step} of {total}; the checkpoint is in "
                   f"{checkpoint.checkpoint_root(cfg.output_dir)} (run again to resume)", flush=True)
@@ -352,7 +370,17 @@ class RLTrainer:
         samples = [RewardInput(prompt=batch[i].prompt_text, response=text, ground_truth=batch[i].ground_truth,
                                data_source=batch[i].data_source, extra_info=batch[i].extra_info)
                    for i, text in zip(gen.prompt_index.tolist(), gen.texts)]
-        return torch.tensor(self.reward(samples), dtype=torch.float32, device=self.device)
+        failure: Optional[BaseException] = None
+        try:
+            scores = self.reward(samples, stop=self._stop_event)
+        except (RewardStopped, RewardTimeout) as e:
+            failure = e
+        # every rank gives up the step together (one rank alone would wait forever in the update)
+        if distributed.world_size() > 1 and any_rank(failure is not None) and failure is None:
+            failure = RewardStopped("another rank stopped in its reward")
+        if failure is not None:
+            raise failure
+        return torch.tensor(scores, dtype=torch.float32, device=self.device)
 
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, exp: Experience) -> torch.Tensor:

@@ -5,7 +5,12 @@ folder that holds an older run, cheap checks before any model loads, and SIGTERM
   owner's PID, which a second run names when it refuses. The kernel drops the lock when the owner
   dies, even by kill -9, so a stale file never blocks a restart.
 - Older run: ``trainer.resume=false`` over a folder with checkpoints or metrics refuses unless
-  ``trainer.overwrite=true``, which removes what a run writes there (nothing else).
+  ``trainer.overwrite=true``, which removes what a run writes there (nothing else; a symbolic link
+  by that name is unlinked, never followed).
+- Nothing outside the folder: a run refuses a symbolic link at any name it writes (``.lock``,
+  ``checkpoints``, ``metrics.jsonl``, ...; files it replaces atomically and opens with
+  ``O_NOFOLLOW``, ``run_files``), and a folder that is the current one or one of its parents unless
+  that folder is empty (the run's files would land among the user's, and overwrite remove them).
 - Signals: the first SIGTERM or SIGINT lets the current step finish, then the trainer writes a
   checkpoint and returns (the CLI exits 0); a second one ends the process at once.
 """
@@ -15,15 +20,16 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from verl_fast.metrics import check_loggers
+from verl_fast.trainer import run_files
 from verl_fast.trainer.ranks import any_rank, on_main, rank_world
 
 LOCK = ".lock"
@@ -39,7 +45,12 @@ def _acquire(folder: Path) -> None:
         fd, count = _held[key]
         _held[key] = (fd, count + 1)
         return
-    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            run_files.refuse_link(folder / LOCK, "the run's lock")
+        raise
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -68,19 +79,31 @@ def _release(folder: Path) -> None:
 
 
 def _older_run(folder: Path) -> List[str]:
-    found = [name for name in RUN_OUTPUTS if (folder / name).exists()]
+    found = [name for name in RUN_OUTPUTS if os.path.lexists(folder / name)]
     root = folder / "checkpoints"
-    if "checkpoints" in found and not any(root.iterdir()):
+    if "checkpoints" in found and not root.is_symlink() and not any(root.iterdir()):
         found.remove("checkpoints")
     return found
+
+
+def _check_own_folder(folder: Path) -> None:
+    """The current folder or one of its parents ('', '.', '..', '~', '/') as output_dir puts a run's
+    files among the user's own, and overwrite would remove ./checkpoints, ./metrics.jsonl, ... there:
+    refused unless the folder is empty."""
+    here, target = Path.cwd().resolve(), folder.resolve()
+    if (target == here or target in here.parents) and target.is_dir() and any(target.iterdir()):
+        which = "the current folder" if target == here else "a parent of the current folder"
+        raise RuntimeError(f"trainer.output_dir={folder} is {which} ({target}), which holds other files: a run "
+                           f"writes {', '.join(RUN_OUTPUTS)} into its folder (and trainer.overwrite=true removes "
+                           "them there); choose a folder of its own, e.g. runs/<name>")
 
 
 def _check_writable(folder: Path) -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"ok")
-        probe.unlink()
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-test-")  # a new name: never an existing file
+        os.close(fd)
+        os.unlink(probe)
     except OSError as e:
         raise RuntimeError(f"trainer.output_dir={folder} is not writable: {e.strerror or e}") from None
 
@@ -91,15 +114,17 @@ def claim(trainer_cfg: Any) -> Path:
     folder = Path(trainer_cfg.output_dir)
 
     def main() -> None:
+        _check_own_folder(folder)
         _check_writable(folder)
         _acquire(folder)
         try:
             older = _older_run(folder)
             if older and trainer_cfg.overwrite:
                 for name in older:
-                    p = folder / name
-                    shutil.rmtree(p) if p.is_dir() else p.unlink()
-            elif older and not trainer_cfg.resume:
+                    run_files.remove(folder / name)  # a link: the link itself, never its target
+            for name in RUN_OUTPUTS:
+                run_files.refuse_link(folder / name, f"trainer.output_dir's {name}")
+            if older and not trainer_cfg.overwrite and not trainer_cfg.resume:
                 raise RuntimeError(
                     f"trainer.output_dir={folder} holds an older run ({', '.join(older)}) and trainer.resume is "
                     "false: set trainer.overwrite=true to clear it, trainer.resume=true to continue it, or "
@@ -161,6 +186,7 @@ class StopSignals:
     def __init__(self) -> None:
         self._got: Optional[int] = None
         self._previous: Dict[int, Any] = {}
+        self.event = threading.Event()  # set by the first signal: what a thread waiting on a reward watches
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there
@@ -181,6 +207,7 @@ class StopSignals:
             signal.raise_signal(signum)
             return
         self._got = signum
+        self.event.set()
         print(f"\n{name}: finishing this step, then writing a checkpoint and exiting (send it again to stop "
               "at once)", file=sys.stderr, flush=True)
 

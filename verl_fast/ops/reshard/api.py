@@ -8,6 +8,7 @@ from typing import Dict, Iterator, Mapping, Optional, Tuple, Union
 
 import torch
 
+from verl_fast.ops import _validate as V
 from verl_fast.ops.reshard import oneshot
 from verl_fast.ops.reshard.fsdp import dtensor_layout
 from verl_fast.ops.reshard.hf import detect_naming, hf_layout
@@ -69,18 +70,22 @@ def vllm_weights(model_or_state_dict: Union[torch.nn.Module, Mapping[str, torch.
                  config: Union[ModelSpec, object, None] = None, tensor_parallel_size: int = 1,
                  tp_rank: Optional[int] = None, dtype: Optional[torch.dtype] = None, device=None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, tile_bytes: int = DEFAULT_TILE_BYTES,
-                 out: Optional[Mapping[str, torch.Tensor]] = None) -> Iterator[Tuple[str, torch.Tensor]]:
+                 out: Optional[Mapping[str, torch.Tensor]] = None, *,
+                 reuse: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
     """``(vLLM name, tensor)`` pairs of vLLM's tensor-parallel shard ``tp_rank`` (fused ``qkv_proj``,
     ``gate_up_proj``, ``w13_weight``/``w2_weight``, padded vocab) from an HF model, its state dict,
     or an FSDP2-sharded model (then collective: every rank calls it and gets the shard of its TP
     rank, by default ``rank % tensor_parallel_size``). ``dtype`` converts on the way (default: the
     sources').
 
-    Plan and output tensors are kept for the next call with the same model shape, dtypes, devices
-    and placements, and a call passing the same tensors as the last one (the same objects, or new
-    ones over the same memory such as ``state_dict()`` makes, in any dict) goes straight to the copy. The tensors returned are therefore written
-    again by the next such call: they are valid until then (clone them to keep them). ``out``
-    (vLLM name -> tensor, e.g. the engine's own parameters) is written instead, and returned.
+    The plan is kept for the next call with the same model shape, dtypes, devices and placements.
+    The tensors returned are new at every call, so a result kept from one call never changes when
+    the function is called again. ``reuse=True`` (a loop that hands each result to the engine
+    before the next call) keeps the output tensors too and writes them again at every call of the
+    same conversion: a call passing the same tensors as the last one (the same objects, or new ones
+    over the same memory such as ``state_dict()`` makes, in any dict) then goes straight to the copy,
+    and its results are valid until the next such call. ``out`` (vLLM name -> tensor, e.g. the
+    engine's own parameters) is written instead, and returned (the short path applies there too).
 
     Engines that repack weights after loading (vLLM's CPU backend) take these through
     ``collective_rpc("reload_weights", ...)``: pass ``tensor_parallel_size=1`` there, vLLM slices its
@@ -99,7 +104,12 @@ def vllm_weights(model_or_state_dict: Union[torch.nn.Module, Mapping[str, torch.
         if config is None:
             raise ValueError("config (an HF config or a ModelSpec) is required with a state dict")
         spec, state = model_spec(config), model_or_state_dict
-    tp = int(tensor_parallel_size)
+    tp = V.size(tensor_parallel_size, "tensor_parallel_size", 1)
+    if tp_rank is not None:
+        tp_rank = V.size(tp_rank, "tp_rank")
+        if tp_rank >= tp:
+            raise ValueError(f"tp_rank must be in [0, tensor_parallel_size) = [0, {tp}), got {tp_rank}")
+    bucket_bytes, tile_bytes = V.size(bucket_bytes, "bucket_bytes", 1), V.size(tile_bytes, "tile_bytes", 1)
     call_key = ("vllm", spec, tp, tp_rank, dtype, bucket_bytes, tile_bytes, str(device))
 
     def make_plan() -> ReshardPlan:
@@ -110,7 +120,7 @@ def vllm_weights(model_or_state_dict: Union[torch.nn.Module, Mapping[str, torch.
 
     names, tensors = oneshot.execute(call_key, lambda: ("vllm", spec, tp, tp_rank, dtype, bucket_bytes, tile_bytes,
                                                         _signature(state)),
-                                     make_plan, state, out, device)
+                                     make_plan, state, out, device, reuse=V.flag(reuse, "reuse"))
     return zip(names, tensors)
 
 
@@ -124,11 +134,11 @@ def _signature(state: Mapping[str, torch.Tensor]) -> tuple:
 def _tp_ranks(world: int, tp: int, tp_rank: Optional[int]) -> Dict[int, int]:
     """Each process rank's TP rank (gathered when this rank's was given explicitly)."""
     if world == 1:
-        return {0: 0 if tp_rank is None else int(tp_rank)}
+        return {0: 0 if tp_rank is None else tp_rank}
     if tp_rank is None:
         return consecutive_tp_ranks(world, tp)
     import torch.distributed as dist
 
     every = [None] * world
-    dist.all_gather_object(every, int(tp_rank))
+    dist.all_gather_object(every, tp_rank)
     return dict(enumerate(every))

@@ -25,6 +25,7 @@ from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from verl_fast.ops import _validate as V
 from verl_fast.ops.reshard.layout import (Band, Layout, PhysTensor, Piece, col_slice, even_split, replicated,
                                          row_bands, slice_bands)
 from verl_fast.ops.reshard.spec import ModelSpec, layer_prefix, logical_shapes
@@ -179,7 +180,8 @@ def megatron_layout(spec: ModelSpec, tensor_parallel_size: int = 1, pipeline_par
     """Megatron-core's parameters over TP x PP ranks. ``rank_of(t, p)`` gives the process holding a
     shard (default ``t + T*p``, Megatron's order without data parallelism). ``in_one_process=True``
     puts every shard on rank 0, each name prefixed by its checkpoint directory (``mp_rank_TT_PPP/``)."""
-    tp, pp = int(tensor_parallel_size), int(pipeline_parallel_size)
+    tp = V.size(tensor_parallel_size, "tensor_parallel_size", 1)
+    pp = V.size(pipeline_parallel_size, "pipeline_parallel_size", 1)
     dtype = dtype or spec.dtype
     padded = padded_vocab_size or default_padded_vocab(spec.vocab_size, tp)
     if padded < spec.vocab_size:

@@ -2,11 +2,12 @@
 every step costs little more than the copy itself.
 
 - By *layout* (the layouts' digest, or a state dict's signature: names, shapes, dtypes, devices,
-  placements): the plan, and the output tensors it allocated on each device. Every call that
-  converts the same layouts without ``destinations`` writes into those same tensors: a call's
-  outputs stay valid until the next call of the same conversion (clone them, or pass your own
-  ``destinations`` / ``out``, to keep them).
-- By *arguments* (everything but the tensors): the last such call's plan, names and outputs. A call
+  placements): the plan, and, for callers that ask for reuse (``reuse=True``), the output tensors it
+  allocated on each device. Every reusing call that converts the same layouts without
+  ``destinations`` writes into those same tensors: its outputs stay valid until the next such call
+  (``reshard`` reuses; ``vllm_weights`` only when asked). A call that does not reuse gets new
+  output tensors each time, which no later call writes.
+- By *arguments* (everything but the tensors): the last reusing call's plan, names and outputs. A call
   whose tensors are the very objects the plan is bound to, at the same memory (the C++ side checks
   each one), with the same keys, goes straight to the launch: no signature, no checks, no binding.
   So does a call whose tensors are new objects over the bound ones' memory (``model.state_dict()``
@@ -117,18 +118,24 @@ class _Call:
 
 
 def execute(call_key: Hashable, layout_key: Callable[[], Hashable], make_plan: Callable[[], ReshardPlan],
-            sources: Tensors, destinations: Optional[Tensors], device, keep: tuple = ()
+            sources: Tensors, destinations: Optional[Tensors], device, keep: tuple = (), reuse: bool = True
             ) -> Tuple[Sequence[str], List[torch.Tensor]]:
     """Runs a conversion: ``call_key`` names its arguments (cheap to hash: plain values, and the
     identities of the objects in ``keep``, which the entry holds); on a miss, through the plan of
-    ``layout_key()`` into ``destinations``, or into that plan's outputs on ``device`` (default:
-    the sources'). Returns the destination names and tensors."""
-    call = _CALLS.get(call_key)
+    ``layout_key()`` into ``destinations``, or (``reuse``) into that plan's outputs on ``device``
+    (default: the sources'), or (not ``reuse``) into new tensors there. Returns the destination
+    names and tensors."""
+    fresh = destinations is None and not reuse
+    call = None if fresh else _CALLS.get(call_key)
     if call is not None and call.repeat(sources, destinations):
         _CALLS.move_to_end(call_key)
         return call.plan.dst_names, call.dsts
     key = _Key(layout_key())
     p = remember(_PLANS, key, make_plan)
+    if fresh:  # outputs of this call alone: the plan is kept, the tensors are the caller's
+        srcs, dsts, bound_device = p.bind(sources, None, device=device)
+        p.run(bound_device)
+        return p.dst_names, dsts
     if destinations is None:
         if device is None:
             device = _first_device(sources.values() if isinstance(sources, Mapping) else sources)

@@ -16,6 +16,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
+from verl_fast.ops import _validate as V
 from verl_fast.ops.native import cuda_stream, ext
 from verl_fast.ops.reshard.layout import Layout, PhysTensor, local_tensor, order_tensors
 from verl_fast.ops.reshard.spec import as_2d
@@ -87,7 +88,7 @@ class ReshardPlan:
                 raise ValueError(f"the layouts span {world} ranks but the process group has "
                                  f"{dist.get_world_size(group)}")
             rank = dist.get_rank(group) if rank is None else rank
-        rank = 0 if rank is None else int(rank)
+        rank = 0 if rank is None else V.size(rank, "rank")
         for name, shape in dst.logical.items():
             if name in src.logical and tuple(src.logical[name]) != tuple(shape):
                 raise ValueError(f"parameter {name}: shape {list(src.logical[name])} in the source layout, "
@@ -103,7 +104,7 @@ class ReshardPlan:
         a.src_tensors, a.src_pieces, a.src_names = _tables(src, index, None)
         a.dst_tensors, a.dst_pieces, a.dst_names = _tables(dst, index, {})
         a.rank, a.world_size = rank, world
-        a.bucket_bytes, a.tile_bytes = int(bucket_bytes), int(tile_bytes)
+        a.bucket_bytes, a.tile_bytes = V.size(bucket_bytes, "bucket_bytes", 1), V.size(tile_bytes, "tile_bytes", 1)
         self._c = C.ReshardPlan(a)
         self._phase = C.ReshardPhase
         self.rank, self.world_size = rank, world

@@ -19,6 +19,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from verl_fast.ops import _validate as V
 from verl_fast.ops.reshard.hf import hf_layout
 from verl_fast.ops.reshard.layout import Layout, PhysTensor, Piece, col_slice, even_split, replicated, row_bands
 from verl_fast.ops.reshard.spec import ModelSpec, as_2d, layer_prefix, logical_shapes
@@ -132,7 +133,8 @@ def vllm_tensors(spec: ModelSpec, tp: int, t: int, rank: int, dtype, experts_pre
 def consecutive_tp_ranks(world_size: int, tensor_parallel_size: int) -> Dict[int, int]:
     """Each process rank's TP rank when consecutive ranks form TP groups (vLLM's own grouping under
     an external launcher): ``r % T``."""
-    return {r: r % int(tensor_parallel_size) for r in range(int(world_size))}
+    tp = V.size(tensor_parallel_size, "tensor_parallel_size", 1)
+    return {r: r % tp for r in range(V.size(world_size, "world_size", 1))}
 
 
 def vllm_layout(spec: ModelSpec, tensor_parallel_size: int = 1, tp_rank_of: Optional[Mapping[int, int]] = None,
@@ -140,9 +142,7 @@ def vllm_layout(spec: ModelSpec, tensor_parallel_size: int = 1, tp_rank_of: Opti
                 experts_prefix: str = EXPERTS_PREFIX) -> Layout:
     """vLLM at TP size ``tensor_parallel_size``; ``tp_rank_of`` maps each process rank that runs a
     vLLM worker to its TP rank (default: process rank t runs TP rank t, t < T)."""
-    tp = int(tensor_parallel_size)
-    if tp < 1:
-        raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+    tp = V.size(tensor_parallel_size, "tensor_parallel_size", 1)
     ranks = dict(tp_rank_of) if tp_rank_of is not None else {t: t for t in range(tp)}
     for rank, t in ranks.items():
         if not 0 <= t < tp:
@@ -195,7 +195,7 @@ def vllm_reload_layout(spec: ModelSpec, tensor_parallel_size: int = 1,
     rank: whole tensors with checkpoint names, out of which vLLM's loaders slice their TP shard.
     Only the regions that rank's TP shard reads are filled from the sources (so each rank receives
     exactly its shard's bytes, as with :func:`vllm_layout`); the rest is zeros, never read."""
-    tp = int(tensor_parallel_size)
+    tp = V.size(tensor_parallel_size, "tensor_parallel_size", 1)
     ranks = dict(tp_rank_of) if tp_rank_of is not None else {t: t for t in range(tp)}
     world = world_size if world_size is not None else max(ranks) + 1
     dtype = dtype or spec.dtype
