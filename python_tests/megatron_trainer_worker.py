@@ -19,7 +19,7 @@ def actor_model(family: str):
 
 def experiences(vocab: int, steps: int = 3, n: int = 8, prompt: int = 7, response: int = 5):
     """Fixed GRPO-like batches: left-padded prompts of mixed lengths, responses with trailing padding."""
-    from verl_fast.trainer.experience import Experience
+    from verl_fast.experience import Experience
 
     g = torch.Generator().manual_seed(11)
     out = []
@@ -71,7 +71,7 @@ def user_parallel_state(tp: int, pp: int):
     refuse a config that disagrees with them). Returns a check to run after training."""
     from megatron.core import parallel_state as ps
 
-    from verl_fast.models.megatron_model import Parallel, init_parallel_state
+    from verl_fast.strategies.megatron.gpt_model import Parallel, init_parallel_state
 
     ps.initialize_model_parallel(tp, pp)
     groups = (ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group())
@@ -160,7 +160,7 @@ def tiny_critic(family: str, head: str):
 
 
 def hf_critic_weights(critic):
-    from verl_fast.trainer.megatron_critic import hf_critic_state
+    from verl_fast.strategies.megatron.critic import hf_critic_state
 
     return {k: v.detach().cpu().clone() for k, v in hf_critic_state(critic)[0].items()}
 
@@ -185,7 +185,7 @@ def run_critic_updates(family: str, head: str, cfg: dict, resume_dir=None):
     if resume_dir is None:
         return metrics, values, hf_critic_weights(critic)
     final = {k: v.cpu().clone() for k, v in trainer.critic.to_hf().items()}
-    from verl_fast.trainer.megatron_critic import MegatronCritic
+    from verl_fast.strategies.megatron.critic import MegatronCritic
 
     trainer.critic = MegatronCritic(tiny_critic(family, head).to(trainer.device), trainer.cfg)  # fresh weights, optimizer
     trainer.critic_optimizer = trainer.critic.optimizer

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tiny_models import save_tiny_model
 from verl_fast.cli import main as cli_main
-from verl_fast.trainer import checkpoint
+from verl_fast import checkpoint
 from verl_fast.trainer.rl_trainer import RLTrainer
 
 HERE = Path(__file__).parent

@@ -13,7 +13,7 @@ from tiny_models import build_tokenizer, save_tiny_model
 from verl_fast import config as config_mod
 from verl_fast import load_megatron_checkpoint
 from verl_fast.data import RLDataProcessor
-from verl_fast.models.megatron_checkpoint import megatron_args
+from verl_fast.strategies.megatron.checkpoint_loader import megatron_args
 from verl_fast.rewards import CallableReward, GuardedReward, RewardInput
 from verl_fast.trainer.rl_trainer import RLTrainer
 

@@ -186,7 +186,7 @@ def test_bad_inputs_name_the_argument():
 
 def test_block_size_helper_names_what_it_cannot_handle():
     from verl_fast.kernels.linear_logprobs import Tiles, _fit, linear_config
-    from verl_fast.kernels.logprobs import logprobs_config
+    from verl_fast.kernels.logprobs_from_logits import logprobs_config
 
     with pytest.raises(ValueError, match="V=2147483648"):
         linear_config(8, 16, 2**31, torch.bfloat16, "cpu")

@@ -82,7 +82,7 @@ def test_large_magnitude_logits_do_not_overflow(backend, scale, offset):
 def test_triton_rows_whose_largest_logits_come_late(backend, spike):
     """The forward sums against the first block's max; a row whose later logits exceed it by more
     than 64 log2 units (44 nats) must take the running-max pass, below that the fixed one."""
-    from verl_fast.kernels.logprobs import logprobs_config
+    from verl_fast.kernels.logprobs_from_logits import logprobs_config
 
     torch.manual_seed(8)
     V = 200

@@ -67,7 +67,7 @@ def run(module, q, k, v, mask, grad_out):
 def test_sdpa_matches_dot_product_attention(megatron_tp1, heads, groups, dtype):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from verl_fast.models.megatron_attention import SDPAttention
+    from verl_fast.strategies.megatron.attention import SDPAttention
 
     s, b, hn = 11, 3, 8
     cfg = config(heads, groups, hn, dtype)
@@ -91,7 +91,7 @@ def test_sdpa_matches_dot_product_attention(megatron_tp1, heads, groups, dtype):
 
 
 def test_sdpa_refuses_what_it_does_not_do(megatron_tp1):
-    from verl_fast.models.megatron_attention import SDPAttention
+    from verl_fast.strategies.megatron.attention import SDPAttention
 
     cfg = config(4, 2, 8, torch.float32)
     cfg.attention_dropout = 0.1
@@ -107,8 +107,8 @@ def test_sdpa_refuses_what_it_does_not_do(megatron_tp1):
 def test_megatron_gpt_layers_use_sdpa(megatron_tp1):
     import transformers
 
-    from verl_fast.models.megatron_attention import SDPAttention
-    from verl_fast.models.megatron_model import MegatronGPT, Parallel
+    from verl_fast.strategies.megatron.attention import SDPAttention
+    from verl_fast.strategies.megatron.gpt_model import MegatronGPT, Parallel
 
     cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, intermediate_size=48, max_position_embeddings=32)
@@ -125,7 +125,7 @@ def test_sdpa_flash_on_gpu(mask):
     mask the causal layer runs on the flash kernel alone (it raises if torch would choose another)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from verl_fast.models.megatron_attention import SDPAttention
+    from verl_fast.strategies.megatron.attention import SDPAttention
 
     s, b, heads, groups, hn = 512, 2, 6, 1, 128
     ours = SDPAttention(config(heads, groups, hn, torch.bfloat16), 1, AttnMaskType.causal, "self")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from verl_fast import load_megatron_checkpoint
-from verl_fast.models.megatron_checkpoint import megatron_args
+from verl_fast.strategies.megatron.checkpoint_loader import megatron_args
 from verl_fast.ops.reshard import ModelSpec, plan, vllm_layout
 from verl_fast.ops.reshard.megatron import megatron_layout, shard_prefix
 

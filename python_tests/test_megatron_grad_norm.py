@@ -22,7 +22,7 @@ def test_foreach_norm_matches_megatron_fallback():
     from megatron.core.optimizer import clip_grads
 
     from megatron_worker import CudaOnCpu
-    from verl_fast.trainer.megatron_grad_norm import foreach_l2_norm, use_foreach_grad_norm
+    from verl_fast.strategies.megatron.grad_norm import foreach_l2_norm, use_foreach_grad_norm
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -45,7 +45,7 @@ def test_foreach_norm_matches_megatron_fallback():
 
 
 def test_foreach_norm_refuses_per_tensor():
-    from verl_fast.trainer.megatron_grad_norm import foreach_l2_norm
+    from verl_fast.strategies.megatron.grad_norm import foreach_l2_norm
 
     with pytest.raises(ValueError, match="per_tensor"):
         foreach_l2_norm(0, None, [grads()], True)
@@ -54,7 +54,7 @@ def test_foreach_norm_refuses_per_tensor():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_foreach_norm_does_not_synchronise():
-    from verl_fast.trainer.megatron_grad_norm import foreach_l2_norm
+    from verl_fast.strategies.megatron.grad_norm import foreach_l2_norm
 
     tensors = grads("cuda")
     want = torch.cat([t.double().flatten() for t in tensors]).norm().item()

@@ -6,7 +6,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from verl_fast.models.logprobs import response_logprobs  # noqa: E402
+from verl_fast.models.response_logprobs import response_logprobs  # noqa: E402
 
 VOCAB = 300
 

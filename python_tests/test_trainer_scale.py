@@ -195,7 +195,7 @@ def test_nccl_two_gpus(tmp_path, case):
 def test_strategy_errors_name_the_key(tmp_path):
     """Combinations that cannot work fail at start-up, naming the key and what to use instead."""
     from verl_fast import config as config_mod
-    from verl_fast.trainer.sharding import Sharding
+    from verl_fast.strategies.sharding import Sharding
 
     cfg = config_mod.from_dict({"actor": {"strategy": "fsdp2"}, "critic": {"mixed_precision": "bfloat16"}})
     with pytest.raises(ValueError, match=r"actor.strategy=fsdp2 needs torch.distributed.*actor.strategy=none"):
@@ -222,7 +222,7 @@ def test_megatron_model_refusals_name_the_key():
     """What the Megatron model mapping cannot build fails before megatron-core is touched."""
     from tiny_models import tiny_config
 
-    from verl_fast.models.megatron_model import Parallel, model_spec
+    from verl_fast.strategies.megatron.gpt_model import Parallel, model_spec
 
     with pytest.raises(ValueError, match=r"actor.expert_model_parallel_size=2 needs a mixture-of-experts model"):
         model_spec(tiny_config("qwen2"), torch.float32, "actor", Parallel(ep=2))

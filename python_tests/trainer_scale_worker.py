@@ -81,7 +81,7 @@ def run(scenario: str, actor_dir: str, critic_dir: str, out_dir: str, rank: int,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from verl_fast.models.wrapping import wrapper_kind
-    from verl_fast.trainer import sharding
+    from verl_fast.strategies import sharding
     from verl_fast.trainer.rl_trainer import RLTrainer
 
     torch.manual_seed(0)

@@ -37,9 +37,9 @@ import torch
 
 from verl_fast import safe_load
 from verl_fast.models.wrapping import hf_module
-from verl_fast.trainer import direct_write
-from verl_fast.trainer.direct_write import Records
-from verl_fast.trainer.ranks import gather, on_main, rank_world
+from verl_fast import direct_write
+from verl_fast.direct_write import Records
+from verl_fast.distributed import gather, on_main, rank_world
 
 _STEP = re.compile(r"^step_(\d+)$")
 MANIFEST = "manifest.json"

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Union
 from verl_fast.algos.advantage import ESTIMATORS, GROUP_ESTIMATORS
 from verl_fast.algos.losses import AGG_MODES, KL_KINDS
 from verl_fast.data import OVERLONG_PROMPTS
-from verl_fast.rewards.base import ON_ERROR
+from verl_fast.rewards.interface import ON_ERROR
 
 
 def _f(default, *, choices=None, min=None, max=None, doc: str = ""):
@@ -31,7 +31,7 @@ def _f(default, *, choices=None, min=None, max=None, doc: str = ""):
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = (None, "eager", "sdpa", "flash_attention_2", "flex_attention")
-# How a model is trained over the ranks (trainer/sharding.py); auto: fsdp2 with several processes,
+# How a model is trained over the ranks (strategies/sharding.py); auto: fsdp2 with several processes,
 # none (plain module) in one. megatron: the Megatron-core backend.
 STRATEGIES = ("auto", "fsdp2", "fsdp1", "none", "megatron")
 ALGORITHMS = ("grpo", "drgrpo", "ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "dpo", "online_dpo")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from verl_fast.rewards.base import (
+from verl_fast.rewards.interface import (
     ON_ERROR,
     CallableReward,
     GuardedReward,

@@ -5,11 +5,11 @@ Algorithms, chosen once from ``config.algorithm.type``:
   response's last token; advantages come from the named estimator (group baselines over the
   ``rollout.n`` samples of a prompt); PPO-clip policy loss; no critic.
 - remax: one greedy response per prompt is scored too; its reward is the baseline of the prompt's
-  samples (trainer/remax.py); PPO-clip policy loss; no critic.
+  samples (algos/remax.py); PPO-clip policy loss; no critic.
 - ppo: a critic (value head) estimates values; GAE advantages; clipped policy and value losses.
-- dpo: offline chosen/rejected pairs, no rollout (trainer/dpo.py).
+- dpo: offline chosen/rejected pairs, no rollout (algos/dpo.py).
 - online_dpo: ``rollout.n >= 2`` samples per prompt, scored by the reward; each prompt's best and
-  worst sample train DPO in the same step (trainer/online_dpo.py).
+  worst sample train DPO in the same step (algos/online_dpo.py).
 KL against the reference model goes either into the reward (``algorithm.use_kl_in_reward``,
 ``kl_penalty``, ``kl_coef``) or into the loss (``actor.use_kl_loss``, ``kl_loss_type``,
 ``kl_loss_coef``). Losses aggregate with ``actor.loss_agg_mode`` over the whole mini-batch
@@ -30,28 +30,30 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from verl_fast import checkpoint, distributed
 from verl_fast import config as config_mod
-from verl_fast import distributed
+from verl_fast.algos import dpo, online_dpo, remax
+from verl_fast.algos.actor_loss import actor_loss
 from verl_fast.algos.advantage import BATCH_WHITENED, AdvantageInput, get_estimator
 from verl_fast.algos.losses import kl_penalty, value_loss
 from verl_fast.config import Config
 from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
+from verl_fast.experience import Experience, build_experience, last_token_rewards
 from verl_fast.metrics import MetricsLogger
-from verl_fast.trainer.batching import balance_across_ranks, loss_normalisers, micro_batches
 from verl_fast.models.shared_prefix import experience_logprobs
 from verl_fast.models.value import ValueModel, response_values
 from verl_fast.models.wrapping import hf_module, is_sharded
-from verl_fast.trainer import sharding
-from verl_fast.trainer.sharding import Sharding
 from verl_fast.rewards import RewardInput, build_reward
 from verl_fast.rollout.base import RolloutEngine, SamplingSpec
 from verl_fast.rollout.factory import build_engine
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 from verl_fast.rollout.operator import RolloutOperator
-from verl_fast.trainer import checkpoint, dpo, megatron_checkpoint, online_dpo, perf, remax, run_dir
-from verl_fast.trainer.actor_loss import actor_loss
-from verl_fast.trainer.experience import Experience, build_experience, last_token_rewards
-from verl_fast.trainer.megatron_rollout import megatron_rollout
+from verl_fast.strategies import sharding
+from verl_fast.strategies.megatron import run_checkpoint as megatron_checkpoint
+from verl_fast.strategies.megatron.shared_rollout import megatron_rollout
+from verl_fast.strategies.sharding import Sharding
+from verl_fast.trainer import perf, run_dir
+from verl_fast.trainer.batching import balance_across_ranks, loss_normalisers, micro_batches
 
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -95,7 +97,7 @@ class RLTrainer:
         self.device = sharding.compute_device(actor_sharding, cfg.trainer.device, actor_model)
         self.actor = sharding.shard(actor_model, actor_sharding, self.device)
         if cfg.actor.strategy == "megatron":
-            from verl_fast.trainer.megatron_actor import MegatronActor
+            from verl_fast.strategies.megatron.actor import MegatronActor
 
             self.megatron = MegatronActor(self.actor, cfg)
             self.rank, self.world = self.megatron.dp_rank, self.megatron.dp_size  # data splits over DP only
@@ -114,7 +116,7 @@ class RLTrainer:
                 raise ValueError("algorithm.type=ppo needs a critic: pass critic_model (or critic.model_name)")
             critic = critic_model if isinstance(critic_model, ValueModel) else ValueModel(critic_model)
             if cfg.critic.strategy == "megatron":  # trained in Megatron's layout; the HF copy is not kept
-                from verl_fast.trainer.megatron_critic import MegatronCritic
+                from verl_fast.strategies.megatron.critic import MegatronCritic
 
                 self.critic = MegatronCritic(critic.to(self.device), cfg)
             else:

@@ -1,8 +1,8 @@
 """The actor trained with megatron-core (``actor.strategy: megatron``): log-probs and updates for
 RLTrainer through megatron-core's pipeline schedules, DDP and distributed optimizer
-(``megatron_training.py``).
+(``training.py``).
 
-- Model: ``models/megatron_model.MegatronGPT`` built from the HF actor's config, its weights
+- Model: ``gpt_model.MegatronGPT`` built from the HF actor's config, its weights
   loaded from the HF actor's state dict (each rank its shards). The HF actor stays the rollout
   model of HF generate: after each update the Megatron weights are written back into it
   (``export_to``); a vLLM engine takes them straight from the Megatron shards instead.
@@ -21,10 +21,10 @@ from typing import Any, Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
-from verl_fast.models.megatron_model import MegatronGPT, Parallel, init_parallel_state
+from verl_fast.strategies.megatron.gpt_model import MegatronGPT, Parallel, init_parallel_state
 from verl_fast.ops.logprobs import linear_logprobs
-from verl_fast.trainer.experience import Experience
-from verl_fast.trainer.megatron_training import DTYPES, MegatronTrained
+from verl_fast.experience import Experience
+from verl_fast.strategies.megatron.training import DTYPES, MegatronTrained
 
 _PAD_LOGIT = -1e4  # exp(-1e4 - max) is exactly 0 in float32: padded vocabulary rows drop out
 

@@ -1,6 +1,6 @@
 """Online DPO's pairs: the rollout samples ``rollout.n >= 2`` responses per prompt, the reward
 function (or reward model) scores them, and each prompt's best and worst response form a
-chosen/rejected pair that trains DPO in the same step (``trainer/dpo.py``). A prompt whose samples
+chosen/rejected pair that trains DPO in the same step (``dpo.py``). A prompt whose samples
 all score the same says nothing about preference and gives no pair.
 """
 

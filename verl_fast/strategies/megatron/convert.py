@@ -10,7 +10,7 @@ from typing import Dict, List, Optional, Union
 
 import torch
 
-from verl_fast.models.megatron_checkpoint import load_megatron_checkpoint, megatron_args, spec_from_megatron_args
+from verl_fast.strategies.megatron.checkpoint_loader import load_megatron_checkpoint, megatron_args, spec_from_megatron_args
 from verl_fast.ops.reshard.spec import ModelSpec
 
 DEFAULT_SHARD_BYTES = 5 << 30

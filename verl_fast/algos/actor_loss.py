@@ -7,7 +7,7 @@ from typing import Dict, Tuple
 import torch
 
 from verl_fast.algos.losses import active_rows, agg_loss, entropy_loss, kl_penalty, policy_loss
-from verl_fast.trainer.experience import Experience
+from verl_fast.experience import Experience
 
 
 def actor_loss(a, logp: torch.Tensor, entropy: torch.Tensor, sub: Experience,

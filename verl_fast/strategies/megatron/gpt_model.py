@@ -6,7 +6,7 @@ grouped-query attention with rotary embeddings; Qwen2's QKV bias and Qwen3's per
 Qwen2-MoE / Qwen3-MoE sparse blocks (top-k router, renormalised or not as ``norm_topk_prob`` says,
 no auxiliary loss, Qwen2-MoE's gated shared expert; experts as a SequentialMLP, the all-gather token
 dispatcher) with ``ep`` expert-parallel ranks each holding ``num_experts / ep`` consecutive experts.
-Its core attention is ``megatron_attention.SDPAttention`` (torch's fused attention kernels).
+Its core attention is ``attention.SDPAttention`` (torch's fused attention kernels).
 With a virtual pipeline (``vpp`` chunks per stage) chunk ``v`` of stage ``p`` is virtual stage
 ``v * pp + p`` of ``pp * vpp`` equal stages, megatron-core's interleaved order.
 
@@ -184,7 +184,7 @@ class MegatronGPT:
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        from verl_fast.models.megatron_attention import with_sdpa
+        from verl_fast.strategies.megatron.attention import with_sdpa
 
         self.par = par
         self.spec = model_spec(hf_config, dtype, "critic" if value_head else "actor", par)

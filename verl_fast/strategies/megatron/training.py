@@ -20,9 +20,9 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from verl_fast.models.megatron_model import MegatronGPT
-from verl_fast.trainer.experience import Experience
-from verl_fast.trainer.megatron_grad_norm import use_foreach_grad_norm
+from verl_fast.strategies.megatron.gpt_model import MegatronGPT
+from verl_fast.experience import Experience
+from verl_fast.strategies.megatron.grad_norm import use_foreach_grad_norm
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -17,7 +17,7 @@ import torch
 from verl_fast.algos.losses import dpo_loss
 from verl_fast.config import Config, CriticConfig
 from verl_fast.data import PreferencePair
-from verl_fast.models.logprobs import response_logprobs
+from verl_fast.models.response_logprobs import response_logprobs
 
 
 def pairs_per_micro_batch(cfg: Config) -> int:

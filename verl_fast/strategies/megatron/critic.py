@@ -1,7 +1,7 @@
 """The PPO critic trained with megatron-core (``critic.strategy: megatron``, beside a Megatron actor):
 a ``MegatronGPT`` whose last stage ends in a scalar value head instead of the vocabulary projection,
 trained by RLTrainer's ``update_critic`` through megatron-core's schedules, DDP and distributed
-optimizer (``megatron_training.py``).
+optimizer (``training.py``).
 
 - Layout: the actor's (megatron-core's ``parallel_state`` is one per process): the same tensor /
   pipeline / virtual-pipeline sizes, data parallel over the rest of the world.
@@ -20,10 +20,10 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from verl_fast.models.megatron_model import VALUE_HEAD, MegatronGPT, Parallel, init_parallel_state
+from verl_fast.strategies.megatron.gpt_model import VALUE_HEAD, MegatronGPT, Parallel, init_parallel_state
 from verl_fast.models.value import ValueModel
-from verl_fast.trainer.experience import Experience
-from verl_fast.trainer.megatron_training import DTYPES, MegatronTrained
+from verl_fast.experience import Experience
+from verl_fast.strategies.megatron.training import DTYPES, MegatronTrained
 
 
 def hf_critic_state(critic: ValueModel) -> Tuple[Dict[str, torch.Tensor], bool]:

@@ -1,5 +1,5 @@
 """Checkpoints of a Megatron-trained actor, in the layout and with the guarantees of
-``trainer/checkpoint.py`` (``step_N.tmp`` renamed once ``manifest.json`` is written; verified on
+``verl_fast/checkpoint.py`` (``step_N.tmp`` renamed once ``manifest.json`` is written; verified on
 resume): ``step_N/megatron/`` is a Megatron distributed (``torch_dist``) checkpoint of the model and
 its optimizer state, which resumes at any TP / PP layout and which ``verl-fast convert`` /
 ``load_megatron_checkpoint`` read; ``step_N/megatron_critic/`` the same for a Megatron critic;
@@ -16,9 +16,9 @@ from typing import Any, Dict
 import torch
 
 from verl_fast.models.wrapping import hf_module
-from verl_fast.trainer import checkpoint
-from verl_fast.trainer.megatron_rollout import released
-from verl_fast.trainer.ranks import on_main
+from verl_fast import checkpoint
+from verl_fast.strategies.megatron.shared_rollout import released
+from verl_fast.distributed import on_main
 
 MEGATRON = "megatron"
 MEGATRON_CRITIC = "megatron_critic"
