@@ -90,7 +90,7 @@ def run(strategy: str, args, device) -> dict:
         exp = exp.select(torch.arange(trainer.rank, args.seqs, trainer.world, device=device))
 
     def update():
-        exp.old_logprobs = trainer._logprobs(trainer.actor, exp)
+        exp.old_logprobs = trainer._old_logprobs(exp)
         return trainer.update_actor(exp)
 
     update()

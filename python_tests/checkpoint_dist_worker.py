@@ -38,7 +38,7 @@ def main(rank: int, world: int, port: int, model_dir: str, out_dir: str, backend
     trainer.fit(prompts)
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights = get_model_state_dict(model, options=full)
-    optim = get_optimizer_state_dict(model, trainer.optimizer, options=full)
+    optim = get_optimizer_state_dict(model, trainer.strategy.optimizer, options=full)
     if rank == 0:
         torch.save({"weights": weights, "optim": optim["state"]}, os.path.join(out_dir, "reference.pt"))
     dist.barrier()

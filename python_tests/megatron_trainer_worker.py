@@ -60,7 +60,7 @@ def run_updates(family: str, cfg: dict):
     metrics, old = [], []
     for exp in experiences(len(tok)):
         exp = exp.to(trainer.device)
-        exp.old_logprobs = trainer._logprobs(trainer.actor, exp)
+        exp.old_logprobs = trainer._old_logprobs(exp)
         old.append(exp.old_logprobs.cpu())
         metrics.append(trainer.update_actor(exp))
     return metrics, old, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
@@ -169,6 +169,7 @@ def run_critic_updates(family: str, head: str, cfg: dict, resume_dir=None):
     """Each step: values, then the critic's update. Returns (per-step metrics, values, critic weights
     under HF names); with ``resume_dir`` (Megatron only) also the weights of a second critic that
     resumed from the checkpoint written before the last step and ran that step."""
+    from verl_fast.strategies.megatron import dist_checkpoint
     from verl_fast.trainer.rl_trainer import RLTrainer
 
     critic = tiny_critic(family, head)
@@ -178,20 +179,20 @@ def run_critic_updates(family: str, head: str, cfg: dict, resume_dir=None):
     batches = [exp.to(trainer.device) for exp in experiences(VOCAB)]
     for step, exp in enumerate(batches):
         if resume_dir is not None and step == len(batches) - 1:
-            trainer.critic.save_checkpoint(resume_dir)
+            dist_checkpoint.save(trainer.strategy.critic, resume_dir)
         exp.values = trainer._values(exp)
         values.append(exp.values.cpu())
         metrics.append(trainer.update_critic(exp))
     if resume_dir is None:
         return metrics, values, hf_critic_weights(critic)
-    final = {k: v.cpu().clone() for k, v in trainer.critic.to_hf().items()}
+    final = {k: v.cpu().clone() for k, v in trainer.strategy.critic.to_hf().items()}
     from verl_fast.strategies.megatron.critic import MegatronCritic
 
-    trainer.critic = MegatronCritic(tiny_critic(family, head).to(trainer.device), trainer.cfg)  # fresh weights, optimizer
-    trainer.critic_optimizer = trainer.critic.optimizer
-    trainer.critic.load_checkpoint(resume_dir)
+    critic = MegatronCritic(tiny_critic(family, head).to(trainer.device), trainer.cfg)  # fresh weights, optimizer
+    trainer.strategy.critic = critic
+    dist_checkpoint.load(critic, resume_dir)
     trainer.update_critic(batches[-1])
-    resumed = {k: v.cpu().clone() for k, v in trainer.critic.to_hf().items()}
+    resumed = {k: v.cpu().clone() for k, v in critic.to_hf().items()}
     return metrics, values, final, resumed
 
 

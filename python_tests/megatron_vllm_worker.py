@@ -58,8 +58,8 @@ def main(rank: int, world: int, port: int, model_dir: str, out_dir: str, tp: int
                         reward_fn=lambda solution_str: float(len(solution_str) % 2))
     released = all(p.is_meta for p in model.parameters())  # no HF copy of the weights kept for the sync
     history = trainer.fit(PROMPTS)  # its final checkpoint exports HF weights gathered from the shards
-    moved = trainer.engine.sync_from(trainer.megatron)["bytes"]  # what one sync moves into this rank
-    trained = {k: v.clone() for k, v in trainer.megatron.hf_state().items()}  # rank 0 only
+    moved = trainer.engine.sync_from(trainer.strategy.megatron)["bytes"]  # what one sync moves into this rank
+    trained = {k: v.clone() for k, v in trainer.strategy.megatron.hf_state().items()}  # rank 0 only
     rows = trainer.processor.encode_all(PROMPTS)
     prompts = [r.prompt_ids for r in rows]
     engine = trainer.engine

@@ -71,11 +71,11 @@ def test_fsdp2_checkpoint_of_two_ranks_resumes_in_one_process(tiny_path, tmp_pat
 
     trainer, model = trainer_for(tiny_path, tmp_path, total_steps=3)
     path = checkpoint.latest_valid(str(tmp_path))
-    state = checkpoint.load(path, model, trainer.optimizer)
+    state = checkpoint.load(path, model, trainer.strategy.optimizer)
     assert state["step"] == 2
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), reference["weights"][name]), name
-        moments = trainer.optimizer.state[p]
+        moments = trainer.strategy.optimizer.state[p]
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(moments[key], reference["optim"][name][key]), (name, key)
 

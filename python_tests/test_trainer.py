@@ -62,7 +62,7 @@ def test_grpo_changes_weights_and_lowers_loss_on_a_fixed_batch(tiny_path, tmp_pa
     metrics = {}
     exp = trainer.make_experience(rows, metrics)
     assert exp.advantages.abs().sum() > 0, "the toy reward must vary within a group"
-    exp.old_logprobs = trainer._logprobs(model, exp)
+    exp.old_logprobs = trainer._old_logprobs(exp)
     losses = [trainer.update_actor(exp)["actor/pg_loss"] for _ in range(4)]
     assert not torch.equal(before, flat(model))
     assert losses[-1] < losses[0] - 1e-4, losses
@@ -94,10 +94,10 @@ def test_ppo_updates_actor_and_critic(tiny_path, llama_path, tmp_path):
                       trainer={"total_steps": 1})
     reward = lambda solution_str: float(len(solution_str) > 3)  # noqa: E731
     trainer = RLTrainer(actor_model=model, tokenizer=tok, critic_model=critic_base, reward_fn=reward, config=cfg)
-    actor_before, critic_before = flat(model).clone(), flat(trainer.critic).clone()
+    actor_before, critic_before = flat(model).clone(), flat(trainer.strategy.critic.model).clone()
     history = trainer.fit(PROMPTS)
     assert not torch.equal(actor_before, flat(model))
-    assert not torch.equal(critic_before, flat(trainer.critic))
+    assert not torch.equal(critic_before, flat(trainer.strategy.critic.model))
     assert "critic/vf_loss" in history[-1] and "actor/clipfrac" in history[-1]
 
 

@@ -108,13 +108,14 @@ def test_dpo_gradient_accumulation_is_honoured_and_exact(tiny_path, tmp_path):
         cfg = dpo_config(tmp_path, name, per_device_train_batch_size=per_device, gradient_accumulation_steps=steps)
         trainer = RLTrainer(actor_model=model, tokenizer=tok, config=cfg)
         assert trainer.cfg.trainer.train_batch_size == 6  # 2 x 3 pairs, not train_batch_size's default 4
-        step = trainer._optimizer_step
+        step = trainer.strategy.optimizer_step
 
-        def record(model, *args):  # the accumulated gradient the optimiser step sees
-            results.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
-            return step(model, *args)
+        def record():  # the accumulated gradient the optimiser step sees
+            actor = trainer.strategy.actor
+            results.append(torch.cat([p.grad.flatten() for p in actor.parameters() if p.grad is not None]))
+            return step()
 
-        trainer._optimizer_step = record
+        trainer.strategy.optimizer_step = record
         trainer.fit(PAIRS)
     # three micro-batches of 2 pairs accumulate to the same gradient as one micro-batch of 6
     scale = results[1].abs().max()

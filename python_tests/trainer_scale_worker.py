@@ -112,15 +112,16 @@ def run(scenario: str, actor_dir: str, critic_dir: str, out_dir: str, rank: int,
     trainer._micro = counted_micro
     for step in range(STEPS):
         trainer.step = step
-        history.append(trainer._rl_step(trainer._batch(items, step, per_epoch=1)))
+        history.append(trainer._policy_gradient_step(trainer._batch(items, step, per_epoch=1)))
         history[-1]["micro_batches"] = update_micro.pop()
+    critic = trainer.strategy.critic
     result = {"history": history, "actor": full_weights(trainer.actor), "same_actor": trainer.actor is actor,
               "gathered_once": trainer.actor in sharding._GATHER_ONCE,
               "kinds": {"actor": wrapper_kind(trainer.actor), "ref": wrapper_kind(trainer.ref) if trainer.ref else None,
-                        "critic": wrapper_kind(trainer.critic) if trainer.critic else None}}
-    if trainer.critic is not None:
+                        "critic": wrapper_kind(critic.model) if critic else None}}
+    if critic is not None:
         # ValueModel also lists its backbone under "backbone." (the same tensors as "model.model.")
-        result["critic"] = {k: v for k, v in full_weights(trainer.critic).items() if not k.startswith("backbone.")}
+        result["critic"] = {k: v for k, v in full_weights(critic.model).items() if not k.startswith("backbone.")}
     torch.save(result, os.path.join(out_dir, f"{scenario}.rank{rank}.pt"))
 
 

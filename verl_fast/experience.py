@@ -1,9 +1,10 @@
-"""One step's rollout as training tensors, and the micro-batches cut from it."""
+"""One step's rollout as training tensors (``Experience``), shared by the trainer, the algorithms and the
+training strategies: built from the engine's output, cut into micro-batches by ``Experience.select``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -104,7 +105,3 @@ def last_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> tor
     last = (response_mask.sum(-1) - 1).clamp(min=0)
     rewards[torch.arange(len(scores), device=rewards.device), last] = scores.float().to(rewards.device)
     return rewards
-
-
-def micro_batches(index: torch.Tensor, size: int) -> List[torch.Tensor]:
-    return [index[i : i + size] for i in range(0, index.numel(), size)]

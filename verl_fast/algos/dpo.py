@@ -1,5 +1,7 @@
-"""One DPO step: summed response log-probs of chosen and rejected under the actor and the
-reference, the DPO loss (sigmoid / ipo / hinge), backward. The caller steps the optimizer.
+"""DPO (Rafailov et al.) on the dataset's chosen / rejected pairs (``Step.PREFERENCE``, no rollout): the
+summed response log-probs of chosen and rejected under the actor and the reference (none with
+``reward_fn.reference_free``), the DPO loss (``algorithm.loss_type``: sigmoid / ipo / hinge, with
+``beta`` and ``label_smoothing``), backward, one optimiser step per batch.
 
 Batching: a forward/backward takes ``trainer.per_device_train_batch_size`` pairs (else half of
 ``actor.micro_batch_size``: a pair is two sequences); with ``trainer.gradient_accumulation_steps``
@@ -14,10 +16,65 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 
+from verl_fast.algos.algorithm import Step, kl_reference
 from verl_fast.algos.losses import dpo_loss
 from verl_fast.config import Config, CriticConfig
-from verl_fast.data import PreferencePair
+from verl_fast.data import PreferencePair, RLDataProcessor
 from verl_fast.models.response_logprobs import response_logprobs
+
+
+class DPO:
+    """The ``PreferenceAlgorithm`` of offline DPO (``algorithm.py``)."""
+
+    name = "dpo"
+    step = Step.PREFERENCE
+    item_type = PreferencePair
+    samples = False
+    needs_critic = False
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.needs_reference = kl_reference(cfg) or not cfg.reward_fn.reference_free
+
+    @staticmethod
+    def check(cfg: Config) -> None:
+        if cfg.reward_fn.type != "pairwise_ranking":
+            raise ValueError(f"algorithm.type=dpo is not supported with reward_fn.type={cfg.reward_fn.type}; "
+                             "use reward_fn.type=pairwise_ranking (DPO learns from chosen/rejected pairs)")
+        refuse_megatron(cfg)
+
+    @classmethod
+    def build(cls, cfg: Config) -> "DPO":
+        return cls(cfg)
+
+    def configure(self, world: int) -> None:
+        """Says which settings do not apply, and sizes the step from ``gradient_accumulation_steps``
+        (module docstring)."""
+        cfg = self.cfg
+        warn_unused_critic(cfg)
+        if cfg.actor.type == "vllm" or cfg.rollout.type == "vllm":
+            warnings.warn("actor.type=vllm / rollout.type=vllm does not apply to algorithm.type=dpo: offline DPO "
+                          "generates nothing (it trains on the dataset's chosen/rejected pairs), so no vLLM engine "
+                          "is started; use algorithm.type=online_dpo to sample the pairs with vLLM",
+                          UserWarning, stacklevel=3)
+        if cfg.trainer.gradient_accumulation_steps:
+            cfg.trainer.train_batch_size = pairs_per_micro_batch(cfg) * cfg.trainer.gradient_accumulation_steps * world
+
+    def encode(self, processor: RLDataProcessor, rows: List[Dict[str, Any]]) -> List[PreferencePair]:
+        return processor.build_dpo_dataset(rows)
+
+    def pairs(self, batch: List[PreferencePair], generate: Any, score: Any, metrics: Dict[str, Any]) -> List[PreferencePair]:
+        return batch
+
+    def update(self, strategy: Any, pairs: List[PreferencePair], pad_id: int) -> Dict[str, float]:
+        return update(self.cfg, strategy, pairs, pad_id)
+
+
+def refuse_megatron(cfg: Config) -> None:
+    """DPO trains the Hugging Face actor itself, which the Megatron strategy only rolls out with."""
+    if cfg.actor.strategy == "megatron":
+        raise ValueError(f"algorithm.type={cfg.algorithm.type} is not supported with actor.strategy=megatron; "
+                         "use fsdp2, fsdp1 or none")
 
 
 def pairs_per_micro_batch(cfg: Config) -> int:
@@ -25,22 +82,11 @@ def pairs_per_micro_batch(cfg: Config) -> int:
     return t.per_device_train_batch_size or max(1, cfg.actor.micro_batch_size // 2)
 
 
-def configure(cfg: Config, world: int) -> None:
-    """Start-up for ``algorithm.type`` dpo / online_dpo: says which settings do not apply, and sizes
-    offline DPO's step from ``gradient_accumulation_steps`` (module docstring)."""
-    algo = cfg.algorithm.type
+def warn_unused_critic(cfg: Config) -> None:
+    """A critic section says nothing to DPO (called at start-up, from the trainer's constructor)."""
     if cfg.critic != CriticConfig():
-        warnings.warn(f"the critic section does not apply to algorithm.type={algo} (DPO trains no value model); "
-                      "it is ignored", UserWarning, stacklevel=3)
-    if algo != "dpo":
-        return
-    if cfg.actor.type == "vllm" or cfg.rollout.type == "vllm":
-        warnings.warn("actor.type=vllm / rollout.type=vllm does not apply to algorithm.type=dpo: offline DPO "
-                      "generates nothing (it trains on the dataset's chosen/rejected pairs), so no vLLM engine "
-                      "is started; use algorithm.type=online_dpo to sample the pairs with vLLM",
-                      UserWarning, stacklevel=3)
-    if cfg.trainer.gradient_accumulation_steps:
-        cfg.trainer.train_batch_size = pairs_per_micro_batch(cfg) * cfg.trainer.gradient_accumulation_steps * world
+        warnings.warn(f"the critic section does not apply to algorithm.type={cfg.algorithm.type} (DPO trains no "
+                      "value model); it is ignored", UserWarning, stacklevel=4)
 
 
 def pair_tensors(pairs: List[PreferencePair], pad_id: int, device: torch.device) -> Tuple[torch.Tensor, ...]:
@@ -93,3 +139,11 @@ def step(actor: torch.nn.Module, ref: Optional[torch.nn.Module], pairs: List[Pre
         stats["dpo/reward_margin"] += float(s["reward_margin"]) * B / total
         stats["dpo/reward_accuracy"] += float(s["reward_accuracy"]) * B / total
     return stats
+
+
+def update(cfg: Config, strategy: Any, pairs: List[PreferencePair], pad_id: int) -> Dict[str, float]:
+    """One optimiser step of ``strategy``'s actor on ``pairs``: the DPO step, then the optimizer."""
+    metrics = step(strategy.actor, strategy.ref, pairs, pad_id=pad_id, device=strategy.device,
+                   autocast=strategy.autocast, algorithm=cfg.algorithm, pairs_per_micro_batch=pairs_per_micro_batch(cfg))
+    metrics["actor/grad_norm"] = strategy.optimizer_step()
+    return metrics

@@ -1,17 +1,73 @@
-"""Online DPO's pairs: the rollout samples ``rollout.n >= 2`` responses per prompt, the reward
-function (or reward model) scores them, and each prompt's best and worst response form a
-chosen/rejected pair that trains DPO in the same step (``dpo.py``). A prompt whose samples
-all score the same says nothing about preference and gives no pair.
+"""Online DPO (``Step.PREFERENCE``): the rollout samples ``rollout.n >= 2`` responses per prompt, the
+reward function (or reward model) scores them, and each prompt's best and worst response form a
+chosen/rejected pair that trains DPO in the same step (``dpo.py``), after which the engine takes the
+new weights. A prompt whose samples all score the same says nothing about preference and gives no
+pair; a step without pairs makes no update. One process only (ranks would keep different numbers of
+pairs).
 """
 
 from __future__ import annotations
 
-from typing import List, Sequence
+import time
+from typing import Any, Callable, Dict, List, Sequence
 
 import torch
 
-from verl_fast.data import PreferencePair, PromptRow
+from verl_fast.algos import dpo
+from verl_fast.algos.algorithm import Score, Step, kl_reference, refuse_pairwise_ranking
+from verl_fast.config import Config
+from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
 from verl_fast.rollout.base import GenerationOutput
+
+
+class OnlineDPO:
+    """The ``PreferenceAlgorithm`` of online DPO (``algorithm.py``)."""
+
+    name = "online_dpo"
+    step = Step.PREFERENCE
+    item_type = PromptRow
+    samples = True
+    needs_critic = False
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.needs_reference = kl_reference(cfg) or not cfg.reward_fn.reference_free
+
+    @staticmethod
+    def check(cfg: Config) -> None:
+        refuse_pairwise_ranking(cfg, " (online_dpo ranks its samples with a scoring reward: reasoning_gym, gsm8k, "
+                                     "callable or reward_model)")
+        if cfg.rollout.n < 2:
+            raise ValueError(f"algorithm.type=online_dpo is not supported with rollout.n={cfg.rollout.n}: a pair "
+                             "needs two sampled responses per prompt; use rollout.n >= 2")
+        dpo.refuse_megatron(cfg)
+
+    @classmethod
+    def build(cls, cfg: Config) -> "OnlineDPO":
+        return cls(cfg)
+
+    def configure(self, world: int) -> None:
+        if world > 1:
+            raise ValueError("algorithm.type=online_dpo is not supported with several processes (ranks would keep "
+                             "different numbers of pairs); use one process, or dpo with a pairs dataset")
+        dpo.warn_unused_critic(self.cfg)
+
+    def encode(self, processor: RLDataProcessor, rows: List[Dict[str, Any]]) -> List[PromptRow]:
+        return processor.encode_all(rows)
+
+    def pairs(self, batch: Sequence[PromptRow], generate: Callable[[Sequence[PromptRow]], GenerationOutput],
+              score: Score, metrics: Dict[str, Any]) -> List[PreferencePair]:
+        """Sample, score, pair each prompt's best with its worst sample."""
+        start = time.perf_counter()
+        gen = generate(batch)
+        scores = score(batch, gen)
+        pairs = best_worst_pairs(batch, gen, scores)
+        metrics.update({"time/generation": time.perf_counter() - start, "reward/mean": scores.mean().item(),
+                        "dpo/pairs": len(pairs)})
+        return pairs
+
+    def update(self, strategy: Any, pairs: List[PreferencePair], pad_id: int) -> Dict[str, float]:
+        return dpo.update(self.cfg, strategy, pairs, pad_id)
 
 
 def best_worst_pairs(batch: Sequence[PromptRow], gen: GenerationOutput, scores: torch.Tensor) -> List[PreferencePair]:

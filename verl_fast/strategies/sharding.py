@@ -8,7 +8,7 @@ built from the config when the user passes plain Hugging Face models.
   reduce-scattered (averaged) in the backward.
 - ``fsdp1``: ``FullyShardedDataParallel`` with one unit per decoder layer (``use_orig_params``).
 - ``none`` (what ``auto`` means in one process): the plain module on ``trainer.device``.
-- ``megatron``: the Megatron-core backend, another module; the config rejects it until it lands.
+(``megatron`` is the Megatron-core strategy, ``megatron/``.)
 Options of a sharded model: ``mixed_precision: bfloat16`` (bf16 parameters in forward and backward,
 fp32 gradient reduction, fp32 weights in the optimizer; the alternative to ``autocast``),
 ``cpu_offload`` (sharded parameters, gradients and optimizer state live on the CPU),

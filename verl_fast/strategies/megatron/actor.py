@@ -21,9 +21,9 @@ from typing import Any, Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
-from verl_fast.strategies.megatron.gpt_model import MegatronGPT, Parallel, init_parallel_state
-from verl_fast.ops.logprobs import linear_logprobs
 from verl_fast.experience import Experience
+from verl_fast.ops.logprobs import linear_logprobs
+from verl_fast.strategies.megatron.gpt_model import MegatronGPT, Parallel, init_parallel_state
 from verl_fast.strategies.megatron.training import DTYPES, MegatronTrained
 
 _PAD_LOGIT = -1e4  # exp(-1e4 - max) is exactly 0 in float32: padded vocabulary rows drop out
@@ -94,7 +94,7 @@ class MegatronActor(MegatronTrained):
 
         return around
 
-    # ---- the trainer's interface
+    # ---- what the strategy (strategy.py) calls
 
     def logprobs(self, exp: Experience, micro: List[torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
         """[N, L] float32 log-probs of the response tokens, on every rank (sent from the last stage)."""

@@ -10,8 +10,8 @@ from typing import Dict, List, Optional, Union
 
 import torch
 
-from verl_fast.strategies.megatron.checkpoint_loader import load_megatron_checkpoint, megatron_args, spec_from_megatron_args
 from verl_fast.ops.reshard.spec import ModelSpec
+from verl_fast.strategies.megatron.checkpoint_loader import load_megatron_checkpoint, megatron_args, spec_from_megatron_args
 
 DEFAULT_SHARD_BYTES = 5 << 30
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",

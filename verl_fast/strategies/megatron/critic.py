@@ -20,9 +20,9 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from verl_fast.strategies.megatron.gpt_model import VALUE_HEAD, MegatronGPT, Parallel, init_parallel_state
-from verl_fast.models.value import ValueModel
 from verl_fast.experience import Experience
+from verl_fast.models.value import ValueModel
+from verl_fast.strategies.megatron.gpt_model import VALUE_HEAD, MegatronGPT, Parallel, init_parallel_state
 from verl_fast.strategies.megatron.training import DTYPES, MegatronTrained
 
 
@@ -55,6 +55,11 @@ class MegatronCritic(MegatronTrained):
     def values(self, exp: Experience, micro: List[torch.Tensor]) -> torch.Tensor:
         """[N, L] float32 values at the response positions, on every rank (sent from the last stage)."""
         return self.response_outputs(exp, micro)
+
+    def train(self, exp: Experience, micro: List[torch.Tensor], loss_fn) -> List[Dict]:
+        """One optimiser step over ``micro``; ``loss_fn(values, sub) -> (loss, stats)``. Returns each
+        micro-batch's stats (every rank)."""
+        return self.train_mini_batch(exp, micro, loss_fn)[0]
 
     def to_hf(self) -> Dict[str, torch.Tensor]:
         """The whole critic under HF names (``model.*``, ``score.*``) on every rank (collective over the

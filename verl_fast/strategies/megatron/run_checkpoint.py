@@ -1,4 +1,4 @@
-"""Checkpoints of a Megatron-trained actor, in the layout and with the guarantees of
+"""The run's checkpoints under the Megatron strategy, in the layout and with the guarantees of
 ``verl_fast/checkpoint.py`` (``step_N.tmp`` renamed once ``manifest.json`` is written; verified on
 resume): ``step_N/megatron/`` is a Megatron distributed (``torch_dist``) checkpoint of the model and
 its optimizer state, which resumes at any TP / PP layout and which ``verl-fast convert`` /
@@ -15,10 +15,12 @@ from typing import Any, Dict
 
 import torch
 
-from verl_fast.models.wrapping import hf_module
 from verl_fast import checkpoint
-from verl_fast.strategies.megatron.shared_rollout import released
 from verl_fast.distributed import on_main
+from verl_fast.models.wrapping import hf_module
+from verl_fast.strategies.megatron import dist_checkpoint
+from verl_fast.strategies.megatron.shared_rollout import released
+from verl_fast.strategies.megatron.training import MegatronTrained
 
 MEGATRON = "megatron"
 MEGATRON_CRITIC = "megatron_critic"
@@ -48,9 +50,9 @@ def save(output_dir: str, step: int, actor, hf_model: torch.nn.Module, tokenizer
 
     on_main(prepare)
     try:
-        actor.save_checkpoint(tmp / MEGATRON)
+        dist_checkpoint.save(actor, tmp / MEGATRON)
         if _is_megatron(critic):
-            critic.save_checkpoint(tmp / MEGATRON_CRITIC)
+            dist_checkpoint.save(critic, tmp / MEGATRON_CRITIC)
         on_main(write_hf)
         records = checkpoint._checksums(tmp, on_main(lambda: checkpoint._files(tmp)))
         on_main(lambda: checkpoint._publish(tmp, final, records, step))
@@ -67,13 +69,13 @@ def load(path: Path, actor, hf_model: torch.nn.Module, critic=None) -> Dict[str,
         if needed and not (path / folder).is_dir():
             raise checkpoint.CheckpointError(f"{path} has no {folder}/ folder: it was not written by a "
                                              f"{strategy}.strategy=megatron run")
-    actor.load_checkpoint(path / MEGATRON)
+    dist_checkpoint.load(actor, path / MEGATRON)
     if _is_megatron(critic):
-        critic.load_checkpoint(path / MEGATRON_CRITIC)
+        dist_checkpoint.load(critic, path / MEGATRON_CRITIC)
     if not released(hf_model):
         actor.export_to(hf_module(hf_model))
     return json.loads((path / checkpoint.STATE).read_text())
 
 
 def _is_megatron(critic) -> bool:
-    return critic is not None and hasattr(critic, "save_checkpoint")
+    return isinstance(critic, MegatronTrained)

@@ -1,6 +1,6 @@
 """What the Megatron actor and critic share: a ``MegatronGPT`` wrapped in megatron-core's DDP with its
-distributed optimizer, one pass of megatron-core's pipeline schedule over our micro-batches, and
-Megatron distributed checkpoints of the model and optimizer.
+distributed optimizer, and one pass of megatron-core's pipeline schedule over our micro-batches
+(their distributed checkpoints: ``dist_checkpoint.py``).
 
 - Positions: megatron-core's rotary embedding numbers positions from 0, so each left-padded row is
   rotated to start at its first real token (its trailing padding is then harmless under the causal mask).
@@ -20,8 +20,8 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from verl_fast.strategies.megatron.gpt_model import MegatronGPT
 from verl_fast.experience import Experience
+from verl_fast.strategies.megatron.gpt_model import MegatronGPT
 from verl_fast.strategies.megatron.grad_norm import use_foreach_grad_norm
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -149,63 +149,3 @@ class MegatronTrained:
             dist.broadcast_object_list(box, src=self.last_stage_rank, group=self.pp_group)
             stats = box[0]
         return list(stats), float(grad_norm or 0.0) if ok else float("nan")
-
-    # ---- Megatron distributed checkpoints (model + optimizer; loadable at another TP / PP layout)
-
-    def _sharded_state(self, is_loading: bool) -> Dict[str, Any]:
-        model = {(f"model{v}" if self.par.vpp else "model"): c.module.sharded_state_dict()
-                 for v, c in enumerate(self.model.chunks)}
-        # the canonical per-parameter optimizer state: reloadable at any TP / PP / DP layout
-        meta = {"distrib_optim_sharding_type": "fully_reshardable"}
-        return {**model, "optimizer": self.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=meta)}
-
-    def save_checkpoint(self, path) -> None:
-        """Writes a ``torch_dist`` checkpoint into the (existing, empty) folder ``path``; collective."""
-        from megatron.core import dist_checkpointing
-
-        dist_checkpointing.save(self._sharded_state(is_loading=False), str(path))
-
-    def load_checkpoint(self, path) -> None:
-        """Restores the model and optimizer from ``save_checkpoint``'s folder, whatever layout wrote it."""
-        from megatron.core import dist_checkpointing
-
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            if not opt.optimizer.state:  # never stepped: megatron-core needs states to load into (its own
-                opt._init_optimizer_states_with_dummy_values()  # zero-gradient step; the load overwrites it)
-        state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(path))
-        for v, c in enumerate(self.model.chunks):
-            c.module.load_state_dict(state[f"model{v}" if self.par.vpp else "model"])
-        with _torch_adam_step_kept(self.optimizer):
-            self.optimizer.load_state_dict(state["optimizer"])
-
-
-@contextlib.contextmanager
-def _torch_adam_step_kept(optimizer):
-    """Two slips of megatron-core 0.16 when it loads a fully reshardable state into torch's Adam (no Apex
-    / Transformer Engine): it copies every state tensor a parameter has, "step" included, from a record
-    that leaves "step" out (a KeyError), and it gives every parameter the same "step" tensor, which
-    torch's Adam then increments once per parameter. While active, only the tensors the record holds
-    are copied; on exit each parameter gets its own "step"."""
-    patched = []
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if getattr(opt.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
-            continue
-
-        def copy_present(model_param, tensors, opt=opt):
-            group, order = opt.model_param_group_index_map[model_param]
-            main = opt.optimizer.param_groups[group]["params"][order]
-            dst = {"param": main, **opt.optimizer.state[main]}
-            for key, value in tensors.items():
-                dst[key].copy_(value)
-
-        opt._set_main_param_and_optimizer_states = copy_present
-        patched.append(opt)
-    try:
-        yield
-    finally:
-        for opt in patched:
-            del opt._set_main_param_and_optimizer_states
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for state in opt.optimizer.state.values():
-            if isinstance(state.get("step"), torch.Tensor):
-                state["step"] = state["step"].clone()
