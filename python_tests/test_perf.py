@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tiny_models import save_tiny_model
+from verl_fast.metrics import step_summary
 from verl_fast.trainer import perf
 from verl_fast.trainer.rl_trainer import RLTrainer
 
@@ -60,10 +61,10 @@ def test_phases_accumulate_and_mfu(tiny_path):
 
 
 def test_progress_bar_summary():
-    line = perf.summary({"time/generation": 0.84, "time/update_actor": 0.41, "perf/tokens_per_s_per_gpu": 28512.3,
+    line = step_summary({"time/generation": 0.84, "time/update_actor": 0.41, "perf/tokens_per_s_per_gpu": 28512.3,
                          "perf/mfu_update": 0.234, "perf/peak_memory_gib": 15.26})
     assert line == "gen 0.8s  update 0.4s  28512 tok/s/gpu  mfu 23%  mem 15.3GiB"
-    assert perf.summary({"time/generation": 2.0}) == "gen 2.0s"
+    assert step_summary({"time/generation": 2.0}) == "gen 2.0s"
 
 
 PROMPTS = [{"prompt": f"What is {a} + {b}?", "reward_model": {"ground_truth": str(a + b)}, "data_source": "toy"}

@@ -1,4 +1,6 @@
-"""Training strategies by name: ``actor.strategy`` picks one when the trainer is built (``build``)."""
+"""Training strategies by name: ``actor.strategy`` picks one when the trainer is built (``build``);
+the names (also ``critic.strategy``'s) and the Megatron strategy's start-up checks are registered in
+the config here."""
 
 from __future__ import annotations
 
@@ -22,3 +24,7 @@ def build(cfg: config.Config, actor: torch.nn.Module, ref: Optional[torch.nn.Mod
     ``needs_reference``: ``ref``, else a copy of the actor) and ``critic`` (when given); collective
     under torchrun."""
     return STRATEGIES[cfg.actor.strategy](cfg, actor, ref, critic, needs_reference)
+
+
+config.STRATEGIES.register(*STRATEGIES)
+config.register_check(megatron.check)
