@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_tests" / "support"))
 
 from _common import Report  # noqa: E402
 

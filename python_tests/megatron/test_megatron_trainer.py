@@ -111,7 +111,7 @@ def test_megatron_example_one_step(tmp_path):
     from verl_fast import config as config_mod
 
     model_dir = save_tiny_model(tmp_path / "model", family="qwen2", num_heads=2, num_kv_heads=2)
-    example = Path(__file__).resolve().parents[1] / "examples" / "megatron" / "config.yaml"
+    example = Path(__file__).resolve().parents[2] / "examples" / "megatron" / "config.yaml"
     cfg = config_mod.load(example, [f"actor.model_name={model_dir}", "actor.dtype=float32", "rollout.n=2",
                                     "rollout.max_new_tokens=4", "trainer.total_steps=1", "trainer.train_batch_size=2",
                                     f"trainer.output_dir={tmp_path / 'run'}", "trainer.progress_bar=false",

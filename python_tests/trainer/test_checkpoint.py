@@ -20,7 +20,7 @@ from verl_fast.cli import main as cli_main
 from verl_fast import checkpoint
 from verl_fast.trainer.rl_trainer import RLTrainer
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1] / "support"  # the workers
 PROMPTS = [{"prompt": f"What is {a} + {b}?"} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]]
 
 

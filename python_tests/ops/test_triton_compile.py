@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "triton_compile_check.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "triton_compile_check.py"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile and run the kernels for real")

@@ -216,7 +216,7 @@ def test_fsdp2_actor_on_two_ranks(tiny_path, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    worker = Path(__file__).with_name("trainer_dist_worker.py")
+    worker = Path(__file__).resolve().parents[1] / "support" / "trainer_dist_worker.py"
     procs = [subprocess.Popen([sys.executable, str(worker), str(r), "2", str(port), str(tiny_path), str(tmp_path)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     outs = [p.communicate(timeout=300)[0] for p in procs]

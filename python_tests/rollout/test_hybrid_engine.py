@@ -29,7 +29,7 @@ def run_workers(model_dir, out_dir, tp, worker="hybrid_worker.py"):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    worker = Path(__file__).with_name(worker)
+    worker = Path(__file__).resolve().parents[1] / "support" / worker
     procs = [subprocess.Popen([sys.executable, str(worker), str(r), "2", str(port), str(model_dir), str(out_dir),
                                str(tp)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(2)]

@@ -17,7 +17,7 @@ import torch
 
 from tiny_models import save_tiny_model
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1] / "support"  # the workers
 WORKER = HERE / "trainer_scale_worker.py"
 # Same data, same math: what differs is the order of float sums (micro-batches, ranks, padding).
 # Seen: 1e-6 on the weights after 3 AdamW steps at lr 1e-3, 1e-7 relative on the metrics.

@@ -18,7 +18,7 @@ import torch
 
 from tiny_models import build_tokenizer, save_tiny_model
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 # megatron/ runs in test_megatron_trainer.py (it needs torchrun and megatron-core's CPU stand-ins)
 FOLDERS = sorted(p.name for p in EXAMPLES.iterdir() if p.is_dir() and p.name != "megatron")
 
