@@ -1,21 +1,40 @@
-"""The package's modules import one another without cycles (every import counts: module level,
-inside functions, and under TYPE_CHECKING), so that data flows one way: trainer -> algorithms /
-rollout -> op wrappers -> _C / kernels."""
+"""The package's modules import one another without cycles and along the layers README's
+Architecture section draws (every import counts: module level, inside functions, and under
+TYPE_CHECKING), so that data flows one way: trainer -> algorithms / strategies / rollout -> op
+wrappers -> _C / kernels."""
 
 import ast
 from pathlib import Path
 
+import pytest
+
 import verl_fast
+import verl_fast.kernels
 
 PKG = Path(verl_fast.__file__).parent
+KERNELS = Path(verl_fast.kernels.__file__).parent  # kernels/ in the source tree, verl_fast/kernels in a wheel
+
+# The rooms, lowest first: a module may import its own layer and the ones below, never one above.
+LAYERS = [
+    ("foundation", {"verl_fast", "verl_fast._C", "verl_fast.config", "verl_fast.distributed", "verl_fast.safe_load"}),
+    ("ops", {"verl_fast.ops", "verl_fast.kernels"}),
+    ("models, data, rewards, rollout, checkpoints, metrics",
+     {"verl_fast.models", "verl_fast.data", "verl_fast.experience", "verl_fast.rewards", "verl_fast.rollout",
+      "verl_fast.checkpoint", "verl_fast.direct_write", "verl_fast.metrics"}),
+    ("algorithms, strategies", {"verl_fast.algos", "verl_fast.strategies"}),
+    ("trainer", {"verl_fast.trainer", "verl_fast.catalog"}),
+    ("commands", {"verl_fast.cli", "verl_fast.train_cli", "verl_fast.__main__", "verl_fast.info", "verl_fast.bench",
+                  "verl_fast.inference"}),
+]
 
 
 def _modules():
     out = {}
-    for path in PKG.rglob("*.py"):
-        parts = path.relative_to(PKG.parent).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        out[name] = path
+    for root, package in ((PKG, "verl_fast"), (KERNELS, "verl_fast.kernels")):
+        for path in root.rglob("*.py"):
+            parts = (package, *path.relative_to(root).with_suffix("").parts)
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            out[name] = path
     return out
 
 
@@ -62,15 +81,50 @@ def _cycles(graph):
     return cycles
 
 
-def test_no_import_cycles():
+def _graph():
     modules = _modules()
     # A package's __init__ only re-exports its modules: edges into a package from its own modules
     # (``from verl_fast.rollout import x`` inside verl_fast/rollout/) are not cycles of substance, so a
     # module's import of any package counts as an import of the named module when it is one.
-    graph = {n: {m for m in _imports(n, p, modules) if not (p.name != "__init__.py" and n.startswith(m + "."))}
-             for n, p in modules.items()}
-    cycles = _cycles(graph)
+    return {n: {m for m in _imports(n, p, modules) if not (p.name != "__init__.py" and n.startswith(m + "."))}
+            for n, p in modules.items()}
+
+
+def test_no_import_cycles():
+    cycles = _cycles(_graph())
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _layer(module):
+    """The index in LAYERS of the room holding ``module`` (the longest matching room name)."""
+    found = [(len(room), i) for i, (_, rooms) in enumerate(LAYERS) for room in rooms
+             if module == room or module.startswith(room + ".")]
+    assert found, f"{module} is in no layer of LAYERS: add its room there (and to README's Architecture)"
+    return max(found)[1]
+
+
+def test_every_import_goes_down_the_layers():
+    """No module imports one of a higher layer (README, Architecture)."""
+    graph = _graph()
+    upward = sorted(f"{n} ({LAYERS[_layer(n)][0]}) imports {m} ({LAYERS[_layer(m)][0]})"
+                    for n, targets in graph.items() for m in targets if _layer(m) > _layer(n))
+    assert not upward, "imports up the layers:\n" + "\n".join(upward)
+
+
+@pytest.mark.parametrize("room,forbidden", [
+    ("verl_fast.ops", ("verl_fast.trainer", "verl_fast.rollout", "verl_fast.cli", "verl_fast.train_cli")),
+    ("verl_fast.kernels", ("verl_fast.trainer", "verl_fast.rollout", "verl_fast.cli", "verl_fast.train_cli")),
+    ("verl_fast.rollout", ("verl_fast.trainer",)),
+    ("verl_fast.config", ("verl_fast.",)),  # the config imports no room: the rooms register into it
+    ("verl_fast.algos", ("verl_fast.strategies", "verl_fast.trainer")),
+    ("verl_fast.strategies", ("verl_fast.algos", "verl_fast.trainer")),
+    ("verl_fast.metrics", ("verl_fast.trainer",)),
+])
+def test_named_rules(room, forbidden):
+    bad = sorted(f"{n} imports {m}" for n, targets in _graph().items() if n == room or n.startswith(room + ".")
+                 for m in targets if any(m == f.rstrip(".") or m.startswith(f if f.endswith(".") else f + ".")
+                                         for f in forbidden))
+    assert not bad, "\n".join(bad)
 
 
 def test_import_verl_fast_is_light_and_its_public_names_resolve(tmp_path):

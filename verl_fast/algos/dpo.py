@@ -34,7 +34,7 @@ class DPO:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.needs_reference = kl_reference(cfg) or not cfg.reward_fn.reference_free
+        self.needs_reference = needs_reference(cfg)
 
     @staticmethod
     def check(cfg: Config) -> None:
@@ -68,6 +68,11 @@ class DPO:
 
     def update(self, strategy: Any, pairs: List[PreferencePair], pad_id: int) -> Dict[str, float]:
         return update(self.cfg, strategy, pairs, pad_id)
+
+
+def needs_reference(cfg: Config) -> bool:
+    """DPO's reference: the loss reads it unless ``reward_fn.reference_free`` (and a KL term would)."""
+    return kl_reference(cfg) or not cfg.reward_fn.reference_free
 
 
 def refuse_megatron(cfg: Config) -> None:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Sequence
 import torch
 
 from verl_fast.algos import dpo
-from verl_fast.algos.algorithm import Score, Step, kl_reference, refuse_pairwise_ranking
+from verl_fast.algos.algorithm import Score, Step, refuse_pairwise_ranking
 from verl_fast.config import Config
 from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
 from verl_fast.rollout.base import GenerationOutput
@@ -31,7 +31,7 @@ class OnlineDPO:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.needs_reference = kl_reference(cfg) or not cfg.reward_fn.reference_free
+        self.needs_reference = dpo.needs_reference(cfg)
 
     @staticmethod
     def check(cfg: Config) -> None:
