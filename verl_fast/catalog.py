@@ -3,7 +3,7 @@ importing this module registers them all. ``verl_fast.config`` imports it when i
 config (the config module imports no room itself).
 
     algorithm.type, loss modes, KL estimators, DPO losses   verl_fast/algos/registry.py
-    actor.strategy / critic.strategy, Megatron checks        verl_fast/strategies/registry.py
+    actor.strategy / critic.strategy, Megatron checks        verl_fast/strategies/backends.py
     reward_fn.type, reward_fn.on_error                       verl_fast/rewards/__init__.py
     trainer.overlong_prompts                                 verl_fast/data.py
     trainer.loggers                                          verl_fast/metrics.py
@@ -11,4 +11,4 @@ config (the config module imports no room itself).
 
 from verl_fast import data, metrics, rewards  # noqa: F401
 from verl_fast.algos import registry as algorithms  # noqa: F401
-from verl_fast.strategies import registry as strategies  # noqa: F401
+from verl_fast.strategies import backends as strategies  # noqa: F401

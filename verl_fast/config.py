@@ -58,7 +58,7 @@ DPO_LOSSES = Choices("algorithm.loss_type")  # verl_fast/algos/registry.py
 REWARDS = Choices("reward_fn.type")  # verl_fast/rewards/__init__.py
 REWARD_ERRORS = Choices("reward_fn.on_error")  # verl_fast/rewards/__init__.py
 OVERLONG_PROMPTS = Choices("trainer.overlong_prompts")  # verl_fast/data.py
-STRATEGIES = Choices("actor.strategy, critic.strategy")  # verl_fast/strategies/registry.py
+STRATEGIES = Choices("actor.strategy, critic.strategy")  # verl_fast/strategies/backends.py
 LOGGERS = Choices("trainer.loggers")  # verl_fast/metrics.py
 _REGISTERED = (ALGORITHMS, LOSS_AGG_MODES, KL_ESTIMATORS, DPO_LOSSES, REWARDS, REWARD_ERRORS, OVERLONG_PROMPTS,
                STRATEGIES, LOGGERS)

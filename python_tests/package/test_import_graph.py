@@ -90,6 +90,16 @@ def _graph():
             for n, p in modules.items()}
 
 
+def test_no_two_modules_of_one_name():
+    """A file's name says which module it is: no two files of verl_fast (and its kernels) share one."""
+    seen = {}
+    for name, path in _modules().items():
+        if path.name != "__init__.py":
+            seen.setdefault(path.name, []).append(name)
+    twice = {file: names for file, names in seen.items() if len(names) > 1}
+    assert not twice, f"files of one name: {twice}"
+
+
 def test_no_import_cycles():
     cycles = _cycles(_graph())
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)

@@ -32,7 +32,7 @@ from verl_fast.models.value import ValueModel, response_values
 from verl_fast.models.wrapping import is_sharded
 from verl_fast.rollout.base import RolloutEngine
 from verl_fast.strategies import sharding
-from verl_fast.strategies.interface import LossFn
+from verl_fast.strategies.protocol import LossFn
 from verl_fast.strategies.sharding import Sharding
 
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}

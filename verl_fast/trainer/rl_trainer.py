@@ -38,7 +38,7 @@ from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec
 from verl_fast.rollout.factory import build_engine
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 from verl_fast.rollout.operator import RolloutOperator
-from verl_fast.strategies import registry as strategies
+from verl_fast.strategies import backends as strategies
 from verl_fast.trainer import perf, run_dir
 from verl_fast.trainer.batching import balance_across_ranks, loss_normalisers, micro_batches
 

@@ -24,7 +24,7 @@ from verl_fast.experience import Experience
 from verl_fast.models.wrapping import hf_module
 from verl_fast.rollout.base import RolloutEngine
 from verl_fast.strategies import hf_models, sharding
-from verl_fast.strategies.interface import LossFn
+from verl_fast.strategies.protocol import LossFn
 from verl_fast.strategies.megatron import run_checkpoint
 from verl_fast.strategies.megatron.shared_rollout import megatron_rollout
 from verl_fast.strategies.sharding import Sharding

@@ -1,5 +1,5 @@
 """What RLTrainer asks of a training strategy: one implementation per backend, chosen once from
-``actor.strategy`` when the trainer is built (``registry.build``).
+``actor.strategy`` when the trainer is built (``backends.build``).
 
 - ``hf_models.FSDPStrategy`` (``fsdp2``, ``fsdp1``, ``none``; ``auto``): the Hugging Face actor,
   reference and critic trained by torch, laid out as ``sharding.py`` says.

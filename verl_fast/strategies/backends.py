@@ -10,7 +10,7 @@ import torch
 
 from verl_fast import config
 from verl_fast.strategies.hf_models import FSDPStrategy
-from verl_fast.strategies.interface import Strategy
+from verl_fast.strategies.protocol import Strategy
 from verl_fast.strategies.megatron import strategy as megatron
 
 # auto: fsdp2 with several processes, none (a plain module) in one (sharding.Sharding.from_config)
