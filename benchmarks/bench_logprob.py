@@ -270,7 +270,7 @@ def _pick(rep: Report, case: str, candidates, label: Callable, time_one: Callabl
 
 
 def sweep_logits(rep: Report, a):
-    from verl_fast.kernels.logprobs import logprobs_config, logprobs_forward
+    from verl_fast.kernels.logprobs_from_logits import logprobs_config, logprobs_forward
 
     x = torch.randn(1, a.tokens, a.vocab, device=a.device).to(a.dtype)
     labels = torch.randint(0, a.vocab, (a.tokens,), device=a.device)

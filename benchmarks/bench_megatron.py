@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_tests" / "support"))
 
 from _common import Report  # noqa: E402
 
@@ -42,7 +42,7 @@ def hf_config(layers: int):
 
 
 def experience(n: int, length: int, vocab: int, device):
-    from verl_fast.trainer.experience import Experience
+    from verl_fast.experience import Experience
 
     g = torch.Generator().manual_seed(0)
     prompt = length // 2
@@ -90,7 +90,7 @@ def run(strategy: str, args, device) -> dict:
         exp = exp.select(torch.arange(trainer.rank, args.seqs, trainer.world, device=device))
 
     def update():
-        exp.old_logprobs = trainer._logprobs(trainer.actor, exp)
+        exp.old_logprobs = trainer._old_logprobs(exp)
         return trainer.update_actor(exp)
 
     update()

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_tests" / "support"))
 from _common import Report, copy_bandwidth_gbs, time_ms  # noqa: E402
 
 SIZES = {"tiny": dict(prompts=32, n=4, tokens=64), "demo": dict(prompts=8, n=4, tokens=32)}

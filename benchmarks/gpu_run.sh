@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/gpu_run.sh                          # every section
 #   SECTIONS="tests advantage" bash benchmarks/gpu_run.sh   # some (to fit a 10-minute call)
-#   GPU_TESTS="python_tests/test_logprobs.py" SECTIONS=tests ...  # some test files only
+#   GPU_TESTS="python_tests/ops/test_logprobs.py" SECTIONS=tests ...  # some test files only
 #   LOGPROB_CASES=logits SECTIONS=logprobs ...                     # one of the log-prob cases
 #
 # Sections: tests (every gpu-marked test), vllm (every vLLM test, on the GPU's vLLM), trainer (the CLI
@@ -79,7 +79,7 @@ fi
 # ---- dist (issue 12): the trainer under torchrun on 2 GPUs (NCCL): FSDP2 actor + reference from
 # the config, PPO with bf16 mixed precision + CPU offload + checkpointing; a few steps each ----
 if want dist; then
-  "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/test_trainer_scale.py > "$OUT/pytest_dist.log" 2>&1 \
+  "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/strategies/test_trainer_scale.py > "$OUT/pytest_dist.log" 2>&1 \
     || failed+=("pytest dist")
   tail -n 15 "$OUT/pytest_dist.log"
 fi
@@ -105,7 +105,7 @@ if want reshard; then
     >> "$OUT/bench.log" 2>&1 || failed+=("bench_reshard 1")
   timeout 120 "$py" benchmarks/bench_reshard.py --device cuda --only host \
     >> "$OUT/bench.log" 2>&1 || failed+=("bench_reshard host")
-  "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/test_reshard_oneshot.py >> "$OUT/bench.log" 2>&1 \
+  "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/ops/test_reshard_oneshot.py >> "$OUT/bench.log" 2>&1 \
     || failed+=("pytest reshard one-shot")
   timeout 300 "$py" benchmarks/bench_reshard.py --device cuda --only 2 --buckets-mb 64,256,1024 \
     >> "$OUT/bench.log" 2>&1 || failed+=("bench_reshard 2")
@@ -143,12 +143,12 @@ fi
 # SDPA core attention (flash kernel) and the sync-free gradient norm; last the Megatron GPU tests on 2
 # GPUs (NCCL): actor TP=2, critic TP=2, Qwen3-MoE EP=2, each against HF on one GPU (~2 minutes) ----
 if want megatron; then
-  "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/test_megatron_attention.py python_tests/test_megatron_grad_norm.py \
+  "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/megatron/test_megatron_attention.py python_tests/megatron/test_megatron_grad_norm.py \
     > "$OUT/pytest_megatron_fast.log" 2>&1 || failed+=("pytest megatron_fast")
   tail -n 3 "$OUT/pytest_megatron_fast.log"
   timeout 420 "$py" -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_megatron.py --profile \
     >> "$OUT/bench.log" 2>&1 || failed+=("bench_megatron")
-  timeout 400 "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/test_megatron_trainer.py \
+  timeout 400 "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/megatron/test_megatron_trainer.py \
     > "$OUT/pytest_megatron.log" 2>&1 || failed+=("pytest megatron")
   tail -n 15 "$OUT/pytest_megatron.log"
 fi

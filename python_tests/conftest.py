@@ -8,6 +8,9 @@ from pathlib import Path
 # installed (an editable install maps the source folder itself, so it is found either way).
 _ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
+# The tests sit in one folder per room; what several rooms' tests share (tiny models, float64
+# references, the workers that subprocess and multiprocessing tests start) is in support/.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -59,7 +59,7 @@ def _ptxas_info(ptx: str, arch: int) -> str:
 def _variants(device: torch.device):
     """(name, kernel, args, constexprs + launch options) for the kernels and flag combinations we ship."""
     from verl_fast.kernels import linear_logprobs as L
-    from verl_fast.kernels import logprobs as P
+    from verl_fast.kernels import logprobs_from_logits as P
 
     N, H, V, C = 8192, 3584, 151936, 4096
     f32, i64 = torch.float32, torch.int64

@@ -29,7 +29,7 @@ _PUBLIC = {
     "ReshardPlan": "verl_fast.ops.reshard",
     "ModelSpec": "verl_fast.ops.reshard",
     "vllm_weights": "verl_fast.ops.reshard",
-    "load_megatron_checkpoint": "verl_fast.models.megatron_checkpoint",
+    "load_megatron_checkpoint": "verl_fast.strategies.megatron.checkpoint_loader",
     "RLTrainer": "verl_fast.trainer.rl_trainer",
     "RolloutOperator": "verl_fast.rollout.operator",
     "RLDataProcessor": "verl_fast.data",

@@ -40,7 +40,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     import torch
 
-    from verl_fast.models.convert import convert_megatron_to_hf
+    from verl_fast.strategies.megatron.convert import convert_megatron_to_hf
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
     out = convert_megatron_to_hf(args.checkpoint, args.output, args.tp, args.pp, config=args.config, dtype=dtype,
@@ -50,7 +50,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from verl_fast.trainer.checkpoint import export
+    from verl_fast.checkpoint import export
 
     out = export(args.checkpoint, args.output, max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
                  overwrite=args.overwrite)

@@ -6,21 +6,84 @@ that names the key and what is allowed. ``--set section.key=value`` overrides go
 checks. Older spellings, common in existing configs, are accepted: ``actor: {type: vllm, tensor_parallel_size: ...}`` selects
 and configures the rollout engine; ``trainer: {learning_rate, max_grad_norm,
 per_device_train_batch_size, gradient_accumulation_steps}`` set the actor's optimiser and batching.
+
+This module sits at the foundation: importing it imports no other part of verl_fast. The values of
+the keys that name an implementation (``algorithm.type``, ``reward_fn.type``, ``actor.strategy``, the
+loss modes, ...) are ``Choices`` that the rooms implementing them register where they are defined,
+with the combination checks only they know (``register_check``). ``verl_fast.catalog``, the one
+module that names those rooms, is imported by the first validation, so the messages name the same
+keys and values whoever validates.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
-from verl_fast.algos.advantage import ESTIMATORS, GROUP_ESTIMATORS
-from verl_fast.algos.losses import AGG_MODES, KL_KINDS
-from verl_fast.data import OVERLONG_PROMPTS
-from verl_fast.rewards.base import ON_ERROR
+
+class Choices:
+    """The values one kind of config key accepts, in the order they were registered; ``keys`` names
+    the keys that take them (for the message when nothing registered them)."""
+
+    def __init__(self, keys: str):
+        self.keys = keys
+        self._names: List[str] = []
+
+    def register(self, *names: str) -> None:
+        self._names.extend(n for n in names if n not in self._names)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __contains__(self, value: object) -> bool:
+        return value in self._names
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __repr__(self) -> str:
+        return f"Choices({self.keys}: {self._names})"
+
+
+# Registered by the rooms that implement them (see the module docstring).
+ALGORITHMS = Choices("algorithm.type")  # verl_fast/algos/registry.py
+LOSS_AGG_MODES = Choices("actor.loss_agg_mode, critic.loss_agg_mode")  # verl_fast/algos/registry.py
+KL_ESTIMATORS = Choices("actor.kl_loss_type, algorithm.kl_penalty")  # verl_fast/algos/registry.py
+DPO_LOSSES = Choices("algorithm.loss_type")  # verl_fast/algos/registry.py
+REWARDS = Choices("reward_fn.type")  # verl_fast/rewards/__init__.py
+REWARD_ERRORS = Choices("reward_fn.on_error")  # verl_fast/rewards/__init__.py
+OVERLONG_PROMPTS = Choices("trainer.overlong_prompts")  # verl_fast/data.py
+STRATEGIES = Choices("actor.strategy, critic.strategy")  # verl_fast/strategies/backends.py
+LOGGERS = Choices("trainer.loggers")  # verl_fast/metrics.py
+_REGISTERED = (ALGORITHMS, LOSS_AGG_MODES, KL_ESTIMATORS, DPO_LOSSES, REWARDS, REWARD_ERRORS, OVERLONG_PROMPTS,
+               STRATEGIES, LOGGERS)
+
+# Combination checks registered by the rooms, run by ``validate`` after the config's own, in order.
+_CHECKS: List[Callable[["Config"], None]] = []
+
+
+def register_check(check: Callable[["Config"], None]) -> Callable[["Config"], None]:
+    """Adds ``check(cfg)`` (raises ValueError naming the keys) to every validation; returns it."""
+    if check not in _CHECKS:
+        _CHECKS.append(check)
+    return check
+
+
+def _require_registered() -> None:
+    """Every room's choices, registered: the first validation imports ``verl_fast.catalog`` (which
+    imports the rooms); the config module itself never imports one."""
+    if all(len(c) for c in _REGISTERED):
+        return
+    importlib.import_module("verl_fast.catalog")
+    missing = [c.keys for c in _REGISTERED if not len(c)]
+    if missing:
+        raise RuntimeError(f"no values are registered for {'; '.join(missing)}: verl_fast.catalog must import "
+                           "the room that implements them")
 
 
 def _f(default, *, choices=None, min=None, max=None, doc: str = ""):
@@ -31,18 +94,14 @@ def _f(default, *, choices=None, min=None, max=None, doc: str = ""):
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = (None, "eager", "sdpa", "flash_attention_2", "flex_attention")
-# How a model is trained over the ranks (trainer/sharding.py); auto: fsdp2 with several processes,
-# none (plain module) in one. megatron: the Megatron-core backend.
-STRATEGIES = ("auto", "fsdp2", "fsdp1", "none", "megatron")
-ALGORITHMS = ("grpo", "drgrpo", "ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "dpo", "online_dpo")
-# What each algorithm estimates its advantages with (dpo has none).
-ADVANTAGE_OF = {"ppo": "gae", "dpo": None, "online_dpo": None, **{a: a for a in ESTIMATORS}}
 
 
 @dataclass
 class ModelLayoutConfig:
     """How a trained model (actor or critic) is laid out over the ranks: the fields both sections share."""
 
+    # how the model trains over the ranks (verl_fast/strategies/): auto is fsdp2 with several processes,
+    # none (a plain module) in one; megatron is the Megatron-core backend
     strategy: str = _f("auto", choices=STRATEGIES, doc="auto: fsdp2 under torchrun, none in one process")
     mixed_precision: str = _f("none", choices=("none", "bfloat16"),
                               doc="FSDP: bf16 parameters in forward/backward, fp32 gradient reduction")
@@ -72,11 +131,11 @@ class ActorConfig(ModelLayoutConfig):
     clip_ratio_low: float = _f(0.2, min=0.0)
     clip_ratio_high: float = _f(0.2, min=0.0)
     clip_ratio_c: float = _f(3.0, min=1.0, doc="dual-clip bound for negative advantages (> 1)")
-    loss_agg_mode: str = _f("token-mean", choices=AGG_MODES)
+    loss_agg_mode: str = _f("token-mean", choices=LOSS_AGG_MODES)
     entropy_coeff: float = _f(0.0)
     use_kl_loss: bool = _f(False)
     kl_loss_coef: float = _f(0.001, min=0.0)
-    kl_loss_type: str = _f("low_var_kl", choices=KL_KINDS)
+    kl_loss_type: str = _f("low_var_kl", choices=KL_ESTIMATORS)
     fused_logprobs: str = _f("auto", choices=("auto", "on", "off"), doc="fused lm_head + log-prob kernels")
     gradient_checkpointing: bool = _f(False)
     trust_remote_code: bool = _f(False, doc="actor and reference: let transformers run the model folder's own code")
@@ -110,7 +169,7 @@ class CriticConfig(ModelLayoutConfig):
     max_grad_norm: float = _f(1.0, min=0.0)
     micro_batch_size: int = _f(8, min=1)
     cliprange_value: float = _f(0.5, min=0.0)
-    loss_agg_mode: str = _f("token-mean", choices=AGG_MODES)
+    loss_agg_mode: str = _f("token-mean", choices=LOSS_AGG_MODES)
     use_flash_attention: bool = _f(False, doc="flash_attention_2 where flash-attn and CUDA are there, else sdpa")
     trust_remote_code: bool = _f(False, doc="let transformers run the model folder's own code")
     attn_implementation: Optional[str] = _f(None, choices=ATTN_IMPLEMENTATIONS,
@@ -164,15 +223,14 @@ class RolloutConfig:
 
 @dataclass
 class RewardConfig:
-    type: str = _f("reasoning_gym", choices=("reasoning_gym", "gsm8k", "callable", "reward_model",
-                                             "pairwise_ranking"))
+    type: str = _f("reasoning_gym", choices=REWARDS)
     path: Optional[str] = _f(None, doc="'module:function' for type callable")
     model_name: Optional[str] = _f(None, doc="sequence-classification model for type reward_model")
     reference_free: bool = _f(False, doc="dpo / online_dpo: DPO without a reference model")
     trust_remote_code: bool = _f(False, doc="reward model: let transformers run the model folder's own code")
     attn_implementation: Optional[str] = _f(None, choices=ATTN_IMPLEMENTATIONS,
                                             doc="None: transformers' default; flash_attention_2 needs flash-attn")
-    on_error: str = _f("raise", choices=ON_ERROR, doc="a sample whose scoring fails: raise, or score 0 "
+    on_error: str = _f("raise", choices=REWARD_ERRORS, doc="a sample whose scoring fails: raise, or score 0 "
                        "(counted as reward/errors)")
     timeout_s: Optional[float] = _f(300.0, min=0.0, doc="seconds one batch's scoring may take; past that the run "
                                     "checkpoints its last complete step and stops (null: no limit, scored in the "
@@ -186,10 +244,10 @@ class AlgorithmConfig:
     lam: float = _f(1.0, min=0.0, max=1.0)
     epsilon: float = _f(1e-6, min=0.0)
     use_kl_in_reward: bool = _f(False)
-    kl_penalty: str = _f("kl", choices=KL_KINDS)
+    kl_penalty: str = _f("kl", choices=KL_ESTIMATORS)
     kl_coef: float = _f(0.001, min=0.0)
     beta: float = _f(0.1, min=0.0, doc="DPO temperature")
-    loss_type: str = _f("sigmoid", choices=("sigmoid", "ipo", "hinge"), doc="DPO loss")
+    loss_type: str = _f("sigmoid", choices=DPO_LOSSES, doc="DPO loss")
     label_smoothing: float = _f(0.0, min=0.0, max=0.5)
 
 
@@ -217,7 +275,7 @@ class TrainerConfig:
     progress_bar: bool = _f(True)
     metrics_port: Optional[int] = _f(None, min=0, max=65535)
     metrics_host: str = _f("127.0.0.1", doc="address the metrics endpoint binds (0.0.0.0: every interface)")
-    loggers: List[str] = _f(lambda: ["console", "jsonl"], choices=("console", "jsonl", "tensorboard", "wandb"),
+    loggers: List[str] = _f(lambda: ["console", "jsonl"], choices=LOGGERS,
                             doc="where step metrics go (tensorboard and wandb need their packages)")
     plot: bool = _f(True, doc="reward-curve PNG at the end")
     # older spellings of actor settings (copied to the actor section)
@@ -235,17 +293,6 @@ class Config:
     reward_fn: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-
-    @property
-    def needs_reference(self) -> bool:
-        """Whether the run uses a reference model: KL in the loss or in the reward, or (online) DPO
-        that is not reference-free."""
-        return (self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
-                or (self.algorithm.type in ("dpo", "online_dpo") and not self.reward_fn.reference_free))
-
-    @property
-    def advantage_estimator(self) -> Optional[str]:
-        return ADVANTAGE_OF[self.algorithm.type]
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -320,6 +367,7 @@ def checked(cfg: Config) -> Config:
     field's type, finiteness and range, then the combinations."""
     if not isinstance(cfg, Config):
         raise TypeError(f"config must be a Config, a mapping of sections or None, got {type(cfg).__name__}")
+    _require_registered()
     hints = typing.get_type_hints(Config)
     for name in hints:
         section = getattr(cfg, name)
@@ -334,6 +382,7 @@ def checked(cfg: Config) -> Config:
 
 
 def from_dict(data: Optional[Dict[str, Any]]) -> Config:
+    _require_registered()
     data = dict(data or {})
     sections = {f.name: f.type for f in dataclasses.fields(Config)}
     unknown = sorted(set(data) - set(sections))
@@ -396,14 +445,11 @@ def _apply_aliases(cfg: Config) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Combinations that cannot work, named with what to use instead."""
-    algo, est = cfg.algorithm.type, cfg.advantage_estimator
+    """Combinations that cannot work, named with what to use instead: the config's own, then those
+    the rooms registered (``register_check``)."""
     if not cfg.trainer.output_dir.strip():  # "" would be the current folder, among the user's files
         raise ValueError(f"trainer.output_dir must name the run's folder (e.g. runs/<name>), got "
                          f"{cfg.trainer.output_dir!r}")
-    if est in GROUP_ESTIMATORS and cfg.rollout.n < 2:
-        raise ValueError(f"algorithm.type={algo} is not supported with rollout.n={cfg.rollout.n}: its baseline "
-                         "is the other samples of the same prompt; use rollout.n >= 2")
     if cfg.rollout.speculative_config:
         raise ValueError("rollout.speculative_config is not supported: RL rollout must sample from the policy "
                          "itself, and a draft model changes what is sampled; remove it")
@@ -415,50 +461,14 @@ def validate(cfg: Config) -> None:
                          "(generate runs the actor's own weights); use rollout.type=vllm")
     if cfg.actor.use_kl_loss and cfg.algorithm.use_kl_in_reward:
         raise ValueError("actor.use_kl_loss is not supported with algorithm.use_kl_in_reward; use one of them")
-    if algo == "dpo" and cfg.reward_fn.type not in ("pairwise_ranking",):
-        raise ValueError(f"algorithm.type=dpo is not supported with reward_fn.type={cfg.reward_fn.type}; "
-                         "use reward_fn.type=pairwise_ranking (DPO learns from chosen/rejected pairs)")
-    if algo != "dpo" and cfg.reward_fn.type == "pairwise_ranking":
-        raise ValueError(f"reward_fn.type=pairwise_ranking is not supported with algorithm.type={algo}; "
-                         "use algorithm.type=dpo" + (" (online_dpo ranks its samples with a scoring reward: "
-                                                    "reasoning_gym, gsm8k, callable or reward_model)"
-                                                    if algo == "online_dpo" else ""))
     if cfg.algorithm.epsilon <= 0:  # GRPO divides by std + epsilon, and a group of equal rewards has std 0
         raise ValueError(f"algorithm.epsilon must be > 0, got {cfg.algorithm.epsilon}")
     if cfg.reward_fn.timeout_s is not None and cfg.reward_fn.timeout_s <= 0:
         raise ValueError(f"reward_fn.timeout_s must be > 0 seconds (or null for no limit), got {cfg.reward_fn.timeout_s}")
-    if cfg.reward_fn.type == "callable" and not cfg.reward_fn.path:
-        raise ValueError("reward_fn.type=callable needs reward_fn.path ('module:function')")
-    if cfg.reward_fn.type == "reward_model" and not cfg.reward_fn.model_name:
-        raise ValueError("reward_fn.type=reward_model needs reward_fn.model_name")
     if cfg.actor.clip_ratio_c <= 1.0:
         raise ValueError(f"actor.clip_ratio_c must be > 1 (dual clip), got {cfg.actor.clip_ratio_c}")
-    if algo == "online_dpo" and cfg.rollout.n < 2:
-        raise ValueError(f"algorithm.type=online_dpo is not supported with rollout.n={cfg.rollout.n}: a pair needs "
-                         "two sampled responses per prompt; use rollout.n >= 2")
-    if cfg.critic.strategy == "megatron":
-        if cfg.actor.strategy != "megatron":
-            raise ValueError(f"critic.strategy=megatron is not supported with actor.strategy={cfg.actor.strategy}: "
-                             "the critic takes the actor's Megatron layout; use actor.strategy=megatron")
-        for key in ("gradient_checkpointing", "cpu_offload"):
-            if getattr(cfg.critic, key):
-                raise ValueError(f"critic.{key} is not supported with critic.strategy=megatron; leave it off")
-        if cfg.critic.mixed_precision != "none":
-            raise ValueError("critic.mixed_precision is not supported with critic.strategy=megatron; use "
-                             "critic.dtype=bfloat16 (bf16 weights, fp32 main weights in the optimizer)")
-    if cfg.actor.strategy == "megatron":
-        if algo in ("dpo", "online_dpo"):
-            raise ValueError(f"algorithm.type={algo} is not supported with actor.strategy=megatron; use fsdp2, "
-                             "fsdp1 or none")
-        for key in ("use_dynamic_bsz", "gradient_checkpointing", "cpu_offload"):
-            if getattr(cfg.actor, key):
-                raise ValueError(f"actor.{key} is not supported with actor.strategy=megatron; use fixed-size "
-                                 "micro-batches (actor.micro_batch_size) on the accelerator")
-        if cfg.actor.mixed_precision != "none" or cfg.actor.autocast != "none":
-            raise ValueError("actor.mixed_precision / actor.autocast are not supported with actor.strategy=megatron; "
-                             "use actor.dtype=bfloat16 (bf16 weights, fp32 main weights in the optimizer)")
-        if cfg.actor.virtual_pipeline_model_parallel_size and cfg.actor.pipeline_model_parallel_size < 2:
-            raise ValueError("actor.virtual_pipeline_model_parallel_size needs actor.pipeline_model_parallel_size >= 2")
+    for check in _CHECKS:
+        check(cfg)
 
 
 def default_config_path() -> Path:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
+from verl_fast import config
+
 
 @dataclass
 class PromptRow:
@@ -90,6 +92,7 @@ def _read_jsonl(path: Path) -> List[Dict[str, Any]]:
 
 
 OVERLONG_PROMPTS = ("skip", "error", "truncate_left")
+config.OVERLONG_PROMPTS.register(*OVERLONG_PROMPTS)
 
 
 class RLDataProcessor:

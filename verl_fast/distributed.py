@@ -1,5 +1,6 @@
-"""Facts about the torch.distributed world this process runs in, and the few collectives the trainer
-makes on plain Python numbers. One process (no process group) is a world of size 1.
+"""Facts about the torch.distributed world this process runs in, the few collectives the trainer
+makes on plain Python numbers, and the small agreements between the processes of a run (one rank
+acts, every rank learns the result). One process (no process group) is a world of size 1.
 
 Collectives run on the device the group's backend works with: NCCL only moves CUDA tensors (a CPU
 tensor fails with "No backend type associated with device type cpu"), gloo works on CPU tensors.
@@ -7,7 +8,7 @@ tensor fails with "No backend type associated with device type cpu"), gloo works
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -66,3 +67,43 @@ def barrier(group=None) -> None:
         dist.barrier(group=group, device_ids=[device.index])
     else:
         dist.barrier(group=group)
+
+
+def rank_world() -> Tuple[int, int]:
+    return rank(), world_size()
+
+
+def on_main(fn: Callable[[], Any]) -> Any:
+    """Runs ``fn`` on rank 0 and gives every rank its result, or raises its error on every rank (so
+    that no rank waits forever for one that failed)."""
+    import torch.distributed as dist
+
+    this, world = rank_world()
+    result: List[Any] = [None, None]
+    if this == 0:
+        try:
+            result = [fn(), None]
+        except BaseException as e:  # noqa: BLE001 - re-raised below, on every rank (DCP raises BaseException)
+            result = [None, e]
+    if world > 1:
+        dist.broadcast_object_list(result, src=0)
+    if result[1] is not None:
+        raise result[1]
+    return result[0]
+
+
+def gather(value: Any) -> List[Any]:
+    """``value`` from every rank, in rank order (an object collective: any backend, any device)."""
+    import torch.distributed as dist
+
+    _, world = rank_world()
+    if world == 1:
+        return [value]
+    out: List[Any] = [None] * world
+    dist.all_gather_object(out, value)
+    return out
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when ``flag`` is true on at least one."""
+    return bool(all_reduce_numbers([int(flag)], "max", dtype=torch.int32)[0])

@@ -12,9 +12,7 @@ import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from verl_fast import metrics_http
-from verl_fast.trainer import run_files
-from verl_fast.trainer.perf import summary as perf_summary
+from verl_fast import config, metrics_http, run_files
 
 # Step-metric keys with the names dashboards know; every other numeric key is exported as a gauge
 # named verl_<key> (characters outside [a-zA-Z0-9_] become _).
@@ -34,6 +32,7 @@ HISTOGRAMS = {
 }
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 LOGGERS = {"console": None, "jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb"}  # name -> package
+config.LOGGERS.register(*LOGGERS)
 
 
 def sanitize(key: str) -> str:
@@ -99,6 +98,21 @@ class MetricsServer:
         self.server.server_close()
 
 
+def step_summary(metrics: Dict[str, Any]) -> str:
+    """The progress bar's short account of a step: the two big phases and throughput."""
+    parts = []
+    for key, label in (("time/generation", "gen"), ("time/update_actor", "update")):
+        if key in metrics:
+            parts.append(f"{label} {metrics[key]:.1f}s")
+    if "perf/tokens_per_s_per_gpu" in metrics:
+        parts.append(f"{metrics['perf/tokens_per_s_per_gpu']:.0f} tok/s/gpu")
+    if "perf/mfu_update" in metrics:
+        parts.append(f"mfu {100 * metrics['perf/mfu_update']:.0f}%")
+    if "perf/peak_memory_gib" in metrics:
+        parts.append(f"mem {metrics['perf/peak_memory_gib']:.1f}GiB")
+    return "  ".join(parts)
+
+
 class _Console:
     def __init__(self, total_steps: int):
         from tqdm.auto import tqdm
@@ -114,7 +128,7 @@ class _Console:
         self.bar.set_postfix(reward=f"{m.get('reward/mean', nan):.3f}", loss=f"{m.get('actor/pg_loss', nan):.3f}")
         self.bar.write(f"step {m['step']:4d}  reward {m.get('reward/mean', nan):.3f}  "
                        f"response_len {m.get('response/length', nan):.1f}  step_time {m.get('time/step', nan):.1f}s  "
-                       f"{perf_summary(m)}")
+                       f"{step_summary(m)}")
 
     def close(self) -> None:
         self.bar.close()

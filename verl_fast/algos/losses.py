@@ -15,6 +15,7 @@ from verl_fast.ops.masked import masked_mean, masked_sum
 
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs", "k1+", "k2+", "k3+", "low_var_kl+", "abs+")
+DPO_LOSSES = ("sigmoid", "ipo", "hinge")
 
 
 def agg_loss(loss_mat: torch.Tensor, response_mask: torch.Tensor, mode: str = "token-mean",

@@ -172,7 +172,7 @@ def experience_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attenti
     gradient checkpointing, not sharded); otherwise the plain forward. A sharded (FSDP) model takes
     the plain path: its ranks must run the same number of forward passes, and whether a micro-batch
     can share depends on the rows each rank holds."""
-    from verl_fast.models.logprobs import _accepts, _fused_default, response_logprobs
+    from verl_fast.models.response_logprobs import _accepts, _fused_default, response_logprobs
     from verl_fast.models.wrapping import hf_module, is_sharded
 
     use_fused = _fused_default(model) if fused is None else fused

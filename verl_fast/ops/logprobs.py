@@ -131,7 +131,7 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature
     """log softmax(logits / T)[labels] for logits [..., V] and labels [...] -> float32 [...].
 
     One pass over the logits in their own dtype (no fp32 copy); the backward writes d_logits
-    directly. ``config``: a ``verl_fast.kernels.logprobs.LogprobsConfig`` for the Triton path.
+    directly. ``config``: a ``verl_fast.kernels.logprobs_from_logits.LogprobsConfig`` for the Triton path.
     """
     _float_input(logits, "logits")
     with_entropy, check = V.flag(with_entropy, "with_entropy"), V.flag(check, "check")
@@ -141,7 +141,7 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature
     inv_t = _inverse_temperature(temperature)
     x = _as_3d(logits)
     if _backend(logits, backend) == "triton":
-        from verl_fast.kernels.logprobs import logprobs_from_logits_triton
+        from verl_fast.kernels.logprobs_from_logits import logprobs_from_logits_triton
 
         # the forward kernel counts out-of-range labels itself: the check costs one 4-byte read
         bad = torch.zeros(1, dtype=torch.int32, device=logits.device) if check else None

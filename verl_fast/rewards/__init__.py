@@ -1,10 +1,12 @@
-"""Rewards: rule-based scorers, reward models, user callables, and the registry the config uses."""
+"""Rewards: rule-based scorers, reward models, user callables, and the registry by ``reward_fn.type``
+(its names, its ``on_error`` modes and its start-up checks registered in the config here)."""
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-from verl_fast.rewards.base import (
+from verl_fast import config
+from verl_fast.rewards.interface import (
     ON_ERROR,
     CallableReward,
     GuardedReward,
@@ -26,26 +28,44 @@ def build_reward(cfg: Any, override: Optional[Any] = None) -> Optional[RewardFun
     return None if reward is None else GuardedReward(reward, cfg.on_error, cfg.timeout_s)
 
 
+def _reward_model(cfg: Any) -> RewardFunction:
+    import torch
+
+    from verl_fast.models.loading import attention_kwargs
+
+    return RewardModel.from_pretrained(cfg.model_name, attention_kwargs(cfg, "reward_fn", torch.cuda.is_available()))
+
+
+# reward_fn.type -> the reward it builds from the reward_fn section; pairwise_ranking (DPO) scores
+# nothing: preference pairs carry their ranking
+REWARDS = {
+    "reasoning_gym": lambda cfg: ReasoningGymReward(),
+    "gsm8k": lambda cfg: GSM8KReward(),
+    "callable": lambda cfg: CallableReward(load_callable(cfg.path)),
+    "reward_model": _reward_model,
+    "pairwise_ranking": lambda cfg: None,
+}
+
+
 def _unguarded(cfg: Any, override: Optional[Any]) -> Optional[RewardFunction]:
     if override is not None:
         return as_reward_function(override)
-    kind = cfg.type
-    if kind == "reasoning_gym":
-        return ReasoningGymReward()
-    if kind == "gsm8k":
-        return GSM8KReward()
-    if kind == "callable":
-        return CallableReward(load_callable(cfg.path))
-    if kind == "reward_model":
-        import torch
+    if cfg.type not in REWARDS:
+        raise ValueError(f"unknown reward_fn.type {cfg.type!r}")
+    return REWARDS[cfg.type](cfg)
 
-        from verl_fast.models.loading import attention_kwargs
 
-        return RewardModel.from_pretrained(cfg.model_name, attention_kwargs(cfg, "reward_fn", torch.cuda.is_available()))
-    if kind == "pairwise_ranking":
-        return None
-    raise ValueError(f"unknown reward_fn.type {kind!r}")
+def _check(cfg: config.Config) -> None:
+    r = cfg.reward_fn
+    if r.type == "callable" and not r.path:
+        raise ValueError("reward_fn.type=callable needs reward_fn.path ('module:function')")
+    if r.type == "reward_model" and not r.model_name:
+        raise ValueError("reward_fn.type=reward_model needs reward_fn.model_name")
 
+
+config.REWARDS.register(*REWARDS)
+config.REWARD_ERRORS.register(*ON_ERROR)
+config.register_check(_check)
 
 __all__ = [
     "RewardInput",

@@ -6,7 +6,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from verl_fast.rewards.base import RewardFunction, RewardInput
+from verl_fast.rewards.interface import RewardFunction, RewardInput
 
 
 class RewardModel(RewardFunction):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, List, Optional, Sequence
 
-from verl_fast.rewards.base import RewardFunction, RewardInput
+from verl_fast.rewards.interface import RewardFunction, RewardInput
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 

@@ -45,7 +45,7 @@ from verl_fast.ops.reshard.vllm import vllm_reload_layout
 def actor_source(spec: ModelSpec, model: torch.nn.Module) -> Tuple[Layout, Mapping[str, torch.Tensor]]:
     """The layout the actor's parameters are in, and this rank's tensors of it by name. A plain module
     under several processes is a whole copy on every rank: each rank's TP shard is then copied locally."""
-    if hasattr(model, "weight_source"):  # e.g. trainer/megatron_actor.MegatronActor
+    if hasattr(model, "weight_source"):  # e.g. strategies/megatron/actor.MegatronActor
         return model.weight_source()
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP

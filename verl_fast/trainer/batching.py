@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from verl_fast.algos.losses import active_rows
+from verl_fast.experience import Experience, concat
 from verl_fast.ops import schedule
-from verl_fast.trainer.experience import Experience, concat
 
 __all__ = ["loss_normalisers", "micro_batches", "balance_across_ranks"]
 

@@ -109,18 +109,3 @@ def throughput(metrics: Dict[str, float]) -> Dict[str, float]:
     if not step or tokens is None:
         return {}
     return {"perf/tokens_per_s_per_gpu": tokens / step}
-
-
-def summary(metrics: Dict[str, float]) -> str:
-    """The progress bar's short account of a step: the two big phases and throughput."""
-    parts = []
-    for key, label in (("time/generation", "gen"), ("time/update_actor", "update")):
-        if key in metrics:
-            parts.append(f"{label} {metrics[key]:.1f}s")
-    if "perf/tokens_per_s_per_gpu" in metrics:
-        parts.append(f"{metrics['perf/tokens_per_s_per_gpu']:.0f} tok/s/gpu")
-    if "perf/mfu_update" in metrics:
-        parts.append(f"mfu {100 * metrics['perf/mfu_update']:.0f}%")
-    if "perf/peak_memory_gib" in metrics:
-        parts.append(f"mem {metrics['perf/peak_memory_gib']:.1f}GiB")
-    return "  ".join(parts)

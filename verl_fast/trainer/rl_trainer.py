@@ -1,19 +1,16 @@
 """RLTrainer: rollout -> reward -> advantages -> updates -> checkpoint and metrics, step by step.
 
-Algorithms, chosen once from ``config.algorithm.type``:
-- grpo, drgrpo, rloo, reinforce_pp, reinforce_pp_baseline: the outcome reward sits on each
-  response's last token; advantages come from the named estimator (group baselines over the
-  ``rollout.n`` samples of a prompt); PPO-clip policy loss; no critic.
-- remax: one greedy response per prompt is scored too; its reward is the baseline of the prompt's
-  samples (trainer/remax.py); PPO-clip policy loss; no critic.
-- ppo: a critic (value head) estimates values; GAE advantages; clipped policy and value losses.
-- dpo: offline chosen/rejected pairs, no rollout (trainer/dpo.py).
-- online_dpo: ``rollout.n >= 2`` samples per prompt, scored by the reward; each prompt's best and
-  worst sample train DPO in the same step (trainer/online_dpo.py).
-KL against the reference model goes either into the reward (``algorithm.use_kl_in_reward``,
-``kl_penalty``, ``kl_coef``) or into the loss (``actor.use_kl_loss``, ``kl_loss_type``,
-``kl_loss_coef``). Losses aggregate with ``actor.loss_agg_mode`` over the whole mini-batch
-(trainer/batching.py: micro-batches, DP balancing, the normalisers).
+What varies is chosen once, when the trainer is built, and called phase by phase:
+- the algorithm (``algorithm.type``; ``verl_fast/algos/``, one module each): its extra rollout
+  (ReMax), reward shaping (KL in the reward), advantage estimator and whitening scope, actor and
+  critic losses. Preference algorithms (dpo, online_dpo) step through chosen / rejected pairs
+  instead (``algos/algorithm.Step``).
+- the training strategy (``actor.strategy``; ``verl_fast/strategies/``): where the models live and how
+  their forward passes and optimiser steps run (FSDP2 / FSDP1 / one process, Megatron-core), what
+  the rollout engine syncs its weights from, the checkpoints.
+- the rollout engine (``rollout.type``; ``verl_fast/rollout/factory.py``).
+Losses aggregate with ``actor.loss_agg_mode`` over the whole mini-batch (trainer/batching.py:
+micro-batches, DP balancing, the normalisers).
 
 Run it with ``verl-fast train --config c.yaml`` or ``RLTrainer(actor_model=..., tokenizer=...,
 reward_fn=..., config=...).fit(dataset)``.
@@ -24,37 +21,27 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import replace
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 
+from verl_fast import checkpoint, distributed
 from verl_fast import config as config_mod
-from verl_fast import distributed
-from verl_fast.algos.advantage import BATCH_WHITENED, AdvantageInput, get_estimator
-from verl_fast.algos.losses import kl_penalty, value_loss
+from verl_fast.algos import registry as algorithms
+from verl_fast.algos.algorithm import Step
 from verl_fast.config import Config
+from verl_fast.distributed import any_rank
 from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
+from verl_fast.experience import Experience, build_experience, last_token_rewards
 from verl_fast.metrics import MetricsLogger
-from verl_fast.trainer.batching import balance_across_ranks, loss_normalisers, micro_batches
-from verl_fast.models.shared_prefix import experience_logprobs
-from verl_fast.models.value import ValueModel, response_values
-from verl_fast.models.wrapping import hf_module, is_sharded
-from verl_fast.trainer import sharding
-from verl_fast.trainer.sharding import Sharding
 from verl_fast.rewards import RewardInput, RewardStopped, RewardTimeout, build_reward
-from verl_fast.rollout.base import RolloutEngine, SamplingSpec
+from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec
 from verl_fast.rollout.factory import build_engine
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 from verl_fast.rollout.operator import RolloutOperator
-from verl_fast.trainer import checkpoint, dpo, megatron_checkpoint, online_dpo, perf, remax, run_dir
-from verl_fast.trainer.actor_loss import actor_loss
-from verl_fast.trainer.experience import Experience, build_experience, last_token_rewards
-from verl_fast.trainer.megatron_rollout import megatron_rollout
-from verl_fast.trainer.ranks import any_rank
-
-AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+from verl_fast.strategies import backends as strategies
+from verl_fast.trainer import perf, run_dir
+from verl_fast.trainer.batching import balance_across_ranks, loss_normalisers, micro_batches
 
 
 class RLTrainer:
@@ -81,84 +68,59 @@ class RLTrainer:
         the actor's folder, which a vLLM engine loads (else the actor is saved to a temporary one)."""
         self.cfg = config_mod.checked(config) if isinstance(config, Config) else config_mod.from_dict(config or {})
         cfg = self.cfg
-        self.algorithm = cfg.algorithm.type
+        self.algorithm = algorithms.build(cfg)
         self.tokenizer = tokenizer
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        self.rank, self.world = distributed.rank(), distributed.world_size()
-        self.is_main = self.rank == 0
-        self.dp_group = dist.group.WORLD if self.world > 1 else None  # the ranks that split the data
-        self.megatron = None
-        if cfg.actor.strategy == "megatron":  # a Megatron copy trains; the plain HF actor rolls out
-            actor_sharding = Sharding("none")
-        else:
-            actor_sharding = Sharding.from_config(cfg.actor, "actor", self.world)
-        self.device = sharding.compute_device(actor_sharding, cfg.trainer.device, actor_model)
-        self.actor = sharding.shard(actor_model, actor_sharding, self.device)
-        if cfg.actor.strategy == "megatron":
-            from verl_fast.trainer.megatron_actor import MegatronActor
-
-            self.megatron = MegatronActor(self.actor, cfg)
-            self.rank, self.world = self.megatron.dp_rank, self.megatron.dp_size  # data splits over DP only
-            self.dp_group = self.megatron.dp_group if self.world > 1 else None
-        if self.algorithm in ("dpo", "online_dpo"):
-            if self.algorithm == "online_dpo" and self.world > 1:
-                raise ValueError("algorithm.type=online_dpo is not supported with several processes (ranks would "
-                                 "keep different numbers of pairs); use one process, or dpo with a pairs dataset")
-            dpo.configure(cfg, self.world)
-        self._step = {"dpo": self._dpo_step, "online_dpo": self._online_dpo_step}.get(self.algorithm, self._rl_step)
-        self.autocast_dtype = AUTOCAST.get(cfg.actor.autocast)
-        self.ref = self._reference(ref_model, actor_sharding) if cfg.needs_reference else None
-        self.critic = None
-        if self.algorithm == "ppo":
-            if critic_model is None:
-                raise ValueError("algorithm.type=ppo needs a critic: pass critic_model (or critic.model_name)")
-            critic = critic_model if isinstance(critic_model, ValueModel) else ValueModel(critic_model)
-            if cfg.critic.strategy == "megatron":  # trained in Megatron's layout; the HF copy is not kept
-                from verl_fast.trainer.megatron_critic import MegatronCritic
-
-                self.critic = MegatronCritic(critic.to(self.device), cfg)
-            else:
-                self.critic = sharding.shard(critic, Sharding.from_config(cfg.critic, "critic", self.world),
-                                             self.device)
+        self.is_main = distributed.rank() == 0
+        if self.algorithm.needs_critic and critic_model is None:
+            raise ValueError(f"algorithm.type={self.algorithm.name} needs a critic: pass critic_model "
+                             "(or critic.model_name)")
+        self.strategy = strategies.build(cfg, actor_model, ref_model, critic_model if self.algorithm.needs_critic
+                                         else None, self.algorithm.needs_reference)
+        s = self.strategy
+        self.device, self.rank, self.world, self.dp_group = s.device, s.dp_rank, s.dp_size, s.dp_group
+        self.algorithm.configure(self.world)
+        self._step = {Step.POLICY_GRADIENT: self._policy_gradient_step,
+                      Step.PREFERENCE: self._preference_step}[self.algorithm.step]
         self.reward = build_reward(cfg.reward_fn, reward_fn)
-        self.estimator = get_estimator(cfg.advantage_estimator) if cfg.advantage_estimator else None
-        self.optimizer = self.megatron.optimizer if self.megatron else _adamw(self.actor, cfg.actor.lr,
-                                                                                cfg.actor.weight_decay)
-        self.critic_optimizer = None if self.critic is None else self.critic.optimizer if self._megatron_critic else \
-            _adamw(self.critic, cfg.critic.lr, cfg.critic.weight_decay)
         self.processor = RLDataProcessor(tokenizer, cfg.trainer.max_prompt_length, cfg.rollout.max_new_tokens,
                                          system_prompt=cfg.trainer.system_prompt,
                                          overlong_prompts=cfg.trainer.overlong_prompts)
-        self.engine = rollout_engine
+        self.engine, self.rollout = rollout_engine, rollout_operator
         self._engine_fresh = rollout_engine is None and rollout_operator is None  # built below from the actor
         if rollout_operator is not None:
-            self.rollout, self.engine = rollout_operator, rollout_operator.engine
-        elif self.algorithm != "dpo":
-            self.engine = rollout_engine or build_engine(cfg, self.actor, tokenizer, model_path, self.autocast_dtype,
-                                                         source=self.megatron)
-            if self.megatron is not None and self.engine.owns_weights:
-                self.engine = megatron_rollout(self.engine, self.megatron, self.actor)
-            r = cfg.rollout
-            waves = r.length_buckets == "on" or (r.length_buckets == "auto" and isinstance(self.engine, HFGenerateEngine))
-            waves = waves and not self.engine.collective  # ranks would make different numbers of calls
-            budget = r.max_batch_tokens or r.max_num_seqs * (cfg.trainer.max_prompt_length + r.max_new_tokens)
-            self.rollout = RolloutOperator(self.engine, self._sampling_defaults(generation_config),
-                                           max_num_seqs=r.max_num_seqs, max_batch_tokens=budget if waves else None)
+            self.engine = rollout_operator.engine
+        elif self.algorithm.samples:
+            self.engine = s.rollout_engine(rollout_engine or build_engine(
+                cfg, s.actor, tokenizer, model_path, s.autocast_dtype, source=s.weight_source(owns_weights=True)))
+            self.rollout = self._operator(generation_config)
         self.step = 0
         self.stopped = False  # set when a signal ended fit() early (after a checkpoint)
         self._stop_event = None  # fit's StopSignals event: a reward still scoring watches it
         self.history: List[Dict[str, Any]] = []
-        self.perf = perf.StepPerf(self.actor, self.device)
+        self.perf = perf.StepPerf(s.actor, self.device)
+
+    @property
+    def actor(self) -> torch.nn.Module:
+        """The Hugging Face actor (as the strategy laid it out)."""
+        return self.strategy.actor
+
+    @property
+    def ref(self) -> Optional[torch.nn.Module]:
+        """The frozen reference model, or None."""
+        return self.strategy.ref
 
     # ------------------------------------------------------------------ setup helpers
 
-    def _reference(self, ref_model: Optional[torch.nn.Module], actor_sharding: Sharding) -> torch.nn.Module:
-        """The given reference laid out as the actor is, else a frozen copy of the actor's weights."""
-        if ref_model is None:
-            return sharding.reference_from(self.actor, actor_sharding, self.device)
-        layout = replace(actor_sharding, gradient_checkpointing=False)
-        return sharding.freeze(sharding.shard(ref_model, layout, self.device))
+    def _operator(self, generation_config: Optional[Dict[str, Any]]) -> RolloutOperator:
+        """The rollout operator over ``self.engine``: length-bucketed waves where they pay (HF)."""
+        cfg, r = self.cfg, self.cfg.rollout
+        waves = r.length_buckets == "on" or (r.length_buckets == "auto" and isinstance(self.engine, HFGenerateEngine))
+        waves = waves and not self.engine.collective  # ranks would make different numbers of calls
+        budget = r.max_batch_tokens or r.max_num_seqs * (cfg.trainer.max_prompt_length + r.max_new_tokens)
+        return RolloutOperator(self.engine, self._sampling_defaults(generation_config), max_num_seqs=r.max_num_seqs,
+                               max_batch_tokens=budget if waves else None)
 
     def _sampling_defaults(self, generation_config: Optional[Dict[str, Any]]) -> SamplingSpec:
         r = self.cfg.rollout
@@ -167,11 +129,6 @@ class RLTrainer:
         base = SamplingSpec(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                             max_tokens=r.max_new_tokens, logprobs=False)
         return SamplingSpec.from_kwargs(base, dict(generation_config or {}))
-
-    def _autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def update_reward_fn(self, reward_fn: Any) -> None:
         """Swaps the reward without a restart; the next step scores with it."""
@@ -184,15 +141,12 @@ class RLTrainer:
         ``reasoning_gym:<task>``; preference pairs for DPO). Returns the per-step metrics."""
         cfg = self.cfg.trainer
         rows = self.processor.load(dataset, **dataset_kwargs) if not _is_prepared(dataset) else dataset
-        if self.algorithm == "dpo":
-            items: Sequence[Any] = rows if _is_prepared(rows) else self.processor.build_dpo_dataset(rows)
-        else:
-            items = rows if _is_prepared(rows) else self.processor.encode_all(rows)
+        items: Sequence[Any] = rows if _is_prepared(rows) else self.algorithm.encode(self.processor, rows)
         if not items:
             raise ValueError("the dataset is empty")
-        want = PreferencePair if self.algorithm == "dpo" else PromptRow
+        want = self.algorithm.item_type
         if not isinstance(items[0], want):
-            raise ValueError(f"algorithm.type={self.algorithm} trains on {want.__name__} items, but the dataset "
+            raise ValueError(f"algorithm.type={self.algorithm.name} trains on {want.__name__} items, but the dataset "
                              f"holds {type(items[0]).__name__}")
         if cfg.train_batch_size % self.world:
             raise ValueError(f"trainer.train_batch_size={cfg.train_batch_size} must be a multiple of the "
@@ -281,7 +235,7 @@ class RLTrainer:
                                                                   (i + 1) * cfg.train_batch_size)]
         return [items[j] for j in take[self.rank :: self.world]]
 
-    def _rl_step(self, batch: List[PromptRow]) -> Dict[str, Any]:
+    def _policy_gradient_step(self, batch: List[PromptRow]) -> Dict[str, Any]:
         metrics: Dict[str, Any] = {}
         exp = self.make_experience(batch, metrics)
         if self.world > 1 and self.cfg.actor.balance_dp:
@@ -289,7 +243,7 @@ class RLTrainer:
             metrics.update(balance)
         with self.perf.phase("update_actor"):
             metrics.update(self.update_actor(exp))
-        if self.critic is not None:
+        if self.strategy.critic is not None:
             with self.perf.phase("update_critic"):
                 metrics.update(self.update_critic(exp))
         if self.engine is not None and self.engine.owns_weights:
@@ -298,63 +252,70 @@ class RLTrainer:
         metrics.update(self.perf.figures())
         return _reduce(metrics, self.world, self.dp_group)
 
+    def _preference_step(self, batch: List[Any]) -> Dict[str, Any]:
+        """Chosen / rejected pairs (the dataset's, or sampled and ranked by the reward), one DPO update."""
+        metrics: Dict[str, Any] = {}
+        pairs = self.algorithm.pairs(batch, self._sample, self._score, metrics)
+        if pairs:  # no pair (every prompt's samples tied): no update
+            metrics.update(self._update_on_pairs(pairs))
+        self._sync_engine(metrics)  # also without an update: a sleep may have discarded the engine's weights
+        return metrics
+
     def _sync_engine(self, metrics: Dict[str, Any]) -> None:
         """The engine generates with the actor's current weights from now on (collective); the bytes
         this rank moved go into ``metrics`` (the step's phase timer times the call)."""
-        moved = self.engine.sync_from(self._rollout_source)
-        if self.engine.owns_weights:
+        if self.engine is None:
+            return
+        owns = self.engine.owns_weights
+        moved = self.engine.sync_from(self.strategy.weight_source(owns))
+        if owns:
             metrics["sync/bytes_per_rank"] = float(moved.get("bytes", 0))
 
     # ------------------------------------------------------------------ experience
 
+    @contextlib.contextmanager
+    def _engine_awake(self) -> Iterator[None]:
+        """The engine holds its generation memory while inside; forwards run under the actor's autocast."""
+        self.engine.wake_up()
+        with self.strategy.autocast():
+            yield
+        self.engine.sleep()
+
+    def _seed(self) -> int:
+        return self.cfg.rollout.seed * 1_000_003 + self.step * 997 + self.rank * 7919
+
+    def _sample(self, batch: List[PromptRow]) -> GenerationOutput:
+        """The step's samples of ``batch``."""
+        with self._engine_awake():
+            return self.rollout.rollout(batch, seed=self._seed())
+
     def make_experience(self, batch: List[PromptRow], metrics: Dict[str, Any]) -> Experience:
         """Rollout, rewards, old / reference log-probs and values, advantages."""
-        cfg = self.cfg
-        timed = self.perf.phase
-        with timed("generation"):
-            self.engine.wake_up()
-            seed = cfg.rollout.seed * 1_000_003 + self.step * 997 + self.rank * 7919
-            with self._autocast():
-                gen = self.rollout.rollout(batch, seed=seed)
-                greedy = remax.greedy_rollout(self.rollout, batch) if self.algorithm == "remax" else None
-            self.engine.sleep()
+        timed, algorithm = self.perf.phase, self.algorithm
+        with timed("generation"), self._engine_awake():
+            gen = self.rollout.rollout(batch, seed=self._seed())
+            extra = algorithm.extra_rollout(self.rollout, batch)
         metrics.update({f"rollout/{k}": v for k, v in self.engine.metrics().items()})
         exp = build_experience(batch, gen, self.tokenizer.pad_token_id).to(self.device)
         self.perf.count_step_tokens(exp.attention_mask)
         with timed("reward"):
             exp.scores = self._score(batch, gen)
-            baselines = None
-            if greedy is not None:  # ReMax: each sample's baseline is its prompt's greedy reward
-                greedy_scores = self._score(batch, greedy)  # [P]: one per prompt, in prompt order
-                baselines = greedy_scores[exp.prompt_index]
-                metrics["reward/greedy_baseline"] = greedy_scores.mean().item()
+            baselines = algorithm.reward_baselines(batch, extra, self._score, exp, metrics)
             exp.token_level_rewards = last_token_rewards(exp.scores, exp.response_mask)
         metrics["reward/errors"] = float(getattr(self.reward, "last_errors", 0))  # zeroed by reward_fn.on_error
         metrics["data/skipped_overlong"] = float(self.processor.skipped_overlong)
-        a = cfg.actor
-        needs_old = a.ppo_epochs > 1 or (a.ppo_mini_batch_size or exp.num_sequences) < exp.num_sequences \
-            or cfg.algorithm.use_kl_in_reward
-        if needs_old:
+        if algorithm.needs_old_logprobs(exp):
             with timed("old_logprob"):
-                exp.old_logprobs = self._logprobs(self.actor, exp)
-        if self.ref is not None and self.algorithm != "dpo":
+                exp.old_logprobs = self._old_logprobs(exp)
+        if self.strategy.ref is not None:
             with timed("ref"):
-                exp.ref_logprobs = self._logprobs(self.ref, exp)
-        if self.critic is not None:
+                exp.ref_logprobs = self._ref_logprobs(exp)
+        if self.strategy.critic is not None:
             with timed("values"):
                 exp.values = self._values(exp)
         with timed("advantages"):
-            if cfg.algorithm.use_kl_in_reward:
-                kl = kl_penalty(exp.old_logprobs, exp.ref_logprobs, cfg.algorithm.kl_penalty) * exp.response_mask
-                exp.token_level_rewards = exp.token_level_rewards - cfg.algorithm.kl_coef * kl
-                metrics["reward/kl_penalty"] = float((kl.sum() / exp.response_mask.sum().clamp(min=1)).item())
-            whiten_over_ranks = self.world > 1 and cfg.advantage_estimator in BATCH_WHITENED
-            exp.advantages, exp.returns = self.estimator(AdvantageInput(
-                token_level_rewards=exp.token_level_rewards, response_mask=exp.response_mask,
-                index=exp.prompt_index, values=exp.values, reward_baselines=baselines, gamma=cfg.algorithm.gamma,
-                lam=cfg.algorithm.lam, epsilon=cfg.algorithm.epsilon, whiten=not whiten_over_ranks))
-            if whiten_over_ranks:
-                exp.advantages = _whiten_over_ranks(exp.advantages, exp.response_mask, self.dp_group)
+            algorithm.shape_rewards(exp, metrics)
+            exp.advantages, exp.returns = algorithm.advantages(exp, baselines, self.dp_group)
         lengths = exp.response_mask.sum(-1).float()
         metrics.update({
             "reward/mean": exp.scores.mean().item(),
@@ -383,49 +344,20 @@ class RLTrainer:
         return torch.tensor(scores, dtype=torch.float32, device=self.device)
 
     @torch.no_grad()
-    def _logprobs(self, model: torch.nn.Module, exp: Experience) -> torch.Tensor:
-        if self.megatron is not None and model is self.actor:
-            return self.megatron.logprobs(exp, self._micro(exp, torch.arange(exp.num_sequences), for_update=False))
-        out = torch.zeros(exp.response_mask.shape, dtype=torch.float32, device=self.device)
-        micro = self._micro(exp, torch.arange(exp.num_sequences, device=self.device), for_update=False)
-        with sharding.gathered_for_passes(model, len(micro)):
-            for idx in micro:
-                sub = exp.select(idx)
-                with self._autocast():
-                    logp, _ = experience_logprobs(model, sub.input_ids, sub.attention_mask, sub.response_length,
-                                                  sub.prompt_index, fused=self._fused(),
-                                                  share=self.cfg.actor.share_prompt_forward)
-                out[idx, : sub.response_length] = logp.float()
-        return out
+    def _old_logprobs(self, exp: Experience) -> torch.Tensor:
+        return self.strategy.actor_logprobs(exp, self._micro(exp, self._rows(exp), for_update=False))
 
-    @property
-    def _rollout_source(self) -> Any:
-        """What the engine's weights come from: the Megatron shards when the engine holds its own
-        weights (vLLM), else the actor."""
-        owns = self.engine is not None and self.engine.owns_weights
-        return self.megatron if self.megatron is not None and owns else self.actor
-
-    @property
-    def _megatron_critic(self) -> bool:
-        return self.critic is not None and self.cfg.critic.strategy == "megatron"
+    @torch.no_grad()
+    def _ref_logprobs(self, exp: Experience) -> torch.Tensor:
+        return self.strategy.ref_logprobs(exp, self._micro(exp, self._rows(exp), for_update=False))
 
     @torch.no_grad()
     def _values(self, exp: Experience) -> torch.Tensor:
-        micro = self._micro(exp, torch.arange(exp.num_sequences, device=self.device), for_update=False,
-                            size=self.cfg.critic.micro_batch_size)
-        if self._megatron_critic:
-            return self.critic.values(exp, micro) * exp.response_mask
-        out = torch.zeros(exp.response_mask.shape, dtype=torch.float32, device=self.device)
-        with sharding.gathered_for_passes(self.critic, len(micro)):
-            for idx in micro:
-                sub = exp.select(idx)
-                with self._autocast():
-                    out[idx, : sub.response_length] = response_values(self.critic, sub.input_ids, sub.attention_mask,
-                                                                       sub.response_length).float()
-        return out * exp.response_mask
+        micro = self._micro(exp, self._rows(exp), for_update=False, size=self.cfg.critic.micro_batch_size)
+        return self.strategy.critic.values(exp, micro) * exp.response_mask
 
-    def _fused(self) -> Optional[bool]:
-        return {"auto": None, "on": True, "off": False}[self.cfg.actor.fused_logprobs]
+    def _rows(self, exp: Experience) -> torch.Tensor:
+        return torch.arange(exp.num_sequences, device=self.device)
 
     def _micro(self, exp: Experience, rows: torch.Tensor, for_update: bool = True,
                size: Optional[int] = None) -> List[torch.Tensor]:
@@ -441,17 +373,16 @@ class RLTrainer:
     def update_actor(self, exp: Experience) -> Dict[str, float]:
         a = self.cfg.actor
         N = exp.num_sequences
-        rows = torch.arange(N, device=self.device)
+        rows = self._rows(exp)
         # Samples whose advantage is 0 everywhere add exactly nothing to the policy gradient: leave
-        # them out of the backward (normalisers still count them, so the loss is unchanged).
-        # (single process only: FSDP ranks must run the same number of forward/backward passes)
-        skip = a.skip_zero_advantage and not a.use_kl_loss and a.entropy_coeff == 0 and self.world == 1 \
-            and self.megatron is None
+        # them out of the backward (normalisers still count them, so the loss is unchanged), where
+        # ranks may run different numbers of forward / backward passes.
+        skip = self.algorithm.zero_advantage_is_idle and self.strategy.uneven_micro_batches
         active = exp.advantages.abs().sum(-1) > 0 if skip else torch.ones(N, dtype=torch.bool, device=self.device)
         mini = a.ppo_mini_batch_size or N
         totals: Dict[str, float] = {}
         weight, norms = 0.0, 0.0
-        self.actor.train()
+        self.strategy.actor.train()
         for epoch in range(a.ppo_epochs):
             order = rows
             if a.ppo_epochs > 1 or mini < N:
@@ -463,7 +394,8 @@ class RLTrainer:
                 micro = self._micro(exp, mb[active[mb]])
                 for idx in micro:
                     self.perf.count_update(exp.attention_mask[idx])
-                stats, norm = self._train_mini_batch(exp, micro, counts)
+                stats, norm = self.strategy.train_actor(
+                    exp, micro, lambda logp, entropy, sub: self.algorithm.actor_loss(logp, entropy, sub, counts))
                 for idx, st in zip(micro, stats):
                     w = float(exp.response_mask[idx].sum())
                     for k, v in st.items():
@@ -479,70 +411,19 @@ class RLTrainer:
         out.setdefault("actor/pg_loss", 0.0)  # every advantage 0: the policy loss is exactly 0
         out["actor/grad_norm"] = norms / steps
         out["actor/active_fraction"] = float(active.float().mean())
-        if self._rollout_source is self.actor and self.megatron is not None:  # HF rollout runs the HF actor
-            self.megatron.export_to(hf_module(self.actor))
+        self.strategy.actor_updated(self.engine is not None and self.engine.owns_weights)
         return out
-
-    def _train_mini_batch(self, exp: Experience, micro: List[torch.Tensor], counts: Dict[str, float]):
-        """One optimiser step over the micro-batches: each one's stats, and the gradient norm."""
-        if self.megatron is not None:
-            return self.megatron.train_mini_batch(
-                exp, micro, lambda logp, entropy, sub: actor_loss(self.cfg.actor, logp, entropy, sub, counts))
-        stats = [self._actor_micro_step(exp.select(idx), counts) for idx in sharding.micro_steps(self.actor, micro)]
-        return stats, self._optimizer_step(self.actor, self.optimizer, self.cfg.actor.max_grad_norm)
-
-    def _actor_micro_step(self, sub: Experience, counts: Dict[str, float]) -> Dict[str, float]:
-        with self._autocast():
-            logp, entropy = experience_logprobs(self.actor, sub.input_ids, sub.attention_mask, sub.response_length,
-                                                sub.prompt_index, temperature=self.cfg.rollout.temperature or 1.0,
-                                                with_entropy=True, fused=self._fused(),
-                                                share=self.cfg.actor.share_prompt_forward)
-        loss, stats = actor_loss(self.cfg.actor, logp, entropy, sub, counts)
-        loss.backward()
-        return stats
-
-    def _optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
-        params = [p for p in model.parameters() if p.requires_grad]
-        for p in params:  # parameters no micro-batch touched still take their (zero-gradient) step
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        if hasattr(model, "clip_grad_norm_"):  # FSDP1 knows its shards
-            norm = model.clip_grad_norm_(max_norm if max_norm > 0 else float("inf"))
-        else:
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        if math.isfinite(norm):
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return norm
 
     def update_critic(self, exp: Experience) -> Dict[str, float]:
         c = self.cfg.critic
         N = exp.num_sequences
-        rows = torch.arange(N, device=self.device)
+        rows = self._rows(exp)
         counts = loss_normalisers(exp.response_mask, self.dp_group)
         totals: Dict[str, float] = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
-
-        def loss_fn(values: torch.Tensor, sub: Experience):
-            loss, stats = value_loss(values.float(), sub.values, sub.returns, sub.response_mask,
-                                     c.cliprange_value, c.loss_agg_mode, **counts)
-            return loss, {"vf_loss": loss.item(), "vf_clipfrac": float(stats["vf_clipfrac"]) * sub.num_sequences / N}
-
         for _ in range(self.cfg.actor.ppo_epochs):
             micro = self._micro(exp, rows, size=c.micro_batch_size)
-            if self._megatron_critic:
-                results, _ = self.critic.train_mini_batch(exp, micro, loss_fn)
-            else:
-                self.critic.train()
-                results = []
-                for idx in sharding.micro_steps(self.critic, micro):
-                    sub = exp.select(idx)
-                    with self._autocast():
-                        values = response_values(self.critic, sub.input_ids, sub.attention_mask, sub.response_length)
-                    loss, stats = loss_fn(values, sub)
-                    loss.backward()
-                    results.append(stats)
-                self._optimizer_step(self.critic, self.critic_optimizer, c.max_grad_norm)
+            results = self.strategy.critic.train(exp, micro,
+                                                 lambda values, sub: self.algorithm.critic_loss(values, sub, counts, N))
             for stats in results:
                 totals["vf_loss"] += stats["vf_loss"]
                 totals["vf_clipfrac"] += stats["vf_clipfrac"]
@@ -550,45 +431,20 @@ class RLTrainer:
         return {"critic/vf_loss": totals["vf_loss"] / epochs, "critic/vf_clipfrac": totals["vf_clipfrac"] / epochs,
                 "critic/values_mean": float((exp.values * exp.response_mask).sum() / exp.response_mask.sum())}
 
-    def _dpo_step(self, batch: List[Any]) -> Dict[str, Any]:
-        self.actor.train()
+    def _update_on_pairs(self, pairs: List[PreferencePair]) -> Dict[str, Any]:
+        self.strategy.actor.train()
         with self.perf.phase("update_actor"):
-            metrics = dpo.step(self.actor, self.ref, batch, pad_id=self.tokenizer.pad_token_id, device=self.device,
-                               autocast=self._autocast, algorithm=self.cfg.algorithm,
-                               pairs_per_micro_batch=dpo.pairs_per_micro_batch(self.cfg))
-            metrics["actor/grad_norm"] = self._optimizer_step(self.actor, self.optimizer,
-                                                              self.cfg.actor.max_grad_norm)
+            metrics = self.algorithm.update(self.strategy, pairs, self.tokenizer.pad_token_id)
         metrics.update(self.perf.figures())
         return _reduce(metrics, self.world, self.dp_group)
-
-    def _online_dpo_step(self, batch: List[PromptRow]) -> Dict[str, Any]:
-        """Sample, score, pair each prompt's best with its worst sample, one DPO update."""
-        start = time.perf_counter()
-        self.engine.wake_up()
-        with self._autocast():
-            gen = self.rollout.rollout(batch, seed=self.cfg.rollout.seed * 1_000_003 + self.step * 997)
-        self.engine.sleep()
-        scores = self._score(batch, gen)
-        pairs = online_dpo.best_worst_pairs(batch, gen, scores)
-        metrics: Dict[str, Any] = {"time/generation": time.perf_counter() - start, "reward/mean": scores.mean().item(),
-                                   "dpo/pairs": len(pairs)}
-        if pairs:  # no pair (every prompt's samples tied): no update
-            metrics.update(self._dpo_step(pairs))
-        self._sync_engine(metrics)  # also without an update: a sleep may have discarded the engine's weights
-        return metrics
 
     # ------------------------------------------------------------------ checkpoints
 
     def save(self, export_hf: bool = False) -> None:
         """A sharded checkpoint of this step (every rank writes its shards); ``export_hf`` adds the
-        HF safetensors folder that transformers and vLLM load."""
+        HF safetensors folder that transformers and vLLM load (a Megatron run always writes it)."""
         state = {"history": self.history, "config": self.cfg.to_dict(), "torch_rng": torch.get_rng_state().tolist()}
-        if self.megatron is not None:  # a Megatron distributed checkpoint, and always the HF export
-            megatron_checkpoint.save(self.cfg.trainer.output_dir, self.step, self.megatron, self.actor,
-                                     self.tokenizer, state, self.critic)
-        else:
-            checkpoint.save(self.cfg.trainer.output_dir, self.step, self.actor, self.tokenizer, self.optimizer, state,
-                            self.critic, self.critic_optimizer, export_hf=export_hf)
+        self.strategy.save(self.cfg.trainer.output_dir, self.step, self.tokenizer, state, export_hf)
 
     def _resume(self, logger: MetricsLogger) -> None:
         """Restores the newest complete checkpoint (a damaged newer one is named and skipped) and
@@ -599,23 +455,11 @@ class RLTrainer:
                 checkpoint.clean_partial(self.cfg.trainer.output_dir)
             path = checkpoint.latest_valid(self.cfg.trainer.output_dir)
         if path is not None:
-            if self.megatron is not None:
-                state = megatron_checkpoint.load(path, self.megatron, self.actor, self.critic)
-            else:
-                state = checkpoint.load(path, self.actor, self.optimizer, self.critic, self.critic_optimizer)
+            state = self.strategy.load(path)
             self.step = int(state["step"])
             self.history = list(state.get("history", []))
             torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
         logger.resume(self.history)
-
-
-def _adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW; the fused kernel (one pass over all parameters, ~5x faster on the CPU than the default
-    per-tensor loop) for plain CPU / CUDA parameters; sharded (DTensor) ones keep torch's default."""
-    params = list(model.parameters())
-    fused = not is_sharded(model) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point()
-                                          and type(p.data) is torch.Tensor for p in params)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
 
 
 def _is_prepared(items: Any) -> bool:
@@ -631,15 +475,3 @@ def _reduce(metrics: Dict[str, Any], world: int, group=None) -> Dict[str, Any]:
     return {**metrics, **{k: v / world for k, v in zip(keys, values)}}
 
 
-def _whiten_over_ranks(values: torch.Tensor, mask: torch.Tensor, group=None) -> torch.Tensor:
-    """``values`` whitened with the masked mean and unbiased variance of every rank's tokens (what
-    one process whitening the whole batch computes), ``(v - mean) * rsqrt(var + 1e-8)``; zero where
-    ``mask`` is 0 (no loss reads those positions)."""
-    m = mask.to(torch.float64)
-    v = values.to(torch.float64) * m
-    n, s, s2 = distributed.all_reduce_numbers([float(m.sum()), float(v.sum()), float((v * v).sum())], group=group)
-    if n < 2:
-        raise ValueError(f"whitening needs at least 2 response tokens over all ranks, got {int(n)}")
-    mean = s / n
-    var = max((s2 - s * mean) / (n - 1), 0.0)
-    return ((values - mean) * (var + 1e-8) ** -0.5 * mask).to(values.dtype)

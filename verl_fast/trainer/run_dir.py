@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from verl_fast.metrics import check_loggers
-from verl_fast.trainer import run_files
-from verl_fast.trainer.ranks import any_rank, on_main, rank_world
+from verl_fast import run_files
+from verl_fast.distributed import any_rank, on_main, rank_world
 
 LOCK = ".lock"
 # what a run writes into its output_dir (overwrite removes exactly these)

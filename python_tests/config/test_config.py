@@ -1,0 +1,102 @@
+"""Config loading: defaults, the older spellings, overrides, and errors that name the key."""
+
+import textwrap
+
+import pytest
+
+from verl_fast import config as C
+
+
+def test_defaults_and_embedded_default_load():
+    cfg = C.from_dict({})
+    assert cfg.algorithm.type == "grpo"
+    default = C.load(C.default_config_path())
+    assert default.actor.model_name == "smollm2-135m-instruct"
+    assert default.rollout.n == 8 and default.trainer.total_steps == 25
+
+
+def test_seed_002_form(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(textwrap.dedent("""
+        actor: {type: vllm, model_name: /models/llama, tensor_parallel_size: 2, dtype: bfloat16,
+                enable_prefix_caching: true, max_num_seqs: 64}
+        critic: {type: hf_transformers, model_name: /models/critic, use_flash_attention: true}
+        reward_fn: {type: pairwise_ranking, reference_free: false}
+        algorithm: {type: dpo, beta: 0.1, loss_type: sigmoid}
+        trainer: {num_epochs: 1, per_device_train_batch_size: 4, gradient_accumulation_steps: 4,
+                  learning_rate: 5.0e-7, max_grad_norm: 1.0}
+    """))
+    cfg = C.load(path)
+    assert cfg.rollout.type == "vllm" and cfg.rollout.tensor_parallel_size == 2 and cfg.rollout.max_num_seqs == 64
+    assert cfg.actor.lr == 5e-7 and cfg.actor.micro_batch_size == 4 and cfg.actor.ppo_mini_batch_size == 16
+    assert cfg.algorithm.type == "dpo"
+
+
+def test_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("actor: {lr: 1.0e-5}\n")
+    cfg = C.load(path, ["actor.lr=3e-5", "rollout.n=4", "trainer.dataset=reasoning_gym:chain_sum"])
+    assert cfg.actor.lr == 3e-5 and cfg.rollout.n == 4 and cfg.trainer.dataset == "reasoning_gym:chain_sum"
+    with pytest.raises(ValueError, match="section.key=value"):
+        C.load(path, ["lr=1"])
+
+
+@pytest.mark.parametrize("data,match", [
+    ({"actor": {"learning_rat": 1}}, r"unknown key actor.learning_rat; allowed keys in actor: \[.*'lr'"),
+    ({"trainr": {}}, r"unknown section 'trainr'"),
+    ({"actor": {"lr": "fast"}}, r"actor.lr must be a number, got 'fast'"),
+    ({"rollout": {"n": 2.5}}, r"rollout.n must be an integer"),
+    ({"rollout": {"n": 0}}, r"rollout.n must be >= 1, got 0"),
+    ({"actor": {"loss_agg_mode": "mean"}}, r"actor.loss_agg_mode must be one of \['token-mean'"),
+    ({"algorithm": {"type": "a2c"}}, r"algorithm.type must be one of"),
+    ({"rollout": {"enable_prefix_caching": "yes"}}, r"must be true or false"),
+    ({"algorithm": {"type": "grpo"}, "rollout": {"n": 1}}, r"grpo is not supported with rollout.n=1.*use rollout.n >= 2"),
+    ({"rollout": {"speculative_config": {"model": "draft"}}}, r"speculative_config is not supported"),
+    ({"rollout": {"guided_decoding": {"json": {}}}}, r"guided_decoding is not supported"),
+    ({"algorithm": {"type": "dpo"}}, r"dpo is not supported with reward_fn.type=reasoning_gym; use reward_fn.type=pairwise_ranking"),
+    ({"actor": {"use_kl_loss": True}, "algorithm": {"use_kl_in_reward": True}}, r"use one of them"),
+    ({"reward_fn": {"type": "callable"}}, r"needs reward_fn.path"),
+    ({"actor": {"clip_ratio_c": 1.0}}, r"clip_ratio_c must be > 1"),
+])
+def test_errors_name_the_key(data, match):
+    with pytest.raises(ValueError, match=match):
+        C.from_dict(data)
+
+
+def test_program_exit_codes(tmp_path):
+    """`verl-fast` as a program leaves without the interpreter's teardown: its exit code and output
+    must still be those of the command (0 for help, 1 and the message for a bad key)."""
+    import os
+    import subprocess
+    import sys
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "verl_fast", *args], capture_output=True, text=True,
+                              cwd=tmp_path, env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=120)
+
+    helped = run("--help")
+    assert helped.returncode == 0 and "train" in helped.stdout
+    bad = run("train", "--set", "actor.lrr=1", "--output_dir", str(tmp_path / "run"))
+    assert bad.returncode == 1 and "unknown key actor.lrr" in bad.stderr
+    assert run("bogus").returncode == 2  # argparse's usage error
+
+
+def test_the_config_imports_no_room_and_the_rooms_register_its_choices(tmp_path):
+    """Importing ``verl_fast.config`` imports nothing else of verl_fast; its first validation imports
+    ``verl_fast.catalog``, whose rooms register the values the keys accept, in the order they always had."""
+    import subprocess
+    import sys
+
+    code = "\n".join([
+        "import sys",
+        "import verl_fast.config as C",
+        "assert [m for m in sys.modules if m.startswith('verl_fast.')] == ['verl_fast.config'], sorted(sys.modules)",
+        "assert C.from_dict({'algorithm': {'type': 'ppo'}}).algorithm.type == 'ppo'",
+        "assert 'verl_fast.catalog' in sys.modules",
+        "assert list(C.ALGORITHMS) == ['grpo', 'drgrpo', 'ppo', 'rloo', 'reinforce_pp', 'reinforce_pp_baseline',"
+        " 'remax', 'dpo', 'online_dpo']",
+        "assert list(C.STRATEGIES) == ['auto', 'fsdp2', 'fsdp1', 'none', 'megatron']",
+    ])
+    # run outside the repository: from its root, `import verl_fast` would find the unbuilt source folder
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -1,0 +1,114 @@
+"""Per-phase step figures: FLOP count, MFU, peak table, and the keys a training step reports."""
+
+import json
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tiny_models import save_tiny_model
+from verl_fast.metrics import step_summary
+from verl_fast.trainer import perf
+from verl_fast.trainer.rl_trainer import RLTrainer
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", family="qwen2")
+
+
+def test_update_flops_matches_plain_count():
+    lens = torch.tensor([5, 17, 1, 300])
+    params, layers, width = 1234567, 7, 96
+    want = 0.0
+    for s in lens.tolist():  # per token: 6 per parameter; per causal query-key pair: 2 matmuls x 3
+        want += 6.0 * params * s + 3 * 2 * layers * width * s * s
+    assert perf.update_flops(params, layers, width, lens) == pytest.approx(want, rel=1e-12)
+
+
+def test_peak_table_by_device_name(monkeypatch):
+    assert perf.peak_bf16_flops(torch.device("cpu")) is None
+    for name, want in [("NVIDIA H200", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA GH200 480GB", 989e12),
+                       ("NVIDIA L40S", 362e12), ("Tesla T4", None)]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
+        assert perf.peak_bf16_flops(torch.device("cuda")) == want, name
+
+
+def test_phases_accumulate_and_mfu(tiny_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_path)
+    p = perf.StepPerf(model, torch.device("cpu"))
+    cfg = model.config
+    assert p.num_params == sum(t.numel() for t in model.parameters())
+    assert (p.num_layers, p.attn_width) == (cfg.num_hidden_layers, cfg.hidden_size)
+    with p.phase("update_actor"):
+        time.sleep(0.02)
+    with p.phase("update_actor"):
+        time.sleep(0.01)
+    mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1], [1, 1, 1, 1]])
+    p.count_update(mask)
+    p.count_step_tokens(mask)
+    out = p.figures()
+    assert 0.03 <= out["time/update_actor"] < 0.5
+    assert "perf/mfu_update" not in out and "perf/peak_memory_gib" not in out  # CPU: no peak rate
+    assert out["perf/tokens"] == 10
+    p.peak = 1e12  # as on a GPU of 1 TFLOP/s
+    want = perf.update_flops(p.num_params, p.num_layers, p.attn_width, torch.tensor([3, 3, 4]))
+    assert p.figures()["perf/mfu_update"] == pytest.approx(want / out["time/update_actor"] / 1e12)
+    assert perf.throughput({"time/step": 2.0, "perf/tokens": 10}) == {"perf/tokens_per_s_per_gpu": 5.0}
+    p.begin()
+    assert p.figures() == {"perf/tokens": 0.0}
+
+
+def test_progress_bar_summary():
+    line = step_summary({"time/generation": 0.84, "time/update_actor": 0.41, "perf/tokens_per_s_per_gpu": 28512.3,
+                         "perf/mfu_update": 0.234, "perf/peak_memory_gib": 15.26})
+    assert line == "gen 0.8s  update 0.4s  28512 tok/s/gpu  mfu 23%  mem 15.3GiB"
+    assert step_summary({"time/generation": 2.0}) == "gen 2.0s"
+
+
+PROMPTS = [{"prompt": f"What is {a} + {b}?", "reward_model": {"ground_truth": str(a + b)}, "data_source": "toy"}
+           for a, b in [(1, 2), (3, 4)]]
+
+
+def test_trainer_reports_phases_per_step(tiny_path, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    cfg = {"actor": {"lr": 1e-3, "micro_batch_size": 8, "use_kl_loss": True, "ppo_mini_batch_size": 4},
+           "rollout": {"type": "hf", "n": 4, "max_new_tokens": 6},
+           "reward_fn": {"type": "gsm8k"}, "algorithm": {"type": "grpo"},
+           "trainer": {"total_steps": 2, "train_batch_size": 2, "output_dir": str(tmp_path / "run"), "save_freq": 1,
+                       "progress_bar": False, "plot": False, "device": "cpu"}}
+    reward = lambda solution_str, ground_truth: float(len(solution_str) % 2)  # noqa: E731
+    trainer = RLTrainer(actor_model=model, tokenizer=tok, reward_fn=reward, config=cfg)
+    history = trainer.fit(PROMPTS)
+    prompt_tokens = sum(len(r.prompt_ids) for r in trainer.processor.encode_all(PROMPTS))
+    phases = ["generation", "reward", "old_logprob", "ref", "advantages", "update_actor"]
+    for m in history:
+        for name in phases:
+            assert m[f"time/{name}"] >= 0, name
+        assert sum(m[f"time/{n}"] for n in phases) <= m["time/step"]
+        assert "time/values" not in m and "time/update_critic" not in m  # no critic in GRPO
+        tokens = 4 * prompt_tokens + 8 * m["response/length"]  # n=4 samples of 2 prompts
+        assert m["perf/tokens"] == pytest.approx(tokens)
+        assert m["perf/tokens_per_s_per_gpu"] == pytest.approx(tokens / m["time/step"])
+    assert history[0]["time/checkpoint"] > 0  # saved after step 1 (the last step's save is the final one)
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert logged[0]["time/checkpoint"] == history[0]["time/checkpoint"]
+    assert all(isinstance(v, float) for k, v in logged[1].items() if k.startswith(("time/", "perf/")))
+
+
+@pytest.mark.gpu
+def test_gpu_figures_peak_memory_and_mfu():
+    device = torch.device("cuda")
+    model = torch.nn.Linear(1024, 1024).to(device)
+    p = perf.StepPerf(model, device)
+    p.begin()
+    with p.phase("update_actor"):
+        x = torch.randn(4096, 1024, device=device, requires_grad=True)
+        model(x).sum().backward()
+    p.count_update(torch.ones(2, 2048, device=device))
+    out = p.figures()
+    assert out["perf/peak_memory_gib"] >= 4096 * 1024 * 4 / 2**30  # at least the input was live
+    if p.peak is not None:  # a GPU in the table
+        assert 0 < out["perf/mfu_update"] < 1

@@ -1,0 +1,38 @@
+"""The actor's loss on one micro-batch, shared by every training backend (HF / FSDP and Megatron)."""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+
+from verl_fast.algos.losses import active_rows, agg_loss, entropy_loss, kl_penalty, policy_loss
+from verl_fast.experience import Experience
+
+
+def actor_loss(a, logp: torch.Tensor, entropy: torch.Tensor, sub: Experience,
+               counts: Dict[str, float]) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """``a``: the actor config. ``logp`` / ``entropy`` [n, L] of the micro-batch ``sub``; ``counts``:
+    the mini-batch's normalisers. Returns this micro-batch's share of the mini-batch loss and its
+    statistics at the scale of a whole batch (callers average micro-batches weighted by tokens)."""
+    logp = logp.float()
+    old = sub.old_logprobs if sub.old_logprobs is not None else logp.detach()
+    pg, stats = policy_loss(logp, old, sub.advantages, sub.response_mask, a.clip_ratio_low, a.clip_ratio_high,
+                            a.clip_ratio_c, a.loss_agg_mode, **counts)
+    loss = pg
+    ent = entropy_loss(entropy.float(), sub.response_mask, a.loss_agg_mode, **counts)
+    if a.entropy_coeff:
+        loss = loss - a.entropy_coeff * ent
+    out = {"pg_loss": pg.item(), "entropy": ent.item(), **{k: float(v) for k, v in stats.items()}}
+    if sub.ref_logprobs is not None:
+        kl = kl_penalty(logp, sub.ref_logprobs, a.kl_loss_type if a.use_kl_loss else "low_var_kl")
+        kl_term = agg_loss(kl, sub.response_mask, a.loss_agg_mode, **counts)
+        if a.use_kl_loss:
+            loss = loss + a.kl_loss_coef * kl_term
+        out["kl"] = kl_term.item()
+    share = (float(sub.response_mask.sum()) / max(counts["num_tokens"], 1.0) if a.loss_agg_mode.startswith("token")
+             else float(active_rows(sub.response_mask)) / max(counts["num_seqs"], 1.0))
+    for k in ("pg_loss", "entropy", "kl"):
+        if k in out:
+            out[k] = out[k] / max(share, 1e-9)
+    return loss, out

@@ -1,0 +1,42 @@
+"""Algorithms by name: ``algorithm.type`` picks one when the trainer is built (``build``), and the
+names, the loss modes and each algorithm's start-up checks are registered in the config here.
+
+    grpo, drgrpo           grpo.py          group-normalised outcome reward (Dr.GRPO: no std)
+    ppo                    ppo.py           critic values, GAE, clipped value loss
+    rloo                   rloo.py          leave-one-out group baseline
+    reinforce_pp(_baseline) reinforce_pp.py discounted return (or group baseline), whitened
+    remax                  remax.py         the greedy rollout's reward as the baseline
+    dpo                    dpo.py           offline chosen / rejected pairs
+    online_dpo             online_dpo.py    sampled pairs, ranked by the reward
+
+A new algorithm is a module with a spec (``name``, ``check(cfg)``, ``build(cfg)``) added to ``SPECS``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+from verl_fast import config
+from verl_fast.algos import dpo, grpo, losses, online_dpo, ppo, reinforce_pp, remax, rloo
+from verl_fast.algos.algorithm import Algorithm
+
+SPECS: Dict[str, Any] = {spec.name: spec for spec in (
+    grpo.GRPO, grpo.DR_GRPO, ppo.PPO, rloo.RLOO, reinforce_pp.REINFORCE_PP, reinforce_pp.REINFORCE_PP_BASELINE,
+    remax.REMAX, dpo.DPO, online_dpo.OnlineDPO,
+)}
+
+
+def build(cfg: config.Config) -> Algorithm:
+    """The algorithm ``cfg.algorithm.type`` names, for this run."""
+    return SPECS[cfg.algorithm.type].build(cfg)
+
+
+def _check(cfg: config.Config) -> None:
+    SPECS[cfg.algorithm.type].check(cfg)
+
+
+config.ALGORITHMS.register(*SPECS)
+config.LOSS_AGG_MODES.register(*losses.AGG_MODES)
+config.KL_ESTIMATORS.register(*losses.KL_KINDS)
+config.DPO_LOSSES.register(*losses.DPO_LOSSES)
+config.register_check(_check)

@@ -1,0 +1,107 @@
+"""One step's rollout as training tensors (``Experience``), shared by the trainer, the algorithms and the
+training strategies: built from the engine's output, cut into micro-batches by ``Experience.select``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Optional, Sequence
+
+import torch
+
+from verl_fast.data import PromptRow
+from verl_fast.rollout.base import GenerationOutput
+
+
+@dataclass
+class Experience:
+    """N sequences (prompts x samples); P = longest prompt, L = longest response."""
+
+    input_ids: torch.Tensor  # [N, P + L]: left-padded prompt, right-padded response
+    attention_mask: torch.Tensor  # [N, P + L]
+    response_mask: torch.Tensor  # [N, L] 1 on generated tokens (EOS included)
+    prompt_index: torch.Tensor  # [N] which prompt of the step's batch
+    scores: Optional[torch.Tensor] = None  # [N] sequence rewards
+    token_level_rewards: Optional[torch.Tensor] = None  # [N, L]
+    old_logprobs: Optional[torch.Tensor] = None  # [N, L] actor before the update
+    ref_logprobs: Optional[torch.Tensor] = None  # [N, L]
+    values: Optional[torch.Tensor] = None  # [N, L] critic
+    advantages: Optional[torch.Tensor] = None  # [N, L]
+    returns: Optional[torch.Tensor] = None  # [N, L]
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def response_length(self) -> int:
+        return int(self.response_mask.shape[1])
+
+    def to(self, device: torch.device) -> "Experience":
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                if isinstance(getattr(self, f.name), torch.Tensor)})
+
+    def select(self, index: torch.Tensor) -> "Experience":
+        """Rows ``index``, with the padding columns no selected row needs cut away."""
+        sub = {f.name: getattr(self, f.name)[index] for f in fields(self) if getattr(self, f.name) is not None}
+        L = self.response_length
+        P = self.input_ids.shape[1] - L
+        prompt_mask = sub["attention_mask"][:, :P]
+        used = prompt_mask.any(0).nonzero()
+        start = int(used[0]) if used.numel() else P
+        resp_len = int(sub["response_mask"].sum(-1).max().item()) if index.numel() else 0
+        resp_len = max(resp_len, 1)
+        keep = torch.cat([torch.arange(start, P), torch.arange(P, P + resp_len)]).to(self.input_ids.device)
+        for name in ("input_ids", "attention_mask"):
+            sub[name] = sub[name][:, keep]
+        for name, value in list(sub.items()):
+            if value.dim() == 2 and name not in ("input_ids", "attention_mask"):
+                sub[name] = value[:, :resp_len]
+        return Experience(**sub)
+
+
+def concat(parts: Sequence[Experience]) -> Experience:
+    """Row-wise concatenation; prompts stay left-aligned to the response boundary (padding on the
+    left), responses right-padded to the longest."""
+    P = max(e.input_ids.shape[1] - e.response_length for e in parts)
+    L = max(e.response_length for e in parts)
+    out = {}
+    for f in fields(Experience):
+        values = [getattr(e, f.name) for e in parts]
+        if any(v is None for v in values):
+            out[f.name] = None
+            continue
+        if f.name in ("input_ids", "attention_mask"):
+            values = [torch.nn.functional.pad(v, (P - (v.shape[1] - e.response_length), L - e.response_length))
+                      for v, e in zip(values, parts)]
+        elif values[0].dim() == 2:
+            values = [torch.nn.functional.pad(v, (0, L - v.shape[1])) for v in values]
+        out[f.name] = torch.cat(values)
+    return Experience(**out)
+
+
+def build_experience(prompts: Sequence[PromptRow], gen: GenerationOutput, pad_id: int) -> Experience:
+    """Prompt tokens (left-padded, repeated per sample) joined to the generated responses."""
+    N = gen.num_sequences
+    P = max((len(prompts[int(i)].prompt_ids) for i in gen.prompt_index), default=1)
+    prompt_ids = torch.full((N, P), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((N, P), dtype=torch.long)
+    for row, i in enumerate(gen.prompt_index.tolist()):
+        ids = prompts[i].prompt_ids
+        if ids:
+            prompt_ids[row, P - len(ids):] = torch.as_tensor(ids, dtype=torch.long)
+            prompt_mask[row, P - len(ids):] = 1
+    response_mask = gen.response_mask.long()
+    return Experience(
+        input_ids=torch.cat([prompt_ids, gen.response_ids.long()], dim=1),
+        attention_mask=torch.cat([prompt_mask, response_mask], dim=1),
+        response_mask=response_mask,
+        prompt_index=gen.prompt_index.long(),
+    )
+
+
+def last_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Outcome rewards placed on each response's last token: ``[N] -> [N, L]``."""
+    rewards = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+    last = (response_mask.sum(-1) - 1).clamp(min=0)
+    rewards[torch.arange(len(scores), device=rewards.device), last] = scores.float().to(rewards.device)
+    return rewards

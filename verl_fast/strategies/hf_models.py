@@ -1,0 +1,205 @@
+"""Strategies ``fsdp2``, ``fsdp1`` and ``none`` (``auto``: fsdp2 under torchrun, none in one process):
+the Hugging Face actor, its reference and a PPO critic trained by torch, each laid out over the
+data-parallel ranks as ``sharding.py`` says (a model the user wrapped is used as it is).
+
+- Forward passes: the actor's and the reference's log-probs through ``models/shared_prefix`` (the
+  fused lm_head + log-prob kernels with ``actor.fused_logprobs``; a group's prompt run once with
+  ``actor.share_prompt_forward``), the critic's values through ``models/value``, under
+  ``actor.autocast``. Training passes take the rollout temperature, the others temperature 1.
+- Updates: a mini-batch's micro-batches accumulate gradients (FSDP2 with ``unsharded_accumulation``
+  gathers the parameters once per step), then the gradient norm is clipped and AdamW steps (fused
+  for plain parameters); a step whose norm is not finite is skipped.
+- Checkpoints: torch DCP shards of the models and optimizers plus the HF export (``checkpoint.py``).
+- Rollout: engines read the actor itself (HF generate), or sync from it (vLLM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from verl_fast import checkpoint, distributed
+from verl_fast.config import Config
+from verl_fast.experience import Experience
+from verl_fast.models.shared_prefix import experience_logprobs
+from verl_fast.models.value import ValueModel, response_values
+from verl_fast.models.wrapping import is_sharded
+from verl_fast.rollout.base import RolloutEngine
+from verl_fast.strategies import sharding
+from verl_fast.strategies.protocol import LossFn
+from verl_fast.strategies.sharding import Sharding
+
+AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+FUSED = {"auto": None, "on": True, "off": False}  # actor.fused_logprobs
+
+
+def adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW; the fused kernel (one pass over all parameters, ~5x faster on the CPU than the default
+    per-tensor loop) for plain CPU / CUDA parameters; sharded (DTensor) ones keep torch's default."""
+    params = list(model.parameters())
+    fused = not is_sharded(model) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point()
+                                          and type(p.data) is torch.Tensor for p in params)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
+
+
+def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
+    """Clips the accumulated gradient to ``max_norm`` (0: no clipping), steps when its norm is finite,
+    zeroes it; returns the norm."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:  # parameters no micro-batch touched still take their (zero-gradient) step
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if hasattr(model, "clip_grad_norm_"):  # FSDP1 knows its shards
+        norm = model.clip_grad_norm_(max_norm if max_norm > 0 else float("inf"))
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    if math.isfinite(norm):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+def autocast_of(dtype: Optional[torch.dtype], device: torch.device) -> Callable[[], ContextManager[Any]]:
+    """Autocast to ``dtype`` (None: none) as a context factory for forward passes on ``device``."""
+    if dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device.type, dtype=dtype)
+
+
+def reference_model(actor: torch.nn.Module, ref_model: Optional[torch.nn.Module], layout: Sharding,
+                    device: torch.device) -> torch.nn.Module:
+    """The given reference laid out as the actor is, else a frozen copy of the actor's weights."""
+    if ref_model is None:
+        return sharding.reference_from(actor, layout, device)
+    return sharding.freeze(sharding.shard(ref_model, replace(layout, gradient_checkpointing=False), device))
+
+
+@torch.no_grad()
+def hf_logprobs(model: torch.nn.Module, exp: Experience, micro: List[torch.Tensor], cfg: Config,
+                autocast: Callable[[], ContextManager[Any]], device: torch.device) -> torch.Tensor:
+    """[N, L] float32 response log-probs of an HF model (actor or reference), micro-batch by micro-batch."""
+    out = torch.zeros(exp.response_mask.shape, dtype=torch.float32, device=device)
+    with sharding.gathered_for_passes(model, len(micro)):
+        for idx in micro:
+            sub = exp.select(idx)
+            with autocast():
+                logp, _ = experience_logprobs(model, sub.input_ids, sub.attention_mask, sub.response_length,
+                                              sub.prompt_index, fused=FUSED[cfg.actor.fused_logprobs],
+                                              share=cfg.actor.share_prompt_forward)
+            out[idx, : sub.response_length] = logp.float()
+    return out
+
+
+class HFCritic:
+    """A PPO critic (``ValueModel``: a value head on a causal LM, or a token-classification model) laid
+    out as ``critic.strategy`` says, trained with AdamW."""
+
+    def __init__(self, critic: torch.nn.Module, cfg: Config, world: int, device: torch.device,
+                 autocast: Callable[[], ContextManager[Any]]):
+        self.cfg, self.device, self.autocast = cfg, device, autocast
+        self.model = sharding.shard(critic, Sharding.from_config(cfg.critic, "critic", world), device)
+        self.optimizer = adamw(self.model, cfg.critic.lr, cfg.critic.weight_decay)
+
+    @torch.no_grad()
+    def values(self, exp: Experience, micro: List[torch.Tensor]) -> torch.Tensor:
+        out = torch.zeros(exp.response_mask.shape, dtype=torch.float32, device=self.device)
+        with sharding.gathered_for_passes(self.model, len(micro)):
+            for idx in micro:
+                sub = exp.select(idx)
+                with self.autocast():
+                    out[idx, : sub.response_length] = response_values(self.model, sub.input_ids, sub.attention_mask,
+                                                                       sub.response_length).float()
+        return out
+
+    def train(self, exp: Experience, micro: List[torch.Tensor], loss_fn: LossFn) -> List[Dict[str, float]]:
+        self.model.train()
+        results = []
+        for idx in sharding.micro_steps(self.model, micro):
+            sub = exp.select(idx)
+            with self.autocast():
+                values = response_values(self.model, sub.input_ids, sub.attention_mask, sub.response_length)
+            loss, stats = loss_fn(values, sub)
+            loss.backward()
+            results.append(stats)
+        optimizer_step(self.model, self.optimizer, self.cfg.critic.max_grad_norm)
+        return results
+
+
+def critic_model(critic: torch.nn.Module) -> ValueModel:
+    """The critic as a ``ValueModel`` (a causal LM gets a value head)."""
+    return critic if isinstance(critic, ValueModel) else ValueModel(critic)
+
+
+class FSDPStrategy:
+    """The ``Strategy`` of Hugging Face models trained by torch (module docstring)."""
+
+    def __init__(self, cfg: Config, actor: torch.nn.Module, ref: Optional[torch.nn.Module],
+                 critic: Optional[torch.nn.Module], needs_reference: bool):
+        """``critic``: the PPO critic's model, when the algorithm trains one."""
+        self.cfg = cfg
+        self.dp_rank, self.dp_size = distributed.rank(), distributed.world_size()
+        self.dp_group = dist.group.WORLD if self.dp_size > 1 else None
+        self.uneven_micro_batches = self.dp_size == 1  # FSDP ranks must run the same passes
+        layout = Sharding.from_config(cfg.actor, "actor", self.dp_size)
+        self.device = sharding.compute_device(layout, cfg.trainer.device, actor)
+        self.actor = sharding.shard(actor, layout, self.device)
+        self.autocast_dtype = AUTOCAST.get(cfg.actor.autocast)
+        self.autocast = autocast_of(self.autocast_dtype, self.device)
+        self.ref = reference_model(self.actor, ref, layout, self.device) if needs_reference else None
+        self.critic = None if critic is None else HFCritic(critic_model(critic), cfg, self.dp_size, self.device,
+                                                           self.autocast)
+        self.optimizer = adamw(self.actor, cfg.actor.lr, cfg.actor.weight_decay)
+
+    # ---- forward passes and updates
+
+    def actor_logprobs(self, exp: Experience, micro: List[torch.Tensor]) -> torch.Tensor:
+        return hf_logprobs(self.actor, exp, micro, self.cfg, self.autocast, self.device)
+
+    def ref_logprobs(self, exp: Experience, micro: List[torch.Tensor]) -> torch.Tensor:
+        return hf_logprobs(self.ref, exp, micro, self.cfg, self.autocast, self.device)
+
+    def train_actor(self, exp: Experience, micro: List[torch.Tensor], loss_fn: LossFn) -> Tuple[List[Dict], float]:
+        stats = [self._actor_micro_step(exp.select(idx), loss_fn) for idx in sharding.micro_steps(self.actor, micro)]
+        return stats, self.optimizer_step()
+
+    def _actor_micro_step(self, sub: Experience, loss_fn: LossFn) -> Dict[str, float]:
+        with self.autocast():
+            logp, entropy = experience_logprobs(self.actor, sub.input_ids, sub.attention_mask, sub.response_length,
+                                                sub.prompt_index, temperature=self.cfg.rollout.temperature or 1.0,
+                                                with_entropy=True, fused=FUSED[self.cfg.actor.fused_logprobs],
+                                                share=self.cfg.actor.share_prompt_forward)
+        loss, stats = loss_fn(logp, entropy, sub)
+        loss.backward()
+        return stats
+
+    def optimizer_step(self) -> float:
+        return optimizer_step(self.actor, self.optimizer, self.cfg.actor.max_grad_norm)
+
+    # ---- rollout
+
+    def weight_source(self, owns_weights: bool) -> torch.nn.Module:
+        return self.actor
+
+    def rollout_engine(self, engine: RolloutEngine) -> RolloutEngine:
+        return engine
+
+    def actor_updated(self, engine_owns_weights: bool) -> None:
+        pass
+
+    # ---- checkpoints
+
+    def save(self, output_dir: str, step: int, tokenizer: Any, state: Dict[str, Any], export_hf: bool) -> None:
+        critic = self.critic
+        checkpoint.save(output_dir, step, self.actor, tokenizer, self.optimizer, state,
+                        critic and critic.model, critic and critic.optimizer, export_hf=export_hf)
+
+    def load(self, path: Path) -> Dict[str, Any]:
+        critic = self.critic
+        return checkpoint.load(path, self.actor, self.optimizer, critic and critic.model, critic and critic.optimizer)

@@ -1,0 +1,84 @@
+"""What RLTrainer asks of a training strategy: one implementation per backend, chosen once from
+``actor.strategy`` when the trainer is built (``backends.build``).
+
+- ``hf_models.FSDPStrategy`` (``fsdp2``, ``fsdp1``, ``none``; ``auto``): the Hugging Face actor,
+  reference and critic trained by torch, laid out as ``sharding.py`` says.
+- ``megatron/strategy.MegatronStrategy`` (``megatron``): a Megatron-core copy of the actor (and of a
+  PPO critic with ``critic.strategy: megatron``) trains; the Hugging Face actor rolls out.
+
+The trainer cuts micro-batches (index tensors into the step's ``Experience``) and the strategy runs
+them: forward passes without gradients (log-probs, values) and optimiser steps over a mini-batch's
+micro-batches with the algorithm's loss. The strategy also says what a rollout engine syncs its
+weights from, prepares the engine it rolls out with, and writes / restores its checkpoints (model and
+optimizer state, sharded as it trains). Offloading belongs to it too: FSDP's ``cpu_offload`` shards,
+the Megatron strategy's release of the Hugging Face actor's weights when vLLM holds its own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Protocol, Tuple
+
+import torch
+
+from verl_fast.experience import Experience
+from verl_fast.rollout.base import RolloutEngine
+
+# loss_fn(*outputs [n, L] of the micro-batch, micro-batch) -> (loss, stats): the actor's outputs are
+# (log-probs, entropy), the critic's (values,)
+LossFn = Callable[..., Tuple[torch.Tensor, Dict[str, float]]]
+
+
+class Critic(Protocol):
+    """A PPO critic under one backend."""
+
+    def values(self, exp: Experience, micro: List[torch.Tensor]) -> torch.Tensor:
+        """[N, L] float32 values of the response positions (no gradient)."""
+
+    def train(self, exp: Experience, micro: List[torch.Tensor], loss_fn: LossFn) -> List[Dict[str, float]]:
+        """One optimiser step over ``micro``; each micro-batch's statistics."""
+
+
+class Strategy(Protocol):
+    device: torch.device  # where the step's tensors live
+    dp_rank: int
+    dp_size: int
+    dp_group: Any  # the data-parallel ranks (None with one)
+    actor: torch.nn.Module  # the Hugging Face actor: HF generate runs on it
+    ref: Optional[torch.nn.Module]  # the frozen reference, laid out as the actor (None: no KL, reference-free DPO)
+    critic: Optional[Critic]
+    optimizer: Any  # the actor's
+    autocast_dtype: Optional[torch.dtype]  # actor.autocast (None: none)
+    uneven_micro_batches: bool  # ranks may run different numbers of forward / backward passes (one process)
+
+    def autocast(self) -> ContextManager[Any]:
+        """The forward passes' autocast (``actor.autocast``), also around generation."""
+
+    def actor_logprobs(self, exp: Experience, micro: List[torch.Tensor]) -> torch.Tensor:
+        """[N, L] float32 log-probs of the response tokens under the actor (no gradient)."""
+
+    def ref_logprobs(self, exp: Experience, micro: List[torch.Tensor]) -> torch.Tensor:
+        """The same under the reference."""
+
+    def train_actor(self, exp: Experience, micro: List[torch.Tensor], loss_fn: LossFn) -> Tuple[List[Dict], float]:
+        """One optimiser step over ``micro`` with ``loss_fn(logp, entropy, sub)``: each micro-batch's
+        statistics and the gradient norm."""
+
+    def optimizer_step(self) -> float:
+        """The actor's optimiser step after backward passes run on ``actor`` (DPO); the gradient norm.
+        Only strategies that train the Hugging Face actor itself (``fsdp2`` / ``fsdp1`` / ``none``)."""
+
+    def weight_source(self, owns_weights: bool) -> Any:
+        """What a rollout engine syncs from: ``owns_weights``, an engine holding its own copy (vLLM)."""
+
+    def rollout_engine(self, engine: RolloutEngine) -> RolloutEngine:
+        """``engine`` as this strategy rolls out with it (built by the trainer or given)."""
+
+    def actor_updated(self, engine_owns_weights: bool) -> None:
+        """After each actor update: what the rollout reads is made current (before the weight sync)."""
+
+    def save(self, output_dir: str, step: int, tokenizer: Any, state: Dict[str, Any], export_hf: bool) -> None:
+        """A checkpoint of step ``step`` (collective); ``state``: the trainer's own (history, RNG)."""
+
+    def load(self, path: Path) -> Dict[str, Any]:
+        """Restores the checkpoint folder ``path``; returns the trainer state saved with it."""
