@@ -164,19 +164,18 @@ class _MegatronActor:
     def __init__(self):
         self.loaded = False
 
-    def load_checkpoint(self, path):
-        self.loaded = True
-
     def export_to(self, model):
         pass
 
 
-def test_megatron_run_resume_reads_its_dist_checkpoint_as_data_first(tmp_path):
+def test_megatron_run_resume_reads_its_dist_checkpoint_as_data_first(tmp_path, monkeypatch):
     """megatron-core's dist_checkpointing.load unpickles `.metadata` with no allowlist, non-tensor
     items with weights_only=False and common.pt: the trainer reads each as data only before
     handing the folder over, and a planted pickle in any of them stops the resume there."""
     import torch.distributed.checkpoint as dcp
 
+    # megatron-core's loader, reached only after the data-only reads: records that it was
+    monkeypatch.setattr(megatron_checkpoint.dist_checkpoint, "load", lambda actor, path: setattr(actor, "loaded", True))
     marker = tmp_path / "ran"
     good = tmp_path / "good" / "megatron"
     dcp.save({"w": torch.arange(4.0), "step": 3}, checkpoint_id=str(good), no_dist=True)
