@@ -124,6 +124,11 @@ def main(rank: int, world: int, port: int, model_dir: str, out_dir: str, tp: int
     result = {"history": history, "engine": decoded, "engine_ok": ok, "trained": greedy_hf(trained, prompts, 6),
               "initial": greedy_hf(initial, prompts, 6), "bytes": moved, "minimum": minimum,
               "engine_type": type(engine).__name__}
+    finish(rank, out_dir, result, engine)
+
+
+def finish(rank: int, out_dir: str, result: dict, engine) -> None:
+    """Writes this rank's result for the test, then closes the engine once every rank is done."""
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()

@@ -8,14 +8,13 @@ into this rank beside the minimum (its engine shard's elements its Megatron shar
     python megatron_vllm_worker.py RANK WORLD PORT MODEL_DIR OUT_DIR TP
 """
 
-import json
 import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-from hybrid_worker import PROMPTS, engine_decodes, greedy_hf, grpo_config, init_process
+from hybrid_worker import PROMPTS, engine_decodes, finish, greedy_hf, grpo_config, init_process
 
 
 def received_minimum(model, hf_config, megatron_tp, tp, rank):
@@ -79,10 +78,7 @@ def main(rank: int, world: int, port: int, model_dir: str, out_dir: str, tp: int
             os.path.join(out_dir, "checkpoints", "step_000003"), dtype=torch.float32).state_dict()
         result.update(trained=greedy_hf(hf, prompts, 6), initial=greedy_hf(initial, prompts, 6),
                       export_matches=all(torch.equal(exported[k], v) for k, v in trained.items()))
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    dist.barrier()
-    engine.close()  # vLLM's shutdown also tears down the default process group
+    finish(rank, out_dir, result, engine)
 
 
 if __name__ == "__main__":
