@@ -60,8 +60,9 @@ fi
 
 # ---- vllm (issue 23): every test of the vLLM engine, the weight sync and the trainer with vLLM rollout, on the
 # GPU's vLLM (bf16 engine; sleep levels; the direct write from HF / FSDP2 / FSDP1 / Megatron on one GPU) ----
-VLLM_TESTS="python_tests/test_vllm_engine.py python_tests/test_vllm_models.py python_tests/test_weight_sync.py
-  python_tests/test_trainer_vllm.py python_tests/test_hybrid_engine.py python_tests/test_megatron_rollout.py"
+VLLM_TESTS="python_tests/rollout/test_vllm_engine.py python_tests/rollout/test_vllm_models.py
+  python_tests/rollout/test_weight_sync.py python_tests/rollout/test_trainer_vllm.py python_tests/rollout/test_hybrid_engine.py
+  python_tests/rollout/test_megatron_rollout.py python_tests/package/test_seed_snippets.py"
 if want vllm; then
   timeout ${VLLM_TIMEOUT:-500} "$py" -m pytest -q -p no:cacheprovider -rs ${VLLM_TESTS_ONLY:-$VLLM_TESTS} \
     > "$OUT/pytest_vllm.log" 2>&1 || failed+=("pytest vllm")
