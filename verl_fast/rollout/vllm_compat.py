@@ -322,13 +322,19 @@ def load_lora(llm, request) -> None:
 
 
 def shutdown(llm) -> None:
-    """Stops an in-process engine and frees its model. vLLM's ``EngineCore.shutdown`` itself runs
+    """Stops an in-process engine. vLLM's ``EngineCore.shutdown`` itself runs
     ``cleanup_dist_env_and_memory``: it destroys vLLM's parallel groups and torch.distributed's
-    default process group (whoever created it), and resets vLLM's environment-variable cache."""
+    default process group (whoever created it), and resets vLLM's environment-variable cache.
+    The engine's memory is freed once the caller has dropped its last reference: ``collect()``."""
+    llm.llm_engine.engine_core.shutdown()
+
+
+def collect() -> None:
+    """Frees what closed engines left: the engine objects sit in reference cycles (and vLLM's
+    finalizer keeps the model until they are collected), and vLLM 0.26's sleep-mode allocator
+    refuses to load a second engine's weights while any memory of an earlier one is allocated."""
     import gc
 
-    llm.llm_engine.engine_core.shutdown()
-    del llm
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
