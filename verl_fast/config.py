@@ -132,6 +132,8 @@ class ActorConfig(ModelLayoutConfig):
     clip_ratio_high: float = _f(0.2, min=0.0)
     clip_ratio_c: float = _f(3.0, min=1.0, doc="dual-clip bound for negative advantages (> 1)")
     loss_agg_mode: str = _f("token-mean", choices=LOSS_AGG_MODES)
+    loss_scale_factor: Optional[float] = _f(None, doc="seq-mean-token-sum-norm: the constant each sequence's "
+                                            "token sum is divided by (null: rollout.max_new_tokens)")
     entropy_coeff: float = _f(0.0)
     use_kl_loss: bool = _f(False)
     kl_loss_coef: float = _f(0.001, min=0.0)
@@ -170,6 +172,8 @@ class CriticConfig(ModelLayoutConfig):
     micro_batch_size: int = _f(8, min=1)
     cliprange_value: float = _f(0.5, min=0.0)
     loss_agg_mode: str = _f("token-mean", choices=LOSS_AGG_MODES)
+    loss_scale_factor: Optional[float] = _f(None, doc="seq-mean-token-sum-norm: the constant each sequence's "
+                                            "token sum is divided by (null: rollout.max_new_tokens)")
     use_flash_attention: bool = _f(False, doc="flash_attention_2 where flash-attn and CUDA are there, else sdpa")
     trust_remote_code: bool = _f(False, doc="let transformers run the model folder's own code")
     attn_implementation: Optional[str] = _f(None, choices=ATTN_IMPLEMENTATIONS,
@@ -467,6 +471,11 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"reward_fn.timeout_s must be > 0 seconds (or null for no limit), got {cfg.reward_fn.timeout_s}")
     if cfg.actor.clip_ratio_c <= 1.0:
         raise ValueError(f"actor.clip_ratio_c must be > 1 (dual clip), got {cfg.actor.clip_ratio_c}")
+    for section in ("actor", "critic"):
+        factor = getattr(cfg, section).loss_scale_factor
+        if factor is not None and factor <= 0:
+            raise ValueError(f"{section}.loss_scale_factor must be > 0 (or null for rollout.max_new_tokens), "
+                             f"got {factor}")
     for check in _CHECKS:
         check(cfg)
 

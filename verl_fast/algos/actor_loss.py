@@ -6,7 +6,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from verl_fast.algos.losses import active_rows, agg_loss, entropy_loss, kl_penalty, policy_loss
+from verl_fast.algos.losses import agg_loss, entropy_loss, kl_penalty, policy_loss
 from verl_fast.experience import Experience
 
 
@@ -30,8 +30,10 @@ def actor_loss(a, logp: torch.Tensor, entropy: torch.Tensor, sub: Experience,
         if a.use_kl_loss:
             loss = loss + a.kl_loss_coef * kl_term
         out["kl"] = kl_term.item()
-    share = (float(sub.response_mask.sum()) / max(counts["num_tokens"], 1.0) if a.loss_agg_mode.startswith("token")
-             else float(active_rows(sub.response_mask)) / max(counts["num_seqs"], 1.0))
+    # the trainer averages micro-batch statistics weighted by their response tokens: scaling this
+    # micro-batch's share of the loss by the inverse of its token share makes that average the sum of
+    # the shares (the mini-batch's loss) whatever the aggregation mode
+    share = float(sub.response_mask.sum()) / max(counts["num_tokens"], 1.0)
     for k in ("pg_loss", "entropy", "kl"):
         if k in out:
             out[k] = out[k] / max(share, 1e-9)

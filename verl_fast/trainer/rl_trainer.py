@@ -368,6 +368,11 @@ class RLTrainer:
                                  group=self.dp_group)
         return micro_batches(rows, size=size or (a.micro_batch_size if for_update else max(a.micro_batch_size, 16)))
 
+    def _norm_length(self, section) -> float:
+        """seq-mean-token-sum-norm's divisor for the actor or critic ``section``: one constant for
+        every micro-batch of every step."""
+        return float(section.loss_scale_factor or self.cfg.rollout.max_new_tokens)
+
     # ------------------------------------------------------------------ updates
 
     def update_actor(self, exp: Experience) -> Dict[str, float]:
@@ -390,7 +395,7 @@ class RLTrainer:
                 order = rows[torch.randperm(N, generator=g).to(self.device)]
             for start in range(0, N, mini):
                 mb = order[start : start + mini]
-                counts = loss_normalisers(exp.response_mask[mb], self.dp_group)
+                counts = loss_normalisers(exp.response_mask[mb], self.dp_group, self._norm_length(a))
                 micro = self._micro(exp, mb[active[mb]])
                 for idx in micro:
                     self.perf.count_update(exp.attention_mask[idx])
@@ -418,7 +423,7 @@ class RLTrainer:
         c = self.cfg.critic
         N = exp.num_sequences
         rows = self._rows(exp)
-        counts = loss_normalisers(exp.response_mask, self.dp_group)
+        counts = loss_normalisers(exp.response_mask, self.dp_group, self._norm_length(c))
         totals: Dict[str, float] = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
         for _ in range(self.cfg.actor.ppo_epochs):
             micro = self._micro(exp, rows, size=c.micro_batch_size)
