@@ -55,12 +55,13 @@ ALGORITHMS = Choices("algorithm.type")  # verl_fast/algos/registry.py
 LOSS_AGG_MODES = Choices("actor.loss_agg_mode, critic.loss_agg_mode")  # verl_fast/algos/registry.py
 KL_ESTIMATORS = Choices("actor.kl_loss_type, algorithm.kl_penalty")  # verl_fast/algos/registry.py
 DPO_LOSSES = Choices("algorithm.loss_type")  # verl_fast/algos/registry.py
+POLICY_LOSSES = Choices("actor.policy_loss")  # verl_fast/algos/registry.py
 REWARDS = Choices("reward_fn.type")  # verl_fast/rewards/__init__.py
 REWARD_ERRORS = Choices("reward_fn.on_error")  # verl_fast/rewards/__init__.py
 OVERLONG_PROMPTS = Choices("trainer.overlong_prompts")  # verl_fast/data.py
 STRATEGIES = Choices("actor.strategy, critic.strategy")  # verl_fast/strategies/backends.py
 LOGGERS = Choices("trainer.loggers")  # verl_fast/metrics.py
-_REGISTERED = (ALGORITHMS, LOSS_AGG_MODES, KL_ESTIMATORS, DPO_LOSSES, REWARDS, REWARD_ERRORS, OVERLONG_PROMPTS,
+_REGISTERED = (ALGORITHMS, LOSS_AGG_MODES, KL_ESTIMATORS, DPO_LOSSES, POLICY_LOSSES, REWARDS, REWARD_ERRORS, OVERLONG_PROMPTS,
                STRATEGIES, LOGGERS)
 
 # Combination checks registered by the rooms, run by ``validate`` after the config's own, in order.
@@ -131,6 +132,11 @@ class ActorConfig(ModelLayoutConfig):
     clip_ratio_low: float = _f(0.2, min=0.0)
     clip_ratio_high: float = _f(0.2, min=0.0)
     clip_ratio_c: float = _f(3.0, min=1.0, doc="dual-clip bound for negative advantages (> 1)")
+    policy_loss: str = _f("vanilla", choices=POLICY_LOSSES, doc="vanilla (PPO-clip), gspo (sequence-level "
+                          "ratio and clip), gspo_token, cispo (clipped IS weight, stop-gradient, times log-prob: "
+                          "clip_ratio_low/high bound the weight), sapo (soft gate, sapo_tau_pos / sapo_tau_neg)")
+    sapo_tau_pos: float = _f(1.0, min=0.0, doc="policy_loss sapo: the gate's temperature for positive advantages (> 0)")
+    sapo_tau_neg: float = _f(1.05, min=0.0, doc="policy_loss sapo: the gate's temperature for other advantages (> 0)")
     loss_agg_mode: str = _f("token-mean", choices=LOSS_AGG_MODES)
     loss_scale_factor: Optional[float] = _f(None, doc="seq-mean-token-sum-norm: the constant each sequence's "
                                             "token sum is divided by (null: rollout.max_new_tokens)")
@@ -471,6 +477,9 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"reward_fn.timeout_s must be > 0 seconds (or null for no limit), got {cfg.reward_fn.timeout_s}")
     if cfg.actor.clip_ratio_c <= 1.0:
         raise ValueError(f"actor.clip_ratio_c must be > 1 (dual clip), got {cfg.actor.clip_ratio_c}")
+    for key in ("sapo_tau_pos", "sapo_tau_neg"):
+        if getattr(cfg.actor, key) <= 0:
+            raise ValueError(f"actor.{key} must be > 0 (SAPO divides by it), got {getattr(cfg.actor, key)}")
     for section in ("actor", "critic"):
         factor = getattr(cfg, section).loss_scale_factor
         if factor is not None and factor <= 0:

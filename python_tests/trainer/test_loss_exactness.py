@@ -1,6 +1,6 @@
 """Every loss_agg_mode is exact under micro-batching and token-budget packing, actor and critic: the
 loss the trainer reports and the gradient the optimiser step sees are those of one batch in one
-piece, at every micro-batch size and token budget (issue 27's Dr.GRPO bug: each micro-batch used to
+piece, at every micro-batch size and token budget, whatever the policy loss (issue 27's Dr.GRPO bug: each micro-batch used to
 divide seq-mean-token-sum-norm by its own width)."""
 
 import pytest
@@ -101,11 +101,17 @@ BATCHINGS = [{"micro_batch_size": 9}, {"micro_batch_size": 4}, {"micro_batch_siz
              {"use_dynamic_bsz": True, "max_token_len_per_gpu": 120}]
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_actor_and_critic_exact_under_any_batching(ppo, mode, monkeypatch):
+CASES = [(mode, "vanilla") for mode in MODES] + [
+    ("seq-mean-token-mean", "gspo"), ("token-mean", "gspo_token"), ("token-mean", "cispo"),
+    ("seq-mean-token-sum-norm", "sapo")]
+
+
+@pytest.mark.parametrize("mode, policy_loss", CASES)
+def test_actor_and_critic_exact_under_any_batching(ppo, mode, policy_loss, monkeypatch):
     trainer, exp = ppo
     a, c = trainer.cfg.actor, trainer.cfg.critic
     a.loss_agg_mode = c.loss_agg_mode = mode
+    a.policy_loss = policy_loss
     results = []
     for batching in BATCHINGS:
         a.micro_batch_size, c.micro_batch_size = batching.get("micro_batch_size", 9), batching.get("micro_batch_size", 9)
@@ -116,7 +122,7 @@ def test_actor_and_critic_exact_under_any_batching(ppo, mode, monkeypatch):
         actor, actor_grad = recorded_update(trainer, exp, monkeypatch, trainer.update_actor)
         critic, critic_grad = recorded_update(trainer, exp, monkeypatch, trainer.update_critic)
         results.append((actor, actor_grad, critic, critic_grad))
-    a.use_dynamic_bsz, a.micro_batch_size = False, 8
+    a.use_dynamic_bsz, a.micro_batch_size, a.policy_loss = False, 8, "vanilla"
     ref_actor, ref_grad, ref_critic, ref_critic_grad = results[0]
     assert ref_grad.abs().max() > 0 and ref_critic_grad.abs().max() > 0
     for actor, grad, critic, critic_grad in results[1:]:

@@ -6,7 +6,8 @@ from typing import Dict, Tuple
 
 import torch
 
-from verl_fast.algos.losses import agg_loss, entropy_loss, kl_penalty, policy_loss
+from verl_fast.algos.losses import agg_loss, entropy_loss, kl_penalty
+from verl_fast.algos.policy_losses import policy_loss_tokens
 from verl_fast.experience import Experience
 
 
@@ -17,8 +18,8 @@ def actor_loss(a, logp: torch.Tensor, entropy: torch.Tensor, sub: Experience,
     statistics at the scale of a whole batch (callers average micro-batches weighted by tokens)."""
     logp = logp.float()
     old = sub.old_logprobs if sub.old_logprobs is not None else logp.detach()
-    pg, stats = policy_loss(logp, old, sub.advantages, sub.response_mask, a.clip_ratio_low, a.clip_ratio_high,
-                            a.clip_ratio_c, a.loss_agg_mode, **counts)
+    per_token, stats = policy_loss_tokens(a, logp, old, sub.advantages, sub.response_mask)
+    pg = agg_loss(per_token, sub.response_mask, a.loss_agg_mode, **counts)
     loss = pg
     ent = entropy_loss(entropy.float(), sub.response_mask, a.loss_agg_mode, **counts)
     if a.entropy_coeff:

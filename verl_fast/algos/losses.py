@@ -101,12 +101,22 @@ def policy_loss(
     loss_agg_mode: str = "token-mean",
     **counts,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """PPO clipped surrogate with asymmetric clipping and dual clip.
+    """PPO clipped surrogate with asymmetric clipping and dual clip (``ppo_clip_tokens``), aggregated
+    with ``loss_agg_mode``. Returns the loss and ``{clipfrac, clipfrac_lower, approx_kl}``
+    (detached). ``counts``: ``num_tokens`` / ``num_seqs`` of the whole batch when this is a
+    micro-batch of it (see ``agg_loss``)."""
+    per_token, stats = ppo_clip_tokens(logp, old_logp, advantages, response_mask, clip_ratio_low, clip_ratio_high,
+                                       clip_ratio_c)
+    return agg_loss(per_token, response_mask.to(per_token.dtype), loss_agg_mode, **counts), stats
+
+
+def ppo_clip_tokens(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                    response_mask: torch.Tensor, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
+                    clip_ratio_c: float = 3.0) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """The per-token PPO-clip loss ``[B, L]`` before aggregation, and its statistics.
 
     ratio = exp(clamp(logp - old_logp, -20, 20)); loss = max(-A r, -A clip(r, 1-low, 1+high));
-    for A < 0 the loss is further capped at -A c (dual clip, c > 1). Returns the aggregated loss and
-    ``{clipfrac, clipfrac_lower, approx_kl}`` (detached). ``counts``: ``num_tokens`` / ``num_seqs``
-    of the whole batch when this is a micro-batch of it (see ``agg_loss``).
+    for A < 0 the loss is further capped at -A c (dual clip, c > 1).
     """
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c (dual clip) must be > 1, got {clip_ratio_c}")
@@ -124,7 +134,7 @@ def policy_loss(
         "clipfrac_lower": masked_mean(((clipped > loss3) & (advantages < 0)).float(), mask).detach(),
         "approx_kl": masked_mean(-log_ratio, mask).detach(),
     }
-    return agg_loss(per_token, mask, loss_agg_mode, **counts), stats
+    return per_token, stats
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
