@@ -256,6 +256,9 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = _f(False)
     kl_penalty: str = _f("kl", choices=KL_ESTIMATORS)
     kl_coef: float = _f(0.001, min=0.0)
+    rollout_correction: bool = _f(False, doc="weight each token's policy loss by min(exp(old_logprob - "
+                                  "rollout_logprob), rollout_correction_cap), the rollout engine's own log-probs")
+    rollout_correction_cap: float = _f(2.0, min=0.0, doc="rollout_correction: the truncation of the weights (> 0)")
     beta: float = _f(0.1, min=0.0, doc="DPO temperature")
     loss_type: str = _f("sigmoid", choices=DPO_LOSSES, doc="DPO loss")
     label_smoothing: float = _f(0.0, min=0.0, max=0.5)
@@ -477,6 +480,8 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"reward_fn.timeout_s must be > 0 seconds (or null for no limit), got {cfg.reward_fn.timeout_s}")
     if cfg.actor.clip_ratio_c <= 1.0:
         raise ValueError(f"actor.clip_ratio_c must be > 1 (dual clip), got {cfg.actor.clip_ratio_c}")
+    if cfg.algorithm.rollout_correction_cap <= 0:
+        raise ValueError(f"algorithm.rollout_correction_cap must be > 0, got {cfg.algorithm.rollout_correction_cap}")
     for key in ("sapo_tau_pos", "sapo_tau_neg"):
         if getattr(cfg.actor, key) <= 0:
             raise ValueError(f"actor.{key} must be > 0 (SAPO divides by it), got {getattr(cfg.actor, key)}")

@@ -19,6 +19,8 @@ def actor_loss(a, logp: torch.Tensor, entropy: torch.Tensor, sub: Experience,
     logp = logp.float()
     old = sub.old_logprobs if sub.old_logprobs is not None else logp.detach()
     per_token, stats = policy_loss_tokens(a, logp, old, sub.advantages, sub.response_mask)
+    if sub.rollout_is_weights is not None:  # algorithm.rollout_correction (rollout_correction.py)
+        per_token = per_token * sub.rollout_is_weights
     pg = agg_loss(per_token, sub.response_mask, a.loss_agg_mode, **counts)
     loss = pg
     ent = entropy_loss(entropy.float(), sub.response_mask, a.loss_agg_mode, **counts)

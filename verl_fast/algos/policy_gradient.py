@@ -98,9 +98,9 @@ class PolicyGradient:
 
     def needs_old_logprobs(self, exp: Experience) -> bool:
         """Old log-probs are the current ones unless the actor moves before the last mini-batch, or
-        the KL in the reward reads them."""
-        a, n = self.cfg.actor, exp.num_sequences
-        return a.ppo_epochs > 1 or (a.ppo_mini_batch_size or n) < n or self.cfg.algorithm.use_kl_in_reward
+        the KL in the reward or the rollout correction reads them."""
+        a, n, alg = self.cfg.actor, exp.num_sequences, self.cfg.algorithm
+        return a.ppo_epochs > 1 or (a.ppo_mini_batch_size or n) < n or alg.use_kl_in_reward or alg.rollout_correction
 
     def shape_rewards(self, exp: Experience, metrics: Dict[str, Any]) -> None:
         alg = self.cfg.algorithm

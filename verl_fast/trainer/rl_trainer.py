@@ -29,6 +29,7 @@ from verl_fast import checkpoint, distributed
 from verl_fast import config as config_mod
 from verl_fast.algos import registry as algorithms
 from verl_fast.algos.algorithm import Step
+from verl_fast.algos.rollout_correction import truncated_is_weights
 from verl_fast.config import Config
 from verl_fast.distributed import any_rank
 from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
@@ -124,10 +125,11 @@ class RLTrainer:
 
     def _sampling_defaults(self, generation_config: Optional[Dict[str, Any]]) -> SamplingSpec:
         r = self.cfg.rollout
-        # logprobs off: the trainer recomputes them with the actor, and asking vLLM for them costs a
-        # top-k per sampled token (and on vLLM-CPU a torch.compile in the first step: ~2 s)
+        # logprobs off unless the rollout correction reads them: the trainer recomputes them with the
+        # actor, and asking vLLM for them costs a top-k per sampled token (and on vLLM-CPU a
+        # torch.compile in the first step: ~2 s)
         base = SamplingSpec(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                            max_tokens=r.max_new_tokens, logprobs=False)
+                            max_tokens=r.max_new_tokens, logprobs=self.cfg.algorithm.rollout_correction)
         return SamplingSpec.from_kwargs(base, dict(generation_config or {}))
 
     def update_reward_fn(self, reward_fn: Any) -> None:
@@ -307,6 +309,8 @@ class RLTrainer:
         if algorithm.needs_old_logprobs(exp):
             with timed("old_logprob"):
                 exp.old_logprobs = self._old_logprobs(exp)
+        if self.cfg.algorithm.rollout_correction:
+            self._rollout_weights(exp, metrics)
         if self.strategy.ref is not None:
             with timed("ref"):
                 exp.ref_logprobs = self._ref_logprobs(exp)
@@ -325,6 +329,17 @@ class RLTrainer:
             "advantages/abs_mean": exp.advantages.abs().mean().item(),
         })
         return exp
+
+    def _rollout_weights(self, exp: Experience, metrics: Dict[str, Any]) -> None:
+        """``algorithm.rollout_correction``: the truncated importance weights of the rollout engine's
+        samples (``algos/rollout_correction.py``), and their spread as ``rollout_correction/*``."""
+        if exp.rollout_logprobs is None:
+            raise ValueError(f"algorithm.rollout_correction needs the rollout engine's log-probs of its samples; "
+                             f"{type(self.engine).__name__} returned none (a RolloutOperator's generation "
+                             "kwargs may have turned SamplingSpec.logprobs off)")
+        exp.rollout_is_weights, stats = truncated_is_weights(exp.old_logprobs, exp.rollout_logprobs,
+                                                             exp.response_mask, self.cfg.algorithm.rollout_correction_cap)
+        metrics.update({f"rollout_correction/{k}": v for k, v in stats.items()})
 
     def _score(self, batch: List[PromptRow], gen: Any) -> torch.Tensor:
         """The reward of each generated sample, ``[N]`` float32 on the trainer's device."""
