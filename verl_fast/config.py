@@ -260,8 +260,11 @@ class AlgorithmConfig:
                                   "rollout_logprob), rollout_correction_cap), the rollout engine's own log-probs")
     rollout_correction_cap: float = _f(2.0, min=0.0, doc="rollout_correction: the truncation of the weights (> 0)")
     beta: float = _f(0.1, min=0.0, doc="DPO temperature")
-    loss_type: str = _f("sigmoid", choices=DPO_LOSSES, doc="DPO loss")
-    label_smoothing: float = _f(0.0, min=0.0, max=0.5)
+    loss_type: str = _f("sigmoid", choices=DPO_LOSSES, doc="DPO loss (losses.dpo_loss names each one's paper)")
+    label_smoothing: float = _f(0.0, min=0.0, max=0.5, doc="DPO: sigmoid's conservative smoothing, robust's "
+                                "flip rate (< 0.5), exo_pair's target eps (> 0)")
+    sft_weight: float = _f(0.0, min=0.0, doc="DPO: weight of the chosen responses' mean token NLL added to the "
+                           "loss (RPO)")
 
 
 @dataclass
