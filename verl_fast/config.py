@@ -259,6 +259,12 @@ class AlgorithmConfig:
     rollout_correction: bool = _f(False, doc="weight each token's policy loss by min(exp(old_logprob - "
                                   "rollout_logprob), rollout_correction_cap), the rollout engine's own log-probs")
     rollout_correction_cap: float = _f(2.0, min=0.0, doc="rollout_correction: the truncation of the weights (> 0)")
+    dynamic_sampling: bool = _f(False, doc="DAPO: drop prompts whose samples all score the same and draw more "
+                                "(group-baseline algorithms, one process)")
+    max_extra_draws: int = _f(3, min=0, doc="dynamic_sampling: extra draws of train_batch_size prompts per step, at most")
+    overlong_buffer: int = _f(0, min=0, doc="DAPO: responses longer than max_new_tokens - this many tokens lose up to "
+                              "overlong_penalty_factor of reward, linearly (0: off)")
+    overlong_penalty_factor: float = _f(1.0, min=0.0, doc="overlong_buffer: the penalty at max_new_tokens")
     beta: float = _f(0.1, min=0.0, doc="DPO temperature")
     loss_type: str = _f("sigmoid", choices=DPO_LOSSES, doc="DPO loss (losses.dpo_loss names each one's paper)")
     label_smoothing: float = _f(0.0, min=0.0, max=0.5, doc="DPO: sigmoid's conservative smoothing, robust's "
@@ -483,6 +489,10 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"reward_fn.timeout_s must be > 0 seconds (or null for no limit), got {cfg.reward_fn.timeout_s}")
     if cfg.actor.clip_ratio_c <= 1.0:
         raise ValueError(f"actor.clip_ratio_c must be > 1 (dual clip), got {cfg.actor.clip_ratio_c}")
+    if cfg.algorithm.overlong_buffer > cfg.rollout.max_new_tokens:
+        raise ValueError(f"algorithm.overlong_buffer={cfg.algorithm.overlong_buffer} must be <= "
+                         f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} (the penalty spans the buffer's last "
+                         "tokens of the response)")
     if cfg.algorithm.rollout_correction_cap <= 0:
         raise ValueError(f"algorithm.rollout_correction_cap must be > 0, got {cfg.algorithm.rollout_correction_cap}")
     for key in ("sapo_tau_pos", "sapo_tau_neg"):

@@ -27,13 +27,14 @@ import torch
 
 from verl_fast import checkpoint, distributed
 from verl_fast import config as config_mod
+from verl_fast.algos import dapo
 from verl_fast.algos import registry as algorithms
 from verl_fast.algos.algorithm import Step
 from verl_fast.algos.rollout_correction import truncated_is_weights
 from verl_fast.config import Config
 from verl_fast.distributed import any_rank
 from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
-from verl_fast.experience import Experience, build_experience, last_token_rewards
+from verl_fast.experience import Experience, build_experience, concat, last_token_rewards
 from verl_fast.metrics import MetricsLogger
 from verl_fast.rewards import RewardInput, RewardStopped, RewardTimeout, build_reward
 from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec
@@ -97,6 +98,7 @@ class RLTrainer:
                 cfg, s.actor, tokenizer, model_path, s.autocast_dtype, source=s.weight_source(owns_weights=True)))
             self.rollout = self._operator(generation_config)
         self.step = 0
+        self._items: Sequence[Any] = ()  # what fit() trains on
         self.stopped = False  # set when a signal ended fit() early (after a checkpoint)
         self._stop_event = None  # fit's StopSignals event: a reward still scoring watches it
         self.history: List[Dict[str, Any]] = []
@@ -153,6 +155,7 @@ class RLTrainer:
         if cfg.train_batch_size % self.world:
             raise ValueError(f"trainer.train_batch_size={cfg.train_batch_size} must be a multiple of the "
                              f"number of processes ({self.world}) so that every rank gets the same share")
+        self._items = items  # dynamic sampling draws extra prompts from them
         per_epoch = max(1, len(items) // cfg.train_batch_size)
         total = cfg.total_steps or cfg.num_epochs * per_epoch
         run_dir.claim(cfg)  # one writer per output_dir; an older run there is resumed, refused or cleared
@@ -294,18 +297,18 @@ class RLTrainer:
     def make_experience(self, batch: List[PromptRow], metrics: Dict[str, Any]) -> Experience:
         """Rollout, rewards, old / reference log-probs and values, advantages."""
         timed, algorithm = self.perf.phase, self.algorithm
-        with timed("generation"), self._engine_awake():
-            gen = self.rollout.rollout(batch, seed=self._seed())
-            extra = algorithm.extra_rollout(self.rollout, batch)
-        metrics.update({f"rollout/{k}": v for k, v in self.engine.metrics().items()})
-        exp = build_experience(batch, gen, self.tokenizer.pad_token_id).to(self.device)
-        self.perf.count_step_tokens(exp.attention_mask)
+        exp, extra = self._scored_rollout(batch, metrics)
+        # the batch's own figures, before dynamic sampling keeps only the informative groups
+        lengths = exp.response_mask.sum(-1).float()
+        metrics.update({
+            "reward/mean": exp.scores.mean().item(),
+            "reward/std": exp.scores.std().item() if exp.num_sequences > 1 else 0.0,
+            "response/length": lengths.mean().item(),
+        })
         with timed("reward"):
-            exp.scores = self._score(batch, gen)
             baselines = algorithm.reward_baselines(batch, extra, self._score, exp, metrics)
-            exp.token_level_rewards = last_token_rewards(exp.scores, exp.response_mask)
-        metrics["reward/errors"] = float(getattr(self.reward, "last_errors", 0))  # zeroed by reward_fn.on_error
-        metrics["data/skipped_overlong"] = float(self.processor.skipped_overlong)
+        if self.cfg.algorithm.dynamic_sampling:
+            exp = self._dynamic_sampling(exp, metrics)
         if algorithm.needs_old_logprobs(exp):
             with timed("old_logprob"):
                 exp.old_logprobs = self._old_logprobs(exp)
@@ -320,15 +323,66 @@ class RLTrainer:
         with timed("advantages"):
             algorithm.shape_rewards(exp, metrics)
             exp.advantages, exp.returns = algorithm.advantages(exp, baselines, self.dp_group)
-        lengths = exp.response_mask.sum(-1).float()
-        metrics.update({
-            "reward/mean": exp.scores.mean().item(),
-            "reward/std": exp.scores.std().item() if exp.num_sequences > 1 else 0.0,
-            "response/length": lengths.mean().item(),
-            "response/truncated": sum(r == "length" for r in gen.finish_reasons) / max(1, len(gen.finish_reasons)),
-            "advantages/abs_mean": exp.advantages.abs().mean().item(),
-        })
+        metrics["advantages/abs_mean"] = exp.advantages.abs().mean().item()
         return exp
+
+    def _scored_rollout(self, batch: List[PromptRow], metrics: Dict[str, Any]) -> tuple:
+        """Generation and rewards of ``batch``: ``(experience with scores and outcome rewards, the
+        algorithm's extra rollout or None)``."""
+        timed = self.perf.phase
+        with timed("generation"), self._engine_awake():
+            gen = self.rollout.rollout(batch, seed=self._seed())
+            extra = self.algorithm.extra_rollout(self.rollout, batch)
+        metrics.update({f"rollout/{k}": v for k, v in self.engine.metrics().items()})
+        exp = build_experience(batch, gen, self.tokenizer.pad_token_id).to(self.device)
+        self.perf.count_step_tokens(exp.attention_mask)
+        with timed("reward"):
+            exp.scores = self._score(batch, gen)
+            exp.token_level_rewards = last_token_rewards(exp.scores, exp.response_mask)
+        metrics["reward/errors"] = metrics.get("reward/errors", 0.0) + float(getattr(self.reward, "last_errors", 0))
+        metrics["data/skipped_overlong"] = float(self.processor.skipped_overlong)
+        metrics["response/truncated"] = (sum(r == "length" for r in gen.finish_reasons)
+                                         / max(1, len(gen.finish_reasons)))
+        return exp, extra
+
+    def _dynamic_sampling(self, exp: Experience, metrics: Dict[str, Any]) -> Experience:
+        """DAPO's dynamic sampling (``algos/dapo.py``): the groups whose scores differ, topped up from
+        extra draws of prompts until ``train_batch_size`` of them (or ``max_extra_draws`` is spent)."""
+        want, alg = self.cfg.trainer.train_batch_size, self.cfg.algorithm
+        kept: List[Experience] = []
+        found, dropped, draws = 0, 0, 0
+        while True:
+            groups = dapo.informative_groups(exp.scores, exp.prompt_index)
+            dropped += int(exp.prompt_index.unique().numel()) - len(groups)
+            groups = groups[: want - found]
+            rows, ids = dapo.rows_of(exp.prompt_index, groups)
+            if rows.numel():
+                part = exp.select(rows.to(exp.input_ids.device))
+                part.prompt_index = (ids + found).to(part.prompt_index.device)
+                kept.append(part)
+            found += len(groups)
+            if found >= want or draws >= alg.max_extra_draws:
+                break
+            draws += 1
+            exp, _ = self._scored_rollout(self._extra_batch(draws), {})
+        metrics.update({"dynamic_sampling/extra_draws": float(draws), "dynamic_sampling/dropped_groups": float(dropped),
+                        "dynamic_sampling/kept_groups": float(found)})
+        if not kept:
+            raise RuntimeError(f"algorithm.dynamic_sampling: every prompt's samples scored the same in the step's "
+                               f"batch and {draws} extra draws (algorithm.max_extra_draws); raise max_extra_draws "
+                               "or rollout.n, or check the reward")
+        return concat(kept)
+
+    def _extra_batch(self, draw: int) -> List[PromptRow]:
+        """Dynamic sampling's ``draw``-th extra batch of the step: ``train_batch_size`` prompts drawn
+        with a generator seeded by the step and the draw (a resumed run draws the same)."""
+        n = self.cfg.trainer.train_batch_size
+        if not self._items:
+            raise RuntimeError("algorithm.dynamic_sampling draws its extra prompts from the dataset fit() trains on; "
+                               "call fit(dataset)")
+        g = torch.Generator().manual_seed(self.cfg.trainer.seed * 1_000_003 + self.step * 1009 + draw)
+        take = torch.randint(len(self._items), (n,), generator=g).tolist()
+        return [self._items[j] for j in take]
 
     def _rollout_weights(self, exp: Experience, metrics: Dict[str, Any]) -> None:
         """``algorithm.rollout_correction``: the truncated importance weights of the rollout engine's
