@@ -44,6 +44,8 @@ def reference(loss_type, c, r, beta, eps):
         # D'Oosterlinck et al. 2024 (APO), eq. 7 and 8
         "apo_zero": (1 - sig(beta * c)) + sig(beta * r),
         "apo_down": sig(beta * c) + (1 - sig(beta * m)),
+        # Chris Lu et al. 2024 (DiscoPOP), eq. 5 with tau = 0.05
+        "discopop": (1 - sig(beta * m / 0.05)) * -logsig(beta * m) + sig(beta * m / 0.05) * math.exp(-beta * m),
     }[loss_type]
 
 
@@ -83,6 +85,8 @@ def test_bad_label_smoothing_is_named():
         dpo_loss(x, x, x, x, 0.1, "exo_pair", 0.0)
     with pytest.raises(ValueError, match="robust needs 0 <= label_smoothing < 0.5"):
         dpo_loss(x, x, x, x, 0.1, "robust", 0.5)
+    with pytest.raises(ValueError, match="discopop needs discopop_tau > 0"):
+        dpo_loss(x, x, x, x, 0.1, "discopop", 0.0, 0.0)
     with pytest.raises(ValueError, match="dpo loss_type must be one of"):
         dpo_loss(x, x, x, x, 0.1, "kto", 0.0)
     dpo = {"reward_fn": {"type": "pairwise_ranking"}}
@@ -90,6 +94,8 @@ def test_bad_label_smoothing_is_named():
         C.from_dict({**dpo, "algorithm": {"type": "dpo", "loss_type": "exo_pair"}})
     with pytest.raises(ValueError, match="loss_type=robust needs algorithm.label_smoothing < 0.5"):
         C.from_dict({**dpo, "algorithm": {"type": "dpo", "loss_type": "robust", "label_smoothing": 0.5}})
+    with pytest.raises(ValueError, match="loss_type=discopop needs algorithm.discopop_tau > 0"):
+        C.from_dict({**dpo, "algorithm": {"type": "dpo", "loss_type": "discopop", "discopop_tau": 0.0}})
     with pytest.raises(ValueError, match="algorithm.sft_weight must be >= 0"):
         C.from_dict({**dpo, "algorithm": {"type": "dpo", "sft_weight": -1.0}})
 

@@ -1,7 +1,7 @@
 """DPO (Rafailov et al.) on the dataset's chosen / rejected pairs (``Step.PREFERENCE``, no rollout): the
 summed response log-probs of chosen and rejected under the actor and the reference (none with
 ``reward_fn.reference_free``), the DPO loss (``algorithm.loss_type``: sigmoid, ipo, hinge, robust,
-exo_pair, nca_pair, bco_pair, sppo_hard, apo_zero, apo_down (``losses.dpo_loss``), with ``beta`` and
+exo_pair, nca_pair, bco_pair, sppo_hard, apo_zero, apo_down, discopop (``losses.dpo_loss``), with ``beta`` and
 ``label_smoothing``) plus ``algorithm.sft_weight`` times the chosen responses' mean token NLL (RPO),
 backward, one optimiser step per batch.
 
@@ -92,6 +92,8 @@ def check_loss(cfg: Config) -> None:
     if alg.loss_type == "exo_pair" and alg.label_smoothing <= 0:
         raise ValueError("algorithm.loss_type=exo_pair needs algorithm.label_smoothing > 0 (the target "
                          f"distribution's eps, e.g. 0.001), got {alg.label_smoothing}")
+    if alg.loss_type == "discopop" and alg.discopop_tau <= 0:
+        raise ValueError(f"algorithm.loss_type=discopop needs algorithm.discopop_tau > 0, got {alg.discopop_tau}")
     if alg.loss_type == "robust" and alg.label_smoothing >= 0.5:
         raise ValueError(f"algorithm.loss_type=robust needs algorithm.label_smoothing < 0.5, got {alg.label_smoothing}")
 
@@ -156,7 +158,7 @@ def step(actor: torch.nn.Module, ref: Optional[torch.nn.Module], pairs: List[Pre
             reference = torch.zeros_like(policy)
         B = len(chunk)
         loss, s = dpo_loss(policy[:B], policy[B:], reference[:B], reference[B:], algorithm.beta, algorithm.loss_type,
-                           algorithm.label_smoothing)
+                           algorithm.label_smoothing, algorithm.discopop_tau)
         share = loss * B / total  # the mean over all pairs of the step
         if algorithm.sft_weight:
             nll = -policy[:B].sum() / chosen_tokens  # this micro-batch's share of the chosen tokens' mean NLL

@@ -17,7 +17,7 @@ from verl_fast.ops.masked import masked_mean, masked_sum
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs", "k1+", "k2+", "k3+", "low_var_kl+", "abs+")
 DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
-              "apo_down")
+              "apo_down", "discopop")
 
 
 def agg_loss(loss_mat: torch.Tensor, response_mask: torch.Tensor, mode: str = "token-mean",
@@ -159,7 +159,7 @@ def entropy_loss(entropy: torch.Tensor, response_mask: torch.Tensor, loss_agg_mo
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
              ref_rejected: torch.Tensor, beta: float = 0.1, loss_type: str = "sigmoid",
-             label_smoothing: float = 0.0) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+             label_smoothing: float = 0.0, discopop_tau: float = 0.05) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """DPO over summed sequence log-probs ``[B]``, the mean over pairs. With the log-ratios
     c = pi_c - ref_c, r = pi_r - ref_r and the margin m = c - r (pass zeros as ref for reference-free DPO):
 
@@ -174,6 +174,8 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
     sppo_hard (Wu et al., SPPO, hard labels): (c - 1/(2 beta))^2 + (r + 1/(2 beta))^2
     apo_zero (D'Oosterlinck et al., APO eq. 7): (1 - sig(beta c)) + sig(beta r)
     apo_down (APO eq. 8): sig(beta c) + (1 - sig(beta m))
+    discopop (Chris Lu et al., DiscoPOP eq. 5): with rho = beta m and w = sig(rho / tau),
+      (1 - w) (-log sig(rho)) + w exp(-rho)
     """
     c = policy_chosen - ref_chosen
     r = policy_rejected - ref_rejected
@@ -206,6 +208,11 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
         losses = (1 - torch.sigmoid(beta * c)) + torch.sigmoid(beta * r)
     elif loss_type == "apo_down":
         losses = torch.sigmoid(beta * c) + (1 - torch.sigmoid(z))
+    elif loss_type == "discopop":
+        if discopop_tau <= 0:
+            raise ValueError(f"dpo loss_type discopop needs discopop_tau > 0, got {discopop_tau}")
+        # w exp(-rho) as exp(log w - rho): exp(-rho) alone overflows for a large negative margin where w is 0
+        losses = -(1 - torch.sigmoid(z / discopop_tau)) * F.logsigmoid(z) + torch.exp(F.logsigmoid(z / discopop_tau) - z)
     else:
         raise ValueError(f"dpo loss_type must be one of {DPO_LOSSES}, got {loss_type!r}")
     chosen_reward = beta * c.detach()
