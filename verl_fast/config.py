@@ -235,6 +235,14 @@ class RewardConfig:
     timeout_s: Optional[float] = _f(300.0, min=0.0, doc="seconds one batch's scoring may take; past that the run "
                                     "checkpoints its last complete step and stops (null: no limit, scored in the "
                                     "trainer's own thread)")
+    weight: float = _f(1.0, doc="in a list of reward functions: this one's weight in the sample's reward "
+                       "(the weighted sum)")
+    name: Optional[str] = _f(None, doc="in a list of reward functions: this one's metric reward/<name>/mean "
+                             "(default: the function's name, or the type)")
+    functions: List[Dict[str, Any]] = _f(list, doc="type weighted: the reward functions, each a reward_fn "
+                                         "mapping of its own (type, path, weight, name, on_error, ...; on_error "
+                                         "and timeout_s default to this section's); written as a list, "
+                                         "reward_fn: [...] means type weighted")
 
 
 @dataclass
@@ -347,6 +355,29 @@ def _check_value(value: Any, annotation: Any, meta: Dict[str, Any], key: str) ->
     return value
 
 
+# reward_fn.type whose reward is the weighted sum of reward_fn.functions (a list under reward_fn)
+WEIGHTED_REWARD = "weighted"
+
+
+def reward_functions(r: RewardConfig) -> List[RewardConfig]:
+    """The reward functions a reward_fn section names: itself, or (type weighted) each of its
+    ``functions``, checked as a reward_fn section (``on_error`` / ``timeout_s`` default to the
+    section's)."""
+    if r.type != WEIGHTED_REWARD:
+        return [r]
+    if not r.functions:
+        raise ValueError(f"reward_fn.type={WEIGHTED_REWARD} needs reward_fn.functions (a list of reward functions)")
+    out = []
+    for i, entry in enumerate(r.functions):
+        key = f"reward_fn[{i}]"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{key} must be a mapping (type, path, weight, name, ...), got {entry!r}")
+        if entry.get("type") == WEIGHTED_REWARD or "functions" in entry:
+            raise ValueError(f"{key}: a reward function in the list cannot hold functions of its own")
+        out.append(_section(RewardConfig, {"on_error": r.on_error, "timeout_s": r.timeout_s, **entry}, key))
+    return out
+
+
 def _section(cls, data: Any, name: str):
     if data is None:
         return cls()
@@ -388,6 +419,8 @@ def from_dict(data: Optional[Dict[str, Any]]) -> Config:
     unknown = sorted(set(data) - set(sections))
     if unknown:
         raise ValueError(f"unknown section {unknown[0]!r}; allowed sections: {sorted(sections)}")
+    if isinstance(data.get("reward_fn"), list):  # several reward functions, each named and weighted
+        data["reward_fn"] = {"type": WEIGHTED_REWARD, "functions": data["reward_fn"]}
     hints = typing.get_type_hints(Config)
     cfg = Config(**{name: _section(hints[name], data.get(name), name) for name in sections})
     _apply_aliases(cfg)
@@ -465,6 +498,7 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"algorithm.epsilon must be > 0, got {cfg.algorithm.epsilon}")
     if cfg.reward_fn.timeout_s is not None and cfg.reward_fn.timeout_s <= 0:
         raise ValueError(f"reward_fn.timeout_s must be > 0 seconds (or null for no limit), got {cfg.reward_fn.timeout_s}")
+    reward_functions(cfg.reward_fn)  # each of a list's entries checked as a reward_fn section
     if cfg.actor.clip_ratio_c <= 1.0:
         raise ValueError(f"actor.clip_ratio_c must be > 1 (dual clip), got {cfg.actor.clip_ratio_c}")
     for check in _CHECKS:

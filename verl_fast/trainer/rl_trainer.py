@@ -62,8 +62,9 @@ class RLTrainer:
         re-wrapped); plain models are sharded as ``actor.strategy`` / ``critic.strategy`` say
         (FSDP2 under torchrun). ``ref_model`` / ``critic_model`` may be of other families; without a
         ``ref_model`` a frozen copy of the actor, laid out as the actor is, is the reference when KL
-        is used. ``reward_fn``: a callable with verl's ``compute_score`` signature or a
-        RewardFunction (else the config's).
+        is used. ``reward_fn``: a callable with verl's ``compute_score`` signature or TRL's
+        ``f(prompts, completions, **kwargs)``, a RewardFunction, or a list of them (each may be
+        ``{"fn": f, "weight": w, "name": n}``; the weighted sum is the reward) (else the config's).
         ``generation_config``: default sampling (SamplingSpec fields or HF names). ``model_path``:
         the actor's folder, which a vLLM engine loads (else the actor is saved to a temporary one)."""
         self.cfg = config_mod.checked(config) if isinstance(config, Config) else config_mod.from_dict(config or {})
@@ -300,6 +301,7 @@ class RLTrainer:
         self.perf.count_step_tokens(exp.attention_mask)
         with timed("reward"):
             exp.scores = self._score(batch, gen)
+            metrics.update(self.reward.last_metrics)  # each reward function's mean and extra keys
             baselines = algorithm.reward_baselines(batch, extra, self._score, exp, metrics)
             exp.token_level_rewards = last_token_rewards(exp.scores, exp.response_mask)
         metrics["reward/errors"] = float(getattr(self.reward, "last_errors", 0))  # zeroed by reward_fn.on_error
@@ -329,7 +331,8 @@ class RLTrainer:
     def _score(self, batch: List[PromptRow], gen: Any) -> torch.Tensor:
         """The reward of each generated sample, ``[N]`` float32 on the trainer's device."""
         samples = [RewardInput(prompt=batch[i].prompt_text, response=text, ground_truth=batch[i].ground_truth,
-                               data_source=batch[i].data_source, extra_info=batch[i].extra_info)
+                               data_source=batch[i].data_source, extra_info=batch[i].extra_info,
+                               columns=batch[i].columns)
                    for i, text in zip(gen.prompt_index.tolist(), gen.texts)]
         failure: Optional[BaseException] = None
         try:
