@@ -113,13 +113,25 @@ class ModelLayoutConfig:
 
 
 @dataclass
-class ActorConfig(ModelLayoutConfig):
+class ScheduleConfig:
+    """The learning-rate schedule of a trained model (actor or critic): verl_fast/trainer/lr_schedule.py."""
+
+    lr_scheduler: str = _f("constant", choices=("constant", "linear", "cosine"),
+                           doc="the rate over the run's steps after the warm-up: constant, linear or cosine "
+                           "decay towards min_lr_ratio * lr")
+    warmup_steps: Optional[int] = _f(None, min=0, doc="steps of linear warm-up to lr (null: warmup_ratio)")
+    warmup_ratio: float = _f(0.0, min=0.0, max=1.0, doc="warm-up as a fraction of the run's steps (rounded up)")
+    min_lr_ratio: float = _f(0.0, min=0.0, max=1.0, doc="linear / cosine: the final rate as a fraction of lr")
+
+
+@dataclass
+class ActorConfig(ModelLayoutConfig, ScheduleConfig):
     model_name: Optional[str] = _f(None, doc="HF folder or the demo name 'smollm2-135m-instruct'")
     type: str = _f("hf", choices=("hf", "hf_transformers", "vllm"), doc="older spelling: vllm sets rollout.type")
     dtype: str = _f("float32", choices=DTYPES)
     autocast: str = _f("none", choices=("none", "bfloat16", "float16"), doc="autocast for forward passes")
-    lr: float = _f(1e-6, min=0.0)
-    weight_decay: float = _f(0.0, min=0.0)
+    lr: float = _f(1e-6, min=0.0, doc="peak rate (lr_scheduler shapes it over the run)")
+    weight_decay: float = _f(0.0, min=0.0, doc="AdamW's decoupled weight decay")
     max_grad_norm: float = _f(1.0, min=0.0, doc="0 = no clipping")
     ppo_epochs: int = _f(1, min=1)
     ppo_mini_batch_size: Optional[int] = _f(None, min=1, doc="sequences per optimiser step on each rank (None: the batch)")
@@ -160,12 +172,12 @@ class ActorConfig(ModelLayoutConfig):
 
 
 @dataclass
-class CriticConfig(ModelLayoutConfig):
+class CriticConfig(ModelLayoutConfig, ScheduleConfig):
     model_name: Optional[str] = _f(None, doc="HF folder of the critic's base model (PPO)")
     type: str = _f("hf_transformers", choices=("hf", "hf_transformers"))
     dtype: str = _f("float32", choices=DTYPES)
-    lr: float = _f(1e-5, min=0.0)
-    weight_decay: float = _f(0.0, min=0.0)
+    lr: float = _f(1e-5, min=0.0, doc="peak rate (lr_scheduler shapes it over the run)")
+    weight_decay: float = _f(0.0, min=0.0, doc="AdamW's decoupled weight decay")
     max_grad_norm: float = _f(1.0, min=0.0)
     micro_batch_size: int = _f(8, min=1)
     cliprange_value: float = _f(0.5, min=0.0)
@@ -499,6 +511,10 @@ def validate(cfg: Config) -> None:
     if cfg.reward_fn.timeout_s is not None and cfg.reward_fn.timeout_s <= 0:
         raise ValueError(f"reward_fn.timeout_s must be > 0 seconds (or null for no limit), got {cfg.reward_fn.timeout_s}")
     reward_functions(cfg.reward_fn)  # each of a list's entries checked as a reward_fn section
+    for name in ("actor", "critic"):
+        section = getattr(cfg, name)
+        if section.warmup_steps is not None and section.warmup_ratio > 0:
+            raise ValueError(f"{name}.warmup_steps and {name}.warmup_ratio are both set; use one of them")
     if cfg.actor.clip_ratio_c <= 1.0:
         raise ValueError(f"actor.clip_ratio_c must be > 1 (dual clip), got {cfg.actor.clip_ratio_c}")
     for check in _CHECKS:

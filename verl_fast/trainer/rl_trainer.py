@@ -40,7 +40,7 @@ from verl_fast.rollout.factory import build_engine
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 from verl_fast.rollout.operator import RolloutOperator
 from verl_fast.strategies import backends as strategies
-from verl_fast.trainer import perf, run_dir
+from verl_fast.trainer import lr_schedule, perf, run_dir
 from verl_fast.trainer.batching import balance_across_ranks, loss_normalisers, micro_batches
 
 
@@ -97,6 +97,7 @@ class RLTrainer:
                 cfg, s.actor, tokenizer, model_path, s.autocast_dtype, source=s.weight_source(owns_weights=True)))
             self.rollout = self._operator(generation_config)
         self.step = 0
+        self.total_steps: Optional[int] = None  # the run's length, set by fit (the schedules read it)
         self.stopped = False  # set when a signal ended fit() early (after a checkpoint)
         self._stop_event = None  # fit's StopSignals event: a reward still scoring watches it
         self.history: List[Dict[str, Any]] = []
@@ -154,6 +155,7 @@ class RLTrainer:
                              f"number of processes ({self.world}) so that every rank gets the same share")
         per_epoch = max(1, len(items) // cfg.train_batch_size)
         total = cfg.total_steps or cfg.num_epochs * per_epoch
+        self.total_steps = total
         run_dir.claim(cfg)  # one writer per output_dir; an older run there is resumed, refused or cleared
         logger = None
         try:
@@ -218,11 +220,26 @@ class RLTrainer:
         for DPO): its metrics, with the time of each phase."""
         start = time.perf_counter()
         self.perf.begin()
+        rates = self._set_rates()
         metrics = self._step(batch)
+        metrics.update(rates)
         self.step += 1
         metrics.update(step=self.step, **{"time/step": time.perf_counter() - start})
         metrics.update(perf.throughput(metrics))
         return metrics
+
+    def _set_rates(self) -> Dict[str, float]:
+        """The actor's (and critic's) learning rate for this step, from its schedule; as metrics."""
+        total = self.total_steps or self.cfg.trainer.total_steps
+        a = self.cfg.actor
+        rates = {"actor/lr": a.lr * lr_schedule.factor(self.step, total, a)}
+        lr_schedule.set_rate(self.strategy.optimizer, rates["actor/lr"])
+        critic = self.strategy.critic
+        if critic is not None:
+            c = self.cfg.critic
+            rates["critic/lr"] = c.lr * lr_schedule.factor(self.step, total, c)
+            lr_schedule.set_rate(critic.optimizer, rates["critic/lr"])
+        return rates
 
     def _batch(self, items: Sequence[Any], step: int, per_epoch: int) -> List[Any]:
         """This rank's share of the step's batch: a fixed permutation per epoch (seeded), so a resumed
