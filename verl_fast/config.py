@@ -287,6 +287,19 @@ class TrainerConfig:
                         doc="HF safetensors beside which checkpoints (the sharded state is always written)")
     dataset: Optional[str] = _f(None, doc="parquet/jsonl path, HF dataset name, or reasoning_gym:<task>")
     dataset_kwargs: Dict[str, Any] = _f(dict)
+    val_dataset: Optional[str] = _f(None, doc="validation prompts, in the formats of trainer.dataset (null: no "
+                                    "validation)")
+    val_dataset_kwargs: Dict[str, Any] = _f(dict, doc="as dataset_kwargs, for val_dataset")
+    val_freq: int = _f(0, min=0, doc="validate after every N-th step and after the last one (0: after the last "
+                       "one only)")
+    val_before_train: bool = _f(False, doc="validate before the first step too (logged as step 0)")
+    val_n: int = _f(1, min=1, doc="validation samples per prompt")
+    val_temperature: float = _f(0.0, min=0.0, doc="validation sampling temperature (0: greedy)")
+    val_top_p: float = _f(1.0, min=0.0, max=1.0, doc="validation nucleus sampling")
+    val_max_new_tokens: Optional[int] = _f(None, min=1, doc="validation response length (null: "
+                                           "rollout.max_new_tokens)")
+    log_generations: int = _f(0, min=0, doc="log the first N prompts / responses / rewards of every step and "
+                              "validation (generations.jsonl, TensorBoard text, a wandb table)")
     system_prompt: Optional[str] = _f(None)
     max_prompt_length: int = _f(512, min=1)
     overlong_prompts: str = _f("skip", choices=OVERLONG_PROMPTS, doc="prompts over max_prompt_length: skip "
