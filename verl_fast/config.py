@@ -153,6 +153,9 @@ class ActorConfig(ModelLayoutConfig, ScheduleConfig):
     trust_remote_code: bool = _f(False, doc="actor and reference: let transformers run the model folder's own code")
     attn_implementation: Optional[str] = _f(None, choices=ATTN_IMPLEMENTATIONS,
                                             doc="None: transformers' default; flash_attention_2 needs flash-attn")
+    lora: Optional[Dict[str, Any]] = _f(None, doc="LoRA adapters through peft: {r, alpha (default 2r), dropout "
+                                        "(default 0), target_modules (default all-linear)}; the base stays frozen, "
+                                        "the export is the merged model plus the adapter folder")
     skip_zero_advantage: bool = _f(True, doc="leave samples whose advantages are all 0 out of the backward")
     tensor_model_parallel_size: int = _f(1, min=1, doc="strategy megatron: TP size")
     pipeline_model_parallel_size: int = _f(1, min=1, doc="strategy megatron: PP size")
@@ -524,6 +527,7 @@ def validate(cfg: Config) -> None:
     if cfg.reward_fn.timeout_s is not None and cfg.reward_fn.timeout_s <= 0:
         raise ValueError(f"reward_fn.timeout_s must be > 0 seconds (or null for no limit), got {cfg.reward_fn.timeout_s}")
     reward_functions(cfg.reward_fn)  # each of a list's entries checked as a reward_fn section
+    _check_lora(cfg.actor.lora)
     for name in ("actor", "critic"):
         section = getattr(cfg, name)
         if section.warmup_steps is not None and section.warmup_ratio > 0:
@@ -532,6 +536,32 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"actor.clip_ratio_c must be > 1 (dual clip), got {cfg.actor.clip_ratio_c}")
     for check in _CHECKS:
         check(cfg)
+
+
+LORA_KEYS = ("r", "alpha", "dropout", "target_modules")
+
+
+def _check_lora(spec: Optional[Dict[str, Any]]) -> None:
+    """actor.lora's keys, each named in its message."""
+    if spec is None:
+        return
+    unknown = sorted(set(spec) - set(LORA_KEYS))
+    if unknown:
+        raise ValueError(f"unknown key actor.lora.{unknown[0]}; allowed keys in actor.lora: {list(LORA_KEYS)}")
+    if "r" not in spec:
+        raise ValueError("actor.lora needs r (the adapters' rank), e.g. actor.lora: {r: 16}")
+    r = _check_value(spec["r"], int, {"min": 1}, "actor.lora.r")
+    if "alpha" in spec:
+        _check_value(spec["alpha"], float, {"min": 0.0}, "actor.lora.alpha")
+    if "dropout" in spec:
+        _check_value(spec["dropout"], float, {"min": 0.0, "max": 0.999}, "actor.lora.dropout")
+    targets = spec.get("target_modules", "all-linear")
+    if not (targets == "all-linear" or (isinstance(targets, list) and targets and
+                                        all(isinstance(t, str) and t for t in targets))):
+        raise ValueError(f"actor.lora.target_modules must be all-linear or a list of module names (e.g. [q_proj, "
+                         f"v_proj]), got {targets!r}")
+    if r > 512:
+        raise ValueError(f"actor.lora.r must be <= 512 (vLLM's largest LoRA rank), got {r}")
 
 
 def default_config_path() -> Path:
