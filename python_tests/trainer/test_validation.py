@@ -156,3 +156,18 @@ def test_validation_settings_without_a_set_or_a_sampler(tiny_path, tmp_path):
     trainer = RLTrainer(actor_model=model, tokenizer=tok, config=dpo)
     with pytest.raises(ValueError, match="trainer.val_dataset is not supported with algorithm.type=dpo"):
         trainer.fit([{"prompt": "p", "chosen": "a", "rejected": "b"}])
+
+
+def test_a_resume_drops_the_generations_of_steps_that_run_again(tmp_path):
+    from verl_fast.metrics import MetricsLogger
+
+    logger = MetricsLogger(str(tmp_path), 3, progress_bar=False, loggers=["jsonl"])
+    logger.resume([])
+    sample = {"data_source": "d", "prompt": "p", "response": "r", "reward": 1.0}
+    for step in (0, 1, 2, 3):
+        logger.log({"step": step})
+        logger.log_generations(step, "val" if step == 0 else "train", [sample, sample])
+    again = MetricsLogger(str(tmp_path), 3, progress_bar=False, loggers=["jsonl"])
+    again.resume([{"step": 0}, {"step": 1}])  # the checkpoint of step 1: steps 2 and 3 run again
+    lines = [json.loads(line) for line in (tmp_path / "generations.jsonl").read_text().splitlines()]
+    assert [(g["step"], g["kind"]) for g in lines] == [(0, "val"), (0, "val"), (1, "train"), (1, "train")]
