@@ -37,6 +37,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import torch
 
 from verl_fast import output_folder, safe_load
+from verl_fast.models import lora
 from verl_fast.models.wrapping import hf_module
 from verl_fast import direct_write, run_files
 from verl_fast.direct_write import Records
@@ -220,6 +221,11 @@ def _write_metadata(tmp: Path, step: int, actor: torch.nn.Module, tokenizer: Any
         model.generation_config.save_pretrained(tmp)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
+    if lora.is_peft(model):  # the adapter (the export merges it into the base weights)
+        if whole is not None:
+            model.save_pretrained(tmp / lora.ADAPTER)  # peft's own folder: weights and adapter_config.json
+        else:  # sharded parameters: the configuration, which the merge needs, only
+            model.peft_config[model.active_adapter].save_pretrained(tmp / lora.ADAPTER)
     (tmp / STATE).write_text(json.dumps({"step": step, **state}, indent=1, default=str))
     return _write_safetensors(tmp / DCP, tmp, whole=whole) if export_hf else {}
 
@@ -450,12 +456,24 @@ def _write_safetensors(dcp_dir: Path, out: Path, max_shard_bytes: int = 5 << 30,
                    if k.startswith("actor.") and isinstance(m, TensorStorageMetadata)}
     if not tensors:
         raise CheckpointError(f"{dcp_dir} holds no actor weights")
+    # export name -> the "actor.*" tensors it is made of (a LoRA actor's adapters merged into its weights)
+    adapter_file = out / lora.ADAPTER / "adapter_config.json"
+    adapter = json.loads(adapter_file.read_text()) if adapter_file.is_file() else None
+    if adapter is None:
+        plan = {k[len("actor."):]: (k,) for k in tensors}
+    else:
+        try:
+            plan = {name: tuple(f"actor.{src}" for src in sources) for name, sources in
+                    lora.export_plan([k[len("actor."):] for k in tensors], adapter).items()}
+        except ValueError as e:
+            raise CheckpointError(f"{dcp_dir}: {e}") from None
     config = out / "config.json"
     if config.is_file() and json.loads(config.read_text()).get("tie_word_embeddings"):
-        tensors.pop("actor.lm_head.weight", None)  # transformers ties it to the input embeddings
+        plan.pop("lm_head.weight", None)  # transformers ties it to the input embeddings
     groups: List[List[str]] = [[]]
     size = 0
-    for k, (shape, dtype) in tensors.items():
+    for k, sources in plan.items():
+        shape, dtype = tensors[sources[0]]
         nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
         if groups[-1] and size + nbytes > max_shard_bytes:
             groups.append([])
@@ -467,18 +485,20 @@ def _write_safetensors(dcp_dir: Path, out: Path, max_shard_bytes: int = 5 << 30,
     weight_map: Dict[str, str] = {}
     written: Records = {}
     for name, keys in zip(names, groups):
+        needed = sorted({src for k in keys for src in plan[k]})
         if whole is not None:
-            part = {k: whole[k[len("actor."):]].detach().cpu().contiguous() for k in keys}
+            part = {k: whole[k[len("actor."):]].detach().cpu().contiguous() for k in needed}
         else:
-            part = {k: torch.empty(tensors[k][0], dtype=tensors[k][1]) for k in keys}
+            part = {k: torch.empty(tensors[k][0], dtype=tensors[k][1]) for k in needed}
             with _quiet():
                 dcp.load(part, storage_reader=safe_load.dcp_reader(dcp_dir), planner=safe_load.dcp_planner(),
                          no_dist=True)
-        written[str(out / name)] = direct_write.write_safetensors(
-            out / name, {k[len("actor."):]: v for k, v in part.items()}, metadata={"format": "pt"})
-        weight_map.update({k[len("actor."):]: name for k in keys})
+        out_tensors = {k: lora.exported(plan[k], part, adapter) if adapter else part[plan[k][0]] for k in keys}
+        written[str(out / name)] = direct_write.write_safetensors(out / name, out_tensors, metadata={"format": "pt"})
+        weight_map.update({k: name for k in keys})
     if len(names) > 1:
-        total = sum(shape.numel() * torch.empty((), dtype=dtype).element_size() for shape, dtype in tensors.values())
+        total = sum(tensors[plan[k][0]][0].numel() * torch.empty((), dtype=tensors[plan[k][0]][1]).element_size()
+                    for k in plan)
         (out / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     return written
@@ -514,6 +534,8 @@ def export(checkpoint: str, out_dir: str, max_shard_bytes: int = 5 << 30, overwr
         for p in src.iterdir():
             if p.name not in _NOT_HF and p.is_file() and not _is_weights(p.name):
                 shutil.copy2(p, tmp / p.name)
+        if (src / lora.ADAPTER).is_dir():  # a LoRA actor's adapter, beside the merged weights
+            shutil.copytree(src / lora.ADAPTER, tmp / lora.ADAPTER)
         _write_safetensors(src / DCP, tmp, max_shard_bytes)
         _fsync_tree(tmp)
 

@@ -114,13 +114,25 @@ class ModelLayoutConfig:
 
 
 @dataclass
-class ActorConfig(ModelLayoutConfig):
+class ScheduleConfig:
+    """The learning-rate schedule of a trained model (actor or critic): verl_fast/trainer/lr_schedule.py."""
+
+    lr_scheduler: str = _f("constant", choices=("constant", "linear", "cosine"),
+                           doc="the rate over the run's steps after the warm-up: constant, linear or cosine "
+                           "decay towards min_lr_ratio * lr")
+    warmup_steps: Optional[int] = _f(None, min=0, doc="steps of linear warm-up to lr (null: warmup_ratio)")
+    warmup_ratio: float = _f(0.0, min=0.0, max=1.0, doc="warm-up as a fraction of the run's steps (rounded up)")
+    min_lr_ratio: float = _f(0.0, min=0.0, max=1.0, doc="linear / cosine: the final rate as a fraction of lr")
+
+
+@dataclass
+class ActorConfig(ModelLayoutConfig, ScheduleConfig):
     model_name: Optional[str] = _f(None, doc="HF folder or the demo name 'smollm2-135m-instruct'")
     type: str = _f("hf", choices=("hf", "hf_transformers", "vllm"), doc="older spelling: vllm sets rollout.type")
     dtype: str = _f("float32", choices=DTYPES)
     autocast: str = _f("none", choices=("none", "bfloat16", "float16"), doc="autocast for forward passes")
-    lr: float = _f(1e-6, min=0.0)
-    weight_decay: float = _f(0.0, min=0.0)
+    lr: float = _f(1e-6, min=0.0, doc="peak rate (lr_scheduler shapes it over the run)")
+    weight_decay: float = _f(0.0, min=0.0, doc="AdamW's decoupled weight decay")
     max_grad_norm: float = _f(1.0, min=0.0, doc="0 = no clipping")
     ppo_epochs: int = _f(1, min=1)
     ppo_mini_batch_size: Optional[int] = _f(None, min=1, doc="sequences per optimiser step on each rank (None: the batch)")
@@ -149,6 +161,9 @@ class ActorConfig(ModelLayoutConfig):
     trust_remote_code: bool = _f(False, doc="actor and reference: let transformers run the model folder's own code")
     attn_implementation: Optional[str] = _f(None, choices=ATTN_IMPLEMENTATIONS,
                                             doc="None: transformers' default; flash_attention_2 needs flash-attn")
+    lora: Optional[Dict[str, Any]] = _f(None, doc="LoRA adapters through peft: {r, alpha (default 2r), dropout "
+                                        "(default 0), target_modules (default all-linear)}; the base stays frozen, "
+                                        "the export is the merged model plus the adapter folder")
     skip_zero_advantage: bool = _f(True, doc="leave samples whose advantages are all 0 out of the backward")
     tensor_model_parallel_size: int = _f(1, min=1, doc="strategy megatron: TP size")
     pipeline_model_parallel_size: int = _f(1, min=1, doc="strategy megatron: PP size")
@@ -168,12 +183,12 @@ class ActorConfig(ModelLayoutConfig):
 
 
 @dataclass
-class CriticConfig(ModelLayoutConfig):
+class CriticConfig(ModelLayoutConfig, ScheduleConfig):
     model_name: Optional[str] = _f(None, doc="HF folder of the critic's base model (PPO)")
     type: str = _f("hf_transformers", choices=("hf", "hf_transformers"))
     dtype: str = _f("float32", choices=DTYPES)
-    lr: float = _f(1e-5, min=0.0)
-    weight_decay: float = _f(0.0, min=0.0)
+    lr: float = _f(1e-5, min=0.0, doc="peak rate (lr_scheduler shapes it over the run)")
+    weight_decay: float = _f(0.0, min=0.0, doc="AdamW's decoupled weight decay")
     max_grad_norm: float = _f(1.0, min=0.0)
     micro_batch_size: int = _f(8, min=1)
     cliprange_value: float = _f(0.5, min=0.0)
@@ -245,6 +260,14 @@ class RewardConfig:
     timeout_s: Optional[float] = _f(300.0, min=0.0, doc="seconds one batch's scoring may take; past that the run "
                                     "checkpoints its last complete step and stops (null: no limit, scored in the "
                                     "trainer's own thread)")
+    weight: float = _f(1.0, doc="in a list of reward functions: this one's weight in the sample's reward "
+                       "(the weighted sum)")
+    name: Optional[str] = _f(None, doc="in a list of reward functions: this one's metric reward/<name>/mean "
+                             "(default: the function's name, or the type)")
+    functions: List[Dict[str, Any]] = _f(list, doc="type weighted: the reward functions, each a reward_fn "
+                                         "mapping of its own (type, path, weight, name, on_error, ...; on_error "
+                                         "and timeout_s default to this section's); written as a list, "
+                                         "reward_fn: [...] means type weighted")
 
 
 @dataclass
@@ -290,6 +313,19 @@ class TrainerConfig:
                         doc="HF safetensors beside which checkpoints (the sharded state is always written)")
     dataset: Optional[str] = _f(None, doc="parquet/jsonl path, HF dataset name, or reasoning_gym:<task>")
     dataset_kwargs: Dict[str, Any] = _f(dict)
+    val_dataset: Optional[str] = _f(None, doc="validation prompts, in the formats of trainer.dataset (null: no "
+                                    "validation)")
+    val_dataset_kwargs: Dict[str, Any] = _f(dict, doc="as dataset_kwargs, for val_dataset")
+    val_freq: int = _f(0, min=0, doc="validate after every N-th step and after the last one (0: after the last "
+                       "one only)")
+    val_before_train: bool = _f(False, doc="validate before the first step too (logged as step 0)")
+    val_n: int = _f(1, min=1, doc="validation samples per prompt")
+    val_temperature: float = _f(0.0, min=0.0, doc="validation sampling temperature (0: greedy)")
+    val_top_p: float = _f(1.0, min=0.0, max=1.0, doc="validation nucleus sampling")
+    val_max_new_tokens: Optional[int] = _f(None, min=1, doc="validation response length (null: "
+                                           "rollout.max_new_tokens)")
+    log_generations: int = _f(0, min=0, doc="log the first N prompts / responses / rewards of every step and "
+                              "validation (generations.jsonl, TensorBoard text, a wandb table)")
     system_prompt: Optional[str] = _f(None)
     max_prompt_length: int = _f(512, min=1)
     overlong_prompts: str = _f("skip", choices=OVERLONG_PROMPTS, doc="prompts over max_prompt_length: skip "
@@ -370,6 +406,29 @@ def _check_value(value: Any, annotation: Any, meta: Dict[str, Any], key: str) ->
     return value
 
 
+# reward_fn.type whose reward is the weighted sum of reward_fn.functions (a list under reward_fn)
+WEIGHTED_REWARD = "weighted"
+
+
+def reward_functions(r: RewardConfig) -> List[RewardConfig]:
+    """The reward functions a reward_fn section names: itself, or (type weighted) each of its
+    ``functions``, checked as a reward_fn section (``on_error`` / ``timeout_s`` default to the
+    section's)."""
+    if r.type != WEIGHTED_REWARD:
+        return [r]
+    if not r.functions:
+        raise ValueError(f"reward_fn.type={WEIGHTED_REWARD} needs reward_fn.functions (a list of reward functions)")
+    out = []
+    for i, entry in enumerate(r.functions):
+        key = f"reward_fn[{i}]"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{key} must be a mapping (type, path, weight, name, ...), got {entry!r}")
+        if entry.get("type") == WEIGHTED_REWARD or "functions" in entry:
+            raise ValueError(f"{key}: a reward function in the list cannot hold functions of its own")
+        out.append(_section(RewardConfig, {"on_error": r.on_error, "timeout_s": r.timeout_s, **entry}, key))
+    return out
+
+
 def _section(cls, data: Any, name: str):
     if data is None:
         return cls()
@@ -411,6 +470,8 @@ def from_dict(data: Optional[Dict[str, Any]]) -> Config:
     unknown = sorted(set(data) - set(sections))
     if unknown:
         raise ValueError(f"unknown section {unknown[0]!r}; allowed sections: {sorted(sections)}")
+    if isinstance(data.get("reward_fn"), list):  # several reward functions, each named and weighted
+        data["reward_fn"] = {"type": WEIGHTED_REWARD, "functions": data["reward_fn"]}
     hints = typing.get_type_hints(Config)
     cfg = Config(**{name: _section(hints[name], data.get(name), name) for name in sections})
     _apply_aliases(cfg)
@@ -488,6 +549,12 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"algorithm.epsilon must be > 0, got {cfg.algorithm.epsilon}")
     if cfg.reward_fn.timeout_s is not None and cfg.reward_fn.timeout_s <= 0:
         raise ValueError(f"reward_fn.timeout_s must be > 0 seconds (or null for no limit), got {cfg.reward_fn.timeout_s}")
+    reward_functions(cfg.reward_fn)  # each of a list's entries checked as a reward_fn section
+    _check_lora(cfg.actor.lora)
+    for name in ("actor", "critic"):
+        section = getattr(cfg, name)
+        if section.warmup_steps is not None and section.warmup_ratio > 0:
+            raise ValueError(f"{name}.warmup_steps and {name}.warmup_ratio are both set; use one of them")
     if cfg.actor.clip_ratio_c <= 1.0:
         raise ValueError(f"actor.clip_ratio_c must be > 1 (dual clip), got {cfg.actor.clip_ratio_c}")
     if cfg.algorithm.overlong_buffer > cfg.rollout.max_new_tokens:
@@ -506,6 +573,32 @@ def validate(cfg: Config) -> None:
                              f"got {factor}")
     for check in _CHECKS:
         check(cfg)
+
+
+LORA_KEYS = ("r", "alpha", "dropout", "target_modules")
+
+
+def _check_lora(spec: Optional[Dict[str, Any]]) -> None:
+    """actor.lora's keys, each named in its message."""
+    if spec is None:
+        return
+    unknown = sorted(set(spec) - set(LORA_KEYS))
+    if unknown:
+        raise ValueError(f"unknown key actor.lora.{unknown[0]}; allowed keys in actor.lora: {list(LORA_KEYS)}")
+    if "r" not in spec:
+        raise ValueError("actor.lora needs r (the adapters' rank), e.g. actor.lora: {r: 16}")
+    r = _check_value(spec["r"], int, {"min": 1}, "actor.lora.r")
+    if "alpha" in spec:
+        _check_value(spec["alpha"], float, {"min": 0.0}, "actor.lora.alpha")
+    if "dropout" in spec:
+        _check_value(spec["dropout"], float, {"min": 0.0, "max": 0.999}, "actor.lora.dropout")
+    targets = spec.get("target_modules", "all-linear")
+    if not (targets == "all-linear" or (isinstance(targets, list) and targets and
+                                        all(isinstance(t, str) and t for t in targets))):
+        raise ValueError(f"actor.lora.target_modules must be all-linear or a list of module names (e.g. [q_proj, "
+                         f"v_proj]), got {targets!r}")
+    if r > 512:
+        raise ValueError(f"actor.lora.r must be <= 512 (vLLM's largest LoRA rank), got {r}")
 
 
 def default_config_path() -> Path:

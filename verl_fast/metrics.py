@@ -1,13 +1,17 @@
 """Run metrics, one dict per step, to the sinks named in ``trainer.loggers``: ``jsonl``
 (``metrics.jsonl``), ``console`` (a progress bar and a line per step), ``tensorboard``
 (``<output_dir>/tensorboard``), ``wandb``; plus an OpenMetrics (Prometheus) endpoint when
-``trainer.metrics_port`` is set, and a PNG of the reward curve at the end."""
+``trainer.metrics_port`` is set, and a PNG of the reward curve at the end. A record without
+``time/step`` is a validation before training (step 0). Sample generations
+(``trainer.log_generations``: prompt, response, reward) go to ``generations.jsonl``, TensorBoard
+text and a wandb table."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -113,6 +117,20 @@ def step_summary(metrics: Dict[str, Any]) -> str:
     return "  ".join(parts)
 
 
+SAMPLE_COLUMNS = ("data_source", "prompt", "response", "reward")  # a logged generation's fields
+
+
+def generations_markdown(samples: List[Dict[str, Any]]) -> str:
+    """Samples as a markdown table (TensorBoard renders its text so)."""
+    def cell(v: Any) -> str:
+        text = f"{v:.4g}" if isinstance(v, float) else str(v)
+        return text.replace("|", "\\|").replace("\n", "<br>")
+
+    rows = ["| " + " | ".join(SAMPLE_COLUMNS) + " |", "|" + "---|" * len(SAMPLE_COLUMNS)]
+    rows += ["| " + " | ".join(cell(s[c]) for c in SAMPLE_COLUMNS) + " |" for s in samples]
+    return "\n".join(rows)
+
+
 class _Console:
     def __init__(self, total_steps: int):
         from tqdm.auto import tqdm
@@ -120,15 +138,22 @@ class _Console:
         self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
 
     def resume(self, history: List[Dict[str, Any]]) -> None:
-        self.bar.update(len(history))
+        self.bar.update(sum(1 for m in history if "time/step" in m))
 
     def log(self, m: Dict[str, Any]) -> None:
         nan = float("nan")
+        if "time/step" not in m:  # the validation before training
+            self.bar.write(f"step {m['step']:4d}  val reward {m.get('val/reward/mean', nan):.3f}")
+            return
         self.bar.update(1)
         self.bar.set_postfix(reward=f"{m.get('reward/mean', nan):.3f}", loss=f"{m.get('actor/pg_loss', nan):.3f}")
         self.bar.write(f"step {m['step']:4d}  reward {m.get('reward/mean', nan):.3f}  "
                        f"response_len {m.get('response/length', nan):.1f}  step_time {m.get('time/step', nan):.1f}s  "
-                       f"{step_summary(m)}")
+                       f"{step_summary(m)}" + (f"  val reward {m['val/reward/mean']:.3f}"
+                                               if "val/reward/mean" in m else ""))
+
+    def generations(self, step: int, kind: str, samples: List[Dict[str, Any]]) -> None:
+        pass
 
     def close(self) -> None:
         self.bar.close()
@@ -137,17 +162,30 @@ class _Console:
 class _JSONL:
     def __init__(self, path: Path):
         self.path = path
+        self.samples = path.with_name("generations.jsonl")
 
     def resume(self, history: List[Dict[str, Any]]) -> None:
         """The file becomes the restored history: rows of steps after the checkpoint (which will run
-        again) go away."""
+        again) go away, from generations.jsonl too."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         text = "".join(json.dumps(m) + "\n" for m in history).encode()
         run_files.replace_file(self.path, lambda f: f.write(text))  # a link at the name is replaced, not followed
+        last = history[-1]["step"] if history else -1
+        kept = []
+        if os.path.isfile(self.samples):
+            kept = [line for line in self.samples.read_text().splitlines(keepends=True)
+                    if line.strip() and json.loads(line)["step"] <= last]
+        if kept or os.path.lexists(self.samples):
+            data = "".join(kept).encode()
+            run_files.replace_file(self.samples, lambda f: f.write(data))
 
     def log(self, m: Dict[str, Any]) -> None:
         with run_files.open_append(self.path) as f:
             f.write(json.dumps(m) + "\n")
+
+    def generations(self, step: int, kind: str, samples: List[Dict[str, Any]]) -> None:
+        with run_files.open_append(self.samples) as f:
+            f.write("".join(json.dumps({"step": step, "kind": kind, **s}) + "\n" for s in samples))
 
     def close(self) -> None:
         pass
@@ -162,7 +200,7 @@ class _TensorBoard:
 
     def resume(self, history: List[Dict[str, Any]]) -> None:
         # purge_step drops events of steps after the checkpoint that an earlier attempt wrote
-        self.writer = self.make(str(self.folder), purge_step=len(history) + 1 if history else None)
+        self.writer = self.make(str(self.folder), purge_step=history[-1]["step"] + 1 if history else None)
 
     def log(self, m: Dict[str, Any]) -> None:
         if self.writer is None:
@@ -170,6 +208,12 @@ class _TensorBoard:
         for k, v in numeric(m).items():
             if k != "step":
                 self.writer.add_scalar(k, v, global_step=int(m["step"]))
+        self.writer.flush()
+
+    def generations(self, step: int, kind: str, samples: List[Dict[str, Any]]) -> None:
+        if self.writer is None:
+            self.resume([])
+        self.writer.add_text(f"generations/{kind}", generations_markdown(samples), global_step=step)
         self.writer.flush()
 
     def close(self) -> None:
@@ -189,6 +233,10 @@ class _WandB:
 
     def log(self, m: Dict[str, Any]) -> None:
         self.run.log(numeric(m), step=int(m["step"]))
+
+    def generations(self, step: int, kind: str, samples: List[Dict[str, Any]]) -> None:
+        table = self.wandb.Table(columns=list(SAMPLE_COLUMNS), data=[[s[c] for c in SAMPLE_COLUMNS] for s in samples])
+        self.run.log({f"generations/{kind}": table}, step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -229,6 +277,12 @@ class MetricsLogger:
         if self.server is not None:
             self.server.observe(metrics)
 
+    def log_generations(self, step: int, kind: str, samples: List[Dict[str, Any]]) -> None:
+        """``samples`` (dicts of SAMPLE_COLUMNS) of step ``step``'s ``kind`` (train, val) to every sink."""
+        if samples:
+            for sink in self.sinks:
+                sink.generations(step, kind, samples)
+
     def plot(self, path: Optional[Path] = None) -> Optional[Path]:
         """Reward per step (and its running mean) as a PNG beside the JSONL."""
         if not self.enabled or not self.history:
@@ -238,7 +292,7 @@ class MetricsLogger:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        key = "reward/mean" if "reward/mean" in self.history[0] else "dpo/reward_margin"
+        key = "reward/mean" if any("reward/mean" in m for m in self.history) else "dpo/reward_margin"
         steps = [m["step"] for m in self.history if key in m]
         values = [m[key] for m in self.history if key in m]
         window = max(1, len(values) // 5)

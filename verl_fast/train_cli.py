@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def summarize(history: List[Dict[str, Any]], output_dir: str) -> None:
-    key = "reward/mean" if history and "reward/mean" in history[0] else "dpo/reward_margin"
+    key = "reward/mean" if any("reward/mean" in h for h in history) else "dpo/reward_margin"  # step 0: validation
     values = [h[key] for h in history if key in h]
     k = max(1, min(5, len(values) // 2))
     first, last = sum(values[:k]) / k, sum(values[-k:]) / k

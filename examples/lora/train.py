@@ -3,13 +3,14 @@
     python examples/lora/train.py                         # the demo model, reasoning-gym chain_sum
     python examples/lora/train.py --model ./my-hf-folder --steps 200
 
-The actor is an ordinary ``peft`` model handed to ``RLTrainer``; with vLLM rollout only the adapter
-is pushed to the engine after each update (``model_path`` is the base model's folder).
+``actor.lora`` in the config wraps the actor in peft adapters (the same key works in YAML with
+``verl-fast train``); with vLLM rollout only the adapter is pushed to the engine after each update
+(``model_path`` is the base model's folder). The final checkpoint's HF export is the merged model,
+with peft's adapter folder in ``adapter/``.
 """
 
 import argparse
 
-from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import verl_fast as vf
@@ -29,17 +30,17 @@ def main(argv=None) -> list:
     path = resolve(args.model)
     base = AutoModelForCausalLM.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    actor = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
-                                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     config = {
-        "actor": {"lr": 2e-4, "micro_batch_size": 16},  # LoRA takes a larger learning rate than full tuning
+        # LoRA takes a larger learning rate than full tuning
+        "actor": {"lr": 2e-4, "micro_batch_size": 16,
+                  "lora": {"r": 16, "alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}},
         "rollout": {"type": args.rollout, "n": args.samples, "max_new_tokens": args.max_new_tokens},
         "reward_fn": {"type": "reasoning_gym"},
         "algorithm": {"type": "grpo"},
         "trainer": {"total_steps": args.steps, "train_batch_size": 4, "output_dir": args.output_dir,
                     "system_prompt": "Answer with just the number.", "max_prompt_length": 128, "device": "cpu"},
     }
-    trainer = vf.RLTrainer(actor_model=actor, tokenizer=tokenizer, config=config, model_path=path)
+    trainer = vf.RLTrainer(actor_model=base, tokenizer=tokenizer, config=config, model_path=path)
     return trainer.fit("reasoning_gym:chain_sum", size=args.dataset_size, seed=42, min_terms=2, max_terms=2,
                        min_digits=1, max_digits=1)
 

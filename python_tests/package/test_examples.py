@@ -2,7 +2,8 @@
 
 Configs run through the CLI with their model names, dataset size, batch and rollout length scaled
 down by ``--set`` overrides (the algorithm, losses and every other key as written); the FSDP2
-example runs under torchrun with 2 processes (gloo); the LoRA example's script runs as it is.
+example runs under torchrun with 2 processes (gloo); the LoRA example's script runs as it is; the
+validation example logs a step-0 validation beside its step.
 """
 
 import importlib.util
@@ -111,5 +112,13 @@ def test_example_runs_one_step(folder, models, tmp_path):
         parser = argparse.ArgumentParser()
         train_cli.add_arguments(parser)
         assert train_cli.run(parser.parse_args(args)) == 0
-    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 1 and json.loads(lines[0])["step"] == 1
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    if folder == "grpo_validation":  # validated before training (step 0) and after its one step
+        assert [r["step"] for r in records] == [0, 1]
+        assert all(0.0 <= r["val/reward/mean"] <= 1.2 for r in records)
+        assert {"reward/accuracy/mean", "reward/short_answer/mean", "actor/lr"} <= set(records[1])
+        assert records[1]["reward/mean"] == pytest.approx(
+            records[1]["reward/accuracy/mean"] + 0.2 * records[1]["reward/short_answer/mean"], rel=1e-5)
+        assert (out_dir / "generations.jsonl").is_file()
+        return
+    assert len(records) == 1 and records[0]["step"] == 1

@@ -54,3 +54,37 @@ def test_grpo_with_vllm_rollout(tmp_path):
             ref.assert_greedy(got.tolist(), r.prompt_ids, 4)
     finally:
         trainer.engine.close()
+
+
+def test_lora_from_the_config_with_vllm_rollout(tmp_path):
+    """actor.lora with rollout.type: vllm: the engine serves the base model (model_path) with the
+    actor's adapter, pushed after every update; after training it generates what the PEFT actor does."""
+    pytest.importorskip("peft")
+    configure_vllm_env()
+    path = save_tiny_model(tmp_path / "m", family="qwen2")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(path)
+    cfg = {"actor": {"lr": 5e-2, "micro_batch_size": 16, "lora": {"r": 4, "alpha": 16,
+                                                                 "target_modules": ["q_proj", "v_proj", "up_proj"]}},
+           "rollout": {"type": "vllm", "n": 4, "max_new_tokens": 3, "dtype": ENGINE_DTYPE, "max_model_len": 128,
+                       "max_num_seqs": 16},
+           "trainer": {"total_steps": 3, "train_batch_size": 2, "output_dir": str(tmp_path / "run"),
+                       "progress_bar": False, "plot": False, "max_prompt_length": 64, "hf_export": "none"}}
+    trainer = RLTrainer(actor_model=model, tokenizer=tok, config=cfg, model_path=str(path),
+                        reward_fn=lambda solution_str: float(len(solution_str)))
+    try:
+        assert trainer.engine.llm.llm_engine.vllm_config.lora_config.max_lora_rank == 8  # r = 4, rounded up
+        history = trainer.fit(PROMPTS)
+        assert len(history) == 3 and all("time/weight_sync" in h for h in history)
+        actor = trainer.actor
+        assert any(p.abs().sum() > 0 for n, p in actor.named_parameters() if "lora_B" in n)  # it trained
+        rows = trainer.processor.encode_all(PROMPTS)
+        out = trainer.engine.generate([r.prompt_ids for r in rows],
+                                      trainer.rollout.default.__class__(n=1, temperature=0.0, max_tokens=4))
+        actor.eval()
+        ref = EngineReference(actor.cpu())
+        for i, r in enumerate(rows):
+            got = out.response_ids[i][: int(out.response_mask[i].sum())]
+            ref.assert_greedy(got.tolist(), r.prompt_ids, 4)
+    finally:
+        trainer.engine.close()

@@ -1,9 +1,10 @@
 """Rewards: rule-based scorers, reward models, user callables, and the registry by ``reward_fn.type``
-(its names, its ``on_error`` modes and its start-up checks registered in the config here)."""
+(its names, its ``on_error`` modes and its start-up checks registered in the config here); several
+reward functions, each named and weighted, combine as ``weighted.WeightedRewards``."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 from verl_fast import config
 from verl_fast.rewards.interface import (
@@ -18,14 +19,40 @@ from verl_fast.rewards.interface import (
 from verl_fast.rewards.deadline import RewardStopped, RewardTimeout
 from verl_fast.rewards.model import RewardModel
 from verl_fast.rewards.rule import GSM8KReward, ReasoningGymReward, gsm8k_answer, last_number
+from verl_fast.rewards.weighted import WeightedRewards
 
 
-def build_reward(cfg: Any, override: Optional[Any] = None) -> Optional[RewardFunction]:
-    """The reward for ``cfg`` (a RewardConfig), guarded by ``cfg.on_error`` and ``cfg.timeout_s``; ``override`` (a callable
-    or RewardFunction passed to RLTrainer) wins. pairwise_ranking (DPO) scores nothing: preference
-    pairs carry their ranking."""
-    reward = _unguarded(cfg, override)
-    return None if reward is None else GuardedReward(reward, cfg.on_error, cfg.timeout_s)
+def build_reward(cfg: Any, override: Optional[Any] = None) -> Optional[WeightedRewards]:
+    """The reward for ``cfg`` (a RewardConfig): each of its functions (``config.reward_functions``)
+    guarded by its ``on_error`` and ``timeout_s``, weighted. ``override`` (passed to RLTrainer) wins:
+    a callable or RewardFunction, or a list of them, each optionally a mapping ``{"fn": f, "weight":
+    w, "name": n}`` (guarded by ``cfg``'s ``on_error`` and ``timeout_s``). pairwise_ranking (DPO)
+    scores nothing: preference pairs carry their ranking."""
+    if override is not None:
+        items = override if isinstance(override, (list, tuple)) else [override]
+        parts = [_override_part(item, i, cfg) for i, item in enumerate(items)]
+        return WeightedRewards(parts)
+    entries = config.reward_functions(cfg)
+    if any(e.type == "pairwise_ranking" for e in entries):
+        return None
+    parts = []
+    for e in entries:
+        reward = _unguarded(e)
+        parts.append((e.name or reward.name, e.weight, GuardedReward(reward, e.on_error, e.timeout_s)))
+    return WeightedRewards(parts)
+
+
+def _override_part(item: Any, index: int, cfg: Any) -> Tuple[str, float, GuardedReward]:
+    spec = dict(item) if isinstance(item, dict) else {"fn": item}
+    unknown = sorted(set(spec) - {"fn", "weight", "name"})
+    if unknown or "fn" not in spec:
+        raise ValueError(f"reward_fn[{index}]: a mapping needs 'fn' (and optionally 'weight', 'name'), got keys "
+                         f"{sorted(spec)}")
+    weight = spec.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight != weight:
+        raise ValueError(f"reward_fn[{index}].weight must be a number, got {weight!r}")
+    reward = as_reward_function(spec["fn"])
+    return (str(spec.get("name") or reward.name), float(weight), GuardedReward(reward, cfg.on_error, cfg.timeout_s))
 
 
 def _reward_model(cfg: Any) -> RewardFunction:
@@ -47,23 +74,29 @@ REWARDS = {
 }
 
 
-def _unguarded(cfg: Any, override: Optional[Any]) -> Optional[RewardFunction]:
-    if override is not None:
-        return as_reward_function(override)
+def _unguarded(cfg: Any) -> RewardFunction:
     if cfg.type not in REWARDS:
         raise ValueError(f"unknown reward_fn.type {cfg.type!r}")
     return REWARDS[cfg.type](cfg)
 
 
 def _check(cfg: config.Config) -> None:
-    r = cfg.reward_fn
-    if r.type == "callable" and not r.path:
-        raise ValueError("reward_fn.type=callable needs reward_fn.path ('module:function')")
-    if r.type == "reward_model" and not r.model_name:
-        raise ValueError("reward_fn.type=reward_model needs reward_fn.model_name")
+    entries = config.reward_functions(cfg.reward_fn)
+    several = len(entries) > 1 or cfg.reward_fn.type == config.WEIGHTED_REWARD
+    for i, r in enumerate(entries):
+        key = f"reward_fn[{i}]" if several else "reward_fn"
+        if r.type == "callable" and not r.path:
+            raise ValueError(f"{key}.type=callable needs {key}.path ('module:function')")
+        if r.type == "reward_model" and not r.model_name:
+            raise ValueError(f"{key}.type=reward_model needs {key}.model_name")
+        if several and r.timeout_s is not None and r.timeout_s <= 0:
+            raise ValueError(f"{key}.timeout_s must be > 0 seconds (or null for no limit), got {r.timeout_s}")
+        if several and r.type == "pairwise_ranking":
+            raise ValueError(f"{key}.type=pairwise_ranking is not supported in a list of reward functions; use "
+                             "reward_fn.type=pairwise_ranking alone (DPO)")
 
 
-config.REWARDS.register(*REWARDS)
+config.REWARDS.register(*REWARDS, config.WEIGHTED_REWARD)
 config.REWARD_ERRORS.register(*ON_ERROR)
 config.register_check(_check)
 
@@ -78,6 +111,7 @@ __all__ = [
     "RewardTimeout",
     "GSM8KReward",
     "ReasoningGymReward",
+    "WeightedRewards",
     "as_reward_function",
     "build_reward",
     "gsm8k_answer",

@@ -1,4 +1,5 @@
-"""The reward interface: a batch of (prompt, response, ground truth) in, one float per sample out."""
+"""The reward interface: a batch of (prompt, response, ground truth, dataset columns) in, one float per
+sample out; user callables with verl's per-sample signature or TRL's batch signature are wrapped."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class RewardInput:
     ground_truth: Any = None
     data_source: str = ""
     extra_info: Dict[str, Any] = field(default_factory=dict)
+    columns: Dict[str, Any] = field(default_factory=dict)  # every field of the dataset row, as given
 
 
 class RewardFunction:
@@ -42,38 +44,93 @@ _PER_SAMPLE_ARGS = {
 }
 
 
+# names TRL gives its reward functions itself (never taken from a dataset column)
+_TRL_OWN = ("prompts", "completions", "prompt", "completion")
+
+
+def _takes_trl_signature(params: Dict[str, inspect.Parameter]) -> bool:
+    """TRL's reward signature: ``f(prompts, completions, **kwargs)`` (the first two named so)."""
+    return list(params)[:2] == ["prompts", "completions"]
+
+
 class CallableReward(RewardFunction):
-    """Wraps a per-sample function with verl's signature (any subset of ``data_source``,
-    ``solution_str``/``response``, ``ground_truth``, ``extra_info``, ``prompt``, by keyword), or a
-    batch function taking one argument named ``samples``. The result may be a float or a dict with
-    a ``score`` key (extra keys are ignored)."""
+    """Wraps a user function, by its signature:
+
+    - TRL's ``f(prompts, completions, **kwargs) -> list[float]``: one call per batch, with the
+      prompts as the dataset gave them and the completions (both chat messages when the prompt is
+      a list of messages, as TRL's conversational format; else strings), and every other dataset
+      column as a keyword list (``ground_truth`` too), those the function names or all with ``**kwargs``;
+    - verl's per-sample signature: any subset of ``data_source``, ``solution_str``/``response``,
+      ``ground_truth``, ``extra_info``, ``prompt`` (the templated text), by keyword, plus the row's
+      other columns it names (all of them with ``**kwargs``);
+    - a batch function taking one argument named ``samples`` (RewardInput objects).
+
+    A score may be a float or a dict with a ``score`` key, whose other numeric keys are kept in
+    ``last_extras`` (key -> the values of the samples that returned it) for the metrics."""
 
     def __init__(self, fn: Callable[..., Any]):
         self.fn = fn
         self.name = getattr(fn, "__name__", type(fn).__name__)
-        params = inspect.signature(fn).parameters
+        params = dict(inspect.signature(fn).parameters)
         self.batched = list(params) == ["samples"]
-        accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-        self.args = [a for a in _PER_SAMPLE_ARGS if accepts_any or a in params]
-        if not self.batched and not self.args:
+        self.trl = _takes_trl_signature(params)
+        self.accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        self.params = set(params)
+        self.args = [a for a in _PER_SAMPLE_ARGS if self.accepts_any or a in params]
+        self.last_extras: Dict[str, List[float]] = {}
+        if not (self.batched or self.trl or self.args):
             raise TypeError(f"reward function {self.name} must take keyword arguments among "
-                            f"{list(_PER_SAMPLE_ARGS)} (verl's compute_score signature) or one named 'samples'")
+                            f"{list(_PER_SAMPLE_ARGS)} (verl's compute_score signature), (prompts, completions, "
+                            "**kwargs) (TRL's) or one argument named 'samples'")
+
+    def _wanted(self, key: str) -> bool:
+        return self.accepts_any or key in self.params
 
     def __call__(self, samples: Sequence[RewardInput]) -> List[float]:
+        self.last_extras = {}
         if self.batched:
-            return scores_of(self.fn(list(samples)), len(samples), self.name)
-        return [_as_score(self.fn(**{a: _PER_SAMPLE_ARGS[a](s) for a in self.args}), self.name, i)
-                for i, s in enumerate(samples)]
+            return self._kept(scores_of(self.fn(list(samples)), len(samples), self.name, raw=True))
+        if self.trl:
+            return self._kept(scores_of(self._call_trl(samples), len(samples), self.name, raw=True))
+        outs = []
+        for s in samples:
+            kwargs = {a: _PER_SAMPLE_ARGS[a](s) for a in self.args}
+            kwargs.update({k: v for k, v in s.columns.items() if k not in kwargs and self._wanted(k)})
+            outs.append(self.fn(**kwargs))
+        return self._kept(outs)
+
+    def _call_trl(self, samples: Sequence[RewardInput]) -> Any:
+        prompts = [s.columns.get("prompt", s.prompt) for s in samples]
+        chat = all(isinstance(p, list) for p in prompts)
+        completions = [[{"role": "assistant", "content": s.response}] if chat else s.response for s in samples]
+        keys = sorted({k for s in samples for k in s.columns} - set(_TRL_OWN))
+        kwargs = {k: [s.columns.get(k) for s in samples] for k in keys if self._wanted(k)}
+        if "ground_truth" not in kwargs and self._wanted("ground_truth"):
+            kwargs["ground_truth"] = [s.ground_truth for s in samples]
+        return self.fn(prompts, completions, **kwargs)
+
+    def _kept(self, outs: Sequence[Any]) -> List[float]:
+        """The scores of ``outs``; the extra numeric keys of dict results go to ``last_extras``."""
+        scores = [_as_score(x, self.name, i) for i, x in enumerate(outs)]
+        for x in outs:
+            if isinstance(x, dict):
+                for k, v in x.items():
+                    if k != "score" and isinstance(v, numbers.Real) and math.isfinite(float(v)):
+                        self.last_extras.setdefault(str(k), []).append(float(v))
+        return scores
 
 
-def scores_of(out: Any, n: int, name: str, first: int = 0) -> List[float]:
+def scores_of(out: Any, n: int, name: str, first: int = 0, raw: bool = False) -> List[Any]:
     """A batch reward's result as n finite floats (a list, tuple, numpy array or 1-D tensor);
-    ``first``: the batch's first sample index, for messages."""
+    ``first``: the batch's first sample index, for messages; ``raw``: the n results as returned
+    (their count checked only)."""
     if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__") or not hasattr(out, "__iter__"):
         raise TypeError(f"reward function {name} scored a batch of {n} samples and must return one score per "
                         f"sample (a list of {n} numbers), got {type(out).__name__}")
     if len(out) != n:
         raise ValueError(f"reward function {name} returned {len(out)} scores for {n} samples")
+    if raw:
+        return list(out)
     return [_as_score(x, name, first + i) for i, x in enumerate(out)]
 
 
@@ -127,16 +184,25 @@ class GuardedReward(RewardFunction):
         self.inner, self.on_error, self.timeout_s = inner, on_error, timeout_s
         self.name = getattr(inner, "name", type(inner).__name__)
         self.last_errors = 0
+        self._extras: Dict[str, List[float]] = {}
+
+    @property
+    def last_extras(self) -> Dict[str, float]:
+        """The mean of each extra numeric key the scorer's dict results held in the latest call."""
+        return {k: sum(v) / len(v) for k, v in self._extras.items() if v}
 
     def _score(self, samples: Sequence[RewardInput], first: int = 0) -> List[float]:
-        return scores_of(self.inner(samples), len(samples), self.name, first)
+        scores = scores_of(self.inner(samples), len(samples), self.name, first)
+        for k, v in getattr(self.inner, "last_extras", {}).items():  # only of calls that scored
+            self._extras.setdefault(k, []).extend(v)
+        return scores
 
     def __call__(self, samples: Sequence[RewardInput], stop: Optional[threading.Event] = None) -> List[float]:
         """The batch's scores; ``stop``: set by the trainer's first SIGTERM / Ctrl-C."""
         return deadline.score(lambda: self._guarded(samples), self.name, len(samples), self.timeout_s, stop)
 
     def _guarded(self, samples: Sequence[RewardInput]) -> List[float]:
-        self.last_errors = 0
+        self.last_errors, self._extras = 0, {}
         if self.on_error == "raise":
             return self._score(samples)
         try:

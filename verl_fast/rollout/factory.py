@@ -102,12 +102,26 @@ def build_engine(cfg: Config, actor: torch.nn.Module, tokenizer: Any, model_path
         max_num_seqs=r.max_num_seqs, max_model_len=max_len, enable_chunked_prefill=r.enable_chunked_prefill,
         seed=r.seed, enable_sleep_mode=None if r.enable_sleep_mode else False,
         sleep_level=resolve_sleep_level(r.sleep_level, peft, engine_weight_bytes(actor, dtype)), enable_lora=peft, enforce_eager=r.enforce_eager,
+        **({"max_lora_rank": lora_rank(actor)} if peft else {}),
         cudagraph_batch=min(r.max_num_seqs, per_engine), **kwargs)
     if placeholder or peft:  # placeholder weights, or the adapter still to push
         engine.sync_from(actor if source is None or peft else source)
     if world > 1:
         return DataParallelEngine(engine, r.tensor_parallel_size, engine.pad_token_id)
     return engine
+
+
+# the LoRA ranks vLLM's max_lora_rank takes
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_rank(actor: Any) -> int:
+    """vLLM's max_lora_rank for a PEFT actor: the smallest rank vLLM takes that holds the adapter's."""
+    r = max(int(c.r) for c in actor.peft_config.values())
+    fits = [k for k in VLLM_LORA_RANKS if k >= r]
+    if not fits:
+        raise ValueError(f"the actor's LoRA rank {r} is above vLLM's largest ({VLLM_LORA_RANKS[-1]})")
+    return fits[0]
 
 
 def step_kv_cache_bytes(hf_config: Any, sequences: int, max_len: int, dtype: str, tensor_parallel_size: int) -> Optional[int]:

@@ -32,6 +32,8 @@ LossFn = Callable[..., Tuple[torch.Tensor, Dict[str, float]]]
 class Critic(Protocol):
     """A PPO critic under one backend."""
 
+    optimizer: Any  # the trainer sets its rate each step (critic.lr_scheduler)
+
     def values(self, exp: Experience, micro: List[torch.Tensor]) -> torch.Tensor:
         """[N, L] float32 values of the response positions (no gradient)."""
 

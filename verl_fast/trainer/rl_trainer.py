@@ -36,13 +36,15 @@ from verl_fast.distributed import any_rank
 from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
 from verl_fast.experience import Experience, build_experience, concat, last_token_rewards
 from verl_fast.metrics import MetricsLogger
+from verl_fast.models import lora
 from verl_fast.rewards import RewardInput, RewardStopped, RewardTimeout, build_reward
 from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec
 from verl_fast.rollout.factory import build_engine
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 from verl_fast.rollout.operator import RolloutOperator
 from verl_fast.strategies import backends as strategies
-from verl_fast.trainer import perf, run_dir
+from verl_fast.trainer import lr_schedule, perf, run_dir
+from verl_fast.trainer.validation import Validation
 from verl_fast.trainer.batching import balance_across_ranks, loss_normalisers, micro_batches
 
 
@@ -64,8 +66,9 @@ class RLTrainer:
         re-wrapped); plain models are sharded as ``actor.strategy`` / ``critic.strategy`` say
         (FSDP2 under torchrun). ``ref_model`` / ``critic_model`` may be of other families; without a
         ``ref_model`` a frozen copy of the actor, laid out as the actor is, is the reference when KL
-        is used. ``reward_fn``: a callable with verl's ``compute_score`` signature or a
-        RewardFunction (else the config's).
+        is used. ``reward_fn``: a callable with verl's ``compute_score`` signature or TRL's
+        ``f(prompts, completions, **kwargs)``, a RewardFunction, or a list of them (each may be
+        ``{"fn": f, "weight": w, "name": n}``; the weighted sum is the reward) (else the config's).
         ``generation_config``: default sampling (SamplingSpec fields or HF names). ``model_path``:
         the actor's folder, which a vLLM engine loads (else the actor is saved to a temporary one)."""
         self.cfg = config_mod.checked(config) if isinstance(config, Config) else config_mod.from_dict(config or {})
@@ -78,6 +81,10 @@ class RLTrainer:
         if self.algorithm.needs_critic and critic_model is None:
             raise ValueError(f"algorithm.type={self.algorithm.name} needs a critic: pass critic_model "
                              "(or critic.model_name)")
+        if cfg.actor.lora is not None:
+            if lora.is_peft(actor_model):
+                raise ValueError("actor.lora is set, but the actor given already has PEFT adapters; remove one")
+            actor_model = lora.apply(actor_model, cfg.actor.lora)  # the base frozen, the adapters train
         self.strategy = strategies.build(cfg, actor_model, ref_model, critic_model if self.algorithm.needs_critic
                                          else None, self.algorithm.needs_reference)
         s = self.strategy
@@ -99,9 +106,12 @@ class RLTrainer:
             self.rollout = self._operator(generation_config)
         self.step = 0
         self._items: Sequence[Any] = ()  # what fit() trains on
+        self.total_steps: Optional[int] = None  # the run's length, set by fit (the schedules read it)
         self.stopped = False  # set when a signal ended fit() early (after a checkpoint)
         self._stop_event = None  # fit's StopSignals event: a reward still scoring watches it
         self.history: List[Dict[str, Any]] = []
+        self.validation: Optional[Validation] = None  # fit's, with a validation set
+        self.generations: List[Dict[str, Any]] = []  # the latest step's first trainer.log_generations samples
         self.perf = perf.StepPerf(s.actor, self.device)
 
     @property
@@ -140,10 +150,13 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ the loop
 
-    def fit(self, dataset: Any, **dataset_kwargs: Any) -> List[Dict[str, Any]]:
+    def fit(self, dataset: Any, val_dataset: Any = None, **dataset_kwargs: Any) -> List[Dict[str, Any]]:
         """Trains on ``dataset`` (rows in verl format, a path, a datasets.Dataset, or
-        ``reasoning_gym:<task>``; preference pairs for DPO). Returns the per-step metrics."""
+        ``reasoning_gym:<task>``; preference pairs for DPO), validating on ``val_dataset`` (the same
+        forms; default ``trainer.val_dataset``) as ``trainer.val_freq`` says. Returns the per-step
+        metrics (a validation before training, ``trainer.val_before_train``, is the record of step 0)."""
         cfg = self.cfg.trainer
+        self.validation = self._validation(val_dataset if val_dataset is not None else cfg.val_dataset)
         rows = self.processor.load(dataset, **dataset_kwargs) if not _is_prepared(dataset) else dataset
         items: Sequence[Any] = rows if _is_prepared(rows) else self.algorithm.encode(self.processor, rows)
         if not items:
@@ -158,6 +171,7 @@ class RLTrainer:
         self._items = items  # dynamic sampling draws extra prompts from them
         per_epoch = max(1, len(items) // cfg.train_batch_size)
         total = cfg.total_steps or cfg.num_epochs * per_epoch
+        self.total_steps = total
         run_dir.claim(cfg)  # one writer per output_dir; an older run there is resumed, refused or cleared
         logger = None
         try:
@@ -180,6 +194,8 @@ class RLTrainer:
         first = self.step
         if self.engine is not None and (not self._engine_fresh or self.step > 0):  # given, or resumed
             self._sync_engine({})
+        if self.validation is not None and cfg.val_before_train and self.step == 0:
+            logger.log({"step": 0, **self._validate(logger)})
         abandoned: Optional[str] = None  # why a step was given up in its reward (the run then stops)
         timeout: Optional[RewardTimeout] = None
         while self.step < total:
@@ -192,6 +208,11 @@ class RLTrainer:
                 abandoned, timeout = str(e), e
                 break
             stopping = stop.requested()
+            if self.is_main and self.generations:
+                logger.log_generations(self.step, "train", self.generations)
+            if self.validation is not None and not stopping and (
+                    self.step == total or (cfg.val_freq and self.step % cfg.val_freq == 0)):
+                metrics.update(self._validate(logger))
             if cfg.save_freq and self.step % cfg.save_freq == 0 and self.step < total and not stopping:
                 self.history = logger.history + [metrics]  # the checkpoint holds this step's metrics
                 checkpoint_start = time.perf_counter()
@@ -222,11 +243,59 @@ class RLTrainer:
         for DPO): its metrics, with the time of each phase."""
         start = time.perf_counter()
         self.perf.begin()
+        rates = self._set_rates()
         metrics = self._step(batch)
+        metrics.update(rates)
         self.step += 1
         metrics.update(step=self.step, **{"time/step": time.perf_counter() - start})
         metrics.update(perf.throughput(metrics))
         return metrics
+
+    def _validation(self, source: Any) -> Optional[Validation]:
+        """The run's validation set, encoded as the training prompts are (None: no validation)."""
+        t = self.cfg.trainer
+        if source is None:
+            if t.val_before_train or t.val_freq:
+                raise ValueError("trainer.val_freq / trainer.val_before_train need a validation set: set "
+                                 "trainer.val_dataset (or pass val_dataset to fit)")
+            return None
+        if self.rollout is None:
+            raise ValueError(f"trainer.val_dataset is not supported with algorithm.type={self.algorithm.name}, which "
+                             "samples nothing; remove it")
+        skipped = self.processor.skipped_overlong  # the training set's count stays the one logged
+        rows = source if _is_prepared(source) else self.processor.encode_all(
+            self.processor.load(source, **(t.val_dataset_kwargs if isinstance(source, str) and source == t.val_dataset
+                                         else {})))
+        self.processor.skipped_overlong = skipped
+        if not rows:
+            raise ValueError("the validation set (trainer.val_dataset) is empty")
+        if not isinstance(rows[0], PromptRow):
+            raise ValueError(f"trainer.val_dataset must hold prompts, got {type(rows[0]).__name__} items")
+        return Validation(self.cfg, rows, self.engine, self.rank, self.world, self.dp_group)
+
+    def _validate(self, logger: MetricsLogger) -> Dict[str, float]:
+        """The validation metrics of the current weights; the first samples logged as generations."""
+        start = time.perf_counter()
+        seed = self.cfg.rollout.seed * 1_000_003 + self.rank * 7919 + 1  # the same prompts' seeds every time
+        with self._engine_awake():
+            metrics, samples = self.validation.run(self._score, self.reward, seed)
+        if self.is_main and self.cfg.trainer.log_generations:
+            logger.log_generations(self.step, "val", samples[: self.cfg.trainer.log_generations])
+        metrics["time/validation"] = time.perf_counter() - start
+        return metrics
+
+    def _set_rates(self) -> Dict[str, float]:
+        """The actor's (and critic's) learning rate for this step, from its schedule; as metrics."""
+        total = self.total_steps or self.cfg.trainer.total_steps
+        a = self.cfg.actor
+        rates = {"actor/lr": a.lr * lr_schedule.factor(self.step, total, a)}
+        lr_schedule.set_rate(self.strategy.optimizer, rates["actor/lr"])
+        critic = self.strategy.critic
+        if critic is not None:
+            c = self.cfg.critic
+            rates["critic/lr"] = c.lr * lr_schedule.factor(self.step, total, c)
+            lr_schedule.set_rate(critic.optimizer, rates["critic/lr"])
+        return rates
 
     def _batch(self, items: Sequence[Any], step: int, per_epoch: int) -> List[Any]:
         """This rank's share of the step's batch: a fixed permutation per epoch (seeded), so a resumed
@@ -338,6 +407,8 @@ class RLTrainer:
         self.perf.count_step_tokens(exp.attention_mask)
         with timed("reward"):
             exp.scores = self._score(batch, gen)
+            metrics.update(self.reward.last_metrics)  # each reward function's mean and extra keys
+            self.generations = _samples(batch, gen, exp.scores, self.cfg.trainer.log_generations)
             exp.token_level_rewards = last_token_rewards(exp.scores, exp.response_mask)
         metrics["reward/errors"] = metrics.get("reward/errors", 0.0) + float(getattr(self.reward, "last_errors", 0))
         metrics["data/skipped_overlong"] = float(self.processor.skipped_overlong)
@@ -398,7 +469,8 @@ class RLTrainer:
     def _score(self, batch: List[PromptRow], gen: Any) -> torch.Tensor:
         """The reward of each generated sample, ``[N]`` float32 on the trainer's device."""
         samples = [RewardInput(prompt=batch[i].prompt_text, response=text, ground_truth=batch[i].ground_truth,
-                               data_source=batch[i].data_source, extra_info=batch[i].extra_info)
+                               data_source=batch[i].data_source, extra_info=batch[i].extra_info,
+                               columns=batch[i].columns)
                    for i, text in zip(gen.prompt_index.tolist(), gen.texts)]
         failure: Optional[BaseException] = None
         try:
@@ -534,6 +606,12 @@ class RLTrainer:
             self.history = list(state.get("history", []))
             torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
         logger.resume(self.history)
+
+
+def _samples(batch: List[PromptRow], gen: GenerationOutput, scores: torch.Tensor, count: int) -> List[Dict[str, Any]]:
+    """The first ``count`` samples of a step as logged generations."""
+    return [{"prompt": batch[i].prompt_text, "response": text, "reward": float(r), "data_source": batch[i].data_source}
+            for i, text, r in zip(gen.prompt_index.tolist()[:count], gen.texts[:count], scores[:count].tolist())]
 
 
 def _is_prepared(items: Any) -> bool:

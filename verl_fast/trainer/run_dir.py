@@ -34,7 +34,7 @@ from verl_fast.distributed import any_rank, on_main, rank_world
 
 LOCK = ".lock"
 # what a run writes into its output_dir (overwrite removes exactly these)
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "reward_curve.png", "tensorboard", "wandb")
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "generations.jsonl", "reward_curve.png", "tensorboard", "wandb")
 
 _held: Dict[str, Tuple[int, int]] = {}  # folder -> (fd, count): the CLI and fit() take the same lock
 

@@ -106,6 +106,9 @@ def check(cfg: Config) -> None:
                              "critic.dtype=bfloat16 (bf16 weights, fp32 main weights in the optimizer)")
     if cfg.actor.strategy != "megatron":
         return
+    if cfg.actor.lora is not None:
+        raise ValueError("actor.lora is not supported with actor.strategy=megatron (the Megatron copy trains every "
+                         "weight); use actor.strategy=auto")
     for key in ("use_dynamic_bsz", "gradient_checkpointing", "cpu_offload"):
         if getattr(cfg.actor, key):
             raise ValueError(f"actor.{key} is not supported with actor.strategy=megatron; use fixed-size "

@@ -1,0 +1,81 @@
+"""LoRA adapters from the config (``actor.lora: {r, alpha, dropout, target_modules}``) through peft,
+and what the HF export of a LoRA actor is made of.
+
+The export is the merged model, which transformers loads as the base family with no missing or
+unexpected keys: each adapted Linear's weight is ``W + s * B @ A`` (transposed for peft's
+``fan_in_fan_out`` layers), ``s = alpha / r`` (``alpha / sqrt(r)`` with rsLoRA), computed in float32
+and stored in W's dtype; every other tensor is the base's under its own name (peft's
+``base_model.model.`` prefix and ``.base_layer`` cut). It is computed from the checkpoint's tensors
+and its ``adapter/adapter_config.json`` alone, so ``verl-fast export`` of a checkpoint merges too.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+ADAPTER = "adapter"  # the adapter folder in a checkpoint and in its export (peft's save_pretrained)
+PREFIX = "base_model.model."
+
+
+def apply(model: torch.nn.Module, spec: Dict[str, Any]) -> torch.nn.Module:
+    """``model`` with fresh LoRA adapters as ``spec`` (an ``actor.lora`` mapping, checked at start-up)
+    says: ``r``, ``alpha`` (default 2r), ``dropout`` (default 0), ``target_modules`` (default
+    ``all-linear``: every Linear but the output head). The base weights are frozen."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as e:
+        raise ImportError("actor.lora needs peft: pip install peft") from e
+    r = int(spec["r"])
+    config = LoraConfig(r=r, lora_alpha=float(spec.get("alpha", 2 * r)), lora_dropout=float(spec.get("dropout", 0.0)),
+                        target_modules=spec.get("target_modules", "all-linear"), task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def is_peft(model: Any) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def export_plan(names: List[str], adapter_config: Dict[str, Any]) -> Dict[str, Tuple[str, ...]]:
+    """HF export name -> the checkpoint tensors it is made of: ``(name,)``, or ``(base weight,
+    lora_A, lora_B)`` for an adapted layer's merged weight. Raises for what the merge does not cover
+    (DoRA, embedding adapters, modules_to_save, per-module alpha)."""
+    if adapter_config.get("use_dora") or adapter_config.get("alpha_pattern") or adapter_config.get("modules_to_save"):
+        raise ValueError("the LoRA export merges plain LoRA adapters; DoRA, alpha_pattern and modules_to_save are "
+                         "not supported")
+    adapters: Dict[str, Dict[str, str]] = {}
+    plan: Dict[str, Tuple[str, ...]] = {}
+    for name in names:
+        short = name[len(PREFIX):] if name.startswith(PREFIX) else name
+        for part in (".lora_A.", ".lora_B."):
+            if part in short:
+                module = short.split(part)[0]
+                adapters.setdefault(module, {})[part[1:7]] = name
+                break
+        else:
+            if "lora_" in short:
+                raise ValueError(f"the LoRA export cannot merge {name!r} (only Linear adapters lora_A / lora_B)")
+            plan[short.replace(".base_layer.", ".")] = (name,)
+    for module, ab in adapters.items():
+        weight = f"{module}.weight"
+        if set(ab) != {"lora_A", "lora_B"} or weight not in plan:
+            raise ValueError(f"the LoRA layer {module} has no base weight or misses lora_A / lora_B")
+        plan[weight] = plan[weight] + (ab["lora_A"], ab["lora_B"])
+    return plan
+
+
+def exported(sources: Tuple[str, ...], tensors: Dict[str, torch.Tensor], adapter_config: Dict[str, Any]) -> torch.Tensor:
+    """The export tensor made of ``sources`` (an ``export_plan`` value) from the loaded ``tensors``."""
+    base = tensors[sources[0]]
+    if len(sources) == 1:
+        return base
+    a, b = tensors[sources[1]].float(), tensors[sources[2]].float()  # [r, in], [out, r]
+    r = a.shape[0]
+    alpha = float(adapter_config["lora_alpha"])
+    scaling = alpha / math.sqrt(r) if adapter_config.get("use_rslora") else alpha / r
+    delta = scaling * (b @ a)  # [out, in], float32 whatever the weights' dtype
+    if adapter_config.get("fan_in_fan_out"):  # GPT-2's Conv1D stores the weight as [in, out]
+        delta = delta.T
+    return (base.float() + delta).to(base.dtype)

@@ -1,0 +1,44 @@
+"""Several reward functions as one: each named, weighted and guarded on its own, their weighted sum
+the sample's reward (TRL's ``reward_funcs`` / ``reward_weights``)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from verl_fast.rewards.interface import GuardedReward, RewardFunction, RewardInput
+
+
+class WeightedRewards(RewardFunction):
+    """``parts``: (name, weight, guarded reward). A call scores the batch with each reward in turn
+    (each under its own ``on_error`` and ``timeout_s``) and returns ``sum_i weight_i * score_i`` per
+    sample. ``last_metrics`` holds the latest call's ``reward/<name>/mean`` (unweighted, when
+    there are several rewards) and ``reward/<name>/<key>`` for each extra numeric key a reward's
+    dict results held; ``last_errors`` the samples zeroed by ``on_error: zero``, over all rewards."""
+
+    def __init__(self, parts: Sequence[Tuple[str, float, GuardedReward]]):
+        if not parts:
+            raise ValueError("reward_fn: at least one reward function is needed")
+        names = [name for name, _, _ in parts]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"reward_fn: the reward functions' names must differ (they name the metrics "
+                             f"reward/<name>/mean), got {twice[0]!r} more than once; set each one's name")
+        self.parts = list(parts)
+        self.name = "+".join(names)
+        self.last_errors = 0
+        self.last_metrics: Dict[str, float] = {}
+
+    def __call__(self, samples: Sequence[RewardInput], stop: Optional[threading.Event] = None) -> List[float]:
+        total = [0.0] * len(samples)
+        metrics: Dict[str, float] = {}
+        errors = 0
+        for name, weight, reward in self.parts:
+            scores = reward(samples, stop=stop)
+            errors += reward.last_errors
+            total = [t + weight * s for t, s in zip(total, scores)]
+            if len(self.parts) > 1:
+                metrics[f"reward/{name}/mean"] = sum(scores) / max(1, len(scores))
+            metrics.update({f"reward/{name}/{k}": v for k, v in reward.last_extras.items()})
+        self.last_errors, self.last_metrics = errors, metrics
+        return total
