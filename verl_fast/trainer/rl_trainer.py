@@ -157,7 +157,8 @@ class RLTrainer:
         logger = None
         try:
             logger = MetricsLogger(cfg.output_dir, total, cfg.progress_bar, cfg.metrics_port, enabled=self.is_main,
-                                   host=cfg.metrics_host, loggers=cfg.loggers, run_config=self.cfg.to_dict())
+                                   host=cfg.metrics_host, loggers=cfg.loggers, run_config=self.cfg.to_dict(),
+                                   project=cfg.wandb_project, run_name=cfg.run_name)
             with run_dir.StopSignals() as stop:  # SIGTERM / Ctrl-C: finish the step, checkpoint, return
                 self._stop_event = stop.event
                 self._resume(logger)
