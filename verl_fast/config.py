@@ -497,8 +497,17 @@ def validate(cfg: Config) -> None:
     hub_id = cfg.trainer.hub_model_id
     if hub_id is not None and not re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", hub_id):
         raise ValueError(f"trainer.hub_model_id must be a Hub repository name (name or org/name), got {hub_id!r}")
-    if cfg.trainer.resume_from is not None and not cfg.trainer.resume_from.strip():
+    if hub_id is not None and cfg.trainer.hf_export == "none":
+        raise ValueError("trainer.hub_model_id uploads the final HF export, which trainer.hf_export=none leaves "
+                         "out; set trainer.hf_export to final or every")
+    start = cfg.trainer.resume_from
+    if start is not None and not start.strip():
         raise ValueError("trainer.resume_from must name a checkpoint folder (checkpoints/step_N), got ''")
+    if start and cfg.trainer.overwrite:
+        inside, run = Path(start).resolve(), Path(cfg.trainer.output_dir).resolve()
+        if inside == run or run in inside.parents:
+            raise ValueError(f"trainer.resume_from={start} lies in trainer.output_dir, which trainer.overwrite=true "
+                             "clears at start; unset overwrite, or resume into another output_dir")
     if cfg.actor.clip_ratio_c <= 1.0:
         raise ValueError(f"actor.clip_ratio_c must be > 1 (dual clip), got {cfg.actor.clip_ratio_c}")
     for check in _CHECKS:

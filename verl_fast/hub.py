@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Sequence
 
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
@@ -45,16 +45,16 @@ def model_folder(name: str) -> str:
 
 
 def upload(folder: Path, repo_id: str, private: bool = True, message: str = "verl_fast export",
-           api: Optional[Any] = None) -> str:
-    """Uploads the HF export ``folder`` to the model repository ``repo_id`` (created when missing,
-    ``private`` then) through huggingface_hub; returns the repository's URL. ``api``: a
-    ``huggingface_hub.HfApi`` (default: one with the token of HF_TOKEN / ``hf auth login``)."""
-    if api is None:
-        from huggingface_hub import HfApi
+           ignore: Sequence[str] = ()) -> str:
+    """Uploads the HF export in ``folder`` (less the ``ignore`` patterns) to the model repository
+    ``repo_id``, created when missing (``private`` then), through huggingface_hub's ``HfApi`` (the
+    token of HF_TOKEN / ``hf auth login``); returns the repository's URL."""
+    from huggingface_hub import HfApi
 
-        api = HfApi()
+    api = HfApi()
     url = api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
-    api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model", commit_message=message)
+    api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model", commit_message=message,
+                      ignore_patterns=list(ignore) or None)
     return str(getattr(url, "url", url))
 
 

@@ -25,7 +25,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 
-from verl_fast import checkpoint, distributed
+from verl_fast import checkpoint, distributed, hub
 from verl_fast import config as config_mod
 from verl_fast.algos import registry as algorithms
 from verl_fast.algos.algorithm import Step
@@ -202,6 +202,8 @@ class RLTrainer:
             self.engine.wake_up()
         if self.step > first or checkpoint.latest_valid(cfg.output_dir, warn=lambda m: None) is None:
             self.save(export_hf=cfg.hf_export == "every" or (cfg.hf_export == "final" and self.step >= total))
+        if cfg.hub_model_id and self.step >= total and abandoned is None and not self.stopped:
+            self.push_to_hub()
         if abandoned is not None and self.is_main:
             print(f"step {self.step + 1} stopped in its reward: {abandoned}", flush=True)
         if timeout is not None:
@@ -444,17 +446,35 @@ class RLTrainer:
     def save(self, export_hf: bool = False) -> None:
         """A sharded checkpoint of this step (every rank writes its shards); ``export_hf`` adds the
         HF safetensors folder that transformers and vLLM load (a Megatron run always writes it)."""
+        t = self.cfg.trainer
         state = {"history": self.history, "config": self.cfg.to_dict(), "torch_rng": torch.get_rng_state().tolist()}
-        self.strategy.save(self.cfg.trainer.output_dir, self.step, self.tokenizer, state, export_hf)
+        self.strategy.save(t.output_dir, self.step, self.tokenizer, state, export_hf)
+        if t.save_total_limit:  # the new one is complete (renamed into place): the oldest beyond the limit go
+            distributed.on_main(lambda: checkpoint.prune(t.output_dir, t.save_total_limit))
+
+    def push_to_hub(self) -> None:
+        """Uploads the newest checkpoint's HF export (weights, config, tokenizer, model card; not the
+        sharded state) to ``trainer.hub_model_id`` through huggingface_hub (rank 0)."""
+        t = self.cfg.trainer
+        folder = checkpoint.step_dirs(t.output_dir)[0]
+
+        def push() -> None:
+            url = hub.upload(folder, t.hub_model_id, private=t.hub_private, ignore=checkpoint.not_exported(folder),
+                             message=f"verl_fast: step {self.step}")
+            print(f"uploaded {folder} to {url}", flush=True)
+
+        distributed.on_main(push)
 
     def _resume(self, logger: MetricsLogger) -> None:
         """Restores the newest complete checkpoint (a damaged newer one is named and skipped) and
         rewrites the metrics from its history, so re-run steps are not logged twice."""
-        path = None
-        if self.cfg.trainer.resume:
+        path, t = None, self.cfg.trainer
+        if t.resume_from:
+            path = checkpoint.resolve_start(t.resume_from, t.output_dir)
+        elif t.resume:
             if self.is_main:
-                checkpoint.clean_partial(self.cfg.trainer.output_dir)
-            path = checkpoint.latest_valid(self.cfg.trainer.output_dir)
+                checkpoint.clean_partial(t.output_dir)
+            path = checkpoint.latest_valid(t.output_dir)
         if path is not None:
             state = self.strategy.load(path)
             self.step = int(state["step"])
