@@ -46,7 +46,8 @@ NEEDS: List[_Need] = [
     ("wandb", "wandb", _logger("wandb")),
     ("tensorboard", "tensorboard", _logger("tensorboard")),
     ("peft", "lora", _lora),
-    ("vllm", "vllm", lambda cfg: "rollout.type=vllm" if cfg.rollout.type == "vllm" else None),
+    ("vllm", "vllm", lambda cfg: "rollout.type=vllm" if cfg.rollout.type == "vllm" and cfg.algorithm.type != "dpo"
+     else None),  # offline DPO starts no engine
     ("megatron.core", "megatron", _megatron),
     ("reasoning_gym", "demo", _reasoning_gym),
 ]

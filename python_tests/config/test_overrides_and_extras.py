@@ -134,7 +134,7 @@ def test_a_missing_optional_package_is_named_with_its_extra(monkeypatch, overrid
 def test_packages_not_asked_for_are_not_needed(monkeypatch):
     monkeypatch.setattr(extras, "installed", lambda m: False)
     cfg = C.from_dict({"algorithm": {"type": "dpo"}, "reward_fn": {"type": "pairwise_ranking"},
-                       "rollout": {"type": "hf"}, "trainer": {"plot": False, "dataset": "pairs.jsonl"}})
+                       "rollout": {"type": "vllm"}, "trainer": {"plot": False, "dataset": "pairs.jsonl"}})
     assert extras.missing(cfg) == []
     cfg.trainer.plot, cfg.critic.strategy = True, "megatron"  # a critic trains with ppo only
     assert extras.missing(cfg) == ["trainer.plot=true (the reward-curve PNG) needs matplotlib is not installed: "
