@@ -562,16 +562,16 @@ def export(checkpoint: str, out_dir: str, max_shard_bytes: int = 5 << 30, overwr
 
     def fill(tmp: Path) -> None:
         for p in src.iterdir():
-            if p.name not in _NOT_HF and p.is_file() and not _is_weights(p.name):
+            if p.name not in _NOT_HF and p.is_file() and not is_weights(p.name):
                 shutil.copy2(p, tmp / p.name)
         if not (tmp / model_card.CARD).is_file():  # a checkpoint written without its export
             model_card.write(tmp, json.loads((src / STATE).read_text()))
         _write_safetensors(src / DCP, tmp, max_shard_bytes)
         _fsync_tree(tmp)
 
-    return output_folder.write_folder(out, run, fill, overwrite=overwrite, what="the export", stale=_is_weights)
+    return output_folder.write_folder(out, run, fill, overwrite=overwrite, what="the export", stale=is_weights)
 
 
-def _is_weights(name: str) -> bool:
+def is_weights(name: str) -> bool:
     """An HF export's weight files (an older export's shards are stale beside new ones)."""
     return (name.startswith("model") and name.endswith(".safetensors")) or name == "model.safetensors.index.json"

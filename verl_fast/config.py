@@ -263,7 +263,8 @@ class TrainerConfig:
     device: str = _f("auto", choices=("auto", "cpu", "cuda"))
     output_dir: str = _f("runs/verl_fast")
     save_freq: int = _f(0, min=0, doc="checkpoint every N steps (0: only at the end)")
-    resume: bool = _f(True, doc="continue from the latest complete checkpoint in output_dir")
+    resume: bool = _f(True, doc="continue from the latest complete checkpoint in output_dir (trainer.resume_from, "
+                      "when set, names the checkpoint instead)")
     overwrite: bool = _f(False, doc="clear an older run's checkpoints and metrics from output_dir at start "
                                                 "(at every start: unset it to resume later)")
     hf_export: str = _f("final", choices=("final", "every", "none"),

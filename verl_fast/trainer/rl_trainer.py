@@ -459,6 +459,9 @@ class RLTrainer:
         folder = checkpoint.step_dirs(t.output_dir)[0]
 
         def push() -> None:
+            if not any(checkpoint.is_weights(p.name) for p in folder.iterdir()):
+                raise checkpoint.CheckpointError(f"trainer.hub_model_id: {folder} holds no HF export to upload (it "
+                                                 f"was written without one); run verl-fast export on it, then upload")
             url = hub.upload(folder, t.hub_model_id, private=t.hub_private, ignore=checkpoint.not_exported(folder),
                              message=f"verl_fast: step {self.step}")
             print(f"uploaded {folder} to {url}", flush=True)
@@ -469,11 +472,11 @@ class RLTrainer:
         """Restores the newest complete checkpoint (a damaged newer one is named and skipped) and
         rewrites the metrics from its history, so re-run steps are not logged twice."""
         path, t = None, self.cfg.trainer
-        if t.resume_from:
+        if (t.resume or t.resume_from) and self.is_main:
+            checkpoint.clean_partial(t.output_dir)
+        if t.resume_from:  # named: it wins over output_dir's own (refused when that one is newer)
             path = checkpoint.resolve_start(t.resume_from, t.output_dir)
         elif t.resume:
-            if self.is_main:
-                checkpoint.clean_partial(t.output_dir)
             path = checkpoint.latest_valid(t.output_dir)
         if path is not None:
             state = self.strategy.load(path)
