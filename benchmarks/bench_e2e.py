@@ -375,7 +375,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="0.5b,1.5b")
     p.add_argument("--gpus", default="1,2", help="1: ours and TRL on one GPU; 2: ours on two (FSDP2)")
     p.add_argument("--impls", default=",".join(IMPLS), help="runs on one GPU: " + ", ".join(IMPLS))
-    p.add_argument("--steps", type=int, default=6, help="steps of each of our runs")
+    p.add_argument("--steps", type=int, default=10, help="steps of each of our runs (8 steady after --skip)")
     p.add_argument("--trl-steps", default="hf:3,vllm:5", help="steps of TRL's runs, per rollout")
     p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the medians")
     p.add_argument("--prompts", type=int, default=16)

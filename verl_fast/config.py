@@ -56,12 +56,13 @@ ALGORITHMS = Choices("algorithm.type")  # verl_fast/algos/registry.py
 LOSS_AGG_MODES = Choices("actor.loss_agg_mode, critic.loss_agg_mode")  # verl_fast/algos/registry.py
 KL_ESTIMATORS = Choices("actor.kl_loss_type, algorithm.kl_penalty")  # verl_fast/algos/registry.py
 DPO_LOSSES = Choices("algorithm.loss_type")  # verl_fast/algos/registry.py
+POLICY_LOSSES = Choices("actor.policy_loss")  # verl_fast/algos/registry.py
 REWARDS = Choices("reward_fn.type")  # verl_fast/rewards/__init__.py
 REWARD_ERRORS = Choices("reward_fn.on_error")  # verl_fast/rewards/__init__.py
 OVERLONG_PROMPTS = Choices("trainer.overlong_prompts")  # verl_fast/data.py
 STRATEGIES = Choices("actor.strategy, critic.strategy")  # verl_fast/strategies/backends.py
 LOGGERS = Choices("trainer.loggers")  # verl_fast/metrics.py
-_REGISTERED = (ALGORITHMS, LOSS_AGG_MODES, KL_ESTIMATORS, DPO_LOSSES, REWARDS, REWARD_ERRORS, OVERLONG_PROMPTS,
+_REGISTERED = (ALGORITHMS, LOSS_AGG_MODES, KL_ESTIMATORS, DPO_LOSSES, POLICY_LOSSES, REWARDS, REWARD_ERRORS, OVERLONG_PROMPTS,
                STRATEGIES, LOGGERS)
 
 # Combination checks registered by the rooms, run by ``validate`` after the config's own, in order.
@@ -133,7 +134,14 @@ class ActorConfig(ModelLayoutConfig):
     clip_ratio_low: float = _f(0.2, min=0.0)
     clip_ratio_high: float = _f(0.2, min=0.0)
     clip_ratio_c: float = _f(3.0, min=1.0, doc="dual-clip bound for negative advantages (> 1)")
+    policy_loss: str = _f("vanilla", choices=POLICY_LOSSES, doc="vanilla (PPO-clip), gspo (sequence-level "
+                          "ratio and clip), gspo_token, cispo (clipped IS weight, stop-gradient, times log-prob: "
+                          "clip_ratio_low/high bound the weight), sapo (soft gate, sapo_tau_pos / sapo_tau_neg)")
+    sapo_tau_pos: float = _f(1.0, min=0.0, doc="policy_loss sapo: the gate's temperature for positive advantages (> 0)")
+    sapo_tau_neg: float = _f(1.05, min=0.0, doc="policy_loss sapo: the gate's temperature for other advantages (> 0)")
     loss_agg_mode: str = _f("token-mean", choices=LOSS_AGG_MODES)
+    loss_scale_factor: Optional[float] = _f(None, doc="seq-mean-token-sum-norm: the constant each sequence's "
+                                            "token sum is divided by (null: rollout.max_new_tokens)")
     entropy_coeff: float = _f(0.0)
     use_kl_loss: bool = _f(False)
     kl_loss_coef: float = _f(0.001, min=0.0)
@@ -172,6 +180,8 @@ class CriticConfig(ModelLayoutConfig):
     micro_batch_size: int = _f(8, min=1)
     cliprange_value: float = _f(0.5, min=0.0)
     loss_agg_mode: str = _f("token-mean", choices=LOSS_AGG_MODES)
+    loss_scale_factor: Optional[float] = _f(None, doc="seq-mean-token-sum-norm: the constant each sequence's "
+                                            "token sum is divided by (null: rollout.max_new_tokens)")
     use_flash_attention: bool = _f(False, doc="flash_attention_2 where flash-attn and CUDA are there, else sdpa")
     trust_remote_code: bool = _f(False, doc="let transformers run the model folder's own code")
     attn_implementation: Optional[str] = _f(None, choices=ATTN_IMPLEMENTATIONS,
@@ -249,9 +259,22 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = _f(False)
     kl_penalty: str = _f("kl", choices=KL_ESTIMATORS)
     kl_coef: float = _f(0.001, min=0.0)
+    rollout_correction: bool = _f(False, doc="weight each token's policy loss by min(exp(old_logprob - "
+                                  "rollout_logprob), rollout_correction_cap), the rollout engine's own log-probs")
+    rollout_correction_cap: float = _f(2.0, min=0.0, doc="rollout_correction: the truncation of the weights (> 0)")
+    dynamic_sampling: bool = _f(False, doc="DAPO: drop prompts whose samples all score the same and draw more "
+                                "(group-baseline algorithms, one process)")
+    max_extra_draws: int = _f(3, min=0, doc="dynamic_sampling: extra draws of train_batch_size prompts per step, at most")
+    overlong_buffer: int = _f(0, min=0, doc="DAPO: responses longer than max_new_tokens - this many tokens lose up to "
+                              "overlong_penalty_factor of reward, linearly (0: off)")
+    overlong_penalty_factor: float = _f(1.0, min=0.0, doc="overlong_buffer: the penalty at max_new_tokens")
     beta: float = _f(0.1, min=0.0, doc="DPO temperature")
-    loss_type: str = _f("sigmoid", choices=DPO_LOSSES, doc="DPO loss")
-    label_smoothing: float = _f(0.0, min=0.0, max=0.5)
+    loss_type: str = _f("sigmoid", choices=DPO_LOSSES, doc="DPO loss (losses.dpo_loss names each one's paper)")
+    label_smoothing: float = _f(0.0, min=0.0, max=0.5, doc="DPO: sigmoid's conservative smoothing, robust's "
+                                "flip rate (< 0.5), exo_pair's target eps (> 0)")
+    discopop_tau: float = _f(0.05, min=0.0, doc="DPO loss_type discopop: the temperature of its mixing weight (> 0)")
+    sft_weight: float = _f(0.0, min=0.0, doc="DPO: weight of the chosen responses' mean token NLL added to the "
+                           "loss (RPO)")
 
 
 @dataclass
@@ -511,6 +534,20 @@ def validate(cfg: Config) -> None:
                              "clears at start; unset overwrite, or resume into another output_dir")
     if cfg.actor.clip_ratio_c <= 1.0:
         raise ValueError(f"actor.clip_ratio_c must be > 1 (dual clip), got {cfg.actor.clip_ratio_c}")
+    if cfg.algorithm.overlong_buffer > cfg.rollout.max_new_tokens:
+        raise ValueError(f"algorithm.overlong_buffer={cfg.algorithm.overlong_buffer} must be <= "
+                         f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} (the penalty spans the buffer's last "
+                         "tokens of the response)")
+    if cfg.algorithm.rollout_correction_cap <= 0:
+        raise ValueError(f"algorithm.rollout_correction_cap must be > 0, got {cfg.algorithm.rollout_correction_cap}")
+    for key in ("sapo_tau_pos", "sapo_tau_neg"):
+        if getattr(cfg.actor, key) <= 0:
+            raise ValueError(f"actor.{key} must be > 0 (SAPO divides by it), got {getattr(cfg.actor, key)}")
+    for section in ("actor", "critic"):
+        factor = getattr(cfg, section).loss_scale_factor
+        if factor is not None and factor <= 0:
+            raise ValueError(f"{section}.loss_scale_factor must be > 0 (or null for rollout.max_new_tokens), "
+                             f"got {factor}")
     for check in _CHECKS:
         check(cfg)
 

@@ -27,6 +27,8 @@ class Experience:
     values: Optional[torch.Tensor] = None  # [N, L] critic
     advantages: Optional[torch.Tensor] = None  # [N, L]
     returns: Optional[torch.Tensor] = None  # [N, L]
+    rollout_logprobs: Optional[torch.Tensor] = None  # [N, L] the rollout engine's, when it returned them
+    rollout_is_weights: Optional[torch.Tensor] = None  # [N, L] algorithm.rollout_correction's weights
 
     @property
     def num_sequences(self) -> int:
@@ -96,6 +98,7 @@ def build_experience(prompts: Sequence[PromptRow], gen: GenerationOutput, pad_id
         attention_mask=torch.cat([prompt_mask, response_mask], dim=1),
         response_mask=response_mask,
         prompt_index=gen.prompt_index.long(),
+        rollout_logprobs=None if gen.logprobs is None else gen.logprobs.float(),
     )
 
 

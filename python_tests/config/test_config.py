@@ -57,6 +57,8 @@ def test_overrides(tmp_path):
     ({"actor": {"use_kl_loss": True}, "algorithm": {"use_kl_in_reward": True}}, r"use one of them"),
     ({"reward_fn": {"type": "callable"}}, r"needs reward_fn.path"),
     ({"actor": {"clip_ratio_c": 1.0}}, r"clip_ratio_c must be > 1"),
+    ({"actor": {"loss_scale_factor": 0}}, r"actor.loss_scale_factor must be > 0"),
+    ({"critic": {"loss_scale_factor": -2.0}}, r"critic.loss_scale_factor must be > 0"),
 ])
 def test_errors_name_the_key(data, match):
     with pytest.raises(ValueError, match=match):

@@ -68,3 +68,45 @@ def test_engine_folder_named_by_its_contents(tmp_path, monkeypatch):
     assert os.path.dirname(a) == str(tmp_path / "engine_models")
     assert sorted(os.listdir(a)) == sorted(os.listdir(c)) and "config.json" in os.listdir(a)
     assert not [f for f in os.listdir(tmp_path / "engine_models") if "." in f]  # no staging folder left
+
+
+def test_shutdown_on_cuda_frees_the_model_before_the_engine_stops(monkeypatch):
+    """vLLM 0.26 lets go of its sleep allocator's pools in the engine's shutdown; memory freed after
+    that stays on the allocator's books and the next engine in the process is refused. So on CUDA the
+    model's own finalizer runs, the worker drops the model and a collection runs, then the shutdown."""
+    import weakref
+
+    from verl_fast.rollout import vllm_compat
+
+    order = []
+
+    class Runner:
+        def shutdown(self):
+            order.append("runner dropped the model")
+
+    class Worker:
+        model_runner = Runner()
+
+    class Core:
+        def shutdown(self):
+            order.append("engine shutdown")
+
+    class Engine:
+        engine_core = Core()
+
+    class LLM:
+        llm_engine = Engine()
+
+        def collective_rpc(self, fn):
+            return [fn(Worker())]
+
+    llm = LLM()
+    llm.llm_engine._finalizer = weakref.finalize(llm.llm_engine, order.append, "vLLM's model clean-up")
+    monkeypatch.setattr(vllm_compat, "collect", lambda: order.append("collected"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    vllm_compat.shutdown(llm)
+    assert order == ["vLLM's model clean-up", "runner dropped the model", "collected", "engine shutdown"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    order.clear()
+    vllm_compat.shutdown(llm)  # the CPU engine has no sleep allocator: straight to the shutdown
+    assert order == ["engine shutdown"]

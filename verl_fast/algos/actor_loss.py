@@ -6,7 +6,8 @@ from typing import Dict, Tuple
 
 import torch
 
-from verl_fast.algos.losses import active_rows, agg_loss, entropy_loss, kl_penalty, policy_loss
+from verl_fast.algos.losses import agg_loss, entropy_loss, kl_penalty
+from verl_fast.algos.policy_losses import policy_loss_tokens
 from verl_fast.experience import Experience
 
 
@@ -17,8 +18,10 @@ def actor_loss(a, logp: torch.Tensor, entropy: torch.Tensor, sub: Experience,
     statistics at the scale of a whole batch (callers average micro-batches weighted by tokens)."""
     logp = logp.float()
     old = sub.old_logprobs if sub.old_logprobs is not None else logp.detach()
-    pg, stats = policy_loss(logp, old, sub.advantages, sub.response_mask, a.clip_ratio_low, a.clip_ratio_high,
-                            a.clip_ratio_c, a.loss_agg_mode, **counts)
+    per_token, stats = policy_loss_tokens(a, logp, old, sub.advantages, sub.response_mask)
+    if sub.rollout_is_weights is not None:  # algorithm.rollout_correction (rollout_correction.py)
+        per_token = per_token * sub.rollout_is_weights
+    pg = agg_loss(per_token, sub.response_mask, a.loss_agg_mode, **counts)
     loss = pg
     ent = entropy_loss(entropy.float(), sub.response_mask, a.loss_agg_mode, **counts)
     if a.entropy_coeff:
@@ -30,8 +33,10 @@ def actor_loss(a, logp: torch.Tensor, entropy: torch.Tensor, sub: Experience,
         if a.use_kl_loss:
             loss = loss + a.kl_loss_coef * kl_term
         out["kl"] = kl_term.item()
-    share = (float(sub.response_mask.sum()) / max(counts["num_tokens"], 1.0) if a.loss_agg_mode.startswith("token")
-             else float(active_rows(sub.response_mask)) / max(counts["num_seqs"], 1.0))
+    # the trainer averages micro-batch statistics weighted by their response tokens: scaling this
+    # micro-batch's share of the loss by the inverse of its token share makes that average the sum of
+    # the shares (the mini-batch's loss) whatever the aggregation mode
+    share = float(sub.response_mask.sum()) / max(counts["num_tokens"], 1.0)
     for k in ("pg_loss", "entropy", "kl"):
         if k in out:
             out[k] = out[k] / max(share, 1e-9)

@@ -1,7 +1,9 @@
 """DPO (Rafailov et al.) on the dataset's chosen / rejected pairs (``Step.PREFERENCE``, no rollout): the
 summed response log-probs of chosen and rejected under the actor and the reference (none with
-``reward_fn.reference_free``), the DPO loss (``algorithm.loss_type``: sigmoid / ipo / hinge, with
-``beta`` and ``label_smoothing``), backward, one optimiser step per batch.
+``reward_fn.reference_free``), the DPO loss (``algorithm.loss_type``: sigmoid, ipo, hinge, robust,
+exo_pair, nca_pair, bco_pair, sppo_hard, apo_zero, apo_down, discopop (``losses.dpo_loss``), with ``beta`` and
+``label_smoothing``) plus ``algorithm.sft_weight`` times the chosen responses' mean token NLL (RPO),
+backward, one optimiser step per batch.
 
 Batching: a forward/backward takes ``trainer.per_device_train_batch_size`` pairs (else half of
 ``actor.micro_batch_size``: a pair is two sequences); with ``trainer.gradient_accumulation_steps``
@@ -42,6 +44,7 @@ class DPO:
             raise ValueError(f"algorithm.type=dpo is not supported with reward_fn.type={cfg.reward_fn.type}; "
                              "use reward_fn.type=pairwise_ranking (DPO learns from chosen/rejected pairs)")
         refuse_megatron(cfg)
+        check_loss(cfg)
 
     @classmethod
     def build(cls, cfg: Config) -> "DPO":
@@ -80,6 +83,19 @@ def refuse_megatron(cfg: Config) -> None:
     if cfg.actor.strategy == "megatron":
         raise ValueError(f"algorithm.type={cfg.algorithm.type} is not supported with actor.strategy=megatron; "
                          "use fsdp2, fsdp1 or none")
+
+
+def check_loss(cfg: Config) -> None:
+    """The label smoothing a DPO loss can take (exo_pair's target has no log at 0; robust divides by
+    1 - 2 eps)."""
+    alg = cfg.algorithm
+    if alg.loss_type == "exo_pair" and alg.label_smoothing <= 0:
+        raise ValueError("algorithm.loss_type=exo_pair needs algorithm.label_smoothing > 0 (the target "
+                         f"distribution's eps, e.g. 0.001), got {alg.label_smoothing}")
+    if alg.loss_type == "discopop" and alg.discopop_tau <= 0:
+        raise ValueError(f"algorithm.loss_type=discopop needs algorithm.discopop_tau > 0, got {alg.discopop_tau}")
+    if alg.loss_type == "robust" and alg.label_smoothing >= 0.5:
+        raise ValueError(f"algorithm.loss_type=robust needs algorithm.label_smoothing < 0.5, got {alg.label_smoothing}")
 
 
 def pairs_per_micro_batch(cfg: Config) -> int:
@@ -122,11 +138,15 @@ def sequence_logprobs(model, ids, mask, response_mask, autocast) -> torch.Tensor
 def step(actor: torch.nn.Module, ref: Optional[torch.nn.Module], pairs: List[PreferencePair], *, pad_id: int,
          device: torch.device, autocast: Callable[[], ContextManager[Any]], algorithm: Any,
          pairs_per_micro_batch: int) -> Dict[str, float]:
-    """``algorithm``: the config's algorithm section (beta, loss_type, label_smoothing); without a
+    """``algorithm``: the config's algorithm section (beta, loss_type, label_smoothing, sft_weight); without a
     ``ref`` the loss is reference-free. ``pairs_per_micro``: pairs per forward/backward."""
     total = len(pairs)
     size = pairs_per_micro_batch
+    # the SFT term's mean is over every chosen token of the step, so micro-batches add up to it
+    chosen_tokens = max(1, sum(len(p.chosen_ids) for p in pairs))
     stats: Dict[str, float] = {"dpo/loss": 0.0, "dpo/reward_margin": 0.0, "dpo/reward_accuracy": 0.0}
+    if algorithm.sft_weight:
+        stats["dpo/sft_nll"] = 0.0
     for start in range(0, total, size):
         chunk = pairs[start : start + size]
         ids, mask, rmask = pair_tensors(chunk, pad_id, device)
@@ -138,8 +158,13 @@ def step(actor: torch.nn.Module, ref: Optional[torch.nn.Module], pairs: List[Pre
             reference = torch.zeros_like(policy)
         B = len(chunk)
         loss, s = dpo_loss(policy[:B], policy[B:], reference[:B], reference[B:], algorithm.beta, algorithm.loss_type,
-                           algorithm.label_smoothing)
-        (loss * B / total).backward()  # the mean over all pairs of the step
+                           algorithm.label_smoothing, algorithm.discopop_tau)
+        share = loss * B / total  # the mean over all pairs of the step
+        if algorithm.sft_weight:
+            nll = -policy[:B].sum() / chosen_tokens  # this micro-batch's share of the chosen tokens' mean NLL
+            share = share + algorithm.sft_weight * nll
+            stats["dpo/sft_nll"] += nll.item()
+        share.backward()
         stats["dpo/loss"] += loss.item() * B / total
         stats["dpo/reward_margin"] += float(s["reward_margin"]) * B / total
         stats["dpo/reward_accuracy"] += float(s["reward_accuracy"]) * B / total

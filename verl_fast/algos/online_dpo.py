@@ -41,6 +41,7 @@ class OnlineDPO:
             raise ValueError(f"algorithm.type=online_dpo is not supported with rollout.n={cfg.rollout.n}: a pair "
                              "needs two sampled responses per prompt; use rollout.n >= 2")
         dpo.refuse_megatron(cfg)
+        dpo.check_loss(cfg)
 
     @classmethod
     def build(cls, cfg: Config) -> "OnlineDPO":

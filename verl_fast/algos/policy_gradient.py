@@ -3,14 +3,15 @@ a module per algorithm (``grpo``, ``rloo``, ``reinforce_pp``, ``remax``, ``ppo``
 ``PolicyGradientSpec``: its estimator call, whether the estimator whitens over the batch, whether its
 baseline is the prompt's other samples, its critic loss, its extra rollout.
 
-- Rewards: the outcome reward on each response's last token (the trainer puts it there); with
+- Rewards: the outcome reward on each response's last token (the trainer puts it there), plus
+  DAPO's overlong penalty with ``algorithm.overlong_buffer`` (``dapo.py``); with
   ``algorithm.use_kl_in_reward`` the per-token ``kl_penalty(old, ref)`` times ``kl_coef`` is
   subtracted (``shape_rewards``), which needs the old log-probs.
 - Whitening scope: an estimator that whitens its advantages over the batch does so over every
   data-parallel rank's response tokens when there are several (``whiten_over_ranks``: what one
   process whitening the whole batch computes); group estimators never whiten.
-- Loss: PPO-clip with the actor section's clipping, aggregation, entropy bonus and KL-in-loss
-  (``actor_loss.py``).
+- Loss: ``actor.policy_loss`` (PPO-clip, GSPO, CISPO, SAPO: ``policy_losses.py``) with the actor
+  section's clipping, aggregation, entropy bonus and KL-in-loss (``actor_loss.py``).
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ import torch
 
 from verl_fast import distributed
 from verl_fast.algos.actor_loss import actor_loss
+from verl_fast.algos.dapo import overlong_penalty
 from verl_fast.algos.algorithm import Score, Stats, Step, kl_reference, refuse_pairwise_ranking
 from verl_fast.algos.losses import kl_penalty
 from verl_fast.config import AlgorithmConfig, Config
 from verl_fast.data import PromptRow, RLDataProcessor
-from verl_fast.experience import Experience
+from verl_fast.experience import Experience, last_token_rewards
 from verl_fast.rollout.base import GenerationOutput
 from verl_fast.rollout.operator import RolloutOperator
 
@@ -63,6 +65,10 @@ class PolicyGradientSpec:
             raise ValueError(f"algorithm.type={self.name} is not supported with rollout.n={cfg.rollout.n}: its "
                              "baseline is the other samples of the same prompt; use rollout.n >= 2")
         refuse_pairwise_ranking(cfg)
+        if cfg.algorithm.dynamic_sampling and not self.group_baseline:
+            raise ValueError(f"algorithm.dynamic_sampling is not supported with algorithm.type={self.name}: it drops "
+                             "prompts whose samples all score the same, which only a group baseline makes "
+                             "uninformative; use grpo, drgrpo, rloo or reinforce_pp_baseline")
 
     def build(self, cfg: Config) -> "PolicyGradient":
         return PolicyGradient(self, cfg)
@@ -84,7 +90,9 @@ class PolicyGradient:
         self.zero_advantage_is_idle = a.skip_zero_advantage and not a.use_kl_loss and a.entropy_coeff == 0
 
     def configure(self, world: int) -> None:
-        pass
+        if self.cfg.algorithm.dynamic_sampling and world > 1:
+            raise ValueError("algorithm.dynamic_sampling is not supported with several processes yet (ranks would "
+                             "keep different numbers of groups); use one process")
 
     def encode(self, processor: RLDataProcessor, rows: List[Dict[str, Any]]) -> List[PromptRow]:
         return processor.encode_all(rows)
@@ -98,12 +106,17 @@ class PolicyGradient:
 
     def needs_old_logprobs(self, exp: Experience) -> bool:
         """Old log-probs are the current ones unless the actor moves before the last mini-batch, or
-        the KL in the reward reads them."""
-        a, n = self.cfg.actor, exp.num_sequences
-        return a.ppo_epochs > 1 or (a.ppo_mini_batch_size or n) < n or self.cfg.algorithm.use_kl_in_reward
+        the KL in the reward or the rollout correction reads them."""
+        a, n, alg = self.cfg.actor, exp.num_sequences, self.cfg.algorithm
+        return a.ppo_epochs > 1 or (a.ppo_mini_batch_size or n) < n or alg.use_kl_in_reward or alg.rollout_correction
 
     def shape_rewards(self, exp: Experience, metrics: Dict[str, Any]) -> None:
         alg = self.cfg.algorithm
+        if alg.overlong_buffer:  # DAPO's soft overlong punishment, on the outcome's (last) token
+            penalty = overlong_penalty(exp.response_mask.sum(-1), self.cfg.rollout.max_new_tokens, alg.overlong_buffer,
+                                       alg.overlong_penalty_factor).to(exp.token_level_rewards.device)
+            exp.token_level_rewards = exp.token_level_rewards + last_token_rewards(penalty, exp.response_mask)
+            metrics["reward/overlong_penalty"] = float(penalty.mean())
         if not alg.use_kl_in_reward:
             return
         kl = kl_penalty(exp.old_logprobs, exp.ref_logprobs, alg.kl_penalty) * exp.response_mask

@@ -1,5 +1,6 @@
 """Algorithms by name: ``algorithm.type`` picks one when the trainer is built (``build``), and the
-names, the loss modes and each algorithm's start-up checks are registered in the config here.
+names, the loss modes (aggregation, KL, DPO, policy losses) and each algorithm's start-up checks
+are registered in the config here.
 
     grpo, drgrpo           grpo.py          group-normalised outcome reward (Dr.GRPO: no std)
     ppo                    ppo.py           critic values, GAE, clipped value loss
@@ -17,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from verl_fast import config
-from verl_fast.algos import dpo, grpo, losses, online_dpo, ppo, reinforce_pp, remax, rloo
+from verl_fast.algos import dpo, grpo, losses, online_dpo, policy_losses, ppo, reinforce_pp, remax, rloo
 from verl_fast.algos.algorithm import Algorithm
 
 SPECS: Dict[str, Any] = {spec.name: spec for spec in (
@@ -39,4 +40,5 @@ config.ALGORITHMS.register(*SPECS)
 config.LOSS_AGG_MODES.register(*losses.AGG_MODES)
 config.KL_ESTIMATORS.register(*losses.KL_KINDS)
 config.DPO_LOSSES.register(*losses.DPO_LOSSES)
+config.POLICY_LOSSES.register(*policy_losses.POLICY_LOSSES)
 config.register_check(_check)

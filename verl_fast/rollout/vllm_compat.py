@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import weakref
 from types import ModuleType
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
@@ -322,13 +323,38 @@ def load_lora(llm, request) -> None:
 
 
 def shutdown(llm) -> None:
-    """Stops an in-process engine and frees its model. vLLM's ``EngineCore.shutdown`` itself runs
+    """Stops an in-process engine. vLLM's ``EngineCore.shutdown`` itself runs
     ``cleanup_dist_env_and_memory``: it destroys vLLM's parallel groups and torch.distributed's
-    default process group (whoever created it), and resets vLLM's environment-variable cache."""
+    default process group (whoever created it), and resets vLLM's environment-variable cache.
+    The engine's memory is freed once the caller has dropped its last reference: ``collect()``.
+
+    On CUDA the model goes first: vLLM 0.26's shutdown lets go of its sleep allocator's memory pools,
+    and memory freed after that never reaches the allocator's books, which then refuse the next
+    engine in the process ("one instance per process"); ``LLMEngine``'s own finalizer holds the
+    model until the engine object is collected."""
+    if torch.cuda.is_available():
+        finalizer = getattr(llm.llm_engine, "_finalizer", None)
+        if isinstance(finalizer, weakref.finalize):
+            finalizer()  # runs vLLM's clean-up of the model now and drops its reference
+        llm.collective_rpc(_drop_model)
+        collect()
+    llm.llm_engine.engine_core.shutdown()
+
+
+def _drop_model(worker) -> None:
+    """In the worker: the model runner lets go of the model, the KV cache and its workspace (what
+    vLLM's shutdown does first; doing it twice is harmless)."""
+    runner_shutdown = getattr(worker.model_runner, "shutdown", None)
+    if runner_shutdown is not None:
+        runner_shutdown()
+
+
+def collect() -> None:
+    """Frees what closed engines left: the engine objects sit in reference cycles (and vLLM's
+    finalizer keeps the model until they are collected), and vLLM 0.26's sleep-mode allocator
+    refuses to load a second engine's weights while any memory of an earlier one is allocated."""
     import gc
 
-    llm.llm_engine.engine_core.shutdown()
-    del llm
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -207,6 +207,8 @@ class VLLMInferenceEngine(RolloutEngine):
             engine_kwargs["compilation_config"] = {"cudagraph_capture_sizes": capture_sizes(cudagraph_batch)}
         engine_kwargs.setdefault("disable_log_stats", False)
         engine_kwargs.setdefault("use_tqdm_on_load", False)  # no loading bar beside the trainer's progress bar
+        if not on_cpu:
+            compat.collect()  # an earlier engine dropped without close() still holds device memory until then
         start = time.perf_counter()
         with compat.quiet_numa_notice():
             self.llm = vllm.LLM(
@@ -492,6 +494,8 @@ class VLLMInferenceEngine(RolloutEngine):
         self.__dict__.pop("_params", None)
         self.llm = None
         compat.shutdown(llm)
+        del llm  # the last reference: collect() can free the engine now
+        compat.collect()
         if self._lora_dir is not None:
             shutil.rmtree(self._lora_dir, ignore_errors=True)
             self._lora_dir = None

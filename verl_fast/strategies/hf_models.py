@@ -84,14 +84,17 @@ def reference_model(actor: torch.nn.Module, ref_model: Optional[torch.nn.Module]
 @torch.no_grad()
 def hf_logprobs(model: torch.nn.Module, exp: Experience, micro: List[torch.Tensor], cfg: Config,
                 autocast: Callable[[], ContextManager[Any]], device: torch.device) -> torch.Tensor:
-    """[N, L] float32 response log-probs of an HF model (actor or reference), micro-batch by micro-batch."""
+    """[N, L] float32 response log-probs of an HF model (actor or reference), micro-batch by micro-batch,
+    at the sampling temperature, as the training forward computes them (else the PPO ratio of an
+    unchanged actor is not 1 when ``rollout.temperature`` is not 1)."""
     out = torch.zeros(exp.response_mask.shape, dtype=torch.float32, device=device)
     with sharding.gathered_for_passes(model, len(micro)):
         for idx in micro:
             sub = exp.select(idx)
             with autocast():
                 logp, _ = experience_logprobs(model, sub.input_ids, sub.attention_mask, sub.response_length,
-                                              sub.prompt_index, fused=FUSED[cfg.actor.fused_logprobs],
+                                              sub.prompt_index, temperature=cfg.rollout.temperature or 1.0,
+                                              fused=FUSED[cfg.actor.fused_logprobs],
                                               share=cfg.actor.share_prompt_forward)
             out[idx, : sub.response_length] = logp.float()
     return out

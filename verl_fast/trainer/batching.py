@@ -24,18 +24,22 @@ from verl_fast.ops import schedule
 __all__ = ["loss_normalisers", "micro_batches", "balance_across_ranks"]
 
 
-def loss_normalisers(response_mask: torch.Tensor, group=None) -> Dict[str, float]:
+def loss_normalisers(response_mask: torch.Tensor, group=None, norm_length: float = 0) -> Dict[str, float]:
     """The counts a (mini-)batch's losses divide by (see the module docstring): ``num_tokens``
     (response tokens) and ``num_seqs`` (rows with at least one response token), over ``group``'s
     ranks and divided by its size; ``dp_size``, the rank count (token-sum, a plain sum, is multiplied
-    by it instead, to undo the averaging)."""
+    by it instead, to undo the averaging); ``norm_length``, seq-mean-token-sum-norm's constant
+    divisor (the trainer passes ``loss_scale_factor`` or ``max_new_tokens``: each micro-batch is cut
+    to its own longest response, so its width is no constant; 0 leaves ``agg_loss`` the batch's
+    width, exact only for the whole batch in one piece)."""
     tokens = float(response_mask.sum())
     seqs = float(active_rows(response_mask))
     if group is None:
-        return {"num_tokens": tokens, "num_seqs": seqs, "dp_size": 1}
+        return {"num_tokens": tokens, "num_seqs": seqs, "dp_size": 1, "norm_length": norm_length}
     world = dist.get_world_size(group)
     return {"num_tokens": schedule.reduce_over(group, tokens, "sum", torch.float64) / world,
-            "num_seqs": schedule.reduce_over(group, seqs, "sum", torch.float64) / world, "dp_size": world}
+            "num_seqs": schedule.reduce_over(group, seqs, "sum", torch.float64) / world, "dp_size": world,
+            "norm_length": norm_length}
 
 
 def micro_batches(rows: torch.Tensor, token_counts: Optional[torch.Tensor] = None, *, size: Optional[int] = None,

