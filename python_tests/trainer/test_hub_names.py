@@ -45,7 +45,8 @@ def hf_home(tmp_path_factory):
 
 def _env(hf_home):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_"))}
-    return {**env, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    return {"VLLM_CPU_KVCACHE_SPACE": "1", **env, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1",
+            "PYTHONWARNINGS": "ignore"}
 
 
 def _run(hf_home, args, cwd):
@@ -53,11 +54,15 @@ def _run(hf_home, args, cwd):
                           env=_env(hf_home))
 
 
-def test_train_by_hub_names_offline(hf_home, tmp_path):
+@pytest.mark.parametrize("rollout", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])
+def test_train_by_hub_names_offline(hf_home, tmp_path, rollout):
+    """The vLLM engine loads the model from the cache's snapshot that transformers loaded it from."""
+    if rollout == "vllm":
+        pytest.importorskip("vllm", reason="vLLM is not installed")
     config = tmp_path / "c.yaml"
     config.write_text(textwrap.dedent(f"""
         actor: {{model_name: org/tiny, lr: 1.0e-3}}
-        rollout: {{type: hf, n: 2, max_new_tokens: 4}}
+        rollout: {{type: {rollout}, n: 2, max_new_tokens: 4, max_model_len: 128, max_num_seqs: 8}}
         reward_fn: {{type: gsm8k}}
         trainer: {{dataset: org/sums, total_steps: 1, train_batch_size: 2, device: cpu, plot: false,
                    progress_bar: false, output_dir: {tmp_path / 'run'}}}
@@ -69,6 +74,7 @@ def test_train_by_hub_names_offline(hf_home, tmp_path):
     assert "base_model: org/tiny" in card and "datasets:\n- org/sums" in card
     state = json.loads((step / "trainer_state.json").read_text())
     assert state["config"]["actor"]["model_name"] == "org/tiny" and len(state["history"]) == 1
+    assert ("rollout/kv_cache_usage_peak" in state["history"][0]) == (rollout == "vllm")  # the engine asked for
 
 
 def test_names_in_the_cache_load_and_missing_ones_are_one_line(hf_home, tmp_path):
