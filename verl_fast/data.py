@@ -280,14 +280,16 @@ class RLDataProcessor:
                 raise ValueError("a preference row needs prompt/chosen/rejected or question/answer_1/answer_2/"
                                  f"score_1/score_2, got keys {sorted(row)}")
             text = self.template(prompt)
-            chosen, rejected = self.response_text(prompt, chosen, "chosen"), self.response_text(prompt, rejected, "rejected")
+            chosen = self.response_text(prompt, chosen, "chosen")
+            rejected = self.response_text(prompt, rejected, "rejected")
             fitted = self._fit(self.tokenizer(text, add_special_tokens=False)["input_ids"], text)
             if fitted is None:
                 self.skipped_overlong += 1
                 continue
             prompt_ids, text = fitted
             pairs.append(PreferencePair(prompt=text, chosen=chosen, rejected=rejected, prompt_ids=prompt_ids,
-                                        chosen_ids=self._response_ids(chosen), rejected_ids=self._response_ids(rejected)))
+                                        chosen_ids=self._response_ids(chosen),
+                                        rejected_ids=self._response_ids(rejected)))
         return pairs
 
     def response_text(self, prompt: Any, response: Any, key: str) -> str:

@@ -10,7 +10,7 @@ reader).
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 # (import name, extra, what in the config needs it: a description, and whether this config does)
 _Need = Tuple[str, str, Callable[[Any], Optional[str]]]
@@ -65,18 +65,22 @@ def hint(module: str, extra: str) -> str:
     return f"{module.split('.')[0]} is not installed: pip install 'verl_fast[{extra}]'"
 
 
-def missing(cfg: Any) -> List[str]:
-    """One message per optional package ``cfg`` needs and this environment lacks."""
+def missing(cfg: Any, modules: Optional[Sequence[str]] = None) -> List[str]:
+    """One message per optional package ``cfg`` needs and this environment lacks (of ``modules``
+    only, when given)."""
     found = []
     for module, extra, needed in NEEDS:
+        if modules is not None and module not in modules:
+            continue
         why = needed(cfg)
         if why is not None and not installed(module):
             found.append(f"{why} needs {hint(module, extra)}")
     return found
 
 
-def check(cfg: Any) -> None:
-    """Raises ImportError naming every missing package, its extra and the key that needs it."""
-    problems = missing(cfg)
+def check(cfg: Any, modules: Optional[Sequence[str]] = None) -> None:
+    """Raises ImportError naming every missing package (of ``modules``), its extra and the key that
+    needs it."""
+    problems = missing(cfg, modules)
     if problems:
         raise ImportError("; ".join(problems) + " (or change those keys)")

@@ -101,7 +101,8 @@ def _load_models(cfg: config_mod.Config, device: Any):
     if cfg.actor.model_name is None:
         raise ConfigError("actor.model_name is not set")
     cuda = device is not None and device.type == "cuda"
-    actor, tokenizer = load_causal_lm(cfg.actor.model_name, cfg.actor.dtype, **attention_kwargs(cfg.actor, "actor", cuda))
+    actor, tokenizer = load_causal_lm(cfg.actor.model_name, cfg.actor.dtype,
+                                      **attention_kwargs(cfg.actor, "actor", cuda))
     actor.to(device)
     critic = None  # the reference, when KL needs one, is built from the actor's weights
     if cfg.algorithm.type == "ppo":

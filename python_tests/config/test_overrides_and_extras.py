@@ -149,3 +149,22 @@ def test_cli_refuses_a_missing_extra_before_training(tmp_path, monkeypatch, caps
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pip install 'verl_fast[plot]'" in err and "trainer.plot=false" not in err
     assert not out.exists()
+
+
+def test_fit_refuses_plot_without_matplotlib_before_training(tmp_path, monkeypatch):
+    """The Python API checks the package of its own reward-curve PNG before the first step."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tiny_models import save_tiny_model
+    from verl_fast.trainer.rl_trainer import RLTrainer
+
+    path = save_tiny_model(tmp_path / "m", family="qwen2", num_layers=1)
+    trainer = RLTrainer(actor_model=AutoModelForCausalLM.from_pretrained(path), tokenizer=AutoTokenizer.from_pretrained(path),
+                        reward_fn=lambda solution_str: 0.0, config={
+                            "rollout": {"type": "hf", "n": 2, "max_new_tokens": 2},
+                            "trainer": {"total_steps": 1, "train_batch_size": 2, "output_dir": str(tmp_path / "run"),
+                                        "progress_bar": False, "device": "cpu"}})
+    monkeypatch.setattr(extras, "installed", lambda m: m != "matplotlib")
+    with pytest.raises(ImportError, match=r"trainer.plot=true .* pip install 'verl_fast\[plot\]'"):
+        trainer.fit([{"prompt": "1 + 1?"}, {"prompt": "2 + 2?"}])
+    assert trainer.step == 0 and not (tmp_path / "run").exists()

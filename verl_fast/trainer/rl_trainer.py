@@ -25,7 +25,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 
-from verl_fast import checkpoint, distributed, hub
+from verl_fast import checkpoint, distributed, extras, hub
 from verl_fast import config as config_mod
 from verl_fast.algos import dapo
 from verl_fast.algos import registry as algorithms
@@ -144,6 +144,8 @@ class RLTrainer:
         """Trains on ``dataset`` (rows in verl format, a path, a datasets.Dataset, or
         ``reasoning_gym:<task>``; preference pairs for DPO). Returns the per-step metrics."""
         cfg = self.cfg.trainer
+        if self.is_main:  # the trainer's own optional package (the CLI checks every one a config needs)
+            extras.check(self.cfg, modules=("matplotlib",))
         rows = self.processor.load(dataset, **dataset_kwargs) if not _is_prepared(dataset) else dataset
         items: Sequence[Any] = rows if _is_prepared(rows) else self.algorithm.encode(self.processor, rows)
         if not items:
