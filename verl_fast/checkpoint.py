@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
-from verl_fast import output_folder, safe_load
+from verl_fast import model_card, output_folder, safe_load
 from verl_fast.models import lora
 from verl_fast.models.wrapping import hf_module
 from verl_fast import direct_write, run_files
@@ -227,7 +227,10 @@ def _write_metadata(tmp: Path, step: int, actor: torch.nn.Module, tokenizer: Any
         else:  # sharded parameters: the configuration, which the merge needs, only
             model.peft_config[model.active_adapter].save_pretrained(tmp / lora.ADAPTER)
     (tmp / STATE).write_text(json.dumps({"step": step, **state}, indent=1, default=str))
-    return _write_safetensors(tmp / DCP, tmp, whole=whole) if export_hf else {}
+    if not export_hf:
+        return {}
+    model_card.write(tmp, {"step": step, **state})
+    return _write_safetensors(tmp / DCP, tmp, whole=whole)
 
 
 def _publish(tmp: Path, final: Path, records: Dict[str, Dict[str, int]], step: int) -> None:
@@ -261,6 +264,24 @@ def prepare_root(root: Path) -> None:
     removal of checkpoints would land where it points)."""
     run_files.refuse_link(root, "the run's checkpoints folder")
     root.mkdir(parents=True, exist_ok=True)
+
+
+def prune(output_dir: str, keep: int) -> List[Path]:
+    """Removes the complete checkpoints of ``output_dir`` older than its ``keep`` newest ones (the
+    newest is the one just written); returns those removed. Only ``step_N`` entries of a real
+    ``checkpoints/`` folder go, each removed as itself: a link by such a name is unlinked, never
+    followed, so nothing outside the run is deleted."""
+    if keep < 1:
+        raise ValueError(f"keep (trainer.save_total_limit) must be >= 1, got {keep}")
+    root = checkpoint_root(output_dir)
+    run_files.refuse_link(root, "the run's checkpoints folder")
+    if not root.is_dir():
+        return []
+    steps = sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name))), reverse=True)
+    old = [p for _, p in steps[keep:]]
+    for p in old:
+        run_files.remove(p)
+    return old
 
 
 _PARTIAL = re.compile(r"^step_\d+\.tmp$")
@@ -517,6 +538,35 @@ def resolve(checkpoint: str) -> Path:
     return found
 
 
+def resolve_start(resume_from: str, output_dir: str, check_files: bool = True) -> Path:
+    """The checkpoint ``trainer.resume_from`` names (a step folder, or a run's output_dir: its newest
+    complete one), verified (``check_files``: every file against the manifest; else only that it is
+    a checkpoint). Refused when ``output_dir`` holds a newer checkpoint than it, whose steps the new
+    run would mix with its own."""
+    try:
+        path = resolve(resume_from)
+    except CheckpointError as e:
+        raise CheckpointError(f"trainer.resume_from={resume_from}: {e}") from None
+    problem = verify(path) if check_files else (None if (path / MANIFEST).is_file() else
+                                                 f"{path / MANIFEST} is missing (not a complete checkpoint)")
+    if problem is not None:
+        raise CheckpointError(f"trainer.resume_from={resume_from}: {problem}")
+    step = int(json.loads((path / STATE).read_text())["step"])
+    newer = [p for p in step_dirs(output_dir) if int(_STEP.match(p.name).group(1)) > step and p != path]
+    if newer:
+        raise CheckpointError(f"trainer.resume_from={resume_from} is step {step}, but trainer.output_dir holds the "
+                              f"newer checkpoint {newer[0]}: the runs' steps would mix; choose another output_dir, "
+                              "or remove the newer checkpoints")
+    return path
+
+
+def not_exported(folder: Path) -> List[str]:
+    """Patterns of what a checkpoint folder holds beside its HF export (the sharded state, the
+    trainer state, the manifest): what an upload of the export leaves out."""
+    return sorted(f"{p.name}/*" if p.is_dir() else p.name for p in folder.iterdir()
+                  if p.name in _NOT_HF or p.is_dir())
+
+
 def export(checkpoint: str, out_dir: str, max_shard_bytes: int = 5 << 30, overwrite: bool = False) -> Path:
     """Writes the HF folder (config, tokenizer, safetensors) of ``checkpoint`` to ``out_dir``, which
     may not be the run or lie inside it; a folder holding files is refused unless ``overwrite``
@@ -532,16 +582,18 @@ def export(checkpoint: str, out_dir: str, max_shard_bytes: int = 5 << 30, overwr
 
     def fill(tmp: Path) -> None:
         for p in src.iterdir():
-            if p.name not in _NOT_HF and p.is_file() and not _is_weights(p.name):
+            if p.name not in _NOT_HF and p.is_file() and not is_weights(p.name):
                 shutil.copy2(p, tmp / p.name)
         if (src / lora.ADAPTER).is_dir():  # a LoRA actor's adapter, beside the merged weights
             shutil.copytree(src / lora.ADAPTER, tmp / lora.ADAPTER)
+        if not (tmp / model_card.CARD).is_file():  # a checkpoint written without its export
+            model_card.write(tmp, json.loads((src / STATE).read_text()))
         _write_safetensors(src / DCP, tmp, max_shard_bytes)
         _fsync_tree(tmp)
 
-    return output_folder.write_folder(out, run, fill, overwrite=overwrite, what="the export", stale=_is_weights)
+    return output_folder.write_folder(out, run, fill, overwrite=overwrite, what="the export", stale=is_weights)
 
 
-def _is_weights(name: str) -> bool:
+def is_weights(name: str) -> bool:
     """An HF export's weight files (an older export's shards are stale beside new ones)."""
     return (name.startswith("model") and name.endswith(".safetensors")) or name == "model.safetensors.index.json"

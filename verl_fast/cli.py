@@ -23,10 +23,14 @@ def _train(args: argparse.Namespace) -> int:
     # the default run's 11 s start-up on 2 cores. It is off until the trainer is built; run() then
     # freezes what exists (never swept again) and turns it back on.
     gc.disable()
-    try:
-        from verl_fast.train_cli import run
+    from verl_fast.hub import NameNotFound
+    from verl_fast.train_cli import ConfigError, run
 
+    try:
         return run(args)
+    except (ConfigError, NameNotFound) as e:  # one line, no traceback (argparse's usage errors exit 2 too)
+        print(f"verl-fast train: config error: {e}", file=sys.stderr)
+        return 2
     finally:
         gc.enable()
 

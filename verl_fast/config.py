@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,7 +128,8 @@ class ScheduleConfig:
 
 @dataclass
 class ActorConfig(ModelLayoutConfig, ScheduleConfig):
-    model_name: Optional[str] = _f(None, doc="HF folder or the demo name 'smollm2-135m-instruct'")
+    model_name: Optional[str] = _f(None, doc="Hub name (org/name, from the HF cache or the Hub), local HF "
+                                   "folder, or the demo name 'smollm2-135m-instruct'")
     type: str = _f("hf", choices=("hf", "hf_transformers", "vllm"), doc="older spelling: vllm sets rollout.type")
     dtype: str = _f("float32", choices=DTYPES)
     autocast: str = _f("none", choices=("none", "bfloat16", "float16"), doc="autocast for forward passes")
@@ -184,7 +186,7 @@ class ActorConfig(ModelLayoutConfig, ScheduleConfig):
 
 @dataclass
 class CriticConfig(ModelLayoutConfig, ScheduleConfig):
-    model_name: Optional[str] = _f(None, doc="HF folder of the critic's base model (PPO)")
+    model_name: Optional[str] = _f(None, doc="Hub name or local HF folder of the critic's base model (PPO)")
     type: str = _f("hf_transformers", choices=("hf", "hf_transformers"))
     dtype: str = _f("float32", choices=DTYPES)
     lr: float = _f(1e-5, min=0.0, doc="peak rate (lr_scheduler shapes it over the run)")
@@ -250,7 +252,8 @@ class RolloutConfig:
 class RewardConfig:
     type: str = _f("reasoning_gym", choices=REWARDS)
     path: Optional[str] = _f(None, doc="'module:function' for type callable")
-    model_name: Optional[str] = _f(None, doc="sequence-classification model for type reward_model")
+    model_name: Optional[str] = _f(None, doc="sequence-classification model (Hub name or local folder) for "
+                                   "type reward_model")
     reference_free: bool = _f(False, doc="dpo / online_dpo: DPO without a reference model")
     trust_remote_code: bool = _f(False, doc="reward model: let transformers run the model folder's own code")
     attn_implementation: Optional[str] = _f(None, choices=ATTN_IMPLEMENTATIONS,
@@ -306,12 +309,14 @@ class TrainerConfig:
     device: str = _f("auto", choices=("auto", "cpu", "cuda"))
     output_dir: str = _f("runs/verl_fast")
     save_freq: int = _f(0, min=0, doc="checkpoint every N steps (0: only at the end)")
-    resume: bool = _f(True, doc="continue from the latest complete checkpoint in output_dir")
+    resume: bool = _f(True, doc="continue from the latest complete checkpoint in output_dir (trainer.resume_from, "
+                      "when set, names the checkpoint instead)")
     overwrite: bool = _f(False, doc="clear an older run's checkpoints and metrics from output_dir at start "
                                                 "(at every start: unset it to resume later)")
     hf_export: str = _f("final", choices=("final", "every", "none"),
                         doc="HF safetensors beside which checkpoints (the sharded state is always written)")
-    dataset: Optional[str] = _f(None, doc="parquet/jsonl path, HF dataset name, or reasoning_gym:<task>")
+    dataset: Optional[str] = _f(None, doc="parquet/jsonl/json path, datasets folder, Hub dataset name "
+                                "(org/name or org/name:split, through datasets.load_dataset), or reasoning_gym:<task>")
     dataset_kwargs: Dict[str, Any] = _f(dict)
     val_dataset: Optional[str] = _f(None, doc="validation prompts, in the formats of trainer.dataset (null: no "
                                     "validation)")
@@ -336,7 +341,17 @@ class TrainerConfig:
     metrics_host: str = _f("127.0.0.1", doc="address the metrics endpoint binds (0.0.0.0: every interface)")
     loggers: List[str] = _f(lambda: ["console", "jsonl"], choices=LOGGERS,
                             doc="where step metrics go (tensorboard and wandb need their packages)")
-    plot: bool = _f(True, doc="reward-curve PNG at the end")
+    plot: bool = _f(True, doc="reward-curve PNG at the end (needs matplotlib: the plot extra)")
+    wandb_project: str = _f("verl_fast", doc="the wandb project of the run (loggers: [wandb])")
+    run_name: Optional[str] = _f(None, doc="the run's name in wandb and in the model card (None: output_dir's "
+                                 "folder name)")
+    save_total_limit: Optional[int] = _f(None, min=1, doc="complete checkpoints kept in output_dir, the "
+                                         "newest (older ones removed after each save; None: all)")
+    resume_from: Optional[str] = _f(None, doc="a checkpoint folder (checkpoints/step_N, of this run or another) "
+                                    "to start from instead of output_dir's newest")
+    hub_model_id: Optional[str] = _f(None, doc="Hub repository (org/name) the final HF export is uploaded to "
+                                     "(huggingface_hub; the token from HF_TOKEN or huggingface-cli login)")
+    hub_private: bool = _f(True, doc="create hub_model_id as a private repository when it does not exist")
     # older spellings of actor settings (copied to the actor section)
     per_device_train_batch_size: Optional[int] = _f(None, min=1, doc="alias: actor.micro_batch_size")
     gradient_accumulation_steps: Optional[int] = _f(None, min=1)
@@ -491,18 +506,33 @@ def load(path: Union[str, Path], overrides: Optional[List[str]] = None) -> Confi
 
 
 def apply_overrides(data: Dict[str, Any], overrides: List[str]) -> Dict[str, Any]:
+    """``section.key=value`` items applied to a copy of ``data``; the dotted key may go any depth
+    into mapping values (``trainer.dataset_kwargs.size=10``). Values are parsed as YAML; an empty
+    value is null."""
+    import copy
+
     import yaml
 
-    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    data = copy.deepcopy(data)
     for item in overrides:
-        if "=" not in item or "." not in item.split("=", 1)[0]:
-            raise ValueError(f"override {item!r} must look like section.key=value")
-        dotted, raw = item.split("=", 1)
-        section, key = dotted.split(".", 1)
-        data.setdefault(section, {})
-        if not isinstance(data[section], dict):
-            raise ValueError(f"{section} must be a mapping of keys")
-        data[section][key] = yaml.safe_load(raw) if raw != "" else None
+        dotted, sep, raw = item.partition("=")
+        parts = dotted.strip().split(".")
+        if not sep or len(parts) < 2 or not all(parts):
+            raise ValueError(f"override {item!r} must look like section.key=value (e.g. actor.lr=1e-5)")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError as e:
+            raise ValueError(f"override {item!r}: the value is not valid YAML ({' '.join(str(e).split())})") from None
+        node = data
+        for depth, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if child is None:  # an empty YAML section (``trainer:``) or a null mapping value
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                where = ".".join(parts[: depth + 1])
+                raise ValueError(f"override {item!r}: {where} is {child!r}, not a mapping of keys")
+            node = child
+        node[parts[-1]] = value
     return data
 
 
@@ -555,6 +585,20 @@ def validate(cfg: Config) -> None:
         section = getattr(cfg, name)
         if section.warmup_steps is not None and section.warmup_ratio > 0:
             raise ValueError(f"{name}.warmup_steps and {name}.warmup_ratio are both set; use one of them")
+    hub_id = cfg.trainer.hub_model_id
+    if hub_id is not None and not re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", hub_id):
+        raise ValueError(f"trainer.hub_model_id must be a Hub repository name (name or org/name), got {hub_id!r}")
+    if hub_id is not None and cfg.trainer.hf_export == "none":
+        raise ValueError("trainer.hub_model_id uploads the final HF export, which trainer.hf_export=none leaves "
+                         "out; set trainer.hf_export to final or every")
+    start = cfg.trainer.resume_from
+    if start is not None and not start.strip():
+        raise ValueError("trainer.resume_from must name a checkpoint folder (checkpoints/step_N), got ''")
+    if start and cfg.trainer.overwrite:
+        inside, run = Path(start).resolve(), Path(cfg.trainer.output_dir).resolve()
+        if inside == run or run in inside.parents:
+            raise ValueError(f"trainer.resume_from={start} lies in trainer.output_dir, which trainer.overwrite=true "
+                             "clears at start; unset overwrite, or resume into another output_dir")
     if cfg.actor.clip_ratio_c <= 1.0:
         raise ValueError(f"actor.clip_ratio_c must be > 1 (dual clip), got {cfg.actor.clip_ratio_c}")
     if cfg.algorithm.overlong_buffer > cfg.rollout.max_new_tokens:

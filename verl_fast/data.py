@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
-from verl_fast import config
+from verl_fast import config, hub
 
 
 @dataclass
@@ -91,6 +91,29 @@ def _read_jsonl(path: Path) -> List[Dict[str, Any]]:
     return rows
 
 
+def hub_rows(name: str, split: str = "train", **kwargs: Any) -> List[Dict[str, Any]]:
+    """The rows of split ``split`` of the Hub dataset ``name`` through ``datasets.load_dataset``
+    (its own cache first; ``kwargs``: ``name`` of the configuration, ``data_dir``, ...). When the Hub
+    is not reachable (or ``HF_HUB_OFFLINE`` is set), the dataset's files in the HF hub cache
+    (``datasets--org--name/snapshots/<rev>/``, as an earlier download left them) are loaded by
+    ``datasets`` from that folder; found nowhere: ``hub.NameNotFound``."""
+    import datasets
+
+    try:
+        data = datasets.load_dataset(name, split=split, **kwargs)
+    except ConnectionError as unreachable:  # offline or no network: the hub cache's copy, if any
+        from huggingface_hub import snapshot_download
+
+        try:
+            folder = snapshot_download(name, repo_type="dataset", local_files_only=True)
+        except FileNotFoundError:  # LocalEntryNotFoundError: no snapshot of it in the cache
+            raise hub.not_found("trainer.dataset", name, unreachable) from None
+        data = datasets.load_dataset(folder, split=split, **kwargs)
+    except datasets.exceptions.DatasetNotFoundError as e:
+        raise hub.not_found("trainer.dataset", name, e) from None
+    return [{k: _to_plain(v) for k, v in r.items()} for r in data]
+
+
 OVERLONG_PROMPTS = ("skip", "error", "truncate_left")
 config.OVERLONG_PROMPTS.register(*OVERLONG_PROMPTS)
 
@@ -126,15 +149,18 @@ class RLDataProcessor:
     # ------------------------------------------------------------------ loading
 
     def load(self, source: Any, **kwargs: Any) -> List[Dict[str, Any]]:
-        """verl-format rows from a parquet / JSONL / JSON file, a folder saved by ``datasets``, a
+        """verl-format rows from a parquet / JSONL / JSON file, a folder saved by ``datasets``, a Hub
+        dataset name (``org/name``; kwargs go to ``datasets.load_dataset``: ``name``, ``split``, ...), a
         ``datasets.Dataset``, ``"reasoning_gym:<task>"`` (kwargs go to ``create_dataset``), or a list."""
         if isinstance(source, str) and source.startswith("reasoning_gym:"):
             return self.reasoning_gym_rows(source.split(":", 1)[1], **kwargs)
         if isinstance(source, (str, Path)):
             path = Path(source)
+            if not path.exists() and hub.is_repo_id(str(source)):
+                return hub_rows(str(source), **kwargs)
             if not path.exists():
                 raise FileNotFoundError(f"dataset {source} not found (parquet, jsonl, json, a datasets folder, "
-                                        "or reasoning_gym:<task>)")
+                                        "a Hub dataset name, or reasoning_gym:<task>)")
             if path.is_dir():
                 import datasets
 
@@ -237,7 +263,8 @@ class RLDataProcessor:
     def build_dpo_dataset(self, dataset: Any) -> List[PreferencePair]:
         """Preference pairs from rows with ``prompt``/``chosen``/``rejected`` or with two scored
         answers (``question``, ``answer_1``, ``answer_2``, ``score_1``, ``score_2``, as in
-        webgpt_comparisons; ties are dropped). Prompts get the chat template; responses end in EOS."""
+        webgpt_comparisons; ties are dropped). Prompts get the chat template; responses may be strings
+        or chat messages (TRL's conversational format, see ``response_text``) and end in EOS."""
         rows = self.load(dataset) if not isinstance(dataset, list) else dataset
         pairs = []
         for row in rows:
@@ -253,17 +280,44 @@ class RLDataProcessor:
                 raise ValueError("a preference row needs prompt/chosen/rejected or question/answer_1/answer_2/"
                                  f"score_1/score_2, got keys {sorted(row)}")
             text = self.template(prompt)
-            eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
-
-            def response_ids(r: str) -> List[int]:
-                ids = self.tokenizer(r, add_special_tokens=False)["input_ids"] + eos
-                return ids[: self.max_response_length]
-
+            chosen = self.response_text(prompt, chosen, "chosen")
+            rejected = self.response_text(prompt, rejected, "rejected")
             fitted = self._fit(self.tokenizer(text, add_special_tokens=False)["input_ids"], text)
             if fitted is None:
                 self.skipped_overlong += 1
                 continue
             prompt_ids, text = fitted
             pairs.append(PreferencePair(prompt=text, chosen=chosen, rejected=rejected, prompt_ids=prompt_ids,
-                                        chosen_ids=response_ids(chosen), rejected_ids=response_ids(rejected)))
+                                        chosen_ids=self._response_ids(chosen),
+                                        rejected_ids=self._response_ids(rejected)))
         return pairs
+
+    def response_text(self, prompt: Any, response: Any, key: str) -> str:
+        """A response as text: a string as it is; chat messages (TRL's conversational format:
+        ``[{"role": "assistant", "content": ...}]``) through the chat template, as the text the
+        template puts after the prompt's generation prompt (with its end-of-turn tokens)."""
+        if isinstance(response, str):
+            return response
+        if not (isinstance(response, list) and response
+                and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in response)):
+            raise ValueError(f"{key} must be a string or a non-empty list of chat messages "
+                             f"({{'role': ..., 'content': ...}}), got {response!r}")
+        turns = [{"role": m.get("role", "assistant"), "content": m["content"]} for m in response]
+        if not getattr(self.tokenizer, "chat_template", None):
+            return "\n".join(m["content"] for m in turns)
+        head = self.template(prompt)
+        whole = self.tokenizer.apply_chat_template(self.messages(prompt) + turns, tokenize=False)
+        if not whole.startswith(head):
+            raise ValueError(f"{key}: the chat template does not render the prompt with its generation prompt as "
+                             "a prefix of the whole conversation, so the response's tokens cannot be separated; "
+                             "give the responses as strings")
+        return whole[len(head):]
+
+    def _response_ids(self, text: str) -> List[int]:
+        """A response's token ids, ending in EOS (appended unless the text holds it already, as a chat
+        template's end of turn may), cut to max_response_length."""
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        eos = self.tokenizer.eos_token_id
+        if eos is not None and eos not in ids:
+            ids = ids + [eos]
+        return ids[: self.max_response_length]

@@ -52,8 +52,8 @@ def check_loggers(loggers: Sequence[str]) -> None:
     for name in loggers:
         package = LOGGERS.get(name)
         if package and importlib.util.find_spec(package) is None:
-            raise ImportError(f"trainer.loggers has {name}, whose package is not installed: pip install {package} "
-                              f"(or remove {name} from trainer.loggers)")
+            raise ImportError(f"trainer.loggers has {name}, whose package is not installed: pip install "
+                              f"'verl_fast[{package}]' (or remove {name} from trainer.loggers)")
 
 
 class MetricsServer:
@@ -222,11 +222,11 @@ class _TensorBoard:
 
 
 class _WandB:
-    def __init__(self, folder: Path, run_config: Optional[Dict[str, Any]]):
+    def __init__(self, folder: Path, run_config: Optional[Dict[str, Any]], project: str, name: Optional[str]):
         import wandb
 
         self.wandb = wandb
-        self.run = wandb.init(project="verl_fast", name=folder.name, dir=str(folder), config=run_config or {})
+        self.run = wandb.init(project=project, name=name or folder.name, dir=str(folder), config=run_config or {})
 
     def resume(self, history: List[Dict[str, Any]]) -> None:
         pass
@@ -245,7 +245,9 @@ class _WandB:
 class MetricsLogger:
     def __init__(self, output_dir: str, total_steps: int, progress_bar: bool = True,
                  port: Optional[int] = None, enabled: bool = True, host: str = "127.0.0.1",
-                 loggers: Sequence[str] = ("console", "jsonl"), run_config: Optional[Dict[str, Any]] = None):
+                 loggers: Sequence[str] = ("console", "jsonl"), run_config: Optional[Dict[str, Any]] = None,
+                 project: str = "verl_fast", run_name: Optional[str] = None):
+        """``project`` / ``run_name``: the wandb run's (``run_name`` None: output_dir's folder name)."""
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
         self.history: List[Dict[str, Any]] = []
@@ -261,7 +263,7 @@ class MetricsLogger:
         if "tensorboard" in loggers:
             self.sinks.append(_TensorBoard(Path(output_dir) / "tensorboard"))
         if "wandb" in loggers:
-            self.sinks.append(_WandB(Path(output_dir), run_config))
+            self.sinks.append(_WandB(Path(output_dir), run_config, project, run_name))
         self.server = MetricsServer(port, host) if port is not None else None
 
     def resume(self, history: List[Dict[str, Any]]) -> None:

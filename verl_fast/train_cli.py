@@ -12,16 +12,24 @@ from verl_fast import config as config_mod
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML config (default: the embedded GRPO SmolLM2 chain_sum run)")
-    p.add_argument("--dataset_path", help="parquet / jsonl / json / .pt file, a datasets folder, or reasoning_gym:<task>")
+    p.add_argument("--dataset_path", help="parquet / jsonl / json / .pt file, a datasets folder, a Hub dataset "
+                                          "name (org/name), or reasoning_gym:<task>")
     p.add_argument("--metrics_port", type=int, help="serve OpenMetrics (Prometheus) on this port")
     p.add_argument("--output_dir", help="where checkpoints, metrics.jsonl and the reward curve go")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one config value (repeatable), e.g. --set actor.lr=1e-5")
+    p.add_argument("--set", dest="overrides", action="append", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="override config values, any depth (repeatable), e.g. --set actor.lr=1e-5 "
+                        "trainer.dataset_kwargs.size=10")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("assignments", nargs="*", metavar="KEY=VALUE",
+                   help="overrides as bare arguments (verl / Hydra style), e.g. actor.lr=1e-5")
 
 
 def resolve_config(args: argparse.Namespace) -> config_mod.Config:
-    overrides: List[str] = list(args.overrides)
+    overrides: List[str] = [item for group in args.overrides for item in group]
+    for item in args.assignments:
+        if "=" not in item:
+            raise ValueError(f"unexpected argument {item!r}: a bare argument is an override, section.key=value")
+        overrides.append(item)
     if args.dataset_path:
         overrides.append(f"trainer.dataset={args.dataset_path}")
     if args.metrics_port is not None:
@@ -29,6 +37,26 @@ def resolve_config(args: argparse.Namespace) -> config_mod.Config:
     if args.output_dir:
         overrides.append(f"trainer.output_dir={args.output_dir}")
     return config_mod.load(args.config or config_mod.default_config_path(), overrides)
+
+
+class ConfigError(Exception):
+    """A config that cannot run (or cannot be read): the CLI prints its one line and exits 2."""
+
+
+def load_checked(args: argparse.Namespace, packages: bool = True) -> config_mod.Config:
+    """The resolved config, with the optional packages it needs checked (``verl_fast.extras``;
+    ``packages=False``: not them); anything wrong is a ConfigError of one line."""
+    import yaml
+
+    from verl_fast import extras
+
+    try:
+        cfg = resolve_config(args)
+        if packages:
+            extras.check(cfg)
+    except (ValueError, ImportError, OSError, yaml.YAMLError) as e:
+        raise ConfigError(" ".join(str(e).split()) or type(e).__name__) from None
+    return cfg
 
 
 def quiet_libraries() -> None:
@@ -67,8 +95,28 @@ def _distributed(cfg: config_mod.Config):
     return dist
 
 
+def _load_models(cfg: config_mod.Config, device: Any):
+    """The actor, its tokenizer and (PPO) the critic, by name, on ``device``."""
+    from verl_fast.models.loading import attention_kwargs, load_causal_lm
+
+    if cfg.actor.model_name is None:
+        raise ConfigError("actor.model_name is not set")
+    cuda = device is not None and device.type == "cuda"
+    actor, tokenizer = load_causal_lm(cfg.actor.model_name, cfg.actor.dtype,
+                                      **attention_kwargs(cfg.actor, "actor", cuda))
+    actor.to(device)
+    critic = None  # the reference, when KL needs one, is built from the actor's weights
+    if cfg.algorithm.type == "ppo":
+        if not cfg.critic.model_name:
+            raise ConfigError("algorithm.type=ppo needs critic.model_name")
+        critic, _ = load_causal_lm(cfg.critic.model_name, cfg.critic.dtype, "critic.model_name",
+                                   **attention_kwargs(cfg.critic, "critic", cuda))
+        critic.to(device)
+    return actor, tokenizer, critic
+
+
 def run(args: argparse.Namespace) -> int:
-    cfg = resolve_config(args)
+    cfg = load_checked(args, packages=not args.print_config)
     if args.print_config:
         import yaml
 
@@ -86,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     rows = run_dir.precheck(cfg)
     import torch
 
-    from verl_fast.models.loading import attention_kwargs, load_causal_lm, resolve
+    from verl_fast.models.loading import resolve
     from verl_fast.rewards import RewardTimeout
     from verl_fast.trainer.rl_trainer import RLTrainer
 
@@ -94,18 +142,11 @@ def run(args: argparse.Namespace) -> int:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     else:
         device = torch.device("cpu")
-    if cfg.actor.model_name is None:
-        raise SystemExit("actor.model_name is not set")
-    cuda = device is not None and device.type == "cuda"
-    actor_kwargs = attention_kwargs(cfg.actor, "actor", cuda)
-    actor, tokenizer = load_causal_lm(cfg.actor.model_name, cfg.actor.dtype, **actor_kwargs)
-    actor.to(device)
-    critic = None  # the reference, when KL needs one, is built from the actor's weights
-    if cfg.algorithm.type == "ppo":
-        if not cfg.critic.model_name:
-            raise SystemExit("algorithm.type=ppo needs critic.model_name")
-        critic, _ = load_causal_lm(cfg.critic.model_name, cfg.critic.dtype, **attention_kwargs(cfg.critic, "critic", cuda))
-        critic.to(device)
+    try:
+        actor, tokenizer, critic = _load_models(cfg, device)
+    except BaseException:
+        run_dir.release(cfg.trainer)
+        raise
     # the trainer shards the models as actor.strategy / critic.strategy say (FSDP2 under torchrun)
     gc.freeze()  # what exists so far: not swept again by the engine's own collections at start
     trainer = RLTrainer(actor_model=actor, tokenizer=tokenizer, critic_model=critic, config=cfg,

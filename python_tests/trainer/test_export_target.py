@@ -56,7 +56,7 @@ def test_a_folder_holding_files_needs_overwrite_which_replaces_only_the_exports_
         cli_main(["export", str(folder), str(out)])
     assert (out / "model.safetensors").read_text() == "an older export"
     assert cli_main(["export", str(folder), str(out), "--overwrite"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "notes.txt"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "model.safetensors", "notes.txt"]  # + its card
     assert (out / "notes.txt").read_text() == "the user's"
     got = load_file(out / "model.safetensors")
     assert got.keys() == weights.keys() and all(torch.equal(got[k], weights[k]) for k in got)

@@ -72,7 +72,7 @@ def test_precheck_names_the_busy_port_the_bad_folder_and_the_dataset(tmp_path):
         run_dir.precheck(cfg_for(tmp_path, dataset=str(data), output_dir=str(blocker / "run")))
     with pytest.raises(FileNotFoundError, match="missing.parquet not found"):
         run_dir.precheck(cfg_for(tmp_path, dataset=str(tmp_path / "missing.parquet")))
-    with pytest.raises(ImportError, match="pip install wandb"):
+    with pytest.raises(ImportError, match=r"pip install 'verl_fast\[wandb\]'"):
         run_dir.precheck(cfg_for(tmp_path, dataset=str(data), loggers=["jsonl", "wandb"]))
     cfg = cfg_for(tmp_path, dataset=str(data))
     assert run_dir.precheck(cfg) == [{"prompt": "1 + 1?"}]

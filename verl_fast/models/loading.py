@@ -1,25 +1,36 @@
-"""Loading models and tokenizers by name for the CLI (the Python API takes model objects)."""
+"""Loading models and tokenizers by name for the CLI (the Python API takes model objects): a local
+folder, the demo alias, or a Hub name, which transformers finds in the HF cache or fetches
+(``HF_HUB_OFFLINE`` respected); a name found nowhere is one line (``verl_fast.hub.NameNotFound``)."""
 
 from __future__ import annotations
 
 import importlib.util
 import warnings
-from pathlib import Path
 from typing import Any, Dict, Tuple
 
 import torch
+
+from verl_fast import hub
 
 DEMO_ALIASES = ("smollm2-135m-instruct", "SmolLM2-135M-Instruct", "demo")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve(name: str) -> str:
-    """A local folder for ``name``: the demo model's cached folder for its alias, else ``name``."""
+    """A local folder for ``name``: the demo model's cached folder for its alias, a folder as it is,
+    or the HF cache's snapshot of a Hub name (fetched by an earlier ``load_causal_lm``)."""
     if name in DEMO_ALIASES:
         from verl_fast.models.demo import demo_model_path
 
         return str(demo_model_path())
-    return name
+    return hub.model_folder(name)
+
+
+def pretrained(auto_class: Any, name: str, what: str, **kwargs: Any) -> Any:
+    """``auto_class.from_pretrained(name, **kwargs)`` (the demo alias resolved), a name found nowhere
+    raised as NameNotFound naming ``what`` (the config key)."""
+    path = str(resolve(name)) if name in DEMO_ALIASES else name
+    return hub.load_with(lambda n: auto_class.from_pretrained(n, **kwargs), what, path)
 
 
 def attention_kwargs(section: Any, key: str, cuda: bool) -> Dict[str, Any]:
@@ -45,17 +56,14 @@ def attention_kwargs(section: Any, key: str, cuda: bool) -> Dict[str, Any]:
     return kwargs
 
 
-def load_causal_lm(name: str, dtype: str = "float32", **kwargs: Any) -> Tuple[Any, Any]:
-    """Model and tokenizer from a local folder; ``kwargs`` (``attn_implementation``,
-    ``trust_remote_code``) go to ``from_pretrained``."""
+def load_causal_lm(name: str, dtype: str = "float32", what: str = "actor.model_name",
+                   **kwargs: Any) -> Tuple[Any, Any]:
+    """Model and tokenizer by name (see the module docstring); ``what`` names the config key in
+    errors; ``kwargs`` (``attn_implementation``, ``trust_remote_code``) go to ``from_pretrained``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve(name)
-    if not Path(path).exists():
-        raise FileNotFoundError(f"model {name!r}: no such folder (this machine reaches no model hub; "
-                                "give a local Hugging Face folder or 'smollm2-135m-instruct')")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=kwargs.get("trust_remote_code", False))
+    model = pretrained(AutoModelForCausalLM, name, what, dtype=DTYPES[dtype], **kwargs)
+    tokenizer = pretrained(AutoTokenizer, name, what, trust_remote_code=kwargs.get("trust_remote_code", False))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer

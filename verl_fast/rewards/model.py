@@ -30,12 +30,17 @@ class RewardModel(RewardFunction):
 
     @classmethod
     def from_pretrained(cls, path: str, load_kwargs: Optional[dict] = None, **kwargs) -> "RewardModel":
-        """``load_kwargs`` (``attn_implementation``, ``trust_remote_code``) go to transformers."""
+        """``path``: a local folder or a Hub name (HF cache, ``HF_HUB_OFFLINE`` respected);
+        ``load_kwargs`` (``attn_implementation``, ``trust_remote_code``) go to transformers."""
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+        from verl_fast.models.loading import pretrained
+
         load_kwargs = dict(load_kwargs or {})
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **load_kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=load_kwargs.get("trust_remote_code", False))
+        model = pretrained(AutoModelForSequenceClassification, path, "reward_fn.model_name", num_labels=1,
+                           **load_kwargs)
+        tokenizer = pretrained(AutoTokenizer, path, "reward_fn.model_name",
+                               trust_remote_code=load_kwargs.get("trust_remote_code", False))
         return cls(model, tokenizer, **kwargs)
 
     def _text(self, s: RewardInput) -> str:

@@ -25,7 +25,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 
-from verl_fast import checkpoint, distributed
+from verl_fast import checkpoint, distributed, extras, hub
 from verl_fast import config as config_mod
 from verl_fast.algos import dapo
 from verl_fast.algos import registry as algorithms
@@ -156,6 +156,8 @@ class RLTrainer:
         forms; default ``trainer.val_dataset``) as ``trainer.val_freq`` says. Returns the per-step
         metrics (a validation before training, ``trainer.val_before_train``, is the record of step 0)."""
         cfg = self.cfg.trainer
+        if self.is_main:  # the trainer's own optional package (the CLI checks every one a config needs)
+            extras.check(self.cfg, modules=("matplotlib",))
         self.validation = self._validation(val_dataset if val_dataset is not None else cfg.val_dataset)
         rows = self.processor.load(dataset, **dataset_kwargs) if not _is_prepared(dataset) else dataset
         items: Sequence[Any] = rows if _is_prepared(rows) else self.algorithm.encode(self.processor, rows)
@@ -176,7 +178,8 @@ class RLTrainer:
         logger = None
         try:
             logger = MetricsLogger(cfg.output_dir, total, cfg.progress_bar, cfg.metrics_port, enabled=self.is_main,
-                                   host=cfg.metrics_host, loggers=cfg.loggers, run_config=self.cfg.to_dict())
+                                   host=cfg.metrics_host, loggers=cfg.loggers, run_config=self.cfg.to_dict(),
+                                   project=cfg.wandb_project, run_name=cfg.run_name)
             with run_dir.StopSignals() as stop:  # SIGTERM / Ctrl-C: finish the step, checkpoint, return
                 self._stop_event = stop.event
                 self._resume(logger)
@@ -227,6 +230,8 @@ class RLTrainer:
             self.engine.wake_up()
         if self.step > first or checkpoint.latest_valid(cfg.output_dir, warn=lambda m: None) is None:
             self.save(export_hf=cfg.hf_export == "every" or (cfg.hf_export == "final" and self.step >= total))
+        if cfg.hub_model_id and self.step >= total and abandoned is None and not self.stopped:
+            self.push_to_hub()
         if abandoned is not None and self.is_main:
             print(f"step {self.step + 1} stopped in its reward: {abandoned}", flush=True)
         if timeout is not None:
@@ -589,17 +594,38 @@ class RLTrainer:
     def save(self, export_hf: bool = False) -> None:
         """A sharded checkpoint of this step (every rank writes its shards); ``export_hf`` adds the
         HF safetensors folder that transformers and vLLM load (a Megatron run always writes it)."""
+        t = self.cfg.trainer
         state = {"history": self.history, "config": self.cfg.to_dict(), "torch_rng": torch.get_rng_state().tolist()}
-        self.strategy.save(self.cfg.trainer.output_dir, self.step, self.tokenizer, state, export_hf)
+        self.strategy.save(t.output_dir, self.step, self.tokenizer, state, export_hf)
+        if t.save_total_limit:  # the new one is complete (renamed into place): the oldest beyond the limit go
+            distributed.on_main(lambda: checkpoint.prune(t.output_dir, t.save_total_limit))
+
+    def push_to_hub(self) -> None:
+        """Uploads the newest checkpoint's HF export (weights, config, tokenizer, model card; not the
+        sharded state) to ``trainer.hub_model_id`` through huggingface_hub (rank 0)."""
+        t = self.cfg.trainer
+        folder = checkpoint.step_dirs(t.output_dir)[0]
+
+        def push() -> None:
+            if not any(checkpoint.is_weights(p.name) for p in folder.iterdir()):
+                raise checkpoint.CheckpointError(f"trainer.hub_model_id: {folder} holds no HF export to upload (it "
+                                                 f"was written without one); run verl-fast export on it, then upload")
+            url = hub.upload(folder, t.hub_model_id, private=t.hub_private, ignore=checkpoint.not_exported(folder),
+                             message=f"verl_fast: step {self.step}")
+            print(f"uploaded {folder} to {url}", flush=True)
+
+        distributed.on_main(push)
 
     def _resume(self, logger: MetricsLogger) -> None:
         """Restores the newest complete checkpoint (a damaged newer one is named and skipped) and
         rewrites the metrics from its history, so re-run steps are not logged twice."""
-        path = None
-        if self.cfg.trainer.resume:
-            if self.is_main:
-                checkpoint.clean_partial(self.cfg.trainer.output_dir)
-            path = checkpoint.latest_valid(self.cfg.trainer.output_dir)
+        path, t = None, self.cfg.trainer
+        if (t.resume or t.resume_from) and self.is_main:
+            checkpoint.clean_partial(t.output_dir)
+        if t.resume_from:  # named: it wins over output_dir's own (refused when that one is newer)
+            path = checkpoint.resolve_start(t.resume_from, t.output_dir)
+        elif t.resume:
+            path = checkpoint.latest_valid(t.output_dir)
         if path is not None:
             state = self.strategy.load(path)
             self.step = int(state["step"])

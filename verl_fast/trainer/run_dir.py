@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from verl_fast.metrics import check_loggers
-from verl_fast import run_files
+from verl_fast import checkpoint, run_files
 from verl_fast.distributed import any_rank, on_main, rank_world
 
 LOCK = ".lock"
@@ -157,7 +157,8 @@ def check_port(host: str, port: Optional[int]) -> None:
 
 def precheck(cfg: Any) -> List[Dict[str, Any]]:
     """Everything that can fail before the models load, checked first: the output folder (writable,
-    not another run's), the metrics port, and the dataset (whose rows are returned, for ``fit``)."""
+    not another run's), the metrics port, ``trainer.resume_from``, and the dataset (whose rows are
+    returned, for ``fit``)."""
     from verl_fast.data import RLDataProcessor
 
     t = cfg.trainer
@@ -167,6 +168,8 @@ def precheck(cfg: Any) -> List[Dict[str, Any]]:
     try:
         on_main(lambda: check_port(t.metrics_host, t.metrics_port))
         check_loggers(t.loggers)
+        if t.resume_from:  # there and a checkpoint (its files are verified when it loads)
+            checkpoint.resolve_start(t.resume_from, t.output_dir, check_files=False)
         # reading rows needs no tokenizer; the trainer tokenizes them later
         rows = RLDataProcessor(None, t.max_prompt_length).load(t.dataset, **t.dataset_kwargs)
         if not rows:

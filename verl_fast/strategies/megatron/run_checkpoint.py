@@ -15,7 +15,7 @@ from typing import Any, Dict
 
 import torch
 
-from verl_fast import checkpoint, run_files, safe_load
+from verl_fast import checkpoint, model_card, run_files, safe_load
 from verl_fast.distributed import on_main
 from verl_fast.models.wrapping import hf_module
 from verl_fast.strategies.megatron import dist_checkpoint
@@ -48,6 +48,7 @@ def save(output_dir: str, step: int, actor, hf_model: torch.nn.Module, tokenizer
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         (tmp / checkpoint.STATE).write_text(json.dumps({"step": step, **state}, indent=1, default=str))
+        model_card.write(tmp, {"step": step, **state})  # the HF export's card
 
     on_main(prepare)
     try:
