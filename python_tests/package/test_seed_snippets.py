@@ -140,3 +140,55 @@ def test_rollout_quantization_refused_where_the_engine_cannot(tiny_path, tmp_pat
            "trainer": {"output_dir": str(tmp_path), "device": "cpu"}}
     with pytest.raises(ValueError, match="a full-weight actor"):
         RLTrainer(actor_model=model, tokenizer=AutoTokenizer.from_pretrained(tiny_path), config=cfg)
+
+
+def test_schedule_importable_as_a_module():
+    from verl_fast.schedule import rollout_buckets  # the README's import, as written
+
+    import verl_fast
+    import verl_fast.ops.schedule
+
+    assert rollout_buckets is verl_fast.ops.schedule.rollout_buckets
+    assert verl_fast.schedule is verl_fast.ops.schedule
+    waves = rollout_buckets([5, 3, 9, 4], max_new_tokens=8, max_num_seqs=2, max_batch_tokens=64)
+    assert sorted(int(i) for wave in waves for i in wave) == [0, 1, 2, 3]
+
+
+def test_data_processor_takes_the_demo_models_name():
+    from verl_fast.models.demo import demo_model_path
+
+    processor = RLDataProcessor(tokenizer_name="smollm2-135m-instruct")  # seed 002 §3.2, as the CLI takes it
+    local = __import__("transformers").AutoTokenizer.from_pretrained(demo_model_path())
+    text = "What is 12 + 30?"
+    assert processor.tokenizer(text)["input_ids"] == local(text)["input_ids"]
+
+
+def test_sequence_classification_model_as_the_reward(tiny_path, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from verl_fast.rewards import RewardInput, RewardModel
+    from verl_fast.trainer.rl_trainer import RLTrainer
+
+    actor = AutoModelForCausalLM.from_pretrained(tiny_path)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    torch.manual_seed(0)
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_path, num_labels=1)  # seed 000 §2.1: no wrap
+    cfg = {"trainer": {"output_dir": str(tmp_path), "device": "cpu"}}
+    trainer = RLTrainer(actor_model=actor, tokenizer=tokenizer, reward_fn=rm, config=cfg)
+    samples = [RewardInput("What is 1 + 1?", "It is 2."), RewardInput("Say hi", "hi there friend")]
+    expected = RewardModel(rm, AutoTokenizer.from_pretrained(tiny_path))(samples)
+    assert trainer.reward(samples) == expected and expected[0] != expected[1]
+    def in_memory(**overrides):  # a model built from a config in memory: no folder beside it
+        config = AutoConfig.from_pretrained(tiny_path, num_labels=1, **overrides)
+        config._name_or_path = ""
+        return AutoModelForSequenceClassification.from_config(config)
+
+    bare = in_memory()  # the actor's tokenizer serves: its ids fit the embedding
+    assert bare.name_or_path == ""
+    trainer.update_reward_fn(bare)
+    assert trainer.reward(samples) == RewardModel(bare, tokenizer)(samples)
+    with pytest.raises(TypeError, match="not a transformers ...ForSequenceClassification"):
+        trainer.update_reward_fn(actor)  # a causal LM is no reward model
+    small = in_memory(vocab_size=16)
+    with pytest.raises(ValueError, match=r"reward_fn=RewardModel\(model, its_tokenizer\)"):
+        trainer.update_reward_fn(small)

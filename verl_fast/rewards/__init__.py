@@ -16,15 +16,16 @@ from verl_fast.rewards.interface import (
     load_callable,
 )
 from verl_fast.rewards.deadline import RewardStopped, RewardTimeout
-from verl_fast.rewards.model import RewardModel
+from verl_fast.rewards.model import RewardModel, is_sequence_classifier
 from verl_fast.rewards.rule import GSM8KReward, ReasoningGymReward, gsm8k_answer, last_number
 
 
-def build_reward(cfg: Any, override: Optional[Any] = None) -> Optional[RewardFunction]:
-    """The reward for ``cfg`` (a RewardConfig), guarded by ``cfg.on_error`` and ``cfg.timeout_s``; ``override`` (a callable
-    or RewardFunction passed to RLTrainer) wins. pairwise_ranking (DPO) scores nothing: preference
-    pairs carry their ranking."""
-    reward = _unguarded(cfg, override)
+def build_reward(cfg: Any, override: Optional[Any] = None, tokenizer: Optional[Any] = None) -> Optional[RewardFunction]:
+    """The reward for ``cfg`` (a RewardConfig), guarded by ``cfg.on_error`` and ``cfg.timeout_s``; ``override`` (a callable,
+    a RewardFunction or a transformers sequence-classification model passed to RLTrainer) wins; ``tokenizer``
+    (the actor's) serves such a model when none is saved beside it. pairwise_ranking (DPO) scores nothing:
+    preference pairs carry their ranking."""
+    reward = _unguarded(cfg, override, tokenizer)
     return None if reward is None else GuardedReward(reward, cfg.on_error, cfg.timeout_s)
 
 
@@ -47,7 +48,9 @@ REWARDS = {
 }
 
 
-def _unguarded(cfg: Any, override: Optional[Any]) -> Optional[RewardFunction]:
+def _unguarded(cfg: Any, override: Optional[Any], tokenizer: Optional[Any]) -> Optional[RewardFunction]:
+    if is_sequence_classifier(override):
+        return RewardModel.for_model(override, tokenizer)
     if override is not None:
         return as_reward_function(override)
     if cfg.type not in REWARDS:
