@@ -192,3 +192,30 @@ def test_sequence_classification_model_as_the_reward(tiny_path, tmp_path):
     small = in_memory(vocab_size=16)
     with pytest.raises(ValueError, match=r"reward_fn=RewardModel\(model, its_tokenizer\)"):
         trainer.update_reward_fn(small)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_load_megatron_checkpoint_loads_strictly(tmp_path, tied):
+    """Seed 000 §4.1 as written: model.load_state_dict(load_megatron_checkpoint(...)), strict."""
+    from transformers import AutoModelForCausalLM
+
+    from reshard_refs import ref_megatron
+    from tiny_models import tiny_model
+    from verl_fast import load_megatron_checkpoint
+    from verl_fast.ops.reshard.megatron import shard_prefix
+
+    source = tiny_model("qwen2", tie_word_embeddings=tied)
+    cfg = source.config
+    tp, pp = 2, 1
+    for (t, p), state in ref_megatron(source.state_dict(), cfg, tp, pp, 256 * tp * 2).items():
+        d = tmp_path / "iter_0000003" / shard_prefix(t, p, pp)
+        d.mkdir(parents=True)
+        torch.save({"model": state, "checkpoint_version": 3.0, "iteration": 3}, d / "model_optim_rng.pt")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("3")
+    state_dict = load_megatron_checkpoint(checkpoint_path=str(tmp_path), tp_size=tp, pp_size=pp, config=cfg)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.load_state_dict(state_dict)  # strict, as the seed writes it
+    ids = torch.tensor([[3, 17, 42, 5]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, source(ids).logits)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
