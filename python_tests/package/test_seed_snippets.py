@@ -103,6 +103,20 @@ def test_vllm_engine_model_name_argument(tiny_path, monkeypatch):
         assert out.num_sequences == 2 and out.response_mask.sum() > 0
     finally:
         engine.close()
+    import vllm.envs as envs
+
+    # vLLM read its settings earlier with multiprocessing on (and cached them): the message says what to do
+    monkeypatch.setenv(IN_PROCESS, "1")
+    envs.disable_envs_cache()
+    envs.enable_envs_cache()
+    monkeypatch.setenv(IN_PROCESS, "0")
+    try:
+        with pytest.raises(RuntimeError, match=r"vLLM read VLLM_ENABLE_V1_MULTIPROCESSING before it was set to 0.*"
+                                               r"configure_vllm_env\(\) before the first engine, or "
+                                               r"vllm.envs.disable_envs_cache\(\) before this one"):
+            VLLMInferenceEngine(model_name=str(tiny_path))
+    finally:
+        envs.disable_envs_cache()
 
 
 def test_model_loading_options(tiny_path):
