@@ -258,3 +258,24 @@ def test_dpo_example_runs_offline(tmp_path, monkeypatch):
     argv = ["--config", str(folder / "config.yaml"), "--dataset_path", str(data)]
     assert train_cli.run(parser.parse_args(argv + [a for s in sets for a in ("--set", s)])) == 0
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("dpo/loss") == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_megatron_without_cuda_refused_at_start_up(tiny_path, tmp_path):
+    """examples/megatron on a CPU: one line before any process group or model, not megatron-core's
+    traceback (python_tests/megatron trains it on the CPU only with test-only CUDA stand-ins)."""
+    import argparse
+    from pathlib import Path
+
+    from verl_fast import train_cli
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "megatron" / "config.yaml"
+    parser = argparse.ArgumentParser()
+    train_cli.add_arguments(parser)
+    args = parser.parse_args(["--config", str(example), "--set", f"actor.model_name={tiny_path}",
+                              "--set", f"trainer.output_dir={tmp_path / 'run'}"])
+    with pytest.raises(SystemExit) as stop:
+        train_cli.run(args)
+    message = str(stop.value.code)
+    assert message.startswith("error: actor.strategy=megatron needs a CUDA device") and "\n" not in message
+    assert "Torch not compiled with CUDA enabled" in message and not (tmp_path / "run").exists()
