@@ -279,3 +279,35 @@ def test_megatron_without_cuda_refused_at_start_up(tiny_path, tmp_path):
     message = str(stop.value.code)
     assert message.startswith("error: actor.strategy=megatron needs a CUDA device") and "\n" not in message
     assert "Torch not compiled with CUDA enabled" in message and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rollout", ["hf", "vllm"])
+def test_fsdp1_flat_parameters_at_rollout(tmp_path, rollout):
+    """Seed 000 §3: an FSDP1 actor with use_orig_params=False under torchrun (2 processes, gloo), HF and
+    vLLM rollout; 2 GRPO steps, then the rollout engine decodes what the trained actor decodes."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if rollout == "vllm":
+        pytest.importorskip("vllm", reason="vLLM is not installed")
+    if torch.cuda.is_available():
+        pytest.skip("the gloo CPU case; the GPU machine runs FSDP1 in rollout/test_hybrid_engine.py")
+    model_dir = save_tiny_model(tmp_path / "qwen2", family="qwen2", num_kv_heads=2, initializer_range=0.2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = Path(__file__).resolve().parents[1] / "support" / "seed_fsdp1_worker.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           str(worker), str(model_dir), str(tmp_path / "out"), rollout]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert [h["step"] for h in result["history"]] == [1, 2]
+    assert result["engine_type"] == {"hf": "HFGenerateEngine", "vllm": "VLLMInferenceEngine"}[rollout]
+    assert result["trained"] != result["initial"], "training did not change greedy outputs: the test cannot see staleness"
+    assert result["engine_ok"] == "ok", f"engine {result['engine']} vs actor {result['trained']}: {result['engine_ok']}"

@@ -46,9 +46,26 @@ def _full_params(model):
     except ImportError:  # pragma: no cover
         return contextlib.nullcontext()
     if isinstance(model, FSDP):
-        return FSDP.summon_full_params(model, writeback=False, recurse=True)
+        return _summoned(model, FSDP)
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     return _unsharded(modules) if modules else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _summoned(model, fsdp_cls):
+    """FSDP1: the full parameters summoned once, and inside, each FSDP unit's forward runs its wrapped
+    module directly. FSDP1's own forward would all-gather and reshard again at every call; with flat
+    parameters (``use_orig_params=False``) that reshard frees the storage of the summoned views, and
+    the summon's exit then fails ("Expects tensor to be unsharded")."""
+    units = [m for m in model.modules() if isinstance(m, fsdp_cls)]
+    with fsdp_cls.summon_full_params(model, writeback=False, recurse=True):
+        for unit in units:
+            unit.forward = unit.module.forward  # an instance attribute: nn.Module.__call__ finds it first
+        try:
+            yield
+        finally:
+            for unit in units:
+                del unit.forward
 
 
 @contextlib.contextmanager
