@@ -90,6 +90,28 @@ def in_process_mode() -> bool:
     return not envs.VLLM_ENABLE_V1_MULTIPROCESSING
 
 
+def routed_experts_available() -> bool:
+    """Whether this vLLM can return each token's routed experts (``LLM(enable_return_routed_experts=True)``,
+    ``CompletionOutput.routed_experts``: 0.32 has it, 0.26 has not)."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    return any(f.name == "enable_return_routed_experts" for f in dataclasses.fields(EngineArgs))
+
+
+def completion_routed_experts(completion, length: int):
+    """A completion's ``[length, layers, k]`` int16 experts (prompt and response tokens), -1 past what vLLM
+    returned (it routes every token it ran: all but the last sampled one)."""
+    import numpy as np
+    import torch
+
+    got = torch.from_numpy(np.asarray(completion.routed_experts).astype(np.int16))
+    out = torch.full((length,) + tuple(got.shape[1:]), -1, dtype=torch.int16)
+    out[: min(length, got.shape[0])] = got[:length]
+    return out
+
+
 def is_cpu_platform() -> bool:
     from vllm.platforms import current_platform
 

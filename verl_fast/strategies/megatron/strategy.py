@@ -107,6 +107,12 @@ def check(cfg: Config) -> None:
                              "critic.dtype=bfloat16 (bf16 weights, fp32 main weights in the optimizer)")
     if cfg.actor.strategy != "megatron":
         return
+    if cfg.actor.routing_replay or cfg.rollout.record_routing:
+        # megatron-core's TopKRouter takes no given experts, and its token dispatchers sort tokens by
+        # expert before the experts run: a replay would patch both, untested against HF here
+        raise ValueError("actor.routing_replay / rollout.record_routing are not supported with "
+                         "actor.strategy=megatron (megatron-core's router takes no recorded experts); "
+                         "use actor.strategy=fsdp2 / fsdp1 / none for MoE routing replay")
     for key in ("use_dynamic_bsz", "gradient_checkpointing", "cpu_offload"):
         if getattr(cfg.actor, key):
             raise ValueError(f"actor.{key} is not supported with actor.strategy=megatron; use fixed-size "
