@@ -210,3 +210,36 @@ def test_routers_refuse_other_moe_families():
     assert routing.routers(tiny_model("qwen2")) == []
     with pytest.raises(ValueError, match="record_routing needs a mixture-of-experts model"):
         HFGenerateEngine(tiny_model("qwen2"), build_tokenizer(), record_routing=True)
+
+
+@pytest.mark.parametrize("keys", [{"actor": {"routing_replay": True}}, {"rollout": {"record_routing": True}}],
+                         ids=["replay", "measure"])
+def test_trainer_step_with_routing(tokenizer, tmp_path, keys):
+    from verl_fast.trainer.rl_trainer import RLTrainer
+
+    model = moe_model("qwen3_moe", tokenizer)
+    cfg = {"actor": {"lr": 1e-2, "micro_batch_size": 2, "skip_zero_advantage": False, **keys.get("actor", {})},
+           "rollout": {"type": "hf", "n": 2, "max_new_tokens": 4, **keys.get("rollout", {})},
+           "algorithm": {"type": "grpo"},
+           "trainer": {"total_steps": 2, "train_batch_size": 2, "output_dir": str(tmp_path), "device": "cpu",
+                       "progress_bar": False, "plot": False, "save_freq": 0}}
+    trainer = RLTrainer(actor_model=model, tokenizer=tokenizer, config=cfg,
+                        reward_fn=lambda solution_str: float(len(solution_str) % 3))
+    assert trainer.engine.record_routing
+    history = trainer.fit([{"prompt": t} for t in TEXTS[:2]] * 2)
+    assert len(history) == 2
+    for h in history:
+        assert 0.0 <= h["actor/routing_changed_frac"] <= 1.0
+    if "actor" in keys:  # the old log-probs ran the rollout's routing as the update's first forward did
+        assert history[0]["actor/approx_kl"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_routing_replay_config():
+    from verl_fast.config import from_dict
+
+    assert from_dict({"actor": {"routing_replay": True}}).actor.routing_replay
+    with pytest.raises(ValueError, match="actor.routing_replay / rollout.record_routing are not supported with "
+                                         "actor.strategy=megatron"):
+        from_dict({"actor": {"strategy": "megatron", "routing_replay": True}})
+    with pytest.raises(ValueError, match="rollout.record_routing"):
+        from_dict({"rollout": {"record_routing": "yes"}})

@@ -190,7 +190,7 @@ class FSDPStrategy:
                                                 and sub.routed_experts is None)
         loss, stats = loss_fn(logp, entropy, sub)
         if agreement is not None:  # tokens whose experts the training forward would have changed
-            stats = {**stats, "actor/routing_changed_frac": agreement.fraction(sub.attention_mask)}
+            stats = {**stats, "routing_changed_frac": agreement.fraction(sub.attention_mask)}
         loss.backward()
         return stats
 
