@@ -178,11 +178,11 @@ def test_replayed_logprobs_match_a_float64_forced_routing_forward(tokenizer, fam
     (ref_logp * exp.response_mask).sum().backward()
     mask = exp.response_mask.bool()
     worst = (logp.double() - ref_logp).abs()[mask].max()
-    assert worst < 2e-5, float(worst)
+    assert worst < 5e-6, float(worst)  # float32 against float64: measured <= 1e-6
     for name, g in grads.items():
         want = dict(ref.named_parameters())[name].grad
         assert want.abs().max() > 0, name  # the gate learns through the replayed experts' weights
-        torch.testing.assert_close(g.double(), want, atol=5e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(g.double(), want, atol=2e-6, rtol=0, msg=lambda m: f"{name}: {m}")
 
 
 def test_experience_select_and_concat_keep_the_routing_columns(tokenizer):
