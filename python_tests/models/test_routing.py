@@ -277,3 +277,14 @@ def test_vllm_routing_refused_or_recorded(tokenizer, tmp_path):
             assert (routed[:-1] >= 0).all()
     finally:
         engine.close()
+
+
+def test_recording_decodes_through_generate(tokenizer):
+    """The static-cache loop (a replayed CUDA graph on a GPU) runs no hooks: recording takes generate."""
+    model = moe_model("qwen2_moe", tokenizer)
+    engine = HFGenerateEngine(model, tokenizer, fast_decode="on", record_routing=True)
+    ids = [tokenizer(t)["input_ids"] for t in TEXTS]
+    out = engine.generate(ids, SamplingSpec(n=2, max_tokens=4, temperature=0.0))
+    assert engine.last_mode == "generate" and engine._fast_reason(SamplingSpec()) == "record_routing"
+    assert [r.shape[0] for r in out.routed_experts] == [len(ids[int(i)]) + int(m.sum())
+                                                        for i, m in zip(out.prompt_index, out.response_mask)]

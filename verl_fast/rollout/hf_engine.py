@@ -193,6 +193,8 @@ class HFGenerateEngine(RolloutEngine):
             return f"fast_decode={self.fast_decode} on {self.device.type}"
         if self.fast_failed:
             return self.fast_failed
+        if self.record_routing:  # the routers' hooks must run at every step (a replayed CUDA graph runs none)
+            return "record_routing"
         if spec.stop:
             return "stop strings"
         return hf_decode.unsupported(self._module())
@@ -220,8 +222,6 @@ class HFGenerateEngine(RolloutEngine):
             with _full_params(self.model), autocast, recording as rec:
                 new, logp, self.last_mode = self._decode_fast(module, ids, mask, spec, eos, copies)
                 if new is None:
-                    if rec is not None:  # a failed fast loop may have left calls behind
-                        rec.calls = [[] for _ in rec.calls]
                     new, logp = self._decode_generate(module, ids, mask, spec, eos, copies)
                     self.last_mode = "generate"
         finally:
