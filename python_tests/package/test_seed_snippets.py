@@ -187,7 +187,7 @@ def test_sequence_classification_model_as_the_reward(tiny_path, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_path)
     torch.manual_seed(0)
     rm = AutoModelForSequenceClassification.from_pretrained(tiny_path, num_labels=1)  # seed 000 §2.1: no wrap
-    cfg = {"trainer": {"output_dir": str(tmp_path), "device": "cpu"}}
+    cfg = {"rollout": {"type": "hf"}, "trainer": {"output_dir": str(tmp_path), "device": "cpu"}}
     trainer = RLTrainer(actor_model=actor, tokenizer=tokenizer, reward_fn=rm, config=cfg)
     samples = [RewardInput("What is 1 + 1?", "It is 2."), RewardInput("Say hi", "hi there friend")]
     expected = RewardModel(rm, AutoTokenizer.from_pretrained(tiny_path))(samples)
