@@ -174,6 +174,9 @@ class ActorConfig(ModelLayoutConfig, ScheduleConfig):
     expert_model_parallel_size: int = _f(1, min=1, doc="strategy megatron: EP size (MoE families)")
     share_prompt_forward: bool = _f(True, doc="log-prob passes run each prompt once for all its samples "
                                               "(same log-probs and gradients, fewer tokens; not with fused_logprobs)")
+    routing_replay: bool = _f(False, doc="MoE (Qwen2-MoE / Qwen3-MoE, HF actor): the old-log-prob and training "
+                                         "forwards route each token to the experts the rollout chose (the gate's "
+                                         "softmax weights on them stay differentiable); sets rollout.record_routing")
     # older spelling: rollout-engine settings written in the actor section (copied to rollout)
     model_path: Optional[str] = _f(None, doc="alias of model_name")
     tensor_parallel_size: Optional[int] = _f(None, min=1)
@@ -239,6 +242,9 @@ class RolloutConfig:
                                  "whose own scheduler batches continuously)")
     max_batch_tokens: Optional[int] = _f(None, min=1, doc="worst-case tokens per wave (default: "
                                          "max_num_seqs * (max_prompt_length + max_new_tokens))")
+    record_routing: bool = _f(False, doc="MoE: the rollout records each token's top-k experts per layer; the "
+                                         "update reports actor/routing_changed_frac, the share of tokens whose "
+                                         "experts its forward would change (replayed with actor.routing_replay)")
     hf_fast_decode: str = _f("auto", choices=("auto", "on", "off"),
                              doc="type hf: static-KV-cache decoding of the whole batch, CUDA graphs on a GPU "
                                  "(auto: on a GPU); off: model.generate")

@@ -130,10 +130,12 @@ class RLDataProcessor:
     def __init__(self, tokenizer_name: Union[str, Any], max_prompt_length: int = 512,
                  max_response_length: int = 512, system_prompt: Optional[str] = None,
                  overlong_prompts: str = "skip"):
-        if isinstance(tokenizer_name, str):
+        if isinstance(tokenizer_name, str):  # a folder, a hub name, or the demo model's name (as the CLI takes it)
             from transformers import AutoTokenizer
 
-            self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
+            from verl_fast.models.loading import resolve
+
+            self.tokenizer = AutoTokenizer.from_pretrained(resolve(tokenizer_name))
         else:
             self.tokenizer = tokenizer_name
         if overlong_prompts not in OVERLONG_PROMPTS:

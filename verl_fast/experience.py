@@ -29,6 +29,7 @@ class Experience:
     returns: Optional[torch.Tensor] = None  # [N, L]
     rollout_logprobs: Optional[torch.Tensor] = None  # [N, L] the rollout engine's, when it returned them
     rollout_is_weights: Optional[torch.Tensor] = None  # [N, L] algorithm.rollout_correction's weights
+    routed_experts: Optional[torch.Tensor] = None  # [N, P + L, layers, k] int16 rollout experts (-1: none)
 
     @property
     def num_sequences(self) -> int:
@@ -53,8 +54,9 @@ class Experience:
         resp_len = int(sub["response_mask"].sum(-1).max().item()) if index.numel() else 0
         resp_len = max(resp_len, 1)
         keep = torch.cat([torch.arange(start, P), torch.arange(P, P + resp_len)]).to(self.input_ids.device)
-        for name in ("input_ids", "attention_mask"):
-            sub[name] = sub[name][:, keep]
+        for name in ("input_ids", "attention_mask", "routed_experts"):  # the token columns
+            if name in sub:
+                sub[name] = sub[name][:, keep]
         for name, value in list(sub.items()):
             if value.dim() == 2 and name not in ("input_ids", "attention_mask"):
                 sub[name] = value[:, :resp_len]
@@ -75,6 +77,9 @@ def concat(parts: Sequence[Experience]) -> Experience:
         if f.name in ("input_ids", "attention_mask"):
             values = [torch.nn.functional.pad(v, (P - (v.shape[1] - e.response_length), L - e.response_length))
                       for v, e in zip(values, parts)]
+        elif f.name == "routed_experts":  # token columns, the layers and k kept
+            values = [torch.nn.functional.pad(v, (0, 0, 0, 0, P - (v.shape[1] - e.response_length),
+                                                  L - e.response_length), value=-1) for v, e in zip(values, parts)]
         elif values[0].dim() == 2:
             values = [torch.nn.functional.pad(v, (0, L - v.shape[1])) for v in values]
         out[f.name] = torch.cat(values)
@@ -99,7 +104,20 @@ def build_experience(prompts: Sequence[PromptRow], gen: GenerationOutput, pad_id
         response_mask=response_mask,
         prompt_index=gen.prompt_index.long(),
         rollout_logprobs=None if gen.logprobs is None else gen.logprobs.float(),
+        routed_experts=None if gen.routed_experts is None else _routed_columns(prompts, gen, P),
     )
+
+
+def _routed_columns(prompts: Sequence[PromptRow], gen: GenerationOutput, P: int) -> torch.Tensor:
+    """The engine's per-sequence experts laid out as ``input_ids`` is: [N, P + L, layers, k], -1 on padding."""
+    first = gen.routed_experts[0]
+    out = torch.full((gen.num_sequences, P + gen.response_ids.shape[1]) + tuple(first.shape[1:]), -1,
+                     dtype=torch.int16)
+    for row, i in enumerate(gen.prompt_index.tolist()):
+        seq = gen.routed_experts[row]
+        start = P - len(prompts[i].prompt_ids)
+        out[row, start : start + seq.shape[0]] = seq.to(torch.int16)
+    return out
 
 
 def last_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

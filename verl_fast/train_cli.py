@@ -126,6 +126,12 @@ def run(args: argparse.Namespace) -> int:
         from verl_fast.rollout import vllm_env
 
         vllm_env.configure_vllm_env()  # the launcher's job, not a constructor's: before vLLM is imported
+    from verl_fast.strategies.megatron.strategy import check_device
+
+    try:
+        check_device(cfg)  # before any process group or model: one line, not a traceback from megatron-core
+    except RuntimeError as e:
+        raise SystemExit(f"error: {e}") from None
     quiet_libraries()
     dist = _distributed(cfg)
     from verl_fast.trainer import run_dir

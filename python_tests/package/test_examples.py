@@ -88,11 +88,14 @@ def test_example_runs_one_step(folder, models, tmp_path):
         assert len(history) == 1 and "reward/mean" in history[0]
         return
     args = ["--config", str(EXAMPLES / folder / "config.yaml")] + overrides(folder, models, out_dir)
-    if folder == "dpo":
+    if folder == "dpo":  # the hub builder's data from a local webgpt file, then the offline builder's
         data = tmp_path / "data" / "rl_dataset.pt"
         load_script(EXAMPLES / "dpo" / "build_dataset.py").main(
             ["--tokenizer", str(models["qwen2"]), "--source", str(webgpt_rows(tmp_path / "webgpt.jsonl")),
              "--out", str(data)])
+        assert len(torch.load(data, weights_only=False)) == 6
+        load_script(EXAMPLES / "dpo" / "build_local_dataset.py").main(
+            ["--tokenizer", str(models["qwen2"]), "--size", "16", "--out", str(data)])
         args += ["--dataset_path", str(data)]
     if folder == "fsdp2":
         with socket.socket() as s:

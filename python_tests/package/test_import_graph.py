@@ -19,7 +19,7 @@ LAYERS = [
     ("foundation", {"verl_fast", "verl_fast._C", "verl_fast.config", "verl_fast.distributed", "verl_fast.safe_load",
                     "verl_fast.run_files", "verl_fast.output_folder", "verl_fast.metrics_http", "verl_fast.extras",
                     "verl_fast.hub"}),
-    ("ops", {"verl_fast.ops", "verl_fast.kernels"}),
+    ("ops", {"verl_fast.ops", "verl_fast.kernels", "verl_fast.schedule"}),
     ("models, data, rewards, rollout, checkpoints, metrics",
      {"verl_fast.models", "verl_fast.data", "verl_fast.experience", "verl_fast.rewards", "verl_fast.rollout",
       "verl_fast.checkpoint", "verl_fast.direct_write", "verl_fast.metrics", "verl_fast.model_card"}),

@@ -17,20 +17,22 @@ from verl_fast.rewards.interface import (
     load_callable,
 )
 from verl_fast.rewards.deadline import RewardStopped, RewardTimeout
-from verl_fast.rewards.model import RewardModel
+from verl_fast.rewards.model import RewardModel, is_sequence_classifier
 from verl_fast.rewards.rule import GSM8KReward, ReasoningGymReward, gsm8k_answer, last_number
 from verl_fast.rewards.weighted import WeightedRewards
 
 
-def build_reward(cfg: Any, override: Optional[Any] = None) -> Optional[WeightedRewards]:
+def build_reward(cfg: Any, override: Optional[Any] = None, tokenizer: Optional[Any] = None
+                 ) -> Optional[WeightedRewards]:
     """The reward for ``cfg`` (a RewardConfig): each of its functions (``config.reward_functions``)
     guarded by its ``on_error`` and ``timeout_s``, weighted. ``override`` (passed to RLTrainer) wins:
-    a callable or RewardFunction, or a list of them, each optionally a mapping ``{"fn": f, "weight":
-    w, "name": n}`` (guarded by ``cfg``'s ``on_error`` and ``timeout_s``). pairwise_ranking (DPO)
-    scores nothing: preference pairs carry their ranking."""
+    a callable, a RewardFunction or a transformers sequence-classification model, or a list of them,
+    each optionally a mapping ``{"fn": f, "weight": w, "name": n}`` (guarded by ``cfg``'s ``on_error``
+    and ``timeout_s``); ``tokenizer`` (the actor's) serves such a model when none is saved beside it.
+    pairwise_ranking (DPO) scores nothing: preference pairs carry their ranking."""
     if override is not None:
         items = override if isinstance(override, (list, tuple)) else [override]
-        parts = [_override_part(item, i, cfg) for i, item in enumerate(items)]
+        parts = [_override_part(item, i, cfg, tokenizer) for i, item in enumerate(items)]
         return WeightedRewards(parts)
     entries = config.reward_functions(cfg)
     if any(e.type == "pairwise_ranking" for e in entries):
@@ -42,7 +44,8 @@ def build_reward(cfg: Any, override: Optional[Any] = None) -> Optional[WeightedR
     return WeightedRewards(parts)
 
 
-def _override_part(item: Any, index: int, cfg: Any) -> Tuple[str, float, GuardedReward]:
+def _override_part(item: Any, index: int, cfg: Any, tokenizer: Optional[Any]
+                   ) -> Tuple[str, float, GuardedReward]:
     spec = dict(item) if isinstance(item, dict) else {"fn": item}
     unknown = sorted(set(spec) - {"fn", "weight", "name"})
     if unknown or "fn" not in spec:
@@ -51,7 +54,8 @@ def _override_part(item: Any, index: int, cfg: Any) -> Tuple[str, float, Guarded
     weight = spec.get("weight", 1.0)
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight != weight:
         raise ValueError(f"reward_fn[{index}].weight must be a number, got {weight!r}")
-    reward = as_reward_function(spec["fn"])
+    fn = spec["fn"]
+    reward = RewardModel.for_model(fn, tokenizer) if is_sequence_classifier(fn) else as_reward_function(fn)
     return (str(spec.get("name") or reward.name), float(weight), GuardedReward(reward, cfg.on_error, cfg.timeout_s))
 
 

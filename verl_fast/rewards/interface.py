@@ -224,6 +224,10 @@ class GuardedReward(RewardFunction):
 def as_reward_function(obj: Any) -> RewardFunction:
     if isinstance(obj, RewardFunction):
         return obj
+    if hasattr(obj, "parameters") and hasattr(obj, "forward"):  # a torch module: calling it is not scoring
+        raise TypeError(f"reward_fn got a {type(obj).__name__}, a model that is not a transformers "
+                        "...ForSequenceClassification one: load the reward model with "
+                        "AutoModelForSequenceClassification (num_labels=1) or wrap it in a RewardFunction")
     if callable(obj):
         return CallableReward(obj)
     raise TypeError(f"reward_fn must be a RewardFunction or a callable, got {type(obj).__name__}")

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+import os
+from typing import Any, List, Optional, Sequence
 
 import torch
 
@@ -43,6 +44,24 @@ class RewardModel(RewardFunction):
                                trust_remote_code=load_kwargs.get("trust_remote_code", False))
         return cls(model, tokenizer, **kwargs)
 
+    @classmethod
+    def for_model(cls, model, fallback_tokenizer: Optional[Any] = None, **kwargs) -> "RewardModel":
+        """A sequence-classification model passed as the reward as it is (seed 000 §2.1: any
+        PreTrainedModel, of any family). Its tokenizer is the one saved beside it (the folder in
+        ``model.name_or_path``), else ``fallback_tokenizer`` (the actor's) when every id of it is a
+        row of the model's embedding; otherwise a ValueError says to wrap it in RewardModel(model, tokenizer)."""
+        folder = getattr(model, "name_or_path", "") or ""
+        if folder and os.path.isdir(folder) and _has_tokenizer(folder):
+            from transformers import AutoTokenizer
+
+            return cls(model, AutoTokenizer.from_pretrained(folder), **kwargs)
+        rows = model.get_input_embeddings().num_embeddings
+        if fallback_tokenizer is not None and len(fallback_tokenizer) <= rows:
+            return cls(model, fallback_tokenizer, **kwargs)
+        raise ValueError(f"reward_fn: the {type(model).__name__} has no tokenizer saved beside it (name_or_path="
+                         f"{folder!r}) and the actor's tokenizer does not fit its {rows}-row embedding: pass "
+                         "reward_fn=RewardModel(model, its_tokenizer)")
+
     def _text(self, s: RewardInput) -> str:
         if getattr(self.tokenizer, "chat_template", None):
             messages = [{"role": "user", "content": s.prompt}, {"role": "assistant", "content": s.response}]
@@ -59,3 +78,19 @@ class RewardModel(RewardFunction):
             logits = self.model(**enc).logits
             scores.extend(logits[:, 0].float().cpu().tolist())
         return scores
+
+
+def _has_tokenizer(folder: str) -> bool:
+    return any(os.path.exists(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def is_sequence_classifier(obj: Any) -> bool:
+    """Whether ``obj`` is a transformers ``...ForSequenceClassification`` model (a score head on a
+    decoder or encoder), which a reward can be built from directly."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+    except ImportError:  # pragma: no cover
+        return False
+    names = set(MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.values())
+    return isinstance(obj, PreTrainedModel) and type(obj).__name__ in names

@@ -69,6 +69,9 @@ class GenerationOutput:
     logprobs: Optional[torch.Tensor]  # [N, L] float32 sampled-token log-probs (0 past the end)
     texts: List[str] = field(default_factory=list)
     finish_reasons: List[str] = field(default_factory=list)  # "stop" (EOS / stop string) or "length"
+    # MoE engines recording routing: per sequence [prompt + response tokens, layers, k] int16 experts
+    # (-1 where the engine computed none: the last sampled token is never fed back)
+    routed_experts: Optional[List[torch.Tensor]] = None
 
     @property
     def num_sequences(self) -> int:
@@ -82,6 +85,7 @@ def pad_completions(
     pad_token_id: int,
     texts: Sequence[str] = (),
     finish_reasons: Sequence[str] = (),
+    routed_experts: Optional[Sequence[torch.Tensor]] = None,
 ) -> GenerationOutput:
     """Right-pads token lists (and their log-probs) into a ``GenerationOutput``."""
     N = len(completions)
@@ -104,6 +108,7 @@ def pad_completions(
         logprobs=lp,
         texts=list(texts),
         finish_reasons=list(finish_reasons),
+        routed_experts=None if routed_experts is None else list(routed_experts),
     )
 
 
@@ -131,8 +136,11 @@ def merge_outputs(parts: Sequence[Tuple[GenerationOutput, Sequence[int]]], pad_t
         texts.append(out.texts[r] if out.texts else "")
         reasons.append(out.finish_reasons[r] if out.finish_reasons else "")
     index = torch.tensor([x[0] for x in rows], dtype=torch.int64)
+    routed = None
+    if all(out.routed_experts is not None for out, _ in parts):
+        routed = [parts[p][0].routed_experts[r] for _, p, r in rows]
     return GenerationOutput(prompt_index=index, response_ids=ids, response_mask=mask, logprobs=lp, texts=texts,
-                            finish_reasons=reasons)
+                            finish_reasons=reasons, routed_experts=routed)
 
 
 class RolloutEngine:

@@ -34,7 +34,8 @@ def rows_of(out: GenerationOutput, start: int, stop: int) -> GenerationOutput:
         prompt_index=index[lo:hi] - start, response_ids=out.response_ids[lo:hi, :width].clone(),
         response_mask=out.response_mask[lo:hi, :width].clone(),
         logprobs=out.logprobs[lo:hi, :width].clone() if out.logprobs is not None else None,
-        texts=out.texts[lo:hi], finish_reasons=out.finish_reasons[lo:hi])
+        texts=out.texts[lo:hi], finish_reasons=out.finish_reasons[lo:hi],
+        routed_experts=out.routed_experts[lo:hi] if out.routed_experts is not None else None)
 
 
 class EngineWrapper(RolloutEngine):

@@ -65,8 +65,10 @@ def build_engine(cfg: Config, actor: torch.nn.Module, tokenizer: Any, model_path
             "HF generate rollout (it runs the actor's own weights); use rollout.type=vllm" if kind == "hf" else
             "a full-weight actor: the engine's quantized weights cannot take the trainer's updates; train a "
             "LoRA (PEFT) actor on the quantized base, whose adapter is what moves, or drop rollout.quantization"))
+    record = cfg.rollout.record_routing or cfg.actor.routing_replay  # the replay needs the rollout's routing
     if kind == "hf":
-        return HFGenerateEngine(actor, tokenizer, autocast_dtype=autocast_dtype, fast_decode=cfg.rollout.hf_fast_decode)
+        return HFGenerateEngine(actor, tokenizer, autocast_dtype=autocast_dtype, fast_decode=cfg.rollout.hf_fast_decode,
+                                record_routing=record)
     from verl_fast.rollout.data_parallel import DataParallelEngine
     from verl_fast.rollout.vllm_engine import VLLMInferenceEngine
 
@@ -103,7 +105,7 @@ def build_engine(cfg: Config, actor: torch.nn.Module, tokenizer: Any, model_path
         seed=r.seed, enable_sleep_mode=None if r.enable_sleep_mode else False,
         sleep_level=resolve_sleep_level(r.sleep_level, peft, engine_weight_bytes(actor, dtype)), enable_lora=peft, enforce_eager=r.enforce_eager,
         **({"max_lora_rank": lora_rank(actor)} if peft else {}),
-        cudagraph_batch=min(r.max_num_seqs, per_engine), **kwargs)
+        cudagraph_batch=min(r.max_num_seqs, per_engine), record_routing=record, **kwargs)
     if placeholder or peft:  # placeholder weights, or the adapter still to push
         engine.sync_from(actor if source is None or peft else source)
     if world > 1:

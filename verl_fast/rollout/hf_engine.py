@@ -10,6 +10,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from verl_fast.distributed import collective_device
+from verl_fast.models import routing
 from verl_fast.models.wrapping import hf_module, is_sharded
 from verl_fast.rollout import hf_decode
 from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec, pad_completions
@@ -46,9 +47,44 @@ def _full_params(model):
     except ImportError:  # pragma: no cover
         return contextlib.nullcontext()
     if isinstance(model, FSDP):
-        return FSDP.summon_full_params(model, writeback=False, recurse=True)
+        return _summoned(model, FSDP)
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     return _unsharded(modules) if modules else contextlib.nullcontext()
+
+
+def _routes(recorded: torch.Tensor, grouped, prompts, width: int, n: int) -> List[List[torch.Tensor]]:
+    """Per prompt and sample, ``[prompt + response tokens, layers, k]`` experts from the decoding rows'
+    ``recorded [rows, width + steps, layers, k]`` (prompts left-padded to ``width``; response token t was
+    fed at step t + 1, so the last one has none: -1)."""
+    out = []
+    for i, samples in enumerate(grouped):
+        per_sample = []
+        for j, (toks, _, _) in enumerate(samples):
+            row = recorded[i * n + j]
+            seq = torch.full((len(prompts[i]) + len(toks),) + tuple(row.shape[1:]), routing.UNRECORDED,
+                             dtype=row.dtype)
+            have = min(row.shape[0], width + len(toks)) - (width - len(prompts[i]))
+            seq[:have] = row[width - len(prompts[i]) : width - len(prompts[i]) + have]
+            per_sample.append(seq)
+        out.append(per_sample)
+    return out
+
+
+@contextlib.contextmanager
+def _summoned(model, fsdp_cls):
+    """FSDP1: the full parameters summoned once, and inside, each FSDP unit's forward runs its wrapped
+    module directly. FSDP1's own forward would all-gather and reshard again at every call; with flat
+    parameters (``use_orig_params=False``) that reshard frees the storage of the summoned views, and
+    the summon's exit then fails ("Expects tensor to be unsharded")."""
+    units = [m for m in model.modules() if isinstance(m, fsdp_cls)]
+    with fsdp_cls.summon_full_params(model, writeback=False, recurse=True):
+        for unit in units:
+            unit.forward = unit.module.forward  # an instance attribute: nn.Module.__call__ finds it first
+        try:
+            yield
+        finally:
+            for unit in units:
+                del unit.forward
 
 
 @contextlib.contextmanager
@@ -83,7 +119,7 @@ class HFGenerateEngine(RolloutEngine):
     owns_weights = False
 
     def __init__(self, model, tokenizer, max_batch_size: int = 64, autocast_dtype: Optional[torch.dtype] = None,
-                 fast_decode: str = "auto"):
+                 fast_decode: str = "auto", record_routing: bool = False):
         if fast_decode not in FAST_DECODE:
             raise ValueError(f"fast_decode must be one of {list(FAST_DECODE)}, got {fast_decode!r}")
         self.model = model
@@ -91,6 +127,11 @@ class HFGenerateEngine(RolloutEngine):
         self.max_batch_size = max_batch_size
         self.autocast_dtype = autocast_dtype
         self.fast_decode = fast_decode
+        # MoE: each sequence's experts per token and layer, from hooks on the routers (models.routing)
+        self.record_routing = record_routing
+        if record_routing and not routing.routers(hf_module(model)):
+            raise ValueError("record_routing needs a mixture-of-experts model (Qwen2-MoE / Qwen3-MoE); this one "
+                             "has no top-k routers")
         self.fast_failed: Optional[str] = None
         self.last_mode: Optional[str] = None  # how the last call decoded: graph, eager or generate
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -122,22 +163,29 @@ class HFGenerateEngine(RolloutEngine):
         for i, spec in enumerate(specs):
             groups.setdefault(replace(spec, seed=None), []).append(i)
         results: Dict[int, List[Tuple[List[int], List[float], str]]] = {}
+        routes: Dict[int, List[torch.Tensor]] = {}
         for spec, members in groups.items():
             # the static-cache loop takes the whole group at once (its batch is the point)
             per_call = len(members) if self._fast_reason(spec) is None else max(1, self.max_batch_size // spec.n)
             for start in range(0, len(members), per_call):
                 chunk = members[start : start + per_call]
-                for i, outs in zip(chunk, self._generate([prompts[i] for i in chunk], spec)):
-                    results[i] = outs
-        completions, logprobs, index, texts, reasons = [], [], [], [], []
+                grouped, routed = self._generate([prompts[i] for i in chunk], spec)
+                for k, i in enumerate(chunk):
+                    results[i] = grouped[k]
+                    if routed is not None:
+                        routes[i] = routed[k]
+        completions, logprobs, index, texts, reasons, routed_all = [], [], [], [], [], []
         for i in range(len(prompts)):
-            for toks, lps, reason in results[i]:
+            for j, (toks, lps, reason) in enumerate(results[i]):
                 completions.append(toks)
                 logprobs.append(lps)
                 index.append(i)
                 reasons.append(reason)
                 texts.append(self.tokenizer.decode(toks, skip_special_tokens=True))
-        return pad_completions(completions, logprobs, index, self.pad_id, texts, reasons)
+                if self.record_routing:
+                    routed_all.append(routes[i][j])
+        return pad_completions(completions, logprobs, index, self.pad_id, texts, reasons,
+                               routed_all if self.record_routing else None)
 
     def _fast_reason(self, spec: SamplingSpec) -> Optional[str]:
         """Why this call goes to ``generate`` rather than the static-cache loop (None: it does not)."""
@@ -145,6 +193,8 @@ class HFGenerateEngine(RolloutEngine):
             return f"fast_decode={self.fast_decode} on {self.device.type}"
         if self.fast_failed:
             return self.fast_failed
+        if self.record_routing:  # the routers' hooks must run at every step (a replayed CUDA graph runs none)
+            return "record_routing"
         if spec.stop:
             return "stop strings"
         return hf_decode.unsupported(self._module())
@@ -167,8 +217,9 @@ class HFGenerateEngine(RolloutEngine):
         module.eval()
         autocast = (torch.autocast(device.type, dtype=self.autocast_dtype) if self.autocast_dtype is not None
                     else contextlib.nullcontext())
+        recording = routing.record(module) if self.record_routing else contextlib.nullcontext()
         try:
-            with _full_params(self.model), autocast:
+            with _full_params(self.model), autocast, recording as rec:
                 new, logp, self.last_mode = self._decode_fast(module, ids, mask, spec, eos, copies)
                 if new is None:
                     new, logp = self._decode_generate(module, ids, mask, spec, eos, copies)
@@ -179,8 +230,12 @@ class HFGenerateEngine(RolloutEngine):
             logp = None
         elif logp is not None:
             logp = logp.repeat_interleave(copies, dim=0)
+        rows = new.shape[0]
         new = new.repeat_interleave(copies, dim=0)
-        return self._split(new, logp, prompts, spec, eos)
+        grouped = self._split(new, logp, prompts, spec, eos)
+        if rec is None:
+            return grouped, None
+        return grouped, _routes(rec.stacked(rows).repeat_interleave(copies, dim=0), grouped, prompts, width, spec.n)
 
     def _decode_fast(self, module, ids, mask, spec: SamplingSpec, eos: List[int], copies: int):
         """(new tokens, log-probs, mode) on the host from hf_decode, or Nones where it does not apply."""

@@ -91,6 +91,49 @@ def in_process_mode() -> bool:
     return not envs.VLLM_ENABLE_V1_MULTIPROCESSING
 
 
+def routed_experts_available() -> bool:
+    """Whether this vLLM can return each token's routed experts (``LLM(enable_return_routed_experts=True)``,
+    ``CompletionOutput.routed_experts``: 0.32 has it, 0.26 has not)."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    return any(f.name == "enable_return_routed_experts" for f in dataclasses.fields(EngineArgs))
+
+
+def check_routed_experts() -> None:
+    """Refuses, naming the version and what is missing, a vLLM that cannot return routed experts: one
+    without ``enable_return_routed_experts``, or one whose Model Runner V2 (the only runner that returns
+    them, vLLM 0.32) cannot run here (it needs Triton; vLLM-CPU builds without it run the V1 runner)
+    or is not switched on (``VLLM_USE_V2_MODEL_RUNNER=1``, read by vLLM at start)."""
+    import importlib.util
+    import os
+
+    where = f"vLLM {version()} cannot return each token's routed experts"
+    if not routed_experts_available():
+        raise ValueError(f"{where} (its LLM has no enable_return_routed_experts; vLLM 0.32 has it): upgrade vLLM "
+                         "or use rollout.type=hf for rollout.record_routing / actor.routing_replay")
+    if importlib.util.find_spec("triton") is None:
+        raise ValueError(f"{where} here: they come from its Model Runner V2, which needs Triton, and this "
+                         f"{'CPU ' if is_cpu_platform() else ''}build has none; use rollout.type=hf for "
+                         "rollout.record_routing / actor.routing_replay")
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "1":
+        raise ValueError(f"{where} without its Model Runner V2: set VLLM_USE_V2_MODEL_RUNNER=1 in the environment "
+                         "before the run starts (or use rollout.type=hf)")
+
+
+def completion_routed_experts(completion, length: int):
+    """A completion's ``[length, layers, k]`` int16 experts (prompt and response tokens), -1 past what vLLM
+    returned (it routes every token it ran: all but the last sampled one)."""
+    import numpy as np
+    import torch
+
+    got = torch.from_numpy(np.asarray(completion.routed_experts).astype(np.int16))
+    out = torch.full((length,) + tuple(got.shape[1:]), -1, dtype=torch.int16)
+    out[: min(length, got.shape[0])] = got[:length]
+    return out
+
+
 def is_cpu_platform() -> bool:
     from vllm.platforms import current_platform
 

@@ -155,6 +155,7 @@ class VLLMInferenceEngine(RolloutEngine):
         cpu_threads: Union[int, str, None] = "auto",
         cudagraph_batch: Optional[int] = None,
         model_name: Optional[str] = None,
+        record_routing: bool = False,
         **engine_kwargs: Any,
     ) -> None:
         if (model_name is None) == (model_name_or_path is None):  # model_name: the name user code often passes
@@ -180,6 +181,10 @@ class VLLMInferenceEngine(RolloutEngine):
                 f"vLLM read {IN_PROCESS} before it was set to 0 (vLLM caches its environment variables once an "
                 "engine has started in this process): call verl_fast.rollout.vllm_env.configure_vllm_env() "
                 "before the first engine, or vllm.envs.disable_envs_cache() before this one")
+        self.record_routing = record_routing  # MoE: each token's experts per layer (GenerationOutput.routed_experts)
+        if record_routing:
+            compat.check_routed_experts()
+            engine_kwargs["enable_return_routed_experts"] = True
         on_cpu = compat.is_cpu_platform()
         if enforce_eager is None:
             enforce_eager = on_cpu
@@ -269,18 +274,22 @@ class VLLMInferenceEngine(RolloutEngine):
             outputs = self.llm.generate([r for r, _ in requests], [p for _, p in requests], use_tqdm=False,
                                         lora_request=self._lora_request)
         want_logprobs = all(p.logprobs is not None for _, p in requests)
-        tokens, logprobs, index, texts, reasons = [], [], [], [], []
+        tokens, logprobs, index, texts, reasons, routed = [], [], [], [], [], []
         for owner, out in zip(owners, outputs):
             self._stats.count(out)
             for completion in out.outputs:
                 tokens.append(list(completion.token_ids))
+                if self.record_routing:
+                    routed.append(compat.completion_routed_experts(
+                        completion, len(out.prompt_token_ids) + len(completion.token_ids)))
                 if want_logprobs:
                     logprobs.append(compat.completion_logprobs(completion))
                 index.append(owner)
                 texts.append(completion.text)
                 reasons.append(completion.finish_reason or "length")
         return pad_completions(tokens, logprobs if want_logprobs else None, index, self.pad_token_id,
-                               texts=texts, finish_reasons=reasons)
+                               texts=texts, finish_reasons=reasons,
+                               routed_experts=routed if self.record_routing else None)
 
     @staticmethod
     def _per_prompt(sampling, count: int) -> List[Any]:

@@ -1,7 +1,8 @@
 """The process environment vLLM needs to run inside the trainer's process; the launcher sets it.
 
 ``configure_vllm_env()`` is called by the ``verl-fast`` CLI (and by scripts and tests) before any
-``VLLMInferenceEngine`` is built; the engine's constructor only checks, it never sets variables.
+``VLLMInferenceEngine`` is built; where nobody has set ``VLLM_ENABLE_V1_MULTIPROCESSING``, the engine's
+constructor calls it itself, and otherwise only checks (its error says what to change).
 
 - ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: vLLM's engine core runs in this process, so weights can be
   handed to it as tensors (with multiprocessing they would have to be serialised to another process).

@@ -27,9 +27,10 @@ import torch.distributed as dist
 from verl_fast import checkpoint, distributed
 from verl_fast.config import Config
 from verl_fast.experience import Experience
+from verl_fast.models import routing
 from verl_fast.models.shared_prefix import experience_logprobs
 from verl_fast.models.value import ValueModel, response_values
-from verl_fast.models.wrapping import is_sharded
+from verl_fast.models.wrapping import hf_module, is_sharded
 from verl_fast.rollout.base import RolloutEngine
 from verl_fast.strategies import sharding
 from verl_fast.strategies.protocol import LossFn
@@ -82,20 +83,31 @@ def reference_model(actor: torch.nn.Module, ref_model: Optional[torch.nn.Module]
 
 
 @torch.no_grad()
+def routed(model: torch.nn.Module, sub: Experience, cfg: Config) -> ContextManager[Optional[routing.Agreement]]:
+    """An actor forward over ``sub`` with the rollout's experts (``actor.routing_replay``), or only compared
+    with them, where the rollout recorded routing (models.routing.follow); else a null context."""
+    if sub.routed_experts is None:
+        return contextlib.nullcontext()
+    return routing.follow(hf_module(model), sub.routed_experts, cfg.actor.routing_replay)
+
+
 def hf_logprobs(model: torch.nn.Module, exp: Experience, micro: List[torch.Tensor], cfg: Config,
-                autocast: Callable[[], ContextManager[Any]], device: torch.device) -> torch.Tensor:
+                autocast: Callable[[], ContextManager[Any]], device: torch.device,
+                replay: bool = False) -> torch.Tensor:
     """[N, L] float32 response log-probs of an HF model (actor or reference), micro-batch by micro-batch,
     at the sampling temperature, as the training forward computes them (else the PPO ratio of an
-    unchanged actor is not 1 when ``rollout.temperature`` is not 1)."""
+    unchanged actor is not 1 when ``rollout.temperature`` is not 1); ``replay``: the actor, whose
+    routers follow the rollout's routing where it was recorded."""
     out = torch.zeros(exp.response_mask.shape, dtype=torch.float32, device=device)
     with sharding.gathered_for_passes(model, len(micro)):
         for idx in micro:
             sub = exp.select(idx)
-            with autocast():
+            with autocast(), (routed(model, sub, cfg) if replay else contextlib.nullcontext()):
+                # recorded routing maps one-to-one onto the plain forward's tokens: no shared prompt pass
                 logp, _ = experience_logprobs(model, sub.input_ids, sub.attention_mask, sub.response_length,
                                               sub.prompt_index, temperature=cfg.rollout.temperature or 1.0,
                                               fused=FUSED[cfg.actor.fused_logprobs],
-                                              share=cfg.actor.share_prompt_forward)
+                                              share=cfg.actor.share_prompt_forward and sub.routed_experts is None)
             out[idx, : sub.response_length] = logp.float()
     return out
 
@@ -163,7 +175,7 @@ class FSDPStrategy:
     # ---- forward passes and updates
 
     def actor_logprobs(self, exp: Experience, micro: List[torch.Tensor]) -> torch.Tensor:
-        return hf_logprobs(self.actor, exp, micro, self.cfg, self.autocast, self.device)
+        return hf_logprobs(self.actor, exp, micro, self.cfg, self.autocast, self.device, replay=True)
 
     def ref_logprobs(self, exp: Experience, micro: List[torch.Tensor]) -> torch.Tensor:
         return hf_logprobs(self.ref, exp, micro, self.cfg, self.autocast, self.device)
@@ -173,12 +185,15 @@ class FSDPStrategy:
         return stats, self.optimizer_step()
 
     def _actor_micro_step(self, sub: Experience, loss_fn: LossFn) -> Dict[str, float]:
-        with self.autocast():
+        with self.autocast(), routed(self.actor, sub, self.cfg) as agreement:
             logp, entropy = experience_logprobs(self.actor, sub.input_ids, sub.attention_mask, sub.response_length,
                                                 sub.prompt_index, temperature=self.cfg.rollout.temperature or 1.0,
                                                 with_entropy=True, fused=FUSED[self.cfg.actor.fused_logprobs],
-                                                share=self.cfg.actor.share_prompt_forward)
+                                                share=self.cfg.actor.share_prompt_forward
+                                                and sub.routed_experts is None)
         loss, stats = loss_fn(logp, entropy, sub)
+        if agreement is not None:  # tokens whose experts the training forward would have changed
+            stats = {**stats, "routing_changed_frac": agreement.fraction(sub.attention_mask)}
         loss.backward()
         return stats
 

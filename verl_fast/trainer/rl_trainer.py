@@ -67,8 +67,9 @@ class RLTrainer:
         (FSDP2 under torchrun). ``ref_model`` / ``critic_model`` may be of other families; without a
         ``ref_model`` a frozen copy of the actor, laid out as the actor is, is the reference when KL
         is used. ``reward_fn``: a callable with verl's ``compute_score`` signature or TRL's
-        ``f(prompts, completions, **kwargs)``, a RewardFunction, or a list of them (each may be
-        ``{"fn": f, "weight": w, "name": n}``; the weighted sum is the reward) (else the config's).
+        ``f(prompts, completions, **kwargs)``, a RewardFunction, a transformers sequence-classification
+        model, or a list of them (each may be ``{"fn": f, "weight": w, "name": n}``; the weighted sum is
+        the reward) (else the config's).
         ``generation_config``: default sampling (SamplingSpec fields or HF names). ``model_path``:
         the actor's folder, which a vLLM engine loads (else the actor is saved to a temporary one)."""
         self.cfg = config_mod.checked(config) if isinstance(config, Config) else config_mod.from_dict(config or {})
@@ -92,7 +93,7 @@ class RLTrainer:
         self.algorithm.configure(self.world)
         self._step = {Step.POLICY_GRADIENT: self._policy_gradient_step,
                       Step.PREFERENCE: self._preference_step}[self.algorithm.step]
-        self.reward = build_reward(cfg.reward_fn, reward_fn)
+        self.reward = build_reward(cfg.reward_fn, reward_fn, tokenizer)
         self.processor = RLDataProcessor(tokenizer, cfg.trainer.max_prompt_length, cfg.rollout.max_new_tokens,
                                          system_prompt=cfg.trainer.system_prompt,
                                          overlong_prompts=cfg.trainer.overlong_prompts)
@@ -146,7 +147,7 @@ class RLTrainer:
 
     def update_reward_fn(self, reward_fn: Any) -> None:
         """Swaps the reward without a restart; the next step scores with it."""
-        self.reward = build_reward(self.cfg.reward_fn, reward_fn)
+        self.reward = build_reward(self.cfg.reward_fn, reward_fn, self.tokenizer)
 
     # ------------------------------------------------------------------ the loop
 

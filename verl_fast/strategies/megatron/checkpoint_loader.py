@@ -182,7 +182,12 @@ def _with_dtypes(layout, tensors: Mapping[str, torch.Tensor]):
 def _to_hf(src_layout, sources: Mapping[str, torch.Tensor], spec: ModelSpec, dtype, names: str):
     dtype = dtype or next(iter(sources.values())).dtype
     plan = ReshardPlan(src_layout, hf_layout(spec, names=names, dtype=dtype))
-    return plan.execute(sources, device="cpu")
+    out = plan.execute(sources, device="cpu")
+    if names == "module" and spec.tie_word_embeddings:
+        # a module's state dict lists the tied head as a key of its own (the same tensor), so that
+        # model.load_state_dict(...) loads strictly; HF checkpoint files (names="checkpoint") omit it
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
 
 
 def _load_legacy(path: str, tp, pp, config, dtype, names: str) -> "OrderedDict[str, torch.Tensor]":
@@ -253,7 +258,9 @@ def load_megatron_checkpoint(checkpoint_path: str, tp_size: Optional[int] = None
     ``tp_size`` / ``pp_size`` are checked against the legacy shard directories (inferred when
     omitted; ``torch_dist`` holds global tensors, so they are not needed). ``config`` (an HF config
     or a ModelSpec) gives the architecture; without it Megatron-LM's saved ``args`` are used.
-    ``names="checkpoint"`` gives MoE experts one tensor each, as HF checkpoint files name them.
+    ``names="module"`` gives the model's own state-dict keys (a tied ``lm_head.weight`` included, the
+    embedding's tensor), so ``model.load_state_dict(load_megatron_checkpoint(...))`` loads strictly;
+    ``names="checkpoint"`` gives MoE experts one tensor each and no tied head, as HF checkpoint files name them.
     The files are loaded as data only: ``torch.load(weights_only=True)`` with an allowlist
     (argparse.Namespace, numpy RNG arrays, io.BytesIO, megatron-core's enums as inert stand-ins);
     a pickle holding anything else (code to run) is refused with a ValueError naming the file.

@@ -39,6 +39,7 @@ class MegatronStrategy:
                  critic: Optional[torch.nn.Module], needs_reference: bool):
         from verl_fast.strategies.megatron.actor import MegatronActor
 
+        check_device(cfg)
         self.cfg = cfg
         plain = Sharding("none")  # a Megatron copy trains; the plain HF actor rolls out
         self.device = sharding.compute_device(plain, cfg.trainer.device, actor)
@@ -109,6 +110,12 @@ def check(cfg: Config) -> None:
     if cfg.actor.lora is not None:
         raise ValueError("actor.lora is not supported with actor.strategy=megatron (the Megatron copy trains every "
                          "weight); use actor.strategy=auto")
+    if cfg.actor.routing_replay or cfg.rollout.record_routing:
+        # megatron-core's TopKRouter takes no given experts, and its token dispatchers sort tokens by
+        # expert before the experts run: a replay would patch both, untested against HF here
+        raise ValueError("actor.routing_replay / rollout.record_routing are not supported with "
+                         "actor.strategy=megatron (megatron-core's router takes no recorded experts); "
+                         "use actor.strategy=fsdp2 / fsdp1 / none for MoE routing replay")
     for key in ("use_dynamic_bsz", "gradient_checkpointing", "cpu_offload"):
         if getattr(cfg.actor, key):
             raise ValueError(f"actor.{key} is not supported with actor.strategy=megatron; use fixed-size "
@@ -118,3 +125,18 @@ def check(cfg: Config) -> None:
                          "use actor.dtype=bfloat16 (bf16 weights, fp32 main weights in the optimizer)")
     if cfg.actor.virtual_pipeline_model_parallel_size and cfg.actor.pipeline_model_parallel_size < 2:
         raise ValueError("actor.virtual_pipeline_model_parallel_size needs actor.pipeline_model_parallel_size >= 2")
+
+
+def check_device(cfg: Config) -> None:
+    """Refuses, in one line, a Megatron-trained actor or critic where megatron-core cannot train: its
+    DDP, distributed optimizer and pipeline schedules ask ``torch.cuda`` for the current device, so the
+    probe asks the same question megatron-core will (a torch without CUDA, or no visible GPU, fails it)."""
+    users = [key for key in ("actor", "critic") if getattr(cfg, key).strategy == "megatron"]
+    if not users:
+        return
+    try:
+        torch.cuda.current_device()
+    except (AssertionError, RuntimeError) as e:
+        raise RuntimeError(f"{users[0]}.strategy=megatron needs a CUDA device (megatron-core trains through "
+                           f"torch.cuda) and this machine has none ({str(e).strip().splitlines()[0]}): run it on a "
+                           "GPU machine, or use actor.strategy=fsdp2 / none on the CPU") from None
