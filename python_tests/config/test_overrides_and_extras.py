@@ -79,8 +79,10 @@ def test_config_error_of_the_program_has_no_traceback(tmp_path):
     """The installed command's path (``python -m verl_fast``): exit status 2, one line on stderr."""
     bad = tmp_path / "c.yaml"
     bad.write_text("actor: {lr: [1, 2]}\n")
+    # from tmp_path: "-m" puts the working folder first on the path, and the project's root holds the
+    # unbuilt source tree, not the installed package
     run = subprocess.run([sys.executable, "-m", "verl_fast", "train", "--config", str(bad)], capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                         text=True, timeout=120, cwd=tmp_path, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert run.returncode == 2, run.stderr
     assert "Traceback" not in run.stderr and run.stderr.strip().splitlines() == [
         "verl-fast train: config error: actor.lr must be a number, got [1, 2]"]
