@@ -6,10 +6,11 @@ routes every token to its recorded experts (its own top-k where nothing was reco
 weights megatron-core's softmax gives them (differentiable: the gate still learns), and compares its
 own top-k set with the recorded one. Token order: the schedule's rows are the experience's rows
 rotated past their left padding and cut to the forward's width (``training.rotate_to_start``), the
-router sees them sequence-first, ``[s, b]`` flattened (tensor parallelism without sequence
-parallelism gives every TP rank every token; the all-gather dispatcher routes each rank's own tokens
-before sending them to their experts, so expert parallelism changes nothing here). A router's
-recorded layer is its global layer number: every layer is sparse (``gpt_model.model_spec``).
+router sees them sequence-first, ``[s, b]`` flattened, every token of the rows (no sequence
+parallelism: the strategy sets none; a router given fewer tokens raises). The all-gather dispatcher
+routes each rank's own tokens before sending them to their experts, so expert parallelism changes
+nothing here. A router's recorded layer is its global layer number: every layer is sparse
+(``gpt_model.model_spec``).
 """
 
 from __future__ import annotations
