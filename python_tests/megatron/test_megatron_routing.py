@@ -13,7 +13,6 @@ pytest.importorskip("megatron.core")
 import torch.multiprocessing as mp  # noqa: E402
 
 import megatron_routing_worker as W  # noqa: E402
-import megatron_trainer_worker as T  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -24,29 +23,40 @@ def free_port():
         return s.getsockname()[1]
 
 
-def own_changed_fraction(family):
-    """Recorded tokens of the first batch whose own experts (HF model, first step's weights, positions
-    from the attention mask) differ as a set from the recorded ones in any layer, over recorded tokens."""
-    exp = W.recorded_experiences(family)[0]
-    own = W.own_routing(T.actor_model(family), exp).sort(-1).values
+def own_changed_fractions(family, layers):
+    """Per half of the first batch (``W.HALVES``): its recorded tokens whose own experts (HF model, first
+    step's weights, positions from the attention mask) differ as a set from the recorded ones in any
+    layer, over its recorded tokens."""
+    exp = W.recorded_experiences(family, layers)[0]
+    own = W.own_routing(W.actor_model(family, layers), exp).sort(-1).values
     given = exp.routed_experts.long()
     recorded = (given >= 0).all(-1).all(-1) & exp.attention_mask.bool()
     changed = (own != given.sort(-1).values).any(-1).any(-1) & recorded
-    return int(changed.sum()) / int(recorded.sum())
+    return [int(changed[rows].sum()) / int(recorded[rows].sum()) for rows in W.HALVES]
+
+
+def check_megatron_replay(tmp_path, family, pp, ep, vpp=None, layers=2, updates=True):
+    """The Megatron run's experts check (in the workers), its first replayed log-probs and its
+    changed-routing fractions against the HF actor; returns the Megatron results and the HF run's."""
+    out = tmp_path / "rank0.pt"
+    world = pp * ep
+    mp.spawn(W.worker, args=(world, free_port(), family, pp, ep, vpp, layers, updates, str(out)), nprocs=world,
+             join=True)
+    got = torch.load(out)
+    metrics, old, gates = W.run_replayed(family, W.config("auto", True), layers=layers)
+    mask = W.recorded_experiences(family, layers)[0].response_mask
+    torch.testing.assert_close(got["first_old"] * mask, old[0] * mask, atol=2e-5, rtol=0)
+    assert got["fractions"] == pytest.approx(own_changed_fractions(family, layers), abs=1e-12)
+    assert all(0.1 < f < 0.9 for f in got["fractions"])  # half the tokens recorded with the model's own experts
+    return got, metrics, old, gates
 
 
 @pytest.mark.parametrize("family,pp,ep", [("qwen3_moe", 2, 1), ("qwen2_moe", 1, 2)])
 def test_megatron_routing_replay_matches_hf(tmp_path, family, pp, ep):
     """PP=2 (one MoE layer per stage: the metric combines the stages) with Qwen3-MoE's renormalised
     weights; EP=2 (the all-gather dispatcher) with Qwen2-MoE's unnormalised ones and shared expert."""
-    out = tmp_path / "rank0.pt"
-    world = pp * ep
-    mp.spawn(W.worker, args=(world, free_port(), family, pp, ep, str(out)), nprocs=world, join=True)
-    got = torch.load(out)
-    metrics, old, gates = W.run_replayed(family, W.config("auto", True))
+    got, metrics, old, gates = check_megatron_replay(tmp_path, family, pp, ep)
     plain, _, plain_gates = W.run_replayed(family, W.config("auto", False))
-    assert got["fraction"] == pytest.approx(own_changed_fraction(family), abs=1e-12)
-    assert 0.2 < got["fraction"] < 0.8  # half the tokens recorded with the model's own experts
     for step, (a, b, exp) in enumerate(zip(got["old"], old, W.recorded_experiences(family))):
         mask = exp.response_mask
         tol = 2e-5 if step == 0 else 2e-4  # later steps differ by the updates' rounding
@@ -63,3 +73,10 @@ def test_megatron_routing_replay_matches_hf(tmp_path, family, pp, ep):
     for name, ref in gates.items():
         torch.testing.assert_close(got["gates"][name], ref, atol=2e-4, rtol=0, msg=lambda m: f"{name}: {m}")
         assert (ref - plain_gates[name]).abs().max() > 1e-3, name  # the replay changed the update
+
+
+def test_megatron_routing_replay_interleaved_pipeline(tmp_path):
+    """PP=2 with two model chunks per stage (4 layers, interleaved schedule): each router finds its
+    layer's recorded experts; the replayed log-probs and the changed-routing count as above (forward
+    passes only: the updates at this layout are not run here)."""
+    check_megatron_replay(tmp_path, "qwen3_moe", 2, 1, vpp=2, layers=4, updates=False)

@@ -5,6 +5,12 @@ import torch
 import torch.distributed as dist
 
 import megatron_trainer_worker as T
+from tiny_models import tiny_model
+
+
+def actor_model(family: str, layers: int = 2):
+    """``megatron_trainer_worker.actor_model`` with ``layers`` MoE layers."""
+    return tiny_model(family, seed=3, vocab_size=T.VOCAB, num_hidden_layers=layers, **T.OVERRIDES.get(family, {}))
 
 
 def own_routing(model, exp):
@@ -17,12 +23,12 @@ def own_routing(model, exp):
     return rec.stacked(exp.num_sequences).long()
 
 
-def recorded_experiences(family: str):
+def recorded_experiences(family: str, layers: int = 2):
     """``megatron_trainer_worker.experiences`` with recorded experts: about half of the real tokens the
     model's own (first step's weights), the others a random set of k experts in every layer, a few
     real tokens unrecorded (-1, as padding is): there the router's own choice runs."""
-    model = T.actor_model(family)
-    layers, k, experts = model.config.num_hidden_layers, model.config.num_experts_per_tok, model.config.num_experts
+    model = actor_model(family, layers)
+    k, experts = model.config.num_experts_per_tok, model.config.num_experts
     g = torch.Generator().manual_seed(5)
     out = []
     for exp in T.experiences(T.VOCAB):
@@ -35,26 +41,29 @@ def recorded_experiences(family: str):
     return out
 
 
-def config(strategy: str, replay: bool, pp: int = 1, ep: int = 1):
+def config(strategy: str, replay: bool, pp: int = 1, ep: int = 1, vpp=None):
     cfg = T.config(strategy, 1, pp, ep=ep)
     cfg["actor"]["routing_replay"] = replay
+    cfg["actor"]["virtual_pipeline_model_parallel_size"] = vpp
     return cfg
 
 
-def run_replayed(family: str, cfg: dict, probe=None):
+def run_replayed(family: str, cfg: dict, probe=None, layers: int = 2, updates: bool = True):
     """Each step: old log-probs, then the update, on the recorded experiences. ``probe(trainer, exp)``
-    runs first on the first batch. Returns (per-step metrics, old log-probs, the routers' gate weights
-    after the updates)."""
+    runs first on the first batch; without ``updates`` only it runs. Returns (per-step metrics, old
+    log-probs, the routers' gate weights after the updates)."""
     from verl_fast.trainer.rl_trainer import RLTrainer
 
-    model = T.actor_model(family)
+    model = actor_model(family, layers)
     trainer = RLTrainer(actor_model=model, tokenizer=T.build_tokenizer(vocab_size=320), config=cfg,
                         reward_fn=lambda solution_str: 0.0)
     metrics, old = [], []
-    for step, exp in enumerate(recorded_experiences(family)):
+    for step, exp in enumerate(recorded_experiences(family, layers)):
         exp = exp.to(trainer.device)
         if probe is not None and step == 0:
             probe(trainer, exp)
+        if not updates:
+            break
         exp.old_logprobs = trainer._old_logprobs(exp)
         old.append(exp.old_logprobs.cpu())
         metrics.append(trainer.update_actor(exp))
@@ -62,66 +71,71 @@ def run_replayed(family: str, cfg: dict, probe=None):
     return metrics, old, gates
 
 
+HALVES = (torch.arange(0, 4), torch.arange(4, 8))  # two micro-batches: an interleaved schedule needs >= PP
+
+
 def routed_by_megatron(trainer, exp):
-    """Per router (by layer number), each forward's ``[tokens, k]`` experts, with the forward's tokens,
-    over one replayed old-log-prob pass of the whole batch."""
+    """Per router call (each layer, each micro-batch): the forward's rows ``[b, s]``, the router's layer
+    and the ``[s * b, k]`` experts it took, over one replayed old-log-prob pass; and its log-probs."""
     from megatron.core.transformer.moe.router import TopKRouter
 
     chunks = trainer.strategy.megatron.model.chunks
-    inputs, used = [], {}
-    handles = [c.module.register_forward_pre_hook(lambda m, args: inputs.append(args[0].clone())) for c in chunks]
+    rows, used = [None], []
+    handles = [c.module.register_forward_pre_hook(lambda m, args: rows.__setitem__(0, args[0].clone())) for c in chunks]
     for m in (m for c in chunks for m in c.modules() if isinstance(m, TopKRouter)):
         def save(module, args, output):
-            used.setdefault(module.layer_number - 1, []).append(output[1].nonzero()[:, 1].view(output[1].shape[0], -1))
+            used.append((rows[0], module.layer_number - 1, output[1].nonzero()[:, 1].view(output[1].shape[0], -1)))
         handles.append(m.register_forward_hook(save))
-    trainer.strategy.actor_logprobs(exp, [torch.arange(exp.num_sequences)])
+    logprobs = trainer.strategy.actor_logprobs(exp, list(HALVES))
     for h in handles:
         h.remove()
-    return inputs, used
+    return used, logprobs.cpu()
 
 
 def check_routed_experts(trainer, exp):
     """Every router took, on every recorded token, exactly the recorded experts: each forward row found
-    back in the experience by its tokens (rows start at their first real token)."""
-    inputs, used = routed_by_megatron(trainer, exp)
-    assert used, "no router ran"
+    back in the experience by its tokens (rows start at their first real token). Returns the pass's
+    log-probs."""
+    used, logprobs = routed_by_megatron(trainer, exp)
+    layers = {layer for _, layer, _ in used}
+    assert layers, "no router ran"
     real = exp.attention_mask.bool()
     checked = 0
-    for layer, calls in used.items():
-        for tokens, experts in zip(inputs, calls):
-            b, s = tokens.shape
-            experts = experts.view(s, b, -1).transpose(0, 1)  # the router's [s, b] order
-            for j in range(b):
-                row = next(r for r in range(exp.num_sequences)
-                           if torch.equal(tokens[j][: min(int(real[r].sum()), s)], exp.input_ids[r][real[r]][:s]))
-                given = exp.routed_experts[row][real[row]][:s, layer].long()  # the row's real tokens in order
-                has = (given >= 0).all(-1)
-                got = experts[j, : given.shape[0]]
-                assert torch.equal(got[has].sort(-1).values, given[has].sort(-1).values), (layer, row)
-                checked += int(has.sum())
+    for tokens, layer, experts in used:
+        b, s = tokens.shape
+        experts = experts.view(s, b, -1).transpose(0, 1)  # the router's [s, b] order
+        for j in range(b):
+            row = next(r for r in range(exp.num_sequences)
+                       if torch.equal(tokens[j][: min(int(real[r].sum()), s)], exp.input_ids[r][real[r]][:s]))
+            given = exp.routed_experts[row][real[row]][:s, layer].long()  # the row's real tokens in order
+            has = (given >= 0).all(-1)
+            got = experts[j, : given.shape[0]]
+            assert torch.equal(got[has].sort(-1).values, given[has].sort(-1).values), (layer, row)
+            checked += int(has.sum())
     assert checked > 0
+    return logprobs
 
 
-def changed_count(trainer, exp):
-    """The changed-routing fraction over the whole batch with replay off (the routers' own experts),
-    as Megatron counts it (the first step's weights)."""
+def changed_fractions(trainer, exp):
+    """Per micro-batch (``HALVES``), the changed-routing fraction with replay off (the routers' own
+    experts), as Megatron counts it (the first step's weights)."""
     from verl_fast.strategies.megatron.routing_replay import Replay
 
     megatron = trainer.strategy.megatron
     replay = Replay(megatron.model.chunks, substitute=False)
-    megatron.response_outputs(exp, [torch.arange(exp.num_sequences)], megatron._around(1.0), replay)
-    return replay.fractions(1, megatron.pp_group if megatron.par.pp > 1 else None)[0]
+    megatron.response_outputs(exp, list(HALVES), megatron._around(1.0), replay)
+    return replay.fractions(len(HALVES), megatron.pp_group if megatron.par.pp > 1 else None)
 
 
-def worker(rank, world, port, family, pp, ep, out_path):
+def worker(rank, world, port, family, pp, ep, vpp, layers, updates, out_path):
     T.init_worker(rank, world, port, "cpu")
     found = {}
 
     def probe(trainer, exp):
-        check_routed_experts(trainer, exp)
-        found["fraction"] = changed_count(trainer, exp)
+        found["first_old"] = check_routed_experts(trainer, exp)
+        found["fractions"] = changed_fractions(trainer, exp)
 
-    metrics, old, gates = run_replayed(family, config("megatron", True, pp, ep), probe)
+    metrics, old, gates = run_replayed(family, config("megatron", True, pp, ep, vpp), probe, layers, updates)
     if rank == 0:
         torch.save({"metrics": metrics, "old": old, "gates": gates, **found}, out_path)
     dist.barrier()
