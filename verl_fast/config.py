@@ -174,9 +174,10 @@ class ActorConfig(ModelLayoutConfig, ScheduleConfig):
     expert_model_parallel_size: int = _f(1, min=1, doc="strategy megatron: EP size (MoE families)")
     share_prompt_forward: bool = _f(True, doc="log-prob passes run each prompt once for all its samples "
                                               "(same log-probs and gradients, fewer tokens; not with fused_logprobs)")
-    routing_replay: bool = _f(False, doc="MoE (Qwen2-MoE / Qwen3-MoE, HF actor): the old-log-prob and training "
-                                         "forwards route each token to the experts the rollout chose (the gate's "
-                                         "softmax weights on them stay differentiable); sets rollout.record_routing")
+    routing_replay: bool = _f(False, doc="MoE (Qwen2-MoE / Qwen3-MoE, HF or Megatron actor): the old-log-prob "
+                                         "and training forwards route each token to the experts the rollout "
+                                         "chose (the gate's softmax weights on them stay differentiable); sets "
+                                         "rollout.record_routing")
     # older spelling: rollout-engine settings written in the actor section (copied to rollout)
     model_path: Optional[str] = _f(None, doc="alias of model_name")
     tensor_parallel_size: Optional[int] = _f(None, min=1)

@@ -239,9 +239,8 @@ def test_routing_replay_config():
     from verl_fast.config import from_dict
 
     assert from_dict({"actor": {"routing_replay": True}}).actor.routing_replay
-    with pytest.raises(ValueError, match="actor.routing_replay / rollout.record_routing are not supported with "
-                                         "actor.strategy=megatron"):
-        from_dict({"actor": {"strategy": "megatron", "routing_replay": True}})
+    # the Megatron actor replays too (python_tests/megatron/test_megatron_routing.py)
+    assert from_dict({"actor": {"strategy": "megatron", "routing_replay": True}}).actor.routing_replay
     with pytest.raises(ValueError, match="rollout.record_routing"):
         from_dict({"rollout": {"record_routing": "yes"}})
 

@@ -11,6 +11,8 @@ RLTrainer through megatron-core's pipeline schedules, DDP and distributed optimi
   (normed) hidden states of the positions that predict a response token only (the prompt's are never
   projected): vocab-parallel, the [tokens, vocab] logits never exist. Padded vocabulary
   rows get a -1e4 bias, so the softmax runs over the real vocabulary only, as in the HF model.
+- MoE routing replay: where the rollout recorded routing, both forwards' routers take it
+  (``actor.routing_replay``) or only compare with it (``routing_replay.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch.distributed as dist
 from verl_fast.experience import Experience
 from verl_fast.ops.logprobs import linear_logprobs
 from verl_fast.strategies.megatron.gpt_model import MegatronGPT, Parallel, init_parallel_state
+from verl_fast.strategies.megatron.routing_replay import Replay
 from verl_fast.strategies.megatron.training import DTYPES, MegatronTrained
 
 _PAD_LOGIT = -1e4  # exp(-1e4 - max) is exactly 0 in float32: padded vocabulary rows drop out
@@ -94,16 +97,22 @@ class MegatronActor(MegatronTrained):
 
         return around
 
+    def _replay(self, exp: Experience):
+        """Where the rollout recorded routing: the routers take it (``actor.routing_replay``) or only
+        compare with it (``routing_replay.py``)."""
+        return None if exp.routed_experts is None else Replay(self.model.chunks, self.cfg.actor.routing_replay)
+
     # ---- what the strategy (strategy.py) calls
 
     def logprobs(self, exp: Experience, micro: List[torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
         """[N, L] float32 log-probs of the response tokens, on every rank (sent from the last stage)."""
-        return self.response_outputs(exp, micro, self._around(temperature))
+        return self.response_outputs(exp, micro, self._around(temperature), self._replay(exp))
 
     def train_mini_batch(self, exp: Experience, micro: List[torch.Tensor], loss_fn) -> Tuple[List[Dict], float]:
         """One optimiser step over ``micro``; ``loss_fn(logp, entropy, sub) -> (loss, stats)``. Returns
         each micro-batch's stats (every rank) and the gradient norm."""
-        return super().train_mini_batch(exp, micro, loss_fn, self._around(self.cfg.rollout.temperature or 1.0))
+        return super().train_mini_batch(exp, micro, loss_fn, self._around(self.cfg.rollout.temperature or 1.0),
+                                        self._replay(exp))
 
     def export_to(self, hf_model: torch.nn.Module) -> None:
         """Writes the trained weights into the HF model (every rank; collective over the group holding

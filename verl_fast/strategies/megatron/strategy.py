@@ -110,12 +110,6 @@ def check(cfg: Config) -> None:
     if cfg.actor.lora is not None:
         raise ValueError("actor.lora is not supported with actor.strategy=megatron (the Megatron copy trains every "
                          "weight); use actor.strategy=auto")
-    if cfg.actor.routing_replay or cfg.rollout.record_routing:
-        # megatron-core's TopKRouter takes no given experts, and its token dispatchers sort tokens by
-        # expert before the experts run: a replay would patch both, untested against HF here
-        raise ValueError("actor.routing_replay / rollout.record_routing are not supported with "
-                         "actor.strategy=megatron (megatron-core's router takes no recorded experts); "
-                         "use actor.strategy=fsdp2 / fsdp1 / none for MoE routing replay")
     for key in ("use_dynamic_bsz", "gradient_checkpointing", "cpu_offload"):
         if getattr(cfg.actor, key):
             raise ValueError(f"actor.{key} is not supported with actor.strategy=megatron; use fixed-size "

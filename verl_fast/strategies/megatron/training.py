@@ -23,6 +23,7 @@ import torch.distributed as dist
 from verl_fast.experience import Experience
 from verl_fast.strategies.megatron.gpt_model import MegatronGPT
 from verl_fast.strategies.megatron.grad_norm import use_foreach_grad_norm
+from verl_fast.strategies.megatron.routing_replay import Replay
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -31,13 +32,19 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 LossFn = Callable[..., Tuple[torch.Tensor, Any]]
 
 
+def rotation(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[n, S]`` gather index that rotates each left-padded row left to start at its first real token."""
+    width = attention_mask.shape[1]
+    pads = attention_mask.long().argmax(-1)
+    return (torch.arange(width, device=attention_mask.device) + pads[:, None]) % width
+
+
 def rotate_to_start(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int):
     """Rows rotated left past their left padding: ``(tokens [n, S], positions [n, L])`` where
     ``positions[i, j]`` is the position whose output predicts response token j of row i."""
     n, width = input_ids.shape
     pads = attention_mask.long().argmax(-1)  # first real token of each (left-padded) row
-    index = (torch.arange(width, device=input_ids.device) + pads[:, None]) % width
-    tokens = input_ids.gather(1, index)
+    tokens = input_ids.gather(1, rotation(attention_mask))
     first = width - response_length - 1 - pads  # the response starts at width - L, minus the padding
     positions = first[:, None] + torch.arange(response_length, device=input_ids.device)
     return tokens, positions
@@ -77,28 +84,36 @@ class MegatronTrained:
     # ---- one pass of the schedule over micro-batches
 
     def _run(self, exp: Experience, micro: List[torch.Tensor], forward_only: bool, loss_fn: LossFn,
-             around: Optional[Callable[[torch.Tensor, torch.Tensor], ContextManager]] = None) -> List[Any]:
+             around: Optional[Callable[[torch.Tensor, torch.Tensor], ContextManager]] = None,
+             replay: Optional[Replay] = None) -> List[Any]:
         """Runs the schedule; on the last stage ``loss_fn(*columns, sub)`` gives each micro-batch's loss
         and result. ``around(tokens, positions)``: a context the model's forward runs in (tokens
         ``[n, S]``, response positions ``[n, L]``) under which the last stage outputs the response
-        positions only; without it every position's output is taken at ``positions``.
+        positions only; without it every position's output is taken at ``positions``. ``replay``: the
+        MoE routers follow the experience's recorded routing (``routing_replay.py``).
         Returns the results (last stage only)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         n_micro = len(micro)
         batches = []
-        for idx in micro:
+        for i, idx in enumerate(micro):
             sub = exp.select(idx.to(exp.input_ids.device)).to(self.device)  # the loss meets the outputs there
             tokens, positions = rotate_to_start(sub.input_ids, sub.attention_mask, sub.response_length)
             width = int(positions.max()) + 2  # nothing after the last response token is needed
-            batches.append((sub, tokens[:, :width].to(self.device), positions.to(self.device)))
+            routed = None
+            if replay is not None and sub.routed_experts is not None:  # the tokens' experts, in their new places
+                index = rotation(sub.attention_mask)
+                experts = sub.routed_experts.gather(1, index[..., None, None].expand_as(sub.routed_experts))
+                routed = (experts[:, :width], sub.attention_mask.gather(1, index)[:, :width])
+            batches.append((i, sub, tokens[:, :width].to(self.device), positions.to(self.device), routed))
 
         def forward_step(data_iterator, model):
-            sub, tokens, positions = next(data_iterator)
+            i, sub, tokens, positions, routed = next(data_iterator)
             n, width = tokens.shape
             pos = torch.arange(width, device=self.device).expand(n, width)
             # no mask: the layers are causal and SDPAttention asks torch for its causal kernel
-            with around(tokens, positions) if around is not None else contextlib.nullcontext():
+            with around(tokens, positions) if around is not None else contextlib.nullcontext(), \
+                    replay.follow(i, *routed) if routed is not None else contextlib.nullcontext():
                 out = model(tokens, pos, None)  # last stage: [n, L, features] under around, else [n, S, ...]
 
             def loss_func(output):
@@ -118,14 +133,16 @@ class MegatronTrained:
             forward_only=forward_only)
 
     def response_outputs(self, exp: Experience, micro: List[torch.Tensor],
-                         around: Optional[Callable[[torch.Tensor, torch.Tensor], ContextManager]] = None) -> torch.Tensor:
+                         around: Optional[Callable[[torch.Tensor, torch.Tensor], ContextManager]] = None,
+                         replay: Optional[Replay] = None) -> torch.Tensor:
         """[N, L] float32: the model's first output feature at each response position, on every rank
         (sent from the last stage); no gradient."""
         for c in self.model.chunks:
             c.eval()
         out = torch.zeros(exp.response_mask.shape, dtype=torch.float32, device=self.device)
         with torch.no_grad():
-            results = self._run(exp, micro, True, lambda first, *rest: (first.sum() * 0, first.float()), around)
+            results = self._run(exp, micro, True, lambda first, *rest: (first.sum() * 0, first.float()), around,
+                                replay)
         if self.is_last_stage:
             for idx, rows in zip(micro, results):  # [n, L of the micro-batch]
                 out[idx.to(self.device), : rows.shape[1]] = rows
@@ -134,18 +151,22 @@ class MegatronTrained:
         return out.to(exp.response_mask.device)
 
     def train_mini_batch(self, exp: Experience, micro: List[torch.Tensor], loss_fn: LossFn,
-                         around: Optional[Callable[[torch.Tensor, torch.Tensor], ContextManager]] = None
-                         ) -> Tuple[List[Dict], float]:
+                         around: Optional[Callable[[torch.Tensor, torch.Tensor], ContextManager]] = None,
+                         replay: Optional[Replay] = None) -> Tuple[List[Dict], float]:
         """One optimiser step over ``micro``; ``loss_fn(*columns, sub) -> (loss, stats)``. Returns each
-        micro-batch's stats (every rank; sent from the last stage) and the gradient norm."""
+        micro-batch's stats (every rank; sent from the last stage) and the gradient norm; with ``replay``
+        also its ``routing_changed_frac`` (``routing_replay.Replay.fractions``)."""
         for c in self.model.chunks:
             c.train()
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
-        stats = self._run(exp, micro, False, loss_fn, around) if micro else []
+        stats = self._run(exp, micro, False, loss_fn, around, replay) if micro else []
         ok, grad_norm, _ = self.optimizer.step()
         if self.par.pp > 1:
             box = [stats]
             dist.broadcast_object_list(box, src=self.last_stage_rank, group=self.pp_group)
             stats = box[0]
+        if replay is not None:  # tokens whose experts the training forward would have changed
+            fractions = replay.fractions(len(micro), self.pp_group if self.par.pp > 1 else None)
+            stats = [{**s, "routing_changed_frac": f} for s, f in zip(stats, fractions)]
         return list(stats), float(grad_norm or 0.0) if ok else float("nan")
