@@ -1,5 +1,7 @@
 """The trainer with vLLM rollout through the `verl-fast` command, as a user runs it: GRPO (checkpoint,
-then resume to more steps), PPO (a critic of the same family; sleep level 1) and the embedded default config moved
+then resume to more steps), PPO (a critic of the same family; sleep level 1), GRPO with the workflow and
+loss features (validation, logged generations, an LR schedule, two weighted rewards, GSPO with the
+rollout correction, a checkpoint limit) and the embedded default config moved
 to the accelerator (``--set trainer.device=cuda``), each in its own process on a random-weight Qwen2
 model built here with the demo tokenizer (``.bench_assets/``; random weights cannot learn, so the
 figures are about the machinery: engine start, weight sync, sleep, checkpoints).
@@ -97,6 +99,21 @@ def config_yaml(model: Path, data: Path, out: Path, device: str, algorithm: str,
     return yaml.safe_dump(cfg)
 
 
+def features_yaml(base: str, data: Path) -> str:
+    """``base`` (a GRPO config) with validation, an LR schedule, two weighted rewards, GSPO and the
+    rollout correction."""
+    import yaml
+
+    cfg = yaml.safe_load(base)
+    reward = cfg["reward_fn"]
+    cfg["reward_fn"] = [{**reward, "name": "length", "weight": 1.0}, {**reward, "name": "half", "weight": 0.5}]
+    cfg["actor"].update(lr_scheduler="cosine", warmup_steps=1, policy_loss="gspo", clip_ratio_low=3e-4,
+                        clip_ratio_high=4e-4, loss_agg_mode="seq-mean-token-mean")
+    cfg["algorithm"].update(rollout_correction=True)
+    cfg["trainer"].update(val_dataset=str(data), val_freq=2, log_generations=2, save_total_limit=1)
+    return yaml.safe_dump(cfg)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
@@ -126,6 +143,17 @@ def main(argv=None) -> int:
         resumed = one("grpo_resume", "grpo", 6, grpo)
         resumed["resumed_from_checkpoint"] = resumed["steps"] == [1, 2, 3, 4, 5, 6]
         one("ppo", "ppo", 4, work / "ppo", ["--set", "rollout.sleep_level=1"])  # weights offloaded, not dropped
+        # the day-one workflow and the newer losses together: validation with logged generations, a schedule,
+        # two weighted rewards, GSPO with the rollout-mismatch correction, a checkpoint limit
+        features = work / "features.yaml"
+        features.write_text(features_yaml(config_yaml(model, data, work / "features", args.device, "grpo", 4,
+                                                      args.eager), data))
+        r = run_cli(["--config", str(features)], "features", args.timeout)
+        r.update(figures(metrics_of(work / "features")))
+        rows = metrics_of(work / "features")
+        r["validated"] = any("val/reward/mean" in row for row in rows)
+        r["corrected"] = any("rollout_correction/is_weight_mean" in row for row in rows)
+        runs["features"] = r
         default = run_cli(["--set", f"trainer.device={args.device}", "--set", f"actor.model_name={model}",
                            "--set", f"trainer.dataset={data}", "--set", "reward_fn.type=callable",
                            "--set", "reward_fn.path=bench_trainer_vllm:length_reward",
@@ -145,7 +173,8 @@ def main(argv=None) -> int:
         print(f"{name:<14} {r['exit']:>4} {len(r['steps']):>5} {fmt(r['step_s'], 7, 2)} {fmt(r['generation_s'], 6, 2)} "
               f"{fmt(r['weight_sync_ms'], 8, 1)} {fmt(r['sleep_freed_gib'], 9, 2)} {fmt(r['sleep_s'], 7, 3)} "
               f"{fmt(r['wake_s'], 7, 3)} {fmt(r['wall_s'], 7, 1)}")
-    ok = all(r["exit"] == 0 for r in runs.values()) and runs["grpo_resume"].get("resumed_from_checkpoint")
+    ok = all(r["exit"] == 0 for r in runs.values()) and runs["grpo_resume"].get("resumed_from_checkpoint") and \
+        runs["features"]["validated"] and runs["features"]["corrected"]
     return 0 if ok else 1
 
 
