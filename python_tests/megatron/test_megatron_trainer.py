@@ -167,3 +167,15 @@ def test_megatron_critic_tp2_on_two_gpus_matches_hf(tmp_path):
 def test_megatron_moe_ep2_on_two_gpus_matches_hf(tmp_path):
     """Qwen3-MoE at EP=2 over NCCL (megatron-core without Transformer Engine), against HF on one GPU."""
     check_updates_match_hf(tmp_path, "qwen3_moe", 1, 1, "cuda", ep=2)
+
+
+def test_moe_training_at_tensor_parallel_refused_in_one_line():
+    """megatron-core trains an MoE layer at TP > 1 only with sequence parallelism (which we do not
+    enable): said when the trained model is built, not deep inside megatron-core's first update."""
+    from types import SimpleNamespace
+
+    from verl_fast.strategies.megatron.training import MegatronTrained
+
+    model = SimpleNamespace(spec=SimpleNamespace(is_moe=True), par=SimpleNamespace(tp=2))
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=2 only under sequence parallelism"):
+        MegatronTrained(model, lr=1e-5, weight_decay=0.0, max_grad_norm=1.0)

@@ -54,6 +54,11 @@ class MegatronTrained:
     """``model`` under DDP and megatron-core's distributed optimizer; collective over the world."""
 
     def __init__(self, model: MegatronGPT, lr: float, weight_decay: float, max_grad_norm: float):
+        if model.spec.is_moe and model.par.tp > 1:  # forwards (conversion, checkpoints) work; training does not
+            raise ValueError(f"actor.strategy=megatron: a mixture-of-experts model trains with "
+                             f"tensor_model_parallel_size={model.par.tp} only under sequence parallelism in "
+                             "megatron-core, which verl_fast does not enable; use tensor_model_parallel_size=1 "
+                             "with expert_model_parallel_size / pipeline_model_parallel_size")
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
