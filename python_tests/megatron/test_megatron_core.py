@@ -1,8 +1,6 @@
 """Checkpoints written by megatron-core itself (GPTModel, local spec, gloo on CPU) at TP=2 and PP=2,
 in both formats, load into an HF model whose logits equal the Megatron model's."""
 
-import socket
-
 import pytest
 import torch
 
@@ -16,14 +14,9 @@ from verl_fast import load_megatron_checkpoint  # noqa: E402
 
 import megatron_worker as W  # noqa: E402
 from reshard_refs import assert_same  # noqa: E402
+from ports import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def hf_config(moe):

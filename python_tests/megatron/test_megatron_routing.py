@@ -3,8 +3,6 @@ the recorded experts; the replayed old log-probs, losses, actor/routing_changed_
 equal the HF actor's replayed run (whose forward test_routing.py checks against a float64
 forced-routing reference); the changed-routing fraction equals a count over the HF model's own routing."""
 
-import socket
-
 import pytest
 import torch
 
@@ -13,14 +11,9 @@ pytest.importorskip("megatron.core")
 import torch.multiprocessing as mp  # noqa: E402
 
 import megatron_routing_worker as W  # noqa: E402
+from ports import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def own_changed_fractions(family, layers):

@@ -1,8 +1,6 @@
 """actor.strategy=megatron: a Megatron GPTModel (TP=2 or PP=2 on gloo) trained by RLTrainer gives
 the same log-probs, losses and updated weights (gathered to HF names) as the single-process HF run."""
 
-import socket
-
 import pytest
 import torch
 
@@ -11,14 +9,9 @@ pytest.importorskip("megatron.core")
 import torch.multiprocessing as mp  # noqa: E402
 
 import megatron_trainer_worker as W  # noqa: E402
+from ports import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check_updates_match_hf(tmp_path, family, tp, pp, device, user_init=False, ep=1):

