@@ -135,7 +135,7 @@ def worker_ours(args) -> Dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     rng = random.Random(rank)
     cfg = {
-        "actor": {"lr": 1e-6, "autocast": "bfloat16", "micro_batch_size": 16},
+        "actor": {"lr": 1e-6, "autocast": "bfloat16"},  # micro-batching: the defaults (token budget on a GPU)
         "rollout": {"type": args.rollout, "n": args.n, "max_new_tokens": args.tokens, "temperature": 1.0},
         "algorithm": {"type": "grpo"},
         "trainer": {"train_batch_size": args.prompts, "total_steps": args.steps, "device": args.device,
@@ -155,7 +155,9 @@ def worker_ours(args) -> Dict[str, Any]:
         if rank == 0:
             print(f"ours {args.rollout} {args.shape} x{world}: step {s + 1} {m['time/step']:.2f} s  "
                   f"gen {m.get('time/generation', 0):.2f} s  update {m.get('time/update_actor', 0):.2f} s  "
-                  f"sync {m.get('time/weight_sync', 0) * 1e3:.1f} ms", flush=True)
+                  f"sync {m.get('time/weight_sync', 0) * 1e3:.1f} ms  gc {m.get('perf/gc_s', 0) * 1e3:.0f} ms "
+                  f"({m.get('perf/gc_full', 0):.0f} full)  cudaMalloc {m.get('perf/cuda_mallocs', 0):.0f} "
+                  f"free {m.get('perf/cuda_frees', 0):.0f}", flush=True)
     engine_start = getattr(trainer.engine, "init_seconds", None)
     if hasattr(trainer.engine, "close"):
         trainer.engine.close()
@@ -276,6 +278,10 @@ def summarise_ours(run: Dict[str, Any], skip: int) -> Dict[str, Any]:
            "sleep_s": steady(run, "rollout/sleep_s", skip), "wake_s": steady(run, "rollout/wake_s", skip)}
     out.update(spread(run, "time/step", skip))
     out["phases_s"] = {p: steady(run, f"time/{p}", skip) for p in PHASES if steady(run, f"time/{p}", skip) is not None}
+    # each steady step's phases beside what can make a step slower than the next (issue 24's swings)
+    detail = ("time/step", "time/generation", "time/update_actor", "perf/gc_s", "perf/gc_full", "perf/cuda_mallocs",
+              "perf/cuda_frees", "perf/alloc_retries", "response/length")
+    out["steady_detail"] = [{k: s[k] for k in detail if k in s} for s in run["steps"][skip:]]
     return out
 
 

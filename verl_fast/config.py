@@ -138,8 +138,10 @@ class ActorConfig(ModelLayoutConfig, ScheduleConfig):
     max_grad_norm: float = _f(1.0, min=0.0, doc="0 = no clipping")
     ppo_epochs: int = _f(1, min=1)
     ppo_mini_batch_size: Optional[int] = _f(None, min=1, doc="sequences per optimiser step on each rank (None: the batch)")
-    micro_batch_size: int = _f(8, min=1, doc="sequences per forward/backward")
-    use_dynamic_bsz: bool = _f(False, doc="micro-batches by token budget instead of by count")
+    micro_batch_size: int = _f(8, min=1, doc="sequences per forward/backward (when not by token budget)")
+    use_dynamic_bsz: Optional[bool] = _f(None, doc="micro-batches by token budget (max_token_len_per_gpu) "
+                                         "instead of by count; null (auto): on a GPU (the faster there: fewer, "
+                                         "fuller passes), off on the CPU and under strategy megatron")
     max_token_len_per_gpu: int = _f(16384, min=1)
     balance_dp: bool = _f(True, doc="spread each step's sequences over DP ranks by token count")
     clip_ratio: Optional[float] = _f(None, min=0.0, doc="sets clip_ratio_low and clip_ratio_high")

@@ -110,3 +110,26 @@ def test_shutdown_on_cuda_frees_the_model_before_the_engine_stops(monkeypatch):
     order.clear()
     vllm_compat.shutdown(llm)  # the CPU engine has no sleep allocator: straight to the shutdown
     assert order == ["engine shutdown"]
+
+
+def test_collect_frees_cycles_from_a_frozen_heap():
+    """vLLM freezes the garbage collector's heap after an engine starts; the collection that frees a
+    closed engine's model must reach the cycles made before the freeze."""
+    import gc
+    import weakref
+
+    from verl_fast.rollout import vllm_compat
+
+    class Node:
+        pass
+
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    alive = weakref.ref(a)
+    gc.freeze()
+    try:
+        del a, b
+        vllm_compat.collect()
+        assert alive() is None
+    finally:
+        gc.unfreeze()

@@ -118,3 +118,23 @@ def test_synced_placeholder_engine_equals_fresh_engine(tmp_path):
     for i, toks, lp in rows(synced):
         ref.assert_greedy(toks, prompts[i], 8)
         ref.assert_logprobs(lp, prompts[i], toks)
+
+
+def test_closed_engine_leaves_the_sleep_allocator_empty(tmp_path):
+    """vLLM 0.26 loads a sleep-mode engine only into an empty sleep allocator: a closed engine (slept
+    and woken once, as the trainer leaves it) must leave nothing on its books, so that a second engine
+    starts in the same process and decodes."""
+    from verl_fast.rollout import vllm_compat
+
+    if not vllm_compat.sleep_mode_available():
+        pytest.skip("no vLLM sleep mode on this platform")
+    path, hf, prompts = build(tmp_path, "qwen2")
+    for _ in range(2):
+        engine = VLLMInferenceEngine(path, enable_sleep_mode=True, sleep_level=1, **ENGINE_KW)
+        try:
+            assert_greedy_equal(engine, hf, prompts)
+            engine.sleep()
+            engine.wake_up()
+        finally:
+            engine.close()
+        assert vllm_compat.sleep_allocator_usage() == {}

@@ -57,7 +57,24 @@ def test_phases_accumulate_and_mfu(tiny_path):
     assert p.figures()["perf/mfu_update"] == pytest.approx(want / out["time/update_actor"] / 1e12)
     assert perf.throughput({"time/step": 2.0, "perf/tokens": 10}) == {"perf/tokens_per_s_per_gpu": 5.0}
     p.begin()
-    assert p.figures() == {"perf/tokens": 0.0}
+    assert p.figures() == {"perf/tokens": 0.0, "perf/gc_s": 0.0, "perf/gc_collections": 0.0, "perf/gc_full": 0.0}
+
+
+def test_garbage_collector_pauses_counted_per_step(tiny_path):
+    import gc
+
+    p = perf.StepPerf(AutoModelForCausalLM.from_pretrained(tiny_path), torch.device("cpu"))
+    perf.StepPerf(torch.nn.Linear(2, 2), torch.device("cpu"))  # a second trainer: one callback, not two
+    assert gc.callbacks.count(perf._time_gc) == 1
+    p.begin()
+    with p.phase("reward"):
+        gc.collect()
+        gc.collect(0)
+    out = p.figures()
+    assert out["perf/gc_collections"] == 2 and out["perf/gc_full"] == 1
+    assert 0 < out["perf/gc_s"] <= out["time/reward"]
+    p.begin()
+    assert p.figures()["perf/gc_collections"] == 0
 
 
 def test_progress_bar_summary():
@@ -110,5 +127,9 @@ def test_gpu_figures_peak_memory_and_mfu():
     p.count_update(torch.ones(2, 2048, device=device))
     out = p.figures()
     assert out["perf/peak_memory_gib"] >= 4096 * 1024 * 4 / 2**30  # at least the input was live
+    assert out["perf/cuda_mallocs"] >= 1 and out["perf/alloc_retries"] == 0  # the input's first allocation
+    p.begin()
+    torch.cuda.empty_cache()  # gives the cached blocks back to the driver
+    assert p.figures()["perf/cuda_frees"] >= 1
     if p.peak is not None:  # a GPU in the table
         assert 0 < out["perf/mfu_update"] < 1

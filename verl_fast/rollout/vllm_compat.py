@@ -395,12 +395,32 @@ def _drop_model(worker) -> None:
 def collect() -> None:
     """Frees what closed engines left: the engine objects sit in reference cycles (and vLLM's
     finalizer keeps the model until they are collected), and vLLM 0.26's sleep-mode allocator
-    refuses to load a second engine's weights while any memory of an earlier one is allocated."""
+    refuses to load a second engine's weights while any memory of an earlier one is allocated.
+
+    vLLM freezes the garbage collector's heap once an engine has started (``gc.freeze``: a
+    collection then passes over every object that existed, the model's cycles among them) and
+    unfreezes it only late in its shutdown, after its allocator's pools are gone; so unfreeze first."""
     import gc
 
+    gc.unfreeze()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def sleep_allocator_usage() -> Dict[str, int]:
+    """Bytes that vLLM's sleep-mode allocator has on its books, per tag (``weights``, ``kv_cache``);
+    {} when nothing is allocated or the allocator was never used in this process. vLLM 0.26 refuses
+    to load an engine's weights through it unless this is empty."""
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+    except ImportError:  # a build without the allocator (the CPU's)
+        return {}
+    allocator = CuMemAllocator.instance
+    usage: Dict[str, int] = {}
+    for data in (allocator.pointer_to_data.values() if allocator is not None else ()):
+        usage[data.tag] = usage.get(data.tag, 0) + int(data.handle[1])
+    return usage
 
 
 def exit_shutdown(llm):

@@ -110,6 +110,10 @@ def capture_sizes(max_batch: int) -> List[int]:
     return sizes + [max_batch]
 
 
+def _describe_bytes(per_tag: Dict[str, int]) -> str:
+    return ", ".join(f"{n / 2**20:.1f} MiB under '{tag}'" for tag, n in sorted(per_tag.items()))
+
+
 class VLLMInferenceEngine(RolloutEngine):
     """``vllm.LLM`` in this process, with in-place weight updates (see the module docstring).
 
@@ -214,6 +218,13 @@ class VLLMInferenceEngine(RolloutEngine):
         engine_kwargs.setdefault("use_tqdm_on_load", False)  # no loading bar beside the trainer's progress bar
         if not on_cpu:
             compat.collect()  # an earlier engine dropped without close() still holds device memory until then
+            held = compat.sleep_allocator_usage()
+            if enable_sleep_mode and held:
+                raise RuntimeError(
+                    f"an earlier vLLM engine in this process still holds {_describe_bytes(held)} of vLLM's "
+                    "sleep-mode allocator (something keeps a reference to its model or KV cache); vLLM "
+                    "loads a sleep-mode engine only into an empty allocator: close() the earlier engine and "
+                    "drop what refers to its tensors, or pass enable_sleep_mode=False")
         start = time.perf_counter()
         with compat.quiet_numa_notice():
             self.llm = vllm.LLM(
@@ -505,6 +516,10 @@ class VLLMInferenceEngine(RolloutEngine):
         compat.shutdown(llm)
         del llm  # the last reference: collect() can free the engine now
         compat.collect()
+        held = compat.sleep_allocator_usage() if torch.cuda.is_available() else {}
+        if held:
+            logger.warning("the closed vLLM engine left %s on vLLM's sleep-mode allocator: a next engine with "
+                           "sleep mode in this process will be refused", _describe_bytes(held))
         if self._lora_dir is not None:
             shutil.rmtree(self._lora_dir, ignore_errors=True)
             self._lora_dir = None

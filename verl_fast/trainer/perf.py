@@ -4,7 +4,11 @@ phase and peak GPU memory, as plain numbers in the step's metrics dict.
 Keys (all floats): ``time/<phase>`` for generation, reward, old_logprob, ref, values, advantages,
 update_actor, update_critic, weight_sync, checkpoint (only the phases a step ran);
 ``perf/tokens_per_s_per_gpu`` (prompt + response tokens of the step / step time / ranks);
-``perf/mfu_update`` (GPU only, device in PEAK_BF16_FLOPS); ``perf/peak_memory_gib`` (GPU only).
+``perf/mfu_update`` (GPU only, device in PEAK_BF16_FLOPS); ``perf/peak_memory_gib`` (GPU only);
+what can make one step slower than the next: ``perf/gc_s`` and ``perf/gc_collections`` (the cyclic
+garbage collector's pauses during the step, generation 2 counted apart in ``perf/gc_full``), and on a
+GPU ``perf/cuda_mallocs`` / ``perf/cuda_frees`` (the caching allocator's calls to the driver: growth
+and the frees of an out-of-memory retry or ``empty_cache``) and ``perf/alloc_retries``.
 
 GPU work is asynchronous: a phase's time is taken between two device synchronisations, one at each
 phase boundary (never inside a phase), so each phase is charged the GPU work it queued.
@@ -13,6 +17,7 @@ phase boundary (never inside a phase), so each phase is charged the GPU work it 
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 from typing import Dict, Iterator, Optional
 
@@ -43,6 +48,24 @@ def update_flops(num_params: int, num_layers: int, attn_width: int, seq_lens: to
     return float(6.0 * num_params * lens.sum() + 6.0 * num_layers * attn_width * (lens * lens).sum())
 
 
+_GC = {"s": 0.0, "n": 0, "full": 0, "start": 0.0}
+
+
+def _time_gc(phase: str, info: Dict[str, int]) -> None:
+    if phase == "start":
+        _GC["start"] = time.perf_counter()
+        return
+    _GC["s"] += time.perf_counter() - _GC["start"]
+    _GC["n"] += 1
+    _GC["full"] += info.get("generation") == 2
+
+
+def _allocator_calls(device: torch.device) -> Dict[str, float]:
+    stats = torch.cuda.memory_stats(device)
+    return {"perf/cuda_mallocs": stats.get("num_device_alloc", 0), "perf/cuda_frees": stats.get("num_device_free", 0),
+            "perf/alloc_retries": stats.get("num_alloc_retries", 0)}
+
+
 class StepPerf:
     """Times one step's phases and gathers the figures above. One instance per trainer; ``begin``
     at the start of each step, ``phase(name)`` around each phase, ``figures`` at its end."""
@@ -57,14 +80,18 @@ class StepPerf:
         heads = getattr(cfg, "num_attention_heads", 0) or 0
         head_dim = getattr(cfg, "head_dim", None) or (getattr(cfg, "hidden_size", 0) // max(heads, 1))
         self.attn_width = int(heads * head_dim)
+        if _time_gc not in gc.callbacks:
+            gc.callbacks.append(_time_gc)
         self.begin()
 
     def begin(self) -> None:
         self.times: Dict[str, float] = {}
         self.tokens = 0.0
         self.flops = 0.0
+        self._gc_before = dict(_GC)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+            self._allocator_before = _allocator_calls(self.device)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -98,7 +125,11 @@ class StepPerf:
             out["perf/mfu_update"] = self.flops / update / self.peak
         if self.device.type == "cuda":
             out["perf/peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            out.update({k: float(v - self._allocator_before[k]) for k, v in _allocator_calls(self.device).items()})
         out["perf/tokens"] = self.tokens
+        out["perf/gc_s"] = _GC["s"] - self._gc_before["s"]
+        out["perf/gc_collections"] = float(_GC["n"] - self._gc_before["n"])
+        out["perf/gc_full"] = float(_GC["full"] - self._gc_before["full"])
         return out
 
 

@@ -510,7 +510,10 @@ class RLTrainer:
                size: Optional[int] = None) -> List[torch.Tensor]:
         """Micro-batches of ``rows``: by count, or under a token budget (``use_dynamic_bsz``)."""
         a = self.cfg.actor
-        if a.use_dynamic_bsz:
+        by_tokens = a.use_dynamic_bsz
+        if by_tokens is None:
+            by_tokens = self.device.type == "cuda" and a.strategy != "megatron"
+        if by_tokens:
             return micro_batches(rows, exp.attention_mask.sum(-1), max_tokens=a.max_token_len_per_gpu,
                                  group=self.dp_group)
         return micro_batches(rows, size=size or (a.micro_batch_size if for_update else max(a.micro_batch_size, 16)))
