@@ -87,6 +87,9 @@ def test_shutdown_on_cuda_frees_the_model_before_the_engine_stops(monkeypatch):
     class Worker:
         model_runner = Runner()
 
+    class Wrapper:  # vLLM's WorkerWrapperBase, which collective_rpc calls with
+        worker = Worker()
+
     class Core:
         def shutdown(self):
             order.append("engine shutdown")
@@ -98,7 +101,7 @@ def test_shutdown_on_cuda_frees_the_model_before_the_engine_stops(monkeypatch):
         llm_engine = Engine()
 
         def collective_rpc(self, fn):
-            return [fn(Worker())]
+            return [fn(Wrapper())]
 
     llm = LLM()
     llm.llm_engine._finalizer = weakref.finalize(llm.llm_engine, order.append, "vLLM's model clean-up")
@@ -106,6 +109,7 @@ def test_shutdown_on_cuda_frees_the_model_before_the_engine_stops(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     vllm_compat.shutdown(llm)
     assert order == ["vLLM's model clean-up", "runner dropped the model", "collected", "engine shutdown"]
+    assert Wrapper.worker.model_runner is None  # the runner's own references go with it before the shutdown
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     order.clear()
     vllm_compat.shutdown(llm)  # the CPU engine has no sleep allocator: straight to the shutdown
@@ -133,3 +137,18 @@ def test_collect_frees_cycles_from_a_frozen_heap():
         assert alive() is None
     finally:
         gc.unfreeze()
+
+
+def test_referrer_chain_names_what_holds_a_tensor():
+    """The message for memory left on vLLM's sleep allocator names the chain of holders."""
+    from verl_fast.rollout import vllm_compat
+
+    class Holder:
+        pass
+
+    tensor = torch.zeros(2)
+    holder = Holder()
+    holder.table = {"kv": tensor}
+    assert vllm_compat._referrer_chain(tensor, 3, ignore=set()).startswith("dict['kv'] <- ")
+    assert "Holder" in vllm_compat._referrer_chain(tensor, 3, ignore=set())
+    assert vllm_compat.sleep_allocator_holders() == []  # no sleep allocator on this machine

@@ -386,10 +386,20 @@ def shutdown(llm) -> None:
 
 def _drop_model(worker) -> None:
     """In the worker: the model runner lets go of the model, the KV cache and its workspace (what
-    vLLM's shutdown does first; doing it twice is harmless)."""
+    vLLM's shutdown does first), then the worker lets go of the runner, whose other state (block
+    zeroer, attention groups, buffers) still refers to KV-cache and weight memory (vLLM's shutdown,
+    finding no runner, skips that step); vLLM's weight-reload bookkeeping of the model's layers goes
+    too (a module-level table, one engine per process)."""
+    worker = getattr(worker, "worker", worker)  # the collective_rpc target may be vLLM's wrapper
     runner_shutdown = getattr(worker.model_runner, "shutdown", None)
     if runner_shutdown is not None:
         runner_shutdown()
+    worker.model_runner = None
+    try:
+        from vllm.model_executor.model_loader.reload import layerwise
+    except ImportError:  # a vLLM without layer-wise reloading
+        return
+    layerwise.LAYERWISE_INFO.clear()
 
 
 def collect() -> None:
@@ -406,6 +416,55 @@ def collect() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def sleep_allocator_holders(limit: int = 3, depth: int = 12) -> List[str]:
+    """For an error message: what keeps memory on vLLM's sleep-mode allocator alive. For up to
+    ``limit`` live CUDA tensors inside its allocations, the chain of objects that refer to each
+    (types, a dict's key, a module's class), nearest first, ``depth`` links at most."""
+    import gc
+
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+    except ImportError:
+        return []
+    allocator = CuMemAllocator.instance
+    spans = sorted((int(d.handle[2]), int(d.handle[2]) + int(d.handle[1]), d.tag)
+                   for d in (allocator.pointer_to_data.values() if allocator is not None else ()))
+    objects = gc.get_objects()
+    found: List[str] = []
+    for obj in objects:
+        if len(found) >= limit:
+            break
+        if not isinstance(obj, torch.Tensor) or not obj.is_cuda:
+            continue
+        ptr = obj.untyped_storage().data_ptr()
+        tag = next((t for lo, hi, t in spans if lo <= ptr < hi), None)
+        if tag is not None:
+            chain = _referrer_chain(obj, depth, ignore={id(objects)})
+            found.append(f"{tuple(obj.shape)} {obj.dtype} ({tag}) held by {chain}")
+    return found
+
+
+def _referrer_chain(obj, depth: int, ignore: set) -> str:
+    """``obj``'s first referrer, its first referrer, ... (frames and ``ignore``'s ids left out)."""
+    import gc
+    import types
+
+    chain, seen = [], set(ignore) | {id(obj)}
+    for _ in range(depth):
+        referrers = [r for r in gc.get_referrers(obj) if id(r) not in seen and not isinstance(r, types.FrameType)]
+        if not referrers:
+            break
+        holder = referrers[0]
+        seen.add(id(holder))
+        if isinstance(holder, dict):
+            key = next((k for k, v in holder.items() if v is obj), None)
+            chain.append(f"dict[{key!r}]")
+        else:
+            chain.append(f"{type(holder).__module__}.{type(holder).__qualname__}")
+        obj = holder
+    return " <- ".join(chain) or "nothing the collector sees (a C++ reference)"
 
 
 def sleep_allocator_usage() -> Dict[str, int]:

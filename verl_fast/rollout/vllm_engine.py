@@ -224,7 +224,8 @@ class VLLMInferenceEngine(RolloutEngine):
                     f"an earlier vLLM engine in this process still holds {_describe_bytes(held)} of vLLM's "
                     "sleep-mode allocator (something keeps a reference to its model or KV cache); vLLM "
                     "loads a sleep-mode engine only into an empty allocator: close() the earlier engine and "
-                    "drop what refers to its tensors, or pass enable_sleep_mode=False")
+                    "drop what refers to its tensors, or pass enable_sleep_mode=False; live tensors there: "
+                    + ("; ".join(compat.sleep_allocator_holders()) or "none found"))
         start = time.perf_counter()
         with compat.quiet_numa_notice():
             self.llm = vllm.LLM(
