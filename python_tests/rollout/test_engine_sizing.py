@@ -152,3 +152,27 @@ def test_referrer_chain_names_what_holds_a_tensor():
     assert vllm_compat._referrer_chain(tensor, 3, ignore=set()).startswith("dict['kv'] <- ")
     assert "Holder" in vllm_compat._referrer_chain(tensor, 3, ignore=set())
     assert vllm_compat.sleep_allocator_holders() == []  # no sleep allocator on this machine
+
+
+def test_set_aside_allocations_leave_the_books_and_are_still_found_when_freed(monkeypatch):
+    """What a closed engine left on vLLM's sleep allocator is taken off its books (the next engine
+    loads), and the allocator's free callback still finds it if its tensor is freed after all."""
+    import types
+
+    from verl_fast.rollout import vllm_compat
+
+    cumem = pytest.importorskip("vllm.device_allocator.cumem", reason="a vLLM with the sleep allocator")
+
+    def entry(tag, size, ptr):
+        return types.SimpleNamespace(tag=tag, handle=(0, size, ptr, None))
+
+    allocator = types.SimpleNamespace(pointer_to_data={10: entry("weights", 2 << 20, 10), 20: entry("kv_cache", 4096, 20)})
+    monkeypatch.setattr(cumem.CuMemAllocator, "instance", allocator, raising=False)
+    assert vllm_compat.set_aside_sleep_allocations() == {"weights": 2 << 20, "kv_cache": 4096}
+    assert vllm_compat.sleep_allocator_usage() == {} and vllm_compat.sleep_allocations_set_aside() == (2 << 20) + 4096
+    allocator.pointer_to_data[30] = entry("weights", 512, 30)  # the next engine's allocation
+    assert vllm_compat.sleep_allocator_usage() == {"weights": 512}
+    assert allocator.pointer_to_data.pop(20).tag == "kv_cache"  # a late free of a set-aside allocation
+    assert allocator.pointer_to_data.pop(30).handle[1] == 512
+    assert vllm_compat.set_aside_sleep_allocations() == {}  # nothing left on the books
+    assert vllm_compat.sleep_allocations_set_aside() == 2 << 20

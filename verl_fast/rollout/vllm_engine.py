@@ -219,6 +219,11 @@ class VLLMInferenceEngine(RolloutEngine):
         if not on_cpu:
             compat.collect()  # an earlier engine dropped without close() still holds device memory until then
             held = compat.sleep_allocator_usage()
+            if enable_sleep_mode and held and not any(engine.llm is not None for engine in _LIVE):
+                logger.warning("engines collected without close() left %s on vLLM's sleep-mode allocator (%s): "
+                               "set aside", _describe_bytes(held), "; ".join(compat.sleep_allocator_holders()))
+                compat.set_aside_sleep_allocations()
+                held = {}
             if enable_sleep_mode and held:
                 raise RuntimeError(
                     f"an earlier vLLM engine in this process still holds {_describe_bytes(held)} of vLLM's "
@@ -518,9 +523,11 @@ class VLLMInferenceEngine(RolloutEngine):
         del llm  # the last reference: collect() can free the engine now
         compat.collect()
         held = compat.sleep_allocator_usage() if torch.cuda.is_available() else {}
-        if held:
-            logger.warning("the closed vLLM engine left %s on vLLM's sleep-mode allocator: a next engine with "
-                           "sleep mode in this process will be refused", _describe_bytes(held))
+        if held:  # tensors that vLLM's own objects keep alive past the shutdown (module-level caches)
+            logger.warning("the closed vLLM engine left %s on vLLM's sleep-mode allocator, set aside so that a next "
+                           "engine loads; live tensors there: %s", _describe_bytes(held),
+                           "; ".join(compat.sleep_allocator_holders()) or "none found")
+            compat.set_aside_sleep_allocations()
         if self._lora_dir is not None:
             shutil.rmtree(self._lora_dir, ignore_errors=True)
             self._lora_dir = None
