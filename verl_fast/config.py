@@ -213,7 +213,9 @@ class CriticConfig(ModelLayoutConfig, ScheduleConfig):
 @dataclass
 class RolloutConfig:
     type: str = _f("auto", choices=("auto", "hf", "vllm"),
-                   doc="auto: vllm when installed and configure_vllm_env() has run (the CLI runs it), else hf")
+                   doc="auto: vllm when installed and configure_vllm_env() has run (the CLI runs it), else hf "
+                       "(the faster measured: on an H200 the vLLM step took 0.81x / 0.87x the HF fast decode's "
+                       "at the 0.5B / 1.5B shapes)")
     n: int = _f(8, min=1, doc="samples per prompt")
     temperature: float = _f(1.0, min=0.0)
     top_p: float = _f(1.0, min=0.0, max=1.0)

@@ -166,7 +166,8 @@ def test_set_aside_allocations_leave_the_books_and_are_still_found_when_freed(mo
     def entry(tag, size, ptr):
         return types.SimpleNamespace(tag=tag, handle=(0, size, ptr, None))
 
-    allocator = types.SimpleNamespace(pointer_to_data={10: entry("weights", 2 << 20, 10), 20: entry("kv_cache", 4096, 20)})
+    books = {10: entry("weights", 2 << 20, 10), 20: entry("kv_cache", 4096, 20)}
+    allocator = types.SimpleNamespace(pointer_to_data=books)
     monkeypatch.setattr(cumem.CuMemAllocator, "instance", allocator, raising=False)
     assert vllm_compat.set_aside_sleep_allocations() == {"weights": 2 << 20, "kv_cache": 4096}
     assert vllm_compat.sleep_allocator_usage() == {} and vllm_compat.sleep_allocations_set_aside() == (2 << 20) + 4096

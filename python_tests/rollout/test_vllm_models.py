@@ -123,7 +123,7 @@ def test_synced_placeholder_engine_equals_fresh_engine(tmp_path):
 def test_closed_engine_leaves_the_sleep_allocator_empty(tmp_path):
     """vLLM 0.26 loads a sleep-mode engine only into an empty sleep allocator: a closed engine (slept
     and woken once, as the trainer leaves it) frees its model and KV cache before vLLM's shutdown lets
-    go of the allocator's pools, and what vLLM's own module-level objects still hold (one 2 MiB chunk
+    go of the allocator's pools, and what vLLM's own objects still hold (one 2 MiB chunk on 0.26
     at most; more would be the model or the KV cache) is set aside, so that a second engine starts in
     the same process and decodes."""
     from verl_fast.rollout import vllm_compat
@@ -131,6 +131,7 @@ def test_closed_engine_leaves_the_sleep_allocator_empty(tmp_path):
     if not vllm_compat.sleep_mode_available():
         pytest.skip("no vLLM sleep mode on this platform")
     path, hf, prompts = build(tmp_path, "qwen2")
+    set_aside = vllm_compat.sleep_allocations_set_aside()  # what earlier tests' engines left
     for _ in range(2):
         engine = VLLMInferenceEngine(path, enable_sleep_mode=True, sleep_level=1, **ENGINE_KW)
         try:
@@ -140,4 +141,6 @@ def test_closed_engine_leaves_the_sleep_allocator_empty(tmp_path):
         finally:
             engine.close()
         assert vllm_compat.sleep_allocator_usage() == {}
-        assert vllm_compat.sleep_allocations_set_aside() <= 2 << 20 < ENGINE_KW["kv_cache_memory_bytes"]
+        left = vllm_compat.sleep_allocations_set_aside() - set_aside
+        assert left <= 2 << 20 < ENGINE_KW["kv_cache_memory_bytes"]
+        set_aside += left

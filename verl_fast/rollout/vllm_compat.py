@@ -418,17 +418,22 @@ def collect() -> None:
         torch.cuda.empty_cache()
 
 
+def _sleep_allocator():
+    """vLLM's sleep-mode allocator (``CuMemAllocator``) if this process made one, else None."""
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+    except ImportError:  # a build without it
+        return None
+    return CuMemAllocator.instance
+
+
 def sleep_allocator_holders(limit: int = 3, depth: int = 12) -> List[str]:
     """For an error message: what keeps memory on vLLM's sleep-mode allocator alive. For up to
     ``limit`` live CUDA tensors inside its allocations, the chain of objects that refer to each
     (types, a dict's key, a module's class), nearest first, ``depth`` links at most."""
     import gc
 
-    try:
-        from vllm.device_allocator.cumem import CuMemAllocator
-    except ImportError:
-        return []
-    allocator = CuMemAllocator.instance
+    allocator = _sleep_allocator()
     spans = sorted((int(d.handle[2]), int(d.handle[2]) + int(d.handle[1]), d.tag)
                    for d in (allocator.pointer_to_data.values() if allocator is not None else ()))
     objects = gc.get_objects()
@@ -491,11 +496,7 @@ def set_aside_sleep_allocations() -> Dict[str, int]:
     """Takes what closed engines left on vLLM's sleep allocator off its books (bytes per tag), so
     that the next engine in the process loads (vLLM 0.26 loads one only into empty books). The memory
     stays mapped for the tensors that still hold it; only when no engine is running."""
-    try:
-        from vllm.device_allocator.cumem import CuMemAllocator
-    except ImportError:
-        return {}
-    allocator = CuMemAllocator.instance
+    allocator = _sleep_allocator()
     if allocator is None or not allocator.pointer_to_data:
         return {}
     held = sleep_allocator_usage()
@@ -507,11 +508,7 @@ def set_aside_sleep_allocations() -> Dict[str, int]:
 
 def sleep_allocations_set_aside() -> int:
     """Bytes that ``set_aside_sleep_allocations`` took off the books and nothing has freed since."""
-    try:
-        from vllm.device_allocator.cumem import CuMemAllocator
-    except ImportError:
-        return 0
-    books = getattr(CuMemAllocator.instance, "pointer_to_data", None)
+    books = getattr(_sleep_allocator(), "pointer_to_data", None)
     return sum(int(d.handle[1]) for d in getattr(books, "set_aside", {}).values())
 
 
@@ -519,11 +516,7 @@ def sleep_allocator_usage() -> Dict[str, int]:
     """Bytes that vLLM's sleep-mode allocator has on its books, per tag (``weights``, ``kv_cache``);
     {} when nothing is allocated or the allocator was never used in this process. vLLM 0.26 refuses
     to load an engine's weights through it unless this is empty."""
-    try:
-        from vllm.device_allocator.cumem import CuMemAllocator
-    except ImportError:  # a build without the allocator (the CPU's)
-        return {}
-    allocator = CuMemAllocator.instance
+    allocator = _sleep_allocator()
     usage: Dict[str, int] = {}
     for data in (allocator.pointer_to_data.values() if allocator is not None else ()):
         usage[data.tag] = usage.get(data.tag, 0) + int(data.handle[1])
