@@ -153,6 +153,38 @@ def test_referrer_chain_names_what_holds_a_tensor():
     assert "Holder" in vllm_compat._referrer_chain(tensor, 3, ignore=set())
     assert vllm_compat.sleep_allocator_holders() == []  # no sleep allocator on this machine
 
+    def suspended():
+        kept = torch.ones(3)
+        yield
+        del kept
+
+    paused = suspended()
+    next(paused)  # its frame now holds the tensor
+    held = next(t for t in paused.gi_frame.f_locals.values() if isinstance(t, torch.Tensor))
+    assert vllm_compat._referrer_chain(held, 1, ignore=set()).startswith("generator ")
+    assert "suspended" in vllm_compat._referrer_chain(held, 1, ignore=set())
+
+    import threading
+    import weakref
+
+    found, ready, done = [], threading.Event(), threading.Event()
+
+    def running():
+        kept = torch.ones(2)
+        found.append(weakref.ref(kept))
+        ready.set()
+        done.wait()
+
+    thread = threading.Thread(target=running)
+    thread.start()
+    ready.wait()
+    try:  # a running thread's locals (here a cell of its frame) are out of the collector's sight: said so
+        chain = vllm_compat._referrer_chain(found[0](), 3, ignore=set())
+        assert chain.endswith("nothing the collector sees (a running thread's frame, or C++)"), chain
+    finally:
+        done.set()
+        thread.join()
+
 
 def test_set_aside_allocations_leave_the_books_and_are_still_found_when_freed(monkeypatch):
     """What a closed engine left on vLLM's sleep allocator is taken off its books (the next engine

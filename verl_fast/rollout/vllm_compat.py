@@ -452,16 +452,22 @@ def sleep_allocator_holders(limit: int = 3, depth: int = 12) -> List[str]:
 
 
 def _referrer_chain(obj, depth: int, ignore: set) -> str:
-    """``obj``'s first referrer, its first referrer, ... (frames, the walk's own lists and
-    ``ignore``'s ids left out); a function is named by its module and qualified name."""
+    """``obj``'s first referrer, its first referrer, ... (the calling stack's frames, the walk's own
+    lists and ``ignore``'s ids left out); a function is named by its module and qualified name, a
+    frame (a suspended generator's, another thread's) by its code's name and line."""
     import gc
+    import sys
     import types
 
     chain, skip = [], set(ignore) | {id(obj)}
+    frame = sys._getframe()
+    while frame is not None:
+        skip.add(id(frame))
+        frame = frame.f_back
     for _ in range(depth):
         referrers = gc.get_referrers(obj)
         skip.add(id(referrers))
-        holder = next((r for r in referrers if id(r) not in skip and not isinstance(r, types.FrameType)), None)
+        holder = next((r for r in referrers if id(r) not in skip), None)
         del referrers
         if holder is None:
             break
@@ -471,10 +477,16 @@ def _referrer_chain(obj, depth: int, ignore: set) -> str:
             chain.append(f"dict[{key!r}]")
         elif isinstance(holder, types.FunctionType):
             chain.append(f"function {holder.__module__}.{holder.__qualname__}")
+        elif isinstance(holder, types.FrameType):
+            chain.append(f"frame {holder.f_code.co_qualname} ({holder.f_code.co_filename}:{holder.f_lineno})")
+        elif isinstance(holder, (types.GeneratorType, types.CoroutineType)):
+            chain.append(f"{type(holder).__name__} {holder.__qualname__}")
         else:
             chain.append(f"{type(holder).__module__}.{type(holder).__qualname__}")
         obj = holder
-    return " <- ".join(chain) or "nothing the collector sees (a C++ reference)"
+    else:
+        return " <- ".join(chain)
+    return " <- ".join(chain + ["nothing the collector sees (a running thread's frame, or C++)"])
 
 
 class _Books(dict):
