@@ -3,7 +3,8 @@
 Cases, all in one process and one run:
 - ``gen <model>``: P prompts x n samples x T new tokens (EOS ignored, so both engines produce exactly
   the same number of tokens), sampled at temperature 1 with the sampled tokens' log-probs; time of
-  the whole batch and generated tokens/s. Models: the tiny random-weight Qwen2 of the tests, and
+  the whole batch and generated tokens/s; vLLM with its per-step detokenisation and without it (the
+  texts decoded in one batch after generation, as the trainer's requests run). Models: the tiny random-weight Qwen2 of the tests, and
   the demo model SmolLM2-135M-Instruct (``--models tiny,demo``).
 - ``update <model>``: ``update_weights(model.state_dict().items())`` into the running engine, against
   building a new engine from the saved folder (what an update without in-place loading costs) and
@@ -105,6 +106,13 @@ def bench_model(name: str, args, report: Report, workdir: Path) -> None:
     assert int(made.response_mask.sum()) == total
     v_ms = time_ms(lambda: engine.generate(prompts, params), args.device, warmup=1, rep=args.rep)
     report.add(f"gen {case}", f"verl_fast vLLM {args.device}", v_ms, note=f"{total / v_ms * 1e3:.0f} tok/s")
+    # the trainer's requests (no stop strings): vLLM's per-step detokenisation off, one batch decode after
+    quiet = params.clone()
+    quiet.detokenize = False
+    assert engine.generate(prompts, quiet).texts == made.texts
+    q_ms = time_ms(lambda: engine.generate(prompts, quiet), args.device, warmup=1, rep=args.rep)
+    report.add(f"gen {case}", f"verl_fast vLLM {args.device}, texts by one batch decode", q_ms,
+               note=f"{total / q_ms * 1e3:.0f} tok/s")
 
     state = hf.state_dict()
     up_ms = time_ms(lambda: engine.update_weights(state.items()), args.device, warmup=1, rep=args.rep)

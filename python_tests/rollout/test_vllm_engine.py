@@ -149,6 +149,20 @@ def test_strings_tensors_and_vllm_sampling_params(engine, model_dir, prompts):
     assert tok.decode(no_lp.response_ids[0, :4].tolist()).startswith(no_lp.texts[0])
 
 
+def test_batch_decoded_texts_equal_vllms_own_detokenisation(engine, prompts):
+    """Without stop strings the engine skips vLLM's per-step detokenisation and decodes the responses
+    in one call afterwards: the same strings as vLLM's (random tiny-model tokens: byte pieces, cut-off
+    characters, special tokens), for the same sampled tokens."""
+    spec = SamplingSpec(n=4, max_tokens=24, temperature=1.0, seed=7)
+    ours = engine.generate(prompts, spec)
+    params = vllm.SamplingParams(n=4, max_tokens=24, temperature=1.0, seed=7, detokenize=True)
+    theirs = engine.generate(prompts, params)
+    assert torch.equal(ours.response_ids, theirs.response_ids)
+    assert ours.texts == theirs.texts
+    assert any(ours.texts) and engine._to_vllm_params(spec)[0].detokenize is False
+    assert engine._to_vllm_params(SamplingSpec(stop=("\n",)))[0].detokenize is True  # stop strings need it
+
+
 def test_stop_token_ends_and_is_masked_in(engine, prompts):
     (_, greedy, _), = rows(engine.generate([prompts[0]], SamplingSpec(temperature=0.0, max_tokens=10)))
     stop = greedy[3]

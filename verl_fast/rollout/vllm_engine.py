@@ -248,7 +248,7 @@ class VLLMInferenceEngine(RolloutEngine):
         self.dtype = compat.model_dtype(self.llm)  # weights are cast to it on update
         self.enable_sleep_mode = enable_sleep_mode
         self.sleep_level = sleep_level
-        tok = self.llm.get_tokenizer()
+        tok = self._tokenizer = self.llm.get_tokenizer()
         pad = getattr(tok, "pad_token_id", None)
         self.pad_token_id = pad if pad is not None else (getattr(tok, "eos_token_id", None) or 0)
         self._sleeping: set = set()  # what sleep() released: "kv_cache", "weights"
@@ -275,7 +275,9 @@ class VLLMInferenceEngine(RolloutEngine):
         ``vllm.SamplingParams``) for all prompts, or one per prompt; ``None`` means ``SamplingSpec()``.
         ``logprobs`` is filled when every request asks for log-probs (``SamplingSpec.logprobs``, or
         ``SamplingParams.logprobs`` not None), else None. Responses end with their EOS / stop token,
-        which the response mask covers; ``texts`` are vLLM's detokenised strings.
+        which the response mask covers; ``texts`` are the responses' strings (special tokens skipped, as
+        vLLM's detokeniser writes them; decoded in one batch after generation unless stop strings need
+        vLLM's own detokenisation during it).
         """
         if self._sleeping:
             raise RuntimeError("the engine is asleep: call wake_up() before generate()")
@@ -292,7 +294,8 @@ class VLLMInferenceEngine(RolloutEngine):
                                         lora_request=self._lora_request)
         want_logprobs = all(p.logprobs is not None for _, p in requests)
         tokens, logprobs, index, texts, reasons, routed = [], [], [], [], [], []
-        for owner, out in zip(owners, outputs):
+        undecoded = []  # completions of requests without vLLM's detokenisation: decoded below in one call
+        for (_, params), owner, out in zip(requests, owners, outputs):
             self._stats.count(out)
             for completion in out.outputs:
                 tokens.append(list(completion.token_ids))
@@ -302,8 +305,15 @@ class VLLMInferenceEngine(RolloutEngine):
                 if want_logprobs:
                     logprobs.append(compat.completion_logprobs(completion))
                 index.append(owner)
+                if not params.detokenize:
+                    undecoded.append(len(texts))
                 texts.append(completion.text)
                 reasons.append(completion.finish_reason or "length")
+        if undecoded:
+            decoded = self._tokenizer.batch_decode([tokens[i] for i in undecoded], skip_special_tokens=True,
+                                                   clean_up_tokenization_spaces=False)
+            for i, text in zip(undecoded, decoded):
+                texts[i] = text.rstrip("\ufffd")  # as vLLM's detokeniser: a cut-off last character is left out
         return pad_completions(tokens, logprobs if want_logprobs else None, index, self.pad_token_id,
                                texts=texts, finish_reasons=reasons,
                                routed_experts=routed if self.record_routing else None)
@@ -341,7 +351,10 @@ class VLLMInferenceEngine(RolloutEngine):
             n=spec.n // copies, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
             max_tokens=spec.max_tokens, stop=list(spec.stop) or None,
             stop_token_ids=list(spec.stop_token_ids) or None, seed=spec.seed,
-            logprobs=0 if spec.logprobs else None)
+            logprobs=0 if spec.logprobs else None,
+            # vLLM detokenises every request at every step on the host (inside the decode loop); without
+            # stop strings to match, the texts come from one batch decode after generation instead
+            detokenize=bool(spec.stop))
         return params, copies
 
     @staticmethod
