@@ -209,3 +209,20 @@ def test_set_aside_allocations_leave_the_books_and_are_still_found_when_freed(mo
     assert allocator.pointer_to_data.pop(30).handle[1] == 512
     assert vllm_compat.set_aside_sleep_allocations() == {}  # nothing left on the books
     assert vllm_compat.sleep_allocations_set_aside() == 2 << 20
+
+
+def test_decode_responses_falls_back_to_the_tokenizer_protocols_decode():
+    """vLLM's tokenizer protocol has only decode(ids, skip_special_tokens); its Mistral tokenizer's
+    batch_decode takes no clean-up argument: both still give the texts."""
+    from verl_fast.rollout import vllm_compat
+
+    class Protocol:
+        def decode(self, ids, skip_special_tokens=False):
+            return "-".join(str(i) for i in ids if not (skip_special_tokens and i == 0))
+
+    class Mistral(Protocol):
+        def batch_decode(self, ids, skip_special_tokens=False):
+            return [self.decode(x, skip_special_tokens) for x in ids]
+
+    for tokenizer in (Protocol(), Mistral()):
+        assert vllm_compat.decode_responses(tokenizer, [[0, 5, 6], [7]]) == ["5-6", "7"]

@@ -310,8 +310,7 @@ class VLLMInferenceEngine(RolloutEngine):
                 texts.append(completion.text)
                 reasons.append(completion.finish_reason or "length")
         if undecoded:
-            decoded = self._tokenizer.batch_decode([tokens[i] for i in undecoded], skip_special_tokens=True,
-                                                   clean_up_tokenization_spaces=False)
+            decoded = compat.decode_responses(self._tokenizer, [tokens[i] for i in undecoded])
             for i, text in zip(undecoded, decoded):
                 texts[i] = text.rstrip("\ufffd")  # as vLLM's detokeniser: a cut-off last character is left out
         return pad_completions(tokens, logprobs if want_logprobs else None, index, self.pad_token_id,
