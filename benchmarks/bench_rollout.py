@@ -4,8 +4,8 @@ Cases, all in one process and one run:
 - ``gen <model>``: P prompts x n samples x T new tokens (EOS ignored, so both engines produce exactly
   the same number of tokens), sampled at temperature 1 with the sampled tokens' log-probs; time of
   the whole batch and generated tokens/s; vLLM with its per-step detokenisation and without it (the
-  texts decoded in one batch after generation, as the trainer's requests run). Models: the tiny random-weight Qwen2 of the tests, and
-  the demo model SmolLM2-135M-Instruct (``--models tiny,demo``).
+  texts decoded in one batch after generation, as the trainer's requests run). Models: the tiny
+  random-weight Qwen2 of the tests, and the demo model SmolLM2-135M-Instruct (``--models tiny,demo``).
 - ``update <model>``: ``update_weights(model.state_dict().items())`` into the running engine, against
   building a new engine from the saved folder (what an update without in-place loading costs) and
   against the floor: one copy of the weights' bytes at the measured memory bandwidth.

@@ -197,12 +197,13 @@ def sampling_params(**fields):
 
 def decode_responses(tokenizer, sequences: List[List[int]]) -> List[str]:
     """The strings of generated token lists as vLLM's detokeniser writes them: special tokens skipped,
-    no clean-up of spaces. vLLM's tokenizer protocol guarantees only ``decode(ids, skip_special_tokens)``;
-    its HF tokenizers also decode a batch in one call."""
+    no clean-up of spaces, a cut-off last character left out. vLLM's tokenizer protocol guarantees only
+    ``decode(ids, skip_special_tokens)``; its HF tokenizers also decode a batch in one call."""
     try:
-        return tokenizer.batch_decode(sequences, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        texts = tokenizer.batch_decode(sequences, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     except (AttributeError, TypeError):  # e.g. vLLM's Mistral tokenizer: no clean-up argument (none to skip)
-        return [tokenizer.decode(ids, skip_special_tokens=True) for ids in sequences]
+        texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in sequences]
+    return [text.rstrip("\ufffd") for text in texts]
 
 
 def is_sampling_params(obj) -> bool:

@@ -114,6 +114,19 @@ def _describe_bytes(per_tag: Dict[str, int]) -> str:
     return ", ".join(f"{n / 2**20:.1f} MiB under '{tag}'" for tag, n in sorted(per_tag.items()))
 
 
+def _holders() -> str:
+    return "; ".join(compat.sleep_allocator_holders()) or "none found"
+
+
+def _set_aside_leftovers(whose: str, held: Dict[str, int]) -> None:
+    """Memory that no running engine owns but vLLM's sleep allocator still books (tensors vLLM's own
+    objects keep past a shutdown; on 0.26 a 16-float one held through a cell): named, then taken off
+    the books so that the next engine in the process loads."""
+    logger.warning("%s left %s on vLLM's sleep-mode allocator, set aside so that a next engine loads; live "
+                   "tensors there: %s", whose, _describe_bytes(held), _holders())
+    compat.set_aside_sleep_allocations()
+
+
 class VLLMInferenceEngine(RolloutEngine):
     """``vllm.LLM`` in this process, with in-place weight updates (see the module docstring).
 
@@ -220,9 +233,7 @@ class VLLMInferenceEngine(RolloutEngine):
             compat.collect()  # an earlier engine dropped without close() still holds device memory until then
             held = compat.sleep_allocator_usage()
             if enable_sleep_mode and held and not any(engine.llm is not None for engine in _LIVE):
-                logger.warning("engines collected without close() left %s on vLLM's sleep-mode allocator (%s): "
-                               "set aside", _describe_bytes(held), "; ".join(compat.sleep_allocator_holders()))
-                compat.set_aside_sleep_allocations()
+                _set_aside_leftovers("engines collected without close()", held)
                 held = {}
             if enable_sleep_mode and held:
                 raise RuntimeError(
@@ -230,7 +241,7 @@ class VLLMInferenceEngine(RolloutEngine):
                     "sleep-mode allocator (something keeps a reference to its model or KV cache); vLLM "
                     "loads a sleep-mode engine only into an empty allocator: close() the earlier engine and "
                     "drop what refers to its tensors, or pass enable_sleep_mode=False; live tensors there: "
-                    + ("; ".join(compat.sleep_allocator_holders()) or "none found"))
+                    + _holders())
         start = time.perf_counter()
         with compat.quiet_numa_notice():
             self.llm = vllm.LLM(
@@ -312,7 +323,7 @@ class VLLMInferenceEngine(RolloutEngine):
         if undecoded:
             decoded = compat.decode_responses(self._tokenizer, [tokens[i] for i in undecoded])
             for i, text in zip(undecoded, decoded):
-                texts[i] = text.rstrip("\ufffd")  # as vLLM's detokeniser: a cut-off last character is left out
+                texts[i] = text
         return pad_completions(tokens, logprobs if want_logprobs else None, index, self.pad_token_id,
                                texts=texts, finish_reasons=reasons,
                                routed_experts=routed if self.record_routing else None)
@@ -535,11 +546,8 @@ class VLLMInferenceEngine(RolloutEngine):
         del llm  # the last reference: collect() can free the engine now
         compat.collect()
         held = compat.sleep_allocator_usage() if torch.cuda.is_available() else {}
-        if held:  # tensors vLLM's own objects keep past the shutdown (0.26: a 16-float one, in a closure)
-            logger.warning("the closed vLLM engine left %s on vLLM's sleep-mode allocator, set aside so that a next "
-                           "engine loads; live tensors there: %s", _describe_bytes(held),
-                           "; ".join(compat.sleep_allocator_holders()) or "none found")
-            compat.set_aside_sleep_allocations()
+        if held:
+            _set_aside_leftovers("the closed vLLM engine", held)
         if self._lora_dir is not None:
             shutil.rmtree(self._lora_dir, ignore_errors=True)
             self._lora_dir = None
