@@ -158,11 +158,46 @@ def worker_ours(args) -> Dict[str, Any]:
                   f"sync {m.get('time/weight_sync', 0) * 1e3:.1f} ms  gc {m.get('perf/gc_s', 0) * 1e3:.0f} ms "
                   f"({m.get('perf/gc_full', 0):.0f} full)  cudaMalloc {m.get('perf/cuda_mallocs', 0):.0f} "
                   f"free {m.get('perf/cuda_frees', 0):.0f}", flush=True)
+    profile = None
+    if args.device == "cuda" and world == 1:
+        try:
+            profile = profile_rollout(trainer, rows[: args.prompts])
+        except Exception as e:  # noqa: BLE001 - the profile is an extra: the steps are measured already
+            print(f"ours {args.rollout}: the rollout profile failed ({type(e).__name__}: {e})", flush=True)
+    if profile:
+        print(f"ours {args.rollout} {args.shape}: profiled rollout {profile['wall_s']:.2f} s, kernels busy "
+              f"{profile['gpu_busy_s']:.2f} s ({profile['kernels']} kernels); top: "
+              + "; ".join(f"{k['name'][:60]} {k['total_ms']:.0f} ms" for k in profile["top_kernels"][:4]), flush=True)
     engine_start = getattr(trainer.engine, "init_seconds", None)
     if hasattr(trainer.engine, "close"):
         trainer.engine.close()
     return {"impl": "verl_fast", "world": world, "steps": steps, "startup_s": startup, "engine_start_s": engine_start,
-            "prompt_tokens_mean": statistics.mean(len(r.prompt_ids) for r in rows), "rank": rank}
+            "prompt_tokens_mean": statistics.mean(len(r.prompt_ids) for r in rows), "rank": rank, "profile": profile}
+
+
+def profile_rollout(trainer, batch) -> Dict[str, Any]:
+    """One more rollout of ``batch`` as the trainer runs it, under the profiler's CUDA activity only
+    (no host-side op records to slow the host): its wall time against the time some kernel ran
+    (the union of kernel intervals), so a host-bound decode shows as idle GPU; the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with trainer._engine_awake():
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            trainer.rollout.rollout(batch, seed=0)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0.0, float("-inf")
+    for a, b in kernels:  # microseconds; merge overlapping intervals
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    top = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:10]
+    return {"wall_s": wall, "gpu_busy_s": busy / 1e6, "kernels": len(kernels),
+            "top_kernels": [{"name": e.key[:120], "calls": e.count, "total_ms": e.device_time_total / 1e3}
+                            for e in top]}
 
 
 def worker_trl(args) -> Dict[str, Any]:
@@ -282,6 +317,7 @@ def summarise_ours(run: Dict[str, Any], skip: int) -> Dict[str, Any]:
     detail = ("time/step", "time/generation", "time/update_actor", "perf/gc_s", "perf/gc_full", "perf/cuda_mallocs",
               "perf/cuda_frees", "perf/alloc_retries", "response/length")
     out["steady_detail"] = [{k: s[k] for k in detail if k in s} for s in run["steps"][skip:]]
+    out["rollout_profile"] = run.get("profile")
     return out
 
 

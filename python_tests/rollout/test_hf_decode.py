@@ -184,11 +184,11 @@ def test_capture_failure_decodes_eagerly_and_loop_failure_falls_back(model, tok,
     spec = SamplingSpec(n=2, temperature=0.0, max_tokens=6)
     want = plain.generate(prompts(tok, 3), spec)
 
-    def no_capture(decoder):
+    def no_capture(self, decoder):
         decoder.step()  # the warm-up step runs, then capture fails
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(hf_decode, "_capture", no_capture)
+    monkeypatch.setattr(hf_decode.GraphPool, "capture", no_capture)
     original = hf_decode.decode
     monkeypatch.setattr(hf_decode, "decode", lambda *a, **k: original(*a, **{**k, "use_graph": True}))
     with caplog.at_level("WARNING"):
@@ -226,6 +226,27 @@ def test_bf16_autocast_runs_the_loop(model, tok, device):
         assert (logits.max(-1).values - chosen).max() < 0.1, row
         want = torch.log_softmax(logits, -1).gather(-1, out.response_ids[row, :length, None]).squeeze(-1)
         torch.testing.assert_close(out.logprobs[row, :length].double(), want, atol=5e-2, rtol=0)
+
+
+@pytest.mark.gpu
+def test_graph_memory_is_reused_across_rollouts(model, tok):
+    """The engine keeps its decode graph's pool between calls: after the first calls, a rollout of
+    the same shape asks the driver for no memory and gives none back, and still decodes right."""
+    fast, plain = engines(model, tok, "cuda")
+    spec = SamplingSpec(n=4, temperature=0.0, max_tokens=24)
+    want = plain.generate(prompts(tok), spec)
+    for _ in range(2):  # the first calls may still grow the allocator (cuBLAS workspaces, the pool itself)
+        fast.generate(prompts(tok), spec)
+    before = torch.cuda.memory_stats()
+    got = fast.generate(prompts(tok), spec)
+    after = torch.cuda.memory_stats()
+    assert fast.last_mode == "graph"
+    assert after["num_device_alloc"] == before["num_device_alloc"]
+    assert after["num_device_free"] == before["num_device_free"]
+    assert torch.equal(got.response_ids, want.response_ids)
+    torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+    sampled = fast.generate(prompts(tok), SamplingSpec(n=2, temperature=1.0, max_tokens=24))  # another shape
+    assert fast.last_mode == "graph" and sampled.num_sequences == 10
 
 
 @pytest.mark.parametrize("q_len", [1, 3])

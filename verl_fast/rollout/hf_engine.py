@@ -134,6 +134,7 @@ class HFGenerateEngine(RolloutEngine):
                              "has no top-k routers")
         self.fast_failed: Optional[str] = None
         self.last_mode: Optional[str] = None  # how the last call decoded: graph, eager or generate
+        self._graphs = hf_decode.GraphPool()  # the decode graph's memory, reused by the next call's graph
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if self.pad_id is None:
             raise ValueError("the tokenizer has neither a pad nor an EOS token")
@@ -146,6 +147,10 @@ class HFGenerateEngine(RolloutEngine):
         if is_sharded(self.model):  # shards may be offloaded to the CPU: compute runs where collectives do
             return collective_device()
         return next(self._module().parameters()).device
+
+    def reseed(self, seed: int) -> bool:
+        torch.manual_seed(seed)  # both decode loops draw from the global generator
+        return True
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  sampling: Union[SamplingSpec, Sequence[SamplingSpec]]) -> GenerationOutput:
@@ -247,7 +252,7 @@ class HFGenerateEngine(RolloutEngine):
             return hf_decode.decode(
                 module, ids.repeat_interleave(rows, 0).to(device), mask.repeat_interleave(rows, 0).to(device),
                 spec.max_tokens, spec.temperature, spec.top_k, spec.top_p, list(eos) + list(spec.stop_token_ids),
-                self.pad_id, use_graph=device.type == "cuda" and not _fsdp1(self.model))
+                self.pad_id, use_graph=device.type == "cuda" and not _fsdp1(self.model), graphs=self._graphs)
         except Exception as e:  # noqa: BLE001 - the loop is an optimisation: generate still works
             self.fast_failed = f"the static-cache loop failed before ({type(e).__name__}: {e})"
             logger.warning("fast HF decoding failed, using generate from now on: %s: %s", type(e).__name__, e)

@@ -275,6 +275,12 @@ class VLLMInferenceEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ generation
 
+    def reseed(self, seed: int) -> bool:
+        # the engine core runs in this process: requests without a seed of their own draw from the
+        # device's global generator, all in one kernel per step
+        torch.manual_seed(seed)
+        return True
+
     def generate(
         self,
         prompts: Sequence[Prompt],
