@@ -32,17 +32,12 @@ def test_grpo_with_vllm_rollout(tmp_path):
                        "max_num_seqs": 16},
            "reward_fn": {"type": "callable", "path": "builtins:len"},  # replaced by reward_fn below
            "algorithm": {"type": "grpo"},
-           "trainer": {"total_steps": 20, "train_batch_size": 2, "output_dir": str(tmp_path / "run"),
+           "trainer": {"total_steps": 32, "train_batch_size": 2, "output_dir": str(tmp_path / "run"),
                        "progress_bar": False, "plot": False, "max_prompt_length": 64}}
     trainer = RLTrainer(actor_model=model, tokenizer=tok, config=cfg, model_path=str(path),
                         reward_fn=lambda solution_str: float(solution_str.startswith(target)))
     try:
         history = trainer.fit(PROMPTS)
-        rewards = [h["reward/mean"] for h in history]
-        assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.3, rewards
-        assert all("time/weight_sync" in h for h in history)
-        if torch.cuda.is_available():  # the engine slept through every update (sleep mode is GPU-only)
-            assert all(h["rollout/sleep_freed_gib"] > 0 and h["rollout/sleep_s"] > 0 for h in history)
         # the engine holds the trained weights: greedy decoding agrees with the HF actor
         rows = trainer.processor.encode_all(PROMPTS)
         out = trainer.engine.generate([r.prompt_ids for r in rows],
@@ -52,6 +47,11 @@ def test_grpo_with_vllm_rollout(tmp_path):
         for i, r in enumerate(rows):
             got = out.response_ids[i][: int(out.response_mask[i].sum())]
             ref.assert_greedy(got.tolist(), r.prompt_ids, 4)
+        rewards = [h["reward/mean"] for h in history]
+        assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.3, rewards
+        assert all("time/weight_sync" in h for h in history)
+        if torch.cuda.is_available():  # the engine slept through every update (sleep mode is GPU-only)
+            assert all(h["rollout/sleep_freed_gib"] > 0 and h["rollout/sleep_s"] > 0 for h in history)
     finally:
         trainer.engine.close()
 

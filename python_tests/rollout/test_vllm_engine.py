@@ -19,10 +19,8 @@ import torch
 
 from rollout_refs import ENGINE_DTYPE, EngineReference, rows
 from tiny_models import save_tiny_model
-from verl_fast.data import PromptRow
 from verl_fast.rollout import vllm_compat
 from verl_fast.rollout.base import SamplingSpec
-from verl_fast.rollout.operator import RolloutOperator
 from verl_fast.rollout.vllm_engine import VLLMInferenceEngine, check_engine_kwargs
 from verl_fast.rollout.vllm_env import configure_vllm_env
 
@@ -92,22 +90,6 @@ def test_same_seed_same_samples(engine, prompts):
     spec = SamplingSpec(n=2, max_tokens=6, seed=7)
     a, b = engine.generate(prompts, spec), engine.generate(prompts, spec)
     assert torch.equal(a.response_ids, b.response_ids)
-
-
-def test_reseed_draws_a_whole_call_from_one_seed(engine, prompts, monkeypatch):
-    """The trainer's rollouts: one seed for the call, no per-request seed (vLLM would draw each
-    seeded request's noise from its own generator, a launch per request and step)."""
-    sent = []
-    generate = engine.llm.generate
-    monkeypatch.setattr(engine.llm, "generate", lambda reqs, params, **k: sent.extend(params) or generate(reqs, params,
-                                                                                                         **k))
-    spec = SamplingSpec(n=3, max_tokens=6, temperature=1.0)
-    op = RolloutOperator(engine, spec)
-    rows = [PromptRow(prompt_ids=list(p), prompt_text="") for p in prompts]
-    a, b, c = op.rollout(rows, seed=3), op.rollout(rows, seed=3), op.rollout(rows, seed=4)
-    assert all(p.seed is None for p in sent)
-    assert torch.equal(a.response_ids, b.response_ids)
-    assert not torch.equal(a.response_ids, c.response_ids)
 
 
 def assert_matches(out, model, prompts, max_tokens, temperature=1.0):

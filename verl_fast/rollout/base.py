@@ -159,12 +159,6 @@ class RolloutEngine:
     #: True when ``generate`` is a collective call (every rank calls it the same number of times).
     collective: bool = False
 
-    def reseed(self, seed: int) -> bool:
-        """Seeds the next ``generate`` call's draws as a whole (reproducible from ``seed`` for the same
-        prompts and settings, with no random generator per request). Returns False where the engine
-        cannot; the caller then seeds each request instead."""
-        return False
-
     def sync_from(self, model: torch.nn.Module) -> Dict[str, float]:
         """Makes the engine generate with ``model``'s current weights (after every optimizer step;
         collective when the model is sharded; engines that own weights also take a Megatron actor).

@@ -245,14 +245,19 @@ class GraphPool:
     pool is given back to the driver when the graph goes, so every rollout paid a ``cudaMalloc`` and a
     ``cudaFree`` per segment of it (~450 a rollout at the 0.5B shape, measured on an H200). Captured
     into the pool of the previous graph, which this holder keeps until the next capture, the next
-    graph reuses those segments; their memory stays reserved between rollouts."""
+    graph reuses those segments; their memory stays reserved between rollouts. The warm-up step runs
+    on one side stream kept here too (the allocator caches blocks per stream: a new stream each time
+    would allocate the warm-up's memory afresh)."""
 
     def __init__(self) -> None:
         self.last: Optional["torch.cuda.CUDAGraph"] = None
+        self.side: Optional["torch.cuda.Stream"] = None
 
     def capture(self, decoder: "_Decoder") -> "torch.cuda.CUDAGraph":
         """Runs one real step on a side stream (warm-up), then captures the step (capturing runs nothing)."""
-        side = torch.cuda.Stream()
+        if self.side is None:
+            self.side = torch.cuda.Stream()
+        side = self.side
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             decoder.step()

@@ -148,10 +148,6 @@ class HFGenerateEngine(RolloutEngine):
             return collective_device()
         return next(self._module().parameters()).device
 
-    def reseed(self, seed: int) -> bool:
-        torch.manual_seed(seed)  # both decode loops draw from the global generator
-        return True
-
     def generate(self, prompts: Sequence[Sequence[int]],
                  sampling: Union[SamplingSpec, Sequence[SamplingSpec]]) -> GenerationOutput:
         specs = [sampling] * len(prompts) if isinstance(sampling, SamplingSpec) else list(sampling)

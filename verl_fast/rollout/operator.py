@@ -55,10 +55,7 @@ class RolloutOperator:
 
     def rollout(self, batch: Sequence[PromptRow], seed: Optional[int] = None) -> GenerationOutput:
         prompts = [row.prompt_ids for row in batch]
-        # one seed for the call where the engine takes one: vLLM draws each seeded request's noise
-        # from that request's own generator, a kernel launch per request at every decode step
-        whole = seed is not None and self.default.seed is None and self.engine.reseed(seed)
-        specs = self.specs(batch, None if whole else seed)
+        specs = self.specs(batch, seed)
         if self.max_batch_tokens is None or len(batch) < 2:
             return self.engine.generate(prompts, specs)
         n = max(s.n for s in specs)  # each prompt occupies n sequences

@@ -275,12 +275,6 @@ class VLLMInferenceEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ generation
 
-    def reseed(self, seed: int) -> bool:
-        # the engine core runs in this process: requests without a seed of their own draw from the
-        # device's global generator, all in one kernel per step
-        torch.manual_seed(seed)
-        return True
-
     def generate(
         self,
         prompts: Sequence[Prompt],
@@ -463,6 +457,8 @@ class VLLMInferenceEngine(RolloutEngine):
         if self._lora_dir is None:
             self._lora_dir = tempfile.mkdtemp(prefix="verl_fast_lora_")
         peft_model.save_pretrained(self._lora_dir)
+        # the adapter's slots were allocated with the weights: after sleep() they are off the GPU too
+        self._wake(["weights"])
         compat.load_lora(self.llm, compat.lora_request(LORA_NAME, 1, self._lora_dir, load_inplace=True))
         self._lora_request = compat.lora_request(LORA_NAME, 1, self._lora_dir)
         self.llm.reset_prefix_cache()
