@@ -240,34 +240,37 @@ class _Decoder:
 
 
 class GraphPool:
-    """The memory of the decode step's CUDA graphs, kept from one rollout to the next. Each rollout
-    captures its own graph (the weights it reads are that call's autocast copies); a graph's private
-    pool is given back to the driver when the graph goes, so every rollout paid a ``cudaMalloc`` and a
-    ``cudaFree`` per segment of it (~450 a rollout at the 0.5B shape, measured on an H200). Captured
-    into the pool of the previous graph, which this holder keeps until the next capture, the next
-    graph reuses those segments; their memory stays reserved between rollouts. The warm-up step runs
-    on one side stream kept here too (the allocator caches blocks per stream: a new stream each time
-    would allocate the warm-up's memory afresh)."""
+    """Where the decode step's CUDA graphs are captured, kept from one rollout to the next, so that a
+    rollout leaves the caching allocator as it found it. Each rollout captures its own graph (the
+    weights it reads are that call's autocast copies). ``torch.cuda.graph`` empties the allocator's
+    cache before every capture: the update's cached working set went back to the driver at each
+    rollout and was allocated again in the next update (~435 ``cudaFree`` + ``cudaMalloc`` a step at
+    the 0.5B shape on an H200); here the capture is begun and ended directly. A graph's private pool
+    is freed with the graph, so each capture goes into the pool of the previous graph, kept here
+    until then (its segments stay reserved between rollouts). One side stream runs the warm-up
+    step and the capture (the allocator caches blocks per stream)."""
 
     def __init__(self) -> None:
         self.last: Optional["torch.cuda.CUDAGraph"] = None
-        self.side: Optional["torch.cuda.Stream"] = None
+        self.stream: Optional["torch.cuda.Stream"] = None
 
     def capture(self, decoder: "_Decoder") -> "torch.cuda.CUDAGraph":
-        """Runs one real step on a side stream (warm-up), then captures the step (capturing runs nothing)."""
-        if self.side is None:
-            self.side = torch.cuda.Stream()
-        side = self.side
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            decoder.step()
-        torch.cuda.current_stream().wait_stream(side)
+        """Runs one real step on the side stream (warm-up), then captures the step (capturing runs nothing)."""
+        if self.stream is None:
+            self.stream = torch.cuda.Stream()
+        self.stream.wait_stream(torch.cuda.current_stream())
         graph = torch.cuda.CUDAGraph()
         # the previous graph is never replayed again: sharing its pool is safe (graphs of one pool
         # must replay in capture order, and only the newest one does)
         pool = self.last.pool() if self.last is not None else None
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        with torch.cuda.stream(self.stream):
             decoder.step()
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                decoder.step()
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(self.stream)
         self.last = graph
         return graph
 

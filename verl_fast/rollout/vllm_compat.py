@@ -454,7 +454,10 @@ def sleep_allocator_holders(limit: int = 3, depth: int = 12) -> List[str]:
             break
         if not isinstance(obj, torch.Tensor) or not obj.is_cuda:
             continue
-        ptr = obj.untyped_storage().data_ptr()
+        try:
+            ptr = obj.untyped_storage().data_ptr()
+        except RuntimeError:  # a tensor without memory (torch.compile's fake tensors)
+            continue
         tag = next((t for lo, hi, t in spans if lo <= ptr < hi), None)
         if tag is not None:
             chain = _referrer_chain(obj, depth, ignore={id(objects)})
