@@ -186,6 +186,27 @@ def test_referrer_chain_names_what_holds_a_tensor():
         thread.join()
 
 
+def test_holder_walk_passes_over_tensors_without_memory(monkeypatch):
+    """torch.compile's fake tensors claim a device but have no memory to locate: the walk (run by an
+    engine's close on the GPU) passed over none of them before and failed on their storage."""
+    import types
+
+    from verl_fast.rollout import vllm_compat
+
+    class Memoryless(torch.Tensor):
+        @property
+        def is_cuda(self):
+            return True
+
+        def untyped_storage(self):
+            raise RuntimeError("Cannot access data pointer of Tensor (e.g. FakeTensor, FunctionalTensor)")
+
+    kept = torch.Tensor._make_subclass(Memoryless, torch.zeros(1))
+    books = {7: types.SimpleNamespace(tag="weights", handle=(0, 2 << 20, 1 << 40, None))}
+    monkeypatch.setattr(vllm_compat, "_sleep_allocator", lambda: types.SimpleNamespace(pointer_to_data=books))
+    assert kept.is_cuda and vllm_compat.sleep_allocator_holders() == []
+
+
 def test_set_aside_allocations_leave_the_books_and_are_still_found_when_freed(monkeypatch):
     """What a closed engine left on vLLM's sleep allocator is taken off its books (the next engine
     loads), and the allocator's free callback still finds it if its tensor is freed after all."""
