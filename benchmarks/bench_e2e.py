@@ -1,7 +1,8 @@
 """End to end: our GRPO step against TRL's ``GRPOTrainer`` -- same model, prompts, reward, batch and
 lengths -- on 1 GPU, each with Hugging Face rollout and with vLLM rollout (ours: ``rollout.type:
 vllm``, vLLM inside the trainer, weights written in place; TRL: ``use_vllm=True,
-vllm_mode="colocate", vllm_gpu_memory_utilization=0.3``, the configuration TRL's users run), and
+vllm_mode="colocate", vllm_gpu_memory_utilization=0.3``, the configuration TRL's users run; ours
+also with the HF fast decode's forward compiled, ``ours_hfc``: ``rollout.hf_compile_decode``), and
 ours on 2 GPUs (FSDP2 under torchrun); per-phase times, tokens/s per GPU, update MFU, peak memory,
 and the start-up (engine start included) of each run.
 
@@ -19,7 +20,7 @@ on two GPUs when there are two).
 
     python benchmarks/bench_e2e.py --prepare-assets      # copy the demo tokenizer into .bench_assets/
     python benchmarks/bench_e2e.py --device cuda [--shapes 0.5b,1.5b] [--gpus 1,2] [--tokens 1024]
-                                   [--impls ours_hf,ours_vllm,trl_hf,trl_vllm]
+                                   [--impls ours_hf,ours_hfc,ours_vllm,trl_hf,trl_vllm]
     python benchmarks/bench_e2e.py --device cpu --tiny   # smoke test of every path on a tiny model
 """
 
@@ -106,7 +107,7 @@ def chat_prompts(count: int, seed: int = 0) -> List[List[Dict[str, str]]]:
 # ---------------------------------------------------------------- workers (one process per run)
 
 
-IMPLS = ("ours_hf", "ours_vllm", "trl_hf", "trl_vllm")
+IMPLS = ("ours_hf", "ours_hfc", "ours_vllm", "trl_hf", "trl_vllm")  # hfc: HF fast decode, forward compiled
 
 
 def worker_ours(args) -> Dict[str, Any]:
@@ -136,7 +137,8 @@ def worker_ours(args) -> Dict[str, Any]:
     rng = random.Random(rank)
     cfg = {
         "actor": {"lr": 1e-6, "autocast": "bfloat16"},  # micro-batching: the defaults (token budget on a GPU)
-        "rollout": {"type": args.rollout, "n": args.n, "max_new_tokens": args.tokens, "temperature": 1.0},
+        "rollout": {"type": "vllm" if args.rollout == "vllm" else "hf", "n": args.n, "max_new_tokens": args.tokens,
+                    "temperature": 1.0, "hf_compile_decode": args.rollout == "hfc"},
         "algorithm": {"type": "grpo"},
         "trainer": {"train_batch_size": args.prompts, "total_steps": args.steps, "device": args.device,
                     "output_dir": tempfile.mkdtemp(prefix="bench_e2e_"), "progress_bar": False, "plot": False},
@@ -426,7 +428,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-trl", action="store_true")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     p.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
-    p.add_argument("--rollout", choices=["hf", "vllm"], default="hf", help=argparse.SUPPRESS)
+    p.add_argument("--rollout", choices=["hf", "hfc", "vllm"], default="hf", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--shape", help=argparse.SUPPRESS)

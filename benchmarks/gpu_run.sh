@@ -125,7 +125,7 @@ fi
 # torchrun, the same per-GPU batch). About 6 minutes on 2 H200. ----
 if want e2e; then
   timeout ${E2E_TIMEOUT:-560} "$py" benchmarks/bench_e2e.py --device cuda --shapes "${E2E_SHAPES:-0.5b,1.5b}" \
-    --impls "${E2E_IMPLS:-ours_hf,ours_vllm,trl_hf,trl_vllm}" --tokens "${E2E_TOKENS:-256}" \
+    --impls "${E2E_IMPLS:-ours_hf,ours_hfc,ours_vllm,trl_hf,trl_vllm}" --tokens "${E2E_TOKENS:-256}" \
     --steps "${E2E_STEPS:-10}" --trl-steps "${E2E_TRL_STEPS:-hf:3,vllm:5}" --timeout "${E2E_RUN_TIMEOUT:-240}" \
     >> "$OUT/bench.log" 2>&1 || failed+=("bench_e2e")
   sed -n '/^e2e GRPO step/,$p' "$OUT/bench.log" | tail -n 12

@@ -253,6 +253,9 @@ class RolloutConfig:
     hf_fast_decode: str = _f("auto", choices=("auto", "on", "off"),
                              doc="type hf: static-KV-cache decoding of the whole batch, CUDA graphs on a GPU "
                                  "(auto: on a GPU); off: model.generate")
+    hf_compile_decode: bool = _f(False, doc="type hf, fast decode: the decode steps' forward compiled by "
+                                            "torch.compile (fewer, fused kernels per token; compiled at the "
+                                            "first rollout of each batch shape)")
     quantization: Optional[str] = _f(None, doc="vLLM's quantization (awq, gptq, fp8, ...); vllm rollout with a "
                                      "PEFT actor only (the engine's quantized base cannot take full updates)")
     speculative_config: Optional[Dict[str, Any]] = _f(None, doc="rejected: RL must sample from the policy")

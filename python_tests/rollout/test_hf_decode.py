@@ -271,3 +271,58 @@ def test_grouped_attention_matches_per_head_reference(q_len):
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=0)
     with pytest.raises(NotImplementedError, match="softcap"):
         hf_decode.grouped_attention(None, query, key, value, mask, softcap=30.0)
+
+
+def test_compiled_decode_steps_match_eager(tok):
+    """``compile_decode``: the decode steps' forward compiled (Inductor; here its CPU code) gives the
+    eager loop's greedy tokens and log-probs, compiles once for a batch shape (prompt widths rounded
+    up), and under autocast runs on refreshed low-precision copies of the linear weights while the
+    model keeps its own parameters."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    m = build_model("qwen2", vocab_size=len(tok), num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                    eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id, tie_word_embeddings=True)
+    m.generation_config.eos_token_id = tok.eos_token_id
+    eager = HFGenerateEngine(m, tok, fast_decode="on")
+    compiled = HFGenerateEngine(m, tok, fast_decode="on", compile_decode=True)
+    spec = SamplingSpec(n=2, temperature=0.0, max_tokens=10)
+    want, got = eager.generate(prompts(tok), spec), compiled.generate(prompts(tok), spec)
+    assert torch.equal(got.response_ids, want.response_ids)
+    torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert compiled.fast_failed is None and compiled.last_mode == "eager" and frames >= 1  # the loop ran, compiled
+    compiled.generate([p[1:] or p for p in prompts(tok)], spec)  # narrower, the same rounded width: no new compile
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
+
+    params = {name: p for name, p in m.named_parameters()}
+    bf16 = HFGenerateEngine(m, tok, fast_decode="on", compile_decode=True, autocast_dtype=torch.bfloat16)
+    ref = HFGenerateEngine(m, tok, fast_decode="on", autocast_dtype=torch.bfloat16)
+    for _ in range(2):  # the second time after a weight change: the copies follow the parameters
+        a, b = bf16.generate(prompts(tok), spec), ref.generate(prompts(tok), spec)
+        agree = (a.response_ids == b.response_ids).float().mean()
+        assert bf16.fast_failed is None and bf16.last_mode == "eager"
+        assert agree > 0.9, agree  # bf16 rounding of fused and unfused kernels may break a near-tie
+        assert {name: p for name, p in m.named_parameters()} == params  # its own fp32 Parameters again
+        assert all(p.dtype == torch.float32 for p in m.parameters())
+        with torch.no_grad():
+            m.model.layers[0].mlp.down_proj.weight.mul_(-1.0)
+    assert {k.rsplit(".", 1)[0] for k in bf16._compiled.copies} >= {"lm_head", "model.layers.0.mlp.down_proj"}
+    assert m.model.embed_tokens.weight.dtype == torch.float32 and m.lm_head.weight is m.model.embed_tokens.weight
+
+
+@pytest.mark.gpu
+def test_compiled_decode_steps_in_the_cuda_graph(model, tok):
+    """The compiled forward captured in the decode graph: the eager graph's greedy tokens (fp32), and
+    under the trainer's bf16 autocast the same tokens but for bf16 near-ties."""
+    model.to("cuda")
+    spec = SamplingSpec(n=4, temperature=0.0, max_tokens=24)
+    for autocast in (None, torch.bfloat16):
+        ref = HFGenerateEngine(model, tok, fast_decode="on", autocast_dtype=autocast)
+        compiled = HFGenerateEngine(model, tok, fast_decode="on", autocast_dtype=autocast, compile_decode=True)
+        want, got = ref.generate(prompts(tok), spec), compiled.generate(prompts(tok), spec)
+        assert compiled.last_mode == "graph" and compiled.fast_failed is None
+        agree = (got.response_ids == want.response_ids).float().mean()
+        assert agree == 1.0 if autocast is None else agree > 0.9, agree
+        again = compiled.generate(prompts(tok), spec)  # a second capture of the compiled step
+        assert torch.equal(again.response_ids, got.response_ids)

@@ -68,7 +68,7 @@ def build_engine(cfg: Config, actor: torch.nn.Module, tokenizer: Any, model_path
     record = cfg.rollout.record_routing or cfg.actor.routing_replay  # the replay needs the rollout's routing
     if kind == "hf":
         return HFGenerateEngine(actor, tokenizer, autocast_dtype=autocast_dtype, fast_decode=cfg.rollout.hf_fast_decode,
-                                record_routing=record)
+                                record_routing=record, compile_decode=cfg.rollout.hf_compile_decode)
     from verl_fast.rollout.data_parallel import DataParallelEngine
     from verl_fast.rollout.vllm_engine import VLLMInferenceEngine
 

@@ -111,6 +111,9 @@ class HFGenerateEngine(RolloutEngine):
     on a GPU. Models the loop cannot serve (another attention implementation, extra logits
     processors in their generation_config) and stop strings go to ``generate``, and so does any
     later call once the loop has failed (the reason is logged). Both give the same distribution.
+    ``compile_decode``: the loop's decode steps run their forward compiled by torch.compile
+    (``hf_decode.CompiledForward``; an unsharded actor only), compiled at the first rollout of
+    each batch shape.
 
     Log-probs of the sampled tokens come from the raw logits divided by the temperature (what the
     trainer's log-prob pass computes), not from the top-k/top-p-filtered scores.
@@ -119,7 +122,7 @@ class HFGenerateEngine(RolloutEngine):
     owns_weights = False
 
     def __init__(self, model, tokenizer, max_batch_size: int = 64, autocast_dtype: Optional[torch.dtype] = None,
-                 fast_decode: str = "auto", record_routing: bool = False):
+                 fast_decode: str = "auto", record_routing: bool = False, compile_decode: bool = False):
         if fast_decode not in FAST_DECODE:
             raise ValueError(f"fast_decode must be one of {list(FAST_DECODE)}, got {fast_decode!r}")
         self.model = model
@@ -135,6 +138,7 @@ class HFGenerateEngine(RolloutEngine):
         self.fast_failed: Optional[str] = None
         self.last_mode: Optional[str] = None  # how the last call decoded: graph, eager or generate
         self._graphs = hf_decode.GraphPool()  # the decode graph's memory, reused by the next call's graph
+        self._compiled = hf_decode.CompiledForward() if compile_decode else None
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if self.pad_id is None:
             raise ValueError("the tokenizer has neither a pad nor an EOS token")
@@ -248,7 +252,8 @@ class HFGenerateEngine(RolloutEngine):
             return hf_decode.decode(
                 module, ids.repeat_interleave(rows, 0).to(device), mask.repeat_interleave(rows, 0).to(device),
                 spec.max_tokens, spec.temperature, spec.top_k, spec.top_p, list(eos) + list(spec.stop_token_ids),
-                self.pad_id, use_graph=device.type == "cuda" and not _fsdp1(self.model), graphs=self._graphs)
+                self.pad_id, use_graph=device.type == "cuda" and not _fsdp1(self.model), graphs=self._graphs,
+                compiled=self._compiled if not is_sharded(self.model) else None)
         except Exception as e:  # noqa: BLE001 - the loop is an optimisation: generate still works
             self.fast_failed = f"the static-cache loop failed before ({type(e).__name__}: {e})"
             logger.warning("fast HF decoding failed, using generate from now on: %s: %s", type(e).__name__, e)
