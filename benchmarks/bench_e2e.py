@@ -160,16 +160,8 @@ def worker_ours(args) -> Dict[str, Any]:
                   f"sync {m.get('time/weight_sync', 0) * 1e3:.1f} ms  gc {m.get('perf/gc_s', 0) * 1e3:.0f} ms "
                   f"({m.get('perf/gc_full', 0):.0f} full)  cudaMalloc {m.get('perf/cuda_mallocs', 0):.0f} "
                   f"free {m.get('perf/cuda_frees', 0):.0f}", flush=True)
-    profile = None
-    if args.device == "cuda" and world == 1:
-        try:
-            profile = profile_rollout(trainer, rows[: args.prompts])
-        except Exception as e:  # noqa: BLE001 - the profile is an extra: the steps are measured already
-            print(f"ours {args.rollout}: the rollout profile failed ({type(e).__name__}: {e})", flush=True)
-    if profile:
-        print(f"ours {args.rollout} {args.shape}: profiled rollout {profile['wall_s']:.2f} s, kernels busy "
-              f"{profile['gpu_busy_s']:.2f} s ({profile['kernels']} kernels); top: "
-              + "; ".join(f"{k['name'][:60]} {k['total_ms']:.0f} ms" for k in profile["top_kernels"][:4]), flush=True)
+    profile = profile_phases(trainer, rows[: args.prompts], f"ours {args.rollout} {args.shape}") \
+        if args.device == "cuda" and world == 1 else None
     engine_start = getattr(trainer.engine, "init_seconds", None)
     if hasattr(trainer.engine, "close"):
         trainer.engine.close()
@@ -177,19 +169,37 @@ def worker_ours(args) -> Dict[str, Any]:
             "prompt_tokens_mean": statistics.mean(len(r.prompt_ids) for r in rows), "rank": rank, "profile": profile}
 
 
-def profile_rollout(trainer, batch) -> Dict[str, Any]:
-    """One more rollout of ``batch`` as the trainer runs it, under the profiler's CUDA activity only
-    (no host-side op records to slow the host): its wall time against the time some kernel ran
-    (the union of kernel intervals), so a host-bound decode shows as idle GPU; the top kernels."""
+def profile_phases(trainer, batch, label: str) -> Dict[str, Any]:
+    """One more rollout of ``batch`` as the trainer runs it, then one actor update on its experience,
+    each under the profiler's CUDA activity only (no host-side op records to slow the host): the
+    phase's wall time against the time some kernel ran, so a host-bound phase shows as an idle GPU,
+    and its top kernels. The profile is an extra: a failure is reported, the steps stand."""
+    out: Dict[str, Any] = {}
+    try:
+        with trainer._engine_awake():
+            out["rollout"] = kernel_profile(lambda: trainer.rollout.rollout(batch, seed=0))
+        exp = trainer.make_experience(batch, {})
+        out["update"] = kernel_profile(lambda: trainer.update_actor(exp))
+    except Exception as e:  # noqa: BLE001
+        print(f"{label}: the profile failed ({type(e).__name__}: {e})", flush=True)
+    for phase, p in out.items():
+        print(f"{label}: profiled {phase} {p['wall_s']:.2f} s, kernels running {p['gpu_busy_s']:.2f} s "
+              f"({p['kernels']} kernels); top: " + "; ".join(f"{k['name'][:60]} {k['total_ms']:.0f} ms"
+                                                           for k in p["top_kernels"][:4]), flush=True)
+    return out
+
+
+def kernel_profile(run) -> Dict[str, Any]:
+    """``run()`` under the CUDA-activity profiler: wall seconds, seconds some kernel ran (the union of
+    kernel intervals), the kernel count and the ten kernels of most total time."""
     from torch.profiler import ProfilerActivity, profile
 
-    with trainer._engine_awake():
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        run()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            start = time.perf_counter()
-            trainer.rollout.rollout(batch, seed=0)
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - start
+        wall = time.perf_counter() - start
     kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                      if e.device_type == torch.autograd.DeviceType.CUDA)
     busy, end = 0.0, float("-inf")
@@ -319,7 +329,7 @@ def summarise_ours(run: Dict[str, Any], skip: int) -> Dict[str, Any]:
     detail = ("time/step", "time/generation", "time/update_actor", "perf/gc_s", "perf/gc_full", "perf/cuda_mallocs",
               "perf/cuda_frees", "perf/alloc_retries", "response/length")
     out["steady_detail"] = [{k: s[k] for k in detail if k in s} for s in run["steps"][skip:]]
-    out["rollout_profile"] = run.get("profile")
+    out["profile"] = run.get("profile")  # one rollout and one update, kernels against wall time
     return out
 
 
