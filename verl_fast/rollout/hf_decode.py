@@ -207,11 +207,14 @@ class CompiledForward:
     def weights(self, module: torch.nn.Module) -> Iterator[None]:
         """``module``'s linear weights and biases replaced by the kept copies for the length of a rollout."""
         device = next(module.parameters()).device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        if not torch.is_autocast_enabled(device):  # the weights are what the forward computes in
+            yield
+            return
+        dtype = torch.get_autocast_dtype(device)
         swapped = []
         try:
             for name, layer in module.named_modules():
-                if dtype is None or not isinstance(layer, torch.nn.Linear):
+                if not isinstance(layer, torch.nn.Linear):
                     continue
                 for key, param in list(layer._parameters.items()):
                     if param is None or not param.is_floating_point() or param.dtype == dtype:
@@ -238,7 +241,7 @@ class _Decoder:
                  compiled: Optional["CompiledForward"] = None):
         self.module = module
         self.sampling = sampling
-        self.compiled = compiled
+        self.forward = compiled.fn if compiled is not None else model_step  # the decode steps' forward
         B, W = input_ids.shape
         device = input_ids.device
         L = W + max_new_tokens
@@ -258,9 +261,6 @@ class _Decoder:
         self.t = torch.tensor([1], dtype=torch.long, device=device)  # output column of the next token
         self.cache.cols = self.col
 
-    def _forward(self, ids, mask, positions):
-        return model_step(self.module, ids, mask, positions, self.cache)
-
     def _prefill(self, input_ids, positions, W, L):
         B = input_ids.shape[0]
         causal = torch.ones((W, W), dtype=torch.bool, device=input_ids.device).tril()
@@ -268,7 +268,7 @@ class _Decoder:
         # a left-pad query attends to itself only: a row with no key would give NaN states
         mask[:, 0, :, :W] = (causal & self.valid[:, None, :W]) | torch.eye(W, dtype=torch.bool, device=input_ids.device)
         self.cache.cols = torch.arange(W, device=input_ids.device)
-        token, logp = sample(self._forward(input_ids, mask, positions), *self.sampling)
+        token, logp = sample(model_step(self.module, input_ids, mask, positions, self.cache), *self.sampling)
         self.cache.seen = W
         self.tokens[:, 0] = token
         self.logprobs[:, 0] = logp
@@ -277,8 +277,8 @@ class _Decoder:
 
     def step(self) -> None:
         self.valid.index_fill_(1, self.col, True)
-        forward = self.compiled.fn if self.compiled is not None else model_step
-        token, logp = sample(forward(self.module, self.current, self.mask, self.position, self.cache), *self.sampling)
+        token, logp = sample(self.forward(self.module, self.current, self.mask, self.position, self.cache),
+                             *self.sampling)
         token = torch.where(self.done, self.pad, token)
         logp = logp.masked_fill(self.done, 0.0)
         self.tokens.index_copy_(1, self.t, token[:, None])
