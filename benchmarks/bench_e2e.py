@@ -159,7 +159,8 @@ def worker_ours(args) -> Dict[str, Any]:
                   f"gen {m.get('time/generation', 0):.2f} s  update {m.get('time/update_actor', 0):.2f} s  "
                   f"sync {m.get('time/weight_sync', 0) * 1e3:.1f} ms  gc {m.get('perf/gc_s', 0) * 1e3:.0f} ms "
                   f"({m.get('perf/gc_full', 0):.0f} full)  cudaMalloc {m.get('perf/cuda_mallocs', 0):.0f} "
-                  f"free {m.get('perf/cuda_frees', 0):.0f}", flush=True)
+                  f"free {m.get('perf/cuda_frees', 0):.0f}  kernel compiles {m.get('perf/kernel_compiles', 0):.0f} "
+                  f"({m.get('perf/kernel_compile_s', 0):.2f} s)", flush=True)
     profile = profile_phases(trainer, rows[: args.prompts], f"ours {args.rollout} {args.shape}") \
         if args.device == "cuda" and world == 1 else None
     engine_start = getattr(trainer.engine, "init_seconds", None)
@@ -327,7 +328,7 @@ def summarise_ours(run: Dict[str, Any], skip: int) -> Dict[str, Any]:
     out["phases_s"] = {p: steady(run, f"time/{p}", skip) for p in PHASES if steady(run, f"time/{p}", skip) is not None}
     # each steady step's phases beside what can make a step slower than the next (issue 24's swings)
     detail = ("time/step", "time/generation", "time/update_actor", "perf/gc_s", "perf/gc_full", "perf/cuda_mallocs",
-              "perf/cuda_frees", "perf/alloc_retries", "response/length")
+              "perf/cuda_frees", "perf/alloc_retries", "perf/kernel_compiles", "perf/kernel_compile_s", "response/length")
     out["steady_detail"] = [{k: s[k] for k in detail if k in s} for s in run["steps"][skip:]]
     out["profile"] = run.get("profile")  # one rollout and one update, kernels against wall time
     return out

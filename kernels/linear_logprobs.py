@@ -29,6 +29,10 @@ from verl_fast.kernels.autograd import Impl, LinearLogprobsFunction
 from verl_fast.kernels.softmax_stats import Stats
 
 LOG2E = tl.constexpr(1.4426950408889634)
+# The token count changes from one micro-batch to the next, and Triton would compile a kernel again
+# whenever it crossed a specialization class (divisible by 16 or not): ~1-2 s inside an update step.
+# It only bounds masks, so the kernels take it unspecialized and compile once.
+TOKEN_COUNTS = ("N",)
 NEG_BIG = tl.constexpr(-1.0e30)  # finite start for running maxima (see logprobs.py)
 
 
@@ -101,7 +105,7 @@ def _logits_tile(h_ptr, w_ptr, b_ptr, m0, n0, N, V, H, stride_hm, stride_hk, str
     return acc * inv_t
 
 
-@triton.jit
+@triton.jit(do_not_specialize=TOKEN_COUNTS)
 def _linear_fwd_kernel(h_ptr, w_ptr, b_ptr, labels_ptr, m_ptr, s_ptr, t_ptr, zl_ptr, N, V, H, stride_hm, stride_hk,
                        stride_wv, stride_wk, inv_t, vocab_start, num_splits, tiles_per_split,
                        HAS_BIAS: tl.constexpr, WITH_ENT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -140,7 +144,7 @@ def _linear_fwd_kernel(h_ptr, w_ptr, b_ptr, labels_ptr, m_ptr, s_ptr, t_ptr, zl_
         tl.store(t_ptr + out, t, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=TOKEN_COUNTS)
 def _linear_dlogits_kernel(h_ptr, w_ptr, b_ptr, labels_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, d_ptr, db_ptr,
                            N, V, H, v_begin, v_end, stride_hm, stride_hk, stride_wv, stride_wk, stride_dm, inv_t,
                            vocab_start, HAS_BIAS: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr,
@@ -172,7 +176,7 @@ def _linear_dlogits_kernel(h_ptr, w_ptr, b_ptr, labels_ptr, lse_ptr, ent_ptr, gl
         tl.atomic_add(db_ptr + offs_n, tl.sum(dz, 0), mask=offs_n < v_end)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("M",))  # M: the token count
 def _matmul_acc_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
                        stride_cn, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,

@@ -28,6 +28,10 @@ LN2 = tl.constexpr(0.6931471805599453)
 # Running maxima start at a finite value, so the rescale (m_old - m_new) * s_old is 0 * finite = 0
 # on the first block instead of -inf * 0 = NaN.
 NEG_BIG = tl.constexpr(-1.0e30)
+# T (positions per row) changes with every batch and only splits a row index in two; unspecialized,
+# a new length never compiles the kernels again (the strides keep their specialization: it decides
+# the vector width of the loads).
+ROW_COUNTS = ("T",)
 
 
 @triton.jit
@@ -88,7 +92,7 @@ def _running_max_pass(row, stride_v, V, scale, WITH_ENT: tl.constexpr, BLOCK_V: 
     return m, s, t
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ROW_COUNTS)
 def _logprobs_fwd_kernel(x_ptr, labels_ptr, logp_ptr, ent_ptr, lse_ptr, bad_ptr, T, stride_b, stride_t, stride_v, V,
                          inv_t, WITH_ENT: tl.constexpr, CHECK: tl.constexpr, BLOCK_V: tl.constexpr,
                          NUM_STAGES: tl.constexpr):
@@ -115,7 +119,7 @@ def _logprobs_fwd_kernel(x_ptr, labels_ptr, logp_ptr, ent_ptr, lse_ptr, bad_ptr,
         tl.store(ent_ptr + n, (log2_s - tl.sum(t, 0) / total) * LN2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ROW_COUNTS)
 def _logprobs_bwd_kernel(x_ptr, dx_ptr, labels_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, T, stride_b, stride_t,
                          stride_v, V, inv_t, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr, BLOCK_V: tl.constexpr):
     n = tl.program_id(0)

@@ -217,11 +217,21 @@ def test_bf16_autocast_runs_the_loop(model, tok, device):
     p = prompts(tok)
     out = fast.generate(p, SamplingSpec(temperature=0.0, max_tokens=8))
     assert fast.last_mode == ("graph" if device == "cuda" else "eager")
+    assert_greedy_within_bf16(model, p, out)
+
+
+def assert_greedy_within_bf16(model, prompts, out):
+    """Each greedy token of a bf16 decode is the argmax of a teacher-forced float32 forward over its
+    own prefix within a bf16 margin, and its log-prob agrees with that forward's: rounding differs
+    between kernels (attention shapes, fused or not), so near-ties may break either way and a row
+    then continues differently, which a position-by-position token comparison would count against it."""
+    device = next(model.parameters()).device
     for row in range(out.num_sequences):
+        prompt = list(prompts[int(out.prompt_index[row])])
         length = int(out.response_mask[row].sum())
-        ids = torch.tensor([list(p[row]) + out.response_ids[row, :length].tolist()], device=device)
+        ids = torch.tensor([prompt + out.response_ids[row, :length].tolist()], device=device)
         with torch.no_grad():
-            logits = model(input_ids=ids).logits[0, len(p[row]) - 1 : -1].double().cpu()
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].double().cpu()
         chosen = logits.gather(-1, out.response_ids[row, :length, None]).squeeze(-1)
         assert (logits.max(-1).values - chosen).max() < 0.1, row
         want = torch.log_softmax(logits, -1).gather(-1, out.response_ids[row, :length, None]).squeeze(-1)
@@ -297,12 +307,10 @@ def test_compiled_decode_steps_match_eager(tok):
 
     params = {name: p for name, p in m.named_parameters()}
     bf16 = HFGenerateEngine(m, tok, fast_decode="on", compile_decode=True, autocast_dtype=torch.bfloat16)
-    ref = HFGenerateEngine(m, tok, fast_decode="on", autocast_dtype=torch.bfloat16)
     for _ in range(2):  # the second time after a weight change: the copies follow the parameters
-        a, b = bf16.generate(prompts(tok), spec), ref.generate(prompts(tok), spec)
-        agree = (a.response_ids == b.response_ids).float().mean()
+        a = bf16.generate(prompts(tok), spec)
         assert bf16.fast_failed is None and bf16.last_mode == "eager"
-        assert agree > 0.9, agree  # bf16 rounding of fused and unfused kernels may break a near-tie
+        assert_greedy_within_bf16(m, prompts(tok), a)
         assert {name: p for name, p in m.named_parameters()} == params  # its own fp32 Parameters again
         assert all(p.dtype == torch.float32 for p in m.parameters())
         with torch.no_grad():
@@ -314,7 +322,7 @@ def test_compiled_decode_steps_match_eager(tok):
 @pytest.mark.gpu
 def test_compiled_decode_steps_in_the_cuda_graph(model, tok):
     """The compiled forward captured in the decode graph: the eager graph's greedy tokens (fp32), and
-    under the trainer's bf16 autocast the same tokens but for bf16 near-ties."""
+    under the trainer's bf16 autocast greedy tokens within a bf16 margin of a float32 forward's."""
     model.to("cuda")
     spec = SamplingSpec(n=4, temperature=0.0, max_tokens=24)
     for autocast in (None, torch.bfloat16):
@@ -322,7 +330,9 @@ def test_compiled_decode_steps_in_the_cuda_graph(model, tok):
         compiled = HFGenerateEngine(model, tok, fast_decode="on", autocast_dtype=autocast, compile_decode=True)
         want, got = ref.generate(prompts(tok), spec), compiled.generate(prompts(tok), spec)
         assert compiled.last_mode == "graph" and compiled.fast_failed is None
-        agree = (got.response_ids == want.response_ids).float().mean()
-        assert agree == 1.0 if autocast is None else agree > 0.9, agree
+        if autocast is None:
+            assert torch.equal(got.response_ids, want.response_ids)
+        else:  # (in the first GPU run 0.825 of the tokens matched the eager graph's position by position)
+            assert_greedy_within_bf16(model, prompts(tok), got)
         again = compiled.generate(prompts(tok), spec)  # a second capture of the compiled step
         assert torch.equal(again.response_ids, got.response_ids)

@@ -77,6 +77,21 @@ def test_garbage_collector_pauses_counted_per_step(tiny_path):
     assert p.figures()["perf/gc_collections"] == 0
 
 
+def test_kernel_compile_counter_chains_onto_tritons_hooks(monkeypatch):
+    knobs = pytest.importorskip("triton.knobs")
+    calls = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kw: calls.append(("before", kw["key"])) or True)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: calls.append(("after", kw["key"])))
+    monkeypatch.setattr(perf, "_JIT", {"s": 0.0, "n": 0, "start": 0.0})
+    perf._count_kernel_compiles()
+    perf._count_kernel_compiles()  # a second trainer: chained once
+    assert knobs.runtime.jit_cache_hook(key="k1") is True  # the earlier hook's answer (True skips the compile)
+    time.sleep(0.01)
+    knobs.runtime.jit_post_compile_hook(key="k1")
+    assert calls == [("before", "k1"), ("after", "k1")]
+    assert perf._JIT["n"] == 1 and perf._JIT["s"] >= 0.01
+
+
 def test_progress_bar_summary():
     line = step_summary({"time/generation": 0.84, "time/update_actor": 0.41, "perf/tokens_per_s_per_gpu": 28512.3,
                          "perf/mfu_update": 0.234, "perf/peak_memory_gib": 15.26})
@@ -133,3 +148,28 @@ def test_gpu_figures_peak_memory_and_mfu():
     assert p.figures()["perf/cuda_frees"] >= 1
     if p.peak is not None:  # a GPU in the table
         assert 0 < out["perf/mfu_update"] < 1
+
+
+@pytest.mark.gpu
+def test_token_counts_compile_the_log_prob_kernels_once():
+    """Micro-batches of every token count share one compile of the fused kernels: a count outside
+    the first one's specialization class (divisible by 16, or 1) compiles nothing."""
+    pytest.importorskip("triton")
+    from verl_fast.ops.logprobs import linear_logprobs, logprobs_from_logits
+
+    device = torch.device("cuda")
+    p = perf.StepPerf(torch.nn.Linear(2, 2), device)
+    torch.manual_seed(0)
+    weight = torch.randn(1000, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    counts = []
+    for n in (64, 70, 1, 133):
+        p.begin()
+        hidden = torch.randn(1, n, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+        labels = torch.randint(0, 1000, (1, n), device=device)
+        logp, entropy = linear_logprobs(hidden, weight, labels, 1.0, True)
+        (logp.sum() + entropy.sum()).backward()
+        logits = torch.randn(2, n, 1000, device=device, dtype=torch.bfloat16, requires_grad=True)
+        logprobs_from_logits(logits, labels.expand(2, n), 1.0).sum().backward()
+        torch.cuda.synchronize()
+        counts.append(p.figures()["perf/kernel_compiles"])
+    assert counts[0] >= 1 and counts[1:] == [0, 0, 0], counts

@@ -8,7 +8,9 @@ update_actor, update_critic, weight_sync, checkpoint (only the phases a step ran
 what can make one step slower than the next: ``perf/gc_s`` and ``perf/gc_collections`` (the cyclic
 garbage collector's pauses during the step, generation 2 counted apart in ``perf/gc_full``), and on a
 GPU ``perf/cuda_mallocs`` / ``perf/cuda_frees`` (the caching allocator's calls to the driver: growth
-and the frees of an out-of-memory retry or ``empty_cache``) and ``perf/alloc_retries``.
+and the frees of an out-of-memory retry or ``empty_cache``) and ``perf/alloc_retries``, and
+``perf/kernel_compiles`` / ``perf/kernel_compile_s`` (Triton kernels compiled, or loaded from
+Triton's disk cache, during the step: a launch with arguments of a new specialization).
 
 GPU work is asynchronous: a phase's time is taken between two device synchronisations, one at each
 phase boundary (never inside a phase), so each phase is charged the GPU work it queued.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib.util
 import time
 from typing import Dict, Iterator, Optional
 
@@ -60,6 +63,35 @@ def _time_gc(phase: str, info: Dict[str, int]) -> None:
     _GC["full"] += info.get("generation") == 2
 
 
+_JIT = {"s": 0.0, "n": 0, "start": 0.0}
+
+
+def _count_kernel_compiles() -> None:
+    """Chains a counter onto Triton's compile hooks (once per process; hooks already set keep running)."""
+    if importlib.util.find_spec("triton") is None:
+        return
+    try:
+        from triton import knobs
+    except ImportError:  # Triton before 3.4 has no hooks to chain onto
+        return
+    runtime = knobs.runtime
+    before, after = runtime.jit_cache_hook, runtime.jit_post_compile_hook
+    if getattr(before, "_verl_fast", False):
+        return
+
+    def starting(**kwargs):
+        _JIT["start"] = time.perf_counter()
+        return before(**kwargs) if before is not None else None  # True from a hook skips the compile
+
+    def done(**kwargs):
+        _JIT["n"] += 1
+        _JIT["s"] += time.perf_counter() - _JIT["start"]
+        return after(**kwargs) if after is not None else None
+
+    starting._verl_fast = True
+    runtime.jit_cache_hook, runtime.jit_post_compile_hook = starting, done
+
+
 def _allocator_calls(device: torch.device) -> Dict[str, float]:
     stats = torch.cuda.memory_stats(device)
     return {"perf/cuda_mallocs": stats.get("num_device_alloc", 0), "perf/cuda_frees": stats.get("num_device_free", 0),
@@ -82,6 +114,8 @@ class StepPerf:
         self.attn_width = int(heads * head_dim)
         if _time_gc not in gc.callbacks:
             gc.callbacks.append(_time_gc)
+        if device.type == "cuda":
+            _count_kernel_compiles()
         self.begin()
 
     def begin(self) -> None:
@@ -89,6 +123,7 @@ class StepPerf:
         self.tokens = 0.0
         self.flops = 0.0
         self._gc_before = dict(_GC)
+        self._jit_before = dict(_JIT)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             self._allocator_before = _allocator_calls(self.device)
@@ -130,6 +165,9 @@ class StepPerf:
         out["perf/gc_s"] = _GC["s"] - self._gc_before["s"]
         out["perf/gc_collections"] = float(_GC["n"] - self._gc_before["n"])
         out["perf/gc_full"] = float(_GC["full"] - self._gc_before["full"])
+        if self.device.type == "cuda":
+            out["perf/kernel_compiles"] = float(_JIT["n"] - self._jit_before["n"])
+            out["perf/kernel_compile_s"] = _JIT["s"] - self._jit_before["s"]
         return out
 
 
