@@ -159,6 +159,8 @@ def main(argv=None) -> int:
                            "--set", "reward_fn.path=bench_trainer_vllm:length_reward",
                            "--set", f"trainer.output_dir={work / 'default'}", "--set", "trainer.total_steps=3",
                            "--set", f"rollout.enforce_eager={str(args.eager).lower()}",
+                           # on one GPU auto takes the compiled HF decode for this whole actor: vLLM asked for
+                           "--set", "rollout.type=vllm",
                            "--set", "trainer.plot=false"], "default_config", args.timeout)
         default.update(figures(metrics_of(work / "default")))
         runs["default_config"] = default

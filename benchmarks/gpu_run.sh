@@ -64,9 +64,11 @@ VLLM_TESTS="python_tests/rollout/test_vllm_engine.py python_tests/rollout/test_v
   python_tests/rollout/test_weight_sync.py python_tests/rollout/test_trainer_vllm.py python_tests/rollout/test_hybrid_engine.py
   python_tests/rollout/test_megatron_rollout.py python_tests/package/test_seed_snippets.py"
 if want vllm; then
-  timeout ${VLLM_TIMEOUT:-500} "$py" -m pytest -q -p no:cacheprovider -rs ${VLLM_TESTS_ONLY:-$VLLM_TESTS} \
+  # -v: one line per test as it ends, so a run cut by the timeout still shows which tests passed (~480 s in all)
+  timeout ${VLLM_TIMEOUT:-540} "$py" -m pytest -v -p no:cacheprovider -rs ${VLLM_TESTS_ONLY:-$VLLM_TESTS} \
     > "$OUT/pytest_vllm.log" 2>&1 || failed+=("pytest vllm")
-  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_vllm.log" | tail -n 20
+  grep -E "^(FAILED|ERROR)| (FAILED|ERROR) |[0-9]+ passed|failed" "$OUT/pytest_vllm.log" | tail -n 20
+  echo "vllm tests passed so far: $(grep -c ' PASSED' "$OUT/pytest_vllm.log")"
 fi
 
 # ---- trainer (issue 23): `verl-fast train` with rollout.type vllm: GRPO + checkpoint + resume, PPO, the

@@ -213,9 +213,9 @@ class CriticConfig(ModelLayoutConfig, ScheduleConfig):
 @dataclass
 class RolloutConfig:
     type: str = _f("auto", choices=("auto", "hf", "vllm"),
-                   doc="auto: vllm when installed and configure_vllm_env() has run (the CLI runs it), else hf "
-                       "(the faster measured: on an H200 the vLLM step took 0.81x / 0.87x the HF fast decode's "
-                       "at the 0.5B / 1.5B shapes)")
+                   doc="auto: hf for a whole actor (unsharded, not PEFT) on one GPU, its decode compiled (on an "
+                       "H200 the step took 0.67x / 0.78x vLLM's at the 0.5B / 1.5B shapes); otherwise vllm when "
+                       "installed and configure_vllm_env() has run (the CLI runs it), else hf")
     n: int = _f(8, min=1, doc="samples per prompt")
     temperature: float = _f(1.0, min=0.0)
     top_p: float = _f(1.0, min=0.0, max=1.0)
@@ -253,9 +253,10 @@ class RolloutConfig:
     hf_fast_decode: str = _f("auto", choices=("auto", "on", "off"),
                              doc="type hf: static-KV-cache decoding of the whole batch, CUDA graphs on a GPU "
                                  "(auto: on a GPU); off: model.generate")
-    hf_compile_decode: bool = _f(False, doc="type hf, fast decode: the decode steps' forward compiled by "
-                                            "torch.compile (fewer, fused kernels per token; compiled at the "
-                                            "first rollout of each batch shape)")
+    hf_compile_decode: Optional[bool] = _f(None, doc="type hf, fast decode: the decode steps' forward compiled "
+                                           "by torch.compile (fewer, fused kernels per token; compiled at the "
+                                           "first rollout of each batch shape, ~40 s at the 0.5B shape); null: "
+                                           "on a GPU for an unsharded actor")
     quantization: Optional[str] = _f(None, doc="vLLM's quantization (awq, gptq, fp8, ...); vllm rollout with a "
                                      "PEFT actor only (the engine's quantized base cannot take full updates)")
     speculative_config: Optional[Dict[str, Any]] = _f(None, doc="rejected: RL must sample from the policy")

@@ -247,3 +247,36 @@ def test_decode_responses_falls_back_to_the_tokenizer_protocols_decode():
 
     for tokenizer in (Protocol(), Mistral()):
         assert vllm_compat.decode_responses(tokenizer, [[0, 5, 6], [7]]) == ["5-6", "7"]
+
+
+def test_rollout_type_auto(monkeypatch):
+    """``auto``: the compiled HF decode for a whole actor on one GPU (the faster measured there),
+    else vLLM where it is installed and runs in process, else HF."""
+    import verl_fast.rollout as rollout
+    from verl_fast.rollout import vllm_compat
+
+    model = tiny_model("qwen2")
+    assert not factory.compiles_decode(model)  # a CPU actor: eager decode steps
+    assert factory.compiles_decode(model, True) and not factory.compiles_decode(model, False)  # as set
+    monkeypatch.setattr(rollout, "vllm_available", lambda: True)
+    monkeypatch.setattr(vllm_compat, "in_process_mode", lambda: True)
+    assert factory.resolve_type("auto", model) == "vllm"  # not on a GPU
+    monkeypatch.setattr(factory, "compiles_decode", lambda actor: True)  # as on a GPU
+    assert factory.resolve_type("auto", model) == "hf"
+    assert factory.resolve_type("vllm", model) == "vllm"  # a set type is kept
+    assert factory.resolve_type("auto", None) == "vllm"  # no whole actor to decode with (Megatron's)
+    model.peft_config = {"default": None}
+    assert factory.resolve_type("auto", model) == "vllm"  # a PEFT actor: its adapter goes to vLLM
+    del model.peft_config
+    model.config._attn_implementation = "eager"  # a model the fast decode cannot run
+    assert factory.resolve_type("auto", model) == "vllm"
+    model.config._attn_implementation = "sdpa"
+    monkeypatch.setattr(factory.distributed, "world_size", lambda: 2)
+    assert factory.resolve_type("auto", model) == "vllm"  # several processes: vLLM's data-parallel engines
+    monkeypatch.setattr(rollout, "vllm_available", lambda: False)
+    assert factory.resolve_type("auto", model) == "hf"
+
+
+@pytest.mark.gpu
+def test_decode_compiles_for_a_whole_actor_on_the_gpu():
+    assert factory.compiles_decode(tiny_model("qwen2").to("cuda"))

@@ -5,8 +5,9 @@
   (``external_launcher``: TP groups of ``rollout.tensor_parallel_size`` consecutive ranks, the
   groups serving the world's prompts data-parallel, see ``data_parallel.py``); the actor may be
   sharded (FSDP1 / FSDP2), its weights move with ``engine.sync_from(actor)``.
-- ``rollout.type: auto``: vLLM when it is installed and the process is set up to run it in process
-  (``configure_vllm_env()``, which the CLI calls), else HF.
+- ``rollout.type: auto``: HF, decoding compiled, for a whole actor on one GPU (``resolve_type``: the
+  faster measured there); otherwise vLLM when it is installed and the process is set up to run it in
+  process (``configure_vllm_env()``, which the CLI calls), else HF.
 
 The engine comes back generating with the actor's weights: loaded from ``model_path`` (which must
 hold them), or, without it, from a folder holding only the actor's config and tokenizer with
@@ -37,15 +38,22 @@ import torch
 
 from verl_fast import distributed
 from verl_fast.config import Config
-from verl_fast.models.wrapping import hf_module
+from verl_fast.models.wrapping import hf_module, is_sharded
+from verl_fast.rollout import hf_decode
 from verl_fast.rollout.base import RolloutEngine
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 
 
-def resolve_type(kind: str) -> str:
-    """``auto`` -> ``vllm`` when vLLM is installed and set up to run in this process, else ``hf``."""
+def resolve_type(kind: str, actor: Optional[torch.nn.Module] = None) -> str:
+    """``auto`` -> ``hf`` for a whole (unsharded, non-PEFT) ``actor`` on a GPU in one process whose model
+    the HF fast decode runs (it decodes compiled there: measured faster than vLLM 0.26 on one H200,
+    ``benchmarks/results/e2e_0.5b_cuda.json`` / ``e2e_1.5b_cuda.json``); otherwise ``vllm`` when vLLM is
+    installed and set up to run in this process, else ``hf``."""
     if kind != "auto":
         return kind
+    if actor is not None and compiles_decode(actor) and distributed.world_size() == 1 \
+            and not hasattr(actor, "peft_config") and hf_decode.unsupported(hf_module(actor)) is None:
+        return "hf"
     from verl_fast.rollout import vllm_available
 
     if not vllm_available():
@@ -55,11 +63,20 @@ def resolve_type(kind: str) -> str:
     return "vllm" if in_process_mode() else "hf"
 
 
+def compiles_decode(actor: torch.nn.Module, setting: Optional[bool] = None) -> bool:
+    """``rollout.hf_compile_decode``: null (auto) compiles the decode steps of an unsharded actor on a GPU."""
+    if setting is not None:
+        return setting
+    return not is_sharded(actor) and next(actor.parameters()).device.type == "cuda"
+
+
 def build_engine(cfg: Config, actor: torch.nn.Module, tokenizer: Any, model_path: Optional[str] = None,
                  autocast_dtype: Optional[torch.dtype] = None, source: Any = None) -> RolloutEngine:
     """The engine for ``cfg.rollout`` (see the module docstring); collective under torchrun. ``source``:
     what a vLLM engine takes its weights from, when not the actor itself (the Megatron actor)."""
-    kind, quantization = resolve_type(cfg.rollout.type), cfg.rollout.quantization
+    # a Megatron actor rolls out through its HF copy, exported after each update: left to the old rule
+    kind = resolve_type(cfg.rollout.type, actor if cfg.actor.strategy != "megatron" else None)
+    quantization = cfg.rollout.quantization
     if quantization and (kind == "hf" or not hasattr(actor, "peft_config")):
         raise ValueError(f"rollout.quantization={quantization} is not supported with " + (
             "HF generate rollout (it runs the actor's own weights); use rollout.type=vllm" if kind == "hf" else
@@ -68,7 +85,8 @@ def build_engine(cfg: Config, actor: torch.nn.Module, tokenizer: Any, model_path
     record = cfg.rollout.record_routing or cfg.actor.routing_replay  # the replay needs the rollout's routing
     if kind == "hf":
         return HFGenerateEngine(actor, tokenizer, autocast_dtype=autocast_dtype, fast_decode=cfg.rollout.hf_fast_decode,
-                                record_routing=record, compile_decode=cfg.rollout.hf_compile_decode)
+                                record_routing=record,
+                                compile_decode=compiles_decode(actor, cfg.rollout.hf_compile_decode))
     from verl_fast.rollout.data_parallel import DataParallelEngine
     from verl_fast.rollout.vllm_engine import VLLMInferenceEngine
 
