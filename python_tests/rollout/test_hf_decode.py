@@ -304,6 +304,12 @@ def test_compiled_decode_steps_match_eager(tok):
     assert compiled.fast_failed is None and compiled.last_mode == "eager" and frames >= 1  # the loop ran, compiled
     compiled.generate([p[1:] or p for p in prompts(tok)], spec)  # narrower, the same rounded width: no new compile
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
+    for width in (70, 140, 200):  # other rounded widths: one compile with symbolic lengths serves them all
+        batch = [p * (width // len(p) + 1) for p in prompts(tok, 2)]
+        longer = compiled.generate(batch, spec)
+        assert compiled.last_mode == "eager"
+        assert torch.equal(longer.response_ids, eager.generate(batch, spec).response_ids)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames + 1
 
     params = {name: p for name, p in m.named_parameters()}
     bf16 = HFGenerateEngine(m, tok, fast_decode="on", compile_decode=True, autocast_dtype=torch.bfloat16)

@@ -191,8 +191,10 @@ class CompiledForward:
     """The decode steps' forward compiled by torch.compile (Inductor): a step's norms, rotary, casts,
     masking and softmax fuse into a few kernels per layer where eager runs ~50 (the captured step at
     the 0.5B shape was ~1,300 small kernels per token, the GPU busy 1.0 s of a 1.4 s rollout). One
-    compiled function serves every rollout, compiled once per batch shape; prompts are left-padded to a
-    multiple of ``WIDTH`` so that nearby prompt lengths share one. Under autocast the linear layers
+    compiled function serves every rollout: compiled for the first rollout's shapes, then once more
+    with the lengths left symbolic when a rollout of another prompt width comes (torch.compile's
+    automatic dynamic shapes), never again after that; prompts are left-padded to a multiple of
+    ``WIDTH`` so that nearby prompt lengths keep the first, static compile. Under autocast the linear layers
     run on copies of their weights in the autocast dtype, kept here and refreshed from the parameters
     at every rollout (what autocast would cast them to: the same numbers), because a compiled graph
     cannot use autocast's cast cache and would cast every weight at every token."""
@@ -200,7 +202,7 @@ class CompiledForward:
     WIDTH = 64
 
     def __init__(self) -> None:
-        self.fn = torch.compile(model_step, dynamic=False)
+        self.fn = torch.compile(model_step)
         self.copies: dict = {}
 
     @contextlib.contextmanager
