@@ -143,6 +143,10 @@ def worker_ours(args) -> Dict[str, Any]:
         "trainer": {"train_batch_size": args.prompts, "total_steps": args.steps, "device": args.device,
                     "output_dir": tempfile.mkdtemp(prefix="bench_e2e_"), "progress_bar": False, "plot": False},
     }
+    if args.set:
+        from verl_fast.config import apply_overrides
+
+        cfg = apply_overrides(cfg, args.set)
     trainer = RLTrainer(actor_model=model, tokenizer=tokenizer, config=cfg,
                         model_path=args.model if args.rollout == "vllm" else None,
                         reward_fn=lambda solution_str, ground_truth: rng.random())
@@ -282,6 +286,8 @@ def launch(impl: str, args, model: Path, gpus: int, visible: Optional[str], out:
     worker = [str(Path(__file__).resolve()), "--worker", kind, "--rollout", rollout, "--model", str(model),
               "--out", str(out), "--device", args.device, "--shape", args.current_shape, "--steps", str(steps),
               "--prompts", str(args.prompts * gpus), "--samples", str(args.n), "--tokens", str(args.tokens)]
+    if kind == "ours":
+        worker += [f"--set={item}" for item in args.set]
     if gpus > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"] + worker
     else:
@@ -438,6 +444,8 @@ def main(argv=None) -> int:
     p.add_argument("--samples", dest="n", type=int, default=8)
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--no-trl", action="store_true")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="a config override for our runs (repeatable), e.g. actor.max_token_len_per_gpu=32768")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     p.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--rollout", choices=["hf", "hfc", "vllm"], default="hf", help=argparse.SUPPRESS)
@@ -468,7 +476,7 @@ def main(argv=None) -> int:
     report = E2EReport("e2e" + ("_tiny" if args.tiny else "" if args.tokens == 256 else f"_{args.tokens}"),
                        args.device)
     report.meta.update(setup=f"{args.prompts} prompts x {args.n} per GPU, {args.tokens} new tokens",
-                       device_name=device_name(args.device))
+                       device_name=device_name(args.device), overrides=args.set)
     with tempfile.TemporaryDirectory(prefix="bench_e2e_") as work:
         for shape in shapes:
             run_shape(shape, args, Path(work), report)

@@ -6,6 +6,7 @@
 #   SECTIONS="tests advantage" bash benchmarks/gpu_run.sh   # some (to fit a 10-minute call)
 #   GPU_TESTS="python_tests/ops/test_logprobs.py" SECTIONS=tests ...  # some test files only
 #   LOGPROB_CASES=logits SECTIONS=logprobs ...                     # one of the log-prob cases
+#   E2E_SET="actor.max_token_len_per_gpu=32768" SECTIONS=e2e ...     # config overrides for our e2e runs
 #
 # Sections: tests (every gpu-marked test), vllm (every vLLM test, on the GPU's vLLM), trainer (the CLI
 # with vLLM rollout: GRPO + resume, PPO, the default config), advantage, logprobs, reshard, hybrid, e2e,
@@ -65,7 +66,7 @@ VLLM_TESTS="python_tests/rollout/test_vllm_engine.py python_tests/rollout/test_v
   python_tests/rollout/test_megatron_rollout.py python_tests/package/test_seed_snippets.py"
 if want vllm; then
   # -v: one line per test as it ends, so a run cut by the timeout still shows which tests passed (~480 s in all)
-  timeout ${VLLM_TIMEOUT:-540} "$py" -m pytest -v -p no:cacheprovider -rs ${VLLM_TESTS_ONLY:-$VLLM_TESTS} \
+  timeout ${VLLM_TIMEOUT:-540} "$py" -m pytest -v -p no:cacheprovider -rs --durations=15 ${VLLM_TESTS_ONLY:-$VLLM_TESTS} \
     > "$OUT/pytest_vllm.log" 2>&1 || failed+=("pytest vllm")
   grep -E "^(FAILED|ERROR)| (FAILED|ERROR) |[0-9]+ passed|failed" "$OUT/pytest_vllm.log" | tail -n 20
   echo "vllm tests passed so far: $(grep -c ' PASSED' "$OUT/pytest_vllm.log")"
@@ -129,6 +130,7 @@ if want e2e; then
   timeout ${E2E_TIMEOUT:-560} "$py" benchmarks/bench_e2e.py --device cuda --shapes "${E2E_SHAPES:-0.5b,1.5b}" \
     --impls "${E2E_IMPLS:-ours_hf,ours_hfc,ours_vllm,trl_hf,trl_vllm}" --tokens "${E2E_TOKENS:-256}" \
     --steps "${E2E_STEPS:-10}" --trl-steps "${E2E_TRL_STEPS:-hf:3,vllm:5}" --timeout "${E2E_RUN_TIMEOUT:-240}" \
+    $(for item in ${E2E_SET:-}; do printf -- '--set=%s ' "$item"; done) \
     >> "$OUT/bench.log" 2>&1 || failed+=("bench_e2e")
   sed -n '/^e2e GRPO step/,$p' "$OUT/bench.log" | tail -n 12
 fi
