@@ -32,6 +32,10 @@ NEG_BIG = tl.constexpr(-1.0e30)
 # a new length never compiles the kernels again (the strides keep their specialization: it decides
 # the vector width of the loads).
 ROW_COUNTS = ("T",)
+# Per-row vectors (one element read or written per program): their addresses' alignment decides no
+# vector width, and views into one buffer (logp / entropy / lse) move with the row count.
+FWD_ROW_VECTORS = ("labels_ptr", "logp_ptr", "ent_ptr", "lse_ptr")
+BWD_ROW_VECTORS = ("labels_ptr", "lse_ptr", "ent_ptr", "glp_ptr", "gent_ptr")
 
 
 @triton.jit
@@ -92,7 +96,7 @@ def _running_max_pass(row, stride_v, V, scale, WITH_ENT: tl.constexpr, BLOCK_V: 
     return m, s, t
 
 
-@triton.jit(do_not_specialize=ROW_COUNTS)
+@triton.jit(do_not_specialize=ROW_COUNTS, do_not_specialize_on_alignment=FWD_ROW_VECTORS)
 def _logprobs_fwd_kernel(x_ptr, labels_ptr, logp_ptr, ent_ptr, lse_ptr, bad_ptr, T, stride_b, stride_t, stride_v, V,
                          inv_t, WITH_ENT: tl.constexpr, CHECK: tl.constexpr, BLOCK_V: tl.constexpr,
                          NUM_STAGES: tl.constexpr):
@@ -119,7 +123,7 @@ def _logprobs_fwd_kernel(x_ptr, labels_ptr, logp_ptr, ent_ptr, lse_ptr, bad_ptr,
         tl.store(ent_ptr + n, (log2_s - tl.sum(t, 0) / total) * LN2)
 
 
-@triton.jit(do_not_specialize=ROW_COUNTS)
+@triton.jit(do_not_specialize=ROW_COUNTS, do_not_specialize_on_alignment=BWD_ROW_VECTORS)
 def _logprobs_bwd_kernel(x_ptr, dx_ptr, labels_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, T, stride_b, stride_t,
                          stride_v, V, inv_t, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr, BLOCK_V: tl.constexpr):
     n = tl.program_id(0)

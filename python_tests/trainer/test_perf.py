@@ -152,23 +152,24 @@ def test_gpu_figures_peak_memory_and_mfu():
 
 @pytest.mark.gpu
 def test_token_counts_compile_the_log_prob_kernels_once():
-    """Micro-batches of every token count share one compile of the fused kernels: a count outside
-    the first one's specialization class (divisible by 16, or 1) compiles nothing."""
+    """Micro-batches of every token count share one compile of the log-prob kernels: a count outside
+    the first one's specialization class (divisible by 16 or not; per-row outputs' alignment) compiles
+    nothing. Counts from 128 up: below, the fused kernels' tiles shrink to the problem (new constants)."""
     pytest.importorskip("triton")
     from verl_fast.ops.logprobs import linear_logprobs, logprobs_from_logits
 
     device = torch.device("cuda")
     p = perf.StepPerf(torch.nn.Linear(2, 2), device)
     torch.manual_seed(0)
-    weight = torch.randn(1000, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(1024, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
     counts = []
-    for n in (64, 70, 1, 133):
+    for n in (256, 300, 1024, 129):
         p.begin()
         hidden = torch.randn(1, n, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
-        labels = torch.randint(0, 1000, (1, n), device=device)
+        labels = torch.randint(0, 1024, (1, n), device=device)
         logp, entropy = linear_logprobs(hidden, weight, labels, 1.0, True)
         (logp.sum() + entropy.sum()).backward()
-        logits = torch.randn(2, n, 1000, device=device, dtype=torch.bfloat16, requires_grad=True)
+        logits = torch.randn(2, n, 1024, device=device, dtype=torch.bfloat16, requires_grad=True)
         logprobs_from_logits(logits, labels.expand(2, n), 1.0).sum().backward()
         torch.cuda.synchronize()
         counts.append(p.figures()["perf/kernel_compiles"])
