@@ -213,7 +213,7 @@ class CriticConfig(ModelLayoutConfig, ScheduleConfig):
 @dataclass
 class RolloutConfig:
     type: str = _f("auto", choices=("auto", "hf", "vllm"),
-                   doc="auto: hf for a whole actor (unsharded, not PEFT) on one GPU, its decode compiled (on an "
+                   doc="auto: hf for a whole dense actor (unsharded, not PEFT) on one GPU, its decode compiled (on an "
                        "H200 the step took 0.67x / 0.78x vLLM's at the 0.5B / 1.5B shapes); otherwise vllm when "
                        "installed and configure_vllm_env() has run (the CLI runs it), else hf")
     n: int = _f(8, min=1, doc="samples per prompt")

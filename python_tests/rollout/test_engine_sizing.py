@@ -268,6 +268,8 @@ def test_rollout_type_auto(monkeypatch):
     model.peft_config = {"default": None}
     assert factory.resolve_type("auto", model) == "vllm"  # a PEFT actor: its adapter goes to vLLM
     del model.peft_config
+    moe = tiny_model("qwen3_moe")
+    assert factory.resolve_type("auto", moe) == "vllm"  # a mixture of experts: vLLM's fused expert kernels
     model.config._attn_implementation = "eager"  # a model the fast decode cannot run
     assert factory.resolve_type("auto", model) == "vllm"
     model.config._attn_implementation = "sdpa"
