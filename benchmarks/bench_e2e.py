@@ -166,7 +166,7 @@ def worker_ours(args) -> Dict[str, Any]:
                   f"free {m.get('perf/cuda_frees', 0):.0f}  kernel compiles {m.get('perf/kernel_compiles', 0):.0f} "
                   f"({m.get('perf/kernel_compile_s', 0):.2f} s)", flush=True)
     profile = profile_phases(trainer, rows[: args.prompts], f"ours {args.rollout} {args.shape}") \
-        if args.device == "cuda" and world == 1 else None
+        if args.device == "cuda" and world == 1 and args.profile else None
     engine_start = getattr(trainer.engine, "init_seconds", None)
     if hasattr(trainer.engine, "close"):
         trainer.engine.close()
@@ -287,7 +287,7 @@ def launch(impl: str, args, model: Path, gpus: int, visible: Optional[str], out:
               "--out", str(out), "--device", args.device, "--shape", args.current_shape, "--steps", str(steps),
               "--prompts", str(args.prompts * gpus), "--samples", str(args.n), "--tokens", str(args.tokens)]
     if kind == "ours":
-        worker += [f"--set={item}" for item in args.set]
+        worker += [f"--set={item}" for item in args.set] + ([] if args.profile else ["--no-profile"])
     if gpus > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"] + worker
     else:
@@ -444,6 +444,8 @@ def main(argv=None) -> int:
     p.add_argument("--samples", dest="n", type=int, default=8)
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--no-trl", action="store_true")
+    p.add_argument("--no-profile", dest="profile", action="store_false",
+                   help="skip the profiled rollout and update after our runs' steps (long at 1024 tokens)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="a config override for our runs (repeatable), e.g. actor.max_token_len_per_gpu=32768")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
