@@ -74,7 +74,9 @@ def _count_kernel_compiles() -> None:
         from triton import knobs
     except ImportError:  # Triton before 3.4 has no hooks to chain onto
         return
-    runtime = knobs.runtime
+    runtime = getattr(knobs, "runtime", None)
+    if not (hasattr(runtime, "jit_cache_hook") and hasattr(runtime, "jit_post_compile_hook")):
+        return
     before, after = runtime.jit_cache_hook, runtime.jit_post_compile_hook
     if getattr(before, "_verl_fast", False):
         return
