@@ -132,7 +132,9 @@ class ActorConfig(ModelLayoutConfig, ScheduleConfig):
                                    "folder, or the demo name 'smollm2-135m-instruct'")
     type: str = _f("hf", choices=("hf", "hf_transformers", "vllm"), doc="older spelling: vllm sets rollout.type")
     dtype: str = _f("float32", choices=DTYPES)
-    autocast: str = _f("none", choices=("none", "bfloat16", "float16"), doc="autocast for forward passes")
+    autocast: str = _f("none", choices=("none", "auto", "bfloat16", "float16"),
+                       doc="autocast for forward passes (auto: bfloat16 where the device computes it natively: a "
+                           "GPU, a CPU with AVX512-BF16 / AMX; else none)")
     lr: float = _f(1e-6, min=0.0, doc="peak rate (lr_scheduler shapes it over the run)")
     weight_decay: float = _f(0.0, min=0.0, doc="AdamW's decoupled weight decay")
     max_grad_norm: float = _f(1.0, min=0.0, doc="0 = no clipping")

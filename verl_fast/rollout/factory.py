@@ -108,7 +108,8 @@ def build_engine(cfg: Config, actor: torch.nn.Module, tokenizer: Any, model_path
         kwargs["load_format"] = "dummy"
     if world > 1:
         kwargs["distributed_executor_backend"] = "external_launcher"
-    dtype = r.dtype if r.dtype != "auto" else (cfg.actor.autocast if autocast_dtype else cfg.actor.dtype)
+    dtype = r.dtype if r.dtype != "auto" else (str(autocast_dtype).removeprefix("torch.") if autocast_dtype
+                                               else cfg.actor.dtype)
     max_len = r.max_model_len or (cfg.trainer.max_prompt_length + r.max_new_tokens)
     if r.compilation_config is not None:
         kwargs["compilation_config"] = r.compilation_config

@@ -67,6 +67,19 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max
     return norm
 
 
+def autocast_dtype(name: str, device: torch.device) -> Optional[torch.dtype]:
+    """``actor.autocast`` on ``device``; ``auto``: bfloat16 where the device multiplies it natively (a
+    GPU with bf16, a CPU with AVX512-BF16 or AMX), else none. On a CPU without them a bf16 matmul takes
+    ~70x an fp32 one (1024^3, AVX2-only EPYC, torch 2.13: 3.7 s against 0.05 s), so fp32 is faster there."""
+    if name != "auto":
+        return AUTOCAST.get(name)
+    if device.type == "cuda":
+        fast = torch.cuda.is_bf16_supported()
+    else:
+        fast = device.type == "cpu" and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    return torch.bfloat16 if fast else None
+
+
 def autocast_of(dtype: Optional[torch.dtype], device: torch.device) -> Callable[[], ContextManager[Any]]:
     """Autocast to ``dtype`` (None: none) as a context factory for forward passes on ``device``."""
     if dtype is None:
@@ -165,7 +178,7 @@ class FSDPStrategy:
         layout = Sharding.from_config(cfg.actor, "actor", self.dp_size)
         self.device = sharding.compute_device(layout, cfg.trainer.device, actor)
         self.actor = sharding.shard(actor, layout, self.device)
-        self.autocast_dtype = AUTOCAST.get(cfg.actor.autocast)
+        self.autocast_dtype = autocast_dtype(cfg.actor.autocast, self.device)
         self.autocast = autocast_of(self.autocast_dtype, self.device)
         self.ref = reference_model(self.actor, ref, layout, self.device) if needs_reference else None
         self.critic = None if critic is None else HFCritic(critic_model(critic), cfg, self.dp_size, self.device,

@@ -114,7 +114,7 @@ def check(cfg: Config) -> None:
         if getattr(cfg.actor, key):
             raise ValueError(f"actor.{key} is not supported with actor.strategy=megatron; use fixed-size "
                              "micro-batches (actor.micro_batch_size) on the accelerator")
-    if cfg.actor.mixed_precision != "none" or cfg.actor.autocast != "none":
+    if cfg.actor.mixed_precision != "none" or cfg.actor.autocast not in ("none", "auto"):  # auto: none here
         raise ValueError("actor.mixed_precision / actor.autocast are not supported with actor.strategy=megatron; "
                          "use actor.dtype=bfloat16 (bf16 weights, fp32 main weights in the optimizer)")
     if cfg.actor.virtual_pipeline_model_parallel_size and cfg.actor.pipeline_model_parallel_size < 2:
