@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import importlib.util
 import time
 from typing import Dict, Iterator, Optional
 
@@ -68,11 +67,9 @@ _JIT = {"s": 0.0, "n": 0, "start": 0.0}
 
 def _count_kernel_compiles() -> None:
     """Chains a counter onto Triton's compile hooks (once per process; hooks already set keep running)."""
-    if importlib.util.find_spec("triton") is None:
-        return
     try:
         from triton import knobs
-    except ImportError:  # Triton before 3.4 has no hooks to chain onto
+    except ImportError:  # no Triton, or one before 3.4 (no hooks to chain onto)
         return
     runtime = getattr(knobs, "runtime", None)
     if not (hasattr(runtime, "jit_cache_hook") and hasattr(runtime, "jit_post_compile_hook")):
