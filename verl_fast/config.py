@@ -164,6 +164,9 @@ class ActorConfig(ModelLayoutConfig, ScheduleConfig):
     kl_loss_type: str = _f("low_var_kl", choices=KL_ESTIMATORS)
     fused_logprobs: str = _f("auto", choices=("auto", "on", "off"), doc="fused lm_head + log-prob kernels")
     gradient_checkpointing: bool = _f(False)
+    compile_blocks: Optional[bool] = _f(None, doc="torch.compile the norms and MLPs of the training and log-prob "
+                                        "passes (llama / mistral / qwen2 / qwen3); null (auto): on for an unsharded, "
+                                        "non-PEFT actor on a GPU without gradient_checkpointing")
     trust_remote_code: bool = _f(False, doc="actor and reference: let transformers run the model folder's own code")
     attn_implementation: Optional[str] = _f(None, choices=ATTN_IMPLEMENTATIONS,
                                             doc="None: transformers' default; flash_attention_2 needs flash-attn")

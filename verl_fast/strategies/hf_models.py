@@ -5,7 +5,8 @@ data-parallel ranks as ``sharding.py`` says (a model the user wrapped is used as
 - Forward passes: the actor's and the reference's log-probs through ``models/shared_prefix`` (the
   fused lm_head + log-prob kernels with ``actor.fused_logprobs``; a group's prompt run once with
   ``actor.share_prompt_forward``), the critic's values through ``models/value``, under
-  ``actor.autocast``. Training passes take the rollout temperature, the others temperature 1.
+  ``actor.autocast``, with the norms and MLPs compiled under ``actor.compile_blocks``
+  (``models/compiled_blocks``). Training passes take the rollout temperature, the others temperature 1.
 - Updates: a mini-batch's micro-batches accumulate gradients (FSDP2 with ``unsharded_accumulation``
   gathers the parameters once per step), then the gradient norm is clipped and AdamW steps (fused
   for plain parameters); a step whose norm is not finite is skipped.
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from verl_fast import checkpoint, distributed
 from verl_fast.config import Config
 from verl_fast.experience import Experience
-from verl_fast.models import routing
+from verl_fast.models import compiled_blocks, routing
 from verl_fast.models.shared_prefix import experience_logprobs
 from verl_fast.models.value import ValueModel, response_values
 from verl_fast.models.wrapping import hf_module, is_sharded
@@ -104,15 +105,28 @@ def routed(model: torch.nn.Module, sub: Experience, cfg: Config) -> ContextManag
     return routing.follow(hf_module(model), sub.routed_experts, cfg.actor.routing_replay)
 
 
+def compiles_blocks(actor: torch.nn.Module, cfg: Config, device: torch.device) -> bool:
+    """``actor.compile_blocks`` resolved (its null: auto, as the config's doc says)."""
+    setting = cfg.actor.compile_blocks
+    if setting and cfg.actor.gradient_checkpointing:  # the recomputed forward must save what the first one did
+        raise ValueError("actor.compile_blocks=true is not supported with actor.gradient_checkpointing=true; "
+                         "set one of them false")
+    if setting is not None:
+        return setting
+    return (device.type == "cuda" and not is_sharded(actor) and not hasattr(actor, "peft_config")
+            and not cfg.actor.gradient_checkpointing)
+
+
 def hf_logprobs(model: torch.nn.Module, exp: Experience, micro: List[torch.Tensor], cfg: Config,
                 autocast: Callable[[], ContextManager[Any]], device: torch.device,
-                replay: bool = False) -> torch.Tensor:
+                replay: bool = False, compiled: bool = False) -> torch.Tensor:
     """[N, L] float32 response log-probs of an HF model (actor or reference), micro-batch by micro-batch,
     at the sampling temperature, as the training forward computes them (else the PPO ratio of an
     unchanged actor is not 1 when ``rollout.temperature`` is not 1); ``replay``: the actor, whose
-    routers follow the rollout's routing where it was recorded."""
+    routers follow the rollout's routing where it was recorded; ``compiled``: its norms and MLPs
+    compiled (``models/compiled_blocks``)."""
     out = torch.zeros(exp.response_mask.shape, dtype=torch.float32, device=device)
-    with sharding.gathered_for_passes(model, len(micro)):
+    with sharding.gathered_for_passes(model, len(micro)), compiled_blocks.compiled(hf_module(model), compiled):
         for idx in micro:
             sub = exp.select(idx)
             with autocast(), (routed(model, sub, cfg) if replay else contextlib.nullcontext()):
@@ -184,21 +198,24 @@ class FSDPStrategy:
         self.critic = None if critic is None else HFCritic(critic_model(critic), cfg, self.dp_size, self.device,
                                                            self.autocast)
         self.optimizer = adamw(self.actor, cfg.actor.lr, cfg.actor.weight_decay)
+        self.compiled = compiles_blocks(self.actor, cfg, self.device)
 
     # ---- forward passes and updates
 
     def actor_logprobs(self, exp: Experience, micro: List[torch.Tensor]) -> torch.Tensor:
-        return hf_logprobs(self.actor, exp, micro, self.cfg, self.autocast, self.device, replay=True)
+        return hf_logprobs(self.actor, exp, micro, self.cfg, self.autocast, self.device, replay=True,
+                           compiled=self.compiled)
 
     def ref_logprobs(self, exp: Experience, micro: List[torch.Tensor]) -> torch.Tensor:
-        return hf_logprobs(self.ref, exp, micro, self.cfg, self.autocast, self.device)
+        return hf_logprobs(self.ref, exp, micro, self.cfg, self.autocast, self.device, compiled=self.compiled)
 
     def train_actor(self, exp: Experience, micro: List[torch.Tensor], loss_fn: LossFn) -> Tuple[List[Dict], float]:
         stats = [self._actor_micro_step(exp.select(idx), loss_fn) for idx in sharding.micro_steps(self.actor, micro)]
         return stats, self.optimizer_step()
 
     def _actor_micro_step(self, sub: Experience, loss_fn: LossFn) -> Dict[str, float]:
-        with self.autocast(), routed(self.actor, sub, self.cfg) as agreement:
+        with self.autocast(), routed(self.actor, sub, self.cfg) as agreement, \
+                compiled_blocks.compiled(hf_module(self.actor), self.compiled):
             logp, entropy = experience_logprobs(self.actor, sub.input_ids, sub.attention_mask, sub.response_length,
                                                 sub.prompt_index, temperature=self.cfg.rollout.temperature or 1.0,
                                                 with_entropy=True, fused=FUSED[self.cfg.actor.fused_logprobs],

@@ -1,0 +1,93 @@
+"""``actor.compile_blocks`` (models/compiled_blocks.py): the training passes' norms and MLPs compiled,
+against the eager forward and a float64 reference, gradients included; installed only inside the
+``with``; one compile per class shared by every module of it."""
+
+import pytest
+import torch
+
+from test_shared_prefix import _batch, _reference
+from tiny_models import tiny_model
+from verl_fast.config import from_dict
+from verl_fast.models import compiled_blocks
+from verl_fast.models.shared_prefix import experience_logprobs
+from verl_fast.strategies.hf_models import compiles_blocks
+
+
+def _logprobs_and_grads(model, ids, mask, L, group):
+    model.zero_grad(set_to_none=True)
+    lp, ent = experience_logprobs(model, ids, mask, L, group, temperature=0.7, with_entropy=True, fused=False,
+                                  share=True)
+    weights = torch.randn(lp.shape, generator=torch.Generator().manual_seed(5))
+    ((lp * weights).sum() + ent.sum()).backward()
+    return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.slow
+def test_compiled_blocks_match_eager_and_float64_with_gradients():
+    torch._dynamo.reset()
+    model = tiny_model("qwen2", seed=2)
+    swapped = compiled_blocks.blocks(model)
+    names = {type(m).__name__ for m in swapped}
+    assert names == {"Qwen2RMSNorm", "Qwen2MLP"} and len(swapped) == 3 * model.config.num_hidden_layers + 1
+    # three micro-batch shapes: the first compile is static, the second symbolic, the third reuses it
+    shapes = [([5, 3, 7], 3, [4, 2, 1, 4]), ([6, 2], 4, [3, 5]), ([4, 4, 2, 3], 2, [2, 6, 1])]
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for seed, (prompts, n, responses) in enumerate(shapes):
+        ids, mask, group, L = _batch(model.config.vocab_size, prompts, n, responses, seed=seed)
+        eager_lp, eager_grads = _logprobs_and_grads(model, ids, mask, L, group)
+        with compiled_blocks.compiled(model):
+            assert all("forward" in m.__dict__ for m in swapped)
+            lp, grads = _logprobs_and_grads(model, ids, mask, L, group)
+        assert not any("forward" in m.__dict__ for m in swapped)  # the eager model again outside
+        valid = mask[:, -L:].bool()
+        torch.testing.assert_close(lp[valid], eager_lp[valid], atol=2e-5, rtol=2e-5)
+        for name, g in grads.items():
+            torch.testing.assert_close(g, eager_grads[name], atol=5e-5, rtol=1e-4, msg=name)
+        reference = _reference(tiny_model("qwen2", seed=2), ids, mask, L, temperature=0.7)
+        torch.testing.assert_close(lp[valid].double(), reference[valid], atol=5e-5, rtol=1e-4)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+    assert 2 <= graphs <= 4, graphs  # the two classes, static then symbolic: not once per module or shape
+
+
+def test_other_families_and_models_with_their_own_forward_are_left_alone():
+    model = tiny_model("qwen2", seed=0)
+    norm = model.model.norm
+    norm.forward = lambda x: x  # someone else's instance forward stays theirs
+    assert norm not in compiled_blocks.blocks(model)
+    with compiled_blocks.compiled(model):
+        assert norm.forward(torch.ones(1)) == 1
+    assert "forward" in norm.__dict__
+    model.config.model_type = "gpt2"
+    assert compiled_blocks.blocks(model) == []
+    with compiled_blocks.compiled(model, enabled=False):
+        assert not any("forward" in m.__dict__ for m in model.model.layers.modules())
+
+
+def test_auto_is_on_for_a_whole_actor_on_a_gpu_only():
+    model = tiny_model("qwen2", seed=0)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert compiles_blocks(model, from_dict({}), cuda) and not compiles_blocks(model, from_dict({}), cpu)
+    assert compiles_blocks(model, from_dict({"actor": {"compile_blocks": True}}), cpu)
+    assert not compiles_blocks(model, from_dict({"actor": {"gradient_checkpointing": True}}), cuda)
+    with pytest.raises(ValueError, match="actor.compile_blocks.*actor.gradient_checkpointing"):
+        compiles_blocks(model, from_dict({"actor": {"compile_blocks": True, "gradient_checkpointing": True}}), cpu)
+
+
+@pytest.mark.gpu
+def test_compiled_blocks_on_the_gpu_under_bf16_autocast_match_eager():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model = tiny_model("qwen2", seed=3).cuda()
+    for seed, (prompts, n, responses) in enumerate([([9, 5, 12], 4, [7, 3, 11]), ([6, 8], 8, [5, 9, 2])]):
+        ids, mask, group, L = (t.cuda() if torch.is_tensor(t) else t
+                               for t in _batch(model.config.vocab_size, prompts, n, responses, seed=seed))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            eager_lp, eager_grads = _logprobs_and_grads(model, ids, mask, L, group)
+            with compiled_blocks.compiled(model):
+                lp, grads = _logprobs_and_grads(model, ids, mask, L, group)
+        valid = mask[:, -L:].bool()
+        # bf16 matmuls on both sides; the compiled norm keeps its fp32 math in registers (one rounding less)
+        torch.testing.assert_close(lp[valid], eager_lp[valid], atol=3e-2, rtol=0)
+        for name, g in grads.items():
+            error = (g - eager_grads[name]).norm() / eager_grads[name].norm().clamp(min=1e-12)
+            assert error < 3e-2, (name, float(error))
