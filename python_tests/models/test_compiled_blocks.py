@@ -17,7 +17,7 @@ def _logprobs_and_grads(model, ids, mask, L, group):
     model.zero_grad(set_to_none=True)
     lp, ent = experience_logprobs(model, ids, mask, L, group, temperature=0.7, with_entropy=True, fused=False,
                                   share=True)
-    weights = torch.randn(lp.shape, generator=torch.Generator().manual_seed(5))
+    weights = torch.randn(lp.shape, generator=torch.Generator().manual_seed(5)).to(lp.device)
     ((lp * weights).sum() + ent.sum()).backward()
     return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
