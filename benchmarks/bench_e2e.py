@@ -164,7 +164,8 @@ def worker_ours(args) -> Dict[str, Any]:
                   f"sync {m.get('time/weight_sync', 0) * 1e3:.1f} ms  gc {m.get('perf/gc_s', 0) * 1e3:.0f} ms "
                   f"({m.get('perf/gc_full', 0):.0f} full)  cudaMalloc {m.get('perf/cuda_mallocs', 0):.0f} "
                   f"free {m.get('perf/cuda_frees', 0):.0f}  kernel compiles {m.get('perf/kernel_compiles', 0):.0f} "
-                  f"({m.get('perf/kernel_compile_s', 0):.2f} s)", flush=True)
+                  f"({m.get('perf/kernel_compile_s', 0):.2f} s)  graph compiles {m.get('perf/graph_compiles', 0):.0f}",
+                  flush=True)
     profile = profile_phases(trainer, rows[: args.prompts], f"ours {args.rollout} {args.shape}") \
         if args.device == "cuda" and world == 1 and args.profile else None
     engine_start = getattr(trainer.engine, "init_seconds", None)
@@ -311,6 +312,12 @@ def wait(proc: subprocess.Popen, out: Path, label: str, timeout: float) -> Optio
     return json.loads(out.read_text())
 
 
+def warmup(run: Dict[str, Any], skip: int) -> int:
+    """The warm-up steps left out: ``skip``, fewer for a run too short to keep one step after them
+    (a 2-step TRL-HF run at 1024 tokens, say: its second step is then the figure)."""
+    return max(0, min(skip, len(run["steps"]) - 1))
+
+
 def steady(run: Dict[str, Any], key: str, skip: int) -> Optional[float]:
     values = [s[key] for s in run["steps"][skip:] if key in s]
     return statistics.median(values) if values else None
@@ -320,6 +327,7 @@ PHASES = ("generation", "reward", "old_logprob", "ref", "advantages", "update_ac
 
 
 def summarise_ours(run: Dict[str, Any], skip: int) -> Dict[str, Any]:
+    skip = warmup(run, skip)
     out = {"step_s": steady(run, "time/step", skip), "world": run["world"],
            "tokens_per_s_per_gpu": steady(run, "perf/tokens_per_s_per_gpu", skip),
            "mfu_update": steady(run, "perf/mfu_update", skip),
@@ -330,11 +338,11 @@ def summarise_ours(run: Dict[str, Any], skip: int) -> Dict[str, Any]:
            "startup_s": run.get("startup_s"), "engine_start_s": run.get("engine_start_s"),
            "sleep_freed_gib": steady(run, "rollout/sleep_freed_gib", skip),
            "sleep_s": steady(run, "rollout/sleep_s", skip), "wake_s": steady(run, "rollout/wake_s", skip)}
-    out.update(spread(run, "time/step", skip))
+    out.update(spread(run, "time/step", skip), warmup_steps=skip)
     out["phases_s"] = {p: steady(run, f"time/{p}", skip) for p in PHASES if steady(run, f"time/{p}", skip) is not None}
     # each steady step's phases beside what can make a step slower than the next (issue 24's swings)
     detail = ("time/step", "time/generation", "time/update_actor", "perf/gc_s", "perf/gc_full", "perf/cuda_mallocs",
-              "perf/cuda_frees", "perf/alloc_retries", "perf/kernel_compiles", "perf/kernel_compile_s",
+              "perf/cuda_frees", "perf/alloc_retries", "perf/kernel_compiles", "perf/kernel_compile_s", "perf/graph_compiles",
               "response/length")
     out["steady_detail"] = [{k: s[k] for k in detail if k in s} for s in run["steps"][skip:]]
     out["profile"] = run.get("profile")  # one rollout and one update, kernels against wall time
@@ -348,6 +356,7 @@ def spread(run: Dict[str, Any], key: str, skip: int) -> Dict[str, Any]:
 
 
 def summarise_trl(run: Dict[str, Any], skip: int, sequences: int) -> Dict[str, Any]:
+    skip = warmup(run, skip)
     logs = run["logs"][skip:]
     length = statistics.median(log["completions/mean_length"] for log in logs) if logs else None
     step = steady(run, "wall_s", skip)
@@ -355,7 +364,7 @@ def summarise_trl(run: Dict[str, Any], skip: int, sequences: int) -> Dict[str, A
            if logs else None, "response_length": length, "startup_s": run.get("startup_s"),
            "peak_memory_gib": max((s["peak_memory_gib"] for s in run["steps"] if "peak_memory_gib" in s),
                                   default=None)}
-    out.update(spread(run, "wall_s", skip))
+    out.update(spread(run, "wall_s", skip), warmup_steps=skip)
     if step and length is not None:
         out["tokens_per_s_per_gpu"] = sequences * (run["prompt_tokens_mean"] + length) / step
     return out

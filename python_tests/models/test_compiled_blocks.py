@@ -73,21 +73,27 @@ def test_auto_is_on_for_a_whole_actor_on_a_gpu_only():
         compiles_blocks(model, from_dict({"actor": {"compile_blocks": True, "gradient_checkpointing": True}}), cpu)
 
 
-@pytest.mark.gpu
-def test_compiled_blocks_on_the_gpu_under_bf16_autocast_match_eager():
-    if not torch.cuda.is_available():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.slow
+def test_compiled_blocks_under_bf16_autocast_are_as_close_to_float32_as_eager(device):
+    """Under bf16 the compiled norm rounds once less than the eager one, so the two differ by bf16 noise
+    (a weight gradient of the 2-layer model ~7% apart on the H200); what must hold is that the compiled
+    passes are as close to the float32 forward and gradients as the eager ones are."""
+    if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    model = tiny_model("qwen2", seed=3).cuda()
+    model = tiny_model("qwen2", seed=3).to(device)
     for seed, (prompts, n, responses) in enumerate([([9, 5, 12], 4, [7, 3, 11]), ([6, 8], 8, [5, 9, 2])]):
-        ids, mask, group, L = (t.cuda() if torch.is_tensor(t) else t
+        ids, mask, group, L = (t.to(device) if torch.is_tensor(t) else t
                                for t in _batch(model.config.vocab_size, prompts, n, responses, seed=seed))
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        valid = mask[:, -L:].bool()
+        exact_lp, exact_grads = _logprobs_and_grads(model, ids, mask, L, group)
+        with torch.autocast(device, dtype=torch.bfloat16):
             eager_lp, eager_grads = _logprobs_and_grads(model, ids, mask, L, group)
             with compiled_blocks.compiled(model):
                 lp, grads = _logprobs_and_grads(model, ids, mask, L, group)
-        valid = mask[:, -L:].bool()
-        # bf16 matmuls on both sides; the compiled norm keeps its fp32 math in registers (one rounding less)
-        torch.testing.assert_close(lp[valid], eager_lp[valid], atol=3e-2, rtol=0)
+        eager_err = (eager_lp - exact_lp)[valid].abs().max()
+        assert (lp - exact_lp)[valid].abs().max() <= 2 * eager_err + 1e-3
         for name, g in grads.items():
-            error = (g - eager_grads[name]).norm() / eager_grads[name].norm().clamp(min=1e-12)
-            assert error < 3e-2, (name, float(error))
+            scale = exact_grads[name].norm().clamp(min=1e-12)
+            ours, eager = (g - exact_grads[name]).norm() / scale, (eager_grads[name] - exact_grads[name]).norm() / scale
+            assert ours <= 2 * eager + 1e-3, (name, float(ours), float(eager))

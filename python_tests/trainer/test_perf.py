@@ -57,7 +57,19 @@ def test_phases_accumulate_and_mfu(tiny_path):
     assert p.figures()["perf/mfu_update"] == pytest.approx(want / out["time/update_actor"] / 1e12)
     assert perf.throughput({"time/step": 2.0, "perf/tokens": 10}) == {"perf/tokens_per_s_per_gpu": 5.0}
     p.begin()
-    assert p.figures() == {"perf/tokens": 0.0, "perf/gc_s": 0.0, "perf/gc_collections": 0.0, "perf/gc_full": 0.0}
+    assert p.figures() == {"perf/tokens": 0.0, "perf/gc_s": 0.0, "perf/gc_collections": 0.0, "perf/gc_full": 0.0,
+                           "perf/graph_compiles": 0.0}
+
+
+def test_torch_compile_graphs_counted_per_step():
+    p = perf.StepPerf(torch.nn.Linear(2, 2), torch.device("cpu"))
+    fn = torch.compile(lambda x: (x * 2).sin())
+    p.begin()
+    fn(torch.ones(3))
+    assert p.figures()["perf/graph_compiles"] == 1
+    p.begin()
+    fn(torch.ones(3))  # the same shape: the compiled graph runs again
+    assert p.figures()["perf/graph_compiles"] == 0
 
 
 def test_garbage_collector_pauses_counted_per_step(tiny_path):
@@ -135,6 +147,7 @@ def test_gpu_figures_peak_memory_and_mfu():
     device = torch.device("cuda")
     model = torch.nn.Linear(1024, 1024).to(device)
     p = perf.StepPerf(model, device)
+    torch.cuda.empty_cache()  # so the input's allocation is a cudaMalloc, whatever tests ran before in this process
     p.begin()
     with p.phase("update_actor"):
         x = torch.randn(4096, 1024, device=device, requires_grad=True)

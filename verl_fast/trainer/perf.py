@@ -10,7 +10,10 @@ garbage collector's pauses during the step, generation 2 counted apart in ``perf
 GPU ``perf/cuda_mallocs`` / ``perf/cuda_frees`` (the caching allocator's calls to the driver: growth
 and the frees of an out-of-memory retry or ``empty_cache``) and ``perf/alloc_retries``, and
 ``perf/kernel_compiles`` / ``perf/kernel_compile_s`` (Triton kernels compiled, or loaded from
-Triton's disk cache, during the step: a launch with arguments of a new specialization).
+Triton's disk cache, during the step: a launch with arguments of a new specialization), and
+``perf/graph_compiles`` (torch.compile graphs compiled during the step: a recompile for a new shape
+or grad mode of ``actor.compile_blocks`` or the compiled decode; Inductor's kernels do not pass
+through the Triton hooks above).
 
 GPU work is asynchronous: a phase's time is taken between two device synchronisations, one at each
 phase boundary (never inside a phase), so each phase is charged the GPU work it queued.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 import time
 from typing import Dict, Iterator, Optional
 
@@ -97,6 +101,12 @@ def _allocator_calls(device: torch.device) -> Dict[str, float]:
             "perf/alloc_retries": stats.get("num_alloc_retries", 0)}
 
 
+def _graph_compiles() -> int:
+    """torch.compile's count of graphs compiled in this process (0 while nothing imported dynamo)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return 0 if utils is None else int(utils.counters["stats"]["unique_graphs"])
+
+
 class StepPerf:
     """Times one step's phases and gathers the figures above. One instance per trainer; ``begin``
     at the start of each step, ``phase(name)`` around each phase, ``figures`` at its end."""
@@ -123,6 +133,7 @@ class StepPerf:
         self.flops = 0.0
         self._gc_before = dict(_GC)
         self._jit_before = dict(_JIT)
+        self._graphs_before = _graph_compiles()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             self._allocator_before = _allocator_calls(self.device)
@@ -164,6 +175,7 @@ class StepPerf:
         out["perf/gc_s"] = _GC["s"] - self._gc_before["s"]
         out["perf/gc_collections"] = float(_GC["n"] - self._gc_before["n"])
         out["perf/gc_full"] = float(_GC["full"] - self._gc_before["full"])
+        out["perf/graph_compiles"] = float(_graph_compiles() - self._graphs_before)
         if self.device.type == "cuda":
             out["perf/kernel_compiles"] = float(_JIT["n"] - self._jit_before["n"])
             out["perf/kernel_compile_s"] = _JIT["s"] - self._jit_before["s"]
