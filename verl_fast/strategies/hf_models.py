@@ -210,12 +210,12 @@ class FSDPStrategy:
         return hf_logprobs(self.ref, exp, micro, self.cfg, self.autocast, self.device, compiled=self.compiled)
 
     def train_actor(self, exp: Experience, micro: List[torch.Tensor], loss_fn: LossFn) -> Tuple[List[Dict], float]:
-        stats = [self._actor_micro_step(exp.select(idx), loss_fn) for idx in sharding.micro_steps(self.actor, micro)]
+        with compiled_blocks.compiled(hf_module(self.actor), self.compiled):  # once for all micro-batches
+            stats = [self._actor_micro_step(exp.select(idx), loss_fn) for idx in sharding.micro_steps(self.actor, micro)]
         return stats, self.optimizer_step()
 
     def _actor_micro_step(self, sub: Experience, loss_fn: LossFn) -> Dict[str, float]:
-        with self.autocast(), routed(self.actor, sub, self.cfg) as agreement, \
-                compiled_blocks.compiled(hf_module(self.actor), self.compiled):
+        with self.autocast(), routed(self.actor, sub, self.cfg) as agreement:
             logp, entropy = experience_logprobs(self.actor, sub.input_ids, sub.attention_mask, sub.response_length,
                                                 sub.prompt_index, temperature=self.cfg.rollout.temperature or 1.0,
                                                 with_entropy=True, fused=FUSED[self.cfg.actor.fused_logprobs],
