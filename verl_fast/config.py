@@ -163,6 +163,10 @@ class ActorConfig(ModelLayoutConfig, ScheduleConfig):
     kl_loss_coef: float = _f(0.001, min=0.0)
     kl_loss_type: str = _f("low_var_kl", choices=KL_ESTIMATORS)
     fused_logprobs: str = _f("auto", choices=("auto", "on", "off"), doc="fused lm_head + log-prob kernels")
+    use_remove_padding: Optional[bool] = _f(None, doc="log-prob and training passes on the rows packed without "
+                                            "padding (torch's varlen flash attention; a group's prompt once with "
+                                            "share_prompt_forward); null (auto): on for an HF actor on a GPU under "
+                                            "bf16 / fp16 where torch has varlen_attn (elsewhere a per-sequence loop)")
     gradient_checkpointing: bool = _f(False)
     compile_blocks: Optional[bool] = _f(None, doc="torch.compile the norms and MLPs of the training and log-prob "
                                         "passes (llama / mistral / qwen2 / qwen3); null (auto): on for an unsharded, "
@@ -180,7 +184,8 @@ class ActorConfig(ModelLayoutConfig, ScheduleConfig):
                                                              "per PP rank")
     expert_model_parallel_size: int = _f(1, min=1, doc="strategy megatron: EP size (MoE families)")
     share_prompt_forward: bool = _f(True, doc="log-prob passes run each prompt once for all its samples "
-                                              "(same log-probs and gradients, fewer tokens; not with fused_logprobs)")
+                                              "(same log-probs and gradients, fewer tokens; with fused_logprobs "
+                                              "only under use_remove_padding)")
     routing_replay: bool = _f(False, doc="MoE (Qwen2-MoE / Qwen3-MoE, HF or Megatron actor): the old-log-prob "
                                          "and training forwards route each token to the experts the rollout "
                                          "chose (the gate's softmax weights on them stay differentiable); sets "
@@ -620,6 +625,9 @@ def validate(cfg: Config) -> None:
         if inside == run or run in inside.parents:
             raise ValueError(f"trainer.resume_from={start} lies in trainer.output_dir, which trainer.overwrite=true "
                              "clears at start; unset overwrite, or resume into another output_dir")
+    if cfg.actor.use_remove_padding and cfg.actor.strategy == "megatron":
+        raise ValueError("actor.use_remove_padding=true is not supported with actor.strategy=megatron (Megatron runs "
+                         "its own forward); leave it unset")
     if cfg.actor.clip_ratio_c <= 1.0:
         raise ValueError(f"actor.clip_ratio_c must be > 1 (dual clip), got {cfg.actor.clip_ratio_c}")
     if cfg.algorithm.overlong_buffer > cfg.rollout.max_new_tokens:

@@ -1,10 +1,11 @@
-"""Shared-prompt log-probs (models/shared_prefix.py) against a plain float64 forward of every row."""
+"""Shared-prompt log-probs through the KV cache (models/shared_prefix.py) against a plain float64 forward of
+every row; the packed paths are tested in test_packed.py."""
 
 import pytest
 import torch
 
 from tiny_models import tiny_model
-from verl_fast.models.shared_prefix import packed_layout, packed_prompt_logprobs, prompt_groups, shared_prompt_logprobs
+from verl_fast.models.shared_prefix import prompt_groups, shared_prompt_logprobs
 
 
 def _batch(vocab, prompt_lens, n, resp_lens, seed=0):
@@ -66,63 +67,3 @@ def test_prompt_groups_refuses_rows_that_differ_or_do_not_repeat():
     bad[1, -L - 1] += 1  # the second row of group 0 has another prompt token
     assert prompt_groups(bad, mask, group, L) is None
     assert prompt_groups(ids, mask, torch.arange(4), L) is None  # one row per group: nothing to share
-
-
-@pytest.mark.parametrize("family,attention", [("llama", "sdpa"), ("qwen2", "sdpa"), ("qwen2", "eager")])
-def test_packed_matches_plain_forward_and_gradients(family, attention):
-    """Every group's prompt and responses in one sequence (padding removed, a 4-D mask): the
-    float64 reference's log-probs, entropies' shape and gradients; zeros past each response's end."""
-    model = tiny_model(family, seed=1)
-    model.config._attn_implementation = attention
-    ids, mask, group, L = _batch(model.config.vocab_size, [5, 3, 7], 3, [4, 2, 1, 4, 3])
-    resp_mask = mask[:, -L:].double()
-    layout = packed_layout(mask, L, prompt_groups(ids, mask, group, L))
-    assert layout is not None and layout[0].numel() == 15 + int(resp_mask.sum())
-    lp, ent = packed_prompt_logprobs(model, ids, layout, L, temperature=0.7, with_entropy=True)
-    assert lp.dtype == torch.float32 and lp.shape == (9, L) and ent.shape == (9, L)
-    assert (lp[resp_mask == 0] == 0).all() and (ent[resp_mask == 0] == 0).all()
-    weights = torch.randn(ids.shape[0], L, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    (lp.double() * weights).sum().backward()
-    grads = {n: p.grad.double().clone() for n, p in model.named_parameters()}
-
-    ref_model = tiny_model(family, seed=1)
-    ref = _reference(ref_model, ids, mask, L, 0.7)
-    torch.testing.assert_close(lp.double(), ref * resp_mask, atol=1e-4, rtol=0)
-    (ref * weights * resp_mask).sum().backward()
-    for n, p in ref_model.named_parameters():
-        torch.testing.assert_close(grads[n], p.grad, atol=1e-4, rtol=1e-3, msg=n)
-    plain, plain_ent = shared_prompt_logprobs(tiny_model(family, seed=1), ids, mask, L,
-                                              prompt_groups(ids, mask, group, L), 0.7, with_entropy=True)
-    torch.testing.assert_close(ent, plain_ent * resp_mask.float(), atol=1e-4, rtol=1e-4)
-
-
-def test_packed_layout_refuses_holes_and_large_batches(monkeypatch):
-    from verl_fast.models import shared_prefix
-
-    ids, mask, group, L = _batch(50, [5, 3], 2, [4, 2])
-    groups = prompt_groups(ids, mask, group, L)
-    holed = mask.clone()
-    holed[0, -L + 1] = 0  # a response token missing between two others
-    assert packed_layout(holed, L, groups) is None
-    monkeypatch.setattr(shared_prefix, "PACKED_MAX_TOKENS", 8 + int(mask[:, -L:].sum()) - 1)
-    assert packed_layout(mask, L, groups) is None
-    monkeypatch.setattr(shared_prefix, "PACKED_MAX_TOKENS", 8 + int(mask[:, -L:].sum()))
-    assert packed_layout(mask, L, groups) is not None
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_packed_on_cuda_matches_the_cpu_path():
-    """The packed forward on the GPU (SDPA with the 4-D boolean mask, under bf16 autocast as the
-    trainer runs it): the CPU float32 log-probs within bf16 rounding, zeros past each response."""
-    model = tiny_model("qwen2", seed=1)
-    ids, mask, group, L = _batch(model.config.vocab_size, [5, 3, 7], 3, [4, 2, 1, 4, 3])
-    groups = prompt_groups(ids, mask, group, L)
-    want, _ = packed_prompt_logprobs(model, ids, packed_layout(mask, L, groups), L)
-    model, ids, mask, group = model.cuda(), ids.cuda(), mask.cuda(), group.cuda()
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        got, ent = packed_prompt_logprobs(model, ids, packed_layout(mask, L, prompt_groups(ids, mask, group, L)), L,
-                                          with_entropy=True)
-    resp = mask[:, -L:].bool()
-    assert (got[~resp] == 0).all() and (ent[~resp] == 0).all()
-    torch.testing.assert_close(got.cpu(), want, atol=0.05, rtol=0.02)

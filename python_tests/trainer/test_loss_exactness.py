@@ -98,7 +98,9 @@ def recorded_update(trainer, exp, monkeypatch, update):
 
 BATCHINGS = [{"micro_batch_size": 9}, {"micro_batch_size": 4}, {"micro_batch_size": 1},
              {"use_dynamic_bsz": True, "max_token_len_per_gpu": 64},
-             {"use_dynamic_bsz": True, "max_token_len_per_gpu": 120}]
+             {"use_dynamic_bsz": True, "max_token_len_per_gpu": 120},
+             # rows packed without padding (actor.use_remove_padding; a group's prompt once), by count and by budget
+             {"micro_batch_size": 4, "packed": True}, {"use_dynamic_bsz": True, "max_token_len_per_gpu": 64, "packed": True}]
 
 
 CASES = [(mode, "vanilla") for mode in MODES] + [
@@ -117,12 +119,14 @@ def test_actor_and_critic_exact_under_any_batching(ppo, mode, policy_loss, monke
         a.micro_batch_size, c.micro_batch_size = batching.get("micro_batch_size", 9), batching.get("micro_batch_size", 9)
         a.use_dynamic_bsz = batching.get("use_dynamic_bsz", False)
         a.max_token_len_per_gpu = batching.get("max_token_len_per_gpu", 16384)
+        trainer.strategy.packs_sequences = batching.get("packed", False)
         if a.use_dynamic_bsz:  # the budget really splits the batch
             assert len(trainer._micro(exp, trainer._rows(exp))) > 1
         actor, actor_grad = recorded_update(trainer, exp, monkeypatch, trainer.update_actor)
         critic, critic_grad = recorded_update(trainer, exp, monkeypatch, trainer.update_critic)
         results.append((actor, actor_grad, critic, critic_grad))
     a.use_dynamic_bsz, a.micro_batch_size, a.policy_loss = False, 8, "vanilla"
+    trainer.strategy.packs_sequences = False
     ref_actor, ref_grad, ref_critic, ref_critic_grad = results[0]
     assert ref_grad.abs().max() > 0 and ref_critic_grad.abs().max() > 0
     for actor, grad, critic, critic_grad in results[1:]:

@@ -10,8 +10,10 @@ kernels instead of 14,425, the update 0.54 -> 0.51 s and the peak 33.5 -> 26.5 G
 
 One compiled function per module class (``type(m).forward`` with the module as its argument), so a
 model's 49 norms share one compile (and the reference model's, and a later model's of the class):
-compiled on the first pass, once more with symbolic lengths when another micro-batch shape comes
-(torch.compile's automatic dynamic shapes), and per grad mode. The compiled forwards are installed
+compiled on the first pass with its sizes symbolic (``dynamic=True``), so no later micro-batch
+shape compiles again (with torch.compile's default, automatic dynamic shapes, the first new row
+count and the first new width each recompiled, ~1-2 s inside whichever steady step first met
+them), and once per grad mode. The compiled forwards are installed
 for the length of a ``with`` only -- the training and log-prob passes -- so the rollout's decode
 (eager or itself compiled whole) runs the model as it was. Families: the dense ones whose norms and
 MLPs are the plain HF modules (``FAMILIES``).
@@ -39,7 +41,7 @@ def blocks(model: torch.nn.Module) -> List[torch.nn.Module]:
 @functools.cache
 def _compiled_forward(cls: type):
     """The class's compiled forward, one per process."""
-    return torch.compile(cls.forward)
+    return torch.compile(cls.forward, dynamic=True)
 
 
 @contextlib.contextmanager

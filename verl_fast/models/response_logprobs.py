@@ -52,13 +52,15 @@ def _cast_like_linear(hidden, weight, bias):
 
 
 @contextlib.contextmanager
-def _head_returns_logprobs(head: torch.nn.Linear, labels, temperature: float, with_entropy: bool):
+def _head_returns_logprobs(head: torch.nn.Linear, labels, temperature: float, with_entropy: bool,
+                           shifted: bool = True):
     """While active, ``head(hidden [B, k, H])`` returns [B, L, 1 or 2] = (logp, entropy) for the labels
-    [B, L], from the k positions the model passes (the last L + 1, or all)."""
+    [B, L], from the k positions the model passes: ``shifted``, the L before the last (the last L + 1
+    or all were kept); else exactly the L predicting positions."""
     L = labels.shape[1]
 
     def forward(hidden):
-        h, weight, bias = _cast_like_linear(hidden[:, -L - 1 : -1], head.weight, head.bias)
+        h, weight, bias = _cast_like_linear(hidden[:, -L - 1 : -1] if shifted else hidden, head.weight, head.bias)
         out = linear_logprobs(h, weight, labels, temperature, with_entropy, bias=bias)
         return torch.stack(out, dim=-1) if with_entropy else out.unsqueeze(-1)
 

@@ -4,9 +4,9 @@ data-parallel ranks as ``sharding.py`` says (a model the user wrapped is used as
 
 - Forward passes: the actor's and the reference's log-probs through ``models/shared_prefix`` (the
   fused lm_head + log-prob kernels with ``actor.fused_logprobs``; a group's prompt run once with
-  ``actor.share_prompt_forward``), the critic's values through ``models/value``, under
-  ``actor.autocast``, with the norms and MLPs compiled under ``actor.compile_blocks``
-  (``models/compiled_blocks``). Training passes take the rollout temperature, the others temperature 1.
+  ``actor.share_prompt_forward``; the rows packed without padding with ``actor.use_remove_padding``,
+  ``models/packed``), the critic's values through ``models/value``, under ``actor.autocast``, with
+  the norms and MLPs compiled under ``actor.compile_blocks`` (``models/compiled_blocks``). Training passes take the rollout temperature, the others temperature 1.
 - Updates: a mini-batch's micro-batches accumulate gradients (FSDP2 with ``unsharded_accumulation``
   gathers the parameters once per step), then the gradient norm is clipped and AdamW steps (fused
   for plain parameters); a step whose norm is not finite is skipped.
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from verl_fast import checkpoint, distributed
 from verl_fast.config import Config
 from verl_fast.experience import Experience
-from verl_fast.models import compiled_blocks, routing
+from verl_fast.models import compiled_blocks, packed, routing
 from verl_fast.models.shared_prefix import experience_logprobs
 from verl_fast.models.value import ValueModel, response_values
 from verl_fast.models.wrapping import hf_module, is_sharded
@@ -117,24 +117,49 @@ def compiles_blocks(actor: torch.nn.Module, cfg: Config, device: torch.device) -
             and not cfg.actor.gradient_checkpointing)
 
 
+def removes_padding(actor: torch.nn.Module, cfg: Config, device: torch.device,
+                    autocast: Optional[torch.dtype]) -> bool:
+    """``actor.use_remove_padding`` resolved (its null: auto, as the config's doc says)."""
+    if cfg.actor.use_remove_padding is not None:
+        return cfg.actor.use_remove_padding
+    return packed.flash_available(device, autocast or next(actor.parameters()).dtype)
+
+
+def passes(model: torch.nn.Module, compiled: bool, packs: bool) -> ContextManager[Any]:
+    """Around a pass's micro-batches, forward and backward: the compiled norms and MLPs
+    (``compiled_blocks``), the varlen attention of packed rows (``packed``)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(compiled_blocks.compiled(hf_module(model), compiled))
+    if packs:
+        stack.enter_context(packed.attention_switched(hf_module(model)))
+    return stack
+
+
+def micro_logprobs(model: torch.nn.Module, sub: Experience, cfg: Config, packs: bool,
+                   with_entropy: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """One micro-batch's response log-probs (and entropy) as the actor section configures them, at the
+    sampling temperature (else the PPO ratio of an unchanged actor is not 1 when ``rollout.temperature``
+    is not 1). Recorded routing maps one-to-one onto the plain forward's tokens: neither a shared
+    prompt pass nor packing then."""
+    plain = sub.routed_experts is None
+    return experience_logprobs(model, sub.input_ids, sub.attention_mask, sub.response_length, sub.prompt_index,
+                               temperature=cfg.rollout.temperature or 1.0, with_entropy=with_entropy,
+                               fused=FUSED[cfg.actor.fused_logprobs], share=cfg.actor.share_prompt_forward and plain,
+                               packed=packs and plain)
+
+
 def hf_logprobs(model: torch.nn.Module, exp: Experience, micro: List[torch.Tensor], cfg: Config,
                 autocast: Callable[[], ContextManager[Any]], device: torch.device,
-                replay: bool = False, compiled: bool = False) -> torch.Tensor:
-    """[N, L] float32 response log-probs of an HF model (actor or reference), micro-batch by micro-batch,
-    at the sampling temperature, as the training forward computes them (else the PPO ratio of an
-    unchanged actor is not 1 when ``rollout.temperature`` is not 1); ``replay``: the actor, whose
-    routers follow the rollout's routing where it was recorded; ``compiled``: its norms and MLPs
-    compiled (``models/compiled_blocks``)."""
+                replay: bool = False, compiled: bool = False, packs: bool = False) -> torch.Tensor:
+    """[N, L] float32 response log-probs of an HF model (actor or reference), micro-batch by micro-batch
+    (``micro_logprobs``); ``replay``: the actor, whose routers follow the rollout's routing where it
+    was recorded; ``compiled`` / ``packs``: as ``passes`` says."""
     out = torch.zeros(exp.response_mask.shape, dtype=torch.float32, device=device)
-    with sharding.gathered_for_passes(model, len(micro)), compiled_blocks.compiled(hf_module(model), compiled):
+    with sharding.gathered_for_passes(model, len(micro)), passes(model, compiled, packs):
         for idx in micro:
             sub = exp.select(idx)
             with autocast(), (routed(model, sub, cfg) if replay else contextlib.nullcontext()):
-                # recorded routing maps one-to-one onto the plain forward's tokens: no shared prompt pass
-                logp, _ = experience_logprobs(model, sub.input_ids, sub.attention_mask, sub.response_length,
-                                              sub.prompt_index, temperature=cfg.rollout.temperature or 1.0,
-                                              fused=FUSED[cfg.actor.fused_logprobs],
-                                              share=cfg.actor.share_prompt_forward and sub.routed_experts is None)
+                logp, _ = micro_logprobs(model, sub, cfg, packs)
             out[idx, : sub.response_length] = logp.float()
     return out
 
@@ -199,28 +224,26 @@ class FSDPStrategy:
                                                            self.autocast)
         self.optimizer = adamw(self.actor, cfg.actor.lr, cfg.actor.weight_decay)
         self.compiled = compiles_blocks(self.actor, cfg, self.device)
+        self.packs_sequences = removes_padding(self.actor, cfg, self.device, self.autocast_dtype)
 
     # ---- forward passes and updates
 
     def actor_logprobs(self, exp: Experience, micro: List[torch.Tensor]) -> torch.Tensor:
         return hf_logprobs(self.actor, exp, micro, self.cfg, self.autocast, self.device, replay=True,
-                           compiled=self.compiled)
+                           compiled=self.compiled, packs=self.packs_sequences)
 
     def ref_logprobs(self, exp: Experience, micro: List[torch.Tensor]) -> torch.Tensor:
-        return hf_logprobs(self.ref, exp, micro, self.cfg, self.autocast, self.device, compiled=self.compiled)
+        return hf_logprobs(self.ref, exp, micro, self.cfg, self.autocast, self.device, compiled=self.compiled,
+                           packs=self.packs_sequences)
 
     def train_actor(self, exp: Experience, micro: List[torch.Tensor], loss_fn: LossFn) -> Tuple[List[Dict], float]:
-        with compiled_blocks.compiled(hf_module(self.actor), self.compiled):  # once for all micro-batches
+        with passes(self.actor, self.compiled, self.packs_sequences):  # once for all micro-batches
             stats = [self._actor_micro_step(exp.select(idx), loss_fn) for idx in sharding.micro_steps(self.actor, micro)]
         return stats, self.optimizer_step()
 
     def _actor_micro_step(self, sub: Experience, loss_fn: LossFn) -> Dict[str, float]:
         with self.autocast(), routed(self.actor, sub, self.cfg) as agreement:
-            logp, entropy = experience_logprobs(self.actor, sub.input_ids, sub.attention_mask, sub.response_length,
-                                                sub.prompt_index, temperature=self.cfg.rollout.temperature or 1.0,
-                                                with_entropy=True, fused=FUSED[self.cfg.actor.fused_logprobs],
-                                                share=self.cfg.actor.share_prompt_forward
-                                                and sub.routed_experts is None)
+            logp, entropy = micro_logprobs(self.actor, sub, self.cfg, self.packs_sequences, with_entropy=True)
         loss, stats = loss_fn(logp, entropy, sub)
         if agreement is not None:  # tokens whose experts the training forward would have changed
             stats = {**stats, "routing_changed_frac": agreement.fraction(sub.attention_mask)}

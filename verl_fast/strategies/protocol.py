@@ -52,6 +52,7 @@ class Strategy(Protocol):
     optimizer: Any  # the actor's
     autocast_dtype: Optional[torch.dtype]  # actor.autocast (None: none)
     uneven_micro_batches: bool  # ranks may run different numbers of forward / backward passes (one process)
+    packs_sequences: bool  # log-prob and training passes run the rows without padding (token budgets count real tokens)
 
     def autocast(self) -> ContextManager[Any]:
         """The forward passes' autocast (``actor.autocast``), also around generation."""

@@ -43,11 +43,12 @@ def loss_normalisers(response_mask: torch.Tensor, group=None, norm_length: float
 
 
 def micro_batches(rows: torch.Tensor, token_counts: Optional[torch.Tensor] = None, *, size: Optional[int] = None,
-                  max_tokens: Optional[int] = None, group=None) -> List[torch.Tensor]:
+                  max_tokens: Optional[int] = None, group=None, packed: bool = False) -> List[torch.Tensor]:
     """``rows`` (indices into a batch) cut into micro-batches: ``size`` rows each, or, with
-    ``max_tokens``, padded micro-batches (rows x longest) within that token budget, where
-    ``token_counts[r]`` is row r's tokens. Under a budget every rank of ``group`` gets the same
-    micro-batch count (FSDP ranks must run the same number of forward passes)."""
+    ``max_tokens``, micro-batches within that token budget, where ``token_counts[r]`` is row r's
+    tokens: their sum when the passes run the rows ``packed`` without padding, else rows x longest.
+    Under a budget every rank of ``group`` gets the same micro-batch count (FSDP ranks must run the
+    same number of forward passes)."""
     if (size is None) == (max_tokens is None):
         raise ValueError("give exactly one of size (rows per micro-batch) or max_tokens (a token budget)")
     if max_tokens is None:
@@ -55,7 +56,7 @@ def micro_batches(rows: torch.Tensor, token_counts: Optional[torch.Tensor] = Non
     if rows.numel() == 0:
         return []
     tokens = token_counts[rows].tolist()
-    plan = schedule.pack_micro_batches(tokens, max_tokens, 1, group, layout="padded")
+    plan = schedule.pack_micro_batches(tokens, max_tokens, 1, group, layout="packed" if packed else "padded")
     return [rows[torch.as_tensor(idx, dtype=torch.long).to(rows.device)] for idx in plan]
 
 

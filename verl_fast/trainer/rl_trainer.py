@@ -515,7 +515,7 @@ class RLTrainer:
             by_tokens = self.device.type == "cuda" and a.strategy != "megatron"
         if by_tokens:
             return micro_batches(rows, exp.attention_mask.sum(-1), max_tokens=a.max_token_len_per_gpu,
-                                 group=self.dp_group)
+                                 group=self.dp_group, packed=self.strategy.packs_sequences)
         return micro_batches(rows, size=size or (a.micro_batch_size if for_update else max(a.micro_batch_size, 16)))
 
     def _norm_length(self, section) -> float:

@@ -34,6 +34,7 @@ class MegatronStrategy:
     """The ``Strategy`` of a Megatron-trained actor (module docstring); collective over the world."""
 
     uneven_micro_batches = False  # the pipeline schedule runs every rank's micro-batches together
+    packs_sequences = False  # Megatron's forward takes the padded rows
 
     def __init__(self, cfg: Config, actor: torch.nn.Module, ref: Optional[torch.nn.Module],
                  critic: Optional[torch.nn.Module], needs_reference: bool):

@@ -1,0 +1,237 @@
+"""Packed sequences (models/packed.py): the layout against a plain loop that writes it out, and the
+packed log-probs (varlen sequences; dense mask) against a float64 forward of every row alone."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tiny_models import tiny_model
+from verl_fast.models import packed
+from verl_fast.models.shared_prefix import experience_logprobs, prompt_groups
+
+
+def _batch(vocab, prompt_lens, n, resp_lens, seed=0):
+    """Groups of n rows: one left-padded prompt each, then right-padded responses of given lengths."""
+    g = torch.Generator().manual_seed(seed)
+    P, L = max(prompt_lens), max(max(resp_lens), 1)
+    rows, masks, group = [], [], []
+    for k, plen in enumerate(prompt_lens):
+        prompt = torch.randint(1, vocab, (plen,), generator=g)
+        for j in range(n):
+            rlen = resp_lens[(k * n + j) % len(resp_lens)]
+            ids = torch.zeros(P + L, dtype=torch.long)
+            mask = torch.zeros(P + L, dtype=torch.long)
+            ids[P - plen:P], mask[P - plen:P] = prompt, 1
+            ids[P:P + rlen], mask[P:P + rlen] = torch.randint(1, vocab, (rlen,), generator=g), 1
+            rows.append(ids), masks.append(mask), group.append(k)
+    return torch.stack(rows), torch.stack(masks), torch.tensor(group), L
+
+
+def _reference(model, ids, mask, L, temperature):
+    """float64, one row at a time, padding removed: log p(token | everything before it)."""
+    model = model.double()
+    out = torch.zeros(ids.shape[0], L, dtype=torch.float64)
+    for r in range(ids.shape[0]):
+        n_resp = int(mask[r, -L:].sum())
+        if n_resp == 0:
+            continue
+        seq = ids[r][mask[r].bool()][None]
+        logits = model(input_ids=seq).logits[0].double() / temperature
+        lp = torch.log_softmax(logits[:-1], -1).gather(-1, seq[0, 1:, None])[:, 0]
+        out[r, :n_resp] = lp[-n_resp:]
+    return out
+
+
+def _written_out(mask, L, groups):
+    """The layout as plain lists: per query sequence its tokens (flat source, position) and its keys
+    (flat sources, in order); per response token (target, slot, predictor's flat source)."""
+    N, W = mask.shape
+    P = W - L
+    seqs, preds = [], []
+    live = [r for r in range(N) if mask[r, P:].sum() > 0]
+    cols = lambda r, lo, hi: [r * W + c for c in range(lo, hi) if mask[r, c]]  # noqa: E731
+    if groups is None:
+        for r in live:
+            toks = cols(r, 0, W)
+            seqs.append((toks, list(range(len(toks))), toks))
+            for j, t in enumerate(cols(r, P, W)):
+                preds.append((t, r * L + j, toks[toks.index(t) - 1]))
+    else:
+        first, row_group = groups
+        gl = sorted({int(row_group[r]) for r in live})
+        for g in gl:
+            prompt = cols(int(first[g]), 0, P)
+            seqs.append((prompt, list(range(len(prompt))), prompt))
+        for r in live:
+            prompt = cols(int(first[row_group[r]]), 0, P)
+            resp = cols(r, P, W)
+            seqs.append((resp, list(range(len(prompt), len(prompt) + len(resp))), prompt + resp))
+            for j, t in enumerate(resp):
+                preds.append((t, r * L + j, prompt[-1] if j == 0 else resp[j - 1]))
+    return seqs, preds
+
+
+def _read_back(lay):
+    cu_q, cu_k = lay.bounds
+    src = lay.source.tolist()
+    keys = src if lay.k_index is None else [src[i] for i in lay.k_index.tolist()]
+    seqs = [(src[a:b], lay.position[a:b].tolist(), keys[c:d])
+            for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])]
+    preds = list(zip(lay.target.tolist(), lay.slot.tolist(), [src[i] for i in lay.predictor.tolist()]))
+    return seqs, preds
+
+
+@settings(max_examples=60, deadline=None)
+@given(prompt_lens=st.lists(st.integers(1, 6), min_size=1, max_size=4), n=st.integers(1, 4),
+       resp_lens=st.lists(st.integers(0, 5), min_size=1, max_size=5), share=st.booleans())
+def test_layout_is_the_written_out_sequences(prompt_lens, n, resp_lens, share):
+    ids, mask, group, L = _batch(50, prompt_lens, n, resp_lens)
+    groups = prompt_groups(ids, mask, group, L) if share else None
+    lay = packed.layout(mask, L, groups)
+    if mask[:, -L:].sum() == 0:
+        assert lay is None  # nothing to predict
+        return
+    seqs, preds = _read_back(lay)
+    want_seqs, want_preds = _written_out(mask, L, groups)
+    assert seqs == want_seqs and preds == want_preds
+    # FLOP count: every query attends its sequence's keys up to its own position
+    assert lay.pairs == sum(sum(len(k) - len(q) + i + 1 for i in range(len(q))) for q, _, k in seqs)
+    # the dense mask says what the sequences say
+    dense = packed.dense_mask(lay)
+    src = lay.source.tolist()
+    for q, pos, k in seqs:
+        for i, (t, p) in enumerate(zip(q, pos)):
+            sees = {src[j] for j in dense[src.index(t)].nonzero()[:, 0].tolist()}
+            assert sees == set(k[: len(k) - len(q) + i + 1])
+
+
+def test_layout_refuses_holes_empty_prompts_and_large_batches():
+    ids, mask, group, L = _batch(50, [5, 3], 2, [4, 2])
+    assert packed.layout(mask, L) is not None
+    holed = mask.clone()
+    holed[0, -L + 1] = 0  # a response token missing between two others
+    assert packed.layout(holed, L) is None
+    no_prompt = mask.clone()
+    no_prompt[1, : -L] = 0  # a response with nothing before it
+    assert packed.layout(no_prompt, L) is None
+    groups = prompt_groups(ids, mask, group, L)
+    total = 8 + int(mask[:, -L:].sum())  # the two prompts once, every response token
+    assert packed.layout(mask, L, groups, max_tokens=total - 1) is None
+    assert packed.layout(mask, L, groups, max_tokens=total).tokens == total
+
+
+@pytest.mark.parametrize("family,share,fused", [("llama", True, False), ("qwen2", True, True),
+                                                ("qwen2", False, False), ("qwen3", True, False)])
+def test_varlen_matches_the_float64_forward_and_gradients(family, share, fused):
+    """The varlen sequences (on the CPU: one sdpa call per sequence) through the model's own layers:
+    the float64 reference's log-probs and gradients, zeros past each response's end, the plain
+    forward's entropies; responses of length 0 and groups of one row included."""
+    model = tiny_model(family, seed=1)
+    ids, mask, group, L = _batch(model.config.vocab_size, [5, 3, 7, 2], 3, [4, 2, 0, 1, 4, 3])
+    group[-1] = 9  # the last row alone in its group
+    resp_mask = mask[:, -L:].double()
+    with packed.attention_switched(model):
+        lp, ent = experience_logprobs(model, ids, mask, L, group, temperature=0.7, with_entropy=True,
+                                      fused=fused, share=share, packed=True)
+        assert model.config._attn_implementation == packed.ATTENTION
+    assert model.config._attn_implementation == "sdpa" and not hasattr(model.config, "_verl_fast_attention")
+    assert lp.dtype == torch.float32 and lp.shape == (12, L) and ent.shape == (12, L)
+    assert (lp[resp_mask == 0] == 0).all() and (ent[resp_mask == 0] == 0).all()
+    weights = torch.randn(ids.shape[0], L, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    (lp.double() * weights).sum().backward()
+    grads = {n: p.grad.double().clone() for n, p in model.named_parameters()}
+
+    ref_model = tiny_model(family, seed=1)
+    ref = _reference(ref_model, ids, mask, L, 0.7)
+    torch.testing.assert_close(lp.double(), ref * resp_mask, atol=1e-4, rtol=0)
+    (ref * weights * resp_mask).sum().backward()
+    for n, p in ref_model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, atol=1e-4, rtol=1e-3, msg=n)
+    _, plain_ent = experience_logprobs(tiny_model(family, seed=1), ids, mask, L, group, temperature=0.7,
+                                       with_entropy=True, fused=False, share=False)
+    torch.testing.assert_close(ent, plain_ent * resp_mask.float(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family,attention", [("llama", "sdpa"), ("qwen2", "sdpa"), ("qwen2", "eager")])
+def test_dense_matches_the_float64_forward_and_gradients(family, attention):
+    """The CPU's small-batch path: every group's prompt and responses in one sequence under a
+    [T, T] mask through the model's own attention."""
+    model = tiny_model(family, seed=1)
+    model.config._attn_implementation = attention
+    ids, mask, group, L = _batch(model.config.vocab_size, [5, 3, 7], 3, [4, 2, 1, 4, 3])
+    resp_mask = mask[:, -L:].double()
+    lay = packed.layout(mask, L, prompt_groups(ids, mask, group, L), max_tokens=packed.DENSE_MAX_TOKENS)
+    assert lay.tokens == 15 + int(resp_mask.sum())
+    lp, _ = packed.packed_logprobs(model, ids, lay, L, temperature=0.7, attention="dense")
+    weights = torch.randn(ids.shape[0], L, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    (lp.double() * weights).sum().backward()
+    ref_model = tiny_model(family, seed=1)
+    ref = _reference(ref_model, ids, mask, L, 0.7)
+    torch.testing.assert_close(lp.double(), ref * resp_mask, atol=1e-4, rtol=0)
+    (ref * weights * resp_mask).sum().backward()
+    for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.grad.double(), q.grad, atol=1e-4, rtol=1e-3, msg=n)
+
+
+def test_unpacked_calls_under_the_switch_use_the_models_own_attention():
+    """A batch that cannot be packed (a hole) takes the padded forward inside the switch: the same
+    log-probs as outside it (masks and attention from the model's own implementation)."""
+    model = tiny_model("qwen2", seed=1)
+    ids, mask, group, L = _batch(model.config.vocab_size, [5, 3], 2, [4, 2])
+    mask[0, -L + 1] = 0
+    with torch.no_grad():
+        want, _ = experience_logprobs(model, ids, mask, L, group, fused=False, share=False)
+        with packed.attention_switched(model):
+            got, _ = experience_logprobs(model, ids, mask, L, group, fused=False, packed=True)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_gradient_checkpointing_recomputes_through_the_varlen_sequences():
+    """Recomputed layers look their attention up again in the backward: held over the backward,
+    the switch gives the gradients of the run without checkpointing."""
+    ids, mask, group, L = _batch(320, [5, 3, 4], 2, [4, 2, 3])
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_model("llama", seed=2).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        with packed.attention_switched(model):
+            lp, _ = experience_logprobs(model, ids, mask, L, group, fused=False, packed=True)
+            lp.sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("share", [True, False])
+def test_flash_varlen_on_cuda_matches_the_float32_forward(share):
+    """torch's varlen flash kernel under bf16 autocast, as the trainer runs it (grouped KV heads,
+    a group's prompt gathered for each response): the CPU float32 log-probs and the per-sequence
+    reference on the GPU within bf16 rounding; gradients against the reference's."""
+    assert packed.flash_available(torch.device("cuda"), torch.bfloat16)
+    model = tiny_model("qwen2", seed=1, hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+    ids, mask, group, L = _batch(model.config.vocab_size, [5, 3, 7, 40], 4, [4, 2, 0, 1, 60, 3])
+    want, _ = experience_logprobs(model, ids, mask, L, group, fused=False, share=False)
+    model, ids, mask, group = model.cuda(), ids.cuda(), mask.cuda(), group.cuda()
+    resp = mask[:, -L:].bool()
+    runs = []
+    for flash in (True, False):
+        model.zero_grad()
+        if not flash:  # the same sequences one at a time through sdpa
+            original, packed._varlen_kernel = packed._varlen_kernel, lambda: None
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16), packed.attention_switched(model):
+                got, ent = experience_logprobs(model, ids, mask, L, group, with_entropy=True, share=share, packed=True)
+                (got * resp).sum().backward()
+        finally:
+            if not flash:
+                packed._varlen_kernel = original
+        assert (got[~resp] == 0).all() and (ent[~resp] == 0).all()
+        runs.append((got.detach().cpu(), [p.grad.float().clone() for p in model.parameters()]))
+    torch.testing.assert_close(runs[0][0], want, atol=0.05, rtol=0.02)
+    torch.testing.assert_close(runs[0][0], runs[1][0], atol=0.03, rtol=0.02)
+    for a, b in zip(runs[0][1], runs[1][1]):
+        torch.testing.assert_close(a, b, atol=0.02 * float(b.abs().max()) + 1e-4, rtol=0.05)
