@@ -21,6 +21,7 @@ on two GPUs when there are two).
     python benchmarks/bench_e2e.py --prepare-assets      # copy the demo tokenizer into .bench_assets/
     python benchmarks/bench_e2e.py --device cuda [--shapes 0.5b,1.5b] [--gpus 1,2] [--tokens 1024]
                                    [--impls ours_hf,ours_hfc,ours_vllm,trl_hf,trl_vllm]
+                                   [--sweep default,actor.max_token_len_per_gpu=65536]  # ours once per item
     python benchmarks/bench_e2e.py --device cpu --tiny   # smoke test of every path on a tiny model
 """
 
@@ -37,7 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -277,7 +278,21 @@ def worker_trl(args) -> Dict[str, Any]:
 # ---------------------------------------------------------------- orchestration
 
 
-def launch(impl: str, args, model: Path, gpus: int, visible: Optional[str], out: Path) -> subprocess.Popen:
+def runs_of(args) -> List[tuple]:
+    """(impl, label, overrides) for each run: ours once per ``--sweep`` item when one is given (an item:
+    ``default`` or ``+``-joined SECTION.KEY=VALUE overrides on top of ``--set``)."""
+    items = args.sweep.split(",") if args.sweep else ["default"]
+    runs = []
+    for impl in args.impls:
+        for item in (items if impl.startswith("ours") else ["default"]):
+            overrides = [] if item == "default" else item.split("+")
+            label = impl if not args.sweep else f"{impl}:" + "+".join(o.split(".")[-1] for o in overrides or ["default"])
+            runs.append((impl, label, overrides))
+    return runs
+
+
+def launch(impl: str, args, model: Path, gpus: int, visible: Optional[str], out: Path,
+           overrides: Sequence[str] = ()) -> subprocess.Popen:
     """Starts one worker process (torchrun for ours on several GPUs); its JSON goes to ``out``. On
     ``gpus`` GPUs the job has ``gpus`` times the prompts: each GPU decodes and trains as many
     sequences as the 1-GPU run (decoding time hardly depends on the batch, so a fixed job split
@@ -288,7 +303,8 @@ def launch(impl: str, args, model: Path, gpus: int, visible: Optional[str], out:
               "--out", str(out), "--device", args.device, "--shape", args.current_shape, "--steps", str(steps),
               "--prompts", str(args.prompts * gpus), "--samples", str(args.n), "--tokens", str(args.tokens)]
     if kind == "ours":
-        worker += [f"--set={item}" for item in args.set] + ([] if args.profile else ["--no-profile"])
+        worker += [f"--set={item}" for item in [*args.set, *overrides]]
+        worker += [] if args.profile else ["--no-profile"]
     if gpus > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"] + worker
     else:
@@ -376,10 +392,10 @@ def run_shape(shape: str, args, workdir: Path, report: Report) -> None:
     folder = build_model(shape, workdir / shape, args.device)
     gpus_here = torch.cuda.device_count() if args.device == "cuda" else 2
     results: Dict[str, Optional[Dict[str, Any]]] = {}
-    for impl in args.impls:  # one after another on GPU 0
-        out = workdir / f"{label}_{impl}.json"
-        proc = launch(impl, args, folder, 1, "0" if args.device == "cuda" else None, out)
-        results[impl] = wait(proc, out, f"{impl} {label}", args.timeout)
+    for n, (impl, key, overrides) in enumerate(runs_of(args)):  # one after another on GPU 0
+        out = workdir / f"{label}_{n}.json"
+        proc = launch(impl, args, folder, 1, "0" if args.device == "cuda" else None, out, overrides)
+        results[key] = wait(proc, out, f"{key} {label}", args.timeout)
     if 2 in args.gpus and gpus_here >= 2:
         proc = launch("ours_hf", args, folder, 2, None, workdir / f"{label}_ours2.json")
         results["ours2"] = wait(proc, workdir / f"{label}_ours2.json", f"ours {label} 2 GPUs", args.timeout)
@@ -403,7 +419,7 @@ def run_shape(shape: str, args, workdir: Path, report: Report) -> None:
 
 def table(report: Report) -> str:
     lines = [f"e2e GRPO step ({report.meta['setup']}) on {report.meta['device_name']}",
-             f"{'shape':<11} {'GPUs':>4} {'impl':<9} {'step s':>7} {'spread':>6} {'/TRLvLLM':>8} {'/TRL-HF':>7} "
+             f"{'shape':<11} {'GPUs':>4} {'impl':<15} {'step s':>7} {'spread':>6} {'/TRLvLLM':>8} {'/TRL-HF':>7} "
              f"{'tok/s/GPU':>10} {'start s':>7} {'peak GiB':>8} {'gen s':>6} {'update s':>8} {'sync ms':>7} "
              f"{'MFU upd':>7}"]
     for shape, meta in report.meta.items():
@@ -412,7 +428,8 @@ def table(report: Report) -> str:
         runs = meta["runs"]
         trl_vllm = (runs.get("trl_vllm") or {}).get("step_s")
         trl_hf = (runs.get("trl_hf") or {}).get("step_s")
-        for key in IMPLS + ("ours2",):
+        order = {impl: i for i, impl in enumerate(IMPLS + ("ours2",))}
+        for key in sorted(runs, key=lambda k: (order.get(k.split(":")[0], 99), k)):
             s = runs.get(key)
             if not s or s.get("step_s") is None:
                 continue
@@ -420,7 +437,7 @@ def table(report: Report) -> str:
             ratio = lambda base: fmt(s["step_s"] / base if base and key.startswith("ours") else None, 7, 2)  # noqa: E731
             phases = s.get("phases_s", {})
             sync = phases.get("weight_sync")
-            lines.append(f"{shape:<11} {s['world']:>4} {key:<9} {s['step_s']:7.2f} {fmt(s.get('spread'), 6, 2)} "
+            lines.append(f"{shape:<11} {s['world']:>4} {key:<15} {s['step_s']:7.2f} {fmt(s.get('spread'), 6, 2)} "
                          f"{ratio(trl_vllm):>8} {ratio(trl_hf)} {fmt(s.get('tokens_per_s_per_gpu'), 10, 0)} "
                          f"{fmt(s.get('startup_s'), 7, 1)} {fmt(s.get('peak_memory_gib'), 8, 1)} "
                          f"{fmt(phases.get('generation'), 6, 2)} {fmt(phases.get('update_actor'), 8, 2)} "
@@ -457,6 +474,9 @@ def main(argv=None) -> int:
                    help="skip the profiled rollout and update after our runs' steps (long at 1024 tokens)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="a config override for our runs (repeatable), e.g. actor.max_token_len_per_gpu=32768")
+    p.add_argument("--sweep", metavar="ITEM,ITEM,...",
+                   help="each of our runs once per item: 'default' or '+'-joined overrides, e.g. "
+                        "default,actor.use_remove_padding=false,actor.max_token_len_per_gpu=65536")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     p.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--rollout", choices=["hf", "hfc", "vllm"], default="hf", help=argparse.SUPPRESS)
@@ -487,7 +507,7 @@ def main(argv=None) -> int:
     report = E2EReport("e2e" + ("_tiny" if args.tiny else "" if args.tokens == 256 else f"_{args.tokens}"),
                        args.device)
     report.meta.update(setup=f"{args.prompts} prompts x {args.n} per GPU, {args.tokens} new tokens",
-                       device_name=device_name(args.device), overrides=args.set)
+                       device_name=device_name(args.device), overrides=args.set, sweep=args.sweep)
     with tempfile.TemporaryDirectory(prefix="bench_e2e_") as work:
         for shape in shapes:
             run_shape(shape, args, Path(work), report)

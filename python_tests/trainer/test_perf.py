@@ -22,9 +22,11 @@ def test_update_flops_matches_plain_count():
     lens = torch.tensor([5, 17, 1, 300])
     params, layers, width = 1234567, 7, 96
     want = 0.0
-    for s in lens.tolist():  # per token: 6 per parameter; per causal query-key pair: 2 matmuls x 3
-        want += 6.0 * params * s + 3 * 2 * layers * width * s * s
-    assert perf.update_flops(params, layers, width, lens) == pytest.approx(want, rel=1e-12)
+    for s in lens.tolist():  # per token: 6 per parameter; per causal query-key pair: 2 matmuls x 2 x 3
+        pairs = sum(q + 1 for q in range(s))  # query q attends keys 0..q
+        want += 6.0 * params * s + 3 * 2 * 2 * layers * width * pairs
+    tokens, pairs = float(lens.sum()), perf.causal_pairs(lens)
+    assert perf.update_flops(params, layers, width, tokens, pairs) == pytest.approx(want, rel=1e-12)
 
 
 def test_peak_table_by_device_name(monkeypatch):
@@ -46,14 +48,14 @@ def test_phases_accumulate_and_mfu(tiny_path):
     with p.phase("update_actor"):
         time.sleep(0.01)
     mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1], [1, 1, 1, 1]])
-    p.count_update(mask)
+    p.count_update(10, perf.causal_pairs(mask.sum(-1)))
     p.count_step_tokens(mask)
     out = p.figures()
     assert 0.03 <= out["time/update_actor"] < 0.5
     assert "perf/mfu_update" not in out and "perf/peak_memory_gib" not in out  # CPU: no peak rate
     assert out["perf/tokens"] == 10
     p.peak = 1e12  # as on a GPU of 1 TFLOP/s
-    want = perf.update_flops(p.num_params, p.num_layers, p.attn_width, torch.tensor([3, 3, 4]))
+    want = perf.update_flops(p.num_params, p.num_layers, p.attn_width, 10, 6 + 6 + 10)
     assert p.figures()["perf/mfu_update"] == pytest.approx(want / out["time/update_actor"] / 1e12)
     assert perf.throughput({"time/step": 2.0, "perf/tokens": 10}) == {"perf/tokens_per_s_per_gpu": 5.0}
     p.begin()
@@ -152,7 +154,7 @@ def test_gpu_figures_peak_memory_and_mfu():
     with p.phase("update_actor"):
         x = torch.randn(4096, 1024, device=device, requires_grad=True)
         model(x).sum().backward()
-    p.count_update(torch.ones(2, 2048, device=device))
+    p.count_update(4096, perf.causal_pairs(torch.tensor([2048, 2048])))
     out = p.figures()
     assert out["perf/peak_memory_gib"] >= 4096 * 1024 * 4 / 2**30  # at least the input was live
     assert out["perf/cuda_mallocs"] >= 1 and out["perf/alloc_retries"] == 0  # the input's first allocation

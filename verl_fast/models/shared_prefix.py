@@ -80,6 +80,19 @@ def _attention(model: torch.nn.Module) -> Optional[str]:
     return getattr(getattr(hf_module(model), "config", None), "_attn_implementation", None)
 
 
+def packed_layout(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  response_length: int, group: torch.Tensor, share: bool):
+    """The varlen layout ``experience_logprobs(packed=True)`` runs these rows with (each group's prompt
+    once when ``share``), or None where it takes the plain forward."""
+    from verl_fast.models import packed as packing
+    from verl_fast.models.response_logprobs import _accepts
+
+    if not _accepts(model, "logits_to_keep"):  # the head runs on the predicting positions only
+        return None
+    groups = prompt_groups(input_ids, attention_mask, group, response_length) if share else None
+    return packing.layout(attention_mask, response_length, groups)
+
+
 def experience_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                         response_length: int, group: torch.Tensor, temperature: float = 1.0,
                         with_entropy: bool = False, fused: Optional[bool] = None,
@@ -99,9 +112,8 @@ def experience_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attenti
     from verl_fast.models.wrapping import hf_module, is_sharded
 
     use_fused = _fused_default(model) if fused is None else fused
-    if packed and _accepts(model, "logits_to_keep"):
-        groups = prompt_groups(input_ids, attention_mask, group, response_length) if share else None
-        lay = packing.layout(attention_mask, response_length, groups)
+    if packed:
+        lay = packed_layout(model, input_ids, attention_mask, response_length, group, share)
         if lay is not None:
             return packing.packed_logprobs(model, input_ids, lay, response_length, temperature, with_entropy,
                                            fused=use_fused)

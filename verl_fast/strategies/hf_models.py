@@ -29,13 +29,14 @@ from verl_fast import checkpoint, distributed
 from verl_fast.config import Config
 from verl_fast.experience import Experience
 from verl_fast.models import compiled_blocks, packed, routing
-from verl_fast.models.shared_prefix import experience_logprobs
+from verl_fast.models.shared_prefix import experience_logprobs, packed_layout
 from verl_fast.models.value import ValueModel, response_values
 from verl_fast.models.wrapping import hf_module, is_sharded
 from verl_fast.rollout.base import RolloutEngine
 from verl_fast.strategies import sharding
 from verl_fast.strategies.protocol import LossFn
 from verl_fast.strategies.sharding import Sharding
+from verl_fast.trainer.perf import causal_pairs
 
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 FUSED = {"auto": None, "on": True, "off": False}  # actor.fused_logprobs
@@ -252,6 +253,16 @@ class FSDPStrategy:
 
     def optimizer_step(self) -> float:
         return optimizer_step(self.actor, self.optimizer, self.cfg.actor.max_grad_norm)
+
+    def run_cost(self, exp: Experience, idx: torch.Tensor) -> Tuple[float, float]:
+        sub = exp.select(idx)
+        if self.packs_sequences and sub.routed_experts is None:  # as micro_logprobs runs it
+            lay = packed_layout(self.actor, sub.input_ids, sub.attention_mask, sub.response_length, sub.prompt_index,
+                                self.cfg.actor.share_prompt_forward)
+            if lay is not None:
+                return float(lay.tokens), float(lay.pairs)
+        lens = sub.attention_mask.sum(-1)
+        return float(lens.sum()), causal_pairs(lens)
 
     # ---- rollout
 

@@ -67,6 +67,9 @@ class Strategy(Protocol):
         """One optimiser step over ``micro`` with ``loss_fn(logp, entropy, sub)``: each micro-batch's
         statistics and the gradient norm."""
 
+    def run_cost(self, exp: Experience, idx: torch.Tensor) -> Tuple[float, float]:
+        """(tokens, causal query-key pairs) a training pass over rows ``idx`` runs: the update's FLOP count."""
+
     def optimizer_step(self) -> float:
         """The actor's optimiser step after backward passes run on ``actor`` (DPO); the gradient norm.
         Only strategies that train the Hugging Face actor itself (``fsdp2`` / ``fsdp1`` / ``none``)."""

@@ -46,12 +46,18 @@ def peak_bf16_flops(device: torch.device) -> Optional[float]:
     return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
 
 
-def update_flops(num_params: int, num_layers: int, attn_width: int, seq_lens: torch.Tensor) -> float:
-    """Forward + backward FLOPs of training on sequences of ``seq_lens`` tokens: 6 per parameter per
-    token for the matmuls, plus causal attention's score and value products (2 matmuls of
-    ``attn_width`` per query-key pair, half the pairs under the causal mask, x3 for the backward)."""
+def update_flops(num_params: int, num_layers: int, attn_width: int, tokens: float, pairs: float) -> float:
+    """Forward + backward FLOPs of training on ``tokens`` tokens whose queries attend ``pairs``
+    query-key pairs in all (causal: a sequence of n tokens has n (n + 1) / 2): 6 per parameter per
+    token for the matmuls, and per pair the score and value products (2 matmuls of ``attn_width``,
+    x3 for the backward)."""
+    return float(6.0 * num_params * tokens + 12.0 * num_layers * attn_width * pairs)
+
+
+def causal_pairs(seq_lens: torch.Tensor) -> float:
+    """Query-key pairs of causal attention over sequences of ``seq_lens`` tokens each."""
     lens = seq_lens.double()
-    return float(6.0 * num_params * lens.sum() + 6.0 * num_layers * attn_width * (lens * lens).sum())
+    return float((lens * (lens + 1) / 2).sum())
 
 
 _GC = {"s": 0.0, "n": 0, "full": 0, "start": 0.0}
@@ -157,9 +163,10 @@ class StepPerf:
         """Prompt + response tokens of this rank's sequences ([N, T] 0/1 mask)."""
         self.tokens += float(attention_mask.sum())
 
-    def count_update(self, attention_mask: torch.Tensor) -> None:
-        """One forward + backward over these sequences ([n, T] 0/1 mask) in the actor update."""
-        self.flops += update_flops(self.num_params, self.num_layers, self.attn_width, attention_mask.sum(-1))
+    def count_update(self, tokens: float, pairs: float) -> None:
+        """One forward + backward in the actor update that ran ``tokens`` tokens attending ``pairs``
+        query-key pairs (what the passes ran: a shared prompt counts once, padding not at all)."""
+        self.flops += update_flops(self.num_params, self.num_layers, self.attn_width, tokens, pairs)
 
     def figures(self) -> Dict[str, float]:
         """Phase times, update MFU and peak memory of this rank; call before the ranks' metrics are

@@ -548,7 +548,7 @@ class RLTrainer:
                 counts = loss_normalisers(exp.response_mask[mb], self.dp_group, self._norm_length(a))
                 micro = self._micro(exp, mb[active[mb]])
                 for idx in micro:
-                    self.perf.count_update(exp.attention_mask[idx])
+                    self.perf.count_update(*self.strategy.run_cost(exp, idx))
                 stats, norm = self.strategy.train_actor(
                     exp, micro, lambda logp, entropy, sub: self.algorithm.actor_loss(logp, entropy, sub, counts))
                 for idx, st in zip(micro, stats):

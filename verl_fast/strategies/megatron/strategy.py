@@ -24,10 +24,11 @@ from verl_fast.experience import Experience
 from verl_fast.models.wrapping import hf_module
 from verl_fast.rollout.base import RolloutEngine
 from verl_fast.strategies import hf_models, sharding
-from verl_fast.strategies.protocol import LossFn
 from verl_fast.strategies.megatron import run_checkpoint
 from verl_fast.strategies.megatron.shared_rollout import megatron_rollout
+from verl_fast.strategies.protocol import LossFn
 from verl_fast.strategies.sharding import Sharding
+from verl_fast.trainer.perf import causal_pairs
 
 
 class MegatronStrategy:
@@ -71,6 +72,10 @@ class MegatronStrategy:
 
     def train_actor(self, exp: Experience, micro: List[torch.Tensor], loss_fn: LossFn) -> Tuple[List[Dict], float]:
         return self.megatron.train_mini_batch(exp, micro, loss_fn)
+
+    def run_cost(self, exp: Experience, idx: torch.Tensor) -> Tuple[float, float]:
+        lens = exp.attention_mask[idx].sum(-1)  # the rows' real tokens (the padding's work is not counted)
+        return float(lens.sum()), causal_pairs(lens)
 
     # ---- rollout
 
