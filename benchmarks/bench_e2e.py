@@ -155,9 +155,11 @@ def worker_ours(args) -> Dict[str, Any]:
     rows = trainer.processor.encode_all([{"prompt": p, "reward_model": {"ground_truth": "0"}, "data_source": "bench"}
                                          for p in chat_prompts(args.prompts * args.steps)])
     steps = []
+    box = profile_each_update(trainer) if args.profile_steps and args.device == "cuda" else {}
     for s in range(args.steps):
         batch = rows[s * args.prompts : (s + 1) * args.prompts][rank::world]
         m = trainer.train_step(batch)
+        m.update(update_figures(box))
         steps.append({k: v for k, v in m.items() if isinstance(v, (int, float))})
         if rank == 0:
             print(f"ours {args.rollout} {args.shape} x{world}: step {s + 1} {m['time/step']:.2f} s  "
@@ -165,8 +167,9 @@ def worker_ours(args) -> Dict[str, Any]:
                   f"sync {m.get('time/weight_sync', 0) * 1e3:.1f} ms  gc {m.get('perf/gc_s', 0) * 1e3:.0f} ms "
                   f"({m.get('perf/gc_full', 0):.0f} full)  cudaMalloc {m.get('perf/cuda_mallocs', 0):.0f} "
                   f"free {m.get('perf/cuda_frees', 0):.0f}  kernel compiles {m.get('perf/kernel_compiles', 0):.0f} "
-                  f"({m.get('perf/kernel_compile_s', 0):.2f} s)  graph compiles {m.get('perf/graph_compiles', 0):.0f}",
-                  flush=True)
+                  f"({m.get('perf/kernel_compile_s', 0):.2f} s)  graph compiles {m.get('perf/graph_compiles', 0):.0f}"
+                  + (f"  update kernels busy {m['prof/update_busy_s']:.2f} s ({m['prof/update_kernels']:.0f}, SM "
+                     f"{m.get('prof/sm_clock_mhz', 0):.0f} MHz)" if "prof/update_busy_s" in m else ""), flush=True)
     profile = profile_phases(trainer, rows[: args.prompts], f"ours {args.rollout} {args.shape}") \
         if args.device == "cuda" and world == 1 and args.profile else None
     engine_start = getattr(trainer.engine, "init_seconds", None)
@@ -207,16 +210,53 @@ def kernel_profile(run) -> Dict[str, Any]:
         run()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
+    busy, kernels = gpu_busy(prof)
+    top = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:10]
+    return {"wall_s": wall, "gpu_busy_s": busy, "kernels": kernels,
+            "top_kernels": [{"name": e.key[:120], "calls": e.count, "total_ms": e.device_time_total / 1e3}
+                            for e in top]}
+
+
+def gpu_busy(prof) -> tuple:
+    """(seconds some kernel ran: the union of the kernel intervals, kernel count) of a profile."""
     kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                      if e.device_type == torch.autograd.DeviceType.CUDA)
     busy, end = 0.0, float("-inf")
     for a, b in kernels:  # microseconds; merge overlapping intervals
         busy += max(0.0, b - max(a, end))
         end = max(end, b)
-    top = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:10]
-    return {"wall_s": wall, "gpu_busy_s": busy / 1e6, "kernels": len(kernels),
-            "top_kernels": [{"name": e.key[:120], "calls": e.count, "total_ms": e.device_time_total / 1e3}
-                            for e in top]}
+    return busy / 1e6, len(kernels)
+
+
+def profile_each_update(trainer) -> Dict[str, Any]:
+    """Every actor update of ``trainer`` under the CUDA-activity profiler (``--profile-steps``): the box
+    it returns holds the last update's profile, read by ``update_figures`` after the step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    update, box = trainer.update_actor, {}
+
+    def profiled(exp):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            out = update(exp)
+            torch.cuda.synchronize()
+        box["prof"] = prof
+        return out
+
+    trainer.update_actor = profiled
+    return box
+
+
+def update_figures(box: Dict[str, Any]) -> Dict[str, float]:
+    """The last profiled update's kernel-busy seconds and kernel count, and the SM clock now."""
+    if "prof" not in box:
+        return {}
+    busy, kernels = gpu_busy(box.pop("prof"))
+    out = {"prof/update_busy_s": busy, "prof/update_kernels": float(kernels)}
+    try:
+        out["prof/sm_clock_mhz"] = float(torch.cuda.clock_rate())
+    except Exception:  # noqa: BLE001 - no NVML
+        pass
+    return out
 
 
 def worker_trl(args) -> Dict[str, Any]:
@@ -304,7 +344,7 @@ def launch(impl: str, args, model: Path, gpus: int, visible: Optional[str], out:
               "--prompts", str(args.prompts * gpus), "--samples", str(args.n), "--tokens", str(args.tokens)]
     if kind == "ours":
         worker += [f"--set={item}" for item in [*args.set, *overrides]]
-        worker += [] if args.profile else ["--no-profile"]
+        worker += ([] if args.profile else ["--no-profile"]) + (["--profile-steps"] if args.profile_steps else [])
     if gpus > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"] + worker
     else:
@@ -359,7 +399,7 @@ def summarise_ours(run: Dict[str, Any], skip: int) -> Dict[str, Any]:
     # each steady step's phases beside what can make a step slower than the next (issue 24's swings)
     detail = ("time/step", "time/generation", "time/update_actor", "perf/gc_s", "perf/gc_full", "perf/cuda_mallocs",
               "perf/cuda_frees", "perf/alloc_retries", "perf/kernel_compiles", "perf/kernel_compile_s", "perf/graph_compiles",
-              "response/length")
+              "response/length", "prof/update_busy_s", "prof/update_kernels", "prof/sm_clock_mhz")
     out["steady_detail"] = [{k: s[k] for k in detail if k in s} for s in run["steps"][skip:]]
     out["profile"] = run.get("profile")  # one rollout and one update, kernels against wall time
     return out
@@ -474,6 +514,9 @@ def main(argv=None) -> int:
                    help="skip the profiled rollout and update after our runs' steps (long at 1024 tokens)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="a config override for our runs (repeatable), e.g. actor.max_token_len_per_gpu=32768")
+    p.add_argument("--profile-steps", action="store_true",
+                   help="every update of our runs under the CUDA-activity profiler: kernel-busy seconds per step "
+                        "(a diagnostic: the profiler's start and stop are inside the timed update)")
     p.add_argument("--sweep", metavar="ITEM,ITEM,...",
                    help="each of our runs once per item: 'default' or '+'-joined overrides, e.g. "
                         "default,actor.use_remove_padding=false,actor.max_token_len_per_gpu=65536")

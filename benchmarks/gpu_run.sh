@@ -9,6 +9,7 @@
 #   E2E_SET="actor.max_token_len_per_gpu=32768" SECTIONS=e2e ...     # config overrides for our e2e runs
 #   E2E_SWEEP="default,actor.max_token_len_per_gpu=65536" SECTIONS=e2e ... # each of our e2e runs once per item
 #   E2E_PROFILE=0 E2E_TOKENS=1024 SECTIONS=e2e ...                    # without the profiled rollout + update
+#   E2E_PROFILE_STEPS=1 SECTIONS=e2e ...                               # kernel-busy time of every update (diagnostic)
 #
 # Sections: tests (every gpu-marked test), vllm (every vLLM test, on the GPU's vLLM), trainer (the CLI
 # with vLLM rollout: GRPO + resume, PPO, the default config), advantage, logprobs, reshard, hybrid, e2e,
@@ -133,7 +134,7 @@ if want e2e; then
     --impls "${E2E_IMPLS:-ours_hf,ours_hfc,ours_vllm,trl_hf,trl_vllm}" --tokens "${E2E_TOKENS:-256}" \
     --steps "${E2E_STEPS:-10}" --trl-steps "${E2E_TRL_STEPS:-hf:3,vllm:5}" --timeout "${E2E_RUN_TIMEOUT:-240}" \
     $(for item in ${E2E_SET:-}; do printf -- '--set=%s ' "$item"; done) $([ "${E2E_PROFILE:-1}" = 0 ] && echo --no-profile) \
-    ${E2E_SWEEP:+--sweep "$E2E_SWEEP"} \
+    ${E2E_SWEEP:+--sweep "$E2E_SWEEP"} $([ "${E2E_PROFILE_STEPS:-0}" = 1 ] && echo --profile-steps) \
     >> "$OUT/bench.log" 2>&1 || failed+=("bench_e2e")
   sed -n '/^e2e GRPO step/,$p' "$OUT/bench.log" | tail -n 12
 fi

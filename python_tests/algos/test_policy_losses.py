@@ -171,6 +171,8 @@ def test_actor_loss_uses_the_configured_policy_loss():
     expected = agg_loss(cispo_tokens(logp, old, adv, mask, 1.0, 2.0)[0], mask, "token-mean", **counts)
     # actor_loss computes in float32
     assert float(loss) == pytest.approx(float(expected), rel=1e-6) and "clipfrac" in stats
+    # statistics stay on the device (0-d tensors, read once the whole update is queued)
+    assert all(isinstance(v, torch.Tensor) and v.dim() == 0 and not v.requires_grad for v in stats.values())
 
 
 def test_bad_names_and_temperatures():

@@ -15,7 +15,9 @@ def actor_loss(a, logp: torch.Tensor, entropy: torch.Tensor, sub: Experience,
                counts: Dict[str, float]) -> Tuple[torch.Tensor, Dict[str, float]]:
     """``a``: the actor config. ``logp`` / ``entropy`` [n, L] of the micro-batch ``sub``; ``counts``:
     the mini-batch's normalisers. Returns this micro-batch's share of the mini-batch loss and its
-    statistics at the scale of a whole batch (callers average micro-batches weighted by tokens)."""
+    statistics at the scale of a whole batch (callers average micro-batches weighted by tokens), as
+    0-d tensors: reading them here would stall the host until the GPU finished this forward, before
+    it could queue the backward (callers read them once the update is queued)."""
     logp = logp.float()
     old = sub.old_logprobs if sub.old_logprobs is not None else logp.detach()
     per_token, stats = policy_loss_tokens(a, logp, old, sub.advantages, sub.response_mask)
@@ -26,18 +28,18 @@ def actor_loss(a, logp: torch.Tensor, entropy: torch.Tensor, sub: Experience,
     ent = entropy_loss(entropy.float(), sub.response_mask, a.loss_agg_mode, **counts)
     if a.entropy_coeff:
         loss = loss - a.entropy_coeff * ent
-    out = {"pg_loss": pg.item(), "entropy": ent.item(), **{k: float(v) for k, v in stats.items()}}
+    out = {"pg_loss": pg.detach(), "entropy": ent.detach(), **{k: torch.as_tensor(v).detach() for k, v in stats.items()}}
     if sub.ref_logprobs is not None:
         kl = kl_penalty(logp, sub.ref_logprobs, a.kl_loss_type if a.use_kl_loss else "low_var_kl")
         kl_term = agg_loss(kl, sub.response_mask, a.loss_agg_mode, **counts)
         if a.use_kl_loss:
             loss = loss + a.kl_loss_coef * kl_term
-        out["kl"] = kl_term.item()
+        out["kl"] = kl_term.detach()
     # the trainer averages micro-batch statistics weighted by their response tokens: scaling this
     # micro-batch's share of the loss by the inverse of its token share makes that average the sum of
     # the shares (the mini-batch's loss) whatever the aggregation mode
-    share = float(sub.response_mask.sum()) / max(counts["num_tokens"], 1.0)
+    share = sub.response_mask.sum() / max(counts["num_tokens"], 1.0)
     for k in ("pg_loss", "entropy", "kl"):
         if k in out:
-            out[k] = out[k] / max(share, 1e-9)
+            out[k] = out[k] / share.clamp(min=1e-9)
     return loss, out

@@ -233,7 +233,8 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     # under autocast, queries and keys leave the float32 rotary product: attend in the autocast dtype,
     # as sdpa (on autocast's lower-precision list) would
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else value.dtype
-    q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))  # [T, heads, D]
+    # [T, heads, D], cast and laid out in one copy where one is needed (the rotary product is [heads, T, D])
+    q, k, v = (t[0].transpose(0, 1).to(dtype, memory_format=torch.contiguous_format) for t in (query, key, value))
     if lay.k_index is not None:
         k, v = k[lay.k_index], v[lay.k_index]
     attend = _flash if flash_available(query.device, dtype) else _reference
@@ -325,7 +326,8 @@ def packed_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, lay: Packed
             out = model(**kwargs).logits[0]  # [M, 1 or 2]
         logp, entropy = out[:, 0], (out[:, 1] if with_entropy else None)
     else:
-        result = logprobs_from_logits(model(**kwargs).logits[0], labels, temperature, with_entropy)
+        result = logprobs_from_logits(model(**kwargs).logits[0], labels, temperature, with_entropy,
+                                      check=False)  # input tokens, already looked up (response_logprobs)
         logp, entropy = result if with_entropy else (result, None)
 
     def spread(values: torch.Tensor) -> torch.Tensor:

@@ -61,7 +61,9 @@ def _head_returns_logprobs(head: torch.nn.Linear, labels, temperature: float, wi
 
     def forward(hidden):
         h, weight, bias = _cast_like_linear(hidden[:, -L - 1 : -1] if shifted else hidden, head.weight, head.bias)
-        out = linear_logprobs(h, weight, labels, temperature, with_entropy, bias=bias)
+        # check=False: the labels are input tokens the model's embedding has already looked up, and the
+        # range check would read back to the host mid-forward (the GPU then idles while the backward queues)
+        out = linear_logprobs(h, weight, labels, temperature, with_entropy, bias=bias, check=False)
         return torch.stack(out, dim=-1) if with_entropy else out.unsqueeze(-1)
 
     previous = head.__dict__.get("forward")  # an instance-level forward someone else installed, if any
@@ -118,5 +120,5 @@ def response_logprobs(
             out = model(**kwargs).logits  # [B, L, 1 or 2]
         return out[..., 0], (out[..., 1] if with_entropy else None)
     logits = model(**kwargs).logits[:, -L - 1 : -1, :]  # predicts tokens -L..-1; a view, no copy
-    result = logprobs_from_logits(logits, labels, temperature, with_entropy)
+    result = logprobs_from_logits(logits, labels, temperature, with_entropy, check=False)  # as the fused head
     return result if with_entropy else (result, None)

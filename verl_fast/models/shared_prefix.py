@@ -96,12 +96,14 @@ def packed_layout(model: torch.nn.Module, input_ids: torch.Tensor, attention_mas
 def experience_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                         response_length: int, group: torch.Tensor, temperature: float = 1.0,
                         with_entropy: bool = False, fused: Optional[bool] = None,
-                        share: bool = True, packed: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                        share: bool = True, packed: bool = False,
+                        layout=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``response_logprobs`` of rows grouped by prompt (``group [N]``).
 
     ``packed`` (``actor.use_remove_padding``; the caller holds ``packed.attention_switched``): the
     rows without padding through the varlen attention, each group's prompt once when ``share``;
-    the plain forward where the batch cannot be packed. Otherwise, when ``share`` and the model
+    the plain forward where the batch cannot be packed. ``layout``: that packing, made by the caller
+    (``packed_layout``; implies ``packed``). Otherwise, when ``share`` and the model
     allows it (an HF causal LM with a KV cache, no fused head, no gradient checkpointing, not
     sharded), the prompt runs once per group: packed under a dense mask for small batches, else
     through the KV cache; otherwise the plain forward. A sharded (FSDP) model takes the plain path
@@ -112,8 +114,9 @@ def experience_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attenti
     from verl_fast.models.wrapping import hf_module, is_sharded
 
     use_fused = _fused_default(model) if fused is None else fused
-    if packed:
-        lay = packed_layout(model, input_ids, attention_mask, response_length, group, share)
+    if packed or layout is not None:
+        lay = layout if layout is not None else packed_layout(model, input_ids, attention_mask, response_length,
+                                                                group, share)
         if lay is not None:
             return packing.packed_logprobs(model, input_ids, lay, response_length, temperature, with_entropy,
                                            fused=use_fused)

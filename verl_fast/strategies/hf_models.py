@@ -136,17 +136,32 @@ def passes(model: torch.nn.Module, compiled: bool, packs: bool) -> ContextManage
     return stack
 
 
-def micro_logprobs(model: torch.nn.Module, sub: Experience, cfg: Config, packs: bool,
+def prepared(model: torch.nn.Module, exp: Experience, micro: List[torch.Tensor], cfg: Config,
+             packs: bool) -> List[Tuple[Experience, Optional[packed.PackedLayout]]]:
+    """Each micro-batch's rows and, where packed, its layout, made before any pass runs: both read
+    small tensors back to the host, which inside the loop would stall it until the GPU had finished
+    the previous micro-batch (no queued work to overlap with the next one's launches)."""
+    out = []
+    for idx in micro:
+        sub = exp.select(idx)
+        lay = None
+        if packs and sub.routed_experts is None:
+            lay = packed_layout(model, sub.input_ids, sub.attention_mask, sub.response_length, sub.prompt_index,
+                                cfg.actor.share_prompt_forward)
+        out.append((sub, lay))
+    return out
+
+
+def micro_logprobs(model: torch.nn.Module, sub: Experience, cfg: Config, lay: Optional[packed.PackedLayout],
                    with_entropy: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """One micro-batch's response log-probs (and entropy) as the actor section configures them, at the
     sampling temperature (else the PPO ratio of an unchanged actor is not 1 when ``rollout.temperature``
-    is not 1). Recorded routing maps one-to-one onto the plain forward's tokens: neither a shared
-    prompt pass nor packing then."""
-    plain = sub.routed_experts is None
+    is not 1); packed by ``lay`` when there is one (``prepared``). Recorded routing maps one-to-one
+    onto the plain forward's tokens: no shared prompt pass then."""
     return experience_logprobs(model, sub.input_ids, sub.attention_mask, sub.response_length, sub.prompt_index,
                                temperature=cfg.rollout.temperature or 1.0, with_entropy=with_entropy,
-                               fused=FUSED[cfg.actor.fused_logprobs], share=cfg.actor.share_prompt_forward and plain,
-                               packed=packs and plain)
+                               fused=FUSED[cfg.actor.fused_logprobs],
+                               share=cfg.actor.share_prompt_forward and sub.routed_experts is None, layout=lay)
 
 
 def hf_logprobs(model: torch.nn.Module, exp: Experience, micro: List[torch.Tensor], cfg: Config,
@@ -156,11 +171,11 @@ def hf_logprobs(model: torch.nn.Module, exp: Experience, micro: List[torch.Tenso
     (``micro_logprobs``); ``replay``: the actor, whose routers follow the rollout's routing where it
     was recorded; ``compiled`` / ``packs``: as ``passes`` says."""
     out = torch.zeros(exp.response_mask.shape, dtype=torch.float32, device=device)
+    batches = prepared(model, exp, micro, cfg, packs)
     with sharding.gathered_for_passes(model, len(micro)), passes(model, compiled, packs):
-        for idx in micro:
-            sub = exp.select(idx)
+        for idx, (sub, lay) in zip(micro, batches):
             with autocast(), (routed(model, sub, cfg) if replay else contextlib.nullcontext()):
-                logp, _ = micro_logprobs(model, sub, cfg, packs)
+                logp, _ = micro_logprobs(model, sub, cfg, lay)
             out[idx, : sub.response_length] = logp.float()
     return out
 
@@ -238,13 +253,14 @@ class FSDPStrategy:
                            packs=self.packs_sequences)
 
     def train_actor(self, exp: Experience, micro: List[torch.Tensor], loss_fn: LossFn) -> Tuple[List[Dict], float]:
+        batches = prepared(self.actor, exp, micro, self.cfg, self.packs_sequences)
         with passes(self.actor, self.compiled, self.packs_sequences):  # once for all micro-batches
-            stats = [self._actor_micro_step(exp.select(idx), loss_fn) for idx in sharding.micro_steps(self.actor, micro)]
+            stats = [self._actor_micro_step(sub, lay, loss_fn) for sub, lay in sharding.micro_steps(self.actor, batches)]
         return stats, self.optimizer_step()
 
-    def _actor_micro_step(self, sub: Experience, loss_fn: LossFn) -> Dict[str, float]:
+    def _actor_micro_step(self, sub: Experience, lay: Optional[packed.PackedLayout], loss_fn: LossFn) -> Dict:
         with self.autocast(), routed(self.actor, sub, self.cfg) as agreement:
-            logp, entropy = micro_logprobs(self.actor, sub, self.cfg, self.packs_sequences, with_entropy=True)
+            logp, entropy = micro_logprobs(self.actor, sub, self.cfg, lay, with_entropy=True)
         loss, stats = loss_fn(logp, entropy, sub)
         if agreement is not None:  # tokens whose experts the training forward would have changed
             stats = {**stats, "routing_changed_frac": agreement.fraction(sub.attention_mask)}
@@ -255,12 +271,9 @@ class FSDPStrategy:
         return optimizer_step(self.actor, self.optimizer, self.cfg.actor.max_grad_norm)
 
     def run_cost(self, exp: Experience, idx: torch.Tensor) -> Tuple[float, float]:
-        sub = exp.select(idx)
-        if self.packs_sequences and sub.routed_experts is None:  # as micro_logprobs runs it
-            lay = packed_layout(self.actor, sub.input_ids, sub.attention_mask, sub.response_length, sub.prompt_index,
-                                self.cfg.actor.share_prompt_forward)
-            if lay is not None:
-                return float(lay.tokens), float(lay.pairs)
+        (sub, lay), = prepared(self.actor, exp, [idx], self.cfg, self.packs_sequences)  # as train_actor runs it
+        if lay is not None:
+            return float(lay.tokens), float(lay.pairs)
         lens = sub.attention_mask.sum(-1)
         return float(lens.sum()), causal_pairs(lens)
 

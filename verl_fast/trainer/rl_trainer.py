@@ -557,6 +557,7 @@ class RLTrainer:
                         totals[k] = totals.get(k, 0.0) + v * w
                     weight += w
                 norms += norm
+        totals = {k: float(v) for k, v in totals.items()}  # the statistics' one read back (actor_loss)
         if self.world > 1:  # weighted by every rank's tokens, as one process would weight them
             keys = sorted(totals)
             summed = distributed.all_reduce_numbers([totals[k] for k in keys] + [weight], group=self.dp_group)

@@ -166,6 +166,7 @@ class MegatronTrained:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
         stats = self._run(exp, micro, False, loss_fn, around, replay) if micro else []
+        stats = [{k: float(v) for k, v in s.items()} for s in stats]  # read once every micro-batch is queued
         ok, grad_norm, _ = self.optimizer.step()
         if self.par.pp > 1:
             box = [stats]
