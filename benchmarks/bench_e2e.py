@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -169,7 +170,9 @@ def worker_ours(args) -> Dict[str, Any]:
                   f"free {m.get('perf/cuda_frees', 0):.0f}  kernel compiles {m.get('perf/kernel_compiles', 0):.0f} "
                   f"({m.get('perf/kernel_compile_s', 0):.2f} s)  graph compiles {m.get('perf/graph_compiles', 0):.0f}"
                   + (f"  update kernels busy {m['prof/update_busy_s']:.2f} s ({m['prof/update_kernels']:.0f}, SM "
-                     f"{m.get('prof/sm_clock_mhz', 0):.0f} MHz)" if "prof/update_busy_s" in m else ""), flush=True)
+                     f"{m.get('prof/sm_clock_mhz', 0):.0f} MHz), CPU {m['prof/update_thread_cpu_s']:.2f} s main thread "
+                     f"/ {m['prof/update_process_cpu_s']:.2f} s process, {m['prof/threads']:.0f} threads"
+                     if "prof/update_busy_s" in m else ""), flush=True)
     profile = profile_phases(trainer, rows[: args.prompts], f"ours {args.rollout} {args.shape}") \
         if args.device == "cuda" and world == 1 and args.profile else None
     engine_start = getattr(trainer.engine, "init_seconds", None)
@@ -236,10 +239,13 @@ def profile_each_update(trainer) -> Dict[str, Any]:
     update, box = trainer.update_actor, {}
 
     def profiled(exp):
+        thread, process = time.thread_time(), sum(os.times()[:2])
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             out = update(exp)
             torch.cuda.synchronize()
-        box["prof"] = prof
+        # the main thread's CPU seconds against the whole process's: other threads busy during the update
+        box.update(prof=prof, thread_s=time.thread_time() - thread, process_s=sum(os.times()[:2]) - process,
+                   threads=threading.active_count())
         return out
 
     trainer.update_actor = profiled
@@ -251,7 +257,8 @@ def update_figures(box: Dict[str, Any]) -> Dict[str, float]:
     if "prof" not in box:
         return {}
     busy, kernels = gpu_busy(box.pop("prof"))
-    out = {"prof/update_busy_s": busy, "prof/update_kernels": float(kernels)}
+    out = {"prof/update_busy_s": busy, "prof/update_kernels": float(kernels), "prof/update_thread_cpu_s": box["thread_s"],
+           "prof/update_process_cpu_s": box["process_s"], "prof/threads": float(box["threads"])}
     try:
         out["prof/sm_clock_mhz"] = float(torch.cuda.clock_rate())
     except Exception:  # noqa: BLE001 - no NVML
@@ -399,7 +406,8 @@ def summarise_ours(run: Dict[str, Any], skip: int) -> Dict[str, Any]:
     # each steady step's phases beside what can make a step slower than the next (issue 24's swings)
     detail = ("time/step", "time/generation", "time/update_actor", "perf/gc_s", "perf/gc_full", "perf/cuda_mallocs",
               "perf/cuda_frees", "perf/alloc_retries", "perf/kernel_compiles", "perf/kernel_compile_s", "perf/graph_compiles",
-              "response/length", "prof/update_busy_s", "prof/update_kernels", "prof/sm_clock_mhz")
+              "response/length", "prof/update_busy_s", "prof/update_kernels", "prof/sm_clock_mhz",
+              "prof/update_thread_cpu_s", "prof/update_process_cpu_s", "prof/threads", "perf/token_budget")
     out["steady_detail"] = [{k: s[k] for k in detail if k in s} for s in run["steps"][skip:]]
     out["profile"] = run.get("profile")  # one rollout and one update, kernels against wall time
     return out

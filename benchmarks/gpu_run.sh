@@ -11,7 +11,7 @@
 #   E2E_PROFILE=0 E2E_TOKENS=1024 SECTIONS=e2e ...                    # without the profiled rollout + update
 #   E2E_PROFILE_STEPS=1 SECTIONS=e2e ...                               # kernel-busy time of every update (diagnostic)
 #
-# Sections: tests (every gpu-marked test), vllm (every vLLM test, on the GPU's vLLM), trainer (the CLI
+# Sections: tests (every gpu-marked test), shapes (a new token count's first-call cost), vllm (every vLLM test, on the GPU's vLLM), trainer (the CLI
 # with vLLM rollout: GRPO + resume, PPO, the default config), advantage, logprobs, reshard, hybrid, e2e,
 # dist (needs 2 GPUs), megatron (2 GPUs; megatron-core's wheel in .whl/),
 # bench (`verl-fast bench` itself, quick sizes).
@@ -124,6 +124,13 @@ fi
 if want hybrid; then
   timeout 400 "$py" benchmarks/bench_reshard.py --device cuda --only sync --buckets-mb 256,1024 \
     >> "$OUT/bench.log" 2>&1 || failed+=("bench_reshard sync")
+fi
+
+# ---- shapes (issue 24): what a linear layer and the varlen attention pay at a token count they have not
+# seen, exact and bucketed (packed micro-batches meet a new count almost every step) ----
+if want shapes; then
+  timeout 120 "$py" benchmarks/bench_new_shapes.py --device cuda >> "$OUT/bench.log" 2>&1 || failed+=("bench_new_shapes")
+  grep -E "first call" "$OUT/bench.log" | tail -n 24
 fi
 
 # ---- e2e (issue 12): our GRPO step vs TRL's GRPOTrainer (HF rollout), Qwen2 0.5B and 1.5B shapes with

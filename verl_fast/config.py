@@ -144,7 +144,11 @@ class ActorConfig(ModelLayoutConfig, ScheduleConfig):
     use_dynamic_bsz: Optional[bool] = _f(None, doc="micro-batches by token budget (max_token_len_per_gpu) "
                                          "instead of by count; null (auto): on a GPU (the faster there: fewer, "
                                          "fuller passes), off on the CPU and under strategy megatron")
-    max_token_len_per_gpu: int = _f(16384, min=1)
+    max_token_len_per_gpu: Optional[int] = _f(None, min=1, doc="the token budget of a micro-batch (use_dynamic_bsz); "
+                                              "null (auto): on a GPU the largest the free memory holds by "
+                                              "trainer/batching.token_budget's estimate, at most the step's tokens "
+                                              "(one micro-batch: the fastest measured at 0.5B and 1.5B); 16384 "
+                                              "on the CPU")
     balance_dp: bool = _f(True, doc="spread each step's sequences over DP ranks by token count")
     clip_ratio: Optional[float] = _f(None, min=0.0, doc="sets clip_ratio_low and clip_ratio_high")
     clip_ratio_low: float = _f(0.2, min=0.0)

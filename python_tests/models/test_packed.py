@@ -73,22 +73,28 @@ def _written_out(mask, L, groups):
 
 
 def _read_back(lay):
+    """The layout's sequences as _written_out writes them (the filler, checked here, left out)."""
     cu_q, cu_k = lay.bounds
     src = lay.source.tolist()
     keys = src if lay.k_index is None else [src[i] for i in lay.k_index.tolist()]
     seqs = [(src[a:b], lay.position[a:b].tolist(), keys[c:d])
             for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])]
+    if lay.filler:  # the last sequence: copies of the first token attending themselves, predicting nothing
+        q, _, k = seqs.pop()
+        assert q == k == [src[0]] * lay.filler and len(src) == packed.bucket(lay.tokens)
+        assert lay.predictor.max() < lay.tokens
+        assert (lay.group[-lay.filler:] == -2).all() and (lay.owner[-lay.filler:] == -3).all()
     preds = list(zip(lay.target.tolist(), lay.slot.tolist(), [src[i] for i in lay.predictor.tolist()]))
     return seqs, preds
 
 
 @settings(max_examples=60, deadline=None)
 @given(prompt_lens=st.lists(st.integers(1, 6), min_size=1, max_size=4), n=st.integers(1, 4),
-       resp_lens=st.lists(st.integers(0, 5), min_size=1, max_size=5), share=st.booleans())
-def test_layout_is_the_written_out_sequences(prompt_lens, n, resp_lens, share):
+       resp_lens=st.lists(st.integers(0, 5), min_size=1, max_size=5), share=st.booleans(), bucketed=st.booleans())
+def test_layout_is_the_written_out_sequences(prompt_lens, n, resp_lens, share, bucketed):
     ids, mask, group, L = _batch(50, prompt_lens, n, resp_lens)
     groups = prompt_groups(ids, mask, group, L) if share else None
-    lay = packed.layout(mask, L, groups)
+    lay = packed.layout(mask, L, groups, bucketed=bucketed)
     if mask[:, -L:].sum() == 0:
         assert lay is None  # nothing to predict
         return
@@ -97,13 +103,40 @@ def test_layout_is_the_written_out_sequences(prompt_lens, n, resp_lens, share):
     assert seqs == want_seqs and preds == want_preds
     # FLOP count: every query attends its sequence's keys up to its own position
     assert lay.pairs == sum(sum(len(k) - len(q) + i + 1 for i in range(len(q))) for q, _, k in seqs)
-    # the dense mask says what the sequences say
+    # the dense mask says what the sequences say (the filler sees only itself)
     dense = packed.dense_mask(lay)
-    src = lay.source.tolist()
+    if lay.filler:
+        assert not dense[-lay.filler:, : lay.tokens].any() and not dense[: lay.tokens, lay.tokens:].any()
+        dense = dense[: lay.tokens, : lay.tokens]
+    src = lay.source.tolist()[: lay.tokens]
     for q, pos, k in seqs:
         for i, (t, p) in enumerate(zip(q, pos)):
             sees = {src[j] for j in dense[src.index(t)].nonzero()[:, 0].tolist()}
             assert sees == set(k[: len(k) - len(q) + i + 1])
+
+
+@pytest.mark.parametrize("tokens,want", [(1, 128), (128, 128), (129, 256), (4095, 4096), (4097, 4352),
+                                         (33000, 34816), (65536, 65536)])
+def test_bucket_sizes(tokens, want):
+    assert packed.bucket(tokens) == want and (want - tokens) <= max(127, tokens // 16)
+
+
+def test_bucketed_layout_gives_the_same_logprobs_and_gradients():
+    """The filler sequence changes nothing the real tokens compute (the varlen reference on the CPU)."""
+    ids, mask, group, L = _batch(320, [5, 3, 7], 3, [4, 2, 0, 5])
+    runs = []
+    for bucketed in (False, True):
+        model = tiny_model("qwen2", seed=4)
+        lay = packed.layout(mask, L, prompt_groups(ids, mask, group, L), bucketed=bucketed)
+        assert bool(lay.filler) == bucketed
+        with packed.attention_switched(model):
+            lp, ent = packed.packed_logprobs(model, ids, lay, L, with_entropy=True)
+            (lp.sum() + ent.sum()).backward()
+        runs.append((lp.detach(), ent.detach(), [p.grad for p in model.parameters()]))
+    torch.testing.assert_close(runs[0][0], runs[1][0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(runs[0][1], runs[1][1], atol=1e-6, rtol=1e-6)
+    for a, b in zip(runs[0][2], runs[1][2]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
 def test_layout_refuses_holes_empty_prompts_and_large_batches():

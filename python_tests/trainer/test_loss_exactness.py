@@ -136,3 +136,4 @@ def test_actor_and_critic_exact_under_any_batching(ppo, mode, policy_loss, monke
         torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-5 * float(ref_grad.abs().max()))
         torch.testing.assert_close(critic_grad, ref_critic_grad, rtol=1e-4,
                                    atol=1e-5 * float(ref_critic_grad.abs().max()))
+

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tiny_models import tiny_model
 from verl_fast.algos.losses import agg_loss
 from verl_fast.trainer.batching import loss_normalisers, micro_batches
 
@@ -117,3 +118,34 @@ def _dp_worker(rank, world, init_file):
 @pytest.mark.slow
 def test_two_ranks_agree_on_count_and_match_the_global_token_mean_gradient(tmp_path):
     mp.spawn(_dp_worker, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
+
+
+# ---------------------------------------------------------------- the token budget's auto
+
+
+def test_auto_token_budget_counts_free_memory_less_what_the_update_will_allocate(monkeypatch):
+    from verl_fast.trainer import batching
+
+    model = tiny_model("qwen2", seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cfg = model.config
+    per_token = batching.ACTIVATION_BYTES * cfg.num_hidden_layers * (cfg.hidden_size + cfg.intermediate_size)
+    params = sum(p.numel() for p in model.parameters())
+    cuda = torch.device("cuda")
+    free = 8 * 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * 2**20)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2**20)  # 2 MiB cached, free to reuse
+    fresh = batching.token_budget(model, optimizer, cuda, compiled=True, half=True)
+    # gradients (fp32, as the parameters) and AdamW's two fp32 moments are still to come
+    assert fresh == int(batching.MEMORY_FRACTION * (free + 2 * 2**20 - 12 * params) / per_token)
+    model(torch.ones(1, 4, dtype=torch.long)).logits.sum().backward()
+    optimizer.step()
+    stepped = batching.token_budget(model, optimizer, cuda, compiled=True, half=True)
+    assert stepped == int(batching.MEMORY_FRACTION * (free + 2 * 2**20) / per_token)
+    # eager norms and MLPs keep more per token, float32 activations twice as much
+    assert batching.token_budget(model, optimizer, cuda, compiled=False, half=False) == \
+        int(batching.MEMORY_FRACTION * (free + 2 * 2**20) / (per_token * 1.3 * 2))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 2 * free))
+    assert batching.token_budget(model, optimizer, cuda, compiled=True, half=True) == 4096  # the floor
+    assert batching.token_budget(model, optimizer, torch.device("cpu"), True, True) == batching.CPU_TOKEN_BUDGET

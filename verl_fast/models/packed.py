@@ -58,11 +58,13 @@ class PackedLayout:
     predictor: torch.Tensor  # [M] packed token whose output predicts response token m
     target: torch.Tensor  # [M] flat index into input_ids of response token m
     slot: torch.Tensor  # [M] flat index into [N, L]
-    pairs: int  # query-key pairs attended (causal), for FLOP counts
+    pairs: int  # query-key pairs attended (causal) by the real tokens, for FLOP counts
+    filler: int = 0  # tokens of the filler sequence at the end (``bucketed``)
 
     @property
     def tokens(self) -> int:
-        return int(self.source.numel())
+        """The real tokens (the filler left out)."""
+        return int(self.source.numel()) - self.filler
 
     @property
     def max_q(self) -> int:
@@ -79,13 +81,22 @@ def _offsets(lengths: torch.Tensor) -> torch.Tensor:
     return torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
 
 
+def bucket(tokens: int) -> int:
+    """``tokens`` rounded up to a multiple of 1/16 of its power of two (at least 128): at most ~6%
+    more tokens, and 16 sizes per doubling, so that micro-batches of nearby sizes run the same
+    shapes (a matmul of a shape it has not seen costs the GPU libraries a plan search)."""
+    step = max(128, 1 << max(int(tokens).bit_length() - 5, 0))
+    return -(-int(tokens) // step) * step
+
+
 def layout(attention_mask: torch.Tensor, response_length: int,
            groups: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-           max_tokens: Optional[int] = None) -> Optional[PackedLayout]:
+           max_tokens: Optional[int] = None, bucketed: bool = False) -> Optional[PackedLayout]:
     """The packed layout of a [N, P + L] batch (left-padded prompts, right-padded responses), on
     ``attention_mask``'s device; ``groups`` (``shared_prefix.prompt_groups``): rows whose prompts are
-    identical share one copy. None when a row's tokens are not contiguous, a response has no
-    prompt token before it, or the packed tokens exceed ``max_tokens``."""
+    identical share one copy; ``bucketed``: a filler sequence (attending only itself, predicting
+    nothing) brings the packed tokens up to ``bucket``'s size. None when a row's tokens are not
+    contiguous, a response has no prompt token before it, or the packed tokens exceed ``max_tokens``."""
     device = attention_mask.device
     keep = attention_mask.detach().to("cpu", torch.bool)
     N, W = keep.shape
@@ -152,12 +163,23 @@ def layout(attention_mask: torch.Tensor, response_length: int,
         predictor = torch.where(j == 0, last_prompt.repeat_interleave(r_len[live]), cu_q[m_seg] + j - 1)
     q_n, k_n = seg_len, k_len
     pairs = int((q_n * (k_n - q_n) + q_n * (q_n + 1) // 2).sum())
+    group, owner = seg_group[tok_seg], seg_owner[tok_seg]
+    filler = bucket(T) - T if bucketed else 0
+    if filler:  # one more sequence: copies of the first token, its own keys, in a group of its own
+        source = torch.cat([source, source[:1].expand(filler)])
+        position = torch.cat([position, torch.arange(filler) % 128])  # within any model's positions
+        cu_q = torch.cat([cu_q, cu_q[-1:] + filler])
+        if k_index is not None:
+            k_index = torch.cat([k_index, T + torch.arange(filler)])
+        cu_k = torch.cat([cu_k, cu_k[-1:] + filler])
+        group = torch.cat([group, torch.full((filler,), -2, dtype=group.dtype)])
+        owner = torch.cat([owner, torch.full((filler,), -3, dtype=owner.dtype)])
     to = functools.partial(torch.Tensor.to, device=device, non_blocking=True)
     return PackedLayout(
         source=to(source), position=to(position), cu_q=to(cu_q.int()), cu_k=to(cu_k.int()),
         k_index=None if k_index is None else to(k_index), bounds=(tuple(cu_q.tolist()), tuple(cu_k.tolist())),
-        group=to(seg_group[tok_seg]), owner=to(seg_owner[tok_seg]), predictor=to(predictor),
-        target=to(m_row * W + P + j), slot=to(m_row * L + j), pairs=pairs)
+        group=to(group), owner=to(owner), predictor=to(predictor),
+        target=to(m_row * W + P + j), slot=to(m_row * L + j), pairs=pairs, filler=filler)
 
 
 def dense_mask(lay: PackedLayout) -> torch.Tensor:

@@ -90,7 +90,7 @@ def packed_layout(model: torch.nn.Module, input_ids: torch.Tensor, attention_mas
     if not _accepts(model, "logits_to_keep"):  # the head runs on the predicting positions only
         return None
     groups = prompt_groups(input_ids, attention_mask, group, response_length) if share else None
-    return packing.layout(attention_mask, response_length, groups)
+    return packing.layout(attention_mask, response_length, groups, bucketed=input_ids.is_cuda)
 
 
 def experience_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

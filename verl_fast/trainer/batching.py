@@ -21,7 +21,15 @@ from verl_fast.algos.losses import active_rows
 from verl_fast.experience import Experience, concat
 from verl_fast.ops import schedule
 
-__all__ = ["loss_normalisers", "micro_batches", "balance_across_ranks"]
+__all__ = ["loss_normalisers", "micro_batches", "balance_across_ranks", "token_budget"]
+
+CPU_TOKEN_BUDGET = 16384  # actor.max_token_len_per_gpu unset where the free memory is not known
+# Activation bytes a training pass keeps for its backward, per token, per layer and per unit of
+# (hidden + intermediate) width, packed rows under bf16 autocast with compiled norms and MLPs:
+# measured on one H200 (benchmarks/NOTES.md) 7.2 at the 0.5B shape and 7.5 at 1.5B; eager norms
+# and MLPs keep ~1.3x as much, no autocast (float32 activations) ~2x.
+ACTIVATION_BYTES = 8.0
+MEMORY_FRACTION = 0.85  # of what is free at the first update, for the activations
 
 
 def loss_normalisers(response_mask: torch.Tensor, group=None, norm_length: float = 0) -> Dict[str, float]:
@@ -58,6 +66,36 @@ def micro_batches(rows: torch.Tensor, token_counts: Optional[torch.Tensor] = Non
     tokens = token_counts[rows].tolist()
     plan = schedule.pack_micro_batches(tokens, max_tokens, 1, group, layout="packed" if packed else "padded")
     return [rows[torch.as_tensor(idx, dtype=torch.long).to(rows.device)] for idx in plan]
+
+
+def token_budget(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+                 compiled: bool, half: bool) -> int:
+    """``actor.max_token_len_per_gpu``'s auto: on a GPU, the tokens whose activations
+    (``ACTIVATION_BYTES``; ``compiled``: the norms and MLPs compiled, ``half``: bf16 / fp16 autocast)
+    fit ``MEMORY_FRACTION`` of the memory free now less what the update is still to allocate (the
+    gradients of parameters that have none yet, AdamW's two moments before its first step); at
+    least 4096. Call it before the first update; elsewhere ``CPU_TOKEN_BUDGET``."""
+    if device.type != "cuda":
+        return CPU_TOKEN_BUDGET
+    cfg = getattr(getattr(model, "module", model), "config", None)
+    width = (getattr(cfg, "hidden_size", 0) or 0) + (getattr(cfg, "intermediate_size", 0) or 0)
+    layers = getattr(cfg, "num_hidden_layers", 0) or 0
+    if not width or not layers:
+        return CPU_TOKEN_BUDGET
+    per_token = ACTIVATION_BYTES * layers * width * (1.0 if compiled else 1.3) * (1.0 if half else 2.0)
+
+    def local_bytes(p: torch.Tensor) -> int:  # a DTensor's shard on this rank
+        t = p.to_local() if hasattr(p, "to_local") else p
+        return t.numel() * t.element_size()
+
+    trained = [p for p in model.parameters() if p.requires_grad]
+    pending = sum(local_bytes(p) for p in trained if p.grad is None)
+    if getattr(optimizer, "state", None) == {}:  # AdamW before its first step: exp_avg, exp_avg_sq to come (fp32)
+        pending += sum(2 * local_bytes(p) // p.element_size() * 4 for p in trained)
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    available = free + cached - pending
+    return max(4096, int(MEMORY_FRACTION * max(available, 0) / per_token))
 
 
 def balance_across_ranks(exp: Experience, group=None) -> tuple[Experience, Dict[str, Any]]:

@@ -19,6 +19,7 @@ reward_fn=..., config=...).fit(dataset)``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
@@ -45,7 +46,9 @@ from verl_fast.rollout.operator import RolloutOperator
 from verl_fast.strategies import backends as strategies
 from verl_fast.trainer import lr_schedule, perf, run_dir
 from verl_fast.trainer.validation import Validation
-from verl_fast.trainer.batching import balance_across_ranks, loss_normalisers, micro_batches
+from verl_fast.trainer.batching import balance_across_ranks, loss_normalisers, micro_batches, token_budget
+
+logger = logging.getLogger(__name__)
 
 
 class RLTrainer:
@@ -114,6 +117,7 @@ class RLTrainer:
         self.validation: Optional[Validation] = None  # fit's, with a validation set
         self.generations: List[Dict[str, Any]] = []  # the latest step's first trainer.log_generations samples
         self.perf = perf.StepPerf(s.actor, self.device)
+        self._auto_budget: Optional[int] = None  # actor.max_token_len_per_gpu's auto (token_budget)
 
     @property
     def actor(self) -> torch.nn.Module:
@@ -514,9 +518,21 @@ class RLTrainer:
         if by_tokens is None:
             by_tokens = self.device.type == "cuda" and a.strategy != "megatron"
         if by_tokens:
-            return micro_batches(rows, exp.attention_mask.sum(-1), max_tokens=a.max_token_len_per_gpu,
+            return micro_batches(rows, exp.attention_mask.sum(-1), max_tokens=self.token_budget(),
                                  group=self.dp_group, packed=self.strategy.packs_sequences)
         return micro_batches(rows, size=size or (a.micro_batch_size if for_update else max(a.micro_batch_size, 16)))
+
+    def token_budget(self) -> int:
+        """``actor.max_token_len_per_gpu``; its auto is resolved at the first use (before the first
+        update, so the memory the update will take is still free) and kept for the run."""
+        if self.cfg.actor.max_token_len_per_gpu is not None:
+            return self.cfg.actor.max_token_len_per_gpu
+        if self._auto_budget is None:
+            s = self.strategy
+            self._auto_budget = token_budget(s.actor, s.optimizer, self.device, compiled=getattr(s, "compiled", False),
+                                             half=s.autocast_dtype in (torch.bfloat16, torch.float16))
+            logger.info("actor.max_token_len_per_gpu (auto): %d tokens per micro-batch", self._auto_budget)
+        return self._auto_budget
 
     def _norm_length(self, section) -> float:
         """seq-mean-token-sum-norm's divisor for the actor or critic ``section``: one constant for
@@ -567,6 +583,8 @@ class RLTrainer:
         out.setdefault("actor/pg_loss", 0.0)  # every advantage 0: the policy loss is exactly 0
         out["actor/grad_norm"] = norms / steps
         out["actor/active_fraction"] = float(active.float().mean())
+        if self._auto_budget is not None:
+            out["perf/token_budget"] = float(self._auto_budget)
         self.strategy.actor_updated(self.engine is not None and self.engine.owns_weights)
         return out
 
