@@ -238,8 +238,15 @@ def profile_each_update(trainer) -> Dict[str, Any]:
 
     update, box = trainer.update_actor, {}
 
+    def others() -> None:  # what the process's other Python threads are running, mid-update
+        names = {t.ident: t.name for t in threading.enumerate()}
+        box["others"] = [f"{names.get(ident, ident)}: " + " < ".join(
+            f"{Path(f.f_code.co_filename).name}:{f.f_code.co_name}" for f in _innermost(frame, 3))
+            for ident, frame in sys._current_frames().items() if ident != threading.main_thread().ident]
+
     def profiled(exp):
         thread, process = time.thread_time(), sum(os.times()[:2])
+        threading.Timer(0.1, others).start()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             out = update(exp)
             torch.cuda.synchronize()
@@ -250,6 +257,14 @@ def profile_each_update(trainer) -> Dict[str, Any]:
 
     trainer.update_actor = profiled
     return box
+
+
+def _innermost(frame, depth: int) -> List[Any]:
+    out = []
+    while frame is not None and len(out) < depth:
+        out.append(frame)
+        frame = frame.f_back
+    return out
 
 
 def update_figures(box: Dict[str, Any]) -> Dict[str, float]:
@@ -263,6 +278,8 @@ def update_figures(box: Dict[str, Any]) -> Dict[str, float]:
         out["prof/sm_clock_mhz"] = float(torch.cuda.clock_rate())
     except Exception:  # noqa: BLE001 - no NVML
         pass
+    if box.get("others"):
+        print("  other threads 0.1 s into the update: " + " | ".join(box.pop("others")), flush=True)
     return out
 
 
