@@ -5,7 +5,7 @@ against the eager forward and a float64 reference, gradients included; installed
 import pytest
 import torch
 
-from test_shared_prefix import _batch, _reference
+from grouped_batches import grouped_batch, row_by_row_logprobs
 from tiny_models import tiny_model
 from verl_fast.config import from_dict
 from verl_fast.models import compiled_blocks
@@ -33,7 +33,7 @@ def test_compiled_blocks_match_eager_and_float64_with_gradients():
     shapes = [([5, 3, 7], 3, [4, 2, 1, 4]), ([6, 2], 4, [3, 5]), ([4, 4, 2, 3], 2, [2, 6, 1])]
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for seed, (prompts, n, responses) in enumerate(shapes):
-        ids, mask, group, L = _batch(model.config.vocab_size, prompts, n, responses, seed=seed)
+        ids, mask, group, L = grouped_batch(model.config.vocab_size, prompts, n, responses, seed=seed)
         eager_lp, eager_grads = _logprobs_and_grads(model, ids, mask, L, group)
         with compiled_blocks.compiled(model):
             assert all("forward" in m.__dict__ for m in swapped)
@@ -43,7 +43,7 @@ def test_compiled_blocks_match_eager_and_float64_with_gradients():
         torch.testing.assert_close(lp[valid], eager_lp[valid], atol=2e-5, rtol=2e-5)
         for name, g in grads.items():
             torch.testing.assert_close(g, eager_grads[name], atol=5e-5, rtol=1e-4, msg=name)
-        reference = _reference(tiny_model("qwen2", seed=2), ids, mask, L, temperature=0.7)
+        reference = row_by_row_logprobs(tiny_model("qwen2", seed=2), ids, mask, L, temperature=0.7)
         torch.testing.assert_close(lp[valid].double(), reference[valid], atol=5e-5, rtol=1e-4)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
     assert graphs == 2, graphs  # the two classes: not once per module or shape
@@ -84,7 +84,7 @@ def test_compiled_blocks_under_bf16_autocast_are_as_close_to_float32_as_eager(de
     model = tiny_model("qwen2", seed=3).to(device)
     for seed, (prompts, n, responses) in enumerate([([9, 5, 12], 4, [7, 3, 11]), ([6, 8], 8, [5, 9, 2])]):
         ids, mask, group, L = (t.to(device) if torch.is_tensor(t) else t
-                               for t in _batch(model.config.vocab_size, prompts, n, responses, seed=seed))
+                               for t in grouped_batch(model.config.vocab_size, prompts, n, responses, seed=seed))
         valid = mask[:, -L:].bool()
         exact_lp, exact_grads = _logprobs_and_grads(model, ids, mask, L, group)
         with torch.autocast(device, dtype=torch.bfloat16):

@@ -6,41 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from grouped_batches import grouped_batch, row_by_row_logprobs
 from tiny_models import tiny_model
 from verl_fast.models import packed
 from verl_fast.models.shared_prefix import experience_logprobs, prompt_groups
-
-
-def _batch(vocab, prompt_lens, n, resp_lens, seed=0):
-    """Groups of n rows: one left-padded prompt each, then right-padded responses of given lengths."""
-    g = torch.Generator().manual_seed(seed)
-    P, L = max(prompt_lens), max(max(resp_lens), 1)
-    rows, masks, group = [], [], []
-    for k, plen in enumerate(prompt_lens):
-        prompt = torch.randint(1, vocab, (plen,), generator=g)
-        for j in range(n):
-            rlen = resp_lens[(k * n + j) % len(resp_lens)]
-            ids = torch.zeros(P + L, dtype=torch.long)
-            mask = torch.zeros(P + L, dtype=torch.long)
-            ids[P - plen:P], mask[P - plen:P] = prompt, 1
-            ids[P:P + rlen], mask[P:P + rlen] = torch.randint(1, vocab, (rlen,), generator=g), 1
-            rows.append(ids), masks.append(mask), group.append(k)
-    return torch.stack(rows), torch.stack(masks), torch.tensor(group), L
-
-
-def _reference(model, ids, mask, L, temperature):
-    """float64, one row at a time, padding removed: log p(token | everything before it)."""
-    model = model.double()
-    out = torch.zeros(ids.shape[0], L, dtype=torch.float64)
-    for r in range(ids.shape[0]):
-        n_resp = int(mask[r, -L:].sum())
-        if n_resp == 0:
-            continue
-        seq = ids[r][mask[r].bool()][None]
-        logits = model(input_ids=seq).logits[0].double() / temperature
-        lp = torch.log_softmax(logits[:-1], -1).gather(-1, seq[0, 1:, None])[:, 0]
-        out[r, :n_resp] = lp[-n_resp:]
-    return out
 
 
 def _written_out(mask, L, groups):
@@ -92,7 +61,7 @@ def _read_back(lay):
 @given(prompt_lens=st.lists(st.integers(1, 6), min_size=1, max_size=4), n=st.integers(1, 4),
        resp_lens=st.lists(st.integers(0, 5), min_size=1, max_size=5), share=st.booleans(), bucketed=st.booleans())
 def test_layout_is_the_written_out_sequences(prompt_lens, n, resp_lens, share, bucketed):
-    ids, mask, group, L = _batch(50, prompt_lens, n, resp_lens)
+    ids, mask, group, L = grouped_batch(50, prompt_lens, n, resp_lens)
     groups = prompt_groups(ids, mask, group, L) if share else None
     lay = packed.layout(mask, L, groups, bucketed=bucketed)
     if mask[:, -L:].sum() == 0:
@@ -123,7 +92,7 @@ def test_bucket_sizes(tokens, want):
 
 def test_bucketed_layout_gives_the_same_logprobs_and_gradients():
     """The filler sequence changes nothing the real tokens compute (the varlen reference on the CPU)."""
-    ids, mask, group, L = _batch(320, [5, 3, 7], 3, [4, 2, 0, 5])
+    ids, mask, group, L = grouped_batch(320, [5, 3, 7], 3, [4, 2, 0, 5])
     runs = []
     for bucketed in (False, True):
         model = tiny_model("qwen2", seed=4)
@@ -140,7 +109,7 @@ def test_bucketed_layout_gives_the_same_logprobs_and_gradients():
 
 
 def test_layout_refuses_holes_empty_prompts_and_large_batches():
-    ids, mask, group, L = _batch(50, [5, 3], 2, [4, 2])
+    ids, mask, group, L = grouped_batch(50, [5, 3], 2, [4, 2])
     assert packed.layout(mask, L) is not None
     holed = mask.clone()
     holed[0, -L + 1] = 0  # a response token missing between two others
@@ -161,7 +130,7 @@ def test_varlen_matches_the_float64_forward_and_gradients(family, share, fused):
     the float64 reference's log-probs and gradients, zeros past each response's end, the plain
     forward's entropies; responses of length 0 and groups of one row included."""
     model = tiny_model(family, seed=1)
-    ids, mask, group, L = _batch(model.config.vocab_size, [5, 3, 7, 2], 3, [4, 2, 0, 1, 4, 3])
+    ids, mask, group, L = grouped_batch(model.config.vocab_size, [5, 3, 7, 2], 3, [4, 2, 0, 1, 4, 3])
     group[-1] = 9  # the last row alone in its group
     resp_mask = mask[:, -L:].double()
     with packed.attention_switched(model):
@@ -176,7 +145,7 @@ def test_varlen_matches_the_float64_forward_and_gradients(family, share, fused):
     grads = {n: p.grad.double().clone() for n, p in model.named_parameters()}
 
     ref_model = tiny_model(family, seed=1)
-    ref = _reference(ref_model, ids, mask, L, 0.7)
+    ref = row_by_row_logprobs(ref_model, ids, mask, L, 0.7)
     torch.testing.assert_close(lp.double(), ref * resp_mask, atol=1e-4, rtol=0)
     (ref * weights * resp_mask).sum().backward()
     for n, p in ref_model.named_parameters():
@@ -192,7 +161,7 @@ def test_dense_matches_the_float64_forward_and_gradients(family, attention):
     [T, T] mask through the model's own attention."""
     model = tiny_model(family, seed=1)
     model.config._attn_implementation = attention
-    ids, mask, group, L = _batch(model.config.vocab_size, [5, 3, 7], 3, [4, 2, 1, 4, 3])
+    ids, mask, group, L = grouped_batch(model.config.vocab_size, [5, 3, 7], 3, [4, 2, 1, 4, 3])
     resp_mask = mask[:, -L:].double()
     lay = packed.layout(mask, L, prompt_groups(ids, mask, group, L), max_tokens=packed.DENSE_MAX_TOKENS)
     assert lay.tokens == 15 + int(resp_mask.sum())
@@ -200,7 +169,7 @@ def test_dense_matches_the_float64_forward_and_gradients(family, attention):
     weights = torch.randn(ids.shape[0], L, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     (lp.double() * weights).sum().backward()
     ref_model = tiny_model(family, seed=1)
-    ref = _reference(ref_model, ids, mask, L, 0.7)
+    ref = row_by_row_logprobs(ref_model, ids, mask, L, 0.7)
     torch.testing.assert_close(lp.double(), ref * resp_mask, atol=1e-4, rtol=0)
     (ref * weights * resp_mask).sum().backward()
     for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
@@ -211,7 +180,7 @@ def test_unpacked_calls_under_the_switch_use_the_models_own_attention():
     """A batch that cannot be packed (a hole) takes the padded forward inside the switch: the same
     log-probs as outside it (masks and attention from the model's own implementation)."""
     model = tiny_model("qwen2", seed=1)
-    ids, mask, group, L = _batch(model.config.vocab_size, [5, 3], 2, [4, 2])
+    ids, mask, group, L = grouped_batch(model.config.vocab_size, [5, 3], 2, [4, 2])
     mask[0, -L + 1] = 0
     with torch.no_grad():
         want, _ = experience_logprobs(model, ids, mask, L, group, fused=False, share=False)
@@ -223,7 +192,7 @@ def test_unpacked_calls_under_the_switch_use_the_models_own_attention():
 def test_gradient_checkpointing_recomputes_through_the_varlen_sequences():
     """Recomputed layers look their attention up again in the backward: held over the backward,
     the switch gives the gradients of the run without checkpointing."""
-    ids, mask, group, L = _batch(320, [5, 3, 4], 2, [4, 2, 3])
+    ids, mask, group, L = grouped_batch(320, [5, 3, 4], 2, [4, 2, 3])
     grads = []
     for checkpointing in (False, True):
         model = tiny_model("llama", seed=2).train()
@@ -247,7 +216,7 @@ def test_flash_varlen_on_cuda_matches_the_float32_forward(share):
     under the same autocast (two bf16 computations differ from each other by bf16 noise)."""
     assert packed.flash_available(torch.device("cuda"), torch.bfloat16)
     model = tiny_model("qwen2", seed=1, hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
-    ids, mask, group, L = _batch(model.config.vocab_size, [5, 3, 7, 40], 4, [4, 2, 0, 1, 60, 3])
+    ids, mask, group, L = grouped_batch(model.config.vocab_size, [5, 3, 7, 40], 4, [4, 2, 0, 1, 60, 3])
     resp = mask[:, -L:].bool()
     want, _ = experience_logprobs(model, ids, mask, L, group, fused=False, share=False)
     (want * resp).sum().backward()
