@@ -49,7 +49,8 @@ def runs(tmp_path_factory):
     one = subprocess.Popen([sys.executable, str(WORKER), str(root / "w1"), str(actor), str(critic), "grpo", "ppo"],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=HERE)
     two = torchrun([str(WORKER), str(root / "w2"), str(actor), str(critic), "grpo", "ppo", "ppo_prewrapped",
-                    "grpo_fsdp1", "grpo_options", "grpo_resharded"], extra=("--master_port", str(free_port())))
+                    "grpo_fsdp1", "grpo_options", "grpo_resharded", "grpo_packed"],
+                   extra=("--master_port", str(free_port())))
     finish([one, two])
 
     def load(world, scenario, rank=0):
@@ -104,6 +105,14 @@ def test_parameters_gathered_once_or_per_micro_batch_train_the_same(runs):
     assert runs(2, "grpo")["gathered_once"] and not runs(2, "grpo_resharded")["gathered_once"]
     assert max(h["micro_batches"] for h in runs(2, "grpo")["history"]) >= 2
     assert_same_training(runs(1, "grpo"), runs(2, "grpo_resharded"))
+
+
+def test_packed_rows_on_two_ranks_train_as_one_padded_process(runs):
+    """``actor.use_remove_padding`` on FSDP2 ranks (each packs its own rows, each group's prompt once;
+    actor, reference and update): the same training as one process on padded rows."""
+    multi = runs(2, "grpo_packed")
+    assert multi["packs"] and not runs(1, "grpo")["packs"]  # on the CPU only when asked for
+    assert_same_training(runs(1, "grpo"), multi)
 
 
 def test_user_wrapped_models_used_as_they_are(runs):

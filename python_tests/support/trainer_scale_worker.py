@@ -51,10 +51,12 @@ def config(scenario: str, world: int, out_dir: str) -> dict:
            "algorithm": {"type": "grpo"},
            "trainer": {"train_batch_size": 4, "output_dir": os.path.join(out_dir, scenario), "device": "cpu",
                        "progress_bar": False, "plot": False}}
-    if scenario in ("grpo", "grpo_fsdp1", "grpo_options", "grpo_resharded"):  # KL: a reference built from the actor
+    if scenario in ("grpo", "grpo_fsdp1", "grpo_options", "grpo_resharded", "grpo_packed"):  # KL: a reference from the actor
         cfg["actor"].update(use_kl_loss=True, kl_loss_coef=0.1, use_dynamic_bsz=True, max_token_len_per_gpu=64)
     if scenario == "grpo_resharded":  # "grpo" gathers once per step (auto: a tiny model); this one per micro-batch
         cfg["actor"]["unsharded_accumulation"] = "off"
+    if scenario == "grpo_packed":  # rows packed without padding (the varlen path's per-sequence reference on the CPU)
+        cfg["actor"]["use_remove_padding"] = True
     if scenario == "grpo_fsdp1" and sharded:
         cfg["actor"]["strategy"] = "fsdp1"
     if scenario == "grpo_options" and sharded:
@@ -116,7 +118,7 @@ def run(scenario: str, actor_dir: str, critic_dir: str, out_dir: str, rank: int,
         history[-1]["micro_batches"] = update_micro.pop()
     critic = trainer.strategy.critic
     result = {"history": history, "actor": full_weights(trainer.actor), "same_actor": trainer.actor is actor,
-              "gathered_once": trainer.actor in sharding._GATHER_ONCE,
+              "gathered_once": trainer.actor in sharding._GATHER_ONCE, "packs": trainer.strategy.packs_sequences,
               "kinds": {"actor": wrapper_kind(trainer.actor), "ref": wrapper_kind(trainer.ref) if trainer.ref else None,
                         "critic": wrapper_kind(critic.model) if critic else None}}
     if critic is not None:

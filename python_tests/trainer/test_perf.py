@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tiny_models import save_tiny_model
 from verl_fast.metrics import step_summary
+from verl_fast.models.packed import causal_pairs
 from verl_fast.trainer import perf
 from verl_fast.trainer.rl_trainer import RLTrainer
 
@@ -25,7 +26,7 @@ def test_update_flops_matches_plain_count():
     for s in lens.tolist():  # per token: 6 per parameter; per causal query-key pair: 2 matmuls x 2 x 3
         pairs = sum(q + 1 for q in range(s))  # query q attends keys 0..q
         want += 6.0 * params * s + 3 * 2 * 2 * layers * width * pairs
-    tokens, pairs = float(lens.sum()), perf.causal_pairs(lens)
+    tokens, pairs = float(lens.sum()), causal_pairs(lens)
     assert perf.update_flops(params, layers, width, tokens, pairs) == pytest.approx(want, rel=1e-12)
 
 
@@ -48,7 +49,7 @@ def test_phases_accumulate_and_mfu(tiny_path):
     with p.phase("update_actor"):
         time.sleep(0.01)
     mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1], [1, 1, 1, 1]])
-    p.count_update(10, perf.causal_pairs(mask.sum(-1)))
+    p.count_update(10, causal_pairs(mask.sum(-1)))
     p.count_step_tokens(mask)
     out = p.figures()
     assert 0.03 <= out["time/update_actor"] < 0.5
@@ -154,7 +155,7 @@ def test_gpu_figures_peak_memory_and_mfu():
     with p.phase("update_actor"):
         x = torch.randn(4096, 1024, device=device, requires_grad=True)
         model(x).sum().backward()
-    p.count_update(4096, perf.causal_pairs(torch.tensor([2048, 2048])))
+    p.count_update(4096, causal_pairs(torch.tensor([2048, 2048])))
     out = p.figures()
     assert out["perf/peak_memory_gib"] >= 4096 * 1024 * 4 / 2**30  # at least the input was live
     assert out["perf/cuda_mallocs"] >= 1 and out["perf/alloc_retries"] == 0  # the input's first allocation

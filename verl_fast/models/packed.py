@@ -32,7 +32,7 @@ import functools
 import inspect
 import sys
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -109,14 +109,12 @@ def layout(attention_mask: torch.Tensor, response_length: int,
     live = (r_len > 0).nonzero()[:, 0]
     if live.numel() == 0 or bool((p_len[live] == 0).any()):
         return None
-    rows = torch.arange(N)
     if groups is None:
         # one sequence per live row: prompt then response, attending itself
         seg_row, seg_col0, seg_len = live, P - p_len[live], p_len[live] + r_len[live]
         seg_pos0, seg_prefix = torch.zeros_like(live), torch.zeros_like(live)
         seg_group, seg_owner = live, live
         resp_seg = torch.arange(live.numel())
-        resp_first_pred = None  # the response's first token is predicted by its own prompt's last
     else:
         first, row_group = (t.detach().cpu() for t in groups)
         g_live = torch.unique(row_group[live])  # groups with something to predict
@@ -180,6 +178,13 @@ def layout(attention_mask: torch.Tensor, response_length: int,
         k_index=None if k_index is None else to(k_index), bounds=(tuple(cu_q.tolist()), tuple(cu_k.tolist())),
         group=to(group), owner=to(owner), predictor=to(predictor),
         target=to(m_row * W + P + j), slot=to(m_row * L + j), pairs=pairs, filler=filler)
+
+
+def causal_pairs(seq_lens: torch.Tensor) -> float:
+    """Query-key pairs of causal attention over sequences of ``seq_lens`` tokens each (a padded
+    batch's rows; ``PackedLayout.pairs`` counts a packed one's)."""
+    lens = seq_lens.double()
+    return float((lens * (lens + 1) / 2).sum())
 
 
 def dense_mask(lay: PackedLayout) -> torch.Tensor:
@@ -358,7 +363,3 @@ def packed_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, lay: Packed
 
     return spread(logp), (spread(entropy) if entropy is not None else None)
 
-
-def run_cost(lays: List[PackedLayout]) -> Tuple[int, int]:
-    """(tokens, attended query-key pairs) the packed forwards of ``lays`` run."""
-    return sum(lay.tokens for lay in lays), sum(lay.pairs for lay in lays)

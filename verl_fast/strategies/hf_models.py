@@ -36,7 +36,6 @@ from verl_fast.rollout.base import RolloutEngine
 from verl_fast.strategies import sharding
 from verl_fast.strategies.protocol import LossFn
 from verl_fast.strategies.sharding import Sharding
-from verl_fast.trainer.perf import causal_pairs
 
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 FUSED = {"auto": None, "on": True, "off": False}  # actor.fused_logprobs
@@ -275,7 +274,7 @@ class FSDPStrategy:
         if lay is not None:
             return float(lay.tokens), float(lay.pairs)
         lens = sub.attention_mask.sum(-1)
-        return float(lens.sum()), causal_pairs(lens)
+        return float(lens.sum()), packed.causal_pairs(lens)
 
     # ---- rollout
 

@@ -54,12 +54,6 @@ def update_flops(num_params: int, num_layers: int, attn_width: int, tokens: floa
     return float(6.0 * num_params * tokens + 12.0 * num_layers * attn_width * pairs)
 
 
-def causal_pairs(seq_lens: torch.Tensor) -> float:
-    """Query-key pairs of causal attention over sequences of ``seq_lens`` tokens each."""
-    lens = seq_lens.double()
-    return float((lens * (lens + 1) / 2).sum())
-
-
 _GC = {"s": 0.0, "n": 0, "full": 0, "start": 0.0}
 
 

@@ -21,6 +21,7 @@ import torch
 
 from verl_fast.config import Config
 from verl_fast.experience import Experience
+from verl_fast.models.packed import causal_pairs
 from verl_fast.models.wrapping import hf_module
 from verl_fast.rollout.base import RolloutEngine
 from verl_fast.strategies import hf_models, sharding
@@ -28,7 +29,6 @@ from verl_fast.strategies.megatron import run_checkpoint
 from verl_fast.strategies.megatron.shared_rollout import megatron_rollout
 from verl_fast.strategies.protocol import LossFn
 from verl_fast.strategies.sharding import Sharding
-from verl_fast.trainer.perf import causal_pairs
 
 
 class MegatronStrategy:
