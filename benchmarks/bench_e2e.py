@@ -13,8 +13,9 @@ vocab 49152 = the demo tokenizer's, tied embeddings); 16 chat prompts x 8 sample
 no KL, a random reward in [0, 1) (a constant one would zero every advantage and skip the backward).
 TRL 1.16: ``per_device_train_batch_size=16, gradient_accumulation_steps=8, num_generations=8`` (128
 completions per optimizer step), ``bf16=True, beta=0.0, model_init_kwargs={"dtype": float32}``,
-``max_completion_length=256``, its other defaults (gradient checkpointing on, as it ships). Ours:
-micro-batches of 16 sequences, as TRL's. The first ``--skip`` steps of each run are warm-up; the
+``max_completion_length=256``, its other defaults (gradient checkpointing on, as it ships). Ours: the
+trainer's defaults (on a GPU: rows packed without padding, token-budget micro-batches with the budget
+sized to the free memory, norms and MLPs compiled). The first ``--skip`` steps of each run are warm-up; the
 figures are medians of the rest. Each run is its own process (ours and TRL's 1-GPU runs side by side
 on two GPUs when there are two).
 

@@ -59,7 +59,7 @@ def runs(tmp_path_factory):
     return load
 
 
-def assert_same_training(single, multi, models=("actor",)):
+def assert_same_training(single, multi, models=("actor",), weight_atol=WEIGHT_ATOL):
     assert len(single["history"]) == len(multi["history"]) == 3
     for step, (a, b) in enumerate(zip(single["history"], multi["history"])):
         for key in METRICS:
@@ -69,7 +69,7 @@ def assert_same_training(single, multi, models=("actor",)):
         assert single[model].keys() == multi[model].keys()
         for name, value in single[model].items():
             diff = (value - multi[model][name]).abs().max().item()
-            assert diff <= WEIGHT_ATOL, (model, name, diff)
+            assert diff <= weight_atol, (model, name, diff)
 
 
 def assert_equal_across_ranks(first, second, models):
@@ -112,7 +112,10 @@ def test_packed_rows_on_two_ranks_train_as_one_padded_process(runs):
     actor, reference and update): the same training as one process on padded rows."""
     multi = runs(2, "grpo_packed")
     assert multi["packs"] and not runs(1, "grpo")["packs"]  # on the CPU only when asked for
-    assert_same_training(runs(1, "grpo"), multi)
+    # packed sequences sum in another order than padded rows: seen up to 2.9e-5 on rarely used embedding rows
+    # (AdamW's step, lr 1e-3, is about as large for a near-zero gradient as for a large one); a wrong
+    # attention or layout moves the weights by ~lr a step
+    assert_same_training(runs(1, "grpo"), multi, weight_atol=1e-4)
 
 
 def test_user_wrapped_models_used_as_they_are(runs):
