@@ -273,8 +273,9 @@ def update_figures(box: Dict[str, Any]) -> Dict[str, float]:
     if "prof" not in box:
         return {}
     busy, kernels = gpu_busy(box.pop("prof"))
-    out = {"prof/update_busy_s": busy, "prof/update_kernels": float(kernels), "prof/update_thread_cpu_s": box["thread_s"],
-           "prof/update_process_cpu_s": box["process_s"], "prof/threads": float(box["threads"])}
+    out = {"prof/update_busy_s": busy, "prof/update_kernels": float(kernels),
+           "prof/update_thread_cpu_s": box["thread_s"], "prof/update_process_cpu_s": box["process_s"],
+           "prof/threads": float(box["threads"])}
     try:
         out["prof/sm_clock_mhz"] = float(torch.cuda.clock_rate())
     except Exception:  # noqa: BLE001 - no NVML
@@ -351,7 +352,8 @@ def runs_of(args) -> List[tuple]:
     for impl in args.impls:
         for item in (items if impl.startswith("ours") else ["default"]):
             overrides = [] if item == "default" else item.split("+")
-            label = impl if not args.sweep else f"{impl}:" + "+".join(o.split(".")[-1] for o in overrides or ["default"])
+            names = "+".join(o.split(".")[-1] for o in overrides or ["default"])
+            label = f"{impl}:{names}" if args.sweep else impl
             runs.append((impl, label, overrides))
     return runs
 

@@ -51,7 +51,8 @@ def config(scenario: str, world: int, out_dir: str) -> dict:
            "algorithm": {"type": "grpo"},
            "trainer": {"train_batch_size": 4, "output_dir": os.path.join(out_dir, scenario), "device": "cpu",
                        "progress_bar": False, "plot": False}}
-    if scenario in ("grpo", "grpo_fsdp1", "grpo_options", "grpo_resharded", "grpo_packed"):  # KL: a reference from the actor
+    # KL: a reference built from the actor
+    if scenario in ("grpo", "grpo_fsdp1", "grpo_options", "grpo_resharded", "grpo_packed"):
         cfg["actor"].update(use_kl_loss=True, kl_loss_coef=0.1, use_dynamic_bsz=True, max_token_len_per_gpu=64)
     if scenario == "grpo_resharded":  # "grpo" gathers once per step (auto: a tiny model); this one per micro-batch
         cfg["actor"]["unsharded_accumulation"] = "off"

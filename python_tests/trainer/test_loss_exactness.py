@@ -100,7 +100,8 @@ BATCHINGS = [{"micro_batch_size": 9}, {"micro_batch_size": 4}, {"micro_batch_siz
              {"use_dynamic_bsz": True, "max_token_len_per_gpu": 64},
              {"use_dynamic_bsz": True, "max_token_len_per_gpu": 120},
              # rows packed without padding (actor.use_remove_padding; a group's prompt once), by count and by budget
-             {"micro_batch_size": 4, "packed": True}, {"use_dynamic_bsz": True, "max_token_len_per_gpu": 64, "packed": True}]
+             {"micro_batch_size": 4, "packed": True},
+             {"use_dynamic_bsz": True, "max_token_len_per_gpu": 64, "packed": True}]
 
 
 CASES = [(mode, "vanilla") for mode in MODES] + [

@@ -28,7 +28,8 @@ def actor_loss(a, logp: torch.Tensor, entropy: torch.Tensor, sub: Experience,
     ent = entropy_loss(entropy.float(), sub.response_mask, a.loss_agg_mode, **counts)
     if a.entropy_coeff:
         loss = loss - a.entropy_coeff * ent
-    out = {"pg_loss": pg.detach(), "entropy": ent.detach(), **{k: torch.as_tensor(v).detach() for k, v in stats.items()}}
+    out = {"pg_loss": pg.detach(), "entropy": ent.detach(),
+           **{k: torch.as_tensor(v).detach() for k, v in stats.items()}}
     if sub.ref_logprobs is not None:
         kl = kl_penalty(logp, sub.ref_logprobs, a.kl_loss_type if a.use_kl_loss else "low_var_kl")
         kl_term = agg_loss(kl, sub.response_mask, a.loss_agg_mode, **counts)

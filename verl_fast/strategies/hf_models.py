@@ -6,7 +6,8 @@ data-parallel ranks as ``sharding.py`` says (a model the user wrapped is used as
   fused lm_head + log-prob kernels with ``actor.fused_logprobs``; a group's prompt run once with
   ``actor.share_prompt_forward``; the rows packed without padding with ``actor.use_remove_padding``,
   ``models/packed``), the critic's values through ``models/value``, under ``actor.autocast``, with
-  the norms and MLPs compiled under ``actor.compile_blocks`` (``models/compiled_blocks``). Training passes take the rollout temperature, the others temperature 1.
+  the norms and MLPs compiled under ``actor.compile_blocks`` (``models/compiled_blocks``). Training
+  passes take the rollout temperature, the others temperature 1.
 - Updates: a mini-batch's micro-batches accumulate gradients (FSDP2 with ``unsharded_accumulation``
   gathers the parameters once per step), then the gradient norm is clipped and AdamW steps (fused
   for plain parameters); a step whose norm is not finite is skipped.
@@ -254,7 +255,8 @@ class FSDPStrategy:
     def train_actor(self, exp: Experience, micro: List[torch.Tensor], loss_fn: LossFn) -> Tuple[List[Dict], float]:
         batches = prepared(self.actor, exp, micro, self.cfg, self.packs_sequences)
         with passes(self.actor, self.compiled, self.packs_sequences):  # once for all micro-batches
-            stats = [self._actor_micro_step(sub, lay, loss_fn) for sub, lay in sharding.micro_steps(self.actor, batches)]
+            stats = [self._actor_micro_step(sub, lay, loss_fn)
+                     for sub, lay in sharding.micro_steps(self.actor, batches)]
         return stats, self.optimizer_step()
 
     def _actor_micro_step(self, sub: Experience, lay: Optional[packed.PackedLayout], loss_fn: LossFn) -> Dict:
