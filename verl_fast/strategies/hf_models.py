@@ -152,6 +152,19 @@ def prepared(model: torch.nn.Module, exp: Experience, micro: List[torch.Tensor],
     return out
 
 
+def run_cost(batches: List[Tuple[Experience, Optional[packed.PackedLayout]]]) -> Tuple[float, float]:
+    """(tokens, causal query-key pairs) the passes over ``prepared`` batches run: a packed layout's
+    own count, else the rows' real tokens (the padding's work is not counted)."""
+    tokens, pairs = 0.0, 0.0
+    for sub, lay in batches:
+        if lay is not None:
+            tokens, pairs = tokens + lay.tokens, pairs + lay.pairs
+        else:
+            lens = sub.attention_mask.sum(-1)
+            tokens, pairs = tokens + float(lens.sum()), pairs + packed.causal_pairs(lens)
+    return tokens, pairs
+
+
 def micro_logprobs(model: torch.nn.Module, sub: Experience, cfg: Config, lay: Optional[packed.PackedLayout],
                    with_entropy: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """One micro-batch's response log-probs (and entropy) as the actor section configures them, at the
@@ -252,12 +265,13 @@ class FSDPStrategy:
         return hf_logprobs(self.ref, exp, micro, self.cfg, self.autocast, self.device, compiled=self.compiled,
                            packs=self.packs_sequences)
 
-    def train_actor(self, exp: Experience, micro: List[torch.Tensor], loss_fn: LossFn) -> Tuple[List[Dict], float]:
+    def train_actor(self, exp: Experience, micro: List[torch.Tensor],
+                    loss_fn: LossFn) -> Tuple[List[Dict], float, Tuple[float, float]]:
         batches = prepared(self.actor, exp, micro, self.cfg, self.packs_sequences)
         with passes(self.actor, self.compiled, self.packs_sequences):  # once for all micro-batches
             stats = [self._actor_micro_step(sub, lay, loss_fn)
                      for sub, lay in sharding.micro_steps(self.actor, batches)]
-        return stats, self.optimizer_step()
+        return stats, self.optimizer_step(), run_cost(batches)
 
     def _actor_micro_step(self, sub: Experience, lay: Optional[packed.PackedLayout], loss_fn: LossFn) -> Dict:
         with self.autocast(), routed(self.actor, sub, self.cfg) as agreement:
@@ -270,13 +284,6 @@ class FSDPStrategy:
 
     def optimizer_step(self) -> float:
         return optimizer_step(self.actor, self.optimizer, self.cfg.actor.max_grad_norm)
-
-    def run_cost(self, exp: Experience, idx: torch.Tensor) -> Tuple[float, float]:
-        (sub, lay), = prepared(self.actor, exp, [idx], self.cfg, self.packs_sequences)  # as train_actor runs it
-        if lay is not None:
-            return float(lay.tokens), float(lay.pairs)
-        lens = sub.attention_mask.sum(-1)
-        return float(lens.sum()), packed.causal_pairs(lens)
 
     # ---- rollout
 

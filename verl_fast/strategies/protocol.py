@@ -63,12 +63,11 @@ class Strategy(Protocol):
     def ref_logprobs(self, exp: Experience, micro: List[torch.Tensor]) -> torch.Tensor:
         """The same under the reference."""
 
-    def train_actor(self, exp: Experience, micro: List[torch.Tensor], loss_fn: LossFn) -> Tuple[List[Dict], float]:
+    def train_actor(self, exp: Experience, micro: List[torch.Tensor],
+                    loss_fn: LossFn) -> Tuple[List[Dict], float, Tuple[float, float]]:
         """One optimiser step over ``micro`` with ``loss_fn(logp, entropy, sub)``: each micro-batch's
-        statistics and the gradient norm."""
-
-    def run_cost(self, exp: Experience, idx: torch.Tensor) -> Tuple[float, float]:
-        """(tokens, causal query-key pairs) a training pass over rows ``idx`` runs: the update's FLOP count."""
+        statistics, the gradient norm, and (tokens, causal query-key pairs) its passes ran (the
+        update's FLOP count: a shared prompt once, no padding)."""
 
     def optimizer_step(self) -> float:
         """The actor's optimiser step after backward passes run on ``actor`` (DPO); the gradient norm.

@@ -84,14 +84,11 @@ def token_budget(model: torch.nn.Module, optimizer: torch.optim.Optimizer, devic
         return CPU_TOKEN_BUDGET
     per_token = ACTIVATION_BYTES * layers * width * (1.0 if compiled else 1.3) * (1.0 if half else 2.0)
 
-    def local_bytes(p: torch.Tensor) -> int:  # a DTensor's shard on this rank
-        t = p.to_local() if hasattr(p, "to_local") else p
-        return t.numel() * t.element_size()
-
-    trained = [p for p in model.parameters() if p.requires_grad]
-    pending = sum(local_bytes(p) for p in trained if p.grad is None)
+    # (trained parameter, this rank's shard of it: a DTensor's local tensor)
+    trained = [(p, p.to_local() if hasattr(p, "to_local") else p) for p in model.parameters() if p.requires_grad]
+    pending = sum(t.numel() * t.element_size() for p, t in trained if p.grad is None)
     if getattr(optimizer, "state", None) == {}:  # AdamW before its first step: exp_avg, exp_avg_sq to come (fp32)
-        pending += sum(2 * local_bytes(p) // p.element_size() * 4 for p in trained)
+        pending += sum(2 * 4 * t.numel() for _, t in trained)
     free, _ = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     available = free + cached - pending

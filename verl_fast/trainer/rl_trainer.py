@@ -563,10 +563,9 @@ class RLTrainer:
                 mb = order[start : start + mini]
                 counts = loss_normalisers(exp.response_mask[mb], self.dp_group, self._norm_length(a))
                 micro = self._micro(exp, mb[active[mb]])
-                for idx in micro:
-                    self.perf.count_update(*self.strategy.run_cost(exp, idx))
-                stats, norm = self.strategy.train_actor(
+                stats, norm, cost = self.strategy.train_actor(
                     exp, micro, lambda logp, entropy, sub: self.algorithm.actor_loss(logp, entropy, sub, counts))
+                self.perf.count_update(*cost)
                 for idx, st in zip(micro, stats):
                     w = float(exp.response_mask[idx].sum())
                     for k, v in st.items():

@@ -70,12 +70,11 @@ class MegatronStrategy:
     def ref_logprobs(self, exp: Experience, micro: List[torch.Tensor]) -> torch.Tensor:
         return hf_models.hf_logprobs(self.ref, exp, micro, self.cfg, self.autocast, self.device)
 
-    def train_actor(self, exp: Experience, micro: List[torch.Tensor], loss_fn: LossFn) -> Tuple[List[Dict], float]:
-        return self.megatron.train_mini_batch(exp, micro, loss_fn)
-
-    def run_cost(self, exp: Experience, idx: torch.Tensor) -> Tuple[float, float]:
-        lens = exp.attention_mask[idx].sum(-1)  # the rows' real tokens (the padding's work is not counted)
-        return float(lens.sum()), causal_pairs(lens)
+    def train_actor(self, exp: Experience, micro: List[torch.Tensor],
+                    loss_fn: LossFn) -> Tuple[List[Dict], float, Tuple[float, float]]:
+        stats, norm = self.megatron.train_mini_batch(exp, micro, loss_fn)
+        lens = exp.attention_mask[torch.cat(micro)].sum(-1) if micro else exp.attention_mask.new_zeros(0)
+        return stats, norm, (float(lens.sum()), causal_pairs(lens))  # the rows' real tokens (padding not counted)
 
     # ---- rollout
 
