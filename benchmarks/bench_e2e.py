@@ -157,11 +157,11 @@ def worker_ours(args) -> Dict[str, Any]:
     rows = trainer.processor.encode_all([{"prompt": p, "reward_model": {"ground_truth": "0"}, "data_source": "bench"}
                                          for p in chat_prompts(args.prompts * args.steps)])
     steps = []
-    box = profile_each_update(trainer) if args.profile_steps and args.device == "cuda" else {}
+    box = profile_each_phase(trainer) if args.profile_steps and args.device == "cuda" else {}
     for s in range(args.steps):
         batch = rows[s * args.prompts : (s + 1) * args.prompts][rank::world]
         m = trainer.train_step(batch)
-        m.update(update_figures(box))
+        m.update(phase_figures(box))
         steps.append({k: v for k, v in m.items() if isinstance(v, (int, float))})
         if rank == 0:
             print(f"ours {args.rollout} {args.shape} x{world}: step {s + 1} {m['time/step']:.2f} s  "
@@ -170,10 +170,10 @@ def worker_ours(args) -> Dict[str, Any]:
                   f"({m.get('perf/gc_full', 0):.0f} full)  cudaMalloc {m.get('perf/cuda_mallocs', 0):.0f} "
                   f"free {m.get('perf/cuda_frees', 0):.0f}  kernel compiles {m.get('perf/kernel_compiles', 0):.0f} "
                   f"({m.get('perf/kernel_compile_s', 0):.2f} s)  graph compiles {m.get('perf/graph_compiles', 0):.0f}"
-                  + (f"  update kernels busy {m['prof/update_busy_s']:.2f} s ({m['prof/update_kernels']:.0f}, SM "
-                     f"{m.get('prof/sm_clock_mhz', 0):.0f} MHz), CPU {m['prof/update_thread_cpu_s']:.2f} s main thread "
-                     f"/ {m['prof/update_process_cpu_s']:.2f} s process, {m['prof/threads']:.0f} threads"
-                     if "prof/update_busy_s" in m else ""), flush=True)
+                  + "".join(f"  {ph} busy {m[f'prof/{ph}_busy_s']:.2f} s ({m[f'prof/{ph}_kernels']:.0f} kernels, SM "
+                            f"{m[f'prof/{ph}_sm_mhz']:.0f} MHz, CPU {m[f'prof/{ph}_thread_cpu_s']:.2f} s main / "
+                            f"{m[f'prof/{ph}_process_cpu_s']:.2f} s process)"
+                            for ph in ("rollout", "update") if f"prof/{ph}_busy_s" in m), flush=True)
     profile = profile_phases(trainer, rows[: args.prompts], f"ours {args.rollout} {args.shape}") \
         if args.device == "cuda" and world == 1 and args.profile else None
     engine_start = getattr(trainer.engine, "init_seconds", None)
@@ -232,32 +232,66 @@ def gpu_busy(prof) -> tuple:
     return busy / 1e6, len(kernels)
 
 
-def profile_each_update(trainer) -> Dict[str, Any]:
-    """Every actor update of ``trainer`` under the CUDA-activity profiler (``--profile-steps``): the box
-    it returns holds the last update's profile, read by ``update_figures`` after the step."""
+def profile_each_phase(trainer) -> Dict[str, Any]:
+    """Every rollout and actor update of ``trainer`` under the CUDA-activity profiler (``--profile-steps``):
+    the box it returns holds the last step's profiles, read by ``phase_figures`` after the step."""
     from torch.profiler import ProfilerActivity, profile
 
-    update, box = trainer.update_actor, {}
+    box: Dict[str, Any] = {}
 
-    def others() -> None:  # what the process's other Python threads are running, mid-update
-        names = {t.ident: t.name for t in threading.enumerate()}
-        box["others"] = [f"{names.get(ident, ident)}: " + " < ".join(
-            f"{Path(f.f_code.co_filename).name}:{f.f_code.co_name}" for f in _innermost(frame, 3))
-            for ident, frame in sys._current_frames().items() if ident != threading.main_thread().ident]
+    def wrapped(phase: str, run):
+        def profiled(*a, **k):
+            thread, process, tasks = time.thread_time(), sum(os.times()[:2]), thread_cpu()
+            threading.Timer(0.1, lambda: box.update({f"{phase}/mid": mid_phase()})).start()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                out = run(*a, **k)
+                torch.cuda.synchronize()
+            # the main thread's CPU seconds against the whole process's: other threads busy in the phase
+            box[phase] = dict(prof=prof, thread_s=time.thread_time() - thread,
+                              process_s=sum(os.times()[:2]) - process, tasks=busiest(tasks, thread_cpu()))
+            return out
+        return profiled
 
-    def profiled(exp):
-        thread, process = time.thread_time(), sum(os.times()[:2])
-        threading.Timer(0.1, others).start()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            out = update(exp)
-            torch.cuda.synchronize()
-        # the main thread's CPU seconds against the whole process's: other threads busy during the update
-        box.update(prof=prof, thread_s=time.thread_time() - thread, process_s=sum(os.times()[:2]) - process,
-                   threads=threading.active_count())
-        return out
-
-    trainer.update_actor = profiled
+    trainer.update_actor = wrapped("update", trainer.update_actor)
+    trainer.rollout.rollout = wrapped("rollout", trainer.rollout.rollout)
     return box
+
+
+def thread_cpu() -> Dict[str, float]:
+    """CPU seconds of each of the process's native threads so far ("name/tid" -> s, from /proc)."""
+    out, tick = {}, os.sysconf("SC_CLK_TCK")
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            out[f"{name}/{task.name}"] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        except (OSError, IndexError, ValueError):  # the thread ended meanwhile
+            continue
+    return out
+
+
+def busiest(before: Dict[str, float], after: Dict[str, float], top: int = 4) -> str:
+    """The threads that used the most CPU between two ``thread_cpu`` readings, the same-named summed."""
+    used: Dict[str, float] = {}
+    for key, s in after.items():
+        name = key.split("/")[0]
+        used[name] = used.get(name, 0.0) + s - before.get(key, 0.0)
+    count = {n: sum(1 for k in after if k.split("/")[0] == n) for n in used}
+    return ", ".join(f"{n} x{count[n]} {s:.2f} s" for n, s in sorted(used.items(), key=lambda x: -x[1])[:top] if s > 0)
+
+
+def mid_phase() -> Dict[str, Any]:
+    """The SM clock now and what the process's other Python threads are running (a phase's 0.1 s mark)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    others = [f"{names.get(ident, ident)}: " + " < ".join(
+        f"{Path(f.f_code.co_filename).name}:{f.f_code.co_name}" for f in _innermost(frame, 3))
+        for ident, frame in sys._current_frames().items()
+        if ident not in (threading.main_thread().ident, threading.get_ident())]
+    try:
+        clock = float(torch.cuda.clock_rate())
+    except Exception:  # noqa: BLE001 - no NVML
+        clock = 0.0
+    return {"clock": clock, "others": others}
 
 
 def _innermost(frame, depth: int) -> List[Any]:
@@ -268,20 +302,20 @@ def _innermost(frame, depth: int) -> List[Any]:
     return out
 
 
-def update_figures(box: Dict[str, Any]) -> Dict[str, float]:
-    """The last profiled update's kernel-busy seconds and kernel count, and the SM clock now."""
-    if "prof" not in box:
-        return {}
-    busy, kernels = gpu_busy(box.pop("prof"))
-    out = {"prof/update_busy_s": busy, "prof/update_kernels": float(kernels),
-           "prof/update_thread_cpu_s": box["thread_s"], "prof/update_process_cpu_s": box["process_s"],
-           "prof/threads": float(box["threads"])}
-    try:
-        out["prof/sm_clock_mhz"] = float(torch.cuda.clock_rate())
-    except Exception:  # noqa: BLE001 - no NVML
-        pass
-    if box.get("others"):
-        print("  other threads 0.1 s into the update: " + " | ".join(box.pop("others")), flush=True)
+def phase_figures(box: Dict[str, Any]) -> Dict[str, float]:
+    """Per profiled phase of the last step: kernel-busy seconds, kernel count, SM clock at its 0.1 s mark,
+    main-thread and process CPU seconds; the busiest native threads and other Python threads printed."""
+    out: Dict[str, float] = {}
+    for phase in ("rollout", "update"):
+        if phase not in box:
+            continue
+        p, mid = box.pop(phase), box.pop(f"{phase}/mid", {})
+        busy, kernels = gpu_busy(p["prof"])
+        out.update({f"prof/{phase}_busy_s": busy, f"prof/{phase}_kernels": float(kernels),
+                    f"prof/{phase}_sm_mhz": mid.get("clock", 0.0), f"prof/{phase}_thread_cpu_s": p["thread_s"],
+                    f"prof/{phase}_process_cpu_s": p["process_s"]})
+        print(f"  {phase}: busiest threads {p['tasks']}"
+              + ("; other Python threads: " + " | ".join(mid["others"]) if mid.get("others") else ""), flush=True)
     return out
 
 
@@ -426,8 +460,9 @@ def summarise_ours(run: Dict[str, Any], skip: int) -> Dict[str, Any]:
     # each steady step's phases beside what can make a step slower than the next (issue 24's swings)
     detail = ("time/step", "time/generation", "time/update_actor", "perf/gc_s", "perf/gc_full", "perf/cuda_mallocs",
               "perf/cuda_frees", "perf/alloc_retries", "perf/kernel_compiles", "perf/kernel_compile_s", "perf/graph_compiles",
-              "response/length", "prof/update_busy_s", "prof/update_kernels", "prof/sm_clock_mhz",
-              "prof/update_thread_cpu_s", "prof/update_process_cpu_s", "prof/threads", "perf/token_budget")
+              "response/length", "perf/token_budget") + tuple(
+                  f"prof/{phase}_{k}" for phase in ("rollout", "update")
+                  for k in ("busy_s", "kernels", "sm_mhz", "thread_cpu_s", "process_cpu_s"))
     out["steady_detail"] = [{k: s[k] for k in detail if k in s} for s in run["steps"][skip:]]
     out["profile"] = run.get("profile")  # one rollout and one update, kernels against wall time
     return out
@@ -543,8 +578,9 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="a config override for our runs (repeatable), e.g. actor.max_token_len_per_gpu=32768")
     p.add_argument("--profile-steps", action="store_true",
-                   help="every update of our runs under the CUDA-activity profiler: kernel-busy seconds per step "
-                        "(a diagnostic: the profiler's start and stop are inside the timed update)")
+                   help="every rollout and update of our runs under the CUDA-activity profiler: per step and phase the "
+                        "kernel-busy seconds, SM clock, main-thread / process CPU and the busiest native threads (a "
+                        "diagnostic: the profiler's start and stop are inside the timed phases)")
     p.add_argument("--sweep", metavar="ITEM,ITEM,...",
                    help="each of our runs once per item: 'default' or '+'-joined overrides, e.g. "
                         "default,actor.use_remove_padding=false,actor.max_token_len_per_gpu=65536")

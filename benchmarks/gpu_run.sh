@@ -9,7 +9,7 @@
 #   E2E_SET="actor.max_token_len_per_gpu=32768" SECTIONS=e2e ...     # config overrides for our e2e runs
 #   E2E_SWEEP="default,actor.max_token_len_per_gpu=65536" SECTIONS=e2e ... # each of our e2e runs once per item
 #   E2E_PROFILE=0 E2E_TOKENS=1024 SECTIONS=e2e ...                    # without the profiled rollout + update
-#   E2E_PROFILE_STEPS=1 SECTIONS=e2e ...                               # kernel-busy time of every update (diagnostic)
+#   E2E_PROFILE_STEPS=1 SECTIONS=e2e ...                               # kernel-busy time, clocks, CPU of every phase (diagnostic)
 #
 # Sections: tests (every gpu-marked test), shapes (a new token count's first-call cost), vllm (every vLLM test, on the GPU's vLLM), trainer (the CLI
 # with vLLM rollout: GRPO + resume, PPO, the default config), advantage, logprobs, reshard, hybrid, e2e,
