@@ -11,7 +11,7 @@
 #   E2E_PROFILE=0 E2E_TOKENS=1024 SECTIONS=e2e ...                    # without the profiled rollout + update
 #   E2E_PROFILE_STEPS=1 SECTIONS=e2e ...                               # kernel-busy time, clocks, CPU of every phase (diagnostic)
 #
-# Sections: tests (every gpu-marked test), shapes (a new token count's first-call cost), vllm (every vLLM test, on the GPU's vLLM), trainer (the CLI
+# Sections: tests (every gpu-marked test), shapes (a new token count's first-call cost), decode (the rollout's decode alone), vllm (every vLLM test, on the GPU's vLLM), trainer (the CLI
 # with vLLM rollout: GRPO + resume, PPO, the default config), advantage, logprobs, reshard, hybrid, e2e,
 # dist (needs 2 GPUs), megatron (2 GPUs; megatron-core's wheel in .whl/),
 # bench (`verl-fast bench` itself, quick sizes).
@@ -131,6 +131,14 @@ fi
 if want shapes; then
   timeout 120 "$py" benchmarks/bench_new_shapes.py --device cuda >> "$OUT/bench.log" 2>&1 || failed+=("bench_new_shapes")
   grep -E "first call" "$OUT/bench.log" | tail -n 24
+fi
+
+# ---- decode (issue 24): the rollout's compiled, graph-captured decode alone, merged products against
+# unmerged and against Inductor's autotuned GEMMs, 0.5B and 1.5B (~3 minutes) ----
+if want decode; then
+  timeout ${DECODE_TIMEOUT:-400} "$py" benchmarks/bench_decode.py --shapes "${DECODE_SHAPES:-0.5b,1.5b}" \
+    --variants "${DECODE_VARIANTS:-unmerged,merged,autotune}" >> "$OUT/bench.log" 2>&1 || failed+=("bench_decode")
+  grep -E "^(0.5b|1.5b) " "$OUT/bench.log" | tail -n 6
 fi
 
 # ---- e2e (issue 12): our GRPO step vs TRL's GRPOTrainer (HF rollout), Qwen2 0.5B and 1.5B shapes with

@@ -302,6 +302,8 @@ def test_compiled_decode_steps_match_eager(tok):
     torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert compiled.fast_failed is None and compiled.last_mode == "eager" and frames >= 1  # the loop ran, compiled
+    assert {k.rsplit(".", 2)[-2] for k in compiled._compiled.merged.copies} == {"self_attn", "mlp"}  # products merged
+    assert not any("forward" in sub.__dict__ or "merged_weight" in sub._parameters for sub in m.modules())  # undone
     compiled.generate([p[1:] or p for p in prompts(tok)], spec)  # narrower, the same rounded width: no new compile
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
     for width in (70, 140, 200):  # other rounded widths: one compile with symbolic lengths serves them all

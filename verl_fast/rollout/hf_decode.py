@@ -27,6 +27,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, StaticCache, StaticLayer
 
+from verl_fast.rollout import merged_projections
+
 logger = logging.getLogger(__name__)
 
 # generation_config fields that change the next-token distribution beyond temperature / top-k /
@@ -194,7 +196,8 @@ class CompiledForward:
     compiled function serves every rollout: compiled for the first rollout's shapes, then once more
     with the lengths left symbolic when a rollout of another prompt width comes (torch.compile's
     automatic dynamic shapes), never again after that; prompts are left-padded to a multiple of
-    ``WIDTH`` so that nearby prompt lengths keep the first, static compile. Under autocast the linear layers
+    ``WIDTH`` so that nearby prompt lengths keep the first, static compile. A Llama-family layer's q/k/v and
+    gate/up products run merged, two GEMMs where there were five (``merged_projections``). Under autocast the linear layers
     run on copies of their weights in the autocast dtype, kept here and refreshed from the parameters
     at every rollout (what autocast would cast them to: the same numbers), because a compiled graph
     cannot use autocast's cast cache and would cast every weight at every token."""
@@ -204,19 +207,21 @@ class CompiledForward:
     def __init__(self) -> None:
         self.fn = torch.compile(model_step)
         self.copies: dict = {}
+        self.merged = merged_projections.Merged()
 
     @contextlib.contextmanager
     def weights(self, module: torch.nn.Module) -> Iterator[None]:
-        """``module``'s linear weights and biases replaced by the kept copies for the length of a rollout."""
+        """For the length of a rollout: ``module``'s q/k/v and gate/up products merged (merged copies
+        and forwards, ``merged_projections``), and under autocast its other linear weights and biases
+        replaced by kept copies in the autocast dtype."""
         device = next(module.parameters()).device.type
-        if not torch.is_autocast_enabled(device):  # the weights are what the forward computes in
-            yield
-            return
-        dtype = torch.get_autocast_dtype(device)
-        swapped = []
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        swapped, merged = [], []
         try:
-            for name, layer in module.named_modules():
-                if not isinstance(layer, torch.nn.Linear):
+            self.merged.install(module, dtype, merged)
+            inside = {id(layer) for sub in merged for layer in merged_projections.parts(sub, merged_projections.kind(sub))}
+            for name, layer in module.named_modules() if dtype is not None else ():
+                if not isinstance(layer, torch.nn.Linear) or id(layer) in inside:
                     continue
                 for key, param in list(layer._parameters.items()):
                     if param is None or not param.is_floating_point() or param.dtype == dtype:
@@ -233,6 +238,7 @@ class CompiledForward:
         finally:
             for layer, key, param in swapped:
                 layer._parameters[key] = param
+            merged_projections.Merged.remove(merged)
 
 
 class _Decoder:

@@ -1,0 +1,139 @@
+"""The rollout's decode alone: ``hf_decode.decode`` as the trainer runs it on a GPU (the step's forward
+compiled, captured in a CUDA graph, bf16 autocast over float32 weights), 16 prompts x 8 samples x 256
+new tokens of the Qwen2 shapes of bench_e2e, in variants of our own code, one process:
+
+- ``unmerged``: each layer's seven products as transformers' modules run them (the forwards before
+  ``merged_projections``; the merge switched off by emptying its class lists);
+- ``merged``: q/k/v and gate/up as one product each (the default);
+- ``merged, max-autotune``: the same with Inductor choosing each product's kernel among its Triton
+  templates and cuBLAS by timing them (``mode="max-autotune-no-cudagraphs"``; compiles longer).
+
+Per variant: the first call (compile + capture), the median of the next ``--reps`` calls, the kernels
+per token and the GPU-busy share of one profiled call, and the floor: the bf16 weights and the KV cache
+read once per token at the H200's 4.8 TB/s.
+
+    python benchmarks/bench_decode.py [--shapes 0.5b,1.5b] [--variants unmerged,merged,autotune]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import Report  # noqa: E402
+from bench_e2e import SHAPES, gpu_busy  # noqa: E402
+
+VARIANTS = ("unmerged", "merged", "autotune")
+HBM_BYTES_PER_S = 4.8e12
+
+
+def build(shape: str):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=4096, **SHAPES[shape])
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.config._attn_implementation = "sdpa"
+    return model.eval()
+
+
+def prompts(prompts: int, n: int, vocab: int):
+    """``prompts`` random prompts of 60-120 tokens, each ``n`` times, left-padded: ids and mask [P * n, W]."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(60, 121, (prompts,), generator=g).repeat_interleave(n)
+    width = int(lengths.max())
+    ids = torch.randint(0, vocab, (len(lengths), width), generator=g)
+    mask = (torch.arange(width)[None, :] >= width - lengths[:, None]).long()
+    return ids.masked_fill(mask == 0, 0).cuda(), mask.cuda()
+
+
+def run_variant(model, ids, mask, tokens: int, variant: str, reps: int):
+    from verl_fast.rollout import hf_decode, merged_projections
+
+    torch._dynamo.reset()
+    saved = merged_projections.ATTENTIONS, merged_projections.MLPS
+    if variant == "unmerged":
+        merged_projections.ATTENTIONS = merged_projections.MLPS = frozenset()
+    compiled = hf_decode.CompiledForward()
+    if variant == "autotune":
+        compiled.fn = torch.compile(hf_decode.model_step, mode="max-autotune-no-cudagraphs")
+    graphs = hf_decode.GraphPool()
+
+    def call():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = hf_decode.decode(model, ids, mask, tokens, 1.0, 0, 1.0, [-1], 0, use_graph=True, graphs=graphs,
+                                   compiled=compiled)
+        torch.cuda.synchronize()
+        return out
+
+    try:
+        start = time.perf_counter()
+        _, _, mode = call()
+        first = time.perf_counter() - start
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            call()
+            wall = time.perf_counter() - start
+        busy, kernels = gpu_busy(prof)
+    finally:
+        merged_projections.ATTENTIONS, merged_projections.MLPS = saved
+    return {"variant": variant, "mode": mode, "first_s": first, "median_s": statistics.median(times),
+            "min_s": min(times), "max_s": max(times), "kernels_per_token": kernels / tokens,
+            "busy_share": busy / wall}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="0.5b,1.5b")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--reps", type=int, default=5)
+    args = p.parse_args(argv)
+    report = Report("decode", "cuda")
+    report.meta.update(setup=f"{args.prompts} prompts x {args.n}, {args.tokens} new tokens, bf16 autocast, CUDA graph")
+    for shape in args.shapes.split(","):
+        model = build(shape)
+        ids, mask = prompts(args.prompts, args.n, model.config.vocab_size)
+        weights = sum(p.numel() for p in model.parameters()) * 2  # bf16 copies, the tied head once
+        cfg = model.config
+        kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
+        mean_cache = ids.shape[1] + args.tokens / 2  # positions a step reads, on average
+        floor = args.tokens * (weights + ids.shape[0] * mean_cache * kv_per_token) / HBM_BYTES_PER_S
+        case = f"{shape} decode {ids.shape[0]}x{args.tokens}"
+        report.floors[case] = floor * 1e3
+        rows = []
+        for variant in args.variants.split(","):
+            r = run_variant(model, ids, mask, args.tokens, variant, args.reps)
+            rows.append(r)
+            print(f"{shape} {variant:<10} first {r['first_s']:6.1f} s  median {r['median_s']:.3f} s "
+                  f"(min {r['min_s']:.3f}, max {r['max_s']:.3f})  {r['kernels_per_token']:.0f} kernels/token  "
+                  f"GPU busy {r['busy_share']:.0%}  floor {floor:.3f} s  mode {r['mode']}", flush=True)
+            report.add(case, f"verl_fast {variant}" if variant == "merged" else variant, r["median_s"] * 1e3,
+                       note=f"first {r['first_s']:.1f} s, {r['kernels_per_token']:.0f} kernels/token, "
+                            f"busy {r['busy_share']:.0%}")
+        report.meta[shape] = rows
+        del model
+        torch.cuda.empty_cache()
+    print(report.table())
+    print(f"saved {report.save()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
