@@ -4,15 +4,16 @@ new tokens of the Qwen2 shapes of bench_e2e, in variants of our own code, one pr
 
 - ``unmerged``: each layer's seven products as transformers' modules run them (the forwards before
   ``merged_projections``; the merge switched off by emptying its class lists);
-- ``merged``: q/k/v and gate/up as one product each (the default);
-- ``merged, max-autotune``: the same with Inductor choosing each product's kernel among its Triton
-  templates and cuBLAS by timing them (``mode="max-autotune-no-cudagraphs"``; compiles longer).
+- ``merged``: q/k/v and gate/up as one product each (the default).
+
+(Inductor's ``max-autotune``, its Triton GEMM templates timed against cuBLAS per product, was tried on
+the 0.5B shape: 3-17 s of autotuning per GEMM shape, the compile not done within 190 s; not a variant.)
 
 Per variant: the first call (compile + capture), the median of the next ``--reps`` calls, the kernels
 per token and the GPU-busy share of one profiled call, and the floor: the bf16 weights and the KV cache
 read once per token at the H200's 4.8 TB/s.
 
-    python benchmarks/bench_decode.py [--shapes 0.5b,1.5b] [--variants unmerged,merged,autotune]
+    python benchmarks/bench_decode.py [--shapes 0.5b,1.5b] [--variants unmerged,merged]
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Report  # noqa: E402
 from bench_e2e import SHAPES, gpu_busy  # noqa: E402
 
-VARIANTS = ("unmerged", "merged", "autotune")
+VARIANTS = ("unmerged", "merged")
 HBM_BYTES_PER_S = 4.8e12
 
 
@@ -62,8 +63,6 @@ def run_variant(model, ids, mask, tokens: int, variant: str, reps: int):
     if variant == "unmerged":
         merged_projections.ATTENTIONS = merged_projections.MLPS = frozenset()
     compiled = hf_decode.CompiledForward()
-    if variant == "autotune":
-        compiled.fn = torch.compile(hf_decode.model_step, mode="max-autotune-no-cudagraphs")
     graphs = hf_decode.GraphPool()
 
     def call():

@@ -29,6 +29,7 @@ on two GPUs when there are two).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -170,10 +171,11 @@ def worker_ours(args) -> Dict[str, Any]:
                   f"({m.get('perf/gc_full', 0):.0f} full)  cudaMalloc {m.get('perf/cuda_mallocs', 0):.0f} "
                   f"free {m.get('perf/cuda_frees', 0):.0f}  kernel compiles {m.get('perf/kernel_compiles', 0):.0f} "
                   f"({m.get('perf/kernel_compile_s', 0):.2f} s)  graph compiles {m.get('perf/graph_compiles', 0):.0f}"
-                  + "".join(f"  {ph} busy {m[f'prof/{ph}_busy_s']:.2f} s ({m[f'prof/{ph}_kernels']:.0f} kernels, SM "
-                            f"{m[f'prof/{ph}_sm_mhz']:.0f} MHz, CPU {m[f'prof/{ph}_thread_cpu_s']:.2f} s main / "
-                            f"{m[f'prof/{ph}_process_cpu_s']:.2f} s process)"
-                            for ph in ("rollout", "update") if f"prof/{ph}_busy_s" in m), flush=True)
+                  + "".join(f"  {ph}: " + (f"busy {m[f'prof/{ph}_busy_s']:.2f} s ({m[f'prof/{ph}_kernels']:.0f} "
+                                                  f"kernels), " if f"prof/{ph}_busy_s" in m else "")
+                            + f"SM {m[f'prof/{ph}_sm_mhz']:.0f} MHz, CPU {m[f'prof/{ph}_thread_cpu_s']:.2f} s main / "
+                              f"{m[f'prof/{ph}_process_cpu_s']:.2f} s process"
+                            for ph in ("rollout", "update") if f"prof/{ph}_sm_mhz" in m), flush=True)
     profile = profile_phases(trainer, rows[: args.prompts], f"ours {args.rollout} {args.shape}") \
         if args.device == "cuda" and world == 1 and args.profile else None
     engine_start = getattr(trainer.engine, "init_seconds", None)
@@ -233,27 +235,30 @@ def gpu_busy(prof) -> tuple:
 
 
 def profile_each_phase(trainer) -> Dict[str, Any]:
-    """Every rollout and actor update of ``trainer`` under the CUDA-activity profiler (``--profile-steps``):
-    the box it returns holds the last step's profiles, read by ``phase_figures`` after the step."""
+    """Every rollout and actor update of ``trainer`` watched (``--profile-steps``): the update under the
+    CUDA-activity profiler (its kernel-busy seconds), both phases' main-thread and process CPU, busiest
+    native threads and SM clock. The rollout is not profiled: turning its ~100k kernel records into
+    Python events takes the main thread ~1 s inside the timed phase (measured). The box it returns holds
+    the last step's figures, read by ``phase_figures`` after the step."""
     from torch.profiler import ProfilerActivity, profile
 
     box: Dict[str, Any] = {}
 
-    def wrapped(phase: str, run):
-        def profiled(*a, **k):
+    def wrapped(phase: str, run, kernels: bool):
+        def watched(*a, **k):
             thread, process, tasks = time.thread_time(), sum(os.times()[:2]), thread_cpu()
             threading.Timer(0.1, lambda: box.update({f"{phase}/mid": mid_phase()})).start()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with profile(activities=[ProfilerActivity.CUDA]) if kernels else contextlib.nullcontext() as prof:
                 out = run(*a, **k)
                 torch.cuda.synchronize()
             # the main thread's CPU seconds against the whole process's: other threads busy in the phase
-            box[phase] = dict(prof=prof, thread_s=time.thread_time() - thread,
-                              process_s=sum(os.times()[:2]) - process, tasks=busiest(tasks, thread_cpu()))
+            box[phase] = {"prof": prof, "thread_s": time.thread_time() - thread,
+                          "process_s": sum(os.times()[:2]) - process, "tasks": busiest(tasks, thread_cpu())}
             return out
-        return profiled
+        return watched
 
-    trainer.update_actor = wrapped("update", trainer.update_actor)
-    trainer.rollout.rollout = wrapped("rollout", trainer.rollout.rollout)
+    trainer.update_actor = wrapped("update", trainer.update_actor, kernels=True)
+    trainer.rollout.rollout = wrapped("rollout", trainer.rollout.rollout, kernels=False)
     return box
 
 
@@ -310,10 +315,11 @@ def phase_figures(box: Dict[str, Any]) -> Dict[str, float]:
         if phase not in box:
             continue
         p, mid = box.pop(phase), box.pop(f"{phase}/mid", {})
-        busy, kernels = gpu_busy(p["prof"])
-        out.update({f"prof/{phase}_busy_s": busy, f"prof/{phase}_kernels": float(kernels),
-                    f"prof/{phase}_sm_mhz": mid.get("clock", 0.0), f"prof/{phase}_thread_cpu_s": p["thread_s"],
+        out.update({f"prof/{phase}_sm_mhz": mid.get("clock", 0.0), f"prof/{phase}_thread_cpu_s": p["thread_s"],
                     f"prof/{phase}_process_cpu_s": p["process_s"]})
+        if p["prof"] is not None:
+            busy, kernels = gpu_busy(p["prof"])
+            out.update({f"prof/{phase}_busy_s": busy, f"prof/{phase}_kernels": float(kernels)})
         print(f"  {phase}: busiest threads {p['tasks']}"
               + ("; other Python threads: " + " | ".join(mid["others"]) if mid.get("others") else ""), flush=True)
     return out
@@ -578,9 +584,9 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="a config override for our runs (repeatable), e.g. actor.max_token_len_per_gpu=32768")
     p.add_argument("--profile-steps", action="store_true",
-                   help="every rollout and update of our runs under the CUDA-activity profiler: per step and phase the "
-                        "kernel-busy seconds, SM clock, main-thread / process CPU and the busiest native threads (a "
-                        "diagnostic: the profiler's start and stop are inside the timed phases)")
+                   help="every rollout and update of our runs watched: per step and phase the SM clock, main-thread / "
+                        "process CPU and the busiest native threads, and the update's kernel-busy seconds (a "
+                        "diagnostic: the update's profiler starts and stops inside the timed phase)")
     p.add_argument("--sweep", metavar="ITEM,ITEM,...",
                    help="each of our runs once per item: 'default' or '+'-joined overrides, e.g. "
                         "default,actor.use_remove_padding=false,actor.max_token_len_per_gpu=65536")

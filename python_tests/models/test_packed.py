@@ -211,9 +211,12 @@ def test_gradient_checkpointing_recomputes_through_the_varlen_sequences():
 @pytest.mark.parametrize("share", [True, False])
 def test_flash_varlen_on_cuda_matches_the_float32_forward(share):
     """torch's varlen flash kernel under bf16 autocast, as the trainer runs it (grouped KV heads, a
-    group's prompt gathered for each response, the bucket's filler): the float32 log-probs within
-    bf16 rounding, and gradients as close to the float32 ones as the per-sequence sdpa reference's
-    under the same autocast (two bf16 computations differ from each other by bf16 noise)."""
+    group's prompt gathered for each response, the bucket's filler): the packed rows give what the same
+    kernel gives each row packed alone (a packing that let sequences see each other, misplaced a
+    position or lost a shared prompt's gradient would not), and both are within bf16 error of the
+    float32 forward: log-probs and every parameter's gradient. (Gradients of two bf16 kernels are not
+    compared to each other: the flash kernel's were 1.6-2.5x further from float32 than sdpa's on the
+    H200, 4% of the gradient's norm at most.)"""
     assert packed.flash_available(torch.device("cuda"), torch.bfloat16)
     model = tiny_model("qwen2", seed=1, hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
     ids, mask, group, L = grouped_batch(model.config.vocab_size, [5, 3, 7, 40], 4, [4, 2, 0, 1, 60, 3])
@@ -222,22 +225,24 @@ def test_flash_varlen_on_cuda_matches_the_float32_forward(share):
     (want * resp).sum().backward()
     truth = [p.grad.clone() for p in model.parameters()]
     model, ids, mask, group, resp = model.cuda(), ids.cuda(), mask.cuda(), group.cuda(), resp.cuda()
-    runs = []
-    for flash in (True, False):
+
+    def bf16(calls):
+        """Log-probs [N, L] and parameter gradients of the rows, one packed call per index tensor."""
         model.zero_grad()
-        if not flash:  # the same sequences one at a time through sdpa
-            original, packed._varlen_kernel = packed._varlen_kernel, lambda: None
-        try:
+        out = torch.zeros(resp.shape, dtype=torch.float32)
+        for rows in calls:
             with torch.autocast("cuda", dtype=torch.bfloat16), packed.attention_switched(model):
-                got, ent = experience_logprobs(model, ids, mask, L, group, with_entropy=True, share=share, packed=True)
-                (got * resp).sum().backward()
-        finally:
-            if not flash:
-                packed._varlen_kernel = original
-        assert (got[~resp] == 0).all() and (ent[~resp] == 0).all()
-        runs.append((got.detach().cpu(), [p.grad.float().cpu() for p in model.parameters()]))
-    torch.testing.assert_close(runs[0][0], want.detach() * resp.cpu(), atol=0.05, rtol=0.02)
-    torch.testing.assert_close(runs[0][0], runs[1][0], atol=0.03, rtol=0.02)
-    for (name, _), true, flash_grad, ref_grad in zip(model.named_parameters(), truth, runs[0][1], runs[1][1]):
-        flash_err, ref_err = (flash_grad - true).norm(), (ref_grad - true).norm()
-        assert flash_err <= 1.5 * ref_err + 1e-3 * true.norm(), (name, float(flash_err), float(ref_err))
+                got, ent = experience_logprobs(model, ids[rows], mask[rows], L, group[rows], with_entropy=True,
+                                               share=share, packed=True)
+                (got * resp[rows]).sum().backward()
+            assert (got[~resp[rows]] == 0).all() and (ent[~resp[rows]] == 0).all()
+            out[rows.cpu()] = got.detach().float().cpu()
+        return out, [p.grad.float().cpu() for p in model.parameters()]
+
+    together = bf16([torch.arange(ids.shape[0], device="cuda")])
+    alone = bf16([torch.tensor([r], device="cuda") for r in range(ids.shape[0]) if resp[r].any()])
+    torch.testing.assert_close(together[0], want.detach() * resp.cpu(), atol=0.05, rtol=0.02)
+    torch.testing.assert_close(together[0], alone[0], atol=0.02, rtol=0)
+    for (name, _), true, grad, grad_alone in zip(model.named_parameters(), truth, together[1], alone[1]):
+        apart, off = float((grad - grad_alone).norm() / true.norm()), float((grad - true).norm() / true.norm())
+        assert apart <= 0.05 and off <= 0.1, (name, apart, off)
