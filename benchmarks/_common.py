@@ -109,7 +109,9 @@ class Report:
             lines.append(f"{case:<28} {'floor':<26} {floor:10.4f}")
         return "\n".join(lines)
 
-    def save(self) -> Path:
+    def save(self, summary: bool = True) -> Path:
+        """The JSON under results/ (written again on every call); ``summary``: the table added to
+        gpu_run.sh's summary as well."""
         RESULTS_DIR.mkdir(parents=True, exist_ok=True)
         tag = "cuda" if self.device.startswith("cuda") else "cpu"
         path = RESULTS_DIR / f"{self.name}_{tag}.json"
@@ -117,8 +119,8 @@ class Report:
                   "meta": self.meta, "rows": [asdict(r) for r in self.rows],
                   "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         path.write_text(json.dumps(record, indent=2) + "\n")
-        summary = os.environ.get("VF_BENCH_SUMMARY")  # gpu_run.sh collects every table here
-        if summary:
-            with open(summary, "a") as f:
+        collected = os.environ.get("VF_BENCH_SUMMARY")  # gpu_run.sh collects every table here
+        if summary and collected:
+            with open(collected, "a") as f:
                 f.write(self.table() + "\n\n")
         return path

@@ -126,7 +126,8 @@ def main(argv=None) -> int:
             report.add(case, f"verl_fast {variant}" if variant == "merged" else variant, r["median_s"] * 1e3,
                        note=f"first {r['first_s']:.1f} s, {r['kernels_per_token']:.0f} kernels/token, "
                             f"busy {r['busy_share']:.0%}")
-        report.meta[shape] = rows
+            report.meta[shape] = rows
+            report.save(summary=False)  # what is done so far, should a time limit cut the run
         del model
         torch.cuda.empty_cache()
     print(report.table())

@@ -276,13 +276,15 @@ def thread_cpu() -> Dict[str, float]:
 
 
 def busiest(before: Dict[str, float], after: Dict[str, float], top: int = 4) -> str:
-    """The threads that used the most CPU between two ``thread_cpu`` readings, the same-named summed."""
-    used: Dict[str, float] = {}
+    """The thread names that used the most CPU between two ``thread_cpu`` readings: per name the
+    threads alive, how many of them ran (>= 10 ms) and the seconds all used (a pool spinning shows as
+    many busy threads of one name, one hot thread as one)."""
+    used: Dict[str, List[float]] = {}
     for key, s in after.items():
-        name = key.split("/")[0]
-        used[name] = used.get(name, 0.0) + s - before.get(key, 0.0)
-    count = {n: sum(1 for k in after if k.split("/")[0] == n) for n in used}
-    return ", ".join(f"{n} x{count[n]} {s:.2f} s" for n, s in sorted(used.items(), key=lambda x: -x[1])[:top] if s > 0)
+        used.setdefault(key.split("/")[0], []).append(s - before.get(key, 0.0))
+    ranked = sorted(used.items(), key=lambda x: -sum(x[1]))[:top]
+    return ", ".join(f"{name} x{len(v)} ({sum(1 for s in v if s >= 0.01)} ran, max {max(v):.2f} s) {sum(v):.2f} s"
+                     for name, v in ranked if sum(v) > 0)
 
 
 def mid_phase() -> Dict[str, Any]:
