@@ -268,10 +268,11 @@ class RolloutConfig:
                              doc="type hf: static-KV-cache decoding of the whole batch, CUDA graphs on a GPU "
                                  "(auto: on a GPU); off: model.generate")
     hf_compile_decode: Optional[bool] = _f(None, doc="type hf, fast decode: the decode steps' forward compiled "
-                                           "by torch.compile (fewer, fused kernels per token; compiled at the "
-                                           "first rollout, ~40 s at the 0.5B shape, and once more, lengths "
-                                           "symbolic, at the first of another prompt width); null: on a GPU for "
-                                           "an unsharded actor")
+                                           "by torch.compile (fewer, fused kernels per token; a Llama-family "
+                                           "layer's q/k/v and gate/up products merged into one each; compiled "
+                                           "at the first rollout, ~30-40 s at the 0.5B shape, and once more, "
+                                           "lengths symbolic, at the first of another prompt width); null: on a "
+                                           "GPU for an unsharded actor")
     quantization: Optional[str] = _f(None, doc="vLLM's quantization (awq, gptq, fp8, ...); vllm rollout with a "
                                      "PEFT actor only (the engine's quantized base cannot take full updates)")
     speculative_config: Optional[Dict[str, Any]] = _f(None, doc="rejected: RL must sample from the policy")
