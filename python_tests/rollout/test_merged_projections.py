@@ -83,3 +83,15 @@ def test_other_architectures_are_left_alone():
     merged, done = Merged(), []
     merged.install(model, None, done)
     assert done == [] and merged.copies == {}  # its attention and its experts keep their own forwards
+
+
+def test_layers_that_compute_more_than_their_product_are_left_alone():
+    class Adapted(torch.nn.Linear):  # as a LoRA or quantized layer: more than x @ weight.T + bias
+        def forward(self, x):
+            return super().forward(x) + 1.0
+
+    model = tiny_model("llama", seed=0)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    old = attn.k_proj
+    attn.k_proj = Adapted(old.in_features, old.out_features, bias=False)
+    assert kind(attn) is None and kind(mlp) == "mlp"

@@ -196,11 +196,12 @@ class CompiledForward:
     compiled function serves every rollout: compiled for the first rollout's shapes, then once more
     with the lengths left symbolic when a rollout of another prompt width comes (torch.compile's
     automatic dynamic shapes), never again after that; prompts are left-padded to a multiple of
-    ``WIDTH`` so that nearby prompt lengths keep the first, static compile. A Llama-family layer's q/k/v and
-    gate/up products run merged, two GEMMs where there were five (``merged_projections``). Under autocast the linear layers
-    run on copies of their weights in the autocast dtype, kept here and refreshed from the parameters
-    at every rollout (what autocast would cast them to: the same numbers), because a compiled graph
-    cannot use autocast's cast cache and would cast every weight at every token."""
+    ``WIDTH`` so that nearby prompt lengths keep the first, static compile. A Llama-family layer's q/k/v
+    and gate/up products run merged, two GEMMs where there were five (``merged_projections``). Under
+    autocast the linear layers run on copies of their weights in the autocast dtype, kept here and
+    refreshed from the parameters at every rollout (what autocast would cast them to: the same
+    numbers), because a compiled graph cannot use autocast's cast cache and would cast every weight
+    at every token."""
 
     WIDTH = 64
 
@@ -219,7 +220,8 @@ class CompiledForward:
         swapped, merged = [], []
         try:
             self.merged.install(module, dtype, merged)
-            inside = {id(layer) for sub in merged for layer in merged_projections.parts(sub, merged_projections.kind(sub))}
+            inside = {id(layer) for sub in merged  # the layers whose products run merged: no copies of their own
+                      for layer in merged_projections.parts(sub, merged_projections.kind(sub))}
             for name, layer in module.named_modules() if dtype is not None else ():
                 if not isinstance(layer, torch.nn.Linear) or id(layer) in inside:
                     continue

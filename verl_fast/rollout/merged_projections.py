@@ -45,7 +45,9 @@ def kind(module: torch.nn.Module) -> Optional[str]:
     else:
         return None
     layers = [getattr(module, part, None) for part in PARTS[found]]
-    if not all(isinstance(layer, torch.nn.Linear) for layer in layers):
+    # plain linear layers of float weights only: a LoRA or a quantized layer (some subclass nn.Linear)
+    # computes more than its weight's product
+    if not all(type(layer) is torch.nn.Linear and layer.weight.is_floating_point() for layer in layers):
         return None
     if len({layer.bias is None for layer in layers}) != 1:  # some with a bias, some without
         return None
