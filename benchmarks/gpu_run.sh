@@ -19,10 +19,10 @@
 # network: build with --no-build-isolation --no-deps; pure-Python wheels (liger-kernel for the
 # logprobs baseline; trl, datasets, dill, multiprocess for e2e; megatron-core) travel in .whl/ (carry it);
 # e2e also needs the demo tokenizer in .bench_assets/ (`python benchmarks/bench_e2e.py --prepare-assets`
-# here; carry it). vLLM 0.26 travels in pieces (../shared/tools/device_vllm/README.md; here its wheel less
-# the MoE kernels, the Rust frontend and other Pythons' deep_gemm, in four pieces): earlier calls copy
-# .dv0 ... .dv3 and .dvdeps1 into /tmp/dv/; the call that carries .dvdeps2 installs it all into /tmp/site
-# (later calls on the same machine find it there).
+# here; carry it). vLLM 0.26 travels in pieces (../shared/tools/device_vllm/README.md: `prepare.sh` lays
+# out .dv0 ... .dv4, .dvdeps1, .dvdeps2): six short calls back to back copy .dv0 ... .dv4 and .dvdeps1 into
+# /tmp/dv/ (`mkdir -p /tmp/dv && cp .dvN/* /tmp/dv/`, each carrying its folder); the call that carries
+# .dvdeps2 installs it all into /tmp/site (later calls on the same machine find it there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
