@@ -45,10 +45,10 @@ def build(shape: str):
     return model.eval()
 
 
-def prompts(prompts: int, n: int, vocab: int):
-    """``prompts`` random prompts of 60-120 tokens, each ``n`` times, left-padded: ids and mask [P * n, W]."""
+def prompts(count: int, n: int, vocab: int):
+    """``count`` random prompts of 60-120 tokens, each ``n`` times, left-padded: ids and mask [count * n, W]."""
     g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(60, 121, (prompts,), generator=g).repeat_interleave(n)
+    lengths = torch.randint(60, 121, (count,), generator=g).repeat_interleave(n)
     width = int(lengths.max())
     ids = torch.randint(0, vocab, (len(lengths), width), generator=g)
     mask = (torch.arange(width)[None, :] >= width - lengths[:, None]).long()

@@ -46,7 +46,7 @@ def test_merged_forward_equals_the_modules(family, overrides):
         want = forward_twice(model, ids, mask)
         merged, done = Merged(), []
         merged.install(model, None, done)
-        kinds = sorted(kind(sub) for sub in done)
+        kinds = sorted(kind(sub) for sub, _ in done)
         assert kinds == ["attention"] * 2 + ["mlp"] * 2  # both layers, both parts
         got = forward_twice(model, ids, mask)
         Merged.remove(done)

@@ -220,8 +220,7 @@ class CompiledForward:
         swapped, merged = [], []
         try:
             self.merged.install(module, dtype, merged)
-            inside = {id(layer) for sub in merged  # the layers whose products run merged: no copies of their own
-                      for layer in merged_projections.parts(sub, merged_projections.kind(sub))}
+            inside = {id(layer) for _, layers in merged for layer in layers}  # merged: no copies of their own
             for name, layer in module.named_modules() if dtype is not None else ():
                 if not isinstance(layer, torch.nn.Linear) or id(layer) in inside:
                     continue

@@ -54,10 +54,6 @@ def kind(module: torch.nn.Module) -> Optional[str]:
     return found
 
 
-def parts(module: torch.nn.Module, found: str) -> List[torch.nn.Linear]:
-    return [getattr(module, part) for part in PARTS[found]]
-
-
 def merged_copy(layers: List[torch.nn.Linear], attr: str, dtype: torch.dtype,
                 kept: Optional[torch.Tensor]) -> Optional[torch.nn.Parameter]:
     """The layers' ``attr`` ("weight" / "bias") stacked along the output dimension, in ``dtype``, written
@@ -116,16 +112,18 @@ class Merged:
         self.copies: Dict[str, Optional[torch.nn.Parameter]] = {}
         self.forwards: "weakref.WeakKeyDictionary[torch.nn.Module, Callable]" = weakref.WeakKeyDictionary()
 
-    def install(self, module: torch.nn.Module, dtype: Optional[torch.dtype], done: List[torch.nn.Module]) -> None:
+    def install(self, module: torch.nn.Module, dtype: Optional[torch.dtype],
+                done: List[Tuple[torch.nn.Module, List[torch.nn.Linear]]]) -> None:
         """Every mergeable attention / MLP of ``module`` given its merged copies (in ``dtype``, or the
-        parameters' own) and its merged forward, each appended to ``done`` (what ``remove`` undoes). The
-        q/k/v and gate/up layers are left as they are (the merged forward does not call them)."""
+        parameters' own) and its merged forward, each appended to ``done`` with the layers it merges
+        (what ``remove`` undoes). Those q/k/v and gate/up layers are left as they are (the merged
+        forward does not call them)."""
         for name, sub in module.named_modules():
             found = kind(sub)
             if found is None:
                 continue
-            layers = parts(sub, found)
-            done.append(sub)
+            layers = [getattr(sub, part) for part in PARTS[found]]
+            done.append((sub, layers))
             for attr in ("weight", "bias"):
                 key = f"{name}.merged_{attr}"
                 self.copies[key] = merged_copy(layers, attr, dtype or layers[0].weight.dtype, self.copies.get(key))
@@ -135,8 +133,8 @@ class Merged:
             sub.forward = self.forwards[sub]
 
     @staticmethod
-    def remove(done: List[torch.nn.Module]) -> None:
-        for sub in done:
+    def remove(done: List[Tuple[torch.nn.Module, List[torch.nn.Linear]]]) -> None:
+        for sub, _ in done:
             sub._parameters.pop("merged_weight", None)
             sub._parameters.pop("merged_bias", None)
             sub.__dict__.pop("forward", None)  # the class's forward again
