@@ -48,6 +48,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Report, device_name  # noqa: E402
 
+from verl_fast import openmp_env  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = Path(os.environ.get("VF_BENCH_ASSETS", REPO / ".bench_assets")) / "tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -135,9 +137,6 @@ def worker_ours(args) -> Dict[str, Any]:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
     rng = random.Random(rank)
     cfg = {
         "actor": {"lr": 1e-6, "autocast": "bfloat16"},  # micro-batching: the defaults (token budget on a GPU)
@@ -151,6 +150,10 @@ def worker_ours(args) -> Dict[str, Any]:
         from verl_fast.config import apply_overrides
 
         cfg = apply_overrides(cfg, args.set)
+    torch.manual_seed(0)  # the model is handed over built: loaded here in actor.dtype (float32 unless set)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, cfg["actor"].get("dtype", "float32")))
+    model = model.to(device)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
     trainer = RLTrainer(actor_model=model, tokenizer=tokenizer, config=cfg,
                         model_path=args.model if args.rollout == "vllm" else None,
                         reward_fn=lambda solution_str, ground_truth: rng.random())
@@ -419,6 +422,8 @@ def launch(impl: str, args, model: Path, gpus: int, visible: Optional[str], out:
     else:
         cmd = [sys.executable] + worker
     env = dict(os.environ)
+    if kind == "ours":  # as `verl-fast` sets it for itself
+        openmp_env.use(env)
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
     return subprocess.Popen(cmd, env=env)

@@ -114,6 +114,9 @@ def program() -> None:
     training run on 2 cores), and the vLLM engines' shutdown (1.2 s), which writes nothing either."""
     import atexit
 
+    from verl_fast import openmp_env
+
+    openmp_env.use()  # before anything imports torch
     try:
         code = main()
     except SystemExit as e:  # argparse errors, --help, SystemExit("message")

@@ -6,8 +6,9 @@ data-parallel ranks as ``sharding.py`` says (a model the user wrapped is used as
   fused lm_head + log-prob kernels with ``actor.fused_logprobs``; a group's prompt run once with
   ``actor.share_prompt_forward``; the rows packed without padding with ``actor.use_remove_padding``,
   ``models/packed``), the critic's values through ``models/value``, under ``actor.autocast``, with
-  the norms and MLPs compiled under ``actor.compile_blocks`` (``models/compiled_blocks``). Training
-  passes take the rollout temperature, the others temperature 1.
+  the norms and MLPs compiled under ``actor.compile_blocks`` (``models/compiled_blocks``); an
+  unsharded actor's passes on bf16 copies of its fp32 weights under ``actor.mixed_precision``
+  (``bf16_compute``). Training passes take the rollout temperature, the others temperature 1.
 - Updates: a mini-batch's micro-batches accumulate gradients (FSDP2 with ``unsharded_accumulation``
   gathers the parameters once per step), then the gradient norm is clipped and AdamW steps (fused
   for plain parameters); a step whose norm is not finite is skipped.
@@ -35,6 +36,7 @@ from verl_fast.models.value import ValueModel, response_values
 from verl_fast.models.wrapping import hf_module, is_sharded
 from verl_fast.rollout.base import RolloutEngine
 from verl_fast.strategies import sharding
+from verl_fast.strategies.bf16_compute import BF16Compute
 from verl_fast.strategies.protocol import LossFn
 from verl_fast.strategies.sharding import Sharding
 
@@ -116,6 +118,18 @@ def compiles_blocks(actor: torch.nn.Module, cfg: Config, device: torch.device) -
         return setting
     return (device.type == "cuda" and not is_sharded(actor) and not hasattr(actor, "peft_config")
             and not cfg.actor.gradient_checkpointing)
+
+
+def computes_in_bf16(actor: torch.nn.Module, cfg: Config, layout: Sharding, device: torch.device,
+                     autocast: Optional[torch.dtype]) -> bool:
+    """``actor.mixed_precision`` for an unsharded actor resolved (its auto, as the config's doc says);
+    a sharded one's is FSDP's (``sharding``)."""
+    if layout.strategy != "none" or is_sharded(actor):
+        return False
+    if cfg.actor.mixed_precision != "auto":
+        return cfg.actor.mixed_precision == "bfloat16"
+    return (device.type == "cuda" and autocast == torch.bfloat16 and not hasattr(actor, "peft_config")
+            and all(p.dtype == torch.float32 for p in actor.parameters() if p.is_floating_point()))
 
 
 def removes_padding(actor: torch.nn.Module, cfg: Config, device: torch.device,
@@ -252,14 +266,17 @@ class FSDPStrategy:
         self.critic = None if critic is None else HFCritic(critic_model(critic), cfg, self.dp_size, self.device,
                                                            self.autocast)
         self.optimizer = adamw(self.actor, cfg.actor.lr, cfg.actor.weight_decay)
+        bf16 = computes_in_bf16(self.actor, cfg, layout, self.device, self.autocast_dtype)
+        self.bf16_passes = BF16Compute(self.actor).active if bf16 else contextlib.nullcontext
         self.compiled = compiles_blocks(self.actor, cfg, self.device)
         self.packs_sequences = removes_padding(self.actor, cfg, self.device, self.autocast_dtype)
 
     # ---- forward passes and updates
 
     def actor_logprobs(self, exp: Experience, micro: List[torch.Tensor]) -> torch.Tensor:
-        return hf_logprobs(self.actor, exp, micro, self.cfg, self.autocast, self.device, replay=True,
-                           compiled=self.compiled, packs=self.packs_sequences)
+        with self.bf16_passes():
+            return hf_logprobs(self.actor, exp, micro, self.cfg, self.autocast, self.device, replay=True,
+                               compiled=self.compiled, packs=self.packs_sequences)
 
     def ref_logprobs(self, exp: Experience, micro: List[torch.Tensor]) -> torch.Tensor:
         return hf_logprobs(self.ref, exp, micro, self.cfg, self.autocast, self.device, compiled=self.compiled,
@@ -268,7 +285,8 @@ class FSDPStrategy:
     def train_actor(self, exp: Experience, micro: List[torch.Tensor],
                     loss_fn: LossFn) -> Tuple[List[Dict], float, Tuple[float, float]]:
         batches = prepared(self.actor, exp, micro, self.cfg, self.packs_sequences)
-        with passes(self.actor, self.compiled, self.packs_sequences):  # once for all micro-batches
+        # once for all micro-batches; bf16 gradients become the fp32 masters' before the step
+        with self.bf16_passes(), passes(self.actor, self.compiled, self.packs_sequences):
             stats = [self._actor_micro_step(sub, lay, loss_fn)
                      for sub, lay in sharding.micro_steps(self.actor, batches)]
         return stats, self.optimizer_step(), run_cost(batches)

@@ -10,7 +10,8 @@ built from the config when the user passes plain Hugging Face models.
 - ``none`` (what ``auto`` means in one process): the plain module on ``trainer.device``.
 (``megatron`` is the Megatron-core strategy, ``megatron/``.)
 Options of a sharded model: ``mixed_precision: bfloat16`` (bf16 parameters in forward and backward,
-fp32 gradient reduction, fp32 weights in the optimizer; the alternative to ``autocast``),
+fp32 gradient reduction, fp32 weights in the optimizer; the alternative to ``autocast``; for an
+unsharded actor ``bf16_compute.py`` does the same),
 ``cpu_offload`` (sharded parameters, gradients and optimizer state live on the CPU),
 ``gradient_checkpointing`` (recompute each layer's activations in the backward),
 ``unsharded_accumulation`` (FSDP2, see ``micro_steps``).
@@ -59,9 +60,9 @@ class Sharding:
         if strategy in ("fsdp2", "fsdp1") and not is_distributed():
             raise ValueError(f"{name}.strategy={strategy} needs torch.distributed initialised (run under "
                              f"torchrun); use {name}.strategy=none in one process")
-        mixed = section.mixed_precision == "bfloat16"
-        if strategy == "none" and (mixed or section.cpu_offload):
-            key = "mixed_precision" if mixed else "cpu_offload"
+        mixed = section.mixed_precision == "bfloat16"  # auto: none when sharded (FSDP)
+        if strategy == "none" and ((mixed and name != "actor") or section.cpu_offload):
+            key = "cpu_offload" if section.cpu_offload else "mixed_precision"
             raise ValueError(f"{name}.{key} is not supported with {name}.strategy=none (one process); "
                              f"use {name}.autocast=bfloat16 for bf16 compute, or run under torchrun with fsdp2")
         if section.cpu_offload and collective_device().type != "cuda":

@@ -107,7 +107,7 @@ def check(cfg: Config) -> None:
         for key in ("gradient_checkpointing", "cpu_offload"):
             if getattr(cfg.critic, key):
                 raise ValueError(f"critic.{key} is not supported with critic.strategy=megatron; leave it off")
-        if cfg.critic.mixed_precision != "none":
+        if cfg.critic.mixed_precision not in ("none", "auto"):
             raise ValueError("critic.mixed_precision is not supported with critic.strategy=megatron; use "
                              "critic.dtype=bfloat16 (bf16 weights, fp32 main weights in the optimizer)")
     if cfg.actor.strategy != "megatron":
@@ -119,7 +119,7 @@ def check(cfg: Config) -> None:
         if getattr(cfg.actor, key):
             raise ValueError(f"actor.{key} is not supported with actor.strategy=megatron; use fixed-size "
                              "micro-batches (actor.micro_batch_size) on the accelerator")
-    if cfg.actor.mixed_precision != "none" or cfg.actor.autocast not in ("none", "auto"):  # auto: none here
+    if cfg.actor.mixed_precision not in ("none", "auto") or cfg.actor.autocast not in ("none", "auto"):  # auto: none here
         raise ValueError("actor.mixed_precision / actor.autocast are not supported with actor.strategy=megatron; "
                          "use actor.dtype=bfloat16 (bf16 weights, fp32 main weights in the optimizer)")
     if cfg.actor.virtual_pipeline_model_parallel_size and cfg.actor.pipeline_model_parallel_size < 2:

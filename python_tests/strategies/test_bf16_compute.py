@@ -1,0 +1,167 @@
+"""``actor.mixed_precision: bfloat16`` for an unsharded actor: bf16 copies of the fp32 weights in the
+passes, fp32 gradients and AdamW steps on the masters (``strategies/bf16_compute``)."""
+
+import contextlib
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+from verl_fast.config import from_dict
+from verl_fast.strategies.bf16_compute import BF16Compute
+from verl_fast.strategies.hf_models import computes_in_bf16
+from verl_fast.strategies.sharding import Sharding
+from verl_fast.trainer.rl_trainer import RLTrainer
+
+from tiny_models import save_tiny_model
+
+
+def tiny(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=96, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=False)
+    return Qwen2ForCausalLM(cfg)
+
+
+def token_logprob_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The mean log-prob of each next token (a training pass's shape of loss), in float64."""
+    logits = model(ids).logits[:, :-1].double()
+    return logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).mean()
+
+
+def grads(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.double().flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("rows, length, seed", [(1, 5, 0), (3, 17, 1), (4, 33, 2), (2, 64, 3)])
+def test_gradients_within_bf16_error_of_float64(rows, length, seed):
+    model = tiny(seed)
+    ids = torch.randint(0, 96, (rows, length), generator=torch.Generator().manual_seed(seed))
+    reference = copy.deepcopy(model).double()
+    token_logprob_loss(reference, ids).backward()
+    want = grads(reference)
+
+    with BF16Compute(model).active():
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+        token_logprob_loss(model, ids).backward()
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # the masters are back
+    assert {p.grad.dtype for p in model.parameters()} == {torch.float32}
+    got = grads(model)
+    error = float((got - want).norm() / want.norm())
+
+    autocast = copy.deepcopy(reference).float()  # the other bf16 path: fp32 weights under autocast
+    autocast.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = token_logprob_loss(autocast, ids)
+    loss.backward()
+    autocast_error = float((grads(autocast) - want).norm() / want.norm())
+    assert error < 0.05, error  # bf16's 8 bits of mantissa through two layers, not a wrong gradient (~1)
+    assert error < 4 * autocast_error + 1e-3, (error, autocast_error)
+
+
+def test_copies_follow_the_masters_and_gradients_accumulate():
+    model = tiny()
+    bf16 = BF16Compute(model)
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)  # a step between passes: the next copies are made from these masters
+    with bf16.active():
+        with bf16.active():  # nested (a pass inside a step) swaps once
+            assert all(p.data.data_ptr() == c.data_ptr() for p, c in zip(bf16.params, bf16.copies))
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+        halved = [p.detach().clone() for p in model.parameters()]
+    masters = [p.detach().clone() for p in model.parameters()]
+    assert all(torch.equal(h, m.to(torch.bfloat16)) for h, m in zip(halved, masters))
+
+    with bf16.active():
+        token_logprob_loss(model, ids).backward()
+    first = grads(model)
+    with bf16.active():  # a second pass's gradient adds to the fp32 one already there
+        token_logprob_loss(model, ids).backward()
+    assert torch.allclose(grads(model), 2 * first, rtol=1e-6, atol=0)
+    assert all(torch.equal(p.detach(), m) for p, m in zip(model.parameters(), masters))  # no write to the masters
+
+
+def test_updates_below_bf16_resolution_accumulate_in_the_masters():
+    """Why fp32 masters: at lr 1e-6 an AdamW step moves a weight of ~0.02 by ~1e-6, under bf16's
+    spacing there (~1.2e-4): bf16 weights alone never move, the masters do."""
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(6))
+    model, alone = tiny(), tiny().to(torch.bfloat16)
+    start = [p.detach().clone() for p in model.parameters()]
+    bf16 = BF16Compute(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
+    opt_alone = torch.optim.AdamW(alone.parameters(), lr=1e-6, weight_decay=0.0)
+    for _ in range(10):
+        with bf16.active():
+            token_logprob_loss(model, ids).backward()
+        opt.step()
+        opt.zero_grad()
+        token_logprob_loss(alone, ids).backward()
+        opt_alone.step()
+        opt_alone.zero_grad()
+    moved = torch.cat([(p.detach() - s).abs().flatten() for p, s in zip(model.parameters(), start)])
+    assert 5e-6 < float(moved.max()) < 2e-5  # ten steps of ~lr each
+    assert float((moved > 0).double().mean()) > 0.9
+    # in bf16 alone only weights within ~2e-4 of 0 (where bf16's spacing is finer than the step) move
+    changed = torch.cat([(p.detach() != s.to(torch.bfloat16)).flatten() for p, s in zip(alone.parameters(), start)])
+    assert float(changed.double().mean()) < 0.05
+
+
+def test_auto_and_explicit_settings():
+    model = tiny()
+    layout = Sharding("none")
+    cfg = lambda mp: from_dict({"actor": {"mixed_precision": mp}})  # noqa: E731
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert not computes_in_bf16(model, cfg("auto"), layout, cpu, torch.bfloat16)  # auto: a GPU only
+    assert computes_in_bf16(model, cfg("auto"), layout, cuda, torch.bfloat16)
+    assert not computes_in_bf16(model, cfg("auto"), layout, cuda, None)  # no bf16 autocast: fp32 asked for
+    assert not computes_in_bf16(tiny().to(torch.bfloat16), cfg("auto"), layout, cuda, torch.bfloat16)
+    assert computes_in_bf16(model, cfg("bfloat16"), layout, cpu, None)
+    assert not computes_in_bf16(model, cfg("none"), layout, cuda, torch.bfloat16)
+    assert not computes_in_bf16(model, cfg("bfloat16"), Sharding("fsdp2", mixed_precision=True), cuda, None)
+    section = from_dict({"critic": {"mixed_precision": "bfloat16"}}).critic
+    with pytest.raises(ValueError, match=r"critic.mixed_precision is not supported with critic.strategy=none"):
+        Sharding.from_config(section, "critic", 1)
+    assert Sharding.from_config(cfg("bfloat16").actor, "actor", 1).mixed_precision
+
+
+PROMPTS = [{"prompt": f"What is {a} + {b}?", "reward_model": {"ground_truth": str(a + b)}, "data_source": "toy"}
+           for a, b in [(1, 2), (3, 4)]]
+
+
+def test_trainer_update_on_bf16_copies_matches_autocast(tmp_path):
+    """The same experience through a PPO-style update (old log-probs, two mini-batches) with
+    ``mixed_precision: bfloat16`` and with fp32 weights under autocast: log-probs and the update's
+    weights within bf16 error of each other; the weights stay fp32."""
+    path = save_tiny_model(tmp_path / "qwen2", family="qwen2")
+    tok = AutoTokenizer.from_pretrained(path)
+    trainers = {}
+    for mp in ("none", "bfloat16"):
+        cfg = {"actor": {"lr": 1e-3, "mixed_precision": mp, "autocast": "bfloat16", "ppo_mini_batch_size": 4,
+                         "micro_batch_size": 2},
+               "rollout": {"type": "hf", "n": 4, "max_new_tokens": 6, "temperature": 1.0},
+               "algorithm": {"type": "grpo"},
+               "trainer": {"train_batch_size": 2, "output_dir": str(tmp_path / mp), "progress_bar": False,
+                           "plot": False, "device": "cpu"}}
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        trainers[mp] = RLTrainer(actor_model=model, tokenizer=tok, config=cfg,
+                                 reward_fn=lambda solution_str: float(len(solution_str) % 3))
+    plain, bf16 = trainers["none"], trainers["bfloat16"]
+    assert plain.strategy.bf16_passes is contextlib.nullcontext
+    assert bf16.strategy.bf16_passes is not contextlib.nullcontext
+    exp = bf16.make_experience(bf16.processor.encode_all(PROMPTS), {})
+    assert exp.old_logprobs is not None  # two mini-batches: the old-log-prob pass ran, on the copies
+    want = plain._old_logprobs(exp)
+    mask = exp.response_mask.bool()
+    assert float((exp.old_logprobs - want)[mask].abs().max()) < 0.1  # bf16 log-probs of a 96-token vocab
+    before = [p.detach().clone() for p in bf16.actor.parameters()]
+    plain.update_actor(exp)
+    bf16.update_actor(exp)
+    assert {p.dtype for p in bf16.actor.parameters()} == {torch.float32}
+    moved = torch.cat([(p.detach() - b).flatten() for p, b in zip(bf16.actor.parameters(), before)])
+    diff = torch.cat([(p.detach() - q.detach()).flatten()
+                      for p, q in zip(bf16.actor.parameters(), plain.actor.parameters())])
+    assert float(moved.norm()) > 0
+    assert float(diff.norm() / moved.norm()) < 0.2  # the same update but for bf16 rounding in both
