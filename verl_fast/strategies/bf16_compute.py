@@ -7,9 +7,8 @@ read them, the rollout copies them. Around the log-prob and training passes (``a
 parameter's data is a bf16 copy made from its master, so the forward runs in bf16 end to end: the
 residual stream, the norms' outputs and every tensor saved for the backward are half the bytes of
 fp32 parameters under autocast, and no per-pass weight casts are launched. The backward leaves bf16
-gradients, which ``active`` turns into fp32 ones on the masters when the passes end (gradient
-accumulation over micro-batches happens in bf16 inside one ``active``; the trainer's updates open
-one ``active`` per optimizer step). Measured on one H200 (benchmarks/NOTES.md, eighth run): bf16
+gradients, which ``accumulate`` (after each micro-batch) and the end of ``active`` add up in fp32 on
+the masters. Measured on one H200 (benchmarks/NOTES.md, eighth run): bf16
 parameters took the 0.5B update 0.29 -> 0.24 s and its peak 44.1 -> 35.0 GiB, the 1.5B update
 0.69 -> 0.60 s and 99.8 -> 77.1 GiB.
 """
@@ -30,38 +29,34 @@ class BF16Compute:
     def __init__(self, model: torch.nn.Module):
         self.params: List[torch.nn.Parameter] = [p for p in model.parameters() if p.dtype == torch.float32]
         self.copies = [torch.empty_like(p, dtype=DTYPE) for p in self.params]
-        self.depth = 0  # nested actives (the old-log-prob pass inside a step) swap once
+        self.sums: List = []  # while active: each parameter's fp32 gradient so far (or None)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         """While active, the parameters' data are their bf16 copies, refreshed from the masters on
-        entry; on exit the masters are back and any bf16 gradient becomes an fp32 one (added to an
-        fp32 gradient already there)."""
-        if self.depth:
-            self.depth += 1
-            try:
-                yield
-            finally:
-                self.depth -= 1
-            return
+        entry; on exit the masters are back, their gradients the fp32 sums of the passes' (added to
+        an fp32 gradient already there)."""
         masters = [p.data for p in self.params]
         with torch.no_grad():
             torch._foreach_copy_(self.copies, masters)
-        held = [p.grad for p in self.params]  # fp32 gradients from before (None in the trainer's steps)
+        self.sums = [p.grad for p in self.params]  # fp32 gradients from before (None in the trainer's steps)
         for p, c in zip(self.params, self.copies):
             p.grad = None
             p.data = c
-        self.depth = 1
         try:
             yield
         finally:
-            self.depth = 0
-            for p, master, before in zip(self.params, masters, held):
-                grad = p.grad
-                p.grad = None
+            self.accumulate()
+            for p, master, total in zip(self.params, masters, self.sums):
                 p.data = master
-                if grad is not None:
-                    grad = grad.float()
-                    p.grad = grad if before is None else before.add_(grad)
-                else:
-                    p.grad = before
+                p.grad = total
+            self.sums = []
+
+    def accumulate(self) -> None:
+        """Adds the bf16 gradients left by the backward passes so far to the fp32 sums: call it after
+        each micro-batch's backward, so that micro-batches add up in fp32 as they do under autocast."""
+        for i, p in enumerate(self.params):
+            if p.grad is not None:
+                grad = p.grad.float()
+                p.grad = None
+                self.sums[i] = grad if self.sums[i] is None else self.sums[i].add_(grad)

@@ -267,14 +267,14 @@ class FSDPStrategy:
                                                            self.autocast)
         self.optimizer = adamw(self.actor, cfg.actor.lr, cfg.actor.weight_decay)
         bf16 = computes_in_bf16(self.actor, cfg, layout, self.device, self.autocast_dtype)
-        self.bf16_passes = BF16Compute(self.actor).active if bf16 else contextlib.nullcontext
+        self.bf16 = BF16Compute(self.actor) if bf16 else None
         self.compiled = compiles_blocks(self.actor, cfg, self.device)
         self.packs_sequences = removes_padding(self.actor, cfg, self.device, self.autocast_dtype)
 
     # ---- forward passes and updates
 
     def actor_logprobs(self, exp: Experience, micro: List[torch.Tensor]) -> torch.Tensor:
-        with self.bf16_passes():
+        with self._bf16_passes():
             return hf_logprobs(self.actor, exp, micro, self.cfg, self.autocast, self.device, replay=True,
                                compiled=self.compiled, packs=self.packs_sequences)
 
@@ -286,7 +286,7 @@ class FSDPStrategy:
                     loss_fn: LossFn) -> Tuple[List[Dict], float, Tuple[float, float]]:
         batches = prepared(self.actor, exp, micro, self.cfg, self.packs_sequences)
         # once for all micro-batches; bf16 gradients become the fp32 masters' before the step
-        with self.bf16_passes(), passes(self.actor, self.compiled, self.packs_sequences):
+        with self._bf16_passes(), passes(self.actor, self.compiled, self.packs_sequences):
             stats = [self._actor_micro_step(sub, lay, loss_fn)
                      for sub, lay in sharding.micro_steps(self.actor, batches)]
         return stats, self.optimizer_step(), run_cost(batches)
@@ -298,7 +298,12 @@ class FSDPStrategy:
         if agreement is not None:  # tokens whose experts the training forward would have changed
             stats = {**stats, "routing_changed_frac": agreement.fraction(sub.attention_mask)}
         loss.backward()
+        if self.bf16 is not None:
+            self.bf16.accumulate()
         return stats
+
+    def _bf16_passes(self) -> ContextManager[None]:
+        return self.bf16.active() if self.bf16 is not None else contextlib.nullcontext()
 
     def optimizer_step(self) -> float:
         return optimizer_step(self.actor, self.optimizer, self.cfg.actor.max_grad_norm)
