@@ -5,12 +5,12 @@ for a sharded model).
 The module's parameters stay the fp32 master weights: AdamW steps them, checkpoints and exports
 read them, the rollout copies them. Around the log-prob and training passes (``active``) each
 parameter's data is a bf16 copy made from its master, so the forward runs in bf16 end to end: the
-residual stream, the norms' outputs and every tensor saved for the backward are half the bytes of
-fp32 parameters under autocast, and no per-pass weight casts are launched. The backward leaves bf16
+residual stream, the norms and what they keep for the backward are bf16 where fp32 weights under
+autocast leave them fp32, and no per-pass weight casts are launched. The backward leaves bf16
 gradients, which ``accumulate`` (after each micro-batch) and the end of ``active`` add up in fp32 on
-the masters. Measured on one H200 (benchmarks/NOTES.md, eighth run): bf16
-parameters took the 0.5B update 0.29 -> 0.24 s and its peak 44.1 -> 35.0 GiB, the 1.5B update
-0.69 -> 0.60 s and 99.8 -> 77.1 GiB.
+the masters. Measured on one H200 (benchmarks/NOTES.md, eighth run): the 0.5B update 0.29 ->
+0.25 s, the 1.5B update 0.68 -> 0.62 s; bf16 weights without masters, the bound, 0.24 / 0.60 s at
+35.0 / 77.1 GiB of peak against 44.1 / 99.8.
 """
 
 from __future__ import annotations
