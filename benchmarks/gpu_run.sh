@@ -11,7 +11,8 @@
 #   E2E_PROFILE=0 E2E_TOKENS=1024 SECTIONS=e2e ...                    # without the profiled rollout + update
 #   E2E_PROFILE_STEPS=1 SECTIONS=e2e ...                               # kernel-busy time, clocks, CPU of every phase (diagnostic)
 #
-# Sections: tests (every gpu-marked test), shapes (a new token count's first-call cost), decode (the rollout's decode alone), vllm (every vLLM test, on the GPU's vLLM), trainer (the CLI
+# Sections: tests (every gpu-marked test), shapes (a new token count's first-call cost), decode (the rollout's decode alone),
+# overlap (the reward beside the old-log-prob pass), vllm (every vLLM test, on the GPU's vLLM), trainer (the CLI
 # with vLLM rollout: GRPO + resume, PPO, the default config), advantage, logprobs, reshard, hybrid, e2e,
 # dist (needs 2 GPUs), megatron (2 GPUs; megatron-core's wheel in .whl/),
 # bench (`verl-fast bench` itself, quick sizes).
@@ -152,6 +153,14 @@ if want decode; then
   timeout ${DECODE_TIMEOUT:-400} "$py" benchmarks/bench_decode.py --shapes "${DECODE_SHAPES:-0.5b,1.5b}" \
     --variants "${DECODE_VARIANTS:-unmerged,merged}" >> "$OUT/bench.log" 2>&1 || failed+=("bench_decode")
   grep -E "^(0.5b|1.5b) " "$OUT/bench.log" | tail -n 6
+fi
+
+# ---- overlap (issue 24): the reward scored beside the old-log-prob pass against before it, a reward that waits
+# and one that computes in Python, 0.5B (~4 minutes: five runs, each compiling its decode) ----
+if want overlap; then
+  timeout ${OVERLAP_TIMEOUT:-400} "$py" benchmarks/bench_reward_overlap.py --device cuda --shape 0.5b --prompts 16 \
+    --samples 8 --tokens 64 --reward-ms 300 >> "$OUT/bench.log" 2>&1 || failed+=("bench_reward_overlap")
+  grep -E "^0.5b reward" "$OUT/bench.log" | tail -n 4
 fi
 
 # ---- bench (issue 17): `verl-fast bench` itself on the GPU (CUDA events, peak memory, the one table,
