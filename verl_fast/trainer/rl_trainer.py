@@ -436,8 +436,9 @@ class RLTrainer:
         metrics.update({f"rollout/{k}": v for k, v in self.engine.metrics().items()})
         exp = build_experience(batch, gen, self.tokenizer.pad_token_id).to(self.device)
         self.perf.count_step_tokens(exp.attention_mask)
-        scoring = self._start_scoring(batch, gen) if beside is not None else None
-        if beside is not None:
+        scoring = None
+        if beside is not None:  # time/reward is then the wait left after the passes
+            scoring = self._start_scoring(batch, gen)
             beside(exp)
         with timed("reward"):
             exp.scores = self._score(batch, gen, scoring)
