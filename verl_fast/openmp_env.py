@@ -16,12 +16,14 @@ import os
 from typing import MutableMapping, Optional
 
 VARIABLE = "OMP_WAIT_POLICY"
-NVIDIA_CONTROL_DEVICE = "/dev/nvidiactl"  # present wherever an NVIDIA driver serves a GPU
+# present wherever an NVIDIA driver serves a GPU: the control device (also inside containers) and the
+# driver's /proc entry (on the host)
+NVIDIA_MARKERS = ("/dev/nvidiactl", "/proc/driver/nvidia/version")
 
 
 def use(environ: Optional[MutableMapping[str, str]] = None) -> None:
     """Sets ``OMP_WAIT_POLICY=PASSIVE`` in ``environ`` (default: this process's) on a machine with
     an NVIDIA GPU, unless the variable is already set."""
     environ = os.environ if environ is None else environ
-    if VARIABLE not in environ and os.path.exists(NVIDIA_CONTROL_DEVICE):
+    if VARIABLE not in environ and any(os.path.exists(path) for path in NVIDIA_MARKERS):
         environ[VARIABLE] = "PASSIVE"

@@ -9,7 +9,7 @@ from verl_fast import openmp_env
 
 def test_passive_only_where_an_nvidia_device_is(tmp_path, monkeypatch):
     device = tmp_path / "nvidiactl"
-    monkeypatch.setattr(openmp_env, "NVIDIA_CONTROL_DEVICE", str(device))
+    monkeypatch.setattr(openmp_env, "NVIDIA_MARKERS", (str(device), str(tmp_path / "absent")))
     env = {}
     openmp_env.use(env)
     assert env == {}  # no GPU: the spinning workers keep torch's CPU ops fast
