@@ -162,6 +162,9 @@ def worker_ours(args) -> Dict[str, Any]:
     startup = time.perf_counter() - start
     rows = trainer.processor.encode_all([{"prompt": p, "reward_model": {"ground_truth": "0"}, "data_source": "bench"}
                                          for p in chat_prompts(args.prompts * args.steps)])
+    if rank == 0:
+        print(f"ours {args.rollout} {args.shape} x{world}: OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}",
+              flush=True)
     steps = []
     box = profile_each_phase(trainer) if args.profile_steps and args.device == "cuda" else {}
     for s in range(args.steps):
