@@ -179,7 +179,9 @@ def worker_ours(args) -> Dict[str, Any]:
                   f"({m.get('perf/gc_full', 0):.0f} full)  cudaMalloc {m.get('perf/cuda_mallocs', 0):.0f} "
                   f"free {m.get('perf/cuda_frees', 0):.0f}  kernel compiles {m.get('perf/kernel_compiles', 0):.0f} "
                   f"({m.get('perf/kernel_compile_s', 0):.2f} s)  graph compiles {m.get('perf/graph_compiles', 0):.0f}"
-                  + (f"  peak {m['perf/peak_memory_gib']:.1f} GiB" if "perf/peak_memory_gib" in m else "")
+                  + (f"  peak {m['perf/peak_memory_gib']:.1f} GiB (" + ", ".join(
+                      f"{k.rsplit('/', 1)[1]} {v:.1f}" for k, v in m.items() if k.startswith("perf/peak_memory_gib/"))
+                     + ")" if "perf/peak_memory_gib" in m else "")
                   + "".join(f"  {ph}: " + (f"busy {m[f'prof/{ph}_busy_s']:.2f} s ({m[f'prof/{ph}_kernels']:.0f} "
                                                   f"kernels), " if f"prof/{ph}_busy_s" in m else "")
                             + f"SM {m[f'prof/{ph}_sm_mhz']:.0f} MHz, CPU {m[f'prof/{ph}_thread_cpu_s']:.2f} s main / "

@@ -167,6 +167,35 @@ def test_gpu_figures_peak_memory_and_mfu():
 
 
 @pytest.mark.gpu
+def test_gpu_peak_memory_per_phase():
+    """Each phase reports the peak while it ran, an enclosing phase its inner ones' too, and the step's
+    peak is the largest whatever the resets between phases."""
+    device = torch.device("cuda")
+    p = perf.StepPerf(torch.nn.Linear(8, 8).to(device), device)
+    mib = 2**20
+    base = torch.cuda.memory_allocated(device)
+    p.begin()
+    big = torch.empty(256 * mib, dtype=torch.uint8, device=device)  # before any phase, freed before too
+    del big
+    with p.phase("generation"):
+        small = torch.empty(16 * mib, dtype=torch.uint8, device=device)
+        del small
+    with p.phase("update_actor"):
+        with p.phase("old_logprob"):
+            mid = torch.empty(64 * mib, dtype=torch.uint8, device=device)
+            del mid
+        tiny = torch.empty(4 * mib, dtype=torch.uint8, device=device)
+        del tiny
+    out = p.figures()
+    gib = 2**30
+    assert out["perf/peak_memory_gib"] * gib >= base + 256 * mib
+    assert base + 16 * mib <= out["perf/peak_memory_gib/generation"] * gib < base + 256 * mib
+    assert out["perf/peak_memory_gib/old_logprob"] * gib >= base + 64 * mib
+    assert out["perf/peak_memory_gib/update_actor"] == out["perf/peak_memory_gib/old_logprob"]
+    assert out["perf/peak_memory_gib/generation"] < out["perf/peak_memory_gib"]
+
+
+@pytest.mark.gpu
 def test_token_counts_compile_the_log_prob_kernels_once():
     """Micro-batches of every token count share one compile of the log-prob kernels: a count outside
     the first one's specialization class (divisible by 16 or not; per-row outputs' alignment) compiles

@@ -4,7 +4,8 @@ phase and peak GPU memory, as plain numbers in the step's metrics dict.
 Keys (all floats): ``time/<phase>`` for generation, reward, old_logprob, ref, values, advantages,
 update_actor, update_critic, weight_sync, checkpoint (only the phases a step ran);
 ``perf/tokens_per_s_per_gpu`` (prompt + response tokens of the step / step time / ranks);
-``perf/mfu_update`` (GPU only, device in PEAK_BF16_FLOPS); ``perf/peak_memory_gib`` (GPU only);
+``perf/mfu_update`` (GPU only, device in PEAK_BF16_FLOPS); ``perf/peak_memory_gib`` (GPU only) and
+``perf/peak_memory_gib/<phase>`` (the peak while that phase ran: which phase holds the step's);
 what can make one step slower than the next: ``perf/gc_s`` and ``perf/gc_collections`` (the cyclic
 garbage collector's pauses during the step, generation 2 counted apart in ``perf/gc_full``), and on a
 GPU ``perf/cuda_mallocs`` / ``perf/cuda_frees`` (the caching allocator's calls to the driver: growth
@@ -25,7 +26,7 @@ import contextlib
 import gc
 import sys
 import time
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator, List, Optional
 
 import torch
 
@@ -134,9 +135,19 @@ class StepPerf:
         self._gc_before = dict(_GC)
         self._jit_before = dict(_JIT)
         self._graphs_before = _graph_compiles()
+        self.phase_peaks: Dict[str, int] = {}  # bytes, per phase name
+        self._open: List[str] = []  # the phases running now, outermost first
+        self._step_peak = 0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             self._allocator_before = _allocator_calls(self.device)
+
+    def _fold_peak(self) -> None:
+        """The allocator's peak since its last reset, into the step's and each open phase's."""
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self._step_peak = max(self._step_peak, peak)
+        for name in self._open:
+            self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), peak)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -144,7 +155,14 @@ class StepPerf:
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        """Times the block; on a GPU also its peak memory (the allocator's peak is reset at each phase's
+        start, after folding what came before into the step's and the enclosing phases')."""
         self._sync()
+        cuda = self.device.type == "cuda"
+        if cuda:
+            self._fold_peak()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._open.append(name)
         start = time.perf_counter()
         try:
             yield
@@ -152,6 +170,9 @@ class StepPerf:
             self._sync()
             key = f"time/{name}"
             self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - start
+            if cuda:
+                self._fold_peak()
+            self._open.remove(name)
 
     def count_step_tokens(self, attention_mask: torch.Tensor) -> None:
         """Prompt + response tokens of this rank's sequences ([N, T] 0/1 mask)."""
@@ -170,7 +191,9 @@ class StepPerf:
         if self.peak and update and self.flops:
             out["perf/mfu_update"] = self.flops / update / self.peak
         if self.device.type == "cuda":
-            out["perf/peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            self._fold_peak()
+            out["perf/peak_memory_gib"] = self._step_peak / 2**30
+            out.update({f"perf/peak_memory_gib/{name}": peak / 2**30 for name, peak in self.phase_peaks.items()})
             out.update({k: float(v - self._allocator_before[k]) for k, v in _allocator_calls(self.device).items()})
         out["perf/tokens"] = self.tokens
         out["perf/gc_s"] = _GC["s"] - self._gc_before["s"]
