@@ -111,13 +111,9 @@ def routed(model: torch.nn.Module, sub: Experience, cfg: Config) -> ContextManag
 def compiles_blocks(actor: torch.nn.Module, cfg: Config, device: torch.device) -> bool:
     """``actor.compile_blocks`` resolved (its null: auto, as the config's doc says)."""
     setting = cfg.actor.compile_blocks
-    if setting and cfg.actor.gradient_checkpointing:  # the recomputed forward must save what the first one did
-        raise ValueError("actor.compile_blocks=true is not supported with actor.gradient_checkpointing=true; "
-                         "set one of them false")
     if setting is not None:
         return setting
-    return (device.type == "cuda" and not is_sharded(actor) and not hasattr(actor, "peft_config")
-            and not cfg.actor.gradient_checkpointing)
+    return device.type == "cuda" and not is_sharded(actor) and not hasattr(actor, "peft_config")
 
 
 def computes_in_bf16(actor: torch.nn.Module, cfg: Config, layout: Sharding, device: torch.device,
