@@ -180,7 +180,7 @@ def worker_ours(args) -> Dict[str, Any]:
                   f"free {m.get('perf/cuda_frees', 0):.0f}  kernel compiles {m.get('perf/kernel_compiles', 0):.0f} "
                   f"({m.get('perf/kernel_compile_s', 0):.2f} s)  graph compiles {m.get('perf/graph_compiles', 0):.0f}"
                   + (f"  peak {m['perf/peak_memory_gib']:.1f} GiB (" + ", ".join(
-                      f"{k.rsplit('/', 1)[1]} {v:.1f}" for k, v in m.items() if k.startswith("perf/peak_memory_gib/"))
+                      f"{k.rsplit('/', 1)[1]} {v:.1f}" for k, v in m.items() if k.startswith("perf/phase_peak_memory_gib/"))
                      + ")" if "perf/peak_memory_gib" in m else "")
                   + "".join(f"  {ph}: " + (f"busy {m[f'prof/{ph}_busy_s']:.2f} s ({m[f'prof/{ph}_kernels']:.0f} "
                                                   f"kernels), " if f"prof/{ph}_busy_s" in m else "")

@@ -194,10 +194,10 @@ def test_gpu_peak_memory_per_phase():
     out = p.figures()
     gib = 2**30
     assert out["perf/peak_memory_gib"] * gib >= base + 256 * mib
-    assert base + 16 * mib <= out["perf/peak_memory_gib/generation"] * gib < base + 256 * mib
-    assert out["perf/peak_memory_gib/old_logprob"] * gib >= base + 64 * mib
-    assert out["perf/peak_memory_gib/update_actor"] == out["perf/peak_memory_gib/old_logprob"]
-    assert out["perf/peak_memory_gib/generation"] < out["perf/peak_memory_gib"]
+    assert base + 16 * mib <= out["perf/phase_peak_memory_gib/generation"] * gib < base + 256 * mib
+    assert out["perf/phase_peak_memory_gib/old_logprob"] * gib >= base + 64 * mib
+    assert out["perf/phase_peak_memory_gib/update_actor"] == out["perf/phase_peak_memory_gib/old_logprob"]
+    assert out["perf/phase_peak_memory_gib/generation"] < out["perf/peak_memory_gib"]
 
 
 @pytest.mark.gpu

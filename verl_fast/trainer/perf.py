@@ -5,7 +5,7 @@ Keys (all floats): ``time/<phase>`` for generation, reward, old_logprob, ref, va
 update_actor, update_critic, weight_sync, checkpoint (only the phases a step ran);
 ``perf/tokens_per_s_per_gpu`` (prompt + response tokens of the step / step time / ranks);
 ``perf/mfu_update`` (GPU only, device in PEAK_BF16_FLOPS); ``perf/peak_memory_gib`` (GPU only) and
-``perf/peak_memory_gib/<phase>`` (the peak while that phase ran: which phase holds the step's);
+``perf/phase_peak_memory_gib/<phase>`` (the peak while that phase ran: which phase holds the step's);
 what can make one step slower than the next: ``perf/gc_s`` and ``perf/gc_collections`` (the cyclic
 garbage collector's pauses during the step, generation 2 counted apart in ``perf/gc_full``), and on a
 GPU ``perf/cuda_mallocs`` / ``perf/cuda_frees`` (the caching allocator's calls to the driver: growth
@@ -193,7 +193,7 @@ class StepPerf:
         if self.device.type == "cuda":
             self._fold_peak()
             out["perf/peak_memory_gib"] = self._step_peak / 2**30
-            out.update({f"perf/peak_memory_gib/{name}": peak / 2**30 for name, peak in self.phase_peaks.items()})
+            out.update({f"perf/phase_peak_memory_gib/{name}": peak / 2**30 for name, peak in self.phase_peaks.items()})
             out.update({k: float(v - self._allocator_before[k]) for k, v in _allocator_calls(self.device).items()})
         out["perf/tokens"] = self.tokens
         out["perf/gc_s"] = _GC["s"] - self._gc_before["s"]
