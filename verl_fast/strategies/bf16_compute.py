@@ -56,7 +56,10 @@ class BF16Compute:
         """Adds the bf16 gradients left by the backward passes so far to the fp32 sums: call it after
         each micro-batch's backward, so that micro-batches add up in fp32 as they do under autocast."""
         for i, p in enumerate(self.params):
-            if p.grad is not None:
-                grad = p.grad.float()
-                p.grad = None
-                self.sums[i] = grad if self.sums[i] is None else self.sums[i].add_(grad)
+            if p.grad is None:
+                continue
+            if self.sums[i] is None:
+                self.sums[i] = p.grad.float()
+            else:  # the bf16 gradient added into the fp32 sum as it is read: no fp32 temporary
+                self.sums[i].add_(p.grad)
+            p.grad = None
