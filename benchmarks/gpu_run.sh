@@ -165,12 +165,13 @@ fi
 # a checkpoint at step 5 and a resumed trainer for the rest); SEVEN_B=trl runs TRL 1.16 + PEFT + vLLM colocate
 # on the same LoRA work, then TRL's full fine-tune (its out-of-memory stop recorded). Each ~8 minutes. ----
 if want 7b; then
-  common=(--device cuda --shapes 7b --gpus 1 --no-profile --timeout 330 --models /tmp/vf_models)
+  # the model folder in host memory: the disk (64 GB) holds the full fine-tune's checkpoint
+  common=(--device cuda --shapes 7b --gpus 1 --no-profile --timeout 330 --models /dev/shm/vf_models)
   if [ "${SEVEN_B:-ours}" = ours ]; then
-    timeout 280 "$py" benchmarks/bench_e2e.py "${common[@]}" --impls ours --lora 64 --steps 8 --name e2e_7b_lora_ours \
+    timeout 280 "$py" benchmarks/bench_e2e.py "${common[@]}" --impls ours --lora 64 --steps 7 --name e2e_7b_lora_ours \
       >> "$OUT/bench.log" 2>&1 || failed+=("7b lora ours")
-    timeout 330 "$py" benchmarks/bench_e2e.py "${common[@]}" --impls ours --set actor.optimizer=adamw_8bit --steps 10 \
-      --resume-at 5 --name e2e_7b_full_ours >> "$OUT/bench.log" 2>&1 || failed+=("7b full ours")
+    timeout 330 "$py" benchmarks/bench_e2e.py "${common[@]}" --impls ours --set actor.optimizer=adamw_8bit --steps 8 \
+      --resume-at 4 --name e2e_7b_full_ours >> "$OUT/bench.log" 2>&1 || failed+=("7b full ours")
   else
     timeout 330 "$py" benchmarks/bench_e2e.py "${common[@]}" --impls trl_vllm --lora 64 --trl-steps vllm:4 --skip 1 \
       --name e2e_7b_lora_trl >> "$OUT/bench.log" 2>&1 || failed+=("7b lora trl")

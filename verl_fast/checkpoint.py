@@ -140,6 +140,9 @@ def _local_bytes(obj: Any) -> int:
         return sum(_local_bytes(s.tensor) for s in obj.local_shards())
     if isinstance(obj, torch.Tensor):
         local = obj.to_local() if hasattr(obj, "to_local") else obj  # DTensor: this rank's shard
+        if type(local) is not torch.Tensor and hasattr(local, "__tensor_flatten__"):  # a wrapper subclass
+            names, _ = local.__tensor_flatten__()  # (torchao's 8-bit optimizer states: codes and scales)
+            return sum(_local_bytes(getattr(local, name)) for name in names)
         return local.numel() * local.element_size()
     return 0
 

@@ -582,6 +582,7 @@ class RLTrainer:
             s = self.strategy
             self._auto_budget = token_budget(s.actor, s.optimizer, self.device, compiled=getattr(s, "compiled", False),
                                              checkpointed=getattr(s, "checkpointing", False),
+                                             casts_weights=s.autocast_dtype is not None and getattr(s, "bf16", None) is None,
                                              half=s.autocast_dtype in (torch.bfloat16, torch.float16),
                                              state_bytes=memory_plan.OPTIMIZER_STATE_BYTES[self.cfg.actor.optimizer])
             logger.info("actor.max_token_len_per_gpu (auto): %d tokens per micro-batch", self._auto_budget)
