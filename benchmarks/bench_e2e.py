@@ -184,7 +184,9 @@ def worker_ours(args) -> Dict[str, Any]:
     resume = {}
     for s in range(args.steps):
         if args.resume_at and s == args.resume_at:  # a checkpoint, then a fresh trainer resumed from it
-            trainer, resume = resumed(trainer, args, cfg, rng, device)
+            resume = saved(trainer, cfg["trainer"]["output_dir"])
+            del trainer  # the only reference: its weights, gradients and states go before the new trainer's come
+            trainer, resume = resumed(args, cfg, rng, device, resume)
         batch = rows[s * args.prompts : (s + 1) * args.prompts][rank::world]
         m = trainer.train_step(batch)
         m.update(phase_figures(box))
@@ -215,23 +217,27 @@ def worker_ours(args) -> Dict[str, Any]:
             "resume": resume}
 
 
-def resumed(trainer, args, cfg: Dict[str, Any], rng, device) -> tuple:
-    """``trainer``'s checkpoint of this step (``RLTrainer.save``), then a new trainer on a freshly loaded
-    model resumed from it (the weights and optimizer states read back): (new trainer, timings)."""
+def saved(trainer, out: str) -> Dict[str, Any]:
+    """``trainer``'s checkpoint of this step (``RLTrainer.save``) into ``out``: its step, time and size."""
+    sync()
+    start = time.perf_counter()
+    trainer.save()
+    seconds = time.perf_counter() - start
+    size = sum(f.stat().st_size for f in Path(out).rglob("*") if f.is_file())
+    return {"at_step": trainer.step, "save_s": seconds, "checkpoint_gib": size / 2**30}
+
+
+def resumed(args, cfg: Dict[str, Any], rng, device, timings: Dict[str, Any]) -> tuple:
+    """A new trainer on a freshly loaded model, resumed from the checkpoint ``saved`` wrote (the weights
+    and optimizer states read back): (new trainer, ``timings`` with the resume's)."""
+    import gc
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from verl_fast import checkpoint
     from verl_fast.trainer.rl_trainer import RLTrainer
 
-    step, out = trainer.step, cfg["trainer"]["output_dir"]
-    sync()
-    start = time.perf_counter()
-    trainer.save()
-    saved = time.perf_counter() - start
-    size = sum(f.stat().st_size for f in Path(out).rglob("*") if f.is_file())
-    del trainer
-    import gc
-
+    out = cfg["trainer"]["output_dir"]
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     start = time.perf_counter()
@@ -241,10 +247,9 @@ def resumed(trainer, args, cfg: Dict[str, Any], rng, device) -> tuple:
     state = fresh.strategy.load(checkpoint.latest_valid(out))
     fresh.step = int(state["step"])
     sync()
-    timings = {"at_step": step, "save_s": saved, "checkpoint_gib": size / 2**30, "resume_s": time.perf_counter() - start,
-               "resumed_step": fresh.step}
-    print(f"ours: checkpoint at step {step} in {saved:.1f} s ({size / 2**30:.1f} GiB), resumed in "
-          f"{timings['resume_s']:.1f} s at step {fresh.step}", flush=True)
+    timings = {**timings, "resume_s": time.perf_counter() - start, "resumed_step": fresh.step}
+    print(f"ours: checkpoint at step {timings['at_step']} in {timings['save_s']:.1f} s ({timings['checkpoint_gib']:.1f} "
+          f"GiB), resumed in {timings['resume_s']:.1f} s at step {fresh.step}", flush=True)
     return fresh, timings
 
 
