@@ -162,7 +162,7 @@ def test_rollout_quantization_refused_where_the_engine_cannot(tiny_path, tmp_pat
 
 
 def test_schedule_importable_as_a_module():
-    from verl_fast.schedule import rollout_buckets  # the README's import, as written
+    from verl_fast.schedule import rollout_buckets  # the import docs/ops.md gives, as written
 
     import verl_fast
     import verl_fast.ops.schedule
