@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="run an RL job (no --config: the embedded default run)")
     add_arguments(train)
     train.set_defaults(func=_train)
-    bench = sub.add_parser("bench", help="benchmarks against their baselines and floors: one table, JSON, "
-                                         "Markdown and PNG in benchmarks/results/")
+    bench = sub.add_parser("bench", help="benchmarks against their baselines and floors (the scripts of a "
+                                         "source checkout): one table, JSON, Markdown and PNG in benchmarks/results/")
     from verl_fast.bench.runner import add_arguments as bench_arguments
 
     bench_arguments(bench)

@@ -26,9 +26,8 @@ FLOORS = [
       "verl_fast.checkpoint", "verl_fast.direct_write", "verl_fast.metrics", "verl_fast.model_card"}),
     ("algorithms, strategies", {"verl_fast.algos", "verl_fast.strategies"}),
     ("trainer", {"verl_fast.trainer", "verl_fast.catalog"}),
-    # verl_fast.benchmarks: the benchmark scripts, which an installed wheel carries for `verl-fast bench`
     ("commands", {"verl_fast.cli", "verl_fast.train_cli", "verl_fast.__main__", "verl_fast.info", "verl_fast.bench",
-                  "verl_fast.inference", "verl_fast.benchmarks"}),
+                  "verl_fast.inference"}),
 ]
 
 
