@@ -10,7 +10,8 @@ module itself imports none of them.
     trainer.loggers                                          verl_fast/metrics.py
 """
 
-from verl_fast import config, data, metrics, rewards  # noqa: F401
+from verl_fast import config, data, rewards  # noqa: F401
+from verl_fast.metrics import logger as metrics  # noqa: F401
 from verl_fast.algos import registry as algorithms  # noqa: F401
 from verl_fast.strategies import backends as strategies  # noqa: F401
 

@@ -14,7 +14,7 @@ import torch
 from verl_fast.bench import claims, paths, report, runner
 from verl_fast.bench.shapes import SHAPES, shape
 from verl_fast.bench.timing import CPU_CACHE_BYTES, measure, peak_memory, rotating, summarize
-from verl_fast.cli import build_parser, main
+from verl_fast.cli.main import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[2]
 

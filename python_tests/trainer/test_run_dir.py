@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from verl_fast import config as config_mod
-from verl_fast.cli import main as cli_main
+from verl_fast.cli.main import main as cli_main
 from verl_fast.trainer import run_dir
 
 
