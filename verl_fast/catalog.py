@@ -7,7 +7,7 @@ module itself imports none of them.
     actor.strategy / critic.strategy, Megatron checks        verl_fast/strategies/backends.py
     reward_fn.type, reward_fn.on_error                       verl_fast/rewards/__init__.py
     trainer.overlong_prompts                                 verl_fast/data.py
-    trainer.loggers                                          verl_fast/metrics.py
+    trainer.loggers                                          verl_fast/metrics/logger.py
 """
 
 from verl_fast import config, data, rewards  # noqa: F401
