@@ -177,7 +177,7 @@ class RLDataProcessor:
                 data = _parse_json(path.read_text(), path)
                 return data if isinstance(data, list) else [data]
             if path.suffix in (".pt", ".pth"):
-                from verl_fast import safe_load
+                from verl_fast.files import safe_load
 
                 data = safe_load.load(path, [PromptRow, PreferencePair], what="a dataset")  # rows are plain data
                 kinds = (dict, PromptRow, PreferencePair)  # what encode_all / build_dpo_dataset return

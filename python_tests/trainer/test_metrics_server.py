@@ -8,7 +8,7 @@ import threading
 import time
 import urllib.request
 
-from verl_fast.metrics import MetricsServer
+from verl_fast.metrics.logger import MetricsServer
 
 
 def scrape(port: int) -> str:

@@ -28,8 +28,9 @@ import threading
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from verl_fast.metrics import check_loggers
-from verl_fast import checkpoint, run_files
+from verl_fast.metrics.logger import check_loggers
+from verl_fast.checkpoint import sharded as checkpoint
+from verl_fast.files import run_files
 from verl_fast.distributed import any_rank, on_main, rank_world
 
 LOCK = ".lock"

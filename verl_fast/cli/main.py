@@ -9,7 +9,7 @@ from typing import List, Optional
 
 
 def _info(args: argparse.Namespace) -> int:
-    from verl_fast.info import collect, render
+    from verl_fast.cli.info import collect, render
 
     print(render(collect()))
     return 0
@@ -24,7 +24,7 @@ def _train(args: argparse.Namespace) -> int:
     # freezes what exists (never swept again) and turns it back on.
     gc.disable()
     from verl_fast.hub import NameNotFound
-    from verl_fast.train_cli import ConfigError, run
+    from verl_fast.cli.train import ConfigError, run
 
     try:
         return run(args)
@@ -54,7 +54,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from verl_fast.checkpoint import export
+    from verl_fast.checkpoint.sharded import export
 
     out = export(args.checkpoint, args.output, max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
                  overwrite=args.overwrite)
@@ -65,13 +65,13 @@ def _export(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="verl-fast", description="RL post-training for LLMs with a compiled core")
     sub = p.add_subparsers(dest="command", required=True)
-    from verl_fast.train_cli import add_arguments
+    from verl_fast.cli.train import add_arguments
 
     train = sub.add_parser("train", help="run an RL job (no --config: the embedded default run)")
     add_arguments(train)
     train.set_defaults(func=_train)
-    bench = sub.add_parser("bench", help="benchmarks against their baselines and floors: one table, JSON, "
-                                         "Markdown and PNG in benchmarks/results/")
+    bench = sub.add_parser("bench", help="benchmarks against their baselines and floors (the scripts of a "
+                                         "source checkout): one table, JSON, Markdown and PNG in benchmarks/results/")
     from verl_fast.bench.runner import add_arguments as bench_arguments
 
     bench_arguments(bench)
@@ -114,7 +114,7 @@ def program() -> None:
     training run on 2 cores), and the vLLM engines' shutdown (1.2 s), which writes nothing either."""
     import atexit
 
-    from verl_fast import openmp_env
+    from verl_fast.cli import openmp_env
 
     openmp_env.use()  # before anything imports torch
     import logging

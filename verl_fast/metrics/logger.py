@@ -16,7 +16,9 @@ import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from verl_fast import config, metrics_http, run_files
+from verl_fast import config
+from verl_fast.metrics import http_server as metrics_http
+from verl_fast.files import run_files
 
 # Step-metric keys with the names dashboards know; every other numeric key is exported as a gauge
 # named verl_<key> (characters outside [a-zA-Z0-9_] become _).

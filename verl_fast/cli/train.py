@@ -36,6 +36,9 @@ def resolve_config(args: argparse.Namespace) -> config_mod.Config:
         overrides.append(f"trainer.metrics_port={args.metrics_port}")
     if args.output_dir:
         overrides.append(f"trainer.output_dir={args.output_dir}")
+    from verl_fast import catalog
+
+    catalog.register()
     return config_mod.load(args.config or config_mod.default_config_path(), overrides)
 
 

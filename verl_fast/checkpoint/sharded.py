@@ -36,11 +36,12 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
-from verl_fast import model_card, output_folder, safe_load
+from verl_fast.checkpoint import model_card
+from verl_fast.files import output_folder, safe_load
 from verl_fast.models import lora
 from verl_fast.models.wrapping import hf_module
-from verl_fast import direct_write, run_files
-from verl_fast.direct_write import Records
+from verl_fast.files import direct_write, run_files
+from verl_fast.files.direct_write import Records
 from verl_fast.distributed import gather, on_main, rank_world
 
 _STEP = re.compile(r"^step_(\d+)$")
@@ -574,7 +575,7 @@ def export(checkpoint: str, out_dir: str, max_shard_bytes: int = 5 << 30, overwr
     """Writes the HF folder (config, tokenizer, safetensors) of ``checkpoint`` to ``out_dir``, which
     may not be the run or lie inside it; a folder holding files is refused unless ``overwrite``
     (which replaces only the files an export writes). Written under a unique temporary name beside
-    ``out_dir``, then renamed (``verl_fast.output_folder``)."""
+    ``out_dir``, then renamed (``verl_fast.files.output_folder``)."""
     src = resolve(checkpoint)
     run = src.parent.parent if src.parent.name == "checkpoints" else src
     out = Path(out_dir)
