@@ -234,7 +234,7 @@ def resumed(args, cfg: Dict[str, Any], rng, device, timings: Dict[str, Any]) -> 
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from verl_fast import checkpoint
+    from verl_fast.checkpoint import sharded as checkpoint
     from verl_fast.trainer.rl_trainer import RLTrainer
 
     out = cfg["trainer"]["output_dir"]
