@@ -133,9 +133,7 @@ def execute(call_key: Hashable, layout_key: Callable[[], Hashable], make_plan: C
     key = _Key(layout_key())
     p = remember(_PLANS, key, make_plan)
     if fresh:  # outputs of this call alone: the plan is kept, the tensors are the caller's
-        srcs, dsts, bound_device = p.bind(sources, None, device=device)
-        p.run(bound_device)
-        return p.dst_names, dsts
+        return p.dst_names, p.execute_new(sources, device=device)
     if destinations is None:
         if device is None:
             device = _first_device(sources.values() if isinstance(sources, Mapping) else sources)
