@@ -13,6 +13,7 @@ model's [B, S, V] output needs no copy); row n is (n // T, n % T).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from functools import partial
 from typing import Optional
@@ -153,6 +154,7 @@ class LogprobsConfig:
     num_stages: int = 3  # forward: blocks of a row in flight (software pipelining through shared memory)
 
 
+@functools.lru_cache(maxsize=64)
 def logprobs_config(vocab: int, block_v: Optional[int] = None, num_warps: Optional[int] = None,
                     num_stages: int = 3) -> LogprobsConfig:
     """Block size and warps for a vocabulary of ``vocab``; raises ValueError naming a size it cannot handle."""
