@@ -8,6 +8,7 @@ through the full one."""
 import pytest
 import torch
 
+from conftest import DEVICES
 from reshard_refs import plain_config, random_state, ref_vllm
 from verl_fast.ops.reshard import ModelSpec, hf_layout, plan, vllm_layout, vllm_weights
 from verl_fast.ops.reshard.plan import OUTPUT_ALIGN_BYTES
@@ -20,19 +21,24 @@ def exact(got: dict, want: dict) -> None:
     assert list(got) == list(want)
     for k, v in want.items():
         assert got[k].shape == v.shape and got[k].dtype == v.dtype, k
-        assert torch.equal(got[k], v), k
+        assert torch.equal(got[k].cpu(), v.cpu()), k
 
 
-def test_repeated_calls_exact_and_never_shared():
-    torch.manual_seed(0)
-    sd = random_state(SPEC)
+def cpu_ref(sd):
+    return ref_vllm({k: v.cpu() for k, v in sd.items()}, CFG, 1, 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_repeated_calls_exact_and_never_shared(device):
+    sd = random_state(SPEC, device=device)
     kept = []
     for step in range(4):
         with torch.no_grad():
             for v in sd.values():
                 v.add_(1.0)
         got = dict(vllm_weights(sd, SPEC))
-        exact(got, ref_vllm(sd, CFG, 1, 0))
+        assert all(t.device == sd["model.norm.weight"].device for t in got.values())
+        exact(got, cpu_ref(sd))
         kept.append((got, {k: v.clone() for k, v in got.items()}))
     for got, copy in kept:  # a later call wrote none of an earlier call's tensors
         exact(got, copy)
@@ -40,8 +46,9 @@ def test_repeated_calls_exact_and_never_shared():
     assert len(bases) == len(kept)
 
 
-def test_one_allocation_aligned_disjoint_and_contiguous():
-    sd = random_state(SPEC)
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_allocation_aligned_disjoint_and_contiguous(device):
+    sd = random_state(SPEC, device=device)
     got = list(dict(vllm_weights(sd, SPEC)).values())
     assert len({t.untyped_storage().data_ptr() for t in got}) == 1
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in got)
@@ -49,15 +56,15 @@ def test_one_allocation_aligned_disjoint_and_contiguous():
     assert all(t.is_contiguous() and (t.data_ptr() - spans[0][0]) % OUTPUT_ALIGN_BYTES == 0 for t in got)
 
 
-def _plan_and_sources():
-    torch.manual_seed(1)
-    sd = random_state(SPEC)
+def _plan_and_sources(device="cpu"):
+    sd = random_state(SPEC, device=device, seed=1)
     p = plan(hf_layout(SPEC), vllm_layout(SPEC, 1))
     return p, sd
 
 
-def test_quick_path_taken_once_sources_are_bound(monkeypatch):
-    p, sd = _plan_and_sources()
+@pytest.mark.parametrize("device", DEVICES)
+def test_quick_path_taken_once_sources_are_bound(monkeypatch, device):
+    p, sd = _plan_and_sources(device)
     calls = {"bind": 0}
     real = p._c.bind
 
@@ -70,7 +77,7 @@ def test_quick_path_taken_once_sources_are_bound(monkeypatch):
     second = p.execute_new(sd)
     third = p.execute_new({k: v.detach() for k, v in sd.items()})  # new objects over the same memory
     assert calls["bind"] == 1
-    want = ref_vllm(sd, CFG, 1, 0)
+    want = cpu_ref(sd)
     for got in (first, second, third):
         exact(dict(zip(p.dst_names, got)), want)
     assert first[0].data_ptr() != second[0].data_ptr() != third[0].data_ptr()
@@ -86,16 +93,21 @@ class _Proxy:
         return self._methods.get(name) or getattr(self._inner, name)
 
 
-def test_moved_or_replaced_sources_take_the_full_path():
-    p, sd = _plan_and_sources()
+@pytest.mark.parametrize("device", DEVICES)
+def test_moved_or_replaced_sources_take_the_full_path(device):
+    p, sd = _plan_and_sources(device)
     p.execute_new(sd)
     name = next(iter(sd))
     with torch.no_grad():
         sd[name].set_(sd[name].clone())  # the same object, other memory
         sd[name].mul_(3)
-    exact(dict(zip(p.dst_names, p.execute_new(sd))), ref_vllm(sd, CFG, 1, 0))
+    exact(dict(zip(p.dst_names, p.execute_new(sd))), cpu_ref(sd))
     sd2 = {k: v.clone() + 1 for k, v in sd.items()}  # other tensors
-    exact(dict(zip(p.dst_names, p.execute_new(sd2))), ref_vllm(sd2, CFG, 1, 0))
+    exact(dict(zip(p.dst_names, p.execute_new(sd2))), cpu_ref(sd2))
+    dev = sd2[name].device  # the device named explicitly ("cuda" is the current one): the quick path too
+    named = p.execute_new(sd2, device=dev.type)
+    assert named[0].untyped_storage().data_ptr() == named[-1].untyped_storage().data_ptr()
+    exact(dict(zip(p.dst_names, named)), cpu_ref(sd2))
 
 
 def test_mixed_destination_dtypes_allocate_each():
