@@ -17,7 +17,8 @@ Cases (CUDA sizes; CPU: small, to check the script):
   gae 1024x4096           default, check=False, graph replay | Python loop | floor: 17 B an element once
   logprobs 8192x151936    default (label check), check=False  | fp32 log_softmax | floor: read the logits once
   reshard one-shot 7B     vllm_weights default (new outputs)  | per-parameter torch.cat | floor: bytes at copy speed
-  linear 8192x3584x151936 fwd+bwd per chunk size / d_hidden GEMM | matmul + log_softmax | floors: 3 and 4 GEMMs
+  linear 8192x3584x151936 fwd+bwd per chunk size / d_hidden GEMM / logits kept (store_logits)
+                          | matmul + log_softmax | floor: 3 GEMMs (meta: one GEMM's time, so 4)
 """
 
 from __future__ import annotations
@@ -219,16 +220,22 @@ def case_linear(rep: Report, device: str, bw: float) -> None:
         rep.add(case, impl, ms, extra, note=note.strip())
 
     add("naive matmul+log_softmax", naive)
-    kw = {} if cuda else dict(backend="torch")
-    add("verl_fast default", lambda: -vf.linear_logprobs(h, w, labels, **kw).sum())
     if not cuda:
+        add("verl_fast default", lambda: -vf.linear_logprobs(h, w, labels, backend="torch").sum())
+        cfg = linear_config(N, H, Vv, dtype, h.device, store_logits=True, dhidden_cublas=True)
+        add("store_logits (3 GEMMs), Triton interpreter",
+            lambda: -vf.linear_logprobs(h, w, labels, backend="triton", config=cfg).sum())
         return
+    add("verl_fast default", lambda: -vf.linear_logprobs(h, w, labels).sum())
     for mib in (128, 192, 256):
         cfg = linear_config(N, H, Vv, dtype, h.device, chunk_bytes=mib << 20)
         add(f"chunk {mib} MiB", lambda cfg=cfg: -vf.linear_logprobs(h, w, labels, config=cfg).sum(),
             "fewer passes of the fp32 d_hidden accumulator (one per chunk)")
     cfg = linear_config(N, H, Vv, dtype, h.device, dhidden_cublas=False)
     add("d_hidden by Triton", lambda: -vf.linear_logprobs(h, w, labels, config=cfg).sum())
+    cfg = linear_config(N, H, Vv, dtype, h.device, store_logits=True)
+    add("store_logits (3 GEMMs)", lambda: -vf.linear_logprobs(h, w, labels, config=cfg).sum(),
+        "logits kept in bf16 from the forward: N*V*2 bytes more, a plain matmul's rounding")
 
 
 RUNNERS = {"gae": case_gae, "logprobs": case_logprobs, "reshard": case_reshard, "linear": case_linear}

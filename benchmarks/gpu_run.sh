@@ -138,7 +138,9 @@ if want hotpaths; then
   "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/ops/test_advantage_host_path.py \
     python_tests/ops/test_logprobs_host_path.py python_tests/ops/test_reshard_new_outputs.py \
     python_tests/ops/test_reshard_oneshot.py > "$OUT/pytest_hotpaths.log" 2>&1 || failed+=("pytest hotpaths")
-  tail -n 3 "$OUT/pytest_hotpaths.log"
+  "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/ops/test_linear_logprobs.py -k store \
+    >> "$OUT/pytest_hotpaths.log" 2>&1 || failed+=("pytest linear store_logits")
+  grep -E "passed|failed" "$OUT/pytest_hotpaths.log" | tail -n 2
   timeout ${HOTPATHS_TIMEOUT:-240} "$py" benchmarks/bench_hotpaths.py --device "${HOTPATHS_DEVICE:-cuda}" \
     --cases "${HOTPATHS_CASES:-gae,logprobs,reshard,linear}" >> "$OUT/bench.log" 2>&1 || failed+=("bench_hotpaths")
   sed -n '/^hotpaths on/,/^saved/p' "$OUT/bench.log" | tail -n 60

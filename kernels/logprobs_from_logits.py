@@ -190,11 +190,13 @@ def logprobs_forward(logits, labels, inv_t: float, with_entropy: bool, *, config
 
 
 def logprobs_backward(logits, labels, lse, entropy, g_logp, g_entropy, inv_t: float, *,
-                      config: Optional[LogprobsConfig] = None):
-    """d_logits [B, T, V] (contiguous, logits' dtype) for upstream gradients of logp and entropy."""
+                      config: Optional[LogprobsConfig] = None, out: Optional[torch.Tensor] = None):
+    """d_logits [B, T, V] (contiguous, logits' dtype) for upstream gradients of logp and entropy;
+    written into ``out`` when given (``logits`` itself may be it: each program reads its block of a
+    row before it writes the same block)."""
     B, T, V = logits.shape
     cfg = config or logprobs_config(V)
-    d_logits = torch.empty((B, T, V), dtype=logits.dtype, device=logits.device)
+    d_logits = torch.empty((B, T, V), dtype=logits.dtype, device=logits.device) if out is None else out
     if B * T:
         g_logp = None if g_logp is None else g_logp.float().contiguous()
         g_entropy = None if g_entropy is None else g_entropy.float().contiguous()
