@@ -135,7 +135,7 @@ fi
 # tests of the changed host paths; then, where vLLM imports, LLM.generate alone against our engine (0.5B,
 # a second engine start over kept compile caches). ~3 minutes on one H200 with the build (vLLM: +3-5). ----
 if want hotpaths; then
-  "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/ops/test_advantage_host_path.py \
+  "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/ops/test_advantage.py \
     python_tests/ops/test_logprobs_host_path.py python_tests/ops/test_reshard_new_outputs.py \
     python_tests/ops/test_reshard_oneshot.py > "$OUT/pytest_hotpaths.log" 2>&1 || failed+=("pytest hotpaths")
   "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/ops/test_linear_logprobs.py -k store \
