@@ -136,3 +136,25 @@ def test_bind_destinations_in_checks_its_buffer():
         p._c.bind_destinations_in(torch.empty(total + 1), [o + 1 for o in offsets])
     with pytest.raises(ValueError, match="contiguous 1-D"):
         p._c.bind_destinations_in(torch.empty(total, 2)[:, 0], offsets)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reusing_calls_never_write_a_new_output_bound_since(device):
+    """A reusing call after new objects over the same memory copies before it checks (the short path);
+    a default call in between binds the plan to its own new outputs, which that copy must not write."""
+    sd = random_state(SPEC, device=device, seed=2)
+    for _ in range(2):  # the second call marks the next one to copy first
+        dict(vllm_weights({k: v.detach() for k, v in sd.items()}, SPEC, reuse=True))
+    kept = dict(vllm_weights(sd, SPEC))
+    copy = {k: v.clone() for k, v in kept.items()}
+    with torch.no_grad():
+        for v in sd.values():
+            v.mul_(-1)
+    reused = dict(vllm_weights({k: v.detach() for k, v in sd.items()}, SPEC, reuse=True))
+    exact(kept, copy)
+    exact(reused, cpu_ref(sd))
+    p = plan(hf_layout(SPEC), vllm_layout(SPEC, 1))  # the public execute binds too
+    first = p.execute_new(sd)
+    before = [t.clone() for t in first]
+    p.execute(sd, p.allocate_destinations(first[0].device))
+    assert all(torch.equal(a, b) for a, b in zip(first, before))

@@ -147,6 +147,7 @@ class ReshardPlan:
         self._flat = _flat_split(self.dst_tensors)
         self._slots: Optional[tuple] = None
         self._device: Optional[torch.device] = None  # of the tensors bound, None before the first bind
+        self.binding = 0  # counts the bindings: a caller that bound tensors tells whether they still are
 
     def _check_same_plan(self, src: Layout, dst: Layout) -> None:
         import torch.distributed as dist
@@ -244,6 +245,7 @@ class ReshardPlan:
         if self._slots is None or self._slots[0].device != device:
             sizes = (self._c.max_send_bytes,) * 2 + (self._c.max_recv_bytes,) * 2
             self._slots = tuple(torch.empty(n, dtype=torch.uint8, device=device) for n in sizes)
+        self.binding += 1
         try:
             self._c.bind(srcs, dsts, list(self._slots[:2]), list(self._slots[2:]))
         except (TypeError, ValueError):
@@ -324,6 +326,7 @@ class ReshardPlan:
             return dsts
         dtype, sizes, offsets, total = self._flat
         buffer = torch.empty(total, dtype=dtype, device=self._device)
+        self.binding += 1
         self._c.bind_destinations_in(buffer, offsets)
         self.run(self._device)
         return self._views(buffer, sizes)
