@@ -80,6 +80,7 @@ def before_48():
     """The public calls as they ran before issue 48's host-path changes."""
     from verl_fast.kernels import autograd as AG
     from verl_fast.kernels import logprobs_from_logits as LF
+    from verl_fast.ops import _validate as V
     from verl_fast.ops import advantage as A
     from verl_fast.ops import logprobs as L
     from verl_fast.ops.reshard.plan import ReshardPlan
@@ -89,6 +90,7 @@ def before_48():
         mock.patch.object(A, "_outputs", lambda B, T, d: (torch.empty((B, T), device=d), torch.empty((B, T), device=d))),
         mock.patch.object(A, "_raise_for_status", _old_raise_for_status),
         mock.patch.object(A, "_gae_inputs", _old_gae_inputs),
+        mock.patch.object(A, "_unit", lambda x, name: V.in_range(x, name, 0.0, 1.0)),
         mock.patch.object(AG, "_as_implemented", AG._switched),
         mock.patch.object(LF, "logprobs_config", LF.logprobs_config.__wrapped__),
         mock.patch.object(L, "_bad_label_counter", lambda d: torch.zeros(1, dtype=torch.int32, device=d)),
