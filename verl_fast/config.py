@@ -285,7 +285,9 @@ class RolloutConfig:
 
 @dataclass
 class RewardConfig:
-    type: str = _f("reasoning_gym", choices=REWARDS)
+    type: str = _f("auto", choices=REWARDS, doc="auto: each row scored as its data_source names (verl's routing: "
+                   "openai/gsm8k, the MATH family, math_dapo / aime*, searchR1_*; reasoning_gym/<task>); reasoning_gym, "
+                   "gsm8k, callable, reward_model, pairwise_ranking (DPO), weighted (a list)")
     path: Optional[str] = _f(None, doc="'module:function' for type callable")
     model_name: Optional[str] = _f(None, doc="sequence-classification model (Hub name or local folder) for "
                                    "type reward_model")
@@ -358,10 +360,11 @@ class TrainerConfig:
                                                 "(at every start: unset it to resume later)")
     hf_export: str = _f("final", choices=("final", "every", "none"),
                         doc="HF safetensors beside which checkpoints (the sharded state is always written)")
-    dataset: Optional[str] = _f(None, doc="parquet/jsonl/json path, datasets folder, Hub dataset name "
-                                "(org/name or org/name:split, through datasets.load_dataset), or reasoning_gym:<task>")
+    dataset: Optional[Union[str, List[str]]] = _f(None, doc="parquet/jsonl/json path, datasets folder, Hub dataset "
+                                                  "name (org/name or org/name:split, through datasets.load_dataset), "
+                                                  "or reasoning_gym:<task>; a list of files: their rows in turn")
     dataset_kwargs: Dict[str, Any] = _f(dict)
-    val_dataset: Optional[str] = _f(None, doc="validation prompts, in the formats of trainer.dataset (null: no "
+    val_dataset: Optional[Union[str, List[str]]] = _f(None, doc="validation prompts, in the formats of trainer.dataset (null: no "
                                     "validation)")
     val_dataset_kwargs: Dict[str, Any] = _f(dict, doc="as dataset_kwargs, for val_dataset")
     val_freq: int = _f(0, min=0, doc="validate after every N-th step and after the last one (0: after the last "
@@ -424,7 +427,14 @@ def _check_value(value: Any, annotation: Any, meta: Dict[str, Any], key: str) ->
     if origin is Union and type(None) in args:
         if value is None:
             return None
-        annotation = next(a for a in args if a is not type(None))
+        kinds = [a for a in args if a is not type(None)]
+        if len(kinds) > 1:  # e.g. a path or a list of paths: the first kind the value is
+            for kind in kinds[1:]:
+                try:
+                    return _check_value(value, kind, meta, key)
+                except ValueError:
+                    pass
+        annotation = kinds[0]
         origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if annotation is bool:
         if not isinstance(value, bool):

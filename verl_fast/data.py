@@ -154,6 +154,8 @@ class RLDataProcessor:
         """verl-format rows from a parquet / JSONL / JSON file, a folder saved by ``datasets``, a Hub
         dataset name (``org/name``; kwargs go to ``datasets.load_dataset``: ``name``, ``split``, ...), a
         ``datasets.Dataset``, ``"reasoning_gym:<task>"`` (kwargs go to ``create_dataset``), or a list."""
+        if isinstance(source, (list, tuple)) and source and all(isinstance(s, (str, Path)) for s in source):
+            return [row for one in source for row in self.load(one, **kwargs)]  # verl's list of files
         if isinstance(source, str) and source.startswith("reasoning_gym:"):
             return self.reasoning_gym_rows(source.split(":", 1)[1], **kwargs)
         if isinstance(source, (str, Path)):

@@ -25,6 +25,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_config(args: argparse.Namespace) -> config_mod.Config:
+    """The config file (ours or verl's layout; default: the embedded run) with the command line's
+    overrides (either layout); verl keys with no meaning here are noted on stderr, one line each."""
+    import sys
+
+    from verl_fast import config_verl
+
     overrides: List[str] = [item for group in args.overrides for item in group]
     for item in args.assignments:
         if "=" not in item:
@@ -36,7 +42,12 @@ def resolve_config(args: argparse.Namespace) -> config_mod.Config:
         overrides.append(f"trainer.metrics_port={args.metrics_port}")
     if args.output_dir:
         overrides.append(f"trainer.output_dir={args.output_dir}")
-    return config_mod.load(args.config or config_mod.default_config_path(), overrides)
+    # a command line in verl's tree with no --config starts from our defaults, not the embedded demo run
+    path = args.config or (None if config_verl.is_verl_layout(overrides) else config_mod.default_config_path())
+    cfg, notes = config_verl.load(path, overrides)
+    for note in notes:
+        print(f"verl-fast train: note: {note}", file=sys.stderr)
+    return cfg
 
 
 class ConfigError(Exception):
@@ -55,7 +66,8 @@ def load_checked(args: argparse.Namespace, packages: bool = True) -> config_mod.
         if packages:
             extras.check(cfg)
     except (ValueError, ImportError, OSError, yaml.YAMLError) as e:
-        raise ConfigError(" ".join(str(e).split()) or type(e).__name__) from None
+        lines = [" ".join(line.split()) for line in str(e).splitlines() if line.strip()]  # each problem, one line
+        raise ConfigError("\n".join(lines) or type(e).__name__) from None
     return cfg
 
 

@@ -41,6 +41,7 @@ from verl_fast.experience import Experience, build_experience, concat, last_toke
 from verl_fast.metrics import MetricsLogger
 from verl_fast.models import lora
 from verl_fast.rewards import RewardInput, RewardStopped, RewardTimeout, build_reward
+from verl_fast.rewards.interface import TrainerState
 from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec
 from verl_fast.rollout.factory import build_engine
 from verl_fast.rollout.hf_engine import HFGenerateEngine
@@ -502,9 +503,12 @@ class RLTrainer:
         metrics.update({f"rollout_correction/{k}": v for k, v in stats.items()})
 
     def _reward_inputs(self, batch: List[PromptRow], gen: Any) -> List[RewardInput]:
+        state = TrainerState(global_step=self.step, max_steps=self.total_steps)
+        ids = [row[mask.bool()].tolist() for row, mask in zip(gen.response_ids.cpu(), gen.response_mask.cpu())]
         return [RewardInput(prompt=batch[i].prompt_text, response=text, ground_truth=batch[i].ground_truth,
-                            data_source=batch[i].data_source, extra_info=batch[i].extra_info, columns=batch[i].columns)
-                for i, text in zip(gen.prompt_index.tolist(), gen.texts)]
+                            data_source=batch[i].data_source, extra_info=batch[i].extra_info, columns=batch[i].columns,
+                            completion_ids=ids[j], trainer_state=state)
+                for j, (i, text) in enumerate(zip(gen.prompt_index.tolist(), gen.texts))]
 
     def _start_scoring(self, batch: List[PromptRow], gen: Any) -> concurrent.futures.Future:
         """The reward of ``gen`` started in a thread of its own (``_score`` collects it; the reward's
