@@ -336,7 +336,9 @@ class AlgorithmConfig:
     overlong_buffer: int = _f(0, min=0, doc="DAPO: responses longer than max_new_tokens - this many tokens lose up to "
                               "overlong_penalty_factor of reward, linearly (0: off)")
     overlong_penalty_factor: float = _f(1.0, min=0.0, doc="overlong_buffer: the penalty at max_new_tokens")
-    beta: float = _f(0.1, min=0.0, doc="DPO temperature")
+    beta: Optional[float] = _f(None, min=0.0, doc="dpo / online_dpo: the DPO temperature (null: 0.1); the "
+                               "policy-gradient algorithms: TRL's KL coefficient, as actor.use_kl_loss with "
+                               "kl_loss_coef=beta and kl_loss_type=k3 (TRL's estimator; 0: no KL)")
     loss_type: str = _f("sigmoid", choices=DPO_LOSSES, doc="DPO loss (losses.dpo_loss names each one's paper)")
     label_smoothing: float = _f(0.0, min=0.0, max=0.5, doc="DPO: sigmoid's conservative smoothing, robust's "
                                 "flip rate (< 0.5), exo_pair's target eps (> 0)")
@@ -527,6 +529,7 @@ def checked(cfg: Config) -> Config:
         for f in dataclasses.fields(section):
             value = _check_value(getattr(section, f.name), types[f.name], dict(f.metadata), f"{name}.{f.name}")
             setattr(section, f.name, value)
+    _apply_beta(cfg)
     validate(cfg)
     return cfg
 
@@ -601,6 +604,7 @@ def _apply_aliases(cfg: Config) -> None:
                 "max_model_len", "enable_chunked_prefill"):
         if getattr(a, key) is not None:
             setattr(r, key, getattr(a, key))
+    _apply_beta(cfg)
     if t.learning_rate is not None:
         a.lr = t.learning_rate
     if t.max_grad_norm is not None:
@@ -609,6 +613,25 @@ def _apply_aliases(cfg: Config) -> None:
         a.micro_batch_size = t.per_device_train_batch_size
         if t.gradient_accumulation_steps is not None:
             a.ppo_mini_batch_size = t.per_device_train_batch_size * t.gradient_accumulation_steps
+
+
+PREFERENCE_ALGORITHMS = ("dpo", "online_dpo")  # algorithm.beta is their temperature
+DPO_BETA = 0.1
+
+
+def _apply_beta(cfg: Config) -> None:
+    """``algorithm.beta``: the DPO temperature of the preference algorithms (default DPO_BETA); under
+    the others TRL's KL coefficient (its GRPOTrainer's ``beta``): the k3 KL loss at that weight."""
+    al, a = cfg.algorithm, cfg.actor
+    if al.type in PREFERENCE_ALGORITHMS:
+        al.beta = DPO_BETA if al.beta is None else al.beta
+        return
+    if al.beta is None:
+        return
+    if a.use_kl_loss and a.kl_loss_coef != al.beta:
+        raise ValueError(f"algorithm.beta={al.beta} (TRL's KL coefficient) and actor.use_kl_loss with "
+                         f"actor.kl_loss_coef={a.kl_loss_coef} are both set; use one of them")
+    a.use_kl_loss, a.kl_loss_coef, a.kl_loss_type = al.beta > 0, al.beta, "k3"
 
 
 def validate(cfg: Config) -> None:

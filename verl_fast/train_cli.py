@@ -149,7 +149,17 @@ def run(args: argparse.Namespace) -> int:
     from verl_fast.trainer import run_dir
 
     # folder, lock, port, loggers, dataset: checked before any model loads (the lock is held to the end)
-    rows = run_dir.precheck(cfg)
+    from verl_fast import preflight
+
+    try:
+        rows = run_dir.precheck(cfg)  # releases the lock itself when it fails
+    except (ValueError, FileNotFoundError) as e:  # a dataset that is not there or cannot be read: one line
+        raise ConfigError(" ".join(str(e).split())) from None
+    try:  # the rows' form, the reward and their fit, on the first rows
+        preflight.check(cfg, rows, cfg.trainer.dataset)
+    except ValueError as e:
+        run_dir.release(cfg.trainer)
+        raise ConfigError(" ".join(str(e).split())) from None
     import torch
 
     from verl_fast.models.loading import resolve

@@ -161,8 +161,12 @@ def lora(value: Any, given: Given) -> Any:
 
 
 def offload(prefix: str) -> Callable[[Any, Given], Any]:
-    return lambda value, given: bool(given(f"{prefix}.param_offload", False)
-                                     or given(f"{prefix}.optimizer_offload", False))
+    """FSDP's offload of the sharded state; in one process nothing is sharded (unset)."""
+    def convert(value: Any, given: Given) -> Any:
+        if world() == 1:
+            return SKIP
+        return bool(given(f"{prefix}.param_offload", False) or given(f"{prefix}.optimizer_offload", False))
+    return convert
 
 
 def custom_reward(value: Any, given: Given) -> Any:
@@ -294,8 +298,8 @@ def _worker_internals(prefix: str) -> List[VerlKey]:
 def _fsdp(prefix: str, ours: Optional[str]) -> List[VerlKey]:
     keys = []
     if ours is not None:
-        keys += [M(f"{prefix}.param_offload", f"{ours}.cpu_offload", "parameters, gradients and optimizer state "
-                   "offloaded together", offload(prefix)),
+        keys += [M(f"{prefix}.param_offload", f"{ours}.cpu_offload", "under torchrun: parameters, gradients and "
+                   "optimizer state offloaded together; one process: unset (nothing sharded)", offload(prefix)),
                  M(f"{prefix}.optimizer_offload", f"{ours}.cpu_offload", "as param_offload", offload(prefix)),
                  M(f"{prefix}.model_dtype", f"{ours}.dtype", "fp32 / bf16 / fp16", dtype)]
     else:
