@@ -64,6 +64,17 @@ def _covering(key: str) -> Optional[VerlKey]:
     return None
 
 
+def _native_leaf(key: str, value: Any) -> bool:
+    """Whether ``key`` is one of ours holding ``value`` whole: a mapping only where ours takes one
+    (``algorithm.rollout_correction`` is our switch, and verl's section of the same name)."""
+    if key not in NATIVE:
+        return False
+    hint = NATIVE[key][1]
+    takes_mapping = hint is dict or typing.get_origin(hint) is dict or dict in typing.get_args(hint) or any(
+        typing.get_origin(a) is dict for a in typing.get_args(hint))
+    return not isinstance(value, dict) or takes_mapping
+
+
 def _has_keys_under(key: str) -> bool:
     prefix = key + "."
     return any(k.startswith(prefix) for k in EXACT) or any(k.startswith(prefix) for k in NATIVE)
@@ -76,7 +87,8 @@ def _leaves(node: Dict[str, Any], path: str, out: Dict[str, Any], full: bool) ->
         key = f"{path}.{k}" if path else str(k)
         if k in HIDDEN:
             continue
-        stop = key in NATIVE or key in EXACT or (not full and _covering(key) is not None and not _has_keys_under(key))
+        stop = _native_leaf(key, v) or key in EXACT or (not full and _covering(key) is not None
+                                                        and not _has_keys_under(key))
         if isinstance(v, dict) and v and not stop:
             _leaves(v, key, out, full)
         else:
@@ -140,7 +152,6 @@ class _Translation:
         self.ours: Dict[str, Tuple[Any, str]] = {}  # our key -> (value, the key that set it)
         self.notes: List[str] = []
         self.problems: List[str] = []
-        self.verl_layout = False
 
     def _from_command_line(self, key: str) -> bool:
         return any(o == key or o.startswith(key + ".") or key.startswith(o + ".") for o in self.overridden)
@@ -163,12 +174,10 @@ class _Translation:
     def leaf(self, key: str, raw: Any) -> None:
         entry = EXACT.get(key)
         if entry is not None:
-            self.verl_layout = self.verl_layout or key not in NATIVE
             self.mapped(entry, raw)
-        elif key in NATIVE:
+        elif _native_leaf(key, raw):
             self.set(key, self.values.resolve(key, raw), key)
         elif _covering(key) is not None:
-            self.verl_layout = True
             covering = _covering(key)
             self.note(f"{covering.verl}.*: {covering.how} (no meaning here; accepted)")
         elif key in SECTIONS and raw is None:
@@ -235,9 +244,10 @@ def translate(data: Dict[str, Any], overridden: Tuple[str, ...] = ()) -> Tuple[D
             leaves[str(section)] = value
     for key, raw in leaves.items():
         t.leaf(key, raw)
-    if t.verl_layout and f"{R}.n" not in t.values.flat and "rollout.n" not in t.ours:
-        t.set("rollout.n", 1, f"{R}.n")  # verl's default: the unit of ppo_mini_batch_size
-        t.note(f"{R}.n: not set, so verl's default 1 (samples per prompt)")
+    mini = f"{R.rsplit('.', 1)[0]}.actor.ppo_mini_batch_size"
+    if mini in t.values.flat and f"{R}.n" not in t.values.flat and "rollout.n" not in t.ours:
+        t.set("rollout.n", 1, f"{R}.n")  # verl's default, which the mini-batch (in prompts) was sized with
+        t.note(f"{R}.n: not set, so verl's default 1 (samples per prompt), as ppo_mini_batch_size counts them")
     t.check_values()
     if t.problems:
         raise ConfigProblems(t.problems)

@@ -387,8 +387,7 @@ KEYS: List[VerlKey] = [
     M(f"{R}.enforce_eager", "rollout.enforce_eager"),
     M(f"{R}.free_cache_engine", "rollout.enable_sleep_mode", "free the engine's memory during training"),
     M(f"{R}.quantization", "rollout.quantization"),
-    M(f"{R}.calculate_log_probs", "algorithm.rollout_correction", "the engine's log-probs feed the truncated "
-      "importance weights"),
+    N(f"{R}.calculate_log_probs", "the engine's log-probs are asked for where algorithm.rollout_correction reads them"),
     M(f"{R}.enable_rollout_routing_replay", "actor.routing_replay", "MoE: training routes as the rollout did"),
     M(f"{R}.val_kwargs.temperature", "trainer.val_temperature", "with do_sample=false: 0 (greedy)", val_temperature),
     M(f"{R}.val_kwargs.do_sample", "trainer.val_temperature", "false: greedy (0)", val_temperature),
