@@ -145,7 +145,10 @@ def preference_parts(row: Any) -> Optional[Tuple[Any, Any, Any]]:
     keys = set(row) if isinstance(row, dict) else set()
     if {"chosen", "rejected"} <= keys:
         chosen, rejected, prompt = row["chosen"], row["rejected"], row.get("prompt")
-        if prompt is not None and _is_chat(prompt) == _is_chat(chosen):
+        # TRL reads the prompt column unless the pairs are whole conversations (their first turn not the
+        # assistant's) and the prompt is not a conversation too
+        whole = _is_chat(chosen) and chosen[0].get("role", "assistant") != "assistant"
+        if prompt is not None and (not whole or _is_chat(prompt)):
             return prompt, chosen, rejected
         if _is_chat(chosen) != _is_chat(rejected):
             raise ValueError("chosen and rejected must both be texts or both be chat messages")

@@ -29,7 +29,8 @@ class RewardInput:
 
 @dataclass
 class TrainerState:
-    """What TRL's reward functions read of ``trainer_state``: the step being scored and the run's length."""
+    """What TRL's reward functions read of ``trainer_state``: the optimiser steps done so far (0 while the
+    first step scores, as TRL's ``global_step``) and the run's length."""
 
     global_step: int = 0
     max_steps: Optional[int] = None
@@ -145,7 +146,8 @@ class CallableReward(RewardFunction):
 
     def _kept(self, outs: Sequence[Any]) -> List[float]:
         """The scores of ``outs``; the extra numeric keys of dict results go to ``last_extras``."""
-        scores = [_as_score(x, self.name, i) for i, x in enumerate(outs)]
+        # None (not applicable) stays None: GuardedReward makes it NaN, which only None may be
+        scores = [None if x is None else _as_score(x, self.name, i) for i, x in enumerate(outs)]
         for x in outs:
             if isinstance(x, dict):
                 for k, v in x.items():
