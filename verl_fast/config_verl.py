@@ -140,7 +140,8 @@ def _suggest(key: str) -> str:
         return f"; did you mean {close[0]}?"
     section = key.split(".")[0]
     if section in SECTIONS:
-        return f"; {section}'s keys: {', '.join(sorted(k.split('.', 1)[1] for k in NATIVE if k.startswith(section + '.')))}"
+        names = sorted(k.split(".", 1)[1] for k in NATIVE if k.startswith(section + "."))
+        return f"; {section}'s keys: {', '.join(names)}"
     verl_sections = sorted({k.split(".")[0] for k in EXACT} | set(SECTIONS))
     return f"; sections: {', '.join(verl_sections)}"
 

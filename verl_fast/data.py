@@ -215,7 +215,7 @@ class RLDataProcessor:
         if isinstance(source, str) and source.startswith("reasoning_gym:"):
             return self.reasoning_gym_rows(source.split(":", 1)[1], **kwargs)
         if isinstance(source, (str, Path)):
-            path = Path(source)
+            path = Path(source).expanduser()  # verl's configs write ~/data/...
             if not path.exists() and hub.is_repo_id(str(source)):
                 return hub_rows(str(source), **kwargs)
             if not path.exists():

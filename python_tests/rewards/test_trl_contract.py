@@ -187,7 +187,8 @@ def test_trainer_passes_completion_ids_and_trainer_state(tmp_path):
     trainer.fit([{"prompt": [chat("user", f"say {i}")]} for i in range(2)])
     completions, ids, step, total = seen[0]
     tok = trainer.tokenizer
-    assert (step, total) == (0, 1) and len(ids) == 4  # TRL's global_step: the steps done before this one and all(1 <= len(i) <= 6 for i in ids)
+    assert (step, total) == (0, 1)  # TRL's global_step: the optimiser steps done before this one
+    assert len(ids) == 4 and all(1 <= len(i) <= 6 for i in ids)
     for c, i in zip(completions, ids):  # the response text is what its ids decode to
         assert c[0]["role"] == "assistant" and c[0]["content"] == tok.decode(i, skip_special_tokens=True)
 
@@ -202,3 +203,18 @@ def test_trl_own_reward_functions():
     unparseable = [{"prompt": [chat("user", "?")], "solution": "not math at all {"}]
     reward = build_reward(C.RewardConfig(), [rewards.accuracy_reward, rewards.think_format_reward])
     assert reward(inputs(unparseable, ["<think>x</think> y"])) == [1.0]  # accuracy said None: left out
+
+
+def test_docs_trl_example_runs_as_written(tmp_path, monkeypatch):
+    """docs/verl_and_trl.md's TRL example, with only the model name pointing at a tiny local model."""
+    import re
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "verl_and_trl.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", docs, re.S) if "def reward_len" in b]
+    path = save_tiny_model(tmp_path / "m", max_position_embeddings=1024)  # the example's 64 new tokens fit (vLLM too)
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    exec(block.replace('"Qwen/Qwen2-0.5B-Instruct"', repr(str(path))), namespace)  # noqa: S102 - our own docs
+    history = namespace["trainer"].history
+    assert len(history) == 2 and all("reward/accuracy_reward/mean" in h for h in history)
