@@ -107,6 +107,8 @@ def built_parts(reward: Optional[Any]) -> List[tuple]:
 def check(cfg: config_mod.Config, rows: Sequence[Any], source: Any, reward: Optional[Any] = None) -> None:
     """Everything above for a run of ``cfg`` on ``rows`` (read from ``source``); ``reward``: the
     built reward (else the config's reward functions)."""
+    if rows and not isinstance(rows[0], dict):
+        return  # prepared items (PromptRow / PreferencePair, from a .pt): the trainer checks their type
     preference = cfg.algorithm.type == "dpo"
     check_rows(rows, source, preference)
     if preference:

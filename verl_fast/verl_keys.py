@@ -230,10 +230,12 @@ def betas(value: Any, given: Given) -> Any:
     return SKIP
 
 
-def zero_only(key: str, why: str) -> Callable[[Any, Given], Any]:
+def only(key: str, allowed: Tuple[Any, ...], why: str) -> Callable[[Any, Given], Any]:
+    """A noted key whose other values would change the run: refused, naming what is accepted."""
     def check(value: Any, given: Given) -> Any:
-        if value:
-            raise ValueError(f"{key}={value} is not available here ({why}); leave it 0 / false")
+        if value not in allowed:
+            raise ValueError(f"{key}={value} is not available here ({why}); use "
+                             f"{' or '.join(str(a) for a in allowed if a is not None)}")
         return SKIP
     return check
 
@@ -284,8 +286,7 @@ def _worker_internals(prefix: str) -> List[VerlKey]:
         T(f"{prefix}.router_replay", "MoE routing replay: actor.routing_replay here"),
         N(f"{prefix}.rollout_n", "derived from rollout.n"),
         N(f"{prefix}.ulysses_sequence_parallel_size", "no sequence parallelism here (1)",
-          lambda v, g: SKIP if v in (None, 1) else zero_only(f"{prefix}.ulysses_sequence_parallel_size",
-                                                             "no sequence parallelism")(v, g)),
+          only(f"{prefix}.ulysses_sequence_parallel_size", (None, 1), "no sequence parallelism")),
         N(f"{prefix}.entropy_from_logits_with_chunking", "the fused log-prob kernels never hold the full logits"),
         N(f"{prefix}.entropy_checkpointing", "the fused log-prob kernels never hold the full logits"),
         N(f"{prefix}.use_torch_compile", "actor.compile_blocks decides what is compiled"),
@@ -444,17 +445,17 @@ KEYS: List[VerlKey] = [
       lambda v, g: truncation(g)),
     M("data.seed", "trainer.seed", "null: trainer.seed's default", seed),
     N("data.prompt_key", "the prompt column is 'prompt'",
-      lambda v, g: SKIP if v == "prompt" else zero_only("data.prompt_key", "the column must be named prompt")(v, g)),
+      only("data.prompt_key", ("prompt",), "the prompt column must be named prompt")),
     N("data.reward_fn_key", "rows are routed by 'data_source'",
-      lambda v, g: SKIP if v == "data_source" else zero_only("data.reward_fn_key", "routing reads data_source")(v, g)),
+      only("data.reward_fn_key", ("data_source",), "rows are routed by their data_source column")),
     N("data.shuffle", "the prompts are shuffled each epoch with trainer.seed"),
     N("data.validation_shuffle", "validation prompts are taken in order"),
     N("data.gen_batch_size", "dynamic sampling draws train_batch_size prompts per extra draw"),
     N("data.val_batch_size", "validation runs all its prompts in waves of rollout.max_num_seqs"),
     N("data.train_max_samples", "-1: all rows (fewer rows: cut the file)",
-      lambda v, g: SKIP if v in (None, -1) else zero_only("data.train_max_samples", "cut the file instead")(v, g)),
+      only("data.train_max_samples", (None, -1), "every row is used; cut the file instead")),
     N("data.val_max_samples", "-1: all rows (fewer rows: cut the file)",
-      lambda v, g: SKIP if v in (None, -1) else zero_only("data.val_max_samples", "cut the file instead")(v, g)),
+      only("data.val_max_samples", (None, -1), "every row is used; cut the file instead")),
     N("data.tokenizer", "the tokenizer is the actor's"),
     N("data.use_shm", "data loads from disk"),
     N("data.trust_remote_code", "datasets load without remote code"),
@@ -494,7 +495,7 @@ KEYS: List[VerlKey] = [
     T("algorithm.rollout_correction", "token-level truncated IS only (rejection sampling, bypass, batch "
                                       "normalisation are not available)"),
     N("algorithm.use_pf_ppo", "no preference-feedback reweighting here",
-      zero_only("algorithm.use_pf_ppo", "no preference-feedback reweighting")),
+      only("algorithm.use_pf_ppo", (None, False), "no preference-feedback reweighting")),
     T("algorithm.pf_ppo", "no preference-feedback reweighting here"),
     # ------------------------------------------------------------------ critic
     M("critic.model.path", "critic.model_name", "Hub name or local folder"),
@@ -506,7 +507,7 @@ KEYS: List[VerlKey] = [
     T("critic.model.override_config", "the model folder's config is used as it is"),
     N("critic.model.use_shm", "models load from disk"),
     N("critic.model.enable_activation_offload", "gradient checkpointing only"),
-    N("critic.model.lora_rank", "the critic trains in full", zero_only("critic.model.lora_rank", "no critic LoRA")),
+    N("critic.model.lora_rank", "the critic trains in full", only("critic.model.lora_rank", (None, 0), "the critic trains in full")),
     N("critic.model.lora_alpha", "the critic trains in full"),
     N("critic.model.target_modules", "the critic trains in full"),
     T("critic.model.tiled_mlp", "no tiled MLP here"),
@@ -592,8 +593,8 @@ KEYS: List[VerlKey] = [
     M("trainer.device", "trainer.device", "cuda, cpu"),
     M("trainer.balance_batch", "actor.balance_dp", "spread sequences over DP ranks by tokens"),
     N("trainer.critic_warmup", "0 only: the actor updates from the first step",
-      zero_only("trainer.critic_warmup", "the actor updates from the first step")),
-    N("trainer.val_only", "false only", zero_only("trainer.val_only", "validation runs beside training")),
+      only("trainer.critic_warmup", (None, 0), "the actor updates from the first step")),
+    N("trainer.val_only", "false only", only("trainer.val_only", (None, False), "validation runs beside training")),
     N("trainer.nnodes", "torchrun --nnodes decides"),
     N("trainer.n_gpus_per_node", "torchrun --nproc_per_node decides"),
     N("trainer.max_critic_ckpt_to_keep", "trainer.save_total_limit keeps whole checkpoints"),
