@@ -240,6 +240,11 @@ def only(key: str, allowed: Tuple[Any, ...], why: str) -> Callable[[Any, Given],
     return check
 
 
+def fsdp_only(value: Any, given: Given) -> Any:
+    """A setting of the FSDP actor's forward; under strategy megatron, Megatron's own (its defaults here)."""
+    return SKIP if given(f"{A}.strategy", "fsdp") == "megatron" else value
+
+
 def seed(value: Any, given: Given) -> Any:
     return SKIP if value is None else value
 
@@ -275,6 +280,15 @@ def _optim(verl: str, ours: str) -> List[VerlKey]:
         N(f"{verl}.optimizer_impl", "AdamW (torch.optim) is the optimiser here"),
         N(f"{verl}.override_optimizer_config", "AdamW (torch.optim) is the optimiser here"),
         N(f"{verl}.total_training_steps", "set by the trainer from trainer.total_epochs / total_training_steps"),
+        # ppo_megatron_trainer.yaml's optimiser keys
+        M(f"{verl}.lr_decay_style", f"{ours}.lr_scheduler", "Megatron's name: constant, linear, cosine", scheduler),
+        N(f"{verl}.lr_decay_steps", "the decay spans the run's steps after the warm-up"),
+        N(f"{verl}.lr_warmup_init", "the warm-up starts from 0"),
+        N(f"{verl}.min_lr", "min_lr_ratio sets the final rate"),
+        N(f"{verl}.weight_decay_incr_style", "constant weight decay"),
+        N(f"{verl}.lr_wsd_decay_style", "no warmup-stable-decay schedule here"),
+        N(f"{verl}.lr_wsd_decay_steps", "no warmup-stable-decay schedule here"),
+        N(f"{verl}.use_checkpoint_opt_param_scheduler", "the schedule resumes from the checkpoint's step"),
     ]
 
 
@@ -310,11 +324,25 @@ def _fsdp(prefix: str, ours: Optional[str]) -> List[VerlKey]:
                              "actor.mixed_precision decides)")]
 
 
+def _megatron(prefix: str, ours: Optional[str]) -> List[VerlKey]:
+    """verl's Megatron section (ppo_megatron_trainer.yaml): the parallel sizes of the actor map to ours."""
+    keys = []
+    if ours is not None:
+        keys += [M(f"{prefix}.{size}", f"{ours}.{size}", "strategy megatron")
+                 for size in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                              "virtual_pipeline_model_parallel_size", "expert_model_parallel_size")]
+    return keys + [T(prefix, "Megatron internals (offload, sequence / context parallelism, dist checkpointing, "
+                             "mbridge): the Megatron backend's defaults here" + ("" if ours else
+                             "; the parallel sizes are the actor's"))]
+
+
 KEYS: List[VerlKey] = [
     # ------------------------------------------------------------------ the model
     M(f"{MODEL}.path", "actor.model_name", "Hub name or local folder"),
-    M(f"{MODEL}.enable_gradient_checkpointing", "actor.gradient_checkpointing"),
-    M(f"{MODEL}.use_remove_padding", "actor.use_remove_padding", "true: packed rows (varlen attention on a GPU)"),
+    M(f"{MODEL}.enable_gradient_checkpointing", "actor.gradient_checkpointing", "(under strategy megatron: "
+      "Megatron's own recompute, unset)", fsdp_only),
+    M(f"{MODEL}.use_remove_padding", "actor.use_remove_padding", "true: packed rows (varlen attention on a GPU; "
+      "under strategy megatron: Megatron's own, unset)", fsdp_only),
     M(f"{MODEL}.trust_remote_code", "actor.trust_remote_code"),
     M(f"{MODEL}.lora_rank", "actor.lora", "> 0: LoRA {r, alpha, target_modules}; 0: none", lora),
     M(f"{MODEL}.lora_alpha", "actor.lora", "actor.lora.alpha (with lora_rank > 0)", lora),
@@ -359,7 +387,7 @@ KEYS: List[VerlKey] = [
     M(f"{A}.kl_loss_type", "actor.kl_loss_type", "k1 / kl, k2 / mse, k3 / low_var_kl, abs, and the + forms"),
     M(f"{A}.grad_clip", "actor.max_grad_norm"),
     M(f"{A}.use_fused_kernels", "actor.fused_logprobs", "true: on; false: off", fused),
-    M(f"{A}.use_remove_padding", "actor.use_remove_padding"),
+    M(f"{A}.use_remove_padding", "actor.use_remove_padding", "as model.use_remove_padding", fsdp_only),
     N(f"{A}.shuffle", "the step's sequences are split into mini-batches in order"),
     N(f"{A}.data_loader_seed", "trainer.seed seeds the run"),
     N(f"{A}.calculate_entropy", "actor/entropy is always logged"),
@@ -369,6 +397,12 @@ KEYS: List[VerlKey] = [
     N(f"{A}.sum_pi_squared_checkpointing", "not computed here"),
     *_optim(f"{A}.optim", "actor"),
     *_fsdp(f"{A}.fsdp_config", "actor"),
+    *_megatron(f"{A}.megatron", "actor"),
+    N(f"{A}.load_weight", "the actor loads its weights from model.path"),
+    N(f"{REF}.load_weight", "the reference starts from the actor's weights"),
+    N(f"{MODEL}.lora.rank", "Megatron-bridge LoRA: use model.lora_rank / lora_alpha / target_modules",
+      only(f"{MODEL}.lora.rank", (None, 0), "LoRA is set by model.lora_rank / lora_alpha / target_modules")),
+    T(f"{MODEL}.lora", "Megatron-bridge LoRA settings: LoRA is set by model.lora_rank / lora_alpha / target_modules"),
     *_worker_internals(A),
     # ------------------------------------------------------------------ the rollout
     M(f"{R}.name", "rollout.type", "vllm or hf (HF generate)", rollout_name),
@@ -424,6 +458,7 @@ KEYS: List[VerlKey] = [
     T(f"{R}.agent", "the agent loop is the agents API here"),
     T(f"{R}.checkpoint_engine", "weights sync through the resharding engine"),
     T(f"{R}.trace", "no rollout tracing here"),
+    T(f"{R}.layer_name_map", "weights sync by the resharding engine's own name maps"),
     T(f"{R}.prometheus", "trainer.metrics_port serves OpenMetrics"),
     T(f"{R}.profiler", "profiling: time/* metrics"),
     # ------------------------------------------------------------------ the reference
@@ -432,6 +467,7 @@ KEYS: List[VerlKey] = [
     N(f"{REF}.log_prob_use_dynamic_bsz", "reference passes follow actor.use_dynamic_bsz"),
     N(f"{REF}.log_prob_max_token_len_per_gpu", "reference passes use actor.max_token_len_per_gpu"),
     *_fsdp(f"{REF}.fsdp_config", None),
+    *_megatron(f"{REF}.megatron", None),
     *_worker_internals(REF),
     # ------------------------------------------------------------------ data
     M("data.train_files", "trainer.dataset", "a file, or a list of files (concatenated)", files),
@@ -512,6 +548,12 @@ KEYS: List[VerlKey] = [
     N("critic.model.target_modules", "the critic trains in full"),
     T("critic.model.tiled_mlp", "no tiled MLP here"),
     *_fsdp("critic.model.fsdp_config", "critic"),
+    *_megatron("critic.megatron", None),
+    N("critic.load_weight", "the critic loads its weights from model.path"),
+    N("critic.nccl_timeout", "torch.distributed's default timeout"),
+    N("critic.model.lora.rank", "the critic trains in full", only("critic.model.lora.rank", (None, 0),
+                                                                   "the critic trains in full")),
+    T("critic.model.lora", "the critic trains in full"),
     *_optim("critic.optim", "critic"),
     M("critic.grad_clip", "critic.max_grad_norm"),
     M("critic.ppo_micro_batch_size_per_gpu", "critic.micro_batch_size", "sequences per pass on each rank"),
@@ -560,6 +602,9 @@ KEYS: List[VerlKey] = [
     T("reward_model.rollout", "a generative reward model's engine (not available here)"),
     T("reward_model.sandbox_fusion", "no code sandbox here"),
     T("reward_model.profiler", "profiling: time/* metrics"),
+    T("reward_model.megatron", "the reward model runs unsharded"),
+    N("reward_model.load_weight", "the reward model loads from model.path"),
+    N("reward_model.nccl_timeout", "torch.distributed's default timeout"),
     N("reward_model.micro_batch_size_per_gpu", "the reward model scores a step's samples in one pass per wave"),
     N("reward_model.micro_batch_size", "the reward model scores a step's samples in one pass per wave"),
     N("reward_model.max_length", "the reward model reads the whole sequence"),
@@ -609,4 +654,5 @@ KEYS: List[VerlKey] = [
     T("global_profiler", "profiling: time/* metrics and verl-fast bench"),
     T("ray_kwargs", "no Ray here: torchrun starts the processes"),
     T("transfer_queue", "no transfer queue here"),
+    T("hydra", "Hydra's own settings (output folders, logging): no Hydra here"),
 ]

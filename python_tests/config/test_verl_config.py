@@ -175,3 +175,12 @@ def test_exact_keys_cover_the_examples_key_set():
         keys |= set(re.findall(r"^\s*\+*([a-z_]+(?:\.[\w]+)+)=", script.read_text(), re.M))
     unknown = [k for k in keys if k not in EXACT and k not in NATIVE and config_verl._covering(k) is None]
     assert not unknown
+
+
+def test_verl_ppo_megatron_trainer_yaml_loads_as_written():
+    path = HERE / "verl_examples" / "ppo_megatron_trainer.yaml"
+    cfg, notes = load("actor_rollout_ref.rollout.name=hf", "trainer.logger=[console]", "trainer.device=cpu",
+                      "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", path=path)
+    assert (cfg.actor.strategy, cfg.critic.strategy, cfg.actor.tensor_model_parallel_size) == ("megatron",) * 2 + (2,)
+    assert cfg.actor.gradient_checkpointing is False  # Megatron's own recompute: not an FSDP setting
+    assert any(n.startswith("actor_rollout_ref.actor.megatron.*: ") for n in notes)
