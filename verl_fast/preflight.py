@@ -3,7 +3,7 @@ each problem one line naming the file (and line, for JSONL) or row, the key, or 
 
 - prompts: every row has a ``prompt`` (text or chat messages); preference algorithms: every row is
   a preference pair in one of TRL's formats (``data.preference_parts``);
-- ``reward_fn.type: auto``: every row's ``data_source`` has a scorer (``rewards.routing``);
+- ``reward_fn.type: auto``: every row's ``data_source`` has a scorer (``rewards.by_source``);
 - a reward function: its required parameters are among what the call passes and the rows' columns
   (TRL's ``accuracy_reward(completions, solution, **kwargs)`` needs a ``solution`` column);
 - reasoning_gym / gsm8k: the rows carry the ground truth they score against.
@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from verl_fast import config as config_mod
 from verl_fast.data import ground_truth_of, preference_parts
 from verl_fast.rewards.interface import CallableReward, RewardFunction, load_callable
-from verl_fast.rewards.routing import DataSourceReward, check_source
+from verl_fast.rewards.by_source import DataSourceReward, check_source
 from verl_fast.rewards.rule import GSM8KReward, ReasoningGymReward
 
 FIRST_ROWS = 8

@@ -18,13 +18,13 @@ KERNELS = Path(verl_fast.kernels.__file__).parent  # kernels/ in the source tree
 LAYERS = [
     ("foundation", {"verl_fast", "verl_fast._C", "verl_fast.config", "verl_fast.distributed", "verl_fast.safe_load",
                     "verl_fast.run_files", "verl_fast.output_folder", "verl_fast.metrics_http", "verl_fast.extras",
-                    "verl_fast.hub"}),
+                    "verl_fast.hub", "verl_fast.config_verl", "verl_fast.verl_keys"}),
     ("ops", {"verl_fast.ops", "verl_fast.kernels", "verl_fast.schedule"}),
     ("models, data, rewards, rollout, checkpoints, metrics",
      {"verl_fast.models", "verl_fast.data", "verl_fast.experience", "verl_fast.rewards", "verl_fast.rollout",
       "verl_fast.checkpoint", "verl_fast.direct_write", "verl_fast.metrics", "verl_fast.model_card"}),
     ("algorithms, strategies", {"verl_fast.algos", "verl_fast.strategies"}),
-    ("trainer", {"verl_fast.trainer", "verl_fast.catalog"}),
+    ("trainer", {"verl_fast.trainer", "verl_fast.catalog", "verl_fast.preflight"}),
     # verl_fast.benchmarks: the benchmark scripts, which an installed wheel carries for `verl-fast bench`
     ("commands", {"verl_fast.cli", "verl_fast.train_cli", "verl_fast.__main__", "verl_fast.info", "verl_fast.bench",
                   "verl_fast.inference", "verl_fast.benchmarks"}),

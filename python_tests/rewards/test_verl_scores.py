@@ -5,7 +5,7 @@ import pytest
 
 from verl_fast.rewards import DataSourceReward, GuardedReward, RewardInput
 from verl_fast.rewards import verl_scores as vs
-from verl_fast.rewards.routing import check_source
+from verl_fast.rewards.by_source import check_source
 
 
 @pytest.mark.parametrize("response, truth, score", [

@@ -18,7 +18,7 @@ from verl_fast.rewards.interface import (
 )
 from verl_fast.rewards.deadline import RewardStopped, RewardTimeout
 from verl_fast.rewards.model import RewardModel, is_sequence_classifier
-from verl_fast.rewards.routing import DataSourceReward
+from verl_fast.rewards.by_source import DataSourceReward
 from verl_fast.rewards.rule import GSM8KReward, ReasoningGymReward, gsm8k_answer, last_number
 from verl_fast.rewards.weighted import WeightedRewards
 
@@ -69,7 +69,7 @@ def _reward_model(cfg: Any) -> RewardFunction:
 
 
 # reward_fn.type -> the reward it builds from the reward_fn section; auto: each row by its data_source
-# (rewards/routing.py, as verl routes them); pairwise_ranking (DPO) scores nothing: preference pairs
+# (rewards/by_source.py, as verl routes them); pairwise_ranking (DPO) scores nothing: preference pairs
 # carry their ranking
 REWARDS = {
     "auto": lambda cfg: DataSourceReward(),
