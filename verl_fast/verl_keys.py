@@ -339,8 +339,8 @@ def _megatron(prefix: str, ours: Optional[str]) -> List[VerlKey]:
 KEYS: List[VerlKey] = [
     # ------------------------------------------------------------------ the model
     M(f"{MODEL}.path", "actor.model_name", "Hub name or local folder"),
-    M(f"{MODEL}.enable_gradient_checkpointing", "actor.gradient_checkpointing", "(under strategy megatron: "
-      "Megatron's own recompute, unset)", fsdp_only),
+    M(f"{MODEL}.enable_gradient_checkpointing", "actor.gradient_checkpointing", "under strategy megatron: "
+      "Megatron's own recompute, unset", fsdp_only),
     M(f"{MODEL}.use_remove_padding", "actor.use_remove_padding", "true: packed rows (varlen attention on a GPU; "
       "under strategy megatron: Megatron's own, unset)", fsdp_only),
     M(f"{MODEL}.trust_remote_code", "actor.trust_remote_code"),
