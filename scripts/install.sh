@@ -20,7 +20,7 @@ if ! "$py" -c "import torch" 2>/dev/null; then
 fi
 case "$what" in
   demo) extras="demo" ;;
-  test|dev) extras="demo,test" ;;
+  test|dev) extras="demo,test,trl" ;;  # trl: TRL's own reward functions in the tests
   *) echo "usage: scripts/install.sh [demo|test|dev]" >&2; exit 2 ;;
 esac
 pip install -q ".[${extras}]"

@@ -292,7 +292,9 @@ class RolloutConfig:
 
 @dataclass
 class RewardConfig:
-    type: str = _f("reasoning_gym", choices=REWARDS)
+    type: str = _f("auto", choices=REWARDS, doc="auto: each row scored as its data_source names (verl's routing: "
+                   "openai/gsm8k, the MATH family, math_dapo / aime*, searchR1_*; reasoning_gym/<task>); reasoning_gym, "
+                   "gsm8k, callable, reward_model, pairwise_ranking (DPO), weighted (a list)")
     path: Optional[str] = _f(None, doc="'module:function' for type callable")
     model_name: Optional[str] = _f(None, doc="sequence-classification model (Hub name or local folder) for "
                                    "type reward_model")
@@ -341,7 +343,9 @@ class AlgorithmConfig:
     overlong_buffer: int = _f(0, min=0, doc="DAPO: responses longer than max_new_tokens - this many tokens lose up to "
                               "overlong_penalty_factor of reward, linearly (0: off)")
     overlong_penalty_factor: float = _f(1.0, min=0.0, doc="overlong_buffer: the penalty at max_new_tokens")
-    beta: float = _f(0.1, min=0.0, doc="DPO temperature")
+    beta: Optional[float] = _f(None, min=0.0, doc="dpo / online_dpo: the DPO temperature (null: 0.1); the "
+                               "policy-gradient algorithms: TRL's KL coefficient, as actor.use_kl_loss with "
+                               "kl_loss_coef=beta and kl_loss_type=k3 (TRL's estimator; 0: no KL)")
     loss_type: str = _f("sigmoid", choices=DPO_LOSSES, doc="DPO loss (losses.dpo_loss names each one's paper)")
     label_smoothing: float = _f(0.0, min=0.0, max=0.5, doc="DPO: sigmoid's conservative smoothing, robust's "
                                 "flip rate (< 0.5), exo_pair's target eps (> 0)")
@@ -367,10 +371,11 @@ class TrainerConfig:
                                                 "(at every start: unset it to resume later)")
     hf_export: str = _f("final", choices=("final", "every", "none"),
                         doc="HF safetensors beside which checkpoints (the sharded state is always written)")
-    dataset: Optional[str] = _f(None, doc="parquet/jsonl/json path, datasets folder, Hub dataset name "
-                                "(org/name or org/name:split, through datasets.load_dataset), or reasoning_gym:<task>")
+    dataset: Optional[Union[str, List[str]]] = _f(None, doc="parquet/jsonl/json path, datasets folder, Hub dataset "
+                                                  "name (org/name or org/name:split, through datasets.load_dataset), "
+                                                  "or reasoning_gym:<task>; a list of files: their rows in turn")
     dataset_kwargs: Dict[str, Any] = _f(dict)
-    val_dataset: Optional[str] = _f(None, doc="validation prompts, in the formats of trainer.dataset (null: no "
+    val_dataset: Optional[Union[str, List[str]]] = _f(None, doc="validation prompts, in the formats of trainer.dataset (null: no "
                                     "validation)")
     val_dataset_kwargs: Dict[str, Any] = _f(dict, doc="as dataset_kwargs, for val_dataset")
     val_freq: int = _f(0, min=0, doc="validate after every N-th step and after the last one (0: after the last "
@@ -433,7 +438,14 @@ def _check_value(value: Any, annotation: Any, meta: Dict[str, Any], key: str) ->
     if origin is Union and type(None) in args:
         if value is None:
             return None
-        annotation = next(a for a in args if a is not type(None))
+        kinds = [a for a in args if a is not type(None)]
+        if len(kinds) > 1:  # e.g. a path or a list of paths: the first kind the value is
+            for kind in kinds[1:]:
+                try:
+                    return _check_value(value, kind, meta, key)
+                except ValueError:
+                    pass
+        annotation = kinds[0]
         origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if annotation is bool:
         if not isinstance(value, bool):
@@ -526,6 +538,7 @@ def checked(cfg: Config) -> Config:
         for f in dataclasses.fields(section):
             value = _check_value(getattr(section, f.name), types[f.name], dict(f.metadata), f"{name}.{f.name}")
             setattr(section, f.name, value)
+    _apply_beta(cfg)
     validate(cfg)
     return cfg
 
@@ -600,6 +613,7 @@ def _apply_aliases(cfg: Config) -> None:
                 "max_model_len", "enable_chunked_prefill"):
         if getattr(a, key) is not None:
             setattr(r, key, getattr(a, key))
+    _apply_beta(cfg)
     if t.learning_rate is not None:
         a.lr = t.learning_rate
     if t.max_grad_norm is not None:
@@ -608,6 +622,25 @@ def _apply_aliases(cfg: Config) -> None:
         a.micro_batch_size = t.per_device_train_batch_size
         if t.gradient_accumulation_steps is not None:
             a.ppo_mini_batch_size = t.per_device_train_batch_size * t.gradient_accumulation_steps
+
+
+PREFERENCE_ALGORITHMS = ("dpo", "online_dpo")  # algorithm.beta is their temperature
+DPO_BETA = 0.1
+
+
+def _apply_beta(cfg: Config) -> None:
+    """``algorithm.beta``: the DPO temperature of the preference algorithms (default DPO_BETA); under
+    the others TRL's KL coefficient (its GRPOTrainer's ``beta``): the k3 KL loss at that weight."""
+    al, a = cfg.algorithm, cfg.actor
+    if al.type in PREFERENCE_ALGORITHMS:
+        al.beta = DPO_BETA if al.beta is None else al.beta
+        return
+    if al.beta is None:
+        return
+    if a.use_kl_loss and a.kl_loss_coef != al.beta:
+        raise ValueError(f"algorithm.beta={al.beta} (TRL's KL coefficient) and actor.use_kl_loss with "
+                         f"actor.kl_loss_coef={a.kl_loss_coef} are both set; use one of them")
+    a.use_kl_loss, a.kl_loss_coef, a.kl_loss_type = al.beta > 0, al.beta, "k3"
 
 
 def validate(cfg: Config) -> None:

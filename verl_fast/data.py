@@ -114,6 +114,62 @@ def hub_rows(name: str, split: str = "train", **kwargs: Any) -> List[Dict[str, A
     return [{k: _to_plain(v) for k, v in r.items()} for r in data]
 
 
+def ground_truth_of(row: Dict[str, Any]) -> Any:
+    """A row's ground truth: verl's ``reward_model.ground_truth``, else a ``ground_truth`` or ``answer`` column."""
+    reward = row.get("reward_model") or {}
+    truth = reward.get("ground_truth") if isinstance(reward, dict) else None
+    return row.get("ground_truth", row.get("answer")) if truth is None else truth
+
+
+def _is_chat(x: Any) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(m, dict) and "content" in m for m in x)
+
+
+def _common_prefix(chosen: Any, rejected: Any) -> int:
+    """Where chosen and rejected part (TRL's implicit prompt: whole messages, or characters, a space
+    at the parting left to the responses)."""
+    n = min(len(chosen), len(rejected))
+    cut = next((i for i in range(n) if chosen[i] != rejected[i]), n)
+    if isinstance(chosen, str) and cut > 0 and chosen[cut - 1] == " ":
+        cut -= 1
+    return cut
+
+
+def preference_parts(row: Any) -> Optional[Tuple[Any, Any, Any]]:
+    """(prompt, chosen, rejected) of a preference row in TRL's formats: explicit prompt
+    (``prompt`` / ``chosen`` / ``rejected``) or implicit (``chosen`` / ``rejected`` as whole texts or
+    conversations: their common start is the prompt), plain or conversational, with optional
+    ``score_chosen`` / ``score_rejected``; or two scored answers (webgpt_comparisons: ``question``,
+    ``answer_0`` / ``answer_1``, ``score_0`` / ``score_1``; also ``answer_1`` / ``answer_2``). None for a
+    tie (left out); ValueError naming the keys for anything else."""
+    keys = set(row) if isinstance(row, dict) else set()
+    if {"chosen", "rejected"} <= keys:
+        chosen, rejected, prompt = row["chosen"], row["rejected"], row.get("prompt")
+        # TRL reads the prompt column unless the pairs are whole conversations (their first turn not the
+        # assistant's) and the prompt is not a conversation too
+        whole = _is_chat(chosen) and chosen[0].get("role", "assistant") != "assistant"
+        if prompt is not None and (not whole or _is_chat(prompt)):
+            return prompt, chosen, rejected
+        if _is_chat(chosen) != _is_chat(rejected):
+            raise ValueError("chosen and rejected must both be texts or both be chat messages")
+        cut = _common_prefix(chosen, rejected)
+        if cut == 0:
+            raise ValueError("chosen and rejected share no prompt (implicit-prompt rows start with the same "
+                             "prompt); give a prompt column")
+        return chosen[:cut], chosen[cut:], rejected[cut:]
+    for a, b in (("0", "1"), ("1", "2")):
+        if {"question", f"answer_{a}", f"answer_{b}", f"score_{a}", f"score_{b}"} <= keys:
+            if row[f"score_{a}"] == row[f"score_{b}"]:
+                return None
+            first = row[f"score_{a}"] > row[f"score_{b}"]
+            question = row["question"]
+            prompt = question["full_text"] if isinstance(question, dict) else question
+            pair = (row[f"answer_{a}"], row[f"answer_{b}"])
+            return (prompt,) + (pair if first else pair[::-1])
+    raise ValueError("a preference row needs chosen/rejected (with or without prompt), or question/answer_0/"
+                     f"answer_1/score_0/score_1, got keys {sorted(keys) if keys else type(row).__name__}")
+
+
 OVERLONG_PROMPTS = ("skip", "error", "truncate_left")
 config.OVERLONG_PROMPTS.register(*OVERLONG_PROMPTS)
 
@@ -154,10 +210,12 @@ class RLDataProcessor:
         """verl-format rows from a parquet / JSONL / JSON file, a folder saved by ``datasets``, a Hub
         dataset name (``org/name``; kwargs go to ``datasets.load_dataset``: ``name``, ``split``, ...), a
         ``datasets.Dataset``, ``"reasoning_gym:<task>"`` (kwargs go to ``create_dataset``), or a list."""
+        if isinstance(source, (list, tuple)) and source and all(isinstance(s, (str, Path)) for s in source):
+            return [row for one in source for row in self.load(one, **kwargs)]  # verl's list of files
         if isinstance(source, str) and source.startswith("reasoning_gym:"):
             return self.reasoning_gym_rows(source.split(":", 1)[1], **kwargs)
         if isinstance(source, (str, Path)):
-            path = Path(source)
+            path = Path(source).expanduser()  # verl's configs write ~/data/...
             if not path.exists() and hub.is_repo_id(str(source)):
                 return hub_rows(str(source), **kwargs)
             if not path.exists():
@@ -241,11 +299,7 @@ class RLDataProcessor:
         fitted = self._fit(self.tokenizer(text, add_special_tokens=False)["input_ids"], text)
         if fitted is None:
             return None
-        reward = row.get("reward_model") or {}
-        truth = reward.get("ground_truth") if isinstance(reward, dict) else None
-        if truth is None:
-            truth = row.get("ground_truth", row.get("answer"))
-        return PromptRow(prompt_ids=fitted[0], prompt_text=fitted[1], ground_truth=truth,
+        return PromptRow(prompt_ids=fitted[0], prompt_text=fitted[1], ground_truth=ground_truth_of(row),
                          data_source=str(row.get("data_source", "")), extra_info=dict(row.get("extra_info") or {}),
                          columns=dict(row))
 
@@ -263,24 +317,20 @@ class RLDataProcessor:
     # ------------------------------------------------------------------ DPO
 
     def build_dpo_dataset(self, dataset: Any) -> List[PreferencePair]:
-        """Preference pairs from rows with ``prompt``/``chosen``/``rejected`` or with two scored
-        answers (``question``, ``answer_1``, ``answer_2``, ``score_1``, ``score_2``, as in
-        webgpt_comparisons; ties are dropped). Prompts get the chat template; responses may be strings
-        or chat messages (TRL's conversational format, see ``response_text``) and end in EOS."""
+        """Preference pairs from rows in TRL's formats (``preference_parts``: explicit or implicit
+        prompt, plain or conversational; webgpt_comparisons' scored answers, ties dropped). Prompts
+        get the chat template; responses may be strings or chat messages (see ``response_text``) and
+        end in EOS."""
         rows = self.load(dataset) if not isinstance(dataset, list) else dataset
         pairs = []
-        for row in rows:
-            if {"prompt", "chosen", "rejected"} <= set(row):
-                prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
-            elif {"question", "answer_1", "answer_2", "score_1", "score_2"} <= set(row):
-                if row["score_1"] == row["score_2"]:
-                    continue
-                first = row["score_1"] > row["score_2"]
-                prompt = row["question"]["full_text"] if isinstance(row["question"], dict) else row["question"]
-                chosen, rejected = (row["answer_1"], row["answer_2"]) if first else (row["answer_2"], row["answer_1"])
-            else:
-                raise ValueError("a preference row needs prompt/chosen/rejected or question/answer_1/answer_2/"
-                                 f"score_1/score_2, got keys {sorted(row)}")
+        for i, row in enumerate(rows):
+            try:
+                parts = preference_parts(row)
+            except ValueError as e:
+                raise ValueError(f"preference row {i}: {e}") from None
+            if parts is None:
+                continue
+            prompt, chosen, rejected = parts
             text = self.template(prompt)
             chosen = self.response_text(prompt, chosen, "chosen")
             rejected = self.response_text(prompt, rejected, "rejected")

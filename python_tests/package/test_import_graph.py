@@ -18,13 +18,14 @@ KERNELS = Path(verl_fast.kernels.__file__).parent  # kernels/ in the source tree
 # The floors, lowest first: a module may import its own floor and the ones below, never one above.
 FLOORS = [
     ("foundation", {"verl_fast", "verl_fast._C", "verl_fast.config", "verl_fast.distributed", "verl_fast.files",
-                    "verl_fast.metrics.http_server", "verl_fast.extras", "verl_fast.hub"}),
+                    "verl_fast.metrics.http_server", "verl_fast.extras", "verl_fast.hub",
+                    "verl_fast.config_verl", "verl_fast.verl_keys"}),
     ("ops", {"verl_fast.ops", "verl_fast.kernels", "verl_fast.schedule"}),
     ("models, data, rewards, rollout, checkpoints, metrics",
      {"verl_fast.models", "verl_fast.data", "verl_fast.experience", "verl_fast.rewards", "verl_fast.rollout",
       "verl_fast.checkpoint", "verl_fast.metrics"}),
     ("algorithms, strategies", {"verl_fast.algos", "verl_fast.strategies"}),
-    ("trainer", {"verl_fast.trainer", "verl_fast.catalog"}),
+    ("trainer", {"verl_fast.trainer", "verl_fast.catalog", "verl_fast.preflight"}),
     ("commands", {"verl_fast.cli", "verl_fast.__main__", "verl_fast.bench", "verl_fast.inference"}),
 ]
 

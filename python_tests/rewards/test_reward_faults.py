@@ -103,7 +103,7 @@ def test_a_stop_request_gives_a_running_reward_a_grace_period_then_abandons_it(m
     (-math.inf, r"returned a non-finite score -inf for sample 2"),
     (10 ** 400, "returned 1" + "0" * 39 + r"\.\.\.\(401 characters\) for sample 2, which overflows a float"),
     ("1.5", r"must return a number \(or a dict with 'score'\) for each sample, got '1.5' for sample 2"),
-    (None, r"got None for sample 2"),
+    ({"score": None}, r"got None for sample 2"),  # (a bare None is TRL's "not applicable": test_trl_contract)
     ([1.0], r"got \[1.0\] for sample 2"),
     ({"score": "high"}, r"got 'high' for sample 2"),
 ])

@@ -34,8 +34,10 @@ def test_trl_signature_gets_prompts_completions_and_every_column():
     assert fn.trl
     assert fn(rows_as_inputs(rows, ["2", "4"])) == [1.0, 0.0]
     assert seen["prompts"] == ["1+1?", "2+2?"] and seen["completions"] == ["2", "4"]
-    # every column but the prompt, as TRL passes them (ground_truth: the row's, here from 'answer')
-    assert seen["kwargs"] == {"answer": ["2", "5"], "level": [1, 3], "ground_truth": ["2", "5"]}
+    # every column but the prompt, as TRL passes them (ground_truth: the row's, here from 'answer'), and
+    # TRL's own completion_ids / trainer_state (none here: the inputs were built by hand)
+    assert seen["kwargs"] == {"answer": ["2", "5"], "level": [1, 3], "ground_truth": ["2", "5"],
+                              "completion_ids": [None, None], "trainer_state": None}
 
 
 def test_trl_signature_conversational_and_named_columns_only():

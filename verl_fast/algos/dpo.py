@@ -40,9 +40,9 @@ class DPO:
 
     @staticmethod
     def check(cfg: Config) -> None:
-        if cfg.reward_fn.type != "pairwise_ranking":
+        if cfg.reward_fn.type not in ("auto", "pairwise_ranking"):  # auto: no reward entry, nothing scored
             raise ValueError(f"algorithm.type=dpo is not supported with reward_fn.type={cfg.reward_fn.type}; "
-                             "use reward_fn.type=pairwise_ranking (DPO learns from chosen/rejected pairs)")
+                             "leave reward_fn out (DPO learns from chosen/rejected pairs)")
         refuse_megatron(cfg)
         check_loss(cfg)
 

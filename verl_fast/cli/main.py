@@ -29,7 +29,8 @@ def _train(args: argparse.Namespace) -> int:
     try:
         return run(args)
     except (ConfigError, NameNotFound) as e:  # one line, no traceback (argparse's usage errors exit 2 too)
-        print(f"verl-fast train: config error: {e}", file=sys.stderr)
+        for line in str(e).splitlines() or [""]:  # every problem of the config, one line each
+            print(f"verl-fast train: config error: {line}", file=sys.stderr)
         return 2
     finally:
         gc.enable()

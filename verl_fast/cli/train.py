@@ -25,6 +25,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_config(args: argparse.Namespace) -> config_mod.Config:
+    """The config file (ours or verl's layout; default: the embedded run) with the command line's
+    overrides (either layout); verl keys with no meaning here are noted on stderr, one line each."""
+    import sys
+
+    from verl_fast import config_verl
+
     overrides: List[str] = [item for group in args.overrides for item in group]
     for item in args.assignments:
         if "=" not in item:
@@ -39,7 +45,12 @@ def resolve_config(args: argparse.Namespace) -> config_mod.Config:
     from verl_fast import catalog
 
     catalog.register()
-    return config_mod.load(args.config or config_mod.default_config_path(), overrides)
+    # a command line in verl's tree with no --config starts from our defaults, not the embedded demo run
+    path = args.config or (None if config_verl.is_verl_layout(overrides) else config_mod.default_config_path())
+    cfg, notes = config_verl.load(path, overrides)
+    for note in notes:
+        print(f"verl-fast train: note: {note}", file=sys.stderr)
+    return cfg
 
 
 class ConfigError(Exception):
@@ -58,7 +69,8 @@ def load_checked(args: argparse.Namespace, packages: bool = True) -> config_mod.
         if packages:
             extras.check(cfg)
     except (ValueError, ImportError, OSError, yaml.YAMLError) as e:
-        raise ConfigError(" ".join(str(e).split()) or type(e).__name__) from None
+        lines = [" ".join(line.split()) for line in str(e).splitlines() if line.strip()]  # each problem, one line
+        raise ConfigError("\n".join(lines) or type(e).__name__) from None
     return cfg
 
 
@@ -168,7 +180,17 @@ def run(args: argparse.Namespace) -> int:
     from verl_fast.trainer import run_dir
 
     # folder, lock, port, loggers, dataset: checked before any model loads (the lock is held to the end)
-    rows = run_dir.precheck(cfg)
+    from verl_fast import preflight
+
+    try:
+        rows = run_dir.precheck(cfg)  # releases the lock itself when it fails
+    except (ValueError, FileNotFoundError) as e:  # a dataset that is not there or cannot be read: one line
+        raise ConfigError(" ".join(str(e).split())) from None
+    try:  # the rows' form, the reward and their fit, on the first rows
+        preflight.check(cfg, rows, cfg.trainer.dataset)
+    except ValueError as e:
+        run_dir.release(cfg.trainer)
+        raise ConfigError(" ".join(str(e).split())) from None
     import torch
 
     from verl_fast.models.loading import resolve

@@ -18,6 +18,7 @@ from verl_fast.rewards.interface import (
 )
 from verl_fast.rewards.deadline import RewardStopped, RewardTimeout
 from verl_fast.rewards.model import RewardModel, is_sequence_classifier
+from verl_fast.rewards.by_source import DataSourceReward
 from verl_fast.rewards.rule import GSM8KReward, ReasoningGymReward, gsm8k_answer, last_number
 from verl_fast.rewards.weighted import WeightedRewards
 
@@ -67,9 +68,11 @@ def _reward_model(cfg: Any) -> RewardFunction:
     return RewardModel.from_pretrained(cfg.model_name, attention_kwargs(cfg, "reward_fn", torch.cuda.is_available()))
 
 
-# reward_fn.type -> the reward it builds from the reward_fn section; pairwise_ranking (DPO) scores
-# nothing: preference pairs carry their ranking
+# reward_fn.type -> the reward it builds from the reward_fn section; auto: each row by its data_source
+# (rewards/by_source.py, as verl routes them); pairwise_ranking (DPO) scores nothing: preference pairs
+# carry their ranking
 REWARDS = {
+    "auto": lambda cfg: DataSourceReward(),
     "reasoning_gym": lambda cfg: ReasoningGymReward(),
     "gsm8k": lambda cfg: GSM8KReward(),
     "callable": lambda cfg: CallableReward(load_callable(cfg.path)),
@@ -108,6 +111,7 @@ __all__ = [
     "RewardInput",
     "RewardFunction",
     "CallableReward",
+    "DataSourceReward",
     "GuardedReward",
     "ON_ERROR",
     "RewardModel",

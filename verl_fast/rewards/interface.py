@@ -1,5 +1,6 @@
 """The reward interface: a batch of (prompt, response, ground truth, dataset columns) in, one float per
-sample out; user callables with verl's per-sample signature or TRL's batch signature are wrapped."""
+sample out (NaN where a function said None: not applicable); user callables with verl's per-sample
+signature or TRL's batch signature are wrapped."""
 
 from __future__ import annotations
 
@@ -22,6 +23,17 @@ class RewardInput:
     data_source: str = ""
     extra_info: Dict[str, Any] = field(default_factory=dict)
     columns: Dict[str, Any] = field(default_factory=dict)  # every field of the dataset row, as given
+    completion_ids: Optional[List[int]] = None  # the response's token ids (TRL's completion_ids)
+    trainer_state: Any = None  # the run's TrainerState when a trainer scores (TRL's trainer_state)
+
+
+@dataclass
+class TrainerState:
+    """What TRL's reward functions read of ``trainer_state``: the optimiser steps done so far (0 while the
+    first step scores, as TRL's ``global_step``) and the run's length."""
+
+    global_step: int = 0
+    max_steps: Optional[int] = None
 
 
 class RewardFunction:
@@ -44,29 +56,37 @@ _PER_SAMPLE_ARGS = {
 }
 
 
-# names TRL gives its reward functions itself (never taken from a dataset column)
-_TRL_OWN = ("prompts", "completions", "prompt", "completion")
+# the arguments TRL's trainer gives every reward function itself (by keyword), beside the dataset's columns
+TRL_ARGS = ("prompts", "completions", "completion_ids", "trainer_state")
+# dataset columns TRL does not pass on (the prompt arrives as prompts)
+_TRL_HELD = ("prompt", "completion")
 
 
 def _takes_trl_signature(params: Dict[str, inspect.Parameter]) -> bool:
-    """TRL's reward signature: ``f(prompts, completions, **kwargs)`` (the first two named so)."""
-    return list(params)[:2] == ["prompts", "completions"]
+    """TRL's reward contract: a function that names any of ``TRL_ARGS`` (``f(completions, **kwargs)``,
+    ``f(prompts, completions, solution, **kwargs)``, ...) is called once per batch, by keyword."""
+    return any(name in params and params[name].kind not in (inspect.Parameter.VAR_POSITIONAL,
+                                                            inspect.Parameter.VAR_KEYWORD) for name in TRL_ARGS)
 
 
 class CallableReward(RewardFunction):
     """Wraps a user function, by its signature:
 
-    - TRL's ``f(prompts, completions, **kwargs) -> list[float]``: one call per batch, with the
-      prompts as the dataset gave them and the completions (both chat messages when the prompt is
-      a list of messages, as TRL's conversational format; else strings), and every other dataset
-      column as a keyword list (``ground_truth`` too), those the function names or all with ``**kwargs``;
+    - TRL's contract, a function naming any of ``prompts``, ``completions``, ``completion_ids``,
+      ``trainer_state`` (``-> list[float | None]``): one call per batch, every argument by keyword:
+      the prompts as the dataset gave them, the completions (chat messages, ``[{"role": "assistant",
+      "content": ...}]``, when the prompt is a list of messages, as TRL's conversational format; else
+      strings), the response token ids, a TrainerState, and every other dataset column as a list
+      (``ground_truth`` too) — those the function names, or all with ``**kwargs``; None for a sample
+      means not applicable;
     - verl's per-sample signature: any subset of ``data_source``, ``solution_str``/``response``,
       ``ground_truth``, ``extra_info``, ``prompt`` (the templated text), by keyword, plus the row's
       other columns it names (all of them with ``**kwargs``);
     - a batch function taking one argument named ``samples`` (RewardInput objects).
 
-    A score may be a float or a dict with a ``score`` key, whose other numeric keys are kept in
-    ``last_extras`` (key -> the values of the samples that returned it) for the metrics."""
+    A score may be a float, None (not applicable: NaN, left out of the weighted sum) or a dict with a
+    ``score`` key, whose other numeric keys are kept in ``last_extras`` (key -> the values of the
+    samples that returned it) for the metrics."""
 
     def __init__(self, fn: Callable[..., Any]):
         self.fn = fn
@@ -76,12 +96,23 @@ class CallableReward(RewardFunction):
         self.trl = _takes_trl_signature(params)
         self.accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         self.params = set(params)
+        self.required = [n for n, p in params.items() if p.default is inspect.Parameter.empty
+                         and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
         self.args = [a for a in _PER_SAMPLE_ARGS if self.accepts_any or a in params]
         self.last_extras: Dict[str, List[float]] = {}
         if not (self.batched or self.trl or self.args):
             raise TypeError(f"reward function {self.name} must take keyword arguments among "
-                            f"{list(_PER_SAMPLE_ARGS)} (verl's compute_score signature), (prompts, completions, "
-                            "**kwargs) (TRL's) or one argument named 'samples'")
+                            f"{list(_PER_SAMPLE_ARGS)} (verl's compute_score signature), among {list(TRL_ARGS)} "
+                            "and the dataset's columns (TRL's) or one argument named 'samples'")
+
+    def missing(self, columns: Sequence[str]) -> List[str]:
+        """The required parameters that neither the call nor a dataset column with these names fills."""
+        if self.batched:
+            return []
+        given = set(columns) | {"ground_truth"} | set(TRL_ARGS if self.trl else _PER_SAMPLE_ARGS)
+        if self.trl:
+            given -= set(_TRL_HELD)
+        return [n for n in self.required if n not in given]
 
     def _wanted(self, key: str) -> bool:
         return self.accepts_any or key in self.params
@@ -101,17 +132,22 @@ class CallableReward(RewardFunction):
 
     def _call_trl(self, samples: Sequence[RewardInput]) -> Any:
         prompts = [s.columns.get("prompt", s.prompt) for s in samples]
-        chat = all(isinstance(p, list) for p in prompts)
-        completions = [[{"role": "assistant", "content": s.response}] if chat else s.response for s in samples]
-        keys = sorted({k for s in samples for k in s.columns} - set(_TRL_OWN))
-        kwargs = {k: [s.columns.get(k) for s in samples] for k in keys if self._wanted(k)}
-        if "ground_truth" not in kwargs and self._wanted("ground_truth"):
-            kwargs["ground_truth"] = [s.ground_truth for s in samples]
-        return self.fn(prompts, completions, **kwargs)
+        chat = bool(prompts) and all(isinstance(p, list) for p in prompts)
+        given: Dict[str, Any] = {
+            "prompts": prompts,
+            "completions": [[{"role": "assistant", "content": s.response}] if chat else s.response for s in samples],
+            "completion_ids": [s.completion_ids for s in samples],
+            "trainer_state": samples[0].trainer_state if samples else None,
+        }
+        for k in sorted({k for s in samples for k in s.columns} - set(_TRL_HELD) - set(TRL_ARGS)):
+            given[k] = [s.columns.get(k) for s in samples]
+        given.setdefault("ground_truth", [s.ground_truth for s in samples])
+        return self.fn(**{k: v for k, v in given.items() if self._wanted(k)})
 
     def _kept(self, outs: Sequence[Any]) -> List[float]:
         """The scores of ``outs``; the extra numeric keys of dict results go to ``last_extras``."""
-        scores = [_as_score(x, self.name, i) for i, x in enumerate(outs)]
+        # None (not applicable) stays None: GuardedReward makes it NaN, which only None may be
+        scores = [None if x is None else _as_score(x, self.name, i) for i, x in enumerate(outs)]
         for x in outs:
             if isinstance(x, dict):
                 for k, v in x.items():
@@ -136,7 +172,10 @@ def scores_of(out: Any, n: int, name: str, first: int = 0, raw: bool = False) ->
 
 def _as_score(x: Any, name: str, index: int) -> float:
     """A score as a finite float: a real number (bools, numpy numbers and one-element tensors
-    included), or a dict whose 'score' is one; never a string, which float() would also parse."""
+    included), or a dict whose 'score' is one; never a string, which float() would also parse.
+    None is "not applicable" (TRL's rule): NaN, which the weighted sum leaves out."""
+    if x is None:
+        return math.nan
     if isinstance(x, dict):
         x = x.get("score")
     if _one_element(x):

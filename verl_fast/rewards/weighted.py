@@ -1,8 +1,10 @@
 """Several reward functions as one: each named, weighted and guarded on its own, their weighted sum
-the sample's reward (TRL's ``reward_funcs`` / ``reward_weights``)."""
+the sample's reward (TRL's ``reward_funcs`` / ``reward_weights``). A score of None (NaN here) is "not
+applicable": the sum leaves it out, as TRL's nansum does (a sample no function applies to scores 0)."""
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -13,7 +15,7 @@ from verl_fast.rewards.model import RewardModel
 class WeightedRewards(RewardFunction):
     """``parts``: (name, weight, guarded reward). A call scores the batch with each reward in turn
     (each under its own ``on_error`` and ``timeout_s``) and returns ``sum_i weight_i * score_i`` per
-    sample. ``last_metrics`` holds the latest call's ``reward/<name>/mean`` (unweighted, when
+    sample, NaN terms (None: not applicable) left out. ``last_metrics`` holds the latest call's ``reward/<name>/mean`` (unweighted, when
     there are several rewards) and ``reward/<name>/<key>`` for each extra numeric key a reward's
     dict results held; ``last_errors`` the samples zeroed by ``on_error: zero``, over all rewards."""
 
@@ -43,9 +45,10 @@ class WeightedRewards(RewardFunction):
         for name, weight, reward in self.parts:
             scores = reward(samples, stop=stop)
             errors += reward.last_errors
-            total = [t + weight * s for t, s in zip(total, scores)]
-            if len(self.parts) > 1:
-                metrics[f"reward/{name}/mean"] = sum(scores) / max(1, len(scores))
+            total = [t if math.isnan(s) else t + weight * s for t, s in zip(total, scores)]
+            applied = [s for s in scores if not math.isnan(s)]
+            if len(self.parts) > 1 and applied:
+                metrics[f"reward/{name}/mean"] = sum(applied) / len(applied)
             metrics.update({f"reward/{name}/{k}": v for k, v in reward.last_extras.items()})
         self.last_errors, self.last_metrics = errors, metrics
         return total

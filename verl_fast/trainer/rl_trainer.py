@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Unio
 
 import torch
 
-from verl_fast import catalog, distributed, extras, hub
+from verl_fast import catalog, config_verl, distributed, extras, hub, preflight
 from verl_fast.checkpoint import sharded as checkpoint
 from verl_fast import config as config_mod
 from verl_fast.algos import dapo
@@ -42,6 +42,7 @@ from verl_fast.experience import Experience, build_experience, concat, last_toke
 from verl_fast.metrics.logger import MetricsLogger
 from verl_fast.models import lora
 from verl_fast.rewards import RewardInput, RewardStopped, RewardTimeout, build_reward
+from verl_fast.rewards.interface import TrainerState
 from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec
 from verl_fast.rollout.factory import build_engine
 from verl_fast.rollout.hf_engine import HFGenerateEngine
@@ -55,11 +56,28 @@ from verl_fast.trainer.batching import balance_across_ranks, loss_normalisers, m
 logger = logging.getLogger(__name__)
 
 
+def _from_mapping(config: Optional[Dict[str, Any]]) -> Config:
+    """Our sections or verl's tree (``config_verl``); its notes logged."""
+    cfg, notes = config_verl.from_dict(config or {})
+    for note in notes:
+        logger.info("config note: %s", note)
+    return cfg
+
+
+def _load_actor(cfg: Config, name: str, tokenizer: Any, model_path: Optional[str]) -> tuple:
+    """The actor (and its tokenizer, unless one is given) by Hub name or folder; its folder for vLLM."""
+    from verl_fast.models.loading import attention_kwargs, load_causal_lm, resolve
+
+    model, own = load_causal_lm(name, cfg.actor.dtype, "actor_model",
+                                **attention_kwargs(cfg.actor, "actor", torch.cuda.is_available()))
+    return model, tokenizer if tokenizer is not None else own, model_path or resolve(name)
+
+
 class RLTrainer:
     def __init__(
         self,
-        actor_model: torch.nn.Module,
-        tokenizer: Any,
+        actor_model: Union[torch.nn.Module, str],
+        tokenizer: Any = None,
         ref_model: Optional[torch.nn.Module] = None,
         critic_model: Optional[torch.nn.Module] = None,
         reward_fn: Optional[Any] = None,
@@ -70,7 +88,8 @@ class RLTrainer:
         model_path: Optional[str] = None,
     ):
         """``actor_model``: any PreTrainedModel, or an FSDP-wrapped one (used as it is, never
-        re-wrapped); plain models are sharded as ``actor.strategy`` / ``critic.strategy`` say
+        re-wrapped), or a name (Hub ``org/name`` or a local folder), loaded with its tokenizer
+        (``actor.dtype``; ``tokenizer`` then defaults to the model's); plain models are sharded as ``actor.strategy`` / ``critic.strategy`` say
         (FSDP2 under torchrun). ``ref_model`` / ``critic_model`` may be of other families; without a
         ``ref_model`` a frozen copy of the actor, laid out as the actor is, is the reference when KL
         is used. ``reward_fn``: a callable with verl's ``compute_score`` signature or TRL's
@@ -80,8 +99,12 @@ class RLTrainer:
         ``generation_config``: default sampling (SamplingSpec fields or HF names). ``model_path``:
         the actor's folder, which a vLLM engine loads (else the actor is saved to a temporary one)."""
         catalog.register()
-        self.cfg = config_mod.checked(config) if isinstance(config, Config) else config_mod.from_dict(config or {})
+        self.cfg = config_mod.checked(config) if isinstance(config, Config) else _from_mapping(config)
         cfg = self.cfg
+        if isinstance(actor_model, str):
+            actor_model, tokenizer, model_path = _load_actor(cfg, actor_model, tokenizer, model_path)
+        if tokenizer is None:
+            raise ValueError("tokenizer is needed with a model object as actor_model (or pass actor_model by name)")
         self.algorithm = algorithms.build(cfg)
         self.tokenizer = tokenizer
         if tokenizer.pad_token_id is None:
@@ -175,6 +198,9 @@ class RLTrainer:
             extras.check(self.cfg, modules=("matplotlib",))
         self.validation = self._validation(val_dataset if val_dataset is not None else cfg.val_dataset)
         rows = self.processor.load(dataset, **dataset_kwargs) if not _is_prepared(dataset) else dataset
+        if not _is_prepared(rows):  # the rows' form and the reward's fit, before the first rollout
+            preflight.check(self.cfg, rows, dataset if isinstance(dataset, (str, list)) else None,
+                            self.reward if self.algorithm.samples else None)
         items: Sequence[Any] = rows if _is_prepared(rows) else self.algorithm.encode(self.processor, rows)
         if not items:
             raise ValueError("the dataset is empty")
@@ -510,9 +536,12 @@ class RLTrainer:
         metrics.update({f"rollout_correction/{k}": v for k, v in stats.items()})
 
     def _reward_inputs(self, batch: List[PromptRow], gen: Any) -> List[RewardInput]:
+        state = TrainerState(global_step=self.step, max_steps=self.total_steps)
+        ids = [row[mask.bool()].tolist() for row, mask in zip(gen.response_ids.cpu(), gen.response_mask.cpu())]
         return [RewardInput(prompt=batch[i].prompt_text, response=text, ground_truth=batch[i].ground_truth,
-                            data_source=batch[i].data_source, extra_info=batch[i].extra_info, columns=batch[i].columns)
-                for i, text in zip(gen.prompt_index.tolist(), gen.texts)]
+                            data_source=batch[i].data_source, extra_info=batch[i].extra_info, columns=batch[i].columns,
+                            completion_ids=ids[j], trainer_state=state)
+                for j, (i, text) in enumerate(zip(gen.prompt_index.tolist(), gen.texts))]
 
     def _start_scoring(self, batch: List[PromptRow], gen: Any) -> concurrent.futures.Future:
         """The reward of ``gen`` started in a thread of its own (``_score`` collects it; the reward's
@@ -719,7 +748,8 @@ def _samples(batch: List[PromptRow], gen: GenerationOutput, scores: torch.Tensor
 
 
 def _is_prepared(items: Any) -> bool:
-    return isinstance(items, list) and bool(items) and not isinstance(items[0], dict)
+    """Encoded items (PromptRow / PreferencePair), not rows nor a list of files (verl's train_files)."""
+    return isinstance(items, list) and bool(items) and not isinstance(items[0], (dict, str))
 
 
 def _reduce(metrics: Dict[str, Any], world: int, group=None) -> Dict[str, Any]:
