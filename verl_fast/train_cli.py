@@ -8,6 +8,7 @@ import os
 from typing import Any, Dict, List
 
 from verl_fast import config as config_mod
+from verl_fast.errors import ConfigError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,10 +38,6 @@ def resolve_config(args: argparse.Namespace) -> config_mod.Config:
     if args.output_dir:
         overrides.append(f"trainer.output_dir={args.output_dir}")
     return config_mod.load(args.config or config_mod.default_config_path(), overrides)
-
-
-class ConfigError(Exception):
-    """A config that cannot run (or cannot be read): the CLI prints its one line and exits 2."""
 
 
 def load_checked(args: argparse.Namespace, packages: bool = True) -> config_mod.Config:
@@ -141,7 +138,6 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from verl_fast.models.loading import resolve
-    from verl_fast.rewards import RewardTimeout
     from verl_fast.trainer.rl_trainer import RLTrainer
 
     if cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available()):
@@ -159,17 +155,14 @@ def run(args: argparse.Namespace) -> int:
                         model_path=resolve(cfg.actor.model_name))
     gc.freeze()  # start-up's objects (the collector is off until here: see cli._train)
     gc.enable()
-    try:
-        history = trainer.fit(rows)
-    except RewardTimeout as e:  # checkpointed already: the message, without a traceback, and exit 1
-        raise SystemExit(f"error: {e}") from None
+    history = trainer.fit(rows)  # a RewardTimeout (checkpointed already): one line, exit 2 (verl_fast.errors)
     run_dir.release(cfg.trainer)
     if trainer.is_main and history:
         summarize(history, cfg.trainer.output_dir)
     if dist is not None:
         dist.barrier()  # every rank done with its collectives before any tears the group down
         dist.destroy_process_group()
-    return 0
+    return trainer.exit_code  # non-zero when a reward called sys.exit(n)
 
 
 def summarize(history: List[Dict[str, Any]], output_dir: str) -> None:

@@ -89,6 +89,7 @@ def test_the_core_install_trains(tmp_path):
     plotted = _run_without_optional(tmp_path, ["train", f"trainer.output_dir={tmp_path / 'run2'}"])  # the default
     assert plotted.returncode == 2 and not (tmp_path / "run2").exists()
     assert plotted.stderr.strip().splitlines() == [
-        "verl-fast train: config error: trainer.plot=true (the reward-curve PNG) needs matplotlib is not installed: "
-        "pip install 'verl_fast[plot]'; reward_fn.type=reasoning_gym needs reasoning_gym is not installed: pip "
-        "install 'verl_fast[demo]' (or change those keys)"]
+        "verl-fast train: config error: trainer.plot=true (the reward-curve PNG), which needs the matplotlib "
+        "package: pip install matplotlib (or pip install 'verl_fast[plot]'); reward_fn.type=reasoning_gym, which "
+        "needs the reasoning-gym package: pip install reasoning-gym (or pip install 'verl_fast[demo]') (or change "
+        "those keys)"]

@@ -114,6 +114,7 @@ class RLTrainer:
         self._items: Sequence[Any] = ()  # what fit() trains on
         self.total_steps: Optional[int] = None  # the run's length, set by fit (the schedules read it)
         self.stopped = False  # set when a signal ended fit() early (after a checkpoint)
+        self.exit_code = 0  # what the CLI exits with: a reward's sys.exit(n) makes it n (see RewardStopped)
         self._stop_event = None  # fit's StopSignals event: a reward still scoring watches it
         self.history: List[Dict[str, Any]] = []
         self.validation: Optional[Validation] = None  # fit's, with a validation set
@@ -212,7 +213,7 @@ class RLTrainer:
             try:
                 metrics = self.train_step(self._batch(items, self.step, per_epoch))
             except RewardStopped as e:  # a signal, or SystemExit / KeyboardInterrupt inside the reward
-                abandoned, self.stopped = str(e), True
+                abandoned, self.stopped, self.exit_code = str(e), True, e.exit_code
                 break
             except RewardTimeout as e:
                 abandoned, timeout = str(e), e
