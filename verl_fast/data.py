@@ -7,12 +7,11 @@ A verl-format row: ``{"data_source": str, "prompt": [{"role": ..., "content": ..
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
-from verl_fast import config, hub
+from verl_fast import config, data_files, hub
 
 
 @dataclass
@@ -68,27 +67,6 @@ def _to_plain(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_to_plain(v) for v in x]
     return x
-
-
-def _parse_json(text: str, path: Path, line: Optional[int] = None) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        where = f"{path}:{line}" if line is not None else f"{path}:{e.lineno}"
-        raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-
-
-def _read_jsonl(path: Path) -> List[Dict[str, Any]]:
-    """One JSON object per non-empty line; errors name the file and the line number."""
-    rows = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        row = _parse_json(line, path, number)
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}:{number}: expected a JSON object (a row), got {type(row).__name__}")
-        rows.append(row)
-    return rows
 
 
 def hub_rows(name: str, split: str = "train", **kwargs: Any) -> List[Dict[str, Any]]:
@@ -159,24 +137,26 @@ class RLDataProcessor:
         if isinstance(source, (str, Path)):
             path = Path(source)
             if not path.exists() and hub.is_repo_id(str(source)):
-                return hub_rows(str(source), **kwargs)
+                return data_files.checked(hub_rows(str(source), **kwargs), str(source))
             if not path.exists():
                 raise FileNotFoundError(f"dataset {source} not found (parquet, jsonl, json, a datasets folder, "
                                         "a Hub dataset name, or reasoning_gym:<task>)")
             if path.is_dir():
                 import datasets
 
-                return [dict(r) for r in datasets.load_from_disk(str(path))]
+                return data_files.checked([dict(r) for r in datasets.load_from_disk(str(path))], str(path))
             if path.suffix == ".parquet":
                 import pandas as pd
 
-                return [{k: _to_plain(v) for k, v in r.items()} for r in pd.read_parquet(path).to_dict("records")]
+                data_files.open_regular(path).close()  # not a FIFO or device
+                return data_files.checked([{k: _to_plain(v) for k, v in r.items()}
+                                           for r in pd.read_parquet(path).to_dict("records")], str(path))
             if path.suffix == ".jsonl":
-                return _read_jsonl(path)
+                return data_files.read_jsonl(path)
             if path.suffix == ".json":
-                data = _parse_json(path.read_text(), path)
-                return data if isinstance(data, list) else [data]
+                return data_files.read_json(path)
             if path.suffix in (".pt", ".pth"):
+                data_files.open_regular(path).close()
                 from verl_fast import safe_load
 
                 data = safe_load.load(path, [PromptRow, PreferencePair], what="a dataset")  # rows are plain data
@@ -250,8 +230,14 @@ class RLDataProcessor:
                          columns=dict(row))
 
     def encode_all(self, rows: Iterable[Dict[str, Any]]) -> List[PromptRow]:
-        """Every row's prompt; overlong ones skipped are counted in ``skipped_overlong``."""
-        encoded = [self.encode(r) for r in rows]
+        """Every row's prompt; overlong ones skipped are counted in ``skipped_overlong``; an error
+        names the row's file and line (``data_files.Rows``) or its index."""
+        encoded = []
+        for i, r in enumerate(rows):
+            try:
+                encoded.append(self.encode(r))
+            except ValueError as e:
+                raise ValueError(f"{data_files.where(rows, i)}: {e}") from None
         kept = [p for p in encoded if p is not None]
         self.skipped_overlong = len(encoded) - len(kept)
         if encoded and not kept:
