@@ -62,7 +62,11 @@ def load_causal_lm(name: str, dtype: str = "float32", what: str = "actor.model_n
     errors; ``kwargs`` (``attn_implementation``, ``trust_remote_code``) go to ``from_pretrained``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = pretrained(AutoModelForCausalLM, name, what, dtype=DTYPES[dtype], **kwargs)
+    from verl_fast.models.checks import missing_weights
+
+    model, info = pretrained(AutoModelForCausalLM, name, what, dtype=DTYPES[dtype], output_loading_info=True,
+                             **kwargs)
+    missing_weights(info, name, what)
     tokenizer = pretrained(AutoTokenizer, name, what, trust_remote_code=kwargs.get("trust_remote_code", False))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

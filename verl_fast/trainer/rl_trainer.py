@@ -39,7 +39,7 @@ from verl_fast.distributed import any_rank
 from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
 from verl_fast.experience import Experience, build_experience, concat, last_token_rewards
 from verl_fast.metrics import MetricsLogger
-from verl_fast.models import lora
+from verl_fast.models import checks, lora
 from verl_fast.rewards import RewardInput, RewardStopped, RewardTimeout, build_reward
 from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec
 from verl_fast.rollout.factory import build_engine
@@ -91,6 +91,8 @@ class RLTrainer:
             if lora.is_peft(actor_model):
                 raise ValueError("actor.lora is set, but the actor given already has PEFT adapters; remove one")
             actor_model = lora.apply(actor_model, cfg.actor.lora)  # the base frozen, the adapters train
+        if ref_model is not None:
+            checks.same_vocab(actor_model, ref_model)
         self.strategy = strategies.build(cfg, actor_model, ref_model, critic_model if self.algorithm.needs_critic
                                          else None, self.algorithm.needs_reference)
         s = self.strategy
