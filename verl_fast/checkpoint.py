@@ -146,8 +146,11 @@ def _local_bytes(obj: Any) -> int:
 
 def _disk_full_message(root: Path, needed: int, free: int, previous: Optional[Path]) -> str:
     intact = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
-    return (f"not enough disk space for a checkpoint in {root}: about {needed:,} bytes needed, "
-            f"{free:,} free; nothing was written ({intact}). Free space or set trainer.output_dir elsewhere")
+    from verl_fast.errors import human_bytes
+
+    return (f"not enough disk space for a checkpoint in {root}: about {human_bytes(needed)} needed, "
+            f"{human_bytes(free)} free; nothing was written ({intact}). Free space or set trainer.output_dir "
+            "elsewhere")
 
 
 def _is_disk_full(e: BaseException) -> bool:

@@ -13,6 +13,8 @@ def refusal(argv: List[str], capsys) -> str:
     capsys.readouterr()
     try:
         code = main(argv)
+    except SystemExit as e:  # argparse's usage errors (exit 2, "usage: ..." and the error on stderr)
+        code = e.code
     except Exception:  # noqa: BLE001 - shown as the traceback the user would have seen
         raise AssertionError(f"verl-fast {' '.join(argv)} ended in a traceback:\n{traceback.format_exc()}")
     err = capsys.readouterr().err
