@@ -70,7 +70,9 @@ def is_expected(e: BaseException) -> bool:
 def one_line(e: BaseException) -> str:
     """The message of ``e`` on one line; an OSError names its path, a full disk its free space."""
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) and e.filename:
-        where = os.path.dirname(os.path.abspath(e.filename)) or "/"
+        where = os.path.abspath(e.filename)
+        while not os.path.isdir(where) and where != os.path.dirname(where):  # the nearest folder there is
+            where = os.path.dirname(where)
         try:
             import shutil
 

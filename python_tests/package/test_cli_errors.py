@@ -206,7 +206,7 @@ CASES = [
     Case("export_missing", "`verl-fast export` of a folder without checkpoints", "traceback",
          r"no complete checkpoint there", lambda t: ["export", str(t), str(t / "out")]),
     Case("convert_missing", "`verl-fast convert` of a folder that is no Megatron checkpoint", "traceback",
-         r"convert", lambda t: ["convert", str(t / "none"), str(t / "out")]),
+         r"checkpoint_path '.*none' is not a directory", lambda t: ["convert", str(t / "none"), str(t / "out")]),
 ]
 
 # cases other tests reproduce (a step must run, or no command line reaches them): (what the user does,
