@@ -129,6 +129,13 @@ def program() -> None:
     from verl_fast import openmp_env
 
     openmp_env.use()  # before anything imports torch
+    import logging
+
+    # torchao, where installed (actor.optimizer=adamw_8bit), is imported by transformers' quantizers at
+    # start: its notes on the CUDA extensions it cannot load on a CPU machine (and torch's on its enums)
+    # say nothing about the run
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     try:
         code = main()
     except SystemExit as e:  # argparse errors, --help, SystemExit("message")

@@ -137,9 +137,11 @@ class ActorConfig(ModelLayoutConfig, ScheduleConfig):
                                    "folder, or the demo name 'smollm2-135m-instruct'")
     type: str = _f("hf", choices=("hf", "hf_transformers", "vllm"), doc="older spelling: vllm sets rollout.type")
     dtype: str = _f("float32", choices=DTYPES)
-    autocast: str = _f("none", choices=("none", "auto", "bfloat16", "float16"),
-                       doc="autocast for forward passes (auto: bfloat16 where the device computes it natively: a "
-                           "GPU, a CPU with AVX512-BF16 / AMX; else none)")
+    autocast: Optional[str] = _f(None, choices=(None, "none", "auto", "bfloat16", "float16"),
+                                 doc="autocast for forward passes and the decode. null (the default): bfloat16 on a "
+                                     "GPU that computes it, none on the CPU; auto: bfloat16 wherever the device "
+                                     "computes it natively (a GPU, a CPU with AVX512-BF16 / AMX: about half the CPU "
+                                     "step), else none")
     lr: float = _f(1e-6, min=0.0, doc="peak rate (lr_scheduler shapes it over the run)")
     weight_decay: float = _f(0.0, min=0.0, doc="AdamW's decoupled weight decay")
     max_grad_norm: float = _f(1.0, min=0.0, doc="0 = no clipping")
@@ -176,7 +178,14 @@ class ActorConfig(ModelLayoutConfig, ScheduleConfig):
                                             "padding (torch's varlen flash attention; a group's prompt once with "
                                             "share_prompt_forward); null (auto): on for an HF actor on a GPU under "
                                             "bf16 / fp16 where torch has varlen_attn (elsewhere a per-sequence loop)")
-    gradient_checkpointing: bool = _f(False)
+    gradient_checkpointing: Optional[bool] = _f(None, doc="recompute each layer's activations in the backward "
+                                                "(null, auto: on when the free memory left after the weights, "
+                                                "gradients and optimizer states holds less than one micro-batch's "
+                                                "activations of a prompt group, trainer/memory_plan.py)")
+    optimizer: str = _f("adamw", choices=("adamw", "adamw_8bit"),
+                        doc="adamw: torch's, fp32 states (8 bytes a trained parameter); adamw_8bit: torchao's "
+                            "AdamW8bit, block-quantised states (2 bytes: what lets a 7B full fine-tune fit one "
+                            "141 GB GPU; pip install torchao)")
     compile_blocks: Optional[bool] = _f(None, doc="torch.compile the norms and MLPs of the training and log-prob "
                                         "passes (llama / mistral / qwen2 / qwen3); null (auto): on for an unsharded, "
                                         "non-PEFT actor on a GPU (gradient_checkpointing's recompute runs them compiled too)")
@@ -232,8 +241,9 @@ class CriticConfig(ModelLayoutConfig, ScheduleConfig):
 @dataclass
 class RolloutConfig:
     type: str = _f("auto", choices=("auto", "hf", "vllm"),
-                   doc="auto: hf for a whole dense actor (unsharded, not PEFT) on one GPU, its decode compiled (on an "
-                       "H200 the step took 0.67x / 0.78x vLLM's at the 0.5B / 1.5B shapes); otherwise vllm when "
+                   doc="auto: hf for a whole dense actor (unsharded; LoRA adapters merged for the decode) on one "
+                       "GPU, its decode compiled (on an H200 the step took 0.67x / 0.78x vLLM's at the 0.5B / 1.5B "
+                       "shapes); otherwise vllm when "
                        "installed and configure_vllm_env() has run (the CLI runs it), else hf")
     n: int = _f(8, min=1, doc="samples per prompt")
     temperature: float = _f(1.0, min=0.0)
@@ -351,6 +361,8 @@ class TrainerConfig:
     train_batch_size: int = _f(4, min=1, doc="prompts (or preference pairs) per step")
     seed: int = _f(0)
     device: str = _f("auto", choices=("auto", "cpu", "cuda"))
+    tf32: Optional[bool] = _f(None, doc="TF32 tensor cores for float32 matmuls and convolutions left outside "
+                              "autocast (null: on for a GPU run)")
     output_dir: str = _f("runs/verl_fast")
     save_freq: int = _f(0, min=0, doc="checkpoint every N steps (0: only at the end)")
     resume: bool = _f(True, doc="continue from the latest complete checkpoint in output_dir (trainer.resume_from, "

@@ -3,7 +3,7 @@ one named with the pip extra of verl_fast that installs it and the key that aske
 
 ``pip install verl_fast`` trains (transformers, datasets, ... are core dependencies); what a config
 turns on beyond that comes from an extra: ``plot`` (matplotlib), ``wandb``, ``tensorboard``, ``lora``
-(peft), ``vllm``, ``megatron`` (megatron-core), ``demo`` (reasoning-gym and the demo model's GGUF
+(peft), ``torchao`` (8-bit optimizer states), ``vllm``, ``megatron`` (megatron-core), ``demo`` (reasoning-gym and the demo model's GGUF
 reader).
 """
 
@@ -50,6 +50,7 @@ NEEDS: List[_Need] = [
      else None),  # offline DPO starts no engine
     ("megatron.core", "megatron", _megatron),
     ("reasoning_gym", "demo", _reasoning_gym),
+    ("torchao", "torchao", lambda cfg: "actor.optimizer=adamw_8bit" if cfg.actor.optimizer == "adamw_8bit" else None),
 ]
 
 

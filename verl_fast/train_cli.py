@@ -120,12 +120,40 @@ def _load_models(cfg: config_mod.Config, device: Any):
     return actor, tokenizer, critic
 
 
+def auto_settings(cfg: config_mod.Config) -> Dict[str, Any]:
+    """What the actor's null / auto keys resolve to on this machine, as far as known before a model
+    loads (the trainer prints the rest, resolved, at start-up)."""
+    import torch
+
+    from verl_fast.strategies.hf_models import autocast_dtype
+
+    cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if cuda else "cpu")
+    a = cfg.actor
+    if a.strategy == "megatron":
+        return {"resolved on": f"{device.type}: actor.strategy=megatron trains in actor.dtype={a.dtype}"}
+    autocast = autocast_dtype(a.autocast, device)
+    out: Dict[str, Any] = {"resolved on": device.type,
+                           "actor.autocast": str(autocast).removeprefix("torch.") if autocast else "none",
+                           "trainer.tf32": cuda if cfg.trainer.tf32 is None else cfg.trainer.tf32,
+                           "actor.use_dynamic_bsz": cuda if a.use_dynamic_bsz is None else a.use_dynamic_bsz}
+    if a.gradient_checkpointing is None:
+        out["actor.gradient_checkpointing"] = "from the free memory, when the actor is built" if cuda else False
+    if a.max_token_len_per_gpu is None and out["actor.use_dynamic_bsz"]:
+        out["actor.max_token_len_per_gpu"] = "from the free memory, at the first update" if cuda else 16384
+    if a.mixed_precision == "auto":
+        out["actor.mixed_precision"] = ("bfloat16 for an unsharded fp32 actor without LoRA" if cuda and autocast ==
+                                        torch.bfloat16 else "none")
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = load_checked(args, packages=not args.print_config)
     if args.print_config:
         import yaml
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        print("\n".join(f"# {key}: {value}" for key, value in auto_settings(cfg).items()))
         return 0
     if cfg.rollout.type in ("auto", "vllm"):
         from verl_fast.rollout import vllm_env
@@ -153,6 +181,15 @@ def run(args: argparse.Namespace) -> int:
     else:
         device = torch.device("cpu")
     try:
+        if device is not None and device.type == "cuda" and cfg.actor.strategy != "megatron":
+            from verl_fast.algos import registry as algorithms
+            from verl_fast.strategies import memory_plan
+
+            try:  # one line naming what would fit, not an out-of-memory error mid-step
+                memory_plan.check_before_loading(cfg, resolve(cfg.actor.model_name), algorithms.build(cfg).needs_reference,
+                                                 device)
+            except memory_plan.DoesNotFit as e:
+                raise ConfigError(str(e)) from None
         actor, tokenizer, critic = _load_models(cfg, device)
     except BaseException:
         run_dir.release(cfg.trainer)

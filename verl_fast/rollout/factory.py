@@ -46,13 +46,14 @@ from verl_fast.rollout.hf_engine import HFGenerateEngine
 
 
 def resolve_type(kind: str, actor: Optional[torch.nn.Module] = None) -> str:
-    """``auto`` -> ``hf`` for a whole (unsharded, non-PEFT, dense) ``actor`` on a GPU in one process whose model
-    the HF fast decode runs (it decodes compiled there: measured faster than vLLM 0.26 on one H200,
-    ``benchmarks/results/e2e_0.5b_cuda.json`` / ``e2e_1.5b_cuda.json``); otherwise ``vllm`` when vLLM is
-    installed and set up to run in this process, else ``hf``."""
+    """``auto`` -> ``hf`` for a whole (unsharded, dense) ``actor`` on a GPU in one process whose model
+    the HF fast decode runs (it decodes compiled there, a LoRA actor's adapters merged into its copies of
+    the weights: measured faster than vLLM 0.26 on one H200, ``benchmarks/results/e2e_0.5b_cuda.json`` /
+    ``e2e_1.5b_cuda.json``); otherwise ``vllm`` when vLLM is installed and set up to run in this process,
+    else ``hf``."""
     if kind != "auto":
         return kind
-    whole = actor is not None and distributed.world_size() == 1 and not hasattr(actor, "peft_config")
+    whole = actor is not None and distributed.world_size() == 1
     if whole and compiles_decode(actor) and getattr(hf_module(actor).config, "model_type", None) not in MOE_FAMILIES \
             and hf_decode.unsupported(hf_module(actor)) is None:
         return "hf"  # measured on dense models; a mixture of experts goes to vLLM's fused expert kernels

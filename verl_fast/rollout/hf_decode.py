@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from transformers import AttentionInterface
@@ -189,6 +189,40 @@ def model_step(module, ids, mask, positions, cache) -> torch.Tensor:
     return out.logits[:, -1].float()
 
 
+def merge_adapters(module: torch.nn.Module, dtype: Optional[torch.dtype], copies: dict,
+                   done: List[Tuple[torch.nn.Module, str, torch.nn.Module]]) -> None:
+    """Each LoRA-adapted linear layer of ``module`` (peft's, adapters active and not merged into the
+    base) replaced in its parent by a plain ``nn.Linear`` holding ``W + scale * B @ A`` over its active
+    adapters, computed in float32 and kept in ``dtype`` (or the base weight's) in ``copies``, refreshed
+    at every rollout: the decode runs one GEMM per layer, as for a model without adapters (peft's
+    forward runs three, and keeps the q/k/v and gate/up products from merging). Each swap is appended
+    to ``done`` as (parent, name, adapted layer), what the caller puts back."""
+    for name, sub in list(module.named_modules()):
+        base = getattr(sub, "base_layer", None)
+        if (not isinstance(base, torch.nn.Linear) or not hasattr(sub, "lora_A") or getattr(sub, "merged", False)
+                or getattr(sub, "disable_adapters", False) or any(getattr(sub, "use_dora", {}).values())):
+            continue  # not LoRA, already merged, adapters off, or DoRA (whose scale peft's forward computes)
+        weight = base.weight.detach().float()
+        for adapter in sub.active_adapters:
+            if adapter in sub.lora_A:
+                delta = sub.lora_B[adapter].weight.float() @ sub.lora_A[adapter].weight.float()
+                weight = weight + sub.scaling[adapter] * (delta.T if getattr(sub, "fan_in_fan_out", False) else delta)
+        key = f"{name}.adapters_merged"
+        plain = copies.get(key)
+        want = dtype or base.weight.dtype
+        if plain is None or (plain.weight.shape, plain.weight.device, plain.weight.dtype) != (weight.shape, weight.device, want):
+            plain = torch.nn.Linear(base.in_features, base.out_features, bias=base.bias is not None,
+                                    device=weight.device, dtype=want).requires_grad_(False)
+            copies[key] = plain
+        plain.weight.copy_(weight)
+        if base.bias is not None:
+            plain.bias.copy_(base.bias.detach())
+        parent_name, _, attr = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        setattr(parent, attr, plain)
+        done.append((parent, attr, sub))
+
+
 class CompiledForward:
     """The decode steps' forward compiled by torch.compile (Inductor): a step's norms, rotary, casts,
     masking and softmax fuse into a few kernels per layer where eager runs ~50 (the captured step at
@@ -217,8 +251,9 @@ class CompiledForward:
         replaced by kept copies in the autocast dtype."""
         device = next(module.parameters()).device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        swapped, merged = [], []
+        swapped, merged, adapters = [], [], []
         try:
+            merge_adapters(module, dtype, self.copies, adapters)
             self.merged.install(module, dtype, merged)
             inside = {id(layer) for _, layers in merged for layer in layers}  # merged: no copies of their own
             for name, layer in module.named_modules() if dtype is not None else ():
@@ -240,6 +275,8 @@ class CompiledForward:
             for layer, key, param in swapped:
                 layer._parameters[key] = param
             merged_projections.Merged.remove(merged)
+            for parent, attr, adapted in adapters:
+                setattr(parent, attr, adapted)
 
 
 class _Decoder:

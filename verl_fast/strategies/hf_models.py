@@ -35,7 +35,7 @@ from verl_fast.models.shared_prefix import experience_logprobs, packed_layout
 from verl_fast.models.value import ValueModel, response_values
 from verl_fast.models.wrapping import hf_module, is_sharded
 from verl_fast.rollout.base import RolloutEngine
-from verl_fast.strategies import sharding
+from verl_fast.strategies import memory_plan, sharding
 from verl_fast.strategies.bf16_compute import BF16Compute
 from verl_fast.strategies.protocol import LossFn
 from verl_fast.strategies.sharding import Sharding
@@ -44,9 +44,15 @@ AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 FUSED = {"auto": None, "on": True, "off": False}  # actor.fused_logprobs
 
 
-def adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW; the fused kernel (one pass over all parameters, ~5x faster on the CPU than the default
-    per-tensor loop) for plain CPU / CUDA parameters; sharded (DTensor) ones keep torch's default."""
+def adamw(model: torch.nn.Module, lr: float, weight_decay: float, kind: str = "adamw") -> torch.optim.Optimizer:
+    """AdamW (``actor.optimizer``): torch's, the fused kernel (one pass over all parameters, ~5x faster
+    on the CPU than the default per-tensor loop) for plain CPU / CUDA parameters, torch's default for
+    sharded (DTensor) ones; ``adamw_8bit``: torchao's AdamW8bit over the trained parameters (its
+    moments block-quantised to 8 bits, dequantised inside each step: a quarter of fp32 AdamW's memory)."""
+    if kind == "adamw_8bit":
+        from torchao.optim import AdamW8bit  # the extra torchao (checked at start-up: extras.py)
+
+        return AdamW8bit([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
     params = list(model.parameters())
     fused = not is_sharded(model) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point()
                                           and type(p.data) is torch.Tensor for p in params)
@@ -71,10 +77,14 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max
     return norm
 
 
-def autocast_dtype(name: str, device: torch.device) -> Optional[torch.dtype]:
-    """``actor.autocast`` on ``device``; ``auto``: bfloat16 where the device multiplies it natively (a
-    GPU with bf16, a CPU with AVX512-BF16 or AMX), else none. On a CPU without them a bf16 matmul takes
-    ~70x an fp32 one (1024^3, AVX2-only EPYC, torch 2.13: 3.7 s against 0.05 s), so fp32 is faster there."""
+def autocast_dtype(name: Optional[str], device: torch.device) -> Optional[torch.dtype]:
+    """``actor.autocast`` on ``device``. Null (the default): bfloat16 on a GPU that computes it (TRL's
+    default too; on an H200 the 0.5B step took 0.82 s against 4.18 s in fp32), none on the CPU.
+    ``auto``: bfloat16 wherever the device multiplies it natively (a GPU with bf16, a CPU with
+    AVX512-BF16 or AMX), else none. On a CPU without them a bf16 matmul takes ~70x an fp32 one
+    (1024^3, AVX2-only EPYC, torch 2.13: 3.7 s against 0.05 s), so fp32 is faster there."""
+    if name is None:
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
     if name != "auto":
         return AUTOCAST.get(name)
     if device.type == "cuda":
@@ -82,6 +92,15 @@ def autocast_dtype(name: str, device: torch.device) -> Optional[torch.dtype]:
     else:
         fast = device.type == "cpu" and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
     return torch.bfloat16 if fast else None
+
+
+def use_tf32(setting: Optional[bool], device: torch.device) -> None:
+    """``trainer.tf32`` (null: on for a GPU run): float32 matmuls and convolutions outside autocast on
+    TF32 tensor cores (a 10-bit mantissa for the products, fp32 accumulation). Process-wide."""
+    on = device.type == "cuda" if setting is None else setting
+    if device.type == "cuda" or setting is not None:
+        torch.backends.cuda.matmul.allow_tf32 = on
+        torch.backends.cudnn.allow_tf32 = on
 
 
 def autocast_of(dtype: Optional[torch.dtype], device: torch.device) -> Callable[[], ContextManager[Any]]:
@@ -255,17 +274,30 @@ class FSDPStrategy:
         self.uneven_micro_batches = self.dp_size == 1  # FSDP ranks must run the same passes
         layout = Sharding.from_config(cfg.actor, "actor", self.dp_size)
         self.device = sharding.compute_device(layout, cfg.trainer.device, actor)
+        if cfg.actor.gradient_checkpointing is None:  # auto: when the memory left needs it (memory_plan)
+            layout = replace(layout, gradient_checkpointing=memory_plan.wants_checkpointing(
+                cfg, actor, self.device, needs_reference and ref is None))
+        self.layout, self.checkpointing = layout, layout.gradient_checkpointing
+        use_tf32(cfg.trainer.tf32, self.device)
         self.actor = sharding.shard(actor, layout, self.device)
         self.autocast_dtype = autocast_dtype(cfg.actor.autocast, self.device)
         self.autocast = autocast_of(self.autocast_dtype, self.device)
         self.ref = reference_model(self.actor, ref, layout, self.device) if needs_reference else None
         self.critic = None if critic is None else HFCritic(critic_model(critic), cfg, self.dp_size, self.device,
                                                            self.autocast)
-        self.optimizer = adamw(self.actor, cfg.actor.lr, cfg.actor.weight_decay)
+        self.optimizer = adamw(self.actor, cfg.actor.lr, cfg.actor.weight_decay, cfg.actor.optimizer)
         bf16 = computes_in_bf16(self.actor, cfg, layout, self.device, self.autocast_dtype)
         self.bf16 = BF16Compute(self.actor) if bf16 else None
         self.compiled = compiles_blocks(self.actor, cfg, self.device)
         self.packs_sequences = removes_padding(self.actor, cfg, self.device, self.autocast_dtype)
+
+    def resolved(self) -> Dict[str, Any]:
+        dtype = self.autocast_dtype
+        return {"actor.autocast": str(dtype).removeprefix("torch.") if dtype else "none",
+                "actor.mixed_precision": "bfloat16" if self.bf16 is not None or self.layout.mixed_precision else "none",
+                "actor.gradient_checkpointing": self.checkpointing, "actor.compile_blocks": self.compiled,
+                "actor.use_remove_padding": self.packs_sequences,
+                "trainer.tf32": self.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32}
 
     # ---- forward passes and updates
 

@@ -57,6 +57,10 @@ class Strategy(Protocol):
     def autocast(self) -> ContextManager[Any]:
         """The forward passes' autocast (``actor.autocast``), also around generation."""
 
+    def resolved(self) -> Dict[str, Any]:
+        """The actor's settings as this strategy resolved their auto / null values (config key -> value),
+        printed once at start-up."""
+
     def actor_logprobs(self, exp: Experience, micro: List[torch.Tensor]) -> torch.Tensor:
         """[N, L] float32 log-probs of the response tokens under the actor (no gradient)."""
 

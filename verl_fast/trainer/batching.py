@@ -20,16 +20,11 @@ import torch.distributed as dist
 from verl_fast.algos.losses import active_rows
 from verl_fast.experience import Experience, concat
 from verl_fast.ops import schedule
+from verl_fast.strategies.memory_plan import ACTIVATION_BYTES, MEMORY_FRACTION, checkpointed_per_token
 
 __all__ = ["loss_normalisers", "micro_batches", "balance_across_ranks", "token_budget"]
 
 CPU_TOKEN_BUDGET = 16384  # actor.max_token_len_per_gpu unset where the free memory is not known
-# Activation bytes a training pass keeps for its backward, per token, per layer and per unit of
-# (hidden + intermediate) width, packed rows under bf16 autocast with compiled norms and MLPs:
-# measured on one H200 (benchmarks/NOTES.md) 7.2 at the 0.5B shape and 7.5 at 1.5B; eager norms
-# and MLPs keep ~1.3x as much, no autocast (float32 activations) ~2x.
-ACTIVATION_BYTES = 8.0
-MEMORY_FRACTION = 0.85  # of what is free at the first update, for the activations
 
 
 def loss_normalisers(response_mask: torch.Tensor, group=None, norm_length: float = 0) -> Dict[str, float]:
@@ -69,12 +64,14 @@ def micro_batches(rows: torch.Tensor, token_counts: Optional[torch.Tensor] = Non
 
 
 def token_budget(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                 compiled: bool, half: bool) -> int:
+                 compiled: bool, half: bool, state_bytes: float = 8.0, checkpointed: bool = False) -> int:
     """``actor.max_token_len_per_gpu``'s auto: on a GPU, the tokens whose activations
     (``ACTIVATION_BYTES``; ``compiled``: the norms and MLPs compiled, ``half``: bf16 / fp16 autocast)
     fit ``MEMORY_FRACTION`` of the memory free now less what the update is still to allocate (the
-    gradients of parameters that have none yet, AdamW's two moments before its first step); at
-    least 4096. Call it before the first update; elsewhere ``CPU_TOKEN_BUDGET``."""
+    gradients of parameters that have none yet, the optimizer's states before its first step:
+    ``state_bytes`` per trained parameter, 8 for AdamW's two fp32 moments); at
+    least 4096; ``checkpointed``: under gradient checkpointing (memory_plan's per-token count). Call it
+    before the first update; elsewhere ``CPU_TOKEN_BUDGET``."""
     if device.type != "cuda":
         return CPU_TOKEN_BUDGET
     cfg = getattr(getattr(model, "module", model), "config", None)
@@ -83,12 +80,14 @@ def token_budget(model: torch.nn.Module, optimizer: torch.optim.Optimizer, devic
     if not width or not layers:
         return CPU_TOKEN_BUDGET
     per_token = ACTIVATION_BYTES * layers * width * (1.0 if compiled else 1.3) * (1.0 if half else 2.0)
+    if checkpointed:
+        per_token = checkpointed_per_token(per_token, layers, cfg.hidden_size)
 
     # (trained parameter, this rank's shard of it: a DTensor's local tensor)
     trained = [(p, p.to_local() if hasattr(p, "to_local") else p) for p in model.parameters() if p.requires_grad]
     pending = sum(t.numel() * t.element_size() for p, t in trained if p.grad is None)
-    if getattr(optimizer, "state", None) == {}:  # AdamW before its first step: exp_avg, exp_avg_sq to come (fp32)
-        pending += sum(2 * 4 * t.numel() for _, t in trained)
+    if getattr(optimizer, "state", None) == {}:  # before its first step: exp_avg, exp_avg_sq to come
+        pending += sum(state_bytes * t.numel() for _, t in trained)
     free, _ = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     available = free + cached - pending

@@ -18,6 +18,8 @@ many optimiser steps (mini-batches, epochs) it takes.
 from __future__ import annotations
 
 import math
+
+import torch
 from typing import Any, Optional
 
 SCHEDULES = ("constant", "linear", "cosine")
@@ -50,6 +52,10 @@ def factor(step: int, total: Optional[int], s: Any) -> float:
 
 
 def set_rate(optimizer: Any, lr: float) -> None:
-    """Every parameter group of ``optimizer`` (torch's, or megatron-core's) at rate ``lr``."""
+    """Every parameter group of ``optimizer`` (torch's, torchao's, or megatron-core's) at rate ``lr``;
+    a rate held as a tensor (torchao's, after its first step: its compiled step reads it) is filled in place."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr

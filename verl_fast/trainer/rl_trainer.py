@@ -46,6 +46,7 @@ from verl_fast.rollout.factory import build_engine
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 from verl_fast.rollout.operator import RolloutOperator
 from verl_fast.strategies import backends as strategies
+from verl_fast.strategies import memory_plan
 from verl_fast.trainer import lr_schedule, perf, run_dir
 from verl_fast.trainer.validation import Validation
 from verl_fast.trainer.batching import balance_across_ranks, loss_normalisers, micro_batches, token_budget
@@ -123,6 +124,11 @@ class RLTrainer:
         self.generations: List[Dict[str, Any]] = []  # the latest step's first trainer.log_generations samples
         self.perf = perf.StepPerf(s.actor, self.device)
         self._auto_budget: Optional[int] = None  # actor.max_token_len_per_gpu's auto (token_budget)
+        if self.is_main:  # what the defaults became here, once (the token budget: at the first update)
+            settings = dict(s.resolved())
+            if self.engine is not None:
+                settings["rollout.type"] = "hf" if isinstance(self.engine, HFGenerateEngine) else "vllm"
+            print(f"verl-fast: on {self.device}: " + ", ".join(f"{k}={v}" for k, v in settings.items()), flush=True)
 
     @property
     def actor(self) -> torch.nn.Module:
@@ -578,7 +584,9 @@ class RLTrainer:
         if self._auto_budget is None:
             s = self.strategy
             self._auto_budget = token_budget(s.actor, s.optimizer, self.device, compiled=getattr(s, "compiled", False),
-                                             half=s.autocast_dtype in (torch.bfloat16, torch.float16))
+                                             checkpointed=getattr(s, "checkpointing", False),
+                                             half=s.autocast_dtype in (torch.bfloat16, torch.float16),
+                                             state_bytes=memory_plan.OPTIMIZER_STATE_BYTES[self.cfg.actor.optimizer])
             logger.info("actor.max_token_len_per_gpu (auto): %d tokens per micro-batch", self._auto_budget)
         return self._auto_budget
 

@@ -62,6 +62,9 @@ class MegatronStrategy:
 
         return MegatronCritic(critic.to(self.device), self.cfg)  # trained in Megatron's layout; no HF copy kept
 
+    def resolved(self) -> Dict[str, Any]:
+        return {"actor.autocast": "none", "actor.dtype": self.cfg.actor.dtype, "actor.strategy": "megatron"}
+
     # ---- forward passes and updates
 
     def actor_logprobs(self, exp: Experience, micro: List[torch.Tensor]) -> torch.Tensor:
@@ -119,7 +122,7 @@ def check(cfg: Config) -> None:
         if getattr(cfg.actor, key):
             raise ValueError(f"actor.{key} is not supported with actor.strategy=megatron; use fixed-size "
                              "micro-batches (actor.micro_batch_size) on the accelerator")
-    if cfg.actor.mixed_precision not in ("none", "auto") or cfg.actor.autocast not in ("none", "auto"):  # auto: none here
+    if cfg.actor.mixed_precision not in ("none", "auto") or cfg.actor.autocast not in (None, "none", "auto"):  # auto: none here
         raise ValueError("actor.mixed_precision / actor.autocast are not supported with actor.strategy=megatron; "
                          "use actor.dtype=bfloat16 (bf16 weights, fp32 main weights in the optimizer)")
     if cfg.actor.virtual_pipeline_model_parallel_size and cfg.actor.pipeline_model_parallel_size < 2:

@@ -1,0 +1,214 @@
+"""What a config that names no precision or memory key gets: bf16 compute over fp32 masters and TF32 on a
+GPU, today's choices on the CPU; gradient checkpointing and the refusal of a run that cannot fit, from
+the memory plan (strategies/memory_plan.py)."""
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from tiny_models import build_config, build_model, tiny_model
+from verl_fast.config import from_dict
+from verl_fast.strategies import memory_plan
+from verl_fast.strategies.hf_models import autocast_dtype, use_tf32
+from verl_fast.train_cli import auto_settings
+
+GIB = 2**30
+# Qwen2.5-7B's published shape (config.json of Qwen/Qwen2.5-7B): 7,615,616,512 parameters
+QWEN25_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                 num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False)
+
+
+def test_no_precision_key_is_bf16_on_a_gpu_and_todays_choice_on_the_cpu(monkeypatch):
+    cfg = from_dict({"actor": {"model_name": "m"}})
+    assert cfg.actor.autocast is None and cfg.actor.mixed_precision == "auto" and cfg.trainer.tf32 is None
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert autocast_dtype(cfg.actor.autocast, torch.device("cuda")) is torch.bfloat16
+    # the CPU keeps fp32 whatever it supports (auto is the opt-in for AVX512-BF16 / AMX CPUs)
+    for native in (False, True):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=native: v)
+        assert autocast_dtype(cfg.actor.autocast, torch.device("cpu")) is None
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)  # a GPU without bf16: fp32
+    assert autocast_dtype(None, torch.device("cuda")) is None
+
+
+def test_print_config_names_what_the_defaults_resolve_to(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    gpu = auto_settings(from_dict({"trainer": {"device": "cuda"}}))
+    assert gpu["resolved on"] == "cuda" and gpu["actor.autocast"] == "bfloat16" and gpu["trainer.tf32"] is True
+    assert gpu["actor.use_dynamic_bsz"] is True and "free memory" in gpu["actor.gradient_checkpointing"]
+    assert gpu["actor.mixed_precision"].startswith("bfloat16")
+    cpu = auto_settings(from_dict({"trainer": {"device": "cpu"}}))
+    assert cpu == {"resolved on": "cpu", "actor.autocast": "none", "trainer.tf32": False,
+                   "actor.use_dynamic_bsz": False, "actor.gradient_checkpointing": False,
+                   "actor.mixed_precision": "none"}
+    set_by_hand = auto_settings(from_dict({"trainer": {"device": "cuda", "tf32": False},
+                                           "actor": {"autocast": "none", "gradient_checkpointing": True}}))
+    assert set_by_hand["actor.autocast"] == "none" and set_by_hand["trainer.tf32"] is False
+    assert "actor.gradient_checkpointing" not in set_by_hand
+
+
+def test_tf32_is_on_for_a_gpu_run_and_left_alone_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    use_tf32(None, torch.device("cpu"))
+    assert torch.backends.cuda.matmul.allow_tf32 is False
+    use_tf32(None, torch.device("cuda"))
+    assert torch.backends.cuda.matmul.allow_tf32 is True and torch.backends.cudnn.allow_tf32 is True
+    use_tf32(False, torch.device("cuda"))
+    assert torch.backends.cuda.matmul.allow_tf32 is False
+
+
+def _folder(tmp_path, **shape):
+    transformers.Qwen2Config(**shape).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_shape_from_the_config_alone_counts_the_published_7b(tmp_path):
+    shape = memory_plan.shape_from_folder(_folder(tmp_path, **QWEN25_7B), None)
+    assert shape.parameters == 7_615_616_512 and shape.trained == shape.parameters
+    assert (shape.layers, shape.hidden, shape.width) == (28, 3584, 3584 + 18944)
+
+
+@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj"]])
+def test_lora_parameters_equal_pefts_count(targets):
+    peft = pytest.importorskip("peft")
+    model = build_model("qwen2")
+    want = peft.get_peft_model(build_model("qwen2"), peft.LoraConfig(r=8, target_modules=targets))
+    trained = sum(p.numel() for p in want.parameters() if p.requires_grad)
+    assert memory_plan.lora_parameters(model.named_modules(), 8, targets) == trained
+
+
+def test_the_7b_full_fine_tune_fits_one_h200_with_8bit_states_and_not_with_fp32_adamw(tmp_path):
+    shape = memory_plan.shape_from_folder(_folder(tmp_path, **QWEN25_7B), None)
+    free = 139 * GIB
+    work = {"rollout": {"n": 8, "max_new_tokens": 256}, "trainer": {"max_prompt_length": 64}}
+    fp32 = from_dict(work)
+    p = memory_plan.plan(fp32, shape, free, needs_reference=False, peft=False)
+    # 4 (weights) + 4 (gradients) + 8 (AdamW) + 2 + 2 (the passes' and the decode's bf16 copies) bytes each
+    assert p.static_bytes == 20 * shape.parameters and not p.fits()
+    line = memory_plan.refusal(p, fp32)
+    assert "\n" not in line and "actor.lora" in line and "actor.optimizer=adamw_8bit" in line and "GiB" in line
+    eight = from_dict({**work, "actor": {"optimizer": "adamw_8bit"}})
+    p8 = memory_plan.plan(eight, shape, free, needs_reference=False, peft=False)
+    assert p8.static_bytes == 14 * shape.parameters and p8.fits()
+    # a KL reference copy (fp32) on top no longer leaves one prompt group room without checkpointing
+    ref = memory_plan.plan(eight, shape, free, needs_reference=True, peft=False)
+    assert ref.static_bytes == 18 * shape.parameters
+
+
+def test_lora_7b_fits_and_checkpointing_turns_on_only_where_memory_needs_it(tmp_path):
+    lora = {"r": 64}
+    shape = memory_plan.shape_from_folder(_folder(tmp_path, **QWEN25_7B), lora)
+    assert 150e6 < shape.trained < 170e6  # 64 x (in + out) over 7 projections x 28 layers: 161,480,704
+    cfg = from_dict({"actor": {"lora": lora}, "rollout": {"n": 8, "max_new_tokens": 256}})
+    p = memory_plan.plan(cfg, shape, 139 * GIB, needs_reference=False, peft=True)
+    assert p.fits() and not p.checkpointing
+    small = memory_plan.plan(cfg, shape, p.static_bytes + 0.5 * p.group_tokens * p.per_token / 0.85, False, True)
+    assert small.fits() and small.checkpointing  # half a group's activations: recompute them
+
+
+def test_checkpointing_stays_off_on_the_cpu():
+    cfg = from_dict({})
+    assert memory_plan.wants_checkpointing(cfg, build_model("qwen2"), torch.device("cpu"), False) is False
+
+
+def test_an_8bit_optimizer_trains_a_tiny_model_like_adamw():
+    """torchao's AdamW8bit (actor.optimizer=adamw_8bit) through the strategy's optimizer factory: the
+    loss falls as under fp32 AdamW (its block-quantised moments round the step, not its direction).
+    Small tensors (< 4096 elements) keep fp32 moments in torchao; the 64 x 128 blocks here quantise."""
+    pytest.importorskip("torchao")
+    from verl_fast.strategies.hf_models import adamw
+
+    losses = {}
+    for kind in ("adamw", "adamw_8bit"):
+        model = tiny_model("qwen2", seed=0)
+        opt = adamw(model, 1e-2, 0.0, kind)
+        ids = torch.randint(0, 320, (4, 16), generator=torch.Generator().manual_seed(0))
+        curve = []
+        for _ in range(6):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            curve.append(float(loss.detach()))
+        losses[kind] = curve
+    for kind, curve in losses.items():
+        assert curve[-1] < 0.9 * curve[0], (kind, curve)
+    assert abs(losses["adamw_8bit"][-1] - losses["adamw"][-1]) < 0.1 * losses["adamw"][0]
+
+
+def test_merged_adapters_compute_what_pefts_forward_does():
+    """The compiled decode's LoRA layers: one plain linear holding W + scale * B @ A (hf_decode.merge_adapters)
+    against a float64 reference of peft's forward (base product plus the scaled adapter path)."""
+    peft = pytest.importorskip("peft")
+    from verl_fast.rollout.hf_decode import merge_adapters
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(build_model("qwen2"), peft.LoraConfig(r=4, lora_alpha=16, target_modules="all-linear"))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)  # peft starts B at zero: the merge would be trivial
+    model.eval()
+    ids = torch.randint(0, 512, (2, 9))
+    want = model(input_ids=ids).logits.double()
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    x = torch.randn(3, layer.base_layer.in_features, dtype=torch.float64)
+    a, b = layer.lora_A["default"].weight.double(), layer.lora_B["default"].weight.double()
+    ref = x @ layer.base_layer.weight.double().T + layer.base_layer.bias.double() + 4.0 * (x @ a.T) @ b.T
+    done, copies = [], {}
+    merge_adapters(model, None, copies, done)
+    try:
+        assert len(done) == 2 * 7 and all(type(getattr(p, n)) is torch.nn.Linear for p, n, _ in done)
+        plain = model.base_model.model.model.layers[0].self_attn.q_proj
+        torch.testing.assert_close(plain(x.float()).double(), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(model(input_ids=ids).logits.double(), want, atol=1e-4, rtol=1e-4)
+    finally:
+        for parent, attr, adapted in done:
+            setattr(parent, attr, adapted)
+    assert type(model.base_model.model.model.layers[0].self_attn.q_proj).__module__.startswith("peft")
+    merge_adapters(model, torch.bfloat16, copies, done := [])  # the kept copies are refreshed, in bf16
+    assert all(getattr(p, n).weight.dtype == torch.bfloat16 for p, n, _ in done)
+    for parent, attr, adapted in done:
+        setattr(parent, attr, adapted)
+
+
+def test_8bit_optimizer_states_checkpoint_and_resume_bit_for_bit(tmp_path):
+    """actor.optimizer=adamw_8bit through the trainer: two steps (the schedule sets torchao's tensor
+    rate in place), a checkpoint, and a second trainer resumed from it holds the same weights and the
+    same quantised moments."""
+    pytest.importorskip("torchao")
+    from tiny_models import build_tokenizer
+    from verl_fast import checkpoint
+    from verl_fast.trainer.rl_trainer import RLTrainer
+
+    tok = build_tokenizer()
+
+    def trainer():
+        cfg = {"actor": {"optimizer": "adamw_8bit", "lr": 1e-3, "lr_scheduler": "linear"},
+               "rollout": {"n": 2, "max_new_tokens": 4},
+               "trainer": {"train_batch_size": 2, "total_steps": 4, "output_dir": str(tmp_path), "progress_bar": False,
+                           "plot": False, "device": "cpu"}}
+        return RLTrainer(actor_model=build_model("qwen2", vocab_size=len(tok), hidden_size=128, intermediate_size=256),
+                         tokenizer=tok, config=cfg,
+                         reward_fn=lambda solution_str, ground_truth: float(len(solution_str) % 2))
+
+    first = trainer()
+    rows = first.processor.encode_all([{"prompt": [{"role": "user", "content": f"hi {i}"}],
+                                        "reward_model": {"ground_truth": "0"}, "data_source": "x"} for i in range(4)])
+    for s in range(2):
+        first.train_step(rows[2 * s: 2 * s + 2])
+    states = first.strategy.optimizer.state
+    assert any(type(st["exp_avg"]).__name__ == "OptimState8bit" for st in states.values())
+    first.save()
+    second = trainer()
+    second.strategy.load(checkpoint.latest_valid(str(tmp_path)))
+    for (name, a), b in zip(first.actor.named_parameters(), second.actor.parameters()):
+        assert torch.equal(a, b), name
+    plain = lambda t: t.dequantize() if hasattr(t, "dequantize") else t  # noqa: E731
+    got = second.strategy.optimizer.state
+    for p1, p2 in zip(first.actor.parameters(), second.actor.parameters()):
+        if p1 in states:
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(plain(states[p1][key]), plain(got[p2][key])), key

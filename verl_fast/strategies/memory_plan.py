@@ -1,0 +1,176 @@
+"""What a run keeps on its GPU, counted before it starts: the defaults that depend on memory.
+
+Bytes that stay for the whole run (``static``), per parameter of the actor:
+- its weights in ``actor.dtype`` (4 bytes in float32); a frozen reference copy when KL needs one;
+- the trained parameters' gradients (their own dtype) and the optimizer's states: AdamW keeps two
+  fp32 moments (8 bytes), torchao's AdamW8bit two block-quantised ones (about 2 bytes);
+- bf16 copies of fp32 weights (2 bytes each): the training passes' (``actor.mixed_precision`` auto,
+  ``strategies/bf16_compute.py``) and the compiled decode's (``rollout/hf_decode.CompiledForward``);
+  under autocast without those copies, autocast's own cast cache holds the same 2 bytes during a pass.
+
+What is left holds the activations of the micro-batches (``ACTIVATION_BYTES`` per token, layer and
+unit of width without checkpointing; with it, one bf16 hidden state per token and
+layer plus one layer's full activations). ``gradient_checkpointing``'s auto turns it on when the rest
+cannot hold the activations of one prompt group (``rollout.n`` sequences of the longest length) without
+it; the run is refused before the weights load when it cannot hold one sequence's even with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Tuple
+
+import torch
+
+from verl_fast.config import Config
+
+GIB = 2**30
+# Activation bytes a training pass keeps for its backward, per token, per layer and per unit of
+# (hidden + intermediate) width, packed rows under bf16 autocast with compiled norms and MLPs:
+# measured on one H200 (benchmarks/NOTES.md) 7.2 at the 0.5B shape and 7.5 at 1.5B; eager norms
+# and MLPs keep ~1.3x as much, no autocast (float32 activations) ~2x.
+ACTIVATION_BYTES = 8.0
+MEMORY_FRACTION = 0.85  # of what is free at the first update, for the activations
+OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "adamw_8bit": 2.0}  # per trained parameter (8-bit: + block scales)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class DoesNotFit(ValueError):
+    """The run's weights, gradients and optimizer states leave no room for one sequence's activations."""
+
+
+def checkpointed_per_token(per_token: float, layers: int, hidden: int) -> float:
+    """Activation bytes per token under gradient checkpointing, from ``per_token`` without it: each
+    layer's input kept (bf16), one layer's full activations at a time in the recompute."""
+    return 2.0 * layers * hidden + per_token / max(layers, 1)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the plan needs of a model: parameter counts and the layers' widths."""
+
+    parameters: int
+    trained: int
+    layers: int
+    width: int  # hidden + intermediate
+    hidden: int
+
+
+def shape_of(model: torch.nn.Module) -> Shape:
+    """The ``Shape`` of a built model (on any device, ``meta`` included)."""
+    cfg = getattr(getattr(model, "module", model), "config", None)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    params = list(model.parameters())
+    local = [(p.to_local() if hasattr(p, "to_local") else p) for p in params]
+    hidden = int(getattr(cfg, "hidden_size", 0) or 0)
+    return Shape(sum(t.numel() for t in local), sum(t.numel() for p, t in zip(params, local) if p.requires_grad),
+                 int(getattr(cfg, "num_hidden_layers", 0) or 0),
+                 hidden + int(getattr(cfg, "intermediate_size", 0) or 0), hidden)
+
+
+def shape_from_folder(folder: str, lora: Optional[dict], trust_remote_code: bool = False) -> Shape:
+    """The ``Shape`` of the model in ``folder`` without loading its weights (built on the meta device),
+    with LoRA's trained parameters when ``lora`` is set (rank r on every linear layer it targets)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_cfg = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_cfg, trust_remote_code=trust_remote_code)
+    shape = shape_of(model)
+    if lora is None:
+        return shape
+    trained = lora_parameters(model.named_modules(), int(lora.get("r", 8)), lora.get("target_modules", "all-linear"))
+    return Shape(shape.parameters + trained, trained, shape.layers, shape.width, shape.hidden)
+
+
+def lora_parameters(modules: Iterable[Tuple[str, torch.nn.Module]], r: int, targets: Any) -> int:
+    """Adapter parameters of rank ``r`` on the linear layers ``targets`` names (peft's ``all-linear``:
+    every linear layer but the output head; or a list of module-name suffixes)."""
+    total = 0
+    for name, module in modules:
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        hit = leaf != "lm_head" if targets == "all-linear" else leaf in targets
+        if hit:
+            total += r * (module.in_features + module.out_features)
+    return total
+
+
+@dataclass(frozen=True)
+class Plan:
+    static_bytes: float
+    free_bytes: float
+    per_token: float  # activation bytes per token without checkpointing
+    per_token_checkpointed: float
+    group_tokens: int  # one prompt group's tokens at the longest length
+    sequence_tokens: int
+
+    @property
+    def room(self) -> float:
+        return MEMORY_FRACTION * (self.free_bytes - self.static_bytes)
+
+    @property
+    def checkpointing(self) -> bool:
+        """Whether the activations of one prompt group need recomputing to fit (the auto setting)."""
+        return self.room < self.group_tokens * self.per_token
+
+    def fits(self) -> bool:
+        return self.room >= self.sequence_tokens * self.per_token_checkpointed
+
+
+def plan(cfg: Config, shape: Shape, free_bytes: float, needs_reference: bool, peft: bool) -> Plan:
+    """The memory of a run of ``cfg`` on a GPU with ``free_bytes`` free (module docstring)."""
+    a, r = cfg.actor, cfg.rollout
+    weight = DTYPE_BYTES[a.dtype]
+    trained_weight = 4 if peft else weight  # peft's adapters train in float32
+    bf16_autocast = a.autocast in (None, "auto", "bfloat16")
+    static = shape.parameters * weight
+    static += shape.trained * (trained_weight + OPTIMIZER_STATE_BYTES[a.optimizer])
+    if needs_reference:
+        static += (shape.parameters - shape.trained) * weight if peft else shape.parameters * weight
+    if weight == 4 and bf16_autocast:
+        copies = 1 if a.mixed_precision == "none" or peft else 2  # the passes' (or autocast's cache) + the decode's
+        static += copies * 2 * shape.parameters
+    half = bf16_autocast or weight == 2
+    per_token = ACTIVATION_BYTES * shape.layers * shape.width * (1.0 if half else 2.0)
+    checkpointed = checkpointed_per_token(per_token, shape.layers, shape.hidden)
+    sequence = cfg.trainer.max_prompt_length + r.max_new_tokens
+    return Plan(static, free_bytes, per_token, checkpointed, r.n * sequence, sequence)
+
+
+def refusal(p: Plan, cfg: Config) -> str:
+    """The one line a run that does not fit ends with, naming what would make it fit."""
+    options = ["actor.lora (adapters: the base model frozen)", "actor.optimizer=adamw_8bit" if
+               cfg.actor.optimizer == "adamw" else None, "actor.dtype=bfloat16 with actor.optimizer=adamw_8bit"
+               if cfg.actor.dtype == "float32" else None, "actor.cpu_offload under torchrun (fsdp2)",
+               "fewer samples or tokens (rollout.n, rollout.max_new_tokens, trainer.max_prompt_length)"]
+    return (f"the run does not fit this GPU: the actor's weights, gradients, optimizer states and bf16 copies "
+            f"take {p.static_bytes / GIB:.1f} GiB of the {p.free_bytes / GIB:.1f} GiB free, leaving no room for "
+            f"one sequence's activations ({p.sequence_tokens} tokens); use "
+            + "; or ".join(o for o in options if o))
+
+
+def check_before_loading(cfg: Config, folder: str, needs_reference: bool, device: torch.device) -> Optional[Plan]:
+    """On a GPU: the plan of the model in ``folder``, raising ``DoesNotFit`` (one line) when even
+    checkpointed activations of one sequence find no room. None elsewhere."""
+    if device.type != "cuda":
+        return None
+    shape = shape_from_folder(folder, cfg.actor.lora, cfg.actor.trust_remote_code)
+    free, _ = torch.cuda.mem_get_info(device)
+    p = plan(cfg, shape, free, needs_reference, peft=cfg.actor.lora is not None)
+    if not p.fits():
+        raise DoesNotFit(refusal(p, cfg))
+    return p
+
+
+def wants_checkpointing(cfg: Config, model: torch.nn.Module, device: torch.device, needs_reference: bool) -> bool:
+    """``actor.gradient_checkpointing``'s auto for ``model`` (on ``device``, not yet holding its
+    gradients or optimizer states): off on the CPU, where memory is not the limit."""
+    if device.type != "cuda":
+        return False
+    free, _ = torch.cuda.mem_get_info(device)
+    shape = shape_of(model)
+    here = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cuda")
+    peft = hasattr(model, "peft_config")
+    return plan(cfg, shape, free + here, needs_reference, peft).checkpointing
