@@ -94,19 +94,9 @@ def _distributed(cfg: config_mod.Config):
 
 def _load_models(cfg: config_mod.Config, device: Any):
     """The actor, its tokenizer and (PPO) the critic, by name, on ``device``."""
-    from verl_fast.models import checks
     from verl_fast.models.loading import attention_kwargs, load_causal_lm
 
-    if cfg.actor.model_name is None:
-        raise ConfigError("actor.model_name is not set")
     cuda = device is not None and device.type == "cuda"
-    # the folders' files first (links, FIFOs, damaged headers, the context length), then the models
-    for key, name, new_tokens in (("actor.model_name", cfg.actor.model_name, cfg.rollout.max_new_tokens),
-                                  ("critic.model_name", cfg.critic.model_name if cfg.algorithm.type == "ppo" else None,
-                                   None)):
-        folder = checks.local_folder(name)
-        if folder is not None:
-            checks.check_folder(folder, key, new_tokens)
     actor, tokenizer = load_causal_lm(cfg.actor.model_name, cfg.actor.dtype,
                                       **attention_kwargs(cfg.actor, "actor", cuda))
     actor.to(device)
@@ -118,6 +108,21 @@ def _load_models(cfg: config_mod.Config, device: Any):
                                    **attention_kwargs(cfg.critic, "critic", cuda))
         critic.to(device)
     return actor, tokenizer, critic
+
+
+def _check_model_folders(cfg: config_mod.Config) -> None:
+    """The model folders' files before anything reads them (links out, FIFOs, damaged headers, the
+    context length against rollout.max_new_tokens: ``models.checks``)."""
+    from verl_fast.models import checks
+
+    if cfg.actor.model_name is None:
+        raise ConfigError("actor.model_name is not set")
+    critic = cfg.critic.model_name if cfg.algorithm.type == "ppo" else None
+    for key, name, new_tokens in (("actor.model_name", cfg.actor.model_name, cfg.rollout.max_new_tokens),
+                                  ("critic.model_name", critic, None)):
+        folder = checks.local_folder(name)
+        if folder is not None:
+            checks.check_folder(folder, key, new_tokens)
 
 
 def auto_settings(cfg: config_mod.Config) -> Dict[str, Any]:
@@ -181,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         device = torch.device("cpu")
     try:
+        _check_model_folders(cfg)
         if device is not None and device.type == "cuda" and cfg.actor.strategy != "megatron":
             from verl_fast.algos import registry as algorithms
             from verl_fast.strategies import memory_plan
