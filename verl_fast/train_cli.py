@@ -114,13 +114,14 @@ def _check_model_folders(cfg: config_mod.Config) -> None:
     """The model folders' files before anything reads them (links out, FIFOs, damaged headers, the
     context length against rollout.max_new_tokens: ``models.checks``)."""
     from verl_fast.models import checks
+    from verl_fast.models.loading import local_folder
 
     if cfg.actor.model_name is None:
         raise ConfigError("actor.model_name is not set")
     critic = cfg.critic.model_name if cfg.algorithm.type == "ppo" else None
     for key, name, new_tokens in (("actor.model_name", cfg.actor.model_name, cfg.rollout.max_new_tokens),
                                   ("critic.model_name", critic, None)):
-        folder = checks.local_folder(name)
+        folder = local_folder(name)
         if folder is not None:
             checks.check_folder(folder, key, new_tokens)
 

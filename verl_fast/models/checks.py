@@ -133,25 +133,6 @@ def check_folder(folder: Path, key: str, max_new_tokens: Optional[int] = None) -
                              "the prompt's tokens")
 
 
-def local_folder(name: Optional[str]) -> Optional[Path]:
-    """The folder ``name`` (a path, the demo alias, or a Hub name already in the HF cache) names on
-    this machine, without downloading anything; None when there is none yet."""
-    if not name:
-        return None
-    if os.path.isdir(name):
-        return Path(name)
-    from verl_fast.models.loading import DEMO_ALIASES
-
-    if name in DEMO_ALIASES:
-        return None  # built by verl_fast itself
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(name, local_files_only=True))
-    except Exception:  # noqa: BLE001 - not cached (or not a Hub name): transformers says so when it loads
-        return None
-
-
 def missing_weights(loading_info: Dict[str, Any], name: str, key: str) -> None:
     """Refuses a load whose checkpoint lacked weights of the model (``output_loading_info``)."""
     missing = sorted(loading_info.get("missing_keys") or [])
