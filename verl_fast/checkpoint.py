@@ -240,8 +240,8 @@ def _publish(tmp: Path, final: Path, records: Dict[str, Dict[str, int]], step: i
     """The manifest last (fsynced with everything before it), then the rename that completes it."""
     (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": records}, indent=1))
     _fsync_tree(tmp)
-    if final.is_symlink():  # a link by that name: the link only, never what it points to
-        run_files.remove(final)
+    if final.is_symlink() or (final.is_dir() and verify(final) is None):
+        run_files.remove(final)  # a link (the link only), or this step's complete checkpoint written again
     elif os.path.lexists(final):  # a damaged checkpoint of the same step (or what a user put there): kept
         aside = _set_aside(final)
         _warn(f"{final} (not resumed: damaged) is kept as {aside.name}; remove it when it is not needed")
