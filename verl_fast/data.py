@@ -217,6 +217,7 @@ class RLDataProcessor:
         if not isinstance(row, dict) or "prompt" not in row:
             got = sorted(row) if isinstance(row, dict) else type(row).__name__
             raise ValueError(f"a row needs a 'prompt' field (verl format), got {got}")
+        data_files.check_truth(row)  # rows given in Python too: never a ground truth silently None
         text = self.template(row["prompt"])
         fitted = self._fit(self.tokenizer(text, add_special_tokens=False)["input_ids"], text)
         if fitted is None:

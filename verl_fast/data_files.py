@@ -150,14 +150,20 @@ def check_row(row: Dict[str, Any], place: str) -> None:
         raise ValueError(f"{place}: a row needs a 'prompt' field (verl format), got keys {sorted(map(str, row))}")
     if "prompt" in row:
         check_prompt(row["prompt"], place)
+    check_truth(row, place)
+
+
+def check_truth(row: Dict[str, Any], place: str = "") -> None:
+    """``reward_model`` a mapping, and no ground truth under a misspelt key (errors start with
+    ``place``, when given)."""
+    at = f"{place}: " if place else ""
     reward = row.get("reward_model")
     if reward is not None and not isinstance(reward, dict):
-        raise ValueError(f"{place}: reward_model must be a mapping such as {{\"ground_truth\": ...}}, got "
-                         f"{reward!r:.80}")
+        raise ValueError(f"{at}reward_model must be a mapping such as {{\"ground_truth\": ...}}, got {reward!r:.80}")
     for mapping, prefix in ((row, ""), (reward or {}, "reward_model.")):
         key = _misspelt_truth(mapping)
         if key is not None:
-            raise ValueError(f"{place}: {prefix}{key}: the ground truth's key is reward_model.ground_truth (or a "
+            raise ValueError(f"{at}{prefix}{key}: the ground truth's key is reward_model.ground_truth (or a "
                              "top-level ground_truth / answer); rename it")
 
 

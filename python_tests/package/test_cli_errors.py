@@ -243,6 +243,9 @@ OTHER_CASES = [
     ("examples/moe with actor.routing_replay=true (gradient checkpointing on)", "CheckpointError (61 vs 59 "
      "tensors saved)", "trains: the backward's recompute routes as the forward did",
      "python_tests/models/test_routing.py::test_routing_replay_under_gradient_checkpointing"),
+    ("RLTrainer.fit(rows) with `\"reward_model\": \"5\"` or a `groundtruth` key", "the reward got "
+     "ground_truth=None", "refused naming the row and the key",
+     "python_tests/trainer/test_bad_input.py::test_ground_truth_in_the_wrong_place_is_refused_for_rows_given_in_python"),
     ("trainer.overlong_prompts=error with a long prompt", "ValueError without file or line",
      "names the row's file:line", "python_tests/trainer/test_bad_input.py::test_an_overlong_prompt_names_its_line"),
     ("the disk fills while writing a checkpoint or export", "no path; \"155,723,856 bytes needed, 285,097,984 "

@@ -223,3 +223,17 @@ def test_a_failed_hub_upload_is_one_line_and_keeps_the_checkpoint(tmp_path, monk
                     f"resolve 'huggingface.co'); the checkpoint is kept: upload it later with `hf upload org/model "
                     f"{folder}`")
     assert errors.is_expected(failed.value) and (folder / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"prompt": "1 + 4?", "reward_model": "5"}, r"row 1: reward_model must be a mapping such as \{\"ground_truth\": "
+                                                r"\.\.\.\}, got '5'"),
+    ({"prompt": "1 + 4?", "groundtruth": "5"}, r"row 1: groundtruth: the ground truth's key is "
+                                               r"reward_model\.ground_truth"),
+])
+def test_ground_truth_in_the_wrong_place_is_refused_for_rows_given_in_python(row, message):
+    from verl_fast.data import RLDataProcessor
+
+    proc = RLDataProcessor(build_tokenizer(), max_prompt_length=64)
+    with pytest.raises(ValueError, match=message):
+        proc.encode_all([{"prompt": "2 + 2?", "reward_model": {"ground_truth": "4"}}, row])
