@@ -293,14 +293,19 @@ def test_cli_refusals_are_one_line_without_a_traceback(case, tmp_path, capsys, m
     assert not (tmp_path / "run" / "checkpoints").exists() or case.id == "export_hostile_state"
 
 
-def test_the_installed_program_prints_one_line(tmp_path):
-    """``python -m verl_fast`` (the installed command's path): a refusal of export, exit 2, the
-    message the last line of stderr and no traceback anywhere in it."""
-    run = subprocess.run([sys.executable, "-m", "verl_fast", "export", str(tmp_path), str(tmp_path / "out")],
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+PROGRAM_CASES = ["yaml_duplicate_section", "dataset_fifo", "chat_template_link", "export_missing", "convert_missing",
+                 "max_shard_gb_nan"]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.id in PROGRAM_CASES], ids=lambda c: c.id)
+def test_the_installed_program_prints_one_line(case, tmp_path):
+    """``python -m verl_fast`` (the installed command's path) on a case of each subcommand and kind:
+    exit 2, the message the last line of stderr, and no traceback anywhere in it."""
+    run = subprocess.run([sys.executable, "-m", "verl_fast", *case.argv(tmp_path)], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
     assert run.returncode == 2, run.stderr
-    assert "Traceback" not in run.stderr
-    assert run.stderr.strip().splitlines()[-1].startswith("verl-fast export: error: "), run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+    assert re.search(case.expect, run.stderr.strip().splitlines()[-1]), run.stderr
 
 
 def test_a_bug_still_shows_its_traceback(monkeypatch):
