@@ -356,6 +356,8 @@ def _state_problem(path: Path) -> Optional[str]:
     """What is wrong with the trainer state of the checkpoint ``path`` (None: nothing): a JSON object
     whose ``step`` is the folder's own step number and whose ``history`` is a list of metric rows."""
     state_file = path / STATE
+    if not state_file.is_file() or state_file.is_symlink():
+        return f"{state_file} is missing or not a regular file"
     if state_file.stat().st_size > _MAX_STATE_BYTES:
         return f"{state_file} is larger than {_MAX_STATE_BYTES >> 20} MiB"
     try:
@@ -589,7 +591,7 @@ def resolve_start(resume_from: str, output_dir: str, check_files: bool = True) -
         path = resolve(resume_from)
     except CheckpointError as e:
         raise CheckpointError(f"trainer.resume_from={resume_from}: {e}") from None
-    problem = verify(path) if check_files else (None if (path / MANIFEST).is_file() else
+    problem = verify(path) if check_files else (_state_problem(path) if (path / MANIFEST).is_file() else
                                                  f"{path / MANIFEST} is missing (not a complete checkpoint)")
     if problem is not None:
         raise CheckpointError(f"trainer.resume_from={resume_from}: {problem}")

@@ -203,6 +203,10 @@ CASES = [
          'reported "done"; step -5 / "abc": ZeroDivisionError, ValueError',
          r"trainer_state\.json: step must be 1, the folder's step, got 1e\+18",
          lambda t: ["export", str(checkpoint_with_state(t, 1e18)), str(t / "out")]),
+    Case("resume_from_hostile_state", "trainer.resume_from a checkpoint whose trainer_state.json says step \"abc\"",
+         "ValueError traceback (invalid literal for int())",
+         r"trainer\.resume_from=.*step_000001: .*trainer_state\.json: step must be 1, the folder's step, got 'abc'",
+         lambda t: train(t, f"trainer.resume_from={checkpoint_with_state(t, 'abc')}", f"trainer.output_dir={t / 'b'}")),
     Case("export_missing", "`verl-fast export` of a folder without checkpoints", "traceback",
          r"no complete checkpoint there", lambda t: ["export", str(t), str(t / "out")]),
     Case("convert_missing", "`verl-fast convert` of a folder that is no Megatron checkpoint", "traceback",
@@ -282,6 +286,8 @@ def test_cli_refusals_are_one_line_without_a_traceback(case, tmp_path, capsys, m
     if case.id == "flash_attention_missing" and importlib.util.find_spec("flash_attn") is not None:
         pytest.skip("flash-attn is installed here")
     argv = case.argv(tmp_path)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    had_checkpoints = checkpoints.exists()  # a case's own (export, resume_from)
     holder = _hold_lock(tmp_path / "run") if case.id == "lock_held" else None
     try:
         line = refusal(argv, capsys)
@@ -290,7 +296,7 @@ def test_cli_refusals_are_one_line_without_a_traceback(case, tmp_path, capsys, m
             holder.kill()
             holder.wait()
     assert re.search(case.expect, line), line
-    assert not (tmp_path / "run" / "checkpoints").exists() or case.id == "export_hostile_state"
+    assert checkpoints.exists() == had_checkpoints  # refused before any step
 
 
 PROGRAM_CASES = ["yaml_duplicate_section", "dataset_fifo", "chat_template_link", "export_missing", "convert_missing",
