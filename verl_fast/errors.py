@@ -58,6 +58,7 @@ _PROJECT_CLASSES = (("verl_fast.checkpoint", "CheckpointError"), ("verl_fast.hub
 
 
 def is_expected(e: BaseException) -> bool:
+    """Whether ``e`` is a failure the user can fix (the module docstring), shown in one line."""
     if isinstance(e, (UserError, OSError, ImportError, pickle.UnpicklingError, UnicodeDecodeError)):
         return True
     for module, name in _PROJECT_CLASSES:
