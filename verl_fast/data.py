@@ -222,11 +222,7 @@ class RLDataProcessor:
         fitted = self._fit(self.tokenizer(text, add_special_tokens=False)["input_ids"], text)
         if fitted is None:
             return None
-        reward = row.get("reward_model") or {}
-        truth = reward.get("ground_truth") if isinstance(reward, dict) else None
-        if truth is None:
-            truth = row.get("ground_truth", row.get("answer"))
-        return PromptRow(prompt_ids=fitted[0], prompt_text=fitted[1], ground_truth=truth,
+        return PromptRow(prompt_ids=fitted[0], prompt_text=fitted[1], ground_truth=data_files.ground_truth(row),
                          data_source=str(row.get("data_source", "")), extra_info=dict(row.get("extra_info") or {}),
                          columns=dict(row))
 

@@ -167,6 +167,23 @@ def check_truth(row: Dict[str, Any], place: str = "") -> None:
                              "top-level ground_truth / answer); rename it")
 
 
+def ground_truth(row: Dict[str, Any]) -> Any:
+    """A row's ground truth: ``reward_model.ground_truth``, else a top-level ``ground_truth`` or
+    ``answer`` (None: none)."""
+    reward = row.get("reward_model") or {}
+    truth = reward.get("ground_truth") if isinstance(reward, dict) else None
+    return row.get("ground_truth", row.get("answer")) if truth is None else truth
+
+
+def require_truth(rows: List[Any], key: str) -> None:
+    """Refuses, naming the first such row, rows without a ground truth for a reward (``key``) that
+    scores against one (it would score them 0, or fail after the models load)."""
+    for i, row in enumerate(rows):
+        if isinstance(row, dict) and ground_truth(row) is None:
+            raise ValueError(f"{where(rows, i)}: {key} scores against a ground truth, and this row has none "
+                             "(reward_model.ground_truth, ground_truth or answer)")
+
+
 def check_prompt(prompt: Any, place: str) -> None:
     if isinstance(prompt, str):
         return

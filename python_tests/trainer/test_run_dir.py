@@ -59,7 +59,7 @@ def test_an_older_run_is_refused_without_resume_and_cleared_with_overwrite(tmp_p
 
 def test_precheck_names_the_busy_port_the_bad_folder_and_the_dataset(tmp_path):
     data = tmp_path / "rows.jsonl"
-    data.write_text('{"prompt": "1 + 1?"}\n')
+    data.write_text('{"prompt": "1 + 1?", "answer": "2"}\n')
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -75,7 +75,7 @@ def test_precheck_names_the_busy_port_the_bad_folder_and_the_dataset(tmp_path):
     with pytest.raises(ImportError, match="trainer.loggers has wandb, which needs the wandb package: pip install wandb"):
         run_dir.precheck(cfg_for(tmp_path, dataset=str(data), loggers=["jsonl", "wandb"]))
     cfg = cfg_for(tmp_path, dataset=str(data))
-    assert run_dir.precheck(cfg) == [{"prompt": "1 + 1?"}]
+    assert run_dir.precheck(cfg) == [{"prompt": "1 + 1?", "answer": "2"}]
     run_dir.release(cfg.trainer)
 
 

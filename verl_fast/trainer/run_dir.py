@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from verl_fast.metrics import check_loggers
-from verl_fast import checkpoint, run_files
+from verl_fast import checkpoint, data_files, run_files
 from verl_fast.distributed import any_rank, on_main, rank_world
 
+GROUND_TRUTH_REWARDS = ("gsm8k", "reasoning_gym")  # rewards that score against each row's ground truth
 LOCK = ".lock"
 # what a run writes into its output_dir (overwrite removes these, the loggers' folders only where
 # RECORD says a run of verl_fast created them)
@@ -215,6 +216,8 @@ def precheck(cfg: Any) -> List[Dict[str, Any]]:
         rows = RLDataProcessor(None, t.max_prompt_length).load(t.dataset, **t.dataset_kwargs)
         if not rows:
             raise ValueError(f"trainer.dataset={t.dataset} has no rows")
+        if cfg.algorithm.type not in ("dpo",) and cfg.reward_fn.type in GROUND_TRUTH_REWARDS:
+            data_files.require_truth(rows, f"reward_fn.type={cfg.reward_fn.type}")
     except BaseException:
         release(t)
         raise
