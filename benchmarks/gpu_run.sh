@@ -10,9 +10,12 @@
 #   E2E_SWEEP="default,actor.max_token_len_per_gpu=65536" SECTIONS=e2e ... # each of our e2e runs once per item
 #   E2E_PROFILE=0 E2E_TOKENS=1024 SECTIONS=e2e ...                    # without the profiled rollout + update
 #   E2E_PROFILE_STEPS=1 SECTIONS=e2e ...                               # kernel-busy time, clocks, CPU of every phase (diagnostic)
+#   HOTPATHS_CASES=gae,logprobs VLLM_ALONE_VARIANTS=default,async SECTIONS=hotpaths ...  # some hot paths / vLLM variants
+#   HOTPATHS_DEVICE=cpu CMAKE_ARGS=-DVERL_FAST_CUDA=OFF SECTIONS=hotpaths ...  # the section checked on a CPU at small sizes
 #
-# Sections: tests (every gpu-marked test), shapes (a new token count's first-call cost), decode (the rollout's decode alone),
-# overlap (the reward beside the old-log-prob pass), vllm (every vLLM test, on the GPU's vLLM), trainer (the CLI
+# Sections: tests (every gpu-marked test), defaults (the trainer's defaults at 0.5B / 1.5B, issue 42), 7b (the 7B
+# class: LoRA and full fine-tune, ours or TRL's by SEVEN_B), shapes (a new token count's first-call cost), decode (the rollout's decode alone),
+# overlap (the reward beside the old-log-prob pass), hotpaths (the ops as users call them, before / after issue 48), vllm (every vLLM test, on the GPU's vLLM), trainer (the CLI
 # with vLLM rollout: GRPO + resume, PPO, the default config), advantage, logprobs, reshard, hybrid, e2e,
 # dist (needs 2 GPUs), megatron (2 GPUs; megatron-core's wheel in .whl/),
 # bench (`verl-fast bench` itself, quick sizes).
@@ -127,6 +130,34 @@ if want hybrid; then
     >> "$OUT/bench.log" 2>&1 || failed+=("bench_reshard sync")
 fi
 
+# ---- hotpaths (issue 48): the ops as users call them, before and after the issue's host paths side by side:
+# compute_gae 1024x4096, logprobs_from_logits 8192x151936, the one-shot reshard at Qwen2.5-7B shapes, and
+# linear_logprobs' fwd+bwd per chunk size / d_hidden GEMM / store_logits, each beside its baseline and floor;
+# then the gpu tests of the changed paths (HOTPATHS_TESTS=0 skips them); then, where vLLM imports,
+# LLM.generate alone against our engine (0.5B, a second engine start over kept compile caches).
+# ~3-4 minutes on one H200 with the build (vLLM: +3-5). ----
+if want hotpaths; then
+  timeout ${HOTPATHS_TIMEOUT:-240} "$py" benchmarks/bench_hotpaths.py --device "${HOTPATHS_DEVICE:-cuda}" \
+    --cases "${HOTPATHS_CASES:-gae,logprobs,reshard,linear}" >> "$OUT/bench.log" 2>&1 || failed+=("bench_hotpaths")
+  sed -n '/^hotpaths on/,/^saved/p' "$OUT/bench.log" | tail -n 60
+  if [ "${HOTPATHS_TESTS:-1}" = 1 ]; then  # after the figures, so a call cut short still has them
+    "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/ops/test_reshard_new_outputs.py \
+      python_tests/ops/test_logprobs_host_path.py python_tests/ops/test_advantage.py \
+      > "$OUT/pytest_hotpaths.log" 2>&1 || failed+=("pytest hotpaths")
+    "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/ops/test_linear_logprobs.py -k store \
+      >> "$OUT/pytest_hotpaths.log" 2>&1 || failed+=("pytest linear store_logits")
+    grep -E "passed|failed" "$OUT/pytest_hotpaths.log" | tail -n 2
+  fi
+  if "$py" -c "import vllm" > /dev/null 2>&1; then
+    timeout ${VLLM_ALONE_TIMEOUT:-420} "$py" benchmarks/bench_vllm_alone.py --device "${HOTPATHS_DEVICE:-cuda}" \
+      --variants "${VLLM_ALONE_VARIANTS:-default}" --cache-dir "${VLLM_CACHE_DIR:-/tmp/vf_vllm_cache}" \
+      >> "$OUT/bench.log" 2>&1 || failed+=("bench_vllm_alone")
+    sed -n '/^vllm_alone on/,/^saved/p' "$OUT/bench.log" | tail -n 20
+  else
+    echo "hotpaths: vLLM does not import here, bench_vllm_alone skipped"
+  fi
+fi
+
 # ---- shapes (issue 24): what a linear layer and the varlen attention pay at a token count they have not
 # seen, exact and bucketed (packed micro-batches meet a new count almost every step) ----
 if want shapes; then
@@ -145,6 +176,39 @@ if want e2e; then
     ${E2E_SWEEP:+--sweep "$E2E_SWEEP"} $([ "${E2E_PROFILE_STEPS:-0}" = 1 ] && echo --profile-steps) \
     >> "$OUT/bench.log" 2>&1 || failed+=("bench_e2e")
   sed -n '/^e2e GRPO step/,$p' "$OUT/bench.log" | tail -n 12
+fi
+
+# ---- defaults (issue 42): the trainer's defaults, no precision / engine / budget / compile key set, at the 0.5B
+# and 1.5B shapes (DEFAULTS_IMPLS=ours,trl_vllm adds TRL beside them); the 8-bit optimizer states against fp32
+# AdamW over 50 steps (0.5B). About 4 minutes. ----
+if want defaults; then
+  timeout ${DEFAULTS_TIMEOUT:-420} "$py" benchmarks/bench_e2e.py --device cuda --shapes "${DEFAULTS_SHAPES:-0.5b,1.5b}" \
+    --impls "${DEFAULTS_IMPLS:-ours}" --gpus 1 --steps 8 --no-profile --timeout 200 --models /tmp/vf_models \
+    --name e2e_defaults >> "$OUT/bench.log" 2>&1 || failed+=("defaults")
+  sed -n '/^e2e GRPO step/,$p' "$OUT/bench.log" | tail -n 6
+  timeout 200 "$py" benchmarks/bench_optimizer_states.py --device cuda >> "$OUT/bench.log" 2>&1 || failed+=("optimizer_states")
+  tail -n 5 "$OUT/bench.log"
+fi
+
+# ---- 7b (issue 42): the Qwen2.5-7B shape on one GPU (the model built once into /tmp/vf_models, kept for later
+# calls): SEVEN_B=ours runs ours, LoRA r64 (defaults) then the full fine-tune (actor.optimizer=adamw_8bit,
+# a checkpoint at step 5 and a resumed trainer for the rest); SEVEN_B=trl runs TRL 1.16 + PEFT + vLLM colocate
+# on the same LoRA work, then TRL's full fine-tune (its out-of-memory stop recorded). Each ~8 minutes. ----
+if want 7b; then
+  # the model folder in host memory: the disk (64 GB) holds the full fine-tune's checkpoint
+  common=(--device cuda --shapes 7b --gpus 1 --no-profile --timeout 330 --models /dev/shm/vf_models)
+  if [ "${SEVEN_B:-ours}" = ours ]; then
+    timeout 280 "$py" benchmarks/bench_e2e.py "${common[@]}" --impls ours --lora 64 --steps 7 --name e2e_7b_lora_ours \
+      >> "$OUT/bench.log" 2>&1 || failed+=("7b lora ours")
+    timeout 330 "$py" benchmarks/bench_e2e.py "${common[@]}" --impls ours --set actor.optimizer=adamw_8bit --steps 8 \
+      --resume-at 4 --name e2e_7b_full_ours >> "$OUT/bench.log" 2>&1 || failed+=("7b full ours")
+  else
+    timeout 330 "$py" benchmarks/bench_e2e.py "${common[@]}" --impls trl_vllm --lora 64 --trl-steps vllm:4 --skip 1 \
+      --name e2e_7b_lora_trl >> "$OUT/bench.log" 2>&1 || failed+=("7b lora trl")
+    timeout 200 "$py" benchmarks/bench_e2e.py "${common[@]}" --impls trl_vllm --trl-steps vllm:3 --skip 1 \
+      --name e2e_7b_full_trl >> "$OUT/bench.log" 2>&1 || failed+=("7b full trl")
+  fi
+  grep -E "^7b|ours: checkpoint|out of memory" "$OUT/bench.log" | tail -n 8
 fi
 
 # ---- decode (issue 24): the rollout's compiled, graph-captured decode alone, merged products against

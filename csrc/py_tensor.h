@@ -168,9 +168,9 @@ inline bool still_bound(const TensorRef& t) {
   const auto* o = static_cast<const PyTensorOwner*>(t.owner.get());
   PyObject* ptr = PyObject_CallMethodNoArgs(o->tensor, tensor_attr_names().data_ptr);
   if (ptr == nullptr) throw pybind11::error_already_set();
-  const auto now = reinterpret_cast<void*>(PyLong_AsVoidPtr(ptr));
+  const auto now = reinterpret_cast<char*>(PyLong_AsVoidPtr(ptr));
   Py_DECREF(ptr);
-  return now == t.data;
+  return now + t.view_offset == t.data;
 }
 
 // Whether ints tuple `tuple` (a torch.Size or stride tuple) holds exactly `values`.

@@ -24,15 +24,26 @@ from verl_fast.kernels.softmax_stats import finalize, merge, merge_across, vocab
 
 
 @contextlib.contextmanager
-def _as_implemented(x: torch.Tensor):
-    """On x's device (Triton launches on the current CUDA device), without autocast: the
-    implementations choose their own precisions (fp32 statistics, input-dtype GEMMs)."""
+def _switched(x: torch.Tensor):
     with torch.autocast(device_type=x.device.type, enabled=False):
         if x.device.type == "cuda":
             with torch.cuda.device(x.device):
                 yield
         else:
             yield
+
+
+_UNCHANGED = contextlib.nullcontext()
+
+
+def _as_implemented(x: torch.Tensor):
+    """On x's device (Triton launches on the current CUDA device), without autocast: the
+    implementations choose their own precisions (fp32 statistics, input-dtype GEMMs). Nothing to
+    switch in the usual case (autocast off, x on the current device): no context entered."""
+    device = x.device
+    if torch.is_autocast_enabled(device.type) or (device.type == "cuda" and device.index != torch.cuda.current_device()):
+        return _switched(x)
+    return _UNCHANGED
 
 
 class Impl(NamedTuple):

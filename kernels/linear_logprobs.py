@@ -224,6 +224,11 @@ class LinearConfig:
     # d_hidden += d_logits @ weight by cuBLAS (addmm into the fp32 accumulator) instead of the Triton
     # kernel; None: cuBLAS on CUDA where torch supports 16-bit inputs into an fp32 output.
     dhidden_cublas: Optional[bool] = None
+    # Keep the [N, V] logits (input dtype, one GEMM) from the forward and turn them into d_logits in
+    # place in the backward: 3 GEMMs instead of 4, N*V elements more memory between the passes, and
+    # the logits rounded to the input dtype before the softmax, as a plain matmul + log_softmax
+    # rounds them (in bf16 ~|z| * 2^-9 on each logit). Off by default.
+    store_logits: bool = False
 
 
 _DEFAULTS = {  # by device: (forward, dlogits, dhidden)
@@ -278,7 +283,7 @@ def _device_limits(device: torch.device) -> Tuple[str, Optional[int]]:
 def linear_config(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, device: torch.device, *,
                   forward: Optional[Tiles] = None, dlogits: Optional[Tiles] = None, dhidden: Optional[Tiles] = None,
                   chunk_bytes: Optional[int] = None, stats_bytes: Optional[int] = None,
-                  dhidden_cublas: Optional[bool] = None) -> LinearConfig:
+                  dhidden_cublas: Optional[bool] = None, store_logits: bool = False) -> LinearConfig:
     """The one place block sizes come from. Raises ValueError naming a size it cannot handle."""
     if not 1 <= vocab < 2**31:
         raise ValueError(f"linear_logprobs: vocabulary size V={vocab} is outside [1, 2^31)")
@@ -295,6 +300,7 @@ def linear_config(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, de
         chunk_bytes=chunk_bytes or LinearConfig.chunk_bytes,
         stats_bytes=stats_bytes or LinearConfig.stats_bytes,
         dhidden_cublas=dhidden_cublas,
+        store_logits=bool(store_logits),
     )
 
 
@@ -438,9 +444,63 @@ def _accumulate_matmul(a, b, c, tiles: Tiles) -> None:
                              **_launch(tiles))
 
 
+def _local_labels(labels: torch.Tensor, vocab_start: int, V: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(labels as this shard's column or -1, whether each falls in the shard)."""
+    local = labels - vocab_start
+    inside = (local >= 0) & (local < V)
+    return torch.where(inside, local, -1), inside
+
+
+def stored_logits_forward(hidden, weight, bias, labels, inv_t: float, vocab_start: int, with_entropy: bool, *,
+                          store: dict) -> Stats:
+    """``store_logits``: the logits by one cuBLAS GEMM, kept in ``store`` for the backward; their
+    statistics by the logits kernel's single read (as one split: m = lse, s = 1, t = -entropy)."""
+    from verl_fast.kernels.logprobs_from_logits import logprobs_forward
+
+    N, V = hidden.shape[0], weight.shape[0]
+    z = torch.mm(hidden, weight.t()) if bias is None else torch.addmm(bias, hidden, weight.t())
+    local, inside = _local_labels(labels, vocab_start, V)
+    logp, entropy, lse = logprobs_forward(z.view(1, N, V), local, inv_t, with_entropy)
+    store["logits"] = z
+    zl = torch.where(inside, logp + lse, 0.0)  # a label on another rank: NaN here, 0 in the summary
+    return Stats(lse[None], torch.ones_like(lse)[None], None if entropy is None else -entropy[None], zl[None])
+
+
+def stored_logits_backward(hidden, weight, bias, labels, lse, entropy, g_logp, g_entropy, inv_t: float,
+                           vocab_start: int, needs, *, config: LinearConfig, store: dict):
+    """``store_logits``: d_logits written over the kept logits (one read and write), then the two
+    gradient GEMMs over the whole vocabulary (d_hidden accumulated in fp32 by cuBLAS, written once)."""
+    from verl_fast.kernels.logprobs_from_logits import logprobs_backward
+
+    z = store.pop("logits", None)
+    if z is None:
+        raise RuntimeError("linear_logprobs with store_logits=True: its backward ran twice, but the first one turned "
+                           "the kept logits into d_logits; retain_graph needs store_logits=False")
+    N, H = hidden.shape
+    V = weight.shape[0]
+    need_h, need_w, need_b = needs[0], needs[1], needs[2] and bias is not None
+    local, _ = _local_labels(labels, vocab_start, V)
+    d_logits = logprobs_backward(z.view(1, N, V), local, lse, entropy, g_logp, g_entropy, inv_t,
+                                 out=z.view(1, N, V)).view(N, V)
+    d_hidden = d_weight = d_bias = None
+    if need_w:
+        d_weight = torch.mm(d_logits.t(), hidden)
+    if need_h:
+        d_hidden = torch.zeros((N, H), dtype=torch.float32, device=hidden.device)
+        _accumulate_dhidden(d_hidden, d_logits, weight, config, _use_cublas_for_dhidden(config, hidden))
+    if need_b:
+        d_bias = d_logits.sum(0, dtype=torch.float32).to(bias.dtype)
+    return d_hidden, d_weight, d_bias
+
+
 def linear_logprobs_triton(hidden, weight, bias, labels, inv_t: float, with_entropy: bool, tp_group=None,
                            config: Optional[LinearConfig] = None):
     """Autograd entry: hidden [N, H], weight [V, H], bias [V] or None, labels [N] (validated by the caller)."""
+    if config is not None and config.store_logits:
+        store: dict = {}  # this call's logits, from its forward to its backward
+        impl = Impl(functools.partial(stored_logits_forward, store=store),
+                    functools.partial(stored_logits_backward, config=config, store=store))
+        return LinearLogprobsFunction.apply(hidden, weight, bias, labels, inv_t, with_entropy, tp_group, impl)
     impl = Impl(functools.partial(linear_logprobs_forward, config=config),
                 functools.partial(linear_logprobs_backward, config=config))
     return LinearLogprobsFunction.apply(hidden, weight, bias, labels, inv_t, with_entropy, tp_group, impl)

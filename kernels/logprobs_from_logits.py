@@ -13,6 +13,7 @@ model's [B, S, V] output needs no copy); row n is (n // T, n % T).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from functools import partial
 from typing import Optional
@@ -153,6 +154,7 @@ class LogprobsConfig:
     num_stages: int = 3  # forward: blocks of a row in flight (software pipelining through shared memory)
 
 
+@functools.lru_cache(maxsize=64)
 def logprobs_config(vocab: int, block_v: Optional[int] = None, num_warps: Optional[int] = None,
                     num_stages: int = 3) -> LogprobsConfig:
     """Block size and warps for a vocabulary of ``vocab``; raises ValueError naming a size it cannot handle."""
@@ -188,11 +190,13 @@ def logprobs_forward(logits, labels, inv_t: float, with_entropy: bool, *, config
 
 
 def logprobs_backward(logits, labels, lse, entropy, g_logp, g_entropy, inv_t: float, *,
-                      config: Optional[LogprobsConfig] = None):
-    """d_logits [B, T, V] (contiguous, logits' dtype) for upstream gradients of logp and entropy."""
+                      config: Optional[LogprobsConfig] = None, out: Optional[torch.Tensor] = None):
+    """d_logits [B, T, V] (contiguous, logits' dtype) for upstream gradients of logp and entropy;
+    written into ``out`` when given (``logits`` itself may be it: each program reads its block of a
+    row before it writes the same block)."""
     B, T, V = logits.shape
     cfg = config or logprobs_config(V)
-    d_logits = torch.empty((B, T, V), dtype=logits.dtype, device=logits.device)
+    d_logits = torch.empty((B, T, V), dtype=logits.dtype, device=logits.device) if out is None else out
     if B * T:
         g_logp = None if g_logp is None else g_logp.float().contiguous()
         g_entropy = None if g_entropy is None else g_entropy.float().contiguous()

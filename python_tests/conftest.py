@@ -20,6 +20,12 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The tests validate configs directly (verl_fast.config.from_dict): the modules that own the
+# config's choices register them first, as `verl-fast train` and RLTrainer do.
+from verl_fast import catalog  # noqa: E402
+
+catalog.register()
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -1,3 +1,3 @@
-from verl_fast.cli import program
+from verl_fast.cli.main import program
 
 program()

@@ -7,18 +7,18 @@ checks. Older spellings, common in existing configs, are accepted: ``actor: {typ
 and configures the rollout engine; ``trainer: {learning_rate, max_grad_norm,
 per_device_train_batch_size, gradient_accumulation_steps}`` set the actor's optimiser and batching.
 
-This module sits at the foundation: importing it imports no other part of verl_fast. The values of
-the keys that name an implementation (``algorithm.type``, ``reward_fn.type``, ``actor.strategy``, the
-loss modes, ...) are ``Choices`` that the rooms implementing them register where they are defined,
-with the combination checks only they know (``register_check``). ``verl_fast.catalog``, the one
-module that names those rooms, is imported by the first validation, so the messages name the same
-keys and values whoever validates.
+This module sits at the foundation: importing it imports no other part of verl_fast, and it never
+imports one later. The values of the keys that name an implementation (``algorithm.type``,
+``reward_fn.type``, ``actor.strategy``, the loss modes, ...) are ``Choices`` that the modules
+implementing them register where they are defined, with the combination checks only they know
+(``register_check``). Whoever assembles a run registers them before validating a config:
+``verl_fast.catalog.register()`` (``verl-fast train`` and ``RLTrainer`` call it), so the messages
+name the same keys and values whoever validates.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 import re
 import typing
@@ -51,7 +51,7 @@ class Choices:
         return f"Choices({self.keys}: {self._names})"
 
 
-# Registered by the rooms that implement them (see the module docstring).
+# Registered by the modules that implement them (see the module docstring).
 ALGORITHMS = Choices("algorithm.type")  # verl_fast/algos/registry.py
 LOSS_AGG_MODES = Choices("actor.loss_agg_mode, critic.loss_agg_mode")  # verl_fast/algos/registry.py
 KL_ESTIMATORS = Choices("actor.kl_loss_type, algorithm.kl_penalty")  # verl_fast/algos/registry.py
@@ -61,7 +61,7 @@ REWARDS = Choices("reward_fn.type")  # verl_fast/rewards/__init__.py
 REWARD_ERRORS = Choices("reward_fn.on_error")  # verl_fast/rewards/__init__.py
 OVERLONG_PROMPTS = Choices("trainer.overlong_prompts")  # verl_fast/data.py
 STRATEGIES = Choices("actor.strategy, critic.strategy")  # verl_fast/strategies/backends.py
-LOGGERS = Choices("trainer.loggers")  # verl_fast/metrics.py
+LOGGERS = Choices("trainer.loggers")  # verl_fast/metrics/logger.py
 _REGISTERED = (ALGORITHMS, LOSS_AGG_MODES, KL_ESTIMATORS, DPO_LOSSES, POLICY_LOSSES, REWARDS, REWARD_ERRORS, OVERLONG_PROMPTS,
                STRATEGIES, LOGGERS)
 
@@ -76,16 +76,13 @@ def register_check(check: Callable[["Config"], None]) -> Callable[["Config"], No
     return check
 
 
-def _require_registered() -> None:
-    """Every room's choices, registered: the first validation imports ``verl_fast.catalog`` (which
-    imports the rooms); the config module itself never imports one."""
-    if all(len(c) for c in _REGISTERED):
-        return
-    importlib.import_module("verl_fast.catalog")
+def require_registered() -> None:
+    """Every Choices holds the values its module registered; the config module itself imports none
+    of them (``verl_fast.catalog.register()`` does, where a run is assembled)."""
     missing = [c.keys for c in _REGISTERED if not len(c)]
     if missing:
-        raise RuntimeError(f"no values are registered for {'; '.join(missing)}: verl_fast.catalog must import "
-                           "the room that implements them")
+        raise RuntimeError(f"no values are registered for {'; '.join(missing)}: call verl_fast.catalog.register() "
+                           "before validating a config (verl-fast train and RLTrainer do)")
 
 
 def _f(default, *, choices=None, min=None, max=None, above=None, doc: str = ""):
@@ -524,7 +521,7 @@ def checked(cfg: Config) -> Config:
     field's type, finiteness and range, then the combinations."""
     if not isinstance(cfg, Config):
         raise TypeError(f"config must be a Config, a mapping of sections or None, got {type(cfg).__name__}")
-    _require_registered()
+    require_registered()
     hints = typing.get_type_hints(Config)
     for name in hints:
         section = getattr(cfg, name)
@@ -539,7 +536,7 @@ def checked(cfg: Config) -> Config:
 
 
 def from_dict(data: Optional[Dict[str, Any]]) -> Config:
-    _require_registered()
+    require_registered()
     data = dict(data or {})
     sections = {f.name: f.type for f in dataclasses.fields(Config)}
     unknown = sorted(set(data) - set(sections))

@@ -157,7 +157,7 @@ class RLDataProcessor:
                 return data_files.read_json(path)
             if path.suffix in (".pt", ".pth"):
                 data_files.open_regular(path).close()
-                from verl_fast import safe_load
+                from verl_fast.files import safe_load
 
                 data = safe_load.load(path, [PromptRow, PreferencePair], what="a dataset")  # rows are plain data
                 kinds = (dict, PromptRow, PreferencePair)  # what encode_all / build_dpo_dataset return

@@ -53,7 +53,7 @@ def _raised_here(e: BaseException) -> bool:
 
 # the project's error classes defined elsewhere, looked up only where their module is loaded (an
 # exception of a class whose module was never imported cannot have been raised)
-_PROJECT_CLASSES = (("verl_fast.checkpoint", "CheckpointError"), ("verl_fast.hub", "NameNotFound"),
+_PROJECT_CLASSES = (("verl_fast.checkpoint.sharded", "CheckpointError"), ("verl_fast.hub", "NameNotFound"),
                     ("verl_fast.rewards.deadline", "RewardTimeout"), ("yaml", "YAMLError"))
 
 

@@ -49,6 +49,9 @@ struct TensorRef {
   // Keeps the memory's owner alive while this reference exists (the Python binding stores the
   // tensor object here, so an argument record never points into freed memory).
   std::shared_ptr<const void> owner;
+  // Bytes from the owner tensor's data to `data`: nonzero for a slice of a larger tensor made
+  // here (a plan's destinations laid out in one buffer), 0 for a tensor converted as given.
+  int64_t view_offset = 0;
 
   int dim() const { return static_cast<int>(sizes.size()); }
   int64_t numel() const {

@@ -13,6 +13,24 @@
 namespace py = pybind11;
 
 namespace vf {
+namespace {
+
+// Binding `given` (a list) again at bound slots [first, first + len) would change nothing: each is the
+// object bind() took, or a tensor viewing exactly its elements, and the bound one still points where
+// it did (unless check_memory is false: run checks that again). Needs the GIL.
+bool same_as_bound(const reshard::Plan& p, const pybind11::list& given, size_t first, bool check_memory) {
+  const auto& bound = p.bound();
+  for (size_t i = 0; i < given.size(); ++i) {
+    PyObject* obj = PyList_GET_ITEM(given.ptr(), i);
+    const TensorRef& t = bound[first + i];
+    if (!t.owner) return false;
+    if (static_cast<const PyTensorOwner*>(t.owner.get())->tensor != obj && !views_same(obj, t)) return false;
+    if (check_memory && !still_bound(t)) return false;
+  }
+  return true;
+}
+
+}  // namespace
 
 void bind_reshard(py::module_& m) {
   using namespace reshard;
@@ -59,29 +77,27 @@ void bind_reshard(py::module_& m) {
            py::arg("bucket"))
       .def("bind", &Plan::bind, py::arg("sources"), py::arg("destinations"), py::arg("send_slots"),
            py::arg("recv_slots"))
+      .def("bind_destinations_in", &Plan::bind_destinations_in, py::arg("buffer"), py::arg("offsets"),
+           "Binds new destinations as slices of one buffer (element offsets), keeping the bound sources")
       .def(
           "is_bound",
           [](const Plan& p, const py::list& sources, const py::list& destinations, py::handle check) {
             const bool check_memory = strict_bool(check, "check_memory");
-            // Binding these again would change nothing: each is the object bind() took, or a tensor
-            // viewing exactly its elements, and the bound one still points where it did (unless
-            // check_memory is false: run checks that again).
-            const auto& bound = p.bound();
             const size_t S = p.local_sources().size(), D = p.local_destinations().size();
-            if (bound.size() < S + D || sources.size() != S || destinations.size() != D) return false;
-            for (size_t i = 0; i < S + D; ++i) {
-              PyObject* given = i < S ? PyList_GET_ITEM(sources.ptr(), i) : PyList_GET_ITEM(destinations.ptr(), i - S);
-              const TensorRef& t = bound[i];
-              if (!t.owner) return false;
-              if (static_cast<const PyTensorOwner*>(t.owner.get())->tensor != given && !views_same(given, t)) return false;
-              if (check_memory && !still_bound(t)) return false;
-            }
-            return true;
+            if (p.bound().size() < S + D || sources.size() != S || destinations.size() != D) return false;
+            return same_as_bound(p, sources, 0, check_memory) && same_as_bound(p, destinations, S, check_memory);
           },
           py::arg("sources"), py::arg("destinations"), py::arg("check_memory") = true,
           "Whether running what bind() holds would run on these lists' tensors: each the object bound, or "
           "one viewing exactly its elements, the bound one unmoved (check_memory=False: the memory is left "
           "to run's check)")
+      .def(
+          "sources_bound",
+          [](const Plan& p, const py::list& sources) {
+            const size_t S = p.local_sources().size();
+            return p.bound().size() >= S && sources.size() == S && same_as_bound(p, sources, 0, true);
+          },
+          py::arg("sources"), "is_bound for the sources alone (the destinations may be bound anew)")
       .def(
           "run",
           [](Plan& p, py::handle bucket_arg, Phase phase, CudaStream stream, py::handle threads_arg) {

@@ -167,6 +167,36 @@ void Plan::bind(std::vector<TensorRef> sources, std::vector<TensorRef> destinati
   bound_ = std::move(all);
 }
 
+void Plan::bind_destinations_in(const TensorRef& buffer, const std::vector<int64_t>& offsets) {
+  check_bound("bind_destinations_in");
+  const int64_t S = src_.size(), D = dst_.size();
+  VF_CHECK(static_cast<int64_t>(offsets.size()) == D, "expected ", D, " destination offsets, got ", offsets.size());
+  VF_CHECK(buffer.dim() == 1 && buffer.is_contiguous(), "the destination buffer must be a contiguous 1-D tensor, got ",
+           shape_str(buffer.sizes));
+  const bool any_data = std::any_of(bound_.begin(), bound_.begin() + S, [](const TensorRef& t) { return t.numel() > 0; });
+  VF_CHECK(!any_data || (buffer.device == device_ && buffer.device_index == device_index_),
+           "the destination buffer is on another device than the bound sources");
+  const int64_t esize = dtype_size(buffer.dtype);
+  for (int64_t i = 0; i < D; ++i) {
+    VF_CHECK_TYPE(static_cast<int32_t>(buffer.dtype) == dst_.dtypes[i], "destination ", dst_.names[i], " must be ",
+                  dtype_name(static_cast<DType>(dst_.dtypes[i])), ", the buffer is ", dtype_name(buffer.dtype));
+    VF_CHECK(offsets[i] >= 0 && offsets[i] <= buffer.numel() && dst_.numels[i] <= buffer.numel() - offsets[i],
+             "destination ", dst_.names[i], " at element ", offsets[i], " (", dst_.numels[i],
+             " elements) lies outside the buffer of ", buffer.numel());
+    VF_CHECK((offsets[i] * esize) % 16 == 0, "destination ", dst_.names[i], " must start 16-byte aligned in the buffer");
+    TensorRef& t = bound_[S + i];
+    t = buffer;
+    t.data = static_cast<char*>(buffer.data) + offsets[i] * esize;
+    t.sizes = {dst_.numels[i]};
+    t.strides = {1};
+    t.view_offset = offsets[i] * esize;
+  }
+  if (!any_data) {
+    device_ = buffer.device;
+    device_index_ = buffer.device_index;
+  }
+}
+
 std::string Plan::bound_name(int64_t i) const {
   const int64_t S = src_.size(), D = dst_.size();
   if (i < S) return "source " + src_.names[i];

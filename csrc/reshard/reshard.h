@@ -133,6 +133,10 @@ class Plan {
   // zeros -> destinations). CPU: up to `num_threads` threads (fewer for small phases); CUDA: one
   // launch on `stream`.
   void run(int64_t bucket, Phase phase, uintptr_t stream, int num_threads);
+  // Binds new destinations without converting one tensor each: destination i is the bytes of
+  // `buffer` (1-D, the destinations' one dtype, contiguous) from element offsets[i]; the sources
+  // and slots stay as bound. Checks the dtype, the size, the alignment and the device.
+  void bind_destinations_in(const TensorRef& buffer, const std::vector<int64_t>& offsets);
   // The pointer table bind() filled, and a name for each entry ("destination model.norm.weight").
   const std::vector<TensorRef>& bound() const { return bound_; }
   std::string bound_name(int64_t i) const;

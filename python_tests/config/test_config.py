@@ -83,18 +83,29 @@ def test_program_exit_codes(tmp_path):
     assert run("bogus").returncode == 2  # argparse's usage error
 
 
-def test_the_config_imports_no_room_and_the_rooms_register_its_choices(tmp_path):
-    """Importing ``verl_fast.config`` imports nothing else of verl_fast; its first validation imports
-    ``verl_fast.catalog``, whose rooms register the values the keys accept, in the order they always had."""
+def test_the_config_imports_nothing_and_the_run_registers_its_choices(tmp_path):
+    """Importing ``verl_fast.config`` and validating with it import nothing else of verl_fast: until
+    ``verl_fast.catalog.register()`` (what ``verl-fast train`` and RLTrainer call) imports the modules
+    that own the choices, a validation says so in one line; then the values are there, in the order
+    they always had."""
     import subprocess
     import sys
 
     code = "\n".join([
         "import sys",
         "import verl_fast.config as C",
-        "assert [m for m in sys.modules if m.startswith('verl_fast.')] == ['verl_fast.config'], sorted(sys.modules)",
+        "def loaded(): return sorted(m for m in sys.modules if m.startswith('verl_fast.'))",
+        "assert loaded() == ['verl_fast.config'], loaded()",
+        "try:",
+        "    C.from_dict({})",
+        "except RuntimeError as e:",
+        "    assert 'algorithm.type' in str(e) and 'verl_fast.catalog.register()' in str(e), e",
+        "else:",
+        "    raise AssertionError('validated with no choices registered')",
+        "assert loaded() == ['verl_fast.config'], loaded()",
+        "from verl_fast import catalog",
+        "catalog.register()",
         "assert C.from_dict({'algorithm': {'type': 'ppo'}}).algorithm.type == 'ppo'",
-        "assert 'verl_fast.catalog' in sys.modules",
         "assert list(C.ALGORITHMS) == ['grpo', 'drgrpo', 'ppo', 'rloo', 'reinforce_pp', 'reinforce_pp_baseline',"
         " 'remax', 'dpo', 'online_dpo']",
         "assert list(C.STRATEGIES) == ['auto', 'fsdp2', 'fsdp1', 'none', 'megatron']",

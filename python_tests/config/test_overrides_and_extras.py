@@ -13,7 +13,7 @@ import yaml
 
 from verl_fast import config as C
 from verl_fast import extras
-from verl_fast.cli import main as cli_main
+from verl_fast.cli.main import main as cli_main
 
 
 def test_override_any_depth_keeps_the_other_keys():
@@ -89,7 +89,7 @@ def test_config_error_of_the_program_has_no_traceback(tmp_path):
 
 
 def test_wandb_gets_the_project_and_run_name(tmp_path, monkeypatch):
-    from verl_fast.metrics import MetricsLogger
+    from verl_fast.metrics.logger import MetricsLogger
 
     calls = []
 

@@ -108,7 +108,7 @@ def test_bad_checkpoints_are_named(tmp_path):
 def test_convert_cli_writes_a_loadable_hf_folder(tmp_path, family, with_config):
     import transformers
 
-    from verl_fast.cli import main
+    from verl_fast.cli.main import main
 
     model = tiny_model(family)
     sd, cfg = model.state_dict(), model.config

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tiny_models import save_tiny_model
-from verl_fast import checkpoint
+from verl_fast.checkpoint import sharded as checkpoint
 from verl_fast import config as C
 from verl_fast.models import lora
 from verl_fast.trainer.rl_trainer import RLTrainer

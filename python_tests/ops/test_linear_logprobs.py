@@ -164,6 +164,75 @@ def test_logp_only_and_empty_batch(backend):
     assert h0.grad.shape == (0, 16) and not w0.grad.any()
 
 
+TRITON = [b for b in BACKENDS if b.values[0][1] == "triton"]
+
+
+def _store_config(N, H, V, dtype, device):
+    from verl_fast.kernels.linear_logprobs import linear_config
+
+    # d_hidden by torch (not the Triton kernel, slow under the interpreter) where CPU torch can: fp32
+    return linear_config(N, H, V, dtype, device, store_logits=True,
+                         dhidden_cublas=True if device == "cpu" and dtype == torch.float32 else None)
+
+
+@pytest.mark.parametrize("backend", TRITON)
+@pytest.mark.parametrize("N,H,V,with_bias", [(1, 16, 33, False), (37, 40, 300, True), (5, 24, 2100, True)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_store_logits_float32_matches_reference(backend, N, H, V, with_bias, temperature):
+    """Logits kept from the forward (3 GEMMs): exact in float32, so the usual tolerances."""
+    inputs = make_inputs(N, H, V, torch.float32, backend[0], with_bias, seed=11)
+    cfg = _store_config(N, H, V, torch.float32, backend[0])
+    check(ours(*inputs, temperature, "triton", config=cfg), expected(*inputs, temperature), torch.float32)
+
+
+@pytest.mark.parametrize("backend", TRITON)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_store_logits_16bit_no_worse_than_a_plain_matmul(backend, dtype):
+    """In 16 bits the kept logits are rounded once, as matmul + log_softmax rounds them: every output's
+    error against float64 stays within 2x of that plain path's (computed here in fp32 from the same
+    16-bit logits; the gradients are rounded to 16 bits in another order) plus float32 rounding."""
+    N, H, V = 29, 48, 520
+    inputs = make_inputs(N, H, V, dtype, backend[0], True, seed=12)
+    hidden, weight, bias, labels, g = inputs
+    got = ours(*inputs, 0.9, "triton", config=_store_config(N, H, V, dtype, backend[0]))
+    leaves = [t.detach().clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    z = (torch.addmm(leaves[2], leaves[0], leaves[1].t()).float() / 0.9)
+    lp = torch.log_softmax(z, -1)
+    plain = [lp.gather(-1, labels[:, None]).squeeze(-1), -(lp.exp() * lp).sum(-1)]
+    (plain[0] * g[0] + plain[1] * g[1]).sum().backward()
+    plain += [t.grad for t in leaves]
+    want = expected(*inputs, 0.9)
+    for name, a, b, w in zip(("logp", "entropy", "d_hidden", "d_weight", "d_bias"), got, plain, want):
+        err = (a.double().cpu() - w.cpu()).abs().max().item()
+        bound = 2 * (b.double().cpu() - w.cpu()).abs().max().item() + 1e-5 * max(w.abs().max().item(), 1)
+        assert err <= bound, f"{name}: error {err:.3g} against float64, the plain path's bound {bound:.3g}"
+
+
+@pytest.mark.parametrize("backend", TRITON)
+def test_store_logits_gradients_to_some_inputs_empty_batch_and_one_backward(backend):
+    hidden, weight, bias, labels, g = make_inputs(8, 16, 70, torch.float32, backend[0], True, seed=13)
+    cfg = _store_config(8, 16, 70, torch.float32, backend[0])
+    want = expected(hidden, weight, bias, labels, g, 1.0)
+    w = weight.clone().requires_grad_(True)
+    logp = vf.linear_logprobs(hidden, w, labels, bias=bias, config=cfg, backend="triton")
+    (logp * g[0]).sum().backward(retain_graph=True)
+    h64, w64 = hidden.cpu().double(), weight.cpu().double().requires_grad_(True)
+    r_logp, _ = reference(h64 @ w64.t() + bias.cpu().double(), labels.cpu())
+    (r_logp * g[0].cpu()).sum().backward()
+    assert_grad(w.grad, w64.grad, torch.float32, "d_weight")
+    with pytest.raises(RuntimeError, match="its backward ran twice"):
+        (logp * g[0]).sum().backward()
+    h0 = torch.zeros(0, 16, device=backend[0], requires_grad=True)
+    w0 = weight.clone().requires_grad_(True)
+    cfg0 = _store_config(0, 16, 70, torch.float32, backend[0])
+    logp, ent = vf.linear_logprobs(h0, w0, labels[:0], with_entropy=True, config=cfg0, backend="triton")
+    (logp.sum() + ent.sum()).backward()
+    assert h0.grad.shape == (0, 16) and not w0.grad.any()
+    with torch.no_grad():  # inference: nothing kept past the call
+        logp = vf.linear_logprobs(hidden, weight, labels, bias=bias, config=cfg, backend="triton")
+    assert_values(logp, want[0], "logp")
+
+
 def test_bad_inputs_name_the_argument():
     h, w = torch.randn(3, 8), torch.randn(20, 8)
     labels = torch.tensor([0, 5, 19])
@@ -223,8 +292,14 @@ def _tp_worker(rank, world, port, out_dir, backends):
         shard = slice(rank * TP["V"] // world, (rank + 1) * TP["V"] // world)
         results = {}
         for backend in backends:
-            results[backend] = ours(hidden, weight[shard], bias[shard], labels, g, TP["temperature"], backend,
-                                    tp_group=dist.group.WORLD)
+            kw = {}
+            if backend == "triton-store":  # the logits kept from the forward (LinearConfig.store_logits)
+                from verl_fast.kernels.linear_logprobs import linear_config
+
+                kw["config"] = linear_config(TP["N"], TP["H"], TP["V"] // world, torch.float32, "cpu",
+                                             store_logits=True)
+            results[backend] = ours(hidden, weight[shard], bias[shard], labels, g, TP["temperature"],
+                                    backend.removesuffix("-store"), tp_group=dist.group.WORLD, **kw)
         try:  # labels are global ids: one past the last shard is out of range (raised before any collective)
             vf.linear_logprobs(hidden, weight[shard], torch.full_like(labels, TP["V"]), tp_group=dist.group.WORLD)
         except ValueError as e:
@@ -235,7 +310,7 @@ def _tp_worker(rank, world, port, out_dir, backends):
 
 
 def test_vocab_parallel_gloo_world_size_2():
-    backends = ["torch"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
+    backends = ["torch"] + (["triton", "triton-store"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(_tp_worker, args=(2, _free_port(), out_dir, backends), nprocs=2, join=True)
         ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]

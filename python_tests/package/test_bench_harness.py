@@ -1,17 +1,29 @@
 """The benchmark harness (verl_fast.bench): timing, peak memory, the runner, the results JSON, the
-Markdown / PNG report, the README block and `verl-fast bench` on the command line."""
+Markdown / PNG report, `verl-fast bench` on the command line (which runs the scripts of a source
+checkout), and the generated block of docs/benchmarks.md (scripts/bench_docs.py)."""
 
+import importlib.util
 import json
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from verl_fast.bench import claims, report, runner
+from verl_fast.bench import claims, paths, report, runner
 from verl_fast.bench.shapes import SHAPES, shape
 from verl_fast.bench.timing import CPU_CACHE_BYTES, measure, peak_memory, rotating, summarize
-from verl_fast.cli import build_parser, main
+from verl_fast.cli.main import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench_docs():
+    spec = importlib.util.spec_from_file_location("bench_docs", ROOT / "scripts" / "bench_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_measure_times_a_known_sleep():
@@ -85,7 +97,7 @@ def _fake_report(name="fake"):
                       "spread": {"median_ms": 2.0, "p10_ms": 1.9, "p90_ms": 2.5, "min_ms": 1.8, "runs": 10}}]}
 
 
-def test_results_schema_report_files_and_readme(tmp_path):
+def test_results_schema_report_files_and_docs_block(tmp_path):
     records = [{"op": "schedule", "status": "ok", "seconds": 1.5, "reports": [_fake_report()]},
                {"op": "e2e", "status": "missing", "reason": "bench_e2e.py is not here", "reports": []}]
     results = report.build_results(records, "cpu", quick=True)
@@ -106,13 +118,18 @@ def test_results_schema_report_files_and_readme(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "e2e: missing" in report.render_table(results)
 
-    readme = tmp_path / "README.md"
-    readme.write_text("# x\n\n## Measured\n\nhand-written H200 table\n\n## Building\n\ntext\n")
-    report.update_readme(readme, results, path.name)
-    report.update_readme(readme, results, path.name)  # rewrites its block, adds no second one
-    text = readme.read_text()
-    assert text.count(report.BEGIN) == 1 and "hand-written H200 table" in text
-    assert text.index(report.BEGIN) < text.index("## Building") and "| schedule | case a |" in text
+    docs = _bench_docs()
+    page = tmp_path / "benchmarks.md"
+    page.write_text(f"# x\n\nhand-written H200 table\n\n{docs.BEGIN}\nold\n{docs.END}\n\n## Running\n\ntext\n")
+    docs.update(page, results, path.name)
+    docs.update(page, results, path.name)  # rewrites its block, adds no second one
+    text = page.read_text()
+    assert text.count(docs.BEGIN) == 1 and "hand-written H200 table" in text and "old" not in text
+    assert text.index(docs.BEGIN) < text.index("## Running") and "| schedule | case a |" in text
+    assert "| design target | claimed (A100) |" in text
+    page.write_text("# no block\n")
+    with pytest.raises(SystemExit, match="no generated block"):
+        docs.update(page, results, path.name)
 
 
 def test_runner_runs_a_script_and_collects_its_report(tmp_path, monkeypatch):
@@ -175,8 +192,22 @@ def test_cli_lists_bench_and_regenerates_the_report(tmp_path, capsys):
     results = report.build_results([{"op": "gae", "status": "ok", "seconds": 1.0, "reports": [_fake_report()]}],
                                    "cpu", quick=True)
     report.save_results(results, tmp_path)
-    readme = tmp_path / "README.md"
-    readme.write_text("## Measured\n")
-    assert main(["bench", "--report-only", "--out", str(tmp_path), "--readme", str(readme)]) == 0
+    for png in tmp_path.glob("cpu-*.png"):
+        png.unlink()
+    assert main(["bench", "--report-only", "--out", str(tmp_path)]) == 0
     assert "baseline/ours" in capsys.readouterr().out
-    assert report.BEGIN in readme.read_text() and list(tmp_path.glob("cpu-*.png"))
+    assert list(tmp_path.glob("cpu-*.png")) and list(tmp_path.glob("cpu-*.md"))
+
+
+def test_bench_says_in_one_line_where_the_scripts_are_missing(tmp_path, monkeypatch):
+    """The wheel carries the library only: without a checkout's benchmarks/ beside the package or in
+    the current folder, `verl-fast bench` says so in one line (and runs nothing)."""
+    assert paths.benchmarks_dir() == ROOT / "benchmarks"  # this checkout, beside the editable package
+    monkeypatch.setattr(paths, "__file__", str(tmp_path / "site" / "verl_fast" / "bench" / "paths.py"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as raised:
+        main(["bench", "--device", "cpu", "--quick"])
+    assert str(raised.value) == paths.MISSING and "\n" not in paths.MISSING
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "_common.py").write_text("")
+    assert paths.benchmarks_dir() == tmp_path / "benchmarks"  # a checkout as the current folder

@@ -2,7 +2,7 @@
 exits 2 with one line on stderr naming the key, file (and line) or function, and never a traceback;
 no model loads where the refusal comes before it (the model folders here hold no weights at all).
 
-CASES is also the table of docs/bad_input_and_faults.md (with the cases other tests reproduce, in
+CASES is also the table of docs/faults.md (with the cases other tests reproduce, in
 OTHER_CASES): `python python_tests/package/test_cli_errors.py` rewrites it, and a test checks it is
 current."""
 
@@ -23,7 +23,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "support"))
 from cli_refusal import refusal  # noqa: E402
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "bad_input_and_faults.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "faults.md"
 
 
 @dataclass
@@ -103,7 +103,7 @@ def checkpoint_with_state(tmp: Path, step_value) -> Path:
 
     import torch
 
-    from verl_fast import checkpoint
+    from verl_fast.checkpoint import sharded as checkpoint
 
     model = torch.nn.Linear(2, 2)
     checkpoint.save(str(tmp / "run"), 1, model, None, torch.optim.SGD(model.parameters(), lr=0.1), {"history": []})
@@ -320,7 +320,7 @@ def test_the_installed_program_prints_one_line(case, tmp_path):
 
 def test_a_bug_still_shows_its_traceback(monkeypatch):
     """An error no refusal raises (an IndexError in the code) is not turned into one line."""
-    from verl_fast import cli
+    from verl_fast.cli import main as cli
 
     def broken(args):
         return [][1]
@@ -347,7 +347,7 @@ BEGIN, END = "<!-- cases: begin (python python_tests/package/test_cli_errors.py)
 def test_the_docs_table_is_current():
     text = DOC.read_text()
     assert text.split(BEGIN)[1].split(END)[0].strip() == table().strip(), \
-        "run `python python_tests/package/test_cli_errors.py` to regenerate docs/bad_input_and_faults.md's table"
+        "run `python python_tests/package/test_cli_errors.py` to regenerate docs/faults.md's table"
     root = DOC.parents[1]
     for *_, test in OTHER_CASES:  # each named test exists
         path, name = test.split("::")

@@ -110,7 +110,7 @@ def test_example_runs_one_step(folder, models, tmp_path):
     else:
         import argparse
 
-        from verl_fast import train_cli
+        from verl_fast.cli import train as train_cli
 
         parser = argparse.ArgumentParser()
         train_cli.add_arguments(parser)

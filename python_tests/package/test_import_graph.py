@@ -1,96 +1,48 @@
-"""The package's modules import one another without cycles and along the layers README's
-Architecture section draws (every import counts: module level, inside functions, and under
-TYPE_CHECKING), so that data flows one way: trainer -> algorithms / strategies / rollout -> op
-wrappers -> _C / kernels."""
+"""The package's modules import one another without cycles and along the floors drawn below
+(docs/architecture.md draws them too). Every import counts: module level, inside functions, under
+TYPE_CHECKING, and ``importlib.import_module("verl_fast....")`` / ``__import__`` calls with a literal
+name, so that data flows one way: trainer -> algorithms / strategies / rollout -> op wrappers ->
+_C / kernels. ``python scripts/import_graph.py`` prints the figures."""
 
-import ast
 from pathlib import Path
 
 import pytest
 
+import import_graph
 import verl_fast
 import verl_fast.kernels
 
 PKG = Path(verl_fast.__file__).parent
 KERNELS = Path(verl_fast.kernels.__file__).parent  # kernels/ in the source tree, verl_fast/kernels in a wheel
 
-# The rooms, lowest first: a module may import its own layer and the ones below, never one above.
-LAYERS = [
-    ("foundation", {"verl_fast", "verl_fast._C", "verl_fast.config", "verl_fast.distributed", "verl_fast.safe_load",
-                    "verl_fast.run_files", "verl_fast.output_folder", "verl_fast.metrics_http", "verl_fast.extras",
-                    "verl_fast.hub"}),
+# The floors, lowest first: a module may import its own floor and the ones below, never one above.
+FLOORS = [
+    ("foundation", {"verl_fast", "verl_fast._C", "verl_fast.config", "verl_fast.distributed", "verl_fast.files",
+                    "verl_fast.metrics.http_server", "verl_fast.extras", "verl_fast.hub"}),
     ("ops", {"verl_fast.ops", "verl_fast.kernels", "verl_fast.schedule"}),
     ("models, data, rewards, rollout, checkpoints, metrics",
      {"verl_fast.models", "verl_fast.data", "verl_fast.experience", "verl_fast.rewards", "verl_fast.rollout",
-      "verl_fast.checkpoint", "verl_fast.direct_write", "verl_fast.metrics", "verl_fast.model_card"}),
+      "verl_fast.checkpoint", "verl_fast.metrics"}),
     ("algorithms, strategies", {"verl_fast.algos", "verl_fast.strategies"}),
     ("trainer", {"verl_fast.trainer", "verl_fast.catalog"}),
-    # verl_fast.benchmarks: the benchmark scripts, which an installed wheel carries for `verl-fast bench`
-    ("commands", {"verl_fast.cli", "verl_fast.train_cli", "verl_fast.__main__", "verl_fast.info", "verl_fast.bench",
-                  "verl_fast.inference", "verl_fast.benchmarks"}),
+    ("commands", {"verl_fast.cli", "verl_fast.__main__", "verl_fast.bench", "verl_fast.inference"}),
 ]
 
 
 def _modules():
-    out = {}
-    for root, package in ((PKG, "verl_fast"), (KERNELS, "verl_fast.kernels")):
-        for path in root.rglob("*.py"):
-            parts = (package, *path.relative_to(root).with_suffix("").parts)
-            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-            out[name] = path
-    return out
-
-
-def _imports(name, path, modules):
-    is_pkg = path.name == "__init__.py"
-    package = name if is_pkg else name.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            targets = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(anchor + ([base] if base else []))
-            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
-        else:
-            continue
-        for t in targets:
-            while t and t not in modules:  # a name inside a module: the module
-                t = t.rpartition(".")[0]
-            if t and t != name:
-                found.add(t)
-    return found
-
-
-def _cycles(graph):
-    state, stack, cycles = {}, [], []
-
-    def visit(n):
-        state[n] = 1
-        stack.append(n)
-        for m in sorted(graph[n]):
-            if state.get(m) == 1:
-                cycles.append(stack[stack.index(m):] + [m])
-            elif m not in state:
-                visit(m)
-        stack.pop()
-        state[n] = 2
-
-    for n in sorted(graph):
-        if n not in state:
-            visit(n)
-    return cycles
+    return import_graph.modules([(PKG, "verl_fast"), (KERNELS, "verl_fast.kernels")])
 
 
 def _graph():
-    modules = _modules()
-    # A package's __init__ only re-exports its modules: edges into a package from its own modules
-    # (``from verl_fast.rollout import x`` inside verl_fast/rollout/) are not cycles of substance, so a
-    # module's import of any package counts as an import of the named module when it is one.
-    return {n: {m for m in _imports(n, p, modules) if not (p.name != "__init__.py" and n.startswith(m + "."))}
-            for n, p in modules.items()}
+    return import_graph.graph(_modules())
+
+
+def floor(module):
+    """The index in FLOORS of the floor holding ``module`` (the longest matching name)."""
+    found = [(len(room), i) for i, (_, rooms) in enumerate(FLOORS) for room in rooms
+             if module == room or module.startswith(room + ".")]
+    assert found, f"{module} is on no floor of FLOORS: add it there (and to docs/architecture.md)"
+    return max(found)[1]
 
 
 def test_no_two_modules_of_one_name():
@@ -104,24 +56,32 @@ def test_no_two_modules_of_one_name():
 
 
 def test_no_import_cycles():
-    cycles = _cycles(_graph())
+    cycles = import_graph.cycles(_graph())
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
-def _layer(module):
-    """The index in LAYERS of the room holding ``module`` (the longest matching room name)."""
-    found = [(len(room), i) for i, (_, rooms) in enumerate(LAYERS) for room in rooms
-             if module == room or module.startswith(room + ".")]
-    assert found, f"{module} is in no layer of LAYERS: add its room there (and to README's Architecture)"
-    return max(found)[1]
+def test_every_import_goes_down_the_floors():
+    """No module imports one of a higher floor."""
+    up = import_graph.upward(_graph(), floor)
+    assert not up, "imports up the floors:\n" + "\n".join(
+        f"{n} ({FLOORS[floor(n)][0]}) imports {m} ({FLOORS[floor(m)][0]})" for n, m in up)
 
 
-def test_every_import_goes_down_the_layers():
-    """No module imports one of a higher layer (README, Architecture)."""
-    graph = _graph()
-    upward = sorted(f"{n} ({LAYERS[_layer(n)][0]}) imports {m} ({LAYERS[_layer(m)][0]})"
-                    for n, targets in graph.items() for m in targets if _layer(m) > _layer(n))
-    assert not upward, "imports up the layers:\n" + "\n".join(upward)
+def test_the_graph_reads_dynamic_imports(tmp_path):
+    """``importlib.import_module`` / ``__import__`` with a literal name are arrows like ``import``;
+    a name computed at run time is not one."""
+    pkg = tmp_path / "p"
+    pkg.mkdir()
+    for name in ("__init__", "low", "high", "other"):
+        (pkg / f"{name}.py").write_text("")
+    (pkg / "low.py").write_text("import importlib\n\ndef f(name):\n    importlib.import_module('p.high')\n"
+                                "    importlib.import_module(name)\n    __import__('p.other')\n")
+    g = import_graph.graph(import_graph.modules([(pkg, "p")]))
+    assert g["p.low"] == {"p.high", "p.other"}
+    assert import_graph.upward(g, {"p": 0, "p.low": 0, "p.other": 0, "p.high": 1}.__getitem__) == [("p.low", "p.high")]
+    (pkg / "high.py").write_text("from p import low\n")
+    g = import_graph.graph(import_graph.modules([(pkg, "p")]))
+    assert import_graph.circles(g) == [{"p.low", "p.high"}] and import_graph.cycles(g)
 
 
 # helpers of one job that import nothing of verl_fast, so any room may use them (the config reads its
@@ -135,8 +95,8 @@ def test_leaves_import_nothing_of_the_package():
 
 
 @pytest.mark.parametrize("room,forbidden", [
-    ("verl_fast.ops", ("verl_fast.trainer", "verl_fast.rollout", "verl_fast.cli", "verl_fast.train_cli")),
-    ("verl_fast.kernels", ("verl_fast.trainer", "verl_fast.rollout", "verl_fast.cli", "verl_fast.train_cli")),
+    ("verl_fast.ops", ("verl_fast.trainer", "verl_fast.rollout", "verl_fast.cli")),
+    ("verl_fast.kernels", ("verl_fast.trainer", "verl_fast.rollout", "verl_fast.cli")),
     ("verl_fast.rollout", ("verl_fast.trainer",)),
     ("verl_fast.config", ("verl_fast.",)),  # the config imports no room: the rooms register into it
     ("verl_fast.algos", ("verl_fast.strategies", "verl_fast.trainer")),

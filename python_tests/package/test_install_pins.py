@@ -64,7 +64,7 @@ def _run_without_optional(tmp_path, argv):
         import sys
         for name in {OPTIONAL!r}:
             sys.modules[name] = None
-        from verl_fast.cli import main
+        from verl_fast.cli.main import main
         code = main({argv!r})
         assert not [m for m in {OPTIONAL!r} if sys.modules.get(m) is not None]
         sys.exit(code)

@@ -1,7 +1,7 @@
-"""Every Python name README.md gives is importable as written, in a fresh interpreter: each dotted
-``verl_fast.…`` name (a module along the way must import as a module: ``import verl_fast.x``), and
-each ``vf.…`` name (``import verl_fast as vf``) and each name of the Ops table's Python column as an
-attribute of ``verl_fast``."""
+"""Every Python name README.md and docs/ give is importable as written, in a fresh interpreter: each
+dotted ``verl_fast.…`` name (a module along the way must import as a module: ``import verl_fast.x``),
+and each ``vf.…`` name (``import verl_fast as vf``) and each name of the Ops table's Python column
+(docs/ops.md) as an attribute of ``verl_fast``."""
 
 import json
 import re
@@ -9,7 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 RESOLVE = """
 import importlib, json, sys, types
@@ -40,11 +41,12 @@ print(json.dumps(failed))
 
 def readme_names():
     """``(name, as_attribute)`` pairs: dotted import paths, and attributes of the package."""
-    text = README.read_text()
+    text = "\n\n".join(page.read_text() for page in PAGES)
     dotted = set(re.findall(r"`[^`]*?\b(verl_fast(?:\.[A-Za-z_]\w*)+)", text))
     attributes = set(re.findall(r"\bvf\.([A-Za-z_]\w*)", text))  # import verl_fast as vf
-    ops = text[text.index("### Ops"):]
-    ops = ops[: ops.index("\n\n", ops.index("|"))]
+    ops = (ROOT / "docs" / "ops.md").read_text()
+    ops = ops[ops.index("\n| area | Python |") + 1:]  # the table, to its end
+    ops = ops[: ops.index("\n\n")]
     for row in ops.splitlines()[2:]:  # the rows under the header and its rule
         python = row.split("|")[2]
         for code in re.findall(r"`([^`]+)`", python):
@@ -65,4 +67,4 @@ def test_readme_names_import(tmp_path):
                           cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     failed = json.loads(done.stdout.strip().splitlines()[-1])
-    assert not failed, "README names that do not import as written:\n" + "\n".join(failed)
+    assert not failed, "README / docs names that do not import as written:\n" + "\n".join(failed)

@@ -35,7 +35,7 @@ def test_rl_dataset_pt_from_build_dpo_dataset_trains(tiny_path, tmp_path):
     torch.save(rl_dataset, tmp_path / "rl_dataset.pt")
     loaded = processor.load(str(tmp_path / "rl_dataset.pt"))
     assert loaded == rl_dataset
-    from verl_fast import train_cli
+    from verl_fast.cli import train as train_cli
 
     cfg = tmp_path / "config.yaml"
     cfg.write_text(f"""
@@ -162,7 +162,7 @@ def test_rollout_quantization_refused_where_the_engine_cannot(tiny_path, tmp_pat
 
 
 def test_schedule_importable_as_a_module():
-    from verl_fast.schedule import rollout_buckets  # the README's import, as written
+    from verl_fast.schedule import rollout_buckets  # the import docs/ops.md gives, as written
 
     import verl_fast
     import verl_fast.ops.schedule
@@ -249,7 +249,7 @@ def test_dpo_example_runs_offline(tmp_path, monkeypatch):
     import importlib.util
     from pathlib import Path
 
-    from verl_fast import train_cli
+    from verl_fast.cli import train as train_cli
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     folder = Path(__file__).resolve().parents[2] / "examples" / "dpo"
@@ -274,7 +274,7 @@ def test_megatron_without_cuda_refused_at_start_up(tiny_path, tmp_path):
     import argparse
     from pathlib import Path
 
-    from verl_fast import train_cli
+    from verl_fast.cli import train as train_cli
 
     example = Path(__file__).resolve().parents[2] / "examples" / "megatron" / "config.yaml"
     parser = argparse.ArgumentParser()

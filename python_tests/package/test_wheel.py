@@ -1,10 +1,13 @@
 """The wheel builds, installs into a fresh virtual environment and imports, compiled core and
-Triton kernels included (CPU-only build here, to keep it quick)."""
+Triton kernels included (CPU-only build here, to keep it quick). It holds the library only: no
+benchmark scripts, nothing that rewrites the repository's pages; `verl-fast bench` says in one line
+that it needs a source checkout."""
 
 import os
 import subprocess
 import sys
 import venv
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,10 @@ def test_wheel_installs_in_a_fresh_venv(tmp_path):
                     "--config-settings=build-dir=" + str(tmp_path / "build"), str(ROOT)], env=env, check=True)
     wheels = list((tmp_path / "dist").glob("verl_fast-*.whl"))
     assert len(wheels) == 1, wheels
+    names = zipfile.ZipFile(wheels[0]).namelist()
+    outside = [n for n in names if not n.startswith(("verl_fast/", "verl_fast-"))]
+    assert not outside and "verl_fast/kernels/linear_logprobs.py" in names, outside
+    assert not [n for n in names if n.startswith("verl_fast/benchmarks/") or "bench_docs" in n]
     venv.create(tmp_path / "venv", with_pip=True)
     py = tmp_path / "venv" / "bin" / "python"
     site = Path(subprocess.check_output([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -40,3 +47,7 @@ def test_wheel_installs_in_a_fresh_venv(tmp_path):
     out = subprocess.run([str(py), "-c", check], capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().startswith("ok")
+    bench = subprocess.run([str(py), "-m", "verl_fast", "bench", "--device", "cpu", "--quick"], capture_output=True,
+                           text=True, cwd=tmp_path)
+    assert bench.returncode != 0 and bench.stderr.strip().splitlines()[-1].endswith("run it from a clone of the "
+                                                                                  "repository"), bench.stderr[-2000:]

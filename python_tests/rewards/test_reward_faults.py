@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tiny_models import save_tiny_model
 from verl_fast import config as config_mod
 from verl_fast.rewards import CallableReward, GuardedReward, RewardInput, RewardStopped, RewardTimeout, deadline
-from verl_fast import checkpoint
+from verl_fast.checkpoint import sharded as checkpoint
 from verl_fast.trainer.rl_trainer import RLTrainer
 
 PROMPTS = [{"prompt": f"What is {a} + {b}?"} for a, b in [(1, 2), (3, 4)]]

@@ -117,7 +117,7 @@ def test_truncation_and_dpo_pairs():
 
 
 def test_cli_train_runs_a_config(tmp_path, capsys):
-    from verl_fast.cli import main
+    from verl_fast.cli.main import main
 
     path = save_tiny_model(tmp_path / "m", family="qwen2")
     (tmp_path / "data.jsonl").write_text("\n".join(json.dumps({"prompt": f"What is {i} + 1?",

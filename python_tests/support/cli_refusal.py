@@ -8,7 +8,7 @@ from typing import List
 def refusal(argv: List[str], capsys) -> str:
     """The stderr line of ``verl-fast argv``, which must refuse (exit 2) without a traceback; an
     exception escaping the command (what would print a traceback) fails the test with it."""
-    from verl_fast.cli import main
+    from verl_fast.cli.main import main
 
     capsys.readouterr()
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from verl_fast import checkpoint
+from verl_fast.checkpoint import sharded as checkpoint
 from verl_fast.trainer.rl_trainer import RLTrainer
 
 

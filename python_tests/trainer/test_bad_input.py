@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from tiny_models import EOS, build_tokenizer, save_tiny_model, tiny_model
-from verl_fast import checkpoint, errors, output_folder
+from verl_fast import errors
+from verl_fast.checkpoint import sharded as checkpoint
+from verl_fast.files import output_folder
 from verl_fast import config as config_mod
 from verl_fast.trainer import run_dir
 

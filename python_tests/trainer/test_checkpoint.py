@@ -16,8 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tiny_models import save_tiny_model
-from verl_fast.cli import main as cli_main
-from verl_fast import checkpoint
+from verl_fast.cli.main import main as cli_main
+from verl_fast.checkpoint import sharded as checkpoint
 from verl_fast.trainer.rl_trainer import RLTrainer
 from ports import free_port
 

@@ -12,9 +12,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tiny_models import save_tiny_model
-from verl_fast import checkpoint, model_card
+from verl_fast.checkpoint import sharded as checkpoint
+from verl_fast.checkpoint import model_card
 from verl_fast import config as C
-from verl_fast.cli import main as cli_main
+from verl_fast.cli.main import main as cli_main
 from verl_fast.trainer.rl_trainer import RLTrainer
 
 PROMPTS = [{"prompt": f"What is {a} + {b}?"} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]]

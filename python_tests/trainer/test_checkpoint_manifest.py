@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from verl_fast import checkpoint
+from verl_fast.checkpoint import sharded as checkpoint
 
 
 @pytest.fixture

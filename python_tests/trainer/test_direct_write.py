@@ -10,8 +10,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from verl_fast import direct_write
-from verl_fast.direct_write import BLOCK, BUFFER, DirectWriter, write_safetensors
+from verl_fast.files import direct_write
+from verl_fast.files.direct_write import BLOCK, BUFFER, DirectWriter, write_safetensors
 
 SIZES = [0, 1, 7, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 5, BUFFER - 1, BUFFER, BUFFER + BLOCK + 3]
 

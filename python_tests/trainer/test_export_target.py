@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 from reshard_refs import ref_megatron
 from tiny_models import tiny_model
 from cli_refusal import refusal
-from verl_fast.cli import main as cli_main
+from verl_fast.cli.main import main as cli_main
 from verl_fast.ops.reshard.megatron import shard_prefix
-from verl_fast import checkpoint
+from verl_fast.checkpoint import sharded as checkpoint
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from tiny_models import build_config, build_model, tiny_model
 from verl_fast.config import from_dict
 from verl_fast.strategies import memory_plan
 from verl_fast.strategies.hf_models import autocast_dtype, use_tf32
-from verl_fast.train_cli import auto_settings
+from verl_fast.cli.train import auto_settings
 
 GIB = 2**30
 # Qwen2.5-7B's published shape (config.json of Qwen/Qwen2.5-7B): 7,615,616,512 parameters
@@ -180,7 +180,7 @@ def test_8bit_optimizer_states_checkpoint_and_resume_bit_for_bit(tmp_path):
     same quantised moments."""
     pytest.importorskip("torchao")
     from tiny_models import build_tokenizer
-    from verl_fast import checkpoint
+    from verl_fast.checkpoint import sharded as checkpoint
     from verl_fast.trainer.rl_trainer import RLTrainer
 
     tok = build_tokenizer()

@@ -19,10 +19,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tiny_models import build_tokenizer, save_tiny_model
 from verl_fast import load_megatron_checkpoint
-from verl_fast import safe_load
+from verl_fast.files import safe_load
 from cli_refusal import refusal
 from verl_fast.data import RLDataProcessor
-from verl_fast import checkpoint
+from verl_fast.checkpoint import sharded as checkpoint
 from verl_fast.strategies.megatron import run_checkpoint as megatron_checkpoint
 from verl_fast.trainer.rl_trainer import RLTrainer
 

@@ -167,7 +167,7 @@ def test_dcp_checkpoints_are_loaded_as_data_only(tmp_path):
 
     import torch.distributed.checkpoint as dcp
 
-    from verl_fast import safe_load
+    from verl_fast.files import safe_load
 
     marker = tmp_path / "ran"
     good = {"x": torch.arange(4.0), "lr": 0.1}

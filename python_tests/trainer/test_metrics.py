@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tiny_models import save_tiny_model
-from verl_fast.metrics import GAUGES, HISTOGRAMS, MetricsServer, sanitize
+from verl_fast.metrics.logger import GAUGES, HISTOGRAMS, MetricsServer, sanitize
 from verl_fast.trainer.rl_trainer import RLTrainer
 
 PROMPTS = [{"prompt": f"What is {a} + {b}?"} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]]

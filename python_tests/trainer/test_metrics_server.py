@@ -8,7 +8,7 @@ import threading
 import time
 import urllib.request
 
-from verl_fast.metrics import MetricsServer
+from verl_fast.metrics.logger import MetricsServer
 
 
 def scrape(port: int) -> str:
@@ -77,7 +77,7 @@ def test_slow_clients_cannot_block_the_endpoint():
 
 
 def test_an_oversized_request_head_is_closed():
-    from verl_fast.metrics_http import MAX_HEAD
+    from verl_fast.metrics.http_server import MAX_HEAD
 
     with serving(idle=1) as (server, (big,)):
         big.settimeout(5)

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tiny_models import save_tiny_model
-from verl_fast.metrics import step_summary
+from verl_fast.metrics.logger import step_summary
 from verl_fast.models.packed import causal_pairs
 from verl_fast.trainer import perf
 from verl_fast.trainer.rl_trainer import RLTrainer

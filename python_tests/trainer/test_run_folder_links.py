@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from verl_fast import config as config_mod
-from verl_fast.metrics import MetricsLogger
-from verl_fast import checkpoint
+from verl_fast.metrics.logger import MetricsLogger
+from verl_fast.checkpoint import sharded as checkpoint
 from verl_fast.trainer import run_dir
 
 

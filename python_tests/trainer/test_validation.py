@@ -159,7 +159,7 @@ def test_validation_settings_without_a_set_or_a_sampler(tiny_path, tmp_path):
 
 
 def test_a_resume_drops_the_generations_of_steps_that_run_again(tmp_path):
-    from verl_fast.metrics import MetricsLogger
+    from verl_fast.metrics.logger import MetricsLogger
 
     logger = MetricsLogger(str(tmp_path), 3, progress_bar=False, loggers=["jsonl"])
     logger.resume([])

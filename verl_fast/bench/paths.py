@@ -1,23 +1,23 @@
-"""Where the benchmark scripts and their results live."""
+"""Where the benchmark scripts and their results live: the source checkout's benchmarks/ folder
+(the wheel ships the library only)."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
+from typing import Optional
+
+MISSING = ("verl-fast bench runs the benchmark scripts of a source checkout (benchmarks/bench_*.py), and none "
+           "is beside this install or in the current folder: run it from a clone of the repository")
 
 
-def benchmarks_dir() -> Path:
-    """The bench_*.py scripts: shipped in the wheel as verl_fast/benchmarks, or the repository's
-    benchmarks/ folder beside the package (an editable install)."""
-    spec = importlib.util.find_spec("verl_fast.benchmarks")
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        if Path(folder, "_common.py").is_file():
-            return Path(folder)
-    repo = Path(__file__).resolve().parents[2] / "benchmarks"
-    if (repo / "_common.py").is_file():
-        return repo
-    raise FileNotFoundError("the benchmark scripts are missing: neither verl_fast/benchmarks (wheel) nor the "
-                            f"repository's benchmarks/ ({repo}) holds _common.py")
+def benchmarks_dir(start: Optional[Path] = None) -> Path:
+    """The bench_*.py scripts: the benchmarks/ folder beside the package (an editable install of a
+    checkout), else the one in ``start`` (default: the current folder). Raises SystemExit with one
+    line when neither holds them."""
+    for root in (Path(__file__).resolve().parents[2], Path(start or Path.cwd()).resolve()):
+        if (root / "benchmarks" / "_common.py").is_file():
+            return root / "benchmarks"
+    raise SystemExit(MISSING)
 
 
 def default_out_dir() -> Path:

@@ -1,5 +1,4 @@
-"""The benchmark report: one results JSON per run, one table, a Markdown page, a PNG chart, and the
-generated block of README's "Measured" section.
+"""The benchmark report: one results JSON per run, one table, a Markdown page and a PNG chart.
 
 Results JSON (``<device>-<date>.json``)::
 
@@ -10,8 +9,10 @@ Results JSON (``<device>-<date>.json``)::
                   "over_floor", "ours_extra_bytes", "spread"}],
      "claims": [{"claim", "seed", "measured", "hardware", "source"}]}
 
-python -m verl_fast.bench.report [DIR] [--readme README.md] rebuilds the Markdown, PNG and README
-block from the latest results JSON in DIR (the same as ``verl-fast bench --report-only``).
+"claims" holds the design targets (figures claimed on A100s, under the key "seed") beside ours.
+
+python -m verl_fast.bench.report [DIR] rebuilds the Markdown and PNG from the latest results JSON in
+DIR (the same as ``verl-fast bench --report-only``).
 """
 
 from __future__ import annotations
@@ -30,8 +31,6 @@ from verl_fast.bench.timing import cpu_load
 
 SCHEMA = 1
 RESULTS_NAME = re.compile(r"^(cpu|cuda)-\d{4}-\d{2}-\d{2}(?:_\d+)?\.json$")
-README_ROWS_PER_OP = 3
-BEGIN, END = "<!-- verl-fast bench: begin (generated) -->", "<!-- verl-fast bench: end -->"
 
 
 def environment(device: str) -> Dict[str, Any]:
@@ -157,8 +156,8 @@ def render_table(results: Dict[str, Any]) -> str:
         if op["status"] != "ok":
             out.append(f"{op['op']}: {op['status']} {op.get('reason', '')}".rstrip())
     if results.get("claims"):
-        out.append("\nseeds' claims (A100) beside ours:")
-        out += [f"  {c['claim']}: seed {c['seed']}; ours {c['measured']} [{c['hardware']}]" for c in results["claims"]]
+        out.append("\ndesign targets (claimed on A100) beside ours:")
+        out += [f"  {c['claim']}: target {c['seed']}; ours {c['measured']} [{c['hardware']}]" for c in results["claims"]]
     return "\n".join(out)
 
 
@@ -174,8 +173,8 @@ def markdown(results: Dict[str, Any]) -> str:
     lines += ["", "| op | status | seconds |", "|---|---|---|"]
     lines += [f"| {o['op']} | {o['status']} {o.get('reason', '')} | {o.get('seconds', 0):.1f} |" for o in results["ops"]]
     if results.get("claims"):
-        lines += ["", "## The seeds' claims (measured on A100 by the seeds) beside ours", "",
-                  "| claim | seed (A100) | ours | hardware | source |", "|---|---|---|---|---|"]
+        lines += ["", "## Design targets (claimed on A100) beside ours", "",
+                  "| claim | target (A100) | ours | hardware | source |", "|---|---|---|---|---|"]
         lines += [f"| {c['claim']} | {c['seed']} | {c['measured']} | {c['hardware']} | {c['source']} |"
                   for c in results["claims"]]
     return "\n".join(lines) + "\n"
@@ -222,76 +221,22 @@ def write_report(results: Dict[str, Any], out: Path, stem: str) -> Tuple[Path, O
         return md, None
 
 
-def _load(env: Dict[str, Any]) -> str:
-    load = env.get("load_before")
-    return f"{load:.1f}" if isinstance(load, (int, float)) else "unknown"
-
-
-def readme_block(results: Dict[str, Any], source: str) -> str:
-    env = results["environment"]
-    head = ["op", "case", "baseline", "floor", "ours", "baseline/ours", "measured on"]
-    lines = [BEGIN, f"Latest `verl-fast bench` results ({results['time'][:10]}, load average {_load(env)} when "
-             f"written; `benchmarks/results/{source}`, every case in the `.md` beside it; regenerate "
-             "this block with "
-             "`verl-fast bench --report-only`):", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    shown: Dict[str, int] = {}
-    for r in results["summary"]:
-        shown[r["op"]] = shown.get(r["op"], 0) + 1
-        if shown[r["op"]] > README_ROWS_PER_OP:  # the full table is in the Markdown report
-            continue
-        lines.append(f"| {r['op']} | {r['case']} | {r['baseline'] or ''} {_fmt_ms(r['baseline_ms'])} | "
-                     f"{_fmt_ms(r['floor_ms'])} | {_fmt_ms(r['ours_ms'])} | {_fmt_x(r['speedup'])} | "
-                     f"{r.get('hardware') or ''} |")
-    if results.get("claims"):
-        lines += ["", "| seeds' claim | seed (A100) | ours | hardware |", "|---|---|---|---|"]
-        lines += [f"| {c['claim']} | {c['seed']} | {c['measured']} | {c['hardware']} |" for c in results["claims"]]
-    return "\n".join(lines + [END])
-
-
-def update_readme(readme: Path, results: Dict[str, Any], source: str) -> None:
-    """Rewrites the generated block (between the markers) of README's "## Measured" section; the
-    hand-written figures around it stay. Without markers, the block goes at the section's end."""
-    text = readme.read_text()
-    block = readme_block(results, source)
-    if BEGIN in text and END in text:
-        start, stop = text.index(BEGIN), text.index(END) + len(END)
-        text = text[:start] + block + text[stop:]
-    else:
-        m = re.search(r"^## Measured\s*$", text, flags=re.M)
-        if m is None:
-            raise ValueError(f"{readme}: no '## Measured' section to put the benchmark block in")
-        nxt = re.search(r"^## ", text[m.end():], flags=re.M)
-        at = m.end() + nxt.start() if nxt else len(text)
-        text = text[:at].rstrip("\n") + "\n\n" + block + "\n\n" + text[at:]
-    readme.write_text(text)
-
-
-def repository_readme() -> Optional[Path]:
-    path = Path(__file__).resolve().parents[2] / "README.md"
-    return path if path.is_file() else None
-
-
-def regenerate(out: Path, readme: Optional[Path]) -> Tuple[Path, Dict[str, Any], Path, Path]:
-    """Markdown, PNG and (when ``readme`` is given) README block again from the latest results JSON."""
+def regenerate(out: Path) -> Tuple[Path, Dict[str, Any], Path, Optional[Path]]:
+    """Markdown and PNG again from the latest results JSON in ``out``."""
     latest = latest_results(out)
     if latest is None:
         raise SystemExit(f"no <device>-<date>.json in {out}; run `verl-fast bench` first")
     results = json.loads(latest.read_text())
     md, png = write_report(results, out, latest.stem)
-    if readme is not None:
-        update_readme(readme, results, latest.name)
     return latest, results, md, png
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="rebuild the benchmark report from the latest results JSON")
     p.add_argument("out", nargs="?", help="results folder (default: benchmarks/results)")
-    p.add_argument("--readme", help="README to update (default: the repository's)")
     args = p.parse_args(argv)
-    readme = Path(args.readme) if args.readme else repository_readme()
-    latest, _, md, png = regenerate(Path(args.out) if args.out else default_out_dir(), readme)
-    print(f"results: {latest}\nreport: {md}\nchart: {png}" + (f"\nREADME: {readme}" if readme else ""))
+    latest, _, md, png = regenerate(Path(args.out) if args.out else default_out_dir())
+    print(f"results: {latest}\nreport: {md}\nchart: {png}")
     return 0
 
 

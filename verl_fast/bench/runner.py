@@ -124,16 +124,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--collect", action="store_true",
                    help="run nothing: one results JSON from the <name>_<device>.json files the scripts saved in DIR")
     p.add_argument("--report-only", action="store_true",
-                   help="run nothing: rebuild the Markdown, PNG and README section from the latest results JSON")
-    p.add_argument("--readme", help="README whose generated 'Measured' block to rewrite (--report-only rewrites "
-                                    "the repository's README by default)")
+                   help="run nothing: rebuild the Markdown and PNG from the latest results JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else default_out_dir()
-    readme = Path(args.readme) if args.readme else report_mod.repository_readme()
     if args.report_only:
-        latest, results, md, png = report_mod.regenerate(out, readme if readme is not None and readme.is_file() else None)
+        latest, results, md, png = report_mod.regenerate(out)
         print(report_mod.render_table(results))
         print(f"results: {latest}\nreport: {md}\nchart: {png}")
         return 0
@@ -146,9 +143,6 @@ def run(args: argparse.Namespace) -> int:
     print(report_mod.render_table(results))
     md, png = report_mod.write_report(results, out, latest.stem)
     print(f"results: {latest}\nreport: {md}\nchart: {png}")
-    if args.readme:
-        report_mod.update_readme(readme, results, latest.name)
-        print(f"README block updated: {readme}")
     failed = [r["op"] for r in results["ops"] if r["status"] == "failed"]
     if failed:
         print(f"failed: {', '.join(failed)}")

@@ -14,7 +14,9 @@ outputs are then undefined for such inputs).
 
 from __future__ import annotations
 
-from typing import Any, Sequence, Tuple
+import functools
+import threading
+from typing import Any, Dict, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -23,28 +25,78 @@ from verl_fast.ops import _validate as V
 from verl_fast.ops.native import cuda_stream, ext
 
 
+@functools.lru_cache(maxsize=None)
+def _kinds():
+    """ScanKind's gae, reinforce_pp, remax (looked up once: attribute access on _C costs a call)."""
+    K = ext().ScanKind
+    return K.gae, K.reinforce_pp, K.remax
 
-def _raise_for_status(status: torch.Tensor, rewards_name: str, values_name: str) -> None:
-    """The launchers' status record (``_C.status_words`` int32): word 0 holds AdvantageStatus bits."""
-    bits, S = int(status[0].item()), ext().AdvantageStatus
-    if bits & S.bad_rewards:
+
+@functools.lru_cache(maxsize=None)
+def _status_bits() -> Tuple[int, int, int]:
+    """AdvantageStatus' bits as plain ints (pybind enum arithmetic costs microseconds a call)."""
+    S = ext().AdvantageStatus
+    return int(S.bad_rewards), int(S.bad_values), int(S.too_few_to_whiten)
+
+
+def _raise_for_status(word: torch.Tensor, rewards_name: str, values_name: str) -> None:
+    """``word``: word 0 of the launchers' status record (AdvantageStatus bits); its read waits for the launch."""
+    bits = word.item()
+    if not bits:
+        return
+    bad_rewards, bad_values, too_few = _status_bits()
+    if bits & bad_rewards:
         raise ValueError(f"{rewards_name} contains NaN or inf")
-    if bits & S.bad_values:
+    if bits & bad_values:
         raise ValueError(f"{values_name} contains NaN or inf")
-    if bits & S.too_few_to_whiten:
+    if bits & too_few:
         raise ValueError(
             "whitening needs at least 2 positions where response_mask is 1; "
             "pass whiten=False for such batches"
         )
 
 
+# One status record per (device, stream, thread), kept: calls on one stream run in order, each clears
+# the record before its kernels write it, and a checking call reads it before it returns.
+_STATUS: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
+_MAX_STATUS = 64  # streams and threads come and go: beyond this many records, start again
+_DEVICES = ("cpu", "cuda")
+
+
+def _status(device: torch.device, stream) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(the status record, a view of its word 0) for calls on ``stream`` (None: the CPU) from this thread."""
+    key = (device, stream.cuda_stream if stream is not None else 0, threading.get_ident())
+    record = _STATUS.get(key)
+    if record is None:
+        if len(_STATUS) >= _MAX_STATUS:
+            _STATUS.clear()
+        status = torch.empty(ext().status_words, dtype=torch.int32, device=device)
+        record = _STATUS[key] = (status, status[0])
+    return record
+
+
+def _outputs(B: int, T: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Two new [B, T] float32 tensors from one allocation (one allocator call on the host's path)."""
+    adv, ret = torch.empty((2, B, T), dtype=torch.float32, device=device).unbind(0)
+    return adv, ret
+
+
+def _unit(x, name: str) -> float:
+    """A discount or mixing weight: a float in [0, 1] (the plain case checked first: it is every call)."""
+    if type(x) is float and 0.0 <= x <= 1.0:
+        return x
+    # a discount or mixing weight outside [0, 1] grows the returns geometrically (1e30: all inf / NaN)
+    return V.in_range(x, name, 0.0, 1.0)
+
+
 def _scan(kind, rewards, mask, *, values=None, baselines=None, gamma=1.0, lam=1.0, whiten=True,
           check=True, values_name="values") -> Tuple[torch.Tensor, torch.Tensor]:
     C = ext()
     B, T = rewards.shape
-    adv = torch.empty((B, T), dtype=torch.float32, device=rewards.device)
-    ret = torch.empty_like(adv)
-    status = torch.empty(C.status_words, dtype=torch.int32, device=rewards.device)
+    device = rewards.device
+    stream = cuda_stream(rewards)
+    adv, ret = _outputs(B, T, device)
+    status, word = _status(device, stream)
     a = C.ScanArgs()
     a.kind = kind
     a.rewards = rewards
@@ -56,16 +108,30 @@ def _scan(kind, rewards, mask, *, values=None, baselines=None, gamma=1.0, lam=1.
     a.advantages = adv
     a.returns = ret
     a.status = status
-    # a discount or mixing weight outside [0, 1] grows the returns geometrically (1e30: all inf / NaN)
-    a.gamma = V.in_range(gamma, "gamma", 0.0, 1.0)
-    a.lam = V.in_range(lam, "lam", 0.0, 1.0)
-    a.whiten = V.flag(whiten, "whiten")
+    a.gamma = _unit(gamma, "gamma")
+    a.lam = _unit(lam, "lam")
+    a.whiten = whiten if whiten is True or whiten is False else V.flag(whiten, "whiten")
     a.num_threads = torch.get_num_threads()
-    a.stream = cuda_stream(rewards)
+    a.stream = stream
     C.advantage_scan(a)
-    if V.flag(check, "check"):
-        _raise_for_status(status, "token_level_rewards", values_name)
+    if check is True or (check is not False and V.flag(check, "check")):
+        _raise_for_status(word, "token_level_rewards", values_name)
     return adv, ret
+
+
+def _gae_inputs(r, v, m):
+    """compute_gae's tensors, checked: the common case (plain tensors of supported dtypes, one shape,
+    one device) in a few comparisons; anything else through the checks that name what is wrong."""
+    if (type(r) is torch.Tensor and type(v) is torch.Tensor and type(m) is torch.Tensor and r.dim() == 2
+            and r.dtype in V.FLOAT_DTYPES and v.dtype in V.FLOAT_DTYPES and m.dtype in V.MASK_DTYPES
+            and r.shape == v.shape == m.shape and r.device == v.device == m.device and r.device.type in _DEVICES):
+        return r, v, m
+    r = V.float_2d(r, "token_level_rewards")
+    V.device_supported(r, "token_level_rewards")
+    v = V.same_shape(v, "values", r, "token_level_rewards")
+    V.float_dtype(v, "values")
+    m = V.mask(m, "response_mask", r, "token_level_rewards")
+    return r, v, m
 
 
 def compute_gae(
@@ -84,12 +150,8 @@ def compute_gae(
     the next value and the running advantage pass through unchanged. ``returns = A + V``; the
     advantages are whitened over masked positions (unbiased variance) unless ``whiten=False``.
     """
-    r = V.float_2d(token_level_rewards, "token_level_rewards")
-    V.device_supported(r, "token_level_rewards")
-    v = V.same_shape(values, "values", r, "token_level_rewards")
-    V.float_dtype(v, "values")
-    m = V.mask(response_mask, "response_mask", r, "token_level_rewards")
-    return _scan(ext().ScanKind.gae, r, m, values=v, gamma=gamma, lam=lam, whiten=whiten, check=check)
+    r, v, m = _gae_inputs(token_level_rewards, values, response_mask)
+    return _scan(_kinds()[0], r, m, values=v, gamma=gamma, lam=lam, whiten=whiten, check=check)
 
 
 def compute_reinforce_pp_advantage(
@@ -109,7 +171,7 @@ def compute_reinforce_pp_advantage(
     r = V.float_2d(token_level_rewards, "token_level_rewards")
     V.device_supported(r, "token_level_rewards")
     m = V.mask(response_mask, "response_mask", r, "token_level_rewards")
-    return _scan(ext().ScanKind.reinforce_pp, r, m, gamma=gamma, whiten=whiten, check=check)
+    return _scan(_kinds()[1], r, m, gamma=gamma, whiten=whiten, check=check)
 
 
 def compute_remax_advantage(
@@ -132,7 +194,7 @@ def compute_remax_advantage(
     if base.device != r.device:
         raise ValueError(f"reward_baselines must be on {r.device}, got {base.device}")
     m = V.mask(response_mask, "response_mask", r, "token_level_rewards")
-    return _scan(ext().ScanKind.remax, r, m, baselines=base, whiten=False, check=check,
+    return _scan(_kinds()[2], r, m, baselines=base, whiten=False, check=check,
                  values_name="reward_baselines")
 
 
@@ -172,7 +234,8 @@ def _group(kind, token_level_rewards, response_mask, index, *, epsilon=1e-6, nor
     B, T = r.shape
     ids = group_ids(index, B)
     adv = torch.empty((B, T), dtype=torch.float32, device=r.device)
-    status = torch.empty(C.status_words, dtype=torch.int32, device=r.device)
+    stream = cuda_stream(r)
+    status, word = _status(r.device, stream)
     a = C.GroupArgs()
     a.kind = kind
     a.rewards = r
@@ -186,10 +249,10 @@ def _group(kind, token_level_rewards, response_mask, index, *, epsilon=1e-6, nor
     a.norm_by_std = V.flag(norm_by_std, "norm_by_std")
     a.whiten = V.flag(whiten, "whiten")
     a.num_threads = torch.get_num_threads()
-    a.stream = cuda_stream(r)
+    a.stream = stream
     C.group_advantage(a)
     if V.flag(check, "check"):
-        _raise_for_status(status, "token_level_rewards", "token_level_rewards")
+        _raise_for_status(word, "token_level_rewards", "token_level_rewards")
     return adv
 
 

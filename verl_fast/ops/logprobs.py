@@ -24,8 +24,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import threading
 import warnings
-from typing import Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 
@@ -63,12 +64,32 @@ def _labels(labels, shape, device: torch.device, what: str) -> torch.Tensor:
 
 def _check_range(flat: torch.Tensor, vocab: int, bad_count: Optional[torch.Tensor] = None) -> None:
     """Raises unless every label lies in [0, vocab). ``bad_count``: the number of labels outside it,
-    already counted on the device by a kernel (one 4-byte read instead of a min/max pass)."""
+    already counted on the device by a kernel (one 4-byte read instead of a min/max pass); left at
+    zero again for the next call."""
     if not flat.numel() or (bad_count is not None and not bad_count.item()):
         return
+    if bad_count is not None:
+        bad_count.zero_()
     lo, hi = torch.stack([flat.min(), flat.max()]).tolist()
     if lo < 0 or hi >= vocab:
         raise ValueError(f"labels must lie in [0, V) = [0, {vocab}); got values from {lo} to {hi}")
+
+
+# The bad-label counter the forward kernel adds to, one per (device, stream, thread), kept at zero:
+# a checking call reads it before returning and clears it only when it was not zero, so the usual
+# call launches nothing to zero it. Calls on one stream run in order.
+_COUNTERS: Dict[tuple, torch.Tensor] = {}
+_MAX_COUNTERS = 64
+
+
+def _bad_label_counter(device: torch.device) -> torch.Tensor:
+    key = (device, torch.cuda.current_stream(device).cuda_stream, threading.get_ident())
+    counter = _COUNTERS.get(key)
+    if counter is None:
+        if len(_COUNTERS) >= _MAX_COUNTERS:
+            _COUNTERS.clear()
+        counter = _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
 
 
 def _inverse_temperature(temperature) -> float:
@@ -144,7 +165,9 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature
         from verl_fast.kernels.logprobs_from_logits import logprobs_from_logits_triton
 
         # the forward kernel counts out-of-range labels itself: the check costs one 4-byte read
-        bad = torch.zeros(1, dtype=torch.int32, device=logits.device) if check else None
+        bad = None
+        if check:
+            bad = _bad_label_counter(logits.device) if logits.is_cuda else torch.zeros(1, dtype=torch.int32)
         logp, entropy = logprobs_from_logits_triton(x, flat, inv_t, with_entropy, config, bad)
         if check:
             _check_range(flat, logits.shape[-1], bad)

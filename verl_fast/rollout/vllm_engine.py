@@ -76,7 +76,7 @@ _LIVE: "weakref.WeakSet[VLLMInferenceEngine]" = weakref.WeakSet()  # engines not
 
 
 def leave_engines_to_exit() -> None:
-    """For a process about to end without the interpreter's teardown (``verl_fast.cli.program``):
+    """For a process about to end without the interpreter's teardown (``verl_fast.cli.main.program``):
     cancels the open engines' shutdown at exit. vLLM 0.32 runs it from an exit handler, and for an
     in-process engine it unfreezes the heap and collects it twice (1.2 s after the default run on 2
     cores) to free memory that the process's end frees anyway."""

@@ -27,7 +27,8 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from verl_fast import checkpoint, distributed
+from verl_fast import distributed
+from verl_fast.checkpoint import sharded as checkpoint
 from verl_fast.config import Config
 from verl_fast.experience import Experience
 from verl_fast.models import compiled_blocks, packed, routing

@@ -129,9 +129,8 @@ def plan(cfg: Config, shape: Shape, free_bytes: float, needs_reference: bool, pe
     static += shape.trained * (trained_weight + OPTIMIZER_STATE_BYTES[a.optimizer])
     if needs_reference:
         static += (shape.parameters - shape.trained) * weight if peft else shape.parameters * weight
-    if weight == 4 and bf16_autocast:
-        copies = 1 if a.mixed_precision == "none" or peft else 2  # the passes' (or autocast's cache) + the decode's
-        static += copies * 2 * shape.parameters
+    if weight == 4 and bf16_autocast:  # the passes' bf16 copies (or autocast's casts) and the decode's
+        static += 2 * 2 * shape.parameters
     half = bf16_autocast or weight == 2
     per_token = ACTIVATION_BYTES * shape.layers * shape.width * (1.0 if half else 2.0)
     checkpointed = checkpointed_per_token(per_token, shape.layers, shape.hidden)

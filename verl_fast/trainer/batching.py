@@ -64,13 +64,15 @@ def micro_batches(rows: torch.Tensor, token_counts: Optional[torch.Tensor] = Non
 
 
 def token_budget(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                 compiled: bool, half: bool, state_bytes: float = 8.0, checkpointed: bool = False) -> int:
+                 compiled: bool, half: bool, state_bytes: float = 8.0, checkpointed: bool = False,
+                 casts_weights: bool = False) -> int:
     """``actor.max_token_len_per_gpu``'s auto: on a GPU, the tokens whose activations
     (``ACTIVATION_BYTES``; ``compiled``: the norms and MLPs compiled, ``half``: bf16 / fp16 autocast)
     fit ``MEMORY_FRACTION`` of the memory free now less what the update is still to allocate (the
     gradients of parameters that have none yet, the optimizer's states before its first step:
     ``state_bytes`` per trained parameter, 8 for AdamW's two fp32 moments); at
-    least 4096; ``checkpointed``: under gradient checkpointing (memory_plan's per-token count). Call it
+    least 4096; ``checkpointed``: under gradient checkpointing (memory_plan's per-token count);
+    ``casts_weights``: autocast casts fp32 weights in each pass (no bf16 copies of them). Call it
     before the first update; elsewhere ``CPU_TOKEN_BUDGET``."""
     if device.type != "cuda":
         return CPU_TOKEN_BUDGET
@@ -88,6 +90,8 @@ def token_budget(model: torch.nn.Module, optimizer: torch.optim.Optimizer, devic
     pending = sum(t.numel() * t.element_size() for p, t in trained if p.grad is None)
     if getattr(optimizer, "state", None) == {}:  # before its first step: exp_avg, exp_avg_sq to come
         pending += sum(state_bytes * t.numel() for _, t in trained)
+    if casts_weights:  # autocast's bf16 casts of the fp32 weights, held by each pass (frozen ones for its backward)
+        pending += sum(2 * p.numel() for p in model.parameters() if p.dtype == torch.float32)
     free, _ = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     available = free + cached - pending

@@ -28,7 +28,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Unio
 
 import torch
 
-from verl_fast import checkpoint, distributed, extras, hub
+from verl_fast import catalog, distributed, extras, hub
+from verl_fast.checkpoint import sharded as checkpoint
 from verl_fast import config as config_mod
 from verl_fast.algos import dapo
 from verl_fast.algos import registry as algorithms
@@ -38,7 +39,7 @@ from verl_fast.config import Config
 from verl_fast.distributed import any_rank
 from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
 from verl_fast.experience import Experience, build_experience, concat, last_token_rewards
-from verl_fast.metrics import MetricsLogger
+from verl_fast.metrics.logger import MetricsLogger
 from verl_fast.models import checks, lora
 from verl_fast.rewards import RewardInput, RewardStopped, RewardTimeout, build_reward
 from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec
@@ -78,6 +79,7 @@ class RLTrainer:
         the reward) (else the config's).
         ``generation_config``: default sampling (SamplingSpec fields or HF names). ``model_path``:
         the actor's folder, which a vLLM engine loads (else the actor is saved to a temporary one)."""
+        catalog.register()
         self.cfg = config_mod.checked(config) if isinstance(config, Config) else config_mod.from_dict(config or {})
         cfg = self.cfg
         self.algorithm = algorithms.build(cfg)
@@ -585,6 +587,7 @@ class RLTrainer:
             s = self.strategy
             self._auto_budget = token_budget(s.actor, s.optimizer, self.device, compiled=getattr(s, "compiled", False),
                                              checkpointed=getattr(s, "checkpointing", False),
+                                             casts_weights=s.autocast_dtype is not None and getattr(s, "bf16", None) is None,
                                              half=s.autocast_dtype in (torch.bfloat16, torch.float16),
                                              state_bytes=memory_plan.OPTIMIZER_STATE_BYTES[self.cfg.actor.optimizer])
             logger.info("actor.max_token_len_per_gpu (auto): %d tokens per micro-batch", self._auto_budget)

@@ -29,8 +29,10 @@ import threading
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from verl_fast.metrics import check_loggers
-from verl_fast import checkpoint, data_files, run_files
+from verl_fast import data_files
+from verl_fast.metrics.logger import check_loggers
+from verl_fast.checkpoint import sharded as checkpoint
+from verl_fast.files import run_files
 from verl_fast.distributed import any_rank, on_main, rank_world
 
 GROUND_TRUTH_REWARDS = ("gsm8k", "reasoning_gym")  # rewards that score against each row's ground truth

@@ -86,7 +86,7 @@ class _Call:
     """The last full call of one argument combination (see the module docstring)."""
 
     __slots__ = ("keep", "plan", "device", "dsts", "src_keys", "dst_keys", "plain", "own_outputs", "first",
-                 "run_first")
+                 "run_first", "binding")
 
     def __init__(self, keep: tuple, plan: ReshardPlan, sources: Tensors, destinations: Optional[Tensors],
                  srcs: List[torch.Tensor], dsts: List[torch.Tensor], device: torch.device):
@@ -94,6 +94,7 @@ class _Call:
         self.plan, self.device, self.dsts = plan, device, dsts
         self.first = srcs[0] if srcs else None  # the last call's first source object
         self.run_first = False  # whether the next call copies before it checks (module docstring)
+        self.binding = plan.binding  # the plan's binding this call made: another one since means rebind
         self.own_outputs = destinations is None
         self.src_keys = tuple(sources) if isinstance(sources, Mapping) else None
         self.dst_keys = tuple(destinations) if isinstance(destinations, Mapping) else None
@@ -102,8 +103,8 @@ class _Call:
 
     def repeat(self, sources: Tensors, destinations: Optional[Tensors]) -> bool:
         """Runs the plan again if ``sources`` and ``destinations`` are what it is bound to."""
-        if (destinations is None) != self.own_outputs:
-            return False
+        if (destinations is None) != self.own_outputs or self.plan.binding != self.binding:
+            return False  # (a call since bound the plan to other tensors: running it would write those)
         srcs = _as_list(sources, self.plan.src_names, self.src_keys, self.plain)
         dsts = self.dsts if destinations is None else _as_list(destinations, self.plan.dst_names, self.dst_keys, True)
         if srcs is None or dsts is None:
@@ -133,9 +134,7 @@ def execute(call_key: Hashable, layout_key: Callable[[], Hashable], make_plan: C
     key = _Key(layout_key())
     p = remember(_PLANS, key, make_plan)
     if fresh:  # outputs of this call alone: the plan is kept, the tensors are the caller's
-        srcs, dsts, bound_device = p.bind(sources, None, device=device)
-        p.run(bound_device)
-        return p.dst_names, dsts
+        return p.dst_names, p.execute_new(sources, device=device)
     if destinations is None:
         if device is None:
             device = _first_device(sources.values() if isinstance(sources, Mapping) else sources)

@@ -23,6 +23,9 @@ from verl_fast.ops.reshard.spec import as_2d
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 DEFAULT_TILE_BYTES = 256 << 10
+# New destination tensors are views of one allocation, each starting on this many bytes (the copy
+# kernels take 16-byte vectors where addresses allow; torch's allocator aligns to 512).
+OUTPUT_ALIGN_BYTES = 512
 
 Tensors = Union[Mapping[str, torch.Tensor], Sequence[torch.Tensor]]
 PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)  # what _C takes; DTensors give their local shards
@@ -61,6 +64,29 @@ def _name_outside_storage(tensors: List[torch.Tensor], expected: List[PhysTensor
         if x.numel() and x.untyped_storage().nbytes() < (x.storage_offset() + x.numel()) * x.element_size():
             raise ValueError(f"{what} {t.name!r} has no memory behind it (its storage was freed or resized to "
                              "fewer bytes, as FSDP does with unsharded parameters)")
+
+
+def _flat_split(tensors: List[PhysTensor]) -> Optional[tuple]:
+    """(dtype, split sizes, element offsets, total elements) laying ``tensors`` out in one allocation,
+    each starting on OUTPUT_ALIGN_BYTES (split sizes: each tensor's, then its padding); None when
+    their dtypes differ."""
+    if not tensors or len({t.dtype for t in tensors}) != 1:
+        return None
+    dtype = tensors[0].dtype
+    align = max(1, OUTPUT_ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+    sizes, offsets, total = [], [], 0
+    for t in tensors:
+        offsets.append(total)
+        sizes += [t.numel, -t.numel % align]
+        total += sizes[-2] + sizes[-1]
+    return dtype, sizes, offsets, total
+
+
+def _same_device(device, bound: torch.device) -> bool:
+    """Whether ``device`` (``"cuda"`` meaning the current one, as torch allocates) is ``bound``."""
+    d = torch.device(device)
+    index = d.index if d.index is not None or d.type != "cuda" else torch.cuda.current_device()
+    return d.type == bound.type and index == bound.index
 
 
 class ReshardPlan:
@@ -118,8 +144,10 @@ class ReshardPlan:
         self._dst_shapes = [torch.Size(t.shape) for t in self.dst_tensors]
         self.src_aliases = src.aliases
         self._messages = [(self._c.sends(b), self._c.recvs(b)) for b in range(self._c.num_buckets)]
+        self._flat = _flat_split(self.dst_tensors)
         self._slots: Optional[tuple] = None
         self._device: Optional[torch.device] = None  # of the tensors bound, None before the first bind
+        self.binding = 0  # counts the bindings: a caller that bound tensors tells whether they still are
 
     def _check_same_plan(self, src: Layout, dst: Layout) -> None:
         import torch.distributed as dist
@@ -156,6 +184,20 @@ class ReshardPlan:
 
     def allocate_destinations(self, device=None) -> "OrderedDict[str, torch.Tensor]":
         return OrderedDict((t.name, torch.empty(t.shape, dtype=t.dtype, device=device)) for t in self.dst_tensors)
+
+    def new_destinations(self, device=None) -> List[torch.Tensor]:
+        """New destination tensors in ``dst_names`` order. Where they share one dtype (the usual case),
+        disjoint views of one allocation: one allocator call instead of one per tensor (~340 for a 7B
+        model, each a few microseconds of host time before the copy can start). A tensor kept from
+        them keeps the whole allocation alive."""
+        if self._flat is None:
+            return list(self.allocate_destinations(device).values())
+        dtype, sizes, _, total = self._flat
+        return self._views(torch.empty(total, dtype=dtype, device=device), sizes)
+
+    def _views(self, buffer: torch.Tensor, sizes: List[int]) -> List[torch.Tensor]:
+        parts = buffer.split_with_sizes(sizes)
+        return [parts[2 * i].view(shape) for i, shape in enumerate(self._dst_shapes)]
 
     # ---- execution ----
 
@@ -203,6 +245,7 @@ class ReshardPlan:
         if self._slots is None or self._slots[0].device != device:
             sizes = (self._c.max_send_bytes,) * 2 + (self._c.max_recv_bytes,) * 2
             self._slots = tuple(torch.empty(n, dtype=torch.uint8, device=device) for n in sizes)
+        self.binding += 1
         try:
             self._c.bind(srcs, dsts, list(self._slots[:2]), list(self._slots[2:]))
         except (TypeError, ValueError):
@@ -230,7 +273,7 @@ class ReshardPlan:
         if destinations is None:
             if device is None:
                 device = next((x.device for x in srcs if x.numel()), torch.device("cpu"))
-            destinations = self.allocate_destinations(device)
+            return srcs, self.new_destinations(device)
         return srcs, self._ordered(destinations, self.dst_tensors, "destination")
 
     def bind(self, sources: Tensors, destinations: Optional[Tensors] = None, *,
@@ -268,6 +311,25 @@ class ReshardPlan:
                 raise
             return False  # a tensor moved
         return True
+
+    def execute_new(self, sources: Tensors, *, device=None) -> List[torch.Tensor]:
+        """Writes new destination tensors (``dst_names`` order) from ``sources``; no later call
+        writes them. One process, the sources the ones bound last, the destinations of one dtype:
+        they are bound as slices of one new allocation and the copy starts before their tensor
+        objects are made, so the host builds those while the device copies."""
+        srcs = self._ordered(sources, self.src_tensors, "source", self.src_aliases)
+        fast = (not self.distributed and self._flat is not None and self._device is not None
+                and (device is None or _same_device(device, self._device)) and self._c.sources_bound(srcs))
+        if not fast:
+            _, dsts, bound = self.bind(srcs, None, device=device)
+            self.run(bound)
+            return dsts
+        dtype, sizes, offsets, total = self._flat
+        buffer = torch.empty(total, dtype=dtype, device=self._device)
+        self.binding += 1
+        self._c.bind_destinations_in(buffer, offsets)
+        self.run(self._device)
+        return self._views(buffer, sizes)
 
     def execute(self, sources: Tensors, destinations: Optional[Tensors] = None, *,
                 device=None) -> "OrderedDict[str, torch.Tensor]":

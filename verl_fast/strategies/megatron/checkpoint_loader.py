@@ -8,7 +8,7 @@ Two formats:
 Either way the shards are resharded by the same planner that feeds vLLM (Megatron layout -> HF
 layout), bit for bit.
 
-Checkpoint files are read as data only (``verl_fast.safe_load``: ``torch.load(weights_only=True)``)
+Checkpoint files are read as data only (``verl_fast.files.safe_load``: ``torch.load(weights_only=True)``)
 with an allowlist of the globals Megatron writes besides tensors: argparse.Namespace for ``args``,
 numpy arrays in the RNG states, io.BytesIO extra states, and megatron-core's enums, which load as
 inert stand-ins whether or not megatron-core is installed. Anything else in the pickle is refused
@@ -27,7 +27,7 @@ from typing import Dict, Mapping, Optional, Tuple, Union
 
 import torch
 
-from verl_fast import safe_load
+from verl_fast.files import safe_load
 from verl_fast.ops import _validate as V
 from verl_fast.ops.reshard.hf import hf_layout
 from verl_fast.ops.reshard.megatron import detect_names, megatron_layout, shard_prefix, torch_dist_layout, vocab_rows

@@ -1,6 +1,6 @@
 """``verl-fast convert``: a Megatron checkpoint to a Hugging Face folder (safetensors + config.json)
 that transformers and vLLM load directly. Written to a temporary folder, then renamed (see
-``verl_fast.output_folder``)."""
+``verl_fast.files.output_folder``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Union
 
 import torch
 
-from verl_fast import output_folder
+from verl_fast.files import output_folder
 from verl_fast.ops.reshard.spec import ModelSpec
 from verl_fast.strategies.megatron.checkpoint_loader import load_megatron_checkpoint, megatron_args, spec_from_megatron_args
 
@@ -92,7 +92,7 @@ def convert_megatron_to_hf(checkpoint_path: str, output_dir: str, tp_size: Optio
                            dtype: Optional[torch.dtype] = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
                            overwrite: bool = False) -> str:
     """Writes ``output_dir`` (config.json + safetensors with HF checkpoint names) under a temporary
-    name, then renames it (``verl_fast.output_folder``: not inside the checkpoint; a folder holding
+    name, then renames it (``verl_fast.files.output_folder``: not inside the checkpoint; a folder holding
     files only with ``overwrite``, which replaces just the files written)."""
     out, source = Path(output_dir), Path(checkpoint_path)
     output_folder.check_target(out, source, overwrite, "the conversion")  # before any work

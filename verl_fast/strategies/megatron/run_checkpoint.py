@@ -15,7 +15,9 @@ from typing import Any, Dict
 
 import torch
 
-from verl_fast import checkpoint, model_card, run_files, safe_load
+from verl_fast.checkpoint import sharded as checkpoint
+from verl_fast.checkpoint import model_card
+from verl_fast.files import run_files, safe_load
 from verl_fast.distributed import on_main
 from verl_fast.models.wrapping import hf_module
 from verl_fast.strategies.megatron import dist_checkpoint

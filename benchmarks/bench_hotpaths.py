@@ -1,0 +1,277 @@
+"""The hot paths as users call them (issue 48): each op's default call before and after this issue's
+host-path changes, side by side in one process, with the baseline and the floor.
+
+    python benchmarks/bench_hotpaths.py [--device cuda|cpu] [--cases gae,logprobs,reshard,linear]
+
+Each op is timed two ways (CUDA events; medians):
+- ``called``: the GPU idle when the call starts, so the host's work before its first launch counts
+  (a user timing one call, or a step whose GPU has drained);
+- ``busy``: a 1 GiB fill queued before each call, so the host's work overlaps GPU work and only
+  what the call makes the host wait for (its read-backs) still shows.
+``before #48`` rows run the same public call with this issue's host-path changes switched back off
+(``before_48()``: per-call allocations, the status word read through pybind enums, every argument
+through the named checks, the label counter zeroed per call, the autograd context always entered,
+one allocation and one conversion per reshard output).
+
+Cases (CUDA sizes; CPU: small, to check the script):
+  gae 1024x4096           default, check=False, graph replay | Python loop | floor: 17 B an element once
+  logprobs 8192x151936    default (label check), check=False  | fp32 log_softmax | floor: read the logits once
+  reshard one-shot 7B     vllm_weights default (new outputs)  | per-parameter torch.cat | floor: bytes at copy speed
+  linear 8192x3584x151936 fwd+bwd per chunk size / d_hidden GEMM / logits kept (store_logits)
+                          | matmul + log_softmax | floor: 3 GEMMs (meta: one GEMM's time, so 4)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+import traceback
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import Report, copy_bandwidth_gbs, peak_extra_bytes, time_ms  # noqa: E402
+from bench_advantage import gae_inputs, graph_ms, loop_gae  # noqa: E402
+
+import verl_fast as vf  # noqa: E402
+from verl_fast.bench.shapes import shape  # noqa: E402
+
+CASES = ("gae", "logprobs", "reshard", "linear")
+
+
+# ------------------------------------------------------------------ the host paths before issue 48
+
+
+def _old_status(device, stream):
+    status = torch.empty(vf.ops.advantage.ext().status_words, dtype=torch.int32, device=device)
+    return status, status[0]
+
+
+def _old_raise_for_status(word, rewards_name, values_name):
+    bits, S = int(word.item()), vf.ops.advantage.ext().AdvantageStatus
+    if bits & S.bad_rewards or bits & S.bad_values or bits & S.too_few_to_whiten:
+        raise ValueError("bad advantage inputs")
+
+
+def _old_gae_inputs(r, v, m):
+    from verl_fast.ops import _validate as V
+
+    r = V.float_2d(r, "token_level_rewards")
+    V.device_supported(r, "token_level_rewards")
+    v = V.same_shape(v, "values", r, "token_level_rewards")
+    V.float_dtype(v, "values")
+    return r, v, V.mask(m, "response_mask", r, "token_level_rewards")
+
+
+def _old_execute_new(self, sources, *, device=None):
+    srcs = self._ordered(sources, self.src_tensors, "source", self.src_aliases)
+    dev = device or next((x.device for x in srcs if x.numel()), torch.device("cpu"))
+    _, dsts, bound = self.bind(srcs, list(self.allocate_destinations(dev).values()))
+    self.run(bound)
+    return dsts
+
+
+@contextlib.contextmanager
+def before_48():
+    """The public calls as they ran before issue 48's host-path changes."""
+    from verl_fast.kernels import autograd as AG
+    from verl_fast.kernels import logprobs_from_logits as LF
+    from verl_fast.ops import _validate as V
+    from verl_fast.ops import advantage as A
+    from verl_fast.ops import logprobs as L
+    from verl_fast.ops.reshard.plan import ReshardPlan
+
+    patches = [
+        mock.patch.object(A, "_status", _old_status),
+        mock.patch.object(A, "_outputs", lambda B, T, d: (torch.empty((B, T), device=d), torch.empty((B, T), device=d))),
+        mock.patch.object(A, "_raise_for_status", _old_raise_for_status),
+        mock.patch.object(A, "_gae_inputs", _old_gae_inputs),
+        mock.patch.object(A, "_unit", lambda x, name: V.in_range(x, name, 0.0, 1.0)),
+        mock.patch.object(AG, "_as_implemented", AG._switched),
+        mock.patch.object(LF, "logprobs_config", LF.logprobs_config.__wrapped__),
+        mock.patch.object(L, "_bad_label_counter", lambda d: torch.zeros(1, dtype=torch.int32, device=d)),
+        mock.patch.object(ReshardPlan, "execute_new", _old_execute_new),
+    ]
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        yield
+
+
+def both_ways(report: Report, case: str, impl: str, fn, device: str, **timing) -> None:
+    """Rows ``impl, called`` and (CUDA) ``impl, busy`` for ``fn`` (see the module docstring)."""
+    report.add(case, f"{impl}, called", time_ms(fn, device, **timing))
+    if device.startswith("cuda"):
+        report.add(case, f"{impl}, busy", time_ms(fn, device, busy_gpu=True, **timing))
+
+
+# ------------------------------------------------------------------ cases
+
+
+def case_gae(rep: Report, device: str, bw: float) -> None:
+    B, T = (1024, 4096) if device.startswith("cuda") else (64, 256)
+    case = f"gae {B}x{T}"
+    r, v, m = gae_inputs(B, T, device)
+    rep.floors[case] = B * T * (4 + 4 + 1 + 4 + 4) / (bw * 1e9) * 1e3
+    ref_adv, _ = loop_gae(r, v, m, 0.99, 0.95)
+    adv, _ = vf.compute_gae(r, v, m, 0.99, 0.95)
+    rep.meta["gae_max_err"] = (adv - ref_adv).abs().max().item()
+    kw = dict(warmup=10, rep=200)
+    for label, ctx in (("before #48", before_48), ("after #48", contextlib.nullcontext)):
+        with ctx():
+            both_ways(rep, case, f"{label} default", lambda: vf.compute_gae(r, v, m, 0.99, 0.95), device, **kw)
+            both_ways(rep, case, f"{label} check=False",
+                      lambda: vf.compute_gae(r, v, m, 0.99, 0.95, check=False), device, **kw)
+    if device.startswith("cuda"):
+        rep.add(case, "graph replay", graph_ms(lambda: vf.compute_gae(r, v, m, 0.99, 0.95, check=False), device),
+                note="GPU time alone: the call captured in a CUDA graph")
+    rep.add(case, "python loop (verl)", time_ms(lambda: loop_gae(r, v, m, 0.99, 0.95), device, warmup=1, rep=3))
+
+
+def case_logprobs(rep: Report, device: str, bw: float) -> None:
+    cuda = device.startswith("cuda")
+    N, Vv = (8192, shape("Qwen2.5-1.5B").vocab_size) if cuda else (256, 4096)
+    case = f"logprobs {N}x{Vv} bf16"
+    logits = (torch.randn(N, Vv, device=device) * 3).to(torch.bfloat16)
+    labels = torch.randint(0, Vv, (N,), device=device)
+    rep.floors[case] = logits.numel() * 2 / (bw * 1e9) * 1e3
+    kw = dict(warmup=5, rep=50)
+    for label, ctx in (("before #48", before_48), ("after #48", contextlib.nullcontext)):
+        with ctx():
+            both_ways(rep, case, f"{label} default",
+                      lambda: vf.logprobs_from_logits(logits, labels, with_entropy=True), device, **kw)
+            both_ways(rep, case, f"{label} check=False",
+                      lambda: vf.logprobs_from_logits(logits, labels, with_entropy=True, check=False), device, **kw)
+    got = vf.logprobs_from_logits(logits[:256], labels[:256])
+    want = torch.log_softmax(logits[:256].double(), -1).gather(-1, labels[:256, None]).squeeze(-1)
+    rep.meta["logprobs_max_err"] = (got.double() - want).abs().max().item()
+
+    def naive():
+        lp = torch.log_softmax(logits.float(), -1)
+        return lp.gather(-1, labels[:, None]).squeeze(-1), -(lp.exp() * lp).sum(-1)
+
+    rep.add(case, "naive fp32 log_softmax, called", time_ms(naive, device, warmup=2, rep=10))
+
+
+def case_reshard(rep: Report, device: str, bw: float) -> None:
+    from bench_reshard import baseline_cat_alloc, make_spec
+    from verl_fast.ops.reshard import hf_layout, vllm_layout, vllm_weights
+
+    spec = make_spec("full" if device.startswith("cuda") else "small")
+    src_layout, dst_tensors = hf_layout(spec), vllm_layout(spec, 1).tensors
+    g = torch.Generator(device=device).manual_seed(0)
+    src = {t.name: torch.randn(t.shape, generator=g, device=device).to(torch.bfloat16) for t in src_layout.tensors}
+    case = f"reshard one-shot, {len(src)} tensors"
+    moved = 2 * sum(t.numel * t.dtype.itemsize for t in dst_tensors)
+    rep.floors[case] = moved / (bw * 1e9) * 1e3
+    want = baseline_cat_alloc(dst_tensors, src)
+    kw = dict(warmup=3, rep=20)
+    rep.add(case, "per-param torch.cat (alloc), called", time_ms(lambda: baseline_cat_alloc(dst_tensors, src), device,
+                                                                 **kw))
+    for label, ctx in (("before #48", before_48), ("after #48", contextlib.nullcontext)):
+        with ctx():
+            got = dict(vllm_weights(src, spec, device=device))
+            err = max((got[t.name].float() - w.float()).abs().max().item() for t, w in zip(dst_tensors, want))
+            rep.add(case, f"{label} vllm_weights, called",
+                    time_ms(lambda: dict(vllm_weights(src, spec, device=device)), device, **kw), max_err=err,
+                    note="the default: new outputs every call")
+    rep.add(case, "vllm_weights reuse=True, called",
+            time_ms(lambda: dict(vllm_weights(src, spec, device=device, reuse=True)), device, **kw),
+            note="outputs kept and rewritten (a sync loop's choice)")
+    rep.meta["reshard_bytes_moved"] = moved
+
+
+def case_linear(rep: Report, device: str, bw: float) -> None:
+    from bench_logprob import reference_linear, rel_err
+    from verl_fast.kernels.linear_logprobs import linear_config
+
+    cuda = device.startswith("cuda")
+    N, H, Vv = (8192, shape("Qwen2.5-7B").hidden_size, shape("Qwen2.5-1.5B").vocab_size) if cuda else (256, 64, 2048)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    case = f"linear fwd+bwd {N}x{H}x{Vv}"
+    gen = torch.Generator(device=device).manual_seed(0)
+    h = torch.randn(N, H, device=device, generator=gen).to(dtype).requires_grad_(True)
+    w = (torch.randn(Vv, H, device=device, generator=gen) * 3 / H**0.5).to(dtype).requires_grad_(True)
+    labels = torch.randint(0, Vv, (N,), device=device, generator=gen)
+    x, y = h.detach(), w.detach()
+    mm = time_ms(lambda: torch.mm(x, y.t()), device, warmup=3, rep=10)
+    rep.floors[case] = 3 * mm
+    rep.meta.update(linear_gemm_ms=mm, linear_four_gemm_ms=4 * mm,
+                    linear_gemm_tflops=2 * N * H * Vv / (mm * 1e-3) / 1e12)
+    ref = reference_linear(x, y, labels, -1.0, 0.0) if not cuda else None
+
+    def step(run):
+        h.grad = w.grad = None
+        run().backward()
+
+    def naive():
+        lp = torch.log_softmax((h @ w.t()).float(), -1)
+        return -lp.gather(-1, labels[:, None]).sum()
+
+    def add(impl, run, note=""):
+        ms = time_ms(lambda: step(run), device, warmup=2, rep=8)
+        h.grad = w.grad = None
+        extra = peak_extra_bytes(lambda: step(run), device)
+        step(run)
+        if ref is not None:
+            note += f" dH {rel_err(h.grad, ref[2]):.1e} dW {rel_err(w.grad, ref[3]):.1e} (rel to float64)"
+        rep.add(case, impl, ms, extra, note=note.strip())
+
+    add("naive matmul+log_softmax", naive)
+    if not cuda:
+        add("verl_fast default", lambda: -vf.linear_logprobs(h, w, labels, backend="torch").sum())
+        cfg = linear_config(N, H, Vv, dtype, h.device, store_logits=True, dhidden_cublas=True)
+        add("store_logits (3 GEMMs), Triton interpreter",
+            lambda: -vf.linear_logprobs(h, w, labels, backend="triton", config=cfg).sum())
+        return
+    add("verl_fast default", lambda: -vf.linear_logprobs(h, w, labels).sum())
+    for mib in (128, 192, 256):
+        cfg = linear_config(N, H, Vv, dtype, h.device, chunk_bytes=mib << 20)
+        add(f"chunk {mib} MiB", lambda cfg=cfg: -vf.linear_logprobs(h, w, labels, config=cfg).sum(),
+            "fewer passes of the fp32 d_hidden accumulator (one per chunk)")
+    cfg = linear_config(N, H, Vv, dtype, h.device, dhidden_cublas=False)
+    add("d_hidden by Triton", lambda: -vf.linear_logprobs(h, w, labels, config=cfg).sum())
+    cfg = linear_config(N, H, Vv, dtype, h.device, store_logits=True)
+    add("store_logits (3 GEMMs)", lambda: -vf.linear_logprobs(h, w, labels, config=cfg).sum(),
+        "logits kept in bf16 from the forward: N*V*2 bytes more, a plain matmul's rounding")
+
+
+RUNNERS = {"gae": case_gae, "logprobs": case_logprobs, "reshard": case_reshard, "linear": case_linear}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--cases", default=",".join(CASES), help=f"some of {','.join(CASES)}")
+    args = p.parse_args(argv)
+    cases = args.cases.split(",")
+    if not set(cases) <= set(CASES):
+        p.error(f"--cases takes some of {','.join(CASES)}, got {args.cases}")
+    rep = Report("hotpaths", args.device)
+    bw = copy_bandwidth_gbs(args.device)
+    rep.meta["copy_bandwidth_GBps"] = bw
+    failed = []
+    for name in cases:
+        t0 = time.monotonic()
+        try:
+            RUNNERS[name](rep, args.device, bw)
+        except Exception:  # one case failing leaves the others' figures
+            failed.append(name)
+            rep.meta[f"{name}_error"] = traceback.format_exc()[-2000:]
+            traceback.print_exc()
+        rep.meta[f"{name}_seconds"] = time.monotonic() - t0
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        print(f"{name}: {rep.meta[f'{name}_seconds']:.1f} s", flush=True)
+    path = rep.save()
+    print(rep.table())
+    print(f"saved {path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""`verl-fast train`: load the config (or the embedded default), the models by name, and run."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+from typing import Any, Dict, List
+
+from verl_fast import config as config_mod
+from verl_fast.errors import ConfigError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML config (default: the embedded GRPO SmolLM2 chain_sum run)")
+    p.add_argument("--dataset_path", help="parquet / jsonl / json / .pt file, a datasets folder, a Hub dataset "
+                                          "name (org/name), or reasoning_gym:<task>")
+    p.add_argument("--metrics_port", type=int, help="serve OpenMetrics (Prometheus) on this port")
+    p.add_argument("--output_dir", help="where checkpoints, metrics.jsonl and the reward curve go")
+    p.add_argument("--set", dest="overrides", action="append", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="override config values, any depth (repeatable), e.g. --set actor.lr=1e-5 "
+                        "trainer.dataset_kwargs.size=10")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("assignments", nargs="*", metavar="KEY=VALUE",
+                   help="overrides as bare arguments (verl / Hydra style), e.g. actor.lr=1e-5")
+
+
+def resolve_config(args: argparse.Namespace) -> config_mod.Config:
+    overrides: List[str] = [item for group in args.overrides for item in group]
+    for item in args.assignments:
+        if "=" not in item:
+            raise ValueError(f"unexpected argument {item!r}: a bare argument is an override, section.key=value")
+        overrides.append(item)
+    if args.dataset_path:
+        overrides.append(f"trainer.dataset={args.dataset_path}")
+    if args.metrics_port is not None:
+        overrides.append(f"trainer.metrics_port={args.metrics_port}")
+    if args.output_dir:
+        overrides.append(f"trainer.output_dir={args.output_dir}")
+    from verl_fast import catalog
+
+    catalog.register()
+    return config_mod.load(args.config or config_mod.default_config_path(), overrides)
+
+
+def load_checked(args: argparse.Namespace, packages: bool = True) -> config_mod.Config:
+    """The resolved config, with the optional packages it needs checked (``verl_fast.extras``;
+    ``packages=False``: not them); anything wrong is a ConfigError of one line."""
+    import yaml
+
+    from verl_fast import extras
+
+    try:
+        cfg = resolve_config(args)
+        if packages:
+            extras.check(cfg)
+    except (ValueError, ImportError, OSError, yaml.YAMLError) as e:
+        raise ConfigError(" ".join(str(e).split()) or type(e).__name__) from None
+    return cfg
+
+
+def quiet_libraries() -> None:
+    """The console shows the progress bar and a line per step: the libraries' notes about their own
+    set-up (vLLM's platform warnings, per-weight dtype casts, loading bars) are silenced here, before
+    they are imported; their errors still show."""
+    import logging
+    import warnings
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # vLLM logs some notes at import, before it configures its logger from the variable above
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # "Loading weights" of from_pretrained
+
+
+def _distributed(cfg: config_mod.Config):
+    """Under torchrun (WORLD_SIZE > 1): the process group, NCCL for CUDA tensors with CUDA (plus gloo
+    for the CPU tensors of offloaded shards), else gloo. Multi-node is the same call: torchrun sets
+    RANK / WORLD_SIZE / LOCAL_RANK and the rendezvous address."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    import torch
+    import torch.distributed as dist
+
+    cuda = cfg.trainer.device != "cpu" and torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
+    return dist
+
+
+def _load_models(cfg: config_mod.Config, device: Any):
+    """The actor, its tokenizer and (PPO) the critic, by name, on ``device``."""
+    from verl_fast.models.loading import attention_kwargs, load_causal_lm
+
+    cuda = device is not None and device.type == "cuda"
+    actor, tokenizer = load_causal_lm(cfg.actor.model_name, cfg.actor.dtype,
+                                      **attention_kwargs(cfg.actor, "actor", cuda))
+    actor.to(device)
+    critic = None  # the reference, when KL needs one, is built from the actor's weights
+    if cfg.algorithm.type == "ppo":
+        if not cfg.critic.model_name:
+            raise ConfigError("algorithm.type=ppo needs critic.model_name")
+        critic, _ = load_causal_lm(cfg.critic.model_name, cfg.critic.dtype, "critic.model_name",
+                                   **attention_kwargs(cfg.critic, "critic", cuda))
+        critic.to(device)
+    return actor, tokenizer, critic
+
+
+def _check_model_folders(cfg: config_mod.Config) -> None:
+    """The model folders' files before anything reads them (links out, FIFOs, damaged headers, the
+    context length against rollout.max_new_tokens: ``models.checks``)."""
+    from verl_fast.models import checks
+    from verl_fast.models.loading import local_folder
+
+    if cfg.actor.model_name is None:
+        raise ConfigError("actor.model_name is not set")
+    critic = cfg.critic.model_name if cfg.algorithm.type == "ppo" else None
+    for key, name, new_tokens in (("actor.model_name", cfg.actor.model_name, cfg.rollout.max_new_tokens),
+                                  ("critic.model_name", critic, None)):
+        folder = local_folder(name)
+        if folder is not None:
+            checks.check_folder(folder, key, new_tokens)
+
+
+def auto_settings(cfg: config_mod.Config) -> Dict[str, Any]:
+    """What the actor's null / auto keys resolve to on this machine, as far as known before a model
+    loads (the trainer prints the rest, resolved, at start-up)."""
+    import torch
+
+    from verl_fast.strategies.hf_models import autocast_dtype
+
+    cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if cuda else "cpu")
+    a = cfg.actor
+    if a.strategy == "megatron":
+        return {"resolved on": f"{device.type}: actor.strategy=megatron trains in actor.dtype={a.dtype}"}
+    autocast = autocast_dtype(a.autocast, device)
+    out: Dict[str, Any] = {"resolved on": device.type,
+                           "actor.autocast": str(autocast).removeprefix("torch.") if autocast else "none",
+                           "trainer.tf32": cuda if cfg.trainer.tf32 is None else cfg.trainer.tf32,
+                           "actor.use_dynamic_bsz": cuda if a.use_dynamic_bsz is None else a.use_dynamic_bsz}
+    if a.gradient_checkpointing is None:
+        out["actor.gradient_checkpointing"] = "from the free memory, when the actor is built" if cuda else False
+    if a.max_token_len_per_gpu is None and out["actor.use_dynamic_bsz"]:
+        out["actor.max_token_len_per_gpu"] = "from the free memory, at the first update" if cuda else 16384
+    if a.mixed_precision == "auto":
+        out["actor.mixed_precision"] = ("bfloat16 for an unsharded fp32 actor without LoRA" if cuda and autocast ==
+                                        torch.bfloat16 else "none")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_checked(args, packages=not args.print_config)
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        print("\n".join(f"# {key}: {value}" for key, value in auto_settings(cfg).items()))
+        return 0
+    if cfg.rollout.type in ("auto", "vllm"):
+        from verl_fast.rollout import vllm_env
+
+        vllm_env.configure_vllm_env()  # the launcher's job, not a constructor's: before vLLM is imported
+    from verl_fast.strategies.megatron.strategy import check_device
+
+    try:
+        check_device(cfg)  # before any process group or model: one line, not a traceback from megatron-core
+    except RuntimeError as e:
+        raise SystemExit(f"error: {e}") from None
+    quiet_libraries()
+    dist = _distributed(cfg)
+    from verl_fast.trainer import run_dir
+
+    # folder, lock, port, loggers, dataset: checked before any model loads (the lock is held to the end)
+    rows = run_dir.precheck(cfg)
+    import torch
+
+    from verl_fast.models.loading import resolve
+    from verl_fast.trainer.rl_trainer import RLTrainer
+
+    if cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available()):
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    else:
+        device = torch.device("cpu")
+    try:
+        _check_model_folders(cfg)
+        if device is not None and device.type == "cuda" and cfg.actor.strategy != "megatron":
+            from verl_fast.algos import registry as algorithms
+            from verl_fast.strategies import memory_plan
+
+            try:  # one line naming what would fit, not an out-of-memory error mid-step
+                memory_plan.check_before_loading(cfg, resolve(cfg.actor.model_name), algorithms.build(cfg).needs_reference,
+                                                 device)
+            except memory_plan.DoesNotFit as e:
+                raise ConfigError(str(e)) from None
+        actor, tokenizer, critic = _load_models(cfg, device)
+    except BaseException:
+        run_dir.release(cfg.trainer)
+        raise
+    # the trainer shards the models as actor.strategy / critic.strategy say (FSDP2 under torchrun)
+    gc.freeze()  # what exists so far: not swept again by the engine's own collections at start
+    trainer = RLTrainer(actor_model=actor, tokenizer=tokenizer, critic_model=critic, config=cfg,
+                        model_path=resolve(cfg.actor.model_name))
+    gc.freeze()  # start-up's objects (the collector is off until here: see cli._train)
+    gc.enable()
+    history = trainer.fit(rows)  # a RewardTimeout (checkpointed already): one line, exit 2 (verl_fast.errors)
+    run_dir.release(cfg.trainer)
+    if trainer.is_main and history:
+        summarize(history, cfg.trainer.output_dir)
+    if dist is not None:
+        dist.barrier()  # every rank done with its collectives before any tears the group down
+        dist.destroy_process_group()
+    return trainer.exit_code  # non-zero when a reward called sys.exit(n)
+
+
+def summarize(history: List[Dict[str, Any]], output_dir: str) -> None:
+    key = "reward/mean" if any("reward/mean" in h for h in history) else "dpo/reward_margin"  # step 0: validation
+    values = [h[key] for h in history if key in h]
+    k = max(1, min(5, len(values) // 2))
+    first, last = sum(values[:k]) / k, sum(values[-k:]) / k
+    print(f"\n{key}: first {k} steps {first:.3f} -> last {k} steps {last:.3f} ({len(values)} steps)")
+    print(f"metrics: {os.path.join(output_dir, 'metrics.jsonl')}; reward curve: "
+          f"{os.path.join(output_dir, 'reward_curve.png')}; checkpoints: {os.path.join(output_dir, 'checkpoints')}")
