@@ -60,6 +60,8 @@ def _allowed(meta) -> str:
         parts.append(", ".join(_value(c) for c in meta["choices"]))
     if meta.get("min") is not None:
         parts.append(f">= {meta['min']}")
+    if meta.get("above") is not None:
+        parts.append(f"> {meta['above']}")
     if meta.get("max") is not None:
         parts.append(f"<= {meta['max']}")
     return "; ".join(parts)

@@ -85,13 +85,14 @@ def require_registered() -> None:
                            "before validating a config (verl-fast train and RLTrainer do)")
 
 
-def _f(default, *, choices=None, min=None, max=None, doc: str = ""):
-    """A dataclass field with validation metadata."""
+def _f(default, *, choices=None, min=None, max=None, above=None, doc: str = ""):
+    """A dataclass field with validation metadata (``above``: an exclusive lower bound)."""
     kwargs = {"default_factory": default} if callable(default) else {"default": default}
-    return field(metadata={"choices": choices, "min": min, "max": max, "doc": doc}, **kwargs)
+    return field(metadata={"choices": choices, "min": min, "max": max, "above": above, "doc": doc}, **kwargs)
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+FLOAT32_MAX = 3.4028234663852886e38
 ATTN_IMPLEMENTATIONS = (None, "eager", "sdpa", "flash_attention_2", "flex_attention")
 
 
@@ -165,9 +166,9 @@ class ActorConfig(ModelLayoutConfig, ScheduleConfig):
     loss_agg_mode: str = _f("token-mean", choices=LOSS_AGG_MODES)
     loss_scale_factor: Optional[float] = _f(None, doc="seq-mean-token-sum-norm: the constant each sequence's "
                                             "token sum is divided by (null: rollout.max_new_tokens)")
-    entropy_coeff: float = _f(0.0)
+    entropy_coeff: float = _f(0.0, min=-1.0, max=1.0, doc="entropy bonus coefficient (typically 0 to 0.01)")
     use_kl_loss: bool = _f(False)
-    kl_loss_coef: float = _f(0.001, min=0.0)
+    kl_loss_coef: float = _f(0.001, min=0.0, max=100.0)
     kl_loss_type: str = _f("low_var_kl", choices=KL_ESTIMATORS)
     fused_logprobs: str = _f("auto", choices=("auto", "on", "off"), doc="fused lm_head + log-prob kernels")
     use_remove_padding: Optional[bool] = _f(None, doc="log-prob and training passes on the rows packed without "
@@ -243,7 +244,7 @@ class RolloutConfig:
                        "installed and configure_vllm_env() has run (the CLI runs it), else hf")
     n: int = _f(8, min=1, doc="samples per prompt")
     temperature: float = _f(1.0, min=0.0)
-    top_p: float = _f(1.0, min=0.0, max=1.0)
+    top_p: float = _f(1.0, above=0.0, max=1.0, doc="nucleus sampling: the probability mass kept, in (0, 1]")
     top_k: int = _f(-1, min=-1)
     max_new_tokens: int = _f(64, min=1, doc="response length")
     seed: int = _f(0)
@@ -333,7 +334,7 @@ class AlgorithmConfig:
     epsilon: float = _f(1e-6, min=0.0)
     use_kl_in_reward: bool = _f(False)
     kl_penalty: str = _f("kl", choices=KL_ESTIMATORS)
-    kl_coef: float = _f(0.001, min=0.0)
+    kl_coef: float = _f(0.001, min=0.0, max=100.0)
     rollout_correction: bool = _f(False, doc="weight each token's policy loss by min(exp(old_logprob - "
                                   "rollout_logprob), rollout_correction_cap), the rollout engine's own log-probs")
     rollout_correction_cap: float = _f(2.0, min=0.0, doc="rollout_correction: the truncation of the weights (> 0)")
@@ -383,7 +384,7 @@ class TrainerConfig:
     val_before_train: bool = _f(False, doc="validate before the first step too (logged as step 0)")
     val_n: int = _f(1, min=1, doc="validation samples per prompt")
     val_temperature: float = _f(0.0, min=0.0, doc="validation sampling temperature (0: greedy)")
-    val_top_p: float = _f(1.0, min=0.0, max=1.0, doc="validation nucleus sampling")
+    val_top_p: float = _f(1.0, above=0.0, max=1.0, doc="validation nucleus sampling")
     val_max_new_tokens: Optional[int] = _f(None, min=1, doc="validation response length (null: "
                                            "rollout.max_new_tokens)")
     log_generations: int = _f(0, min=0, doc="log the first N prompts / responses / rewards of every step and "
@@ -466,6 +467,8 @@ def _check_value(value: Any, annotation: Any, meta: Dict[str, Any], key: str) ->
         value = float(value)
         if not math.isfinite(value):  # NaN passes every range check below
             raise ValueError(f"{key} must be a finite number, got {value!r}")
+        if abs(value) > FLOAT32_MAX:  # the trainer's tensors are float32 (or narrower): inf there
+            raise ValueError(f"{key} must be within float32's range (|x| <= 3.4e38), got {value!r}")
     elif annotation is str:
         if not isinstance(value, str):
             raise ValueError(f"{key} must be a string, got {value!r}")
@@ -480,6 +483,8 @@ def _check_value(value: Any, annotation: Any, meta: Dict[str, Any], key: str) ->
         raise ValueError(f"{key} must be one of {list(meta['choices'])}, got {value!r}")
     if meta.get("min") is not None and value < meta["min"]:
         raise ValueError(f"{key} must be >= {meta['min']}, got {value!r}")
+    if meta.get("above") is not None and value <= meta["above"]:
+        raise ValueError(f"{key} must be > {meta['above']}, got {value!r}")
     if meta.get("max") is not None and value > meta["max"]:
         raise ValueError(f"{key} must be <= {meta['max']}, got {value!r}")
     return value
@@ -561,10 +566,9 @@ def from_dict(data: Optional[Dict[str, Any]]) -> Config:
 
 def load(path: Union[str, Path], overrides: Optional[List[str]] = None) -> Config:
     """A YAML file plus ``section.key=value`` overrides (values parsed as YAML)."""
-    import yaml
+    from verl_fast import yaml_files
 
-    text = Path(path).read_text()
-    data = yaml.safe_load(text) or {}
+    data = yaml_files.load_file(path) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: the config must be a mapping of sections")
     return from_dict(apply_overrides(data, overrides or []))
@@ -576,7 +580,7 @@ def apply_overrides(data: Dict[str, Any], overrides: List[str]) -> Dict[str, Any
     value is null."""
     import copy
 
-    import yaml
+    from verl_fast import yaml_files
 
     data = copy.deepcopy(data)
     for item in overrides:
@@ -584,10 +588,7 @@ def apply_overrides(data: Dict[str, Any], overrides: List[str]) -> Dict[str, Any
         parts = dotted.strip().split(".")
         if not sep or len(parts) < 2 or not all(parts):
             raise ValueError(f"override {item!r} must look like section.key=value (e.g. actor.lr=1e-5)")
-        try:
-            value = yaml.safe_load(raw) if raw != "" else None
-        except yaml.YAMLError as e:
-            raise ValueError(f"override {item!r}: the value is not valid YAML ({' '.join(str(e).split())})") from None
+        value = yaml_files.loads(raw, f"override {item!r}") if raw != "" else None
         node = data
         for depth, part in enumerate(parts[:-1]):
             child = node.setdefault(part, {})

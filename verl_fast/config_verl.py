@@ -286,11 +286,11 @@ def load(path: Optional[Union[str, Path]], overrides: Optional[List[str]] = None
          ) -> Tuple[config_mod.Config, List[str]]:
     """A YAML file (ours or verl's layout; None: nothing) plus ``key=value`` overrides (either layout),
     which win over the file's keys, whichever layout each is written in."""
-    import yaml
+    from verl_fast import yaml_files
 
     data: Any = {}
     if path is not None:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        data = yaml_files.load_file(path) or {}  # size, alias and duplicate-key limits
         if not isinstance(data, dict):
             raise ValueError(f"{path}: the config must be a mapping of sections")
     overrides = strip_hydra(overrides or [])

@@ -7,12 +7,11 @@ A verl-format row: ``{"data_source": str, "prompt": [{"role": ..., "content": ..
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
-from verl_fast import config, hub
+from verl_fast import config, data_files, hub
 
 
 @dataclass
@@ -70,27 +69,6 @@ def _to_plain(x: Any) -> Any:
     return x
 
 
-def _parse_json(text: str, path: Path, line: Optional[int] = None) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        where = f"{path}:{line}" if line is not None else f"{path}:{e.lineno}"
-        raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-
-
-def _read_jsonl(path: Path) -> List[Dict[str, Any]]:
-    """One JSON object per non-empty line; errors name the file and the line number."""
-    rows = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        row = _parse_json(line, path, number)
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}:{number}: expected a JSON object (a row), got {type(row).__name__}")
-        rows.append(row)
-    return rows
-
-
 def hub_rows(name: str, split: str = "train", **kwargs: Any) -> List[Dict[str, Any]]:
     """The rows of split ``split`` of the Hub dataset ``name`` through ``datasets.load_dataset``
     (its own cache first; ``kwargs``: ``name`` of the configuration, ``data_dir``, ...). When the Hub
@@ -112,13 +90,6 @@ def hub_rows(name: str, split: str = "train", **kwargs: Any) -> List[Dict[str, A
     except datasets.exceptions.DatasetNotFoundError as e:
         raise hub.not_found("trainer.dataset", name, e) from None
     return [{k: _to_plain(v) for k, v in r.items()} for r in data]
-
-
-def ground_truth_of(row: Dict[str, Any]) -> Any:
-    """A row's ground truth: verl's ``reward_model.ground_truth``, else a ``ground_truth`` or ``answer`` column."""
-    reward = row.get("reward_model") or {}
-    truth = reward.get("ground_truth") if isinstance(reward, dict) else None
-    return row.get("ground_truth", row.get("answer")) if truth is None else truth
 
 
 def _is_chat(x: Any) -> bool:
@@ -217,24 +188,26 @@ class RLDataProcessor:
         if isinstance(source, (str, Path)):
             path = Path(source).expanduser()  # verl's configs write ~/data/...
             if not path.exists() and hub.is_repo_id(str(source)):
-                return hub_rows(str(source), **kwargs)
+                return data_files.checked(hub_rows(str(source), **kwargs), str(source))
             if not path.exists():
                 raise FileNotFoundError(f"dataset {source} not found (parquet, jsonl, json, a datasets folder, "
                                         "a Hub dataset name, or reasoning_gym:<task>)")
             if path.is_dir():
                 import datasets
 
-                return [dict(r) for r in datasets.load_from_disk(str(path))]
+                return data_files.checked([dict(r) for r in datasets.load_from_disk(str(path))], str(path))
             if path.suffix == ".parquet":
                 import pandas as pd
 
-                return [{k: _to_plain(v) for k, v in r.items()} for r in pd.read_parquet(path).to_dict("records")]
+                data_files.open_regular(path).close()  # not a FIFO or device
+                return data_files.checked([{k: _to_plain(v) for k, v in r.items()}
+                                           for r in pd.read_parquet(path).to_dict("records")], str(path))
             if path.suffix == ".jsonl":
-                return _read_jsonl(path)
+                return data_files.read_jsonl(path)
             if path.suffix == ".json":
-                data = _parse_json(path.read_text(), path)
-                return data if isinstance(data, list) else [data]
+                return data_files.read_json(path)
             if path.suffix in (".pt", ".pth"):
+                data_files.open_regular(path).close()
                 from verl_fast.files import safe_load
 
                 data = safe_load.load(path, [PromptRow, PreferencePair], what="a dataset")  # rows are plain data
@@ -295,17 +268,24 @@ class RLDataProcessor:
         if not isinstance(row, dict) or "prompt" not in row:
             got = sorted(row) if isinstance(row, dict) else type(row).__name__
             raise ValueError(f"a row needs a 'prompt' field (verl format), got {got}")
+        data_files.check_truth(row)  # rows given in Python too: never a ground truth silently None
         text = self.template(row["prompt"])
         fitted = self._fit(self.tokenizer(text, add_special_tokens=False)["input_ids"], text)
         if fitted is None:
             return None
-        return PromptRow(prompt_ids=fitted[0], prompt_text=fitted[1], ground_truth=ground_truth_of(row),
+        return PromptRow(prompt_ids=fitted[0], prompt_text=fitted[1], ground_truth=data_files.ground_truth(row),
                          data_source=str(row.get("data_source", "")), extra_info=dict(row.get("extra_info") or {}),
                          columns=dict(row))
 
     def encode_all(self, rows: Iterable[Dict[str, Any]]) -> List[PromptRow]:
-        """Every row's prompt; overlong ones skipped are counted in ``skipped_overlong``."""
-        encoded = [self.encode(r) for r in rows]
+        """Every row's prompt; overlong ones skipped are counted in ``skipped_overlong``; an error
+        names the row's file and line (``data_files.Rows``) or its index."""
+        encoded = []
+        for i, r in enumerate(rows):
+            try:
+                encoded.append(self.encode(r))
+            except ValueError as e:
+                raise ValueError(f"{data_files.where(rows, i)}: {e}") from None
         kept = [p for p in encoded if p is not None]
         self.skipped_overlong = len(encoded) - len(kept)
         if encoded and not kept:

@@ -62,8 +62,14 @@ def installed(module: str) -> bool:
         return False
 
 
+# pip's names of the packages whose import name differs
+_PIP_NAMES = {"megatron.core": "megatron-core", "reasoning_gym": "reasoning-gym"}
+
+
 def hint(module: str, extra: str) -> str:
-    return f"{module.split('.')[0]} is not installed: pip install 'verl_fast[{extra}]'"
+    """"the wandb package: pip install wandb (or pip install 'verl_fast[wandb]')"."""
+    pip = _PIP_NAMES.get(module, module.split(".")[0])
+    return f"the {pip} package: pip install {pip} (or pip install 'verl_fast[{extra}]')"
 
 
 def missing(cfg: Any, modules: Optional[Sequence[str]] = None) -> List[str]:
@@ -75,7 +81,7 @@ def missing(cfg: Any, modules: Optional[Sequence[str]] = None) -> List[str]:
             continue
         why = needed(cfg)
         if why is not None and not installed(module):
-            found.append(f"{why} needs {hint(module, extra)}")
+            found.append(f"{why}, which needs {hint(module, extra)}")
     return found
 
 

@@ -51,10 +51,17 @@ def upload(folder: Path, repo_id: str, private: bool = True, message: str = "ver
     token of HF_TOKEN / ``hf auth login``); returns the repository's URL."""
     from huggingface_hub import HfApi
 
-    api = HfApi()
-    url = api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
-    api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model", commit_message=message,
-                      ignore_patterns=list(ignore) or None)
+    from verl_fast.errors import UserError, one_line
+
+    try:
+        api = HfApi()
+        url = api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+        api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model", commit_message=message,
+                          ignore_patterns=list(ignore) or None)
+    except Exception as e:  # no network, no token, refused by the Hub: the folder stays as it is
+        raise UserError(f"trainer.hub_model_id={repo_id}: the upload of {folder} failed ({type(e).__name__}: "
+                        f"{one_line(e)}); the checkpoint is kept: upload it later with "
+                        f"`hf upload {repo_id} {folder}`") from e
     return str(getattr(url, "url", url))
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from verl_fast import config as config_mod
-from verl_fast.data import ground_truth_of, preference_parts
+from verl_fast.data import preference_parts
+from verl_fast.data_files import ground_truth
 from verl_fast.rewards.interface import CallableReward, RewardFunction, load_callable
 from verl_fast.rewards.by_source import DataSourceReward, check_source
 from verl_fast.rewards.rule import GSM8KReward, ReasoningGymReward
@@ -72,13 +73,13 @@ def _check_one(name: str, reward: RewardFunction, row: Dict[str, Any], at: str) 
             raise ValueError(f"{at}: reward function {reward.name} needs {', '.join(map(repr, missing))}, which the "
                              f"row does not have (its columns: {', '.join(sorted(row))})")
     elif isinstance(reward, ReasoningGymReward):
-        truth = ground_truth_of(row)
+        truth = ground_truth(row)
         if not (isinstance(truth, dict) and isinstance(truth.get("metadata"), dict)
                 and "source_dataset" in truth["metadata"]):
             raise ValueError(f"{at}: reward_fn.type=reasoning_gym needs the reasoning-gym entry as the ground "
                              "truth (reward_model.ground_truth with metadata.source_dataset); for other data set "
                              "reward_fn.type=auto or a reward function")
-    elif isinstance(reward, GSM8KReward) and ground_truth_of(row) is None:
+    elif isinstance(reward, GSM8KReward) and ground_truth(row) is None:
         raise ValueError(f"{at}: reward_fn.type=gsm8k needs a ground truth (reward_model.ground_truth, "
                          "ground_truth or answer)")
 

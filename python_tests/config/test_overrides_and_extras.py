@@ -35,7 +35,7 @@ def test_overrides_do_not_change_the_data_they_start_from():
     ("actor=1", "must look like section.key=value"),
     ("actor..lr=1", "must look like section.key=value"),
     ("actor.lr", "must look like section.key=value"),
-    ("actor.lr=[1", "the value is not valid YAML"),
+    ("actor.lr=[1", "not valid YAML"),
 ])
 def test_bad_overrides_name_the_item(item, message):
     with pytest.raises(ValueError, match=message):
@@ -139,8 +139,8 @@ def test_packages_not_asked_for_are_not_needed(monkeypatch):
                        "rollout": {"type": "vllm"}, "trainer": {"plot": False, "dataset": "pairs.jsonl"}})
     assert extras.missing(cfg) == []
     cfg.trainer.plot, cfg.critic.strategy = True, "megatron"  # a critic trains with ppo only
-    assert extras.missing(cfg) == ["trainer.plot=true (the reward-curve PNG) needs matplotlib is not installed: "
-                                   "pip install 'verl_fast[plot]'"]
+    assert extras.missing(cfg) == ["trainer.plot=true (the reward-curve PNG), which needs the matplotlib package: "
+                                   "pip install matplotlib (or pip install 'verl_fast[plot]')"]
 
 
 def test_cli_refuses_a_missing_extra_before_training(tmp_path, monkeypatch, capsys):

@@ -287,3 +287,21 @@ def test_recording_decodes_through_generate(tokenizer):
     assert engine.last_mode == "generate" and engine._fast_reason(SamplingSpec()) == "record_routing"
     assert [r.shape[0] for r in out.routed_experts] == [len(ids[int(i)]) + int(m.sum())
                                                         for i, m in zip(out.prompt_index, out.response_mask)]
+
+
+def test_routing_replay_under_gradient_checkpointing(tokenizer, tmp_path):
+    """examples/moe as its README runs it (gradient checkpointing on) with actor.routing_replay: the
+    backward's recompute routes as the forward did (it used to recompute with the routers' own choice,
+    after the replay had ended: torch's CheckpointError, 61 vs 59 tensors saved)."""
+    from verl_fast.trainer.rl_trainer import RLTrainer
+
+    model = moe_model("qwen3_moe", tokenizer)
+    cfg = {"actor": {"lr": 1e-2, "micro_batch_size": 2, "skip_zero_advantage": False, "routing_replay": True,
+                     "gradient_checkpointing": True},
+           "rollout": {"type": "hf", "n": 2, "max_new_tokens": 4}, "algorithm": {"type": "grpo"},
+           "trainer": {"total_steps": 1, "train_batch_size": 2, "output_dir": str(tmp_path), "device": "cpu",
+                       "progress_bar": False, "plot": False, "save_freq": 0}}
+    trainer = RLTrainer(actor_model=model, tokenizer=tokenizer, config=cfg,
+                        reward_fn=lambda solution_str: float(len(solution_str) % 3))
+    history = trainer.fit([{"prompt": t} for t in TEXTS[:2]])
+    assert len(history) == 1 and history[0]["actor/grad_norm"] > 0

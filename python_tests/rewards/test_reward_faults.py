@@ -173,6 +173,7 @@ def test_sys_exit_in_a_reward_checkpoints_and_returns_with_a_message(tiny_path, 
     trainer, history = fit(tiny_path, tmp_path, exits_in_step_2, on_error=on_error)
     out = capsys.readouterr().out
     assert trainer.stopped and [h["step"] for h in history] == [1]
+    assert trainer.exit_code == 3  # what the CLI exits with: the run did not finish
     assert "step 2 stopped in its reward: reward function exits_in_step_2 raised SystemExit(3)" in out, out
     assert "stopped after step 1 of 3" in out, out
     assert steps_on_disk(tmp_path) == ["step_000001"]

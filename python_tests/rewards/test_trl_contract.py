@@ -100,7 +100,7 @@ def test_missing_column_is_caught_on_the_first_rows_naming_file_and_line(tmp_pat
     with pytest.raises(ValueError, match=rf"^{data}:3 \(reward_fn.type=auto\): data_source 'my/custom' has no"):
         preflight.check(cfg, RLDataProcessor(None).load(str(data)), str(data))
     data.write_text('{"question": "q"}\n')
-    with pytest.raises(ValueError, match=rf"^{data}:1: a row needs a 'prompt' column"):
+    with pytest.raises(ValueError, match=rf"^{data}:1: a row needs a 'prompt' field"):
         preflight.check(cfg, RLDataProcessor(None).load(str(data)), str(data))
 
 

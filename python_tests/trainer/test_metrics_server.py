@@ -55,3 +55,33 @@ def test_a_stalled_request_holds_a_worker_only_briefly():
         start = time.monotonic()
         assert "verl_reward_mean" in scrape(server.port)
         assert time.monotonic() - start < 5
+
+
+def test_slow_clients_cannot_block_the_endpoint():
+    """Four clients (as many as workers) each sending a byte every 0.3 s, never finishing: the deadline
+    is for the whole request, so they hold no worker and are closed after request_timeout_s."""
+    with serving(idle=4, workers=4, request_timeout_s=1.0) as (server, slow):
+        server.observe({"reward/mean": 0.5})
+        start = time.monotonic()
+        closed = set()
+        while time.monotonic() - start < 2.5:  # per-read timeouts never fire at this pace
+            for i, s in enumerate(slow):
+                if i not in closed:
+                    try:
+                        s.sendall(b"G")
+                    except OSError:
+                        closed.add(i)
+            assert "verl_reward_mean 0.5" in scrape(server.port)
+            time.sleep(0.3)
+        assert closed == {0, 1, 2, 3}, "each slow request closed at its deadline"
+
+
+def test_an_oversized_request_head_is_closed():
+    from verl_fast.metrics.http_server import MAX_HEAD
+
+    with serving(idle=1) as (server, (big,)):
+        big.settimeout(5)
+        with contextlib.suppress(OSError):
+            big.sendall(b"GET /metrics HTTP/1.0\r\nX: " + b"a" * (MAX_HEAD + 10))
+        assert big.recv(1) == b""
+        assert "verl_reward_mean" in scrape(server.port)

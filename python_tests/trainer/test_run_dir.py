@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from verl_fast import config as config_mod
-from verl_fast.cli.main import main as cli_main
+from cli_refusal import refusal
 from verl_fast.trainer import run_dir
 
 
@@ -60,7 +60,7 @@ def test_an_older_run_is_refused_without_resume_and_cleared_with_overwrite(tmp_p
 
 def test_precheck_names_the_busy_port_the_bad_folder_and_the_dataset(tmp_path):
     data = tmp_path / "rows.jsonl"
-    data.write_text('{"prompt": "1 + 1?"}\n')
+    data.write_text('{"prompt": "1 + 1?", "answer": "2"}\n')
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -73,10 +73,10 @@ def test_precheck_names_the_busy_port_the_bad_folder_and_the_dataset(tmp_path):
         run_dir.precheck(cfg_for(tmp_path, dataset=str(data), output_dir=str(blocker / "run")))
     with pytest.raises(FileNotFoundError, match="missing.parquet not found"):
         run_dir.precheck(cfg_for(tmp_path, dataset=str(tmp_path / "missing.parquet")))
-    with pytest.raises(ImportError, match=r"pip install 'verl_fast\[wandb\]'"):
+    with pytest.raises(ImportError, match="trainer.loggers has wandb, which needs the wandb package: pip install wandb"):
         run_dir.precheck(cfg_for(tmp_path, dataset=str(data), loggers=["jsonl", "wandb"]))
     cfg = cfg_for(tmp_path, dataset=str(data))
-    assert run_dir.precheck(cfg) == [{"prompt": "1 + 1?"}]
+    assert run_dir.precheck(cfg) == [{"prompt": "1 + 1?", "answer": "2"}]
     run_dir.release(cfg.trainer)
 
 
@@ -88,10 +88,9 @@ def test_train_cli_fails_on_the_port_before_loading_a_model(tmp_path, capsys):
         busy.listen()
         port = busy.getsockname()[1]
         # the model does not exist: had it been loaded first, the error would name it instead
-        with pytest.raises(RuntimeError, match=f"metrics_port={port}"):
-            cli_main(["train", "--dataset_path", str(data), "--metrics_port", str(port), "--output_dir",
-                      str(tmp_path / "run"), "--set", f"actor.model_name={tmp_path / 'no_model'}",
-                      "--set", "rollout.type=hf"])
+        assert f"metrics_port={port}" in refusal(
+            ["train", "--dataset_path", str(data), "--metrics_port", str(port), "--output_dir", str(tmp_path / "run"),
+             "--set", f"actor.model_name={tmp_path / 'no_model'}", "--set", "rollout.type=hf"], capsys)
 
 
 def test_loggers_config_names_the_bad_entry():

@@ -150,8 +150,11 @@ def _local_bytes(obj: Any) -> int:
 
 def _disk_full_message(root: Path, needed: int, free: int, previous: Optional[Path]) -> str:
     intact = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
-    return (f"not enough disk space for a checkpoint in {root}: about {needed:,} bytes needed, "
-            f"{free:,} free; nothing was written ({intact}). Free space or set trainer.output_dir elsewhere")
+    from verl_fast.errors import human_bytes
+
+    return (f"not enough disk space for a checkpoint in {root}: about {human_bytes(needed)} needed, "
+            f"{human_bytes(free)} free; nothing was written ({intact}). Free space or set trainer.output_dir "
+            "elsewhere")
 
 
 def _is_disk_full(e: BaseException) -> bool:
@@ -241,10 +244,24 @@ def _publish(tmp: Path, final: Path, records: Dict[str, Dict[str, int]], step: i
     """The manifest last (fsynced with everything before it), then the rename that completes it."""
     (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": records}, indent=1))
     _fsync_tree(tmp)
-    if os.path.lexists(final):  # an older run's (or a damaged) checkpoint of the same step
-        run_files.remove(final)
+    if final.is_symlink() or (final.is_dir() and verify(final) is None):
+        run_files.remove(final)  # a link (the link only), or this step's complete checkpoint written again
+    elif os.path.lexists(final):  # a damaged checkpoint of the same step (or what a user put there): kept
+        aside = _set_aside(final)
+        _warn(f"{final} (not resumed: damaged) is kept as {aside.name}; remove it when it is not needed")
     os.replace(tmp, final)
     _fsync(final.parent)
+
+
+def _set_aside(folder: Path) -> Path:
+    """Renames ``folder`` to an unused ``<name>.damaged[-k]`` beside it (which no step listing,
+    pruning or clean-up matches) and returns the new path."""
+    for k in range(1, 10_000):
+        aside = folder.with_name(f"{folder.name}.damaged" + (f"-{k}" if k > 1 else ""))
+        if not os.path.lexists(aside):
+            os.rename(folder, aside)
+            return aside
+    raise CheckpointError(f"{folder}: too many damaged copies beside it; remove the *.damaged* folders")
 
 
 def _fsync(path: Path) -> None:
@@ -333,6 +350,33 @@ def verify(path: Path) -> Optional[str]:
             return f"{path / name} is {got['bytes']:,} bytes, the manifest says {want['bytes']:,} ({how})"
         if got["crc32"] != want["crc32"]:
             return f"{path / name} does not match its checksum in the manifest (corrupt)"
+    return _state_problem(path)
+
+
+_MAX_STATE_BYTES = 256 << 20
+
+
+def _state_problem(path: Path) -> Optional[str]:
+    """What is wrong with the trainer state of the checkpoint ``path`` (None: nothing): a JSON object
+    whose ``step`` is the folder's own step number and whose ``history`` is a list of metric rows."""
+    state_file = path / STATE
+    if not state_file.is_file() or state_file.is_symlink():
+        return f"{state_file} is missing or not a regular file"
+    if state_file.stat().st_size > _MAX_STATE_BYTES:
+        return f"{state_file} is larger than {_MAX_STATE_BYTES >> 20} MiB"
+    try:
+        state = json.loads(state_file.read_bytes())
+    except (ValueError, RecursionError) as e:
+        return f"{state_file} is not JSON ({' '.join(str(e).split())[:200]})"
+    if not isinstance(state, dict):
+        return f"{state_file} must hold a JSON object, got {type(state).__name__}"
+    step, named = state.get("step"), _STEP.match(path.name)
+    if not _count(step) or (named is not None and step != int(named.group(1))):
+        want = f"{int(named.group(1))}, the folder's step" if named else "a step count (an integer >= 0)"
+        return f"{state_file}: step must be {want}, got {step!r:.40}"
+    history = state.get("history", [])
+    if not isinstance(history, list) or not all(isinstance(h, dict) for h in history):
+        return f"{state_file}: history must be a list of metric rows, got {type(history).__name__}"
     return None
 
 
@@ -551,7 +595,7 @@ def resolve_start(resume_from: str, output_dir: str, check_files: bool = True) -
         path = resolve(resume_from)
     except CheckpointError as e:
         raise CheckpointError(f"trainer.resume_from={resume_from}: {e}") from None
-    problem = verify(path) if check_files else (None if (path / MANIFEST).is_file() else
+    problem = verify(path) if check_files else (_state_problem(path) if (path / MANIFEST).is_file() else
                                                  f"{path / MANIFEST} is missing (not a complete checkpoint)")
     if problem is not None:
         raise CheckpointError(f"trainer.resume_from={resume_from}: {problem}")

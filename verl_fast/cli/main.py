@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import List, Optional
@@ -23,15 +24,10 @@ def _train(args: argparse.Namespace) -> int:
     # the default run's 11 s start-up on 2 cores. It is off until the trainer is built; run() then
     # freezes what exists (never swept again) and turns it back on.
     gc.disable()
-    from verl_fast.hub import NameNotFound
-    from verl_fast.cli.train import ConfigError, run
+    from verl_fast.cli.train import run
 
     try:
         return run(args)
-    except (ConfigError, NameNotFound) as e:  # one line, no traceback (argparse's usage errors exit 2 too)
-        for line in str(e).splitlines() or [""]:  # every problem of the config, one line each
-            print(f"verl-fast train: config error: {line}", file=sys.stderr)
-        return 2
     finally:
         gc.enable()
 
@@ -40,6 +36,17 @@ def _bench(args: argparse.Namespace) -> int:
     from verl_fast.bench.runner import run
 
     return run(args)
+
+
+def _shard_gb(text: str) -> float:
+    """--max-shard-gb: a finite size above 0 (nan, inf, 0 and negatives refused by argparse, exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0 or value * (1 << 30) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a shard size in GiB above 0 (e.g. 5)")
+    return value
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -88,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="HF config folder or config.json of the architecture (default: Megatron-LM's saved args)")
     conv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                       help="output dtype (default: the checkpoint's)")
-    conv.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size limit")
+    conv.add_argument("--max-shard-gb", type=_shard_gb, default=5.0, help="safetensors shard size limit")
     conv.add_argument("--overwrite", action="store_true",
                       help="write into a folder that holds files: replaces only the files the conversion writes")
     conv.set_defaults(func=_convert)
@@ -96,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("checkpoint", help="a checkpoints/step_N folder, or a run's output_dir (its newest complete one)")
     exp.add_argument("output", help="HF folder to write (new or empty, outside the run; written under a temporary "
                                     "name, then renamed)")
-    exp.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size limit")
+    exp.add_argument("--max-shard-gb", type=_shard_gb, default=5.0, help="safetensors shard size limit")
     exp.add_argument("--overwrite", action="store_true",
                      help="write into a folder that holds files: replaces only the files an export writes")
     exp.set_defaults(func=_export)
@@ -104,8 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Runs a subcommand under the error policy of ``verl_fast.errors``: an expected failure is one
+    line on stderr and exit 2, only a bug shows a traceback."""
+    from verl_fast.errors import guarded
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    return guarded(args.command, args.func, args)
 
 
 def program() -> None:

@@ -8,6 +8,7 @@ import os
 from typing import Any, Dict, List
 
 from verl_fast import config as config_mod
+from verl_fast.errors import ConfigError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,10 +52,6 @@ def resolve_config(args: argparse.Namespace) -> config_mod.Config:
     for note in notes:
         print(f"verl-fast train: note: {note}", file=sys.stderr)
     return cfg
-
-
-class ConfigError(Exception):
-    """A config that cannot run (or cannot be read): the CLI prints its one line and exits 2."""
 
 
 def load_checked(args: argparse.Namespace, packages: bool = True) -> config_mod.Config:
@@ -114,8 +111,6 @@ def _load_models(cfg: config_mod.Config, device: Any):
     """The actor, its tokenizer and (PPO) the critic, by name, on ``device``."""
     from verl_fast.models.loading import attention_kwargs, load_causal_lm
 
-    if cfg.actor.model_name is None:
-        raise ConfigError("actor.model_name is not set")
     cuda = device is not None and device.type == "cuda"
     actor, tokenizer = load_causal_lm(cfg.actor.model_name, cfg.actor.dtype,
                                       **attention_kwargs(cfg.actor, "actor", cuda))
@@ -128,6 +123,22 @@ def _load_models(cfg: config_mod.Config, device: Any):
                                    **attention_kwargs(cfg.critic, "critic", cuda))
         critic.to(device)
     return actor, tokenizer, critic
+
+
+def _check_model_folders(cfg: config_mod.Config) -> None:
+    """The model folders' files before anything reads them (links out, FIFOs, damaged headers, the
+    context length against rollout.max_new_tokens: ``models.checks``)."""
+    from verl_fast.models import checks
+    from verl_fast.models.loading import local_folder
+
+    if cfg.actor.model_name is None:
+        raise ConfigError("actor.model_name is not set")
+    critic = cfg.critic.model_name if cfg.algorithm.type == "ppo" else None
+    for key, name, new_tokens in (("actor.model_name", cfg.actor.model_name, cfg.rollout.max_new_tokens),
+                                  ("critic.model_name", critic, None)):
+        folder = local_folder(name)
+        if folder is not None:
+            checks.check_folder(folder, key, new_tokens)
 
 
 def auto_settings(cfg: config_mod.Config) -> Dict[str, Any]:
@@ -194,7 +205,6 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from verl_fast.models.loading import resolve
-    from verl_fast.rewards import RewardTimeout
     from verl_fast.trainer.rl_trainer import RLTrainer
 
     if cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available()):
@@ -202,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         device = torch.device("cpu")
     try:
+        _check_model_folders(cfg)
         if device is not None and device.type == "cuda" and cfg.actor.strategy != "megatron":
             from verl_fast.algos import registry as algorithms
             from verl_fast.strategies import memory_plan
@@ -221,17 +232,14 @@ def run(args: argparse.Namespace) -> int:
                         model_path=resolve(cfg.actor.model_name))
     gc.freeze()  # start-up's objects (the collector is off until here: see cli._train)
     gc.enable()
-    try:
-        history = trainer.fit(rows)
-    except RewardTimeout as e:  # checkpointed already: the message, without a traceback, and exit 1
-        raise SystemExit(f"error: {e}") from None
+    history = trainer.fit(rows)  # a RewardTimeout (checkpointed already): one line, exit 2 (verl_fast.errors)
     run_dir.release(cfg.trainer)
     if trainer.is_main and history:
         summarize(history, cfg.trainer.output_dir)
     if dist is not None:
         dist.barrier()  # every rank done with its collectives before any tears the group down
         dist.destroy_process_group()
-    return 0
+    return trainer.exit_code  # non-zero when a reward called sys.exit(n)
 
 
 def summarize(history: List[Dict[str, Any]], output_dir: str) -> None:

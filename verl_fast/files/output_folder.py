@@ -8,12 +8,16 @@ not write.
   namesake (a rename, atomic per file), the stale files of the kinds it writes (``stale``: an older
   export's weight shards) go, and every other file stays.
 - The temporary name comes from ``mkdtemp`` (``.DIR.tmp-XXXXXXXX``): a sibling such as a
-  pre-existing ``DIR.tmp`` is never opened, replaced or removed.
+  pre-existing ``DIR.tmp`` is never opened, replaced or removed. The writer holds an ``flock`` on its
+  temporary folder; one of that pattern that nobody holds (left by a write killed with -9) is removed
+  by the next write of ``DIR``.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -39,7 +43,10 @@ def write_folder(out: Path, source: Path, fill: Callable[[Path], None], *, overw
     the module docstring). Returns ``out``."""
     check_target(out, source, overwrite, what)
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(out)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    held = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(held, fcntl.LOCK_EX)  # "being written": a later write's clean-up leaves it alone
     try:
         fill(tmp)
         check_target(out, source, overwrite, what)  # again: the folder may have changed meanwhile
@@ -49,7 +56,26 @@ def write_folder(out: Path, source: Path, fill: Callable[[Path], None], *, overw
             _merge(tmp, out, stale, what)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone once renamed; else only what this call made
+        os.close(held)
     return out
+
+
+def remove_stale(out: Path) -> None:
+    """Removes the temporary folders of earlier writes of ``out`` that were killed: siblings named
+    exactly as ``mkdtemp`` names ours (``.DIR.tmp-`` and 8 characters), real folders (not links),
+    whose ``flock`` nobody holds."""
+    pattern = re.compile(re.escape(f".{out.name}.tmp-") + r"[a-z0-9_]{8}")
+    for p in out.parent.iterdir():
+        if not pattern.fullmatch(p.name) or p.is_symlink() or not p.is_dir():
+            continue
+        fd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another export is writing it now
+            continue
+        finally:
+            os.close(fd)
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def _merge(tmp: Path, out: Path, stale: Callable[[str], bool], what: str) -> None:

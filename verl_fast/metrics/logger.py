@@ -54,8 +54,8 @@ def check_loggers(loggers: Sequence[str]) -> None:
     for name in loggers:
         package = LOGGERS.get(name)
         if package and importlib.util.find_spec(package) is None:
-            raise ImportError(f"trainer.loggers has {name}, whose package is not installed: pip install "
-                              f"'verl_fast[{package}]' (or remove {name} from trainer.loggers)")
+            raise ImportError(f"trainer.loggers has {name}, which needs the {package} package: pip install "
+                              f"{package} (or remove {name} from trainer.loggers)")
 
 
 class MetricsServer:

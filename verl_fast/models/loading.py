@@ -5,8 +5,10 @@ folder, the demo alias, or a Hub name, which transformers finds in the HF cache 
 from __future__ import annotations
 
 import importlib.util
+import os
 import warnings
-from typing import Any, Dict, Tuple
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -24,6 +26,23 @@ def resolve(name: str) -> str:
 
         return str(demo_model_path())
     return hub.model_folder(name)
+
+
+def local_folder(name: Optional[str]) -> Optional[Path]:
+    """The folder ``name`` (a path, the demo alias, or a Hub name already in the HF cache) names on
+    this machine, without downloading anything; None when there is none yet."""
+    if not name:
+        return None
+    if os.path.isdir(name):
+        return Path(name)
+    if name in DEMO_ALIASES:
+        return None  # built by verl_fast itself
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached (or not a Hub name): transformers says so when it loads
+        return None
 
 
 def pretrained(auto_class: Any, name: str, what: str, **kwargs: Any) -> Any:
@@ -62,7 +81,11 @@ def load_causal_lm(name: str, dtype: str = "float32", what: str = "actor.model_n
     errors; ``kwargs`` (``attn_implementation``, ``trust_remote_code``) go to ``from_pretrained``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = pretrained(AutoModelForCausalLM, name, what, dtype=DTYPES[dtype], **kwargs)
+    from verl_fast.models.checks import missing_weights
+
+    model, info = pretrained(AutoModelForCausalLM, name, what, dtype=DTYPES[dtype], output_loading_info=True,
+                             **kwargs)
+    missing_weights(info, name, what)
     tokenizer = pretrained(AutoTokenizer, name, what, trust_remote_code=kwargs.get("trust_remote_code", False))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -36,7 +36,13 @@ class RewardTimeout(RuntimeError):
 
 class RewardStopped(Exception):
     """The step cannot finish: a stop was requested while the reward ran (and it did not return
-    within the grace period), or the reward raised SystemExit / KeyboardInterrupt."""
+    within the grace period), or the reward raised SystemExit / KeyboardInterrupt. ``exit_code``: what
+    the command exits with after the checkpoint (0 for a signal's stop; a reward's ``sys.exit(n)``:
+    n, or 1 when n is 0 or not a number, since the run did not finish; KeyboardInterrupt: 130)."""
+
+    def __init__(self, message: str, exit_code: int = 0) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def score(fn: Callable[[], Any], name: str, count: int, timeout_s: Optional[float],
@@ -78,9 +84,14 @@ def _run(fn: Callable[[], Any]) -> Dict[str, Any]:
 def _unwrapped(box: Dict[str, Any], name: str, count: int) -> Any:
     error = box.get("error")
     if isinstance(error, (SystemExit, KeyboardInterrupt)):
-        what = f"SystemExit({error.code!r})" if isinstance(error, SystemExit) else "KeyboardInterrupt"
+        if isinstance(error, SystemExit):
+            what = f"SystemExit({error.code!r})"
+            code = error.code if isinstance(error.code, int) and not isinstance(error.code, bool) and error.code else 1
+        else:
+            what, code = "KeyboardInterrupt", 130
         raise RewardStopped(f"reward function {name} raised {what} while scoring a batch of {count} samples: "
-                            "handled as a stop request (the step is abandoned)") from error
+                            f"handled as a stop request (the step is abandoned; exit code {code})",
+                            exit_code=code) from error
     if error is not None:
         raise error
     return box["value"]

@@ -190,7 +190,13 @@ def _as_score(x: Any, name: str, index: int) -> float:
                          "float") from None
     if not math.isfinite(value):
         raise ValueError(f"reward function {name} returned a non-finite score {value} for sample {index}")
+    if abs(value) > _FLOAT32_MAX:  # the trainer's rewards are float32 tensors: inf there
+        raise ValueError(f"reward function {name} returned {value:g} for sample {index}, beyond float32's range "
+                         "(|score| <= 3.4e38) in which the trainer keeps rewards")
     return value
+
+
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _one_element(x: Any) -> bool:

@@ -28,6 +28,13 @@ class RewardModel(RewardFunction):
         self.device = device or next(model.parameters()).device
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
+        if tokenizer.pad_token_id is None:
+            raise ValueError("reward model: its tokenizer has neither a pad nor an end-of-sequence token, so a batch "
+                             "cannot be padded; set pad_token in its tokenizer_config.json")
+        if getattr(model.config, "pad_token_id", None) is None:
+            # transformers' sequence-classification heads find each row's last token through the config's
+            # pad_token_id and refuse batches without it: the tokenizer's pad (its EOS when it has none)
+            model.config.pad_token_id = tokenizer.pad_token_id
 
     @classmethod
     def from_pretrained(cls, path: str, load_kwargs: Optional[dict] = None, **kwargs) -> "RewardModel":

@@ -321,12 +321,15 @@ class FSDPStrategy:
         return stats, self.optimizer_step(), run_cost(batches)
 
     def _actor_micro_step(self, sub: Experience, lay: Optional[packed.PackedLayout], loss_fn: LossFn) -> Dict:
-        with self.autocast(), routed(self.actor, sub, self.cfg) as agreement:
-            logp, entropy = micro_logprobs(self.actor, sub, self.cfg, lay, with_entropy=True)
-        loss, stats = loss_fn(logp, entropy, sub)
-        if agreement is not None:  # tokens whose experts the training forward would have changed
-            stats = {**stats, "routing_changed_frac": agreement.fraction(sub.attention_mask)}
-        loss.backward()
+        # the backward inside the routing too: gradient checkpointing recomputes the forward there, and a
+        # recompute with the routers' own choice saves other tensors (torch's CheckpointError)
+        with routed(self.actor, sub, self.cfg) as agreement:
+            with self.autocast():
+                logp, entropy = micro_logprobs(self.actor, sub, self.cfg, lay, with_entropy=True)
+            loss, stats = loss_fn(logp, entropy, sub)
+            if agreement is not None:  # tokens whose experts the training forward would have changed
+                stats = {**stats, "routing_changed_frac": agreement.fraction(sub.attention_mask)}
+            loss.backward()
         if self.bf16 is not None:
             self.bf16.accumulate()
         return stats

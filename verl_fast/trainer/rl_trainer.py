@@ -40,7 +40,7 @@ from verl_fast.distributed import any_rank
 from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
 from verl_fast.experience import Experience, build_experience, concat, last_token_rewards
 from verl_fast.metrics.logger import MetricsLogger
-from verl_fast.models import lora
+from verl_fast.models import checks, lora
 from verl_fast.rewards import RewardInput, RewardStopped, RewardTimeout, build_reward
 from verl_fast.rewards.interface import TrainerState
 from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec
@@ -117,6 +117,8 @@ class RLTrainer:
             if lora.is_peft(actor_model):
                 raise ValueError("actor.lora is set, but the actor given already has PEFT adapters; remove one")
             actor_model = lora.apply(actor_model, cfg.actor.lora)  # the base frozen, the adapters train
+        if ref_model is not None:
+            checks.same_vocab(actor_model, ref_model)
         self.strategy = strategies.build(cfg, actor_model, ref_model, critic_model if self.algorithm.needs_critic
                                          else None, self.algorithm.needs_reference)
         s = self.strategy
@@ -140,6 +142,7 @@ class RLTrainer:
         self._items: Sequence[Any] = ()  # what fit() trains on
         self.total_steps: Optional[int] = None  # the run's length, set by fit (the schedules read it)
         self.stopped = False  # set when a signal ended fit() early (after a checkpoint)
+        self.exit_code = 0  # what the CLI exits with: a reward's sys.exit(n) makes it n (see RewardStopped)
         self._stop_event = None  # fit's StopSignals event: a reward still scoring watches it
         self.history: List[Dict[str, Any]] = []
         self.validation: Optional[Validation] = None  # fit's, with a validation set
@@ -246,7 +249,7 @@ class RLTrainer:
             try:
                 metrics = self.train_step(self._batch(items, self.step, per_epoch))
             except RewardStopped as e:  # a signal, or SystemExit / KeyboardInterrupt inside the reward
-                abandoned, self.stopped = str(e), True
+                abandoned, self.stopped, self.exit_code = str(e), True, e.exit_code
                 break
             except RewardTimeout as e:
                 abandoned, timeout = str(e), e

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import os
 import signal
 import socket
@@ -28,14 +29,19 @@ import threading
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from verl_fast import data_files
 from verl_fast.metrics.logger import check_loggers
 from verl_fast.checkpoint import sharded as checkpoint
 from verl_fast.files import run_files
 from verl_fast.distributed import any_rank, on_main, rank_world
 
+GROUND_TRUTH_REWARDS = ("gsm8k", "reasoning_gym")  # rewards that score against each row's ground truth
 LOCK = ".lock"
-# what a run writes into its output_dir (overwrite removes exactly these)
+# what a run writes into its output_dir (overwrite removes these, the loggers' folders only where
+# RECORD says a run of verl_fast created them)
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "generations.jsonl", "reward_curve.png", "tensorboard", "wandb")
+LOGGER_FOLDERS = ("tensorboard", "wandb")  # named by the loggers, so perhaps the user's own
+RECORD = ".verl_fast_outputs.json"  # the logger folders a run created here (a JSON list)
 
 _held: Dict[str, Tuple[int, int]] = {}  # folder -> (fd, count): the CLI and fit() take the same lock
 
@@ -79,8 +85,28 @@ def _release(folder: Path) -> None:
     os.close(fd)  # closing the descriptor drops the flock
 
 
+def _recorded(folder: Path) -> List[str]:
+    """The logger folders that RECORD says a run created in ``folder``."""
+    try:
+        names = json.loads((folder / RECORD).read_text())
+    except (OSError, ValueError):
+        return []
+    return [n for n in names if n in LOGGER_FOLDERS] if isinstance(names, list) else []
+
+
+def _record_loggers(folder: Path, loggers: List[str]) -> None:
+    """Adds to RECORD the logger folders this run is about to create (those not there already: a
+    folder that was there first is not the run's, and overwrite never removes it)."""
+    names = _recorded(folder)
+    new = [n for n in LOGGER_FOLDERS if n in loggers and n not in names and not os.path.lexists(folder / n)]
+    if new:
+        run_files.replace_file(folder / RECORD, lambda f: f.write(json.dumps(names + new).encode()))
+
+
 def _older_run(folder: Path) -> List[str]:
-    found = [name for name in RUN_OUTPUTS if os.path.lexists(folder / name)]
+    mine = _recorded(folder)
+    found = [name for name in RUN_OUTPUTS if os.path.lexists(folder / name)
+             and (name not in LOGGER_FOLDERS or name in mine or (folder / name).is_symlink())]
     root = folder / "checkpoints"
     if "checkpoints" in found and not root.is_symlink() and not any(root.iterdir()):
         found.remove("checkpoints")
@@ -97,6 +123,21 @@ def _check_own_folder(folder: Path) -> None:
         raise RuntimeError(f"trainer.output_dir={folder} is {which} ({target}), which holds other files: a run "
                            f"writes {', '.join(RUN_OUTPUTS)} into its folder (and trainer.overwrite=true removes "
                            "them there); choose a folder of its own, e.g. runs/<name>")
+
+
+def _check_not_inside_a_run(folder: Path) -> None:
+    """An output_dir inside another run's outputs (its ``checkpoints/``, ``tensorboard/``, ...) would
+    make that run's checkpoint look damaged, and its next save of the step remove it: refused."""
+    target = folder.resolve()
+    for parent in target.parents:
+        if not (parent / LOCK).is_file():
+            continue
+        for name in RUN_OUTPUTS:
+            inside = parent / name
+            if inside == target or inside in target.parents:
+                raise RuntimeError(f"trainer.output_dir={folder} lies inside the run {parent}'s {name} folder: a "
+                                   f"run there would take it for part of that run (and remove it with a damaged "
+                                   "checkpoint); choose a folder outside it")
 
 
 def _check_writable(folder: Path) -> None:
@@ -116,6 +157,7 @@ def claim(trainer_cfg: Any) -> Path:
 
     def main() -> None:
         _check_own_folder(folder)
+        _check_not_inside_a_run(folder)
         _check_writable(folder)
         _acquire(folder)
         try:
@@ -130,6 +172,7 @@ def claim(trainer_cfg: Any) -> Path:
                     f"trainer.output_dir={folder} holds an older run ({', '.join(older)}) and trainer.resume is "
                     "false: set trainer.overwrite=true to clear it, trainer.resume=true to continue it, or "
                     "choose another output_dir")
+            _record_loggers(folder, list(trainer_cfg.loggers))
         except BaseException:
             _release(folder)
             raise
@@ -175,6 +218,8 @@ def precheck(cfg: Any) -> List[Dict[str, Any]]:
         rows = RLDataProcessor(None, t.max_prompt_length).load(t.dataset, **t.dataset_kwargs)
         if not rows:
             raise ValueError(f"trainer.dataset={t.dataset} has no rows")
+        if cfg.algorithm.type not in ("dpo",) and cfg.reward_fn.type in GROUND_TRUTH_REWARDS:
+            data_files.require_truth(rows, f"reward_fn.type={cfg.reward_fn.type}")
     except BaseException:
         release(t)
         raise
