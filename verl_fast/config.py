@@ -341,6 +341,14 @@ class AlgorithmConfig:
     discopop_tau: float = _f(0.05, min=0.0, doc="DPO loss_type discopop: the temperature of its mixing weight (> 0)")
     sft_weight: float = _f(0.0, min=0.0, doc="DPO: weight of the chosen responses' mean token NLL added to the "
                            "loss (RPO)")
+    simpo_gamma: float = _f(0.5, doc="SimPO: the target reward margin gamma (algorithm.type=simpo)")
+    cpo_alpha: Optional[float] = _f(None, min=0.0, doc="CPO / SimPO: weight of the chosen responses' mean token "
+                                    "NLL (null: 1 for cpo, 0 for simpo, as their papers)")
+    sft_max_length: int = _f(2048, min=2, doc="SFT: tokens a row is cut to (algorithm.type=sft)")
+    kto_desirable_weight: float = _f(1.0, min=0.0, doc="KTO: lambda_D, the weight of desirable (label true) "
+                                     "completions' losses")
+    kto_undesirable_weight: float = _f(1.0, min=0.0, doc="KTO: lambda_U, the weight of undesirable (label false) "
+                                       "completions' losses")
 
 
 @dataclass

@@ -271,6 +271,11 @@ class RLTrainer:
                 raise ValueError("trainer.val_freq / trainer.val_before_train need a validation set: set "
                                  "trainer.val_dataset (or pass val_dataset to fit)")
             return None
+        by_loss = getattr(self.algorithm, "validation", None)  # SFT: the validation set's loss (algos/sft.py)
+        if by_loss is not None:
+            return by_loss(self.processor, source if _is_prepared(source) else self.processor.load(
+                source, **(t.val_dataset_kwargs if isinstance(source, str) else {})), self.strategy,
+                self.tokenizer.pad_token_id)
         if self.rollout is None:
             raise ValueError(f"trainer.val_dataset is not supported with algorithm.type={self.algorithm.name}, which "
                              "samples nothing; remove it")
@@ -289,7 +294,7 @@ class RLTrainer:
         """The validation metrics of the current weights; the first samples logged as generations."""
         start = time.perf_counter()
         seed = self.cfg.rollout.seed * 1_000_003 + self.rank * 7919 + 1  # the same prompts' seeds every time
-        with self._engine_awake():
+        with self._engine_awake() if self.engine is not None else contextlib.nullcontext():
             metrics, samples = self.validation.run(self._score, self.reward, seed)
         if self.is_main and self.cfg.trainer.log_generations:
             logger.log_generations(self.step, "val", samples[: self.cfg.trainer.log_generations])

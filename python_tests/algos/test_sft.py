@@ -1,0 +1,112 @@
+"""SFT: the three dataset formats' loss masks, and the trainer's loss against a float64 reference of
+the trained tokens' mean NLL; gradient accumulation exact; validation loss; checkpoint and resume.
+The preference algorithms (kto, orpo, simpo, cpo) run a step through the trainer."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tiny_models import save_tiny_model
+from verl_fast import sft_data
+from verl_fast.trainer.rl_trainer import RLTrainer
+
+CHATS = [{"messages": [{"role": "user", "content": f"what is {i} + {i}?"},
+                       {"role": "assistant", "content": f"{2 * i}" + " indeed" * (i % 3)},
+                       {"role": "user", "content": "sure?"}, {"role": "assistant", "content": "yes"}]}
+         for i in range(6)]
+PLAIN = [{"prompt": f"{i} + 1 =", "completion": f" {i + 1}"} for i in range(3)] + [{"text": "one two three"}]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("m") / "m", family="qwen2")
+
+
+def test_masks_cover_the_assistant_and_completion_tokens(model_path):
+    tok = AutoTokenizer.from_pretrained(model_path)
+    chat = sft_data.encode(tok, CHATS[:1], 4096)[0]
+    trained = tok.decode([t for t, m in zip(chat.ids, chat.loss_mask) if m])
+    assert "0" in trained and "yes" in trained and "what is" not in trained and "sure?" not in trained
+    completion, text = sft_data.encode(tok, PLAIN[1:2] + PLAIN[3:], 4096)
+    assert tok.decode([t for t, m in zip(completion.ids, completion.loss_mask) if m]).startswith(" 2")
+    assert completion.ids[-1] == tok.eos_token_id and completion.loss_mask[-1] == 1
+    assert all(text.loss_mask)
+    with pytest.raises(ValueError, match="SFT row 0: an SFT row needs messages"):
+        sft_data.encode(tok, [{"question": "x"}], 64)
+    with pytest.raises(ValueError, match="SFT row 0: no assistant / completion token within"):
+        sft_data.encode(tok, PLAIN[:1], 2)
+
+
+def reference_nll(model, examples):
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for e in examples:
+            ids = torch.tensor([e.ids])
+            logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1)
+            lp = logp[torch.arange(len(e.ids) - 1), ids[0, 1:]]
+            w = torch.tensor(e.loss_mask[1:], dtype=torch.float64)
+            total, count = total - float((lp * w).sum()), count + float(w.sum())
+    return total / count
+
+
+def run(model_path, out, data, **over):
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    trainer_cfg = {"total_steps": 1, "output_dir": str(out), "progress_bar": False, "plot": False, "device": "cpu",
+                   "train_batch_size": len(data), **over.pop("trainer", {})}
+    cfg = {"actor": {"lr": 0.0, **over.pop("actor", {})}, "algorithm": {"type": "sft", **over.pop("algorithm", {})},
+           "trainer": trainer_cfg, **over}
+    trainer = RLTrainer(actor_model=model, tokenizer=tok, config=cfg)
+    grads, step = [], trainer.strategy.optimizer_step
+
+    def record():
+        grads.append(torch.cat([p.grad.flatten() for p in trainer.strategy.actor.parameters() if p.grad is not None]))
+        return step()
+
+    trainer.strategy.optimizer_step = record
+    return trainer, trainer.fit(data), grads, model
+
+
+def test_sft_loss_is_the_trained_tokens_mean_nll_and_exact_under_accumulation(model_path, tmp_path):
+    data = CHATS + PLAIN
+    one, h1, g1, model = run(model_path, tmp_path / "one", data, actor={"micro_batch_size": 16})
+    ga, h3, g3, _ = run(model_path, tmp_path / "ga", data,
+                        trainer={"per_device_train_batch_size": 2, "gradient_accumulation_steps": 5},
+                        actor={"micro_batch_size": 2})
+    want = reference_nll(model, one.algorithm.encode(one.processor, data))
+    assert h1[-1]["sft/loss"] == pytest.approx(want, rel=1e-5)
+    assert h3[-1]["sft/loss"] == pytest.approx(want, rel=1e-5)
+    scale = g1[0].abs().max()
+    assert (g1[0] - g3[0]).abs().max() <= 1e-5 * scale
+    assert (tmp_path / "one" / "checkpoints").exists()
+
+
+def test_sft_validation_through_fit(model_path, tmp_path):
+    data = CHATS + PLAIN
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    cfg = {"actor": {"lr": 0.0}, "algorithm": {"type": "sft"},
+           "trainer": {"total_steps": 2, "train_batch_size": 5, "output_dir": str(tmp_path / "v"), "plot": False,
+                       "progress_bar": False, "device": "cpu", "val_before_train": True, "save_freq": 1}}
+    trainer = RLTrainer(actor_model=model, tokenizer=tok, config=cfg)
+    history = trainer.fit(data, val_dataset=CHATS[:3])
+    want = reference_nll(model, trainer.algorithm.encode(trainer.processor, CHATS[:3]))
+    assert history[0]["val/loss"] == pytest.approx(want, rel=1e-5)
+    assert history[-1]["val/loss"] == pytest.approx(want, rel=1e-5)  # lr 0: unchanged
+    again = RLTrainer(actor_model=AutoModelForCausalLM.from_pretrained(model_path), tokenizer=tok,
+                      config={**cfg, "trainer": {**cfg["trainer"], "total_steps": 3, "val_before_train": False}})
+    assert again.fit(data, val_dataset=CHATS[:3])[-1]["step"] == 3  # resumed from step 2
+
+
+PAIRS = [{"prompt": f"Q{i}: what is {i} + {i}?", "chosen": f"{2 * i} is the sum", "rejected": f"{i} plus"}
+         for i in range(4)]
+UNPAIRED = [{"prompt": f"Q{i}", "completion": f"answer {i}", "label": i % 2 == 0} for i in range(4)]
+
+
+@pytest.mark.parametrize("kind", ["kto", "orpo", "simpo", "cpo"])
+def test_preference_algorithms_take_a_step(model_path, tmp_path, kind):
+    data = UNPAIRED if kind == "kto" else PAIRS
+    trainer, history, grads, _ = run(model_path, tmp_path / kind, data, actor={"lr": 1e-3},
+                                     reward_fn={"type": "pairwise_ranking"}, algorithm={"type": kind, "beta": 0.5})
+    assert (trainer.ref is not None) == (kind == "kto")
+    assert torch.isfinite(torch.tensor(history[-1][f"{kind}/loss"])) and grads[0].abs().max() > 0
