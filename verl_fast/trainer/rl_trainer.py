@@ -47,6 +47,7 @@ from verl_fast.rollout.hf_engine import HFGenerateEngine
 from verl_fast.rollout.operator import RolloutOperator
 from verl_fast.strategies import backends as strategies
 from verl_fast.trainer import lr_schedule, perf, run_dir
+from verl_fast.trainer import supervised
 from verl_fast.trainer.validation import Validation
 from verl_fast.trainer.batching import balance_across_ranks, loss_normalisers, micro_batches, token_budget
 
@@ -97,7 +98,7 @@ class RLTrainer:
         self.device, self.rank, self.world, self.dp_group = s.device, s.dp_rank, s.dp_size, s.dp_group
         self.algorithm.configure(self.world)
         self._step = {Step.POLICY_GRADIENT: self._policy_gradient_step,
-                      Step.PREFERENCE: self._preference_step}[self.algorithm.step]
+                      Step.PREFERENCE: self._preference_step, Step.SUPERVISED: self._supervised_step}[self.algorithm.step]
         self.reward = build_reward(cfg.reward_fn, reward_fn, tokenizer)
         self.processor = RLDataProcessor(tokenizer, cfg.trainer.max_prompt_length, cfg.rollout.max_new_tokens,
                                          system_prompt=cfg.trainer.system_prompt,
@@ -271,11 +272,10 @@ class RLTrainer:
                 raise ValueError("trainer.val_freq / trainer.val_before_train need a validation set: set "
                                  "trainer.val_dataset (or pass val_dataset to fit)")
             return None
-        by_loss = getattr(self.algorithm, "validation", None)  # SFT: the validation set's loss (algos/sft.py)
-        if by_loss is not None:
-            return by_loss(self.processor, source if _is_prepared(source) else self.processor.load(
-                source, **(t.val_dataset_kwargs if isinstance(source, str) else {})), self.strategy,
-                self.tokenizer.pad_token_id)
+        if self.algorithm.step is Step.SUPERVISED:  # the validation set's loss
+            rows = source if _is_prepared(source) else self.algorithm.encode(self.processor, self.processor.load(
+                source, **(t.val_dataset_kwargs if isinstance(source, str) else {})))
+            return supervised.LossValidation(self, rows)
         if self.rollout is None:
             raise ValueError(f"trainer.val_dataset is not supported with algorithm.type={self.algorithm.name}, which "
                              "samples nothing; remove it")
@@ -351,6 +351,13 @@ class RLTrainer:
             metrics.update(self._update_on_pairs(pairs))
         self._sync_engine(metrics)  # also without an update: a sleep may have discarded the engine's weights
         return metrics
+
+    def _supervised_step(self, batch: List[Any]) -> Dict[str, Any]:
+        """One actor update on the batch's rows (SFT: ``trainer/supervised.py``)."""
+        with self.perf.phase("update_actor"):
+            metrics = supervised.update(self, batch)
+        metrics.update(self.perf.figures())
+        return _reduce(metrics, self.world, self.dp_group)
 
     def _sync_engine(self, metrics: Dict[str, Any]) -> None:
         """The engine generates with the actor's current weights from now on (collective); the bytes

@@ -1,0 +1,56 @@
+"""The trainer's ``SUPERVISED`` step (``algos/algorithm.py``; SFT): the batch's rows as one
+``Experience`` (the algorithm's), micro-batched as the RL update's (``RLTrainer._micro``: a token
+budget or ``actor.micro_batch_size`` rows), one optimiser step through the strategy's ``train_actor``
+with the algorithm's loss (token-mean over the step's trained tokens on every rank:
+``batching.loss_normalisers``); and the validation set's loss (``LossValidation``)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from verl_fast import distributed
+from verl_fast.trainer.batching import loss_normalisers
+
+
+def update(trainer: Any, batch: List[Any]) -> Dict[str, float]:
+    """One optimiser step of ``trainer``'s actor on ``batch``; ``sft/loss`` (the step's token-mean
+    NLL on this rank), ``sft/tokens`` (trained tokens), the gradient norm."""
+    alg, strategy = trainer.algorithm, trainer.strategy
+    exp = alg.experience(batch, trainer.tokenizer.pad_token_id, trainer.device)
+    counts = loss_normalisers(exp.advantages, trainer.dp_group)
+    strategy.actor.train()
+    micro = trainer._micro(exp, torch.arange(exp.num_sequences, device=trainer.device))
+    stats, norm, cost = strategy.train_actor(exp, micro, lambda logp, entropy, sub: alg.loss(logp, sub, counts))
+    trainer.perf.count_update(*cost)
+    strategy.actor_updated(False)
+    trained = float(exp.advantages.sum())
+    out = {"sft/loss": sum(s["loss_sum"] for s in stats) / max(trained, 1.0), "sft/tokens": trained,
+           "actor/grad_norm": norm}
+    if trainer._auto_budget is not None:
+        out["perf/token_budget"] = float(trainer._auto_budget)
+    return out
+
+
+class LossValidation:
+    """The validation set's token-mean NLL under the current weights (no sampling), as ``val/loss``."""
+
+    def __init__(self, trainer: Any, examples: List[Any]):
+        if not examples:
+            raise ValueError("the validation set (trainer.val_dataset) is empty")
+        self.trainer, self.examples = trainer, examples
+
+    def run(self, score: Any, reward: Any, seed: int) -> Tuple[Dict[str, float], List[Dict[str, Any]]]:
+        t = self.trainer
+        share = self.examples[t.rank :: t.world]
+        exp = t.algorithm.experience(share, t.tokenizer.pad_token_id, t.device)
+        t.strategy.actor.eval()
+        with torch.no_grad():
+            logp = t.strategy.actor_logprobs(exp, t._micro(exp, torch.arange(exp.num_sequences, device=t.device),
+                                                           for_update=False))
+        t.strategy.actor.train()
+        total, count = float(-(logp * exp.advantages).sum()), float(exp.advantages.sum())
+        if t.world > 1:
+            total, count = distributed.all_reduce_numbers([total, count], group=t.dp_group)
+        return {"val/loss": total / max(count, 1.0)}, []
