@@ -8,7 +8,7 @@ no gradient); ``preference_losses.kto_loss`` with ``beta`` and ``kto_desirable_w
 ``kto_undesirable_weight``; the mean over the step's examples; one optimiser step. Batching as DPO's:
 ``per_device_train_batch_size`` examples a forward / backward (else half of ``actor.micro_batch_size``).
 
-    verl-fast train algorithm.type=kto reward_fn.type=pairwise_ranking trainer.dataset=kto.jsonl
+    verl-fast train algorithm.type=kto trainer.dataset=kto.jsonl
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class KTO:
 
     @staticmethod
     def check(cfg: Config) -> None:
-        dpo.DPO.check(cfg)
+        dpo.refuse_megatron(cfg)
         if cfg.reward_fn.reference_free:
             raise ValueError("reward_fn.reference_free is not supported with algorithm.type=kto (its reward is the "
                              "log-ratio to the reference); use algorithm.type=simpo or cpo for a reference-free loss")

@@ -24,6 +24,7 @@ def update(trainer: Any, batch: List[Any]) -> Dict[str, float]:
     micro = trainer._micro(exp, torch.arange(exp.num_sequences, device=trainer.device))
     stats, norm, cost = strategy.train_actor(exp, micro, lambda logp, entropy, sub: alg.loss(logp, sub, counts))
     trainer.perf.count_update(*cost)
+    trainer.perf.count_step_tokens(exp.attention_mask)
     strategy.actor_updated(False)
     trained = float(exp.advantages.sum())
     out = {"sft/loss": sum(s["loss_sum"] for s in stats) / max(trained, 1.0), "sft/tokens": trained,
