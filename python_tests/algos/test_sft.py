@@ -110,3 +110,60 @@ def test_preference_algorithms_take_a_step(model_path, tmp_path, kind):
                                      reward_fn={"type": "pairwise_ranking"}, algorithm={"type": kind, "beta": 0.5})
     assert (trainer.ref is not None) == (kind == "kto")
     assert torch.isfinite(torch.tensor(history[-1][f"{kind}/loss"])) and grads[0].abs().max() > 0
+
+
+def test_fsdp2_on_two_processes_matches_one(model_path, tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ports import free_port
+    from sft_dist_worker import config, sft_rows
+
+    worker = Path(__file__).resolve().parents[1] / "support" / "sft_dist_worker.py"
+    port, dist_dir = free_port(), tmp_path / "fsdp2"
+    procs = [subprocess.Popen([sys.executable, str(worker), str(r), "2", str(port), str(model_path), str(dist_dir)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    one = RLTrainer(actor_model=model, tokenizer=AutoTokenizer.from_pretrained(model_path),
+                    config=config(str(tmp_path / "one"), "none")).fit(sft_rows())
+    two = json.loads((dist_dir / "rank0.json").read_text())
+    assert [h["sft/loss"] for h in two] == pytest.approx([h["sft/loss"] for h in one], rel=1e-5)
+    assert one[1]["sft/loss"] < one[0]["sft/loss"]  # the first step moved the weights
+    # the gradients agree (their norms, before each step); the weights after Adam's steps are not compared:
+    # its update of a gradient near 0 is near +-lr whatever the summation order left there
+    assert [h["actor/grad_norm"] for h in two] == pytest.approx([h["actor/grad_norm"] for h in one], rel=1e-5)
+    assert AutoModelForCausalLM.from_pretrained(dist_dir / "checkpoints" / "step_000002") is not None
+
+
+def test_lora_sft_trains_the_adapters_only(model_path, tmp_path):
+    trainer, history, grads, _ = run(model_path, tmp_path / "lora", CHATS, actor={"lr": 1e-2, "lora": {"r": 4}},
+                                     trainer={"total_steps": 2, "train_batch_size": 3})
+    names = [n for n, p in trainer.strategy.actor.named_parameters() if p.requires_grad]
+    assert names and all("lora_" in n for n in names)
+    assert history[1]["sft/loss"] < history[0]["sft/loss"]
+
+
+def test_offline_algorithms_are_the_ones_that_sample_nothing():
+    from verl_fast import extras
+    from verl_fast.algos.registry import SPECS
+
+    # a policy-gradient spec (algos/policy_gradient.py) builds an algorithm that samples, and declares nothing
+    offline = sorted(n for n, s in SPECS.items() if not getattr(s, "samples", True))
+    assert sorted(extras.OFFLINE_ALGORITHMS) == offline and "sft" in offline
+
+
+def test_bad_sft_combinations_are_refused():
+    from verl_fast import config as C
+
+    with pytest.raises(ValueError, match="actor.use_kl_loss / algorithm.use_kl_in_reward is not supported with "
+                                         "algorithm.type=sft"):
+        C.from_dict({"algorithm": {"type": "sft"}, "actor": {"use_kl_loss": True}})
+    with pytest.raises(ValueError, match="is not supported with algorithm.type=simpo, which loads no reference"):
+        C.from_dict({"algorithm": {"type": "simpo"}, "reward_fn": {"type": "pairwise_ranking"},
+                     "actor": {"use_kl_loss": True}})
+    with pytest.raises(ValueError, match="algorithm.type=kto is not supported with actor.strategy=megatron"):
+        C.from_dict({"algorithm": {"type": "kto"}, "actor": {"strategy": "megatron"}})

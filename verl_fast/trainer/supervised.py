@@ -15,8 +15,8 @@ from verl_fast.trainer.batching import loss_normalisers
 
 
 def update(trainer: Any, batch: List[Any]) -> Dict[str, float]:
-    """One optimiser step of ``trainer``'s actor on ``batch``; ``sft/loss`` (the step's token-mean
-    NLL on this rank), ``sft/tokens`` (trained tokens), the gradient norm."""
+    """One optimiser step of ``trainer``'s actor on ``batch`` (this rank's share); ``sft/loss`` (this
+    rank's part of the step's token-mean NLL), ``sft/tokens`` (this rank's trained tokens), the gradient norm."""
     alg, strategy = trainer.algorithm, trainer.strategy
     exp = alg.experience(batch, trainer.tokenizer.pad_token_id, trainer.device)
     counts = loss_normalisers(exp.advantages, trainer.dp_group)
@@ -26,9 +26,10 @@ def update(trainer: Any, batch: List[Any]) -> Dict[str, float]:
     trainer.perf.count_update(*cost)
     trainer.perf.count_step_tokens(exp.attention_mask)
     strategy.actor_updated(False)
-    trained = float(exp.advantages.sum())
-    out = {"sft/loss": sum(s["loss_sum"] for s in stats) / max(trained, 1.0), "sft/tokens": trained,
-           "actor/grad_norm": norm}
+    # over the step's trained tokens of every rank (num_tokens: their count / ranks), so the ranks' mean
+    # that the trainer logs is the step's loss
+    out = {"sft/loss": sum(s["loss_sum"] for s in stats) / max(counts["num_tokens"], 1.0),
+           "sft/tokens": float(exp.advantages.sum()), "actor/grad_norm": norm}
     if trainer._auto_budget is not None:
         out["perf/token_budget"] = float(trainer._auto_budget)
     return out
