@@ -96,7 +96,7 @@ def test_the_config_imports_no_room_and_the_rooms_register_its_choices(tmp_path)
         "assert C.from_dict({'algorithm': {'type': 'ppo'}}).algorithm.type == 'ppo'",
         "assert 'verl_fast.catalog' in sys.modules",
         "assert list(C.ALGORITHMS) == ['grpo', 'drgrpo', 'ppo', 'rloo', 'reinforce_pp', 'reinforce_pp_baseline',"
-        " 'remax', 'dpo', 'online_dpo']",
+        " 'remax', 'dpo', 'online_dpo', 'kto', 'orpo', 'simpo', 'cpo', 'sft']",
         "assert list(C.STRATEGIES) == ['auto', 'fsdp2', 'fsdp1', 'none', 'megatron']",
     ])
     # run outside the repository: from its root, `import verl_fast` would find the unbuilt source folder
