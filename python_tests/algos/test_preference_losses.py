@@ -195,3 +195,71 @@ def test_orpo_equals_trl():
     assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-6)
     for a, b in zip(torch.autograd.grad(ours, [ac, ar]), torch.autograd.grad(theirs, [ac, ar])):
         torch.testing.assert_close(a, b.double(), rtol=1e-5, atol=1e-7)
+
+
+def _trl_trainer_self(**fields):
+    """What TRL's ``_compute_loss`` reads of its trainer, for the loss on given log-probs (no model)."""
+    import collections
+
+    accel = types.SimpleNamespace(device=torch.device("cpu"), gather_for_metrics=lambda x: x, gather=lambda x: x)
+    return types.SimpleNamespace(
+        accelerator=accel, model=types.SimpleNamespace(training=True), aux_loss_enabled=False,
+        _metrics={"train": collections.defaultdict(list), "eval": collections.defaultdict(list)},
+        _total_train_tokens=0, _tp_size=1, precompute_ref_logps=True, ld_alpha=None, f_divergence_type="reverse_kl",
+        **fields)
+
+
+def _trl_model(per_token):
+    """A stand-in for the model TRL calls: its fused head's per-token log-probs are ``per_token``."""
+    def model(**kwargs):
+        zero = torch.zeros_like(per_token)
+        return types.SimpleNamespace(log_probs=per_token, entropy=zero, mean_logits=zero, aux_loss=None,
+                                     is_top1=torch.zeros_like(per_token, dtype=torch.bool))
+    return model
+
+
+def _completion(rows, width, seed):
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(rows, width, generator=g) > 0.3).long()
+    mask[:, 0], mask[:, 1] = 0, 1  # a prompt token, then at least one completion token
+    logp = (-torch.rand(rows, width - 1, generator=g, dtype=torch.float64) * 3 * mask[:, 1:]).requires_grad_(True)
+    return mask, logp
+
+
+def test_ipo_on_averaged_logprobs_equals_trl():
+    pytest.importorskip("trl")
+    from trl.trainer.dpo_trainer import DPOTrainer
+
+    B, beta = 4, 0.3
+    mask, logp = _completion(2 * B, 9, 7)
+    ref = torch.randn(2 * B, dtype=torch.float64) * 4 - 10
+    inputs = {"input_ids": torch.ones_like(mask), "attention_mask": torch.ones_like(mask), "completion_mask": mask,
+              "ref_chosen_logps": ref[:B], "ref_rejected_logps": ref[B:]}
+    fake = _trl_trainer_self(beta=beta, loss_types=["ipo"], loss_weights=[1.0], label_smoothing=0.0,
+                             use_weighting=False, rpo_alpha=None)
+    theirs = DPOTrainer._compute_loss(fake, _trl_model(logp), inputs, False)
+    sums, lengths = logp.sum(1), mask.sum(1).double()
+    avg, ref_avg = sums / lengths, ref / lengths
+    ours = P.ipo_loss(avg[:B], avg[B:], ref_avg[:B], ref_avg[B:], beta)[0]
+    assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-12)
+    torch.testing.assert_close(torch.autograd.grad(ours, logp)[0], torch.autograd.grad(theirs, logp)[0],
+                               rtol=1e-10, atol=1e-14)
+
+
+def test_kto_equals_trl():
+    pytest.importorskip("trl")
+    from trl.trainer.kto_trainer import KTOTrainer
+
+    N, beta = 6, 0.2
+    mask, logp = _completion(N, 9, 8)
+    labels = torch.tensor([True, False, True, True, False, False])
+    kl_policy, kl_ref = torch.randn(N, dtype=torch.float64) - 5, torch.randn(N, dtype=torch.float64) - 6
+    inputs = {"input_ids": torch.ones_like(mask), "attention_mask": torch.ones_like(mask), "completion_mask": mask,
+              "label": labels, "ref_logps": torch.randn(N, dtype=torch.float64) * 3 - 10, "ref_KL_logps": kl_ref}
+    fake = _trl_trainer_self(beta=beta, loss_type="kto", desirable_weight=1.3, undesirable_weight=0.7,
+                             calculate_KL=True, _compute_kl_logps=lambda model, batch: kl_policy)
+    theirs = KTOTrainer._compute_loss(fake, _trl_model(logp), inputs, False)
+    ours = P.kto_loss(logp.sum(1), inputs["ref_logps"], labels, (kl_policy - kl_ref).mean(), beta, 1.3, 0.7)[0]
+    assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-12)
+    torch.testing.assert_close(torch.autograd.grad(ours, logp)[0], torch.autograd.grad(theirs, logp)[0],
+                               rtol=1e-10, atol=1e-14)
