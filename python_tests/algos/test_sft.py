@@ -167,3 +167,19 @@ def test_bad_sft_combinations_are_refused():
                      "actor": {"use_kl_loss": True}})
     with pytest.raises(ValueError, match="algorithm.type=kto is not supported with actor.strategy=megatron"):
         C.from_dict({"algorithm": {"type": "kto"}, "actor": {"strategy": "megatron"}})
+
+
+def test_dpo_ipo_takes_per_token_log_ratios(model_path, tmp_path):
+    beta = 0.5
+    trainer, history, _, model = run(model_path, tmp_path / "ipo", PAIRS, reward_fn={"type": "pairwise_ranking",
+                                                                                       "reference_free": True},
+                                     algorithm={"type": "dpo", "loss_type": "ipo", "beta": beta})
+    with torch.no_grad():
+        def mean_logp(prompt_ids, response_ids):
+            ids = torch.tensor([prompt_ids + response_ids])
+            logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1)
+            return float(logp[torch.arange(ids.shape[1] - 1), ids[0, 1:]][-len(response_ids):].mean())
+
+        want = sum((mean_logp(p.prompt_ids, p.chosen_ids) - mean_logp(p.prompt_ids, p.rejected_ids)
+                    - 1 / (2 * beta)) ** 2 for p in trainer.algorithm.encode(trainer.processor, PAIRS)) / len(PAIRS)
+    assert history[-1]["dpo/loss"] == pytest.approx(want, rel=1e-5)
