@@ -129,10 +129,11 @@ def test_fsdp2_on_two_processes_matches_one(model_path, tmp_path):
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     one = RLTrainer(actor_model=model, tokenizer=AutoTokenizer.from_pretrained(model_path),
-                    config=config(str(tmp_path / "one"), "none")).fit(sft_rows())
+                    config=config(str(tmp_path / "one"), "none")).fit(sft_rows(), val_dataset=sft_rows()[:3])
     two = json.loads((dist_dir / "rank0.json").read_text())
     assert [h["sft/loss"] for h in two] == pytest.approx([h["sft/loss"] for h in one], rel=1e-5)
     assert one[1]["sft/loss"] < one[0]["sft/loss"]  # the first step moved the weights
+    assert two[-1]["val/loss"] == pytest.approx(one[-1]["val/loss"], rel=1e-5)  # 3 rows over 2 ranks
     # the gradients agree (their norms, before each step); the weights after Adam's steps are not compared:
     # its update of a gradient near 0 is near +-lr whatever the summation order left there
     assert [h["actor/grad_norm"] for h in two] == pytest.approx([h["actor/grad_norm"] for h in one], rel=1e-5)

@@ -29,7 +29,8 @@ def main(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    history = RLTrainer(actor_model=model, tokenizer=tok, config=config(out_dir, "fsdp2")).fit(sft_rows())
+    trainer = RLTrainer(actor_model=model, tokenizer=tok, config=config(out_dir, "fsdp2"))
+    history = trainer.fit(sft_rows(), val_dataset=sft_rows()[:3])  # 2 rows on rank 0, 1 on rank 1
     if rank == 0:
         json.dump(history, open(os.path.join(out_dir, "rank0.json"), "w"))
     dist.barrier()

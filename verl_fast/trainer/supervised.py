@@ -46,7 +46,12 @@ class LossValidation:
     def run(self, score: Any, reward: Any, seed: int) -> Tuple[Dict[str, float], List[Dict[str, Any]]]:
         t = self.trainer
         share = self.examples[t.rank :: t.world]
-        exp = t.algorithm.experience(share, t.tokenizer.pad_token_id, t.device)
+        # every rank runs as many rows (FSDP ranks must run the same passes): a short share is topped up
+        # with copies of an example whose tokens then weigh nothing
+        filler = -(-len(self.examples) // t.world) - len(share)
+        exp = t.algorithm.experience(share + self.examples[:1] * filler, t.tokenizer.pad_token_id, t.device)
+        if filler:
+            exp.advantages[len(share):] = 0
         t.strategy.actor.eval()
         with torch.no_grad():
             logp = t.strategy.actor_logprobs(exp, t._micro(exp, torch.arange(exp.num_sequences, device=t.device),
