@@ -85,8 +85,8 @@ def flops_per_token(model, data_tokens: List[int], lora: bool) -> float:
     cfg = model.config
     params = sum(p.numel() for p in model.parameters())
     pairs = sum(n * (n + 1) / 2 for n in data_tokens)
-    total = update_flops(params, cfg.num_hidden_layers, cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads),
-                         sum(data_tokens), pairs)
+    attn_width = cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    total = update_flops(params, cfg.num_hidden_layers, attn_width, sum(data_tokens), pairs)
     if lora:  # no weight gradient of the frozen matmuls: 4 per parameter per token instead of 6
         total -= 2.0 * params * sum(data_tokens)
     return total / sum(data_tokens)
@@ -95,6 +95,10 @@ def flops_per_token(model, data_tokens: List[int], lora: bool) -> float:
 def cuda_sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
 
 
 def worker_ours(args) -> Dict[str, Any]:
@@ -119,8 +123,7 @@ def worker_ours(args) -> Dict[str, Any]:
         metrics = trainer.train_step(batch)
         cuda_sync()
         steps.append({"wall_s": time.perf_counter() - start, "tokens": float(sum(len(e.ids) for e in batch)),
-                      "loss": metrics["sft/loss"],
-                      "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0})
+                      "loss": metrics["sft/loss"], "peak_memory_gib": peak_gib()})
         print(f"ours {args.shape}: step {i + 1} {steps[-1]['wall_s']:.2f} s loss {metrics['sft/loss']:.3f}", flush=True)
     lengths = [len(e.ids) for e in examples]
     return {"impl": "verl_fast", "steps": steps, "flops_per_token": flops_per_token(model, lengths,
@@ -149,8 +152,7 @@ def worker_trl(args) -> Dict[str, Any]:
 
         def on_step_end(self, *a, **k):
             cuda_sync()
-            self.steps.append({"wall_s": time.perf_counter() - self.start, "peak_memory_gib":
-                               torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0})
+            self.steps.append({"wall_s": time.perf_counter() - self.start, "peak_memory_gib": peak_gib()})
 
         def on_log(self, _args, state, control, logs=None, **k):
             if logs and "num_tokens" in logs:

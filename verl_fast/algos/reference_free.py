@@ -90,7 +90,8 @@ class ReferenceFree:
     def encode(self, processor: RLDataProcessor, rows: List[Dict[str, Any]]) -> List[PreferencePair]:
         return processor.build_dpo_dataset(rows)
 
-    def pairs(self, batch: List[PreferencePair], generate: Any, score: Any, metrics: Dict[str, Any]) -> List[PreferencePair]:
+    def pairs(self, batch: List[PreferencePair], generate: Any, score: Any,
+              metrics: Dict[str, Any]) -> List[PreferencePair]:
         return batch
 
     def update(self, strategy: Any, pairs: List[PreferencePair], pad_id: int) -> Dict[str, float]:

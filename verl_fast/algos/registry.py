@@ -21,8 +21,8 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from verl_fast import config
-from verl_fast.algos import (dpo, grpo, kto, losses, online_dpo, policy_losses, ppo, reference_free, reinforce_pp, remax,
-                             rloo, sft)
+from verl_fast.algos import (dpo, grpo, kto, losses, online_dpo, policy_losses, ppo, reference_free, reinforce_pp,
+                             remax, rloo, sft)
 from verl_fast.algos.algorithm import Algorithm
 
 SPECS: Dict[str, Any] = {spec.name: spec for spec in (

@@ -1,14 +1,15 @@
 """SFT (``Step.SUPERVISED``: the dataset's rows -> one actor update, ``trainer/supervised.py``; no
-rollout, no reference): the negative log-likelihood of the assistant / completion tokens, token-mean over every
-trained token of the step (on every rank), one optimiser step per batch.
+rollout, no reference): the negative log-likelihood of the assistant / completion tokens, token-mean
+over every trained token of the step (on every rank), one optimiser step per batch.
 
 The rows (``sft_data.py``: TRL's ``messages``, ``prompt`` / ``completion`` and ``text`` formats) become
 one ``Experience``: each row's tokens before its first trained token are the "prompt", the rest the
 "response", and ``advantages`` holds 1 on trained tokens, 0 on the others (a later user turn). SFT is
 then the policy gradient with advantage 1 on the demonstration, and runs through the strategy's
-``train_actor`` as the RL update does, micro-batched as the trainer cuts the RL update's: packed rows without padding where the strategy packs
-(``models/packed.py``), LoRA, FSDP2, Megatron, the same checkpoints. Micro-batches: a token budget
-(``actor.max_token_len_per_gpu``, or its auto; on a GPU by default) or ``actor.micro_batch_size`` rows.
+``train_actor`` as the RL update does, micro-batched as the trainer cuts the RL update's: packed rows
+without padding where the strategy packs (``models/packed.py``), LoRA, FSDP2, Megatron, the same
+checkpoints. Micro-batches: a token budget (``actor.max_token_len_per_gpu``, or its auto; on a GPU by
+default) or ``actor.micro_batch_size`` rows.
 
     verl-fast train algorithm.type=sft trainer.dataset=chat.jsonl actor.model_name=Qwen/Qwen2.5-0.5B
 """
@@ -69,7 +70,8 @@ class SFT:
     def experience(self, batch: List[SFTExample], pad_id: int, device: torch.device) -> Experience:
         return experience(batch, pad_id, device)
 
-    def loss(self, logp: torch.Tensor, sub: Experience, counts: Dict[str, float]) -> Tuple[torch.Tensor, Dict[str, float]]:
+    def loss(self, logp: torch.Tensor, sub: Experience,
+             counts: Dict[str, float]) -> Tuple[torch.Tensor, Dict[str, float]]:
         return nll(logp, sub, counts)
 
 

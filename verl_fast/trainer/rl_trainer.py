@@ -46,8 +46,7 @@ from verl_fast.rollout.factory import build_engine
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 from verl_fast.rollout.operator import RolloutOperator
 from verl_fast.strategies import backends as strategies
-from verl_fast.trainer import lr_schedule, perf, run_dir
-from verl_fast.trainer import supervised
+from verl_fast.trainer import lr_schedule, perf, run_dir, supervised
 from verl_fast.trainer.validation import Validation
 from verl_fast.trainer.batching import balance_across_ranks, loss_normalisers, micro_batches, token_budget
 
@@ -98,7 +97,8 @@ class RLTrainer:
         self.device, self.rank, self.world, self.dp_group = s.device, s.dp_rank, s.dp_size, s.dp_group
         self.algorithm.configure(self.world)
         self._step = {Step.POLICY_GRADIENT: self._policy_gradient_step,
-                      Step.PREFERENCE: self._preference_step, Step.SUPERVISED: self._supervised_step}[self.algorithm.step]
+                      Step.PREFERENCE: self._preference_step,
+                      Step.SUPERVISED: self._supervised_step}[self.algorithm.step]
         self.reward = build_reward(cfg.reward_fn, reward_fn, tokenizer)
         self.processor = RLDataProcessor(tokenizer, cfg.trainer.max_prompt_length, cfg.rollout.max_new_tokens,
                                          system_prompt=cfg.trainer.system_prompt,
