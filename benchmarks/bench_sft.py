@@ -18,7 +18,7 @@ process; the first ``--skip`` steps are warm-up, the figures medians of the rest
 
     python benchmarks/bench_e2e.py --prepare-assets          # the demo tokenizer into .bench_assets/
     python benchmarks/bench_sft.py --device cuda [--shapes 0.5b,1.5b,7b-lora] [--impls ours,trl]
-    python benchmarks/bench_sft.py --device cpu --tiny       # smoke test of both paths on a tiny model
+    python benchmarks/bench_sft.py --device cpu --tiny       # smoke test of both paths, tiny model, +- LoRA
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ from _common import Report  # noqa: E402
 from bench_e2e import ASSETS, SHAPES  # noqa: E402
 
 SFT_SHAPES = {**SHAPES, "7b-lora": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
-                                        num_key_value_heads=4, intermediate_size=18944)}
+                                        num_key_value_heads=4, intermediate_size=18944),
+              "tiny-lora": SHAPES["tiny"]}  # a shape whose name ends in -lora trains LoRA adapters
 LORA = {"r": 64, "alpha": 128, "target_modules": "all-linear"}
 WORDS = ("alpha beta gamma delta number answer because first second then value sum the of and is to "
          "question result check step").split()
@@ -208,7 +209,7 @@ def main(argv=None) -> int:
         result = (worker_ours if args.run == "ours" else worker_trl)(args)
         Path(args.out).write_text(json.dumps(result))
         return 0
-    shapes = ["tiny"] if args.tiny else args.shapes.split(",")
+    shapes = ["tiny", "tiny-lora"] if args.tiny and args.shapes == ap.get_default("shapes") else args.shapes.split(",")
     from verl_fast.trainer.perf import peak_bf16_flops
 
     peak = peak_bf16_flops(torch.device(args.device)) if args.device == "cuda" else None

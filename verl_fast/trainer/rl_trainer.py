@@ -3,8 +3,9 @@
 What varies is chosen once, when the trainer is built, and called phase by phase:
 - the algorithm (``algorithm.type``; ``verl_fast/algos/``, one module each): its extra rollout
   (ReMax), reward shaping (KL in the reward), advantage estimator and whitening scope, actor and
-  critic losses. Preference algorithms (dpo, online_dpo) step through chosen / rejected pairs
-  instead (``algos/algorithm.Step``).
+  critic losses. Preference algorithms (dpo, online_dpo, kto, orpo, simpo, cpo) step through their
+  pairs or labelled completions instead, SFT through one update on the rows (``trainer/supervised.py``)
+  (``algos/algorithm.Step``).
 - the training strategy (``actor.strategy``; ``verl_fast/strategies/``): where the models live and how
   their forward passes and optimiser steps run (FSDP2 / FSDP1 / one process, Megatron-core), what
   the rollout engine syncs its weights from, the checkpoints.
