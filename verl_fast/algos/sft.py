@@ -71,7 +71,7 @@ class SFT:
         return experience(batch, pad_id, device)
 
     def loss(self, logp: torch.Tensor, sub: Experience,
-             counts: Dict[str, float]) -> Tuple[torch.Tensor, Dict[str, float]]:
+             counts: Dict[str, float]) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         return nll(logp, sub, counts)
 
 
@@ -92,9 +92,10 @@ def experience(batch: List[SFTExample], pad_id: int, device: torch.device) -> Ex
                       prompt_index=torch.arange(len(batch), device=device), advantages=adv.to(device))
 
 
-def nll(logp: torch.Tensor, sub: Experience, counts: Dict[str, float]) -> Tuple[torch.Tensor, Dict[str, float]]:
+def nll(logp: torch.Tensor, sub: Experience, counts: Dict[str, float]) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """The micro-batch's share of the step's token-mean NLL over the trained tokens (``counts``: the
     step's trained tokens over the ranks, ``loss_normalisers``)."""
     weights = sub.advantages
     loss = agg_loss(-logp, weights, "token-mean", num_tokens=counts["num_tokens"])
-    return loss, {"loss_sum": float(-(logp.detach() * weights).sum())}
+    # a tensor: read back once the update is queued (trainer/supervised.py), not per micro-batch
+    return loss, {"loss_sum": -(logp.detach() * weights).sum()}

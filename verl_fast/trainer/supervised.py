@@ -28,7 +28,7 @@ def update(trainer: Any, batch: List[Any]) -> Dict[str, float]:
     strategy.actor_updated(False)
     # over the step's trained tokens of every rank (num_tokens: their count / ranks), so the ranks' mean
     # that the trainer logs is the step's loss
-    out = {"sft/loss": sum(s["loss_sum"] for s in stats) / max(counts["num_tokens"], 1.0),
+    out = {"sft/loss": float(sum(s["loss_sum"] for s in stats)) / max(counts["num_tokens"], 1.0),
            "sft/tokens": float(exp.advantages.sum()), "actor/grad_norm": norm}
     if trainer._auto_budget is not None:
         out["perf/token_budget"] = float(trainer._auto_budget)
