@@ -184,3 +184,16 @@ def test_dpo_ipo_takes_per_token_log_ratios(model_path, tmp_path):
         want = sum((mean_logp(p.prompt_ids, p.chosen_ids) - mean_logp(p.prompt_ids, p.rejected_ids)
                     - 1 / (2 * beta)) ** 2 for p in trainer.algorithm.encode(trainer.processor, PAIRS)) / len(PAIRS)
     assert history[-1]["dpo/loss"] == pytest.approx(want, rel=1e-5)
+
+
+def test_kto_at_the_reference_is_half_the_weights(model_path, tmp_path):
+    # lr 0 and the reference a copy of the actor: every log-ratio and the KL estimate are 0, so each
+    # example's loss is its weight times 1 - sig(0)
+    _, history, grads, _ = run(model_path, tmp_path / "kto0", UNPAIRED,
+                               algorithm={"type": "kto", "kto_desirable_weight": 1.3, "kto_undesirable_weight": 0.7})
+    weights = [1.3 if row["label"] else 0.7 for row in UNPAIRED]
+    assert history[-1]["kto/loss"] == pytest.approx(0.5 * sum(weights) / len(weights), rel=1e-6)
+    assert history[-1]["kto/kl"] == 0.0 and grads[0].abs().max() > 0
+    with pytest.raises(ValueError, match="row 0's label must be true or false"):
+        run(model_path, tmp_path / "bad", [{"prompt": "a", "completion": "b", "label": 1}],
+            algorithm={"type": "kto"})
