@@ -197,3 +197,37 @@ def test_kto_at_the_reference_is_half_the_weights(model_path, tmp_path):
     with pytest.raises(ValueError, match="row 0's label must be true or false"):
         run(model_path, tmp_path / "bad", [{"prompt": "a", "completion": "b", "label": 1}],
             algorithm={"type": "kto"})
+
+
+def response_logp(model, prompt_ids, response_ids):
+    """(sum, count) of the response tokens' float64 log-probs under ``model``."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt_ids + response_ids])
+        logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1)
+        return float(logp[torch.arange(ids.shape[1] - 1), ids[0, 1:]][-len(response_ids):].sum()), len(response_ids)
+
+
+@pytest.mark.parametrize("kind", ["orpo", "simpo", "cpo"])
+def test_reference_free_losses_through_the_trainer(model_path, tmp_path, kind):
+    import math
+
+    beta, gamma, alpha = 0.5, 0.3, 0.25
+    trainer, history, _, model = run(model_path, tmp_path / kind, PAIRS, reward_fn={"type": "pairwise_ranking"},
+                                     algorithm={"type": kind, "beta": beta, "simpo_gamma": gamma, "cpo_alpha": alpha},
+                                     trainer={"per_device_train_batch_size": 3})
+    logsig = lambda x: -math.log1p(math.exp(-x))  # noqa: E731
+    losses, nll, tokens = [], 0.0, 0
+    for p in trainer.algorithm.encode(trainer.processor, PAIRS):
+        (sc, nc), (sr, nr) = response_logp(model, p.prompt_ids, p.chosen_ids), response_logp(model, p.prompt_ids,
+                                                                                                p.rejected_ids)
+        nll, tokens = nll - sc, tokens + nc
+        if kind == "orpo":  # log odds of p = exp(mean log-prob)
+            odds = [a - math.log(1 - math.exp(a)) for a in (sc / nc, sr / nr)]
+            losses.append(-beta * logsig(odds[0] - odds[1]))
+        elif kind == "simpo":
+            losses.append(-logsig(beta * (sc / nc - sr / nr) - gamma))
+        else:
+            losses.append(-logsig(beta * (sc - sr)))
+    m = history[-1]
+    assert m[f"{kind}/loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)  # 2 micro-batches of 3 and 1
+    assert m[f"{kind}/nll"] == pytest.approx(nll / tokens, rel=1e-5)
