@@ -17,7 +17,7 @@
 # class: LoRA and full fine-tune, ours or TRL's by SEVEN_B), shapes (a new token count's first-call cost), decode (the rollout's decode alone),
 # overlap (the reward beside the old-log-prob pass), hotpaths (the ops as users call them, before / after issue 48), vllm (every vLLM test, on the GPU's vLLM), trainer (the CLI
 # with vLLM rollout: GRPO + resume, PPO, the default config), advantage, logprobs, reshard, hybrid, e2e,
-# dist (needs 2 GPUs), megatron (2 GPUs; megatron-core's wheel in .whl/),
+# sft (our SFT step beside TRL's SFTTrainer), dist (needs 2 GPUs), megatron (2 GPUs; megatron-core's wheel in .whl/),
 # bench (`verl-fast bench` itself, quick sizes).
 # That machine: H200(s), torch 2.11 + CUDA 13, Triton 3.6, Python 3.12, no vLLM / megatron-core, no
 # network: build with --no-build-isolation --no-deps; pure-Python wheels (liger-kernel for the
@@ -209,6 +209,16 @@ if want 7b; then
       --name e2e_7b_full_trl >> "$OUT/bench.log" 2>&1 || failed+=("7b full trl")
   fi
   grep -E "^7b|ours: checkpoint|out of memory" "$OUT/bench.log" | tail -n 8
+fi
+
+# ---- sft (issue 49): our SFT step vs TRL's SFTTrainer (packing, padding_free, bf16) on the same rows, 1 GPU,
+# Qwen2 0.5B / 1.5B shapes and the 7B shape with LoRA r 64; random weights built in each run's process;
+# needs trl, datasets, dill, multiprocess, peft (.whl/) and .bench_assets/ (about 5 minutes) ----
+if want sft; then
+  timeout ${SFT_TIMEOUT:-330} "$py" benchmarks/bench_sft.py --device cuda --shapes "${SFT_SHAPES:-0.5b,1.5b,7b-lora}" \
+    --impls "${SFT_IMPLS:-ours,trl}" --rows "${SFT_ROWS:-32}" --steps "${SFT_STEPS:-5}" --timeout "${SFT_RUN_TIMEOUT:-120}" \
+    >> "$OUT/bench.log" 2>&1 || failed+=("bench_sft")
+  sed -n '/^sft on/,$p' "$OUT/bench.log" | tail -n 14
 fi
 
 # ---- decode (issue 24): the rollout's compiled, graph-captured decode alone, merged products against

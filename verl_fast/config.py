@@ -344,7 +344,7 @@ class AlgorithmConfig:
     overlong_buffer: int = _f(0, min=0, doc="DAPO: responses longer than max_new_tokens - this many tokens lose up to "
                               "overlong_penalty_factor of reward, linearly (0: off)")
     overlong_penalty_factor: float = _f(1.0, min=0.0, doc="overlong_buffer: the penalty at max_new_tokens")
-    beta: Optional[float] = _f(None, min=0.0, doc="dpo / online_dpo: the DPO temperature (null: 0.1); the "
+    beta: Optional[float] = _f(None, min=0.0, doc="dpo / online_dpo / kto / orpo / simpo / cpo: the loss's temperature (null: 0.1); the "
                                "policy-gradient algorithms: TRL's KL coefficient, as actor.use_kl_loss with "
                                "kl_loss_coef=beta and kl_loss_type=k3 (TRL's estimator; 0: no KL)")
     loss_type: str = _f("sigmoid", choices=DPO_LOSSES, doc="DPO loss (losses.dpo_loss names each one's paper)")
@@ -353,6 +353,14 @@ class AlgorithmConfig:
     discopop_tau: float = _f(0.05, min=0.0, doc="DPO loss_type discopop: the temperature of its mixing weight (> 0)")
     sft_weight: float = _f(0.0, min=0.0, doc="DPO: weight of the chosen responses' mean token NLL added to the "
                            "loss (RPO)")
+    simpo_gamma: float = _f(0.5, doc="SimPO: the target reward margin gamma (algorithm.type=simpo)")
+    cpo_alpha: Optional[float] = _f(None, min=0.0, doc="CPO / SimPO: weight of the chosen responses' mean token "
+                                    "NLL (null: 1 for cpo, 0 for simpo, as their papers)")
+    sft_max_length: int = _f(2048, min=2, doc="SFT: tokens a row is cut to (algorithm.type=sft)")
+    kto_desirable_weight: float = _f(1.0, min=0.0, doc="KTO: lambda_D, the weight of desirable (label true) "
+                                     "completions' losses")
+    kto_undesirable_weight: float = _f(1.0, min=0.0, doc="KTO: lambda_U, the weight of undesirable (label false) "
+                                       "completions' losses")
 
 
 @dataclass
@@ -625,7 +633,7 @@ def _apply_aliases(cfg: Config) -> None:
             a.ppo_mini_batch_size = t.per_device_train_batch_size * t.gradient_accumulation_steps
 
 
-PREFERENCE_ALGORITHMS = ("dpo", "online_dpo")  # algorithm.beta is their temperature
+PREFERENCE_ALGORITHMS = ("dpo", "online_dpo", "kto", "orpo", "simpo", "cpo")  # algorithm.beta is their temperature
 DPO_BETA = 0.1
 
 

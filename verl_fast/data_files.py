@@ -7,7 +7,7 @@ checked before any model loads, each error naming the file and line (or row).
   after reading one piece past the limit), a ``.json`` file at most ``MAX_JSON_BYTES``; text is
   UTF-8 (the line of a bad byte is named).
 - ``check_row``: a row has a prompt (a string, or chat messages each with a string ``content``), or a
-  DPO row's fields; ``reward_model`` is a mapping; a ground truth under a misspelt key
+  preference pair's or an SFT row's fields; ``reward_model`` is a mapping; a ground truth under a misspelt key
   (``groundtruth``, ``groundTruth``, ``ground-truth``) is refused naming it, rather than reaching the
   reward as None.
 - ``Rows``: the rows of a file, each with where it came from (``path:line`` or ``path row N``), so a
@@ -134,7 +134,10 @@ def checked(rows: List[Any], source: str) -> Rows:
 
 
 _TRUTH_SPELLINGS = {"groundtruth", "ground_truth", "ground-truth", "groundtruths"}
-_PAIR_KEYS = ({"prompt", "chosen", "rejected"}, {"question", "answer_1", "answer_2"})
+# the other row forms: preference pairs (TRL's implicit prompt; webgpt_comparisons' columns, two spellings)
+# and SFT's chats and plain text (sft_data.py)
+_OTHER_FORMS = ({"chosen", "rejected"}, {"question", "answer_1", "answer_2"}, {"question", "answer_0", "answer_1"},
+                {"messages"}, {"text"})
 
 
 def _misspelt_truth(mapping: Dict[str, Any]) -> Optional[str]:
@@ -146,7 +149,7 @@ def _misspelt_truth(mapping: Dict[str, Any]) -> Optional[str]:
 
 def check_row(row: Dict[str, Any], place: str) -> None:
     """The row's shape (see the module docstring); errors start with ``place``."""
-    if "prompt" not in row and not any(keys <= set(row) for keys in _PAIR_KEYS):
+    if "prompt" not in row and not any(keys <= set(row) for keys in _OTHER_FORMS):
         raise ValueError(f"{place}: a row needs a 'prompt' field (verl format), got keys {sorted(map(str, row))}")
     if "prompt" in row:
         check_prompt(row["prompt"], place)

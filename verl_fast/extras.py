@@ -28,8 +28,13 @@ def _megatron(cfg: Any) -> Optional[str]:
     return None
 
 
+# the algorithms that generate nothing (``samples = False`` in verl_fast/algos/; python_tests/algos/test_sft.py checks the list),
+# so they neither score samples nor start an engine
+OFFLINE_ALGORITHMS = ("dpo", "kto", "orpo", "simpo", "cpo", "sft")
+
+
 def _reasoning_gym(cfg: Any) -> Optional[str]:
-    if cfg.reward_fn.type == "reasoning_gym" and cfg.algorithm.type != "dpo":  # dpo scores no samples
+    if cfg.reward_fn.type == "reasoning_gym" and cfg.algorithm.type not in OFFLINE_ALGORITHMS:
         return "reward_fn.type=reasoning_gym"
     if isinstance(cfg.trainer.dataset, str) and cfg.trainer.dataset.startswith("reasoning_gym:"):
         return f"trainer.dataset={cfg.trainer.dataset}"
@@ -46,8 +51,8 @@ NEEDS: List[_Need] = [
     ("wandb", "wandb", _logger("wandb")),
     ("tensorboard", "tensorboard", _logger("tensorboard")),
     ("peft", "lora", _lora),
-    ("vllm", "vllm", lambda cfg: "rollout.type=vllm" if cfg.rollout.type == "vllm" and cfg.algorithm.type != "dpo"
-     else None),  # offline DPO starts no engine
+    ("vllm", "vllm", lambda cfg: "rollout.type=vllm" if cfg.rollout.type == "vllm"
+     and cfg.algorithm.type not in OFFLINE_ALGORITHMS else None),
     ("megatron.core", "megatron", _megatron),
     ("reasoning_gym", "demo", _reasoning_gym),
     ("torchao", "torchao", lambda cfg: "actor.optimizer=adamw_8bit" if cfg.actor.optimizer == "adamw_8bit" else None),

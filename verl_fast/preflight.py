@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from verl_fast import config as config_mod
+from verl_fast import extras
 from verl_fast.data import preference_parts
 from verl_fast.data_files import ground_truth
 from verl_fast.rewards.interface import CallableReward, RewardFunction, load_callable
@@ -110,7 +111,9 @@ def check(cfg: config_mod.Config, rows: Sequence[Any], source: Any, reward: Opti
     built reward (else the config's reward functions)."""
     if rows and not isinstance(rows[0], dict):
         return  # prepared items (PromptRow / PreferencePair, from a .pt): the trainer checks their type
-    preference = cfg.algorithm.type == "dpo"
+    if cfg.algorithm.type in ("kto", "sft"):
+        return  # rows read by their own loaders (sft_data, algos/kto), which name the row; no reward
+    preference = cfg.algorithm.type in extras.OFFLINE_ALGORITHMS  # dpo and the reference-free pair losses
     check_rows(rows, source, preference)
     if preference:
         return  # DPO scores nothing: the pairs carry their ranking

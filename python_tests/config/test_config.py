@@ -108,7 +108,7 @@ def test_the_config_imports_nothing_and_the_run_registers_its_choices(tmp_path):
         "catalog.register()",
         "assert C.from_dict({'algorithm': {'type': 'ppo'}}).algorithm.type == 'ppo'",
         "assert list(C.ALGORITHMS) == ['grpo', 'drgrpo', 'ppo', 'rloo', 'reinforce_pp', 'reinforce_pp_baseline',"
-        " 'remax', 'dpo', 'online_dpo']",
+        " 'remax', 'dpo', 'online_dpo', 'kto', 'orpo', 'simpo', 'cpo', 'sft']",
         "assert list(C.STRATEGIES) == ['auto', 'fsdp2', 'fsdp1', 'none', 'megatron']",
     ])
     # run outside the repository: from its root, `import verl_fast` would find the unbuilt source folder

@@ -50,7 +50,10 @@ def overrides(folder, models, out_dir):
     sets = [f"actor.model_name={models['qwen3_moe' if folder == 'moe' else 'qwen2']}",
             f"trainer.output_dir={out_dir}", "trainer.total_steps=1", "trainer.progress_bar=false",
             "trainer.plot=false", "trainer.device=cpu", "actor.micro_batch_size=8", "trainer.max_prompt_length=256"]
-    if folder != "dpo":
+    if folder == "sft":  # its own chats, beside the config; a validation loss after its step
+        sets += ["trainer.train_batch_size=4", f"trainer.dataset={EXAMPLES / 'sft' / 'data.jsonl'}",
+                 f"trainer.val_dataset={EXAMPLES / 'sft' / 'val.jsonl'}"]
+    elif folder != "dpo":
         sets += ["trainer.train_batch_size=2", "trainer.dataset_kwargs={size: 8, seed: 1}", "rollout.type=hf",
                  "rollout.n=2", "rollout.max_new_tokens=4"]
     if folder == "ppo":
@@ -125,3 +128,5 @@ def test_example_runs_one_step(folder, models, tmp_path):
         assert (out_dir / "generations.jsonl").is_file()
         return
     assert len(records) == 1 and records[0]["step"] == 1
+    if folder == "sft":
+        assert records[0]["sft/loss"] > 0 and records[0]["val/loss"] > 0 and (out_dir / "checkpoints").is_dir()

@@ -11,6 +11,9 @@ A step is one of two sequences of phases (``Step``), which the algorithm names:
   every estimator; a module adds its estimator call and what sets it apart.
 - ``PREFERENCE``: chosen / rejected pairs (``pairs``: the dataset's, or sampled and ranked by the
   reward) -> ``update`` (the DPO loss) -> weight sync.
+- ``SUPERVISED``: the dataset's rows as one ``Experience`` (``experience``) -> one actor update with
+  ``loss`` through the strategy's ``train_actor`` (``trainer/supervised.py``); validation is the
+  validation set's loss.
 
 Start-up: ``check`` refuses the combinations the algorithm cannot run (config validation);
 ``configure`` adjusts the run once the number of data-parallel ranks is known.
@@ -40,6 +43,7 @@ Stats = Dict[str, float]  # a loss's statistics, at the scale of a whole batch
 class Step(enum.Enum):
     POLICY_GRADIENT = "policy_gradient"
     PREFERENCE = "preference"
+    SUPERVISED = "supervised"
 
 
 class Algorithm(Protocol):
@@ -99,6 +103,16 @@ class PreferenceAlgorithm(Algorithm, Protocol):
         ...
 
     def update(self, strategy: Any, pairs: List[PreferencePair], pad_id: int) -> Dict[str, float]:
+        ...
+
+
+class SupervisedAlgorithm(Algorithm, Protocol):
+    """The pieces of a ``SUPERVISED`` step (module docstring)."""
+
+    def experience(self, batch: Sequence[Any], pad_id: int, device: torch.device) -> Experience:
+        ...
+
+    def loss(self, logp: torch.Tensor, sub: Experience, counts: Dict[str, float]) -> Tuple[torch.Tensor, Stats]:
         ...
 
 

@@ -1,7 +1,7 @@
 """DPO (Rafailov et al.) on the dataset's chosen / rejected pairs (``Step.PREFERENCE``, no rollout): the
 summed response log-probs of chosen and rejected under the actor and the reference (none with
-``reward_fn.reference_free``), the DPO loss (``algorithm.loss_type``: sigmoid, ipo, hinge, robust,
-exo_pair, nca_pair, bco_pair, sppo_hard, apo_zero, apo_down, discopop (``losses.dpo_loss``), with ``beta`` and
+``reward_fn.reference_free``; ``ipo`` takes their per-token means, as Azar et al.'s authors and TRL
+do), the DPO loss (``algorithm.loss_type``: sigmoid, ipo, hinge, robust, exo_pair, nca_pair, bco_pair, sppo_hard, apo_zero, apo_down, discopop (``losses.dpo_loss``), with ``beta`` and
 ``label_smoothing``) plus ``algorithm.sft_weight`` times the chosen responses' mean token NLL (RPO),
 backward, one optimiser step per batch.
 
@@ -20,6 +20,7 @@ import torch
 
 from verl_fast.algos.algorithm import Step, kl_reference
 from verl_fast.algos.losses import dpo_loss
+from verl_fast.algos.preference_losses import ipo_loss
 from verl_fast.config import Config, CriticConfig
 from verl_fast.data import PreferencePair, RLDataProcessor
 from verl_fast.models.response_logprobs import response_logprobs
@@ -112,10 +113,16 @@ def warn_unused_critic(cfg: Config) -> None:
 
 def pair_tensors(pairs: List[PreferencePair], pad_id: int, device: torch.device) -> Tuple[torch.Tensor, ...]:
     """``[2B, P + L]`` ids and attention mask (chosen rows first, then rejected) and the ``[2B, L]``
-    response mask: left-padded prompts, right-padded responses."""
-    P = max(len(p.prompt_ids) for p in pairs)
-    responses = [p.chosen_ids for p in pairs] + [p.rejected_ids for p in pairs]
-    prompts = [p.prompt_ids for p in pairs] * 2
+    response mask (``sequence_tensors``)."""
+    return sequence_tensors([p.prompt_ids for p in pairs] * 2,
+                            [p.chosen_ids for p in pairs] + [p.rejected_ids for p in pairs], pad_id, device)
+
+
+def sequence_tensors(prompts: List[List[int]], responses: List[List[int]], pad_id: int,
+                     device: torch.device) -> Tuple[torch.Tensor, ...]:
+    """``[N, P + L]`` ids and attention mask and the ``[N, L]`` response mask of prompt / response
+    rows: left-padded prompts, right-padded responses."""
+    P = max(len(p) for p in prompts)
     L = max(1, max(len(r) for r in responses))
     ids = torch.full((len(responses), P + L), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -157,8 +164,13 @@ def step(actor: torch.nn.Module, ref: Optional[torch.nn.Module], pairs: List[Pre
         else:  # reference-free DPO
             reference = torch.zeros_like(policy)
         B = len(chunk)
-        loss, s = dpo_loss(policy[:B], policy[B:], reference[:B], reference[B:], algorithm.beta, algorithm.loss_type,
-                           algorithm.label_smoothing, algorithm.discopop_tau)
+        if algorithm.loss_type == "ipo":  # IPO on per-token log-ratios (preference_losses.ipo_loss)
+            lengths = rmask.sum(-1).clamp(min=1)
+            loss, s = ipo_loss(policy[:B] / lengths[:B], policy[B:] / lengths[B:], reference[:B] / lengths[:B],
+                               reference[B:] / lengths[B:], algorithm.beta)
+        else:
+            loss, s = dpo_loss(policy[:B], policy[B:], reference[:B], reference[B:], algorithm.beta,
+                               algorithm.loss_type, algorithm.label_smoothing, algorithm.discopop_tau)
         share = loss * B / total  # the mean over all pairs of the step
         if algorithm.sft_weight:
             nll = -policy[:B].sum() / chosen_tokens  # this micro-batch's share of the chosen tokens' mean NLL

@@ -9,6 +9,9 @@ are registered in the config here.
     remax                  remax.py         the greedy rollout's reward as the baseline
     dpo                    dpo.py           offline chosen / rejected pairs
     online_dpo             online_dpo.py    sampled pairs, ranked by the reward
+    kto                    kto.py           unpaired completions labelled desirable or not
+    orpo, simpo, cpo       reference_free.py  offline pairs, no reference model
+    sft                    sft.py           supervised fine-tuning on completions / chat turns
 
 A new algorithm is a module with a spec (``name``, ``check(cfg)``, ``build(cfg)``) added to ``SPECS``.
 """
@@ -18,12 +21,14 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from verl_fast import config
-from verl_fast.algos import dpo, grpo, losses, online_dpo, policy_losses, ppo, reinforce_pp, remax, rloo
+from verl_fast.algos import (dpo, grpo, kto, losses, online_dpo, policy_losses, ppo, reference_free, reinforce_pp,
+                             remax, rloo, sft)
 from verl_fast.algos.algorithm import Algorithm
 
 SPECS: Dict[str, Any] = {spec.name: spec for spec in (
     grpo.GRPO, grpo.DR_GRPO, ppo.PPO, rloo.RLOO, reinforce_pp.REINFORCE_PP, reinforce_pp.REINFORCE_PP_BASELINE,
-    remax.REMAX, dpo.DPO, online_dpo.OnlineDPO,
+    remax.REMAX, dpo.DPO, online_dpo.OnlineDPO, kto.KTO, reference_free.ORPO, reference_free.SIMPO,
+    reference_free.CPO, sft.SFT,
 )}
 
 

@@ -243,7 +243,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def summarize(history: List[Dict[str, Any]], output_dir: str) -> None:
-    key = "reward/mean" if any("reward/mean" in h for h in history) else "dpo/reward_margin"  # step 0: validation
+    from verl_fast.metrics.logger import headline_key
+
+    key = headline_key(history)  # the reward, DPO's margin, or an offline algorithm's loss
     values = [h[key] for h in history if key in h]
     k = max(1, min(5, len(values) // 2))
     first, last = sum(values[:k]) / k, sum(values[-k:]) / k

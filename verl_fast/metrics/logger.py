@@ -119,6 +119,15 @@ def step_summary(metrics: Dict[str, Any]) -> str:
     return "  ".join(parts)
 
 
+# a run's headline figure, the first of these its steps log: the reward, DPO's margin, an offline algorithm's loss
+HEADLINES = ("reward/mean", "dpo/reward_margin", "sft/loss", "kto/loss", "orpo/loss", "simpo/loss", "cpo/loss")
+
+
+def headline_key(history: List[Dict[str, Any]]) -> str:
+    """The key of ``HEADLINES`` that ``history``'s records log (reward/mean when none)."""
+    return next((k for k in HEADLINES if any(k in m for m in history)), "reward/mean")
+
+
 SAMPLE_COLUMNS = ("data_source", "prompt", "response", "reward")  # a logged generation's fields
 
 
@@ -144,15 +153,19 @@ class _Console:
 
     def log(self, m: Dict[str, Any]) -> None:
         nan = float("nan")
+        val = "val loss" if "val/loss" in m else "val reward"
+        val_value = m.get("val/loss", m.get("val/reward/mean", nan))
         if "time/step" not in m:  # the validation before training
-            self.bar.write(f"step {m['step']:4d}  val reward {m.get('val/reward/mean', nan):.3f}")
+            self.bar.write(f"step {m['step']:4d}  {val} {val_value:.3f}")
             return
+        key = headline_key([m])
+        label = "reward" if key == "reward/mean" else key
         self.bar.update(1)
-        self.bar.set_postfix(reward=f"{m.get('reward/mean', nan):.3f}", loss=f"{m.get('actor/pg_loss', nan):.3f}")
-        self.bar.write(f"step {m['step']:4d}  reward {m.get('reward/mean', nan):.3f}  "
+        self.bar.set_postfix({label: f"{m.get(key, nan):.3f}", "loss": f"{m.get('actor/pg_loss', nan):.3f}"}
+                             if key == "reward/mean" else {label: f"{m.get(key, nan):.3f}"})
+        self.bar.write(f"step {m['step']:4d}  {label} {m.get(key, nan):.3f}  "
                        f"response_len {m.get('response/length', nan):.1f}  step_time {m.get('time/step', nan):.1f}s  "
-                       f"{step_summary(m)}" + (f"  val reward {m['val/reward/mean']:.3f}"
-                                               if "val/reward/mean" in m else ""))
+                       f"{step_summary(m)}" + (f"  {val} {val_value:.3f}" if val_value == val_value else ""))
 
     def generations(self, step: int, kind: str, samples: List[Dict[str, Any]]) -> None:
         pass
@@ -296,7 +309,7 @@ class MetricsLogger:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        key = "reward/mean" if any("reward/mean" in m for m in self.history) else "dpo/reward_margin"
+        key = headline_key(self.history)
         steps = [m["step"] for m in self.history if key in m]
         values = [m[key] for m in self.history if key in m]
         window = max(1, len(values) // 5)

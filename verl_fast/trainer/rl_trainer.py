@@ -3,8 +3,9 @@
 What varies is chosen once, when the trainer is built, and called phase by phase:
 - the algorithm (``algorithm.type``; ``verl_fast/algos/``, one module each): its extra rollout
   (ReMax), reward shaping (KL in the reward), advantage estimator and whitening scope, actor and
-  critic losses. Preference algorithms (dpo, online_dpo) step through chosen / rejected pairs
-  instead (``algos/algorithm.Step``).
+  critic losses. Preference algorithms (dpo, online_dpo, kto, orpo, simpo, cpo) step through their
+  pairs or labelled completions instead, SFT through one update on the rows (``trainer/supervised.py``)
+  (``algos/algorithm.Step``).
 - the training strategy (``actor.strategy``; ``verl_fast/strategies/``): where the models live and how
   their forward passes and optimiser steps run (FSDP2 / FSDP1 / one process, Megatron-core), what
   the rollout engine syncs its weights from, the checkpoints.
@@ -49,7 +50,7 @@ from verl_fast.rollout.hf_engine import HFGenerateEngine
 from verl_fast.rollout.operator import RolloutOperator
 from verl_fast.strategies import backends as strategies
 from verl_fast.strategies import memory_plan
-from verl_fast.trainer import lr_schedule, perf, run_dir
+from verl_fast.trainer import lr_schedule, perf, run_dir, supervised
 from verl_fast.trainer.validation import Validation
 from verl_fast.trainer.batching import balance_across_ranks, loss_normalisers, micro_batches, token_budget
 
@@ -125,7 +126,8 @@ class RLTrainer:
         self.device, self.rank, self.world, self.dp_group = s.device, s.dp_rank, s.dp_size, s.dp_group
         self.algorithm.configure(self.world)
         self._step = {Step.POLICY_GRADIENT: self._policy_gradient_step,
-                      Step.PREFERENCE: self._preference_step}[self.algorithm.step]
+                      Step.PREFERENCE: self._preference_step,
+                      Step.SUPERVISED: self._supervised_step}[self.algorithm.step]
         self.reward = build_reward(cfg.reward_fn, reward_fn, tokenizer)
         self.processor = RLDataProcessor(tokenizer, cfg.trainer.max_prompt_length, cfg.rollout.max_new_tokens,
                                          system_prompt=cfg.trainer.system_prompt,
@@ -308,6 +310,10 @@ class RLTrainer:
                 raise ValueError("trainer.val_freq / trainer.val_before_train need a validation set: set "
                                  "trainer.val_dataset (or pass val_dataset to fit)")
             return None
+        if self.algorithm.step is Step.SUPERVISED:  # the validation set's loss
+            rows = source if _is_prepared(source) else self.algorithm.encode(self.processor, self.processor.load(
+                source, **(t.val_dataset_kwargs if isinstance(source, str) else {})))
+            return supervised.LossValidation(self, rows)
         if self.rollout is None:
             raise ValueError(f"trainer.val_dataset is not supported with algorithm.type={self.algorithm.name}, which "
                              "samples nothing; remove it")
@@ -326,7 +332,7 @@ class RLTrainer:
         """The validation metrics of the current weights; the first samples logged as generations."""
         start = time.perf_counter()
         seed = self.cfg.rollout.seed * 1_000_003 + self.rank * 7919 + 1  # the same prompts' seeds every time
-        with self._engine_awake():
+        with self._engine_awake() if self.engine is not None else contextlib.nullcontext():
             metrics, samples = self.validation.run(self._score, self.reward, seed)
         if self.is_main and self.cfg.trainer.log_generations:
             logger.log_generations(self.step, "val", samples[: self.cfg.trainer.log_generations])
@@ -383,6 +389,13 @@ class RLTrainer:
             metrics.update(self._update_on_pairs(pairs))
         self._sync_engine(metrics)  # also without an update: a sleep may have discarded the engine's weights
         return metrics
+
+    def _supervised_step(self, batch: List[Any]) -> Dict[str, Any]:
+        """One actor update on the batch's rows (SFT: ``trainer/supervised.py``)."""
+        with self.perf.phase("update_actor"):
+            metrics = supervised.update(self, batch)
+        metrics.update(self.perf.figures())
+        return _reduce(metrics, self.world, self.dp_group)
 
     def _sync_engine(self, metrics: Dict[str, Any]) -> None:
         """The engine generates with the actor's current weights from now on (collective); the bytes

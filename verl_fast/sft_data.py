@@ -1,0 +1,100 @@
+"""SFT rows as token ids and a loss mask, in TRL's dataset formats:
+
+- ``messages``: a chat, ``[{"role", "content"}, ...]``, through the tokenizer's chat template; the loss
+  on the assistant turns (the text each assistant turn adds to the rendered conversation, its
+  end-of-turn tokens included).
+- ``prompt`` / ``completion``: conversational (chat messages: the prompt rendered with its generation
+  prompt, the completion as the text the template adds after it) or plain strings (concatenated, EOS
+  appended); the loss on the completion.
+- ``text``: plain text, EOS appended; the loss on every token but the first.
+
+Rows longer than ``max_length`` tokens are cut to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Sequence, Tuple
+
+
+@dataclass
+class SFTExample:
+    """One training sequence: its token ids and 1 where the loss reads the token."""
+
+    ids: List[int]
+    loss_mask: List[int]
+
+
+def _render(tokenizer: Any, messages: Sequence[Dict[str, Any]], generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def chat_spans(tokenizer: Any, messages: Sequence[Dict[str, Any]], where: str) -> Tuple[str, List[Tuple[int, int]]]:
+    """The rendered chat and the character spans of its assistant turns (each: the text between the
+    conversation before it, with the generation prompt, and the conversation through it)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{where}: chat messages need a tokenizer with a chat template")
+    text = _render(tokenizer, messages, False)
+    spans = []
+    for k, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            continue
+        head = _render(tokenizer, messages[:k], True) if k else ""
+        through = _render(tokenizer, messages[: k + 1], False)
+        if not (text.startswith(through) and through.startswith(head)):
+            raise ValueError(f"{where}: the chat template does not render turn {k} as a prefix of the whole "
+                             "conversation, so its tokens cannot be told apart; give prompt / completion strings")
+        spans.append((len(head), len(through)))
+    return text, spans
+
+
+def _tokens(tokenizer: Any, text: str, spans: List[Tuple[int, int]]) -> Tuple[List[int], List[int]]:
+    """``text``'s ids and a mask of the tokens that start inside a span."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [int(any(a <= start < b for a, b in spans)) for start, _ in enc["offset_mapping"]]
+    return list(enc["input_ids"]), mask
+
+
+def _with_eos(tokenizer: Any, ids: List[int], mask: List[int]) -> Tuple[List[int], List[int]]:
+    eos = tokenizer.eos_token_id
+    if eos is None or (ids and ids[-1] == eos):
+        return ids, mask
+    return ids + [eos], mask + [1]
+
+
+def encode_row(tokenizer: Any, row: Dict[str, Any], where: str) -> SFTExample:
+    """One row (module docstring) as an SFTExample."""
+    if "messages" in row:
+        text, spans = chat_spans(tokenizer, row["messages"], where)
+        ids, mask = _tokens(tokenizer, text, spans)
+    elif "prompt" in row and "completion" in row:
+        prompt, completion = row["prompt"], row["completion"]
+        if isinstance(prompt, list) and isinstance(completion, list):
+            text, spans = chat_spans(tokenizer, list(prompt) + list(completion), where)
+            cut = len(_render(tokenizer, prompt, True))
+            ids, mask = _tokens(tokenizer, text, [(max(a, cut), b) for a, b in spans if b > cut])
+        elif isinstance(prompt, str) and isinstance(completion, str):
+            ids, mask = _with_eos(tokenizer, *_tokens(tokenizer, prompt + completion,
+                                                      [(len(prompt), len(prompt) + len(completion))]))
+        else:
+            raise ValueError(f"{where}: prompt and completion must both be strings or both chat messages")
+    elif "text" in row:
+        ids, mask = _with_eos(tokenizer, *_tokens(tokenizer, row["text"], [(0, len(row["text"]))]))
+    else:
+        raise ValueError(f"{where}: an SFT row needs messages, prompt / completion, or text (TRL's formats), got "
+                         f"keys {sorted(row)}")
+    return SFTExample(ids, mask)
+
+
+def encode(tokenizer: Any, rows: Sequence[Dict[str, Any]], max_length: int) -> List[SFTExample]:
+    """Every row as an SFTExample, cut to ``max_length`` tokens; a row with no trained token (after
+    the cut) is refused, naming it."""
+    out = []
+    for i, row in enumerate(rows):
+        e = encode_row(tokenizer, row, f"SFT row {i}")
+        e = SFTExample(e.ids[:max_length], e.loss_mask[:max_length])
+        if not any(e.loss_mask[1:]):  # the first token has nothing before it to be predicted from
+            raise ValueError(f"SFT row {i}: no assistant / completion token within algorithm.sft_max_length="
+                             f"{max_length} (its length: {len(e.ids)} tokens)")
+        out.append(e)
+    return out
