@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Unio
 
 import torch
 
-from verl_fast import checkpoint, distributed, extras, hub
+from verl_fast import agents, checkpoint, distributed, extras, hub
 from verl_fast import config as config_mod
 from verl_fast.algos import dapo
 from verl_fast.algos import registry as algorithms
@@ -66,6 +66,7 @@ class RLTrainer:
         rollout_operator: Optional[RolloutOperator] = None,
         rollout_engine: Optional[RolloutEngine] = None,
         model_path: Optional[str] = None,
+        tools: Sequence[Callable[..., Any]] = (),
     ):
         """``actor_model``: any PreTrainedModel, or an FSDP-wrapped one (used as it is, never
         re-wrapped); plain models are sharded as ``actor.strategy`` / ``critic.strategy`` say
@@ -76,7 +77,9 @@ class RLTrainer:
         model, or a list of them (each may be ``{"fn": f, "weight": w, "name": n}``; the weighted sum is
         the reward) (else the config's).
         ``generation_config``: default sampling (SamplingSpec fields or HF names). ``model_path``:
-        the actor's folder, which a vLLM engine loads (else the actor is saved to a temporary one)."""
+        the actor's folder, which a vLLM engine loads (else the actor is saved to a temporary one).
+        ``tools``: functions the model may call (a multi-turn rollout, ``verl_fast/agents/``; with
+        ``rollout.multi_turn.tools`` too)."""
         self.cfg = config_mod.checked(config) if isinstance(config, Config) else config_mod.from_dict(config or {})
         cfg = self.cfg
         self.algorithm = algorithms.build(cfg)
@@ -103,6 +106,7 @@ class RLTrainer:
                                          system_prompt=cfg.trainer.system_prompt,
                                          overlong_prompts=cfg.trainer.overlong_prompts)
         self.engine, self.rollout = rollout_engine, rollout_operator
+        self._tools = tuple(tools)
         self._engine_fresh = rollout_engine is None and rollout_operator is None  # built below from the actor
         if rollout_operator is not None:
             self.engine = rollout_operator.engine
@@ -139,6 +143,10 @@ class RLTrainer:
         waves = r.length_buckets == "on" or (r.length_buckets == "auto" and isinstance(self.engine, HFGenerateEngine))
         waves = waves and not self.engine.collective  # ranks would make different numbers of calls
         budget = r.max_batch_tokens or r.max_num_seqs * (cfg.trainer.max_prompt_length + r.max_new_tokens)
+        multi_turn = agents.build_operator(cfg, self.engine, self.tokenizer, self._sampling_defaults(generation_config),
+                                           self._tools)
+        if multi_turn is not None:  # tools / environments: trajectories of turns (verl_fast/agents/rollout.py)
+            return multi_turn
         return RolloutOperator(self.engine, self._sampling_defaults(generation_config), max_num_seqs=r.max_num_seqs,
                                max_batch_tokens=budget if waves else None)
 
@@ -434,6 +442,7 @@ class RLTrainer:
             gen = self.rollout.rollout(batch, seed=self._seed())
             extra = self.algorithm.extra_rollout(self.rollout, batch)
         metrics.update({f"rollout/{k}": v for k, v in self.engine.metrics().items()})
+        metrics.update(self.rollout.metrics())
         exp = build_experience(batch, gen, self.tokenizer.pad_token_id).to(self.device)
         self.perf.count_step_tokens(exp.attention_mask)
         scoring = None
@@ -445,6 +454,9 @@ class RLTrainer:
             metrics.update(self.reward.last_metrics)  # each reward function's mean and extra keys
             self.generations = _samples(batch, gen, exp.scores, self.cfg.trainer.log_generations)
             exp.token_level_rewards = last_token_rewards(exp.scores, exp.response_mask)
+            if gen.token_rewards is not None:  # an environment's per-turn rewards, on each turn's last token
+                exp.token_level_rewards += gen.token_rewards.to(self.device)
+                exp.scores = exp.scores + gen.token_rewards.to(self.device).sum(-1)
         metrics["reward/errors"] = metrics.get("reward/errors", 0.0) + float(getattr(self.reward, "last_errors", 0))
         metrics["data/skipped_overlong"] = float(self.processor.skipped_overlong)
         metrics["response/truncated"] = (sum(r == "length" for r in gen.finish_reasons)
