@@ -110,9 +110,8 @@ def _mistral(text: str) -> List[ToolCall]:
         chunk = chunk.strip()
         named = _MISTRAL_NAMED.match(chunk)
         if named:  # name[ARGS]{...}
-            call = _parse_json(chunk[named.end():].strip())
-            calls.append(ToolCall(name=named.group(1), arguments=call.arguments,
-                                  error=None if call.error is None else f"the arguments of {named.group(1)}: {call.error}"))
+            args = chunk[named.end():].strip()
+            calls.append(_from_json_object({"name": named.group(1), "arguments": args}, args))
             continue
         try:
             obj = json.loads(chunk)

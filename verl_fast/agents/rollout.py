@@ -8,7 +8,7 @@ ready go to the engine in one ``generate`` call (each continues from its own tok
 in vLLM reuses them); each finished turn goes to its environment's ``step`` on a thread pool (tool
 calls run in the ``ToolExecutor``'s worker processes, ``tool_workers`` at once). The next call takes
 the trajectories whose observations are in: a slow tool does not hold the others longer than half a
-generate call. A trajectory ends when its environment says done (no tool call), after
+generate call (or ``GRACE_S``). A trajectory ends when its environment says done (no tool call), after
 ``max_turns`` model turns, or when its tokens reach ``rollout.max_new_tokens``.
 
 The output is a ``GenerationOutput`` whose response is everything after the first prompt:
@@ -36,6 +36,11 @@ from verl_fast.agents.tools import ToolExecutor, tool_schema
 from verl_fast.data import PromptRow
 from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec
 from verl_fast.rollout.operator import RolloutOperator
+
+
+# how long the next turn waits for slow observations at least: a straggler holds the others no longer
+# than this or half a generate call, whichever is longer (then it joins a later call)
+GRACE_S = 0.05
 
 
 @dataclass
@@ -132,7 +137,7 @@ class MultiTurnRolloutOperator(RolloutOperator):
                     pending[self._threads.submit(t.env.step, message)] = t
                 ready = []
             if pending:
-                ready = self._collect(pending, grace=0.5 * generate_s / max(waves, 1))
+                ready = self._collect(pending, grace=max(GRACE_S, 0.5 * generate_s / max(waves, 1)))
         self._metrics = self._summary(trajectories, time.perf_counter() - start, generate_s, waves)
         return self._output(trajectories)
 
