@@ -173,7 +173,8 @@ class ToolExecutor:
                 self._replace(w)
                 return ToolResult(f"{name} timed out after {self.timeout_s:g} s", "timeout", time.perf_counter() - start)
             status, text = w.conn.recv()
-        except (EOFError, OSError, BrokenPipeError):
+        except (EOFError, OSError):
+            w.process.join(timeout=5)  # it died: its exit code, for the message
             code = w.process.exitcode
             self._replace(w)
             return ToolResult(f"{name} crashed (its process exited with code {code})", "crash",
