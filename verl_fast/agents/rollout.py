@@ -87,7 +87,7 @@ class MultiTurnRolloutOperator(RolloutOperator):
     def _environment(self, row: PromptRow) -> Tuple[Environment, bool]:
         """``(environment, single_turn)`` of a row: the configured one, or single turn where the row's
         ``environment`` column (or extra_info key) says ``single_turn``."""
-        wanted = row.columns.get("environment", row.extra_info.get("environment", self.mt.environment))
+        wanted = row.columns.get("environment") or row.extra_info.get("environment") or self.mt.environment
         if wanted == "single_turn":
             return SingleTurnEnvironment(self.system_prompt), True
         if wanted != self.mt.environment:
