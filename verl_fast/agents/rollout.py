@@ -257,6 +257,9 @@ def build_operator(cfg: Any, engine: RolloutEngine, tokenizer: Any, default: Sam
     if mt is None and not tools:
         return None
     mt = mt or mt_config.MultiTurnConfig()
+    if engine.collective:  # ranks would make different numbers of generate calls
+        raise ValueError("rollout.multi_turn is not supported with a collective engine (vLLM under torchrun); use "
+                         "rollout.type=hf there, or one process")
     resolved = resolve_tools(list(mt.tools) + list(tools))
     return MultiTurnRolloutOperator(engine, default, tokenizer, mt, resolved, system_prompt=cfg.trainer.system_prompt,
                                     max_num_seqs=cfg.rollout.max_num_seqs)
