@@ -44,7 +44,7 @@ class FixedTurns(Environment):
 
 
 def operators(model, tokenizer, args, device: str):
-    from verl_fast.agents.config import MultiTurnConfig
+    from verl_fast.agents.settings import MultiTurnConfig
     from verl_fast.agents.rollout import MultiTurnRolloutOperator
     from verl_fast.rollout.base import SamplingSpec
     from verl_fast.rollout.hf_engine import HFGenerateEngine

@@ -6,7 +6,7 @@ import torch
 
 from chat_templates import FAMILIES, family_tokenizer
 from verl_fast.agents.chat import ChatRenderer
-from verl_fast.agents.config import MultiTurnConfig
+from verl_fast.agents.settings import MultiTurnConfig
 from verl_fast.agents.parsing import detect_format, parse_tool_calls
 from verl_fast.agents.rollout import MultiTurnRolloutOperator
 from verl_fast.agents.tools import tool_schema

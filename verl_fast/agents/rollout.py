@@ -31,7 +31,7 @@ import torch
 from verl_fast.agents.chat import ChatRenderer
 from verl_fast.agents.environments import (Environment, ReasoningGymEnvironment, SingleTurnEnvironment, StepResult,
                                            ToolEnvironment, custom_environment)
-from verl_fast.agents.config import MultiTurnConfig
+from verl_fast.agents.settings import MultiTurnConfig
 from verl_fast.agents.tools import ToolExecutor, tool_schema
 from verl_fast.data import PromptRow
 from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec
@@ -250,7 +250,7 @@ class MultiTurnRolloutOperator(RolloutOperator):
 def build_operator(cfg: Any, engine: RolloutEngine, tokenizer: Any, default: SamplingSpec,
                    tools: Sequence[Any] = ()) -> Optional[MultiTurnRolloutOperator]:
     """The run's multi-turn operator, or None when ``rollout.multi_turn`` is unset and no tools are passed."""
-    from verl_fast.agents import config as mt_config
+    from verl_fast.agents import settings as mt_config
     from verl_fast.agents.tools import resolve_tools
 
     mt = mt_config.parse(cfg.rollout)
