@@ -3,13 +3,19 @@ environment messages), generated through the run's engine (HF decode or vLLM), t
 own tokens only.
 
 Per step: every prompt x ``n`` samples gets an environment (``reset(row)``: the first messages,
-rendered through the chat template with the tools). Then, turn by turn, the trajectories that are
-ready go to the engine in one ``generate`` call (each continues from its own tokens; prefix caching
-in vLLM reuses them); each finished turn goes to its environment's ``step`` on a thread pool (tool
-calls run in the ``ToolExecutor``'s worker processes, ``tool_workers`` at once). The next call takes
-the trajectories whose observations are in: a slow tool does not hold the others longer than half a
-generate call (or ``GRACE_S``). A trajectory ends when its environment says done (no tool call), after
-``max_turns`` model turns, or when its tokens reach ``rollout.max_new_tokens``.
+rendered through the chat template with the tools). Each finished model turn goes to its
+environment's ``step`` on a thread pool (tool calls run in the ``ToolExecutor``'s worker processes,
+``tool_workers`` at once), so trajectories waiting for a tool do not hold the others:
+
+- an engine that streams (vLLM: ``submit`` / ``step``) gets each trajectory's next turn as soon as its
+  observation is in, while the others decode: continuous batching across turns (``_stream``);
+- otherwise (HF decode), turn by turn, the trajectories that are ready go in one ``generate`` call
+  (``_waves``); a slow tool holds the others no longer than half a generate call (or ``GRACE_S``),
+  then its trajectory joins a later call.
+
+Each continues from its own tokens (vLLM's prefix cache reuses them). A trajectory ends when its
+environment says done (no tool call), after ``max_turns`` model turns, or when its tokens reach
+``rollout.max_new_tokens``.
 
 The output is a ``GenerationOutput`` whose response is everything after the first prompt:
 ``response_mask`` is 1 on the model's tokens only (observations are holes: masked out of the
@@ -117,42 +123,83 @@ class MultiTurnRolloutOperator(RolloutOperator):
     def rollout(self, batch: Sequence[PromptRow], seed: Optional[int] = None) -> GenerationOutput:
         start = time.perf_counter()
         trajectories = self._start(batch, self.specs(batch, seed), seed)
-        budget = self.default.max_tokens
-        per_turn = self.mt.max_tokens_per_turn or budget
+        run = self._stream if self.engine.streams else self._waves
+        generate_s, calls = run(trajectories)
+        self._metrics = self._summary(trajectories, time.perf_counter() - start, generate_s, calls)
+        return self._output(trajectories)
+
+    def _turn_spec(self, t: Trajectory) -> SamplingSpec:
+        """The sampling of ``t``'s next turn: what is left of its budget, a seed of its own per turn."""
+        per_turn = self.mt.max_tokens_per_turn or self.default.max_tokens
+        return replace(t.spec, max_tokens=min(per_turn, t.spec.max_tokens - len(t.ids)),
+                       seed=None if t.spec.seed is None else t.spec.seed + 7919 * len(t.turn_ends))
+
+    def _waves(self, trajectories: List[Trajectory]) -> Tuple[float, int]:
+        """Turn by turn: the ready trajectories in one ``generate`` call (HF decode). Returns the
+        seconds spent generating and the number of calls."""
         ready, pending = list(trajectories), {}
-        generate_s, waves = 0.0, 0
+        generate_s, calls = 0.0, 0
         while ready or pending:
             if ready:
                 t0 = time.perf_counter()
-                turn = [replace(t.spec, max_tokens=min(per_turn, t.spec.max_tokens - len(t.ids)),
-                                seed=None if t.spec.seed is None else t.spec.seed + 7919 * len(t.turn_ends))
-                        for t in ready]
-                out = self.engine.generate([t.prompt_ids + t.ids for t in ready], turn)
+                out = self.engine.generate([t.prompt_ids + t.ids for t in ready], [self._turn_spec(t) for t in ready])
                 generate_s += time.perf_counter() - t0
-                waves += 1
+                calls += 1
                 for row, t in enumerate(ready):
-                    message = self._take_turn(t, out, row)
-                    if t.done:
-                        continue
-                    pending[self._threads.submit(t.env.step, message)] = t
+                    n = int(out.response_mask[row].sum())
+                    message = self._take_turn(t, out.response_ids[row, :n].tolist(),
+                                              None if out.logprobs is None else out.logprobs[row, :n].tolist(),
+                                              out.finish_reasons[row] if out.finish_reasons else "stop")
+                    if not t.done:
+                        pending[self._threads.submit(t.env.step, message)] = t
                 ready = []
             if pending:
-                ready = self._collect(pending, grace=max(GRACE_S, 0.5 * generate_s / max(waves, 1)))
-        self._metrics = self._summary(trajectories, time.perf_counter() - start, generate_s, waves)
-        return self._output(trajectories)
+                ready = self._collect(pending, grace=max(GRACE_S, 0.5 * generate_s / max(calls, 1)))
+        return generate_s, calls
 
-    def _take_turn(self, t: Trajectory, out: GenerationOutput, row: int) -> Dict[str, Any]:
-        """Appends the model's turn (row ``row`` of ``out``) to ``t`` and returns it as an assistant
-        message. A single-turn row is then done; any other turn goes to its environment's step, also
-        the last one the limits allow (``_observe`` ends it there, its reward kept)."""
-        n = int(out.response_mask[row].sum())
-        toks = out.response_ids[row, :n].tolist()
+    def _stream(self, trajectories: List[Trajectory]) -> Tuple[float, int]:
+        """Request by request (vLLM): every trajectory's next turn is submitted as soon as its
+        observation is in, while the others decode (continuous batching across turns). Returns the
+        seconds spent in engine steps and the number of turns submitted."""
+        inflight = {self.engine.submit(t.prompt_ids, self._turn_spec(t)): t for t in trajectories}
+        pending: Dict[concurrent.futures.Future, Trajectory] = {}
+        engine_s, submitted = 0.0, len(inflight)
+        while inflight or pending:
+            if inflight:
+                t0 = time.perf_counter()
+                finished = self.engine.step()
+                engine_s += time.perf_counter() - t0
+                for request, toks, logprobs, reason in finished:
+                    t = inflight.pop(request)
+                    message = self._take_turn(t, toks, logprobs, reason)
+                    if not t.done:
+                        pending[self._threads.submit(t.env.step, message)] = t
+            if not pending:
+                continue
+            if inflight:  # the engine has work: take the observations that are in, without waiting
+                done = [f for f in pending if f.done()]
+            else:
+                done, _ = concurrent.futures.wait(list(pending), return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in done:
+                t = pending.pop(future)
+                self._observe(t, future.result())
+                if not t.done:
+                    inflight[self.engine.submit(t.prompt_ids + t.ids, self._turn_spec(t))] = t
+                    submitted += 1
+        return engine_s, submitted
+
+    def _take_turn(self, t: Trajectory, toks: List[int], logprobs: Optional[List[float]], reason: str) -> Dict[str, Any]:
+        """Appends the model's turn (its tokens, their log-probs, why it ended) to ``t`` and returns it
+        as an assistant message. A single-turn row is then done; any other turn goes to its
+        environment's step, also the last one the limits allow (``_observe`` ends it there, its
+        reward kept)."""
+        n = len(toks)
         t.ids += toks
         t.mask += [1] * n
-        t.logprobs += out.logprobs[row, :n].tolist() if out.logprobs is not None else [0.0] * n
+        t.logprobs += list(logprobs) if logprobs is not None else [0.0] * n
         t.turn_ends.append(max(len(t.ids) - 1, 0))
-        t.finish = out.finish_reasons[row] if out.finish_reasons else "stop"
-        t.stop_token = toks[-1] if toks and t.finish == "stop" else None
+        t.finish = reason
+        t.stop_token = toks[-1] if toks and reason == "stop" else None
         t.last_text = self.tokenizer.decode(toks, skip_special_tokens=True)
         t.done = t.single_turn
         own = toks[:-1] if t.stop_token is not None else toks  # the turn's text without its stop token
@@ -217,7 +264,7 @@ class MultiTurnRolloutOperator(RolloutOperator):
             turn_ends=[list(t.turn_ends) for t in ts],
             token_rewards=rewards if any(t.rewards for t in ts) else None)
 
-    def _summary(self, ts: List[Trajectory], seconds: float, generate_s: float, waves: int) -> Dict[str, float]:
+    def _summary(self, ts: List[Trajectory], seconds: float, generate_s: float, calls: int) -> Dict[str, float]:
         n = max(len(ts), 1)
         counts: Dict[str, float] = {}
         for t in ts:
@@ -229,7 +276,7 @@ class MultiTurnRolloutOperator(RolloutOperator):
                "multi_turn/turns_max": float(max((len(t.turn_ends) for t in ts), default=0)),
                "multi_turn/masked_tokens": float(total - model),
                "multi_turn/masked_fraction": (total - model) / max(total, 1),
-               "multi_turn/generate_calls": float(waves),
+               "multi_turn/generate_calls": float(calls),
                "multi_turn/generate_seconds": generate_s,
                "multi_turn/seconds": seconds}
         for k, v in counts.items():

@@ -164,6 +164,10 @@ class RolloutEngine:
     #: True when ``generate`` is a collective call (every rank calls it the same number of times).
     collective: bool = False
 
+    #: True when the engine takes requests one by one while it runs (``submit`` / ``step``): a
+    #: multi-turn rollout then continues each trajectory as soon as its observation is in.
+    streams: bool = False
+
     def sync_from(self, model: torch.nn.Module) -> Dict[str, float]:
         """Makes the engine generate with ``model``'s current weights (after every optimizer step;
         collective when the model is sharded; engines that own weights also take a Megatron actor).
