@@ -137,3 +137,32 @@ def test_loading_tools_by_name_and_their_schemas(tmp_path):
         load_tool("no_colon")
     with pytest.raises(ValueError, match="two tools are named 'double'"):
         resolve_tools([double, double])
+
+
+def test_workers_exit_when_the_trainer_is_killed(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    script = ("import os, sys, time\nfrom verl_fast.agents.tools import ToolExecutor\n"
+              "ex = ToolExecutor({'len': len}, workers=2)\n"
+              "print(' '.join(str(w.process.pid) for w in ex._all), flush=True)\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert len(pids) == 2
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 10
+    alive = pids
+    while alive and time.time() < deadline:
+        alive = [p for p in alive if os.path.exists(f"/proc/{p}") and "zombie" not in _state(p)]
+        time.sleep(0.2)
+    assert not alive, f"tool workers {alive} outlived the killed trainer"
+
+
+def _state(pid):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return f.read().lower()
+    except OSError:
+        return "zombie"

@@ -138,11 +138,14 @@ def parse_tool_calls(text: str, fmt: str) -> List[ToolCall]:
 
 def tools_system_prompt(schemas: List[Dict[str, Any]]) -> str:
     """The Hermes instructions for a model whose chat template renders no tools: put in the system
-    message, they describe the tools and the ``<tool_call>`` format the parser reads."""
-    listed = "\n".join(json.dumps(s) for s in schemas)
-    return ("You may call functions to help with the user's request. The functions, as JSON schemas:\n"
-            f"<tools>\n{listed}\n</tools>\n"
-            "To call one, write a JSON object with its name and arguments inside <tool_call></tool_call> tags:\n"
-            '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>\n'
-            "Each result comes back inside <tool_response></tool_response> tags. When you know the answer, "
-            "reply without a tool call.")
+    message, they list the tools (name, parameters, description) and the ``<tool_call>`` format the
+    parser reads, in few tokens (a small model's context, and the update's cost, grow with them)."""
+    lines = []
+    for schema in schemas:
+        fn = schema.get("function", schema)
+        params = fn.get("parameters", {}).get("properties", {})
+        signature = ", ".join(f"{name}: {p.get('type', 'any')}" for name, p in params.items())
+        lines.append(f"- {fn['name']}({signature}): {fn.get('description', '').strip()}")
+    return ("Tools you may call:\n" + "\n".join(lines) + "\n"
+            'To call one, write <tool_call>{"name": "<tool name>", "arguments": {<the arguments as JSON>}}</tool_call> '
+            "and stop; its result comes back in <tool_response></tool_response>.")

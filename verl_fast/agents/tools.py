@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import multiprocessing
+import os
 import queue
 import sys
 import threading
@@ -98,10 +99,15 @@ def _truncate(text: str, limit: int) -> str:
     return data[: max(0, limit - len(note))].decode("utf-8", errors="ignore") + note
 
 
-def _worker(conn: Any, tools: Dict[str, Callable[..., Any]], limit: int) -> None:
-    """A worker's loop: ``(name, arguments)`` in, ``(status, text)`` out, until the pipe closes."""
+def _worker(conn: Any, parent_end: Any, parent: int, tools: Dict[str, Callable[..., Any]], limit: int) -> None:
+    """A worker's loop: ``(name, arguments)`` in, ``(status, text)`` out, until the pipe closes or the
+    trainer's process is gone."""
+    parent_end.close()  # the fork's copy of the trainer's end: else the pipe never reports the trainer gone
     while True:
         try:
+            while not conn.poll(1.0):
+                if os.getppid() != parent:  # the trainer died (killed): nobody will ask again
+                    return
             name, arguments = conn.recv()
         except (EOFError, OSError):
             return
@@ -116,7 +122,8 @@ def _worker(conn: Any, tools: Dict[str, Callable[..., Any]], limit: int) -> None
 class _Worker:
     def __init__(self, ctx: Any, tools: Dict[str, Callable[..., Any]], limit: int):
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker, args=(child, tools, limit), daemon=True, name="verl_fast tool worker")
+        self.process = ctx.Process(target=_worker, args=(child, self.conn, os.getpid(), tools, limit), daemon=True,
+                                   name="verl_fast tool worker")
         self.process.start()
         child.close()
 
