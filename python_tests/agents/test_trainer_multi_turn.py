@@ -95,3 +95,26 @@ def test_last_token_rewards_and_select_with_holes():
     sub = exp.select(torch.tensor([1]))
     assert sub.response_length == 3  # the observation tokens after its last model token are kept
     assert exp.select(torch.tensor([0, 1])).response_length == 5
+
+
+def test_tools_passed_to_the_trainer_are_described_to_a_template_without_tools(tiny_path, tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    from verl_fast.agents.rollout import MultiTurnRolloutOperator
+
+    spec = importlib.util.spec_from_file_location("example_tools", Path(__file__).resolve().parents[2]
+                                                  / "examples" / "tool_calling" / "tools.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    tr = RLTrainer(actor_model=model, tokenizer=tok, tools=[module.calculator],
+                   config={"rollout": {"type": "hf", "n": 2}, "trainer": {"output_dir": str(tmp_path), "device": "cpu"}})
+    try:
+        assert isinstance(tr.rollout, MultiTurnRolloutOperator) and tr.rollout.renderer.format == "hermes"
+        text = tok.decode(tr.rollout.renderer.prompt_ids([{"role": "user", "content": "What is 2 + 2?"}]))
+        assert "- calculator(expression: string): Evaluates an arithmetic expression" in text
+        assert tr.rollout.executor.call("calculator", {"expression": "6 * 7"}).content == "42"
+    finally:
+        tr.rollout.close()
