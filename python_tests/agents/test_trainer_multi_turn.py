@@ -118,3 +118,11 @@ def test_tools_passed_to_the_trainer_are_described_to_a_template_without_tools(t
         assert tr.rollout.executor.call("calculator", {"expression": "6 * 7"}).content == "42"
     finally:
         tr.rollout.close()
+
+
+def test_validation_rolls_out_multi_turn_too(tiny_path, tmp_path):
+    tr = trainer(tiny_path, tmp_path / "run", total_steps=1, val_before_train=True, val_n=1)
+    history = tr.fit(ROWS, val_dataset=ROWS)
+    assert [h["step"] for h in history] == [0, 1]
+    assert tr.validation.operator.default.n == 1 and tr.validation.operator.executor is tr.rollout.executor
+    assert tr.validation.operator.metrics()["multi_turn/turns_max"] == 3  # the Countdown rows: three turns

@@ -28,6 +28,7 @@ reward scores).
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -287,6 +288,13 @@ class MultiTurnRolloutOperator(RolloutOperator):
 
     def metrics(self) -> Dict[str, float]:
         return dict(self._metrics)
+
+    def with_sampling(self, default: SamplingSpec) -> "MultiTurnRolloutOperator":
+        """This operator with another default sampling (validation's), sharing its tool workers and
+        threads (its own metrics)."""
+        other = copy.copy(self)
+        other.default, other._metrics = default, {}
+        return other
 
     def close(self) -> None:
         self._threads.shutdown(wait=False)

@@ -291,7 +291,8 @@ class RLTrainer:
             raise ValueError("the validation set (trainer.val_dataset) is empty")
         if not isinstance(rows[0], PromptRow):
             raise ValueError(f"trainer.val_dataset must hold prompts, got {type(rows[0]).__name__} items")
-        return Validation(self.cfg, rows, self.engine, self.rank, self.world, self.dp_group)
+        multi_turn = self.rollout.with_sampling if isinstance(self.rollout, agents.MultiTurnRolloutOperator) else None
+        return Validation(self.cfg, rows, self.engine, self.rank, self.world, self.dp_group, operator_for=multi_turn)
 
     def _validate(self, logger: MetricsLogger) -> Dict[str, float]:
         """The validation metrics of the current weights; the first samples logged as generations."""
