@@ -237,6 +237,14 @@ if want overlap; then
   grep -E "^0.5b reward" "$OUT/bench.log" | tail -n 4
 fi
 
+# ---- multi_turn (issue 46): multi-turn rollout (4 turns, a scripted environment) against single-turn at the
+# same model-token count, HF decode engine, 0.5B random weights, 16 x 8 x 256 tokens (~2 minutes: two compiles) ----
+if want multi_turn; then
+  timeout ${MULTI_TURN_TIMEOUT:-300} "$py" benchmarks/bench_multi_turn.py --device cuda --shape 0.5b \
+    --turns "${MULTI_TURN_TURNS:-4}" >> "$OUT/bench.log" 2>&1 || failed+=("bench_multi_turn")
+  grep -E "^0.5b multi-turn" "$OUT/bench.log" | tail -n 2
+fi
+
 # ---- bench (issue 17): `verl-fast bench` itself on the GPU (CUDA events, peak memory, the one table,
 # JSON / Markdown / PNG under $OUT/bench); quick sizes, so it checks the harness, not the ops ----
 if want bench; then

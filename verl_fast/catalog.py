@@ -8,9 +8,11 @@ module itself imports none of them.
     reward_fn.type, reward_fn.on_error                       verl_fast/rewards/__init__.py
     trainer.overlong_prompts                                 verl_fast/data.py
     trainer.loggers                                          verl_fast/metrics/logger.py
+    rollout.multi_turn                                       verl_fast/agents/settings.py
 """
 
 from verl_fast import config, data, rewards  # noqa: F401
+from verl_fast.agents import settings as agents  # noqa: F401
 from verl_fast.metrics import logger as metrics  # noqa: F401
 from verl_fast.algos import registry as algorithms  # noqa: F401
 from verl_fast.strategies import backends as strategies  # noqa: F401

@@ -287,6 +287,9 @@ class RolloutConfig:
                                            "GPU for an unsharded actor")
     quantization: Optional[str] = _f(None, doc="vLLM's quantization (awq, gptq, fp8, ...); vllm rollout with a "
                                      "PEFT actor only (the engine's quantized base cannot take full updates)")
+    multi_turn: Optional[Dict[str, Any]] = _f(None, doc="multi-turn rollouts with tools or an environment: {tools: "
+                                              "[module:function, ...], environment, max_turns, ...}; the keys: "
+                                              "verl_fast/agents/settings.py, docs/agents.md")
     speculative_config: Optional[Dict[str, Any]] = _f(None, doc="rejected: RL must sample from the policy")
     guided_decoding: Optional[Dict[str, Any]] = _f(None, doc="rejected: RL must sample from the policy")
 

@@ -51,7 +51,8 @@ class Experience:
         prompt_mask = sub["attention_mask"][:, :P]
         used = prompt_mask.any(0).nonzero()
         start = int(used[0]) if used.numel() else P
-        resp_len = int(sub["response_mask"].sum(-1).max().item()) if index.numel() else 0
+        # the longest response's extent (multi-turn responses have holes in response_mask)
+        resp_len = _extent(sub["attention_mask"][:, P:]) if index.numel() else 0
         resp_len = max(resp_len, 1)
         keep = torch.cat([torch.arange(start, P), torch.arange(P, P + resp_len)]).to(self.input_ids.device)
         for name in ("input_ids", "attention_mask", "routed_experts"):  # the token columns
@@ -89,33 +90,35 @@ def concat(parts: Sequence[Experience]) -> Experience:
 def build_experience(prompts: Sequence[PromptRow], gen: GenerationOutput, pad_id: int) -> Experience:
     """Prompt tokens (left-padded, repeated per sample) joined to the generated responses."""
     N = gen.num_sequences
-    P = max((len(prompts[int(i)].prompt_ids) for i in gen.prompt_index), default=1)
+    # a multi-turn rollout gives each sequence its own first prompt, and attends to its observations too
+    firsts = gen.prompt_ids or [prompts[i].prompt_ids for i in gen.prompt_index.tolist()]
+    P = max((len(ids) for ids in firsts), default=1)
     prompt_ids = torch.full((N, P), pad_id, dtype=torch.long)
     prompt_mask = torch.zeros((N, P), dtype=torch.long)
-    for row, i in enumerate(gen.prompt_index.tolist()):
-        ids = prompts[i].prompt_ids
+    for row, ids in enumerate(firsts):
         if ids:
             prompt_ids[row, P - len(ids):] = torch.as_tensor(ids, dtype=torch.long)
             prompt_mask[row, P - len(ids):] = 1
     response_mask = gen.response_mask.long()
+    attended = response_mask if gen.attention_mask is None else gen.attention_mask.long()
     return Experience(
         input_ids=torch.cat([prompt_ids, gen.response_ids.long()], dim=1),
-        attention_mask=torch.cat([prompt_mask, response_mask], dim=1),
+        attention_mask=torch.cat([prompt_mask, attended], dim=1),
         response_mask=response_mask,
         prompt_index=gen.prompt_index.long(),
         rollout_logprobs=None if gen.logprobs is None else gen.logprobs.float(),
-        routed_experts=None if gen.routed_experts is None else _routed_columns(prompts, gen, P),
+        routed_experts=None if gen.routed_experts is None else _routed_columns(firsts, gen, P),
     )
 
 
-def _routed_columns(prompts: Sequence[PromptRow], gen: GenerationOutput, P: int) -> torch.Tensor:
+def _routed_columns(firsts: Sequence[Sequence[int]], gen: GenerationOutput, P: int) -> torch.Tensor:
     """The engine's per-sequence experts laid out as ``input_ids`` is: [N, P + L, layers, k], -1 on padding."""
     first = gen.routed_experts[0]
     out = torch.full((gen.num_sequences, P + gen.response_ids.shape[1]) + tuple(first.shape[1:]), -1,
                      dtype=torch.int16)
-    for row, i in enumerate(gen.prompt_index.tolist()):
+    for row, ids in enumerate(firsts):
         seq = gen.routed_experts[row]
-        start = P - len(prompts[i].prompt_ids)
+        start = P - len(ids)
         out[row, start : start + seq.shape[0]] = seq.to(torch.int16)
     return out
 
@@ -123,6 +126,17 @@ def _routed_columns(prompts: Sequence[PromptRow], gen: GenerationOutput, P: int)
 def last_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Outcome rewards placed on each response's last token: ``[N] -> [N, L]``."""
     rewards = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
-    last = (response_mask.sum(-1) - 1).clamp(min=0)
+    last = (_extent_per_row(response_mask) - 1).clamp(min=0)  # the last trained token (masks may have holes)
     rewards[torch.arange(len(scores), device=rewards.device), last] = scores.float().to(rewards.device)
     return rewards
+
+
+def _extent_per_row(mask: torch.Tensor) -> torch.Tensor:
+    """[N] one past each row's last nonzero column of ``mask`` [N, L] (0 for an empty row)."""
+    cols = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    return (cols * (mask != 0)).max(-1).values if mask.shape[1] else torch.zeros(mask.shape[0], dtype=torch.long)
+
+
+def _extent(mask: torch.Tensor) -> int:
+    """One past the last nonzero column of ``mask`` [N, L] over all rows."""
+    return int(_extent_per_row(mask).max().item()) if mask.shape[0] else 0

@@ -72,6 +72,11 @@ class GenerationOutput:
     # MoE engines recording routing: per sequence [prompt + response tokens, layers, k] int16 experts
     # (-1 where the engine computed none: the last sampled token is never fed back)
     routed_experts: Optional[List[torch.Tensor]] = None
+    # multi-turn trajectories (verl_fast/agents/rollout.py): the response holds observation tokens too
+    attention_mask: Optional[torch.Tensor] = None  # [N, L] 1 on every response token (None: response_mask)
+    prompt_ids: Optional[List[List[int]]] = None  # per sequence: its first prompt (None: the batch row's)
+    turn_ends: Optional[List[List[int]]] = None  # per sequence: each model turn's last response position
+    token_rewards: Optional[torch.Tensor] = None  # [N, L] the environments' per-turn rewards
 
     @property
     def num_sequences(self) -> int:
@@ -158,6 +163,10 @@ class RolloutEngine:
 
     #: True when ``generate`` is a collective call (every rank calls it the same number of times).
     collective: bool = False
+
+    #: True when the engine takes requests one by one while it runs (``submit`` / ``step``): a
+    #: multi-turn rollout then continues each trajectory as soon as its observation is in.
+    streams: bool = False
 
     def sync_from(self, model: torch.nn.Module) -> Dict[str, float]:
         """Makes the engine generate with ``model``'s current weights (after every optimizer step;

@@ -69,3 +69,7 @@ class RolloutOperator:
             parts.append((out, members))
         pad = getattr(self.engine, "pad_id", getattr(self.engine, "pad_token_id", None))
         return merge_outputs(parts, int(pad) if pad is not None else 0)
+
+    def metrics(self) -> Dict[str, float]:
+        """The latest rollout's own figures (the multi-turn operator's turns and tool calls)."""
+        return {}

@@ -57,6 +57,7 @@ import shutil
 import tempfile
 import time
 import weakref
+from dataclasses import replace
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -269,6 +270,8 @@ class VLLMInferenceEngine(RolloutEngine):
         self._warned_sleep = False
         self._lora_dir: Optional[str] = None
         self._lora_request = None
+        self._submitted = 0  # requests given to submit(), for their ids
+        self._streamed: Dict[str, Tuple[str, bool]] = {}  # the engine's request id -> (ours, with log-probs)
         self._last_update_s: Optional[float] = None
         self._stats = compat.attach_stats(self.llm)
         _LIVE.add(self)
@@ -327,6 +330,43 @@ class VLLMInferenceEngine(RolloutEngine):
         return pad_completions(tokens, logprobs if want_logprobs else None, index, self.pad_token_id,
                                texts=texts, finish_reasons=reasons,
                                routed_experts=routed if self.record_routing else None)
+
+    # ------------------------------------------------------------------ one request at a time
+
+    streams = True
+
+    def submit(self, prompt: Prompt, spec: SamplingSpec) -> str:
+        """Adds one request (one sample) to the running engine and returns its id at once; ``step``
+        runs the engine. Continuous batching across turns: a multi-turn rollout submits a
+        trajectory's next turn when its observation is in, while the others decode."""
+        if self._sleeping:
+            raise RuntimeError("the engine is asleep: call wake_up() before submit()")
+        params, _ = self._to_vllm_params(replace(spec, n=1))
+        self._submitted += 1
+        ours = f"verl_fast-{self._submitted}"
+        given = self.llm.llm_engine.add_request(ours, self._to_vllm_prompt(prompt, 0), params,
+                                                lora_request=self._lora_request)
+        self._streamed[given or ours] = (ours, params.logprobs is not None)
+        self._streamed.setdefault(ours, self._streamed[given or ours])
+        return ours
+
+    def step(self) -> List[Tuple[str, List[int], Optional[List[float]], str]]:
+        """One engine step: ``(request id, tokens, log-probs or None, finish reason)`` of each submitted
+        request that finished in it."""
+        with compat.torch_threads(self._threads):
+            outputs = self.llm.llm_engine.step()
+        done = []
+        for out in outputs:
+            if not out.finished or out.request_id not in self._streamed:
+                continue
+            ours, with_logprobs = self._streamed.pop(out.request_id)
+            self._streamed = {k: v for k, v in self._streamed.items() if v[0] != ours}
+            self._stats.count(out)
+            completion = out.outputs[0]
+            done.append((ours, list(completion.token_ids),
+                         compat.completion_logprobs(completion) if with_logprobs else None,
+                         completion.finish_reason or "length"))
+        return done
 
     @staticmethod
     def _per_prompt(sampling, count: int) -> List[Any]:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Unio
 
 import torch
 
-from verl_fast import catalog, config_verl, distributed, extras, hub, preflight
+from verl_fast import agents, catalog, config_verl, distributed, extras, hub, preflight
 from verl_fast.checkpoint import sharded as checkpoint
 from verl_fast import config as config_mod
 from verl_fast.algos import dapo
@@ -87,6 +87,7 @@ class RLTrainer:
         rollout_operator: Optional[RolloutOperator] = None,
         rollout_engine: Optional[RolloutEngine] = None,
         model_path: Optional[str] = None,
+        tools: Sequence[Callable[..., Any]] = (),
     ):
         """``actor_model``: any PreTrainedModel, or an FSDP-wrapped one (used as it is, never
         re-wrapped), or a name (Hub ``org/name`` or a local folder), loaded with its tokenizer
@@ -98,7 +99,9 @@ class RLTrainer:
         model, or a list of them (each may be ``{"fn": f, "weight": w, "name": n}``; the weighted sum is
         the reward) (else the config's).
         ``generation_config``: default sampling (SamplingSpec fields or HF names). ``model_path``:
-        the actor's folder, which a vLLM engine loads (else the actor is saved to a temporary one)."""
+        the actor's folder, which a vLLM engine loads (else the actor is saved to a temporary one).
+        ``tools``: functions the model may call (a multi-turn rollout, ``verl_fast/agents/``; with
+        ``rollout.multi_turn.tools`` too)."""
         catalog.register()
         self.cfg = config_mod.checked(config) if isinstance(config, Config) else _from_mapping(config)
         cfg = self.cfg
@@ -133,6 +136,7 @@ class RLTrainer:
                                          system_prompt=cfg.trainer.system_prompt,
                                          overlong_prompts=cfg.trainer.overlong_prompts)
         self.engine, self.rollout = rollout_engine, rollout_operator
+        self._tools = tuple(tools)
         self._engine_fresh = rollout_engine is None and rollout_operator is None  # built below from the actor
         if rollout_operator is not None:
             self.engine = rollout_operator.engine
@@ -175,6 +179,10 @@ class RLTrainer:
         waves = r.length_buckets == "on" or (r.length_buckets == "auto" and isinstance(self.engine, HFGenerateEngine))
         waves = waves and not self.engine.collective  # ranks would make different numbers of calls
         budget = r.max_batch_tokens or r.max_num_seqs * (cfg.trainer.max_prompt_length + r.max_new_tokens)
+        multi_turn = agents.build_operator(cfg, self.engine, self.tokenizer, self._sampling_defaults(generation_config),
+                                           self._tools)
+        if multi_turn is not None:  # tools / environments: trajectories of turns (verl_fast/agents/rollout.py)
+            return multi_turn
         return RolloutOperator(self.engine, self._sampling_defaults(generation_config), max_num_seqs=r.max_num_seqs,
                                max_batch_tokens=budget if waves else None)
 
@@ -326,7 +334,8 @@ class RLTrainer:
             raise ValueError("the validation set (trainer.val_dataset) is empty")
         if not isinstance(rows[0], PromptRow):
             raise ValueError(f"trainer.val_dataset must hold prompts, got {type(rows[0]).__name__} items")
-        return Validation(self.cfg, rows, self.engine, self.rank, self.world, self.dp_group)
+        multi_turn = self.rollout.with_sampling if isinstance(self.rollout, agents.MultiTurnRolloutOperator) else None
+        return Validation(self.cfg, rows, self.engine, self.rank, self.world, self.dp_group, operator_for=multi_turn)
 
     def _validate(self, logger: MetricsLogger) -> Dict[str, float]:
         """The validation metrics of the current weights; the first samples logged as generations."""
@@ -484,6 +493,7 @@ class RLTrainer:
             gen = self.rollout.rollout(batch, seed=self._seed())
             extra = self.algorithm.extra_rollout(self.rollout, batch)
         metrics.update({f"rollout/{k}": v for k, v in self.engine.metrics().items()})
+        metrics.update(self.rollout.metrics())
         exp = build_experience(batch, gen, self.tokenizer.pad_token_id).to(self.device)
         self.perf.count_step_tokens(exp.attention_mask)
         scoring = None
@@ -495,6 +505,9 @@ class RLTrainer:
             metrics.update(self.reward.last_metrics)  # each reward function's mean and extra keys
             self.generations = _samples(batch, gen, exp.scores, self.cfg.trainer.log_generations)
             exp.token_level_rewards = last_token_rewards(exp.scores, exp.response_mask)
+            if gen.token_rewards is not None:  # an environment's per-turn rewards, on each turn's last token
+                exp.token_level_rewards += gen.token_rewards.to(self.device)
+                exp.scores = exp.scores + gen.token_rewards.to(self.device).sum(-1)
         metrics["reward/errors"] = metrics.get("reward/errors", 0.0) + float(getattr(self.reward, "last_errors", 0))
         metrics["data/skipped_overlong"] = float(self.processor.skipped_overlong)
         metrics["response/truncated"] = (sum(r == "length" for r in gen.finish_reasons)

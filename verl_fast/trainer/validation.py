@@ -9,7 +9,7 @@ reward reports (each reward function's mean, a dict result's extra keys; means o
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -34,14 +34,18 @@ def sampling(cfg: Config) -> SamplingSpec:
 class Validation:
     """The validation set of a run (``rows``: every prompt, on every rank) and its rollout."""
 
-    def __init__(self, cfg: Config, rows: List[PromptRow], engine: Any, rank: int, world: int, group: Any = None):
+    def __init__(self, cfg: Config, rows: List[PromptRow], engine: Any, rank: int, world: int, group: Any = None,
+                 operator_for: Optional[Callable[[SamplingSpec], RolloutOperator]] = None):
+        """``operator_for(sampling)``: the rollout operator with the validation's sampling, where the
+        run's rollout is not the plain one (multi-turn: ``MultiTurnRolloutOperator.with_sampling``)."""
         if len(rows) < world:
             raise ValueError(f"trainer.val_dataset has {len(rows)} prompts, fewer than the {world} processes; "
                              "every rank needs one")
         self.cfg, self.rank, self.world, self.group = cfg, rank, world, group
         self.rows = rows[rank::world]
         self.sources = sorted({r.data_source for r in rows if r.data_source})
-        self.operator = RolloutOperator(engine, sampling(cfg), max_num_seqs=cfg.rollout.max_num_seqs)
+        self.operator = operator_for(sampling(cfg)) if operator_for is not None else \
+            RolloutOperator(engine, sampling(cfg), max_num_seqs=cfg.rollout.max_num_seqs)
 
     def run(self, score: Score, reward: Any, seed: int) -> Tuple[Dict[str, float], List[Dict[str, Any]]]:
         """The metrics over the whole set, and this rank's samples (prompt, response, reward, data_source)."""

@@ -1,0 +1,78 @@
+"""Trajectory tokens through the model's chat template: the first prompt (with the tools), and the
+tokens of the observations that follow a model turn.
+
+A trajectory is kept as tokens, never re-tokenised: the model's own tokens stay exactly what it
+sampled (their log-probs are the ones trained). Observation messages become tokens by rendering
+them after a fixed stand-in conversation and keeping what the template adds
+(``render(prefix + observations, generation prompt) - render(prefix)``), bridged to the model's turn:
+the template's end of an assistant turn (e.g. ``<|im_end|>\\n``) minus the stop token the model
+already emitted. So the token sequence is what the template writes for the whole conversation,
+except that the model's turns are its sampled tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+from verl_fast.agents.parsing import detect_format, tools_system_prompt
+
+_MARK = "VERLFASTTURNEND"  # a stand-in assistant turn whose end we locate in the rendering
+
+
+class ChatRenderer:
+    """Renders for ``tokenizer``; ``schemas``: the tools' JSON schemas (empty: no tools)."""
+
+    def __init__(self, tokenizer: Any, schemas: List[Dict[str, Any]], tool_format: str = "auto"):
+        self.tokenizer = tokenizer
+        self.schemas = list(schemas)
+        template = getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise ValueError("rollout.multi_turn needs a tokenizer with a chat template (the model's turns and the "
+                             "observations are rendered through it)")
+        declared = detect_format(template)
+        # a template that renders no tools: the tools are described in the system message (Hermes format)
+        self.template_renders_tools = declared is not None
+        self.format = (declared or "hermes") if tool_format == "auto" else tool_format
+        prefix = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
+        self._prefix = prefix
+        base = self._render(prefix, generation_prompt=False)
+        if _MARK not in base:
+            raise ValueError("the chat template dropped the assistant's content; multi-turn rollouts cannot render it")
+        self._base = base
+        self._turn_end = base[base.rindex(_MARK) + len(_MARK):]  # what the template writes after a turn's text
+
+    def _render(self, messages: List[Dict[str, Any]], generation_prompt: bool, tools: Optional[list] = None) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                  add_generation_prompt=generation_prompt)
+
+    def encode(self, text: str) -> List[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def with_tool_instructions(self, messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        """``messages`` with the Hermes tool instructions in the system message, where the template
+        renders no tools itself (else as they are)."""
+        if self.template_renders_tools or not self.schemas:
+            return messages
+        text = tools_system_prompt(self.schemas)
+        if messages and messages[0]["role"] == "system":
+            return [{**messages[0], "content": messages[0]["content"] + "\n\n" + text}] + list(messages[1:])
+        return [{"role": "system", "content": text}] + list(messages)
+
+    def prompt_ids(self, messages: List[Dict[str, Any]]) -> List[int]:
+        """The first prompt's tokens: ``messages`` (the tools rendered or described) and the generation prompt."""
+        tools = self.schemas if self.template_renders_tools and self.schemas else None
+        return self.encode(self._render(self.with_tool_instructions(messages), True, tools))
+
+    def observation_ids(self, messages: List[Dict[str, Any]], last_token: Optional[int]) -> List[int]:
+        """The tokens between a model turn that ended with ``last_token`` and the model's next turn:
+        the end of the turn the model did not write, ``messages``, the next generation prompt."""
+        whole = self._render(self._prefix + list(messages), generation_prompt=True)
+        if not whole.startswith(self._base):
+            raise ValueError("the chat template renders a conversation differently once observation messages follow "
+                             "(its prefix changed); multi-turn rollouts need a template that appends turns")
+        end = self._turn_end
+        if last_token is not None:
+            emitted = self.tokenizer.decode([last_token], skip_special_tokens=False)
+            if emitted and end.startswith(emitted):
+                end = end[len(emitted):]
+        return self.encode(end + whole[len(self._base):])
