@@ -154,7 +154,7 @@ class FullAsyncRollout:
         for w, device in enumerate(self.devices):
             setup = WorkerSetup(w, workers + 1, self.module.config, self.names, self.params[0].dtype, device,
                                 self.autocast_dtype, self.kind, self.backend, port, self.stop_ids, self.pad_id,
-                                self.partial)
+                                self.partial, None if self.partial else self.tokenizer)
             p = ctx.Process(target=main, args=(setup, self._tasks, self._results, self._stop, announced, acks, pushes,
                                                shared), daemon=True, name=f"verl_fast rollout worker {w}")
             p.start()

@@ -84,7 +84,7 @@ class AsyncStats:
         """``waited``: the trainer's wait for this step's samples; ``rollout_busy``: seconds the rollout
         side generated since the last take; ``gen_seconds``: the generation time of these samples."""
         now = time.perf_counter()
-        out = {"async/queue_depth": float(queue_depth), "time/async_wait": waited}
+        out = {"async/queue_depth": float(queue_depth), "time/async_wait": waited, "time/async_generation": gen_seconds}
         if gen_seconds > 0:  # the share of the generation that ran while the trainer worked
             out["async/overlap_fraction"] = max(0.0, min(1.0, 1.0 - waited / gen_seconds))
         if self._last is not None:

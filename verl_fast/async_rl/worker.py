@@ -2,9 +2,11 @@
 queue, decodes them (``decode.py``) with the newest weights it was pushed, and puts the samples,
 each token tagged with its version, on the bounded result queue.
 
-With ``partial`` the weights pushed mid-generation are loaded at the next token boundary;
-without, at the next batch (a sequence never mixes versions; the push is still received at once,
-into the worker's own staging copy, so the trainer never waits for a whole generation). Signals
+With ``partial`` the weights pushed mid-generation are loaded at the next token boundary (the
+decode loop of ``decode.py``); without, at the next batch (a sequence never mixes versions; the
+push is still received at once, into the worker's own staging copy, so the trainer never waits for
+a whole generation), and the batch decodes with ``HFGenerateEngine`` (on a GPU its static-cache
+loop with CUDA graphs, which reads the weights in place and so cannot take them mid-batch). Signals
 are ignored here: the trainer stops the workers (``stop`` event), and a worker whose trainer died
 exits on its own.
 """
@@ -23,6 +25,7 @@ import torch
 from verl_fast.async_rl import transport
 from verl_fast.async_rl.decode import decode
 from verl_fast.rollout.base import SamplingSpec
+from verl_fast.rollout.hf_engine import HFGenerateEngine
 
 
 @dataclass
@@ -50,6 +53,7 @@ class WorkerSetup:
     stop_ids: List[int]
     pad_id: int
     partial: bool
+    tokenizer: Any = None  # without partial rollouts: HF generate's (HFGenerateEngine, fast decode on a GPU)
     threads: int = 1
 
 
@@ -92,18 +96,21 @@ def main(setup: WorkerSetup, tasks: Any, results: Any, stop: Any, announced: Any
             loaded[0] = newest
         return loaded[0]
 
+    engine = None if setup.partial else HFGenerateEngine(model, setup.tokenizer, autocast_dtype=setup.autocast_dtype)
     idle_since = time.perf_counter()
     while alive():
-        refresh(at_batch_start=True)
+        refresh(at_batch_start=False)  # a push waits for every worker, idle ones too
         try:
             task: Task = tasks.get(timeout=0.005)
         except queue.Empty:
             continue
-        if task is None:
-            break
+        refresh(at_batch_start=True)  # after the get: a task is queued only after the push it may need
         idle = time.perf_counter() - idle_since
         start = time.perf_counter()
-        out = _run(model, task, setup, lambda: refresh(at_batch_start=False))
+        if engine is None:
+            out = _run(model, task, setup, lambda: refresh(at_batch_start=False))
+        else:
+            out = _run_whole(engine, task, loaded[0])
         record = {"step": task.step, "worker": setup.worker, "gen_seconds": time.perf_counter() - start,
                   "idle_seconds": idle, **out}
         while alive():  # a full queue: keep joining weight pushes while waiting for room
@@ -113,6 +120,16 @@ def main(setup: WorkerSetup, tasks: Any, results: Any, stop: Any, announced: Any
             except queue.Full:
                 refresh(at_batch_start=False)
         idle_since = time.perf_counter()
+
+
+def _run_whole(engine: HFGenerateEngine, task: Task, version: int) -> Dict[str, Any]:
+    """The task's samples from ``engine`` (one version throughout), as ``_run`` gives them."""
+    gen = engine.generate(task.prompts, task.specs)
+    mask = gen.response_mask.bool()
+    tokens = [gen.response_ids[i][mask[i]].tolist() for i in range(gen.num_sequences)]
+    return {"prompt_index": gen.prompt_index.tolist(), "tokens": tokens,
+            "logprobs": [gen.logprobs[i][mask[i]].tolist() for i in range(gen.num_sequences)],
+            "versions": [[version] * len(t) for t in tokens], "finish_reasons": list(gen.finish_reasons)}
 
 
 def _run(model: torch.nn.Module, task: Task, setup: WorkerSetup, between_tokens) -> Dict[str, Any]:
