@@ -15,6 +15,7 @@ samples/s >= 1.5x the synchronous at 1.5B.
 
     python benchmarks/bench_e2e.py --prepare-assets      # the demo tokenizer, as for bench_e2e
     python benchmarks/bench_async.py --device cuda [--shapes 0.5b,1.5b] [--modes off,one_step,full]
+                                     [--set rollout.hf_compile_decode=false]
     python benchmarks/bench_async.py --device cpu --tiny  # smoke test of every mode on a tiny model
 """
 
@@ -61,6 +62,10 @@ def worker(args) -> Dict[str, Any]:
            "trainer": {"train_batch_size": args.prompts, "total_steps": args.steps, "device": args.device,
                        "output_dir": tempfile.mkdtemp(prefix="bench_async_"), "progress_bar": False, "plot": False,
                        "async_mode": mode, "partial_rollouts": args.mode == "full_partial"}}
+    if args.set:
+        from verl_fast.config import apply_overrides
+
+        cfg = apply_overrides(cfg, args.set)
     start = time.perf_counter()
     device = torch.device(args.device)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
@@ -109,6 +114,7 @@ def run_shape(shape: str, args, workdir: Path, report: Report) -> Dict[str, Any]
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--mode", mode, "--shape", shape,
                "--model", str(model), "--out", str(out), "--device", args.device, "--steps", str(args.steps),
                "--prompts", str(args.prompts), "--samples", str(args.n), "--tokens", str(args.tokens)]
+        cmd += [f"--set={item}" for item in args.set]
         try:
             code = subprocess.run(cmd, timeout=args.timeout).returncode
         except subprocess.TimeoutExpired:
@@ -153,6 +159,7 @@ def main(argv=None) -> int:
     p.add_argument("--samples", dest="n", type=int, default=8)
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--timeout", type=float, default=240, help="seconds per run")
+    p.add_argument("--set", action="append", default=[], help="SECTION.KEY=VALUE config override of every run")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--shape", help=argparse.SUPPRESS)

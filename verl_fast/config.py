@@ -457,6 +457,9 @@ def _check_value(value: Any, annotation: Any, meta: Dict[str, Any], key: str) ->
         if not math.isfinite(value):  # NaN passes every range check below
             raise ValueError(f"{key} must be a finite number, got {value!r}")
     elif annotation is str:
+        choices = meta.get("choices") or ()
+        if isinstance(value, bool) and ("off" if not value else "on") in choices:
+            value = "on" if value else "off"  # YAML 1.1 reads a bare off / on as a boolean
         if not isinstance(value, str):
             raise ValueError(f"{key} must be a string, got {value!r}")
     elif origin is dict or annotation is dict:

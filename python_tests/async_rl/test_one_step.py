@@ -89,3 +89,10 @@ def test_bad_combinations_fail_at_start_up():
     with pytest.raises(ValueError, match="must be one of"):
         config_mod.from_dict({"trainer": {"async_mode": "two_step"}})
     assert config_mod.from_dict({**base, "trainer": {"async_mode": "full", "max_staleness": 3}}).trainer.max_staleness == 3
+
+
+def test_a_bare_yaml_off_is_the_mode_off():
+    data = config_mod.apply_overrides({}, ["trainer.async_mode=off", "rollout.length_buckets=on"])
+    assert data["trainer"]["async_mode"] is False  # what YAML 1.1 makes of it
+    cfg = config_mod.from_dict(data)
+    assert cfg.trainer.async_mode == "off" and cfg.rollout.length_buckets == "on"
