@@ -2,7 +2,7 @@
 workers (the split placement's transport), the shared-buffer transport (one GPU's, here in host
 shared memory), bounded staleness, resume after a checkpoint with work in flight."""
 
-import shutil
+import signal
 
 import pytest
 import torch
@@ -43,24 +43,33 @@ def trainer(path, out, steps=4, transport_kind=None, **t):
     return tr
 
 
-def test_two_gloo_workers_bounded_staleness_and_resume_trains_each_step_once(tiny_path, tmp_path):
+def test_two_gloo_workers_bounded_staleness_and_sigterm_then_resume_trains_each_step_once(tiny_path, tmp_path):
     out = tmp_path / "run"
-    tr = trainer(tiny_path, out, max_staleness=2, async_workers=2, save_freq=2)
+    tr = trainer(tiny_path, out, max_staleness=2, async_workers=2)
+    update = tr.update_actor
+
+    def update_then_sigterm(exp):  # SIGTERM inside step 2, with steps 3 and 4 handed to the workers
+        result = update(exp)
+        if tr.step == 1:
+            signal.raise_signal(signal.SIGTERM)
+        return result
+
+    tr.update_actor = update_then_sigterm
     history = [h for h in tr.fit(PROMPTS) if "actor/pg_loss" in h]
-    assert [h["step"] for h in history] == [1, 2, 3, 4]
+    assert tr.stopped and [h["step"] for h in history] == [1, 2]
     for h in history:
         assert 0 <= h["async/staleness_max"] <= 2
         assert sum(v for k, v in h.items() if k.startswith("async/staleness_hist/")) == pytest.approx(1.0)
         assert torch.isfinite(torch.tensor(h["actor/pg_loss"]))
     assert not tr.async_rollout._procs  # fit stopped its workers
-    # resume from step 2's checkpoint: steps 3 and 4 are handed out and trained once each
-    shutil.rmtree(out / "checkpoints/step_000004")
-    tr = trainer(tiny_path, out, max_staleness=2, async_workers=2, save_freq=2)
-    issued = []
+    # resumed from step 2's checkpoint: steps 3 and 4 are handed out and trained once each
+    tr = trainer(tiny_path, out, max_staleness=2, async_workers=2)
+    taken = []
     take = tr.async_rollout.take
-    tr.async_rollout.take = lambda step, batch, m: issued.append(step) or take(step, batch, m)
+    tr.async_rollout.take = lambda step, batch, m: taken.append(step) or take(step, batch, m)
     resumed = [h for h in tr.fit(PROMPTS) if "actor/pg_loss" in h]
-    assert issued == [2, 3] and [h["step"] for h in resumed] == [1, 2, 3, 4]
+    assert taken == [2, 3] and [h["step"] for h in resumed] == [1, 2, 3, 4]
+    assert all(h["async/staleness_max"] <= 2 for h in resumed)
 
 
 def test_shared_buffer_without_partial_rollouts_never_mixes_versions(tiny_path, tmp_path):

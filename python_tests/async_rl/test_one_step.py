@@ -3,6 +3,7 @@ samples exactly one version old, checkpoints that keep the generation in flight.
 
 import json
 import shutil
+import signal
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ def reward(solution_str, ground_truth):
     return float(len(solution_str) % 3 == 0)
 
 
-def run(path, out, mode, lr, steps=4, **trainer):
+def build(path, out, mode, lr, steps=4, **trainer):
     cfg = {"actor": {"lr": lr, "micro_batch_size": 8},
            "rollout": {"type": "hf", "n": 4, "max_new_tokens": 6},
            "reward_fn": {"type": "gsm8k"},
@@ -34,10 +35,12 @@ def run(path, out, mode, lr, steps=4, **trainer):
                        "plot": False, "device": "cpu", "async_mode": mode, "loggers": ["jsonl"], **trainer}}
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    trainer_ = RLTrainer(actor_model=model, tokenizer=AutoTokenizer.from_pretrained(path), reward_fn=reward,
-                         config=cfg)
-    history = [h for h in trainer_.fit(PROMPTS) if "actor/pg_loss" in h]
-    return trainer_, history
+    return RLTrainer(actor_model=model, tokenizer=AutoTokenizer.from_pretrained(path), reward_fn=reward, config=cfg)
+
+
+def run(path, out, mode, lr, steps=4, **trainer):
+    trainer_ = build(path, out, mode, lr, steps, **trainer)
+    return trainer_, [h for h in trainer_.fit(PROMPTS) if "actor/pg_loss" in h]
 
 
 def test_one_step_at_lr_zero_gives_the_synchronous_losses(tiny_path, tmp_path):
@@ -96,3 +99,31 @@ def test_a_bare_yaml_off_is_the_mode_off():
     assert data["trainer"]["async_mode"] is False  # what YAML 1.1 makes of it
     cfg = config_mod.from_dict(data)
     assert cfg.trainer.async_mode == "off" and cfg.rollout.length_buckets == "on"
+
+
+def sigterm_during_step(trainer_, step):
+    """Sends this process SIGTERM inside the update of step ``step`` (1-based)."""
+    update = trainer_.update_actor
+
+    def update_then_signal(exp):
+        out = update(exp)
+        if trainer_.step + 1 == step:
+            signal.raise_signal(signal.SIGTERM)
+        return out
+
+    trainer_.update_actor = update_then_signal
+
+
+def test_sigterm_with_a_generation_in_flight_loses_nothing_and_resumes_bit_identically(tiny_path, tmp_path):
+    _, whole = run(tiny_path, tmp_path / "whole", "one_step", 1e-2, steps=4)
+    out = tmp_path / "stopped"
+    first = build(tiny_path, out, "one_step", 1e-2, steps=4)
+    sigterm_during_step(first, 2)
+    history = [h for h in first.fit(PROMPTS) if "actor/pg_loss" in h]
+    assert first.stopped and [h["step"] for h in history] == [1, 2]
+    state = json.loads((out / "checkpoints/step_000002/trainer_state.json").read_text())
+    assert state["async_rollout"]["pending"]["step"] == 2  # step 3's samples, generated during step 2
+    _, resumed = run(tiny_path, out, "one_step", 1e-2, steps=4)
+    assert [h["step"] for h in resumed] == [1, 2, 3, 4]
+    for a, b in zip(whole, resumed):
+        assert a["actor/pg_loss"] == b["actor/pg_loss"] and a["reward/mean"] == b["reward/mean"]
