@@ -8,23 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tiny_models import save_tiny_model
+from async_toy import PROMPTS, reward
 from verl_fast.async_rl.full import FullAsyncRollout, placement
 from verl_fast.async_rl.records import Sampled, check_staleness
 from verl_fast.rollout.base import pad_completions
 from verl_fast.trainer.rl_trainer import RLTrainer
-
-PROMPTS = [{"prompt": f"What is {a} + {b}?", "reward_model": {"ground_truth": str(a + b)}, "data_source": "toy"}
-           for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (2, 2), (9, 1), (4, 4), (6, 3)]]
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", family="qwen2")
-
-
-def reward(solution_str, ground_truth):
-    return float(len(solution_str) % 3 == 0)
 
 
 def trainer(path, out, steps=4, transport_kind=None, **t):
