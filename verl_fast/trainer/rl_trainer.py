@@ -9,6 +9,8 @@ What varies is chosen once, when the trainer is built, and called phase by phase
   their forward passes and optimiser steps run (FSDP2 / FSDP1 / one process, Megatron-core), what
   the rollout engine syncs its weights from, the checkpoints.
 - the rollout engine (``rollout.type``; ``verl_fast/rollout/factory.py``).
+- when the samples are generated (``trainer.async_mode``; ``verl_fast/async_rl/``): in the step, or
+  ahead of it, beside the update (hooks marked "async hook").
 Losses aggregate with ``actor.loss_agg_mode`` over the whole mini-batch (trainer/batching.py:
 micro-batches, DP balancing, the normalisers).
 
@@ -29,12 +31,12 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Unio
 import torch
 
 from verl_fast import checkpoint, distributed, extras, hub
-from verl_fast.async_rl import modes as async_modes
 from verl_fast import config as config_mod
 from verl_fast.algos import dapo
 from verl_fast.algos import registry as algorithms
 from verl_fast.algos.algorithm import Step
 from verl_fast.algos.rollout_correction import truncated_is_weights
+from verl_fast.async_rl import modes as async_modes
 from verl_fast.config import Config
 from verl_fast.distributed import any_rank
 from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
@@ -197,7 +199,7 @@ class RLTrainer:
                     self.async_rollout.begin(lambda s: self._batch(items, s, per_epoch), total)
                 self._loop(items, per_epoch, total, logger, stop)
         finally:
-            if self.async_rollout is not None:
+            if self.async_rollout is not None:  # async hook: its threads / worker processes stop
                 self.async_rollout.close()
             self._stop_event = None
             if logger is not None:
@@ -714,7 +716,7 @@ class RLTrainer:
             self.step = int(state["step"])
             self.history = list(state.get("history", []))
             torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
-            if self.async_rollout is not None:
+            if self.async_rollout is not None:  # async hook: the samples that were in flight
                 self.async_rollout.load_state_dict(state.get("async_rollout", {}))
         logger.resume(self.history)
 
