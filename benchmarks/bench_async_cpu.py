@@ -10,6 +10,7 @@ the last ``--last`` steps per run, and per mode the mean and the spread (min, ma
 the seeds; an async mode is "within" when its mean lies inside the synchronous seeds' [min, max].
 
     python benchmarks/bench_async_cpu.py [--steps 15] [--seeds 0,1,2] [--modes off,one_step,full]
+    python benchmarks/bench_async_cpu.py --steps 2 --seeds 0,1 --set actor.model_name=TINY_DIR  # smoke test
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from _common import Report  # noqa: E402
 CASE = "demo reward, last steps"
 
 
-def run_one(mode: str, seed: int, steps: int, work: Path) -> Dict[str, object]:
+def run_one(mode: str, seed: int, steps: int, work: Path, extra: List[str]) -> Dict[str, object]:
     out = work / f"{mode}_{seed}"
-    sets = [f"trainer.total_steps={steps}", f"trainer.seed={seed}", f"rollout.seed={seed}", "rollout.type=hf",
+    sets = [*extra, f"trainer.total_steps={steps}", f"trainer.seed={seed}", f"rollout.seed={seed}", "rollout.type=hf",
             "algorithm.rollout_correction=true", f"trainer.async_mode={mode}", "trainer.hf_export=none",
             "trainer.plot=false", "trainer.progress_bar=false"]
     cmd = [sys.executable, "-m", "verl_fast", "train", "--output_dir", str(out)]
@@ -55,6 +56,8 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--modes", default="off,one_step,full")
     p.add_argument("--last", type=int, default=5, help="steps at the end averaged per run")
+    p.add_argument("--set", action="append", default=[], help="SECTION.KEY=VALUE for every run (a smoke test: "
+                   "actor.model_name=<a tiny model folder>)")
     args = p.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     modes = args.modes.split(",")
@@ -64,7 +67,7 @@ def main(argv=None) -> int:
         for mode in modes:
             runs: List[Dict[str, object]] = []
             for seed in seeds:
-                runs.append(run_one(mode, seed, args.steps, Path(tmp)))
+                runs.append(run_one(mode, seed, args.steps, Path(tmp), args.set))
                 print(f"{mode} seed {seed}: rewards {[round(r, 3) for r in runs[-1]['rewards']]}", flush=True)
             report.meta["runs"][mode] = runs
             ends = [statistics.mean(r["rewards"][-args.last:]) for r in runs]
