@@ -87,7 +87,7 @@ def worker(args) -> Dict[str, Any]:
                   flush=True)
     finally:
         if trainer.async_rollout is not None:
-            trainer.async_rollout.close()
+            trainer.async_rollout.close(trainer.step)
     return {"mode": args.mode, "shape": args.shape, "steps": steps, "startup_s": startup,
             "sequences": args.prompts * args.n}
 

@@ -124,11 +124,14 @@ class OneStepRollout:
         future.set_result(Sampled.from_state(state["pending"], self.pad_id))
         self._pending, self._pending_prompts = future, state["prompts"]
 
-    def close(self) -> None:
+    def close(self, version: int) -> None:
+        """Ends the generation in flight (its samples dropped: a checkpoint has already kept them) and
+        leaves an engine that owns its weights on ``version``, the actor's final one, as ``off`` does."""
         if self._pending is not None:
             self._pending.result()
             self._pending = None
-        self._executor.shutdown(wait=True)
+        if self.owns:
+            self._sync(version)
 
     # ---------------------------------------------------------------- inside
 

@@ -199,8 +199,8 @@ class RLTrainer:
                     self.async_rollout.begin(lambda s: self._batch(items, s, per_epoch), total)
                 self._loop(items, per_epoch, total, logger, stop)
         finally:
-            if self.async_rollout is not None:  # async hook: its threads / worker processes stop
-                self.async_rollout.close()
+            if self.async_rollout is not None:  # async hook: its thread / workers stop, an engine on the final weights
+                self.async_rollout.close(self.step)
             self._stop_event = None
             if logger is not None:
                 logger.close()
