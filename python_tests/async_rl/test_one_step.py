@@ -68,7 +68,8 @@ def test_bad_combinations_fail_at_start_up():
     with pytest.raises(ValueError, match="needs algorithm.rollout_correction=true"):
         config_mod.from_dict({"trainer": {"async_mode": "one_step"}})
     with pytest.raises(ValueError, match="is not supported with algorithm.type=dpo"):
-        config_mod.from_dict({**base, "trainer": {"async_mode": "full"}, "algorithm": {"type": "dpo"}})
+        config_mod.from_dict({"trainer": {"async_mode": "full"}, "reward_fn": {"type": "pairwise_ranking"},
+                              "algorithm": {"type": "dpo", "rollout_correction": True}})
     with pytest.raises(ValueError, match="is not supported with algorithm.type=remax"):
         config_mod.from_dict({"trainer": {"async_mode": "one_step"},
                               "algorithm": {"type": "remax", "rollout_correction": True}})
