@@ -168,10 +168,10 @@ class FullAsyncRollout:
 
     def _issue(self, step: int, batch: Sequence[Any]) -> None:
         """Hands the workers every step up to ``step + max_staleness`` (the window the staleness allows)."""
-        last = step + self.max_staleness
+        last = step  # without begin() (train_step called by hand) only the step itself is known
         if self._batch_of is not None:
-            last = min(last, self._total - 1)
-        for s in range(max(self._issued + 1, step), max(last, step) + 1):
+            last = max(step, min(step + self.max_staleness, self._total - 1))
+        for s in range(max(self._issued + 1, step), last + 1):
             rows = list(batch) if s == step else self._batch_of(s)
             prompts = [list(r.prompt_ids) for r in rows]
             seed = self.seed_of(s)
