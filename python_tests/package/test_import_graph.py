@@ -24,7 +24,7 @@ LAYERS = [
      {"verl_fast.models", "verl_fast.data", "verl_fast.experience", "verl_fast.rewards", "verl_fast.rollout",
       "verl_fast.checkpoint", "verl_fast.direct_write", "verl_fast.metrics", "verl_fast.model_card"}),
     ("algorithms, strategies", {"verl_fast.algos", "verl_fast.strategies"}),
-    ("trainer", {"verl_fast.trainer", "verl_fast.catalog"}),
+    ("trainer", {"verl_fast.trainer", "verl_fast.async_rl", "verl_fast.catalog"}),
     # verl_fast.benchmarks: the benchmark scripts, which an installed wheel carries for `verl-fast bench`
     ("commands", {"verl_fast.cli", "verl_fast.train_cli", "verl_fast.__main__", "verl_fast.info", "verl_fast.bench",
                   "verl_fast.inference", "verl_fast.benchmarks"}),
