@@ -17,7 +17,7 @@
 # class: LoRA and full fine-tune, ours or TRL's by SEVEN_B), shapes (a new token count's first-call cost), decode (the rollout's decode alone),
 # overlap (the reward beside the old-log-prob pass), hotpaths (the ops as users call them, before / after issue 48), vllm (every vLLM test, on the GPU's vLLM), trainer (the CLI
 # with vLLM rollout: GRPO + resume, PPO, the default config), advantage, logprobs, reshard, hybrid, e2e,
-# sft (our SFT step beside TRL's SFTTrainer), dist (needs 2 GPUs), megatron (2 GPUs; megatron-core's wheel in .whl/),
+# sft (our SFT step beside TRL's SFTTrainer), async (off / one_step / full), dist (needs 2 GPUs), megatron (2 GPUs; megatron-core's wheel in .whl/),
 # bench (`verl-fast bench` itself, quick sizes).
 # That machine: H200(s), torch 2.11 + CUDA 13, Triton 3.6, Python 3.12, no vLLM / megatron-core, no
 # network: build with --no-build-isolation --no-deps; pure-Python wheels (liger-kernel for the
@@ -163,6 +163,16 @@ fi
 if want shapes; then
   timeout 120 "$py" benchmarks/bench_new_shapes.py --device cuda >> "$OUT/bench.log" 2>&1 || failed+=("bench_new_shapes")
   grep -E "first call" "$OUT/bench.log" | tail -n 24
+fi
+
+# ---- async (issue 47): trainer.async_mode off / one_step / full (a rollout worker process sharing the GPU,
+# weights through one CUDA IPC buffer) at the Qwen2 0.5B and 1.5B shapes, in one call; needs .bench_assets/
+# (as e2e). About 3.5 min per shape: ASYNC_SHAPES=0.5b and ASYNC_SHAPES=1.5b fit one 10-minute call each ----
+if want async; then
+  timeout ${ASYNC_TIMEOUT:-560} "$py" benchmarks/bench_async.py --device cuda --shapes "${ASYNC_SHAPES:-0.5b,1.5b}" \
+    --modes "${ASYNC_MODES:-off,one_step,full}" --steps "${ASYNC_STEPS:-8}" > "$OUT/bench_async.log" 2>&1 ||
+    failed+=("bench_async")
+  sed -n '/^case  *mode/,$p' "$OUT/bench_async.log" | tail -n 10
 fi
 
 # ---- e2e (issue 12): our GRPO step vs TRL's GRPOTrainer (HF rollout), Qwen2 0.5B and 1.5B shapes with

@@ -421,6 +421,17 @@ class TrainerConfig:
     hub_model_id: Optional[str] = _f(None, doc="Hub repository (org/name) the final HF export is uploaded to "
                                      "(huggingface_hub; the token from HF_TOKEN or huggingface-cli login)")
     hub_private: bool = _f(True, doc="create hub_model_id as a private repository when it does not exist")
+    # asynchronous RL (verl_fast/async_rl/; docs/async.md)
+    async_mode: str = _f("off", choices=("off", "one_step", "full"),
+                         doc="off: generate, then update, step by step; one_step: step t+1's rollout runs in a "
+                             "thread while step t updates, on a copy of the weights at version t; full: rollout "
+                             "workers in processes of their own fill a bounded queue, weights pushed by version")
+    max_staleness: int = _f(1, min=1, doc="async_mode: no token sampled by a policy more than this many versions "
+                            "(optimiser steps) older than the one that trains on it is ever trained on")
+    async_workers: int = _f(1, min=1, doc="async_mode full: rollout worker processes (on the GPUs the trainer "
+                            "leaves free when there are several; sharing the one otherwise)")
+    partial_rollouts: bool = _f(True, doc="async_mode full: a weight push mid-generation reaches the sequences in "
+                                "flight, which continue under the new weights, each token tagged with its version")
     # older spellings of actor settings (copied to the actor section)
     per_device_train_batch_size: Optional[int] = _f(None, min=1, doc="alias: actor.micro_batch_size")
     gradient_accumulation_steps: Optional[int] = _f(None, min=1)
@@ -481,6 +492,9 @@ def _check_value(value: Any, annotation: Any, meta: Dict[str, Any], key: str) ->
         if abs(value) > FLOAT32_MAX:  # the trainer's tensors are float32 (or narrower): inf there
             raise ValueError(f"{key} must be within float32's range (|x| <= 3.4e38), got {value!r}")
     elif annotation is str:
+        choices = meta.get("choices") or ()
+        if isinstance(value, bool) and ("off" if not value else "on") in choices:
+            value = "on" if value else "off"  # YAML 1.1 reads a bare off / on as a boolean
         if not isinstance(value, str):
             raise ValueError(f"{key} must be a string, got {value!r}")
     elif origin is dict or annotation is dict:

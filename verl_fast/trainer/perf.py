@@ -150,8 +150,8 @@ class StepPerf:
             self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), peak)
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":  # this thread's stream only: an async rollout decodes on its own
+            torch.cuda.current_stream(self.device).synchronize()
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -10,6 +10,8 @@ What varies is chosen once, when the trainer is built, and called phase by phase
   their forward passes and optimiser steps run (FSDP2 / FSDP1 / one process, Megatron-core), what
   the rollout engine syncs its weights from, the checkpoints.
 - the rollout engine (``rollout.type``; ``verl_fast/rollout/factory.py``).
+- when the samples are generated (``trainer.async_mode``; ``verl_fast/async_rl/``): in the step, or
+  ahead of it, beside the update (hooks marked "async hook").
 Losses aggregate with ``actor.loss_agg_mode`` over the whole mini-batch (trainer/batching.py:
 micro-batches, DP balancing, the normalisers).
 
@@ -36,6 +38,7 @@ from verl_fast.algos import dapo
 from verl_fast.algos import registry as algorithms
 from verl_fast.algos.algorithm import Step
 from verl_fast.algos.rollout_correction import truncated_is_weights
+from verl_fast.async_rl import modes as async_modes
 from verl_fast.config import Config
 from verl_fast.distributed import any_rank
 from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
@@ -155,6 +158,8 @@ class RLTrainer:
         self.generations: List[Dict[str, Any]] = []  # the latest step's first trainer.log_generations samples
         self.perf = perf.StepPerf(s.actor, self.device)
         self._auto_budget: Optional[int] = None  # actor.max_token_len_per_gpu's auto (token_budget)
+        # trainer.async_mode: where the samples come from when not generated in the step (None: off)
+        self.async_rollout = async_modes.build(self)
         if self.is_main:  # what the defaults became here, once (the token budget: at the first update)
             settings = dict(s.resolved())
             if self.engine is not None:
@@ -237,8 +242,12 @@ class RLTrainer:
             with run_dir.StopSignals() as stop:  # SIGTERM / Ctrl-C: finish the step, checkpoint, return
                 self._stop_event = stop.event
                 self._resume(logger)
+                if self.async_rollout is not None:  # async hook: it generates ahead in the data's order
+                    self.async_rollout.begin(lambda s: self._batch(items, s, per_epoch), total)
                 self._loop(items, per_epoch, total, logger, stop)
         finally:
+            if self.async_rollout is not None:  # async hook: its thread / workers stop, an engine on the final weights
+                self.async_rollout.close(self.step)
             self._stop_event = None
             if logger is not None:
                 logger.close()
@@ -340,6 +349,8 @@ class RLTrainer:
     def _validate(self, logger: MetricsLogger) -> Dict[str, float]:
         """The validation metrics of the current weights; the first samples logged as generations."""
         start = time.perf_counter()
+        if self.async_rollout is not None:  # async hook: nothing in flight, the engine on the current weights
+            self.async_rollout.quiesce(self.step)
         seed = self.cfg.rollout.seed * 1_000_003 + self.rank * 7919 + 1  # the same prompts' seeds every time
         with self._engine_awake() if self.engine is not None else contextlib.nullcontext():
             metrics, samples = self.validation.run(self._score, self.reward, seed)
@@ -384,7 +395,7 @@ class RLTrainer:
         if self.strategy.critic is not None:
             with self.perf.phase("update_critic"):
                 metrics.update(self.update_critic(exp))
-        if self.engine is not None and self.engine.owns_weights:
+        if self.engine is not None and self.engine.owns_weights and self.async_rollout is None:
             with self.perf.phase("weight_sync"):
                 self._sync_engine(metrics)
         metrics.update(self.perf.figures())
@@ -426,8 +437,9 @@ class RLTrainer:
             yield
         self.engine.sleep()
 
-    def _seed(self) -> int:
-        return self.cfg.rollout.seed * 1_000_003 + self.step * 997 + self.rank * 7919
+    def _seed(self, step: Optional[int] = None) -> int:
+        step = self.step if step is None else step
+        return self.cfg.rollout.seed * 1_000_003 + step * 997 + self.rank * 7919
 
     def _sample(self, batch: List[PromptRow]) -> GenerationOutput:
         """The step's samples of ``batch``."""
@@ -489,9 +501,13 @@ class RLTrainer:
         """Generation and rewards of ``batch``: ``(experience with scores and outcome rewards, the
         algorithm's extra rollout or None)``; ``beside(exp)`` runs while the reward scores."""
         timed = self.perf.phase
-        with timed("generation"), self._engine_awake():
-            gen = self.rollout.rollout(batch, seed=self._seed())
-            extra = self.algorithm.extra_rollout(self.rollout, batch)
+        if self.async_rollout is not None:  # async hook: generated ahead (no extra rollout: checks.py)
+            with timed("generation"):
+                gen, extra = self.async_rollout.take(self.step, batch, metrics), None
+        else:
+            with timed("generation"), self._engine_awake():
+                gen = self.rollout.rollout(batch, seed=self._seed())
+                extra = self.algorithm.extra_rollout(self.rollout, batch)
         metrics.update({f"rollout/{k}": v for k, v in self.engine.metrics().items()})
         metrics.update(self.rollout.metrics())
         exp = build_experience(batch, gen, self.tokenizer.pad_token_id).to(self.device)
@@ -732,6 +748,8 @@ class RLTrainer:
         HF safetensors folder that transformers and vLLM load (a Megatron run always writes it)."""
         t = self.cfg.trainer
         state = {"history": self.history, "config": self.cfg.to_dict(), "torch_rng": torch.get_rng_state().tolist()}
+        if self.async_rollout is not None:  # async hook: the samples in flight, finished
+            state["async_rollout"] = self.async_rollout.state_dict()
         self.strategy.save(t.output_dir, self.step, self.tokenizer, state, export_hf)
         if t.save_total_limit:  # the new one is complete (renamed into place): the oldest beyond the limit go
             distributed.on_main(lambda: checkpoint.prune(t.output_dir, t.save_total_limit))
@@ -767,6 +785,8 @@ class RLTrainer:
             self.step = int(state["step"])
             self.history = list(state.get("history", []))
             torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+            if self.async_rollout is not None:  # async hook: the samples that were in flight
+                self.async_rollout.load_state_dict(state.get("async_rollout", {}))
         logger.resume(self.history)
 
 

@@ -1,0 +1,96 @@
+"""The demo task's reward curve under ``trainer.async_mode`` off, one_step and full, three seeds each,
+on the CPU: does learning from samples one or more versions old (corrected per token by
+``algorithm.rollout_correction``) stay within the synchronous run's seed-to-seed spread?
+
+Each run is the embedded default run (`verl-fast train`: GRPO on SmolLM2-135M-Instruct, reasoning-gym
+chain_sum, 4 prompts x 8 samples, 16 new tokens, lr 2e-5) with ``rollout.type=hf`` in every mode (the
+same engine), ``algorithm.rollout_correction=true`` in every mode (the same loss), and the seed set
+in ``trainer.seed`` and ``rollout.seed``. Recorded: every step's ``reward/mean`` per run, the mean of
+the last ``--last`` steps per run, and per mode the mean and the spread (min, max, std) of that over
+the seeds; an async mode is "within" when its mean lies inside the synchronous seeds' [min, max].
+
+    python benchmarks/bench_async_cpu.py [--steps 15] [--seeds 0,1,2] [--modes off,one_step,full]
+    python benchmarks/bench_async_cpu.py --steps 2 --seeds 0,1 --set actor.model_name=TINY_DIR  # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import Report  # noqa: E402
+
+CASE = "demo reward, last steps"
+
+
+def run_one(mode: str, seed: int, steps: int, work: Path, extra: List[str]) -> Dict[str, object]:
+    out = work / f"{mode}_{seed}"
+    sets = [*extra, f"trainer.total_steps={steps}", f"trainer.seed={seed}", f"rollout.seed={seed}", "rollout.type=hf",
+            "algorithm.rollout_correction=true", f"trainer.async_mode={mode}", "trainer.hf_export=none",
+            "trainer.plot=false", "trainer.progress_bar=false"]
+    cmd = [sys.executable, "-m", "verl_fast", "train", "--output_dir", str(out)]
+    for item in sets:
+        cmd += ["--set", item]
+    start = time.perf_counter()
+    with open(work / f"{mode}_{seed}.log", "w") as log:
+        code = subprocess.run(cmd, cwd=work, stdout=log, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited with {code}; see {work / f'{mode}_{seed}.log'}")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rewards = [r["reward/mean"] for r in records if "reward/mean" in r]
+    stale = [r.get("async/staleness_mean", 0.0) for r in records if "reward/mean" in r]
+    return {"rewards": rewards, "wall_s": time.perf_counter() - start, "staleness_mean": stale}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--modes", default="off,one_step,full")
+    p.add_argument("--last", type=int, default=5, help="steps at the end averaged per run")
+    p.add_argument("--set", action="append", default=[], help="SECTION.KEY=VALUE for every run (a smoke test: "
+                   "actor.model_name=<a tiny model folder>)")
+    args = p.parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    modes = args.modes.split(",")
+    report = Report("async_curves", "cpu", meta={"steps": args.steps, "seeds": seeds, "last": args.last, "runs": {}})
+    summary: Dict[str, Dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench_async_cpu_") as tmp:
+        for mode in modes:
+            runs: List[Dict[str, object]] = []
+            for seed in seeds:
+                runs.append(run_one(mode, seed, args.steps, Path(tmp), args.set))
+                print(f"{mode} seed {seed}: rewards {[round(r, 3) for r in runs[-1]['rewards']]}", flush=True)
+            report.meta["runs"][mode] = runs
+            ends = [statistics.mean(r["rewards"][-args.last:]) for r in runs]
+            summary[mode] = {"mean": statistics.mean(ends), "min": min(ends), "max": max(ends),
+                             "std": statistics.stdev(ends) if len(ends) > 1 else 0.0,
+                             "wall_s": statistics.mean(r["wall_s"] for r in runs)}
+            report.meta["summary"] = summary
+            report.save(summary=False)
+    sync = summary.get("off")
+    for mode, s in summary.items():
+        within = "" if sync is None or mode == "off" else (
+            "; within the synchronous spread" if sync["min"] <= s["mean"] <= sync["max"] else
+            "; OUTSIDE the synchronous spread")
+        report.add(CASE, ("baseline: " if mode == "off" else "verl_fast ") + mode, s["wall_s"] * 1e3,
+                   note=f"last-{args.last} reward {s['mean']:.3f} (seeds {s['min']:.3f}..{s['max']:.3f}, "
+                        f"std {s['std']:.3f}){within}")
+    report.meta["within"] = {m: bool(sync and sync["min"] <= s["mean"] <= sync["max"]) for m, s in summary.items()}
+    report.save(summary=False)
+    print(report.table())
+    for r in report.rows:
+        print(f"{r.impl}: {r.note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""trainer.async_mode=one_step on a tiny model with HF generate: the synchronous losses at lr 0,
+samples exactly one version old, checkpoints that keep the generation in flight."""
+
+import json
+import shutil
+import signal
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from async_toy import PROMPTS, reward
+from verl_fast import config as config_mod
+from verl_fast.trainer.rl_trainer import RLTrainer
+
+
+def build(path, out, mode, lr, steps=4, **trainer):
+    cfg = {"actor": {"lr": lr, "micro_batch_size": 8},
+           "rollout": {"type": "hf", "n": 4, "max_new_tokens": 6},
+           "reward_fn": {"type": "gsm8k"},
+           "algorithm": {"type": "grpo", "rollout_correction": True},
+           "trainer": {"total_steps": steps, "train_batch_size": 2, "output_dir": str(out), "progress_bar": False,
+                       "plot": False, "device": "cpu", "async_mode": mode, "loggers": ["jsonl"], **trainer}}
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return RLTrainer(actor_model=model, tokenizer=AutoTokenizer.from_pretrained(path), reward_fn=reward, config=cfg)
+
+
+def run(path, out, mode, lr, steps=4, **trainer):
+    trainer_ = build(path, out, mode, lr, steps, **trainer)
+    return trainer_, [h for h in trainer_.fit(PROMPTS) if "actor/pg_loss" in h]
+
+
+def test_one_step_at_lr_zero_gives_the_synchronous_losses(tiny_path, tmp_path):
+    _, sync = run(tiny_path, tmp_path / "sync", "off", 0.0)
+    _, async_ = run(tiny_path, tmp_path / "one_step", "one_step", 0.0)
+    assert len(sync) == len(async_) == 4
+    for a, b in zip(sync, async_):
+        for key in ("reward/mean", "response/length", "actor/pg_loss", "rollout_correction/is_weight_mean"):
+            assert a[key] == pytest.approx(b[key], abs=1e-6), (key, a[key], b[key])
+
+
+def test_samples_are_one_version_old_and_never_mix_versions(tiny_path, tmp_path):
+    _, history = run(tiny_path, tmp_path / "run", "one_step", 1e-2)
+    assert history[0]["async/staleness_max"] == 0.0  # the first step generates in the step
+    for h in history[1:]:
+        assert h["async/staleness_max"] == 1.0 and h["async/staleness_hist/1"] == 1.0
+    assert all(h["async/mixed_version_sequences"] == 0.0 for h in history)
+    assert all(0.0 <= h["async/overlap_fraction"] <= 1.0 for h in history)
+
+
+def test_the_generation_in_flight_is_checkpointed_and_resumed_bit_identically(tiny_path, tmp_path):
+    _, whole = run(tiny_path, tmp_path / "whole", "one_step", 1e-2, steps=4)
+    run(tiny_path, tmp_path / "split", "one_step", 1e-2, steps=4, save_freq=2)
+    # a run stopped after step 2 (its checkpoint), then resumed: the checkpoint holds step 3's samples
+    state = json.loads((tmp_path / "split/checkpoints/step_000002/trainer_state.json").read_text())
+    assert state["async_rollout"]["pending"]["step"] == 2
+    assert set(sum(state["async_rollout"]["pending"]["versions"], [])) == {1}
+    shutil.rmtree(tmp_path / "split/checkpoints/step_000004")
+    _, resumed = run(tiny_path, tmp_path / "split", "one_step", 1e-2, steps=4, save_freq=2)
+    assert [h["step"] for h in resumed] == [1, 2, 3, 4]  # steps 1-2 from the checkpoint's history
+    for a, b in zip(whole[2:], resumed[2:]):
+        assert a["actor/pg_loss"] == b["actor/pg_loss"] and a["reward/mean"] == b["reward/mean"]
+
+
+def test_bad_combinations_fail_at_start_up():
+    base = {"algorithm": {"rollout_correction": True}}
+    with pytest.raises(ValueError, match="needs algorithm.rollout_correction=true"):
+        config_mod.from_dict({"trainer": {"async_mode": "one_step"}})
+    with pytest.raises(ValueError, match="is not supported with algorithm.type=dpo"):
+        config_mod.from_dict({"trainer": {"async_mode": "full"}, "reward_fn": {"type": "pairwise_ranking"},
+                              "algorithm": {"type": "dpo", "rollout_correction": True}})
+    with pytest.raises(ValueError, match="is not supported with algorithm.type=remax"):
+        config_mod.from_dict({"trainer": {"async_mode": "one_step"},
+                              "algorithm": {"type": "remax", "rollout_correction": True}})
+    with pytest.raises(ValueError, match="max_staleness=2 is not supported with trainer.async_mode=one_step"):
+        config_mod.from_dict({**base, "trainer": {"async_mode": "one_step", "max_staleness": 2}})
+    with pytest.raises(ValueError, match="async_mode=full is not supported with rollout.type=vllm"):
+        config_mod.from_dict({**base, "trainer": {"async_mode": "full"},
+                              "rollout": {"type": "vllm", "enable_sleep_mode": False}})
+    with pytest.raises(ValueError, match="must be one of"):
+        config_mod.from_dict({"trainer": {"async_mode": "two_step"}})
+    assert config_mod.from_dict({**base, "trainer": {"async_mode": "full", "max_staleness": 3}}).trainer.max_staleness == 3
+
+
+def test_a_bare_yaml_off_is_the_mode_off():
+    data = config_mod.apply_overrides({}, ["trainer.async_mode=off", "rollout.length_buckets=on"])
+    assert data["trainer"]["async_mode"] is False  # what YAML 1.1 makes of it
+    cfg = config_mod.from_dict(data)
+    assert cfg.trainer.async_mode == "off" and cfg.rollout.length_buckets == "on"
+
+
+def sigterm_during_step(trainer_, step):
+    """Sends this process SIGTERM inside the update of step ``step`` (1-based)."""
+    update = trainer_.update_actor
+
+    def update_then_signal(exp):
+        out = update(exp)
+        if trainer_.step + 1 == step:
+            signal.raise_signal(signal.SIGTERM)
+        return out
+
+    trainer_.update_actor = update_then_signal
+
+
+def test_sigterm_with_a_generation_in_flight_loses_nothing_and_resumes_bit_identically(tiny_path, tmp_path):
+    _, whole = run(tiny_path, tmp_path / "whole", "one_step", 1e-2, steps=4)
+    out = tmp_path / "stopped"
+    first = build(tiny_path, out, "one_step", 1e-2, steps=4)
+    sigterm_during_step(first, 2)
+    history = [h for h in first.fit(PROMPTS) if "actor/pg_loss" in h]
+    assert first.stopped and [h["step"] for h in history] == [1, 2]
+    state = json.loads((out / "checkpoints/step_000002/trainer_state.json").read_text())
+    assert state["async_rollout"]["pending"]["step"] == 2  # step 3's samples, generated during step 2
+    _, resumed = run(tiny_path, out, "one_step", 1e-2, steps=4)
+    assert [h["step"] for h in resumed] == [1, 2, 3, 4]
+    for a, b in zip(whole, resumed):
+        assert a["actor/pg_loss"] == b["actor/pg_loss"] and a["reward/mean"] == b["reward/mean"]

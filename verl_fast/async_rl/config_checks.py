@@ -1,0 +1,57 @@
+"""Start-up checks of ``trainer.async_mode`` (registered in the config; ``verl_fast.catalog`` imports
+this module): the combinations asynchronous RL cannot serve, each named with what to use instead."""
+
+from __future__ import annotations
+
+from verl_fast import config
+
+
+def check(cfg: config.Config) -> None:
+    t = cfg.trainer
+    mode = t.async_mode
+    if mode == "off":
+        return
+    from verl_fast.algos.policy_gradient import NoBaseline, PolicyGradientSpec
+    from verl_fast.algos.registry import SPECS
+
+    key = f"trainer.async_mode={mode}"
+    spec = SPECS[cfg.algorithm.type]
+    if not isinstance(spec, PolicyGradientSpec):
+        raise ValueError(f"{key} is not supported with algorithm.type={cfg.algorithm.type} (its pairs are sampled "
+                         "and ranked inside the step); use a policy-gradient algorithm (grpo, rloo, ppo, ...) or "
+                         "trainer.async_mode=off")
+    if not isinstance(spec.baseline, NoBaseline):
+        raise ValueError(f"{key} is not supported with algorithm.type={cfg.algorithm.type} (its greedy baseline "
+                         "rollout runs inside the step, on the current weights); use grpo or rloo, or "
+                         "trainer.async_mode=off")
+    if not cfg.algorithm.rollout_correction:
+        raise ValueError(f"{key} needs algorithm.rollout_correction=true: samples of an older policy are "
+                         "weighted by exp(old_logprob - behaviour_logprob) per token; set it")
+    if cfg.algorithm.dynamic_sampling:
+        raise ValueError(f"{key} is not supported with algorithm.dynamic_sampling (its extra draws are sampled "
+                         "inside the step); use trainer.async_mode=off")
+    if cfg.rollout.record_routing:
+        raise ValueError(f"{key} is not supported with rollout.record_routing (routes of an older policy); "
+                         "use trainer.async_mode=off")
+    if cfg.rollout.type == "vllm" and cfg.rollout.enable_sleep_mode:
+        raise ValueError(f"{key} is not supported with rollout.enable_sleep_mode=true (the engine generates while "
+                         "the update runs); set rollout.enable_sleep_mode=false")
+    if mode == "full":
+        if cfg.rollout.type == "vllm":
+            raise ValueError("trainer.async_mode=full is not supported with rollout.type=vllm (its workers decode "
+                             "with verl_fast/async_rl/decode.py); use rollout.type=hf or auto")
+        if cfg.actor.lora is not None:
+            raise ValueError("trainer.async_mode=full is not supported with actor.lora (the workers hold whole "
+                             "weights); use trainer.async_mode=one_step")
+        if cfg.actor.strategy == "megatron":
+            raise ValueError("trainer.async_mode=full is not supported with actor.strategy=megatron; use "
+                             "actor.strategy=none or fsdp2")
+    elif t.async_workers != 1:
+        raise ValueError(f"trainer.async_workers={t.async_workers} is not supported with {key} (one rollout "
+                         "thread); use trainer.async_mode=full or async_workers=1")
+    if mode == "one_step" and t.max_staleness != 1:
+        raise ValueError(f"trainer.max_staleness={t.max_staleness} is not supported with {key}, whose samples are "
+                         "always exactly one version old; use trainer.async_mode=full for more")
+
+
+config.register_check(check)
