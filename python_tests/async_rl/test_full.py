@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from async_toy import PROMPTS, reward
+from async_toy import PROMPTS, reward, tiny_path  # noqa: F401 (tiny_path: a fixture)
 from verl_fast.async_rl.full import FullAsyncRollout, placement
 from verl_fast.async_rl.records import Sampled, check_staleness
 from verl_fast.rollout.base import pad_completions

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from async_toy import PROMPTS, reward
+from async_toy import PROMPTS, reward, tiny_path  # noqa: F401 (tiny_path: a fixture)
 from verl_fast import config as config_mod
 from verl_fast.trainer.rl_trainer import RLTrainer
 
