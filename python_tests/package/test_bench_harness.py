@@ -199,15 +199,14 @@ def test_cli_lists_bench_and_regenerates_the_report(tmp_path, capsys):
     assert list(tmp_path.glob("cpu-*.png")) and list(tmp_path.glob("cpu-*.md"))
 
 
-def test_bench_says_in_one_line_where_the_scripts_are_missing(tmp_path, monkeypatch):
+def test_bench_says_in_one_line_where_the_scripts_are_missing(tmp_path, monkeypatch, capsys):
     """The wheel carries the library only: without a checkout's benchmarks/ beside the package or in
     the current folder, `verl-fast bench` says so in one line (and runs nothing)."""
     assert paths.benchmarks_dir() == ROOT / "benchmarks"  # this checkout, beside the editable package
     monkeypatch.setattr(paths, "__file__", str(tmp_path / "site" / "verl_fast" / "bench" / "paths.py"))
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit) as raised:
-        main(["bench", "--device", "cpu", "--quick"])
-    assert str(raised.value) == paths.MISSING and "\n" not in paths.MISSING
+    assert main(["bench", "--device", "cpu", "--quick"]) == 2  # a refusal: one line, exit 2
+    assert capsys.readouterr().err == f"verl-fast bench: {paths.MISSING}\n" and "\n" not in paths.MISSING
     (tmp_path / "benchmarks").mkdir()
     (tmp_path / "benchmarks" / "_common.py").write_text("")
     assert paths.benchmarks_dir() == tmp_path / "benchmarks"  # a checkout as the current folder

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("reasoning_gym")
 
-OURS = re.compile(r"^(train: |step +\d+ |reward/mean: |metrics: )")
+OURS = re.compile(r"^(train: |step +\d+ |reward/mean: |metrics: |verl-fast: on cpu: actor\.autocast=)")  # the last: the resolved defaults
 
 
 @pytest.mark.slow
@@ -32,3 +32,4 @@ def test_the_default_run_prints_its_progress_and_nothing_else(tmp_path):
     lines = [line for line in output.replace("\r", "\n").splitlines() if line.strip()]
     assert [line for line in lines if not OURS.match(line)] == []
     assert sum(line.startswith("step ") for line in lines) == 2
+    assert sum(line.startswith("verl-fast: on cpu: ") for line in lines) == 1  # the resolved defaults, once

@@ -266,7 +266,7 @@ def test_rollout_type_auto(monkeypatch):
     assert factory.resolve_type("vllm", model) == "vllm"  # a set type is kept
     assert factory.resolve_type("auto", None) == "vllm"  # no whole actor to decode with (Megatron's)
     model.peft_config = {"default": None}
-    assert factory.resolve_type("auto", model) == "vllm"  # a PEFT actor: its adapter goes to vLLM
+    assert factory.resolve_type("auto", model) == "hf"  # a PEFT actor: adapters merged into the compiled decode
     del model.peft_config
     moe = tiny_model("qwen3_moe")
     assert factory.resolve_type("auto", moe) == "vllm"  # a mixture of experts: vLLM's fused expert kernels

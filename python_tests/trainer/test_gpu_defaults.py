@@ -187,7 +187,7 @@ def test_8bit_optimizer_states_checkpoint_and_resume_bit_for_bit(tmp_path):
 
     def trainer():
         cfg = {"actor": {"optimizer": "adamw_8bit", "lr": 1e-3, "lr_scheduler": "linear"},
-               "rollout": {"n": 2, "max_new_tokens": 4},
+               "rollout": {"type": "hf", "n": 2, "max_new_tokens": 4},
                "trainer": {"train_batch_size": 2, "total_steps": 4, "output_dir": str(tmp_path), "progress_bar": False,
                            "plot": False, "device": "cpu"}}
         return RLTrainer(actor_model=build_model("qwen2", vocab_size=len(tok), hidden_size=128, intermediate_size=256),

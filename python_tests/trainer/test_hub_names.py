@@ -114,7 +114,7 @@ def test_names_in_the_cache_load_and_missing_ones_are_one_line(hf_home, tmp_path
 def test_cli_names_a_missing_model_in_one_line(hf_home, tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"prompt": "1 + 1?", "reward_model": {"ground_truth": "2"}}\n')
-    run = _run(hf_home, ["-m", "verl_fast", "train", "actor.model_name=org/none", f"trainer.dataset={rows}",
+    run = _run(hf_home, ["-m", "verl_fast", "train", "actor.model_name=org/none", "reward_fn.type=gsm8k", f"trainer.dataset={rows}",
                          "rollout.type=hf", "trainer.plot=false", f"trainer.output_dir={tmp_path / 'run'}"], tmp_path)
     assert run.returncode == 2, run.stderr[-4000:]
     lines = run.stderr.strip().splitlines()
