@@ -49,15 +49,20 @@ def test_print_config_names_what_the_defaults_resolve_to(monkeypatch):
     assert "actor.gradient_checkpointing" not in set_by_hand
 
 
-def test_tf32_is_on_for_a_gpu_run_and_left_alone_on_the_cpu(monkeypatch):
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    use_tf32(None, torch.device("cpu"))
-    assert torch.backends.cuda.matmul.allow_tf32 is False
-    use_tf32(None, torch.device("cuda"))
-    assert torch.backends.cuda.matmul.allow_tf32 is True and torch.backends.cudnn.allow_tf32 is True
-    use_tf32(False, torch.device("cuda"))
-    assert torch.backends.cuda.matmul.allow_tf32 is False
+def test_tf32_is_on_for_a_gpu_run_and_left_alone_on_the_cpu():
+    # saved and restored by hand: cuBLAS's flags live behind the module's __getattr__, which
+    # pytest's monkeypatch (9.2) cannot undo
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        use_tf32(None, torch.device("cpu"))
+        assert torch.backends.cuda.matmul.allow_tf32 is False
+        use_tf32(None, torch.device("cuda"))
+        assert torch.backends.cuda.matmul.allow_tf32 is True and torch.backends.cudnn.allow_tf32 is True
+        use_tf32(False, torch.device("cuda"))
+        assert torch.backends.cuda.matmul.allow_tf32 is False
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def _folder(tmp_path, **shape):
