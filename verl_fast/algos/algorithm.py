@@ -12,7 +12,7 @@ A step is one of two sequences of phases (``Step``), which the algorithm names:
 - ``PREFERENCE``: chosen / rejected pairs (``pairs``: the dataset's, or sampled and ranked by the
   reward) -> ``update`` (the DPO loss) -> weight sync.
 - ``SUPERVISED``: the dataset's rows as one ``Experience`` (``experience``) -> one actor update with
-  ``loss`` through the strategy's ``train_actor`` (``trainer/supervised.py``); validation is the
+  ``loss`` through the strategy's ``forward_backward`` (``trainer/supervised.py``); validation is the
   validation set's loss.
 
 Start-up: ``check`` refuses the combinations the algorithm cannot run (config validation);
@@ -102,8 +102,9 @@ class PreferenceAlgorithm(Algorithm, Protocol):
               score: Score, metrics: Dict[str, Any]) -> List[PreferencePair]:
         ...
 
-    def update(self, strategy: Any, pairs: List[PreferencePair], pad_id: int) -> Dict[str, float]:
-        ...
+    def update(self, updates: Any, pairs: List[PreferencePair], pad_id: int) -> Dict[str, float]:
+        """One optimiser step on ``pairs`` through ``updates`` (``trainer/updates.Updates``: its
+        ``strategy`` and ``step``); the statistics and ``actor/grad_norm``."""
 
 
 class SupervisedAlgorithm(Algorithm, Protocol):

@@ -5,7 +5,8 @@ Each step: the summed completion log-probs under the actor and the reference; th
 z0 = max(0, mean over the step's examples of the log-ratio of *mismatched* pairs (prompt i with
 completion i+1 of the same micro-batch, TRL's KL estimate), averaged over the data-parallel ranks,
 no gradient); ``preference_losses.kto_loss`` with ``beta`` and ``kto_desirable_weight`` /
-``kto_undesirable_weight``; the mean over the step's examples; one optimiser step. Batching as DPO's:
+``kto_undesirable_weight``; the mean over the step's examples; one optimiser step through the
+strategy's ``forward_backward`` (``pair_rows.py``). Batching as DPO's:
 ``per_device_train_batch_size`` examples a forward / backward (else half of ``actor.micro_batch_size``).
 
     verl-fast train algorithm.type=kto trainer.dataset=kto.jsonl
@@ -19,11 +20,12 @@ from typing import Any, Dict, List
 import torch
 
 from verl_fast import distributed
-from verl_fast.algos import dpo
+from verl_fast.algos import dpo, pair_rows
 from verl_fast.algos.algorithm import Step
 from verl_fast.algos.preference_losses import kto_loss
 from verl_fast.config import Config
 from verl_fast.data import RLDataProcessor
+from verl_fast.experience import Experience
 
 
 @dataclass
@@ -70,7 +72,6 @@ class KTO:
 
     @staticmethod
     def check(cfg: Config) -> None:
-        dpo.refuse_megatron(cfg)
         if cfg.reward_fn.reference_free:
             raise ValueError("reward_fn.reference_free is not supported with algorithm.type=kto (its reward is the "
                              "log-ratio to the reference); use algorithm.type=simpo or cpo for a reference-free loss")
@@ -88,49 +89,53 @@ class KTO:
     def pairs(self, batch: List[KTOExample], generate: Any, score: Any, metrics: Dict[str, Any]) -> List[KTOExample]:
         return batch
 
-    def update(self, strategy: Any, batch: List[KTOExample], pad_id: int) -> Dict[str, float]:
-        metrics = step(strategy, batch, pad_id, self.cfg)
-        metrics["actor/grad_norm"] = strategy.optimizer_step()
-        return metrics
+    def update(self, updates: Any, batch: List[KTOExample], pad_id: int) -> Dict[str, float]:
+        return step(updates, batch, pad_id, self.cfg)
 
 
-def _logps(model: torch.nn.Module, prompts, completions, pad_id: int, strategy: Any) -> torch.Tensor:
-    ids, mask, rmask = dpo.sequence_tensors(prompts, completions, pad_id, strategy.device)
-    return dpo.sequence_logprobs(model, ids, mask, rmask, strategy.autocast)
+def _experience(batch: List[KTOExample], pad_id: int, device: torch.device, per_micro: int,
+                mismatched: bool = False) -> Experience:
+    """The examples as rows (``scores``: 1 desirable, 0 not); ``mismatched``: prompt i with completion
+    i+1 of the same micro-batch of ``per_micro`` (TRL's KL estimate)."""
+    completions = [e.completion_ids for e in batch]
+    if mismatched:
+        completions = []
+        for start in range(0, len(batch), per_micro):
+            chunk = batch[start : start + per_micro]
+            completions += [chunk[(i + 1) % len(chunk)].completion_ids for i in range(len(chunk))]
+    exp = pair_rows.rows_experience([e.prompt_ids for e in batch], completions, range(len(batch)), pad_id, device)
+    exp.scores = torch.tensor([float(e.desirable) for e in batch], device=device)
+    return exp
 
 
-def kl_estimate(strategy: Any, batch: List[KTOExample], pad_id: int, size: int) -> torch.Tensor:
+@torch.no_grad()
+def kl_estimate(strategy: Any, batch: List[KTOExample], pad_id: int, per_micro: int) -> torch.Tensor:
     """The mean log-ratio of mismatched pairs (prompt i, completion i+1 within each micro-batch of
-    ``size``), over the ranks; no gradient."""
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for start in range(0, len(batch), size):
-            chunk = batch[start : start + size]
-            prompts = [e.prompt_ids for e in chunk]
-            shifted = [chunk[(i + 1) % len(chunk)].completion_ids for i in range(len(chunk))]
-            ratio = _logps(strategy.actor, prompts, shifted, pad_id, strategy) - _logps(
-                strategy.ref, prompts, shifted, pad_id, strategy)
-            total, count = total + float(ratio.sum()), count + len(chunk)
-    total, count = distributed.all_reduce_numbers([total, float(count)], group=strategy.dp_group) \
-        if strategy.dp_size > 1 else (total, float(count))
+    ``per_micro``), over the ranks; no gradient."""
+    exp = _experience(batch, pad_id, strategy.device, per_micro, mismatched=True)
+    micro = pair_rows.micro_batches(len(batch), per_micro, 1, strategy.device)
+    ratio = pair_rows.summed(strategy.actor_logprobs(exp, micro), exp) - pair_rows.summed(
+        strategy.ref_logprobs(exp, micro), exp)
+    total, count = float(ratio.sum()), float(len(batch))
+    if strategy.dp_size > 1:
+        total, count = distributed.all_reduce_numbers([total, count], group=strategy.dp_group)
     return torch.tensor(total / count, device=strategy.device)
 
 
-def step(strategy: Any, batch: List[KTOExample], pad_id: int, cfg: Config) -> Dict[str, float]:
-    """The backward passes of one KTO step over ``batch``; its statistics."""
-    alg, size = cfg.algorithm, dpo.pairs_per_micro_batch(cfg)
+def step(updates: Any, batch: List[KTOExample], pad_id: int, cfg: Config) -> Dict[str, float]:
+    """One optimiser step of the actor on ``batch`` through ``updates`` (``trainer/updates.py``)."""
+    alg, size, strategy = cfg.algorithm, dpo.pairs_per_micro_batch(cfg), updates.strategy
     kl = kl_estimate(strategy, batch, pad_id, size)
-    stats: Dict[str, float] = {"kto/loss": 0.0}
-    for start in range(0, len(batch), size):
-        chunk = batch[start : start + size]
-        prompts, completions = [e.prompt_ids for e in chunk], [e.completion_ids for e in chunk]
-        policy = _logps(strategy.actor, prompts, completions, pad_id, strategy)
-        with torch.no_grad():
-            reference = _logps(strategy.ref, prompts, completions, pad_id, strategy)
-        labels = torch.tensor([e.desirable for e in chunk], device=policy.device)
-        loss, s = kto_loss(policy, reference, labels, kl, alg.beta, alg.kto_desirable_weight,
+    exp = _experience(batch, pad_id, strategy.device, size)
+    micro = pair_rows.micro_batches(len(batch), size, 1, strategy.device)
+    pair_rows.reference_logprobs(strategy, exp, micro)
+
+    def loss_fn(logp: torch.Tensor, sub: Experience):
+        policy, reference = pair_rows.summed(logp, sub), pair_rows.summed(sub.ref_logprobs, sub)
+        loss, _ = kto_loss(policy, reference, sub.scores > 0.5, kl, alg.beta, alg.kto_desirable_weight,
                            alg.kto_undesirable_weight)
-        (loss * len(chunk) / len(batch)).backward()
-        stats["kto/loss"] += loss.item() * len(chunk) / len(batch)
-    stats["kto/kl"] = float(kl.clamp(min=0))
-    return stats
+        part = sub.num_sequences / len(batch)
+        return loss * part, {"kto/loss": loss.detach() * part}
+
+    metrics, norm = pair_rows.step(updates, exp, micro, loss_fn)
+    return {**metrics, "kto/kl": float(kl.clamp(min=0)), "actor/grad_norm": norm}

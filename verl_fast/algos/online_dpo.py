@@ -40,7 +40,6 @@ class OnlineDPO:
         if cfg.rollout.n < 2:
             raise ValueError(f"algorithm.type=online_dpo is not supported with rollout.n={cfg.rollout.n}: a pair "
                              "needs two sampled responses per prompt; use rollout.n >= 2")
-        dpo.refuse_megatron(cfg)
         dpo.check_loss(cfg)
 
     @classmethod
@@ -67,8 +66,8 @@ class OnlineDPO:
                         "dpo/pairs": len(pairs)})
         return pairs
 
-    def update(self, strategy: Any, pairs: List[PreferencePair], pad_id: int) -> Dict[str, float]:
-        return dpo.update(self.cfg, strategy, pairs, pad_id)
+    def update(self, updates: Any, pairs: List[PreferencePair], pad_id: int) -> Dict[str, float]:
+        return dpo.step(updates, pairs, pad_id, self.cfg.algorithm, dpo.pairs_per_micro_batch(self.cfg))
 
 
 def best_worst_pairs(batch: Sequence[PromptRow], gen: GenerationOutput, scores: torch.Tensor) -> List[PreferencePair]:

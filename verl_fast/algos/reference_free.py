@@ -1,7 +1,7 @@
 """ORPO, SimPO and CPO (``Step.PREFERENCE``, no rollout, no reference model): the dataset's chosen /
 rejected pairs, the actor's response log-probs of both, a loss of the policy alone
-(``preference_losses``), plus a weight times the chosen responses' token-mean NLL, backward, one
-optimiser step per batch.
+(``preference_losses``), plus a weight times the chosen responses' token-mean NLL, through the
+strategy's ``forward_backward`` (``pair_rows.py``), one optimiser step per batch.
 
     orpo   odds ratio of the per-token mean log-probs, weight beta (the paper's lambda); NLL weight 1
     simpo  -log sig(beta (a_c - a_r) - simpo_gamma) on mean log-probs; NLL weight cpo_alpha (default 0)
@@ -21,12 +21,12 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
-from verl_fast.algos import dpo
+from verl_fast.algos import dpo, pair_rows
 from verl_fast.algos.algorithm import Step, kl_reference
 from verl_fast.algos.preference_losses import cpo_loss, orpo_loss, simpo_loss
 from verl_fast.config import Config
 from verl_fast.data import PreferencePair, RLDataProcessor
-from verl_fast.models.response_logprobs import response_logprobs
+from verl_fast.experience import Experience
 
 # loss(chosen_sum, rejected_sum, chosen_len, rejected_len [B], algorithm section) -> (loss, stats)
 PairLoss = Callable[..., Tuple[torch.Tensor, Dict[str, torch.Tensor]]]
@@ -94,38 +94,34 @@ class ReferenceFree:
               metrics: Dict[str, Any]) -> List[PreferencePair]:
         return batch
 
-    def update(self, strategy: Any, pairs: List[PreferencePair], pad_id: int) -> Dict[str, float]:
-        metrics = step(strategy.actor, pairs, pad_id=pad_id, device=strategy.device, autocast=strategy.autocast,
-                       loss=lambda *a: self.loss(*a, self.cfg.algorithm), nll_weight=nll_weight(self.cfg),
-                       pairs_per_micro_batch=dpo.pairs_per_micro_batch(self.cfg), prefix=self.name)
-        metrics["actor/grad_norm"] = strategy.optimizer_step()
-        return metrics
+    def update(self, updates: Any, pairs: List[PreferencePair], pad_id: int) -> Dict[str, float]:
+        return step(updates, pairs, pad_id=pad_id, loss=lambda *a: self.loss(*a, self.cfg.algorithm),
+                    nll_weight=nll_weight(self.cfg), per_micro=dpo.pairs_per_micro_batch(self.cfg), prefix=self.name)
 
 
-def step(actor: torch.nn.Module, pairs: List[PreferencePair], *, pad_id: int, device: torch.device, autocast: Any,
-         loss: PairLoss, nll_weight: float, pairs_per_micro_batch: int, prefix: str) -> Dict[str, float]:
-    """Backward passes of ``loss`` (the mean over the pairs) plus ``nll_weight`` times the chosen
-    tokens' mean NLL over ``pairs``, ``pairs_per_micro_batch`` pairs a pass; the statistics."""
+def step(updates: Any, pairs: List[PreferencePair], *, pad_id: int, loss: PairLoss, nll_weight: float,
+         per_micro: int, prefix: str) -> Dict[str, float]:
+    """One optimiser step of the actor through ``updates`` (``trainer/updates.py``): ``loss`` (the
+    mean over the pairs) plus ``nll_weight`` times the chosen tokens' mean NLL over ``pairs``,
+    ``per_micro`` pairs a pass; the statistics and ``actor/grad_norm``."""
+    device = updates.strategy.device
+    exp = pair_rows.pair_experience(pairs, pad_id, device)
+    micro = pair_rows.micro_batches(len(pairs), per_micro, 2, device)
     total = len(pairs)
     # the NLL's mean is over every chosen token of the step, so micro-batches add up to it
     chosen_tokens = max(1, sum(len(p.chosen_ids) for p in pairs))
-    stats: Dict[str, float] = {}
-    for start in range(0, total, pairs_per_micro_batch):
-        chunk = pairs[start : start + pairs_per_micro_batch]
-        ids, mask, rmask = dpo.pair_tensors(chunk, pad_id, device)
-        with autocast():
-            logp, _ = response_logprobs(actor, ids, mask, rmask.shape[1])
-        sums = (logp.float() * rmask).sum(-1)
-        lengths = rmask.sum(-1).clamp(min=1).to(sums.dtype)
-        B = len(chunk)
-        value, s = loss(sums[:B], sums[B:], lengths[:B], lengths[B:])
-        nll = -sums[:B].sum() / chosen_tokens  # this micro-batch's share of the chosen tokens' mean NLL
-        (value * B / total + nll_weight * nll).backward()
-        parts = {"loss": value.item() * B / total, "nll": nll.item(),
-                 **{k: float(v) * B / total for k, v in s.items()}}
-        for k, v in parts.items():
-            stats[f"{prefix}/{k}"] = stats.get(f"{prefix}/{k}", 0.0) + v
-    return stats
+
+    def loss_fn(logp: torch.Tensor, sub: Experience):
+        sums, lengths = pair_rows.summed(logp, sub), pair_rows.lengths(sub)
+        value, s = loss(sums[0::2], sums[1::2], lengths[0::2], lengths[1::2])
+        nll = -sums[0::2].sum() / chosen_tokens  # this micro-batch's share of the chosen tokens' mean NLL
+        part = sub.num_sequences // 2 / total
+        stats = {f"{prefix}/loss": value.detach() * part, f"{prefix}/nll": nll.detach(),
+                 **{f"{prefix}/{k}": v * part for k, v in s.items()}}
+        return value * part + nll_weight * nll, stats
+
+    metrics, norm = pair_rows.step(updates, exp, micro, loss_fn)
+    return {**metrics, "actor/grad_norm": norm}
 
 
 ORPO = ReferenceFree("orpo", _orpo)

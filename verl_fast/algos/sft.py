@@ -6,7 +6,7 @@ The rows (``sft_data.py``: TRL's ``messages``, ``prompt`` / ``completion`` and `
 one ``Experience``: each row's tokens before its first trained token are the "prompt", the rest the
 "response", and ``advantages`` holds 1 on trained tokens, 0 on the others (a later user turn). SFT is
 then the policy gradient with advantage 1 on the demonstration, and runs through the strategy's
-``train_actor`` as the RL update does, micro-batched as the trainer cuts the RL update's: packed rows
+``forward_backward`` / ``optimizer_step`` as the RL update does, micro-batched as the trainer cuts the RL update's: packed rows
 without padding where the strategy packs (``models/packed.py``), LoRA, FSDP2, Megatron, the same
 checkpoints. Micro-batches: a token budget (``actor.max_token_len_per_gpu``, or its auto; on a GPU by
 default) or ``actor.micro_batch_size`` rows.
@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from verl_fast import sft_data
-from verl_fast.algos import dpo
+from verl_fast.algos import dpo, pair_rows
 from verl_fast.algos.algorithm import Step
 from verl_fast.algos.losses import agg_loss
 from verl_fast.config import Config
@@ -84,7 +84,7 @@ def experience(batch: List[SFTExample], pad_id: int, device: torch.device) -> Ex
         prompts.append(e.ids[:first])
         responses.append(e.ids[first:])
         weights.append(e.loss_mask[first:])
-    ids, mask, rmask = dpo.sequence_tensors(prompts, responses, pad_id, device)
+    ids, mask, rmask = pair_rows.sequence_tensors(prompts, responses, pad_id, device)
     adv = torch.zeros(rmask.shape, dtype=torch.float32)
     for row, w in enumerate(weights):
         adv[row, : len(w)] = torch.as_tensor(w, dtype=torch.float32)

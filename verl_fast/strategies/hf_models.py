@@ -244,7 +244,7 @@ class HFCritic:
                                                                        sub.response_length).float()
         return out
 
-    def train(self, exp: Experience, micro: List[torch.Tensor], loss_fn: LossFn) -> List[Dict[str, float]]:
+    def forward_backward(self, exp: Experience, micro: List[torch.Tensor], loss_fn: LossFn) -> List[Dict[str, Any]]:
         self.model.train()
         results = []
         for idx in sharding.micro_steps(self.model, micro):
@@ -254,8 +254,10 @@ class HFCritic:
             loss, stats = loss_fn(values, sub)
             loss.backward()
             results.append(stats)
-        optimizer_step(self.model, self.optimizer, self.cfg.critic.max_grad_norm)
         return results
+
+    def optimizer_step(self) -> float:
+        return optimizer_step(self.model, self.optimizer, self.cfg.critic.max_grad_norm)
 
 
 def critic_model(critic: torch.nn.Module) -> ValueModel:
@@ -265,6 +267,8 @@ def critic_model(critic: torch.nn.Module) -> ValueModel:
 
 class FSDPStrategy:
     """The ``Strategy`` of Hugging Face models trained by torch (module docstring)."""
+
+    budgets_tokens = True
 
     def __init__(self, cfg: Config, actor: torch.nn.Module, ref: Optional[torch.nn.Module],
                  critic: Optional[torch.nn.Module], needs_reference: bool):
@@ -311,14 +315,14 @@ class FSDPStrategy:
         return hf_logprobs(self.ref, exp, micro, self.cfg, self.autocast, self.device, compiled=self.compiled,
                            packs=self.packs_sequences)
 
-    def train_actor(self, exp: Experience, micro: List[torch.Tensor],
-                    loss_fn: LossFn) -> Tuple[List[Dict], float, Tuple[float, float]]:
+    def forward_backward(self, exp: Experience, micro: List[torch.Tensor],
+                         loss_fn: LossFn) -> Tuple[List[Dict[str, Any]], Tuple[float, float]]:
         batches = prepared(self.actor, exp, micro, self.cfg, self.packs_sequences)
         # once for all micro-batches; bf16 gradients become the fp32 masters' before the step
         with self._bf16_passes(), passes(self.actor, self.compiled, self.packs_sequences):
             stats = [self._actor_micro_step(sub, lay, loss_fn)
                      for sub, lay in sharding.micro_steps(self.actor, batches)]
-        return stats, self.optimizer_step(), run_cost(batches)
+        return stats, run_cost(batches)
 
     def _actor_micro_step(self, sub: Experience, lay: Optional[packed.PackedLayout], loss_fn: LossFn) -> Dict:
         # the backward inside the routing too: gradient checkpointing recomputes the forward there, and a

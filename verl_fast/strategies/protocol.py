@@ -7,8 +7,12 @@
   PPO critic with ``critic.strategy: megatron``) trains; the Hugging Face actor rolls out.
 
 The trainer cuts micro-batches (index tensors into the step's ``Experience``) and the strategy runs
-them: forward passes without gradients (log-probs, values) and optimiser steps over a mini-batch's
-micro-batches with the algorithm's loss. The strategy also says what a rollout engine syncs its
+them: forward passes without gradients (log-probs, values), and one training entry for every loss
+(policy gradient, the critic's, SFT's, DPO's pairs): ``forward_backward(exp, micro, loss_fn)``
+accumulates the gradient of the micro-batches' losses, ``optimizer_step()`` clips it, steps and zeroes
+it (one ``forward_backward`` per step: megatron-core reduces the gradient at the end of its pass).
+What a backend can do is said by flags (``uneven_micro_batches``, ``packs_sequences``,
+``budgets_tokens``), never by its name. The strategy also says what a rollout engine syncs its
 weights from, prepares the engine it rolls out with, and writes / restores its checkpoints (model and
 optimizer state, sharded as it trains). Offloading belongs to it too: FSDP's ``cpu_offload`` shards,
 the Megatron strategy's release of the Hugging Face actor's weights when vLLM holds its own.
@@ -37,8 +41,11 @@ class Critic(Protocol):
     def values(self, exp: Experience, micro: List[torch.Tensor]) -> torch.Tensor:
         """[N, L] float32 values of the response positions (no gradient)."""
 
-    def train(self, exp: Experience, micro: List[torch.Tensor], loss_fn: LossFn) -> List[Dict[str, float]]:
-        """One optimiser step over ``micro``; each micro-batch's statistics."""
+    def forward_backward(self, exp: Experience, micro: List[torch.Tensor], loss_fn: LossFn) -> List[Dict[str, Any]]:
+        """The gradient of ``loss_fn(values, sub)`` over ``micro``, accumulated; each micro-batch's statistics."""
+
+    def optimizer_step(self) -> float:
+        """Clips, steps and zeroes the accumulated gradient; its norm."""
 
 
 class Strategy(Protocol):
@@ -53,6 +60,7 @@ class Strategy(Protocol):
     autocast_dtype: Optional[torch.dtype]  # actor.autocast (None: none)
     uneven_micro_batches: bool  # ranks may run different numbers of forward / backward passes (one process)
     packs_sequences: bool  # log-prob and training passes run the rows without padding (token budgets count real tokens)
+    budgets_tokens: bool  # micro-batches may be cut by a token budget (actor.use_dynamic_bsz), not only by rows
 
     def autocast(self) -> ContextManager[Any]:
         """The forward passes' autocast (``actor.autocast``), also around generation."""
@@ -67,15 +75,14 @@ class Strategy(Protocol):
     def ref_logprobs(self, exp: Experience, micro: List[torch.Tensor]) -> torch.Tensor:
         """The same under the reference."""
 
-    def train_actor(self, exp: Experience, micro: List[torch.Tensor],
-                    loss_fn: LossFn) -> Tuple[List[Dict], float, Tuple[float, float]]:
-        """One optimiser step over ``micro`` with ``loss_fn(logp, entropy, sub)``: each micro-batch's
-        statistics, the gradient norm, and (tokens, causal query-key pairs) its passes ran (the
-        update's FLOP count: a shared prompt once, no padding)."""
+    def forward_backward(self, exp: Experience, micro: List[torch.Tensor],
+                         loss_fn: LossFn) -> Tuple[List[Dict[str, Any]], Tuple[float, float]]:
+        """The actor's gradient of ``loss_fn(logp, entropy, sub)`` over ``micro``, accumulated: each
+        micro-batch's statistics (tensors or floats), and (tokens, causal query-key pairs) the passes
+        ran (the update's FLOP count: a shared prompt once, no padding)."""
 
     def optimizer_step(self) -> float:
-        """The actor's optimiser step after backward passes run on ``actor`` (DPO); the gradient norm.
-        Only strategies that train the Hugging Face actor itself (``fsdp2`` / ``fsdp1`` / ``none``)."""
+        """Clips, steps and zeroes the actor's accumulated gradient; its norm."""
 
     def weight_source(self, owns_weights: bool) -> Any:
         """What a rollout engine syncs from: ``owns_weights``, an engine holding its own copy (vLLM)."""

@@ -24,7 +24,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
-import math
 import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
@@ -52,10 +51,10 @@ from verl_fast.rollout.factory import build_engine
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 from verl_fast.rollout.operator import RolloutOperator
 from verl_fast.strategies import backends as strategies
-from verl_fast.strategies import memory_plan
 from verl_fast.trainer import lr_schedule, perf, run_dir, supervised
 from verl_fast.trainer.validation import Validation
-from verl_fast.trainer.batching import balance_across_ranks, loss_normalisers, micro_batches, token_budget
+from verl_fast.trainer.batching import balance_across_ranks
+from verl_fast.trainer.updates import Updates
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +156,7 @@ class RLTrainer:
         self.validation: Optional[Validation] = None  # fit's, with a validation set
         self.generations: List[Dict[str, Any]] = []  # the latest step's first trainer.log_generations samples
         self.perf = perf.StepPerf(s.actor, self.device)
-        self._auto_budget: Optional[int] = None  # actor.max_token_len_per_gpu's auto (token_budget)
+        self.updates = Updates(cfg, s, self.perf)  # the optimiser steps (trainer/updates.py)
         # trainer.async_mode: where the samples come from when not generated in the step (None: off)
         self.async_rollout = async_modes.build(self)
         if self.is_main:  # what the defaults became here, once (the token budget: at the first update)
@@ -623,121 +622,33 @@ class RLTrainer:
 
     @torch.no_grad()
     def _old_logprobs(self, exp: Experience) -> torch.Tensor:
-        return self.strategy.actor_logprobs(exp, self._micro(exp, self._rows(exp), for_update=False))
+        return self.strategy.actor_logprobs(exp, self.updates.micro(exp, for_update=False))
 
     @torch.no_grad()
     def _ref_logprobs(self, exp: Experience) -> torch.Tensor:
-        return self.strategy.ref_logprobs(exp, self._micro(exp, self._rows(exp), for_update=False))
+        return self.strategy.ref_logprobs(exp, self.updates.micro(exp, for_update=False))
 
     @torch.no_grad()
     def _values(self, exp: Experience) -> torch.Tensor:
-        micro = self._micro(exp, self._rows(exp), for_update=False, size=self.cfg.critic.micro_batch_size)
+        micro = self.updates.micro(exp, for_update=False, size=self.cfg.critic.micro_batch_size)
         return self.strategy.critic.values(exp, micro) * exp.response_mask
-
-    def _rows(self, exp: Experience) -> torch.Tensor:
-        return torch.arange(exp.num_sequences, device=self.device)
-
-    def _micro(self, exp: Experience, rows: torch.Tensor, for_update: bool = True,
-               size: Optional[int] = None) -> List[torch.Tensor]:
-        """Micro-batches of ``rows``: by count, or under a token budget (``use_dynamic_bsz``)."""
-        a = self.cfg.actor
-        by_tokens = a.use_dynamic_bsz
-        if by_tokens is None:
-            by_tokens = self.device.type == "cuda" and a.strategy != "megatron"
-        if by_tokens:
-            return micro_batches(rows, exp.attention_mask.sum(-1), max_tokens=self.token_budget(),
-                                 group=self.dp_group, packed=self.strategy.packs_sequences)
-        return micro_batches(rows, size=size or (a.micro_batch_size if for_update else max(a.micro_batch_size, 16)))
-
-    def token_budget(self) -> int:
-        """``actor.max_token_len_per_gpu``; its auto is resolved at the first use (before the first
-        update, so the memory the update will take is still free) and kept for the run."""
-        if self.cfg.actor.max_token_len_per_gpu is not None:
-            return self.cfg.actor.max_token_len_per_gpu
-        if self._auto_budget is None:
-            s = self.strategy
-            self._auto_budget = token_budget(s.actor, s.optimizer, self.device, compiled=getattr(s, "compiled", False),
-                                             checkpointed=getattr(s, "checkpointing", False),
-                                             casts_weights=s.autocast_dtype is not None and getattr(s, "bf16", None) is None,
-                                             half=s.autocast_dtype in (torch.bfloat16, torch.float16),
-                                             state_bytes=memory_plan.OPTIMIZER_STATE_BYTES[self.cfg.actor.optimizer])
-            logger.info("actor.max_token_len_per_gpu (auto): %d tokens per micro-batch", self._auto_budget)
-        return self._auto_budget
-
-    def _norm_length(self, section) -> float:
-        """seq-mean-token-sum-norm's divisor for the actor or critic ``section``: one constant for
-        every micro-batch of every step."""
-        return float(section.loss_scale_factor or self.cfg.rollout.max_new_tokens)
 
     # ------------------------------------------------------------------ updates
 
     def update_actor(self, exp: Experience) -> Dict[str, float]:
-        a = self.cfg.actor
-        N = exp.num_sequences
-        rows = self._rows(exp)
-        # Samples whose advantage is 0 everywhere add exactly nothing to the policy gradient: leave
-        # them out of the backward (normalisers still count them, so the loss is unchanged), where
-        # ranks may run different numbers of forward / backward passes.
-        skip = self.algorithm.zero_advantage_is_idle and self.strategy.uneven_micro_batches
-        active = exp.advantages.abs().sum(-1) > 0 if skip else torch.ones(N, dtype=torch.bool, device=self.device)
-        mini = a.ppo_mini_batch_size or N
-        totals: Dict[str, float] = {}
-        weight, norms = 0.0, 0.0
-        self.strategy.actor.train()
-        for epoch in range(a.ppo_epochs):
-            order = rows
-            if a.ppo_epochs > 1 or mini < N:
-                g = torch.Generator().manual_seed(self.cfg.trainer.seed * 7 + self.step * 131 + epoch)
-                order = rows[torch.randperm(N, generator=g).to(self.device)]
-            for start in range(0, N, mini):
-                mb = order[start : start + mini]
-                counts = loss_normalisers(exp.response_mask[mb], self.dp_group, self._norm_length(a))
-                micro = self._micro(exp, mb[active[mb]])
-                stats, norm, cost = self.strategy.train_actor(
-                    exp, micro, lambda logp, entropy, sub: self.algorithm.actor_loss(logp, entropy, sub, counts))
-                self.perf.count_update(*cost)
-                for idx, st in zip(micro, stats):
-                    w = float(exp.response_mask[idx].sum())
-                    for k, v in st.items():
-                        totals[k] = totals.get(k, 0.0) + v * w
-                    weight += w
-                norms += norm
-        totals = {k: float(v) for k, v in totals.items()}  # the statistics' one read back (actor_loss)
-        if self.world > 1:  # weighted by every rank's tokens, as one process would weight them
-            keys = sorted(totals)
-            summed = distributed.all_reduce_numbers([totals[k] for k in keys] + [weight], group=self.dp_group)
-            totals, weight = dict(zip(keys, summed[:-1])), summed[-1]
-        steps = a.ppo_epochs * math.ceil(N / mini)
-        out = {f"actor/{k}": v / max(weight, 1e-9) for k, v in totals.items()}
-        out.setdefault("actor/pg_loss", 0.0)  # every advantage 0: the policy loss is exactly 0
-        out["actor/grad_norm"] = norms / steps
-        out["actor/active_fraction"] = float(active.float().mean())
-        if self._auto_budget is not None:
-            out["perf/token_budget"] = float(self._auto_budget)
+        """The actor's optimiser steps on ``exp`` with the algorithm's loss (``updates.Updates.actor``)."""
+        out = self.updates.actor(exp, self.algorithm.actor_loss, self.algorithm.zero_advantage_is_idle, self.step)
         self.strategy.actor_updated(self.engine is not None and self.engine.owns_weights)
         return out
 
     def update_critic(self, exp: Experience) -> Dict[str, float]:
-        c = self.cfg.critic
-        N = exp.num_sequences
-        rows = self._rows(exp)
-        counts = loss_normalisers(exp.response_mask, self.dp_group, self._norm_length(c))
-        totals: Dict[str, float] = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
-        for _ in range(self.cfg.actor.ppo_epochs):
-            micro = self._micro(exp, rows, size=c.micro_batch_size)
-            results = self.strategy.critic.train(exp, micro,
-                                                 lambda values, sub: self.algorithm.critic_loss(values, sub, counts, N))
-            for stats in results:
-                totals["vf_loss"] += stats["vf_loss"]
-                totals["vf_clipfrac"] += stats["vf_clipfrac"]
-        epochs = self.cfg.actor.ppo_epochs
-        return {"critic/vf_loss": totals["vf_loss"] / epochs, "critic/vf_clipfrac": totals["vf_clipfrac"] / epochs,
-                "critic/values_mean": float((exp.values * exp.response_mask).sum() / exp.response_mask.sum())}
+        return self.updates.critic(exp, self.algorithm.critic_loss)
 
     def _update_on_pairs(self, pairs: List[PreferencePair]) -> Dict[str, Any]:
         self.strategy.actor.train()
         with self.perf.phase("update_actor"):
-            metrics = self.algorithm.update(self.strategy, pairs, self.tokenizer.pad_token_id)
+            metrics = self.algorithm.update(self.updates, pairs, self.tokenizer.pad_token_id)
+        self.strategy.actor_updated(self.engine is not None and self.engine.owns_weights)
         metrics.update(self.perf.figures())
         return _reduce(metrics, self.world, self.dp_group)
 

@@ -1,7 +1,7 @@
 """The trainer's ``SUPERVISED`` step (``algos/algorithm.py``; SFT): the batch's rows as one
-``Experience`` (the algorithm's), micro-batched as the RL update's (``RLTrainer._micro``: a token
-budget or ``actor.micro_batch_size`` rows), one optimiser step through the strategy's ``train_actor``
-with the algorithm's loss (token-mean over the step's trained tokens on every rank:
+``Experience`` (the algorithm's), micro-batched as the RL update's (``updates.Updates.micro``: a token
+budget or ``actor.micro_batch_size`` rows), one optimiser step through the strategy's
+``forward_backward`` / ``optimizer_step`` with the algorithm's loss (token-mean over the step's trained tokens on every rank:
 ``batching.loss_normalisers``); and the validation set's loss (``LossValidation``)."""
 
 from __future__ import annotations
@@ -17,22 +17,18 @@ from verl_fast.trainer.batching import loss_normalisers
 def update(trainer: Any, batch: List[Any]) -> Dict[str, float]:
     """One optimiser step of ``trainer``'s actor on ``batch`` (this rank's share); ``sft/loss`` (this
     rank's part of the step's token-mean NLL), ``sft/tokens`` (this rank's trained tokens), the gradient norm."""
-    alg, strategy = trainer.algorithm, trainer.strategy
+    alg, strategy, updates = trainer.algorithm, trainer.strategy, trainer.updates
     exp = alg.experience(batch, trainer.tokenizer.pad_token_id, trainer.device)
     counts = loss_normalisers(exp.advantages, trainer.dp_group)
     strategy.actor.train()
-    micro = trainer._micro(exp, torch.arange(exp.num_sequences, device=trainer.device))
-    stats, norm, cost = strategy.train_actor(exp, micro, lambda logp, entropy, sub: alg.loss(logp, sub, counts))
-    trainer.perf.count_update(*cost)
+    stats, norm = updates.step(exp, updates.micro(exp), lambda logp, entropy, sub: alg.loss(logp, sub, counts))
     trainer.perf.count_step_tokens(exp.attention_mask)
     strategy.actor_updated(False)
     # over the step's trained tokens of every rank (num_tokens: their count / ranks), so the ranks' mean
     # that the trainer logs is the step's loss
     out = {"sft/loss": float(sum(s["loss_sum"] for s in stats)) / max(counts["num_tokens"], 1.0),
            "sft/tokens": float(exp.advantages.sum()), "actor/grad_norm": norm}
-    if trainer._auto_budget is not None:
-        out["perf/token_budget"] = float(trainer._auto_budget)
-    return out
+    return {**out, **updates.budget_metrics()}
 
 
 class LossValidation:
@@ -54,8 +50,7 @@ class LossValidation:
             exp.advantages[len(share):] = 0
         t.strategy.actor.eval()
         with torch.no_grad():
-            logp = t.strategy.actor_logprobs(exp, t._micro(exp, torch.arange(exp.num_sequences, device=t.device),
-                                                           for_update=False))
+            logp = t.strategy.actor_logprobs(exp, t.updates.micro(exp, for_update=False))
         t.strategy.actor.train()
         total, count = float(-(logp * exp.advantages).sum()), float(exp.advantages.sum())
         if t.world > 1:

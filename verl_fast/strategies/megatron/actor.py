@@ -108,10 +108,10 @@ class MegatronActor(MegatronTrained):
         """[N, L] float32 log-probs of the response tokens, on every rank (sent from the last stage)."""
         return self.response_outputs(exp, micro, self._around(temperature), self._replay(exp))
 
-    def train_mini_batch(self, exp: Experience, micro: List[torch.Tensor], loss_fn) -> Tuple[List[Dict], float]:
-        """One optimiser step over ``micro``; ``loss_fn(logp, entropy, sub) -> (loss, stats)``. Returns
-        each micro-batch's stats (every rank) and the gradient norm."""
-        return super().train_mini_batch(exp, micro, loss_fn, self._around(self.cfg.rollout.temperature or 1.0),
+    def forward_backward(self, exp: Experience, micro: List[torch.Tensor], loss_fn) -> List[Dict]:
+        """The gradient of ``loss_fn(logp, entropy, sub) -> (loss, stats)`` over ``micro`` (``step``
+        applies it); each micro-batch's stats (every rank)."""
+        return super().forward_backward(exp, micro, loss_fn, self._around(self.cfg.rollout.temperature or 1.0),
                                         self._replay(exp))
 
     def export_to(self, hf_model: torch.nn.Module) -> None:

@@ -56,10 +56,9 @@ class MegatronCritic(MegatronTrained):
         """[N, L] float32 values at the response positions, on every rank (sent from the last stage)."""
         return self.response_outputs(exp, micro)
 
-    def train(self, exp: Experience, micro: List[torch.Tensor], loss_fn) -> List[Dict]:
-        """One optimiser step over ``micro``; ``loss_fn(values, sub) -> (loss, stats)``. Returns each
-        micro-batch's stats (every rank)."""
-        return self.train_mini_batch(exp, micro, loss_fn)[0]
+    def optimizer_step(self) -> float:
+        """``forward_backward(exp, micro, loss_fn(values, sub))`` is the shared one; this applies it."""
+        return self.step()
 
     def to_hf(self) -> Dict[str, torch.Tensor]:
         """The whole critic under HF names (``model.*``, ``score.*``) on every rank (collective over the

@@ -36,6 +36,7 @@ class MegatronStrategy:
 
     uneven_micro_batches = False  # the pipeline schedule runs every rank's micro-batches together
     packs_sequences = False  # Megatron's forward takes the padded rows
+    budgets_tokens = False  # fixed-size micro-batches (check refuses actor.use_dynamic_bsz)
 
     def __init__(self, cfg: Config, actor: torch.nn.Module, ref: Optional[torch.nn.Module],
                  critic: Optional[torch.nn.Module], needs_reference: bool):
@@ -73,11 +74,14 @@ class MegatronStrategy:
     def ref_logprobs(self, exp: Experience, micro: List[torch.Tensor]) -> torch.Tensor:
         return hf_models.hf_logprobs(self.ref, exp, micro, self.cfg, self.autocast, self.device)
 
-    def train_actor(self, exp: Experience, micro: List[torch.Tensor],
-                    loss_fn: LossFn) -> Tuple[List[Dict], float, Tuple[float, float]]:
-        stats, norm = self.megatron.train_mini_batch(exp, micro, loss_fn)
+    def forward_backward(self, exp: Experience, micro: List[torch.Tensor],
+                         loss_fn: LossFn) -> Tuple[List[Dict], Tuple[float, float]]:
+        stats = self.megatron.forward_backward(exp, micro, loss_fn)
         lens = exp.attention_mask[torch.cat(micro)].sum(-1) if micro else exp.attention_mask.new_zeros(0)
-        return stats, norm, (float(lens.sum()), causal_pairs(lens))  # the rows' real tokens (padding not counted)
+        return stats, (float(lens.sum()), causal_pairs(lens))  # the rows' real tokens (padding not counted)
+
+    def optimizer_step(self) -> float:
+        return self.megatron.step()
 
     # ---- rollout
 

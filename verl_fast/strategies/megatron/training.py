@@ -4,7 +4,7 @@ distributed optimizer, and one pass of megatron-core's pipeline schedule over ou
 
 - Positions: megatron-core's rotary embedding numbers positions from 0, so each left-padded row is
   rotated to start at its first real token (its trailing padding is then harmless under the causal mask).
-- One optimiser step per mini-batch: ``get_forward_backward_func`` runs our micro-batches
+- One optimiser step per mini-batch (``forward_backward`` then ``step``): ``get_forward_backward_func`` runs our micro-batches
   (variable shapes, their sizes sent between stages); the loss of a micro-batch is its share of
   the mini-batch loss (normalised by the DP-global counts divided by the DP size), multiplied by
   the number of micro-batches because the schedule divides by it; DDP averages over DP ranks.
@@ -77,6 +77,7 @@ class MegatronTrained:
             optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=max_grad_norm, params_dtype=dtype,
             bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, use_distributed_optimizer=True),
             model.chunks)
+        self.zero_grad()
         self.dp_group = ps.get_data_parallel_group()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.tp_group = ps.get_tensor_model_parallel_group()
@@ -155,19 +156,17 @@ class MegatronTrained:
             dist.broadcast(out, src=self.last_stage_rank, group=self.pp_group)
         return out.to(exp.response_mask.device)
 
-    def train_mini_batch(self, exp: Experience, micro: List[torch.Tensor], loss_fn: LossFn,
+    def forward_backward(self, exp: Experience, micro: List[torch.Tensor], loss_fn: LossFn,
                          around: Optional[Callable[[torch.Tensor, torch.Tensor], ContextManager]] = None,
-                         replay: Optional[Replay] = None) -> Tuple[List[Dict], float]:
-        """One optimiser step over ``micro``; ``loss_fn(*columns, sub) -> (loss, stats)``. Returns each
-        micro-batch's stats (every rank; sent from the last stage) and the gradient norm; with ``replay``
-        also its ``routing_changed_frac`` (``routing_replay.Replay.fractions``)."""
+                         replay: Optional[Replay] = None) -> List[Dict]:
+        """The gradient of ``loss_fn(*columns, sub) -> (loss, stats)`` over ``micro`` in the grad buffers
+        (zero before: ``step`` zeroes them; one call per step, as the schedule's end reduces them over
+        the data-parallel ranks). Returns each micro-batch's stats (every rank; sent from the last
+        stage); with ``replay`` also its ``routing_changed_frac`` (``routing_replay.Replay.fractions``)."""
         for c in self.model.chunks:
             c.train()
-            c.zero_grad_buffer()
-        self.optimizer.zero_grad()
         stats = self._run(exp, micro, False, loss_fn, around, replay) if micro else []
         stats = [{k: float(v) for k, v in s.items()} for s in stats]  # read once every micro-batch is queued
-        ok, grad_norm, _ = self.optimizer.step()
         if self.par.pp > 1:
             box = [stats]
             dist.broadcast_object_list(box, src=self.last_stage_rank, group=self.pp_group)
@@ -175,4 +174,16 @@ class MegatronTrained:
         if replay is not None:  # tokens whose experts the training forward would have changed
             fractions = replay.fractions(len(micro), self.pp_group if self.par.pp > 1 else None)
             stats = [{**s, "routing_changed_frac": f} for s, f in zip(stats, fractions)]
-        return list(stats), float(grad_norm or 0.0) if ok else float("nan")
+        return list(stats)
+
+    def step(self) -> float:
+        """megatron-core's clipped optimiser step on the reduced gradient, then the buffers zeroed; the
+        gradient norm (nan where it was not finite and the step was skipped)."""
+        ok, grad_norm, _ = self.optimizer.step()
+        self.zero_grad()
+        return float(grad_norm or 0.0) if ok else float("nan")
+
+    def zero_grad(self) -> None:
+        for c in self.model.chunks:
+            c.zero_grad_buffer()
+        self.optimizer.zero_grad()

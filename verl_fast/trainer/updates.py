@@ -1,0 +1,145 @@
+"""The step's optimiser steps through the strategy's one training entry (``forward_backward`` then
+``optimizer_step``, ``strategies/protocol.py``): the micro-batches cut from an ``Experience`` (by rows,
+or under a token budget where the strategy allows it), the actor's PPO epochs and shuffled
+mini-batches, the critic's epochs, and one step over rows an algorithm built itself (SFT's, the
+preference algorithms'). Losses aggregate over the whole mini-batch (``batching.loss_normalisers``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from verl_fast import distributed
+from verl_fast.config import Config
+from verl_fast.experience import Experience
+from verl_fast.strategies import memory_plan
+from verl_fast.trainer.batching import loss_normalisers, micro_batches, token_budget
+
+logger = logging.getLogger(__name__)
+
+# loss(logp, entropy, sub, counts) -> (loss, stats): an algorithm's actor loss on one micro-batch
+ActorLoss = Callable[..., Tuple[torch.Tensor, Dict[str, Any]]]
+
+
+class Updates:
+    """The optimiser steps of one trainer (module docstring); ``perf``: the step's FLOP counter."""
+
+    def __init__(self, cfg: Config, strategy: Any, perf: Any):
+        self.cfg, self.strategy, self.perf = cfg, strategy, perf
+        self.device, self.dp_group, self.world = strategy.device, strategy.dp_group, strategy.dp_size
+        self.auto_budget: Optional[int] = None  # actor.max_token_len_per_gpu's auto (token_budget)
+
+    # ---- micro-batches
+
+    def micro(self, exp: Experience, rows: Optional[torch.Tensor] = None, for_update: bool = True,
+              size: Optional[int] = None) -> List[torch.Tensor]:
+        """Micro-batches of ``rows`` (every row of ``exp`` by default): by count, or under a token
+        budget (``actor.use_dynamic_bsz``; unset: on a GPU, where the strategy budgets tokens)."""
+        a = self.cfg.actor
+        if rows is None:
+            rows = torch.arange(exp.num_sequences, device=self.device)
+        by_tokens = a.use_dynamic_bsz
+        if by_tokens is None:
+            by_tokens = self.device.type == "cuda" and self.strategy.budgets_tokens
+        if by_tokens:
+            return micro_batches(rows, exp.attention_mask.sum(-1), max_tokens=self.token_budget(),
+                                 group=self.dp_group, packed=self.strategy.packs_sequences)
+        return micro_batches(rows, size=size or (a.micro_batch_size if for_update else max(a.micro_batch_size, 16)))
+
+    def token_budget(self) -> int:
+        """``actor.max_token_len_per_gpu``; its auto is resolved at the first use (before the first
+        update, so the memory the update will take is still free) and kept for the run."""
+        if self.cfg.actor.max_token_len_per_gpu is not None:
+            return self.cfg.actor.max_token_len_per_gpu
+        if self.auto_budget is None:
+            s = self.strategy
+            self.auto_budget = token_budget(s.actor, s.optimizer, self.device, compiled=getattr(s, "compiled", False),
+                                            checkpointed=getattr(s, "checkpointing", False),
+                                            casts_weights=s.autocast_dtype is not None and getattr(s, "bf16", None) is None,
+                                            half=s.autocast_dtype in (torch.bfloat16, torch.float16),
+                                            state_bytes=memory_plan.OPTIMIZER_STATE_BYTES[self.cfg.actor.optimizer])
+            logger.info("actor.max_token_len_per_gpu (auto): %d tokens per micro-batch", self.auto_budget)
+        return self.auto_budget
+
+    def budget_metrics(self) -> Dict[str, float]:
+        return {} if self.auto_budget is None else {"perf/token_budget": float(self.auto_budget)}
+
+    def _norm_length(self, section) -> float:
+        """seq-mean-token-sum-norm's divisor for the actor or critic ``section``: one constant for
+        every micro-batch of every step."""
+        return float(section.loss_scale_factor or self.cfg.rollout.max_new_tokens)
+
+    # ---- steps
+
+    def step(self, exp: Experience, micro: List[torch.Tensor], loss_fn: Callable[..., Any]) -> Tuple[List[Dict], float]:
+        """One optimiser step of the actor over ``micro`` with ``loss_fn(logp, entropy, sub)``: each
+        micro-batch's statistics and the gradient norm (the passes' work counted in ``perf``)."""
+        stats, cost = self.strategy.forward_backward(exp, micro, loss_fn)
+        self.perf.count_update(*cost)
+        return stats, self.strategy.optimizer_step()
+
+    def actor(self, exp: Experience, loss: ActorLoss, skip_idle: bool, step: int) -> Dict[str, float]:
+        """``actor.ppo_epochs`` passes over ``exp`` in shuffled mini-batches of ``actor.ppo_mini_batch_size``
+        rows, one optimiser step each, with ``loss(logp, entropy, sub, counts)``; the statistics
+        weighted by response tokens over every rank. ``skip_idle``: samples whose advantage is 0
+        everywhere are left out of the backward (they add exactly nothing; the normalisers still
+        count them), where the strategy lets ranks run different numbers of passes. ``step``: the
+        trainer's, which seeds the shuffle (a resumed run shuffles the same)."""
+        a = self.cfg.actor
+        N = exp.num_sequences
+        rows = torch.arange(N, device=self.device)
+        skip = skip_idle and self.strategy.uneven_micro_batches
+        active = exp.advantages.abs().sum(-1) > 0 if skip else torch.ones(N, dtype=torch.bool, device=self.device)
+        mini = a.ppo_mini_batch_size or N
+        totals: Dict[str, float] = {}
+        weight, norms = 0.0, 0.0
+        self.strategy.actor.train()
+        for epoch in range(a.ppo_epochs):
+            order = rows
+            if a.ppo_epochs > 1 or mini < N:
+                g = torch.Generator().manual_seed(self.cfg.trainer.seed * 7 + step * 131 + epoch)
+                order = rows[torch.randperm(N, generator=g).to(self.device)]
+            for start in range(0, N, mini):
+                mb = order[start : start + mini]
+                counts = loss_normalisers(exp.response_mask[mb], self.dp_group, self._norm_length(a))
+                micro = self.micro(exp, mb[active[mb]])
+                stats, norm = self.step(exp, micro, lambda logp, entropy, sub: loss(logp, entropy, sub, counts))
+                for idx, st in zip(micro, stats):
+                    w = float(exp.response_mask[idx].sum())
+                    for k, v in st.items():
+                        totals[k] = totals.get(k, 0.0) + v * w
+                    weight += w
+                norms += norm
+        totals = {k: float(v) for k, v in totals.items()}  # the statistics' one read back (actor_loss)
+        if self.world > 1:  # weighted by every rank's tokens, as one process would weight them
+            keys = sorted(totals)
+            summed = distributed.all_reduce_numbers([totals[k] for k in keys] + [weight], group=self.dp_group)
+            totals, weight = dict(zip(keys, summed[:-1])), summed[-1]
+        steps = a.ppo_epochs * math.ceil(N / mini)
+        out = {f"actor/{k}": v / max(weight, 1e-9) for k, v in totals.items()}
+        out.setdefault("actor/pg_loss", 0.0)  # every advantage 0: the policy loss is exactly 0
+        out["actor/grad_norm"] = norms / steps
+        out["actor/active_fraction"] = float(active.float().mean())
+        return {**out, **self.budget_metrics()}
+
+    def critic(self, exp: Experience, loss: Callable[..., Any]) -> Dict[str, float]:
+        """``actor.ppo_epochs`` optimiser steps of the critic over ``exp`` with ``loss(values, sub,
+        counts, N)``, micro-batches of ``critic.micro_batch_size`` rows."""
+        c, critic = self.cfg.critic, self.strategy.critic
+        N = exp.num_sequences
+        counts = loss_normalisers(exp.response_mask, self.dp_group, self._norm_length(c))
+        totals: Dict[str, float] = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
+        for _ in range(self.cfg.actor.ppo_epochs):
+            micro = self.micro(exp, size=c.micro_batch_size)
+            results = critic.forward_backward(exp, micro, lambda values, sub: loss(values, sub, counts, N))
+            critic.optimizer_step()
+            for stats in results:
+                totals["vf_loss"] += stats["vf_loss"]
+                totals["vf_clipfrac"] += stats["vf_clipfrac"]
+        epochs = self.cfg.actor.ppo_epochs
+        return {"critic/vf_loss": totals["vf_loss"] / epochs, "critic/vf_clipfrac": totals["vf_clipfrac"] / epochs,
+                "critic/values_mean": float((exp.values * exp.response_mask).sum() / exp.response_mask.sum())}
