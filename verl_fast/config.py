@@ -710,9 +710,6 @@ def validate(cfg: Config) -> None:
         if inside == run or run in inside.parents:
             raise ValueError(f"trainer.resume_from={start} lies in trainer.output_dir, which trainer.overwrite=true "
                              "clears at start; unset overwrite, or resume into another output_dir")
-    if cfg.actor.use_remove_padding and cfg.actor.strategy == "megatron":
-        raise ValueError("actor.use_remove_padding=true is not supported with actor.strategy=megatron (Megatron runs "
-                         "its own forward); leave it unset")
     if cfg.actor.clip_ratio_c <= 1.0:
         raise ValueError(f"actor.clip_ratio_c must be > 1 (dual clip), got {cfg.actor.clip_ratio_c}")
     if cfg.algorithm.overlong_buffer > cfg.rollout.max_new_tokens:

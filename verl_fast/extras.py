@@ -3,8 +3,8 @@ one named with the pip extra of verl_fast that installs it and the key that aske
 
 ``pip install verl_fast`` trains (transformers, datasets, ... are core dependencies); what a config
 turns on beyond that comes from an extra: ``plot`` (matplotlib), ``wandb``, ``tensorboard``, ``lora``
-(peft), ``torchao`` (8-bit optimizer states), ``vllm``, ``megatron`` (megatron-core), ``demo`` (reasoning-gym and the demo model's GGUF
-reader).
+(peft), ``torchao`` (8-bit optimizer states), ``vllm``, ``demo`` (reasoning-gym and the demo model's GGUF
+reader); the training strategies register theirs (``register``).
 """
 
 from __future__ import annotations
@@ -18,14 +18,6 @@ _Need = Tuple[str, str, Callable[[Any], Optional[str]]]
 
 def _logger(name: str) -> Callable[[Any], Optional[str]]:
     return lambda cfg: f"trainer.loggers has {name}" if name in cfg.trainer.loggers else None
-
-
-def _megatron(cfg: Any) -> Optional[str]:
-    if cfg.actor.strategy == "megatron":
-        return "actor.strategy=megatron"
-    if cfg.critic.strategy == "megatron" and cfg.algorithm.type == "ppo":  # the critic trains with PPO only
-        return "critic.strategy=megatron"
-    return None
 
 
 # the algorithms that generate nothing (``samples = False`` in verl_fast/algos/; python_tests/algos/test_sft.py checks the list),
@@ -53,10 +45,16 @@ NEEDS: List[_Need] = [
     ("peft", "lora", _lora),
     ("vllm", "vllm", lambda cfg: "rollout.type=vllm" if cfg.rollout.type == "vllm"
      and cfg.algorithm.type not in OFFLINE_ALGORITHMS else None),
-    ("megatron.core", "megatron", _megatron),
     ("reasoning_gym", "demo", _reasoning_gym),
     ("torchao", "torchao", lambda cfg: "actor.optimizer=adamw_8bit" if cfg.actor.optimizer == "adamw_8bit" else None),
 ]
+
+
+def register(module: str, extra: str, needed: Callable[[Any], Optional[str]]) -> None:
+    """A package a part of verl_fast needs when ``needed(cfg)`` names the key asking for it (a training
+    strategy registers its own where the strategies are registered, ``strategies/backends.py``)."""
+    if (module, extra, needed) not in NEEDS:
+        NEEDS.append((module, extra, needed))
 
 
 def installed(module: str) -> bool:

@@ -1,5 +1,5 @@
 """algorithm.type=sft with actor.strategy=megatron (TP=2 on gloo): the same losses and gradient norms
-as the single-process Hugging Face run, step by step (SFT goes through the strategy's train_actor)."""
+as the single-process Hugging Face run, step by step (SFT goes through the strategy's forward_backward)."""
 
 import pytest
 import torch

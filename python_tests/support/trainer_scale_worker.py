@@ -104,15 +104,15 @@ def run(scenario: str, actor_dir: str, critic_dir: str, out_dir: str, rank: int,
     items = trainer.processor.encode_all(PROMPTS)
     history: List[dict] = []
     update_micro = []  # how many micro-batches each actor update ran
-    plain_micro = trainer._micro
+    plain_micro = trainer.updates.micro
 
-    def counted_micro(exp, rows, for_update=True, size=None):
+    def counted_micro(exp, rows=None, for_update=True, size=None):
         batches = plain_micro(exp, rows, for_update, size)
         if for_update and size is None:
             update_micro.append(len(batches))
         return batches
 
-    trainer._micro = counted_micro
+    trainer.updates.micro = counted_micro
     for step in range(STEPS):
         trainer.step = step
         history.append(trainer._policy_gradient_step(trainer._batch(items, step, per_epoch=1)))

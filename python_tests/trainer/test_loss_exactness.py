@@ -122,7 +122,7 @@ def test_actor_and_critic_exact_under_any_batching(ppo, mode, policy_loss, monke
         a.max_token_len_per_gpu = batching.get("max_token_len_per_gpu", 16384)
         trainer.strategy.packs_sequences = batching.get("packed", False)
         if a.use_dynamic_bsz:  # the budget really splits the batch
-            assert len(trainer._micro(exp, trainer._rows(exp))) > 1
+            assert len(trainer.updates.micro(exp)) > 1
         actor, actor_grad = recorded_update(trainer, exp, monkeypatch, trainer.update_actor)
         critic, critic_grad = recorded_update(trainer, exp, monkeypatch, trainer.update_critic)
         results.append((actor, actor_grad, critic, critic_grad))

@@ -43,9 +43,6 @@ def check(cfg: config.Config) -> None:
         if cfg.actor.lora is not None:
             raise ValueError("trainer.async_mode=full is not supported with actor.lora (the workers hold whole "
                              "weights); use trainer.async_mode=one_step")
-        if cfg.actor.strategy == "megatron":
-            raise ValueError("trainer.async_mode=full is not supported with actor.strategy=megatron; use "
-                             "actor.strategy=none or fsdp2")
     elif t.async_workers != 1:
         raise ValueError(f"trainer.async_workers={t.async_workers} is not supported with {key} (one rollout "
                          "thread); use trainer.async_mode=full or async_workers=1")

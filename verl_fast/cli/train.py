@@ -146,26 +146,10 @@ def auto_settings(cfg: config_mod.Config) -> Dict[str, Any]:
     loads (the trainer prints the rest, resolved, at start-up)."""
     import torch
 
-    from verl_fast.strategies.hf_models import autocast_dtype
+    from verl_fast.strategies import backends
 
     cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda" if cuda else "cpu")
-    a = cfg.actor
-    if a.strategy == "megatron":
-        return {"resolved on": f"{device.type}: actor.strategy=megatron trains in actor.dtype={a.dtype}"}
-    autocast = autocast_dtype(a.autocast, device)
-    out: Dict[str, Any] = {"resolved on": device.type,
-                           "actor.autocast": str(autocast).removeprefix("torch.") if autocast else "none",
-                           "trainer.tf32": cuda if cfg.trainer.tf32 is None else cfg.trainer.tf32,
-                           "actor.use_dynamic_bsz": cuda if a.use_dynamic_bsz is None else a.use_dynamic_bsz}
-    if a.gradient_checkpointing is None:
-        out["actor.gradient_checkpointing"] = "from the free memory, when the actor is built" if cuda else False
-    if a.max_token_len_per_gpu is None and out["actor.use_dynamic_bsz"]:
-        out["actor.max_token_len_per_gpu"] = "from the free memory, at the first update" if cuda else 16384
-    if a.mixed_precision == "auto":
-        out["actor.mixed_precision"] = ("bfloat16 for an unsharded fp32 actor without LoRA" if cuda and autocast ==
-                                        torch.bfloat16 else "none")
-    return out
+    return backends.strategy_class(cfg).planned(cfg, torch.device("cuda" if cuda else "cpu"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -180,10 +164,11 @@ def run(args: argparse.Namespace) -> int:
         from verl_fast.rollout import vllm_env
 
         vllm_env.configure_vllm_env()  # the launcher's job, not a constructor's: before vLLM is imported
-    from verl_fast.strategies.megatron.strategy import check_device
+    from verl_fast.strategies import backends
 
+    strategy = backends.strategy_class(cfg)
     try:
-        check_device(cfg)  # before any process group or model: one line, not a traceback from megatron-core
+        strategy.check_machine(cfg)  # before any process group or model: one line, not a library's traceback
     except RuntimeError as e:
         raise SystemExit(f"error: {e}") from None
     quiet_libraries()
@@ -213,13 +198,12 @@ def run(args: argparse.Namespace) -> int:
         device = torch.device("cpu")
     try:
         _check_model_folders(cfg)
-        if device is not None and device.type == "cuda" and cfg.actor.strategy != "megatron":
+        if device is not None:
             from verl_fast.algos import registry as algorithms
             from verl_fast.strategies import memory_plan
 
             try:  # one line naming what would fit, not an out-of-memory error mid-step
-                memory_plan.check_before_loading(cfg, resolve(cfg.actor.model_name), algorithms.build(cfg).needs_reference,
-                                                 device)
+                strategy.check_fits(cfg, resolve(cfg.actor.model_name), algorithms.build(cfg).needs_reference, device)
             except memory_plan.DoesNotFit as e:
                 raise ConfigError(str(e)) from None
         actor, tokenizer, critic = _load_models(cfg, device)

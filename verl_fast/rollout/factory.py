@@ -74,11 +74,13 @@ def compiles_decode(actor: torch.nn.Module, setting: Optional[bool] = None) -> b
 
 
 def build_engine(cfg: Config, actor: torch.nn.Module, tokenizer: Any, model_path: Optional[str] = None,
-                 autocast_dtype: Optional[torch.dtype] = None, source: Any = None) -> RolloutEngine:
+                 autocast_dtype: Optional[torch.dtype] = None, source: Any = None,
+                 hf_decode_by_default: bool = True) -> RolloutEngine:
     """The engine for ``cfg.rollout`` (see the module docstring); collective under torchrun. ``source``:
-    what a vLLM engine takes its weights from, when not the actor itself (the Megatron actor)."""
-    # a Megatron actor rolls out through its HF copy, exported after each update: left to the old rule
-    kind = resolve_type(cfg.rollout.type, actor if cfg.actor.strategy != "megatron" else None)
+    what a vLLM engine takes its weights from, when not the actor itself (a strategy's own copy).
+    ``hf_decode_by_default``: whether ``rollout.type: auto`` may pick HF decode for ``actor`` (not
+    where the strategy trains another copy and only exports into it after each update)."""
+    kind = resolve_type(cfg.rollout.type, actor if hf_decode_by_default else None)
     quantization = cfg.rollout.quantization
     if quantization and (kind == "hf" or not hasattr(actor, "peft_config")):
         raise ValueError(f"rollout.quantization={quantization} is not supported with " + (

@@ -269,6 +269,39 @@ class FSDPStrategy:
     """The ``Strategy`` of Hugging Face models trained by torch (module docstring)."""
 
     budgets_tokens = True
+    hf_decode_by_default = True  # the actor it trains is the one HF decode runs
+
+    # ---- start-up, before any model loads (the CLI)
+
+    @staticmethod
+    def check_machine(cfg: Config) -> None:
+        """Torch trains on whatever device ``trainer.device`` resolves to: nothing to refuse here."""
+
+    @staticmethod
+    def check_fits(cfg: Config, model_dir: str, needs_reference: bool, device: torch.device) -> None:
+        """On a GPU, a run that cannot hold one sequence's activations is refused in one line
+        (``memory_plan.DoesNotFit``), counted from the model's config.json."""
+        if device.type == "cuda":
+            memory_plan.check_before_loading(cfg, model_dir, needs_reference, device)
+
+    @staticmethod
+    def planned(cfg: Config, device: torch.device) -> Dict[str, Any]:
+        """What the actor's null / auto keys resolve to on ``device``, as far as known before a model
+        loads (the strategy prints the rest, ``resolved``, once built)."""
+        cuda, a = device.type == "cuda", cfg.actor
+        autocast = autocast_dtype(a.autocast, device)
+        out: Dict[str, Any] = {"resolved on": device.type,
+                               "actor.autocast": str(autocast).removeprefix("torch.") if autocast else "none",
+                               "trainer.tf32": cuda if cfg.trainer.tf32 is None else cfg.trainer.tf32,
+                               "actor.use_dynamic_bsz": cuda if a.use_dynamic_bsz is None else a.use_dynamic_bsz}
+        if a.gradient_checkpointing is None:
+            out["actor.gradient_checkpointing"] = "from the free memory, when the actor is built" if cuda else False
+        if a.max_token_len_per_gpu is None and out["actor.use_dynamic_bsz"]:
+            out["actor.max_token_len_per_gpu"] = "from the free memory, at the first update" if cuda else 16384
+        if a.mixed_precision == "auto":
+            out["actor.mixed_precision"] = ("bfloat16 for an unsharded fp32 actor without LoRA" if cuda and autocast ==
+                                            torch.bfloat16 else "none")
+        return out
 
     def __init__(self, cfg: Config, actor: torch.nn.Module, ref: Optional[torch.nn.Module],
                  critic: Optional[torch.nn.Module], needs_reference: bool):

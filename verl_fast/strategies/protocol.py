@@ -61,9 +61,14 @@ class Strategy(Protocol):
     uneven_micro_batches: bool  # ranks may run different numbers of forward / backward passes (one process)
     packs_sequences: bool  # log-prob and training passes run the rows without padding (token budgets count real tokens)
     budgets_tokens: bool  # micro-batches may be cut by a token budget (actor.use_dynamic_bsz), not only by rows
+    hf_decode_by_default: bool  # rollout.type auto may decode with ``actor`` itself (not a copy exported into)
 
     def autocast(self) -> ContextManager[Any]:
         """The forward passes' autocast (``actor.autocast``), also around generation."""
+
+    # start-up, before any model loads (static methods; the CLI calls them through backends.strategy_class):
+    # check_machine(cfg) refuses a machine the backend cannot train on; check_fits(cfg, model_dir,
+    # needs_reference, device) refuses a run that cannot fit; planned(cfg, device) -> what auto keys resolve to
 
     def resolved(self) -> Dict[str, Any]:
         """The actor's settings as this strategy resolved their auto / null values (config key -> value),

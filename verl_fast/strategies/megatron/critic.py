@@ -57,7 +57,8 @@ class MegatronCritic(MegatronTrained):
         return self.response_outputs(exp, micro)
 
     def optimizer_step(self) -> float:
-        """``forward_backward(exp, micro, loss_fn(values, sub))`` is the shared one; this applies it."""
+        """Applies what ``forward_backward(exp, micro, loss_fn(values, sub))`` (``MegatronTrained``'s)
+        accumulated: the critic's clipped step; the gradient norm."""
         return self.step()
 
     def to_hf(self) -> Dict[str, torch.Tensor]:

@@ -35,6 +35,7 @@ class MegatronStrategy:
     """The ``Strategy`` of a Megatron-trained actor (module docstring); collective over the world."""
 
     uneven_micro_batches = False  # the pipeline schedule runs every rank's micro-batches together
+    hf_decode_by_default = False  # its HF actor is an export target: rollout.type auto prefers vLLM
     packs_sequences = False  # Megatron's forward takes the padded rows
     budgets_tokens = False  # fixed-size micro-batches (check refuses actor.use_dynamic_bsz)
 
@@ -55,6 +56,20 @@ class MegatronStrategy:
         self.ref = hf_models.reference_model(self.actor, ref, plain, self.device) if needs_reference else None
         self.critic = None if critic is None else self._critic(hf_models.critic_model(critic))
         self.optimizer = self.megatron.optimizer
+
+    # ---- start-up, before any model loads (the CLI)
+
+    @staticmethod
+    def check_machine(cfg: Config) -> None:
+        check_device(cfg)
+
+    @staticmethod
+    def check_fits(cfg: Config, model_dir: str, needs_reference: bool, device: torch.device) -> None:
+        """No memory plan: megatron-core shards by the parallel sizes the config names."""
+
+    @staticmethod
+    def planned(cfg: Config, device: torch.device) -> Dict[str, Any]:
+        return {"resolved on": f"{device.type}: actor.strategy=megatron trains in actor.dtype={cfg.actor.dtype}"}
 
     def _critic(self, critic: torch.nn.Module) -> Any:
         if self.cfg.critic.strategy != "megatron":
@@ -129,8 +144,23 @@ def check(cfg: Config) -> None:
     if cfg.actor.mixed_precision not in ("none", "auto") or cfg.actor.autocast not in (None, "none", "auto"):  # auto: none here
         raise ValueError("actor.mixed_precision / actor.autocast are not supported with actor.strategy=megatron; "
                          "use actor.dtype=bfloat16 (bf16 weights, fp32 main weights in the optimizer)")
+    if cfg.actor.use_remove_padding:
+        raise ValueError("actor.use_remove_padding=true is not supported with actor.strategy=megatron (Megatron runs "
+                         "its own forward); leave it unset")
+    if cfg.trainer.async_mode == "full":
+        raise ValueError("trainer.async_mode=full is not supported with actor.strategy=megatron; use "
+                         "actor.strategy=none or fsdp2")
     if cfg.actor.virtual_pipeline_model_parallel_size and cfg.actor.pipeline_model_parallel_size < 2:
         raise ValueError("actor.virtual_pipeline_model_parallel_size needs actor.pipeline_model_parallel_size >= 2")
+
+
+def needs_megatron_core(cfg: Config) -> Optional[str]:
+    """The key that makes a run need megatron-core (``extras.register``), or None."""
+    if cfg.actor.strategy == "megatron":
+        return "actor.strategy=megatron"
+    if cfg.critic.strategy == "megatron" and cfg.algorithm.type == "ppo":  # the critic trains with PPO only
+        return "critic.strategy=megatron"
+    return None
 
 
 def check_device(cfg: Config) -> None:
