@@ -128,6 +128,43 @@ def _set_aside_leftovers(whose: str, held: Dict[str, int]) -> None:
     compat.set_aside_sleep_allocations()
 
 
+def _vllm_in_process(external: bool) -> Any:
+    """vLLM, imported set up to run its engine inside this process (``external``: torchrun's external
+    launcher, which runs it in each rank's process anyway); one line when the environment says otherwise."""
+    if not external and IN_PROCESS not in os.environ:  # nobody chose: this class is the in-process engine
+        configure_vllm_env()
+    vllm = compat.import_vllm()
+    if not external and not compat.in_process_mode():
+        if os.environ.get(IN_PROCESS) != "0":
+            raise RuntimeError(
+                f"VLLMInferenceEngine runs vLLM inside this process and needs {IN_PROCESS}=0, but the "
+                f"environment has {IN_PROCESS}={os.environ[IN_PROCESS]!r}: unset it or set it to 0 before "
+                "the engine is built (verl_fast.rollout.vllm_env.configure_vllm_env() does)")
+        raise RuntimeError(
+            f"vLLM read {IN_PROCESS} before it was set to 0 (vLLM caches its environment variables once an "
+            "engine has started in this process): call verl_fast.rollout.vllm_env.configure_vllm_env() "
+            "before the first engine, or vllm.envs.disable_envs_cache() before this one")
+    return vllm
+
+
+def _check_sleep_allocator(enable_sleep_mode: bool) -> None:
+    """On a GPU, a sleep-mode engine loads only into an empty sleep-mode allocator: what engines
+    collected without close() left there is set aside; what a live reference still holds is refused,
+    naming the holders."""
+    compat.collect()  # an earlier engine dropped without close() still holds device memory until then
+    held = compat.sleep_allocator_usage()
+    if enable_sleep_mode and held and not any(engine.llm is not None for engine in _LIVE):
+        _set_aside_leftovers("engines collected without close()", held)
+        held = {}
+    if enable_sleep_mode and held:
+        raise RuntimeError(
+            f"an earlier vLLM engine in this process still holds {_describe_bytes(held)} of vLLM's "
+            "sleep-mode allocator (something keeps a reference to its model or KV cache); vLLM "
+            "loads a sleep-mode engine only into an empty allocator: close() the earlier engine and "
+            "drop what refers to its tensors, or pass enable_sleep_mode=False; live tensors there: "
+            + _holders())
+
+
 class VLLMInferenceEngine(RolloutEngine):
     """``vllm.LLM`` in this process, with in-place weight updates (see the module docstring).
 
@@ -186,19 +223,7 @@ class VLLMInferenceEngine(RolloutEngine):
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
         external = engine_kwargs.get("distributed_executor_backend") == "external_launcher"
-        if not external and IN_PROCESS not in os.environ:  # nobody chose: this class is the in-process engine
-            configure_vllm_env()
-        vllm = compat.import_vllm()
-        if not external and not compat.in_process_mode():
-            if os.environ.get(IN_PROCESS) != "0":
-                raise RuntimeError(
-                    f"VLLMInferenceEngine runs vLLM inside this process and needs {IN_PROCESS}=0, but the "
-                    f"environment has {IN_PROCESS}={os.environ[IN_PROCESS]!r}: unset it or set it to 0 before "
-                    "the engine is built (verl_fast.rollout.vllm_env.configure_vllm_env() does)")
-            raise RuntimeError(
-                f"vLLM read {IN_PROCESS} before it was set to 0 (vLLM caches its environment variables once an "
-                "engine has started in this process): call verl_fast.rollout.vllm_env.configure_vllm_env() "
-                "before the first engine, or vllm.envs.disable_envs_cache() before this one")
+        vllm = _vllm_in_process(external)
         self.record_routing = record_routing  # MoE: each token's experts per layer (GenerationOutput.routed_experts)
         if record_routing:
             compat.check_routed_experts()
@@ -231,18 +256,7 @@ class VLLMInferenceEngine(RolloutEngine):
         engine_kwargs.setdefault("disable_log_stats", False)
         engine_kwargs.setdefault("use_tqdm_on_load", False)  # no loading bar beside the trainer's progress bar
         if not on_cpu:
-            compat.collect()  # an earlier engine dropped without close() still holds device memory until then
-            held = compat.sleep_allocator_usage()
-            if enable_sleep_mode and held and not any(engine.llm is not None for engine in _LIVE):
-                _set_aside_leftovers("engines collected without close()", held)
-                held = {}
-            if enable_sleep_mode and held:
-                raise RuntimeError(
-                    f"an earlier vLLM engine in this process still holds {_describe_bytes(held)} of vLLM's "
-                    "sleep-mode allocator (something keeps a reference to its model or KV cache); vLLM "
-                    "loads a sleep-mode engine only into an empty allocator: close() the earlier engine and "
-                    "drop what refers to its tensors, or pass enable_sleep_mode=False; live tensors there: "
-                    + _holders())
+            _check_sleep_allocator(enable_sleep_mode)
         start = time.perf_counter()
         with compat.quiet_numa_notice():
             self.llm = vllm.LLM(
