@@ -160,7 +160,14 @@ def main(argv=None) -> int:
     set_turn_tokens(trainer, key, args.tokens)
     s_time, s_counts = timed_rollouts(trainer, args, args.reps)
     prompt_ids = trainer._tokenize_prompts(chat_prompts(args.prompts))[0]
-    result = {"impl": f"trl {trl.__version__}", "rollout": args.rollout, "startup_s": startup,
+    import transformers
+
+    versions = {"trl": trl.__version__, "transformers": transformers.__version__}
+    if args.rollout == "vllm":
+        import vllm
+
+        versions["vllm"] = vllm.__version__
+    result = {"impl": f"trl {trl.__version__}", "versions": versions, "rollout": args.rollout, "startup_s": startup,
               "multi": {"s": m_time, **m_counts, "metrics": metrics}, "single": {"s": s_time, **s_counts},
               "prompt_tokens_mean": statistics.mean(len(ids) for ids in prompt_ids)}
     Path(args.out).write_text(json.dumps(result, indent=2))
