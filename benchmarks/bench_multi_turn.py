@@ -10,6 +10,10 @@ its forward compiled on a GPU), Qwen2 shapes of bench_e2e with random weights an
   answering every turn with a short user message (random weights never call a tool, so the turns are
   driven by the environment and each ends at its fixed length).
 
+The system message describes the calculator of examples/tool_calling/ as ours does for a chat template
+without tools (``tools_system_prompt``), so our prompts carry the tool as TRL's do (its template renders
+the schema).
+
 - TRL (``--impls ours,trl``): TRL's tool-calling GRPO rollout (``GRPOTrainer(tools=[calculator])``, the
   calculator of examples/tool_calling/) on the same model folder, prompts, ``n``, temperature and lengths,
   in a process of its own after ours: vLLM colocate where vLLM imports on a GPU (``--trl-rollout auto``),
@@ -42,6 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Report, sync  # noqa: E402
 from bench_e2e import build_model, chat_prompts  # noqa: E402
 
+from multi_turn_trl import CALCULATOR  # noqa: E402
+
 from verl_fast.agents.environments import Environment, StepResult, row_messages  # noqa: E402
 
 
@@ -53,6 +59,16 @@ class FixedTurns(Environment):
 
     def step(self, message):
         return StepResult([{"role": "user", "content": "Continue."}])
+
+
+def tool_prompts(count: int):
+    """bench_e2e's chat prompts, the calculator described in their system message."""
+    from verl_fast.agents.parsing import tools_system_prompt
+    from verl_fast.agents.tools import load_tool, tool_schema
+
+    described = tools_system_prompt([tool_schema(load_tool(CALCULATOR))])
+    return [[{**m, "content": f"{m['content']}\n{described}"} if m["role"] == "system" else m for m in prompt]
+            for prompt in chat_prompts(count)]
 
 
 def operators(model, tokenizer, args, device: str):
@@ -157,8 +173,8 @@ def main(argv=None) -> int:
         folder = build_model(args.shape, Path(tmp) / "model", args.device)
         tokenizer = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(args.device).eval()
-        rows = RLDataProcessor(tokenizer, 512, args.tokens).encode_all(
-            [{"prompt": m} for m in chat_prompts(args.prompts)])
+        rows = RLDataProcessor(tokenizer, 1024, args.tokens).encode_all(
+            [{"prompt": m} for m in tool_prompts(args.prompts)])
         single, multi = operators(model, tokenizer, args, args.device)
         report = Report("multi_turn", args.device)
         case = f"{args.shape} {args.prompts}x{args.n}x{args.tokens} t{args.turns}"
@@ -175,7 +191,8 @@ def main(argv=None) -> int:
         report.meta.update(setup=f"{args.prompts} prompts x {args.n}, {args.tokens} model tokens, {args.turns} turns, "
                                  "HF decode engine, temperature 1", single_tokens_per_s=s_rate,
                            multi_tokens_per_s=m_rate, ratio=m_rate / s_rate, target_ratio=0.8,
-                           multi_turn_metrics=m_metrics, impls=impls)
+                           multi_turn_metrics=m_metrics, impls=impls,
+                           prompt_tokens_mean=statistics.mean(len(r.prompt_ids) for r in rows))
         print(f"{args.shape} multi-turn {m_rate:.0f} tokens/s vs single-turn {s_rate:.0f} tokens/s: "
               f"{m_rate / s_rate:.2f}x (target >= 0.8x)", flush=True)
         if "trl" in impls:

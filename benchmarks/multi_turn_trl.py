@@ -28,7 +28,6 @@ The time is that of TRL's ``_generate`` (generation, parsing, the tool loop) ins
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -41,7 +40,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_e2e import chat_prompts  # noqa: E402
 
-TOOLS = Path(__file__).resolve().parents[1] / "examples" / "tool_calling" / "tools.py"
+from verl_fast.agents.tools import load_tool  # noqa: E402
+
+CALCULATOR = f"{Path(__file__).resolve().parents[1] / 'examples' / 'tool_calling' / 'tools.py'}:calculator"
 
 CALL = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12 + 34"}}}
 
@@ -57,14 +58,6 @@ def scripted_parser(parse, state):
         return message
 
     return parse_response
-
-
-def calculator_tool():
-    """The example's calculator, loaded from its file."""
-    spec = importlib.util.spec_from_file_location("tool_calling_tools", TOOLS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.calculator
 
 
 def sync(device: str) -> None:
@@ -92,7 +85,7 @@ def build_trainer(args, rollout: str):
         use_cpu=args.device == "cpu", **vllm)
     rows = Dataset.from_list([{"prompt": p} for p in chat_prompts(args.prompts)])
     trainer = GRPOTrainer(model=args.model, reward_funcs=lambda completions, **k: [0.0] * len(completions),
-                          args=config, processing_class=tokenizer, train_dataset=rows, tools=[calculator_tool()])
+                          args=config, processing_class=tokenizer, train_dataset=rows, tools=[load_tool(CALCULATOR)])
     return trainer, key
 
 
