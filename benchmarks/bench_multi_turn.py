@@ -121,9 +121,9 @@ def run_trl(args, folder: Path, rollout: str) -> dict:
     try:
         code = subprocess.run(cmd, timeout=args.trl_timeout, env=dict(os.environ)).returncode
     except subprocess.TimeoutExpired:
-        return {"failure": f"ran past --trl-timeout {args.trl_timeout:.0f} s"}
+        return {"rollout": rollout, "failure": f"ran past --trl-timeout {args.trl_timeout:.0f} s"}
     if code != 0 or not out.is_file():
-        return {"failure": f"multi_turn_trl.py exited {code}"}
+        return {"rollout": rollout, "failure": f"multi_turn_trl.py exited {code} (its log is above)"}
     return json.loads(out.read_text())
 
 

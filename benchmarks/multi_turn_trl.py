@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import sync  # noqa: E402
 from bench_e2e import chat_prompts  # noqa: E402
 
 from verl_fast.agents.tools import load_tool  # noqa: E402
@@ -58,11 +59,6 @@ def scripted_parser(parse, state):
         return message
 
     return parse_response
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def build_trainer(args, rollout: str):
