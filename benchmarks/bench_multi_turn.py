@@ -10,15 +10,31 @@ its forward compiled on a GPU), Qwen2 shapes of bench_e2e with random weights an
   answering every turn with a short user message (random weights never call a tool, so the turns are
   driven by the environment and each ends at its fixed length).
 
-Throughput counts the model's sampled tokens only. Target: multi-turn >= 0.8x single-turn tokens/s.
+The system message describes the calculator of examples/tool_calling/ as ours does for a chat template
+without tools (``tools_system_prompt``), so our prompts carry the tool as TRL's do (its template renders
+the schema).
 
-    python benchmarks/bench_multi_turn.py [--shape 0.5b] [--device cuda] [--turns 4]
+- TRL (``--impls ours,trl``): TRL's tool-calling GRPO rollout (``GRPOTrainer(tools=[calculator])``, the
+  calculator of examples/tool_calling/) on the same model folder, prompts, ``n``, temperature and lengths,
+  in a process of its own after ours: vLLM colocate where vLLM imports on a GPU (``--trl-rollout auto``),
+  else HF generate; its turns scripted as ours are (benchmarks/multi_turn_trl.py says how), multi-turn
+  and single-turn. Its rows' times are scaled to our multi-turn's model-token count.
+
+Throughput counts the model's sampled tokens only (TRL: its ``tool_mask`` 1 tokens). Target: multi-turn
+>= 0.8x single-turn tokens/s.
+
+    python benchmarks/bench_multi_turn.py [--shape 0.5b] [--device cuda] [--turns 4] [--impls ours,trl]
+    python benchmarks/bench_multi_turn.py --device cpu --shape tiny --prompts 2 --n 2 --tokens 32 --reps 1 \
+        --impls ours,trl    # the CPU smoke test
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -29,6 +45,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Report, sync  # noqa: E402
 from bench_e2e import build_model, chat_prompts  # noqa: E402
+
+from multi_turn_trl import CALCULATOR  # noqa: E402
 
 from verl_fast.agents.environments import Environment, StepResult, row_messages  # noqa: E402
 
@@ -41,6 +59,16 @@ class FixedTurns(Environment):
 
     def step(self, message):
         return StepResult([{"role": "user", "content": "Continue."}])
+
+
+def tool_prompts(count: int):
+    """bench_e2e's chat prompts, the calculator described in their system message."""
+    from verl_fast.agents.parsing import tools_system_prompt
+    from verl_fast.agents.tools import load_tool, tool_schema
+
+    described = tools_system_prompt([tool_schema(load_tool(CALCULATOR))])
+    return [[{**m, "content": f"{m['content']}\n{described}"} if m["role"] == "system" else m for m in prompt]
+            for prompt in chat_prompts(count)]
 
 
 def operators(model, tokenizer, args, device: str):
@@ -74,6 +102,51 @@ def timed(op, rows, reps: int, device: str):
     return statistics.median(times), int(out.response_mask.sum())
 
 
+def trl_rollout(args) -> str:
+    """``--trl-rollout``, with ``auto`` read: vLLM colocate where it imports on a GPU, else HF generate."""
+    if args.trl_rollout != "auto":
+        return args.trl_rollout
+    if args.device != "cuda":
+        return "hf"
+    probe = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True)
+    return "vllm" if probe.returncode == 0 else "hf"
+
+
+def run_trl(args, folder: Path, rollout: str) -> dict:
+    """TRL's row in a process of its own (benchmarks/multi_turn_trl.py); a failure or a timeout is recorded."""
+    out = folder.parent / "trl.json"
+    cmd = [sys.executable, str(Path(__file__).resolve().parent / "multi_turn_trl.py"), "--model", str(folder),
+           "--out", str(out), "--device", args.device, "--rollout", rollout]
+    cmd += [f"--{key}={getattr(args, key)}" for key in ("prompts", "n", "tokens", "turns", "reps")]
+    try:
+        code = subprocess.run(cmd, timeout=args.trl_timeout, env=dict(os.environ)).returncode
+    except subprocess.TimeoutExpired:
+        return {"rollout": rollout, "failure": f"ran past --trl-timeout {args.trl_timeout:.0f} s"}
+    if code != 0 or not out.is_file():
+        return {"rollout": rollout, "failure": f"multi_turn_trl.py exited {code} (its log is above)"}
+    return json.loads(out.read_text())
+
+
+def add_trl(report: Report, case: str, trl: dict, m_tokens: int, m_rate: float) -> None:
+    """TRL's rows, their times scaled to our multi-turn's model tokens, and the ratios in meta."""
+    if "failure" in trl:
+        report.meta["trl"] = trl
+        print(f"TRL: {trl['failure']}", flush=True)
+        return
+    name = f"TRL {trl['rollout']}"  # its version: meta's trl.impl
+    rates = {}
+    for kind, label in (("multi", "multi-turn tools"), ("single", "single-turn")):
+        run = trl[kind]
+        rates[kind] = run["model_tokens"] / run["s"]
+        report.add(case, f"{name} {label}", m_tokens / rates[kind] * 1e3,
+                   note=f"{run['model_tokens']} model tokens ({run['all_tokens']} with tool results) in "
+                        f"{run['s']:.3f} s, {rates[kind]:.0f} tokens/s")
+    report.meta.update(trl=trl, trl_multi_tokens_per_s=rates["multi"], trl_single_tokens_per_s=rates["single"],
+                       trl_ratio=rates["multi"] / rates["single"], ours_over_trl_multi=m_rate / rates["multi"])
+    print(f"TRL {trl['rollout']} multi-turn {rates['multi']:.0f} tokens/s ({rates['multi'] / rates['single']:.2f}x "
+          f"its single-turn); ours {m_rate / rates['multi']:.2f}x TRL's", flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="0.5b")
@@ -83,7 +156,15 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--impls", default="ours", help="ours, or ours,trl: TRL's tool-calling rollout beside ours")
+    p.add_argument("--trl-rollout", choices=["auto", "vllm", "hf"], default="auto")
+    p.add_argument("--trl-timeout", type=float, default=300.0, help="seconds for TRL's process")
     args = p.parse_args(argv)
+    impls = args.impls.split(",")
+    if not set(impls) <= {"ours", "trl"} or "ours" not in impls:
+        p.error(f"--impls: ours or ours,trl, got {args.impls!r}")
+    if args.turns < 1 or args.tokens < args.turns:
+        p.error(f"--turns {args.turns} must be >= 1 and <= --tokens {args.tokens}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from verl_fast.data import RLDataProcessor
@@ -92,25 +173,34 @@ def main(argv=None) -> int:
         folder = build_model(args.shape, Path(tmp) / "model", args.device)
         tokenizer = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(args.device).eval()
-    rows = RLDataProcessor(tokenizer, 512, args.tokens).encode_all([{"prompt": m} for m in chat_prompts(args.prompts)])
-    single, multi = operators(model, tokenizer, args, args.device)
-    report = Report("multi_turn", args.device)
-    case = f"{args.shape} {args.prompts}x{args.n}x{args.tokens} t{args.turns}"
-    s_time, s_tokens = timed(single, rows, args.reps, args.device)
-    m_time, m_tokens = timed(multi, rows, args.reps, args.device)
-    m_metrics = multi.metrics()
-    multi.close()
-    s_rate, m_rate = s_tokens / s_time, m_tokens / m_time
-    report.floors[case] = s_time * 1e3 * m_tokens / s_tokens  # single-turn's rate at multi-turn's token count
-    report.add(case, "single-turn", s_time * 1e3, note=f"{s_tokens} tokens, {s_rate:.0f} tokens/s")
-    report.add(case, "verl_fast multi-turn", m_time * 1e3,
-               note=f"{m_tokens} model tokens, {m_rate:.0f} tokens/s, {m_rate / s_rate:.2f}x single-turn, "
-                    f"{m_metrics['multi_turn/generate_calls']:.0f} generate calls")
-    report.meta.update(setup=f"{args.prompts} prompts x {args.n}, {args.tokens} model tokens, {args.turns} turns, "
-                             "HF decode engine", single_tokens_per_s=s_rate, multi_tokens_per_s=m_rate,
-                       ratio=m_rate / s_rate, target_ratio=0.8, multi_turn_metrics=m_metrics)
-    print(f"{args.shape} multi-turn {m_rate:.0f} tokens/s vs single-turn {s_rate:.0f} tokens/s: "
-          f"{m_rate / s_rate:.2f}x (target >= 0.8x)", flush=True)
+        rows = RLDataProcessor(tokenizer, 1024, args.tokens).encode_all(
+            [{"prompt": m} for m in tool_prompts(args.prompts)])
+        single, multi = operators(model, tokenizer, args, args.device)
+        report = Report("multi_turn", args.device)
+        case = f"{args.shape} {args.prompts}x{args.n}x{args.tokens} t{args.turns}"
+        s_time, s_tokens = timed(single, rows, args.reps, args.device)
+        m_time, m_tokens = timed(multi, rows, args.reps, args.device)
+        m_metrics = multi.metrics()
+        multi.close()
+        s_rate, m_rate = s_tokens / s_time, m_tokens / m_time
+        report.floors[case] = s_time * 1e3 * m_tokens / s_tokens  # single-turn's rate at multi-turn's token count
+        report.add(case, "single-turn", s_time * 1e3, note=f"{s_tokens} tokens, {s_rate:.0f} tokens/s")
+        report.add(case, "verl_fast multi-turn", m_time * 1e3,
+                   note=f"{m_tokens} model tokens, {m_rate:.0f} tokens/s, {m_rate / s_rate:.2f}x single-turn, "
+                        f"{m_metrics['multi_turn/generate_calls']:.0f} generate calls")
+        report.meta.update(setup=f"{args.prompts} prompts x {args.n}, {args.tokens} model tokens, {args.turns} turns, "
+                                 "HF decode engine, temperature 1", single_tokens_per_s=s_rate,
+                           multi_tokens_per_s=m_rate, ratio=m_rate / s_rate, target_ratio=0.8,
+                           multi_turn_metrics=m_metrics, impls=impls,
+                           prompt_tokens_mean=statistics.mean(len(r.prompt_ids) for r in rows))
+        print(f"{args.shape} multi-turn {m_rate:.0f} tokens/s vs single-turn {s_rate:.0f} tokens/s: "
+              f"{m_rate / s_rate:.2f}x (target >= 0.8x)", flush=True)
+        if "trl" in impls:
+            report.save(summary=False)  # ours' figures kept should TRL's process not come back
+            del single, multi, model
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+            add_trl(report, case, run_trl(args, folder, trl_rollout(args)), m_tokens, m_rate)
     print(report.table())
     print(f"saved {report.save()}")
     return 0

@@ -248,11 +248,17 @@ if want overlap; then
 fi
 
 # ---- multi_turn (issue 46): multi-turn rollout (4 turns, a scripted environment) against single-turn at the
-# same model-token count, HF decode engine, 0.5B random weights, 16 x 8 x 256 tokens (~2 minutes: two compiles) ----
+# same model-token count, HF decode engine, 0.5B random weights, 16 x 8 x 256 tokens (~2 minutes: two compiles);
+# then TRL 1.16's tool-calling GRPO rollout (GRPOTrainer tools=[calculator]) on the same model and lengths, in its
+# own process: vLLM colocate where vLLM imports (carry .dvdeps2 after the .dv* calls, or an earlier call left
+# /tmp/site), else HF generate; needs trl, datasets, dill, multiprocess (.whl/) and .bench_assets/ (~1.5-2.5
+# minutes: TRL's engine start). MULTI_TURN_IMPLS=ours leaves TRL out ----
 if want multi_turn; then
-  timeout ${MULTI_TURN_TIMEOUT:-300} "$py" benchmarks/bench_multi_turn.py --device cuda --shape 0.5b \
-    --turns "${MULTI_TURN_TURNS:-4}" >> "$OUT/bench.log" 2>&1 || failed+=("bench_multi_turn")
-  grep -E "^0.5b multi-turn" "$OUT/bench.log" | tail -n 2
+  timeout ${MULTI_TURN_TIMEOUT:-500} "$py" benchmarks/bench_multi_turn.py --device cuda --shape 0.5b \
+    --turns "${MULTI_TURN_TURNS:-4}" --impls "${MULTI_TURN_IMPLS:-ours,trl}" --trl-rollout "${MULTI_TURN_TRL:-auto}" \
+    --trl-timeout "${MULTI_TURN_TRL_TIMEOUT:-270}" >> "$OUT/bench.log" 2>&1 || failed+=("bench_multi_turn")
+  grep -E "^0.5b multi-turn|^TRL " "$OUT/bench.log" | tail -n 3
+  sed -n '/^multi_turn on/,/^saved/p' "$OUT/bench.log" | tail -n 8
 fi
 
 # ---- bench (issue 17): `verl-fast bench` itself on the GPU (CUDA events, peak memory, the one table,
