@@ -2,8 +2,8 @@
 
 What varies is chosen once, when the trainer is built, and called phase by phase:
 - the algorithm (``algorithm.type``; ``verl_fast/algos/``, one module each): its extra rollout
-  (ReMax), reward shaping (KL in the reward), advantage estimator and whitening scope, actor and
-  critic losses. Preference algorithms (dpo, online_dpo, kto, orpo, simpo, cpo) step through their
+  (ReMax), the rows it trains on (DAPO's dynamic sampling), the rollout correction's weights, reward
+  shaping (KL in the reward), advantage estimator and whitening scope, actor and critic losses. Preference algorithms (dpo, online_dpo, kto, orpo, simpo, cpo) step through their
   pairs or labelled completions instead, SFT through one update on the rows (``trainer/supervised.py``)
   (``algos/algorithm.Step``).
 - the training strategy (``actor.strategy``; ``verl_fast/strategies/``): where the models live and how
@@ -12,7 +12,8 @@ What varies is chosen once, when the trainer is built, and called phase by phase
 - the rollout engine (``rollout.type``; ``verl_fast/rollout/factory.py``).
 - when the samples are generated (``trainer.async_mode``; ``verl_fast/async_rl/``): in the step, or
   ahead of it, beside the update (hooks marked "async hook").
-Losses aggregate with ``actor.loss_agg_mode`` over the whole mini-batch (trainer/batching.py:
+The reward scores through ``verl_fast/rewards/scoring.py`` (here or beside the model passes; the ranks
+agree on a stop). Losses aggregate with ``actor.loss_agg_mode`` over the whole mini-batch (trainer/batching.py:
 micro-batches, DP balancing, the normalisers).
 
 Run it with ``verl-fast train --config c.yaml`` or ``RLTrainer(actor_model=..., tokenizer=...,
