@@ -87,7 +87,7 @@ def check_correction(trainer, atol):
     g = torch.Generator().manual_seed(0)
     exp.rollout_logprobs = exp.old_logprobs + 0.4 * torch.randn(exp.old_logprobs.shape, generator=g) * mask
     metrics = {}
-    trainer._rollout_weights(exp, metrics)
+    trainer.algorithm.correct_rollout(exp, metrics, "engine")
     assert 0 < metrics["rollout_correction/is_capped_fraction"] < 1
     assert metrics["rollout_correction/is_weight_max"] == pytest.approx(1.2)
     assert exp.advantages.abs().sum() > 0, "the toy reward must vary within a group"

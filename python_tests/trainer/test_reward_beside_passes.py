@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tiny_models import save_tiny_model
-from verl_fast.rewards import RewardTimeout
+from verl_fast.rewards import RewardTimeout, scoring
 from verl_fast.trainer.rl_trainer import RLTrainer
 
 PROMPTS = [{"prompt": f"What is {a} + {b}?", "reward_model": {"ground_truth": str(a + b)}, "data_source": "toy"}
@@ -20,18 +20,24 @@ def tiny_path(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", family="qwen2")
 
 
-def ppo_trainer(path, tmp_path, reward, overlap=True, **reward_fn):
+def ppo_trainer(path, tmp_path, reward, overlap=True, algorithm=None, **reward_fn):
     """PPO with a critic, a KL reference and two mini-batches: old-log-prob, reference and value passes."""
     load = lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # noqa: E731
     cfg = {"actor": {"lr": 1e-3, "micro_batch_size": 4, "ppo_mini_batch_size": 4, "use_kl_loss": True},
            "critic": {"lr": 1e-3},
            "rollout": {"type": "hf", "n": 4, "max_new_tokens": 6, "temperature": 1.0, "seed": 3},
            "reward_fn": {"launch_reward_fn_async": overlap, **reward_fn},
-           "algorithm": {"type": "ppo"},
+           "algorithm": algorithm or {"type": "ppo"},
            "trainer": {"train_batch_size": 2, "output_dir": str(tmp_path / f"run{overlap}"), "progress_bar": False,
                        "plot": False, "device": "cpu"}}
     return RLTrainer(actor_model=load(), tokenizer=AutoTokenizer.from_pretrained(path), critic_model=load(),
                      reward_fn=reward, config=cfg)
+
+
+def beside(trainer):
+    """What make_experience decides: the reward scores beside the passes."""
+    return not trainer.algorithm.scores_decide_rows and scoring.beside_passes(
+        trainer.cfg.reward_fn.launch_reward_fn_async, trainer.device, trainer.reward)
 
 
 def test_same_experience_either_way(tiny_path, tmp_path):
@@ -39,7 +45,7 @@ def test_same_experience_either_way(tiny_path, tmp_path):
     exps = {}
     for overlap in (True, False):
         trainer = ppo_trainer(tiny_path, tmp_path, reward, overlap)
-        assert trainer._passes_beside_reward() is overlap
+        assert beside(trainer) is overlap
         exps[overlap] = trainer.make_experience(trainer.processor.encode_all(PROMPTS), {})
     a, b = exps[True], exps[False]
     for key in ("input_ids", "scores", "old_logprobs", "ref_logprobs", "values", "advantages", "returns"):
@@ -74,11 +80,12 @@ def test_the_reward_scores_while_the_passes_run(tiny_path, tmp_path):
 
 def test_not_beside_where_it_cannot_be(tiny_path, tmp_path):
     reward = lambda solution_str: 1.0  # noqa: E731
-    assert not ppo_trainer(tiny_path, tmp_path, reward, overlap=None)._passes_beside_reward()  # auto: GPU only
-    assert not ppo_trainer(tiny_path, tmp_path, reward, timeout_s=None)._passes_beside_reward()  # main thread
-    trainer = ppo_trainer(tiny_path, tmp_path, reward)
-    trainer.cfg.algorithm.dynamic_sampling = True  # scores choose the groups before any pass
-    assert not trainer._passes_beside_reward()
+    assert not beside(ppo_trainer(tiny_path, tmp_path, reward, overlap=None))  # auto: GPU only
+    assert not beside(ppo_trainer(tiny_path, tmp_path, reward, timeout_s=None))  # main thread
+    # scores choose the groups before any pass
+    trainer = ppo_trainer(tiny_path, tmp_path, reward, algorithm={"type": "grpo", "dynamic_sampling": True})
+    assert trainer.algorithm.scores_decide_rows and scoring.beside_passes(True, trainer.device, trainer.reward)
+    assert not beside(trainer)
 
 
 def test_a_reward_failure_stops_the_step_as_before(tiny_path, tmp_path):

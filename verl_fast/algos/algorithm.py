@@ -4,10 +4,13 @@
 A step is one of two sequences of phases (``Step``), which the algorithm names:
 
 - ``POLICY_GRADIENT``: generation (plus the algorithm's ``extra_rollout``: ReMax's greedy one) ->
-  reward (and the ``reward_baselines`` an extra rollout gives) -> old / reference log-probs and
-  critic values -> ``shape_rewards`` (KL in the reward) -> ``advantages`` (the algorithm's estimator
-  and its whitening scope) -> actor update with ``actor_loss`` (and the critic's with
-  ``critic_loss``) -> weight sync. ``algos/policy_gradient.py`` implements these phases once for
+  reward (and the ``reward_baselines`` an extra rollout gives) -> ``select_experience`` (the rows the
+  update trains on: DAPO's dynamic sampling drops groups by their scores and tops them up from more
+  prompts) -> old / reference log-probs and critic values -> ``correct_rollout`` (the rollout
+  correction's weights, from the old log-probs) -> ``shape_rewards`` (KL in the reward) ->
+  ``advantages`` (the algorithm's estimator and its whitening scope) -> actor update with
+  ``actor_loss`` (and the critic's with ``critic_loss``) -> weight sync. Where ``scores_decide_rows``
+  is false, the model passes may run while the reward scores. ``algos/policy_gradient.py`` implements these phases once for
   every estimator; a module adds its estimator call and what sets it apart.
 - ``PREFERENCE``: chosen / rejected pairs (``pairs``: the dataset's, or sampled and ranked by the
   reward) -> ``update`` (the DPO loss) -> weight sync.
@@ -25,6 +28,7 @@ modules, new DPO losses go to ``losses.dpo_loss``.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
@@ -38,6 +42,16 @@ from verl_fast.rollout.operator import RolloutOperator
 # score(batch, generation) -> [N] rewards of the generated samples
 Score = Callable[[Sequence[PromptRow], GenerationOutput], torch.Tensor]
 Stats = Dict[str, float]  # a loss's statistics, at the scale of a whole batch
+
+
+@dataclass(frozen=True)
+class MorePrompts:
+    """What ``select_experience`` may draw on to top up a step's experience."""
+
+    items: Sequence[PromptRow]  # the prompts fit() trains on (empty outside fit)
+    step: int  # the trainer's step (0-based: the one being made)
+    # scored_rollout(prompts) -> their experience, generated and scored as the step's own batch
+    scored_rollout: Callable[[Sequence[PromptRow]], Experience]
 
 
 class Step(enum.Enum):
@@ -68,6 +82,8 @@ class PolicyGradientAlgorithm(Algorithm, Protocol):
 
     #: samples whose advantage is 0 everywhere add nothing to the gradient of ``actor_loss``
     zero_advantage_is_idle: bool
+    #: ``select_experience`` chooses rows by their scores (the model passes then wait for the reward)
+    scores_decide_rows: bool
 
     def extra_rollout(self, operator: RolloutOperator, batch: Sequence[PromptRow]) -> Optional[GenerationOutput]:
         ...
@@ -76,8 +92,14 @@ class PolicyGradientAlgorithm(Algorithm, Protocol):
                          exp: Experience, metrics: Dict[str, Any]) -> Optional[torch.Tensor]:
         ...
 
+    def select_experience(self, exp: Experience, more: MorePrompts, metrics: Dict[str, Any]) -> Experience:
+        ...
+
     def needs_old_logprobs(self, exp: Experience) -> bool:
         ...
+
+    def correct_rollout(self, exp: Experience, metrics: Dict[str, Any], engine: str) -> None:
+        """``engine``: the rollout engine's name, for the error where it gave no log-probs."""
 
     def shape_rewards(self, exp: Experience, metrics: Dict[str, Any]) -> None:
         ...

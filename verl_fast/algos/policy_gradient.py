@@ -10,6 +10,10 @@ baseline is the prompt's other samples, its critic loss, its extra rollout.
 - Whitening scope: an estimator that whitens its advantages over the batch does so over every
   data-parallel rank's response tokens when there are several (``whiten_over_ranks``: what one
   process whitening the whole batch computes); group estimators never whiten.
+- Rows and weights: DAPO's dynamic sampling (``algorithm.dynamic_sampling``, ``dapo.DynamicSampling``)
+  chooses the groups the update trains on (``select_experience``); the rollout correction
+  (``algorithm.rollout_correction``, ``rollout_correction.RolloutCorrection``) weighs each token
+  (``correct_rollout``). Each is built here from the config, or is absent.
 - Loss: ``actor.policy_loss`` (PPO-clip, GSPO, CISPO, SAPO: ``policy_losses.py``) with the actor
   section's clipping, aggregation, entropy bonus and KL-in-loss (``actor_loss.py``).
 """
@@ -23,9 +27,10 @@ import torch
 
 from verl_fast import distributed
 from verl_fast.algos.actor_loss import actor_loss
-from verl_fast.algos.dapo import overlong_penalty
-from verl_fast.algos.algorithm import Score, Stats, Step, kl_reference, refuse_pairwise_ranking
+from verl_fast.algos.dapo import DynamicSampling, overlong_penalty
+from verl_fast.algos.algorithm import MorePrompts, Score, Stats, Step, kl_reference, refuse_pairwise_ranking
 from verl_fast.algos.losses import kl_penalty
+from verl_fast.algos.rollout_correction import RolloutCorrection
 from verl_fast.config import AlgorithmConfig, Config
 from verl_fast.data import PromptRow, RLDataProcessor
 from verl_fast.experience import Experience, last_token_rewards
@@ -88,9 +93,14 @@ class PolicyGradient:
         self.needs_reference = kl_reference(cfg)
         a = cfg.actor
         self.zero_advantage_is_idle = a.skip_zero_advantage and not a.use_kl_loss and a.entropy_coeff == 0
+        alg = cfg.algorithm
+        self.sampling = (DynamicSampling(cfg.trainer.train_batch_size, alg.max_extra_draws, cfg.trainer.seed)
+                         if alg.dynamic_sampling else None)
+        self.correction = RolloutCorrection(alg.rollout_correction_cap) if alg.rollout_correction else None
+        self.scores_decide_rows = self.sampling is not None
 
     def configure(self, world: int) -> None:
-        if self.cfg.algorithm.dynamic_sampling and world > 1:
+        if self.sampling is not None and world > 1:
             raise ValueError("algorithm.dynamic_sampling is not supported with several processes yet (ranks would "
                              "keep different numbers of groups); use one process")
 
@@ -104,11 +114,21 @@ class PolicyGradient:
                          exp: Experience, metrics: Dict[str, Any]) -> Optional[torch.Tensor]:
         return self.spec.baseline.of(batch, extra, score, exp, metrics)
 
+    def select_experience(self, exp: Experience, more: MorePrompts, metrics: Dict[str, Any]) -> Experience:
+        """DAPO's informative groups, topped up from ``more`` (with dynamic sampling); else all of ``exp``."""
+        return exp if self.sampling is None else self.sampling.select(exp, more, metrics)
+
     def needs_old_logprobs(self, exp: Experience) -> bool:
         """Old log-probs are the current ones unless the actor moves before the last mini-batch, or
         the KL in the reward or the rollout correction reads them."""
-        a, n, alg = self.cfg.actor, exp.num_sequences, self.cfg.algorithm
-        return a.ppo_epochs > 1 or (a.ppo_mini_batch_size or n) < n or alg.use_kl_in_reward or alg.rollout_correction
+        a, n = self.cfg.actor, exp.num_sequences
+        return (a.ppo_epochs > 1 or (a.ppo_mini_batch_size or n) < n or self.cfg.algorithm.use_kl_in_reward
+                or self.correction is not None)
+
+    def correct_rollout(self, exp: Experience, metrics: Dict[str, Any], engine: str) -> None:
+        """The rollout correction's weights (with ``algorithm.rollout_correction``); else nothing."""
+        if self.correction is not None:
+            self.correction.weigh(exp, metrics, engine)
 
     def shape_rewards(self, exp: Experience, metrics: Dict[str, Any]) -> None:
         alg = self.cfg.algorithm

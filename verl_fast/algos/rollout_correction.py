@@ -4,15 +4,45 @@ engine's own log-probs of the tokens it sampled. The rollout engine (vLLM's kern
 batch shape) samples from a distribution slightly off the trainer's ``pi_old``; weighting each
 token's policy loss by ``w`` (detached) makes the gradient that of samples drawn from ``pi_old``,
 truncated at ``cap`` to bound its variance (truncated IS, as verl's rollout IS and TRL's vLLM IS
-correction). ``actor_loss`` multiplies the per-token policy loss by the weights."""
+correction). ``actor_loss`` multiplies the per-token policy loss by the weights. ``RolloutCorrection``
+is the policy-gradient algorithms' ``correct_rollout`` where it is on; ``engine_logprobs`` says whether
+the rollout engine is asked for its log-probs."""
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, Tuple
 
 import torch
 
+from verl_fast.config import Config
+from verl_fast.experience import Experience
 from verl_fast.ops.masked import masked_mean
+
+
+def engine_logprobs(cfg: Config) -> bool:
+    """Whether the rollout engine returns its log-probs of its samples (``SamplingSpec.logprobs``): only
+    where the correction reads them (the trainer recomputes them with the actor, and asking vLLM for
+    them costs a top-k per sampled token; on vLLM-CPU a torch.compile in the first step, ~2 s)."""
+    return cfg.algorithm.rollout_correction
+
+
+@dataclass(frozen=True)
+class RolloutCorrection:
+    """``algorithm.rollout_correction`` with its ``rollout_correction_cap``."""
+
+    cap: float
+
+    def weigh(self, exp: Experience, metrics: Dict[str, Any], engine: str) -> None:
+        """``exp.rollout_is_weights`` from its old log-probs and the log-probs of the rollout engine
+        named ``engine``; their spread as ``rollout_correction/*`` in ``metrics``."""
+        if exp.rollout_logprobs is None:
+            raise ValueError(f"algorithm.rollout_correction needs the rollout engine's log-probs of its samples; "
+                             f"{engine} returned none (a RolloutOperator's generation kwargs may have turned "
+                             "SamplingSpec.logprobs off)")
+        exp.rollout_is_weights, stats = truncated_is_weights(exp.old_logprobs, exp.rollout_logprobs,
+                                                             exp.response_mask, self.cap)
+        metrics.update({f"rollout_correction/{k}": v for k, v in stats.items()})
 
 
 def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor,

@@ -2,8 +2,8 @@
 
 What varies is chosen once, when the trainer is built, and called phase by phase:
 - the algorithm (``algorithm.type``; ``verl_fast/algos/``, one module each): its extra rollout
-  (ReMax), reward shaping (KL in the reward), advantage estimator and whitening scope, actor and
-  critic losses. Preference algorithms (dpo, online_dpo, kto, orpo, simpo, cpo) step through their
+  (ReMax), the rows it trains on (DAPO's dynamic sampling), the rollout correction's weights, reward
+  shaping (KL in the reward), advantage estimator and whitening scope, actor and critic losses. Preference algorithms (dpo, online_dpo, kto, orpo, simpo, cpo) step through their
   pairs or labelled completions instead, SFT through one update on the rows (``trainer/supervised.py``)
   (``algos/algorithm.Step``).
 - the training strategy (``actor.strategy``; ``verl_fast/strategies/``): where the models live and how
@@ -12,7 +12,8 @@ What varies is chosen once, when the trainer is built, and called phase by phase
 - the rollout engine (``rollout.type``; ``verl_fast/rollout/factory.py``).
 - when the samples are generated (``trainer.async_mode``; ``verl_fast/async_rl/``): in the step, or
   ahead of it, beside the update (hooks marked "async hook").
-Losses aggregate with ``actor.loss_agg_mode`` over the whole mini-batch (trainer/batching.py:
+The reward scores through ``verl_fast/rewards/scoring.py`` (here or beside the model passes; the ranks
+agree on a stop). Losses aggregate with ``actor.loss_agg_mode`` over the whole mini-batch (trainer/batching.py:
 micro-batches, DP balancing, the normalisers).
 
 Run it with ``verl-fast train --config c.yaml`` or ``RLTrainer(actor_model=..., tokenizer=...,
@@ -24,7 +25,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
-import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
@@ -33,19 +33,16 @@ import torch
 from verl_fast import agents, catalog, config_verl, distributed, extras, hub, preflight
 from verl_fast.checkpoint import sharded as checkpoint
 from verl_fast import config as config_mod
-from verl_fast.algos import dapo
 from verl_fast.algos import registry as algorithms
-from verl_fast.algos.algorithm import Step
-from verl_fast.algos.rollout_correction import truncated_is_weights
+from verl_fast.algos import rollout_correction
+from verl_fast.algos.algorithm import MorePrompts, Step
 from verl_fast.async_rl import modes as async_modes
 from verl_fast.config import Config
-from verl_fast.distributed import any_rank
 from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
-from verl_fast.experience import Experience, build_experience, concat, last_token_rewards
+from verl_fast.experience import Experience, build_experience, last_token_rewards
 from verl_fast.metrics.logger import MetricsLogger
 from verl_fast.models import checks, lora
-from verl_fast.rewards import RewardInput, RewardStopped, RewardTimeout, build_reward
-from verl_fast.rewards.interface import TrainerState
+from verl_fast.rewards import RewardStopped, RewardTimeout, build_reward, scoring
 from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec
 from verl_fast.rollout.factory import build_engine
 from verl_fast.rollout.hf_engine import HFGenerateEngine
@@ -193,11 +190,8 @@ class RLTrainer:
 
     def _sampling_defaults(self, generation_config: Optional[Dict[str, Any]]) -> SamplingSpec:
         r = self.cfg.rollout
-        # logprobs off unless the rollout correction reads them: the trainer recomputes them with the
-        # actor, and asking vLLM for them costs a top-k per sampled token (and on vLLM-CPU a
-        # torch.compile in the first step: ~2 s)
         base = SamplingSpec(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                            max_tokens=r.max_new_tokens, logprobs=self.cfg.algorithm.rollout_correction)
+                            max_tokens=r.max_new_tokens, logprobs=rollout_correction.engine_logprobs(self.cfg))
         return SamplingSpec.from_kwargs(base, dict(generation_config or {}))
 
     def update_reward_fn(self, reward_fn: Any) -> None:
@@ -229,7 +223,7 @@ class RLTrainer:
         if cfg.train_batch_size % self.world:
             raise ValueError(f"trainer.train_batch_size={cfg.train_batch_size} must be a multiple of the "
                              f"number of processes ({self.world}) so that every rank gets the same share")
-        self._items = items  # dynamic sampling draws extra prompts from them
+        self._items = items  # an algorithm's select_experience may draw extra prompts from them
         per_epoch = max(1, len(items) // cfg.train_batch_size)
         total = cfg.total_steps or cfg.num_epochs * per_epoch
         self.total_steps = total
@@ -447,11 +441,14 @@ class RLTrainer:
             return self.rollout.rollout(batch, seed=self._seed())
 
     def make_experience(self, batch: List[PromptRow], metrics: Dict[str, Any]) -> Experience:
-        """Rollout, rewards, old / reference log-probs and values, advantages."""
+        """The step's phases before its updates: generation and rewards (the model passes beside the
+        reward where they may run), the algorithm's choice of rows, old / reference log-probs and
+        values, the rollout correction's weights, shaped rewards and advantages."""
         timed, algorithm = self.perf.phase, self.algorithm
-        early = self._passes_beside_reward()
+        early = not algorithm.scores_decide_rows and scoring.beside_passes(
+            self.cfg.reward_fn.launch_reward_fn_async, self.device, self.reward)
         exp, extra = self._scored_rollout(batch, metrics, self._model_passes if early else None)
-        # the batch's own figures, before dynamic sampling keeps only the informative groups
+        # the batch's own figures, before the algorithm chooses its rows
         lengths = exp.response_mask.sum(-1).float()
         metrics.update({
             "reward/mean": exp.scores.mean().item(),
@@ -460,12 +457,11 @@ class RLTrainer:
         })
         with timed("reward"):
             baselines = algorithm.reward_baselines(batch, extra, self._score, exp, metrics)
-        if self.cfg.algorithm.dynamic_sampling:
-            exp = self._dynamic_sampling(exp, metrics)
+        more = MorePrompts(self._items, self.step, lambda prompts: self._scored_rollout(prompts, {})[0])
+        exp = algorithm.select_experience(exp, more, metrics)
         if not early:
             self._model_passes(exp)
-        if self.cfg.algorithm.rollout_correction:
-            self._rollout_weights(exp, metrics)
+        algorithm.correct_rollout(exp, metrics, type(self.engine).__name__)
         with timed("advantages"):
             algorithm.shape_rewards(exp, metrics)
             exp.advantages, exp.returns = algorithm.advantages(exp, baselines, self.dp_group)
@@ -486,16 +482,6 @@ class RLTrainer:
             with timed("values"):
                 exp.values = self._values(exp)
 
-    def _passes_beside_reward(self) -> bool:
-        """Whether the step's model passes run while its reward scores (``reward_fn.launch_reward_fn_async``;
-        auto: on a GPU): not where dynamic sampling drops groups by their scores first, nor where a
-        reward must score on this thread (``timeout_s: null``) or is a model on the GPU."""
-        setting = self.cfg.reward_fn.launch_reward_fn_async
-        if setting is None:
-            setting = self.device.type == "cuda"
-        return (setting and not self.cfg.algorithm.dynamic_sampling and self.reward is not None
-                and self.reward.scores_off_the_main_thread)
-
     def _scored_rollout(self, batch: List[PromptRow], metrics: Dict[str, Any],
                         beside: Optional[Callable[[Experience], None]] = None) -> tuple:
         """Generation and rewards of ``batch``: ``(experience with scores and outcome rewards, the
@@ -512,12 +498,13 @@ class RLTrainer:
         metrics.update(self.rollout.metrics())
         exp = build_experience(batch, gen, self.tokenizer.pad_token_id).to(self.device)
         self.perf.count_step_tokens(exp.attention_mask)
-        scoring = None
+        started = None
         if beside is not None:  # time/reward is then the wait left after the passes
-            scoring = self._start_scoring(batch, gen)
+            started = scoring.start(self.reward, scoring.reward_inputs(batch, gen, self.step, self.total_steps),
+                                    self._stop_event)
             beside(exp)
         with timed("reward"):
-            exp.scores = self._score(batch, gen, scoring)
+            exp.scores = self._score(batch, gen, started)
             metrics.update(self.reward.last_metrics)  # each reward function's mean and extra keys
             self.generations = _samples(batch, gen, exp.scores, self.cfg.trainer.log_generations)
             exp.token_level_rewards = last_token_rewards(exp.scores, exp.response_mask)
@@ -530,96 +517,14 @@ class RLTrainer:
                                          / max(1, len(gen.finish_reasons)))
         return exp, extra
 
-    def _dynamic_sampling(self, exp: Experience, metrics: Dict[str, Any]) -> Experience:
-        """DAPO's dynamic sampling (``algos/dapo.py``): the groups whose scores differ, topped up from
-        extra draws of prompts until ``train_batch_size`` of them (or ``max_extra_draws`` is spent)."""
-        want, alg = self.cfg.trainer.train_batch_size, self.cfg.algorithm
-        kept: List[Experience] = []
-        found, dropped, draws = 0, 0, 0
-        while True:
-            groups = dapo.informative_groups(exp.scores, exp.prompt_index)
-            dropped += int(exp.prompt_index.unique().numel()) - len(groups)
-            groups = groups[: want - found]
-            rows, ids = dapo.rows_of(exp.prompt_index, groups)
-            if rows.numel():
-                part = exp.select(rows.to(exp.input_ids.device))
-                part.prompt_index = (ids + found).to(part.prompt_index.device)
-                kept.append(part)
-            found += len(groups)
-            if found >= want or draws >= alg.max_extra_draws:
-                break
-            draws += 1
-            exp, _ = self._scored_rollout(self._extra_batch(draws), {})
-        metrics.update({"dynamic_sampling/extra_draws": float(draws), "dynamic_sampling/dropped_groups": float(dropped),
-                        "dynamic_sampling/kept_groups": float(found)})
-        if not kept:
-            raise RuntimeError(f"algorithm.dynamic_sampling: every prompt's samples scored the same in the step's "
-                               f"batch and {draws} extra draws (algorithm.max_extra_draws); raise max_extra_draws "
-                               "or rollout.n, or check the reward")
-        return concat(kept)
-
-    def _extra_batch(self, draw: int) -> List[PromptRow]:
-        """Dynamic sampling's ``draw``-th extra batch of the step: ``train_batch_size`` prompts drawn
-        with a generator seeded by the step and the draw (a resumed run draws the same)."""
-        n = self.cfg.trainer.train_batch_size
-        if not self._items:
-            raise RuntimeError("algorithm.dynamic_sampling draws its extra prompts from the dataset fit() trains on; "
-                               "call fit(dataset)")
-        g = torch.Generator().manual_seed(self.cfg.trainer.seed * 1_000_003 + self.step * 1009 + draw)
-        take = torch.randint(len(self._items), (n,), generator=g).tolist()
-        return [self._items[j] for j in take]
-
-    def _rollout_weights(self, exp: Experience, metrics: Dict[str, Any]) -> None:
-        """``algorithm.rollout_correction``: the truncated importance weights of the rollout engine's
-        samples (``algos/rollout_correction.py``), and their spread as ``rollout_correction/*``."""
-        if exp.rollout_logprobs is None:
-            raise ValueError(f"algorithm.rollout_correction needs the rollout engine's log-probs of its samples; "
-                             f"{type(self.engine).__name__} returned none (a RolloutOperator's generation "
-                             "kwargs may have turned SamplingSpec.logprobs off)")
-        exp.rollout_is_weights, stats = truncated_is_weights(exp.old_logprobs, exp.rollout_logprobs,
-                                                             exp.response_mask, self.cfg.algorithm.rollout_correction_cap)
-        metrics.update({f"rollout_correction/{k}": v for k, v in stats.items()})
-
-    def _reward_inputs(self, batch: List[PromptRow], gen: Any) -> List[RewardInput]:
-        state = TrainerState(global_step=self.step, max_steps=self.total_steps)
-        ids = [row[mask.bool()].tolist() for row, mask in zip(gen.response_ids.cpu(), gen.response_mask.cpu())]
-        return [RewardInput(prompt=batch[i].prompt_text, response=text, ground_truth=batch[i].ground_truth,
-                            data_source=batch[i].data_source, extra_info=batch[i].extra_info, columns=batch[i].columns,
-                            completion_ids=ids[j], trainer_state=state)
-                for j, (i, text) in enumerate(zip(gen.prompt_index.tolist(), gen.texts))]
-
-    def _start_scoring(self, batch: List[PromptRow], gen: Any) -> concurrent.futures.Future:
-        """The reward of ``gen`` started in a thread of its own (``_score`` collects it; the reward's
-        own deadline and stop rules apply inside). A daemon: it never holds the process at exit."""
-        samples, scoring = self._reward_inputs(batch, gen), concurrent.futures.Future()
-
-        def work() -> None:
-            try:
-                scoring.set_result(self.reward(samples, stop=self._stop_event))
-            except BaseException as e:  # noqa: BLE001 - handed to _score on the main thread
-                scoring.set_exception(e)
-
-        threading.Thread(target=work, name="reward beside the passes", daemon=True).start()
-        return scoring
-
     def _score(self, batch: List[PromptRow], gen: Any,
-               scoring: Optional[concurrent.futures.Future] = None) -> torch.Tensor:
-        """The reward of each generated sample, ``[N]`` float32 on the trainer's device (``scoring``:
-        started by ``_start_scoring``; the ranks agree on a failure here, on the main thread)."""
-        failure: Optional[BaseException] = None
-        try:
-            if scoring is not None:
-                scores = scoring.result()
-            else:
-                scores = self.reward(self._reward_inputs(batch, gen), stop=self._stop_event)
-        except (RewardStopped, RewardTimeout) as e:
-            failure = e
-        # every rank gives up the step together (one rank alone would wait forever in the update)
-        if distributed.world_size() > 1 and any_rank(failure is not None) and failure is None:
-            failure = RewardStopped("another rank stopped in its reward")
-        if failure is not None:
-            raise failure
-        return torch.tensor(scores, dtype=torch.float32, device=self.device)
+               started: Optional[concurrent.futures.Future] = None) -> torch.Tensor:
+        """The reward of each generated sample, ``[N]`` float32 on the trainer's device, on this thread
+        (or ``started`` beside the passes); every rank raises on a stop or timeout (rewards/scoring.py)."""
+        if started is not None:
+            return scoring.wait(started, self.device)
+        samples = scoring.reward_inputs(batch, gen, self.step, self.total_steps)
+        return scoring.score(self.reward, samples, self._stop_event, self.device)
 
     @torch.no_grad()
     def _old_logprobs(self, exp: Experience) -> torch.Tensor:
