@@ -50,12 +50,25 @@ def run_one(mode: str, seed: int, steps: int, work: Path, extra: List[str]) -> D
     return {"rewards": rewards, "wall_s": time.perf_counter() - start, "staleness_mean": stale}
 
 
+def kept_runs(path, steps: int, seeds: List[int]) -> Dict[str, List[Dict[str, object]]]:
+    """The runs per mode of an earlier result (``--keep``), refused unless it ran the same steps and seeds."""
+    if path is None:
+        return {}
+    meta = json.loads(path.read_text())["meta"]
+    if meta["steps"] != steps or meta["seeds"] != seeds:
+        raise SystemExit(f"--keep {path}: it ran steps={meta['steps']} seeds={meta['seeds']}, not steps={steps} "
+                         f"seeds={seeds}")
+    return {mode: runs for mode, runs in meta["runs"].items() if len(runs) == len(seeds)}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--modes", default="off,one_step,full")
     p.add_argument("--last", type=int, default=5, help="steps at the end averaged per run")
+    p.add_argument("--keep", type=Path, help="an earlier async_curves JSON: the modes whose runs it holds (same steps "
+                   "and seeds) are taken from it, not run again (a sweep finished in parts)")
     p.add_argument("--set", action="append", default=[], help="SECTION.KEY=VALUE for every run (a smoke test: "
                    "actor.model_name=<a tiny model folder>)")
     args = p.parse_args(argv)
@@ -63,10 +76,11 @@ def main(argv=None) -> int:
     modes = args.modes.split(",")
     report = Report("async_curves", "cpu", meta={"steps": args.steps, "seeds": seeds, "last": args.last, "runs": {}})
     summary: Dict[str, Dict[str, float]] = {}
+    kept = kept_runs(args.keep, args.steps, seeds)
     with tempfile.TemporaryDirectory(prefix="bench_async_cpu_") as tmp:
         for mode in modes:
-            runs: List[Dict[str, object]] = []
-            for seed in seeds:
+            runs: List[Dict[str, object]] = kept.get(mode, [])
+            for seed in seeds[len(runs):]:
                 runs.append(run_one(mode, seed, args.steps, Path(tmp), args.set))
                 print(f"{mode} seed {seed}: rewards {[round(r, 3) for r in runs[-1]['rewards']]}", flush=True)
             report.meta["runs"][mode] = runs
