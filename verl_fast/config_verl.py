@@ -286,7 +286,7 @@ def load(path: Optional[Union[str, Path]], overrides: Optional[List[str]] = None
          ) -> Tuple[config_mod.Config, List[str]]:
     """A YAML file (ours or verl's layout; None: nothing) plus ``key=value`` overrides (either layout),
     which win over the file's keys, whichever layout each is written in."""
-    from verl_fast import yaml_files
+    from verl_fast.config import yaml_files
 
     data: Any = {}
     if path is not None:

@@ -87,7 +87,7 @@ def test_the_graph_reads_dynamic_imports(tmp_path):
 
 # helpers of one job that import nothing of verl_fast, so any room may use them (the config reads its
 # YAML through yaml_files' limits)
-LEAVES = {"verl_fast.yaml_files"}
+LEAVES = {"verl_fast.config.yaml_files"}
 
 
 def test_leaves_import_nothing_of_the_package():

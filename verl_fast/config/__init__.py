@@ -591,7 +591,7 @@ def from_dict(data: Optional[Dict[str, Any]]) -> Config:
 
 def load(path: Union[str, Path], overrides: Optional[List[str]] = None) -> Config:
     """A YAML file plus ``section.key=value`` overrides (values parsed as YAML)."""
-    from verl_fast import yaml_files
+    from verl_fast.config import yaml_files
 
     data = yaml_files.load_file(path) or {}
     if not isinstance(data, dict):
@@ -605,7 +605,7 @@ def apply_overrides(data: Dict[str, Any], overrides: List[str]) -> Dict[str, Any
     value is null."""
     import copy
 
-    from verl_fast import yaml_files
+    from verl_fast.config import yaml_files
 
     data = copy.deepcopy(data)
     for item in overrides:
