@@ -4,7 +4,7 @@ actor,rollout,ref}``, ``data``, ``algorithm``, ``critic``, ``reward_model``, ``c
 or instead of our own sections.
 
 Every key is looked up once: our own key as it is; verl's key through the table in
-``verl_fast.verl_keys`` (verl's units converted: mini-batches in prompts x rollout.n, micro-batches per
+``verl_fast.config.verl_keys`` (verl's units converted: mini-batches in prompts x rollout.n, micro-batches per
 GPU, epochs or steps, ...), or noted in one line when it has no meaning here; anything else is unknown,
 with the closest key named. Every problem of the config is reported at once, one line each
 (``ConfigProblems``), before the combination checks of ``config.validate``. Values may use verl's
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from verl_fast import config as config_mod
-from verl_fast.verl_keys import KEYS, SKIP, R, VerlKey
+from verl_fast.config.verl_keys import KEYS, SKIP, R, VerlKey
 
 EXACT: Dict[str, VerlKey] = {k.verl: k for k in KEYS if not k.subtree}
 SUBTREES: Dict[str, VerlKey] = {k.verl: k for k in KEYS if k.subtree}

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from verl_fast import config_verl, verl_keys
+from verl_fast import config_verl
+from verl_fast.config import verl_keys
 from verl_fast.config_verl import EXACT, NATIVE, ConfigProblems
 
 HERE = Path(__file__).parent

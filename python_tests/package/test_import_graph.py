@@ -19,7 +19,7 @@ KERNELS = Path(verl_fast.kernels.__file__).parent  # kernels/ in the source tree
 FLOORS = [
     ("foundation", {"verl_fast", "verl_fast._C", "verl_fast.config", "verl_fast.distributed", "verl_fast.files",
                     "verl_fast.metrics.http_server", "verl_fast.extras", "verl_fast.hub",
-                    "verl_fast.config_verl", "verl_fast.verl_keys"}),
+                    "verl_fast.config_verl"}),
     ("ops", {"verl_fast.ops", "verl_fast.kernels", "verl_fast.schedule"}),
     ("models, data, rewards, rollout, checkpoints, metrics",
      {"verl_fast.models", "verl_fast.data", "verl_fast.experience", "verl_fast.rewards", "verl_fast.rollout",
