@@ -10,7 +10,7 @@ with the closest key named. Every problem of the config is reported at once, one
 (``ConfigProblems``), before the combination checks of ``config.validate``. Values may use verl's
 interpolations (``${key}``, ``${oc.select:key,default}``, ``${.sibling}``).
 
-``python -m verl_fast.config_verl --markdown`` prints the table of verl keys (docs/verl_and_trl.md).
+``python -m verl_fast.config.verl_config --markdown`` prints the table of verl keys (docs/verl_and_trl.md).
 """
 
 from __future__ import annotations
@@ -313,5 +313,5 @@ def markdown() -> str:
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["--markdown"]:
-        raise SystemExit("usage: python -m verl_fast.config_verl --markdown")
+        raise SystemExit("usage: python -m verl_fast.config.verl_config --markdown")
     print(markdown())
