@@ -761,4 +761,4 @@ def _check_lora(spec: Optional[Dict[str, Any]]) -> None:
 
 def default_config_path() -> Path:
     """The embedded default run: GRPO on SmolLM2-135M-Instruct with reasoning-gym chain_sum."""
-    return Path(__file__).resolve().parent / "configs" / "default.yaml"
+    return Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
