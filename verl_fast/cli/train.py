@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     from verl_fast.trainer import run_dir
 
     # folder, lock, port, loggers, dataset: checked before any model loads (the lock is held to the end)
-    from verl_fast import preflight
+    from verl_fast.data import preflight
 
     try:
         rows = run_dir.precheck(cfg)  # releases the lock itself when it fails

@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Unio
 
 import torch
 
-from verl_fast import agents, catalog, distributed, extras, hub, preflight
+from verl_fast import agents, catalog, distributed, extras, hub
 from verl_fast.checkpoint import sharded as checkpoint
 from verl_fast import config as config_mod
 from verl_fast.algos import dapo
@@ -43,6 +43,7 @@ from verl_fast.config import Config
 from verl_fast.config import verl_config as config_verl
 from verl_fast.distributed import any_rank
 from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
+from verl_fast.data import preflight
 from verl_fast.experience import Experience, build_experience, concat, last_token_rewards
 from verl_fast.metrics.logger import MetricsLogger
 from verl_fast.models import checks, lora
