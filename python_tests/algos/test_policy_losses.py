@@ -18,7 +18,7 @@ from verl_fast.algos.actor_loss import actor_loss
 from verl_fast.algos.losses import agg_loss
 from verl_fast.algos.policy_losses import cispo_tokens, gspo_tokens, policy_loss_tokens, sapo_tokens
 from verl_fast.config import ActorConfig
-from verl_fast.experience import Experience
+from verl_fast.rollout.experience import Experience
 
 SHAPES = [(1, 1), (3, 5), (4, 17), (7, 33)]
 

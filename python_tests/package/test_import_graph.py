@@ -21,7 +21,7 @@ FLOORS = [
                     "verl_fast.metrics.http_server", "verl_fast.extras", "verl_fast.hub"}),
     ("ops", {"verl_fast.ops", "verl_fast.kernels", "verl_fast.schedule"}),
     ("models, data, rewards, rollout, checkpoints, metrics",
-     {"verl_fast.models", "verl_fast.data", "verl_fast.experience", "verl_fast.rewards", "verl_fast.rollout",
+     {"verl_fast.models", "verl_fast.data", "verl_fast.rewards", "verl_fast.rollout",
       "verl_fast.checkpoint", "verl_fast.metrics"}),
     ("algorithms, strategies, agents", {"verl_fast.algos", "verl_fast.strategies", "verl_fast.agents"}),
     ("trainer", {"verl_fast.trainer", "verl_fast.async_rl", "verl_fast.catalog"}),

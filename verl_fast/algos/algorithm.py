@@ -31,7 +31,7 @@ import torch
 
 from verl_fast.config import Config
 from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
-from verl_fast.experience import Experience
+from verl_fast.rollout.experience import Experience
 from verl_fast.rollout.base import GenerationOutput
 from verl_fast.rollout.operator import RolloutOperator
 

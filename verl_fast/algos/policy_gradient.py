@@ -28,7 +28,7 @@ from verl_fast.algos.algorithm import Score, Stats, Step, kl_reference, refuse_p
 from verl_fast.algos.losses import kl_penalty
 from verl_fast.config import AlgorithmConfig, Config
 from verl_fast.data import PromptRow, RLDataProcessor
-from verl_fast.experience import Experience, last_token_rewards
+from verl_fast.rollout.experience import Experience, last_token_rewards
 from verl_fast.rollout.base import GenerationOutput
 from verl_fast.rollout.operator import RolloutOperator
 

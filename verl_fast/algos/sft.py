@@ -27,7 +27,7 @@ from verl_fast.algos.algorithm import Step
 from verl_fast.algos.losses import agg_loss
 from verl_fast.config import Config
 from verl_fast.data import RLDataProcessor
-from verl_fast.experience import Experience
+from verl_fast.rollout.experience import Experience
 from verl_fast.data.sft_data import SFTExample
 
 

@@ -44,7 +44,7 @@ from verl_fast.config import verl_config as config_verl
 from verl_fast.distributed import any_rank
 from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
 from verl_fast.data import preflight
-from verl_fast.experience import Experience, build_experience, concat, last_token_rewards
+from verl_fast.rollout.experience import Experience, build_experience, concat, last_token_rewards
 from verl_fast.metrics.logger import MetricsLogger
 from verl_fast.models import checks, lora
 from verl_fast.rewards import RewardInput, RewardStopped, RewardTimeout, build_reward
