@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
 
 # The tests validate configs directly (verl_fast.config.from_dict): the modules that own the
 # config's choices register them first, as `verl-fast train` and RLTrainer do.
-from verl_fast import catalog  # noqa: E402
+from verl_fast.trainer import catalog  # noqa: E402
 
 catalog.register()
 

@@ -72,7 +72,8 @@ def _cell(text: str) -> str:
 
 
 def render() -> str:
-    from verl_fast import catalog, config
+    from verl_fast import config
+    from verl_fast.trainer import catalog
 
     catalog.register()  # the values of the keys that name an implementation
     lines = [HEAD]

@@ -24,7 +24,7 @@ FLOORS = [
      {"verl_fast.models", "verl_fast.data", "verl_fast.rewards", "verl_fast.rollout",
       "verl_fast.checkpoint", "verl_fast.metrics"}),
     ("algorithms, strategies, agents", {"verl_fast.algos", "verl_fast.strategies", "verl_fast.agents"}),
-    ("trainer", {"verl_fast.trainer", "verl_fast.async_rl", "verl_fast.catalog"}),
+    ("trainer", {"verl_fast.trainer", "verl_fast.async_rl"}),
     ("commands", {"verl_fast.cli", "verl_fast.__main__", "verl_fast.bench", "verl_fast.inference"}),
 ]
 

@@ -43,7 +43,7 @@ def resolve_config(args: argparse.Namespace) -> config_mod.Config:
         overrides.append(f"trainer.metrics_port={args.metrics_port}")
     if args.output_dir:
         overrides.append(f"trainer.output_dir={args.output_dir}")
-    from verl_fast import catalog
+    from verl_fast.trainer import catalog
 
     catalog.register()
     # a command line in verl's tree with no --config starts from our defaults, not the embedded demo run

@@ -12,7 +12,7 @@ imports one later. The values of the keys that name an implementation (``algorit
 ``reward_fn.type``, ``actor.strategy``, the loss modes, ...) are ``Choices`` that the modules
 implementing them register where they are defined, with the combination checks only they know
 (``register_check``). Whoever assembles a run registers them before validating a config:
-``verl_fast.catalog.register()`` (``verl-fast train`` and ``RLTrainer`` call it), so the messages
+``verl_fast.trainer.catalog.register()`` (``verl-fast train`` and ``RLTrainer`` call it), so the messages
 name the same keys and values whoever validates.
 """
 
@@ -78,10 +78,10 @@ def register_check(check: Callable[["Config"], None]) -> Callable[["Config"], No
 
 def require_registered() -> None:
     """Every Choices holds the values its module registered; the config module itself imports none
-    of them (``verl_fast.catalog.register()`` does, where a run is assembled)."""
+    of them (``verl_fast.trainer.catalog.register()`` does, where a run is assembled)."""
     missing = [c.keys for c in _REGISTERED if not len(c)]
     if missing:
-        raise RuntimeError(f"no values are registered for {'; '.join(missing)}: call verl_fast.catalog.register() "
+        raise RuntimeError(f"no values are registered for {'; '.join(missing)}: call verl_fast.trainer.catalog.register() "
                            "before validating a config (verl-fast train and RLTrainer do)")
 
 

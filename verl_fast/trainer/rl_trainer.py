@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Unio
 
 import torch
 
-from verl_fast import agents, catalog, distributed, extras, hub
+from verl_fast import agents, distributed, extras, hub
 from verl_fast.checkpoint import sharded as checkpoint
 from verl_fast import config as config_mod
 from verl_fast.algos import dapo
@@ -55,7 +55,7 @@ from verl_fast.rollout.hf_engine import HFGenerateEngine
 from verl_fast.rollout.operator import RolloutOperator
 from verl_fast.strategies import backends as strategies
 from verl_fast.strategies import memory_plan
-from verl_fast.trainer import lr_schedule, perf, run_dir, supervised
+from verl_fast.trainer import catalog, lr_schedule, perf, run_dir, supervised
 from verl_fast.trainer.validation import Validation
 from verl_fast.trainer.batching import balance_across_ranks, loss_normalisers, micro_batches, token_budget
 
