@@ -18,7 +18,7 @@ KERNELS = Path(verl_fast.kernels.__file__).parent  # kernels/ in the source tree
 # The floors, lowest first: a module may import its own floor and the ones below, never one above.
 FLOORS = [
     ("foundation", {"verl_fast", "verl_fast._C", "verl_fast.config", "verl_fast.distributed", "verl_fast.files",
-                    "verl_fast.metrics.http_server", "verl_fast.extras", "verl_fast.hub"}),
+                    "verl_fast.metrics.http_server", "verl_fast.extras"}),
     ("ops", {"verl_fast.ops", "verl_fast.kernels", "verl_fast.schedule"}),
     ("models, data, rewards, rollout, checkpoints, metrics",
      {"verl_fast.models", "verl_fast.data", "verl_fast.rewards", "verl_fast.rollout",

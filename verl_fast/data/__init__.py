@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
-from verl_fast import config, hub
+from verl_fast import config
 from verl_fast.data import readers
+from verl_fast.files import hub
 
 
 @dataclass

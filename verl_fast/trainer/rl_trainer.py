@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Unio
 
 import torch
 
-from verl_fast import agents, distributed, extras, hub
+from verl_fast import agents, distributed, extras
 from verl_fast.checkpoint import sharded as checkpoint
 from verl_fast import config as config_mod
 from verl_fast.algos import dapo
@@ -42,6 +42,7 @@ from verl_fast.async_rl import modes as async_modes
 from verl_fast.config import Config
 from verl_fast.config import verl_config as config_verl
 from verl_fast.distributed import any_rank
+from verl_fast.files import hub
 from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
 from verl_fast.data import preflight
 from verl_fast.rollout.experience import Experience, build_experience, concat, last_token_rewards
