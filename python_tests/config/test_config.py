@@ -104,7 +104,7 @@ def test_the_config_imports_nothing_and_the_run_registers_its_choices(tmp_path):
         "else:",
         "    raise AssertionError('validated with no choices registered')",
         "assert loaded() == ['verl_fast.config'], loaded()",
-        "from verl_fast import catalog",
+        "from verl_fast.trainer import catalog",
         "catalog.register()",
         "assert C.from_dict({'algorithm': {'type': 'ppo'}}).algorithm.type == 'ppo'",
         "assert list(C.ALGORITHMS) == ['grpo', 'drgrpo', 'ppo', 'rloo', 'reinforce_pp', 'reinforce_pp_baseline',"
