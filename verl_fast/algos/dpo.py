@@ -19,8 +19,8 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 import torch
 
 from verl_fast.algos.algorithm import Step, kl_reference
-from verl_fast.algos.losses import dpo_loss
-from verl_fast.algos.preference_losses import ipo_loss
+from verl_fast.algos.loss_terms import dpo_loss
+from verl_fast.algos.preference_loss_variants import ipo_loss
 from verl_fast.config import Config, CriticConfig
 from verl_fast.data import PreferencePair, RLDataProcessor
 from verl_fast.models.response_logprobs import response_logprobs

@@ -21,7 +21,7 @@ import torch
 from verl_fast import distributed
 from verl_fast.algos import dpo
 from verl_fast.algos.algorithm import Step
-from verl_fast.algos.preference_losses import kto_loss
+from verl_fast.algos.preference_loss_variants import kto_loss
 from verl_fast.config import Config
 from verl_fast.data import RLDataProcessor
 

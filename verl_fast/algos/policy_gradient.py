@@ -22,10 +22,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from verl_fast import distributed
-from verl_fast.algos.actor_loss import actor_loss
+from verl_fast.algos.actor_micro_batch_loss import actor_loss
 from verl_fast.algos.dapo import overlong_penalty
 from verl_fast.algos.algorithm import Score, Stats, Step, kl_reference, refuse_pairwise_ranking
-from verl_fast.algos.losses import kl_penalty
+from verl_fast.algos.loss_terms import kl_penalty
 from verl_fast.config import AlgorithmConfig, Config
 from verl_fast.data import PromptRow, RLDataProcessor
 from verl_fast.rollout.experience import Experience, last_token_rewards

@@ -23,7 +23,7 @@ import torch
 
 from verl_fast.algos import dpo
 from verl_fast.algos.algorithm import Step, kl_reference
-from verl_fast.algos.preference_losses import cpo_loss, orpo_loss, simpo_loss
+from verl_fast.algos.preference_loss_variants import cpo_loss, orpo_loss, simpo_loss
 from verl_fast.config import Config
 from verl_fast.data import PreferencePair, RLDataProcessor
 from verl_fast.models.response_logprobs import response_logprobs

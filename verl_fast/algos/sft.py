@@ -24,7 +24,7 @@ import torch
 from verl_fast.data import sft_data
 from verl_fast.algos import dpo
 from verl_fast.algos.algorithm import Step
-from verl_fast.algos.losses import agg_loss
+from verl_fast.algos.loss_terms import agg_loss
 from verl_fast.config import Config
 from verl_fast.data import RLDataProcessor
 from verl_fast.rollout.experience import Experience

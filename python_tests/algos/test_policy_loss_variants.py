@@ -14,9 +14,9 @@ import math
 import pytest
 import torch
 
-from verl_fast.algos.actor_loss import actor_loss
-from verl_fast.algos.losses import agg_loss
-from verl_fast.algos.policy_losses import cispo_tokens, gspo_tokens, policy_loss_tokens, sapo_tokens
+from verl_fast.algos.actor_micro_batch_loss import actor_loss
+from verl_fast.algos.loss_terms import agg_loss
+from verl_fast.algos.policy_loss_variants import cispo_tokens, gspo_tokens, policy_loss_tokens, sapo_tokens
 from verl_fast.config import ActorConfig
 from verl_fast.rollout.experience import Experience
 

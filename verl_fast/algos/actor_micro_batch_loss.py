@@ -6,8 +6,8 @@ from typing import Dict, Tuple
 
 import torch
 
-from verl_fast.algos.losses import agg_loss, entropy_loss, kl_penalty
-from verl_fast.algos.policy_losses import policy_loss_tokens
+from verl_fast.algos.loss_terms import agg_loss, entropy_loss, kl_penalty
+from verl_fast.algos.policy_loss_variants import policy_loss_tokens
 from verl_fast.rollout.experience import Experience
 
 

@@ -20,7 +20,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from verl_fast.algos.losses import ppo_clip_tokens
+from verl_fast.algos.loss_terms import ppo_clip_tokens
 from verl_fast.config import ActorConfig
 from verl_fast.ops.masked import masked_mean, masked_sum
 
