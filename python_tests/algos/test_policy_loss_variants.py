@@ -1,4 +1,4 @@
-"""actor.policy_loss (algos/policy_losses.py) against float64 references written here from each
+"""actor.policy_loss (algos/policy_loss_variants.py) against float64 references written here from each
 paper's formula, value and gradient, on random inputs of several shapes and at the edges.
 
 - GSPO (Zheng et al. 2025, eq. 5-7): s_i = exp(1/|y_i| sum_t log(pi/pi_old)); J = mean_i min(s_i A_i,

@@ -1,7 +1,7 @@
 """DPO (Rafailov et al.) on the dataset's chosen / rejected pairs (``Step.PREFERENCE``, no rollout): the
 summed response log-probs of chosen and rejected under the actor and the reference (none with
 ``reward_fn.reference_free``; ``ipo`` takes their per-token means, as Azar et al.'s authors and TRL
-do), the DPO loss (``algorithm.loss_type``: sigmoid, ipo, hinge, robust, exo_pair, nca_pair, bco_pair, sppo_hard, apo_zero, apo_down, discopop (``losses.dpo_loss``), with ``beta`` and
+do), the DPO loss (``algorithm.loss_type``: sigmoid, ipo, hinge, robust, exo_pair, nca_pair, bco_pair, sppo_hard, apo_zero, apo_down, discopop (``loss_terms.dpo_loss``), with ``beta`` and
 ``label_smoothing``) plus ``algorithm.sft_weight`` times the chosen responses' mean token NLL (RPO),
 backward, one optimiser step per batch.
 
@@ -164,7 +164,7 @@ def step(actor: torch.nn.Module, ref: Optional[torch.nn.Module], pairs: List[Pre
         else:  # reference-free DPO
             reference = torch.zeros_like(policy)
         B = len(chunk)
-        if algorithm.loss_type == "ipo":  # IPO on per-token log-ratios (preference_losses.ipo_loss)
+        if algorithm.loss_type == "ipo":  # IPO on per-token log-ratios (preference_loss_variants.ipo_loss)
             lengths = rmask.sum(-1).clamp(min=1)
             loss, s = ipo_loss(policy[:B] / lengths[:B], policy[B:] / lengths[B:], reference[:B] / lengths[:B],
                                reference[B:] / lengths[B:], algorithm.beta)

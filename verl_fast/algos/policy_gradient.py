@@ -10,8 +10,8 @@ baseline is the prompt's other samples, its critic loss, its extra rollout.
 - Whitening scope: an estimator that whitens its advantages over the batch does so over every
   data-parallel rank's response tokens when there are several (``whiten_over_ranks``: what one
   process whitening the whole batch computes); group estimators never whiten.
-- Loss: ``actor.policy_loss`` (PPO-clip, GSPO, CISPO, SAPO: ``policy_losses.py``) with the actor
-  section's clipping, aggregation, entropy bonus and KL-in-loss (``actor_loss.py``).
+- Loss: ``actor.policy_loss`` (PPO-clip, GSPO, CISPO, SAPO: ``policy_loss_variants.py``) with the actor
+  section's clipping, aggregation, entropy bonus and KL-in-loss (``actor_micro_batch_loss.py``).
 """
 
 from __future__ import annotations

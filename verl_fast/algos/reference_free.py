@@ -1,6 +1,6 @@
 """ORPO, SimPO and CPO (``Step.PREFERENCE``, no rollout, no reference model): the dataset's chosen /
 rejected pairs, the actor's response log-probs of both, a loss of the policy alone
-(``preference_losses``), plus a weight times the chosen responses' token-mean NLL, backward, one
+(``preference_loss_variants``), plus a weight times the chosen responses' token-mean NLL, backward, one
 optimiser step per batch.
 
     orpo   odds ratio of the per-token mean log-probs, weight beta (the paper's lambda); NLL weight 1

@@ -350,7 +350,7 @@ class AlgorithmConfig:
     beta: Optional[float] = _f(None, min=0.0, doc="dpo / online_dpo / kto / orpo / simpo / cpo: the loss's temperature (null: 0.1); the "
                                "policy-gradient algorithms: TRL's KL coefficient, as actor.use_kl_loss with "
                                "kl_loss_coef=beta and kl_loss_type=k3 (TRL's estimator; 0: no KL)")
-    loss_type: str = _f("sigmoid", choices=DPO_LOSSES, doc="DPO loss (losses.dpo_loss names each one's paper)")
+    loss_type: str = _f("sigmoid", choices=DPO_LOSSES, doc="DPO loss (loss_terms.dpo_loss names each one's paper)")
     label_smoothing: float = _f(0.0, min=0.0, max=0.5, doc="DPO: sigmoid's conservative smoothing, robust's "
                                 "flip rate (< 0.5), exo_pair's target eps (> 0)")
     discopop_tau: float = _f(0.05, min=0.0, doc="DPO loss_type discopop: the temperature of its mixing weight (> 0)")
