@@ -3,9 +3,8 @@ import sys
 from pathlib import Path
 
 # `python -m pytest` puts the working directory first on sys.path; from the repository root that
-# would import the source folder verl_fast/ (which holds neither the built _C nor the Triton
-# kernels, installed beside it as verl_fast.kernels) instead of the installed package. Test what is
-# installed (an editable install maps the source folder itself, so it is found either way).
+# would import the source folder verl_fast/ (which lacks the built _C, installed beside it) instead
+# of the installed package. Test what is installed (an editable install maps the source folder itself, so it is found either way).
 _ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
 # The tests sit in one folder per room; what several rooms' tests share (tiny models, float64
@@ -22,7 +21,7 @@ if not torch.cuda.is_available():
 
 # The tests validate configs directly (verl_fast.config.from_dict): the modules that own the
 # config's choices register them first, as `verl-fast train` and RLTrainer do.
-from verl_fast import catalog  # noqa: E402
+from verl_fast.trainer import catalog  # noqa: E402
 
 catalog.register()
 

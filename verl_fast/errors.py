@@ -53,7 +53,7 @@ def _raised_here(e: BaseException) -> bool:
 
 # the project's error classes defined elsewhere, looked up only where their module is loaded (an
 # exception of a class whose module was never imported cannot have been raised)
-_PROJECT_CLASSES = (("verl_fast.checkpoint.sharded", "CheckpointError"), ("verl_fast.hub", "NameNotFound"),
+_PROJECT_CLASSES = (("verl_fast.checkpoint.sharded", "CheckpointError"), ("verl_fast.files.hub", "NameNotFound"),
                     ("verl_fast.rewards.deadline", "RewardTimeout"), ("yaml", "YAMLError"))
 
 
@@ -107,7 +107,7 @@ def guarded(command: str, fn: Callable[[Any], int], args: Any) -> int:
             raise
         if os.environ.get("VERL_FAST_TRACEBACK") == "1":
             traceback.print_exc()
-        hub = sys.modules.get("verl_fast.hub")
+        hub = sys.modules.get("verl_fast.files.hub")
         label = "config error" if isinstance(e, ConfigError) or (hub and isinstance(e, hub.NameNotFound)) else "error"
         # a config's problems are all reported, one line each; any other failure is one line
         lines = str(e).splitlines() if label == "config error" and str(e).strip() else [one_line(e)]

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tiny_models import save_tiny_model
 from verl_fast import config as C
-from verl_fast.algos.losses import DPO_LOSSES, dpo_loss
+from verl_fast.algos.loss_terms import DPO_LOSSES, dpo_loss
 from verl_fast.trainer.rl_trainer import RLTrainer
 
 

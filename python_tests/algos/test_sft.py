@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tiny_models import save_tiny_model
-from verl_fast import sft_data
+from verl_fast.data import sft_data
 from verl_fast.trainer.rl_trainer import RLTrainer
 
 CHATS = [{"messages": [{"role": "user", "content": f"what is {i} + {i}?"},

@@ -86,7 +86,7 @@ def test_program_exit_codes(tmp_path):
 
 def test_the_config_imports_nothing_and_the_run_registers_its_choices(tmp_path):
     """Importing ``verl_fast.config`` and validating with it import nothing else of verl_fast: until
-    ``verl_fast.catalog.register()`` (what ``verl-fast train`` and RLTrainer call) imports the modules
+    ``verl_fast.trainer.catalog.register()`` (what ``verl-fast train`` and RLTrainer call) imports the modules
     that own the choices, a validation says so in one line; then the values are there, in the order
     they always had."""
     import subprocess
@@ -100,11 +100,11 @@ def test_the_config_imports_nothing_and_the_run_registers_its_choices(tmp_path):
         "try:",
         "    C.from_dict({})",
         "except RuntimeError as e:",
-        "    assert 'algorithm.type' in str(e) and 'verl_fast.catalog.register()' in str(e), e",
+        "    assert 'algorithm.type' in str(e) and 'verl_fast.trainer.catalog.register()' in str(e), e",
         "else:",
         "    raise AssertionError('validated with no choices registered')",
         "assert loaded() == ['verl_fast.config'], loaded()",
-        "from verl_fast import catalog",
+        "from verl_fast.trainer import catalog",
         "catalog.register()",
         "assert C.from_dict({'algorithm': {'type': 'ppo'}}).algorithm.type == 'ppo'",
         "assert list(C.ALGORITHMS) == ['grpo', 'drgrpo', 'ppo', 'rloo', 'reinforce_pp', 'reinforce_pp_baseline',"

@@ -7,15 +7,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from verl_fast import config_verl, verl_keys
-from verl_fast.config_verl import EXACT, NATIVE, ConfigProblems
+from verl_fast.config import verl_config
+from verl_fast.config import verl_keys
+from verl_fast.config.verl_config import EXACT, NATIVE, ConfigProblems
 
 HERE = Path(__file__).parent
 DOCS = HERE.parent.parent / "docs" / "verl_and_trl.md"
 
 
 def load(*overrides, path=None):
-    return config_verl.load(path, list(overrides))
+    return verl_config.load(path, list(overrides))
 
 
 def test_every_mapped_entry_names_keys_of_ours_and_no_key_twice():
@@ -28,8 +29,8 @@ def test_every_mapped_entry_names_keys_of_ours_and_no_key_twice():
 
 def test_docs_table_is_the_table():
     text = DOCS.read_text()
-    table = config_verl.markdown()
-    assert table in text, "docs/verl_and_trl.md: regenerate with python -m verl_fast.config_verl --markdown"
+    table = verl_config.markdown()
+    assert table in text, "docs/verl_and_trl.md: regenerate with python -m verl_fast.config.verl_config --markdown"
 
 
 def test_mini_batch_counts_prompts_times_n_per_rank(monkeypatch):
@@ -153,7 +154,7 @@ def test_verl_ppo_trainer_yaml_loads_as_written():
 
 
 def test_mixed_sections_native_and_verl():
-    cfg, _ = config_verl.from_dict({"actor": {"lr": 1e-5}, "reward_fn": [{"type": "gsm8k"}],
+    cfg, _ = verl_config.from_dict({"actor": {"lr": 1e-5}, "reward_fn": [{"type": "gsm8k"}],
                                     "trainer": {"total_epochs": 2}})
     assert cfg.actor.lr == pytest.approx(1e-5) and cfg.trainer.num_epochs == 2
     assert cfg.reward_fn.type == "weighted"
@@ -173,7 +174,7 @@ def test_exact_keys_cover_the_examples_key_set():
     keys = set()
     for script in (HERE / "verl_examples").glob("*.sh"):
         keys |= set(re.findall(r"^\s*\+*([a-z_]+(?:\.[\w]+)+)=", script.read_text(), re.M))
-    unknown = [k for k in keys if k not in EXACT and k not in NATIVE and config_verl._covering(k) is None]
+    unknown = [k for k in keys if k not in EXACT and k not in NATIVE and verl_config._covering(k) is None]
     assert not unknown
 
 

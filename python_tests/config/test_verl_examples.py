@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from tiny_models import save_tiny_model
-from verl_fast import config_verl
+from verl_fast.config import verl_config
 from verl_fast.cli import main as cli
 
 EXAMPLES = Path(__file__).parent / "verl_examples"
@@ -114,7 +114,7 @@ def test_verl_example_runs_a_step(name, home, tmp_path, monkeypatch):
     fill = {"home": home, "tiny": home / "models" / "tiny"}
     extra = [e.format(**fill) for e in extra] + sizes(home, tmp_path)
     args = verl_args(script, home, extra, {k: v.format(**fill) for k, v in env.items()})
-    cfg, notes = config_verl.load(None, args)
+    cfg, notes = verl_config.load(None, args)
     for key, value in expected.items():
         section, field = key.split(".")
         assert getattr(getattr(cfg, section), field) == pytest.approx(value), key
@@ -127,7 +127,7 @@ def test_verl_example_runs_a_step(name, home, tmp_path, monkeypatch):
 
 def test_reinforce_example_reads_both_files_and_routes_each_source(home, tmp_path):
     args = verl_args("reinforce_plus_plus.sh", home, sizes(home, tmp_path))
-    cfg, _ = config_verl.load(None, args)
+    cfg, _ = verl_config.load(None, args)
     assert cfg.trainer.dataset == [str(home / "data" / "gsm8k" / "train.parquet"),
                                    str(home / "data" / "math" / "train.parquet")]
     assert cfg.reward_fn.type == "auto"  # no reward configured: each row by its data_source, as verl
@@ -139,7 +139,7 @@ def test_grpo_example_with_its_vllm_rollout(home, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     extra = [a for a in sizes(home, tmp_path) if not a.startswith("actor_rollout_ref.rollout.name=")]
     args = verl_args("grpo.sh", home, extra)
-    cfg, _ = config_verl.load(None, args)
+    cfg, _ = verl_config.load(None, args)
     assert cfg.rollout.type == "vllm"
     # in a process of its own: an in-process vLLM engine leaves torch.distributed's default group behind
     done = subprocess.run([sys.executable, "-m", "verl_fast", "train", *args], cwd=tmp_path, capture_output=True,

@@ -1,4 +1,4 @@
-"""The import graph of verl_fast (and its kernels) read from the source: every import counts --
+"""The import graph of verl_fast read from the source: every import counts --
 module level, inside functions, under TYPE_CHECKING, and ``importlib.import_module("...")`` /
 ``__import__("...")`` calls with a literal name. Used by python_tests/package/test_import_graph.py
 and by scripts/import_graph.py, which prints the figures."""

@@ -208,7 +208,7 @@ def test_disk_full_names_the_path_with_human_sizes(tmp_path):
 def test_a_failed_hub_upload_is_one_line_and_keeps_the_checkpoint(tmp_path, monkeypatch):
     import huggingface_hub
 
-    from verl_fast import hub
+    from verl_fast.files import hub
 
     class Offline:
         def create_repo(self, *args, **kwargs):

@@ -8,9 +8,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tiny_models import save_tiny_model
-from verl_fast.algos.actor_loss import actor_loss
+from verl_fast.algos.actor_micro_batch_loss import actor_loss
 from verl_fast.config import ActorConfig
-from verl_fast.experience import Experience
+from verl_fast.rollout.experience import Experience
 from verl_fast.strategies import hf_models
 from verl_fast.trainer.batching import loss_normalisers, micro_batches
 from verl_fast.trainer.rl_trainer import RLTrainer

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tiny_models import tiny_model
-from verl_fast.algos.losses import agg_loss
+from verl_fast.algos.loss_terms import agg_loss
 from verl_fast.trainer.batching import loss_normalisers, micro_batches
 
 D = 6

@@ -26,7 +26,8 @@ def test_second_writer_is_refused_with_the_owner_pid(tmp_path):
         run_dir.claim(cfg.trainer)  # the same process (CLI, then fit) may take it again
         run_dir.release(cfg.trainer)
         other = textwrap.dedent(f"""
-            from verl_fast import catalog, config
+            from verl_fast import config
+            from verl_fast.trainer import catalog
             from verl_fast.trainer import run_dir
             catalog.register()
             run_dir.claim(config.from_dict({{"trainer": {{"output_dir": {str(tmp_path / 'run')!r}}}}}).trainer)

@@ -21,8 +21,8 @@ A step is one of two sequences of phases (``Step``), which the algorithm names:
 Start-up: ``check`` refuses the combinations the algorithm cannot run (config validation);
 ``configure`` adjusts the run once the number of data-parallel ranks is known.
 
-New policy losses go to ``algos/policy_losses.py`` (``actor_loss`` aggregates them), new estimators are new
-modules, new DPO losses go to ``losses.dpo_loss``.
+New policy losses go to ``algos/policy_loss_variants.py`` (``actor_loss`` aggregates them), new estimators are new
+modules, new DPO losses go to ``loss_terms.dpo_loss``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 
 from verl_fast.config import Config
 from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
-from verl_fast.experience import Experience
+from verl_fast.rollout.experience import Experience
 from verl_fast.rollout.base import GenerationOutput
 from verl_fast.rollout.operator import RolloutOperator
 

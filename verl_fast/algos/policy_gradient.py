@@ -14,8 +14,8 @@ baseline is the prompt's other samples, its critic loss, its extra rollout.
   chooses the groups the update trains on (``select_experience``); the rollout correction
   (``algorithm.rollout_correction``, ``rollout_correction.RolloutCorrection``) weighs each token
   (``correct_rollout``). Each is built here from the config, or is absent.
-- Loss: ``actor.policy_loss`` (PPO-clip, GSPO, CISPO, SAPO: ``policy_losses.py``) with the actor
-  section's clipping, aggregation, entropy bonus and KL-in-loss (``actor_loss.py``).
+- Loss: ``actor.policy_loss`` (PPO-clip, GSPO, CISPO, SAPO: ``policy_loss_variants.py``) with the actor
+  section's clipping, aggregation, entropy bonus and KL-in-loss (``actor_micro_batch_loss.py``).
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from verl_fast import distributed
-from verl_fast.algos.actor_loss import actor_loss
+from verl_fast.algos.actor_micro_batch_loss import actor_loss
 from verl_fast.algos.dapo import DynamicSampling, overlong_penalty
 from verl_fast.algos.algorithm import MorePrompts, Score, Stats, Step, kl_reference, refuse_pairwise_ranking
-from verl_fast.algos.losses import kl_penalty
+from verl_fast.algos.loss_terms import kl_penalty
 from verl_fast.algos.rollout_correction import RolloutCorrection
 from verl_fast.config import AlgorithmConfig, Config
 from verl_fast.data import PromptRow, RLDataProcessor
-from verl_fast.experience import Experience, last_token_rewards
+from verl_fast.rollout.experience import Experience, last_token_rewards
 from verl_fast.rollout.base import GenerationOutput
 from verl_fast.rollout.operator import RolloutOperator
 

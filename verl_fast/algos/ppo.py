@@ -8,7 +8,7 @@ aggregated with ``critic.loss_agg_mode`` over the mini-batch.
 
 from __future__ import annotations
 
-from verl_fast.algos.losses import value_loss
+from verl_fast.algos.loss_terms import value_loss
 from verl_fast.algos.policy_gradient import PolicyGradientSpec
 from verl_fast.ops.advantage import compute_gae
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from verl_fast import config
-from verl_fast.algos import (dpo, grpo, kto, losses, online_dpo, policy_losses, ppo, reference_free, reinforce_pp,
-                             remax, rloo, sft)
+from verl_fast.algos import (dpo, grpo, kto, loss_terms, online_dpo, policy_loss_variants, ppo, reference_free,
+                             reinforce_pp, remax, rloo, sft)
 from verl_fast.algos.algorithm import Algorithm
 
 SPECS: Dict[str, Any] = {spec.name: spec for spec in (
@@ -42,8 +42,8 @@ def _check(cfg: config.Config) -> None:
 
 
 config.ALGORITHMS.register(*SPECS)
-config.LOSS_AGG_MODES.register(*losses.AGG_MODES)
-config.KL_ESTIMATORS.register(*losses.KL_KINDS)
-config.DPO_LOSSES.register(*losses.DPO_LOSSES)
-config.POLICY_LOSSES.register(*policy_losses.POLICY_LOSSES)
+config.LOSS_AGG_MODES.register(*loss_terms.AGG_MODES)
+config.KL_ESTIMATORS.register(*loss_terms.KL_KINDS)
+config.DPO_LOSSES.register(*loss_terms.DPO_LOSSES)
+config.POLICY_LOSSES.register(*policy_loss_variants.POLICY_LOSSES)
 config.register_check(_check)

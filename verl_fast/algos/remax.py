@@ -15,7 +15,7 @@ import torch
 from verl_fast.algos.algorithm import Score
 from verl_fast.algos.policy_gradient import PolicyGradientSpec
 from verl_fast.data import PromptRow
-from verl_fast.experience import Experience
+from verl_fast.rollout.experience import Experience
 from verl_fast.ops.advantage import compute_remax_advantage
 from verl_fast.rollout.base import GenerationOutput
 from verl_fast.rollout.operator import RolloutOperator

@@ -21,14 +21,14 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from verl_fast import sft_data
+from verl_fast.data import sft_data
 from verl_fast.algos import dpo, pair_rows
 from verl_fast.algos.algorithm import Step
-from verl_fast.algos.losses import agg_loss
+from verl_fast.algos.loss_terms import agg_loss
 from verl_fast.config import Config
 from verl_fast.data import RLDataProcessor
-from verl_fast.experience import Experience
-from verl_fast.sft_data import SFTExample
+from verl_fast.rollout.experience import Experience
+from verl_fast.data.sft_data import SFTExample
 
 
 class SFT:

@@ -1,4 +1,4 @@
-"""Start-up checks of ``trainer.async_mode`` (registered in the config; ``verl_fast.catalog`` imports
+"""Start-up checks of ``trainer.async_mode`` (registered in the config; ``verl_fast.trainer.catalog`` imports
 this module): the combinations asynchronous RL cannot serve, each named with what to use instead."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List
 
-from verl_fast import hub
+from verl_fast.files import hub
 
 CARD = "README.md"
 _BARS = "▁▂▃▄▅▆▇█"

@@ -30,7 +30,7 @@ def resolve_config(args: argparse.Namespace) -> config_mod.Config:
     overrides (either layout); verl keys with no meaning here are noted on stderr, one line each."""
     import sys
 
-    from verl_fast import config_verl
+    from verl_fast.config import verl_config
 
     overrides: List[str] = [item for group in args.overrides for item in group]
     for item in args.assignments:
@@ -43,12 +43,12 @@ def resolve_config(args: argparse.Namespace) -> config_mod.Config:
         overrides.append(f"trainer.metrics_port={args.metrics_port}")
     if args.output_dir:
         overrides.append(f"trainer.output_dir={args.output_dir}")
-    from verl_fast import catalog
+    from verl_fast.trainer import catalog
 
     catalog.register()
     # a command line in verl's tree with no --config starts from our defaults, not the embedded demo run
-    path = args.config or (None if config_verl.is_verl_layout(overrides) else config_mod.default_config_path())
-    cfg, notes = config_verl.load(path, overrides)
+    path = args.config or (None if verl_config.is_verl_layout(overrides) else config_mod.default_config_path())
+    cfg, notes = verl_config.load(path, overrides)
     for note in notes:
         print(f"verl-fast train: note: {note}", file=sys.stderr)
     return cfg
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     from verl_fast.trainer import run_dir
 
     # folder, lock, port, loggers, dataset: checked before any model loads (the lock is held to the end)
-    from verl_fast import preflight
+    from verl_fast.data import preflight
 
     try:
         rows = run_dir.precheck(cfg)  # releases the lock itself when it fails

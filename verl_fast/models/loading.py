@@ -1,6 +1,6 @@
 """Loading models and tokenizers by name for the CLI (the Python API takes model objects): a local
 folder, the demo alias, or a Hub name, which transformers finds in the HF cache or fetches
-(``HF_HUB_OFFLINE`` respected); a name found nowhere is one line (``verl_fast.hub.NameNotFound``)."""
+(``HF_HUB_OFFLINE`` respected); a name found nowhere is one line (``verl_fast.files.hub.NameNotFound``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from verl_fast import hub
+from verl_fast.files import hub
 
 DEMO_ALIASES = ("smollm2-135m-instruct", "SmolLM2-135M-Instruct", "demo")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

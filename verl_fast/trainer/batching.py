@@ -17,8 +17,8 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from verl_fast.algos.losses import active_rows
-from verl_fast.experience import Experience, concat
+from verl_fast.algos.loss_terms import active_rows
+from verl_fast.rollout.experience import Experience, concat
 from verl_fast.ops import schedule
 from verl_fast.strategies.memory_plan import ACTIVATION_BYTES, MEMORY_FRACTION, checkpointed_per_token
 

@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Unio
 
 import torch
 
-from verl_fast import agents, catalog, config_verl, distributed, extras, hub, preflight
+from verl_fast import agents, distributed, extras
 from verl_fast.checkpoint import sharded as checkpoint
 from verl_fast import config as config_mod
 from verl_fast.algos import registry as algorithms
@@ -38,8 +38,11 @@ from verl_fast.algos import rollout_correction
 from verl_fast.algos.algorithm import MorePrompts, Step
 from verl_fast.async_rl import modes as async_modes
 from verl_fast.config import Config
+from verl_fast.config import verl_config as config_verl
+from verl_fast.files import hub
 from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
-from verl_fast.experience import Experience, build_experience, last_token_rewards
+from verl_fast.data import preflight
+from verl_fast.rollout.experience import Experience, build_experience, last_token_rewards
 from verl_fast.metrics.logger import MetricsLogger
 from verl_fast.models import checks, lora
 from verl_fast.rewards import RewardStopped, RewardTimeout, build_reward, scoring
@@ -48,7 +51,7 @@ from verl_fast.rollout.factory import build_engine
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 from verl_fast.rollout.operator import RolloutOperator
 from verl_fast.strategies import backends as strategies
-from verl_fast.trainer import lr_schedule, perf, run_dir, supervised
+from verl_fast.trainer import catalog, lr_schedule, perf, run_dir, supervised
 from verl_fast.trainer.validation import Validation
 from verl_fast.trainer.batching import balance_across_ranks
 from verl_fast.trainer.updates import Updates

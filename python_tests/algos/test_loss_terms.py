@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from verl_fast.algos.losses import agg_loss, dpo_loss, kl_penalty, policy_loss, value_loss
+from verl_fast.algos.loss_terms import agg_loss, dpo_loss, kl_penalty, policy_loss, value_loss
 
 
 def rnd(*shape, seed=0, scale=1.0):
@@ -65,7 +65,7 @@ def test_agg_loss_all_padding_row_changes_nothing(mode):
     ref = torch.as_tensor(ref_agg(x, m, mode), dtype=torch.float64)
     assert torch.allclose(agg_loss(padded_x, padded_m, mode), ref, atol=1e-10)
     # micro-batched, with the trainer's counts (rows that hold a response token)
-    from verl_fast.algos.losses import active_rows
+    from verl_fast.algos.loss_terms import active_rows
 
     counts = {"num_tokens": float(padded_m.sum()), "num_seqs": float(active_rows(padded_m))}
     assert counts["num_seqs"] == 5.0

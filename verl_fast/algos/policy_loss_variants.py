@@ -1,7 +1,7 @@
 """The policy losses ``actor.policy_loss`` picks, as per-token losses ``[B, L]`` before aggregation
 (``actor_loss`` aggregates them with ``actor.loss_agg_mode``, after any rollout correction).
 
-    vanilla     PPO-clip with asymmetric and dual clipping (``losses.ppo_clip_tokens``)
+    vanilla     PPO-clip with asymmetric and dual clipping (``loss_terms.ppo_clip_tokens``)
     gspo        GSPO (Zheng et al., 2025): one importance ratio per sequence, s = exp(mean_t log r_t),
                 clipped per sequence against the sequence's advantage (mean of its tokens')
     gspo_token  GSPO-token: the value of s on each token with the gradient of that token's own
@@ -20,7 +20,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from verl_fast.algos.losses import ppo_clip_tokens
+from verl_fast.algos.loss_terms import ppo_clip_tokens
 from verl_fast.config import ActorConfig
 from verl_fast.ops.masked import masked_mean, masked_sum
 

@@ -1,4 +1,4 @@
-"""The preference losses beside DPO's (``losses.dpo_loss``), as small pure functions over per-sequence
+"""The preference losses beside DPO's (``loss_terms.dpo_loss``), as small pure functions over per-sequence
 log-probs ``[B]``. Each returns the mean loss over its examples and detached statistics.
 
     ipo     Azar et al. 2023         DPO's ``ipo`` on *averaged* (per-token) log-probs: (m - 1/(2 beta))^2

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
-from verl_fast import config, data_files, hub
+from verl_fast import config
+from verl_fast.data import readers
+from verl_fast.files import hub
 
 
 @dataclass
@@ -188,26 +190,26 @@ class RLDataProcessor:
         if isinstance(source, (str, Path)):
             path = Path(source).expanduser()  # verl's configs write ~/data/...
             if not path.exists() and hub.is_repo_id(str(source)):
-                return data_files.checked(hub_rows(str(source), **kwargs), str(source))
+                return readers.checked(hub_rows(str(source), **kwargs), str(source))
             if not path.exists():
                 raise FileNotFoundError(f"dataset {source} not found (parquet, jsonl, json, a datasets folder, "
                                         "a Hub dataset name, or reasoning_gym:<task>)")
             if path.is_dir():
                 import datasets
 
-                return data_files.checked([dict(r) for r in datasets.load_from_disk(str(path))], str(path))
+                return readers.checked([dict(r) for r in datasets.load_from_disk(str(path))], str(path))
             if path.suffix == ".parquet":
                 import pandas as pd
 
-                data_files.open_regular(path).close()  # not a FIFO or device
-                return data_files.checked([{k: _to_plain(v) for k, v in r.items()}
+                readers.open_regular(path).close()  # not a FIFO or device
+                return readers.checked([{k: _to_plain(v) for k, v in r.items()}
                                            for r in pd.read_parquet(path).to_dict("records")], str(path))
             if path.suffix == ".jsonl":
-                return data_files.read_jsonl(path)
+                return readers.read_jsonl(path)
             if path.suffix == ".json":
-                return data_files.read_json(path)
+                return readers.read_json(path)
             if path.suffix in (".pt", ".pth"):
-                data_files.open_regular(path).close()
+                readers.open_regular(path).close()
                 from verl_fast.files import safe_load
 
                 data = safe_load.load(path, [PromptRow, PreferencePair], what="a dataset")  # rows are plain data
@@ -268,24 +270,24 @@ class RLDataProcessor:
         if not isinstance(row, dict) or "prompt" not in row:
             got = sorted(row) if isinstance(row, dict) else type(row).__name__
             raise ValueError(f"a row needs a 'prompt' field (verl format), got {got}")
-        data_files.check_truth(row)  # rows given in Python too: never a ground truth silently None
+        readers.check_truth(row)  # rows given in Python too: never a ground truth silently None
         text = self.template(row["prompt"])
         fitted = self._fit(self.tokenizer(text, add_special_tokens=False)["input_ids"], text)
         if fitted is None:
             return None
-        return PromptRow(prompt_ids=fitted[0], prompt_text=fitted[1], ground_truth=data_files.ground_truth(row),
+        return PromptRow(prompt_ids=fitted[0], prompt_text=fitted[1], ground_truth=readers.ground_truth(row),
                          data_source=str(row.get("data_source", "")), extra_info=dict(row.get("extra_info") or {}),
                          columns=dict(row))
 
     def encode_all(self, rows: Iterable[Dict[str, Any]]) -> List[PromptRow]:
         """Every row's prompt; overlong ones skipped are counted in ``skipped_overlong``; an error
-        names the row's file and line (``data_files.Rows``) or its index."""
+        names the row's file and line (``readers.Rows``) or its index."""
         encoded = []
         for i, r in enumerate(rows):
             try:
                 encoded.append(self.encode(r))
             except ValueError as e:
-                raise ValueError(f"{data_files.where(rows, i)}: {e}") from None
+                raise ValueError(f"{readers.where(rows, i)}: {e}") from None
         kept = [p for p in encoded if p is not None]
         self.skipped_overlong = len(encoded) - len(kept)
         if encoded and not kept:

@@ -1,6 +1,6 @@
 """verl's configuration keys (``verl/trainer/config/ppo_trainer.yaml`` and the keys its examples and
-recipes add) and what each one is here: the single table that ``config_verl`` translates with and
-that docs/verl_and_trl.md prints (``python -m verl_fast.config_verl --markdown``; a test keeps them equal).
+recipes add) and what each one is here: the single table that ``verl_config`` translates with and
+that docs/verl_and_trl.md prints (``python -m verl_fast.config.verl_config --markdown``; a test keeps them equal).
 
 An entry is mapped (``ours``: our key, or several, with ``convert`` for verl's units) or noted
 (``ours`` empty: accepted, with one line saying why it means nothing here). A ``subtree`` entry covers

@@ -4,13 +4,13 @@ actor,rollout,ref}``, ``data``, ``algorithm``, ``critic``, ``reward_model``, ``c
 or instead of our own sections.
 
 Every key is looked up once: our own key as it is; verl's key through the table in
-``verl_fast.verl_keys`` (verl's units converted: mini-batches in prompts x rollout.n, micro-batches per
+``verl_fast.config.verl_keys`` (verl's units converted: mini-batches in prompts x rollout.n, micro-batches per
 GPU, epochs or steps, ...), or noted in one line when it has no meaning here; anything else is unknown,
 with the closest key named. Every problem of the config is reported at once, one line each
 (``ConfigProblems``), before the combination checks of ``config.validate``. Values may use verl's
 interpolations (``${key}``, ``${oc.select:key,default}``, ``${.sibling}``).
 
-``python -m verl_fast.config_verl --markdown`` prints the table of verl keys (docs/verl_and_trl.md).
+``python -m verl_fast.config.verl_config --markdown`` prints the table of verl keys (docs/verl_and_trl.md).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from verl_fast import config as config_mod
-from verl_fast.verl_keys import KEYS, SKIP, R, VerlKey
+from verl_fast.config.verl_keys import KEYS, SKIP, R, VerlKey
 
 EXACT: Dict[str, VerlKey] = {k.verl: k for k in KEYS if not k.subtree}
 SUBTREES: Dict[str, VerlKey] = {k.verl: k for k in KEYS if k.subtree}
@@ -286,7 +286,7 @@ def load(path: Optional[Union[str, Path]], overrides: Optional[List[str]] = None
          ) -> Tuple[config_mod.Config, List[str]]:
     """A YAML file (ours or verl's layout; None: nothing) plus ``key=value`` overrides (either layout),
     which win over the file's keys, whichever layout each is written in."""
-    from verl_fast import yaml_files
+    from verl_fast.config import yaml_files
 
     data: Any = {}
     if path is not None:
@@ -313,5 +313,5 @@ def markdown() -> str:
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["--markdown"]:
-        raise SystemExit("usage: python -m verl_fast.config_verl --markdown")
+        raise SystemExit("usage: python -m verl_fast.config.verl_config --markdown")
     print(markdown())

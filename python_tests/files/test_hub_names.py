@@ -80,7 +80,7 @@ def test_train_by_hub_names_offline(hf_home, tmp_path, rollout):
 def test_names_in_the_cache_load_and_missing_ones_are_one_line(hf_home, tmp_path):
     code = textwrap.dedent("""
         import sys
-        from verl_fast import hub
+        from verl_fast.files import hub
         from verl_fast.data import RLDataProcessor
         from verl_fast.models.loading import load_causal_lm, resolve
         from verl_fast.rewards import RewardInput, RewardModel

@@ -12,7 +12,7 @@ imports one later. The values of the keys that name an implementation (``algorit
 ``reward_fn.type``, ``actor.strategy``, the loss modes, ...) are ``Choices`` that the modules
 implementing them register where they are defined, with the combination checks only they know
 (``register_check``). Whoever assembles a run registers them before validating a config:
-``verl_fast.catalog.register()`` (``verl-fast train`` and ``RLTrainer`` call it), so the messages
+``verl_fast.trainer.catalog.register()`` (``verl-fast train`` and ``RLTrainer`` call it), so the messages
 name the same keys and values whoever validates.
 """
 
@@ -59,7 +59,7 @@ DPO_LOSSES = Choices("algorithm.loss_type")  # verl_fast/algos/registry.py
 POLICY_LOSSES = Choices("actor.policy_loss")  # verl_fast/algos/registry.py
 REWARDS = Choices("reward_fn.type")  # verl_fast/rewards/__init__.py
 REWARD_ERRORS = Choices("reward_fn.on_error")  # verl_fast/rewards/__init__.py
-OVERLONG_PROMPTS = Choices("trainer.overlong_prompts")  # verl_fast/data.py
+OVERLONG_PROMPTS = Choices("trainer.overlong_prompts")  # verl_fast/data/__init__.py
 STRATEGIES = Choices("actor.strategy, critic.strategy")  # verl_fast/strategies/backends.py
 LOGGERS = Choices("trainer.loggers")  # verl_fast/metrics/logger.py
 _REGISTERED = (ALGORITHMS, LOSS_AGG_MODES, KL_ESTIMATORS, DPO_LOSSES, POLICY_LOSSES, REWARDS, REWARD_ERRORS, OVERLONG_PROMPTS,
@@ -78,10 +78,10 @@ def register_check(check: Callable[["Config"], None]) -> Callable[["Config"], No
 
 def require_registered() -> None:
     """Every Choices holds the values its module registered; the config module itself imports none
-    of them (``verl_fast.catalog.register()`` does, where a run is assembled)."""
+    of them (``verl_fast.trainer.catalog.register()`` does, where a run is assembled)."""
     missing = [c.keys for c in _REGISTERED if not len(c)]
     if missing:
-        raise RuntimeError(f"no values are registered for {'; '.join(missing)}: call verl_fast.catalog.register() "
+        raise RuntimeError(f"no values are registered for {'; '.join(missing)}: call verl_fast.trainer.catalog.register() "
                            "before validating a config (verl-fast train and RLTrainer do)")
 
 
@@ -350,7 +350,7 @@ class AlgorithmConfig:
     beta: Optional[float] = _f(None, min=0.0, doc="dpo / online_dpo / kto / orpo / simpo / cpo: the loss's temperature (null: 0.1); the "
                                "policy-gradient algorithms: TRL's KL coefficient, as actor.use_kl_loss with "
                                "kl_loss_coef=beta and kl_loss_type=k3 (TRL's estimator; 0: no KL)")
-    loss_type: str = _f("sigmoid", choices=DPO_LOSSES, doc="DPO loss (losses.dpo_loss names each one's paper)")
+    loss_type: str = _f("sigmoid", choices=DPO_LOSSES, doc="DPO loss (loss_terms.dpo_loss names each one's paper)")
     label_smoothing: float = _f(0.0, min=0.0, max=0.5, doc="DPO: sigmoid's conservative smoothing, robust's "
                                 "flip rate (< 0.5), exo_pair's target eps (> 0)")
     discopop_tau: float = _f(0.05, min=0.0, doc="DPO loss_type discopop: the temperature of its mixing weight (> 0)")
@@ -591,7 +591,7 @@ def from_dict(data: Optional[Dict[str, Any]]) -> Config:
 
 def load(path: Union[str, Path], overrides: Optional[List[str]] = None) -> Config:
     """A YAML file plus ``section.key=value`` overrides (values parsed as YAML)."""
-    from verl_fast import yaml_files
+    from verl_fast.config import yaml_files
 
     data = yaml_files.load_file(path) or {}
     if not isinstance(data, dict):
@@ -605,7 +605,7 @@ def apply_overrides(data: Dict[str, Any], overrides: List[str]) -> Dict[str, Any
     value is null."""
     import copy
 
-    from verl_fast import yaml_files
+    from verl_fast.config import yaml_files
 
     data = copy.deepcopy(data)
     for item in overrides:
@@ -758,4 +758,4 @@ def _check_lora(spec: Optional[Dict[str, Any]]) -> None:
 
 def default_config_path() -> Path:
     """The embedded default run: GRPO on SmolLM2-135M-Instruct with reasoning-gym chain_sum."""
-    return Path(__file__).resolve().parent / "configs" / "default.yaml"
+    return Path(__file__).resolve().parent.parent / "configs" / "default.yaml"

@@ -6,9 +6,9 @@ from typing import Dict, Tuple
 
 import torch
 
-from verl_fast.algos.losses import agg_loss, entropy_loss, kl_penalty
-from verl_fast.algos.policy_losses import policy_loss_tokens
-from verl_fast.experience import Experience
+from verl_fast.algos.loss_terms import agg_loss, entropy_loss, kl_penalty
+from verl_fast.algos.policy_loss_variants import policy_loss_tokens
+from verl_fast.rollout.experience import Experience
 
 
 def actor_loss(a, logp: torch.Tensor, entropy: torch.Tensor, sub: Experience,

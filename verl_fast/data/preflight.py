@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from verl_fast import config as config_mod
 from verl_fast import extras
 from verl_fast.data import preference_parts
-from verl_fast.data_files import ground_truth
+from verl_fast.data.readers import ground_truth
 from verl_fast.rewards.interface import CallableReward, RewardFunction, load_callable
 from verl_fast.rewards.by_source import DataSourceReward, check_source
 from verl_fast.rewards.rule import GSM8KReward, ReasoningGymReward
