@@ -48,7 +48,7 @@ def batches(steps: int, rows: int, length: int, seed: int = 0) -> List[torch.Ten
 def train(kind: str, shape: str, data: List[torch.Tensor], device: str) -> Dict[str, object]:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from verl_fast.strategies.hf_models import adamw
+    from verl_fast.strategies.fsdp_strategy import adamw
 
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=VOCAB, tie_word_embeddings=True, max_position_embeddings=4096, **SHAPES[shape])

@@ -10,7 +10,7 @@ from tiny_models import tiny_model
 from verl_fast.config import from_dict
 from verl_fast.models import compiled_blocks
 from verl_fast.models.shared_prefix import experience_logprobs
-from verl_fast.strategies.hf_models import compiles_blocks
+from verl_fast.strategies.fsdp_strategy import compiles_blocks
 
 
 def _logprobs_and_grads(model, ids, mask, L, group):

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2
 
 from verl_fast.config import from_dict
 from verl_fast.strategies.bf16_compute import BF16Compute
-from verl_fast.strategies.hf_models import computes_in_bf16
+from verl_fast.strategies.fsdp_strategy import computes_in_bf16
 from verl_fast.strategies.sharding import Sharding
 from verl_fast.trainer.rl_trainer import RLTrainer
 

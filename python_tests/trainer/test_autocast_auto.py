@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from verl_fast.config import from_dict
-from verl_fast.strategies.hf_models import autocast_dtype
+from verl_fast.strategies.fsdp_strategy import autocast_dtype
 from verl_fast.strategies.megatron.strategy import check
 
 

@@ -11,7 +11,7 @@ import transformers
 from tiny_models import build_config, build_model, tiny_model
 from verl_fast.config import from_dict
 from verl_fast.strategies import memory_plan
-from verl_fast.strategies.hf_models import autocast_dtype, use_tf32
+from verl_fast.strategies.fsdp_strategy import autocast_dtype, use_tf32
 from verl_fast.cli.train import auto_settings
 
 GIB = 2**30
@@ -124,7 +124,7 @@ def test_an_8bit_optimizer_trains_a_tiny_model_like_adamw():
     loss falls as under fp32 AdamW (its block-quantised moments round the step, not its direction).
     Small tensors (< 4096 elements) keep fp32 moments in torchao; the 64 x 128 blocks here quantise."""
     pytest.importorskip("torchao")
-    from verl_fast.strategies.hf_models import adamw
+    from verl_fast.strategies.fsdp_strategy import adamw
 
     losses = {}
     for kind in ("adamw", "adamw_8bit"):

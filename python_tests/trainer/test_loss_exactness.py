@@ -11,7 +11,7 @@ from tiny_models import save_tiny_model
 from verl_fast.algos.actor_micro_batch_loss import actor_loss
 from verl_fast.config import ActorConfig
 from verl_fast.rollout.experience import Experience
-from verl_fast.strategies import hf_models
+from verl_fast.strategies import fsdp_strategy
 from verl_fast.trainer.batching import loss_normalisers, micro_batches
 from verl_fast.trainer.rl_trainer import RLTrainer
 
@@ -84,15 +84,15 @@ def ppo(tiny_path, tmp_path_factory):
 def recorded_update(trainer, exp, monkeypatch, update):
     """``update(exp)``'s metrics and the gradient each optimiser step saw."""
     grads = []
-    step = hf_models.optimizer_step
+    step = fsdp_strategy.optimizer_step
 
     def record(model, optimizer, max_norm):
         grads.append(torch.cat([p.grad.flatten().double() for p in model.parameters() if p.grad is not None]))
         return step(model, optimizer, max_norm)
 
-    monkeypatch.setattr(hf_models, "optimizer_step", record)
+    monkeypatch.setattr(fsdp_strategy, "optimizer_step", record)
     metrics = update(exp)
-    monkeypatch.setattr(hf_models, "optimizer_step", step)
+    monkeypatch.setattr(fsdp_strategy, "optimizer_step", step)
     return metrics, torch.cat(grads)
 
 

@@ -10,7 +10,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from verl_fast import config, extras
-from verl_fast.strategies.hf_models import FSDPStrategy
+from verl_fast.strategies.fsdp_strategy import FSDPStrategy
 from verl_fast.strategies.protocol import Strategy
 from verl_fast.strategies.megatron import strategy as megatron
 

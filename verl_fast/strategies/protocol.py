@@ -1,7 +1,7 @@
 """What RLTrainer asks of a training strategy: one implementation per backend, chosen once from
 ``actor.strategy`` when the trainer is built (``backends.build``).
 
-- ``hf_models.FSDPStrategy`` (``fsdp2``, ``fsdp1``, ``none``; ``auto``): the Hugging Face actor,
+- ``fsdp_strategy.FSDPStrategy`` (``fsdp2``, ``fsdp1``, ``none``; ``auto``): the Hugging Face actor,
   reference and critic trained by torch, laid out as ``sharding.py`` says.
 - ``megatron/strategy.MegatronStrategy`` (``megatron``): a Megatron-core copy of the actor (and of a
   PPO critic with ``critic.strategy: megatron``) trains; the Hugging Face actor rolls out.

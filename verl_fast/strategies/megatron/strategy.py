@@ -1,7 +1,7 @@
 """Strategy ``megatron``: the actor trains as a Megatron-core ``GPTModel`` (``actor.py``; tensor /
 pipeline / virtual-pipeline / expert parallel, data parallel over the rest of the world), and so does
 a PPO critic with ``critic.strategy: megatron`` (``critic.py``, in the actor's layout); any other
-critic strategy trains the critic as ``hf_models.HFCritic`` does. The Hugging Face actor rolls out:
+critic strategy trains the critic as ``fsdp_strategy.HFCritic`` does. The Hugging Face actor rolls out:
 
 - HF generate runs on it: the Megatron weights are written back into it after each update.
 - An engine holding its own weights (vLLM) syncs straight from the Megatron shards and the HF
@@ -24,7 +24,7 @@ from verl_fast.rollout.experience import Experience
 from verl_fast.models.packed import causal_pairs
 from verl_fast.models.wrapping import hf_module
 from verl_fast.rollout.base import RolloutEngine
-from verl_fast.strategies import hf_models, sharding
+from verl_fast.strategies import fsdp_strategy, sharding
 from verl_fast.strategies.megatron import run_checkpoint
 from verl_fast.strategies.megatron.shared_rollout import megatron_rollout
 from verl_fast.strategies.protocol import LossFn
@@ -52,9 +52,9 @@ class MegatronStrategy:
         self.dp_rank, self.dp_size = self.megatron.dp_rank, self.megatron.dp_size  # data splits over DP only
         self.dp_group = self.megatron.dp_group if self.dp_size > 1 else None
         self.autocast_dtype = None  # the config refuses actor.autocast: bf16 weights instead
-        self.autocast = hf_models.autocast_of(None, self.device)
-        self.ref = hf_models.reference_model(self.actor, ref, plain, self.device) if needs_reference else None
-        self.critic = None if critic is None else self._critic(hf_models.critic_model(critic))
+        self.autocast = fsdp_strategy.autocast_of(None, self.device)
+        self.ref = fsdp_strategy.reference_model(self.actor, ref, plain, self.device) if needs_reference else None
+        self.critic = None if critic is None else self._critic(fsdp_strategy.critic_model(critic))
         self.optimizer = self.megatron.optimizer
 
     # ---- start-up, before any model loads (the CLI)
@@ -73,7 +73,7 @@ class MegatronStrategy:
 
     def _critic(self, critic: torch.nn.Module) -> Any:
         if self.cfg.critic.strategy != "megatron":
-            return hf_models.HFCritic(critic, self.cfg, self.dp_size, self.device, self.autocast)
+            return fsdp_strategy.HFCritic(critic, self.cfg, self.dp_size, self.device, self.autocast)
         from verl_fast.strategies.megatron.critic import MegatronCritic
 
         return MegatronCritic(critic.to(self.device), self.cfg)  # trained in Megatron's layout; no HF copy kept
@@ -87,7 +87,7 @@ class MegatronStrategy:
         return self.megatron.logprobs(exp, micro, self.cfg.rollout.temperature or 1.0)  # as the update's
 
     def ref_logprobs(self, exp: Experience, micro: List[torch.Tensor]) -> torch.Tensor:
-        return hf_models.hf_logprobs(self.ref, exp, micro, self.cfg, self.autocast, self.device)
+        return fsdp_strategy.hf_logprobs(self.ref, exp, micro, self.cfg, self.autocast, self.device)
 
     def forward_backward(self, exp: Experience, micro: List[torch.Tensor],
                          loss_fn: LossFn) -> Tuple[List[Dict], Tuple[float, float]]:
