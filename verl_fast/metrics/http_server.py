@@ -21,7 +21,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Tuple
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 
