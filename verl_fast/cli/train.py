@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
             from verl_fast.strategies import memory_plan
 
             try:  # one line naming what would fit, not an out-of-memory error mid-step
-                strategy.check_fits(cfg, resolve(cfg.actor.model_name), algorithms.build(cfg).needs_reference, device)
+                strategy.check_fits(cfg, algorithms.build(cfg).needs_reference, device)
             except memory_plan.DoesNotFit as e:
                 raise ConfigError(str(e)) from None
         actor, tokenizer, critic = _load_models(cfg, device)

@@ -278,11 +278,14 @@ class FSDPStrategy:
         """Torch trains on whatever device ``trainer.device`` resolves to: nothing to refuse here."""
 
     @staticmethod
-    def check_fits(cfg: Config, model_dir: str, needs_reference: bool, device: torch.device) -> None:
+    def check_fits(cfg: Config, needs_reference: bool, device: torch.device) -> None:
         """On a GPU, a run that cannot hold one sequence's activations is refused in one line
-        (``memory_plan.DoesNotFit``), counted from the model's config.json."""
+        (``memory_plan.DoesNotFit``), counted from the model's config.json (its folder found then: on
+        the CPU a Hub name is left to the loader)."""
         if device.type == "cuda":
-            memory_plan.check_before_loading(cfg, model_dir, needs_reference, device)
+            from verl_fast.models.loading import resolve
+
+            memory_plan.check_before_loading(cfg, resolve(cfg.actor.model_name), needs_reference, device)
 
     @staticmethod
     def planned(cfg: Config, device: torch.device) -> Dict[str, Any]:

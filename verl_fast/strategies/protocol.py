@@ -67,7 +67,7 @@ class Strategy(Protocol):
         """The forward passes' autocast (``actor.autocast``), also around generation."""
 
     # start-up, before any model loads (static methods; the CLI calls them through backends.strategy_class):
-    # check_machine(cfg) refuses a machine the backend cannot train on; check_fits(cfg, model_dir,
+    # check_machine(cfg) refuses a machine the backend cannot train on; check_fits(cfg,
     # needs_reference, device) refuses a run that cannot fit; planned(cfg, device) -> what auto keys resolve to
 
     def resolved(self) -> Dict[str, Any]:

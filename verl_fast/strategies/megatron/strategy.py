@@ -64,7 +64,7 @@ class MegatronStrategy:
         check_device(cfg)
 
     @staticmethod
-    def check_fits(cfg: Config, model_dir: str, needs_reference: bool, device: torch.device) -> None:
+    def check_fits(cfg: Config, needs_reference: bool, device: torch.device) -> None:
         """No memory plan: megatron-core shards by the parallel sizes the config names."""
 
     @staticmethod
