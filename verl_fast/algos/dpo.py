@@ -118,7 +118,7 @@ def step(updates: Any, pairs: List[PreferencePair], pad_id: int, algorithm: Any,
     chosen_tokens = max(1, sum(len(p.chosen_ids) for p in pairs))
 
     def loss_fn(logp: torch.Tensor, sub: Experience) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        policy = pair_rows.summed(logp, sub)
+        sums = policy = pair_rows.summed(logp, sub)
         reference = pair_rows.summed(sub.ref_logprobs, sub) if sub.ref_logprobs is not None else torch.zeros_like(policy)
         if algorithm.loss_type == "ipo":  # IPO on per-token log-ratios (preference_loss_variants.ipo_loss)
             policy, reference = policy / pair_rows.lengths(sub), reference / pair_rows.lengths(sub)
@@ -131,7 +131,7 @@ def step(updates: Any, pairs: List[PreferencePair], pad_id: int, algorithm: Any,
                  "dpo/reward_accuracy": s["reward_accuracy"] * part}
         share = loss * part
         if algorithm.sft_weight:
-            nll = -pair_rows.summed(logp, sub)[0::2].sum() / chosen_tokens  # its share of the chosen tokens' mean NLL
+            nll = -sums[0::2].sum() / chosen_tokens  # its share of the chosen tokens' mean NLL
             share = share + algorithm.sft_weight * nll
             stats["dpo/sft_nll"] = nll.detach()
         return share, stats

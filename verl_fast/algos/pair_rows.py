@@ -73,7 +73,7 @@ def step(updates: Any, exp: Experience, micro: List[torch.Tensor],
          ) -> Tuple[Dict[str, float], float]:
     """One optimiser step (``trainer/updates.Updates.step``) with ``loss_fn(logp, sub)``, whose
     statistics are each micro-batch's share of the step's: summed here, read back once."""
-    stats, norm = updates.step(exp, micro, lambda logp, entropy, sub: loss_fn(logp, sub))
+    stats, norm = updates.step(exp, micro, lambda logp, entropy, sub: loss_fn(logp, sub), entropy=False)
     totals: Dict[str, Any] = {}
     for s in stats:
         for k, v in s.items():

@@ -351,22 +351,23 @@ class FSDPStrategy:
         return hf_logprobs(self.ref, exp, micro, self.cfg, self.autocast, self.device, compiled=self.compiled,
                            packs=self.packs_sequences)
 
-    def forward_backward(self, exp: Experience, micro: List[torch.Tensor],
-                         loss_fn: LossFn) -> Tuple[List[Dict[str, Any]], Tuple[float, float]]:
+    def forward_backward(self, exp: Experience, micro: List[torch.Tensor], loss_fn: LossFn,
+                         entropy: bool = True) -> Tuple[List[Dict[str, Any]], Tuple[float, float]]:
         batches = prepared(self.actor, exp, micro, self.cfg, self.packs_sequences)
         # once for all micro-batches; bf16 gradients become the fp32 masters' before the step
         with self._bf16_passes(), passes(self.actor, self.compiled, self.packs_sequences):
-            stats = [self._actor_micro_step(sub, lay, loss_fn)
+            stats = [self._actor_micro_step(sub, lay, loss_fn, entropy)
                      for sub, lay in sharding.micro_steps(self.actor, batches)]
         return stats, run_cost(batches)
 
-    def _actor_micro_step(self, sub: Experience, lay: Optional[packed.PackedLayout], loss_fn: LossFn) -> Dict:
+    def _actor_micro_step(self, sub: Experience, lay: Optional[packed.PackedLayout], loss_fn: LossFn,
+                          entropy: bool) -> Dict:
         # the backward inside the routing too: gradient checkpointing recomputes the forward there, and a
         # recompute with the routers' own choice saves other tensors (torch's CheckpointError)
         with routed(self.actor, sub, self.cfg) as agreement:
             with self.autocast():
-                logp, entropy = micro_logprobs(self.actor, sub, self.cfg, lay, with_entropy=True)
-            loss, stats = loss_fn(logp, entropy, sub)
+                logp, ent = micro_logprobs(self.actor, sub, self.cfg, lay, with_entropy=entropy)
+            loss, stats = loss_fn(logp, ent, sub)
             if agreement is not None:  # tokens whose experts the training forward would have changed
                 stats = {**stats, "routing_changed_frac": agreement.fraction(sub.attention_mask)}
             loss.backward()

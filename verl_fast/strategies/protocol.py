@@ -80,11 +80,12 @@ class Strategy(Protocol):
     def ref_logprobs(self, exp: Experience, micro: List[torch.Tensor]) -> torch.Tensor:
         """The same under the reference."""
 
-    def forward_backward(self, exp: Experience, micro: List[torch.Tensor],
-                         loss_fn: LossFn) -> Tuple[List[Dict[str, Any]], Tuple[float, float]]:
+    def forward_backward(self, exp: Experience, micro: List[torch.Tensor], loss_fn: LossFn,
+                         entropy: bool = True) -> Tuple[List[Dict[str, Any]], Tuple[float, float]]:
         """The actor's gradient of ``loss_fn(logp, entropy, sub)`` over ``micro``, accumulated: each
         micro-batch's statistics (tensors or floats), and (tokens, causal query-key pairs) the passes
-        ran (the update's FLOP count: a shared prompt once, no padding)."""
+        ran (the update's FLOP count: a shared prompt once, no padding). ``entropy=False``: a loss that
+        reads no entropy (SFT, the preference losses) gets None, where computing it is extra work."""
 
     def optimizer_step(self) -> float:
         """Clips, steps and zeroes the actor's accumulated gradient; its norm."""

@@ -21,7 +21,8 @@ def update(trainer: Any, batch: List[Any]) -> Dict[str, float]:
     exp = alg.experience(batch, trainer.tokenizer.pad_token_id, trainer.device)
     counts = loss_normalisers(exp.advantages, trainer.dp_group)
     strategy.actor.train()
-    stats, norm = updates.step(exp, updates.micro(exp), lambda logp, entropy, sub: alg.loss(logp, sub, counts))
+    stats, norm = updates.step(exp, updates.micro(exp), lambda logp, entropy, sub: alg.loss(logp, sub, counts),
+                               entropy=False)
     trainer.perf.count_step_tokens(exp.attention_mask)
     strategy.actor_updated(False)
     # over the step's trained tokens of every rank (num_tokens: their count / ranks), so the ranks' mean

@@ -75,10 +75,12 @@ class Updates:
 
     # ---- steps
 
-    def step(self, exp: Experience, micro: List[torch.Tensor], loss_fn: Callable[..., Any]) -> Tuple[List[Dict], float]:
-        """One optimiser step of the actor over ``micro`` with ``loss_fn(logp, entropy, sub)``: each
-        micro-batch's statistics and the gradient norm (the passes' work counted in ``perf``)."""
-        stats, cost = self.strategy.forward_backward(exp, micro, loss_fn)
+    def step(self, exp: Experience, micro: List[torch.Tensor], loss_fn: Callable[..., Any],
+             entropy: bool = True) -> Tuple[List[Dict], float]:
+        """One optimiser step of the actor over ``micro`` with ``loss_fn(logp, entropy, sub)`` (entropy
+        None with ``entropy=False``): each micro-batch's statistics and the gradient norm (the passes'
+        work counted in ``perf``)."""
+        stats, cost = self.strategy.forward_backward(exp, micro, loss_fn, entropy=entropy)
         self.perf.count_update(*cost)
         return stats, self.strategy.optimizer_step()
 

@@ -89,8 +89,9 @@ class MegatronStrategy:
     def ref_logprobs(self, exp: Experience, micro: List[torch.Tensor]) -> torch.Tensor:
         return fsdp_strategy.hf_logprobs(self.ref, exp, micro, self.cfg, self.autocast, self.device)
 
-    def forward_backward(self, exp: Experience, micro: List[torch.Tensor],
-                         loss_fn: LossFn) -> Tuple[List[Dict], Tuple[float, float]]:
+    def forward_backward(self, exp: Experience, micro: List[torch.Tensor], loss_fn: LossFn,
+                         entropy: bool = True) -> Tuple[List[Dict], Tuple[float, float]]:
+        # entropy: the fused log-prob head gives it in the same pass either way
         stats = self.megatron.forward_backward(exp, micro, loss_fn)
         lens = exp.attention_mask[torch.cat(micro)].sum(-1) if micro else exp.attention_mask.new_zeros(0)
         return stats, (float(lens.sum()), causal_pairs(lens))  # the rows' real tokens (padding not counted)
