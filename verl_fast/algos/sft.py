@@ -84,12 +84,12 @@ def experience(batch: List[SFTExample], pad_id: int, device: torch.device) -> Ex
         prompts.append(e.ids[:first])
         responses.append(e.ids[first:])
         weights.append(e.loss_mask[first:])
-    ids, mask, rmask = pair_rows.sequence_tensors(prompts, responses, pad_id, device)
-    adv = torch.zeros(rmask.shape, dtype=torch.float32)
+    exp = pair_rows.rows_experience(prompts, responses, range(len(batch)), pad_id, device)
+    adv = torch.zeros(exp.response_mask.shape, dtype=torch.float32)
     for row, w in enumerate(weights):
         adv[row, : len(w)] = torch.as_tensor(w, dtype=torch.float32)
-    return Experience(input_ids=ids, attention_mask=mask, response_mask=rmask,
-                      prompt_index=torch.arange(len(batch), device=device), advantages=adv.to(device))
+    exp.advantages = adv.to(device)
+    return exp
 
 
 def nll(logp: torch.Tensor, sub: Experience, counts: Dict[str, float]) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
