@@ -124,8 +124,10 @@ def worker_ours(args) -> Dict[str, Any]:
         metrics = trainer.train_step(batch)
         cuda_sync()
         steps.append({"wall_s": time.perf_counter() - start, "tokens": float(sum(len(e.ids) for e in batch)),
-                      "loss": metrics["sft/loss"], "peak_memory_gib": peak_gib()})
-        print(f"ours {args.shape}: step {i + 1} {steps[-1]['wall_s']:.2f} s loss {metrics['sft/loss']:.3f}", flush=True)
+                      "loss": metrics["sft/loss"], "peak_memory_gib": peak_gib(),
+                      "token_budget": metrics.get("perf/token_budget")})
+        print(f"ours {args.shape}: step {i + 1} {steps[-1]['wall_s']:.2f} s loss {metrics['sft/loss']:.3f} "
+              f"peak {steps[-1]['peak_memory_gib']:.1f} GiB token budget {steps[-1]['token_budget']}", flush=True)
     lengths = [len(e.ids) for e in examples]
     return {"impl": "verl_fast", "steps": steps, "flops_per_token": flops_per_token(model, lengths,
                                                                                      args.shape.endswith("lora"))}
@@ -187,7 +189,8 @@ def summary(result: Dict[str, Any], skip: int) -> Dict[str, float]:
     timed = [s for s in result["steps"][skip:] if s.get("tokens")] or result["steps"][-1:]
     tps = statistics.median(s["tokens"] / s["wall_s"] for s in timed)
     return {"tokens_per_s": tps, "ms_per_8k": PER / tps * 1e3, "flops_per_s": tps * result["flops_per_token"],
-            "peak_memory_gib": max(s["peak_memory_gib"] for s in timed), "steps": float(len(timed))}
+            "peak_memory_gib": max(s["peak_memory_gib"] for s in timed), "steps": float(len(timed)),
+            **({"token_budget": timed[-1]["token_budget"]} if timed[-1].get("token_budget") else {})}
 
 
 def main(argv=None) -> int:

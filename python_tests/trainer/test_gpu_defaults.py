@@ -85,6 +85,24 @@ def test_lora_parameters_equal_pefts_count(targets):
     assert memory_plan.lora_parameters(model.named_modules(), 8, targets) == trained
 
 
+def test_adapted_width_is_the_same_from_the_folder_and_from_the_built_peft_model(tmp_path):
+    """LoRA's activations (a second input cast, the output sum) are counted per unit of the adapted
+    layers' (in + out) width: the same sum from the config alone and from peft's wrapped model."""
+    peft = pytest.importorskip("peft")
+    built = peft.get_peft_model(build_model("qwen2"), peft.LoraConfig(r=4, target_modules=["q_proj", "down_proj"]))
+    want = sum(m.in_features + m.out_features for name, m in build_model("qwen2").named_modules()
+               if name.endswith(("q_proj", "down_proj")))
+    assert memory_plan.shape_of(built).adapted == want > 0
+    assert memory_plan.shape_of(build_model("qwen2")).adapted == 0
+    shape = memory_plan.shape_from_folder(_folder(tmp_path, **QWEN25_7B), {"r": 64})
+    assert shape.adapted == shape.trained // 64 == 28 * (6 * 3584 + 18944 + 3584 * 3 + 512 * 2 + 18944 * 2)
+    cfg = from_dict({"actor": {"lora": {"r": 64}}})
+    plain = memory_plan.plan(cfg, memory_plan.Shape(shape.parameters, shape.trained, shape.layers, shape.width,
+                                                    shape.hidden), 139 * GIB, False, True)
+    with_lora = memory_plan.plan(cfg, shape, 139 * GIB, False, True)
+    assert with_lora.per_token - plain.per_token == memory_plan.ADAPTER_ACTIVATION_BYTES * shape.adapted
+
+
 def test_the_7b_full_fine_tune_fits_one_h200_with_8bit_states_and_not_with_fp32_adamw(tmp_path):
     shape = memory_plan.shape_from_folder(_folder(tmp_path, **QWEN25_7B), None)
     free = 139 * GIB

@@ -30,6 +30,11 @@ GIB = 2**30
 # measured on one H200 (benchmarks/NOTES.md) 7.2 at the 0.5B shape and 7.5 at 1.5B; eager norms
 # and MLPs keep ~1.3x as much, no autocast (float32 activations) ~2x.
 ACTIVATION_BYTES = 8.0
+# LoRA adds, per token and per unit of an adapted linear layer's (in + out) width, a second bf16 cast of
+# the layer's input (lora_A's, beside the base layer's) and the output's sum (base + adapter), kept by
+# the next operation: 2 + 2 bytes at bf16 (the 7B shape's all-linear adapters: ~180 KB per layer and
+# token, where ACTIVATION_BYTES counts ~230 KB eager; uncounted, its SFT ran out of memory on the H200).
+ADAPTER_ACTIVATION_BYTES = 2.0
 MEMORY_FRACTION = 0.85  # of what is free at the first update, for the activations
 OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "adamw_8bit": 2.0}  # per trained parameter (8-bit: + block scales)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -54,6 +59,19 @@ class Shape:
     layers: int
     width: int  # hidden + intermediate
     hidden: int
+    adapted: int = 0  # the (in + out) widths of the linear layers carrying LoRA adapters, summed
+
+
+def adapter_per_token(adapted: int, half: bool) -> float:
+    """Activation bytes per token that LoRA adapters on linear layers of ``adapted`` summed (in + out)
+    width add (``ADAPTER_ACTIVATION_BYTES``; twice as much in float32)."""
+    return ADAPTER_ACTIVATION_BYTES * adapted * (1.0 if half else 2.0)
+
+
+def adapted_width(model: torch.nn.Module) -> int:
+    """The summed (in + out) widths of ``model``'s linear layers that carry peft LoRA adapters."""
+    return sum(int(m.in_features) + int(m.out_features) for m in model.modules()
+               if hasattr(m, "lora_A") and hasattr(m, "in_features") and hasattr(m, "out_features"))
 
 
 def shape_of(model: torch.nn.Module) -> Shape:
@@ -65,7 +83,7 @@ def shape_of(model: torch.nn.Module) -> Shape:
     hidden = int(getattr(cfg, "hidden_size", 0) or 0)
     return Shape(sum(t.numel() for t in local), sum(t.numel() for p, t in zip(params, local) if p.requires_grad),
                  int(getattr(cfg, "num_hidden_layers", 0) or 0),
-                 hidden + int(getattr(cfg, "intermediate_size", 0) or 0), hidden)
+                 hidden + int(getattr(cfg, "intermediate_size", 0) or 0), hidden, adapted_width(model))
 
 
 def shape_from_folder(folder: str, lora: Optional[dict], trust_remote_code: bool = False) -> Shape:
@@ -79,8 +97,9 @@ def shape_from_folder(folder: str, lora: Optional[dict], trust_remote_code: bool
     shape = shape_of(model)
     if lora is None:
         return shape
-    trained = lora_parameters(model.named_modules(), int(lora.get("r", 8)), lora.get("target_modules", "all-linear"))
-    return Shape(shape.parameters + trained, trained, shape.layers, shape.width, shape.hidden)
+    rank = int(lora.get("r", 8))
+    trained = lora_parameters(model.named_modules(), rank, lora.get("target_modules", "all-linear"))
+    return Shape(shape.parameters + trained, trained, shape.layers, shape.width, shape.hidden, trained // rank)
 
 
 def lora_parameters(modules: Iterable[Tuple[str, torch.nn.Module]], r: int, targets: Any) -> int:
@@ -133,6 +152,7 @@ def plan(cfg: Config, shape: Shape, free_bytes: float, needs_reference: bool, pe
         static += 2 * 2 * shape.parameters
     half = bf16_autocast or weight == 2
     per_token = ACTIVATION_BYTES * shape.layers * shape.width * (1.0 if half else 2.0)
+    per_token += adapter_per_token(shape.adapted, half)
     checkpointed = checkpointed_per_token(per_token, shape.layers, shape.hidden)
     sequence = cfg.trainer.max_prompt_length + r.max_new_tokens
     return Plan(static, free_bytes, per_token, checkpointed, r.n * sequence, sequence)

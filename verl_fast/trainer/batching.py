@@ -20,7 +20,8 @@ import torch.distributed as dist
 from verl_fast.algos.loss_terms import active_rows
 from verl_fast.rollout.experience import Experience, concat
 from verl_fast.ops import schedule
-from verl_fast.strategies.memory_plan import ACTIVATION_BYTES, MEMORY_FRACTION, checkpointed_per_token
+from verl_fast.strategies.memory_plan import (ACTIVATION_BYTES, MEMORY_FRACTION, adapted_width, adapter_per_token,
+                                              checkpointed_per_token)
 
 __all__ = ["loss_normalisers", "micro_batches", "balance_across_ranks", "token_budget"]
 
@@ -82,6 +83,7 @@ def token_budget(model: torch.nn.Module, optimizer: torch.optim.Optimizer, devic
     if not width or not layers:
         return CPU_TOKEN_BUDGET
     per_token = ACTIVATION_BYTES * layers * width * (1.0 if compiled else 1.3) * (1.0 if half else 2.0)
+    per_token += adapter_per_token(adapted_width(model), half)  # LoRA's own (none without adapters)
     if checkpointed:
         per_token = checkpointed_per_token(per_token, layers, cfg.hidden_size)
 
