@@ -155,6 +155,35 @@ def test_varlen_matches_the_float64_forward_and_gradients(family, share, fused):
     torch.testing.assert_close(ent, plain_ent * resp_mask.float(), atol=1e-4, rtol=1e-4)
 
 
+def test_a_peft_lora_model_packs_and_matches_the_float64_forward():
+    """A LoRA actor (peft's wrapper) takes the packed layout as the model it wraps does, and its packed
+    log-probs and adapter gradients are the float64 forward's of every row alone."""
+    peft = pytest.importorskip("peft")
+    from verl_fast.models.shared_prefix import packed_layout
+
+    def lora_model():
+        return peft.get_peft_model(tiny_model("qwen2", seed=1),
+                                   peft.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+
+    model = lora_model()
+    ids, mask, group, L = grouped_batch(model.config.vocab_size, [5, 3, 7], 2, [4, 2, 0, 1, 4, 3])
+    assert packed_layout(model, ids, mask, L, group, False) is not None  # it was None: peft names no logits_to_keep
+    with packed.attention_switched(model):
+        lp, _ = experience_logprobs(model, ids, mask, L, group, share=False, packed=True, fused=False)
+    resp_mask = mask[:, -L:].double()
+    weights = torch.randn(ids.shape[0], L, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    (lp.double() * weights).sum().backward()
+    ref_model = lora_model()
+    ref = row_by_row_logprobs(ref_model, ids, mask, L, 1.0)
+    torch.testing.assert_close(lp.double(), ref * resp_mask, atol=1e-4, rtol=0)
+    (ref * weights * resp_mask).sum().backward()
+    want = dict(ref_model.named_parameters())
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert trained and all(p.grad is not None for _, p in trained)
+    for n, p in trained:
+        torch.testing.assert_close(p.grad.double(), want[n].grad, atol=1e-4, rtol=1e-3, msg=n)
+
+
 @pytest.mark.parametrize("family,attention", [("llama", "sdpa"), ("qwen2", "sdpa"), ("qwen2", "eager")])
 def test_dense_matches_the_float64_forward_and_gradients(family, attention):
     """The CPU's small-batch path: every group's prompt and responses in one sequence under a

@@ -24,6 +24,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from verl_fast.models.wrapping import hf_module
 from verl_fast.ops.logprobs import linear_logprobs, logprobs_from_logits
 
 FUSED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -77,9 +78,15 @@ def _head_returns_logprobs(head: torch.nn.Linear, labels, temperature: float, wi
             head.forward = previous
 
 
-def _accepts(model: torch.nn.Module, name: str) -> bool:
+def accepts(model: torch.nn.Module, name: str) -> bool:
+    """Whether ``model``'s forward takes the keyword ``name``. Wrappers that pass the keywords they do
+    not name through to the model they wrap (FSDP1 / DDP's ``module``, peft's base model, whose
+    forward names none of ``logits_to_keep``, ``past_key_values``) are looked through: without this,
+    LoRA actors ran every pass padded, with the head over every position."""
+    inner = hf_module(model)
+    base = getattr(inner, "get_base_model", None)
     try:
-        return name in inspect.signature(model.forward).parameters
+        return name in inspect.signature((base() if callable(base) else inner).forward).parameters
     except (TypeError, ValueError):
         return False
 
@@ -106,7 +113,7 @@ def response_logprobs(
     labels = input_ids[:, -L:]
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    if _accepts(model, "logits_to_keep"):
+    if accepts(model, "logits_to_keep"):
         kwargs["logits_to_keep"] = L + 1
     if fused is None:
         fused = _fused_default(model)

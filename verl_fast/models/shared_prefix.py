@@ -85,9 +85,9 @@ def packed_layout(model: torch.nn.Module, input_ids: torch.Tensor, attention_mas
     """The varlen layout ``experience_logprobs(packed=True)`` runs these rows with (each group's prompt
     once when ``share``), or None where it takes the plain forward."""
     from verl_fast.models import packed as packing
-    from verl_fast.models.response_logprobs import _accepts
+    from verl_fast.models.response_logprobs import accepts
 
-    if not _accepts(model, "logits_to_keep"):  # the head runs on the predicting positions only
+    if not accepts(model, "logits_to_keep"):  # the head runs on the predicting positions only
         return None
     groups = prompt_groups(input_ids, attention_mask, group, response_length) if share else None
     return packing.layout(attention_mask, response_length, groups, bucketed=input_ids.is_cuda)
@@ -110,7 +110,7 @@ def experience_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attenti
     there: its ranks must run the same number of forward passes, and whether a micro-batch can share
     depends on the rows each rank holds (the packed path is always one pass)."""
     from verl_fast.models import packed as packing
-    from verl_fast.models.response_logprobs import _accepts, _fused_default, response_logprobs
+    from verl_fast.models.response_logprobs import accepts, _fused_default, response_logprobs
     from verl_fast.models.wrapping import hf_module, is_sharded
 
     use_fused = _fused_default(model) if fused is None else fused
@@ -120,8 +120,8 @@ def experience_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attenti
         if lay is not None:
             return packing.packed_logprobs(model, input_ids, lay, response_length, temperature, with_entropy,
                                            fused=use_fused)
-    elif share and not use_fused and not is_sharded(model) and _accepts(model, "logits_to_keep") \
-            and _accepts(model, "past_key_values") and not getattr(hf_module(model), "is_gradient_checkpointing", False):
+    elif share and not use_fused and not is_sharded(model) and accepts(model, "logits_to_keep") \
+            and accepts(model, "past_key_values") and not getattr(hf_module(model), "is_gradient_checkpointing", False):
         groups = prompt_groups(input_ids, attention_mask, group, response_length)
         lay = None
         if groups is not None and _attention(model) in _MASKABLE:

@@ -32,6 +32,7 @@ from verl_fast.checkpoint import sharded as checkpoint
 from verl_fast.config import Config
 from verl_fast.rollout.experience import Experience
 from verl_fast.models import compiled_blocks, packed, routing
+from verl_fast.models.response_logprobs import accepts
 from verl_fast.models.shared_prefix import experience_logprobs, packed_layout
 from verl_fast.models.value import ValueModel, response_values
 from verl_fast.models.wrapping import hf_module, is_sharded
@@ -150,7 +151,11 @@ def computes_in_bf16(actor: torch.nn.Module, cfg: Config, layout: Sharding, devi
 
 def removes_padding(actor: torch.nn.Module, cfg: Config, device: torch.device,
                     autocast: Optional[torch.dtype]) -> bool:
-    """``actor.use_remove_padding`` resolved (its null: auto, as the config's doc says)."""
+    """``actor.use_remove_padding`` resolved (its null: auto, as the config's doc says); off for a
+    model whose forward cannot run the packed layout (no ``logits_to_keep``), whose passes run padded,
+    so that the micro-batches are cut by their padded size."""
+    if not accepts(actor, "logits_to_keep"):
+        return False
     if cfg.actor.use_remove_padding is not None:
         return cfg.actor.use_remove_padding
     return packed.flash_available(device, autocast or next(actor.parameters()).dtype)

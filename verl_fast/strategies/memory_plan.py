@@ -30,11 +30,12 @@ GIB = 2**30
 # measured on one H200 (benchmarks/NOTES.md) 7.2 at the 0.5B shape and 7.5 at 1.5B; eager norms
 # and MLPs keep ~1.3x as much, no autocast (float32 activations) ~2x.
 ACTIVATION_BYTES = 8.0
-# LoRA adds, per token and per unit of an adapted linear layer's (in + out) width, a second bf16 cast of
-# the layer's input (lora_A's, beside the base layer's) and the output's sum (base + adapter), kept by
-# the next operation: 2 + 2 bytes at bf16 (the 7B shape's all-linear adapters: ~180 KB per layer and
-# token, where ACTIVATION_BYTES counts ~230 KB eager; uncounted, its SFT ran out of memory on the H200).
-ADAPTER_ACTIVATION_BYTES = 2.0
+# LoRA's passes keep more per token than the model alone (each adapted layer's input cast again for
+# lora_A, the base + adapter sum kept by the next operation, the residual stream in float32 beside
+# frozen float32 weights): measured on one H200 at the Qwen2.5-7B shape with r 64 on every linear layer,
+# eager, bf16 autocast, 7.85 MiB per token where ACTIVATION_BYTES x 1.3 counts 6.25 MiB (its SFT ran
+# out of memory with that count). Counted per unit of the adapted layers' (in + out) width: 8.66 MiB there.
+ADAPTER_ACTIVATION_BYTES = 1.0
 MEMORY_FRACTION = 0.85  # of what is free at the first update, for the activations
 OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "adamw_8bit": 2.0}  # per trained parameter (8-bit: + block scales)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -64,7 +65,7 @@ class Shape:
 
 def adapter_per_token(adapted: int, half: bool) -> float:
     """Activation bytes per token that LoRA adapters on linear layers of ``adapted`` summed (in + out)
-    width add (``ADAPTER_ACTIVATION_BYTES``; twice as much in float32)."""
+    width add (``ADAPTER_ACTIVATION_BYTES``; twice as much without bf16 / fp16 autocast)."""
     return ADAPTER_ACTIVATION_BYTES * adapted * (1.0 if half else 2.0)
 
 
