@@ -222,7 +222,7 @@ CASES = [
 OTHER_CASES = [
     ("four clients send a byte every 0.3 s to the metrics endpoint", "the endpoint stopped answering (the "
      "5 s timeout was per read)", "each request has a whole-request deadline, read in the acceptor; scrapes answered",
-     "python_tests/trainer/test_metrics_server.py::test_slow_clients_cannot_block_the_endpoint"),
+     "python_tests/metrics/test_metrics_server.py::test_slow_clients_cannot_block_the_endpoint"),
     ("the only checkpoint is damaged, and the run saves that step again", "the old folder (its intact "
      "model.safetensors) was deleted", "set aside as step_N.damaged, named in a warning",
      "python_tests/trainer/test_bad_input.py::test_a_damaged_checkpoint_is_set_aside_never_deleted"),
