@@ -183,3 +183,70 @@ def test_trainer_update_on_bf16_copies_matches_autocast(tmp_path):
                       for p, q in zip(bf16.actor.parameters(), plain.actor.parameters())])
     assert float(moved.norm()) > 0
     assert float(diff.norm() / moved.norm()) < 0.2  # the same update but for bf16 rounding in both
+
+
+def test_a_lora_actors_frozen_base_is_kept_in_bf16_and_trains_as_under_autocast(tmp_path):
+    """A LoRA actor with ``mixed_precision: bfloat16`` (the auto on a GPU under bf16 autocast): its frozen
+    base in bf16 for good (the reference copied from it too), the adapters fp32; the same GRPO update as
+    the fp32 base under autocast within bf16 error; the plan counts the base at 2 bytes."""
+    pytest.importorskip("peft")
+    path = save_tiny_model(tmp_path / "qwen2", family="qwen2")
+    tok = AutoTokenizer.from_pretrained(path)
+    trainers = {}
+    for mp in ("none", "bfloat16"):
+        cfg = {"actor": {"lr": 1e-2, "mixed_precision": mp, "autocast": "bfloat16", "micro_batch_size": 4,
+                         "use_kl_loss": True, "lora": {"r": 4, "alpha": 8, "target_modules": "all-linear"}},
+               "rollout": {"type": "hf", "n": 4, "max_new_tokens": 6, "temperature": 1.0},
+               "algorithm": {"type": "grpo"},
+               "trainer": {"train_batch_size": 2, "output_dir": str(tmp_path / mp), "progress_bar": False,
+                           "plot": False, "device": "cpu"}}
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        trainers[mp] = RLTrainer(actor_model=model, tokenizer=tok, config=cfg,
+                                 reward_fn=lambda solution_str: float(len(solution_str) % 3))
+    plain, bf16 = trainers["none"], trainers["bfloat16"]
+    assert not plain.strategy.base_in_bf16 and bf16.strategy.base_in_bf16
+    assert bf16.strategy.bf16 is not None  # set by hand: the adapters too run on bf16 copies
+    frozen = {p.dtype for p in bf16.actor.parameters() if not p.requires_grad}
+    trained = {p.dtype for p in bf16.actor.parameters() if p.requires_grad}
+    assert frozen == {torch.bfloat16} and trained == {torch.float32}
+    assert {p.dtype for p in plain.actor.parameters()} == {torch.float32}
+    if bf16.strategy.ref is not None:
+        assert {p.dtype for n, p in bf16.strategy.ref.named_parameters() if "lora_" not in n} == {torch.bfloat16}
+    exp = bf16.make_experience(bf16.processor.encode_all(PROMPTS), {})
+    before = {n: p.detach().clone() for n, p in bf16.actor.named_parameters() if p.requires_grad}
+    plain.update_actor(exp)
+    bf16.update_actor(exp)
+    moved = torch.cat([(p.detach() - before[n]).flatten() for n, p in bf16.actor.named_parameters() if n in before])
+    ref = dict(plain.actor.named_parameters())
+    diff = torch.cat([(p.detach() - ref[n].detach()).flatten() for n, p in bf16.actor.named_parameters() if n in before])
+    assert float(moved.norm()) > 0
+    assert float(diff.norm() / moved.norm()) < 0.2  # the same adapter update but for bf16 rounding
+    assert {p.dtype for p in bf16.actor.parameters() if not p.requires_grad} == {torch.bfloat16}
+
+
+def test_the_auto_keeps_a_lora_base_in_bf16_on_a_gpu_under_bf16_autocast_only():
+    from verl_fast.strategies.fsdp_strategy import keeps_base_in_bf16
+
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(tiny(), peft.LoraConfig(r=4, target_modules="all-linear"))
+    cfg, one = from_dict({}), Sharding.from_config(from_dict({}).actor, "actor", 1)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert keeps_base_in_bf16(lora, cfg, one, cuda, torch.bfloat16)
+    assert not keeps_base_in_bf16(lora, cfg, one, cpu, None)
+    assert not keeps_base_in_bf16(lora, cfg, one, cuda, None)
+    assert not keeps_base_in_bf16(tiny(), cfg, one, cuda, torch.bfloat16)  # no LoRA: BF16Compute's masters
+    assert not keeps_base_in_bf16(lora, from_dict({"actor": {"mixed_precision": "none"}}), one, cuda, torch.bfloat16)
+
+
+def test_the_plan_counts_a_lora_base_kept_in_bf16_at_two_bytes():
+    from verl_fast.strategies import memory_plan
+
+    shape = memory_plan.Shape(parameters=1_000_000 + 10_000, trained=10_000, layers=2, width=128, hidden=64)
+    auto = memory_plan.plan(from_dict({"actor": {"lora": {"r": 4}}}), shape, 2**34, False, peft=True)
+    none = memory_plan.plan(from_dict({"actor": {"lora": {"r": 4}, "mixed_precision": "none"}}), shape, 2**34,
+                            False, peft=True)
+    # base 2, adapters 4 + their gradients 4 + AdamW 8, the decode's bf16 copies 2 per parameter
+    assert auto.static_bytes == 1_000_000 * 2 + 10_000 * 16 + 2 * shape.parameters
+    # fp32 base 4, the passes' casts and the decode's copies 2 + 2
+    assert none.static_bytes == shape.parameters * 4 + 10_000 * 12 + 4 * shape.parameters

@@ -38,7 +38,7 @@ from verl_fast.models.value import ValueModel, response_values
 from verl_fast.models.wrapping import hf_module, is_sharded
 from verl_fast.rollout.base import RolloutEngine
 from verl_fast.strategies import memory_plan, sharding
-from verl_fast.strategies.bf16_compute import BF16Compute
+from verl_fast.strategies.bf16_compute import BF16Compute, freeze_in_bf16
 from verl_fast.strategies.protocol import LossFn
 from verl_fast.strategies.sharding import Sharding
 
@@ -135,6 +135,17 @@ def compiles_blocks(actor: torch.nn.Module, cfg: Config, device: torch.device) -
     if setting is not None:
         return setting
     return device.type == "cuda" and not is_sharded(actor) and not hasattr(actor, "peft_config")
+
+
+def keeps_base_in_bf16(actor: torch.nn.Module, cfg: Config, layout: Sharding, device: torch.device,
+                       autocast: Optional[torch.dtype]) -> bool:
+    """Whether an unsharded LoRA actor's frozen base is kept in bf16 (``actor.mixed_precision``: its auto
+    on a GPU under bf16 autocast, or bfloat16; ``bf16_compute.freeze_in_bf16``)."""
+    if layout.strategy != "none" or is_sharded(actor) or not hasattr(actor, "peft_config"):
+        return False
+    if cfg.actor.mixed_precision != "auto":
+        return cfg.actor.mixed_precision == "bfloat16"
+    return device.type == "cuda" and autocast == torch.bfloat16
 
 
 def computes_in_bf16(actor: torch.nn.Module, cfg: Config, layout: Sharding, device: torch.device,
@@ -307,8 +318,8 @@ class FSDPStrategy:
         if a.max_token_len_per_gpu is None and out["actor.use_dynamic_bsz"]:
             out["actor.max_token_len_per_gpu"] = "from the free memory, at the first update" if cuda else 16384
         if a.mixed_precision == "auto":
-            out["actor.mixed_precision"] = ("bfloat16 for an unsharded fp32 actor without LoRA" if cuda and autocast ==
-                                            torch.bfloat16 else "none")
+            out["actor.mixed_precision"] = ("bfloat16 for an unsharded fp32 actor (with LoRA: its frozen base)"
+                                            if cuda and autocast == torch.bfloat16 else "none")
         return out
 
     def __init__(self, cfg: Config, actor: torch.nn.Module, ref: Optional[torch.nn.Module],
@@ -328,6 +339,9 @@ class FSDPStrategy:
         self.actor = sharding.shard(actor, layout, self.device)
         self.autocast_dtype = autocast_dtype(cfg.actor.autocast, self.device)
         self.autocast = autocast_of(self.autocast_dtype, self.device)
+        self.base_in_bf16 = keeps_base_in_bf16(self.actor, cfg, layout, self.device, self.autocast_dtype)
+        if self.base_in_bf16:  # before the reference copies it and bf16 copies are made: the adapters stay fp32
+            freeze_in_bf16(self.actor)
         self.ref = reference_model(self.actor, ref, layout, self.device) if needs_reference else None
         self.critic = None if critic is None else HFCritic(critic_model(critic), cfg, self.dp_size, self.device,
                                                            self.autocast)
@@ -340,7 +354,8 @@ class FSDPStrategy:
     def resolved(self) -> Dict[str, Any]:
         dtype = self.autocast_dtype
         return {"actor.autocast": str(dtype).removeprefix("torch.") if dtype else "none",
-                "actor.mixed_precision": "bfloat16" if self.bf16 is not None or self.layout.mixed_precision else "none",
+                "actor.mixed_precision": "bfloat16" if self.bf16 is not None or self.layout.mixed_precision else
+                "bfloat16 (the frozen LoRA base)" if self.base_in_bf16 else "none",
                 "actor.gradient_checkpointing": self.checkpointing, "actor.compile_blocks": self.compiled,
                 "actor.use_remove_padding": self.packs_sequences,
                 "trainer.tf32": self.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32}

@@ -7,6 +7,7 @@ Bytes that stay for the whole run (``static``), per parameter of the actor:
 - bf16 copies of fp32 weights (2 bytes each): the training passes' (``actor.mixed_precision`` auto,
   ``strategies/bf16_compute.py``) and the compiled decode's (``rollout/hf_decode.CompiledForward``);
   under autocast without those copies, autocast's own cast cache holds the same 2 bytes during a pass.
+  A LoRA actor's frozen base is kept in bf16 instead (2 bytes, no copies for the passes).
 
 What is left holds the activations of the micro-batches (``ACTIVATION_BYTES`` per token, layer and
 unit of width without checkpointing; with it, one bf16 hidden state per token and
@@ -145,11 +146,17 @@ def plan(cfg: Config, shape: Shape, free_bytes: float, needs_reference: bool, pe
     weight = DTYPE_BYTES[a.dtype]
     trained_weight = 4 if peft else weight  # peft's adapters train in float32
     bf16_autocast = a.autocast in (None, "auto", "bfloat16")
-    static = shape.parameters * weight
+    # a LoRA actor's frozen base kept in bf16 (bf16_compute.freeze_in_bf16): no master, no per-pass casts
+    base_bf16 = peft and weight == 4 and (a.mixed_precision == "bfloat16"
+                                          or (a.mixed_precision == "auto" and bf16_autocast))
+    frozen = shape.parameters - shape.trained
+    static = frozen * (2 if base_bf16 else weight) + shape.trained * weight
     static += shape.trained * (trained_weight + OPTIMIZER_STATE_BYTES[a.optimizer])
     if needs_reference:
-        static += (shape.parameters - shape.trained) * weight if peft else shape.parameters * weight
-    if weight == 4 and bf16_autocast:  # the passes' bf16 copies (or autocast's casts) and the decode's
+        static += frozen * (2 if base_bf16 else weight) if peft else shape.parameters * weight
+    if base_bf16:  # the decode's bf16 copies (adapters merged)
+        static += 2 * shape.parameters
+    elif weight == 4 and bf16_autocast:  # the passes' bf16 copies (or autocast's casts) and the decode's
         static += 2 * 2 * shape.parameters
     half = bf16_autocast or weight == 2
     per_token = ACTIVATION_BYTES * shape.layers * shape.width * (1.0 if half else 2.0)
