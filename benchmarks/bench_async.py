@@ -4,7 +4,7 @@ worker process sharing the GPU, weights pushed through one CUDA IPC buffer), in 
 
 The setup is bench_e2e's: a Qwen2-shaped model with random float32 weights (``0.5b``, ``1.5b``;
 ``tiny`` for the CPU smoke test; a name ending in ``-lora``, e.g. ``7b-lora``, trains LoRA r 64 on every
-linear layer of that shape, where ``full`` is refused and left out), 16 chat prompts x 8 samples, 256 new tokens, temperature 1, bf16
+linear layer of that shape; ``full``'s workers get the adapters merged into the base), 16 chat prompts x 8 samples, 256 new tokens, temperature 1, bf16
 autocast, HF rollout, lr 1e-6, a random reward, and ``algorithm.rollout_correction`` on in every
 mode (the same work per step: the behaviour log-probs are what async modes need). Each (shape,
 mode) is its own process; the first ``--skip`` steps are warm-up and the figures are medians of
@@ -114,9 +114,6 @@ def run_shape(shape: str, args, workdir: Path, report: Report) -> Dict[str, Any]
     model = build_model(base, workdir / base, args.device)
     results: Dict[str, Any] = {}
     for mode in args.modes:
-        if shape != base and mode.startswith("full"):
-            print(f"bench_async: {shape} {mode} left out (trainer.async_mode=full is refused with actor.lora)")
-            continue
         out = workdir / f"{shape}_{mode}.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--mode", mode, "--shape", shape,
                "--model", str(model), "--out", str(out), "--device", args.device, "--steps", str(args.steps),

@@ -168,8 +168,8 @@ fi
 
 # ---- async (issue 47): trainer.async_mode off / one_step / full (a rollout worker process sharing the GPU,
 # weights through one CUDA IPC buffer) at the Qwen2 0.5B and 1.5B shapes, in one call; needs .bench_assets/
-# (as e2e). About 2.5 min per shape (0.5b and 1.5b together took 289 s); ASYNC_SHAPES=7b-lora runs off and one_step
-# with LoRA r 64 at the 7B shape (full is refused with LoRA) ----
+# (as e2e). About 2.5 min per shape (0.5b and 1.5b together took 289 s); ASYNC_SHAPES=7b-lora runs the modes
+# with LoRA r 64 at the 7B shape (full's workers get the adapters merged into the base) ----
 if want async; then
   timeout ${ASYNC_TIMEOUT:-560} "$py" benchmarks/bench_async.py --device cuda --shapes "${ASYNC_SHAPES:-0.5b,1.5b}" \
     --modes "${ASYNC_MODES:-off,one_step,full}" --steps "${ASYNC_STEPS:-8}" > "$OUT/bench_async.log" 2>&1 ||

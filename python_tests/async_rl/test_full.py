@@ -15,8 +15,8 @@ from verl_fast.rollout.base import pad_completions
 from verl_fast.trainer.rl_trainer import RLTrainer
 
 
-def trainer(path, out, steps=4, transport_kind=None, **t):
-    cfg = {"actor": {"lr": 1e-2, "micro_batch_size": 8},
+def trainer(path, out, steps=4, transport_kind=None, lora=None, **t):
+    cfg = {"actor": {"lr": 1e-2, "micro_batch_size": 8, **({"lora": lora} if lora else {})},
            "rollout": {"type": "hf", "n": 4, "max_new_tokens": 12},
            "reward_fn": {"type": "gsm8k"},
            "algorithm": {"type": "grpo", "rollout_correction": True},
@@ -82,3 +82,28 @@ def test_a_token_older_than_max_staleness_is_refused():
     check_staleness(sampled, 5, 2)
     with pytest.raises(RuntimeError, match="3 versions old"):
         check_staleness(sampled, 6, 2)
+
+
+def test_a_lora_actors_workers_get_the_adapters_merged_into_the_base(tiny_path, tmp_path):
+    """Full mode with ``actor.lora``: what is pushed is the base model's parameters by name with each
+    adapted weight merged (peft's own merge_and_unload gives the same tensors), and a run trains."""
+    peft = pytest.importorskip("peft")
+    import copy
+
+    from verl_fast.async_rl.transport import PushedWeights
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+    lora = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                      init_lora_weights=False))
+    pushed = PushedWeights(lora)
+    want = dict(copy.deepcopy(lora).merge_and_unload().named_parameters())
+    assert pushed.names == list(want) and pushed.numel == sum(t.numel() for t in want.values())
+    for name, tensor in zip(pushed.names, pushed):
+        torch.testing.assert_close(tensor, want[name], atol=1e-6, rtol=1e-6, msg=name)
+
+    tr = trainer(tiny_path, tmp_path / "run", steps=2, lora={"r": 4, "alpha": 8, "target_modules": "all-linear"})
+    assert hasattr(tr.strategy.actor, "peft_config")
+    history = [h for h in tr.fit(PROMPTS) if "actor/pg_loss" in h]
+    assert len(history) == 2 and all(torch.isfinite(torch.tensor(h["actor/pg_loss"])) for h in history)
+    assert all(h["async/staleness_max"] <= 1 for h in history)

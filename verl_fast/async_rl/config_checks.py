@@ -40,9 +40,6 @@ def check(cfg: config.Config) -> None:
         if cfg.rollout.type == "vllm":
             raise ValueError("trainer.async_mode=full is not supported with rollout.type=vllm (its workers decode "
                              "with verl_fast/async_rl/decode.py); use rollout.type=hf or auto")
-        if cfg.actor.lora is not None:
-            raise ValueError("trainer.async_mode=full is not supported with actor.lora (the workers hold whole "
-                             "weights); use trainer.async_mode=one_step")
     elif t.async_workers != 1:
         raise ValueError(f"trainer.async_workers={t.async_workers} is not supported with {key} (one rollout "
                          "thread); use trainer.async_mode=full or async_workers=1")

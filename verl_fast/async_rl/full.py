@@ -59,12 +59,11 @@ class FullAsyncRollout:
         t = cfg.trainer
         self.max_staleness, self.partial = t.max_staleness, t.partial_rollouts
         self.module = hf_module(actor)
-        self.params = transport.params_of(self.module)
-        self.names = [n for n, _ in self.module.named_parameters()]
+        self.pushed = transport.PushedWeights(self.module)  # a LoRA actor's adapters merged into the base
         self.operator, self.seed_of, self.tokenizer = operator, seed_of, tokenizer
         self.pad_id = tokenizer.pad_token_id
         self.stop_ids = _eos_ids(self.module, tokenizer)
-        self.device = self.params[0].device
+        self.device = self.pushed.device
         count = torch.cuda.device_count() if self.device.type == "cuda" else 0
         self.devices, kind, self.backend = placement(t.async_workers, self.device, count)
         self.kind = transport_kind or kind
@@ -92,7 +91,7 @@ class FullAsyncRollout:
             self._start()
         push_start = time.perf_counter()
         if self.version != step:
-            self.publisher.publish(self.params, step, self._alive)
+            self.publisher.publish(self.pushed, step, self._alive)
             self.version = step
         metrics["time/weight_push"] = time.perf_counter() - push_start
         self._issue(step, batch)
@@ -144,7 +143,7 @@ class FullAsyncRollout:
         workers = len(self.devices)
         self._tasks, self._results, self._stop = ctx.Queue(), ctx.Queue(maxsize=self.max_staleness), ctx.Event()
         announced, pushes, acks = ctx.Value("q", -1), ctx.Value("q", 0), ctx.Array("q", [-1] * workers)
-        flat = torch.empty(transport.flat_size(self.params), dtype=self.params[0].dtype, device=self.device)
+        flat = torch.empty(self.pushed.numel, dtype=self.pushed.dtype, device=self.device)
         shared = None
         if self.kind == "shared":
             shared = flat.share_memory_() if not flat.is_cuda else flat
@@ -153,7 +152,7 @@ class FullAsyncRollout:
             store = transport.rendezvous(0, 0, workers + 1)
             port = store.port
         for w, device in enumerate(self.devices):
-            setup = WorkerSetup(w, workers + 1, self.module.config, self.names, self.params[0].dtype, device,
+            setup = WorkerSetup(w, workers + 1, self.module.config, self.pushed.names, self.pushed.dtype, device,
                                 self.autocast_dtype, self.kind, self.backend, port, self.stop_ids, self.pad_id,
                                 self.partial, None if self.partial else self.tokenizer)
             p = ctx.Process(target=main, args=(setup, self._tasks, self._results, self._stop, announced, acks, pushes,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from typing import Any, List, Optional, Sequence
+from typing import Any, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -139,3 +139,37 @@ def wait_for_first(sub: Subscriber, alive=lambda: True) -> int:
 
 def params_of(model: torch.nn.Module) -> List[torch.Tensor]:
     return [p for _, p in model.named_parameters()]
+
+
+class PushedWeights:
+    """What the workers receive, in order: ``module``'s parameters, or for a LoRA actor (peft) the base
+    model's, each adapted layer's weight merged as the export merges it (``models/lora``: W + s * B @ A,
+    in W's dtype), so that the workers decode with a plain model of the base architecture. ``names``
+    are the worker model's parameter names; iterating yields the tensors (a merged one made only when
+    reached: one layer's weight at a time, not a second model)."""
+
+    def __init__(self, module: torch.nn.Module):
+        from verl_fast.models import lora
+
+        self.tensors = dict(module.named_parameters())
+        self.adapter = None
+        if lora.is_peft(module):
+            self.adapter = module.peft_config[module.active_adapter].to_dict()
+            self.plan = lora.export_plan(list(self.tensors), self.adapter)
+        else:
+            self.plan = {name: (name,) for name in self.tensors}
+        self.names = list(self.plan)
+        first = self.tensors[self.plan[self.names[0]][0]]
+        self.dtype, self.device = first.dtype, first.device
+        self.numel = sum(self.tensors[sources[0]].numel() for sources in self.plan.values())
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        from verl_fast.models import lora
+
+        for name in self.names:
+            sources = self.plan[name]
+            if len(sources) == 1:
+                yield self.tensors[sources[0]]
+            else:
+                with torch.no_grad():
+                    yield lora.exported(sources, self.tensors, self.adapter)
