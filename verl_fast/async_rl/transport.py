@@ -20,6 +20,8 @@ from typing import Any, Iterator, List, Optional, Sequence
 
 import torch
 
+from verl_fast.models import lora
+
 TRANSPORTS = ("group", "shared")
 TIMEOUT = datetime.timedelta(minutes=30)
 
@@ -149,8 +151,6 @@ class PushedWeights:
     reached: one layer's weight at a time, not a second model)."""
 
     def __init__(self, module: torch.nn.Module):
-        from verl_fast.models import lora
-
         self.tensors = dict(module.named_parameters())
         self.adapter = None
         if lora.is_peft(module):
@@ -164,8 +164,6 @@ class PushedWeights:
         self.numel = sum(self.tensors[sources[0]].numel() for sources in self.plan.values())
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        from verl_fast.models import lora
-
         for name in self.names:
             sources = self.plan[name]
             if len(sources) == 1:

@@ -27,17 +27,14 @@ import torch
 DTYPE = torch.bfloat16
 
 
-def freeze_in_bf16(model: torch.nn.Module) -> int:
-    """``model``'s frozen fp32 floating-point parameters cast to bf16 in place (LoRA's base); the
-    number of elements cast. Their matrices' products are the ones autocast computed from them
-    (it casts each to bf16 for the GEMM); the norms' and embeddings' values are rounded to bf16."""
-    cast = 0
+def freeze_in_bf16(model: torch.nn.Module) -> None:
+    """``model``'s frozen fp32 floating-point parameters cast to bf16 in place (LoRA's base). Their
+    matrices' products are the ones autocast computed from them (it casts each to bf16 for the GEMM);
+    the norms' and embeddings' values are rounded to bf16."""
     with torch.no_grad():
         for p in model.parameters():
             if not p.requires_grad and p.dtype == torch.float32:
                 p.data = p.data.to(DTYPE)
-                cast += p.numel()
-    return cast
 
 
 class BF16Compute:
