@@ -391,6 +391,14 @@ void clear_status_cuda(const TensorRef& status, uintptr_t stream) {
              "cudaMemsetAsync (status)");
 }
 
+void copy_status_to_host_cuda(const TensorRef& status, const TensorRef& host, uintptr_t stream) {
+  if (host.data == nullptr) return;  // not asked for (the launchers checked its shape)
+  DeviceGuard guard(status.device_index);
+  cuda_check(cudaMemcpyAsync(host.data, status.data, sizeof(int32_t), cudaMemcpyDeviceToHost,
+                             reinterpret_cast<cudaStream_t>(stream)),
+             "cudaMemcpyAsync (status word to the host)");
+}
+
 void advantage_scan_cuda(const ScanArgs& a) {
   DeviceGuard guard(a.rewards.device_index);
   auto stream = reinterpret_cast<cudaStream_t>(a.stream.handle);
