@@ -148,7 +148,9 @@ int32_t scan_rows(const ScanArgs& a, int64_t b0, Sums& sums) {
           if (!std::isfinite(rt)) status |= kBadRewards;
           if (!std::isfinite(vt)) status |= kBadValues;
           const float delta = rt + g * next_value[k] - vt;
-          if (nonzero(m[k][t * ms])) {
+          const M mt = m[k][t * ms];
+          if (!binary(mt)) status |= kBadMask;
+          if (nonzero(mt)) {
             next_value[k] = vt;
             state[k] = delta + gl * state[k];
             mom[k].add(state[k]);
@@ -163,7 +165,9 @@ int32_t scan_rows(const ScanArgs& a, int64_t b0, Sums& sums) {
         for (int k = 0; k < K; ++k) {
           const float rt = to_float(r[k][t * rs]);
           if (!std::isfinite(rt)) status |= kBadRewards;
-          if (nonzero(m[k][t * ms])) {
+          const M mt = m[k][t * ms];
+          if (!binary(mt)) status |= kBadMask;
+          if (nonzero(mt)) {
             state[k] = rt + g * state[k];
             mom[k].add(state[k]);
             ret[k][t] = adv[k][t] = state[k];
@@ -178,7 +182,9 @@ int32_t scan_rows(const ScanArgs& a, int64_t b0, Sums& sums) {
         for (int k = 0; k < K; ++k) {
           const float rt = to_float(r[k][t * rs]);
           if (!std::isfinite(rt)) status |= kBadRewards;
-          const bool mt = nonzero(m[k][t * ms]);
+          const M mv = m[k][t * ms];
+          if (!binary(mv)) status |= kBadMask;
+          const bool mt = nonzero(mv);
           if (mt) state[k] += rt;
           ret[k][t] = state[k];
           adv[k][t] = state[k] - (mt ? base[k] : 0.0f);
@@ -256,7 +262,9 @@ void group_cpu(const GroupArgs& a) {
             const float r = to_float(at2<R>(a.rewards, b, t));
             if (!std::isfinite(r)) s |= kBadRewards;
             score += r;
-            count += nonzero(at2<M>(a.mask, b, t)) ? 1.0 : 0.0;
+            const M mt = at2<M>(a.mask, b, t);
+            if (!binary(mt)) s |= kBadMask;
+            count += nonzero(mt) ? 1.0 : 0.0;
           }
           ws.score[b] = score;
           ws.count[b] = count;

@@ -28,7 +28,14 @@ enum Status : int32_t {
   kBadRewards = 1,       // non-finite reward
   kBadValues = 2,        // non-finite value or baseline
   kTooFewToWhiten = 4,   // whitening needs >= 2 positions where the mask is set
+  kBadMask = 8,          // a mask value other than 0 and 1
 };
+
+// A mask value is 0 or 1 (any other value: kBadMask).
+template <typename T>
+VF_HD bool binary(T x) {
+  return x == T(0) || x == T(1);
+}
 constexpr int kStatusWords = 8;
 
 // Count, sum and sum of squares, in double: merging is addition (no division on the hot path),

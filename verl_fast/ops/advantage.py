@@ -6,8 +6,8 @@ float32 / bfloat16 / float16 (float64 accepted), any strides; outputs are new fl
 the input's device. The CPU path runs C++ threads over the batch; the CUDA path runs one fused scan
 kernel per call (plus a reduction and an in-place pass when whitening).
 
-``check=True`` (the default) verifies that rewards and values are finite and that whitening has at
-least two masked positions, raising ``ValueError`` otherwise, without ever making the host wait for
+``check=True`` (the default) verifies that rewards and values are finite, that the mask holds only
+0 and 1, and that whitening has at least two masked positions, raising ``ValueError`` otherwise, without ever making the host wait for
 the GPU: the kernels write the verdict, the launch queues its copy into pinned host memory, and the
 first checking call (of any op using ``verl_fast.ops.pending_checks``) that finds it landed raises.
 On the CPU that is the call itself; on CUDA usually the next call, or
@@ -37,10 +37,10 @@ def _kinds():
 
 
 @functools.lru_cache(maxsize=None)
-def _status_bits() -> Tuple[int, int, int]:
+def _status_bits() -> Tuple[int, int, int, int]:
     """AdvantageStatus' bits as plain ints (pybind enum arithmetic costs microseconds a call)."""
     S = ext().AdvantageStatus
-    return int(S.bad_rewards), int(S.bad_values), int(S.too_few_to_whiten)
+    return int(S.bad_rewards), int(S.bad_values), int(S.bad_mask), int(S.too_few_to_whiten)
 
 
 class _Verdict:
@@ -54,11 +54,13 @@ class _Verdict:
     def __call__(self, bits: int) -> Optional[str]:
         if not bits:
             return None
-        bad_rewards, bad_values, too_few = _status_bits()
+        bad_rewards, bad_values, bad_mask, _ = _status_bits()
         if bits & bad_rewards:
             what = f"{self.rewards_name} contains NaN or inf"
         elif bits & bad_values:
             what = f"{self.values_name} contains NaN or inf"
+        elif bits & bad_mask:
+            what = "response_mask must hold only 0 and 1 (got another value)"
         else:
             what = ("whitening needs at least 2 positions where response_mask is 1; "
                     "pass whiten=False for such batches")
