@@ -67,11 +67,18 @@ class _Verdict:
         return what + P.where(self.device, self.op)
 
 
+_VERDICTS: Dict[tuple, _Verdict] = {}  # by (names, device, op): a verdict keeps no state of its call
+
+
 def _queue_check(args, device: torch.device, rewards_name: str, values_name: str, op: str):
     """A pending check for the launch about to run with ``args``: its slot goes into args.host_status."""
     index, slot = P.take(device)
     args.host_status = slot
-    return index, _Verdict(rewards_name, values_name, device, op)
+    key = (rewards_name, values_name, device, op)
+    verdict = _VERDICTS.get(key)
+    if verdict is None:
+        verdict = _VERDICTS[key] = _Verdict(rewards_name, values_name, device, op)
+    return index, verdict
 
 
 def _launch(launcher, args, device: torch.device, index: int) -> None:
@@ -146,7 +153,6 @@ def _scan(kind, rewards, mask, *, values=None, baselines=None, gamma=1.0, lam=1.
     index, verdict = _queue_check(a, device, "token_level_rewards", values_name, op)
     _launch(C.advantage_scan, a, device, index)
     P.expect(device, index, verdict)
-    P.raise_landed(device)
     return adv, ret
 
 
@@ -287,7 +293,6 @@ def _group(kind, token_level_rewards, response_mask, index, *, epsilon=1e-6, nor
     index, verdict = _queue_check(a, r.device, "token_level_rewards", "token_level_rewards", op)
     _launch(C.group_advantage, a, r.device, index)
     P.expect(r.device, index, verdict)
-    P.raise_landed(r.device)
     return adv
 
 

@@ -37,6 +37,7 @@ from verl_fast.kernels.softmax_stats import vocab_shard
 from verl_fast.ops import _logprobs_torch
 from verl_fast.ops import _validate as V
 from verl_fast.ops import pending_checks as P
+from verl_fast.ops.native import stream_handle
 
 BACKEND_ENV = "VERL_FAST_LOGPROBS_BACKEND"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -115,7 +116,7 @@ _MAX_COUNTERS = 64
 
 
 def _bad_label_counter(device: torch.device) -> Tuple[torch.Tensor, _Counted]:
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    stream = stream_handle(device.index) if device.type == "cuda" else 0
     key = (device, stream, threading.get_ident())
     entry = _COUNTERS.get(key)
     if entry is None:
@@ -135,7 +136,6 @@ def _queue_label_check(counter: Tuple[torch.Tensor, _Counted], flat: torch.Tenso
         P.release(device, index)
         raise
     P.expect(device, index, _LabelVerdict(counter[1], flat, vocab, device))
-    P.raise_landed(device)
 
 
 def _inverse_temperature(temperature) -> float:

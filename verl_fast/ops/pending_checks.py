@@ -85,10 +85,12 @@ def take(device: torch.device) -> Tuple[int, torch.Tensor]:
 
 
 def expect(device: torch.device, index: int, verdict: Verdict) -> None:
-    """Queues slot ``index``'s check (after the launch that copies into it was queued)."""
+    """Queues slot ``index``'s check (after the launch that copies into it was queued), then raises
+    the first bad verdict that has landed (see raise_landed)."""
     queue = _queue(device)
     with queue.lock:
         queue.waiting.append((index, verdict))
+    raise_landed(device)
 
 
 def release(device: torch.device, index: int) -> None:
