@@ -697,7 +697,7 @@ def test_slots_come_back_after_a_refused_launch_and_when_all_are_in_flight(monke
     real = A.ext()
 
     class Refusing:  # the core refusing the launch after the check's slot was taken
-        ScanArgs = real.ScanArgs
+        ScanArgs, ScanKind = real.ScanArgs, real.ScanKind
 
         @staticmethod
         def advantage_scan(args):
@@ -715,6 +715,16 @@ def test_slots_come_back_after_a_refused_launch_and_when_all_are_in_flight(monke
     monkeypatch.setattr(P, "_wait", lambda d: (waited.append(d), [x.land() for x in launches]))
     checked(vf.compute_gae, r, v, m)  # every slot in flight: waits for the device, then goes on
     assert waited == [cpu] and len(queue.free) == P.SLOTS
+    stuck = [_Launch(0) for _ in range(P.SLOTS)]
+    for launch in stuck:  # launches that never copy their verdict: an error, not a hang
+        P.expect(cpu, launch.index, lambda v: None)
+    monkeypatch.setattr(P, "_wait", lambda d: None)
+    with pytest.raises(RuntimeError, match="checks on cpu still unanswered after waiting"):
+        vf.compute_gae(r, v, m)
+    for launch in stuck:
+        launch.land()
+    P.raise_landed(cpu)
+    assert len(queue.free) == P.SLOTS
 
 
 def test_message_names_the_call_on_cuda():
@@ -743,3 +753,44 @@ def test_cuda_checking_call_returns_before_its_verdict_lands():
         P.raise_pending()
     P.raise_pending()
     close(checked(vf.compute_gae, r, v, m, 0.9, 0.8)[0], ref_gae(r.cpu(), v.cpu(), m.cpu(), 0.9, 0.8)[0])
+
+
+def test_host_status_is_checked_and_written():
+    from verl_fast import _C
+
+    r, v, m = make(2, 5, p_mask=1.0)
+    a = _C.ScanArgs()
+    a.rewards, a.values, a.mask = r, v, m.view(torch.uint8)
+    a.advantages, a.returns = torch.empty(2, 5), torch.empty(2, 5)
+    a.status = torch.empty(_C.status_words, dtype=torch.int32)
+    a.host_status = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(TypeError, match="^host_status must be int32, got int64$"):
+        _C.advantage_scan(a)
+    a.host_status = torch.zeros(2, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^host_status must be a 1-D int32 CPU tensor of shape \[1\], got \[2, 2\]$"):
+        _C.advantage_scan(a)
+    slot = torch.full((1,), P.NOT_LANDED, dtype=torch.int32)
+    a.host_status = slot
+    _C.advantage_scan(a)
+    assert slot.item() == 0
+    bad = r.clone()
+    bad[0, 0] = float("nan")
+    a.rewards = bad
+    _C.advantage_scan(a)
+    assert slot.item() == int(_C.AdvantageStatus.bad_rewards)
+
+
+@pytest.mark.gpu
+def test_cuda_stream_follows_the_current_stream():
+    from verl_fast.ops.native import cuda_stream
+
+    x = torch.zeros(1, device="cuda")
+    assert cuda_stream(x).cuda_stream == torch.cuda.current_stream().cuda_stream
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert cuda_stream(x).cuda_stream == side.cuda_stream
+        r, v, m = make(3, 40, device="cuda")
+        adv = checked(vf.compute_gae, r, v, m, 0.9, 0.8)[0]  # runs on the side stream
+    side.synchronize()
+    close(adv, ref_gae(r.cpu(), v.cpu(), m.cpu(), 0.9, 0.8)[0])
+    assert cuda_stream(x).cuda_stream == torch.cuda.current_stream().cuda_stream

@@ -72,16 +72,20 @@ def take(device: torch.device) -> Tuple[int, torch.Tensor]:
     """A free slot of ``device``'s queue, set to NOT_LANDED: (its index, an int32 [1] CPU tensor over
     it for the launch to copy its verdict into). With every slot in flight, waits for the device."""
     queue = _queue(device)
-    while True:
+    for waited in (False, True):
         with queue.lock:
             if queue.free:
                 index = queue.free.pop()
                 queue.words[index] = NOT_LANDED
                 return index, queue.views[index]
+        if waited:
+            break
         _wait(device)
         message = queue.landed()
         if message is not None:
             raise ValueError(message)
+    raise RuntimeError(f"pending_checks: {SLOTS} checks on {device} still unanswered after waiting for the device "
+                       "(their launches never copied a verdict); pass check=False to run without them")
 
 
 def expect(device: torch.device, index: int, verdict: Verdict) -> None:
