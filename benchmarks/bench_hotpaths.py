@@ -21,8 +21,9 @@ Cases (CUDA sizes; CPU: small, to check the script):
   reshard one-shot 7B     vllm_weights default (new outputs)  | per-parameter torch.cat | floor: bytes at copy speed
   linear 8192x3584x151936 fwd+bwd per chunk size / d_hidden GEMM / logits kept (store_logits)
                           | matmul + log_softmax | floor: 3 GEMMs (meta: one GEMM's time, so 4)
-  host                    the wrappers' host time per call with 2x8 CPU tensors (any --device), with the
-                          torch ops each call launches and its read-backs (waits for the GPU on CUDA)
+  host                    the wrappers' host time per call with 2x8 tensors, on the CPU and the --device
+                          GPU, with the torch ops each call launches and its read-backs (waits for the GPU
+                          on CUDA); compute_gae's host path piece by piece
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Report, copy_bandwidth_gbs, peak_extra_bytes, time_ms  # noqa: E402
+from _common import Report, copy_bandwidth_gbs, peak_extra_bytes, sync, time_ms  # noqa: E402
 from bench_advantage import gae_inputs, graph_ms, loop_gae  # noqa: E402
 
 import verl_fast as vf  # noqa: E402
@@ -131,7 +132,7 @@ def both_ways(report: Report, case: str, impl: str, fn, device: str, **timing) -
         report.add(case, f"{impl}, busy", time_ms(fn, device, busy_gpu=True, **timing))
 
 
-# ------------------------------------------------------------------ host cost per call (CPU)
+# ------------------------------------------------------------------ host cost per call
 
 # Ops that only allocate or make a view: no kernel on a GPU. Any other leaf op launches one; the
 # read-backs (a wait for the GPU on CUDA) are counted apart.
@@ -141,58 +142,115 @@ _READ_BACKS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::equal", "ate
 
 
 def torch_ops(fn):
-    """(ops that would launch a kernel, read-backs) of one call of ``fn``, from torch's CPU profiler:
-    the leaf aten ops (an op calling others counts as those). _C's own launches are not aten ops."""
+    """(ops that would launch a kernel, read-backs) of one call of ``fn``: the leaf aten ops from
+    torch's CPU profiler (an op calling others counts as those; _C's own launches are not aten ops),
+    and the reads of device values on the host (item, tolist, bool, a wait in pending_checks), each
+    a wait for the GPU on CUDA."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
+    reads = []
+
+    def counted(name, real):
+        def read(*args, **kwargs):
+            reads.append(name)
+            return real(*args, **kwargs)
+        return read
+
+    with contextlib.ExitStack() as stack:
+        for name in ("tolist", "__bool__"):
+            stack.enter_context(mock.patch.object(torch.Tensor, name, counted(name, getattr(torch.Tensor, name))))
+        stack.enter_context(mock.patch.object(_P, "_wait", counted("wait", _P._wait)))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
     leaves = [e.name for e in prof.events() if e.name.startswith("aten::") and not e.cpu_children]
-    reads = [n for n in leaves if n in _READ_BACKS]
+    reads += [n for n in leaves if n in _READ_BACKS]
     return [n for n in leaves if n not in _NO_LAUNCH and n not in _READ_BACKS], reads
 
 
-def host_us(fn, calls: int = 2000, rounds: int = 5) -> float:
+def host_us(fn, device: str = "cpu", calls: int = 2000, rounds: int = 5) -> float:
     """Microseconds of host time per call: the best of ``rounds`` loops of ``calls`` (a shared CPU's
-    noise only ever adds)."""
+    noise only ever adds). With tiny CUDA tensors the GPU keeps up, so this is the host's time there
+    too (one wait per loop)."""
     for _ in range(100):
         fn()
+    sync(device)
     best = float("inf")
     for _ in range(rounds):
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
+        sync(device)
         best = min(best, (time.perf_counter() - t0) / calls * 1e6)
     return best
 
 
-def add_host_rows(rep: Report, case: str, calls) -> None:
-    """Rows ``<stage> <impl>`` under ``case``: host ms per call with tiny CPU tensors, the launch and
-    read-back counts in the note (and in meta, in microseconds)."""
+def add_host_rows(rep: Report, case: str, calls, device: str) -> None:
+    """Rows ``<stage> <impl>`` under ``case``: host ms per call, the launch and read-back counts in
+    the impl (meta has the microseconds)."""
     for label, ctx in STAGES:
         with ctx():
             for impl, fn in calls:
                 launches, reads = torch_ops(fn)
-                us = host_us(fn)
+                us = host_us(fn, device)
                 rep.meta[f"host_us {case} {label} {impl}"] = us
                 rep.add(case, f"{label} {impl}: {len(launches)} launches, {len(reads)} read-backs", us / 1e3,
-                        note=f"torch ops {launches + reads} (+ _C's own launches)")
+                        note=f"torch ops {launches}, reads {reads} (+ _C's own launches)")
 
 
-def case_host(rep: Report) -> None:
-    """The wrappers' host cost with 2x8 CPU tensors (the kernels cost nothing at that size)."""
-    torch.manual_seed(0)
-    r, v = torch.randn(2, 8), torch.randn(2, 8)
-    m = torch.rand(2, 8) < 0.8
-    m[:, 0] = True
-    add_host_rows(rep, "host per call: compute_gae 2x8 CPU", [
-        ("default", lambda: vf.compute_gae(r, v, m, 0.99, 0.95)),
-        ("check=False", lambda: vf.compute_gae(r, v, m, 0.99, 0.95, check=False))])
-    logits, labels = torch.randn(2, 8, 16), torch.randint(0, 16, (2, 8))
-    add_host_rows(rep, "host per call: logprobs_from_logits 2x8x16 CPU (torch path)", [
-        ("default", lambda: vf.logprobs_from_logits(logits, labels)),
-        ("check=False", lambda: vf.logprobs_from_logits(logits, labels, check=False))])
+def gae_pieces(r, v, m):
+    """compute_gae's host path piece by piece, each as the call runs it (see ops/advantage.py)."""
+    from verl_fast.ops import advantage as A
+    from verl_fast.ops.native import cuda_stream
+
+    C, device, (B, T) = A.ext(), r.device, r.shape
+    stream = cuda_stream(r)
+    adv, ret = A._outputs(B, T, device)
+    status = A._status(device, stream)
+
+    def record():
+        a = C.ScanArgs()
+        a.kind, a.rewards, a.values, a.mask = A._kinds()[0], r, v, m
+        a.advantages, a.returns, a.status = adv, ret, status
+        a.gamma, a.lam, a.whiten, a.num_threads, a.stream = 0.99, 0.95, True, torch.get_num_threads(), stream
+        return a
+
+    a = record()
+
+    def queue_check():
+        index, _ = A._queue_check(a, device, "token_level_rewards", "values", "compute_gae")
+        _P.release(device, index)
+
+    return [("argument checks (_gae_inputs)", lambda: A._gae_inputs(r, v, m)),
+            ("current stream (cuda_stream)", lambda: cuda_stream(r)),
+            ("outputs (_outputs)", lambda: A._outputs(B, T, device)),
+            ("status record (_status)", lambda: A._status(device, stream)),
+            ("record: ScanArgs + 11 fields", record),
+            ("launch: _C.advantage_scan", lambda: C.advantage_scan(a)),
+            ("check: slot + host_status field", queue_check)]
+
+
+def case_host(rep: Report, device: str) -> None:
+    """The wrappers' host cost with 2x8 tensors (the kernels cost next to nothing at that size), on
+    the CPU and, given a GPU, on it; compute_gae's pieces one by one."""
+    for dev in ["cpu"] + ([device] if device.startswith("cuda") else []):
+        torch.manual_seed(0)
+        r, v = torch.randn(2, 8, device=dev), torch.randn(2, 8, device=dev)
+        m = torch.rand(2, 8, device=dev) < 0.8
+        m[:, 0] = True
+        case = f"host per call: compute_gae 2x8 {dev}"
+        add_host_rows(rep, case, [("default", lambda: vf.compute_gae(r, v, m, 0.99, 0.95)),
+                                  ("check=False", lambda: vf.compute_gae(r, v, m, 0.99, 0.95, check=False))], dev)
+        for piece, fn in gae_pieces(r, v, m):
+            us = host_us(fn, dev)
+            rep.meta[f"host_us {case} piece {piece}"] = us
+            rep.add(case, f"  piece: {piece}", us / 1e3)
+        logits = torch.randn(2, 8, 16, device=dev)
+        labels = torch.randint(0, 16, (2, 8), device=dev)
+        path = "Triton" if dev.startswith("cuda") else "torch"
+        add_host_rows(rep, f"host per call: logprobs_from_logits 2x8x16 {dev} ({path} path)", [
+            ("default", lambda: vf.logprobs_from_logits(logits, labels)),
+            ("check=False", lambda: vf.logprobs_from_logits(logits, labels, check=False))], dev)
 
 
 # ------------------------------------------------------------------ cases
@@ -327,7 +385,7 @@ def case_linear(rep: Report, device: str, bw: float) -> None:
 
 
 RUNNERS = {"gae": case_gae, "logprobs": case_logprobs, "reshard": case_reshard, "linear": case_linear,
-           "host": lambda rep, device, bw: case_host(rep)}
+           "host": lambda rep, device, bw: case_host(rep, device)}
 
 
 def main(argv=None) -> int:

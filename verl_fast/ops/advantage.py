@@ -137,7 +137,7 @@ def _scan(kind, rewards, mask, *, values=None, baselines=None, gamma=1.0, lam=1.
         a.values = values
     if baselines is not None:
         a.baselines = baselines
-    a.mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    a.mask = mask  # bool crosses as it is: the core reads its bytes as uint8
     a.advantages = adv
     a.returns = ret
     a.status = status
@@ -276,7 +276,7 @@ def _group(kind, token_level_rewards, response_mask, index, *, epsilon=1e-6, nor
     a = C.GroupArgs()
     a.kind = kind
     a.rewards = r
-    a.mask = m.view(torch.uint8) if m.dtype == torch.bool else m
+    a.mask = m
     a.ids = ids
     a.advantages = adv
     a.workspace = torch.empty(C.group_workspace_bytes(B), dtype=torch.uint8, device=r.device)
