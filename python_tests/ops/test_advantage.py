@@ -686,6 +686,12 @@ def test_a_verdict_is_raised_once_it_lands_and_once_only():
         P.raise_landed(cpu)
     P.raise_landed(cpu)
     assert not P._QUEUES[cpu].waiting
+    late = _Launch(5)
+    P.expect(cpu, late.index, lambda v: f"late: {v}")
+    late.land()
+    with pytest.raises(ValueError, match="^late: 5$"):
+        P.raise_pending("cpu")  # a device given by name
+    P.raise_pending("cpu")
 
 
 def test_slots_come_back_after_a_refused_launch_and_when_all_are_in_flight(monkeypatch):
