@@ -7,12 +7,12 @@ the input's device. The CPU path runs C++ threads over the batch; the CUDA path 
 kernel per call (plus a reduction and an in-place pass when whitening).
 
 ``check=True`` (the default) verifies that rewards and values are finite, that the mask holds only
-0 and 1, and that whitening has at least two masked positions, raising ``ValueError`` otherwise, without ever making the host wait for
-the GPU: the kernels write the verdict, the launch queues its copy into pinned host memory, and the
-first checking call (of any op using ``verl_fast.ops.pending_checks``) that finds it landed raises.
-On the CPU that is the call itself; on CUDA usually the next call, or
-``verl_fast.ops.pending_checks.raise_pending()`` (waits, then raises). ``check=False`` queues no
-check (the outputs are then undefined for such inputs).
+0 and 1, and that whitening has at least two masked positions, raising ``ValueError`` otherwise,
+without ever making the host wait for the GPU: the kernels write the verdict, the launch queues its
+copy into pinned host memory, and the first checking call (of any op using
+``verl_fast.ops.pending_checks``) that finds it landed raises. On the CPU that is the call itself;
+on CUDA usually the next checking call on that device, or ``pending_checks.raise_pending()`` (waits,
+then raises). ``check=False`` queues no check (the outputs are then undefined for such inputs).
 """
 
 from __future__ import annotations
