@@ -751,10 +751,9 @@ def test_cuda_checking_call_returns_before_its_verdict_lands():
     bad = r.clone()
     bad[3, 7] = float("inf")
     P.raise_pending()
-    busy = torch.empty(1 << 28, device="cuda")
-    for _ in range(20):
-        busy.fill_(1.0)  # some milliseconds of GPU work queued ahead of the call
-    vf.compute_gae(bad, v, m)  # returns: its verdict has not landed yet
+    torch.cuda._sleep(100_000_000)  # tens of milliseconds of GPU work queued ahead of the call
+    vf.compute_gae(bad, v, m)
+    assert not torch.cuda.current_stream().query()  # the call returned without waiting for the GPU
     with pytest.raises(ValueError, match=r"^token_level_rewards contains NaN or inf \(in a compute_gae call on cuda:0"):
         P.raise_pending()
     P.raise_pending()

@@ -81,8 +81,10 @@ def test_cuda_check_never_waits_and_reports_once():
     P.raise_pending()
     bad = labels.clone()
     bad[2, 3] = 301
+    torch.cuda._sleep(100_000_000)  # tens of milliseconds of GPU work queued ahead of the call
+    vf.logprobs_from_logits(logits, bad)
+    assert not torch.cuda.current_stream().query()  # the call returned without waiting for the GPU
     with pytest.raises(ValueError, match=r"got values from \d+ to 301 \(in a logprobs_from_logits call on cuda"):
-        vf.logprobs_from_logits(logits, bad)
         P.raise_pending()
     P.raise_pending()  # reported once
     vf.logprobs_from_logits(logits, labels)  # no false error after the failing call
