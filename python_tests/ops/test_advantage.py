@@ -750,7 +750,7 @@ def test_cuda_checking_call_returns_before_its_verdict_lands():
     r, v, m = make(64, 512, device="cuda")
     bad = r.clone()
     bad[3, 7] = float("inf")
-    P.raise_pending()
+    checked(vf.compute_gae, r, v, m)  # the first checking call on a device pins its slots (may wait)
     torch.cuda._sleep(100_000_000)  # tens of milliseconds of GPU work queued ahead of the call
     vf.compute_gae(bad, v, m)
     assert not torch.cuda.current_stream().query()  # the call returned without waiting for the GPU
