@@ -41,7 +41,7 @@ class _Queue:
     def landed(self) -> Optional[str]:
         """Frees the slots whose copies have landed, oldest first, stopping at the first still in
         flight (so one source's verdicts are read in the order they were queued); the first error."""
-        error = None
+        done = []
         with self.lock:
             while self.waiting:
                 index, verdict = self.waiting[0]
@@ -50,9 +50,12 @@ class _Queue:
                     break
                 self.waiting.popleft()
                 self.free.append(index)
-                message = verdict(value)
-                if error is None:
-                    error = message
+                done.append((verdict, value))
+        error = None
+        for verdict, value in done:  # outside the lock: a verdict may read labels back (a wait)
+            message = verdict(value)
+            if error is None:
+                error = message
         return error
 
 
