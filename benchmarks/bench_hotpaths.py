@@ -1,13 +1,15 @@
 """The hot paths as users call them (issue 48): each op's default call before and after this issue's
 host-path changes, side by side in one process, with the baseline and the floor.
 
-    python benchmarks/bench_hotpaths.py [--device cuda|cpu] [--cases gae,logprobs,reshard,linear]
+    python benchmarks/bench_hotpaths.py [--device cuda|cpu] [--cases gae,logprobs,reshard,linear,host]
 
 Each op is timed two ways (CUDA events; medians):
 - ``called``: the GPU idle when the call starts, so the host's work before its first launch counts
   (a user timing one call, or a step whose GPU has drained);
 - ``busy``: a 1 GiB fill queued before each call, so the host's work overlaps GPU work and only
   what the call makes the host wait for (its read-backs) still shows.
+``waiting check`` rows run it with the checks waiting for the device before they read their verdict,
+as they did before issue 49 (``waiting_checks()``); ``after #48`` rows are the default call now.
 ``before #48`` rows run the same public call with this issue's host-path changes switched back off
 (``before_48()``: per-call allocations, the status word read through pybind enums, every argument
 through the named checks, the label counter zeroed per call, the autograd context always entered,
@@ -19,6 +21,9 @@ Cases (CUDA sizes; CPU: small, to check the script):
   reshard one-shot 7B     vllm_weights default (new outputs)  | per-parameter torch.cat | floor: bytes at copy speed
   linear 8192x3584x151936 fwd+bwd per chunk size / d_hidden GEMM / logits kept (store_logits)
                           | matmul + log_softmax | floor: 3 GEMMs (meta: one GEMM's time, so 4)
+  host                    the wrappers' host time per call with 2x8 tensors, on the CPU and the --device
+                          GPU, with the torch ops each call launches and its read-backs (waits for the GPU
+                          on CUDA); compute_gae's host path piece by piece
 """
 
 from __future__ import annotations
@@ -34,27 +39,31 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Report, copy_bandwidth_gbs, peak_extra_bytes, time_ms  # noqa: E402
+from _common import Report, copy_bandwidth_gbs, peak_extra_bytes, sync, time_ms  # noqa: E402
 from bench_advantage import gae_inputs, graph_ms, loop_gae  # noqa: E402
 
 import verl_fast as vf  # noqa: E402
 from verl_fast.bench.shapes import shape  # noqa: E402
+from verl_fast.ops import pending_checks as _P  # noqa: E402
 
-CASES = ("gae", "logprobs", "reshard", "linear")
+_RAISE_LANDED = _P.raise_landed
+
+CASES = ("gae", "logprobs", "reshard", "linear", "host")
 
 
 # ------------------------------------------------------------------ the host paths before issue 48
 
 
 def _old_status(device, stream):
-    status = torch.empty(vf.ops.advantage.ext().status_words, dtype=torch.int32, device=device)
-    return status, status[0]
+    return torch.empty(vf.ops.advantage.ext().status_words, dtype=torch.int32, device=device)
 
 
-def _old_raise_for_status(word, rewards_name, values_name):
-    bits, S = int(word.item()), vf.ops.advantage.ext().AdvantageStatus
-    if bits & S.bad_rewards or bits & S.bad_values or bits & S.too_few_to_whiten:
-        raise ValueError("bad advantage inputs")
+def _waiting_raise_landed(device):
+    """The checks as they ran before pending_checks: wait for the device, then read the verdict."""
+    from verl_fast.ops import pending_checks as P
+
+    P._wait(device)
+    _RAISE_LANDED(device)
 
 
 def _old_gae_inputs(r, v, m):
@@ -88,12 +97,13 @@ def before_48():
     patches = [
         mock.patch.object(A, "_status", _old_status),
         mock.patch.object(A, "_outputs", lambda B, T, d: (torch.empty((B, T), device=d), torch.empty((B, T), device=d))),
-        mock.patch.object(A, "_raise_for_status", _old_raise_for_status),
+        mock.patch.object(_P, "raise_landed", _waiting_raise_landed),
         mock.patch.object(A, "_gae_inputs", _old_gae_inputs),
         mock.patch.object(A, "_unit", lambda x, name: V.in_range(x, name, 0.0, 1.0)),
         mock.patch.object(AG, "_as_implemented", AG._switched),
         mock.patch.object(LF, "logprobs_config", LF.logprobs_config.__wrapped__),
-        mock.patch.object(L, "_bad_label_counter", lambda d: torch.zeros(1, dtype=torch.int32, device=d)),
+        mock.patch.object(L, "_bad_label_counter",
+                          lambda d: (torch.zeros(1, dtype=torch.int32, device=d), L._Counted())),
         mock.patch.object(ReshardPlan, "execute_new", _old_execute_new),
     ]
     with contextlib.ExitStack() as stack:
@@ -102,11 +112,145 @@ def before_48():
         yield
 
 
+@contextlib.contextmanager
+def waiting_checks():
+    """The public calls as they ran before the checks stopped waiting (issue 49): everything as
+    now, except that a checking call waits for the device before it reads its verdict."""
+    with mock.patch.object(_P, "raise_landed", _waiting_raise_landed):
+        yield
+
+
+# The rows each op is timed under: the host path before issue 48, before issue 49 (checks that
+# wait for the GPU), and now (the default call as users make it).
+STAGES = (("before #48", before_48), ("waiting check", waiting_checks), ("after #48", contextlib.nullcontext))
+
+
 def both_ways(report: Report, case: str, impl: str, fn, device: str, **timing) -> None:
     """Rows ``impl, called`` and (CUDA) ``impl, busy`` for ``fn`` (see the module docstring)."""
     report.add(case, f"{impl}, called", time_ms(fn, device, **timing))
     if device.startswith("cuda"):
         report.add(case, f"{impl}, busy", time_ms(fn, device, busy_gpu=True, **timing))
+
+
+# ------------------------------------------------------------------ host cost per call
+
+# Ops that only allocate or make a view: no kernel on a GPU. Any other leaf op launches one; the
+# read-backs (a wait for the GPU on CUDA) are counted apart.
+_NO_LAUNCH = {"aten::empty", "aten::empty_strided", "aten::as_strided", "aten::view", "aten::_reshape_alias",
+              "aten::alias", "aten::detach", "aten::lift_fresh", "aten::resolve_conj", "aten::resolve_neg"}
+_READ_BACKS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::equal", "aten::is_nonzero"}
+
+
+def torch_ops(fn):
+    """(ops that would launch a kernel, read-backs) of one call of ``fn``: the leaf aten ops from
+    torch's CPU profiler (an op calling others counts as those; _C's own launches are not aten ops),
+    and the reads of device values on the host (item, tolist, bool, a wait in pending_checks), each
+    a wait for the GPU on CUDA."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    reads = []
+
+    def counted(name, real):
+        def read(*args, **kwargs):
+            reads.append(name)
+            return real(*args, **kwargs)
+        return read
+
+    with contextlib.ExitStack() as stack:
+        for name in ("tolist", "__bool__"):
+            stack.enter_context(mock.patch.object(torch.Tensor, name, counted(name, getattr(torch.Tensor, name))))
+        stack.enter_context(mock.patch.object(_P, "_wait", counted("wait", _P._wait)))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+    leaves = [e.name for e in prof.events() if e.name.startswith("aten::") and not e.cpu_children]
+    reads += [n for n in leaves if n in _READ_BACKS]
+    return [n for n in leaves if n not in _NO_LAUNCH and n not in _READ_BACKS], reads
+
+
+def host_us(fn, device: str = "cpu", calls: int = 2000, rounds: int = 5) -> float:
+    """Microseconds of host time per call: the best of ``rounds`` loops of ``calls`` (a shared CPU's
+    noise only ever adds). With tiny CUDA tensors the GPU keeps up, so this is the host's time there
+    too (one wait per loop)."""
+    for _ in range(100):
+        fn()
+    sync(device)
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync(device)
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
+
+
+def add_host_rows(rep: Report, case: str, calls, device: str) -> None:
+    """Rows ``<stage> <impl>`` under ``case``: host ms per call, the launch and read-back counts in
+    the impl (meta has the microseconds)."""
+    for label, ctx in STAGES:
+        with ctx():
+            for impl, fn in calls:
+                launches, reads = torch_ops(fn)
+                us = host_us(fn, device)
+                rep.meta[f"host_us {case} {label} {impl}"] = us
+                rep.add(case, f"{label} {impl}: {len(launches)} launches, {len(reads)} read-backs", us / 1e3,
+                        note=f"torch ops {launches}, reads {reads} (+ _C's own launches)")
+
+
+def gae_pieces(r, v, m):
+    """compute_gae's host path piece by piece, each as the call runs it (see ops/advantage.py)."""
+    from verl_fast.ops import advantage as A
+    from verl_fast.ops.native import cuda_stream
+
+    C, device, (B, T) = A.ext(), r.device, r.shape
+    stream = cuda_stream(r)
+    adv, ret = A._outputs(B, T, device)
+    status = A._status(device, stream)
+
+    def record():
+        a = C.ScanArgs()
+        a.kind, a.rewards, a.values, a.mask = A._kinds()[0], r, v, m
+        a.advantages, a.returns, a.status = adv, ret, status
+        a.gamma, a.lam, a.whiten, a.num_threads, a.stream = 0.99, 0.95, True, torch.get_num_threads(), stream
+        return a
+
+    a = record()
+
+    def queue_check():
+        index, _ = A._queue_check(a, device, "token_level_rewards", "values", "compute_gae")
+        _P.release(device, index)
+
+    return [("argument checks (_gae_inputs)", lambda: A._gae_inputs(r, v, m)),
+            ("current stream (cuda_stream)", lambda: cuda_stream(r)),
+            ("outputs (_outputs)", lambda: A._outputs(B, T, device)),
+            ("status record (_status)", lambda: A._status(device, stream)),
+            ("record: ScanArgs + 11 fields", record),
+            ("launch: _C.advantage_scan", lambda: C.advantage_scan(a)),
+            ("check: slot + host_status field", queue_check)]
+
+
+def case_host(rep: Report, device: str) -> None:
+    """The wrappers' host cost with 2x8 tensors (the kernels cost next to nothing at that size), on
+    the CPU and, given a GPU, on it; compute_gae's pieces one by one."""
+    for dev in ["cpu"] + ([device] if device.startswith("cuda") else []):
+        torch.manual_seed(0)
+        r, v = torch.randn(2, 8, device=dev), torch.randn(2, 8, device=dev)
+        m = torch.rand(2, 8, device=dev) < 0.8
+        m[:, 0] = True
+        case = f"host per call: compute_gae 2x8 {dev}"
+        add_host_rows(rep, case, [("default", lambda: vf.compute_gae(r, v, m, 0.99, 0.95)),
+                                  ("check=False", lambda: vf.compute_gae(r, v, m, 0.99, 0.95, check=False))], dev)
+        for piece, fn in gae_pieces(r, v, m):
+            us = host_us(fn, dev)
+            rep.meta[f"host_us {case} piece {piece}"] = us
+            rep.add(case, f"  piece: {piece}", us / 1e3)
+        logits = torch.randn(2, 8, 16, device=dev)
+        labels = torch.randint(0, 16, (2, 8), device=dev)
+        path = "Triton" if dev.startswith("cuda") else "torch"
+        add_host_rows(rep, f"host per call: logprobs_from_logits 2x8x16 {dev} ({path} path)", [
+            ("default", lambda: vf.logprobs_from_logits(logits, labels)),
+            ("check=False", lambda: vf.logprobs_from_logits(logits, labels, check=False))], dev)
 
 
 # ------------------------------------------------------------------ cases
@@ -121,7 +265,7 @@ def case_gae(rep: Report, device: str, bw: float) -> None:
     adv, _ = vf.compute_gae(r, v, m, 0.99, 0.95)
     rep.meta["gae_max_err"] = (adv - ref_adv).abs().max().item()
     kw = dict(warmup=10, rep=200)
-    for label, ctx in (("before #48", before_48), ("after #48", contextlib.nullcontext)):
+    for label, ctx in STAGES:
         with ctx():
             both_ways(rep, case, f"{label} default", lambda: vf.compute_gae(r, v, m, 0.99, 0.95), device, **kw)
             both_ways(rep, case, f"{label} check=False",
@@ -140,7 +284,7 @@ def case_logprobs(rep: Report, device: str, bw: float) -> None:
     labels = torch.randint(0, Vv, (N,), device=device)
     rep.floors[case] = logits.numel() * 2 / (bw * 1e9) * 1e3
     kw = dict(warmup=5, rep=50)
-    for label, ctx in (("before #48", before_48), ("after #48", contextlib.nullcontext)):
+    for label, ctx in STAGES:
         with ctx():
             both_ways(rep, case, f"{label} default",
                       lambda: vf.logprobs_from_logits(logits, labels, with_entropy=True), device, **kw)
@@ -240,7 +384,8 @@ def case_linear(rep: Report, device: str, bw: float) -> None:
         "logits kept in bf16 from the forward: N*V*2 bytes more, a plain matmul's rounding")
 
 
-RUNNERS = {"gae": case_gae, "logprobs": case_logprobs, "reshard": case_reshard, "linear": case_linear}
+RUNNERS = {"gae": case_gae, "logprobs": case_logprobs, "reshard": case_reshard, "linear": case_linear,
+           "host": lambda rep, device, bw: case_host(rep, device)}
 
 
 def main(argv=None) -> int:

@@ -28,6 +28,7 @@ class AdvantageStatus(int):  # bits of the status record's word 0
     bad_rewards: "AdvantageStatus"
     bad_values: "AdvantageStatus"
     too_few_to_whiten: "AdvantageStatus"
+    bad_mask: "AdvantageStatus"
 
 class ScanKind:
     gae: "ScanKind"
@@ -48,6 +49,7 @@ class ScanArgs:
     advantages: torch.Tensor
     returns: torch.Tensor
     status: torch.Tensor
+    host_status: torch.Tensor  # optional: int32 [1] on the CPU (pinned for CUDA); word 0 is copied there
     gamma: float
     lam: float
     whiten: bool
@@ -63,6 +65,7 @@ class GroupArgs:
     advantages: torch.Tensor
     workspace: torch.Tensor
     status: torch.Tensor
+    host_status: torch.Tensor  # optional: int32 [1] on the CPU (pinned for CUDA); word 0 is copied there
     epsilon: float
     norm_by_std: bool
     whiten: bool

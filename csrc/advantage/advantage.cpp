@@ -37,6 +37,17 @@ void check_status(const TensorRef& status, const TensorRef& like) {
   VF_CHECK(reinterpret_cast<uintptr_t>(status.data) % 8 == 0, "status must be 8-byte aligned");
 }
 
+// Whether the optional host_status field was assigned (a default TensorRef has no data and no dims).
+bool has_host_status(const TensorRef& host) { return host.data != nullptr || host.dim() != 0; }
+
+void check_host_status(const TensorRef& host) {
+  if (!has_host_status(host)) return;
+  VF_CHECK(host.dim() == 1 && host.sizes[0] >= 1, "host_status must be a 1-D int32 CPU tensor of shape [1], got ",
+           shape_str(host.sizes));
+  check_dtype(host, "host_status", DType::i32);
+  VF_CHECK(host.device == Device::cpu, "host_status must be on the CPU");
+}
+
 void check_workspace(const TensorRef& workspace, int64_t bytes, const TensorRef& like) {
   VF_CHECK(workspace.dim() == 1 && workspace.sizes[0] >= bytes, "workspace must be a 1-D uint8 tensor of ",
            bytes, " bytes, got ", shape_str(workspace.sizes));
@@ -73,6 +84,7 @@ void validate(const ScanArgs& a) {
   check_output(a.advantages, "advantages", r);
   check_output(a.returns, "returns", r);
   check_status(a.status, r);
+  check_host_status(a.host_status);
   // outside [0, 1] the scan grows geometrically (gamma = 1e30: every advantage inf or NaN); the
   // negated form also refuses NaN
   VF_CHECK(a.gamma >= 0.0f && a.gamma <= 1.0f, "gamma must be in [0, 1], got ", a.gamma);
@@ -93,6 +105,7 @@ void validate(const GroupArgs& a) {
   VF_CHECK(B < (int64_t{1} << 31), "at most 2^31 - 1 samples, got ", B);
   check_workspace(a.workspace, group_workspace_bytes(B), r);
   check_status(a.status, r);
+  check_host_status(a.host_status);
   // epsilon > 0 keeps a group of equal scores (std 0) from computing 0 / 0
   VF_CHECK(std::isfinite(a.epsilon) && a.epsilon > 0, "epsilon must be finite and > 0, got ", a.epsilon);
   VF_CHECK(a.num_threads >= 0, "num_threads must be >= 0 (0: all cores), got ", a.num_threads);
@@ -135,7 +148,9 @@ int32_t scan_rows(const ScanArgs& a, int64_t b0, Sums& sums) {
           if (!std::isfinite(rt)) status |= kBadRewards;
           if (!std::isfinite(vt)) status |= kBadValues;
           const float delta = rt + g * next_value[k] - vt;
-          if (nonzero(m[k][t * ms])) {
+          const M mt = m[k][t * ms];
+          if (!binary(mt)) status |= kBadMask;
+          if (nonzero(mt)) {
             next_value[k] = vt;
             state[k] = delta + gl * state[k];
             mom[k].add(state[k]);
@@ -150,7 +165,9 @@ int32_t scan_rows(const ScanArgs& a, int64_t b0, Sums& sums) {
         for (int k = 0; k < K; ++k) {
           const float rt = to_float(r[k][t * rs]);
           if (!std::isfinite(rt)) status |= kBadRewards;
-          if (nonzero(m[k][t * ms])) {
+          const M mt = m[k][t * ms];
+          if (!binary(mt)) status |= kBadMask;
+          if (nonzero(mt)) {
             state[k] = rt + g * state[k];
             mom[k].add(state[k]);
             ret[k][t] = adv[k][t] = state[k];
@@ -165,7 +182,9 @@ int32_t scan_rows(const ScanArgs& a, int64_t b0, Sums& sums) {
         for (int k = 0; k < K; ++k) {
           const float rt = to_float(r[k][t * rs]);
           if (!std::isfinite(rt)) status |= kBadRewards;
-          const bool mt = nonzero(m[k][t * ms]);
+          const M mv = m[k][t * ms];
+          if (!binary(mv)) status |= kBadMask;
+          const bool mt = nonzero(mv);
           if (mt) state[k] += rt;
           ret[k][t] = state[k];
           adv[k][t] = state[k] - (mt ? base[k] : 0.0f);
@@ -243,7 +262,9 @@ void group_cpu(const GroupArgs& a) {
             const float r = to_float(at2<R>(a.rewards, b, t));
             if (!std::isfinite(r)) s |= kBadRewards;
             score += r;
-            count += nonzero(at2<M>(a.mask, b, t)) ? 1.0 : 0.0;
+            const M mt = at2<M>(a.mask, b, t);
+            if (!binary(mt)) s |= kBadMask;
+            count += nonzero(mt) ? 1.0 : 0.0;
           }
           ws.score[b] = score;
           ws.count[b] = count;
@@ -284,16 +305,23 @@ void group_cpu(const GroupArgs& a) {
   *status_sums(a.status) = total;
 }
 
+// Word 0 of a CPU launch's record into host_status (when given).
+void copy_status_to_host(const TensorRef& status, const TensorRef& host) {
+  if (has_host_status(host)) host.ptr<int32_t>()[0] = status.ptr<int32_t>()[0];
+}
+
 // An empty batch has nothing to report: the status record still has to be written (the
-// caller allocates it uninitialised).
-void clear_status(const TensorRef& status, uintptr_t stream) {
+// caller allocates it uninitialised), and host_status with it.
+void clear_status(const TensorRef& status, const TensorRef& host, uintptr_t stream) {
   if (status.device == Device::cuda) {
 #if defined(VF_WITH_CUDA)
-    return clear_status_cuda(status, stream);
+    clear_status_cuda(status, stream);
+    return copy_status_to_host_cuda(status, host, stream);
 #endif
   }
   (void)stream;
   std::memset(status.data, 0, kStatusWords * sizeof(int32_t));
+  copy_status_to_host(status, host);
 }
 
 }  // namespace
@@ -325,27 +353,30 @@ int64_t build_groups(const int64_t* ids, int64_t batch, int32_t* row_group, int3
 
 void advantage_scan(const ScanArgs& a) {
   validate(a);
-  if (a.rewards.numel() == 0) return clear_status(a.status, a.stream);
+  if (a.rewards.numel() == 0) return clear_status(a.status, a.host_status, a.stream);
   if (a.rewards.device == Device::cuda) {
 #if defined(VF_WITH_CUDA)
-    return advantage_scan_cuda(a);
+    advantage_scan_cuda(a);
+    return copy_status_to_host_cuda(a.status, a.host_status, a.stream);
 #else
     throw ValueError("verl_fast._C was built without CUDA; reinstall with a CUDA toolkit to use CUDA tensors");
 #endif
   }
   scan_cpu(a);
+  copy_status_to_host(a.status, a.host_status);
 }
 
 void group_advantage(const GroupArgs& a) {
   validate(a);
   const int64_t B = a.rewards.sizes[0];
-  if (a.rewards.numel() == 0) return clear_status(a.status, a.stream);
+  if (a.rewards.numel() == 0) return clear_status(a.status, a.host_status, a.stream);
   if (a.rewards.device == Device::cuda) {
 #if defined(VF_WITH_CUDA)
     // Groups are formed on the host (ids live there); the CUDA path uploads them with the call.
     std::vector<int32_t> csr(3 * B + 1);
     build_groups(a.ids.ptr<const int64_t>(), B, csr.data(), csr.data() + B, csr.data() + 2 * B + 1);
-    return group_advantage_cuda(a, csr.data());
+    group_advantage_cuda(a, csr.data());
+    return copy_status_to_host_cuda(a.status, a.host_status, a.stream);
 #else
     throw ValueError("verl_fast._C was built without CUDA; reinstall with a CUDA toolkit to use CUDA tensors");
 #endif
@@ -353,6 +384,7 @@ void group_advantage(const GroupArgs& a) {
   auto ws = GroupWorkspace::at(a.workspace.data, B);
   build_groups(a.ids.ptr<const int64_t>(), B, ws.row_group, ws.offsets, ws.members);
   group_cpu(a);
+  copy_status_to_host(a.status, a.host_status);
 }
 
 }  // namespace vf::advantage

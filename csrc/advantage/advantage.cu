@@ -213,6 +213,7 @@ __global__ void __launch_bounds__(kThreads) scan_kernel(ScanDev p) {
 #pragma unroll
       for (int j = 0; j < kItems; ++j) {
         m[j] = cur.m[j] != 0.0f;  // 0 past T
+        if (!binary(cur.m[j])) status |= kBadMask;
         if (!isfinite(cur.r[j])) status |= kBadRewards;
         if (!isfinite(cur.v[j])) status |= kBadValues;
       }
@@ -326,9 +327,11 @@ __global__ void __launch_bounds__(kThreads) row_sums_kernel(View2 r, View2 m, in
     int bad = 0;
     for (int64_t t = threadIdx.x; t < T; t += blockDim.x) {
       const float x = load_float(r, b, t);
-      if (!isfinite(x)) bad = kBadRewards;
+      if (!isfinite(x)) bad |= kBadRewards;
       s += x;
-      c += load_float(m, b, t) != 0.0f ? 1.0 : 0.0;
+      const float mt = load_float(m, b, t);
+      if (!binary(mt)) bad |= kBadMask;
+      c += mt != 0.0f ? 1.0 : 0.0;
     }
     if (bad) atomicOr(status, bad);
 #pragma unroll
@@ -389,6 +392,14 @@ void clear_status_cuda(const TensorRef& status, uintptr_t stream) {
   DeviceGuard guard(status.device_index);
   cuda_check(cudaMemsetAsync(status.data, 0, kStatusWords * sizeof(int), reinterpret_cast<cudaStream_t>(stream)),
              "cudaMemsetAsync (status)");
+}
+
+void copy_status_to_host_cuda(const TensorRef& status, const TensorRef& host, uintptr_t stream) {
+  if (host.data == nullptr) return;  // not asked for (the launchers checked its shape)
+  DeviceGuard guard(status.device_index);
+  cuda_check(cudaMemcpyAsync(host.data, status.data, sizeof(int32_t), cudaMemcpyDeviceToHost,
+                             reinterpret_cast<cudaStream_t>(stream)),
+             "cudaMemcpyAsync (status word to the host)");
 }
 
 void advantage_scan_cuda(const ScanArgs& a) {

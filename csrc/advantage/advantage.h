@@ -21,11 +21,21 @@ namespace vf::advantage {
 // The call's status record, written by the launchers into an int32 [kStatusWords] tensor:
 // word 0 holds Status bits, words 2..7 the batch-wide Sums of what was whitened.
 // Python reads these bits and the record's size from _C (AdvantageStatus, status_words).
+// host_status (optional, an int32 [1] CPU tensor): the launch also copies word 0 there, on CUDA as
+// an asynchronous copy queued after the kernels (pinned memory: the host never waits for it; it
+// reads the word once the copy has landed, see verl_fast/ops/_pending.py).
 enum Status : int32_t {
   kBadRewards = 1,       // non-finite reward
   kBadValues = 2,        // non-finite value or baseline
   kTooFewToWhiten = 4,   // whitening needs >= 2 positions where the mask is set
+  kBadMask = 8,          // a mask value other than 0 and 1
 };
+
+// A mask value is 0 or 1 (any other value: kBadMask).
+template <typename T>
+VF_HD bool binary(T x) {
+  return x == T(0) || x == T(1);
+}
 constexpr int kStatusWords = 8;
 
 // Count, sum and sum of squares, in double: merging is addition (no division on the hot path),
@@ -75,6 +85,7 @@ enum class ScanKind : int { gae = 0, reinforce_pp = 1, remax = 2 };
   X(TensorRef, advantages, {}, "out: [B, T] float32, contiguous")                                \
   X(TensorRef, returns, {}, "out: [B, T] float32, contiguous")                                   \
   X(TensorRef, status, {}, "out: int32 [status_words], 8-byte aligned")                          \
+  X(TensorRef, host_status, {}, "optional out: int32 [1] on the CPU (pinned for CUDA): word 0, copied") \
   X(float, gamma, 1.0f, "discount")                                                              \
   X(float, lam, 1.0f, "GAE lambda")                                                              \
   X(bool, whiten, true, "whiten the advantages over masked positions")                           \
@@ -102,6 +113,7 @@ enum class GroupKind : int { grpo = 0, rloo = 1, reinforce_pp_baseline = 2 };
   X(TensorRef, advantages, {}, "out: [B, T] float32, contiguous")                                \
   X(TensorRef, workspace, {}, "uint8 [group_workspace_bytes(B)] on the device of the inputs")    \
   X(TensorRef, status, {}, "out: int32 [status_words], 8-byte aligned")                          \
+  X(TensorRef, host_status, {}, "optional out: int32 [1] on the CPU (pinned for CUDA): word 0, copied") \
   X(float, epsilon, 1e-6f, "GRPO's std epsilon")                                                 \
   X(bool, norm_by_std, true, "GRPO: divide by the group's std")                                  \
   X(bool, whiten, true, "reinforce_pp_baseline only")                                            \
@@ -170,6 +182,8 @@ VF_HD double group_value(GroupKind kind, const double* score, const int32_t* mem
 #if defined(VF_WITH_CUDA)
 void advantage_scan_cuda(const ScanArgs& args);
 void clear_status_cuda(const TensorRef& status, uintptr_t stream);
+// Queues the copy of status word 0 into host_status (when given) on `stream`.
+void copy_status_to_host_cuda(const TensorRef& status, const TensorRef& host_status, uintptr_t stream);
 // host_csr: row_group [B], offsets [B + 1], members [B] back to back, as build_groups wrote them.
 void group_advantage_cuda(const GroupArgs& args, const int32_t* host_csr);
 #endif

@@ -25,7 +25,8 @@ void bind_advantage(py::module_& m) {
   py::enum_<Status>(m, "AdvantageStatus", py::arithmetic())
       .value("bad_rewards", kBadRewards)
       .value("bad_values", kBadValues)
-      .value("too_few_to_whiten", kTooFewToWhiten);
+      .value("too_few_to_whiten", kTooFewToWhiten)
+      .value("bad_mask", kBadMask);
   m.attr("status_words") = kStatusWords;
 
   py::class_<ScanArgs> scan(m, "ScanArgs");

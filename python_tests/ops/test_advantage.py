@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import verl_fast as vf
 from conftest import DEVICES
 from verl_fast.ops import advantage as A
+from verl_fast.ops import pending_checks as P
 
 # ---------------------------------------------------------------- float64 references
 
@@ -143,6 +144,13 @@ def groups_for(B, seed=0, max_size=5):
 
 def enough_mask(m):
     return int(m.sum()) >= 2
+
+
+def checked(fn, *args, **kwargs):
+    """A checking call as a test waits for it: on CUDA the verdict lands after the call returns."""
+    out = fn(*args, **kwargs)
+    P.raise_pending()
+    return out
 
 
 # ---------------------------------------------------------------- GAE
@@ -411,17 +419,39 @@ def test_non_finite_inputs_raise(device):
     bad = r.clone()
     bad[2, 3] = float("nan")
     with pytest.raises(ValueError, match="token_level_rewards contains NaN"):
-        vf.compute_gae(bad, v, m)
+        checked(vf.compute_gae, bad, v, m)
     with pytest.raises(ValueError, match="token_level_rewards contains NaN"):
-        vf.compute_grpo_advantage(bad, m, [0, 0, 1, 1])
+        checked(vf.compute_grpo_advantage, bad, m, [0, 0, 1, 1])
     with pytest.raises(ValueError, match="token_level_rewards contains NaN"):
-        vf.compute_reinforce_pp_advantage(bad, m)
+        checked(vf.compute_reinforce_pp_advantage, bad, m)
     badv = v.clone()
     badv[0, 0] = float("inf")
     with pytest.raises(ValueError, match="values contains NaN"):
-        vf.compute_gae(r, badv, m)
+        checked(vf.compute_gae, r, badv, m)
     with pytest.raises(ValueError, match="whitening needs at least 2"):
-        vf.compute_gae(r, v, torch.zeros_like(m))
+        checked(vf.compute_gae, r, v, torch.zeros_like(m))
+    with pytest.raises(ValueError, match="reward_baselines contains NaN"):
+        checked(vf.compute_remax_advantage, r, torch.tensor([0.0, float("nan"), 0.0, 0.0], device=device), m)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mask_dtype,value", [(torch.int64, 2), (torch.int32, -1), (torch.uint8, 3),
+                                              (torch.float32, 0.5)])
+def test_non_binary_mask_raises_in_every_estimator(device, mask_dtype, value):
+    r, v, m = make(4, 6, device=device, p_mask=1.0)
+    bad = m.to(mask_dtype)
+    bad[1, 4] = value
+    calls = [lambda: vf.compute_gae(r, v, bad), lambda: vf.compute_reinforce_pp_advantage(r, bad),
+             lambda: vf.compute_remax_advantage(r, torch.zeros(4, device=device), bad),
+             lambda: vf.compute_grpo_advantage(r, bad, [0, 0, 1, 1]),
+             lambda: vf.compute_rloo_advantage(r, bad, [0, 0, 1, 1]),
+             lambda: vf.compute_reinforce_pp_baseline_advantage(r, bad, [0, 0, 1, 1])]
+    good = m.to(mask_dtype)
+    for call in calls:
+        with pytest.raises(ValueError, match=r"^response_mask must hold only 0 and 1"):
+            checked(call)
+        checked(vf.compute_gae, r, v, good)  # nothing left over for the next check
+    close(checked(vf.compute_gae, r, v, good, 0.9, 0.8)[0], ref_gae(r.cpu(), v.cpu(), m.cpu(), 0.9, 0.8)[0])
 
 
 def test_direct_core_call_with_inconsistent_sizes_raises():
@@ -533,13 +563,13 @@ def test_a_failing_call_leaves_nothing_for_the_next(device):
     bad = r.clone()
     bad[1, 2] = float("nan")
     with pytest.raises(ValueError, match="token_level_rewards contains NaN or inf"):
-        vf.compute_gae(bad, v, m, 0.99, 0.95)
+        checked(vf.compute_gae, bad, v, m, 0.99, 0.95)
     vf.compute_gae(bad, v, m, 0.99, 0.95, check=False)  # unchecked: the record holds the bits, unread
-    adv, _ = vf.compute_gae(r, v, m, 0.99, 0.95)  # cleared by this call: no error
+    adv, _ = checked(vf.compute_gae, r, v, m, 0.99, 0.95)  # cleared by this call: no error
     close_to(adv, ref_gae(r.cpu(), v.cpu(), m.cpu(), 0.99, 0.95)[0])
     with pytest.raises(ValueError, match="whitening needs at least 2 positions"):
-        vf.compute_gae(r, v, torch.zeros_like(m), 0.99, 0.95)
-    vf.compute_gae(r, v, m, 0.99, 0.95)
+        checked(vf.compute_gae, r, v, torch.zeros_like(m), 0.99, 0.95)
+    checked(vf.compute_gae, r, v, m, 0.99, 0.95)
 
 
 def test_threads_keep_their_own_records():
@@ -598,3 +628,174 @@ def test_status_records_are_bounded():
         t.start()
         t.join()
     assert len(A._STATUS) <= A._MAX_STATUS
+
+
+# ---------------------------------------------------------------- checks that never wait (pending_checks)
+
+
+def test_gae_edge_cases_match_reference():
+    """T = 1, a fully masked-out row, holes, a row of one masked position, whiten off with no mask."""
+    r, v, _ = make(4, 1, seed=3)
+    m = torch.tensor([[1], [0], [1], [1]], dtype=torch.bool)
+    adv, ret = vf.compute_gae(r, v, m, 0.9, 0.7)
+    ra, rr = ref_gae(r, v, m, 0.9, 0.7)
+    close(adv, ra)
+    close(ret, rr)
+    r, v, _ = make(3, 9, seed=4)
+    m = torch.tensor([[0] * 9, [1, 0, 0, 1, 1, 0, 1, 0, 0], [0, 0, 0, 0, 1, 0, 0, 0, 0]], dtype=torch.bool)
+    close(vf.compute_gae(r, v, m, 0.95, 0.9)[0], ref_gae(r, v, m, 0.95, 0.9)[0])
+    none = torch.zeros(3, 9, dtype=torch.bool)
+    close(vf.compute_gae(r, v, none, 0.95, 0.9, whiten=False)[0], ref_gae(r, v, none, 0.95, 0.9, whiten=False)[0])
+
+
+def test_default_call_reads_nothing_back():
+    """The checking call launches no read-back (no item / tolist / nonzero: each a wait on CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    r, v, m = make(4, 16)
+    vf.compute_gae(r, v, m)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        vf.compute_gae(r, v, m)
+        vf.compute_grpo_advantage(r, m, [0, 0, 1, 1])
+    names = {e.name for e in prof.events()}
+    assert not names & {"aten::item", "aten::_local_scalar_dense", "aten::nonzero", "aten::equal"}, names
+
+
+class _Launch:
+    """Stands in for a CUDA launch: the verdict lands only when ``land`` runs."""
+
+    def __init__(self, value):
+        self.value = value
+        self.index, self.slot = P.take(torch.device("cpu"))
+
+    def land(self):
+        self.slot[0] = self.value
+
+
+def test_a_verdict_is_raised_once_it_lands_and_once_only():
+    cpu = torch.device("cpu")
+    P.raise_pending()
+    first, second = _Launch(0), _Launch(7)
+    P.expect(cpu, first.index, lambda v: f"first: {v}" if v else None)
+    P.expect(cpu, second.index, lambda v: f"second: {v}" if v else None)
+    P.raise_landed(cpu)  # nothing landed: nothing raised, nothing waited for
+    second.land()
+    P.raise_landed(cpu)  # the older check is still in flight: verdicts are read in order
+    first.land()
+    with pytest.raises(ValueError, match="^second: 7$"):
+        P.raise_landed(cpu)
+    P.raise_landed(cpu)
+    assert not P._QUEUES[cpu].waiting
+    late = _Launch(5)
+    P.expect(cpu, late.index, lambda v: f"late: {v}")
+    late.land()
+    with pytest.raises(ValueError, match="^late: 5$"):
+        P.raise_pending("cpu")  # a device given by name
+    P.raise_pending("cpu")
+
+
+def test_slots_come_back_after_a_refused_launch_and_when_all_are_in_flight(monkeypatch):
+    cpu = torch.device("cpu")
+    P.raise_pending()
+    queue = P._queue(cpu)
+    free = len(queue.free)
+    r, v, m = make(2, 4)
+    real = A.ext()
+
+    class Refusing:  # the core refusing the launch after the check's slot was taken
+        ScanArgs, ScanKind = real.ScanArgs, real.ScanKind
+
+        @staticmethod
+        def advantage_scan(args):
+            raise ValueError("refused")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(A, "ext", lambda: Refusing)
+        with pytest.raises(ValueError, match="^refused$"):
+            vf.compute_gae(r, v, m)
+    assert len(queue.free) == free
+    launches = [_Launch(0) for _ in range(len(queue.free))]
+    for launch in launches:
+        P.expect(cpu, launch.index, lambda v: None)
+    waited = []
+    monkeypatch.setattr(P, "_wait", lambda d: (waited.append(d), [x.land() for x in launches]))
+    checked(vf.compute_gae, r, v, m)  # every slot in flight: waits for the device, then goes on
+    assert waited == [cpu] and len(queue.free) == P.SLOTS
+    stuck = [_Launch(0) for _ in range(P.SLOTS)]
+    for launch in stuck:  # launches that never copy their verdict: an error, not a hang
+        P.expect(cpu, launch.index, lambda v: None)
+    monkeypatch.setattr(P, "_wait", lambda d: None)
+    with pytest.raises(RuntimeError, match="checks on cpu still unanswered after waiting"):
+        vf.compute_gae(r, v, m)
+    for launch in stuck:
+        launch.land()
+    P.raise_landed(cpu)
+    assert len(queue.free) == P.SLOTS
+
+
+def test_message_names_the_call_on_cuda():
+    verdict = A._Verdict("token_level_rewards", "values", torch.device("cuda", 0), "compute_gae")
+    bits = dict(zip(("rewards", "values", "mask", "few"), A._status_bits()))
+    assert verdict(0) is None
+    assert verdict(bits["values"]) == ("values contains NaN or inf (in a compute_gae call on cuda:0, checked once "
+                                       "its kernels ran)")
+    assert verdict(bits["rewards"] | bits["values"]).startswith("token_level_rewards contains NaN")
+    assert verdict(bits["mask"]).startswith("response_mask must hold only 0 and 1")
+    assert verdict(bits["few"]).startswith("whitening needs at least 2")
+
+
+@pytest.mark.gpu
+def test_cuda_checking_call_returns_before_its_verdict_lands():
+    """With the GPU busy, a bad batch's call returns; raise_pending() (or a later call) raises it."""
+    r, v, m = make(64, 512, device="cuda")
+    bad = r.clone()
+    bad[3, 7] = float("inf")
+    checked(vf.compute_gae, r, v, m)  # the first checking call on a device pins its slots (may wait)
+    torch.cuda._sleep(100_000_000)  # tens of milliseconds of GPU work queued ahead of the call
+    vf.compute_gae(bad, v, m)
+    assert not torch.cuda.current_stream().query()  # the call returned without waiting for the GPU
+    with pytest.raises(ValueError, match=r"^token_level_rewards contains NaN or inf \(in a compute_gae call on cuda:0"):
+        P.raise_pending()
+    P.raise_pending()
+    close(checked(vf.compute_gae, r, v, m, 0.9, 0.8)[0], ref_gae(r.cpu(), v.cpu(), m.cpu(), 0.9, 0.8)[0])
+
+
+def test_host_status_is_checked_and_written():
+    from verl_fast import _C
+
+    r, v, m = make(2, 5, p_mask=1.0)
+    a = _C.ScanArgs()
+    a.rewards, a.values, a.mask = r, v, m.view(torch.uint8)
+    a.advantages, a.returns = torch.empty(2, 5), torch.empty(2, 5)
+    a.status = torch.empty(_C.status_words, dtype=torch.int32)
+    a.host_status = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(TypeError, match="^host_status must be int32, got int64$"):
+        _C.advantage_scan(a)
+    a.host_status = torch.zeros(2, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^host_status must be a 1-D int32 CPU tensor of shape \[1\], got \[2, 2\]$"):
+        _C.advantage_scan(a)
+    slot = torch.full((1,), P.NOT_LANDED, dtype=torch.int32)
+    a.host_status = slot
+    _C.advantage_scan(a)
+    assert slot.item() == 0
+    bad = r.clone()
+    bad[0, 0] = float("nan")
+    a.rewards = bad
+    _C.advantage_scan(a)
+    assert slot.item() == int(_C.AdvantageStatus.bad_rewards)
+
+
+@pytest.mark.gpu
+def test_cuda_stream_follows_the_current_stream():
+    from verl_fast.ops.native import cuda_stream
+
+    x = torch.zeros(1, device="cuda")
+    assert cuda_stream(x).cuda_stream == torch.cuda.current_stream().cuda_stream
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert cuda_stream(x).cuda_stream == side.cuda_stream
+        r, v, m = make(3, 40, device="cuda")
+        adv = checked(vf.compute_gae, r, v, m, 0.9, 0.8)[0]  # runs on the side stream
+    side.synchronize()
+    close(adv, ref_gae(r.cpu(), v.cpu(), m.cpu(), 0.9, 0.8)[0])
+    assert cuda_stream(x).cuda_stream == torch.cuda.current_stream().cuda_stream

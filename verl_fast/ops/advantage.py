@@ -6,22 +6,26 @@ float32 / bfloat16 / float16 (float64 accepted), any strides; outputs are new fl
 the input's device. The CPU path runs C++ threads over the batch; the CUDA path runs one fused scan
 kernel per call (plus a reduction and an in-place pass when whitening).
 
-``check=True`` (the default) verifies that rewards and values are finite and that whitening has at
-least two masked positions, raising ``ValueError`` otherwise. On CUDA that check reads one int32
-back to the host, which synchronises the stream; pass ``check=False`` to stay asynchronous (the
-outputs are then undefined for such inputs).
+``check=True`` (the default) verifies that rewards and values are finite, that the mask holds only
+0 and 1, and that whitening has at least two masked positions, raising ``ValueError`` otherwise,
+without ever making the host wait for the GPU: the kernels write the verdict, the launch queues its
+copy into pinned host memory, and the first checking call (of any op using
+``verl_fast.ops.pending_checks``) that finds it landed raises. On the CPU that is the call itself;
+on CUDA usually the next checking call on that device, or ``pending_checks.raise_pending()`` (waits,
+then raises). ``check=False`` queues no check (the outputs are then undefined for such inputs).
 """
 
 from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from verl_fast.ops import _validate as V
+from verl_fast.ops import pending_checks as P
 from verl_fast.ops.native import cuda_stream, ext
 
 
@@ -33,45 +37,74 @@ def _kinds():
 
 
 @functools.lru_cache(maxsize=None)
-def _status_bits() -> Tuple[int, int, int]:
+def _status_bits() -> Tuple[int, int, int, int]:
     """AdvantageStatus' bits as plain ints (pybind enum arithmetic costs microseconds a call)."""
     S = ext().AdvantageStatus
-    return int(S.bad_rewards), int(S.bad_values), int(S.too_few_to_whiten)
+    return int(S.bad_rewards), int(S.bad_values), int(S.bad_mask), int(S.too_few_to_whiten)
 
 
-def _raise_for_status(word: torch.Tensor, rewards_name: str, values_name: str) -> None:
-    """``word``: word 0 of the launchers' status record (AdvantageStatus bits); its read waits for the launch."""
-    bits = word.item()
-    if not bits:
-        return
-    bad_rewards, bad_values, too_few = _status_bits()
-    if bits & bad_rewards:
-        raise ValueError(f"{rewards_name} contains NaN or inf")
-    if bits & bad_values:
-        raise ValueError(f"{values_name} contains NaN or inf")
-    if bits & too_few:
-        raise ValueError(
-            "whitening needs at least 2 positions where response_mask is 1; "
-            "pass whiten=False for such batches"
-        )
+class _Verdict:
+    """What a call's status word means, with the names its message uses (see pending_checks)."""
+
+    __slots__ = ("rewards_name", "values_name", "device", "op")
+
+    def __init__(self, rewards_name: str, values_name: str, device: torch.device, op: str):
+        self.rewards_name, self.values_name, self.device, self.op = rewards_name, values_name, device, op
+
+    def __call__(self, bits: int) -> Optional[str]:
+        if not bits:
+            return None
+        bad_rewards, bad_values, bad_mask, _ = _status_bits()
+        if bits & bad_rewards:
+            what = f"{self.rewards_name} contains NaN or inf"
+        elif bits & bad_values:
+            what = f"{self.values_name} contains NaN or inf"
+        elif bits & bad_mask:
+            what = "response_mask must hold only 0 and 1 (got another value)"
+        else:
+            what = ("whitening needs at least 2 positions where response_mask is 1; "
+                    "pass whiten=False for such batches")
+        return what + P.where(self.device, self.op)
+
+
+_VERDICTS: Dict[tuple, _Verdict] = {}  # by (names, device, op): a verdict keeps no state of its call
+
+
+def _queue_check(args, device: torch.device, rewards_name: str, values_name: str, op: str):
+    """A pending check for the launch about to run with ``args``: its slot goes into args.host_status."""
+    index, slot = P.take(device)
+    args.host_status = slot
+    key = (rewards_name, values_name, device, op)
+    verdict = _VERDICTS.get(key)
+    if verdict is None:
+        verdict = _VERDICTS[key] = _Verdict(rewards_name, values_name, device, op)
+    return index, verdict
+
+
+def _launch(launcher, args, device: torch.device, index: int) -> None:
+    """``launcher(args)``; a launch refused before it queued anything gives its check's slot back."""
+    try:
+        launcher(args)
+    except BaseException:
+        P.release(device, index)
+        raise
 
 
 # One status record per (device, stream, thread), kept: calls on one stream run in order, each clears
-# the record before its kernels write it, and a checking call reads it before it returns.
-_STATUS: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
+# the record before its kernels write it and queues the copy of its word 0 (pending_checks) after them.
+_STATUS: Dict[tuple, torch.Tensor] = {}
 _MAX_STATUS = 64  # streams and threads come and go: beyond this many records, start again
 _DEVICES = ("cpu", "cuda")
 
 
-def _status(device: torch.device, stream) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(the status record, a view of its word 0) for calls on ``stream`` (None: the CPU) from this thread."""
+def _status(device: torch.device, stream) -> torch.Tensor:
+    """The status record for calls on ``stream`` (None: the CPU) from this thread."""
     key = (device, stream.cuda_stream if stream is not None else 0, threading.get_ident())
     record = _STATUS.get(key)
     if record is None:
         if len(_STATUS) >= _MAX_STATUS:
             _STATUS.clear()
-        status = torch.empty(ext().status_words, dtype=torch.int32, device=device)
-        record = _STATUS[key] = (status, status[0])
+        record = _STATUS[key] = torch.empty(ext().status_words, dtype=torch.int32, device=device)
     return record
 
 
@@ -90,13 +123,13 @@ def _unit(x, name: str) -> float:
 
 
 def _scan(kind, rewards, mask, *, values=None, baselines=None, gamma=1.0, lam=1.0, whiten=True,
-          check=True, values_name="values") -> Tuple[torch.Tensor, torch.Tensor]:
+          check=True, values_name="values", op="compute_gae") -> Tuple[torch.Tensor, torch.Tensor]:
     C = ext()
     B, T = rewards.shape
     device = rewards.device
     stream = cuda_stream(rewards)
     adv, ret = _outputs(B, T, device)
-    status, word = _status(device, stream)
+    status = _status(device, stream)
     a = C.ScanArgs()
     a.kind = kind
     a.rewards = rewards
@@ -104,7 +137,7 @@ def _scan(kind, rewards, mask, *, values=None, baselines=None, gamma=1.0, lam=1.
         a.values = values
     if baselines is not None:
         a.baselines = baselines
-    a.mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    a.mask = mask  # bool crosses as it is: the core reads its bytes as uint8
     a.advantages = adv
     a.returns = ret
     a.status = status
@@ -113,9 +146,13 @@ def _scan(kind, rewards, mask, *, values=None, baselines=None, gamma=1.0, lam=1.
     a.whiten = whiten if whiten is True or whiten is False else V.flag(whiten, "whiten")
     a.num_threads = torch.get_num_threads()
     a.stream = stream
-    C.advantage_scan(a)
-    if check is True or (check is not False and V.flag(check, "check")):
-        _raise_for_status(word, "token_level_rewards", values_name)
+    checked = check is True or (check is not False and V.flag(check, "check"))
+    if not checked:
+        C.advantage_scan(a)
+        return adv, ret
+    index, verdict = _queue_check(a, device, "token_level_rewards", values_name, op)
+    _launch(C.advantage_scan, a, device, index)
+    P.expect(device, index, verdict)
     return adv, ret
 
 
@@ -171,7 +208,7 @@ def compute_reinforce_pp_advantage(
     r = V.float_2d(token_level_rewards, "token_level_rewards")
     V.device_supported(r, "token_level_rewards")
     m = V.mask(response_mask, "response_mask", r, "token_level_rewards")
-    return _scan(_kinds()[1], r, m, gamma=gamma, whiten=whiten, check=check)
+    return _scan(_kinds()[1], r, m, gamma=gamma, whiten=whiten, check=check, op="compute_reinforce_pp_advantage")
 
 
 def compute_remax_advantage(
@@ -195,7 +232,7 @@ def compute_remax_advantage(
         raise ValueError(f"reward_baselines must be on {r.device}, got {base.device}")
     m = V.mask(response_mask, "response_mask", r, "token_level_rewards")
     return _scan(_kinds()[2], r, m, baselines=base, whiten=False, check=check,
-                 values_name="reward_baselines")
+                 values_name="reward_baselines", op="compute_remax_advantage")
 
 
 def group_ids(index: Any, batch: int) -> torch.Tensor:
@@ -226,7 +263,7 @@ def group_ids(index: Any, batch: int) -> torch.Tensor:
 
 
 def _group(kind, token_level_rewards, response_mask, index, *, epsilon=1e-6, norm_by_std=True,
-           whiten=True, check=True) -> torch.Tensor:
+           whiten=True, check=True, op) -> torch.Tensor:
     C = ext()
     r = V.float_2d(token_level_rewards, "token_level_rewards")
     V.device_supported(r, "token_level_rewards")
@@ -235,11 +272,11 @@ def _group(kind, token_level_rewards, response_mask, index, *, epsilon=1e-6, nor
     ids = group_ids(index, B)
     adv = torch.empty((B, T), dtype=torch.float32, device=r.device)
     stream = cuda_stream(r)
-    status, word = _status(r.device, stream)
+    status = _status(r.device, stream)
     a = C.GroupArgs()
     a.kind = kind
     a.rewards = r
-    a.mask = m.view(torch.uint8) if m.dtype == torch.bool else m
+    a.mask = m
     a.ids = ids
     a.advantages = adv
     a.workspace = torch.empty(C.group_workspace_bytes(B), dtype=torch.uint8, device=r.device)
@@ -250,9 +287,12 @@ def _group(kind, token_level_rewards, response_mask, index, *, epsilon=1e-6, nor
     a.whiten = V.flag(whiten, "whiten")
     a.num_threads = torch.get_num_threads()
     a.stream = stream
-    C.group_advantage(a)
-    if V.flag(check, "check"):
-        _raise_for_status(word, "token_level_rewards", "token_level_rewards")
+    if not V.flag(check, "check"):
+        C.group_advantage(a)
+        return adv
+    index, verdict = _queue_check(a, r.device, "token_level_rewards", "token_level_rewards", op)
+    _launch(C.group_advantage, a, r.device, index)
+    P.expect(r.device, index, verdict)
     return adv
 
 
@@ -273,7 +313,7 @@ def compute_grpo_advantage(
     ``(advantages, returns)``, which are equal.
     """
     adv = _group(ext().GroupKind.grpo, token_level_rewards, response_mask, index, epsilon=epsilon,
-                 norm_by_std=norm_by_std, check=check)
+                 norm_by_std=norm_by_std, check=check, op="compute_grpo_advantage")
     return adv, adv
 
 
@@ -291,7 +331,8 @@ def compute_rloo_advantage(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """RLOO: each sample's score minus the mean of the other samples of its group
     (``n/(n-1) * (s - mean_g)``); a group of one keeps its score. Returns ``(advantages, returns)``."""
-    adv = _group(ext().GroupKind.rloo, token_level_rewards, response_mask, index, check=check)
+    adv = _group(ext().GroupKind.rloo, token_level_rewards, response_mask, index, check=check,
+                 op="compute_rloo_advantage")
     return adv, adv
 
 
@@ -306,7 +347,7 @@ def compute_reinforce_pp_baseline_advantage(
     """REINFORCE++-baseline: score minus the group mean, broadcast over the mask, whitened over the
     masked positions. Returns ``(advantages, returns)``, which are equal."""
     adv = _group(ext().GroupKind.reinforce_pp_baseline, token_level_rewards, response_mask, index,
-                 whiten=whiten, check=check)
+                 whiten=whiten, check=check, op="compute_reinforce_pp_baseline_advantage")
     return adv, adv
 
 

@@ -12,11 +12,13 @@ environment variable ``VERL_FAST_LOGPROBS_BACKEND``) forces one; Triton on CPU t
 under the Triton interpreter (``TRITON_INTERPRET=1``, used by the tests). Without Triton, CUDA
 tensors take the torch path and a warning says what to install.
 
-``check=True`` verifies that every label lies in [0, V): on the Triton path of
-``logprobs_from_logits`` the forward kernel counts bad labels and the op reads that count (4 bytes)
-after the launch; elsewhere a min/max of the labels is read first. Either read waits for the GPU.
-``check=False`` skips it (no host sync, so CUDA-graph capturable); a label outside [0, V) then gives
-NaN (Triton) or an undefined value for its token.
+``check=True`` verifies that every label lies in [0, V). On the Triton path of
+``logprobs_from_logits`` the forward kernel counts bad labels on the device and the call queues a
+4-byte copy of the count into pinned host memory: the host never waits for it, and the first
+checking call that finds it landed raises (``verl_fast.ops.pending_checks``: on the CPU the call
+itself, on CUDA usually the next call, or ``raise_pending()``). Elsewhere a min/max of the labels is
+read first (a wait on CUDA). ``check=False`` skips it (CUDA-graph capturable); a label outside
+[0, V) then gives NaN (Triton) or an undefined value for its token.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from verl_fast.kernels.autograd import LinearLogprobsFunction, LogprobsFunction
 from verl_fast.kernels.softmax_stats import vocab_shard
 from verl_fast.ops import _logprobs_torch
 from verl_fast.ops import _validate as V
+from verl_fast.ops import pending_checks as P
+from verl_fast.ops.native import stream_handle
 
 BACKEND_ENV = "VERL_FAST_LOGPROBS_BACKEND"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -62,34 +66,76 @@ def _labels(labels, shape, device: torch.device, what: str) -> torch.Tensor:
     return labels.reshape(-1).to(torch.int64).contiguous()
 
 
-def _check_range(flat: torch.Tensor, vocab: int, bad_count: Optional[torch.Tensor] = None) -> None:
-    """Raises unless every label lies in [0, vocab). ``bad_count``: the number of labels outside it,
-    already counted on the device by a kernel (one 4-byte read instead of a min/max pass); left at
-    zero again for the next call."""
-    if not flat.numel() or (bad_count is not None and not bad_count.item()):
-        return
-    if bad_count is not None:
-        bad_count.zero_()
+def _check_range(flat: torch.Tensor, vocab: int) -> None:
+    """Raises unless every label lies in [0, vocab) (a min/max read back: a wait on CUDA)."""
+    message = _range_message(flat, vocab)
+    if message is not None:
+        raise ValueError(message)
+
+
+def _range_message(flat: torch.Tensor, vocab: int, suffix: str = "") -> Optional[str]:
+    if not flat.numel():
+        return None
     lo, hi = torch.stack([flat.min(), flat.max()]).tolist()
     if lo < 0 or hi >= vocab:
-        raise ValueError(f"labels must lie in [0, V) = [0, {vocab}); got values from {lo} to {hi}")
+        return f"labels must lie in [0, V) = [0, {vocab}); got values from {lo} to {hi}{suffix}"
+    return None
 
 
-# The bad-label counter the forward kernel adds to, one per (device, stream, thread), kept at zero:
-# a checking call reads it before returning and clears it only when it was not zero, so the usual
-# call launches nothing to zero it. Calls on one stream run in order.
-_COUNTERS: Dict[tuple, torch.Tensor] = {}
+class _Counted:
+    """A bad-label counter's running total as the host last saw it land. The counter only grows:
+    a call's count is its landed total minus the one before it (same stream: in order)."""
+
+    __slots__ = ("seen",)
+
+    def __init__(self):
+        self.seen = 0
+
+
+class _LabelVerdict:
+    """One call's check: its counter total landed -> an error message, or None. A total that grew
+    is confirmed on the call's own labels before it is reported (a call cut short between its
+    launch and queuing its copy leaves a count that belongs to no call: never a false error)."""
+
+    __slots__ = ("counted", "flat", "vocab", "device")
+
+    def __init__(self, counted: _Counted, flat: torch.Tensor, vocab: int, device: torch.device):
+        self.counted, self.flat, self.vocab, self.device = counted, flat, vocab, device
+
+    def __call__(self, total: int) -> Optional[str]:
+        grew, self.counted.seen = total != self.counted.seen, total
+        if not grew:
+            return None
+        return _range_message(self.flat, self.vocab, P.where(self.device, "logprobs_from_logits"))
+
+
+# The bad-label counter the forward kernel adds to, one per (device, stream, thread), never reset
+# (see _Counted): calls on one stream run in order, so their copies land in order.
+_COUNTERS: Dict[tuple, Tuple[torch.Tensor, _Counted]] = {}
 _MAX_COUNTERS = 64
 
 
-def _bad_label_counter(device: torch.device) -> torch.Tensor:
-    key = (device, torch.cuda.current_stream(device).cuda_stream, threading.get_ident())
-    counter = _COUNTERS.get(key)
-    if counter is None:
+def _bad_label_counter(device: torch.device) -> Tuple[torch.Tensor, _Counted]:
+    stream = stream_handle(device.index) if device.type == "cuda" else 0
+    key = (device, stream, threading.get_ident())
+    entry = _COUNTERS.get(key)
+    if entry is None:
         if len(_COUNTERS) >= _MAX_COUNTERS:
             _COUNTERS.clear()
-        counter = _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
-    return counter
+        entry = _COUNTERS[key] = (torch.zeros(1, dtype=torch.int32, device=device), _Counted())
+    return entry
+
+
+def _queue_label_check(counter: Tuple[torch.Tensor, _Counted], flat: torch.Tensor, vocab: int,
+                       device: torch.device) -> None:
+    """After the forward kernel: its counter's total copied into a pinned slot, checked when landed."""
+    index, slot = P.take(device)
+    try:
+        slot.copy_(counter[0], non_blocking=True)
+    except BaseException:
+        P.release(device, index)
+        raise
+    P.expect(device, index, _LabelVerdict(counter[1], flat, vocab, device))
 
 
 def _inverse_temperature(temperature) -> float:
@@ -164,13 +210,12 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature
     if _backend(logits, backend) == "triton":
         from verl_fast.kernels.logprobs_from_logits import logprobs_from_logits_triton
 
-        # the forward kernel counts out-of-range labels itself: the check costs one 4-byte read
-        bad = None
+        # the forward kernel counts out-of-range labels itself: the check costs one 4-byte copy
+        counter = _bad_label_counter(logits.device) if check else None
+        logp, entropy = logprobs_from_logits_triton(x, flat, inv_t, with_entropy, config,
+                                                    counter[0] if check else None)
         if check:
-            bad = _bad_label_counter(logits.device) if logits.is_cuda else torch.zeros(1, dtype=torch.int32)
-        logp, entropy = logprobs_from_logits_triton(x, flat, inv_t, with_entropy, config, bad)
-        if check:
-            _check_range(flat, logits.shape[-1], bad)
+            _queue_label_check(counter, flat, logits.shape[-1], logits.device)
     else:
         if check:
             _check_range(flat, logits.shape[-1])
