@@ -15,8 +15,10 @@ from verl_fast.rollout.base import pad_completions
 from verl_fast.trainer.rl_trainer import RLTrainer
 
 
-def trainer(path, out, steps=4, transport_kind=None, lora=None, **t):
-    cfg = {"actor": {"lr": 1e-2, "micro_batch_size": 8, **({"lora": lora} if lora else {})},
+def trainer(path, out, steps=4, transport_kind=None, lora=None, autocast=None, **t):
+    actor = {"lr": 1e-2, "micro_batch_size": 8, **({"lora": lora} if lora else {}),
+             **({"autocast": autocast} if autocast else {})}
+    cfg = {"actor": actor,
            "rollout": {"type": "hf", "n": 4, "max_new_tokens": 12},
            "reward_fn": {"type": "gsm8k"},
            "algorithm": {"type": "grpo", "rollout_correction": True},
@@ -107,3 +109,14 @@ def test_a_lora_actors_workers_get_the_adapters_merged_into_the_base(tiny_path, 
     history = [h for h in tr.fit(PROMPTS) if "actor/pg_loss" in h]
     assert len(history) == 2 and all(torch.isfinite(torch.tensor(h["actor/pg_loss"])) for h in history)
     assert all(h["async/staleness_max"] <= 1 for h in history)
+
+
+def test_workers_decode_in_the_trainers_autocast_dtype(tiny_path, tmp_path):
+    """Under bf16 autocast the workers hold bf16 weights (the push casts the fp32 actor's) and build
+    their engine with the trainer's engine settings; the actor itself stays fp32."""
+    tr = trainer(tiny_path, tmp_path / "run", steps=2, autocast="bfloat16", partial_rollouts=False)
+    rollout = tr.async_rollout
+    assert rollout.dtype == torch.bfloat16 and rollout.engine_settings["autocast_dtype"] == torch.bfloat16
+    history = [h for h in tr.fit(PROMPTS) if "actor/pg_loss" in h]
+    assert len(history) == 2 and all(torch.isfinite(torch.tensor(h["actor/pg_loss"])) for h in history)
+    assert rollout.publisher.flat.dtype == torch.bfloat16 and next(tr.strategy.actor.parameters()).dtype == torch.float32

@@ -78,6 +78,10 @@ def test_bad_combinations_fail_at_start_up():
     with pytest.raises(ValueError, match="async_mode=full is not supported with rollout.type=vllm"):
         config_mod.from_dict({**base, "trainer": {"async_mode": "full"},
                               "rollout": {"type": "vllm", "enable_sleep_mode": False}})
+    for key, section in (("actor.routing_replay", "actor"), ("rollout.record_routing", "rollout")):
+        name = key.split(".")[1]
+        with pytest.raises(ValueError, match=f"is not supported with {key}=true"):
+            config_mod.from_dict({**base, "trainer": {"async_mode": "one_step"}, section: {name: True}})
     with pytest.raises(ValueError, match="must be one of"):
         config_mod.from_dict({"trainer": {"async_mode": "two_step"}})
     assert config_mod.from_dict({**base, "trainer": {"async_mode": "full", "max_staleness": 3}}).trainer.max_staleness == 3

@@ -30,9 +30,11 @@ def check(cfg: config.Config) -> None:
     if cfg.algorithm.dynamic_sampling:
         raise ValueError(f"{key} is not supported with algorithm.dynamic_sampling (its extra draws are sampled "
                          "inside the step); use trainer.async_mode=off")
-    if cfg.rollout.record_routing:
-        raise ValueError(f"{key} is not supported with rollout.record_routing (routes of an older policy); "
-                         "use trainer.async_mode=off")
+    for name, on in (("rollout.record_routing", cfg.rollout.record_routing),
+                     ("actor.routing_replay", cfg.actor.routing_replay)):
+        if on:
+            raise ValueError(f"{key} is not supported with {name}=true (the rollout copies record no routes, and "
+                             "an older policy's would not be the ones to replay); use trainer.async_mode=off")
     if cfg.rollout.type == "vllm" and cfg.rollout.enable_sleep_mode:
         raise ValueError(f"{key} is not supported with rollout.enable_sleep_mode=true (the engine generates while "
                          "the update runs); set rollout.enable_sleep_mode=false")

@@ -39,8 +39,7 @@ def _snapshot_operator(operator: RolloutOperator) -> RolloutOperator:
     """``operator`` over an HF engine of its own, on a frozen copy of the actor's module."""
     engine = operator.engine
     module = copy.deepcopy(hf_module(engine.model)).eval().requires_grad_(False)
-    own = HFGenerateEngine(module, engine.tokenizer, engine.max_batch_size, engine.autocast_dtype,
-                           engine.fast_decode, compile_decode=engine._compiled is not None)
+    own = HFGenerateEngine(module, engine.tokenizer, **engine.settings())
     out = copy.copy(operator)  # a subclass's get_generation_kwargs included
     out.engine = own
     return out
@@ -70,7 +69,10 @@ class OneStepRollout:
         self._lock = threading.Lock()
         self._stats = AsyncStats()
         cuda = next(actor.parameters()).device.type == "cuda"
-        self._stream = torch.cuda.Stream() if cuda else None
+        # the decode's stream at high priority: its small per-token kernels take the SMs as the update's
+        # blocks free them, so the rollout runs near its own pace and the update fills the gaps
+        # (a CUDA graph replayed into it takes the stream's priority)
+        self._stream = torch.cuda.Stream(priority=-1) if cuda else None  # -1: above the default stream's 0
 
     def begin(self, batch_of: Callable[[int], List[Any]], total: int) -> None:
         """``batch_of(step)``: the step's prompts (the trainer's data order); ``total``: the run's steps."""

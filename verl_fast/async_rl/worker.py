@@ -44,9 +44,9 @@ class WorkerSetup:
     world: int  # 1 + workers
     hf_config: Any
     names: List[str]  # the actor's parameter names, in order
-    dtype: torch.dtype
+    dtype: torch.dtype  # the model's and the pushed buffer's
     device: str
-    autocast_dtype: Optional[torch.dtype]
+    engine: Dict[str, Any]  # the trainer's HFGenerateEngine.settings(): autocast dtype, fast / compiled decode
     transport: str  # transport.TRANSPORTS
     backend: str  # group: gloo or nccl
     port: int
@@ -96,7 +96,7 @@ def main(setup: WorkerSetup, tasks: Any, results: Any, stop: Any, announced: Any
             loaded[0] = newest
         return loaded[0]
 
-    engine = None if setup.partial else HFGenerateEngine(model, setup.tokenizer, autocast_dtype=setup.autocast_dtype)
+    engine = None if setup.partial else HFGenerateEngine(model, setup.tokenizer, **setup.engine)
     idle_since = time.perf_counter()
     while alive():
         refresh(at_batch_start=False)  # a push waits for every worker, idle ones too
@@ -139,8 +139,9 @@ def _run(model: torch.nn.Module, task: Task, setup: WorkerSetup, between_tokens)
     for i, spec in enumerate(task.specs):
         groups.setdefault(replace(spec, seed=None), []).append(i)
     per_prompt: Dict[int, list] = {}
-    autocast = (torch.autocast(torch.device(setup.device).type, dtype=setup.autocast_dtype)
-                if setup.autocast_dtype is not None else torch.autocast("cpu", enabled=False))
+    dtype = setup.engine["autocast_dtype"]
+    autocast = (torch.autocast(torch.device(setup.device).type, dtype=dtype)
+                if dtype is not None else torch.autocast("cpu", enabled=False))
     with autocast:
         for spec, members in groups.items():
             decoded = decode(model, [task.prompts[i] for i in members], spec, generator, setup.stop_ids,

@@ -143,6 +143,12 @@ class HFGenerateEngine(RolloutEngine):
         if self.pad_id is None:
             raise ValueError("the tokenizer has neither a pad nor an EOS token")
 
+    def settings(self) -> dict:
+        """The keyword arguments that build this engine's twin over another model (the asynchronous
+        modes' rollout copies decode as the trainer's engine does)."""
+        return {"max_batch_size": self.max_batch_size, "autocast_dtype": self.autocast_dtype,
+                "fast_decode": self.fast_decode, "compile_decode": self._compiled is not None}
+
     def _module(self):
         return hf_module(self.model)  # FSDP1 / DDP keep the HF model in .module
 
