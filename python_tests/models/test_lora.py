@@ -125,3 +125,38 @@ def test_lora_twice_is_refused(tmp_path):
         RLTrainer(actor_model=model, tokenizer=AutoTokenizer.from_pretrained(path),
                   config={"actor": {"lora": {"r": 4}}, "rollout": {"type": "hf"},
                           "trainer": {"output_dir": str(tmp_path / "r"), "device": "cpu"}})
+
+
+def test_a_lora_actors_reference_is_its_base_with_the_adapters_disabled(tmp_path):
+    """KL with fresh adapters: no copy of the base is kept; the reference log-probs are the actor's at the
+    start and stay there while the adapters train. Adapters given already trained keep a copy."""
+    path = save_tiny_model(tmp_path / "base", family="qwen2", seed=7)
+    tok = AutoTokenizer.from_pretrained(path)
+    cfg = {"actor": {"lr": 5e-2, "use_kl_loss": True, "micro_batch_size": 4,
+                     "lora": {"r": 4, "alpha": 8, "target_modules": "all-linear"}},
+           "rollout": {"type": "hf", "n": 2, "max_new_tokens": 4},
+           "trainer": {"train_batch_size": 2, "output_dir": str(tmp_path / "run"), "progress_bar": False,
+                       "plot": False, "device": "cpu"}}
+    trainer = RLTrainer(actor_model=AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), tokenizer=tok,
+                        config=cfg, reward_fn=lambda solution_str: float(len(solution_str) % 3))
+    s = trainer.strategy
+    assert s.has_reference and s.ref is None and s.ref_is_base
+    exp = trainer.make_experience(trainer.processor.encode_all([{"prompt": "What is 1 + 1?"},
+                                                                {"prompt": "Name a colour."}]), {})
+    micro = [torch.arange(exp.input_ids.shape[0])]
+    start = s.actor_logprobs(exp, micro)
+    torch.testing.assert_close(s.ref_logprobs(exp, micro), start, rtol=0, atol=0)
+    for _ in range(2):
+        trainer.update_actor(exp)
+    assert (s.actor_logprobs(exp, micro) - start).abs().max() > 1e-3  # the adapters moved
+    torch.testing.assert_close(s.ref_logprobs(exp, micro), start, rtol=0, atol=0)  # the reference did not
+    assert all(p.requires_grad for n, p in s.actor.named_parameters() if "lora_" in n)  # adapters back on
+
+    trained = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                                  peft.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    assert not lora.starts_as_base(trained)
+    cfg["actor"].pop("lora")
+    cfg["trainer"]["output_dir"] = str(tmp_path / "run2")
+    again = RLTrainer(actor_model=trained, tokenizer=tok, config=cfg,
+                      reward_fn=lambda solution_str: float(len(solution_str) % 3))
+    assert again.strategy.has_reference and again.strategy.ref is not None and not again.strategy.ref_is_base

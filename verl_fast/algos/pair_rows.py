@@ -64,7 +64,7 @@ def lengths(sub: Experience) -> torch.Tensor:
 @torch.no_grad()
 def reference_logprobs(strategy: Any, exp: Experience, micro: List[torch.Tensor]) -> None:
     """``exp.ref_logprobs`` from the strategy's reference (none: reference-free, left None)."""
-    if strategy.ref is not None:
+    if strategy.has_reference:
         exp.ref_logprobs = strategy.ref_logprobs(exp, micro)
 
 

@@ -38,6 +38,22 @@ def is_peft(model: Any) -> bool:
     return hasattr(model, "peft_config")
 
 
+@torch.no_grad()
+def starts_as_base(model: Any) -> bool:
+    """Whether a peft model computes exactly what its base does: plain LoRA adapters whose B matrices
+    are all zero (peft's fresh adapters), so that the model with its adapters disabled is the model as
+    training starts -- the reference a KL term needs, without a copy of the base. Adapters given
+    trained, DoRA and modules_to_save keep a copy."""
+    if not is_peft(model):
+        return False
+    config = model.peft_config[model.active_adapter]
+    if getattr(config, "use_dora", False) or getattr(config, "modules_to_save", None):
+        return False
+    named = list(model.named_parameters())
+    return (any(".lora_B." in n for n, _ in named)
+            and all(not bool(p.any()) for n, p in named if "lora_B" in n or "lora_embedding_B" in n))
+
+
 def export_plan(names: List[str], adapter_config: Dict[str, Any]) -> Dict[str, Tuple[str, ...]]:
     """HF export name -> the checkpoint tensors it is made of: ``(name,)``, or ``(base weight,
     lora_A, lora_B)`` for an adapted layer's merged weight. Raises for what the merge does not cover

@@ -31,7 +31,7 @@ from verl_fast import distributed
 from verl_fast.checkpoint import sharded as checkpoint
 from verl_fast.config import Config
 from verl_fast.rollout.experience import Experience
-from verl_fast.models import compiled_blocks, packed, routing
+from verl_fast.models import compiled_blocks, lora, packed, routing
 from verl_fast.models.response_logprobs import accepts
 from verl_fast.models.shared_prefix import experience_logprobs, packed_layout
 from verl_fast.models.value import ValueModel, response_values
@@ -331,9 +331,14 @@ class FSDPStrategy:
         self.uneven_micro_batches = self.dp_size == 1  # FSDP ranks must run the same passes
         layout = Sharding.from_config(cfg.actor, "actor", self.dp_size)
         self.device = sharding.compute_device(layout, cfg.trainer.device, actor)
+        # a LoRA actor whose adapters start at zero: its base (adapters disabled) is the reference, as TRL
+        # and verl take it, with no copy of the base
+        self.has_reference = needs_reference
+        self.ref_is_base = needs_reference and ref is None and lora.starts_as_base(hf_module(actor))
+        copies_reference = needs_reference and ref is None and not self.ref_is_base
         if cfg.actor.gradient_checkpointing is None:  # auto: when the memory left needs it (memory_plan)
             layout = replace(layout, gradient_checkpointing=memory_plan.wants_checkpointing(
-                cfg, actor, self.device, needs_reference and ref is None))
+                cfg, actor, self.device, copies_reference))
         self.layout, self.checkpointing = layout, layout.gradient_checkpointing
         use_tf32(cfg.trainer.tf32, self.device)
         self.actor = sharding.shard(actor, layout, self.device)
@@ -342,7 +347,8 @@ class FSDPStrategy:
         self.base_in_bf16 = keeps_base_in_bf16(self.actor, cfg, layout, self.device, self.autocast_dtype)
         if self.base_in_bf16:  # before the reference copies it and bf16 copies are made: the adapters stay fp32
             freeze_in_bf16(self.actor)
-        self.ref = reference_model(self.actor, ref, layout, self.device) if needs_reference else None
+        self.ref = (reference_model(self.actor, ref, layout, self.device)
+                    if needs_reference and not self.ref_is_base else None)
         self.critic = None if critic is None else HFCritic(critic_model(critic), cfg, self.dp_size, self.device,
                                                            self.autocast)
         self.optimizer = adamw(self.actor, cfg.actor.lr, cfg.actor.weight_decay, cfg.actor.optimizer)
@@ -368,6 +374,10 @@ class FSDPStrategy:
                                compiled=self.compiled, packs=self.packs_sequences)
 
     def ref_logprobs(self, exp: Experience, micro: List[torch.Tensor]) -> torch.Tensor:
+        if self.ref_is_base:
+            with hf_module(self.actor).disable_adapter(), self._bf16_passes():
+                return hf_logprobs(self.actor, exp, micro, self.cfg, self.autocast, self.device,
+                                   compiled=self.compiled, packs=self.packs_sequences)
         return hf_logprobs(self.ref, exp, micro, self.cfg, self.autocast, self.device, compiled=self.compiled,
                            packs=self.packs_sequences)
 

@@ -1,7 +1,8 @@
 """What a run keeps on its GPU, counted before it starts: the defaults that depend on memory.
 
 Bytes that stay for the whole run (``static``), per parameter of the actor:
-- its weights in ``actor.dtype`` (4 bytes in float32); a frozen reference copy when KL needs one;
+- its weights in ``actor.dtype`` (4 bytes in float32); a frozen reference copy when KL needs one
+  (none for a LoRA actor whose adapters start at zero: its base, adapters disabled, is the reference);
 - the trained parameters' gradients (their own dtype) and the optimizer's states: AdamW keeps two
   fp32 moments (8 bytes), torchao's AdamW8bit two block-quantised ones (about 2 bytes);
 - bf16 copies of fp32 weights (2 bytes each): the training passes' (``actor.mixed_precision`` auto,
@@ -185,7 +186,8 @@ def check_before_loading(cfg: Config, folder: str, needs_reference: bool, device
         return None
     shape = shape_from_folder(folder, cfg.actor.lora, cfg.actor.trust_remote_code)
     free, _ = torch.cuda.mem_get_info(device)
-    p = plan(cfg, shape, free, needs_reference, peft=cfg.actor.lora is not None)
+    peft = cfg.actor.lora is not None  # fresh adapters: the reference is the base, no copy (fsdp_strategy)
+    p = plan(cfg, shape, free, needs_reference and not peft, peft)
     if not p.fits():
         raise DoesNotFit(refusal(p, cfg))
     return p

@@ -54,7 +54,8 @@ class Strategy(Protocol):
     dp_size: int
     dp_group: Any  # the data-parallel ranks (None with one)
     actor: torch.nn.Module  # the Hugging Face actor: HF generate runs on it
-    ref: Optional[torch.nn.Module]  # the frozen reference, laid out as the actor (None: no KL, reference-free DPO)
+    ref: Optional[torch.nn.Module]  # the frozen reference copy, laid out as the actor (None: none kept)
+    has_reference: bool  # ref_logprobs serves (a copy, or a LoRA actor's base with its adapters disabled)
     critic: Optional[Critic]
     optimizer: Any  # the actor's
     autocast_dtype: Optional[torch.dtype]  # actor.autocast (None: none)

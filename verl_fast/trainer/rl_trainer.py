@@ -478,7 +478,7 @@ class RLTrainer:
         if self.algorithm.needs_old_logprobs(exp):
             with timed("old_logprob"):
                 exp.old_logprobs = self._old_logprobs(exp)
-        if self.strategy.ref is not None:
+        if self.strategy.has_reference:
             with timed("ref"):
                 exp.ref_logprobs = self._ref_logprobs(exp)
         if self.strategy.critic is not None:

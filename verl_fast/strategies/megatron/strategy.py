@@ -54,6 +54,7 @@ class MegatronStrategy:
         self.autocast_dtype = None  # the config refuses actor.autocast: bf16 weights instead
         self.autocast = fsdp_strategy.autocast_of(None, self.device)
         self.ref = fsdp_strategy.reference_model(self.actor, ref, plain, self.device) if needs_reference else None
+        self.has_reference = self.ref is not None
         self.critic = None if critic is None else self._critic(fsdp_strategy.critic_model(critic))
         self.optimizer = self.megatron.optimizer
 
