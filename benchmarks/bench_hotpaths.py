@@ -9,7 +9,7 @@ Each op is timed two ways (CUDA events; medians):
 - ``busy``: a 1 GiB fill queued before each call, so the host's work overlaps GPU work and only
   what the call makes the host wait for (its read-backs) still shows.
 ``waiting check`` rows run it with the checks waiting for the device before they read their verdict,
-as they did before issue 49 (``waiting_checks()``); ``after #48`` rows are the default call now.
+as they did before the checks stopped waiting (``waiting_checks()``); ``after #48`` rows are the default call now.
 ``before #48`` rows run the same public call with this issue's host-path changes switched back off
 (``before_48()``: per-call allocations, the status word read through pybind enums, every argument
 through the named checks, the label counter zeroed per call, the autograd context always entered,
