@@ -114,14 +114,14 @@ def before_48():
 
 @contextlib.contextmanager
 def waiting_checks():
-    """The public calls as they ran before the checks stopped waiting (issue 49): everything as
+    """The public calls as they ran before the checks stopped waiting: everything as
     now, except that a checking call waits for the device before it reads its verdict."""
     with mock.patch.object(_P, "raise_landed", _waiting_raise_landed):
         yield
 
 
-# The rows each op is timed under: the host path before issue 48, before issue 49 (checks that
-# wait for the GPU), and now (the default call as users make it).
+# The rows each op is timed under: the host path before issue 48, with checks that wait for the GPU
+# (issue 48's first host changes, before pending_checks), and now (the default call as users make it).
 STAGES = (("before #48", before_48), ("waiting check", waiting_checks), ("after #48", contextlib.nullcontext))
 
 
