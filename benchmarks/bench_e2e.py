@@ -150,6 +150,9 @@ def worker_ours(args) -> Dict[str, Any]:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    if args.memory_gib and args.device == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total), device)
     rng = random.Random(rank)
     # the work only (model, batch, lengths, rate, steps; LoRA when asked): precision, micro-batching, checkpointing
     # and compilation are the trainer's defaults; ours_hf / ours_hfc / ours_vllm also name the engine
@@ -214,7 +217,7 @@ def worker_ours(args) -> Dict[str, Any]:
     shutil.rmtree(cfg["trainer"]["output_dir"], ignore_errors=True)  # a 7B checkpoint is ~40 GB of the disk
     return {"impl": "verl_fast", "world": world, "steps": steps, "startup_s": startup, "engine_start_s": engine_start,
             "prompt_tokens_mean": statistics.mean(len(r.prompt_ids) for r in rows), "rank": rank, "profile": profile,
-            "resume": resume}
+            "resume": resume, "memory_cap_gib": args.memory_gib or None}
 
 
 def saved(trainer, out: str) -> Dict[str, Any]:
@@ -499,6 +502,7 @@ def launch(impl: str, args, model: Path, gpus: int, visible: Optional[str], out:
               "--prompts", str(args.prompts * gpus), "--samples", str(args.n), "--tokens", str(args.tokens)]
     worker += ["--lora", str(args.lora)] if args.lora else []
     if kind == "ours":
+        worker += ["--memory-gib", str(args.memory_gib)] if args.memory_gib else []
         worker += [f"--set={item}" for item in [*args.set, *overrides]] + (
             ["--resume-at", str(args.resume_at)] if args.resume_at else [])
         worker += ([] if args.profile else ["--no-profile"]) + (["--profile-steps"] if args.profile_steps else [])
@@ -552,7 +556,8 @@ def summarise_ours(run: Dict[str, Any], skip: int) -> Dict[str, Any]:
            "cuda_graph_decoding": steady(run, "rollout/cuda_graph", skip),
            "startup_s": run.get("startup_s"), "engine_start_s": run.get("engine_start_s"),
            "sleep_freed_gib": steady(run, "rollout/sleep_freed_gib", skip),
-           "sleep_s": steady(run, "rollout/sleep_s", skip), "wake_s": steady(run, "rollout/wake_s", skip)}
+           "sleep_s": steady(run, "rollout/sleep_s", skip), "wake_s": steady(run, "rollout/wake_s", skip),
+           "memory_cap_gib": run.get("memory_cap_gib"), "token_budget": steady(run, "perf/token_budget", skip)}
     out.update(spread(run, "time/step", skip), warmup_steps=skip)
     out["phases_s"] = {p: steady(run, f"time/{p}", skip) for p in PHASES if steady(run, f"time/{p}", skip) is not None}
     # each steady step's phases beside what can make a step slower than the next (issue 24's swings)
@@ -704,6 +709,9 @@ def main(argv=None) -> int:
                         "default,actor.use_remove_padding=false,actor.max_token_len_per_gpu=65536")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     p.add_argument("--lora", type=int, default=0, help="LoRA rank on every linear layer (alpha 2r), ours and TRL's")
+    p.add_argument("--memory-gib", type=float, default=0.0,
+                   help="our runs: this process may use this much GPU memory (set_per_process_memory_fraction: "
+                        "a smaller card's memory, or a GPU shared); 0: all of it")
     p.add_argument("--resume-at", type=int, default=0, help="our runs: checkpoint after this many steps, then "
                    "continue in a new trainer resumed from it (save and resume times recorded)")
     p.add_argument("--name", help="the report's name (results/<name>_<device>.json)")
