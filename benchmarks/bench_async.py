@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -164,6 +165,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--timeout", type=float, default=240, help="seconds per run")
     p.add_argument("--set", action="append", default=[], help="SECTION.KEY=VALUE config override of every run")
+    p.add_argument("--name", default="async", help="the report's name (results/<name>_<device>.json)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--shape", help=argparse.SUPPRESS)
@@ -179,9 +181,10 @@ def main(argv=None) -> int:
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
         raise SystemExit(f"--modes: unknown {unknown[0]!r}; choose from {list(MODES)}")
-    report = Report("async", args.device)
+    report = Report(args.name, args.device)
     report.meta = {"prompts": args.prompts, "samples": args.n, "tokens": args.tokens, "steps": args.steps,
-                   "skip": args.skip, "modes": args.modes, "results": {}}
+                   "skip": args.skip, "modes": args.modes, "results": {},
+                   "mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY"))}  # gpu_run.sh ASYNC_MPS=1
     with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
         for shape in args.shapes.split(","):
             report.meta["results"][shape] = run_shape(shape, args, Path(tmp), report)

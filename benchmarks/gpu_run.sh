@@ -170,11 +170,22 @@ fi
 # ---- async (issue 47): trainer.async_mode off / one_step / full (a rollout worker process sharing the GPU,
 # weights through one CUDA IPC buffer) at the Qwen2 0.5B and 1.5B shapes, in one call; needs .bench_assets/
 # (as e2e). About 2.5 min per shape (0.5b and 1.5b together took 289 s); ASYNC_SHAPES=7b-lora runs the modes
-# with LoRA r 64 at the 7B shape (full's workers get the adapters merged into the base) ----
+# with LoRA r 64 at the 7B shape (full's workers get the adapters merged into the base); ASYNC_NAME names the
+# report (default async). ASYNC_MPS=1 runs the section under an MPS daemon started here and stopped after it
+# (processes sharing the GPU then run kernels side by side; without it their contexts take turns) ----
 if want async; then
+  if [ "${ASYNC_MPS:-0}" = 1 ]; then
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/vf_mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/vf_mps_log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d || { failed+=("mps daemon"); unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; }
+  fi
   timeout ${ASYNC_TIMEOUT:-560} "$py" benchmarks/bench_async.py --device cuda --shapes "${ASYNC_SHAPES:-0.5b,1.5b}" \
-    --modes "${ASYNC_MODES:-off,one_step,full}" --steps "${ASYNC_STEPS:-8}" > "$OUT/bench_async.log" 2>&1 ||
-    failed+=("bench_async")
+    --modes "${ASYNC_MODES:-off,one_step,full}" --steps "${ASYNC_STEPS:-8}" --name "${ASYNC_NAME:-async}" \
+    > "$OUT/bench_async.log" 2>&1 || failed+=("bench_async")
+  if [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ]; then
+    echo quit | nvidia-cuda-mps-control
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  fi
   sed -n '/^case  *mode/,$p' "$OUT/bench_async.log" | tail -n 10
 fi
 
