@@ -221,7 +221,7 @@ fi
 # lora_cb (the same with actor.compile_blocks=true, off by default for a LoRA actor: does compiling its norms
 # and MLPs, adapters included, pay?), lora76 (the process kept to 76 GiB, an 80 GB card's memory:
 # set_per_process_memory_fraction),
-# full (actor.optimizer=adamw_8bit, a checkpoint at step 5 and a resumed trainer for the rest); SEVEN_B=trl runs
+# full (actor.optimizer=adamw_8bit, 10 steps: a checkpoint at step 5 and a resumed trainer for the rest); SEVEN_B=trl runs
 # TRL 1.16 + PEFT + vLLM colocate on the same LoRA work, then TRL's full fine-tune (its out-of-memory stop
 # recorded). lora ~4.5 min, full ~5.5: "lora full" does not fit one 10-minute call with the build. ----
 if want 7b; then
@@ -238,7 +238,7 @@ if want 7b; then
         lora76) timeout 280 "$py" benchmarks/bench_e2e.py "${common[@]}" --impls ours --lora 64 --steps 7 \
                   --memory-gib 76 --name e2e_7b_lora_ours_76gib >> "$OUT/bench.log" 2>&1 || failed+=("7b lora ours 76 GiB") ;;
         full) timeout 330 "$py" benchmarks/bench_e2e.py "${common[@]}" --impls ours --set actor.optimizer=adamw_8bit \
-                --steps 8 --resume-at 4 --name e2e_7b_full_ours >> "$OUT/bench.log" 2>&1 || failed+=("7b full ours") ;;
+                --steps 10 --resume-at 5 --name e2e_7b_full_ours >> "$OUT/bench.log" 2>&1 || failed+=("7b full ours") ;;
         *) echo "SEVEN_B_ROWS: unknown row $row (lora, lora_cb, lora76, full)"; failed+=("7b row $row") ;;
       esac
     done
