@@ -2,11 +2,13 @@
 passes, fp32 gradients and AdamW steps on the masters (``strategies/bf16_compute``)."""
 
 import copy
+import json
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
+from verl_fast.checkpoint import sharded as checkpoint
 from verl_fast.config import from_dict
 from verl_fast.strategies.bf16_compute import BF16Compute
 from verl_fast.strategies.fsdp_strategy import computes_in_bf16
@@ -222,6 +224,12 @@ def test_a_lora_actors_frozen_base_is_kept_in_bf16_and_trains_as_under_autocast(
     assert float(moved.norm()) > 0
     assert float(diff.norm() / moved.norm()) < 0.2  # the same adapter update but for bf16 rounding
     assert {p.dtype for p in bf16.actor.parameters() if not p.requires_grad} == {torch.bfloat16}
+    # the export (adapters merged into the bf16 base) says the dtype its weights are in
+    bf16.save()
+    (step,) = (tmp_path / "bfloat16" / "checkpoints").glob("step_*")
+    out = checkpoint.export(str(step), str(tmp_path / "exported"))
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert {p.dtype for p in AutoModelForCausalLM.from_pretrained(out, dtype="auto").parameters()} == {torch.bfloat16}
 
 
 def test_the_auto_keeps_a_lora_base_in_bf16_on_a_gpu_under_bf16_autocast_only():

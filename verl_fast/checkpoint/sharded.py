@@ -22,6 +22,7 @@ and a damaged one is named (file and what is wrong) and skipped for the previous
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import json
 import os
@@ -217,13 +218,23 @@ def save(output_dir: str, step: int, actor: torch.nn.Module, tokenizer: Any, opt
     return final
 
 
+def _dominant_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype holding most of ``model``'s parameters."""
+    counts: Dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return max(counts, key=counts.get)
+
+
 def _write_metadata(tmp: Path, step: int, actor: torch.nn.Module, tokenizer: Any, state: Dict[str, Any],
                     export_hf: bool, whole: Optional[Dict[str, torch.Tensor]] = None) -> Records:
     """Config, tokenizer, trainer state and (``export_hf``) the HF weights; returns the weights'
     files' records."""
     model = hf_module(actor)
     if hasattr(model, "config"):
-        model.config.save_pretrained(tmp)
+        config = copy.deepcopy(model.config)
+        config.dtype = _dominant_dtype(model)  # what the exported weights are (a LoRA base kept in bf16: bf16)
+        config.save_pretrained(tmp)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(tmp)
     if tokenizer is not None:
