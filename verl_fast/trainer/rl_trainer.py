@@ -173,7 +173,8 @@ class RLTrainer:
 
     @property
     def ref(self) -> Optional[torch.nn.Module]:
-        """The frozen reference model, or None."""
+        """The frozen reference copy, or None (no KL; or a LoRA actor's base, adapters disabled, serves
+        as the reference: ``strategy.has_reference``)."""
         return self.strategy.ref
 
     # ------------------------------------------------------------------ setup helpers
