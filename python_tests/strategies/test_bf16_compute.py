@@ -243,6 +243,9 @@ def test_the_auto_keeps_a_lora_base_in_bf16_on_a_gpu_under_bf16_autocast_only():
     assert not keeps_base_in_bf16(lora, cfg, one, cpu, None)
     assert not keeps_base_in_bf16(lora, cfg, one, cuda, None)
     assert not keeps_base_in_bf16(tiny(), cfg, one, cuda, torch.bfloat16)  # no LoRA: BF16Compute's masters
+    # and the adapters' passes on bf16 copies there (peft would copy each adapted layer's input to fp32)
+    assert computes_in_bf16(lora, cfg, one, cuda, torch.bfloat16)
+    assert not computes_in_bf16(lora, cfg, one, cpu, None) and not computes_in_bf16(lora, cfg, one, cuda, None)
     assert not keeps_base_in_bf16(lora, from_dict({"actor": {"mixed_precision": "none"}}), one, cuda, torch.bfloat16)
 
 
@@ -253,7 +256,8 @@ def test_the_plan_counts_a_lora_base_kept_in_bf16_at_two_bytes():
     auto = memory_plan.plan(from_dict({"actor": {"lora": {"r": 4}}}), shape, 2**34, False, peft=True)
     none = memory_plan.plan(from_dict({"actor": {"lora": {"r": 4}, "mixed_precision": "none"}}), shape, 2**34,
                             False, peft=True)
-    # base 2, adapters 4 + their gradients 4 + AdamW 8, the decode's bf16 copies 2 per parameter
-    assert auto.static_bytes == 1_000_000 * 2 + 10_000 * 16 + 2 * shape.parameters
+    # base 2, adapters 4 + their gradients 4 + AdamW 8 + their passes' bf16 copies 2, the decode's bf16
+    # copies 2 per parameter
+    assert auto.static_bytes == 1_000_000 * 2 + 10_000 * 18 + 2 * shape.parameters
     # fp32 base 4, the passes' casts and the decode's copies 2 + 2
     assert none.static_bytes == shape.parameters * 4 + 10_000 * 12 + 4 * shape.parameters

@@ -109,8 +109,8 @@ class ModelLayoutConfig:
                                   "log-prob and training passes (strategies/bf16_compute.py). auto: bfloat16 for an "
                                   "unsharded, non-PEFT fp32 actor on a GPU under bf16 autocast (on an H200 the update "
                                   "took 0.86x / 0.91x the time at 0.5B / 1.5B); for a LoRA actor there (and under "
-                                  "bfloat16) the frozen base weights are kept in bf16, the adapters in fp32; "
-                                  "otherwise none")
+                                  "bfloat16) the frozen base weights are kept in bf16 and the adapters' passes run "
+                                  "on bf16 copies of their fp32 weights; otherwise none")
     cpu_offload: bool = _f(False, doc="FSDP: sharded parameters, gradients and optimizer state on the CPU")
     unsharded_accumulation: str = _f("auto", choices=("auto", "on", "off"),
                                      doc="FSDP2: parameters gathered once per step and gradients reduced once, "

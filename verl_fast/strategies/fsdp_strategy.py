@@ -156,8 +156,15 @@ def computes_in_bf16(actor: torch.nn.Module, cfg: Config, layout: Sharding, devi
         return False
     if cfg.actor.mixed_precision != "auto":
         return cfg.actor.mixed_precision == "bfloat16"
-    return (device.type == "cuda" and autocast == torch.bfloat16 and not hasattr(actor, "peft_config")
-            and all(p.dtype == torch.float32 for p in actor.parameters() if p.is_floating_point()))
+    if device.type != "cuda" or autocast != torch.bfloat16:
+        return False
+    floats = [p for p in actor.parameters() if p.is_floating_point()]
+    if hasattr(actor, "peft_config"):
+        # the fp32 adapters (the frozen base is kept in bf16: keeps_base_in_bf16). peft casts each adapted
+        # layer's input to the adapters' dtype, so fp32 adapters cost an fp32 copy of every such input per
+        # pass, which autocast then casts back to bf16 for the GEMM; bf16 copies compute the same products
+        return any(p.dtype == torch.float32 for p in floats if p.requires_grad)
+    return all(p.dtype == torch.float32 for p in floats)
 
 
 def removes_padding(actor: torch.nn.Module, cfg: Config, device: torch.device,
@@ -318,7 +325,8 @@ class FSDPStrategy:
         if a.max_token_len_per_gpu is None and out["actor.use_dynamic_bsz"]:
             out["actor.max_token_len_per_gpu"] = "from the free memory, at the first update" if cuda else 16384
         if a.mixed_precision == "auto":
-            out["actor.mixed_precision"] = ("bfloat16 for an unsharded fp32 actor (with LoRA: its frozen base)"
+            out["actor.mixed_precision"] = ("bfloat16 for an unsharded fp32 actor (with LoRA: its frozen base, and "
+                                            "bf16 copies of the adapters)"
                                             if cuda and autocast == torch.bfloat16 else "none")
         return out
 
@@ -345,7 +353,7 @@ class FSDPStrategy:
         self.autocast_dtype = autocast_dtype(cfg.actor.autocast, self.device)
         self.autocast = autocast_of(self.autocast_dtype, self.device)
         self.base_in_bf16 = keeps_base_in_bf16(self.actor, cfg, layout, self.device, self.autocast_dtype)
-        if self.base_in_bf16:  # before the reference copies it and bf16 copies are made: the adapters stay fp32
+        if self.base_in_bf16:  # before bf16 copies are made: the adapters stay fp32 masters
             freeze_in_bf16(self.actor)
         self.ref = (reference_model(self.actor, ref, layout, self.device)
                     if needs_reference and not self.ref_is_base else None)
@@ -359,9 +367,11 @@ class FSDPStrategy:
 
     def resolved(self) -> Dict[str, Any]:
         dtype = self.autocast_dtype
+        precision = "bfloat16" if self.bf16 is not None or self.layout.mixed_precision else "none"
+        if self.base_in_bf16:
+            precision = "bfloat16 (the frozen LoRA base" + ("; the adapters on bf16 copies)" if self.bf16 is not None else ")")
         return {"actor.autocast": str(dtype).removeprefix("torch.") if dtype else "none",
-                "actor.mixed_precision": "bfloat16" if self.bf16 is not None or self.layout.mixed_precision else
-                "bfloat16 (the frozen LoRA base)" if self.base_in_bf16 else "none",
+                "actor.mixed_precision": precision,
                 "actor.gradient_checkpointing": self.checkpointing, "actor.compile_blocks": self.compiled,
                 "actor.use_remove_padding": self.packs_sequences,
                 "trainer.tf32": self.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32}

@@ -166,8 +166,8 @@ def plan(cfg: Config, shape: Shape, free_bytes: float, needs_reference: bool, pe
     static += shape.trained * (trained_weight + OPTIMIZER_STATE_BYTES[a.optimizer])
     if needs_reference:
         static += frozen * (2 if base_bf16 else weight) if peft else shape.parameters * weight
-    if base_bf16:  # the decode's bf16 copies (adapters merged)
-        static += 2 * shape.parameters
+    if base_bf16:  # the decode's bf16 copies (adapters merged), the passes' bf16 copies of the adapters
+        static += 2 * shape.parameters + 2 * shape.trained
     elif weight == 4 and bf16_autocast:  # the passes' bf16 copies (or autocast's casts) and the decode's
         static += 2 * 2 * shape.parameters
     half = bf16_autocast or weight == 2
