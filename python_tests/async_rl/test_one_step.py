@@ -120,3 +120,25 @@ def test_sigterm_with_a_generation_in_flight_loses_nothing_and_resumes_bit_ident
     assert [h["step"] for h in resumed] == [1, 2, 3, 4]
     for a, b in zip(whole, resumed):
         assert a["actor/pg_loss"] == b["actor/pg_loss"] and a["reward/mean"] == b["reward/mean"]
+
+
+def test_a_lora_actors_rollout_copy_shares_its_frozen_base(tiny_path, tmp_path):
+    """The one_step copy of a LoRA actor holds the actor's own frozen base parameters (no second base)
+    and adapters of its own, one version behind the actor's while the run trains."""
+    pytest.importorskip("peft")
+    cfg = {"actor": {"lr": 1e-2, "micro_batch_size": 8, "lora": {"r": 4, "alpha": 8, "target_modules": "all-linear"}},
+           "rollout": {"type": "hf", "n": 4, "max_new_tokens": 6}, "reward_fn": {"type": "gsm8k"},
+           "algorithm": {"type": "grpo", "rollout_correction": True},
+           "trainer": {"total_steps": 3, "train_batch_size": 2, "output_dir": str(tmp_path / "lora"),
+                       "progress_bar": False, "plot": False, "device": "cpu", "async_mode": "one_step"}}
+    torch.manual_seed(0)
+    trainer = RLTrainer(actor_model=AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32),
+                        tokenizer=AutoTokenizer.from_pretrained(tiny_path), reward_fn=reward, config=cfg)
+    actor = dict(trainer.actor.named_parameters())
+    copy_ = dict(trainer.async_rollout.operator.engine.model.named_parameters())
+    assert copy_.keys() == actor.keys()
+    assert all((copy_[n] is p) == (not p.requires_grad) for n, p in actor.items())
+    history = [h for h in trainer.fit(PROMPTS) if "actor/pg_loss" in h]
+    assert len(history) == 3 and all(h["async/staleness_max"] <= 1 for h in history)
+    moved = [n for n, p in actor.items() if p.requires_grad and not torch.equal(p, copy_[n])]
+    assert moved  # the copy's adapters are the version before the last update

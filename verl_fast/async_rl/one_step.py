@@ -36,9 +36,12 @@ from verl_fast.rollout.operator import RolloutOperator
 
 
 def _snapshot_operator(operator: RolloutOperator) -> RolloutOperator:
-    """``operator`` over an HF engine of its own, on a frozen copy of the actor's module."""
+    """``operator`` over an HF engine of its own, on a frozen copy of the actor's module. Parameters
+    that do not train (a LoRA actor's base) are shared with the actor, not copied: nothing writes them."""
     engine = operator.engine
-    module = copy.deepcopy(hf_module(engine.model)).eval().requires_grad_(False)
+    actor = hf_module(engine.model)
+    frozen = {id(p): p for p in actor.parameters() if not p.requires_grad}
+    module = copy.deepcopy(actor, memo=dict(frozen)).eval().requires_grad_(False)
     own = HFGenerateEngine(module, engine.tokenizer, **engine.settings())
     out = copy.copy(operator)  # a subclass's get_generation_kwargs included
     out.engine = own
@@ -146,7 +149,8 @@ class OneStepRollout:
             self.operator.engine.sync_from(self.weight_source())
         else:
             for dst, src in zip(self.operator.engine.model.parameters(), hf_module(self.actor).parameters()):
-                dst.copy_(src)
+                if dst is not src:  # a shared frozen parameter is already the actor's
+                    dst.copy_(src)
         self.version = version
 
     def _submit(self, step: int, batch: List[Any]) -> None:
