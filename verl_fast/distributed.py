@@ -1,6 +1,7 @@
 """Facts about the torch.distributed world this process runs in, the few collectives the trainer
 makes on plain Python numbers, and the small agreements between the processes of a run (one rank
-acts, every rank learns the result). One process (no process group) is a world of size 1.
+acts, every rank learns the result). One process (no process group) is a world of size 1. And what of
+its GPU a process may still allocate, where processes may share one (``allocatable_bytes``).
 
 Collectives run on the device the group's backend works with: NCCL only moves CUDA tensors (a CPU
 tensor fails with "No backend type associated with device type cpu"), gloo works on CPU tensors.
@@ -107,3 +108,19 @@ def gather(value: Any) -> List[Any]:
 def any_rank(flag: bool) -> bool:
     """True on every rank when ``flag`` is true on at least one."""
     return bool(all_reduce_numbers([int(flag)], "max", dtype=torch.int32)[0])
+
+
+# of what a process may still allocate, the share the budgets sized from it take (the update's micro-batch
+# tokens, the HF decode's rows at once): the rest is headroom for what the counts leave out
+MEMORY_FRACTION = 0.85
+
+
+def allocatable_bytes(device: torch.device) -> int:
+    """What this process may still allocate on the CUDA ``device`` beyond what its allocator holds: the
+    device's free memory, or less under a per-process cap (``torch.cuda.set_per_process_memory_fraction``,
+    how processes share a GPU or a run keeps to a smaller card's memory): the cap less what is reserved."""
+    free, total = torch.cuda.mem_get_info(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device)  # older torch: no getter
+    if fraction < 1.0:
+        free = min(free, int(fraction * total) - torch.cuda.memory_reserved(device))
+    return max(free, 0)

@@ -344,3 +344,30 @@ def test_compiled_decode_steps_in_the_cuda_graph(model, tok):
             assert_greedy_within_bf16(model, prompts(tok), got)
         again = compiled.generate(prompts(tok), spec)  # a second capture of the compiled step
         assert torch.equal(again.response_ids, got.response_ids)
+
+
+def test_bytes_per_row_counts_the_cache_prefill_and_sampling(tok):
+    m = build_model("qwen2", vocab_size=len(tok), num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2)
+    cfg = m.config
+    width, new = 64, 16
+    kv = 2 * 2 * 2 * (64 // 4) * 4 * (width + new)  # layers x (k, v) x kv heads x head_dim x 4 B x columns
+    prefill = hf_decode.PREFILL_BYTES * width * (64 + cfg.intermediate_size) + width * (width + new)
+    assert hf_decode.bytes_per_row(cfg, width, new) == kv + prefill + 6 * 4 * len(tok)
+
+
+def test_a_group_larger_than_the_room_decodes_in_calls_that_fit(model, tok, monkeypatch):
+    """Where the GPU's room holds fewer prompts than a group has, the loop takes them in calls of what
+    fits (here: the room of two prompts' rows, the CPU standing in): greedy tokens as one call's."""
+    fast, _ = engines(model, tok)
+    spec = SamplingSpec(n=2, temperature=0.0, max_tokens=8)
+    whole = fast.generate(prompts(tok), spec)
+    per_prompt = hf_decode.bytes_per_row(model.config, hf_decode.CompiledForward.WIDTH, spec.max_tokens)
+    calls = []
+    run = fast._generate
+    monkeypatch.setattr(fast, "_room_bytes", lambda: 2.5 * per_prompt)  # greedy: one row a prompt
+    monkeypatch.setattr(fast, "_generate", lambda ps, s: calls.append(len(ps)) or run(ps, s))
+    cut = fast.generate(prompts(tok), spec)
+    assert calls == [2, 2, 1]
+    assert torch.equal(cut.response_ids, whole.response_ids) and cut.finish_reasons == whole.finish_reasons
+    torch.testing.assert_close(cut.logprobs, whole.logprobs, atol=1e-5, rtol=0)
+    assert HFGenerateEngine(model, tok, fast_decode="on")._room_bytes() is None  # off a GPU: no limit

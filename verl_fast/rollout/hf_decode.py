@@ -63,6 +63,29 @@ def unsupported(module: torch.nn.Module) -> Optional[str]:
     return None
 
 
+# Device bytes the prefill holds per prompt token and unit of the layers' (hidden + intermediate) width:
+# one layer's temporaries at a time (the MLP's gate, up and product, the attention's q, k, v and output,
+# in bf16) beside the float32 residual stream; a round upper count, not measured
+PREFILL_BYTES = 8
+
+
+def bytes_per_row(config, width: int, max_new_tokens: int) -> int:
+    """Device bytes one sequence of the loop holds at its peak: its KV cache (every layer's keys and values
+    for ``width + max_new_tokens`` columns, counted at 4 bytes an element: under autocast the keys leave
+    the float32 rotary product), the prefill's activations over its ``width`` prompt columns and its
+    boolean attention mask, and the sampling's float32 rows over the vocabulary (the logits and a few
+    temporaries of their size)."""
+    cfg = getattr(config, "text_config", None) or config
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    length = width + max_new_tokens
+    kv = cfg.num_hidden_layers * 2 * kv_heads * head_dim * 4 * length
+    inner = getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size
+    prefill = PREFILL_BYTES * width * (cfg.hidden_size + inner) + width * length
+    return kv + prefill + 6 * 4 * cfg.vocab_size
+
+
 class StaticKV(Cache):
     """Keys and values of every layer in tensors of fixed shape [B, kv_heads, length, head_dim],
     written at the columns ``cols`` (a device tensor the caller advances). The model calls only

@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from verl_fast.distributed import collective_device
+from verl_fast.distributed import MEMORY_FRACTION, allocatable_bytes, collective_device
 from verl_fast.models import routing
 from verl_fast.models.wrapping import hf_module, is_sharded
 from verl_fast.rollout import hf_decode
@@ -176,8 +176,10 @@ class HFGenerateEngine(RolloutEngine):
         results: Dict[int, List[Tuple[List[int], List[float], str]]] = {}
         routes: Dict[int, List[torch.Tensor]] = {}
         for spec, members in groups.items():
-            # the static-cache loop takes the whole group at once (its batch is the point)
-            per_call = len(members) if self._fast_reason(spec) is None else max(1, self.max_batch_size // spec.n)
+            # the static-cache loop takes the whole group at once (its batch is the point), as far as the
+            # GPU's memory holds it
+            per_call = (self._fast_prompts_per_call(prompts, members, spec) if self._fast_reason(spec) is None
+                        else max(1, self.max_batch_size // spec.n))
             for start in range(0, len(members), per_call):
                 chunk = members[start : start + per_call]
                 grouped, routed = self._generate([prompts[i] for i in chunk], spec)
@@ -197,6 +199,37 @@ class HFGenerateEngine(RolloutEngine):
                     routed_all.append(routes[i][j])
         return pad_completions(completions, logprobs, index, self.pad_id, texts, reasons,
                                routed_all if self.record_routing else None)
+
+    def _fast_prompts_per_call(self, prompts: Sequence[Sequence[int]], members: List[int], spec: SamplingSpec) -> int:
+        """How many of a sampling group's prompts the static-cache loop decodes at once: all of them, or on
+        a GPU as many as its room holds (``hf_decode.bytes_per_row`` for each of a prompt's samples; a
+        greedy prompt decodes once). Where that cuts the group, the sampled values differ from an uncut
+        call's (one draw sequence per call), never their distribution."""
+        room = self._room_bytes()
+        if room is None:
+            return len(members)
+        step = hf_decode.CompiledForward.WIDTH  # the compiled loop pads prompts to a multiple of it
+        width = -(-max(len(prompts[i]) for i in members) // step) * step
+        rows = 1 if spec.temperature == 0.0 else spec.n
+        per_prompt = rows * hf_decode.bytes_per_row(self._module().config, width, spec.max_tokens)
+        fits = max(1, min(len(members), int(room // per_prompt)))
+        if fits < len(members):
+            logger.info("HF decode: %d of %d prompts per call (%.1f GiB of room at %.0f MiB a prompt)", fits,
+                        len(members), room / 2**30, per_prompt / 2**20)
+        return fits
+
+    def _room_bytes(self) -> Optional[float]:
+        """The device bytes the loop's rows may take (None off a GPU: no limit): ``MEMORY_FRACTION`` of what
+        this process may still allocate and its allocator holds unused, less the bf16 copies a compiled
+        loop keeps (counted whether made yet or not)."""
+        device = self.device
+        if device.type != "cuda":
+            return None
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        room = MEMORY_FRACTION * (allocatable_bytes(device) + cached)
+        if self._compiled is not None:
+            room -= 2 * sum(p.numel() for p in self._module().parameters())
+        return max(room, 0.0)
 
     def _fast_reason(self, spec: SamplingSpec) -> Optional[str]:
         """Why this call goes to ``generate`` rather than the static-cache loop (None: it does not)."""

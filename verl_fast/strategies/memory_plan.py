@@ -25,6 +25,7 @@ from typing import Any, Iterable, Optional, Tuple
 import torch
 
 from verl_fast.config import Config
+from verl_fast.distributed import MEMORY_FRACTION, allocatable_bytes
 
 GIB = 2**30
 # Activation bytes a training pass keeps for its backward, per token, per layer and per unit of
@@ -38,20 +39,8 @@ ACTIVATION_BYTES = 8.0
 # eager, bf16 autocast, 7.85 MiB per token where ACTIVATION_BYTES x 1.3 counts 6.25 MiB (its SFT ran
 # out of memory with that count). Counted per unit of the adapted layers' (in + out) width: 8.66 MiB there.
 ADAPTER_ACTIVATION_BYTES = 1.0
-MEMORY_FRACTION = 0.85  # of what is free at the first update, for the activations
 OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "adamw_8bit": 2.0}  # per trained parameter (8-bit: + block scales)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def free_bytes(device: torch.device) -> int:
-    """What this process may still allocate on ``device`` beyond what its allocator holds: the device's
-    free memory, or less under a per-process cap (``torch.cuda.set_per_process_memory_fraction``, how
-    processes share a GPU or a run keeps to a smaller card's memory): the cap less what is reserved."""
-    free, total = torch.cuda.mem_get_info(device)
-    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device)  # older torch: no getter
-    if fraction < 1.0:
-        free = min(free, int(fraction * total) - torch.cuda.memory_reserved(device))
-    return max(free, 0)
 
 
 class DoesNotFit(ValueError):
@@ -196,7 +185,7 @@ def check_before_loading(cfg: Config, folder: str, needs_reference: bool, device
     if device.type != "cuda":
         return None
     shape = shape_from_folder(folder, cfg.actor.lora, cfg.actor.trust_remote_code)
-    free = free_bytes(device)
+    free = allocatable_bytes(device)
     peft = cfg.actor.lora is not None  # fresh adapters: the reference is the base, no copy (fsdp_strategy)
     p = plan(cfg, shape, free, needs_reference and not peft, peft)
     if not p.fits():
@@ -209,7 +198,7 @@ def wants_checkpointing(cfg: Config, model: torch.nn.Module, device: torch.devic
     gradients or optimizer states): off on the CPU, where memory is not the limit."""
     if device.type != "cuda":
         return False
-    free = free_bytes(device)
+    free = allocatable_bytes(device)
     shape = shape_of(model)
     here = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cuda")
     peft = hasattr(model, "peft_config")

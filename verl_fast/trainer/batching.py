@@ -18,10 +18,11 @@ import torch
 import torch.distributed as dist
 
 from verl_fast.algos.loss_terms import active_rows
-from verl_fast.rollout.experience import Experience, concat
+from verl_fast.distributed import allocatable_bytes
 from verl_fast.ops import schedule
+from verl_fast.rollout.experience import Experience, concat
 from verl_fast.strategies.memory_plan import (ACTIVATION_BYTES, MEMORY_FRACTION, adapted_width, adapter_per_token,
-                                              checkpointed_per_token, free_bytes)
+                                              checkpointed_per_token)
 
 __all__ = ["loss_normalisers", "micro_batches", "balance_across_ranks", "token_budget"]
 
@@ -94,7 +95,7 @@ def token_budget(model: torch.nn.Module, optimizer: torch.optim.Optimizer, devic
         pending += sum(state_bytes * t.numel() for _, t in trained)
     if casts_weights:  # autocast's bf16 casts of the fp32 weights, held by each pass (frozen ones for its backward)
         pending += sum(2 * p.numel() for p in model.parameters() if p.dtype == torch.float32)
-    free = free_bytes(device)
+    free = allocatable_bytes(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     available = free + cached - pending
     return max(4096, int(MEMORY_FRACTION * max(available, 0) / per_token))
