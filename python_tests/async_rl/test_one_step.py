@@ -142,3 +142,27 @@ def test_a_lora_actors_rollout_copy_shares_its_frozen_base(tiny_path, tmp_path):
     assert len(history) == 3 and all(h["async/staleness_max"] <= 1 for h in history)
     moved = [n for n, p in actor.items() if p.requires_grad and not torch.equal(p, copy_[n])]
     assert moved  # the copy's adapters are the version before the last update
+
+
+def test_under_autocast_the_rollout_copy_holds_the_autocast_dtype(tiny_path, tmp_path):
+    """With bf16 autocast the one_step copy holds bf16 weights (the actor fp32), synced each step."""
+    cfg = {"actor": {"lr": 1e-2, "micro_batch_size": 8, "autocast": "bfloat16"},
+           "rollout": {"type": "hf", "n": 4, "max_new_tokens": 6}, "reward_fn": {"type": "gsm8k"},
+           "algorithm": {"type": "grpo", "rollout_correction": True},
+           "trainer": {"total_steps": 3, "train_batch_size": 2, "output_dir": str(tmp_path), "progress_bar": False,
+                       "plot": False, "device": "cpu", "async_mode": "one_step"}}
+    torch.manual_seed(0)
+    trainer = RLTrainer(actor_model=AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32),
+                        tokenizer=AutoTokenizer.from_pretrained(tiny_path), reward_fn=reward, config=cfg)
+    snapshot = trainer.async_rollout.operator.engine.model
+    assert {p.dtype for p in snapshot.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in trainer.actor.parameters()} == {torch.float32}
+    before = []  # the actor's weights before each update
+    update = trainer.update_actor
+    trainer.update_actor = lambda exp: before.append(
+        {n: p.detach().clone() for n, p in trainer.actor.named_parameters()}) or update(exp)
+    history = [h for h in trainer.fit(PROMPTS) if "actor/pg_loss" in h]
+    assert len(history) == 3 and all(torch.isfinite(torch.tensor(h["actor/pg_loss"])) for h in history)
+    # last synced when step 2's generation started: version 1, the weights before the second update
+    for name, p in snapshot.named_parameters():
+        assert torch.equal(p, before[1][name].to(torch.bfloat16)), name

@@ -3,7 +3,8 @@ computes its log-probs and updates.
 
 The thread generates with a copy of the policy at version t (the weights before step t's update),
 never with weights being updated: a Hugging Face engine gets a frozen copy of the actor of its own
-(``HFGenerateEngine`` over it), refreshed from the actor between generations; an engine that owns
+(``HFGenerateEngine`` over it; in the autocast dtype under autocast), refreshed from the actor between
+generations; an engine that owns
 its weights (vLLM) is itself the copy, synced between generations. Every sample is then exactly one
 version old when it trains (the first step's: zero), and its tokens carry the behaviour log-probs
 of that version; ``algorithm.rollout_correction`` weights each token by
@@ -37,11 +38,19 @@ from verl_fast.rollout.operator import RolloutOperator
 
 def _snapshot_operator(operator: RolloutOperator) -> RolloutOperator:
     """``operator`` over an HF engine of its own, on a frozen copy of the actor's module. Parameters
-    that do not train (a LoRA actor's base) are shared with the actor, not copied: nothing writes them."""
+    that do not train (a LoRA actor's base) are shared with the actor, not copied: nothing writes them.
+    Under autocast the copies of the trained ones are in the autocast dtype, as full's workers and a vLLM
+    engine hold their weights (half an fp32 copy's memory; the decode computes in that dtype anyway)."""
     engine = operator.engine
     actor = hf_module(engine.model)
-    frozen = {id(p): p for p in actor.parameters() if not p.requires_grad}
-    module = copy.deepcopy(actor, memo=dict(frozen)).eval().requires_grad_(False)
+    dtype = engine.autocast_dtype
+    memo: dict = {}
+    for p in actor.parameters():
+        if not p.requires_grad:
+            memo[id(p)] = p
+        elif dtype is not None and p.is_floating_point() and id(p) not in memo:  # made here: no fp32 copy first
+            memo[id(p)] = torch.nn.Parameter(p.detach().to(dtype, copy=True), requires_grad=False)
+    module = copy.deepcopy(actor, memo=memo).eval().requires_grad_(False)
     own = HFGenerateEngine(module, engine.tokenizer, **engine.settings())
     out = copy.copy(operator)  # a subclass's get_generation_kwargs included
     out.engine = own
