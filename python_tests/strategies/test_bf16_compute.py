@@ -261,3 +261,20 @@ def test_the_plan_counts_a_lora_base_kept_in_bf16_at_two_bytes():
     assert auto.static_bytes == 1_000_000 * 2 + 10_000 * 18 + 2 * shape.parameters
     # fp32 base 4, the passes' casts and the decode's copies 2 + 2
     assert none.static_bytes == shape.parameters * 4 + 10_000 * 12 + 4 * shape.parameters
+
+
+def test_the_plan_counts_the_asynchronous_modes_rollout_copies():
+    from verl_fast.strategies import memory_plan
+
+    shape = memory_plan.Shape(parameters=1_000_000, trained=1_000_000, layers=2, width=128, hidden=64)
+    base = {"algorithm": {"rollout_correction": True}}
+    off = memory_plan.plan(from_dict(base), shape, 2**34, False, peft=False).static_bytes
+    for trainer, extra in (({"async_mode": "one_step"}, 2 * 1_000_000),  # bf16 copy of what trains
+                           ({"async_mode": "full", "async_workers": 2}, 2 * 1_000_000 * 5)):  # buffer + 2 x 2
+        cfg = from_dict({**base, "trainer": trainer})
+        assert memory_plan.plan(cfg, shape, 2**34, False, peft=False).static_bytes == off + extra
+    lora = memory_plan.Shape(parameters=1_010_000, trained=10_000, layers=2, width=128, hidden=64)
+    one_step = from_dict({**base, "trainer": {"async_mode": "one_step"}, "actor": {"lora": {"r": 4}}})
+    assert memory_plan.plan(one_step, lora, 2**34, False, peft=True).static_bytes == \
+        memory_plan.plan(from_dict({**base, "actor": {"lora": {"r": 4}}}), lora, 2**34, False, peft=True).static_bytes \
+        + 2 * 10_000  # the adapters only: the base is shared

@@ -180,7 +180,7 @@ class ActorConfig(ModelLayoutConfig, ScheduleConfig):
     gradient_checkpointing: Optional[bool] = _f(None, doc="recompute each layer's activations in the backward "
                                                 "(null, auto: on when the free memory left after the weights, "
                                                 "gradients and optimizer states holds less than one micro-batch's "
-                                                "activations of a prompt group, trainer/memory_plan.py)")
+                                                "activations of a prompt group, strategies/memory_plan.py)")
     optimizer: str = _f("adamw", choices=("adamw", "adamw_8bit"),
                         doc="adamw: torch's, fp32 states (8 bytes a trained parameter); adamw_8bit: torchao's "
                             "AdamW8bit, block-quantised states (2 bytes: what lets a 7B full fine-tune fit one "

@@ -9,6 +9,9 @@ Bytes that stay for the whole run (``static``), per parameter of the actor:
   ``strategies/bf16_compute.py``) and the compiled decode's (``rollout/hf_decode.CompiledForward``);
   under autocast without those copies, autocast's own cast cache holds the same 2 bytes during a pass.
   A LoRA actor's frozen base is kept in bf16 instead (2 bytes, no copies for the passes).
+- the asynchronous modes' rollout copies, in the autocast dtype (``async_rl/``): ``one_step``'s copy of
+  the trained parameters (an HF engine's; a LoRA base is shared); ``full`` with its workers on this GPU
+  (one GPU on the host), the pushed buffer and, per worker, its model and staging copy of every parameter.
 
 What is left holds the activations of the micro-batches (``ACTIVATION_BYTES`` per token, layer and
 unit of width without checkpointing; with it, one bf16 hidden state per token and
@@ -159,12 +162,24 @@ def plan(cfg: Config, shape: Shape, free_bytes: float, needs_reference: bool, pe
         static += 2 * shape.parameters + 2 * shape.trained
     elif weight == 4 and bf16_autocast:  # the passes' bf16 copies (or autocast's casts) and the decode's
         static += 2 * 2 * shape.parameters
+    static += async_copies(cfg, shape, 2 if bf16_autocast else weight)
     half = bf16_autocast or weight == 2
     per_token = ACTIVATION_BYTES * shape.layers * shape.width * (1.0 if half else 2.0)
     per_token += adapter_per_token(shape.adapted, half)
     checkpointed = checkpointed_per_token(per_token, shape.layers, shape.hidden)
     sequence = cfg.trainer.max_prompt_length + r.max_new_tokens
     return Plan(static, free_bytes, per_token, checkpointed, r.n * sequence, sequence)
+
+
+def async_copies(cfg: Config, shape: Shape, nbytes: int) -> float:
+    """Bytes the asynchronous mode keeps on the trainer's GPU besides the trainer's own (module docstring),
+    at ``nbytes`` per element. Without a GPU of their own (a host of one) ``full``'s workers share it."""
+    t = cfg.trainer
+    if t.async_mode == "one_step" and cfg.rollout.type != "vllm":  # vLLM's engine is its own copy
+        return nbytes * shape.trained
+    if t.async_mode == "full" and torch.cuda.device_count() <= 1:
+        return nbytes * shape.parameters * (1 + 2 * t.async_workers)
+    return 0.0
 
 
 def refusal(p: Plan, cfg: Config) -> str:
