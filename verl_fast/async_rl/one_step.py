@@ -4,8 +4,7 @@ computes its log-probs and updates.
 The thread generates with a copy of the policy at version t (the weights before step t's update),
 never with weights being updated: a Hugging Face engine gets a frozen copy of the actor of its own
 (``HFGenerateEngine`` over it; in the autocast dtype under autocast), refreshed from the actor between
-generations; an engine that owns
-its weights (vLLM) is itself the copy, synced between generations. Every sample is then exactly one
+generations; an engine that owns its weights (vLLM) is itself the copy, synced between generations. Every sample is then exactly one
 version old when it trains (the first step's: zero), and its tokens carry the behaviour log-probs
 of that version; ``algorithm.rollout_correction`` weights each token by
 ``exp(old_logprob - behaviour_logprob)``, truncated.
