@@ -124,3 +124,8 @@ def allocatable_bytes(device: torch.device) -> int:
     if fraction < 1.0:
         free = min(free, int(fraction * total) - torch.cuda.memory_reserved(device))
     return max(free, 0)
+
+
+def usable_bytes(device: torch.device) -> int:
+    """``allocatable_bytes`` and what this process's allocator holds unused (its next allocations reuse it)."""
+    return allocatable_bytes(device) + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)

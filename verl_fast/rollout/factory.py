@@ -155,14 +155,10 @@ def step_kv_cache_bytes(hf_config: Any, sequences: int, max_len: int, dtype: str
     blocks, x1.25), from the model's config; None where the config does not say (vLLM then sizes it by
     ``gpu_memory_utilization``). vLLM's own default fills half the GPU: ~70 GB on an H200, of which a
     0.5B model's 128 x 300-token step uses 0.6%, and every sleep / wake unmaps / maps all of it."""
-    layers = getattr(hf_config, "num_hidden_layers", None)
-    heads = getattr(hf_config, "num_attention_heads", None)
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf_config, "head_dim", None) or (hf_config.hidden_size // heads if heads else None)
-    if not (layers and kv_heads and head_dim):
-        return None
     element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    per_token = 2 * layers * max(1, kv_heads // tensor_parallel_size) * head_dim * element  # K and V
+    per_token = hf_decode.kv_bytes_per_token(hf_config, element, tensor_parallel_size)
+    if per_token is None:
+        return None
     tokens = sequences * -(-max_len // 16) * 16
     return int(1.25 * tokens * per_token)
 

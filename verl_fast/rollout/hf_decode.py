@@ -63,6 +63,18 @@ def unsupported(module: torch.nn.Module) -> Optional[str]:
     return None
 
 
+def kv_bytes_per_token(config, element_bytes: int, shards: int = 1) -> Optional[int]:
+    """Every layer's key and value of one token at ``element_bytes`` an element, the KV heads split over
+    ``shards`` (tensor parallelism); None where the config does not say."""
+    layers = getattr(config, "num_hidden_layers", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    if not (layers and kv_heads and head_dim):
+        return None
+    return 2 * layers * max(1, kv_heads // shards) * head_dim * element_bytes
+
+
 # Device bytes the prefill holds per prompt token and unit of the layers' (hidden + intermediate) width:
 # one layer's temporaries at a time (the MLP's gate, up and product, the attention's q, k, v and output,
 # in bf16) beside the float32 residual stream; a round upper count, not measured
@@ -76,11 +88,8 @@ def bytes_per_row(config, width: int, max_new_tokens: int) -> int:
     boolean attention mask, and the sampling's float32 rows over the vocabulary (the logits and a few
     temporaries of their size)."""
     cfg = getattr(config, "text_config", None) or config
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     length = width + max_new_tokens
-    kv = cfg.num_hidden_layers * 2 * kv_heads * head_dim * 4 * length
+    kv = kv_bytes_per_token(cfg, 4) * length
     inner = getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size
     prefill = PREFILL_BYTES * width * (cfg.hidden_size + inner) + width * length
     return kv + prefill + 6 * 4 * cfg.vocab_size

@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from verl_fast.distributed import MEMORY_FRACTION, allocatable_bytes, collective_device
+from verl_fast.distributed import MEMORY_FRACTION, collective_device, usable_bytes
 from verl_fast.models import routing
 from verl_fast.models.wrapping import hf_module, is_sharded
 from verl_fast.rollout import hf_decode
@@ -225,8 +225,7 @@ class HFGenerateEngine(RolloutEngine):
         device = self.device
         if device.type != "cuda":
             return None
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        room = MEMORY_FRACTION * (allocatable_bytes(device) + cached)
+        room = MEMORY_FRACTION * usable_bytes(device)
         if self._compiled is not None:
             room -= 2 * sum(p.numel() for p in self._module().parameters())
         return max(room, 0.0)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from verl_fast.algos.loss_terms import active_rows
-from verl_fast.distributed import allocatable_bytes
+from verl_fast.distributed import usable_bytes
 from verl_fast.ops import schedule
 from verl_fast.rollout.experience import Experience, concat
 from verl_fast.strategies.memory_plan import (ACTIVATION_BYTES, MEMORY_FRACTION, adapted_width, adapter_per_token,
@@ -95,9 +95,7 @@ def token_budget(model: torch.nn.Module, optimizer: torch.optim.Optimizer, devic
         pending += sum(state_bytes * t.numel() for _, t in trained)
     if casts_weights:  # autocast's bf16 casts of the fp32 weights, held by each pass (frozen ones for its backward)
         pending += sum(2 * p.numel() for p in model.parameters() if p.dtype == torch.float32)
-    free = allocatable_bytes(device)
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    available = free + cached - pending
+    available = usable_bytes(device) - pending
     return max(4096, int(MEMORY_FRACTION * max(available, 0) / per_token))
 
 
