@@ -4,16 +4,18 @@ new tokens of the Qwen2 shapes of bench_e2e, in variants of our own code, one pr
 
 - ``unmerged``: each layer's seven products as transformers' modules run them (the forwards before
   ``merged_projections``; the merge switched off by emptying its class lists);
-- ``merged``: q/k/v and gate/up as one product each (the default).
+- ``merged``: q/k/v and gate/up as one product each (the default), each prompt prefilled once for its
+  samples (``rows``);
+- ``prefill_each``: merged, the prompt's rows prefilled one by one (the loop before ``rows``).
 
 (Inductor's ``max-autotune``, its Triton GEMM templates timed against cuBLAS per product, was tried on
 the 0.5B shape: 3-17 s of autotuning per GEMM shape, the compile not done within 190 s; not a variant.)
 
 Per variant: the first call (compile + capture), the median of the next ``--reps`` calls, the kernels
-per token and the GPU-busy share of one profiled call, and the floor: the bf16 weights and the KV cache
-read once per token at the H200's 4.8 TB/s.
+per token, the GPU-busy share and the ten kernels of most GPU time of one profiled call, and the floor:
+the bf16 weights and the KV cache read once per token at the H200's 4.8 TB/s (the prefill not counted).
 
-    python benchmarks/bench_decode.py [--shapes 0.5b,1.5b] [--variants unmerged,merged]
+    python benchmarks/bench_decode.py [--shapes 0.5b,1.5b,7b] [--variants unmerged,merged,prefill_each]
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Report  # noqa: E402
 from bench_e2e import SHAPES, gpu_busy  # noqa: E402
 
-VARIANTS = ("unmerged", "merged")
+VARIANTS = ("unmerged", "merged", "prefill_each")
 HBM_BYTES_PER_S = 4.8e12
 
 
@@ -45,17 +47,17 @@ def build(shape: str):
     return model.eval()
 
 
-def prompts(count: int, n: int, vocab: int):
-    """``count`` random prompts of 60-120 tokens, each ``n`` times, left-padded: ids and mask [count * n, W]."""
+def prompts(count: int, vocab: int):
+    """``count`` random prompts of 60-120 tokens, left-padded: ids and mask [count, W]."""
     g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(60, 121, (count,), generator=g).repeat_interleave(n)
+    lengths = torch.randint(60, 121, (count,), generator=g)
     width = int(lengths.max())
     ids = torch.randint(0, vocab, (len(lengths), width), generator=g)
     mask = (torch.arange(width)[None, :] >= width - lengths[:, None]).long()
     return ids.masked_fill(mask == 0, 0).cuda(), mask.cuda()
 
 
-def run_variant(model, ids, mask, tokens: int, variant: str, reps: int):
+def run_variant(model, ids, mask, n: int, tokens: int, variant: str, reps: int):
     from verl_fast.rollout import hf_decode, merged_projections
 
     torch._dynamo.reset()
@@ -64,11 +66,14 @@ def run_variant(model, ids, mask, tokens: int, variant: str, reps: int):
         merged_projections.ATTENTIONS = merged_projections.MLPS = frozenset()
     compiled = hf_decode.CompiledForward()
     graphs = hf_decode.GraphPool()
+    rows = torch.arange(ids.shape[0], device=ids.device).repeat_interleave(n)  # each prompt's n samples
+    if variant == "prefill_each":
+        ids, mask, rows = ids[rows], mask[rows], None
 
     def call():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             out = hf_decode.decode(model, ids, mask, tokens, 1.0, 0, 1.0, [-1], 0, use_graph=True, graphs=graphs,
-                                   compiled=compiled)
+                                   compiled=compiled, rows=rows)
         torch.cuda.synchronize()
         return out
 
@@ -88,11 +93,14 @@ def run_variant(model, ids, mask, tokens: int, variant: str, reps: int):
             call()
             wall = time.perf_counter() - start
         busy, kernels = gpu_busy(prof)
+        top = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:10]
     finally:
         merged_projections.ATTENTIONS, merged_projections.MLPS = saved
     return {"variant": variant, "mode": mode, "first_s": first, "median_s": statistics.median(times),
             "min_s": min(times), "max_s": max(times), "kernels_per_token": kernels / tokens,
-            "busy_share": busy / wall}
+            "busy_share": busy / wall,
+            "top_kernels": [{"name": e.key[:120], "calls": e.count, "total_ms": e.device_time_total / 1e3}
+                            for e in top]}
 
 
 def main(argv=None) -> int:
@@ -108,22 +116,25 @@ def main(argv=None) -> int:
     report.meta.update(setup=f"{args.prompts} prompts x {args.n}, {args.tokens} new tokens, bf16 autocast, CUDA graph")
     for shape in args.shapes.split(","):
         model = build(shape)
-        ids, mask = prompts(args.prompts, args.n, model.config.vocab_size)
+        ids, mask = prompts(args.prompts, model.config.vocab_size)
+        samples = ids.shape[0] * args.n
         weights = sum(p.numel() for p in model.parameters()) * 2  # bf16 copies, the tied head once
         cfg = model.config
         head_dim = cfg.hidden_size // cfg.num_attention_heads
         kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2  # keys + values, bf16
         mean_cache = ids.shape[1] + args.tokens / 2  # positions a step reads, on average
-        floor = args.tokens * (weights + ids.shape[0] * mean_cache * kv_per_token) / HBM_BYTES_PER_S
-        case = f"{shape} decode {ids.shape[0]}x{args.tokens}"
+        floor = args.tokens * (weights + samples * mean_cache * kv_per_token) / HBM_BYTES_PER_S
+        case = f"{shape} decode {samples}x{args.tokens}"
         report.floors[case] = floor * 1e3
         rows = []
         for variant in args.variants.split(","):
-            r = run_variant(model, ids, mask, args.tokens, variant, args.reps)
+            r = run_variant(model, ids, mask, args.n, args.tokens, variant, args.reps)
             rows.append(r)
             print(f"{shape} {variant:<10} first {r['first_s']:6.1f} s  median {r['median_s']:.3f} s "
                   f"(min {r['min_s']:.3f}, max {r['max_s']:.3f})  {r['kernels_per_token']:.0f} kernels/token  "
                   f"GPU busy {r['busy_share']:.0%}  floor {floor:.3f} s  mode {r['mode']}", flush=True)
+            print(f"{shape} {variant:<10} top kernels: " + "; ".join(
+                f"{k['name'][:50]} {k['total_ms']:.0f} ms x{k['calls']}" for k in r["top_kernels"][:6]), flush=True)
             report.add(case, f"verl_fast {variant}" if variant == "merged" else variant, r["median_s"] * 1e3,
                        note=f"first {r['first_s']:.1f} s, {r['kernels_per_token']:.0f} kernels/token, "
                             f"busy {r['busy_share']:.0%}")

@@ -261,12 +261,14 @@ if want sft; then
   sed -n '/^sft on/,$p' "$OUT/bench.log" | tail -n 14
 fi
 
-# ---- decode (issue 24): the rollout's compiled, graph-captured decode alone, merged products against
-# unmerged, 0.5B and 1.5B (~3 minutes) ----
+# ---- decode (issues 24, 42): the rollout's compiled, graph-captured decode alone, each prompt prefilled once for
+# its 8 samples against prefilled row by row, with each call's top kernels; 0.5B and 1.5B (~3 minutes),
+# DECODE_SHAPES=7b for the 7B class's decode (where its 2.4x-the-floor generation goes); DECODE_VARIANTS adds
+# unmerged (q/k/v and gate/up as separate products) ----
 if want decode; then
   timeout ${DECODE_TIMEOUT:-400} "$py" benchmarks/bench_decode.py --shapes "${DECODE_SHAPES:-0.5b,1.5b}" \
-    --variants "${DECODE_VARIANTS:-unmerged,merged}" >> "$OUT/bench.log" 2>&1 || failed+=("bench_decode")
-  grep -E "^(0.5b|1.5b) " "$OUT/bench.log" | tail -n 6
+    --variants "${DECODE_VARIANTS:-merged,prefill_each}" >> "$OUT/bench.log" 2>&1 || failed+=("bench_decode")
+  grep -E "^(0.5b|1.5b|7b) " "$OUT/bench.log" | tail -n 12
 fi
 
 # ---- overlap (issue 24): the reward scored beside the old-log-prob pass against before it, a reward that waits

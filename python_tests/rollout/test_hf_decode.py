@@ -346,13 +346,51 @@ def test_compiled_decode_steps_in_the_cuda_graph(model, tok):
         assert torch.equal(again.response_ids, got.response_ids)
 
 
-def test_bytes_per_row_counts_the_cache_prefill_and_sampling(tok):
+def test_bytes_per_prompt_counts_each_samples_cache_and_sampling_and_one_prefill(tok):
     m = build_model("qwen2", vocab_size=len(tok), num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2)
     cfg = m.config
     width, new = 64, 16
     kv = 2 * 2 * 2 * (64 // 4) * 4 * (width + new)  # layers x (k, v) x kv heads x head_dim x 4 B x columns
-    prefill = hf_decode.PREFILL_BYTES * width * (64 + cfg.intermediate_size) + width * (width + new)
-    assert hf_decode.bytes_per_row(cfg, width, new) == kv + prefill + 6 * 4 * len(tok)
+    prefill = hf_decode.PREFILL_BYTES * width * (64 + cfg.intermediate_size) + width * width
+    for samples in (1, 3):
+        assert hf_decode.bytes_per_prompt(cfg, width, new, samples) == samples * (kv + 6 * 4 * len(tok)) + prefill
+
+
+def test_the_prefill_runs_each_prompt_once_for_all_its_samples(model, tok):
+    """``rows``: the prompts' forward sees each distinct prompt once, its KV cache goes to every row that
+    decodes it, and the decode is the one of the prompts given row by row (same seed: same tokens and
+    log-probs); the engine passes each distinct prompt of a call once."""
+    p = prompts(tok, 3)
+    width = max(map(len, p))
+    ids = torch.tensor([[0] * (width - len(x)) + x for x in p])
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in p])
+    rows = torch.tensor([0, 0, 2, 1, 2, 2, 0])
+    batches = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda mod, args, out: batches.append(tuple(args[0].shape)))
+    try:
+        for temperature in (0.0, 1.0):
+            batches.clear()
+            torch.manual_seed(5)
+            once = hf_decode.decode(model, ids, mask, 9, temperature, 0, 1.0, [-1], 0, use_graph=False, rows=rows)
+            assert batches[0] == (3, width) and set(batches[1:]) == {(7, 1)}  # a prefill of 3 rows, steps of 7
+            torch.manual_seed(5)
+            each = hf_decode.decode(model, ids[rows], mask[rows], 9, temperature, 0, 1.0, [-1], 0, use_graph=False)
+            assert torch.equal(once[0], each[0])
+            torch.testing.assert_close(once[1], each[1], atol=1e-5, rtol=0)
+        batches.clear()
+        engine = HFGenerateEngine(model, tok, fast_decode="on")
+        out = engine.generate([p[0], p[1], p[0]], SamplingSpec(n=2, temperature=1.0, max_tokens=5, seed=0))
+        assert batches[0] == (2, max(len(p[0]), len(p[1]))) and set(batches[1:]) == {(6, 1)} and out.num_sequences == 6
+    finally:
+        hook.remove()
+    cache = hf_decode.StaticKV(1, 4, rows=torch.tensor([1, 0, 1]))
+    cache.cols = torch.arange(3)
+    key, value = torch.randn(2, 1, 3, 2), torch.randn(2, 1, 3, 2)
+    k, v = cache.update(key, value, 0)  # the prefill: two prompts, attending to their own keys
+    assert k is key and v is value
+    assert torch.equal(cache.keys[0][:, :, :3], key[[1, 0, 1]])
+    assert torch.equal(cache.values[0][:, :, :3], value[[1, 0, 1]])
+    assert not cache.keys[0][:, :, 3].any()
 
 
 def test_a_group_larger_than_the_room_decodes_in_calls_that_fit(model, tok, monkeypatch):
@@ -361,7 +399,7 @@ def test_a_group_larger_than_the_room_decodes_in_calls_that_fit(model, tok, monk
     fast, _ = engines(model, tok)
     spec = SamplingSpec(n=2, temperature=0.0, max_tokens=8)
     whole = fast.generate(prompts(tok), spec)
-    per_prompt = hf_decode.bytes_per_row(model.config, hf_decode.CompiledForward.WIDTH, spec.max_tokens)
+    per_prompt = hf_decode.bytes_per_prompt(model.config, hf_decode.CompiledForward.WIDTH, spec.max_tokens, 1)
     calls = []
     run = fast._generate
     monkeypatch.setattr(fast, "_room_bytes", lambda: 2.5 * per_prompt)  # greedy: one row a prompt

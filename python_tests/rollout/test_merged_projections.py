@@ -17,8 +17,7 @@ def forward_twice(model, ids, mask):
     cache = hf_decode.StaticKV(model.config.num_hidden_layers, W + 1)
     cache.cols = torch.arange(W)
     causal = torch.ones(W, W, dtype=torch.bool).tril() & mask[:, None, :].bool()
-    full = torch.zeros(B, 1, W, W + 1, dtype=torch.bool)
-    full[:, 0, :, :W] = causal | torch.eye(W, dtype=torch.bool)
+    full = (causal | torch.eye(W, dtype=torch.bool))[:, None]  # the prefill attends to its own W columns
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     first = hf_decode.model_step(model, ids, full, positions, cache)
     cache.cols = torch.tensor([W])

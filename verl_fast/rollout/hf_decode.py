@@ -81,18 +81,19 @@ def kv_bytes_per_token(config, element_bytes: int, shards: int = 1) -> Optional[
 PREFILL_BYTES = 8
 
 
-def bytes_per_row(config, width: int, max_new_tokens: int) -> int:
-    """Device bytes one sequence of the loop holds at its peak: its KV cache (every layer's keys and values
-    for ``width + max_new_tokens`` columns, counted at 4 bytes an element: under autocast the keys leave
-    the float32 rotary product), the prefill's activations over its ``width`` prompt columns and its
-    boolean attention mask, and the sampling's float32 rows over the vocabulary (the logits and a few
-    temporaries of their size)."""
+def bytes_per_prompt(config, width: int, max_new_tokens: int, samples: int) -> int:
+    """Device bytes one prompt decoded ``samples`` times takes in the loop at its peak: each sample's KV
+    cache (every layer's keys and values for ``width + max_new_tokens`` columns, counted at 4 bytes an
+    element: under autocast the keys leave the float32 rotary product) and float32 sampling rows over the
+    vocabulary (the logits and a few temporaries of their size), and once for the prompt the prefill's
+    activations over its ``width`` columns and its boolean attention mask (the prefill runs each prompt
+    once, ``decode``'s ``rows``)."""
     cfg = getattr(config, "text_config", None) or config
     length = width + max_new_tokens
     kv = kv_bytes_per_token(cfg, 4) * length
     inner = getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size
-    prefill = PREFILL_BYTES * width * (cfg.hidden_size + inner) + width * length
-    return kv + prefill + 6 * 4 * cfg.vocab_size
+    prefill = PREFILL_BYTES * width * (cfg.hidden_size + inner) + width * width
+    return samples * (kv + 6 * 4 * cfg.vocab_size) + prefill
 
 
 class StaticKV(Cache):
@@ -100,30 +101,37 @@ class StaticKV(Cache):
     written at the columns ``cols`` (a device tensor the caller advances). The model calls only
     ``update``; masks come in as ready 4-D tensors, so nothing asks the cache for lengths.
     (transformers' StaticCache gives keys and values the dtype of the first keys; under autocast
-    values leave a bf16 projection while keys leave the float32 rotary product.)"""
+    values leave a bf16 projection while keys leave the float32 rotary product.) The first forward
+    (the prefill) may come with fewer sequences than the cache holds: row b of the cache then holds
+    sequence ``rows[b]`` of it (the samples of one prompt share its prefill)."""
 
     is_compileable = False
 
-    def __init__(self, num_layers: int, length: int):  # no Cache.__init__: this class holds its own tensors
+    def __init__(self, num_layers: int, length: int, rows: Optional[torch.Tensor] = None):  # no Cache.__init__
         self.keys: list = [None] * num_layers
         self.values: list = [None] * num_layers
         self.length = length
+        self.rows = rows  # None: the prefill's sequences are the cache's rows
         self.cols: Optional[torch.Tensor] = None
         self.seen = 0  # host-side count, for transformers versions that derive positions from it
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None, *args, **kwargs):
-        if self.keys[layer_idx] is None:  # allocated at the prefill
-            b, h, _, d = key_states.shape
-            device = key_states.device.type
-            # under autocast, sdpa casts its inputs to the autocast dtype: keys stored in it attend
-            # exactly as the fp32 keys would, with half the bytes read per token
-            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else key_states.dtype
-            self.keys[layer_idx] = key_states.new_zeros((b, h, self.length, d), dtype=dtype)
-            self.values[layer_idx] = value_states.new_zeros((b, value_states.shape[1], self.length,
-                                                             value_states.shape[-1]))
-        self.keys[layer_idx].index_copy_(2, self.cols, key_states.to(self.keys[layer_idx].dtype))
-        self.values[layer_idx].index_copy_(2, self.cols, value_states.to(self.values[layer_idx].dtype))
-        return self.keys[layer_idx], self.values[layer_idx]
+        if self.keys[layer_idx] is not None:  # a decode step: its column written, the whole cache attended
+            self.keys[layer_idx].index_copy_(2, self.cols, key_states.to(self.keys[layer_idx].dtype))
+            self.values[layer_idx].index_copy_(2, self.cols, value_states.to(self.values[layer_idx].dtype))
+            return self.keys[layer_idx], self.values[layer_idx]
+        # the prefill: the cache allocated, each sequence's keys and values written into the rows that
+        # decode it; its attention reads the sequences' own (the cache's later columns are empty). Under
+        # autocast, sdpa casts its inputs to the autocast dtype: keys stored in it attend exactly as the
+        # fp32 keys would, with half the bytes read per token
+        device = key_states.device.type
+        key_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else key_states.dtype
+        for store, new, dtype in ((self.keys, key_states, key_dtype), (self.values, value_states, value_states.dtype)):
+            per_row = new if self.rows is None else new.index_select(0, self.rows)
+            store[layer_idx] = per_row.new_zeros((per_row.shape[0], per_row.shape[1], self.length, per_row.shape[3]),
+                                                 dtype=dtype)
+            store[layer_idx].index_copy_(2, self.cols, per_row.to(dtype))
+        return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen
@@ -316,37 +324,40 @@ class _Decoder:
 
     def __init__(self, module, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
                  sampling: Tuple[float, int, float], stop_ids: Sequence[int], pad_id: int,
-                 compiled: Optional["CompiledForward"] = None):
+                 compiled: Optional["CompiledForward"] = None, rows: Optional[torch.Tensor] = None):
         self.module = module
         self.sampling = sampling
         self.forward = compiled.fn if compiled is not None else model_step  # the decode steps' forward
-        B, W = input_ids.shape
+        W = input_ids.shape[1]
+        B = input_ids.shape[0] if rows is None else rows.shape[0]
         device = input_ids.device
         L = W + max_new_tokens
-        self.cache = StaticKV(module.config.num_hidden_layers, L)
+        self.cache = StaticKV(module.config.num_hidden_layers, L, rows)
         self.stop = torch.tensor(sorted(set(stop_ids)) or [-1], dtype=torch.long, device=device)
         self.pad = torch.tensor(pad_id, dtype=torch.long, device=device)
         self.tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
         self.logprobs = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
-        self.valid = torch.zeros((B, L), dtype=torch.bool, device=device)  # keys each row may attend to
-        self.valid[:, :W] = attention_mask.bool()
-        self.mask = self.valid[:, None, None, :]  # the decode step's [B, 1, 1, L] view
         positions = attention_mask.long().cumsum(-1) - 1
         positions.masked_fill_(attention_mask == 0, 1)  # as generate does for left padding
-        self._prefill(input_ids, positions, W, L)
-        self.position = positions[:, -1:] + 1  # [B, 1]
+        self._prefill(input_ids, attention_mask.bool(), positions, W, rows)
+        per_row = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
+        self.valid = torch.zeros((B, L), dtype=torch.bool, device=device)  # keys each row may attend to
+        self.valid[:, :W] = per_row(attention_mask.bool())
+        self.mask = self.valid[:, None, None, :]  # the decode step's [B, 1, 1, L] view
+        self.position = per_row(positions[:, -1:]) + 1  # [B, 1]
         self.col = torch.tensor([W], dtype=torch.long, device=device)  # cache column of the next token
         self.t = torch.tensor([1], dtype=torch.long, device=device)  # output column of the next token
         self.cache.cols = self.col
 
-    def _prefill(self, input_ids, positions, W, L):
-        B = input_ids.shape[0]
+    def _prefill(self, input_ids, valid, positions, W, rows):
+        """The prompts' forward, each prompt once, and each row's first token from its prompt's logits."""
+        P = input_ids.shape[0]
         causal = torch.ones((W, W), dtype=torch.bool, device=input_ids.device).tril()
-        mask = torch.zeros((B, 1, W, L), dtype=torch.bool, device=input_ids.device)
         # a left-pad query attends to itself only: a row with no key would give NaN states
-        mask[:, 0, :, :W] = (causal & self.valid[:, None, :W]) | torch.eye(W, dtype=torch.bool, device=input_ids.device)
+        mask = ((causal & valid[:, None, :]) | torch.eye(W, dtype=torch.bool, device=input_ids.device))[:, None]
         self.cache.cols = torch.arange(W, device=input_ids.device)
-        token, logp = sample(model_step(self.module, input_ids, mask, positions, self.cache), *self.sampling)
+        logits = model_step(self.module, input_ids, mask, positions, self.cache)
+        token, logp = sample(logits if rows is None else logits.index_select(0, rows), *self.sampling)
         self.cache.seen = W
         self.tokens[:, 0] = token
         self.logprobs[:, 0] = logp
@@ -408,12 +419,16 @@ class GraphPool:
 def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
            temperature: float, top_k: int, top_p: float, stop_ids: Sequence[int], pad_id: int,
            use_graph: bool, check_every: int = 16, graphs: Optional[GraphPool] = None,
-           compiled: Optional[CompiledForward] = None) -> Tuple[torch.Tensor, torch.Tensor, str]:
+           compiled: Optional[CompiledForward] = None,
+           rows: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, str]:
     """New tokens [B, max_new_tokens] (pad after a row's stop token, and after an early exit once
     every row stopped) and their log-probs [B, max_new_tokens] (0 past the end), on the host, and
     how the steps ran: "graph" (replays) or "eager".
 
-    ``input_ids`` / ``attention_mask``: [B, W] left-padded prompts on the model's device. The caller
+    ``input_ids`` / ``attention_mask``: [P, W] left-padded prompts on the model's device; ``rows``: [B]
+    the prompt each output row decodes (None: each prompt once). The prefill runs each prompt once and
+    copies its KV cache to the rows that decode it, as vLLM's prefix cache serves the samples of one
+    prompt (16 prompts x 8 samples: an eighth of the prefill's work). The caller
     holds the model in eval mode, under its autocast, with parameters unsharded. ``use_graph``:
     replay a CUDA graph of the step (falls back to running it eagerly, with a logged reason, if
     capture fails); ``graphs``: where the graph's memory is kept between calls (None: freed at the end);
@@ -427,7 +442,7 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
         if compiled is not None:
             stack.enter_context(compiled.weights(module))
         dec = _Decoder(module, input_ids, attention_mask, max_new_tokens, (temperature, top_k, top_p), stop_ids,
-                       pad_id, compiled)  # the prefill: sdpa, eager
+                       pad_id, compiled, rows)  # the prefill: sdpa, eager
         stack.enter_context(_attention(module, ATTENTION))
         graph = None
         steps = 1

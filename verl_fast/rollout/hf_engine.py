@@ -202,16 +202,16 @@ class HFGenerateEngine(RolloutEngine):
 
     def _fast_prompts_per_call(self, prompts: Sequence[Sequence[int]], members: List[int], spec: SamplingSpec) -> int:
         """How many of a sampling group's prompts the static-cache loop decodes at once: all of them, or on
-        a GPU as many as its room holds (``hf_decode.bytes_per_row`` for each of a prompt's samples; a
-        greedy prompt decodes once). Where that cuts the group, the sampled values differ from an uncut
-        call's (one draw sequence per call), never their distribution."""
+        a GPU as many as its room holds (``hf_decode.bytes_per_prompt``; a greedy prompt decodes once).
+        Where that cuts the group, the sampled values differ from an uncut call's (one draw sequence per
+        call), never their distribution."""
         room = self._room_bytes()
         if room is None:
             return len(members)
         step = hf_decode.CompiledForward.WIDTH  # the compiled loop pads prompts to a multiple of it
         width = -(-max(len(prompts[i]) for i in members) // step) * step
         rows = 1 if spec.temperature == 0.0 else spec.n
-        per_prompt = rows * hf_decode.bytes_per_row(self._module().config, width, spec.max_tokens)
+        per_prompt = hf_decode.bytes_per_prompt(self._module().config, width, spec.max_tokens, rows)
         fits = max(1, min(len(members), int(room // per_prompt)))
         if fits < len(members):
             logger.info("HF decode: %d of %d prompts per call (%.1f GiB of room at %.0f MiB a prompt)", fits,
@@ -284,14 +284,18 @@ class HFGenerateEngine(RolloutEngine):
         """(new tokens, log-probs, mode) on the host from hf_decode, or Nones where it does not apply."""
         if self._fast_reason(spec) is not None:
             return None, None, None
-        rows = spec.n // copies
+        # each distinct prompt prefilled once (a prompt's samples, a trajectory's first turn), its cache
+        # copied to the rows that decode it
+        width = ids.shape[1]
+        distinct, prompt_of = torch.unique(torch.cat([ids, mask], 1), dim=0, return_inverse=True)
         device = self.device
         try:
             return hf_decode.decode(
-                module, ids.repeat_interleave(rows, 0).to(device), mask.repeat_interleave(rows, 0).to(device),
-                spec.max_tokens, spec.temperature, spec.top_k, spec.top_p, list(eos) + list(spec.stop_token_ids),
-                self.pad_id, use_graph=device.type == "cuda" and not _fsdp1(self.model), graphs=self._graphs,
-                compiled=self._compiled if not is_sharded(self.model) else None)
+                module, distinct[:, :width].to(device), distinct[:, width:].to(device), spec.max_tokens,
+                spec.temperature, spec.top_k, spec.top_p, list(eos) + list(spec.stop_token_ids), self.pad_id,
+                use_graph=device.type == "cuda" and not _fsdp1(self.model), graphs=self._graphs,
+                compiled=self._compiled if not is_sharded(self.model) else None,
+                rows=prompt_of.repeat_interleave(spec.n // copies).to(device))
         except Exception as e:  # noqa: BLE001 - the loop is an optimisation: generate still works
             self.fast_failed = f"the static-cache loop failed before ({type(e).__name__}: {e})"
             logger.warning("fast HF decoding failed, using generate from now on: %s: %s", type(e).__name__, e)
