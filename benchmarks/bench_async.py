@@ -16,7 +16,7 @@ samples/s >= 1.5x the synchronous at 1.5B.
 
     python benchmarks/bench_e2e.py --prepare-assets      # the demo tokenizer, as for bench_e2e
     python benchmarks/bench_async.py --device cuda [--shapes 0.5b,1.5b] [--modes off,one_step,full]
-                                     [--set rollout.hf_compile_decode=false]
+                                     [--set rollout.hf_compile_decode=false] [--trace]
     python benchmarks/bench_async.py --device cpu --tiny  # smoke test of every mode on a tiny model
 """
 
@@ -83,10 +83,14 @@ def worker(args) -> Dict[str, Any]:
         trainer.async_rollout.begin(lambda s: batches[s], args.steps)
     startup = time.perf_counter() - start
     steps = []
+    trace = None
     try:
         for s in range(args.steps):
-            m = trainer.train_step(batches[s])
-            steps.append({k: v for k, v in m.items() if isinstance(v, (int, float))})
+            if args.trace and args.device == "cuda" and s == args.steps - 1:
+                m, trace = traced_step(trainer, batches[s])
+            else:
+                m = trainer.train_step(batches[s])
+            steps.append({k: v for k, v in m.items() if isinstance(v, (int, float))} | {"traced": trace is not None})
             print(f"{args.mode} {args.shape}: step {s + 1} {m['time/step']:.2f} s  gen {m.get('time/generation', 0):.2f} s"
                   f"  update {m.get('time/update_actor', 0):.2f} s  overlap {m.get('async/overlap_fraction', 0):.2f}",
                   flush=True)
@@ -94,11 +98,66 @@ def worker(args) -> Dict[str, Any]:
         if trainer.async_rollout is not None:
             trainer.async_rollout.close(trainer.step)
     return {"mode": args.mode, "shape": args.shape, "steps": steps, "startup_s": startup,
-            "sequences": args.prompts * args.n}
+            "sequences": args.prompts * args.n, "trace": trace}
+
+
+def traced_step(trainer, batch):
+    """One train_step under the CUDA-activity profiler (kernels only: no host op records to slow the
+    threads): per stream of this process, its kernels, the seconds some kernel of it ran and its top
+    kernels; the seconds the two busiest streams ran kernels at the same time; and the main thread's
+    and the process's CPU seconds against the wall (a host-bound side shows as CPU near the wall)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        thread, process = time.thread_time(), sum(os.times()[:2])
+        start = time.perf_counter()
+        metrics = trainer.train_step(batch)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+        cpu = {"main_thread_s": time.thread_time() - thread, "process_s": sum(os.times()[:2]) - process}
+    streams: Dict[int, list] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            streams.setdefault(e.device_resource_id, []).append(e)
+    summary = {}
+    for stream, events in streams.items():
+        totals: Dict[str, float] = {}
+        for e in events:
+            totals[e.name] = totals.get(e.name, 0.0) + (e.time_range.end - e.time_range.start) / 1e3
+        top = sorted(totals.items(), key=lambda kv: -kv[1])[:5]
+        summary[str(stream)] = {"kernels": len(events), "busy_s": union_s(events),
+                                "top_ms": [[name[:80], ms] for name, ms in top]}
+    busiest = sorted(streams, key=lambda k: -summary[str(k)]["busy_s"])[:2]
+    both = None
+    if len(busiest) == 2:
+        a, b = (merged(streams[k]) for k in busiest)
+        both = sum(max(0.0, min(x1, y1) - max(x0, y0)) for x0, x1 in a for y0, y1 in b) / 1e6
+    trace = {"wall_s": wall, "streams": summary, "both_busy_s": both, **cpu}
+    print(f"traced step: wall {wall:.2f} s, main thread CPU {cpu['main_thread_s']:.2f} s, process CPU "
+          f"{cpu['process_s']:.2f} s; " + "; ".join(f"stream {k}: {v['kernels']} kernels, busy {v['busy_s']:.2f} s"
+                                                 for k, v in summary.items())
+          + (f"; the two busiest streams both busy {both:.2f} s" if both is not None else ""), flush=True)
+    return metrics, trace
+
+
+def merged(events) -> list:
+    """The kernels' [start, end] intervals (microseconds), overlapping ones merged, in order."""
+    out: list = []
+    for a, b in sorted((e.time_range.start, e.time_range.end) for e in events):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def union_s(events) -> float:
+    return sum(b - a for a, b in merged(events)) / 1e6
 
 
 def median(run: Dict[str, Any], key: str, skip: int) -> Optional[float]:
-    values = [s[key] for s in run["steps"][skip:] if key in s]
+    values = [s[key] for s in run["steps"][skip:] if key in s and not s.get("traced")]  # the profiler's step apart
     return statistics.median(values) if values else None
 
 
@@ -107,6 +166,7 @@ def summarise(run: Dict[str, Any], skip: int) -> Dict[str, Any]:
     out = {name: median(run, key, skip) for name, key in KEYS.items()}
     out["samples_per_s"] = run["sequences"] / out["step_s"] if out["step_s"] else None
     out["startup_s"] = run["startup_s"]
+    out["trace"] = run.get("trace")
     return out
 
 
@@ -119,7 +179,7 @@ def run_shape(shape: str, args, workdir: Path, report: Report) -> Dict[str, Any]
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--mode", mode, "--shape", shape,
                "--model", str(model), "--out", str(out), "--device", args.device, "--steps", str(args.steps),
                "--prompts", str(args.prompts), "--samples", str(args.n), "--tokens", str(args.tokens)]
-        cmd += [f"--set={item}" for item in args.set]
+        cmd += [f"--set={item}" for item in args.set] + (["--trace"] if args.trace else [])
         try:
             code = subprocess.run(cmd, timeout=args.timeout).returncode
         except subprocess.TimeoutExpired:
@@ -166,6 +226,8 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=240, help="seconds per run")
     p.add_argument("--set", action="append", default=[], help="SECTION.KEY=VALUE config override of every run")
     p.add_argument("--name", default="async", help="the report's name (results/<name>_<device>.json)")
+    p.add_argument("--trace", action="store_true",
+                   help="CUDA: profile each run's last step (kernels per stream, their overlap, CPU seconds)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--shape", help=argparse.SUPPRESS)

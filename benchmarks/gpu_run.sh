@@ -172,7 +172,9 @@ fi
 # (as e2e). About 2.5 min per shape (0.5b and 1.5b together took 289 s); ASYNC_SHAPES=7b-lora runs the modes
 # with LoRA r 64 at the 7B shape (full's workers get the adapters merged into the base); ASYNC_NAME names the
 # report (default async). ASYNC_MPS=1 runs the section under an MPS daemon started here and stopped after it
-# (processes sharing the GPU then run kernels side by side; without it their contexts take turns) ----
+# (processes sharing the GPU then run kernels side by side; without it their contexts take turns). Each run's
+# last step is profiled (ASYNC_TRACE=0 leaves it out): kernels and busy seconds per stream, the seconds the two
+# busiest streams ran together, main-thread and process CPU; left out of the medians ----
 if want async; then
   if [ "${ASYNC_MPS:-0}" = 1 ]; then
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/vf_mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/vf_mps_log
@@ -181,6 +183,7 @@ if want async; then
   fi
   timeout ${ASYNC_TIMEOUT:-560} "$py" benchmarks/bench_async.py --device cuda --shapes "${ASYNC_SHAPES:-0.5b,1.5b}" \
     --modes "${ASYNC_MODES:-off,one_step,full}" --steps "${ASYNC_STEPS:-8}" --name "${ASYNC_NAME:-async}" \
+    $([ "${ASYNC_TRACE:-1}" = 1 ] && echo --trace) \
     > "$OUT/bench_async.log" 2>&1 || failed+=("bench_async")
   if [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ]; then
     echo quit | nvidia-cuda-mps-control
