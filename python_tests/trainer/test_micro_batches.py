@@ -134,7 +134,12 @@ def test_auto_token_budget_counts_free_memory_less_what_the_update_will_allocate
     cuda = torch.device("cuda")
     free = 8 * 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 1.0)  # no cap
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    def fraction(value):  # torch's getter refuses a device without an index ("cuda"): so does this one
+        return lambda device: value if device.index is not None else pytest.fail(f"no index: {device}")
+
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", fraction(1.0))  # no cap
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * 2**20)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2**20)  # 2 MiB cached, free to reuse
     fresh = batching.token_budget(model, optimizer, cuda, compiled=True, half=True)
@@ -148,10 +153,10 @@ def test_auto_token_budget_counts_free_memory_less_what_the_update_will_allocate
     assert batching.token_budget(model, optimizer, cuda, compiled=False, half=False) == \
         int(batching.MEMORY_FRACTION * (free + 2 * 2**20) / (per_token * 1.3 * 2))
     # a per-process cap (set_per_process_memory_fraction): what the cap leaves beyond the reserved 3 MiB
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 0.25)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", fraction(0.25))
     assert batching.token_budget(model, optimizer, cuda, compiled=True, half=True) == \
         int(batching.MEMORY_FRACTION * (0.25 * 2 * free - 3 * 2**20 + 2 * 2**20) / per_token)
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 1.0)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", fraction(1.0))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 2 * free))
     assert batching.token_budget(model, optimizer, cuda, compiled=True, half=True) == 4096  # the floor
     assert batching.token_budget(model, optimizer, torch.device("cpu"), True, True) == batching.CPU_TOKEN_BUDGET
