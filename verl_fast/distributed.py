@@ -115,12 +115,17 @@ def any_rank(flag: bool) -> bool:
 MEMORY_FRACTION = 0.85
 
 
+def indexed(device) -> torch.device:
+    """``device`` with its index: "cuda" means the current CUDA device (as torch allocates there)."""
+    d = torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if d.type == "cuda" and d.index is None else d
+
+
 def allocatable_bytes(device: torch.device) -> int:
     """What this process may still allocate on the CUDA ``device`` beyond what its allocator holds: the
     device's free memory, or less under a per-process cap (``torch.cuda.set_per_process_memory_fraction``,
     how processes share a GPU or a run keeps to a smaller card's memory): the cap less what is reserved."""
-    if device.index is None:  # "cuda": the current device (the fraction's getter wants an index)
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = indexed(device)  # the fraction's getter refuses "cuda" without an index
     free, total = torch.cuda.mem_get_info(device)
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device)  # older torch: no getter
     if fraction < 1.0:

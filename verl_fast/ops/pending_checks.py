@@ -19,6 +19,8 @@ from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
+from verl_fast.distributed import indexed  # queues are keyed by indexed devices
+
 NOT_LANDED = -1  # a slot's value until its copy lands (verdicts are >= 0)
 SLOTS = 256  # per device: how far the host may run ahead of the GPU with checks outstanding
 
@@ -125,20 +127,12 @@ def raise_pending(device: Optional[torch.device] = None) -> None:
     """Waits for ``device`` (every device with checks outstanding when None) and raises ValueError
     with the first bad verdict among the checks queued so far. Call it where a step may wait (after
     its metrics are read, say) to report a bad batch from that step rather than the next one."""
-    devices = [_device(device)] if device is not None else list(_QUEUES)
+    devices = [indexed(device)] if device is not None else list(_QUEUES)
     for d in devices:
         queue = _QUEUES.get(d)
         if queue is not None and queue.waiting:
             _wait(d)
             raise_landed(d)
-
-
-def _device(device) -> torch.device:
-    """A device as the queues key it: "cuda" means the current CUDA device."""
-    d = torch.device(device)
-    if d.type == "cuda" and d.index is None:
-        d = torch.device("cuda", torch.cuda.current_device())
-    return d
 
 
 def where(device: torch.device, op: str) -> str:

@@ -16,6 +16,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
+from verl_fast.distributed import indexed
 from verl_fast.ops import _validate as V
 from verl_fast.ops.native import cuda_stream, ext
 from verl_fast.ops.reshard.layout import Layout, PhysTensor, local_tensor, order_tensors
@@ -84,9 +85,8 @@ def _flat_split(tensors: List[PhysTensor]) -> Optional[tuple]:
 
 def _same_device(device, bound: torch.device) -> bool:
     """Whether ``device`` (``"cuda"`` meaning the current one, as torch allocates) is ``bound``."""
-    d = torch.device(device)
-    index = d.index if d.index is not None or d.type != "cuda" else torch.cuda.current_device()
-    return d.type == bound.type and index == bound.index
+    d = indexed(device)
+    return d.type == bound.type and d.index == bound.index
 
 
 class ReshardPlan:
