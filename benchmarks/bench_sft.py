@@ -204,6 +204,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", type=int, default=2)
     ap.add_argument("--timeout", type=int, default=200, help="seconds per run")
     ap.add_argument("--tiny", action="store_true", help="the tiny shape, short rows, few steps (CPU smoke test)")
+    ap.add_argument("--name", default="sft", help="the report's name (results/<name>_<device>.json)")
     ap.add_argument("--run", help=argparse.SUPPRESS)  # a worker: impl
     ap.add_argument("--shape", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -216,7 +217,7 @@ def main(argv=None) -> int:
     from verl_fast.trainer.perf import peak_bf16_flops
 
     peak = peak_bf16_flops(torch.device(args.device)) if args.device == "cuda" else None
-    report = Report("sft" + ("_tiny" if args.tiny else ""), args.device)
+    report = Report(args.name + ("_tiny" if args.tiny else ""), args.device)
     report.meta.update(rows=args.rows, pack=args.pack, steps=args.steps, skip=args.skip, lora=LORA)
     for shape in shapes:
         case = f"{shape} ms/{PER // 1024}k tok"

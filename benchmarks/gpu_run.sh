@@ -226,7 +226,7 @@ fi
 # set_per_process_memory_fraction),
 # full (actor.optimizer=adamw_8bit, 10 steps: a checkpoint at step 5 and a resumed trainer for the rest); SEVEN_B=trl runs
 # TRL 1.16 + PEFT + vLLM colocate on the same LoRA work, then TRL's full fine-tune (its out-of-memory stop
-# recorded). lora ~4.5 min, full ~5.5: "lora full" does not fit one 10-minute call with the build. ----
+# recorded). lora ~4.5 min, full ~6-7 (two trainers, a ~40 GB checkpoint between them): one row a 10-minute call. ----
 if want 7b; then
   # the model folder in host memory: the disk (64 GB) holds the full fine-tune's checkpoint
   common=(--device cuda --shapes 7b --gpus 1 --no-profile --timeout 330 --models /dev/shm/vf_models)
@@ -240,8 +240,8 @@ if want 7b; then
                    failed+=("7b lora ours compile_blocks") ;;
         lora76) timeout 280 "$py" benchmarks/bench_e2e.py "${common[@]}" --impls ours --lora 64 --steps 7 \
                   --memory-gib 76 --name e2e_7b_lora_ours_76gib >> "$OUT/bench.log" 2>&1 || failed+=("7b lora ours 76 GiB") ;;
-        full) timeout 330 "$py" benchmarks/bench_e2e.py "${common[@]}" --impls ours --set actor.optimizer=adamw_8bit \
-                --steps 10 --resume-at 5 --name e2e_7b_full_ours >> "$OUT/bench.log" 2>&1 || failed+=("7b full ours") ;;
+        full) timeout 460 "$py" benchmarks/bench_e2e.py "${common[@]}" --impls ours --set actor.optimizer=adamw_8bit \
+                --steps 10 --resume-at 5 --timeout 440 --name e2e_7b_full_ours >> "$OUT/bench.log" 2>&1 || failed+=("7b full ours") ;;
         *) echo "SEVEN_B_ROWS: unknown row $row (lora, lora_cb, lora76, full)"; failed+=("7b row $row") ;;
       esac
     done
@@ -256,10 +256,11 @@ fi
 
 # ---- sft (issue 49): our SFT step vs TRL's SFTTrainer (packing, padding_free, bf16) on the same rows, 1 GPU,
 # Qwen2 0.5B / 1.5B shapes and the 7B shape with LoRA r 64; random weights built in each run's process;
-# needs trl, datasets, dill, multiprocess, peft (.whl/) and .bench_assets/ (about 5 minutes) ----
+# needs trl, datasets, dill, multiprocess, peft (.whl/) and .bench_assets/ (about 5 minutes); SFT_NAME names the
+# report (default sft: SFT_SHAPES=7b-lora SFT_NAME=sft_7b_lora leaves the 0.5B / 1.5B report in place) ----
 if want sft; then
   timeout ${SFT_TIMEOUT:-330} "$py" benchmarks/bench_sft.py --device cuda --shapes "${SFT_SHAPES:-0.5b,1.5b,7b-lora}" \
-    --impls "${SFT_IMPLS:-ours,trl}" --rows "${SFT_ROWS:-32}" --steps "${SFT_STEPS:-5}" --timeout "${SFT_RUN_TIMEOUT:-120}" \
+    --impls "${SFT_IMPLS:-ours,trl}" --rows "${SFT_ROWS:-32}" --steps "${SFT_STEPS:-5}" --timeout "${SFT_RUN_TIMEOUT:-120}" --name "${SFT_NAME:-sft}" \
     >> "$OUT/bench.log" 2>&1 || failed+=("bench_sft")
   sed -n '/^sft on/,$p' "$OUT/bench.log" | tail -n 14
 fi
