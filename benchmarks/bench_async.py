@@ -86,11 +86,13 @@ def worker(args) -> Dict[str, Any]:
     trace = None
     try:
         for s in range(args.steps):
-            if args.trace and args.device == "cuda" and s == args.steps - 1:
+            # the step before the last: the last has no next rollout beside it (left out of the medians too)
+            if args.trace and args.device == "cuda" and s == args.steps - 2:
                 m, trace = traced_step(trainer, batches[s])
             else:
                 m = trainer.train_step(batches[s])
-            steps.append({k: v for k, v in m.items() if isinstance(v, (int, float))} | {"traced": trace is not None})
+            steps.append({k: v for k, v in m.items() if isinstance(v, (int, float))}
+                         | {"traced": trace is not None and s == args.steps - 2, "last": s == args.steps - 1})
             print(f"{args.mode} {args.shape}: step {s + 1} {m['time/step']:.2f} s  gen {m.get('time/generation', 0):.2f} s"
                   f"  update {m.get('time/update_actor', 0):.2f} s  overlap {m.get('async/overlap_fraction', 0):.2f}",
                   flush=True)
@@ -157,7 +159,8 @@ def union_s(events) -> float:
 
 
 def median(run: Dict[str, Any], key: str, skip: int) -> Optional[float]:
-    values = [s[key] for s in run["steps"][skip:] if key in s and not s.get("traced")]  # the profiler's step apart
+    # the profiler's step apart, and the last (nothing overlaps it in the async modes)
+    values = [s[key] for s in run["steps"][skip:] if key in s and not s.get("traced") and not s.get("last")]
     return statistics.median(values) if values else None
 
 
@@ -227,7 +230,7 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], help="SECTION.KEY=VALUE config override of every run")
     p.add_argument("--name", default="async", help="the report's name (results/<name>_<device>.json)")
     p.add_argument("--trace", action="store_true",
-                   help="CUDA: profile each run's last step (kernels per stream, their overlap, CPU seconds)")
+                   help="CUDA: profile each run's step before the last (kernels per stream, their overlap, CPU seconds)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--shape", help=argparse.SUPPRESS)
