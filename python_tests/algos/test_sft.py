@@ -1,5 +1,6 @@
 """SFT: the three dataset formats' loss masks, and the trainer's loss against a float64 reference of
-the trained tokens' mean NLL; gradient accumulation exact; validation loss; checkpoint and resume.
+the trained tokens' mean NLL and against TRL's SFTTrainer; gradient accumulation exact; validation loss;
+checkpoint and resume.
 The preference algorithms (kto, orpo, simpo, cpo) run a step through the trainer."""
 
 import pytest
@@ -229,3 +230,33 @@ def test_reference_free_losses_through_the_trainer(model_path, tmp_path, kind):
     m = history[-1]
     assert m[f"{kind}/loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)  # 2 micro-batches of 3 and 1
     assert m[f"{kind}/nll"] == pytest.approx(nll / tokens, rel=1e-5)
+
+
+def test_sft_loss_and_gradient_equal_trl_sfttrainers(model_path, tmp_path):
+    """The same tokenised rows (ours, handed to TRL pre-tokenised with their completion masks) through TRL's
+    SFTTrainer.compute_loss and through our trainer at lr 0: the same loss and gradient in float32."""
+    pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from trl import SFTConfig, SFTTrainer
+
+    data = CHATS + PLAIN
+    ours, history, grads, model = run(model_path, tmp_path / "ours", data, actor={"micro_batch_size": 16})
+    rows = ours.algorithm.encode(ours.processor, data)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    dataset = datasets.Dataset.from_list([{"input_ids": list(r.ids), "completion_mask": list(r.loss_mask)}
+                                          for r in rows])
+    theirs = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    args = SFTConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(rows), max_steps=1,
+                     learning_rate=0.0, report_to=[], use_cpu=True, bf16=False, packing=False,
+                     completion_only_loss=True, dataloader_drop_last=False)
+    trl_trainer = SFTTrainer(model=theirs, args=args, train_dataset=dataset, processing_class=tok)
+    batch = next(iter(trl_trainer.get_train_dataloader()))
+    targets = batch["labels"][:, 1:] != -100  # the model shifts: a row's first label predicts nothing
+    assert int(targets.sum()) == sum(sum(r.loss_mask[1:]) for r in rows)  # the same trained tokens
+    theirs.train()
+    loss = trl_trainer.compute_loss(theirs, batch)
+    loss.backward()
+    assert history[-1]["sft/loss"] == pytest.approx(float(loss), rel=1e-5)
+    their_grad = torch.cat([p.grad.flatten() for p in theirs.parameters() if p.grad is not None])
+    assert their_grad.shape == grads[0].shape
+    assert (their_grad - grads[0]).abs().max() <= 1e-5 * grads[0].abs().max()
