@@ -87,12 +87,13 @@ def worker(args) -> Dict[str, Any]:
     try:
         for s in range(args.steps):
             # the step before the last: the last has no next rollout beside it (left out of the medians too)
-            if args.trace and args.device == "cuda" and s == args.steps - 2:
+            traced = args.trace and args.device == "cuda" and s == args.steps - 2
+            if traced:
                 m, trace = traced_step(trainer, batches[s])
             else:
                 m = trainer.train_step(batches[s])
             steps.append({k: v for k, v in m.items() if isinstance(v, (int, float))}
-                         | {"traced": trace is not None and s == args.steps - 2, "last": s == args.steps - 1})
+                         | {"traced": traced, "last": s == args.steps - 1})
             print(f"{args.mode} {args.shape}: step {s + 1} {m['time/step']:.2f} s  gen {m.get('time/generation', 0):.2f} s"
                   f"  update {m.get('time/update_actor', 0):.2f} s  overlap {m.get('async/overlap_fraction', 0):.2f}",
                   flush=True)

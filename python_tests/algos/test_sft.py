@@ -240,7 +240,7 @@ def test_sft_loss_and_gradient_equal_trl_sfttrainers(model_path, tmp_path):
     from trl import SFTConfig, SFTTrainer
 
     data = CHATS + PLAIN
-    ours, history, grads, model = run(model_path, tmp_path / "ours", data, actor={"micro_batch_size": 16})
+    ours, history, grads, _ = run(model_path, tmp_path / "ours", data, actor={"micro_batch_size": 16})
     rows = ours.algorithm.encode(ours.processor, data)
     tok = AutoTokenizer.from_pretrained(model_path)
     dataset = datasets.Dataset.from_list([{"input_ids": list(r.ids), "completion_mask": list(r.loss_mask)}
