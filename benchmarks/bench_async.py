@@ -169,6 +169,9 @@ def summarise(run: Dict[str, Any], skip: int) -> Dict[str, Any]:
     skip = max(0, min(skip, len(run["steps"]) - 1))
     out = {name: median(run, key, skip) for name, key in KEYS.items()}
     out["samples_per_s"] = run["sequences"] / out["step_s"] if out["step_s"] else None
+    # every timed phase of the step (where the step's seconds go beside generation and update)
+    phases = sorted({k for s in run["steps"] for k in s if k.startswith("time/")})
+    out["phases_s"] = {k.removeprefix("time/"): median(run, k, skip) for k in phases}
     out["startup_s"] = run["startup_s"]
     out["trace"] = run.get("trace")
     return out
@@ -203,6 +206,8 @@ def run_shape(shape: str, args, workdir: Path, report: Report) -> Dict[str, Any]
         if sync and mode != "off" and sync["samples_per_s"]:
             note += f", samples/s x{r['samples_per_s'] / sync['samples_per_s']:.2f} sync"
         report.add(case, ("baseline: " if mode == "off" else "verl_fast ") + mode, r["step_s"] * 1e3, note=note)
+        print(f"{case} {mode} phases: " + ", ".join(f"{k} {v:.3f}" for k, v in r["phases_s"].items() if v),
+              flush=True)
     return results
 
 

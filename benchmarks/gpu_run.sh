@@ -191,6 +191,7 @@ if want async; then
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
   fi
   sed -n '/^case  *mode/,$p' "$OUT/bench_async.log" | tail -n 10
+  grep ' phases: ' "$OUT/bench_async.log"
 fi
 
 # ---- e2e (issue 12): our GRPO step vs TRL's GRPOTrainer (HF rollout), Qwen2 0.5B and 1.5B shapes with
