@@ -87,7 +87,9 @@ def worker(args) -> Dict[str, Any]:
     try:
         for s in range(args.steps):
             # the step before the last: the last has no next rollout beside it (left out of the medians too)
-            traced = args.trace and args.device == "cuda" and s == args.steps - 2
+            # one_step left out: under the profiler its step at 1.5B never ended (an H100, 2026-12-05:
+            # the decode thread replays CUDA graphs beside the traced update); at 0.5B it saw only 0.4 s of it
+            traced = args.trace and args.device == "cuda" and s == args.steps - 2 and args.mode != "one_step"
             if traced:
                 m, trace = traced_step(trainer, batches[s])
             else:
@@ -113,12 +115,16 @@ def traced_step(trainer, batch):
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        thread, process = time.thread_time(), sum(os.times()[:2])
+        thread, process, threads = time.thread_time(), sum(os.times()[:2]), thread_cpu()
         start = time.perf_counter()
         metrics = trainer.train_step(batch)
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
         cpu = {"main_thread_s": time.thread_time() - thread, "process_s": sum(os.times()[:2]) - process}
+        after = thread_cpu()
+    # the threads that took the CPU (a process far above its main thread: which ones, by name)
+    busy = sorted(((after[t][1] - threads.get(t, (None, 0.0))[1], after[t][0]) for t in after), reverse=True)
+    cpu["top_threads"] = [[name, round(sec, 3)] for sec, name in busy[:6] if sec > 0.01]
     streams: Dict[int, list] = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
@@ -140,8 +146,24 @@ def traced_step(trainer, batch):
     print(f"traced step: wall {wall:.2f} s, main thread CPU {cpu['main_thread_s']:.2f} s, process CPU "
           f"{cpu['process_s']:.2f} s; " + "; ".join(f"stream {k}: {v['kernels']} kernels, busy {v['busy_s']:.2f} s"
                                                  for k, v in summary.items())
-          + (f"; the two busiest streams both busy {both:.2f} s" if both is not None else ""), flush=True)
+          + (f"; the two busiest streams both busy {both:.2f} s" if both is not None else "")
+          + "; busiest threads " + ", ".join(f"{n} {c:.2f} s" for n, c in cpu["top_threads"]), flush=True)
     return metrics, trace
+
+
+def thread_cpu() -> Dict[str, tuple]:
+    """Each thread of this process: ``(name[tid], CPU seconds so far)``, read from /proc (Linux)."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        name = "main" if task.name == str(os.getpid()) else f"{name}[{task.name}]"
+        out[task.name] = (name, (int(rest[11]) + int(rest[12])) / tick)  # utime, stime: fields 14 and 15
+    return out
 
 
 def merged(events) -> list:
@@ -236,7 +258,8 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], help="SECTION.KEY=VALUE config override of every run")
     p.add_argument("--name", default="async", help="the report's name (results/<name>_<device>.json)")
     p.add_argument("--trace", action="store_true",
-                   help="CUDA: profile each run's step before the last (kernels per stream, their overlap, CPU seconds)")
+                   help="CUDA: profile each run's step before the last (kernels per stream, their overlap, CPU seconds "
+                        "per thread), one_step's apart")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--shape", help=argparse.SUPPRESS)
