@@ -217,8 +217,10 @@ def gae_pieces(r, v, m):
 
     a = record()
 
-    def queue_check():
-        index, _ = A._queue_check(a, device, "token_level_rewards", "values", "compute_gae")
+    def queue_check():  # the check's pieces of launch_checked, the slot given back
+        index, slot = _P.take(device)
+        a.host_status = slot
+        A._verdict("token_level_rewards", "values", device, "compute_gae")
         _P.release(device, index)
 
     return [("argument checks (_gae_inputs)", lambda: A._gae_inputs(r, v, m)),

@@ -70,24 +70,21 @@ class _Verdict:
 _VERDICTS: Dict[tuple, _Verdict] = {}  # by (names, device, op): a verdict keeps no state of its call
 
 
-def _queue_check(args, device: torch.device, rewards_name: str, values_name: str, op: str):
-    """A pending check for the launch about to run with ``args``: its slot goes into args.host_status."""
-    index, slot = P.take(device)
-    args.host_status = slot
+def _verdict(rewards_name: str, values_name: str, device: torch.device, op: str) -> _Verdict:
     key = (rewards_name, values_name, device, op)
     verdict = _VERDICTS.get(key)
     if verdict is None:
         verdict = _VERDICTS[key] = _Verdict(rewards_name, values_name, device, op)
-    return index, verdict
+    return verdict
 
 
-def _launch(launcher, args, device: torch.device, index: int) -> None:
-    """``launcher(args)``; a launch refused before it queued anything gives its check's slot back."""
-    try:
+def _launch_checked(launcher, args, device: torch.device, verdict: _Verdict) -> None:
+    """``launcher(args)`` with a pending check: the status word's copy goes into the slot in args.host_status."""
+    def launch(slot: torch.Tensor) -> None:
+        args.host_status = slot
         launcher(args)
-    except BaseException:
-        P.release(device, index)
-        raise
+
+    P.launch_checked(device, launch, verdict)
 
 
 # One status record per (device, stream, thread), kept: calls on one stream run in order, each clears
@@ -150,9 +147,7 @@ def _scan(kind, rewards, mask, *, values=None, baselines=None, gamma=1.0, lam=1.
     if not checked:
         C.advantage_scan(a)
         return adv, ret
-    index, verdict = _queue_check(a, device, "token_level_rewards", values_name, op)
-    _launch(C.advantage_scan, a, device, index)
-    P.expect(device, index, verdict)
+    _launch_checked(C.advantage_scan, a, device, _verdict("token_level_rewards", values_name, device, op))
     return adv, ret
 
 
@@ -290,9 +285,8 @@ def _group(kind, token_level_rewards, response_mask, index, *, epsilon=1e-6, nor
     if not V.flag(check, "check"):
         C.group_advantage(a)
         return adv
-    index, verdict = _queue_check(a, r.device, "token_level_rewards", "token_level_rewards", op)
-    _launch(C.group_advantage, a, r.device, index)
-    P.expect(r.device, index, verdict)
+    verdict = _verdict("token_level_rewards", "token_level_rewards", r.device, op)
+    _launch_checked(C.group_advantage, a, r.device, verdict)
     return adv
 
 

@@ -129,13 +129,8 @@ def _bad_label_counter(device: torch.device) -> Tuple[torch.Tensor, _Counted]:
 def _queue_label_check(counter: Tuple[torch.Tensor, _Counted], flat: torch.Tensor, vocab: int,
                        device: torch.device) -> None:
     """After the forward kernel: its counter's total copied into a pinned slot, checked when landed."""
-    index, slot = P.take(device)
-    try:
-        slot.copy_(counter[0], non_blocking=True)
-    except BaseException:
-        P.release(device, index)
-        raise
-    P.expect(device, index, _LabelVerdict(counter[1], flat, vocab, device))
+    P.launch_checked(device, lambda slot: slot.copy_(counter[0], non_blocking=True),
+                     _LabelVerdict(counter[1], flat, vocab, device))
 
 
 def _inverse_temperature(temperature) -> float:

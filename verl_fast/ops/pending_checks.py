@@ -102,6 +102,18 @@ def expect(device: torch.device, index: int, verdict: Verdict) -> None:
     raise_landed(device)
 
 
+def launch_checked(device: torch.device, launch: Callable[[torch.Tensor], None], verdict: Verdict) -> None:
+    """``launch(slot)`` with a slot of ``device``'s queue (the launch queues the copy of its verdict word
+    into ``slot``), then the check expected; a launch that raises before queuing anything gives the slot back."""
+    index, slot = take(device)
+    try:
+        launch(slot)
+    except BaseException:
+        release(device, index)
+        raise
+    expect(device, index, verdict)
+
+
 def release(device: torch.device, index: int) -> None:
     """Gives back a slot taken for a launch that raised before queuing its copy."""
     queue = _queue(device)
