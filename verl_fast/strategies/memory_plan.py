@@ -177,11 +177,8 @@ def async_copies(cfg: Config, shape: Shape, nbytes: int) -> float:
     t = cfg.trainer
     if t.async_mode == "one_step" and cfg.rollout.type != "vllm":  # vLLM's engine is its own copy
         return nbytes * shape.trained
-    if t.async_mode == "full":
-        from verl_fast.async_rl.full import placement  # the workers' placement decides: one rule
-
-        if placement(t.async_workers, torch.device("cuda"), torch.cuda.device_count())[1] == "shared":
-            return nbytes * shape.parameters * (1 + 2 * t.async_workers)
+    if t.async_mode == "full" and torch.cuda.device_count() <= 1:
+        return nbytes * shape.parameters * (1 + 2 * t.async_workers)
     return 0.0
 
 
