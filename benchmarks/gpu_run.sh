@@ -173,9 +173,9 @@ fi
 # with LoRA r 64 at the 7B shape (full's workers get the adapters merged into the base); ASYNC_NAME names the
 # report (default async). ASYNC_MPS=1 runs the section under an MPS daemon started here and stopped after it
 # (processes sharing the GPU then run kernels side by side; without it their contexts take turns). Each run's
-# step before the last is profiled but one_step's (ASYNC_TRACE=0 leaves it out; the last has no next rollout beside it): kernels
-# and busy seconds per stream, the seconds the two busiest streams ran together, main-thread, process and busiest threads' CPU;
-# both steps left out of the medians ----
+# step before the last is profiled, one_step's apart (ASYNC_TRACE=0 leaves it out; the last has no next rollout
+# beside it): kernels and busy seconds per stream, the seconds the two busiest streams ran together, the CPU of
+# the main thread, the process and its busiest threads; both steps left out of the medians ----
 if want async; then
   if [ "${ASYNC_MPS:-0}" = 1 ]; then
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/vf_mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/vf_mps_log
