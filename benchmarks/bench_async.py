@@ -40,6 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Report  # noqa: E402
 from bench_e2e import build_model, chat_prompts  # noqa: E402
 
+from verl_fast.cli import openmp_env  # noqa: E402
+
 LORA = {"r": 64, "alpha": 128, "target_modules": "all-linear"}  # the -lora shapes' adapters
 MODES = ("off", "one_step", "full", "full_partial")  # full_partial: full with partial rollouts (decode.py)
 KEYS = {"step_s": "time/step", "generation_s": "time/generation", "async_generation_s": "time/async_generation",
@@ -103,7 +105,7 @@ def worker(args) -> Dict[str, Any]:
         if trainer.async_rollout is not None:
             trainer.async_rollout.close(trainer.step)
     return {"mode": args.mode, "shape": args.shape, "steps": steps, "startup_s": startup,
-            "sequences": args.prompts * args.n, "trace": trace}
+            "sequences": args.prompts * args.n, "trace": trace, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
 
 
 def traced_step(trainer, batch):
@@ -195,6 +197,7 @@ def summarise(run: Dict[str, Any], skip: int) -> Dict[str, Any]:
     phases = sorted({k for s in run["steps"] for k in s if k.startswith("time/")})
     out["phases_s"] = {k.removeprefix("time/"): median(run, k, skip) for k in phases}
     out["startup_s"] = run["startup_s"]
+    out["omp_wait_policy"] = run.get("omp_wait_policy")
     out["trace"] = run.get("trace")
     return out
 
@@ -203,6 +206,8 @@ def run_shape(shape: str, args, workdir: Path, report: Report) -> Dict[str, Any]
     base = shape.removesuffix("-lora")
     model = build_model(base, workdir / base, args.device)
     results: Dict[str, Any] = {}
+    env = dict(os.environ)
+    openmp_env.use(env)  # as `verl-fast` sets it for itself (the 1.5B runs of 2026-12-05 ran without it)
     for mode in args.modes:
         out = workdir / f"{shape}_{mode}.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--mode", mode, "--shape", shape,
@@ -210,7 +215,7 @@ def run_shape(shape: str, args, workdir: Path, report: Report) -> Dict[str, Any]
                "--prompts", str(args.prompts), "--samples", str(args.n), "--tokens", str(args.tokens)]
         cmd += [f"--set={item}" for item in args.set] + (["--trace"] if args.trace else [])
         try:
-            code = subprocess.run(cmd, timeout=args.timeout).returncode
+            code = subprocess.run(cmd, env=env, timeout=args.timeout).returncode
         except subprocess.TimeoutExpired:
             code = "timeout"
         if code != 0 or not out.is_file():
