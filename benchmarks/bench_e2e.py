@@ -106,6 +106,8 @@ def build_model(shape: str, folder: Path, device: str) -> Path:
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if shape == "7b" else torch.float32)
     model.save_pretrained(folder, safe_serialization=True)
     del model
+    if device == "cuda":  # the caching allocator would keep the weights' memory (13.6 GiB at 7B) from the runs
+        torch.cuda.empty_cache()
     tokenizer.save_pretrained(folder)
     return folder
 
@@ -188,6 +190,8 @@ def worker_ours(args) -> Dict[str, Any]:
     for s in range(args.steps):
         if args.resume_at and s == args.resume_at:  # a checkpoint, then a fresh trainer resumed from it
             resume = saved(trainer, cfg["trainer"]["output_dir"])
+            if hasattr(trainer.engine, "close"):
+                trainer.engine.close()
             del trainer  # the only reference: its weights, gradients and states go before the new trainer's come
             trainer, resume = resumed(args, cfg, rng, device, resume)
         batch = rows[s * args.prompts : (s + 1) * args.prompts][rank::world]
@@ -242,7 +246,15 @@ def resumed(args, cfg: Dict[str, Any], rng, device, timings: Dict[str, Any]) -> 
 
     out = cfg["trainer"]["output_dir"]
     gc.collect()
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if torch.cuda.is_available():
+        # what the old trainer left allocated, then without torch.compile's caches (a restarted process has
+        # none: at 7B the in-process resume ran out of memory, 2026-12-05)
+        torch.cuda.empty_cache()
+        timings["left_gib"] = torch.cuda.memory_allocated() / 2**30
+        torch.compiler.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
+        timings["left_after_compile_reset_gib"] = torch.cuda.memory_allocated() / 2**30
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, cfg["actor"].get("dtype", "float32")))
     fresh = RLTrainer(actor_model=model.to(device), tokenizer=AutoTokenizer.from_pretrained(args.model), config=cfg,
@@ -252,7 +264,9 @@ def resumed(args, cfg: Dict[str, Any], rng, device, timings: Dict[str, Any]) -> 
     sync()
     timings = {**timings, "resume_s": time.perf_counter() - start, "resumed_step": fresh.step}
     print(f"ours: checkpoint at step {timings['at_step']} in {timings['save_s']:.1f} s ({timings['checkpoint_gib']:.1f} "
-          f"GiB), resumed in {timings['resume_s']:.1f} s at step {fresh.step}", flush=True)
+          f"GiB), resumed in {timings['resume_s']:.1f} s at step {fresh.step} (left allocated by the first trainer: "
+          f"{timings.get('left_gib', 0):.1f} GiB, {timings.get('left_after_compile_reset_gib', 0):.1f} GiB without "
+          "the compile caches)", flush=True)
     return fresh, timings
 
 
