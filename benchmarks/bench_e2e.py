@@ -156,6 +156,9 @@ def worker_ours(args) -> Dict[str, Any]:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total), device)
     rng = random.Random(rank)
+    run_dir = [tempfile.mkdtemp(prefix="bench_e2e_") if rank == 0 else None]
+    if world > 1:  # one folder for every rank: a checkpoint's files are written by some ranks, read by all
+        dist.broadcast_object_list(run_dir, src=0)
     # the work only (model, batch, lengths, rate, steps; LoRA when asked): precision, micro-batching, checkpointing
     # and compilation are the trainer's defaults; ours_hf / ours_hfc / ours_vllm also name the engine
     engine = {} if args.rollout == "auto" else {"type": "vllm" if args.rollout == "vllm" else "hf",
@@ -165,7 +168,7 @@ def worker_ours(args) -> Dict[str, Any]:
         "rollout": {"n": args.n, "max_new_tokens": args.tokens, "temperature": 1.0, **engine},
         "algorithm": {"type": "grpo"},
         "trainer": {"train_batch_size": args.prompts, "total_steps": args.steps, "device": args.device,
-                    "output_dir": tempfile.mkdtemp(prefix="bench_e2e_"), "progress_bar": False, "plot": False},
+                    "output_dir": run_dir[0], "progress_bar": False, "plot": False},
     }
     if args.set:
         from verl_fast.config import apply_overrides
@@ -264,9 +267,10 @@ def resumed(args, cfg: Dict[str, Any], rng, device, timings: Dict[str, Any]) -> 
     sync()
     timings = {**timings, "resume_s": time.perf_counter() - start, "resumed_step": fresh.step}
     print(f"ours: checkpoint at step {timings['at_step']} in {timings['save_s']:.1f} s ({timings['checkpoint_gib']:.1f} "
-          f"GiB), resumed in {timings['resume_s']:.1f} s at step {fresh.step} (left allocated by the first trainer: "
-          f"{timings.get('left_gib', 0):.1f} GiB, {timings.get('left_after_compile_reset_gib', 0):.1f} GiB without "
-          "the compile caches)", flush=True)
+          f"GiB), resumed in {timings['resume_s']:.1f} s at step {fresh.step}" + (
+              f" (left allocated by the first trainer: {timings['left_gib']:.1f} GiB, "
+              f"{timings['left_after_compile_reset_gib']:.1f} GiB without the compile caches)" if "left_gib" in timings
+              else ""), flush=True)
     return fresh, timings
 
 

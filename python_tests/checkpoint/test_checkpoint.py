@@ -81,6 +81,23 @@ def test_fsdp2_checkpoint_of_two_ranks_resumes_in_one_process(tiny_path, tmp_pat
     assert moved, "the resumed step must train"
 
 
+def test_ranks_writing_into_folders_of_their_own_are_refused_at_the_save(tiny_path, tmp_path):
+    """Two ranks each given another output_dir (a local disk per node, or a path built per rank): the
+    save stops on both ranks naming the file a rank could not read and the shared folder it needs,
+    instead of publishing a checkpoint that every resume would find damaged."""
+    port = free_port()
+    worker = HERE / "checkpoint_dist_worker.py"
+    procs = [subprocess.Popen([sys.executable, str(worker), str(r), "2", str(port), str(tiny_path),
+                               str(tmp_path / f"rank{r}"), "gloo"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode != 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    for out in outs:
+        assert re.search(r"CheckpointError: \S+: .+ on rank 1, which checksums it: every rank must write to and "
+                         r"read from the same checkpoint folder", out), out[-3000:]
+    assert not list(tmp_path.glob("rank*/checkpoints/step_*[0-9]")), "nothing may be published"
+
+
 def test_export_cli_writes_an_hf_folder_from_the_shards(tiny_path, tmp_path):
     trainer, model = trainer_for(tiny_path, tmp_path / "run", total_steps=1, hf_export="none")
     trainer.fit(PROMPTS)

@@ -83,9 +83,27 @@ def _checksums(folder: Path, files: List[str], written: Optional[Records] = None
         for part in gather({os.path.relpath(p, folder): {"bytes": n, "crc32": c} for p, (n, c) in written.items()}):
             records.update(part)
     rest = [f for f in files if f not in records]
-    for part in gather({f: _file_record(folder / f) for f in rest[rank::world]}):
+    mine = {f: _file_record(folder / f) for f in rest[rank::world]}
+    for record in mine.values():
+        if "error" in record:
+            record["rank"] = rank
+    for part in gather(mine):
         records.update(part)
     return {f: records[f] for f in files}
+
+
+def records_to_publish(folder: Path, files: List[str], written: Optional[Records] = None) -> Dict[str, Dict[str, int]]:
+    """``_checksums`` of a checkpoint being written, refusing one that some rank could not read: ranks
+    writing into folders that are not one shared folder (another path on each rank, or a node's local
+    disk) would otherwise publish a checkpoint that every resume finds damaged. Collective."""
+    records = _checksums(folder, files, written)
+    for name, record in records.items():
+        if "error" in record:
+            raise CheckpointError(
+                f"{folder / name}: {record['error']} on rank {record['rank']}, which checksums it: every rank "
+                "must write to and read from the same checkpoint folder (trainer.output_dir: one path, on a "
+                "filesystem that all ranks share)")
+    return records
 
 
 def _file_record(path: Path) -> Dict[str, Any]:
@@ -207,7 +225,7 @@ def save(output_dir: str, step: int, actor: torch.nn.Module, tokenizer: Any, opt
         whole = shards["actor"] if world == 1 and all(type(v) is torch.Tensor or not isinstance(v, torch.Tensor)
                                                         for v in shards["actor"].values()) else None
         written.update(on_main(lambda: _write_metadata(tmp, step, actor, tokenizer, state, export_hf, whole)))
-        records = _checksums(tmp, on_main(lambda: _files(tmp)), written)
+        records = records_to_publish(tmp, on_main(lambda: _files(tmp)), written)
         on_main(lambda: _publish(tmp, final, records, step))
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         on_main(lambda: shutil.rmtree(tmp, ignore_errors=True))
