@@ -259,6 +259,11 @@ OTHER_CASES = [
     ("the disk fills while writing a checkpoint or export", "no path; \"155,723,856 bytes needed, 285,097,984 "
      "free\"", "names the path, with sizes in KiB / MiB / GiB",
      "python_tests/trainer/test_bad_input.py::test_disk_full_names_the_path_with_human_sizes"),
+    ("ranks given another trainer.output_dir each (a path built per rank, a node's local disk)",
+     "the checkpoint was published with a file marked unreadable; every resume called it damaged and started "
+     "from the initial weights", "the save stops on every rank: `…config.json: No such file or directory on rank 1, "
+     "which checksums it: every rank must write to and read from the same checkpoint folder`",
+     "python_tests/checkpoint/test_checkpoint.py::test_ranks_writing_into_folders_of_their_own_are_refused_at_the_save"),
     ("the Hub upload fails after training (no network)", "traceback (the checkpoint kept)",
      "one line naming hub_model_id and the folder, the checkpoint kept",
      "python_tests/trainer/test_bad_input.py::test_a_failed_hub_upload_is_one_line_and_keeps_the_checkpoint"),
