@@ -181,6 +181,7 @@ def worker_ours(args) -> Dict[str, Any]:
     trainer = RLTrainer(actor_model=model, tokenizer=tokenizer, config=cfg,
                         model_path=args.model if args.rollout == "vllm" else None,
                         reward_fn=lambda solution_str, ground_truth: rng.random())
+    del model  # the trainer's reference only: a resume must free these weights (25.9 GiB at 7B, 2026-12-05)
     startup = time.perf_counter() - start
     rows = trainer.processor.encode_all([{"prompt": p, "reward_model": {"ground_truth": "0"}, "data_source": "bench"}
                                          for p in chat_prompts(args.prompts * args.steps)])
@@ -200,7 +201,8 @@ def worker_ours(args) -> Dict[str, Any]:
         batch = rows[s * args.prompts : (s + 1) * args.prompts][rank::world]
         m = trainer.train_step(batch)
         m.update(phase_figures(box))
-        steps.append({k: v for k, v in m.items() if isinstance(v, (int, float))})
+        steps.append({k: v for k, v in m.items() if isinstance(v, (int, float))}
+                     | ({"resume/first_step": 1} if args.resume_at and s == args.resume_at else {}))
         if rank == 0:
             print(f"ours {args.rollout} {args.shape} x{world}: step {s + 1} {m['time/step']:.2f} s  "
                   f"gen {m.get('time/generation', 0):.2f} s  update {m.get('time/update_actor', 0):.2f} s  "
@@ -555,8 +557,14 @@ def warmup(run: Dict[str, Any], skip: int) -> int:
     return max(0, min(skip, len(run["steps"]) - 1))
 
 
+def steady_values(run: Dict[str, Any], key: str, skip: int) -> List[float]:
+    """``key`` of each step after the first ``skip``, leaving out a resumed trainer's first step (its
+    compile, as the run's first step has)."""
+    return [s[key] for s in run["steps"][skip:] if key in s and not s.get("resume/first_step")]
+
+
 def steady(run: Dict[str, Any], key: str, skip: int) -> Optional[float]:
-    values = [s[key] for s in run["steps"][skip:] if key in s]
+    values = steady_values(run, key, skip)
     return statistics.median(values) if values else None
 
 
@@ -587,12 +595,17 @@ def summarise_ours(run: Dict[str, Any], skip: int) -> Dict[str, Any]:
     out["steady_detail"] = [{k: s[k] for k in detail if k in s} for s in run["steps"][skip:]]
     out["profile"] = run.get("profile")  # one rollout and one update, kernels against wall time
     out["resume"] = run.get("resume") or None
+    if out["resume"]:  # the steady steps of each trainer: a resumed run's steps should take what the first's did
+        at = out["resume"]["at_step"]
+        for side, part in (("before", run["steps"][:at]), ("after", run["steps"][at:])):
+            for name, key in (("step_s", "time/step"), ("update_s", "time/update_actor")):
+                out["resume"][f"{name}_{side}"] = steady({"steps": part}, key, skip if side == "before" else 0)
     return out
 
 
 def spread(run: Dict[str, Any], key: str, skip: int) -> Dict[str, Any]:
     """The steady steps' times and their max / min."""
-    values = [s[key] for s in run["steps"][skip:] if key in s]
+    values = steady_values(run, key, skip)
     return {"steady_steps_s": values, "spread": max(values) / min(values) if values else None}
 
 
