@@ -207,7 +207,7 @@ def run_shape(shape: str, args, workdir: Path, report: Report) -> Dict[str, Any]
     model = build_model(base, workdir / base, args.device)
     results: Dict[str, Any] = {}
     env = dict(os.environ)
-    openmp_env.use(env)  # as `verl-fast` sets it for itself (the 1.5B runs of 2026-12-05 ran without it)
+    openmp_env.use(env)  # as `verl-fast` sets it for itself
     for mode in args.modes:
         out = workdir / f"{shape}_{mode}.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--mode", mode, "--shape", shape,

@@ -250,16 +250,11 @@ def resumed(args, cfg: Dict[str, Any], rng, device, timings: Dict[str, Any]) -> 
     from verl_fast.trainer.rl_trainer import RLTrainer
 
     out = cfg["trainer"]["output_dir"]
+    torch.compiler.reset()  # a restarted process has no compiled code: the new trainer compiles again
     gc.collect()
-    if torch.cuda.is_available():
-        # what the old trainer left allocated, then without torch.compile's caches (a restarted process has
-        # none: at 7B the in-process resume ran out of memory, 2026-12-05)
+    if torch.cuda.is_available():  # what the old trainer left allocated (should be nothing)
         torch.cuda.empty_cache()
         timings["left_gib"] = torch.cuda.memory_allocated() / 2**30
-        torch.compiler.reset()
-        gc.collect()
-        torch.cuda.empty_cache()
-        timings["left_after_compile_reset_gib"] = torch.cuda.memory_allocated() / 2**30
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, cfg["actor"].get("dtype", "float32")))
     fresh = RLTrainer(actor_model=model.to(device), tokenizer=AutoTokenizer.from_pretrained(args.model), config=cfg,
@@ -270,8 +265,7 @@ def resumed(args, cfg: Dict[str, Any], rng, device, timings: Dict[str, Any]) -> 
     timings = {**timings, "resume_s": time.perf_counter() - start, "resumed_step": fresh.step}
     print(f"ours: checkpoint at step {timings['at_step']} in {timings['save_s']:.1f} s ({timings['checkpoint_gib']:.1f} "
           f"GiB), resumed in {timings['resume_s']:.1f} s at step {fresh.step}" + (
-              f" (left allocated by the first trainer: {timings['left_gib']:.1f} GiB, "
-              f"{timings['left_after_compile_reset_gib']:.1f} GiB without the compile caches)" if "left_gib" in timings
+              f" ({timings['left_gib']:.1f} GiB left allocated by the first trainer)" if "left_gib" in timings
               else ""), flush=True)
     return fresh, timings
 
