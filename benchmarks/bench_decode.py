@@ -29,17 +29,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Report  # noqa: E402
+from _common import Report, hbm_bytes_per_s  # noqa: E402
 from bench_e2e import SHAPES, gpu_busy  # noqa: E402
 
 VARIANTS = ("unmerged", "merged", "prefill_each")
-HBM_BYTES_PER_S = 4.8e12
 
 
 def build(shape: str):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    cfg = Qwen2Config(vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=4096, **SHAPES[shape])
+    cfg = Qwen2Config(vocab_size=49152, max_position_embeddings=4096, **{"tie_word_embeddings": True, **SHAPES[shape]})
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -123,7 +122,7 @@ def main(argv=None) -> int:
         head_dim = cfg.hidden_size // cfg.num_attention_heads
         kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2  # keys + values, bf16
         mean_cache = ids.shape[1] + args.tokens / 2  # positions a step reads, on average
-        floor = args.tokens * (weights + samples * mean_cache * kv_per_token) / HBM_BYTES_PER_S
+        floor = args.tokens * (weights + samples * mean_cache * kv_per_token) / hbm_bytes_per_s()
         case = f"{shape} decode {samples}x{args.tokens}"
         report.floors[case] = floor * 1e3
         rows = []

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Report  # noqa: E402
+from _common import Report, hbm_bytes_per_s  # noqa: E402
 
 VARIANTS: Dict[str, Dict[str, Any]] = {
     "default": {},
@@ -47,7 +47,6 @@ VARIANTS: Dict[str, Dict[str, Any]] = {
     "no_prefix_cache": {"engine": {"enable_prefix_caching": False}},
     "logprobs": {"logprobs": True},
 }
-HBM_BYTES_PER_S = 4.8e12
 
 
 def cache_env(cache_dir: Path) -> Dict[str, str]:
@@ -218,7 +217,7 @@ def main(argv=None) -> int:
         args.model = model_folder(args, tmp)
         report.meta.update(shape=args.shape, prompts=args.prompts, n=args.n, tokens=args.tokens,
                            cache_dir=str(args.cache_dir), weight_bytes_bf16=weight_bytes(args.model))
-        floor_s = args.tokens * report.meta["weight_bytes_bf16"] / HBM_BYTES_PER_S
+        floor_s = args.tokens * report.meta["weight_bytes_bf16"] / hbm_bytes_per_s()
         results = []
         for i, variant in enumerate(variants):
             starts = 2 if i == 0 else 1  # the first variant again: a second start, the caches warm
