@@ -8,7 +8,7 @@ times, alternating, medians of ``--reps``:
 - ``ours``: ``engine.generate`` (request building, output collection, the responses decoded in one
   batch), and the same between ``wake_up()`` / ``sleep()`` as the trainer's step runs it.
 Random weights never emit EOS, so every response runs to ``--tokens``; the floor is the bf16 weights
-read once per decode step at the H200's 4.8 TB/s.
+read once per decode step at the card's HBM bandwidth (H200 4.8 TB/s, H100 3.35).
 
 Engine start: the first variant's worker runs twice, the second start finding the first's caches
 (torch.compile, Inductor, Triton, CUDA graphs' compile artefacts: ``VLLM_CACHE_ROOT``,

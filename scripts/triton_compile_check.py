@@ -1,4 +1,4 @@
-"""Compiles the log-prob Triton kernels for a GPU architecture on a machine without a GPU, and prints
+"""Compiles the Triton kernels (log-probs, decode attention) for a GPU architecture on a machine without a GPU, and prints
 each kernel's registers, spills and shared memory.
 
 The interpreter (TRITON_INTERPRET=1) checks the numerics on CPU but never compiles; this catches
@@ -58,6 +58,7 @@ def _ptxas_info(ptx: str, arch: int) -> str:
 
 def _variants(device: torch.device):
     """(name, kernel, args, constexprs + launch options) for the kernels and flag combinations we ship."""
+    from verl_fast.kernels import decode_attention as A
     from verl_fast.kernels import linear_logprobs as L
     from verl_fast.kernels import logprobs_from_logits as P
 
@@ -101,6 +102,20 @@ def _variants(device: torch.device):
         yield (f"logprobs bwd {ltag} {lp}", P._logprobs_bwd_kernel,
                (x, x, labels, vec, vec, vec, vec if ent else None, N, 0, V, 1, V, 1.0),
                dict(HAS_GLP=True, HAS_GENT=ent, BLOCK_V=lp.block_v, num_warps=lp.num_warps))
+    # the decode step's attention at the 7B shape (28 query heads over 4 KV heads, head_dim 128, 128
+    # sequences, a 320-column cache), whole (bf16, fp32) and split over the columns with its combine
+    B, KVH, G, L, D = 128, 4, 7, 320, 128
+    for dtype, split in ((torch.bfloat16, False), (torch.bfloat16, True), (f32, False)):
+        q, kv = torch.empty(B, KVH * G, 1, D, dtype=dtype), torch.empty(B, KVH, L, D, dtype=dtype)
+        keep, out = torch.empty(B, L, dtype=torch.uint8), torch.empty(B, 1, KVH * G, D, dtype=dtype)
+        part = torch.empty(B * KVH * 2 * 16 * D, dtype=f32)
+        yield (f"decode attention {str(dtype)[6:]}{' split' if split else ''}", A._decode_attention_kernel,
+               (q, kv, kv, keep, out, part, part, part, KVH, L, G, D, 192 if split else L, 0.1, *q.stride()[:2],
+                q.stride(3), *kv.stride(), *kv.stride(), *keep.stride(), out.stride(0), out.stride(2), out.stride(3)),
+               dict(BLOCK_G=16, BLOCK_N=A.BLOCK_N, BLOCK_D=D, SPLIT=split, PRECISION="ieee" if dtype == f32 else "tf32",
+                    UPCAST=False, num_warps=4))
+    yield ("decode attention combine", A._combine_kernel, (out, part, part, part, KVH, G, D, 2, out.stride(0),
+           out.stride(2), out.stride(3)), dict(BLOCK_G=16, BLOCK_D=D, num_warps=4))
 
 
 def main() -> int:

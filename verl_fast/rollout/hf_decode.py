@@ -29,6 +29,13 @@ from transformers.cache_utils import Cache, StaticCache, StaticLayer
 
 from verl_fast.rollout import merged_projections
 
+try:
+    from verl_fast.kernels.decode_attention import decode_attention
+except ImportError:  # no Triton: the matmul form everywhere
+    decode_attention = None
+# The GPU decode step's attention through the kernel (False: the matmul form, which a benchmark compares)
+KERNEL = True
+
 logger = logging.getLogger(__name__)
 
 # generation_config fields that change the next-token distribution beyond temperature / top-k /
@@ -148,15 +155,20 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
     head are stacked into one matrix ([B, kv, group * q, D] against [B, kv, L, D]). With a mask,
     sdpa needs the KV heads repeated to every query head first (a copy of the whole cache per layer
     and token, 7x its size for 14 heads over 2). ``attention_mask``: [B, 1, q, L] boolean, True =
-    attend. Returns [B, q, heads, D] as transformers' attention functions do."""
+    attend. Returns [B, q, heads, D] as transformers' attention functions do. On a GPU a decode step
+    (one query column) runs the Triton kernel ``kernels.decode_attention``, which also leaves the cache's
+    empty columns unread; this matmul form is the CPU's path and the kernel's reference."""
     for name in ("softcap", "s_aux", "sinks", "sliding_window"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"grouped_attention does not implement {name}")
     b, heads, q_len, d = query.shape
+    scaling = scaling if scaling is not None else d ** -0.5
+    if KERNEL and decode_attention is not None and query.is_cuda and q_len == 1:
+        return decode_attention(query, key, value, attention_mask[:, 0, 0], scaling), None
     kv_heads, length = key.shape[1], key.shape[2]
     group = heads // kv_heads
     q = query.reshape(b, kv_heads, group * q_len, d)  # head h uses KV head h // group, as repeat_kv does
-    scores = torch.matmul(q, key.transpose(-1, -2)).float() * (scaling if scaling is not None else d ** -0.5)
+    scores = torch.matmul(q, key.transpose(-1, -2)).float() * scaling
     mask = attention_mask[:, :, None].expand(b, 1, group, q_len, length).reshape(b, 1, group * q_len, length)
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(value.dtype)
     out = torch.matmul(probs, value).reshape(b, heads, q_len, d).transpose(1, 2)
