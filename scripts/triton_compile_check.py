@@ -107,7 +107,7 @@ def _variants(device: torch.device):
     B, KVH, G, L, D = 128, 4, 7, 320, 128
     for dtype, split in ((torch.bfloat16, False), (torch.bfloat16, True), (f32, False)):
         q, kv = torch.empty(B, KVH * G, 1, D, dtype=dtype), torch.empty(B, KVH, L, D, dtype=dtype)
-        keep, out = torch.empty(B, L, dtype=torch.uint8), torch.empty(B, 1, KVH * G, D, dtype=dtype)
+        keep, out = torch.empty(B, L, dtype=torch.bool), torch.empty(B, 1, KVH * G, D, dtype=dtype)
         part = torch.empty(B * KVH * 2 * 16 * D, dtype=f32)
         yield (f"decode attention {str(dtype)[6:]}{' split' if split else ''}", A._decode_attention_kernel,
                (q, kv, kv, keep, out, part, part, part, KVH, L, G, D, 192 if split else L, 0.1, *q.stride()[:2],

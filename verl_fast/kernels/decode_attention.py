@@ -155,12 +155,11 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     part_acc = torch.empty(parts * block_d, dtype=torch.float32, device=query.device)
     if programs == 0:
         return out
-    mask = keep.view(torch.uint8)
     fp32 = key.dtype == torch.float32
     upcast = os.environ.get("TRITON_INTERPRET") == "1" and not fp32
     _decode_attention_kernel[(programs, splits)](
-        query, key, value, mask, out, part_m, part_l, part_acc, kv_heads, L, G, D, cols_per_split, scale * LOG2E,
-        query.stride(0), query.stride(1), query.stride(3), *key.stride(), *value.stride(), mask.stride(0), mask.stride(1), out.stride(0), out.stride(2), out.stride(3),
+        query, key, value, keep, out, part_m, part_l, part_acc, kv_heads, L, G, D, cols_per_split, scale * LOG2E,
+        query.stride(0), query.stride(1), query.stride(3), *key.stride(), *value.stride(), keep.stride(0), keep.stride(1), out.stride(0), out.stride(2), out.stride(3),
         BLOCK_G=block_g, BLOCK_N=BLOCK_N, BLOCK_D=block_d, SPLIT=split, PRECISION="ieee" if fp32 else "tf32",
         UPCAST=upcast, num_warps=4)
     if split:
