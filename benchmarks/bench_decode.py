@@ -7,9 +7,10 @@ new tokens of the Qwen2 shapes of bench_e2e, in variants of our own code, one pr
 - ``merged``: q/k/v and gate/up as one product each (the default), each prompt prefilled once for its
   samples (``rows``);
 - ``prefill_each``: merged, the prompt's rows prefilled one by one (the loop before ``rows``);
-- ``matmul_attention``: merged, each step's attention in the matmul form (``grouped_attention``'s CPU
-  path: every cache column attended, float32 scores written and read back) where the default runs
-  the Triton kernel ``kernels.decode_attention``.
+- ``kernel_attention``: merged, each step's attention through the Triton kernel
+  ``kernels.decode_attention`` (``hf_decode.KERNEL``; the cache's empty columns unread, the scores in
+  registers) where the default runs the matmul form (every cache column attended, float32 scores
+  written and read back).
 
 (Inductor's ``max-autotune``, its Triton GEMM templates timed against cuBLAS per product, was tried on
 the 0.5B shape: 3-17 s of autotuning per GEMM shape, the compile not done within 190 s; not a variant.)
@@ -35,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Report, hbm_bytes_per_s  # noqa: E402
 from bench_e2e import SHAPES, gpu_busy  # noqa: E402
 
-VARIANTS = ("unmerged", "merged", "prefill_each", "matmul_attention")
+VARIANTS = ("unmerged", "merged", "prefill_each", "kernel_attention")
 
 
 def build(shape: str):
@@ -66,7 +67,7 @@ def run_variant(model, ids, mask, n: int, tokens: int, variant: str, reps: int):
     saved = merged_projections.ATTENTIONS, merged_projections.MLPS
     if variant == "unmerged":
         merged_projections.ATTENTIONS = merged_projections.MLPS = frozenset()
-    hf_decode.KERNEL = variant != "matmul_attention"
+    hf_decode.KERNEL = variant == "kernel_attention"
     compiled = hf_decode.CompiledForward()
     graphs = hf_decode.GraphPool()
     rows = torch.arange(ids.shape[0], device=ids.device).repeat_interleave(n)  # each prompt's n samples
@@ -99,7 +100,7 @@ def run_variant(model, ids, mask, n: int, tokens: int, variant: str, reps: int):
         top = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:10]
     finally:
         merged_projections.ATTENTIONS, merged_projections.MLPS = saved
-        hf_decode.KERNEL = True
+        hf_decode.KERNEL = False
     return {"variant": variant, "mode": mode, "first_s": first, "median_s": statistics.median(times),
             "min_s": min(times), "max_s": max(times), "kernels_per_token": kernels / tokens,
             "busy_share": busy / wall,

@@ -271,7 +271,7 @@ fi
 # ---- decode (issues 24, 42): the rollout's compiled, graph-captured decode alone, each prompt prefilled once for
 # its 8 samples against prefilled row by row, with each call's top kernels; 0.5B and 1.5B (~3 minutes),
 # DECODE_SHAPES=7b for the 7B class's decode (~1 minute a variant); DECODE_VARIANTS adds unmerged (q/k/v
-# and gate/up as separate products) and matmul_attention (the attention's matmul form, not the kernel) ----
+# and gate/up as separate products) and kernel_attention (the attention through the Triton kernel) ----
 if want decode; then
   timeout ${DECODE_TIMEOUT:-400} "$py" benchmarks/bench_decode.py --shapes "${DECODE_SHAPES:-0.5b,1.5b}" \
     --variants "${DECODE_VARIANTS:-merged,prefill_each}" >> "$OUT/bench.log" 2>&1 || failed+=("bench_decode")

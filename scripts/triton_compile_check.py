@@ -118,6 +118,29 @@ def _variants(device: torch.device):
            out.stride(2), out.stride(3)), dict(BLOCK_G=16, BLOCK_D=D, num_warps=4))
 
 
+def _as_inductor_calls(kernel, pointers: dict, constexprs: dict):
+    """Compiles ``kernel`` with the scalar types Inductor gives it inside a compiled graph: Python floats
+    as fp64 (a launch from Python passes fp32), the other scalars i32 (no specialization hints: the
+    register counts printed are not the launched kernel's)."""
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    sig = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
+    sig.update({n: "fp64" for n in names if n.startswith("scale")})
+    src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(src, target=triton.runtime.driver.active.get_current_target())
+
+
+def _inductor_variants():
+    from verl_fast.kernels import decode_attention as A
+
+    pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "mask_ptr": "*i1",
+                "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32"}
+    for split in (False, True):
+        yield (f"decode attention bfloat16{' split' if split else ''}, as Inductor calls it", A._decode_attention_kernel,
+               pointers, dict(BLOCK_G=16, BLOCK_N=A.BLOCK_N, BLOCK_D=128, SPLIT=split, PRECISION="tf32", UPCAST=False))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability x10 (90 = H100/H200)")
@@ -140,6 +163,13 @@ def main() -> int:
         except Exception as e:  # report every kernel, then fail
             failures += 1
             print(f"FAIL  {name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    for name, kernel, pointers, constexprs in _inductor_variants():
+        try:
+            compiled = _as_inductor_calls(kernel, pointers, constexprs)
+            print(f"ok    {name}: {_ptxas_info(compiled.asm['ptx'], args.arch)}")
+        except Exception as e:
+            failures += 1
+            print(f"FAIL  {name}: {type(e).__name__}: {str(e).splitlines()[-1] if str(e) else ''}")
     return 1 if failures else 0
 
 

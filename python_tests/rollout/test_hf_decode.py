@@ -338,9 +338,12 @@ def test_compiled_decode_steps_match_eager(tok):
 
 
 @pytest.mark.gpu
-def test_compiled_decode_steps_in_the_cuda_graph(model, tok):
+@pytest.mark.parametrize("kernel", [False, True], ids=["matmul_attention", "kernel_attention"])
+def test_compiled_decode_steps_in_the_cuda_graph(model, tok, kernel, monkeypatch):
     """The compiled forward captured in the decode graph: the eager graph's greedy tokens (fp32), and
-    under the trainer's bf16 autocast greedy tokens within a bf16 margin of a float32 forward's."""
+    under the trainer's bf16 autocast greedy tokens within a bf16 margin of a float32 forward's; the
+    attention in its matmul form or through the Triton kernel (``hf_decode.KERNEL``)."""
+    monkeypatch.setattr(hf_decode, "KERNEL", kernel)
     model.to("cuda")
     spec = SamplingSpec(n=4, temperature=0.0, max_tokens=24)
     for autocast in (None, torch.bfloat16):

@@ -44,6 +44,7 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_m_ptr,
                              SPLIT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     pid = tl.program_id(0)  # sequence b, KV head h: b * KVH + h
     split = tl.program_id(1)
+    scale = tl.full((), scale_log2, tl.float32)  # Inductor passes a Python float as an fp64 scalar
     b = (pid // KVH).to(tl.int64)
     h = (pid % KVH).to(tl.int64)
     g = tl.arange(0, BLOCK_G)
@@ -66,7 +67,7 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_m_ptr,
         if tl.max(keep.to(tl.int32), 0) > 0:  # a block with no key in it is never read
             both = keep[:, None] & d_ok[None, :]
             k = tl.load(k_row + cols[:, None].to(tl.int64) * skn + d[None, :] * skd, mask=both, other=0.0)
-            s = _dot(q.to(k.dtype), tl.trans(k), PRECISION, UPCAST) * scale_log2
+            s = _dot(q.to(k.dtype), tl.trans(k), PRECISION, UPCAST) * scale
             s = tl.where(keep[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)

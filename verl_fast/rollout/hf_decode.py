@@ -33,8 +33,10 @@ try:
     from verl_fast.kernels.decode_attention import decode_attention
 except ImportError:  # no Triton: the matmul form everywhere
     decode_attention = None
-# The GPU decode step's attention through the kernel (False: the matmul form, which a benchmark compares)
-KERNEL = True
+# The GPU decode step's attention through the Triton kernel (True) or the matmul form. Off until the
+# kernel is measured faster inside the compiled, graph-captured decode (bench_decode's
+# kernel_attention variant); its numerics are tested on the CPU (interpreter) and on a GPU, eager.
+KERNEL = False
 
 logger = logging.getLogger(__name__)
 
@@ -155,9 +157,9 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
     head are stacked into one matrix ([B, kv, group * q, D] against [B, kv, L, D]). With a mask,
     sdpa needs the KV heads repeated to every query head first (a copy of the whole cache per layer
     and token, 7x its size for 14 heads over 2). ``attention_mask``: [B, 1, q, L] boolean, True =
-    attend. Returns [B, q, heads, D] as transformers' attention functions do. On a GPU a decode step
-    (one query column) runs the Triton kernel ``kernels.decode_attention``, which also leaves the cache's
-    empty columns unread; this matmul form is the CPU's path and the kernel's reference."""
+    attend. Returns [B, q, heads, D] as transformers' attention functions do. With ``KERNEL`` set, a
+    decode step (one query column) on a GPU runs the Triton kernel ``kernels.decode_attention``, which
+    also leaves the cache's empty columns unread; this matmul form is its reference."""
     for name in ("softcap", "s_aux", "sinks", "sliding_window"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"grouped_attention does not implement {name}")
