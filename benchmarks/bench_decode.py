@@ -19,7 +19,7 @@ Per variant: the first call (compile + capture), the median of the next ``--reps
 per token, the GPU-busy share and the ten kernels of most GPU time of one profiled call, and the floor:
 the bf16 weights and the KV cache read once per token at the card's HBM bandwidth (the prefill not counted).
 
-    python benchmarks/bench_decode.py [--shapes 0.5b,1.5b,7b] [--variants unmerged,merged,prefill_each]
+    python benchmarks/bench_decode.py [--shapes 0.5b,1.5b,7b] [--variants unmerged,merged,prefill_each,kernel_attention]
 """
 
 from __future__ import annotations

@@ -112,6 +112,8 @@ def test_bad_input_names_the_argument(bad, match):
     args = bad(*inputs(2, 4, 2, 16, 16, torch.float32, 16))
     with pytest.raises(ValueError, match=match):
         decode_attention(*args, 1.0)
+    with pytest.raises(ValueError, match="splits must be a positive int, got 0"):
+        decode_attention(*inputs(2, 4, 2, 16, 16, torch.float32, 16), 1.0, splits=0)
 
 
 @pytest.mark.gpu

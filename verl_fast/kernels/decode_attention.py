@@ -142,6 +142,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                          f"{tuple(keep.shape)} {keep.dtype}")
     if len({t.device for t in (query, key, value, keep)}) != 1:
         raise ValueError("decode_attention: query, key, value and keep must be on one device")
+    if splits is not None and (not isinstance(splits, int) or splits < 1):
+        raise ValueError(f"decode_attention: splits must be a positive int, got {splits!r}")
     G = heads // kv_heads
     programs = B * kv_heads
     splits = splits or splits_for(programs, L, query.device)
