@@ -113,7 +113,7 @@ def _variants(device: torch.device):
                (q, kv, kv, keep, out, part, part, part, KVH, L, G, D, 192 if split else L, 0.1, *q.stride()[:2],
                 q.stride(3), *kv.stride(), *kv.stride(), *keep.stride(), out.stride(0), out.stride(2), out.stride(3)),
                dict(BLOCK_G=16, BLOCK_N=A.BLOCK_N, BLOCK_D=D, SPLIT=split, PRECISION="ieee" if dtype == f32 else "tf32",
-                    UPCAST=False, num_warps=4))
+                    UPCAST=False, NUM_STAGES=A.NUM_STAGES, num_warps=4))
     yield ("decode attention combine", A._combine_kernel, (out, part, part, part, KVH, G, D, 2, out.stride(0),
            out.stride(2), out.stride(3)), dict(BLOCK_G=16, BLOCK_D=D, num_warps=4))
 
@@ -138,7 +138,8 @@ def _inductor_variants():
                 "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32"}
     for split in (False, True):
         yield (f"decode attention bfloat16{' split' if split else ''}, as Inductor calls it", A._decode_attention_kernel,
-               pointers, dict(BLOCK_G=16, BLOCK_N=A.BLOCK_N, BLOCK_D=128, SPLIT=split, PRECISION="tf32", UPCAST=False))
+               pointers, dict(BLOCK_G=16, BLOCK_N=A.BLOCK_N, BLOCK_D=128, SPLIT=split, PRECISION="tf32", UPCAST=False,
+                             NUM_STAGES=A.NUM_STAGES))
 
 
 def main() -> int:

@@ -1,14 +1,14 @@
 """One decode step's attention over a static KV cache, in Triton: each program takes one sequence's
-KV head and the query heads that share it, reads the cached keys and values once, and skips every
-block of cache columns the mask leaves empty.
+KV head and the query heads that share it, reads the cached keys and values once, and loads no
+cache column the mask leaves empty.
 
 The cache is allocated for the longest sequence (prompt width + new tokens) and a graph-captured
 decode step cannot change shapes, so the matmul form (``hf_decode.grouped_attention``) attends every
 column of it at every token: on average twice the columns that hold keys, and each step also writes
 the [B, kv_heads, group, L] float32 scores, reads them back for the softmax and writes the
 probabilities (three more passes over the cache's width). Here the scores stay in registers
-(an online softmax, in base 2), and a block of ``BLOCK_N`` columns is read only where the mask has a
-key in it: the columns past the newest token are never loaded.
+(an online softmax, in base 2), and the loads are masked by the mask: the columns past the newest
+token are never read.
 
 Long caches over few sequences split their columns over several programs (``splits``); each writes
 its running max, sum and unnormalised output in float32, and a second kernel combines them.
@@ -27,6 +27,7 @@ LOG2E = 1.4426950408889634
 # Running maxima start finite, so the first rescale is exp2(-1e30 - m) = 0, never exp2(-inf + inf) = NaN.
 NEG_BIG = tl.constexpr(-1.0e30)
 BLOCK_N = 64  # cache columns a loop step reads
+NUM_STAGES = 2  # loop steps whose loads are in flight at once
 
 
 @triton.jit
@@ -41,7 +42,8 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_m_ptr,
                              KVH, L, G, D, cols_per_split, scale_log2,
                              sqb, sqh, sqd, skb, skh, skn, skd, svb, svh, svn, svd, smb, sml, sob, soh, sod,
                              BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                             SPLIT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                             SPLIT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                             NUM_STAGES: tl.constexpr):
     pid = tl.program_id(0)  # sequence b, KV head h: b * KVH + h
     split = tl.program_id(1)
     scale = tl.full((), scale_log2, tl.float32)  # Inductor passes a Python float as an fp64 scalar
@@ -61,21 +63,22 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_m_ptr,
     acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
     lo = split * cols_per_split
     hi = tl.minimum(lo + cols_per_split, L)
-    for start in range(lo, hi, BLOCK_N):
+    # the loads of the next blocks issue while this one computes (num_stages); a column the mask leaves
+    # empty is never loaded (its lanes predicated off), so a block past the newest key costs its 64
+    # mask bytes and two products of zeros
+    for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
         cols = start + n
         keep = tl.load(mask_ptr + b * smb + cols.to(tl.int64) * sml, mask=cols < hi, other=0) != 0
-        if tl.max(keep.to(tl.int32), 0) > 0:  # a block with no key in it is never read
-            both = keep[:, None] & d_ok[None, :]
-            k = tl.load(k_row + cols[:, None].to(tl.int64) * skn + d[None, :] * skd, mask=both, other=0.0)
-            s = _dot(q.to(k.dtype), tl.trans(k), PRECISION, UPCAST) * scale
-            s = tl.where(keep[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            v = tl.load(v_row + cols[:, None].to(tl.int64) * svn + d[None, :] * svd, mask=both, other=0.0)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+        both = keep[:, None] & d_ok[None, :]
+        k = tl.load(k_row + cols[:, None].to(tl.int64) * skn + d[None, :] * skd, mask=both, other=0.0)
+        v = tl.load(v_row + cols[:, None].to(tl.int64) * svn + d[None, :] * svd, mask=both, other=0.0)
+        s = tl.where(keep[None, :], _dot(q.to(k.dtype), tl.trans(k), PRECISION, UPCAST) * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # stays finite (NEG_BIG) over a block with no key
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
     if SPLIT:
         part = (pid * tl.num_programs(1) + split).to(tl.int64) * BLOCK_G
         tl.store(part_m_ptr + part + g, m_i)
@@ -164,7 +167,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         query, key, value, keep, out, part_m, part_l, part_acc, kv_heads, L, G, D, cols_per_split, scale * LOG2E,
         query.stride(0), query.stride(1), query.stride(3), *key.stride(), *value.stride(), keep.stride(0), keep.stride(1), out.stride(0), out.stride(2), out.stride(3),
         BLOCK_G=block_g, BLOCK_N=BLOCK_N, BLOCK_D=block_d, SPLIT=split, PRECISION="ieee" if fp32 else "tf32",
-        UPCAST=upcast, num_warps=4)
+        UPCAST=upcast, NUM_STAGES=NUM_STAGES, num_warps=4)
     if split:
         _combine_kernel[(programs,)](out, part_m, part_l, part_acc, kv_heads, G, D, splits, out.stride(0),
                                      out.stride(2), out.stride(3), BLOCK_G=block_g, BLOCK_D=block_d, num_warps=4)
