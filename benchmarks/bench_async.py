@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Report  # noqa: E402
 from bench_e2e import build_model, chat_prompts  # noqa: E402
 
-from verl_fast.cli import openmp_env  # noqa: E402
+from verl_fast import openmp_env  # noqa: E402
 
 LORA = {"r": 64, "alpha": 128, "target_modules": "all-linear"}  # the -lora shapes' adapters
 MODES = ("off", "one_step", "full", "full_partial")  # full_partial: full with partial rollouts (decode.py)

@@ -51,7 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Report, device_name  # noqa: E402
 
-from verl_fast.cli import openmp_env  # noqa: E402
+from verl_fast import openmp_env  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = Path(os.environ.get("VF_BENCH_ASSETS", REPO / ".bench_assets")) / "tokenizer"

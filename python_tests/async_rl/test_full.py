@@ -3,12 +3,14 @@ workers (the split placement's transport), the shared-buffer transport (one GPU'
 shared memory), bounded staleness, resume after a checkpoint with work in flight."""
 
 import signal
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from async_toy import PROMPTS, reward, tiny_path  # noqa: F401 (tiny_path: a fixture)
+from verl_fast import openmp_env
 from verl_fast.async_rl.full import FullAsyncRollout, placement
 from verl_fast.async_rl.records import Sampled, check_staleness
 from verl_fast.rollout.base import pad_completions
@@ -120,3 +122,21 @@ def test_workers_decode_in_the_trainers_autocast_dtype(tiny_path, tmp_path):
     history = [h for h in tr.fit(PROMPTS) if "actor/pg_loss" in h]
     assert len(history) == 2 and all(torch.isfinite(torch.tensor(h["actor/pg_loss"])) for h in history)
     assert rollout.publisher.flat.dtype == torch.bfloat16 and next(tr.strategy.actor.parameters()).dtype == torch.float32
+
+
+def test_on_a_gpu_machine_the_workers_wait_passively(tiny_path, tmp_path, monkeypatch):
+    """Where an NVIDIA device is present the workers start with ``OMP_WAIT_POLICY=PASSIVE`` (their torch
+    loads after the start), as the `verl-fast` process sets it for itself; a user's own value stays."""
+    for preset, want in ((None, b"OMP_WAIT_POLICY=PASSIVE"), ("ACTIVE", b"OMP_WAIT_POLICY=ACTIVE")):
+        if preset is None:
+            monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+        else:
+            monkeypatch.setenv("OMP_WAIT_POLICY", preset)
+        monkeypatch.setattr(openmp_env, "NVIDIA_MARKERS", (__file__,))  # a path that exists: "a GPU machine"
+        rollout = trainer(tiny_path, tmp_path / f"run_{preset}", steps=1).async_rollout
+        rollout._start()
+        try:
+            environ = Path(f"/proc/{rollout._procs[0].pid}/environ").read_bytes().split(b"\0")
+            assert want in environ
+        finally:
+            rollout.close(0)

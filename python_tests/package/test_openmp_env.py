@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from verl_fast.cli import openmp_env
+from verl_fast import openmp_env
 
 
 def test_passive_only_where_an_nvidia_device_is(tmp_path, monkeypatch):
@@ -23,7 +23,7 @@ def test_passive_only_where_an_nvidia_device_is(tmp_path, monkeypatch):
 
 def test_the_command_sets_it_before_torch_is_imported():
     """``program()`` calls ``use`` before the command's imports (libgomp reads the variable when torch loads it)."""
-    code = ("import sys; from verl_fast.cli import openmp_env; "
+    code = ("import sys; from verl_fast import openmp_env; "
             "openmp_env.use = lambda environ=None: print('use; torch loaded:', 'torch' in sys.modules, flush=True); "
             "sys.argv = ['verl-fast', 'info']; from verl_fast.cli import main as cli; cli.program()")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ),

@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from verl_fast import openmp_env
 from verl_fast.async_rl import transport
 from verl_fast.async_rl.records import AsyncStats, Sampled, check_staleness, staleness_figures
 from verl_fast.async_rl.worker import Task, WorkerSetup, main
@@ -143,6 +144,11 @@ class FullAsyncRollout:
     # ---------------------------------------------------------------- inside
 
     def _start(self) -> None:
+        # the workers' torch loads after their start: on a GPU machine their OpenMP pools wait passively
+        # (with every process's pool spinning, `full` ran at 0.73x the synchronous samples/s at 0.5B,
+        # 1.02x without: docs/async.md); this process's own pool read the variable when it loaded torch
+        # (`verl-fast` sets it before that)
+        openmp_env.use()
         ctx = torch.multiprocessing.get_context("spawn")
         workers = len(self.devices)
         self._tasks, self._results, self._stop = ctx.Queue(), ctx.Queue(maxsize=self.max_staleness), ctx.Event()

@@ -126,7 +126,7 @@ def program() -> None:
     training run on 2 cores), and the vLLM engines' shutdown (1.2 s), which writes nothing either."""
     import atexit
 
-    from verl_fast.cli import openmp_env
+    from verl_fast import openmp_env
 
     openmp_env.use()  # before anything imports torch
     import logging

@@ -1,4 +1,5 @@
-"""OpenMP's wait policy for a process that trains on a GPU, set before torch loads.
+"""OpenMP's wait policy for a process that trains on a GPU, set before torch loads: the `verl-fast`
+process sets it for itself, a trainer in async_mode full for its rollout worker processes.
 
 torch's CPU ops run parallel regions on GNU OpenMP's thread pool, whose idle workers spin before they
 sleep (``OMP_WAIT_POLICY`` unset). Measured on one H200 (16 cores, benchmarks/NOTES.md, eighth run):
