@@ -202,10 +202,10 @@ def summarise(run: Dict[str, Any], skip: int) -> Dict[str, Any]:
     return out
 
 
-def run_shape(shape: str, args, workdir: Path, report: Report) -> Dict[str, Any]:
+def run_shape(shape: str, args, workdir: Path, report: Report) -> None:
     base = shape.removesuffix("-lora")
     model = build_model(base, workdir / base, args.device)
-    results: Dict[str, Any] = {}
+    results: Dict[str, Any] = report.meta["results"].setdefault(shape, {})
     env = dict(os.environ)
     openmp_env.use(env)  # as `verl-fast` sets it for itself
     for mode in args.modes:
@@ -222,6 +222,7 @@ def run_shape(shape: str, args, workdir: Path, report: Report) -> Dict[str, Any]
             print(f"bench_async: {shape} {mode} failed ({code})", flush=True)
             continue
         results[mode] = summarise(json.loads(out.read_text()), args.skip)
+        report.save(summary=False)  # the runs done so far, should the caller's time limit cut the next
     sync = results.get("off")
     floor = max(sync["generation_s"] or 0, sync["update_s"] or 0) if sync else None
     case = f"async step {shape}"
@@ -235,7 +236,6 @@ def run_shape(shape: str, args, workdir: Path, report: Report) -> Dict[str, Any]
         report.add(case, ("baseline: " if mode == "off" else "verl_fast ") + mode, r["step_s"] * 1e3, note=note)
         print(f"{case} {mode} phases: " + ", ".join(f"{k} {v:.3f}" for k, v in r["phases_s"].items() if v),
               flush=True)
-    return results
 
 
 def table(report: Report) -> str:
@@ -286,7 +286,7 @@ def main(argv=None) -> int:
                    "mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY"))}  # gpu_run.sh ASYNC_MPS=1
     with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
         for shape in args.shapes.split(","):
-            report.meta["results"][shape] = run_shape(shape, args, Path(tmp), report)
+            run_shape(shape, args, Path(tmp), report)
             report.save()
     print(table(report), flush=True)
     return 0
