@@ -16,25 +16,19 @@ its running max, sum and unnormalised output in float32, and a second kernel com
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from verl_fast.kernels.linear_logprobs import _dot
+
 LOG2E = 1.4426950408889634
 # Running maxima start finite, so the first rescale is exp2(-1e30 - m) = 0, never exp2(-inf + inf) = NaN.
 NEG_BIG = tl.constexpr(-1.0e30)
 BLOCK_N = 64  # cache columns a loop step reads
 NUM_STAGES = 2  # loop steps whose loads are in flight at once
-
-
-@triton.jit
-def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    if UPCAST:  # only under TRITON_INTERPRET, whose tl.dot multiplies bf16 bit patterns as integers
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit
@@ -72,11 +66,12 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_m_ptr,
         both = keep[:, None] & d_ok[None, :]
         k = tl.load(k_row + cols[:, None].to(tl.int64) * skn + d[None, :] * skd, mask=both, other=0.0)
         v = tl.load(v_row + cols[:, None].to(tl.int64) * svn + d[None, :] * svd, mask=both, other=0.0)
-        s = tl.where(keep[None, :], _dot(q.to(k.dtype), tl.trans(k), PRECISION, UPCAST) * scale, float("-inf"))
+        s = _dot(q.to(k.dtype), tl.trans(k), tl.zeros((BLOCK_G, BLOCK_N), tl.float32), PRECISION, UPCAST)
+        s = tl.where(keep[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # stays finite (NEG_BIG) over a block with no key
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PRECISION, UPCAST)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     if SPLIT:
@@ -162,7 +157,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if programs == 0:
         return out
     fp32 = key.dtype == torch.float32
-    upcast = os.environ.get("TRITON_INTERPRET") == "1" and not fp32
+    upcast = query.device.type == "cpu" and key.dtype == torch.bfloat16  # the interpreter's bf16 tl.dot
     _decode_attention_kernel[(programs, splits)](
         query, key, value, keep, out, part_m, part_l, part_acc, kv_heads, L, G, D, cols_per_split, scale * LOG2E,
         query.stride(0), query.stride(1), query.stride(3), *key.stride(), *value.stride(), keep.stride(0), keep.stride(1), out.stride(0), out.stride(2), out.stride(3),
