@@ -4,13 +4,13 @@ new tokens of the Qwen2 shapes of bench_e2e, in variants of our own code, one pr
 
 - ``unmerged``: each layer's seven products as transformers' modules run them (the forwards before
   ``merged_projections``; the merge switched off by emptying its class lists);
-- ``merged``: q/k/v and gate/up as one product each (the default), each prompt prefilled once for its
-  samples (``rows``);
+- ``merged``: q/k/v and gate/up as one product each, each prompt prefilled once for its samples
+  (``rows``), the attention in its matmul form (every cache column attended, float32 scores written
+  and read back);
 - ``prefill_each``: merged, the prompt's rows prefilled one by one (the loop before ``rows``);
 - ``kernel_attention``: merged, each step's attention through the Triton kernel
   ``kernels.decode_attention`` (``hf_decode.KERNEL``; the cache's empty columns unread, the scores in
-  registers) where the default runs the matmul form (every cache column attended, float32 scores
-  written and read back).
+  registers): the trainer's default.
 
 (Inductor's ``max-autotune``, its Triton GEMM templates timed against cuBLAS per product, was tried on
 the 0.5B shape: 3-17 s of autotuning per GEMM shape, the compile not done within 190 s; not a variant.)
@@ -67,6 +67,7 @@ def run_variant(model, ids, mask, n: int, tokens: int, variant: str, reps: int):
     saved = merged_projections.ATTENTIONS, merged_projections.MLPS
     if variant == "unmerged":
         merged_projections.ATTENTIONS = merged_projections.MLPS = frozenset()
+    kernel = hf_decode.KERNEL
     hf_decode.KERNEL = variant == "kernel_attention"
     compiled = hf_decode.CompiledForward()
     graphs = hf_decode.GraphPool()
@@ -100,7 +101,7 @@ def run_variant(model, ids, mask, n: int, tokens: int, variant: str, reps: int):
         top = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:10]
     finally:
         merged_projections.ATTENTIONS, merged_projections.MLPS = saved
-        hf_decode.KERNEL = False
+        hf_decode.KERNEL = kernel
     return {"variant": variant, "mode": mode, "first_s": first, "median_s": statistics.median(times),
             "min_s": min(times), "max_s": max(times), "kernels_per_token": kernels / tokens,
             "busy_share": busy / wall,

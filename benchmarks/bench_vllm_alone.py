@@ -28,6 +28,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -135,11 +136,14 @@ def worker(args) -> Dict[str, Any]:
 
     runs = {"vLLM alone (our SamplingParams)": alone, "vLLM alone, detokenize=True": lambda: alone(detok),
             "ours: engine.generate": ours, "ours: wake + generate + sleep": ours_step}
-    tokens = {name: fn() for name, fn in runs.items()}  # warm-up (first-call compiles), token counts
-    times: Dict[str, List[float]] = {name: [] for name in runs}
-    for _ in range(args.reps):  # alternated, so drift hits every row alike
+    tokens, times = {}, {name: [] for name in runs}
+    for rep in range(args.reps + 1):  # alternated, so drift hits every row alike; the first is warm-up
         for name, fn in runs.items():
-            times[name] += timed(fn, 1)
+            if rep == 0:
+                tokens[name] = fn()  # first-call compiles; the token counts
+            else:
+                times[name] += timed(fn, 1)
+            engine.wake_up()  # untimed: the step row leaves the engine asleep (its KV cache unmapped)
     engine.close()
     return {"variant": args.worker, "init_s": init_s, "tokens": tokens,
             "median_s": {k: statistics.median(v) for k, v in times.items()}, "times_s": times}
@@ -162,6 +166,9 @@ def run_worker(args, variant: str, out: Path) -> Dict[str, Any]:
         return {"variant": variant, "error": f"worker exited {proc.returncode}", "log_tail": tail}
     result = json.loads(out.read_text())
     result["process_s"] = time.perf_counter() - t0
+    # where the engine start goes, as vLLM logs it (weights loaded, torch.compile, graph capture, KV cache)
+    result["start_log"] = [line[-240:] for line in (proc.stdout + proc.stderr).splitlines()
+                           if re.search(r"\b(took|seconds|secs|s\.)\b|[0-9.]+ ?s\b", line) and "INFO" in line][:40]
     return result
 
 
@@ -188,7 +195,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=None, help="default 16 (cuda), 4 (cpu)")
     p.add_argument("--n", type=int, default=None, help="samples per prompt; default 8 (cuda), 2 (cpu)")
     p.add_argument("--tokens", type=int, default=None, help="new tokens; default 256 (cuda), 8 (cpu)")
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=9)
     p.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "vf_vllm_cache")
     p.add_argument("--worker-timeout", type=float, default=300.0)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -217,7 +224,8 @@ def main(argv=None) -> int:
         args.model = model_folder(args, tmp)
         report.meta.update(shape=args.shape, prompts=args.prompts, n=args.n, tokens=args.tokens,
                            cache_dir=str(args.cache_dir), weight_bytes_bf16=weight_bytes(args.model))
-        floor_s = args.tokens * report.meta["weight_bytes_bf16"] / hbm_bytes_per_s()
+        # the floor is the GPU's (its HBM bandwidth); none on the CPU
+        floor_s = args.tokens * report.meta["weight_bytes_bf16"] / hbm_bytes_per_s() if args.device == "cuda" else None
         results = []
         for i, variant in enumerate(variants):
             starts = 2 if i == 0 else 1  # the first variant again: a second start, the caches warm
@@ -229,7 +237,8 @@ def main(argv=None) -> int:
                     print(f"{variant}: {res['error']}\n{res['log_tail']}", flush=True)
                     continue
                 case = f"{variant} ({res['start']} start)"
-                report.floors[case] = floor_s * 1e3
+                if floor_s is not None:
+                    report.floors[case] = floor_s * 1e3
                 report.add("engine start", f"{variant}, {res['start']} start", res["init_s"] * 1e3,
                            note=f"the worker process: {res['process_s']:.1f} s")
                 for name, s in res["median_s"].items():

@@ -33,10 +33,9 @@ try:
     from verl_fast.kernels.decode_attention import decode_attention
 except ImportError:  # no Triton: the matmul form everywhere
     decode_attention = None
-# The GPU decode step's attention through the Triton kernel (True) or the matmul form. Off until the
-# kernel is measured faster inside the compiled, graph-captured decode (bench_decode's
-# kernel_attention variant); its numerics are tested on the CPU (interpreter) and on a GPU, eager.
-KERNEL = False
+# The GPU decode step's attention through the Triton kernel (True) or the matmul form (False):
+# bench_decode's kernel_attention variant measures the two inside the compiled, graph-captured decode.
+KERNEL = True
 
 logger = logging.getLogger(__name__)
 
