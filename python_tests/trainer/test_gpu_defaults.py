@@ -128,8 +128,32 @@ def test_lora_7b_fits_and_checkpointing_turns_on_only_where_memory_needs_it(tmp_
     cfg = from_dict({"actor": {"lora": lora}, "rollout": {"n": 8, "max_new_tokens": 256}})
     p = memory_plan.plan(cfg, shape, 139 * GIB, needs_reference=False, peft=True)
     assert p.fits() and not p.checkpointing
-    small = memory_plan.plan(cfg, shape, p.static_bytes + 0.5 * p.group_tokens * p.per_token / 0.85, False, True)
-    assert small.fits() and small.checkpointing  # half a group's activations: recompute them
+
+    def with_room_for(tokens):  # free memory whose room holds ``tokens`` unchecked tokens' activations
+        return memory_plan.plan(cfg, shape, p.static_bytes + tokens * p.per_token / memory_plan.MEMORY_FRACTION,
+                                False, True)
+
+    # a 7B forward costs more to recompute than a micro-batch of ~2.4k tokens costs to add: room for half a
+    # group (an 80 GB card's case) splits the update instead; room for a fifth of a group recomputes
+    assert 2000 < p.worthwhile_tokens < 0.5 * p.group_tokens
+    half, fifth = with_room_for(0.5 * p.group_tokens), with_room_for(0.2 * p.group_tokens)
+    assert half.fits() and not half.checkpointing
+    assert fifth.fits() and fifth.checkpointing
+
+
+def test_a_small_model_recomputes_rather_than_splitting_a_prompt_group(tmp_path):
+    """At the 0.5B shape a micro-batch more costs more than recomputing ~38k tokens' forward: room for less
+    than one prompt group turns checkpointing on (the measured 0.25 -> 0.40 s of a 16k-token budget
+    against 0.32 s checkpointed)."""
+    shape = memory_plan.shape_from_folder(_folder(tmp_path, vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                                                  num_hidden_layers=24, num_attention_heads=14,
+                                                  num_key_value_heads=2, tie_word_embeddings=True), None)
+    cfg = from_dict({"rollout": {"n": 8, "max_new_tokens": 256}})
+    p = memory_plan.plan(cfg, shape, 139 * GIB, needs_reference=False, peft=False)
+    assert p.worthwhile_tokens > p.group_tokens and not p.checkpointing
+    half = memory_plan.plan(cfg, shape, p.static_bytes + 0.5 * p.group_tokens * p.per_token / memory_plan.MEMORY_FRACTION,
+                            False, False)
+    assert half.fits() and half.checkpointing
 
 
 def test_checkpointing_stays_off_on_the_cpu():

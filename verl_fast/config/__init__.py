@@ -179,8 +179,10 @@ class ActorConfig(ModelLayoutConfig, ScheduleConfig):
                                             "bf16 / fp16 where torch has varlen_attn (elsewhere a per-sequence loop)")
     gradient_checkpointing: Optional[bool] = _f(None, doc="recompute each layer's activations in the backward "
                                                 "(null, auto: on when the free memory left after the weights, "
-                                                "gradients and optimizer states holds less than one micro-batch's "
-                                                "activations of a prompt group, strategies/memory_plan.py)")
+                                                "gradients and optimizer states cannot hold, unrecomputed, one "
+                                                "prompt group's activations or a micro-batch large enough that "
+                                                "splitting the update costs less than recomputing, "
+                                                "strategies/memory_plan.py)")
     optimizer: str = _f("adamw", choices=("adamw", "adamw_8bit"),
                         doc="adamw: torch's, fp32 states (8 bytes a trained parameter); adamw_8bit: torchao's "
                             "AdamW8bit, block-quantised states (2 bytes: what lets a 7B full fine-tune fit one "

@@ -16,8 +16,13 @@ Bytes that stay for the whole run (``static``), per parameter of the actor:
 What is left holds the activations of the micro-batches (``ACTIVATION_BYTES`` per token, layer and
 unit of width without checkpointing; with it, one bf16 hidden state per token and
 layer plus one layer's full activations). ``gradient_checkpointing``'s auto turns it on when the rest
-cannot hold the activations of one prompt group (``rollout.n`` sequences of the longest length) without
-it; the run is refused before the weights load when it cannot hold one sequence's even with it.
+cannot hold, without it, the activations of one prompt group (``rollout.n`` sequences of the longest
+length) or of a micro-batch large enough to be worth splitting the update into, whichever is fewer
+tokens (never less than one sequence): a micro-batch more costs ``MICRO_BATCH_S`` beyond its tokens'
+work, checkpointing costs one more forward of every token, so micro-batches of at least
+``MICRO_BATCH_S`` x ``UPDATE_FLOPS_PER_S`` / (2 x parameters) tokens are cheaper than recomputing
+(~38k tokens at the 0.5B shape, where a group decides; ~2.5k at 7B). The run is refused before the
+weights load when it cannot hold one sequence's even with it.
 """
 
 from __future__ import annotations
@@ -43,6 +48,14 @@ ACTIVATION_BYTES = 8.0
 # out of memory with that count). Counted per unit of the adapted layers' (in + out) width: 8.66 MiB there.
 ADAPTER_ACTIVATION_BYTES = 1.0
 OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "adamw_8bit": 2.0}  # per trained parameter (8-bit: + block scales)
+# What one micro-batch more costs an update beyond its tokens' work (launches, the passes' weight reads,
+# the per-micro-batch bookkeeping): ~75 ms measured on one H200 at the 0.5B shape (a 16k-token budget's
+# two extra micro-batches: 0.25 -> 0.40 s; benchmarks/NOTES.md).
+MICRO_BATCH_S = 0.075
+# The update's bf16 rate at the 7B shape (~50% of an H100's / H200's dense peak: the LoRA update's 4 and
+# the full fine-tune's 6 FLOPs a parameter and token over their measured times), for what recomputing
+# a token's forward costs.
+UPDATE_FLOPS_PER_S = 5e14
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -130,6 +143,7 @@ class Plan:
     per_token_checkpointed: float
     group_tokens: int  # one prompt group's tokens at the longest length
     sequence_tokens: int
+    worthwhile_tokens: float  # the micro-batch from which splitting costs less than recomputing
 
     @property
     def room(self) -> float:
@@ -137,8 +151,10 @@ class Plan:
 
     @property
     def checkpointing(self) -> bool:
-        """Whether the activations of one prompt group need recomputing to fit (the auto setting)."""
-        return self.room < self.group_tokens * self.per_token
+        """Whether activations need recomputing to fit (the auto setting): the room holds neither one
+        prompt group's nor a worthwhile micro-batch's without it (module docstring)."""
+        needed = max(self.sequence_tokens, min(self.group_tokens, self.worthwhile_tokens))
+        return self.room < needed * self.per_token
 
     def fits(self) -> bool:
         return self.room >= self.sequence_tokens * self.per_token_checkpointed
@@ -168,7 +184,8 @@ def plan(cfg: Config, shape: Shape, free_bytes: float, needs_reference: bool, pe
     per_token += adapter_per_token(shape.adapted, half)
     checkpointed = checkpointed_per_token(per_token, shape.layers, shape.hidden)
     sequence = cfg.trainer.max_prompt_length + r.max_new_tokens
-    return Plan(static, free_bytes, per_token, checkpointed, r.n * sequence, sequence)
+    worthwhile = MICRO_BATCH_S * UPDATE_FLOPS_PER_S / (2.0 * shape.parameters) if shape.parameters else float("inf")
+    return Plan(static, free_bytes, per_token, checkpointed, r.n * sequence, sequence, worthwhile)
 
 
 def async_copies(cfg: Config, shape: Shape, nbytes: int) -> float:
