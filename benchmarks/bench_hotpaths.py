@@ -232,9 +232,46 @@ def gae_pieces(r, v, m):
             ("check: slot + host_status field", queue_check)]
 
 
+def logprobs_pieces(logits, labels):
+    """logprobs_from_logits' Triton path piece by piece, each as the default call runs it (see
+    ops/logprobs.py and kernels/logprobs_from_logits.py): where the host time before the launch goes."""
+    from verl_fast.kernels import logprobs_from_logits as K
+    from verl_fast.ops import _validate as Vd
+    from verl_fast.ops import logprobs as L
+
+    V = logits.shape[-1]
+    x, flat = L._as_3d(logits), labels.reshape(-1)
+    counter = L._bad_label_counter(logits.device)
+    cfg = K.logprobs_config(V)
+    out = torch.empty((3, flat.numel()), dtype=torch.float32, device=logits.device)
+
+    def checks():
+        L._float_input(logits, "logits")
+        Vd.flag(False, "with_entropy"), Vd.flag(True, "check")
+        L._labels(labels, logits.shape[:-1], logits.device, "logits' leading dimensions")
+        L._inverse_temperature(1.0)
+        L._as_3d(logits)
+
+    def launch():  # the Triton JIT's own dispatch and launch, nothing around it
+        K._logprobs_fwd_kernel[(flat.numel(),)](x, flat, out[0], out[1], out[2], counter[0], x.shape[1], x.stride(0),
+                                                x.stride(1), x.stride(2), V, 1.0, WITH_ENT=False, CHECK=True,
+                                                BLOCK_V=cfg.block_v, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+
+    return [("argument checks", checks),
+            ("label counter (_bad_label_counter)", lambda: L._bad_label_counter(logits.device)),
+            ("outputs (one [3, N] allocation)", lambda: torch.empty((3, flat.numel()), dtype=torch.float32,
+                                                                    device=logits.device)),
+            ("forward without autograd (logprobs_forward)",
+             lambda: K.logprobs_forward(x, flat, 1.0, False, bad_labels=counter[0])),
+            ("launch: the Triton kernel alone", launch),
+            ("autograd entry (logprobs_from_logits_triton)",
+             lambda: K.logprobs_from_logits_triton(x, flat, 1.0, False, None, counter[0])),
+            ("check: queued label-count copy", lambda: L._queue_label_check(counter, flat, V, logits.device))]
+
+
 def case_host(rep: Report, device: str) -> None:
     """The wrappers' host cost with 2x8 tensors (the kernels cost next to nothing at that size), on
-    the CPU and, given a GPU, on it; compute_gae's pieces one by one."""
+    the CPU and, given a GPU, on it; compute_gae's and (on a GPU) logprobs_from_logits' pieces one by one."""
     for dev in ["cpu"] + ([device] if device.startswith("cuda") else []):
         torch.manual_seed(0)
         r, v = torch.randn(2, 8, device=dev), torch.randn(2, 8, device=dev)
@@ -250,9 +287,13 @@ def case_host(rep: Report, device: str) -> None:
         logits = torch.randn(2, 8, 16, device=dev)
         labels = torch.randint(0, 16, (2, 8), device=dev)
         path = "Triton" if dev.startswith("cuda") else "torch"
-        add_host_rows(rep, f"host per call: logprobs_from_logits 2x8x16 {dev} ({path} path)", [
-            ("default", lambda: vf.logprobs_from_logits(logits, labels)),
-            ("check=False", lambda: vf.logprobs_from_logits(logits, labels, check=False))], dev)
+        case = f"host per call: logprobs_from_logits 2x8x16 {dev} ({path} path)"
+        add_host_rows(rep, case, [("default", lambda: vf.logprobs_from_logits(logits, labels)),
+                                  ("check=False", lambda: vf.logprobs_from_logits(logits, labels, check=False))], dev)
+        for piece, fn in logprobs_pieces(logits, labels) if path == "Triton" else []:
+            us = host_us(fn, dev)
+            rep.meta[f"host_us {case} piece {piece}"] = us
+            rep.add(case, f"  piece: {piece}", us / 1e3)
 
 
 # ------------------------------------------------------------------ cases
