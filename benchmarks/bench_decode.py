@@ -12,6 +12,9 @@ new tokens of the Qwen2 shapes of bench_e2e, in variants of our own code, one pr
   ``kernels.decode_attention`` (``hf_decode.KERNEL``; the cache's empty columns unread, the scores in
   registers): the trainer's default.
 
+``kernel_attention:block_n=32,warps=8,stages=3,splits=2`` runs the kernel with other launch settings
+(any of the four; ``splits`` fixed instead of ``splits_for``'s choice): a sweep in one call.
+
 (Inductor's ``max-autotune``, its Triton GEMM templates timed against cuBLAS per product, was tried on
 the 0.5B shape: 3-17 s of autotuning per GEMM shape, the compile not done within 190 s; not a variant.)
 
@@ -60,7 +63,27 @@ def prompts(count: int, vocab: int):
     return ids.masked_fill(mask == 0, 0).cuda(), mask.cuda()
 
 
+KNOBS = {"block_n": "BLOCK_N", "warps": "NUM_WARPS", "stages": "NUM_STAGES", "splits": "splits_for"}
+
+
+def knobs_of(variant: str) -> dict:
+    """``kernel_attention:block_n=32,warps=8`` -> {"BLOCK_N": 32, "NUM_WARPS": 8}; raises ValueError
+    naming an unknown variant or setting."""
+    base, _, spec = variant.partition(":")
+    if base not in VARIANTS or (spec and base != "kernel_attention"):
+        raise ValueError(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)} (settings after "
+                         f"kernel_attention: {', '.join(KNOBS)})")
+    out = {}
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition("=")
+        if key not in KNOBS or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"variant {variant!r}: {item!r} is not one of {', '.join(KNOBS)} = a positive int")
+        out[KNOBS[key]] = int(value)
+    return out
+
+
 def run_variant(model, ids, mask, n: int, tokens: int, variant: str, reps: int):
+    from verl_fast.kernels import decode_attention as kernel_module
     from verl_fast.rollout import hf_decode, merged_projections
 
     torch._dynamo.reset()
@@ -68,7 +91,13 @@ def run_variant(model, ids, mask, n: int, tokens: int, variant: str, reps: int):
     if variant == "unmerged":
         merged_projections.ATTENTIONS = merged_projections.MLPS = frozenset()
     kernel = hf_decode.KERNEL
-    hf_decode.KERNEL = variant == "kernel_attention"
+    hf_decode.KERNEL = variant.partition(":")[0] == "kernel_attention"
+    knobs = knobs_of(variant)
+    if "splits_for" in knobs:
+        knobs["splits_for"] = lambda *_, s=knobs["splits_for"]: s
+    launch = {name: getattr(kernel_module, name) for name in knobs}
+    for name, value in knobs.items():
+        setattr(kernel_module, name, value)
     compiled = hf_decode.CompiledForward()
     graphs = hf_decode.GraphPool()
     rows = torch.arange(ids.shape[0], device=ids.device).repeat_interleave(n)  # each prompt's n samples
@@ -102,6 +131,8 @@ def run_variant(model, ids, mask, n: int, tokens: int, variant: str, reps: int):
     finally:
         merged_projections.ATTENTIONS, merged_projections.MLPS = saved
         hf_decode.KERNEL = kernel
+        for name, value in launch.items():
+            setattr(kernel_module, name, value)
     return {"variant": variant, "mode": mode, "first_s": first, "median_s": statistics.median(times),
             "min_s": min(times), "max_s": max(times), "kernels_per_token": kernels / tokens,
             "busy_share": busy / wall,
@@ -118,6 +149,11 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--reps", type=int, default=5)
     args = p.parse_args(argv)
+    for variant in args.variants.split(","):
+        try:
+            knobs_of(variant)
+        except ValueError as e:
+            p.error(str(e))
     report = Report("decode", "cuda")
     report.meta.update(setup=f"{args.prompts} prompts x {args.n}, {args.tokens} new tokens, bf16 autocast, CUDA graph")
     for shape in args.shapes.split(","):

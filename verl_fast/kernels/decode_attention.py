@@ -29,6 +29,7 @@ LOG2E = 1.4426950408889634
 NEG_BIG = tl.constexpr(-1.0e30)
 BLOCK_N = 64  # cache columns a loop step reads
 NUM_STAGES = 2  # loop steps whose loads are in flight at once
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -162,7 +163,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         query, key, value, keep, out, part_m, part_l, part_acc, kv_heads, L, G, D, cols_per_split, scale * LOG2E,
         query.stride(0), query.stride(1), query.stride(3), *key.stride(), *value.stride(), keep.stride(0), keep.stride(1), out.stride(0), out.stride(2), out.stride(3),
         BLOCK_G=block_g, BLOCK_N=BLOCK_N, BLOCK_D=block_d, SPLIT=split, PRECISION="ieee" if fp32 else "tf32",
-        UPCAST=upcast, NUM_STAGES=NUM_STAGES, num_warps=4)
+        UPCAST=upcast, NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS)
     if split:
         _combine_kernel[(programs,)](out, part_m, part_l, part_acc, kv_heads, G, D, splits, out.stride(0),
                                      out.stride(2), out.stride(3), BLOCK_G=block_g, BLOCK_D=block_d, num_warps=4)
