@@ -296,6 +296,25 @@ def case_host(rep: Report, device: str) -> None:
             rep.add(case, f"  piece: {piece}", us / 1e3)
 
 
+def kernel_ms(fn, calls: int) -> dict:
+    """Milliseconds of device time per call of ``fn``, by kernel (and memset / copy), over ``calls``
+    profiled calls after a warm-up: which of an op's GPU pieces holds its time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals = {}
+    for e in prof.key_averages():
+        if e.device_time_total > 0 and not e.key.startswith(("aten::", "cuda")):
+            totals[e.key[:60]] = e.device_time_total / 1e3 / calls
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
 # ------------------------------------------------------------------ cases
 
 
@@ -316,6 +335,13 @@ def case_gae(rep: Report, device: str, bw: float) -> None:
     if device.startswith("cuda"):
         rep.add(case, "graph replay", graph_ms(lambda: vf.compute_gae(r, v, m, 0.99, 0.95, check=False), device),
                 note="GPU time alone: the call captured in a CUDA graph")
+        try:  # a diagnostic: a profiler failure costs its rows, not the report
+            pieces = kernel_ms(lambda: vf.compute_gae(r, v, m, 0.99, 0.95), calls=20)
+        except Exception as e:  # noqa: BLE001
+            print(f"gae: the kernel breakdown failed: {type(e).__name__}: {e}", flush=True)
+            pieces = {}
+        for name, ms in pieces.items():
+            rep.add(case, f"  GPU: {name}", ms, note="per call, from the profiler")
     rep.add(case, "python loop (verl)", time_ms(lambda: loop_gae(r, v, m, 0.99, 0.95), device, warmup=1, rep=3))
 
 
