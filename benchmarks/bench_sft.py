@@ -13,7 +13,7 @@ max_length=--pack, per_device_train_batch_size`` = the packed rows holding as ma
 ``completion_only_loss`` (its default for prompt / completion data), its other defaults (gradient
 checkpointing on, as it ships). MFU of both from the same count: 6 x parameters per token plus the
 causal attention pairs of the rows (``perf.update_flops``; with LoRA the frozen weights' gradient is
-not computed, so 4 x, stated in the table's note), over the step's wall time. Each run is its own
+not computed, so 4 x plus 2 x the adapters', stated in the table's note), over the step's wall time. Each run is its own
 process; the first ``--skip`` steps are warm-up, the figures medians of the rest.
 
     python benchmarks/bench_e2e.py --prepare-assets          # the demo tokenizer into .bench_assets/
@@ -85,12 +85,11 @@ def flops_per_token(model, data_tokens: List[int], lora: bool) -> float:
 
     cfg = model.config
     params = sum(p.numel() for p in model.parameters())
+    # LoRA: the adapters peft put into the model (none yet where it wraps a copy: then 4 x parameters)
+    trained = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) if lora else None
     pairs = sum(n * (n + 1) / 2 for n in data_tokens)
     attn_width = cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)
-    total = update_flops(params, cfg.num_hidden_layers, attn_width, sum(data_tokens), pairs)
-    if lora:  # no weight gradient of the frozen matmuls: 4 per parameter per token instead of 6
-        total -= 2.0 * params * sum(data_tokens)
-    return total / sum(data_tokens)
+    return update_flops(params, cfg.num_hidden_layers, attn_width, sum(data_tokens), pairs, trained) / sum(data_tokens)
 
 
 def cuda_sync() -> None:

@@ -224,3 +224,18 @@ def test_token_counts_compile_the_log_prob_kernels_once():
         torch.cuda.synchronize()
         counts.append(p.figures()["perf/kernel_compiles"])
     assert counts[0] >= 1 and counts[1:] == [0, 0, 0], counts
+
+
+def test_a_lora_update_counts_the_frozen_base_forward_and_input_gradients(tiny_path):
+    """A LoRA actor's update: every parameter's forward and input gradients (4 a token), the adapters'
+    weight gradients only (2 a token); counting the trained parameters alone reported ~1% MFU at 7B."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_path),
+                                peft.LoraConfig(r=4, target_modules="all-linear"))
+    p = perf.StepPerf(model, torch.device("cpu"))
+    total = sum(t.numel() for t in model.parameters())
+    trained = sum(t.numel() for t in model.parameters() if t.requires_grad)
+    assert 0 < p.trained == trained < p.num_params == total
+    p.count_update(10, 0)
+    assert p.flops == pytest.approx((4 * total + 2 * trained) * 10, rel=1e-12)
+    assert perf.update_flops(total, 2, 8, 10, 0) == pytest.approx(6 * total * 10)  # training all of them

@@ -47,12 +47,15 @@ def peak_bf16_flops(device: torch.device) -> Optional[float]:
     return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
 
 
-def update_flops(num_params: int, num_layers: int, attn_width: int, tokens: float, pairs: float) -> float:
+def update_flops(num_params: int, num_layers: int, attn_width: int, tokens: float, pairs: float,
+                 trained: Optional[int] = None) -> float:
     """Forward + backward FLOPs of training on ``tokens`` tokens whose queries attend ``pairs``
-    query-key pairs in all (causal: a sequence of n tokens has n (n + 1) / 2): 6 per parameter per
-    token for the matmuls, and per pair the score and value products (2 matmuls of ``attn_width``,
-    x3 for the backward)."""
-    return float(6.0 * num_params * tokens + 12.0 * num_layers * attn_width * pairs)
+    query-key pairs in all (causal: a sequence of n tokens has n (n + 1) / 2): per token 2 per
+    parameter forward, 2 for the input gradients backward and 2 per ``trained`` parameter (all of them
+    when None) for the weight gradients (6 per parameter training all; a LoRA run's frozen base: 4),
+    and per pair the score and value products (2 matmuls of ``attn_width``, x3 for the backward)."""
+    trained = num_params if trained is None else trained
+    return float((4.0 * num_params + 2.0 * trained) * tokens + 12.0 * num_layers * attn_width * pairs)
 
 
 _GC = {"s": 0.0, "n": 0, "full": 0, "start": 0.0}
@@ -115,8 +118,10 @@ class StepPerf:
     def __init__(self, model: torch.nn.Module, device: torch.device):
         self.device = device
         self.peak = peak_bf16_flops(device)
-        # DTensor parameters (FSDP2) report their global size; frozen parameters do no update work
-        self.num_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        # DTensor parameters (FSDP2) report their global size; frozen ones (a LoRA base) take part in the
+        # forward and the input gradients but have no weight gradients
+        self.num_params = sum(p.numel() for p in model.parameters())
+        self.trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
         cfg = getattr(getattr(model, "module", model), "config", None)
         self.num_layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
         heads = getattr(cfg, "num_attention_heads", 0) or 0
@@ -181,7 +186,7 @@ class StepPerf:
     def count_update(self, tokens: float, pairs: float) -> None:
         """One forward + backward in the actor update that ran ``tokens`` tokens attending ``pairs``
         query-key pairs (what the passes ran: a shared prompt counts once, padding not at all)."""
-        self.flops += update_flops(self.num_params, self.num_layers, self.attn_width, tokens, pairs)
+        self.flops += update_flops(self.num_params, self.num_layers, self.attn_width, tokens, pairs, self.trained)
 
     def figures(self) -> Dict[str, float]:
         """Phase times, update MFU and peak memory of this rank; call before the ranks' metrics are
