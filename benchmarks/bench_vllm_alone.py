@@ -168,7 +168,7 @@ def run_worker(args, variant: str, out: Path) -> Dict[str, Any]:
     result["process_s"] = time.perf_counter() - t0
     # where the engine start goes, as vLLM logs it (weights loaded, torch.compile, graph capture, KV cache)
     result["start_log"] = [line[-240:] for line in (proc.stdout + proc.stderr).splitlines()
-                           if re.search(r"\b(took|seconds|secs|s\.)\b|[0-9.]+ ?s\b", line) and "INFO" in line][:40]
+                           if "INFO" in line and re.search(r"took|seconds|secs|[0-9.]+ ?s\b", line)][:40]
     return result
 
 
