@@ -228,11 +228,13 @@ fi
 # set_per_process_memory_fraction),
 # full (actor.optimizer=adamw_8bit, 10 steps: a checkpoint at step 5 and a resumed trainer for the rest); SEVEN_B=trl runs
 # TRL 1.16 + PEFT + vLLM colocate on the same LoRA work, then TRL's full fine-tune (its out-of-memory stop
-# recorded). lora ~4.5 min, full ~8 (two trainers, a ~40 GB checkpoint between them: saved in ~115 s, resumed in ~90 s, the
+# recorded); SEVEN_B_PROFILE=1 profiles one more rollout and update of each row (their top kernels). lora
+# ~4.5 min, full ~8 (two trainers, a ~40 GB checkpoint between them: saved in ~115 s, resumed in ~90 s, the
 # resumed trainer compiling again): one row a 10-minute call. ----
 if want 7b; then
   # the model folder in host memory: the disk (64 GB) holds the full fine-tune's checkpoint
-  common=(--device cuda --shapes 7b --gpus 1 --no-profile --timeout 330 --models /dev/shm/vf_models)
+  common=(--device cuda --shapes 7b --gpus 1 --timeout 330 --models /dev/shm/vf_models)
+  [ "${SEVEN_B_PROFILE:-0}" = 1 ] || common+=(--no-profile)  # 1: one more rollout and update, profiled (top kernels)
   if [ "${SEVEN_B:-ours}" = ours ]; then
     for row in ${SEVEN_B_ROWS:-lora full}; do
       case $row in
