@@ -209,9 +209,12 @@ def test_length_bucketed_waves_keep_prompt_order(tiny_path, tmp_path):
     assert a.texts == b.texts  # greedy: the same responses whichever wave a prompt went in
 
 
-def test_fsdp2_actor_on_two_ranks(tiny_path, tmp_path):
+@pytest.mark.parametrize("lora", [False, True])
+def test_fsdp2_actor_on_two_ranks(tiny_path, tmp_path, lora):
     """An FSDP2-sharded actor (gloo, 2 processes) trains as it is: rollout on every rank, sequences
-    balanced over the ranks by tokens, token-budget micro-batches, metrics averaged, HF checkpoints."""
+    balanced over the ranks by tokens, token-budget micro-batches, metrics averaged, HF checkpoints.
+    With LoRA adapters and the sharding from the config (the HF rollout's ``generate`` runs before
+    any training pass: FSDP2's root must see it)."""
     import json
     import socket
     import subprocess
@@ -222,8 +225,9 @@ def test_fsdp2_actor_on_two_ranks(tiny_path, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     worker = Path(__file__).resolve().parents[1] / "support" / "trainer_dist_worker.py"
-    procs = [subprocess.Popen([sys.executable, str(worker), str(r), "2", str(port), str(tiny_path), str(tmp_path)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(worker), str(r), "2", str(port), str(tiny_path), str(tmp_path)]
+                              + (["lora"] if lora else []), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
     result = json.loads((tmp_path / "rank0.json").read_text())

@@ -145,10 +145,20 @@ def _fsdp2(model: nn.Module, sharding: Sharding, layers: List[nn.Module], mesh=N
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for layer in layers:
         fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
-    if layers and _keeps_unsharded(model, sharding):  # never for a model the user wrapped
-        _GATHER_ONCE.add(model)
+    root = fsdp_root(model)
+    fully_shard(root, **kwargs)
+    if layers and _keeps_unsharded(root, sharding):  # never for a model the user wrapped
+        _GATHER_ONCE.add(root)
     return model
+
+
+def fsdp_root(model: nn.Module) -> nn.Module:
+    """The module that carries FSDP2's root: the Hugging Face model inside a peft wrapper, else ``model``.
+    FSDP2 initialises its layers' states from the root's first forward; peft's ``generate`` calls the
+    inner model's, never the wrapper's, so a root on the wrapper met layers that an earlier ``generate``
+    had made roots of their own (every later pass then failed)."""
+    base = getattr(model, "get_base_model", None)
+    return base() if callable(base) else model
 
 
 # FSDP2 models this module wrapped whose micro-batches run on parameters gathered once per step
@@ -183,6 +193,7 @@ def micro_steps(model: nn.Module, micro: Sequence[T]) -> Iterator[T]:
     until the last backward, and gradients accumulate unsharded and unreduced until the last
     backward reduce-scatters them: one all-gather and one reduce-scatter per step instead of one per
     micro-batch, the same gradient. Other models: the micro-batches as they are."""
+    model = fsdp_root(model)
     if model not in _GATHER_ONCE or len(micro) < 2:
         yield from micro
         return
@@ -204,6 +215,7 @@ def gathered_for_passes(model: nn.Module, passes: int) -> Iterator[None]:
     """Around ``passes`` no-grad forwards of an FSDP2 model wrapped here with
     ``unsharded_accumulation`` on: parameters all-gathered by the first forward, kept for the others
     and resharded at the end."""
+    model = fsdp_root(model)
     if model not in _GATHER_ONCE or passes < 2:
         yield
         return
