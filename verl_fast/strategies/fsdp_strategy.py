@@ -31,7 +31,7 @@ from verl_fast import distributed
 from verl_fast.checkpoint import sharded as checkpoint
 from verl_fast.config import Config
 from verl_fast.rollout.experience import Experience
-from verl_fast.models import compiled_blocks, lora, packed, routing
+from verl_fast.models import compiled_blocks, lora, lora_linear, packed, routing
 from verl_fast.models.response_logprobs import accepts
 from verl_fast.models.shared_prefix import experience_logprobs, packed_layout
 from verl_fast.models.value import ValueModel, response_values
@@ -180,9 +180,11 @@ def removes_padding(actor: torch.nn.Module, cfg: Config, device: torch.device,
 
 
 def passes(model: torch.nn.Module, compiled: bool, packs: bool) -> ContextManager[Any]:
-    """Around a pass's micro-batches, forward and backward: the compiled norms and MLPs
-    (``compiled_blocks``), the varlen attention of packed rows (``packed``)."""
+    """Around a pass's micro-batches, forward and backward: LoRA layers as GEMMs only where
+    ``lora_linear.FUSED`` is on, the compiled norms and MLPs (``compiled_blocks``), the varlen attention
+    of packed rows (``packed``)."""
     stack = contextlib.ExitStack()
+    stack.enter_context(lora_linear.fused(hf_module(model), lora_linear.FUSED))
     stack.enter_context(compiled_blocks.compiled(hf_module(model), compiled))
     if packs:
         stack.enter_context(packed.attention_switched(hf_module(model)))
