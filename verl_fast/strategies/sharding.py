@@ -158,7 +158,7 @@ def fsdp_root(model: nn.Module) -> nn.Module:
     inner model's, never the wrapper's, so a root on the wrapper met layers that an earlier ``generate``
     had made roots of their own (every later pass then failed)."""
     base = getattr(model, "get_base_model", None)
-    return base() if callable(base) else model
+    return base() if callable(base) and type(model).__module__.startswith("peft.") else model
 
 
 # FSDP2 models this module wrapped whose micro-batches run on parameters gathered once per step
