@@ -41,6 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Report, copy_bandwidth_gbs, peak_extra_bytes, sync, time_ms  # noqa: E402
 from bench_advantage import gae_inputs, graph_ms, loop_gae  # noqa: E402
+from bench_e2e import kernel_profile  # noqa: E402
 
 import verl_fast as vf  # noqa: E402
 from verl_fast.bench.shapes import shape  # noqa: E402
@@ -198,6 +199,14 @@ def add_host_rows(rep: Report, case: str, calls, device: str) -> None:
                         note=f"torch ops {launches}, reads {reads} (+ _C's own launches)")
 
 
+def add_piece_rows(rep: Report, case: str, pieces, device: str) -> None:
+    """A row ``  piece: <name>`` under ``case`` per (name, fn) of ``pieces``: host ms per call."""
+    for piece, fn in pieces:
+        us = host_us(fn, device)
+        rep.meta[f"host_us {case} piece {piece}"] = us
+        rep.add(case, f"  piece: {piece}", us / 1e3)
+
+
 def gae_pieces(r, v, m):
     """compute_gae's host path piece by piece, each as the call runs it (see ops/advantage.py)."""
     from verl_fast.ops import advantage as A
@@ -280,39 +289,15 @@ def case_host(rep: Report, device: str) -> None:
         case = f"host per call: compute_gae 2x8 {dev}"
         add_host_rows(rep, case, [("default", lambda: vf.compute_gae(r, v, m, 0.99, 0.95)),
                                   ("check=False", lambda: vf.compute_gae(r, v, m, 0.99, 0.95, check=False))], dev)
-        for piece, fn in gae_pieces(r, v, m):
-            us = host_us(fn, dev)
-            rep.meta[f"host_us {case} piece {piece}"] = us
-            rep.add(case, f"  piece: {piece}", us / 1e3)
+        add_piece_rows(rep, case, gae_pieces(r, v, m), dev)
         logits = torch.randn(2, 8, 16, device=dev)
         labels = torch.randint(0, 16, (2, 8), device=dev)
         path = "Triton" if dev.startswith("cuda") else "torch"
         case = f"host per call: logprobs_from_logits 2x8x16 {dev} ({path} path)"
         add_host_rows(rep, case, [("default", lambda: vf.logprobs_from_logits(logits, labels)),
                                   ("check=False", lambda: vf.logprobs_from_logits(logits, labels, check=False))], dev)
-        for piece, fn in logprobs_pieces(logits, labels) if path == "Triton" else []:
-            us = host_us(fn, dev)
-            rep.meta[f"host_us {case} piece {piece}"] = us
-            rep.add(case, f"  piece: {piece}", us / 1e3)
-
-
-def kernel_ms(fn, calls: int) -> dict:
-    """Milliseconds of device time per call of ``fn``, by kernel (and memset / copy), over ``calls``
-    profiled calls after a warm-up: which of an op's GPU pieces holds its time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    totals = {}
-    for e in prof.key_averages():
-        if e.device_time_total > 0 and not e.key.startswith(("aten::", "cuda")):
-            totals[e.key[:60]] = e.device_time_total / 1e3 / calls
-    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+        if path == "Triton":
+            add_piece_rows(rep, case, logprobs_pieces(logits, labels), dev)
 
 
 # ------------------------------------------------------------------ cases
@@ -335,13 +320,15 @@ def case_gae(rep: Report, device: str, bw: float) -> None:
     if device.startswith("cuda"):
         rep.add(case, "graph replay", graph_ms(lambda: vf.compute_gae(r, v, m, 0.99, 0.95, check=False), device),
                 note="GPU time alone: the call captured in a CUDA graph")
+        calls = 20
         try:  # a diagnostic: a profiler failure costs its rows, not the report
-            pieces = kernel_ms(lambda: vf.compute_gae(r, v, m, 0.99, 0.95), calls=20)
+            top = kernel_profile(lambda: [vf.compute_gae(r, v, m, 0.99, 0.95) for _ in range(calls)])["top_kernels"]
         except Exception as e:  # noqa: BLE001
             print(f"gae: the kernel breakdown failed: {type(e).__name__}: {e}", flush=True)
-            pieces = {}
-        for name, ms in pieces.items():
-            rep.add(case, f"  GPU: {name}", ms, note="per call, from the profiler")
+            top = []
+        for k in top:  # the memset, the scan, the whitening, the check's copy
+            if k["total_ms"] > 0:
+                rep.add(case, f"  GPU: {k['name'][:60]}", k["total_ms"] / calls, note="per call, from the profiler")
     rep.add(case, "python loop (verl)", time_ms(lambda: loop_gae(r, v, m, 0.99, 0.95), device, warmup=1, rep=3))
 
 

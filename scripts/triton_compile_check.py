@@ -113,7 +113,7 @@ def _variants(device: torch.device):
                (q, kv, kv, keep, out, part, part, part, KVH, L, G, D, 192 if split else L, 0.1, *q.stride()[:2],
                 q.stride(3), *kv.stride(), *kv.stride(), *keep.stride(), out.stride(0), out.stride(2), out.stride(3)),
                dict(BLOCK_G=16, BLOCK_N=A.BLOCK_N, BLOCK_D=D, SPLIT=split, PRECISION="ieee" if dtype == f32 else "tf32",
-                    UPCAST=False, NUM_STAGES=A.NUM_STAGES, num_warps=4))
+                    UPCAST=False, NUM_STAGES=A.NUM_STAGES, num_warps=A.NUM_WARPS))
     yield ("decode attention combine", A._combine_kernel, (out, part, part, part, KVH, G, D, 2, out.stride(0),
            out.stride(2), out.stride(3)), dict(BLOCK_G=16, BLOCK_D=D, num_warps=4))
 

@@ -14,15 +14,12 @@ from verl_fast.models import lora_linear
 peft = pytest.importorskip("peft")
 
 
-def reference(x, w, bias, a, b, s):
+def reference(x, w, bias, a, b, s, g):
     """float64: the output and the gradients of sum(y * g) with respect to x, A and B."""
-    x, w, a, b, g = (t.detach().double().requires_grad_(t.requires_grad) for t in (x, w, a, b, G[0]))
+    x, w, a, b = (t.detach().double().requires_grad_(t.requires_grad) for t in (x, w, a, b))
     y = x @ w.T + s * (x @ a.T) @ b.T + (0 if bias is None else bias.double())
-    grads = torch.autograd.grad((y * g).sum(), (x, a, b))
+    grads = torch.autograd.grad((y * g.double()).sum(), (x, a, b))
     return y, grads
-
-
-G = [None]  # the upstream gradient of the current example
 
 
 @settings(max_examples=40, deadline=None)
@@ -36,10 +33,10 @@ def test_output_and_gradients_match_float64(lead, in_f, out_f, r, s, bias, dtype
     bb = torch.randn(out_f, generator=g).to(dtype) if bias else None
     a = (torch.randn(r, in_f, generator=g) / 2).to(dtype).requires_grad_()
     b = (torch.randn(out_f, r, generator=g) / 2).to(dtype).requires_grad_()
-    G[0] = torch.randn(*lead, out_f, generator=g).to(dtype)
+    up = torch.randn(*lead, out_f, generator=g).to(dtype)  # the upstream gradient
     y = lora_linear._LoraLinear.apply(x, w, bb, a, b, s)
-    gx, ga, gb = torch.autograd.grad((y * G[0]).sum(), (x, a, b))
-    want_y, (wx, wa, wb) = reference(x, w, bb, a, b, s)
+    gx, ga, gb = torch.autograd.grad((y * up).sum(), (x, a, b))
+    want_y, (wx, wa, wb) = reference(x, w, bb, a, b, s, up)
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=4e-2, atol=8e-2 * (1 + in_f) ** 0.5)
     assert y.dtype == dtype and y.shape == (*lead, out_f)
     for got, want in ((y, want_y), (gx, wx), (ga, wa), (gb, wb)):
