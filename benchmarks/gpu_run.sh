@@ -228,7 +228,7 @@ fi
 # set_per_process_memory_fraction), lora_fused (LoRA layers as GEMMs only in the passes, models/lora_linear.py),
 # full (actor.optimizer=adamw_8bit, 10 steps: a checkpoint at step 5 and a resumed trainer for the rest); SEVEN_B=trl runs
 # TRL 1.16 + PEFT + vLLM colocate on the same LoRA work, then TRL's full fine-tune (its out-of-memory stop
-# recorded); SEVEN_B_PROFILE=1 profiles one more rollout and update of each row (their top kernels). lora
+# recorded; SEVEN_B_TRL_ROWS=lora runs the first only); SEVEN_B_PROFILE=1 profiles one more rollout and update of each row (their top kernels). lora
 # ~4.5 min, full ~8 (two trainers, a ~40 GB checkpoint between them: saved in ~115 s, resumed in ~90 s, the
 # resumed trainer compiling again): one row a 10-minute call. ----
 if want 7b; then
@@ -253,10 +253,15 @@ if want 7b; then
       esac
     done
   else
-    timeout 330 "$py" benchmarks/bench_e2e.py "${common[@]}" --impls trl_vllm --lora 64 --trl-steps vllm:4 --skip 1 \
-      --name e2e_7b_lora_trl >> "$OUT/bench.log" 2>&1 || failed+=("7b lora trl")
-    timeout 200 "$py" benchmarks/bench_e2e.py "${common[@]}" --impls trl_vllm --trl-steps vllm:3 --skip 1 \
-      --name e2e_7b_full_trl >> "$OUT/bench.log" 2>&1 || failed+=("7b full trl")
+    for row in ${SEVEN_B_TRL_ROWS:-lora full}; do
+      case $row in
+        lora) timeout 330 "$py" benchmarks/bench_e2e.py "${common[@]}" --impls trl_vllm --lora 64 --trl-steps vllm:4 \
+                --skip 1 --name e2e_7b_lora_trl >> "$OUT/bench.log" 2>&1 || failed+=("7b lora trl") ;;
+        full) timeout 200 "$py" benchmarks/bench_e2e.py "${common[@]}" --impls trl_vllm --trl-steps vllm:3 --skip 1 \
+                --name e2e_7b_full_trl >> "$OUT/bench.log" 2>&1 || failed+=("7b full trl") ;;
+        *) echo "SEVEN_B_TRL_ROWS: unknown row $row (lora, full)"; failed+=("7b trl row $row") ;;
+      esac
+    done
   fi
   grep -E "^7b|ours: checkpoint|out of memory" "$OUT/bench.log" | tail -n 8
 fi
