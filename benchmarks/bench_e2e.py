@@ -287,9 +287,9 @@ def profile_phases(trainer, batch, label: str) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     try:
         with trainer._engine_awake():
-            out["rollout"] = kernel_profile(lambda: trainer.rollout.rollout(batch, seed=0))
+            out["rollout"] = kernel_profile(lambda: trainer.rollout.rollout(batch, seed=0), top=20)
         exp = trainer.make_experience(batch, {})
-        out["update"] = kernel_profile(lambda: trainer.update_actor(exp))
+        out["update"] = kernel_profile(lambda: trainer.update_actor(exp), top=20)
     except Exception as e:  # noqa: BLE001
         print(f"{label}: the profile failed ({type(e).__name__}: {e})", flush=True)
     for phase, p in out.items():
@@ -299,22 +299,30 @@ def profile_phases(trainer, batch, label: str) -> Dict[str, Any]:
     return out
 
 
-def kernel_profile(run) -> Dict[str, Any]:
-    """``run()`` under the CUDA-activity profiler: wall seconds, seconds some kernel ran (the union of
-    kernel intervals), the kernel count and the ten kernels of most total time."""
+def kernel_profile(run, top: int = 10) -> Dict[str, Any]:
+    """``run()`` under the profiler: wall seconds, seconds some kernel ran (the union of kernel
+    intervals), the kernel count, the ``top`` kernels of most total time and the ``top`` operators
+    (aten and autograd) whose own launches took the most kernel time: which call a kernel came from."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         run()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     busy, kernels = gpu_busy(prof)
-    top = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:10]
+    averages = prof.key_averages()
+    cuda = torch.autograd.DeviceType.CUDA
+    on_gpu = sorted((e for e in averages if e.device_type == cuda), key=lambda e: e.device_time_total,
+                    reverse=True)[:top]
+    ops = sorted((e for e in averages if e.device_type != cuda and e.self_device_time_total > 0),
+                 key=lambda e: e.self_device_time_total, reverse=True)[:top]
     return {"wall_s": wall, "gpu_busy_s": busy, "kernels": kernels,
-            "top_kernels": [{"name": e.key[:120], "calls": e.count, "total_ms": e.device_time_total / 1e3}
-                            for e in top]}
+            "top_kernels": [{"name": e.key[:160], "calls": e.count, "total_ms": e.device_time_total / 1e3}
+                            for e in on_gpu],
+            "top_ops": [{"name": e.key[:160], "calls": e.count, "kernel_ms": e.self_device_time_total / 1e3}
+                        for e in ops]}
 
 
 def gpu_busy(prof) -> tuple:
