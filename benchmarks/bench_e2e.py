@@ -155,10 +155,10 @@ def worker_ours(args) -> Dict[str, Any]:
     if args.memory_gib and args.device == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total), device)
-    if args.lora_fused:
+    if args.lora_peft:
         from verl_fast.models import lora_linear
 
-        lora_linear.FUSED = True
+        lora_linear.FUSED = False
     rng = random.Random(rank)
     run_dir = [tempfile.mkdtemp(prefix="bench_e2e_") if rank == 0 else None]
     if world > 1:  # one folder for every rank: a checkpoint's files are written by some ranks, read by all
@@ -529,7 +529,7 @@ def launch(impl: str, args, model: Path, gpus: int, visible: Optional[str], out:
     worker += ["--lora", str(args.lora)] if args.lora else []
     if kind == "ours":
         worker += ["--memory-gib", str(args.memory_gib)] if args.memory_gib else []
-        worker += ["--lora-fused"] if args.lora_fused else []
+        worker += ["--lora-peft"] if args.lora_peft else []
         worker += [f"--set={item}" for item in [*args.set, *overrides]] + (
             ["--resume-at", str(args.resume_at)] if args.resume_at else [])
         worker += ([] if args.profile else ["--no-profile"]) + (["--profile-steps"] if args.profile_steps else [])
@@ -750,8 +750,8 @@ def main(argv=None) -> int:
     p.add_argument("--memory-gib", type=float, default=0.0,
                    help="our runs: this process may use this much GPU memory (set_per_process_memory_fraction: "
                         "a smaller card's memory, or a GPU shared); 0: all of it")
-    p.add_argument("--lora-fused", action="store_true", help="our runs: LoRA layers as GEMMs only in the passes "
-                   "(models/lora_linear.FUSED)")
+    p.add_argument("--lora-peft", action="store_true", help="our runs: LoRA layers through peft's own forward in "
+                   "the passes (models/lora_linear.FUSED off), against the default GEMMs-only layers")
     p.add_argument("--resume-at", type=int, default=0, help="our runs: checkpoint after this many steps, then "
                    "continue in a new trainer resumed from it (save and resume times recorded)")
     p.add_argument("--name", help="the report's name (results/<name>_<device>.json)")

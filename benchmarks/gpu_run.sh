@@ -225,7 +225,8 @@ fi
 # calls): SEVEN_B=ours runs ours, the rows SEVEN_B_ROWS names (default "lora full"): lora (r64, defaults),
 # lora_cb (the same with actor.compile_blocks=true, off by default for a LoRA actor: does compiling its norms
 # and MLPs, adapters included, pay?), lora76 (the process kept to 76 GiB, an 80 GB card's memory:
-# set_per_process_memory_fraction), lora_fused (LoRA layers as GEMMs only in the passes, models/lora_linear.py),
+# set_per_process_memory_fraction), lora_peft (LoRA layers through peft's own forward in the passes, against the
+# default GEMMs-only layers of models/lora_linear.py),
 # full (actor.optimizer=adamw_8bit, 10 steps: a checkpoint at step 5 and a resumed trainer for the rest); SEVEN_B=trl runs
 # TRL 1.16 + PEFT + vLLM colocate on the same LoRA work, then TRL's full fine-tune (its out-of-memory stop
 # recorded; SEVEN_B_TRL_ROWS=lora runs the first only); SEVEN_B_PROFILE=1 profiles one more rollout and update of each row (their top kernels). lora
@@ -245,11 +246,11 @@ if want 7b; then
                    failed+=("7b lora ours compile_blocks") ;;
         lora76) timeout 280 "$py" benchmarks/bench_e2e.py "${common[@]}" --impls ours --lora 64 --steps 7 \
                   --memory-gib 76 --name e2e_7b_lora_ours_76gib >> "$OUT/bench.log" 2>&1 || failed+=("7b lora ours 76 GiB") ;;
-        lora_fused) timeout 280 "$py" benchmarks/bench_e2e.py "${common[@]}" --impls ours --lora 64 --steps 7 \
-                      --lora-fused --name e2e_7b_lora_ours_fused >> "$OUT/bench.log" 2>&1 || failed+=("7b lora ours fused") ;;
+        lora_peft) timeout 280 "$py" benchmarks/bench_e2e.py "${common[@]}" --impls ours --lora 64 --steps 7 \
+                     --lora-peft --name e2e_7b_lora_ours_peft >> "$OUT/bench.log" 2>&1 || failed+=("7b lora ours peft") ;;
         full) timeout 550 "$py" benchmarks/bench_e2e.py "${common[@]}" --impls ours --set actor.optimizer=adamw_8bit \
                 --steps 10 --resume-at 5 --timeout 530 --name e2e_7b_full_ours >> "$OUT/bench.log" 2>&1 || failed+=("7b full ours") ;;
-        *) echo "SEVEN_B_ROWS: unknown row $row (lora, lora_cb, lora76, lora_fused, full)"; failed+=("7b row $row") ;;
+        *) echo "SEVEN_B_ROWS: unknown row $row (lora, lora_cb, lora76, lora_peft, full)"; failed+=("7b row $row") ;;
       esac
     done
   else
