@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Report, hbm_bytes_per_s  # noqa: E402
-from bench_e2e import SHAPES, gpu_busy  # noqa: E402
+from bench_e2e import SHAPES, kernel_profile  # noqa: E402
 
 VARIANTS = ("unmerged", "merged", "prefill_each", "kernel_attention")
 
@@ -120,24 +120,15 @@ def run_variant(model, ids, mask, n: int, tokens: int, variant: str, reps: int):
             start = time.perf_counter()
             call()
             times.append(time.perf_counter() - start)
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            start = time.perf_counter()
-            call()
-            wall = time.perf_counter() - start
-        busy, kernels = gpu_busy(prof)
-        top = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:10]
+        profiled = kernel_profile(call)
     finally:
         merged_projections.ATTENTIONS, merged_projections.MLPS = saved
         hf_decode.KERNEL = kernel
         for name, value in launch.items():
             setattr(kernel_module, name, value)
     return {"variant": variant, "mode": mode, "first_s": first, "median_s": statistics.median(times),
-            "min_s": min(times), "max_s": max(times), "kernels_per_token": kernels / tokens,
-            "busy_share": busy / wall,
-            "top_kernels": [{"name": e.key[:120], "calls": e.count, "total_ms": e.device_time_total / 1e3}
-                            for e in top]}
+            "min_s": min(times), "max_s": max(times), "kernels_per_token": profiled["kernels"] / tokens,
+            "busy_share": profiled["gpu_busy_s"] / profiled["wall_s"], "top_kernels": profiled["top_kernels"]}
 
 
 def main(argv=None) -> int:

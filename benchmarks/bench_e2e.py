@@ -289,7 +289,7 @@ def profile_phases(trainer, batch, label: str) -> Dict[str, Any]:
         with trainer._engine_awake():
             out["rollout"] = kernel_profile(lambda: trainer.rollout.rollout(batch, seed=0), top=20)
         exp = trainer.make_experience(batch, {})
-        out["update"] = kernel_profile(lambda: trainer.update_actor(exp), top=20)
+        out["update"] = kernel_profile(lambda: trainer.update_actor(exp), top=20, operators=True)
     except Exception as e:  # noqa: BLE001
         print(f"{label}: the profile failed ({type(e).__name__}: {e})", flush=True)
     for phase, p in out.items():
@@ -299,14 +299,16 @@ def profile_phases(trainer, batch, label: str) -> Dict[str, Any]:
     return out
 
 
-def kernel_profile(run, top: int = 10) -> Dict[str, Any]:
+def kernel_profile(run, top: int = 10, operators: bool = False) -> Dict[str, Any]:
     """``run()`` under the profiler: wall seconds, seconds some kernel ran (the union of kernel
-    intervals), the kernel count, the ``top`` kernels of most total time and the ``top`` operators
-    (aten and autograd) whose own launches took the most kernel time: which call a kernel came from."""
+    intervals), the kernel count, the ``top`` kernels of most total time and, with ``operators``, the
+    ``top`` operators (aten and autograd) whose own launches took the most kernel time: which call a
+    kernel came from (the host-side trace slows a launch-bound ``run``: its wall then reads longer)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA] if operators
+                 else [ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         run()
         torch.cuda.synchronize()
@@ -318,11 +320,13 @@ def kernel_profile(run, top: int = 10) -> Dict[str, Any]:
                     reverse=True)[:top]
     ops = sorted((e for e in averages if e.device_type != cuda and e.self_device_time_total > 0),
                  key=lambda e: e.self_device_time_total, reverse=True)[:top]
-    return {"wall_s": wall, "gpu_busy_s": busy, "kernels": kernels,
-            "top_kernels": [{"name": e.key[:160], "calls": e.count, "total_ms": e.device_time_total / 1e3}
-                            for e in on_gpu],
-            "top_ops": [{"name": e.key[:160], "calls": e.count, "kernel_ms": e.self_device_time_total / 1e3}
-                        for e in ops]}
+    out = {"wall_s": wall, "gpu_busy_s": busy, "kernels": kernels,
+           "top_kernels": [{"name": e.key[:160], "calls": e.count, "total_ms": e.device_time_total / 1e3}
+                           for e in on_gpu]}
+    if operators:
+        out["top_ops"] = [{"name": e.key[:160], "calls": e.count, "kernel_ms": e.self_device_time_total / 1e3}
+                          for e in ops]
+    return out
 
 
 def gpu_busy(prof) -> tuple:
