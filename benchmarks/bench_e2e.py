@@ -318,12 +318,12 @@ def kernel_profile(run, top: int = 10, operators: bool = False) -> Dict[str, Any
     cuda = torch.autograd.DeviceType.CUDA
     on_gpu = sorted((e for e in averages if e.device_type == cuda), key=lambda e: e.device_time_total,
                     reverse=True)[:top]
-    ops = sorted((e for e in averages if e.device_type != cuda and e.self_device_time_total > 0),
-                 key=lambda e: e.self_device_time_total, reverse=True)[:top]
     out = {"wall_s": wall, "gpu_busy_s": busy, "kernels": kernels,
            "top_kernels": [{"name": e.key[:160], "calls": e.count, "total_ms": e.device_time_total / 1e3}
                            for e in on_gpu]}
     if operators:
+        ops = sorted((e for e in averages if e.device_type != cuda and e.self_device_time_total > 0),
+                     key=lambda e: e.self_device_time_total, reverse=True)[:top]
         out["top_ops"] = [{"name": e.key[:160], "calls": e.count, "kernel_ms": e.self_device_time_total / 1e3}
                           for e in ops]
     return out

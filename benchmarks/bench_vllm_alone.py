@@ -169,8 +169,8 @@ def run_worker(args, variant: str, out: Path) -> Dict[str, Any]:
         return {"variant": variant, "error": f"worker exited {proc.returncode}", "log_tail": tail}
     result = json.loads(out.read_text())
     result["process_s"] = time.perf_counter() - t0
-    # where the engine start goes, as vLLM logs it (every INFO line up to the first generate, with its
-    # time stamp: weights loaded, torch.compile, graph capture, KV cache, and the gaps between them)
+    # where the engine start goes, as vLLM logs it (its first 60 INFO lines, each with its time stamp:
+    # configuration, weights loaded, torch.compile, graph capture, KV cache, and the gaps between them)
     result["start_log"] = [line[-240:] for line in (proc.stdout + proc.stderr).splitlines() if "INFO" in line][:60]
     return result
 
