@@ -24,7 +24,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from verl_fast.models.wrapping import hf_module
+from verl_fast.models.wrapping import hf_module, peft_base
 from verl_fast.ops.logprobs import linear_logprobs, logprobs_from_logits
 
 FUSED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -83,10 +83,8 @@ def accepts(model: torch.nn.Module, name: str) -> bool:
     not name through to the model they wrap (FSDP1 / DDP's ``module``, peft's base model, whose
     forward names none of ``logits_to_keep``, ``past_key_values``) are looked through: without this,
     LoRA actors ran every pass padded, with the head over every position."""
-    inner = hf_module(model)
-    base = getattr(inner, "get_base_model", None)
     try:
-        return name in inspect.signature((base() if callable(base) else inner).forward).parameters
+        return name in inspect.signature(peft_base(hf_module(model)).forward).parameters
     except (TypeError, ValueError):
         return False
 

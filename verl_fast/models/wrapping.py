@@ -24,6 +24,12 @@ def hf_module(model: torch.nn.Module) -> torch.nn.Module:
     return inner if inner is not None and hasattr(inner, "save_pretrained") else model
 
 
+def peft_base(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model inside a peft wrapper (``get_base_model()``), else the model itself."""
+    base = getattr(model, "get_base_model", None)
+    return base() if callable(base) else model
+
+
 def wrapper_kind(model: torch.nn.Module):
     """``"fsdp2"`` or ``"fsdp1"`` when ``model`` or any module inside it carries that wrapper (the
     outermost one found first), else None."""

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from verl_fast.distributed import collective_device, is_distributed, world_size
-from verl_fast.models.wrapping import hf_module, unwrapped_parameters, wrapper_kind
+from verl_fast.models.wrapping import hf_module, peft_base, unwrapped_parameters, wrapper_kind
 
 
 @dataclass(frozen=True)
@@ -157,8 +157,7 @@ def fsdp_root(model: nn.Module) -> nn.Module:
     FSDP2 initialises its layers' states from the root's first forward; peft's ``generate`` calls the
     inner model's, never the wrapper's, so a root on the wrapper met layers that an earlier ``generate``
     had made roots of their own (every later pass then failed)."""
-    base = getattr(model, "get_base_model", None)
-    return base() if callable(base) and type(model).__module__.startswith("peft.") else model
+    return peft_base(model)
 
 
 # FSDP2 models this module wrapped whose micro-batches run on parameters gathered once per step
