@@ -108,10 +108,7 @@ def worker(args) -> Dict[str, Any]:
         kw.update(gpu_memory_utilization=0.5, kv_cache_memory_bytes=2 << 30)
     kw.update(variant.get("engine", {}))
     start = time.perf_counter()
-    import vllm  # noqa: F401  (timed apart: a start's import, then the engine's own construction)
-
-    import_s = time.perf_counter() - start
-    engine = VLLMInferenceEngine(str(args.model), **kw)
+    engine = VLLMInferenceEngine(str(args.model), **kw)  # vLLM imported by it, as in the trainer
     init_s = time.perf_counter() - start
     prompts = prompts_of(engine._tokenizer, args.prompts)
     specs = [SamplingSpec(n=args.n, temperature=1.0, max_tokens=args.tokens, seed=1000 + i,
@@ -147,7 +144,7 @@ def worker(args) -> Dict[str, Any]:
                 times[name] += timed(fn, 1)
             engine.wake_up()  # untimed: the step row leaves the engine asleep (its KV cache unmapped)
     engine.close()
-    return {"variant": args.worker, "init_s": init_s, "import_s": import_s, "llm_init_s": engine.init_seconds,
+    return {"variant": args.worker, "init_s": init_s, "import_s": engine.import_seconds, "llm_init_s": engine.init_seconds,
             "tokens": tokens,
             "median_s": {k: statistics.median(v) for k, v in times.items()}, "times_s": times}
 
