@@ -241,7 +241,8 @@ def main(argv=None) -> int:
                     report.floors[case] = floor_s * 1e3
                 report.add("engine start", f"{variant}, {res['start']} start", res["init_s"] * 1e3,
                            note=f"the worker process: {res['process_s']:.1f} s")
-                report.add("engine start", f"{variant}, {res['start']} start: import vllm", res["import_s"] * 1e3)
+                report.add("engine start", f"{variant}, {res['start']} start: import vllm", res["import_s"] * 1e3,
+                           note="vllm and the modules vllm.LLM loads (lazily, at its first touch)")
                 report.add("engine start", f"{variant}, {res['start']} start: vllm.LLM()", res["llm_init_s"] * 1e3)
                 for name, s in res["median_s"].items():
                     report.add(case, name, s * 1e3, note=f"{res['tokens'][name]} tokens")
