@@ -215,8 +215,26 @@ def test_merged_adapters_compute_what_pefts_forward_does():
         for parent, attr, adapted in done:
             setattr(parent, attr, adapted)
     assert type(model.base_model.model.model.layers[0].self_attn.q_proj).__module__.startswith("peft")
+    base = layer.base_layer.weight.detach().clone()
+    ref_w = base.double() + 4.0 * b @ a
     merge_adapters(model, torch.bfloat16, copies, done := [])  # the kept copies are refreshed, in bf16
     assert all(getattr(p, n).weight.dtype == torch.bfloat16 for p, n, _ in done)
+    assert torch.equal(layer.base_layer.weight, base)  # the float32 base summed into a temporary, not itself
+    got = model.base_model.model.model.layers[0].self_attn.q_proj.weight
+    torch.testing.assert_close(got.double(), ref_w.to(torch.bfloat16).double(), rtol=0, atol=0)  # one rounding
+    for parent, attr, adapted in done:
+        setattr(parent, attr, adapted)
+    # a LoRA actor's bf16 base: the sum made in the bf16 copy itself, the factors taken in bf16
+    for _, _, adapted in done:
+        adapted.base_layer.to(torch.bfloat16)
+    merge_adapters(model, torch.bfloat16, copies, done := [])
+    assert torch.equal(layer.base_layer.weight.float(), base.to(torch.bfloat16).float())  # the base untouched
+    got = model.base_model.model.model.layers[0].self_attn.q_proj.weight.double()
+    ref_w = base.to(torch.bfloat16).double() + 4.0 * b @ a
+    # bf16 factors (as autocast gives the training passes' adapter products): within bf16's relative
+    # error of each term of the sum, not only of the result
+    bound = 2**-7 * (base.abs().double() + 4.0 * b.abs() @ a.abs())
+    assert ((got - ref_w).abs() <= bound).all(), ((got - ref_w).abs() / bound).max()
     for parent, attr, adapted in done:
         setattr(parent, attr, adapted)
 
