@@ -270,17 +270,14 @@ def merge_adapters(module: torch.nn.Module, dtype: Optional[torch.dtype], copies
                                     device=weight.device, dtype=want).requires_grad_(False)
             copies[key] = plain
         # the sum, rounded once: in the copy itself when the base is in its dtype, else in float32
-        total = plain.weight if weight.dtype == want else weight.detach().to(torch.float32, copy=True)
-        if total is plain.weight:
-            total.copy_(weight.detach())
-        for adapter in sub.active_adapters:
+        if weight.dtype == want:
+            total = plain.weight.copy_(weight.detach())
+        else:
+            total = weight.detach().to(torch.float32, copy=True)
+        for adapter in sub.active_adapters:  # (peft turns fan_in_fan_out off on nn.Linear: W is [out, in])
             if adapter in sub.lora_A:
-                a = sub.lora_A[adapter].weight.detach().to(total.dtype)
-                b = sub.lora_B[adapter].weight.detach().to(total.dtype)
-                if getattr(sub, "fan_in_fan_out", False):  # the base holds W transposed: add (B @ A).T
-                    total.addmm_(a.T, b.T, alpha=sub.scaling[adapter])
-                else:
-                    total.addmm_(b, a, alpha=sub.scaling[adapter])
+                total.addmm_(sub.lora_B[adapter].weight.detach().to(total.dtype),
+                             sub.lora_A[adapter].weight.detach().to(total.dtype), alpha=sub.scaling[adapter])
         if total is not plain.weight:
             plain.weight.copy_(total)
         if base.bias is not None:
