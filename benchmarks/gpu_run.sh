@@ -171,7 +171,7 @@ fi
 # weights through one CUDA IPC buffer) at the Qwen2 0.5B and 1.5B shapes, in one call; needs .bench_assets/
 # (as e2e). About 2.5 min per shape (0.5b and 1.5b together took 289 s); ASYNC_SHAPES=7b-lora runs the modes
 # with LoRA r 64 at the 7B shape (full's workers get the adapters merged into the base); ASYNC_NAME names the
-# report (default async). ASYNC_MPS=1 runs the section under an MPS daemon started here and stopped after it
+# report (default async), ASYNC_RUN_TIMEOUT each (shape, mode) run's seconds (240). ASYNC_MPS=1 runs the section under an MPS daemon started here and stopped after it
 # (processes sharing the GPU then run kernels side by side; without it their contexts take turns). Each run's
 # step before the last is profiled, one_step's apart (ASYNC_TRACE=0 leaves it out; the last has no next rollout
 # beside it): kernels and busy seconds per stream, the seconds the two busiest streams ran together, the CPU of
@@ -184,6 +184,7 @@ if want async; then
   fi
   timeout ${ASYNC_TIMEOUT:-560} "$py" benchmarks/bench_async.py --device cuda --shapes "${ASYNC_SHAPES:-0.5b,1.5b}" \
     --modes "${ASYNC_MODES:-off,one_step,full}" --steps "${ASYNC_STEPS:-8}" --name "${ASYNC_NAME:-async}" \
+    --timeout "${ASYNC_RUN_TIMEOUT:-240}" \
     $([ "${ASYNC_TRACE:-1}" = 1 ] && echo --trace) \
     > "$OUT/bench_async.log" 2>&1 || failed+=("bench_async")
   if [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ]; then

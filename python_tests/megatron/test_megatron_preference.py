@@ -46,6 +46,9 @@ def test_megatron_preference_matches_hf(tmp_path, algorithm, rows):
                      config=preference_config(algorithm, "none", tmp_path / "hf")).fit(rows)
     assert len(got) == len(want) == 2
     for step, (a, b) in enumerate(zip(got, want)):
+        # step 0 runs the same weights; step 1 runs weights that differ by the first update's rounding, which
+        # Adam's first step (about lr * sign(grad)) amplifies where a gradient is near zero
+        rel = 1e-4 if step == 0 else 1e-3
         for key in KEYS[algorithm]:
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (step, key)
+            assert a[key] == pytest.approx(b[key], rel=rel, abs=1e-5), (step, key)
     assert got[1][KEYS[algorithm][0]] != got[0][KEYS[algorithm][0]]  # the first step moved the weights

@@ -38,6 +38,9 @@ def test_megatron_sft_matches_hf(tmp_path):
     want = RLTrainer(actor_model=model, tokenizer=AutoTokenizer.from_pretrained(model_dir),
                      config=sft_config("none", tmp_path / "hf")).fit(CHATS)
     for step, (a, b) in enumerate(zip(got, want)):
+        # step 0 runs the same weights; step 1 runs weights that differ by the first update's rounding, which
+        # Adam's first step (about lr * sign(grad)) amplifies where a gradient is near zero
+        rel = 1e-4 if step == 0 else 1e-3
         for key in ("sft/loss", "actor/grad_norm"):
-            assert a[key] == pytest.approx(b[key], rel=1e-4), (step, key)
+            assert a[key] == pytest.approx(b[key], rel=rel), (step, key)
     assert got[1]["sft/loss"] != got[0]["sft/loss"]  # the first step moved the weights
