@@ -230,7 +230,7 @@ fi
 # default GEMMs-only layers of models/lora_linear.py),
 # full (actor.optimizer=adamw_8bit, 10 steps: a checkpoint at step 5 and a resumed trainer for the rest); SEVEN_B=trl runs
 # TRL 1.16 + PEFT + vLLM colocate on the same LoRA work, then TRL's full fine-tune (its out-of-memory stop
-# recorded; SEVEN_B_TRL_ROWS=lora runs the first only); SEVEN_B_PROFILE=1 profiles one more rollout and update of each row (their top kernels). lora
+# recorded; SEVEN_B_TRL_ROWS=lora runs the first only); SEVEN_B_PROFILE=1 profiles one more rollout and update of each row (their top kernels); SEVEN_B_STEPS the LoRA rows' steps (7). lora
 # ~4.5 min, full ~8 (two trainers, a ~40 GB checkpoint between them: saved in ~115 s, resumed in ~90 s, the
 # resumed trainer compiling again): one row a 10-minute call. ----
 if want 7b; then
@@ -240,15 +240,15 @@ if want 7b; then
   if [ "${SEVEN_B:-ours}" = ours ]; then
     for row in ${SEVEN_B_ROWS:-lora full}; do
       case $row in
-        lora) timeout 280 "$py" benchmarks/bench_e2e.py "${common[@]}" --impls ours --lora 64 --steps 7 \
+        lora) timeout 280 "$py" benchmarks/bench_e2e.py "${common[@]}" --impls ours --lora 64 --steps "${SEVEN_B_STEPS:-7}" \
                 --name e2e_7b_lora_ours >> "$OUT/bench.log" 2>&1 || failed+=("7b lora ours") ;;
         # its first steps compile the decode and the blocks: a 210 s call ended before the first steady step
-        lora_cb) timeout 420 "$py" benchmarks/bench_e2e.py "${common[@]}" --impls ours --lora 64 --steps 7 \
+        lora_cb) timeout 420 "$py" benchmarks/bench_e2e.py "${common[@]}" --impls ours --lora 64 --steps "${SEVEN_B_STEPS:-7}" \
                    --timeout 400 --set actor.compile_blocks=true --name e2e_7b_lora_ours_cb >> "$OUT/bench.log" 2>&1 ||
                    failed+=("7b lora ours compile_blocks") ;;
-        lora76) timeout 280 "$py" benchmarks/bench_e2e.py "${common[@]}" --impls ours --lora 64 --steps 7 \
+        lora76) timeout 280 "$py" benchmarks/bench_e2e.py "${common[@]}" --impls ours --lora 64 --steps "${SEVEN_B_STEPS:-7}" \
                   --memory-gib 76 --name e2e_7b_lora_ours_76gib >> "$OUT/bench.log" 2>&1 || failed+=("7b lora ours 76 GiB") ;;
-        lora_peft) timeout 280 "$py" benchmarks/bench_e2e.py "${common[@]}" --impls ours --lora 64 --steps 7 \
+        lora_peft) timeout 280 "$py" benchmarks/bench_e2e.py "${common[@]}" --impls ours --lora 64 --steps "${SEVEN_B_STEPS:-7}" \
                      --lora-peft --name e2e_7b_lora_ours_peft >> "$OUT/bench.log" 2>&1 || failed+=("7b lora ours peft") ;;
         full) timeout 550 "$py" benchmarks/bench_e2e.py "${common[@]}" --impls ours --set actor.optimizer=adamw_8bit \
                 --steps 10 --resume-at 5 --timeout 530 --name e2e_7b_full_ours >> "$OUT/bench.log" 2>&1 || failed+=("7b full ours") ;;
