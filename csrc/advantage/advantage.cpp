@@ -208,7 +208,7 @@ void scan_cpu(const ScanArgs& a) {
   VF_DISPATCH_FLOAT(a.rewards.dtype, R, [&] {
     VF_DISPATCH_FLOAT(vdt, V, [&] {
       VF_DISPATCH_MASK(a.mask.dtype, M, [&] {
-        parallel_for(B, a.num_threads, [&](int64_t begin, int64_t end) {
+        parallel_for(B, a.num_threads, min_rows_per_thread(T), [&](int64_t begin, int64_t end) {
           constexpr int K = 2;
           int32_t s = 0;
           Sums sums{};
@@ -228,12 +228,12 @@ void scan_cpu(const ScanArgs& a) {
     const float mean = static_cast<float>(total.mean()), rstd = static_cast<float>(total.rstd());
     float* adv = a.advantages.ptr<float>();
     if (a.kind == ScanKind::gae) {  // GAE whitens every position, as verl does
-      parallel_for(B * T, a.num_threads, [&](int64_t begin, int64_t end) {
+      parallel_for(B * T, a.num_threads, kMinElementsPerThread, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) adv[i] = (adv[i] - mean) * rstd;
       });
     } else {  // REINFORCE++ zeroes the positions outside the mask
       VF_DISPATCH_MASK(a.mask.dtype, M, [&] {
-        parallel_for(B, a.num_threads, [&](int64_t begin, int64_t end) {
+        parallel_for(B, a.num_threads, min_rows_per_thread(T), [&](int64_t begin, int64_t end) {
           for (int64_t b = begin; b < end; ++b) {
             for (int64_t t = 0; t < T; ++t) {
               float& x = adv[b * T + t];
@@ -254,7 +254,7 @@ void group_cpu(const GroupArgs& a) {
   std::atomic<int32_t> status{0};
   VF_DISPATCH_FLOAT(a.rewards.dtype, R, [&] {
     VF_DISPATCH_MASK(a.mask.dtype, M, [&] {
-      parallel_for(B, a.num_threads, [&](int64_t begin, int64_t end) {
+      parallel_for(B, a.num_threads, min_rows_per_thread(T), [&](int64_t begin, int64_t end) {
         int32_t s = 0;
         for (int64_t b = begin; b < end; ++b) {
           double score = 0.0, count = 0.0;
@@ -294,7 +294,7 @@ void group_cpu(const GroupArgs& a) {
   }
   float* out = a.advantages.ptr<float>();
   VF_DISPATCH_MASK(a.mask.dtype, M, [&] {
-    parallel_for(B, a.num_threads, [&](int64_t begin, int64_t end) {
+    parallel_for(B, a.num_threads, min_rows_per_thread(T), [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
         const float v = static_cast<float>(whiten ? (ws.adv[b] - mean) * rstd : ws.adv[b]);
         for (int64_t t = 0; t < T; ++t) out[b * T + t] = nonzero(at2<M>(a.mask, b, t)) ? v : 0.0f;

@@ -13,13 +13,22 @@
 
 namespace vf {
 
+// Starting a thread costs tens of microseconds, about a pass over this many float elements: a thread
+// gets at least this much work, or the loop runs on the calling thread.
+constexpr int64_t kMinElementsPerThread = int64_t{1} << 15;
+
+// The rows of `width` elements that make a thread's least work.
+inline int64_t min_rows_per_thread(int64_t width) {
+  return std::max<int64_t>(1, kMinElementsPerThread / std::max<int64_t>(1, width));
+}
+
+// fn(begin, end) over [0, n) on up to num_threads threads (0: the hardware's), each given at least
+// min_per_thread items.
 template <typename Fn>
-void parallel_for(int64_t n, int num_threads, Fn&& fn) {
+void parallel_for(int64_t n, int num_threads, int64_t min_per_thread, Fn&& fn) {
   if (n <= 0) return;
   int threads = num_threads > 0 ? num_threads : static_cast<int>(std::thread::hardware_concurrency());
-  // Below this many items per thread, starting threads costs more than it saves.
-  constexpr int64_t kMinPerThread = 16;
-  threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, n / kMinPerThread)));
+  threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, n / std::max<int64_t>(1, min_per_thread))));
   if (threads == 1) {
     fn(int64_t{0}, n);
     return;

@@ -120,8 +120,8 @@ void free_cuda_tables(CudaTables* t) { delete t; }
 
 void run_tiles_cpu(const Segment* segs, const Tile* tiles, int64_t begin, int64_t end, void* const* ptrs,
                    int num_threads) {
-  // Below a few tiles per thread the threads cost more than they save (parallel_for's minimum).
-  parallel_for(end - begin, num_threads, [&](int64_t b, int64_t e) {
+  // Below a few tiles per thread the threads cost more than they save.
+  parallel_for(end - begin, num_threads, 16, [&](int64_t b, int64_t e) {
     for (int64_t i = begin + b; i < begin + e; ++i) run_tile(segs[tiles[i].seg], tiles[i], ptrs);
   });
 }

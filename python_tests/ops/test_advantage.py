@@ -368,6 +368,29 @@ def test_remax_matches_reference(device, B, T):
     close(adv, ra)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_estimators_split_over_threads_match_reference(threads):
+    """A batch big enough for the CPU path to split its rows and its whitening over threads (each takes at
+    least 32k elements, fewer run on the calling thread): the threads' sums merge to the reference."""
+    B, T = 48, 2048
+    r, v, m = make(B, T, seed=threads)
+    ids = groups_for(B, seed=threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gae = vf.compute_gae(r, v, m, gamma=0.99, lam=0.95)
+        rpp = vf.compute_reinforce_pp_advantage(r, m, gamma=0.9)
+        remax = vf.compute_remax_advantage(r, v[:, 0].contiguous(), m)
+        grpo, _ = vf.compute_grpo_advantage(r, m, ids)
+    finally:
+        torch.set_num_threads(before)
+    for (adv, ret), (ra, rr) in [(gae, ref_gae(r, v, m, 0.99, 0.95)), (rpp, ref_reinforce_pp(r, m, 0.9)),
+                                 (remax, ref_remax(r, v[:, 0], m))]:
+        close(ret, rr)
+        close(adv, ra)
+    close(grpo, ref_grpo(r, m, ids))
+
+
 # ---------------------------------------------------------------- CUDA against the CPU path
 
 
