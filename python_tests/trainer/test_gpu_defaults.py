@@ -186,22 +186,26 @@ def test_an_8bit_optimizer_trains_a_tiny_model_like_adamw():
     assert abs(losses["adamw_8bit"][-1] - losses["adamw"][-1]) < 0.1 * losses["adamw"][0]
 
 
-def test_merged_adapters_compute_what_pefts_forward_does():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_merged_adapters_compute_what_pefts_forward_does(device, request):
     """The compiled decode's LoRA layers: one plain linear holding W + scale * B @ A (hf_decode.merge_adapters)
     against a float64 reference of peft's forward (base product plus the scaled adapter path)."""
     peft = pytest.importorskip("peft")
     from verl_fast.rollout.hf_decode import merge_adapters
 
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 products in float32 (a GPU run's default is TF32)
+    request.addfinalizer(lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", tf32))
     torch.manual_seed(0)
     model = peft.get_peft_model(build_model("qwen2"), peft.LoraConfig(r=4, lora_alpha=16, target_modules="all-linear"))
     for name, p in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.1)  # peft starts B at zero: the merge would be trivial
-    model.eval()
-    ids = torch.randint(0, 512, (2, 9))
+    model.to(device).eval()
+    ids = torch.randint(0, 512, (2, 9), device=device)
     want = model(input_ids=ids).logits.double()
     layer = model.base_model.model.model.layers[0].self_attn.q_proj
-    x = torch.randn(3, layer.base_layer.in_features, dtype=torch.float64)
+    x = torch.randn(3, layer.base_layer.in_features, dtype=torch.float64, device=device)
     a, b = layer.lora_A["default"].weight.double(), layer.lora_B["default"].weight.double()
     ref = x @ layer.base_layer.weight.double().T + layer.base_layer.bias.double() + 4.0 * (x @ a.T) @ b.T
     done, copies = [], {}
