@@ -14,7 +14,7 @@
 #   HOTPATHS_DEVICE=cpu CMAKE_ARGS=-DVERL_FAST_CUDA=OFF SECTIONS=hotpaths ...  # the section checked on a CPU at small sizes
 #
 # Sections: tests (every gpu-marked test), defaults (the trainer's defaults at 0.5B / 1.5B, issue 42), 7b (the 7B
-# class: LoRA and full fine-tune, ours or TRL's by SEVEN_B), shapes (a new token count's first-call cost), decode (the rollout's decode alone),
+# class: LoRA and full fine-tune, ours or TRL's by SEVEN_B), shapes (a new token count's first-call cost), decode (the rollout's decode alone), merge (the LoRA merge before a rollout),
 # overlap (the reward beside the old-log-prob pass), hotpaths (the ops as users call them, before / after issue 48), vllm (every vLLM test, on the GPU's vLLM), trainer (the CLI
 # with vLLM rollout: GRPO + resume, PPO, the default config), advantage, logprobs, reshard, hybrid, e2e,
 # sft (our SFT step beside TRL's SFTTrainer), async (off / one_step / full), dist (needs 2 GPUs), megatron (2 GPUs; megatron-core's wheel in .whl/),
@@ -288,6 +288,13 @@ if want decode; then
   timeout ${DECODE_TIMEOUT:-400} "$py" benchmarks/bench_decode.py --shapes "${DECODE_SHAPES:-0.5b,1.5b}" \
     --variants "${DECODE_VARIANTS:-merged,prefill_each}" >> "$OUT/bench.log" 2>&1 || failed+=("bench_decode")
   grep -E "^(0.5b|1.5b|7b) " "$OUT/bench.log" | tail -n 12
+fi
+
+# ---- merge (issue 42): the LoRA merge before each rollout of the compiled decode, 7B shape r 64: ours against
+# the float32-temporaries merge it replaced and peft's merge + unmerge (~1 minute) ----
+if want merge; then
+  timeout 180 "$py" benchmarks/bench_lora_merge.py --device cuda >> "$OUT/bench.log" 2>&1 || failed+=("bench_lora_merge")
+  grep -E "^LoRA merge" "$OUT/bench.log" | tail -n 4
 fi
 
 # ---- overlap (issue 24): the reward scored beside the old-log-prob pass against before it, a reward that waits
