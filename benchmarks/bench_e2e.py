@@ -296,6 +296,11 @@ def profile_phases(trainer, batch, label: str) -> Dict[str, Any]:
         print(f"{label}: profiled {phase} {p['wall_s']:.2f} s, kernels running {p['gpu_busy_s']:.2f} s "
               f"({p['kernels']} kernels); top: " + "; ".join(f"{k['name'][:60]} {k['total_ms']:.0f} ms"
                                                            for k in p["top_kernels"][:4]), flush=True)
+        idle = p["idle"]
+        print(f"{label}: {phase} idle {idle['outside_span_s']:.3f} s outside the kernels' span, "
+              f"{idle['gaps_s']:.3f} s in gaps >= 1 ms; longest: "
+              + "; ".join(f"{g['ms']:.1f} ms at {g['at_s']:.3f} s ({g['after'][:40]} -> {g['before'][:40]})"
+                          for g in idle["gaps"][:3]), flush=True)
     return out
 
 
@@ -315,10 +320,11 @@ def kernel_profile(run, top: int = 10, operators: bool = False) -> Dict[str, Any
         wall = time.perf_counter() - start
     busy, kernels = gpu_busy(prof)
     averages = prof.key_averages()
+    idle = idle_stretches(prof, wall)
     cuda = torch.autograd.DeviceType.CUDA
     on_gpu = sorted((e for e in averages if e.device_type == cuda), key=lambda e: e.device_time_total,
                     reverse=True)[:top]
-    out = {"wall_s": wall, "gpu_busy_s": busy, "kernels": kernels,
+    out = {"wall_s": wall, "gpu_busy_s": busy, "kernels": kernels, "idle": idle,
            "top_kernels": [{"name": e.key[:160], "calls": e.count, "total_ms": e.device_time_total / 1e3}
                            for e in on_gpu]}
     if operators:
@@ -338,6 +344,27 @@ def gpu_busy(prof) -> tuple:
         busy += max(0.0, b - max(a, end))
         end = max(end, b)
     return busy / 1e6, len(kernels)
+
+
+def idle_stretches(prof, wall: float, top: int = 6, least_ms: float = 1.0) -> Dict[str, Any]:
+    """Where the GPU sat idle in a profile of ``wall`` seconds: outside the kernels' span (host work
+    before the first kernel and after the last), and the ``top`` longest gaps of at least ``least_ms``
+    between kernels inside it, each with its start (seconds after the first kernel began) and the
+    kernels either side (what the host was doing in between lies between those two launches)."""
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not kernels:
+        return {"outside_span_s": wall, "gaps_s": 0.0, "gaps": []}
+    gaps, end, last = [], kernels[0][1], kernels[0][2]
+    for a, b, name in kernels[1:]:  # microseconds
+        if a - end >= least_ms * 1e3:
+            gaps.append({"at_s": (end - kernels[0][0]) / 1e6, "ms": (a - end) / 1e3, "after": last[:80],
+                         "before": name[:80]})
+        if b > end:
+            end, last = b, name
+    gaps.sort(key=lambda g: g["ms"], reverse=True)
+    return {"outside_span_s": max(0.0, wall - (end - kernels[0][0]) / 1e6),
+            "gaps_s": sum(g["ms"] for g in gaps) / 1e3, "gaps": gaps[:top]}
 
 
 def profile_each_phase(trainer) -> Dict[str, Any]:
