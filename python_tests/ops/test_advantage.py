@@ -534,10 +534,11 @@ def test_masked_reductions_match_reference():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cuda_vector_and_scalar_loads_agree(dtype):
-    """Aligned rows take 16-byte loads, offset or strided rows scalar ones: same results."""
-    r, v, m = make(7, 1030, dtype, seed=3)
-    wide_r, wide_v, wide_m = (torch.zeros(7, 1031, dtype=dtype), torch.zeros(7, 1031, dtype=dtype),
-                              torch.zeros(7, 1031, dtype=torch.bool))
+    """Aligned rows take 16-byte loads, offset or strided rows scalar ones: same results. 1040 columns:
+    every row 16-byte aligned in each dtype (the mask's too), the last tile partial."""
+    r, v, m = make(7, 1040, dtype, seed=3)
+    wide_r, wide_v, wide_m = (torch.zeros(7, 1041, dtype=dtype), torch.zeros(7, 1041, dtype=dtype),
+                              torch.zeros(7, 1041, dtype=torch.bool))
     wide_r[:, 1:], wide_v[:, 1:], wide_m[:, 1:] = r, v, m  # misaligned by one element
     ref = vf.compute_gae(r, v, m, 0.97, 0.9)
     for args in [(r, v, m), (wide_r[:, 1:], wide_v[:, 1:], wide_m[:, 1:])]:
