@@ -318,9 +318,10 @@ def kernel_profile(run, top: int = 10, operators: bool = False) -> Dict[str, Any
         run()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    busy, kernels = gpu_busy(prof)
+    intervals = kernel_intervals(prof)
+    busy, kernels = gpu_busy(prof, intervals)
     averages = prof.key_averages()
-    idle = idle_stretches(prof, wall)
+    idle = idle_stretches(intervals, wall)
     cuda = torch.autograd.DeviceType.CUDA
     on_gpu = sorted((e for e in averages if e.device_type == cuda), key=lambda e: e.device_time_total,
                     reverse=True)[:top]
@@ -335,24 +336,29 @@ def kernel_profile(run, top: int = 10, operators: bool = False) -> Dict[str, Any
     return out
 
 
-def gpu_busy(prof) -> tuple:
-    """(seconds some kernel ran: the union of the kernel intervals, kernel count) of a profile."""
-    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                     if e.device_type == torch.autograd.DeviceType.CUDA)
+def kernel_intervals(prof) -> List[tuple]:
+    """A profile's kernels as (start, end, name), microseconds, by start."""
+    return sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def gpu_busy(prof, kernels: Optional[List[tuple]] = None) -> tuple:
+    """(seconds some kernel ran: the union of the kernel intervals, kernel count) of a profile
+    (``kernels``: its ``kernel_intervals``, when already listed)."""
+    kernels = kernel_intervals(prof) if kernels is None else kernels
     busy, end = 0.0, float("-inf")
-    for a, b in kernels:  # microseconds; merge overlapping intervals
+    for a, b, _ in kernels:  # microseconds; merge overlapping intervals
         busy += max(0.0, b - max(a, end))
         end = max(end, b)
     return busy / 1e6, len(kernels)
 
 
-def idle_stretches(prof, wall: float, top: int = 6, least_ms: float = 1.0) -> Dict[str, Any]:
-    """Where the GPU sat idle in a profile of ``wall`` seconds: outside the kernels' span (host work
-    before the first kernel and after the last), and the ``top`` longest gaps of at least ``least_ms``
-    between kernels inside it, each with its start (seconds after the first kernel began) and the
-    kernels either side (what the host was doing in between lies between those two launches)."""
-    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                     if e.device_type == torch.autograd.DeviceType.CUDA)
+def idle_stretches(kernels: List[tuple], wall: float, top: int = 6, least_ms: float = 1.0) -> Dict[str, Any]:
+    """Where the GPU sat idle in a profile of ``wall`` seconds (``kernels``: its ``kernel_intervals``):
+    outside the kernels' span (host work before the first kernel and after the last), and the ``top``
+    longest gaps of at least ``least_ms`` between kernels inside it, each with its start (seconds after
+    the first kernel began) and the kernels either side (what the host was doing in between lies
+    between those two launches)."""
     if not kernels:
         return {"outside_span_s": wall, "gaps_s": 0.0, "gaps": []}
     gaps, end, last = [], kernels[0][1], kernels[0][2]
