@@ -246,6 +246,9 @@ def main(argv=None) -> int:
                 report.add("engine start", f"{variant}, {res['start']} start: vllm.LLM()", res["llm_init_s"] * 1e3)
                 for name, s in res["median_s"].items():
                     report.add(case, name, s * 1e3, note=f"{res['tokens'][name]} tokens")
+                # as each worker ends, so a run cut short by its time limit still shows the finished ones
+                print(f"{case}: start {res['init_s']:.1f} s, " + ", ".join(
+                    f"{name} {s * 1e3:.1f} ms" for name, s in res["median_s"].items()), flush=True)
         report.meta["workers"] = results
     path = report.save()
     print(report.table())
