@@ -94,11 +94,14 @@ def test_rollout_correction_weights():
     alg = algorithm(rollout_correction=True, rollout_correction_cap=1.3)
     exp = experience_of([2, 4, 6])
     exp.response_mask = (torch.rand(6, 5, generator=g) > 0.3).long()
-    exp.old_logprobs = -torch.rand(6, 5, generator=g)
-    assert alg.needs_old_logprobs(exp)
+    assert not alg.needs_old_logprobs(exp)  # one epoch, one mini-batch: the update's forward is pi_old
     metrics = {}
     with pytest.raises(ValueError, match=r"rollout engine's log-probs of its samples; SomeEngine returned none"):
         alg.correct_rollout(exp, metrics, "SomeEngine")
+    exp.rollout_logprobs = -torch.rand(6, 5, generator=g)
+    alg.correct_rollout(exp, metrics, "SomeEngine")  # no old log-probs: the update weighs each micro-batch
+    assert exp.rollout_is_weights is None and metrics == {}
+    exp.old_logprobs = -torch.rand(6, 5, generator=g)
     exp.rollout_logprobs = exp.old_logprobs + 0.5 * torch.randn(6, 5, generator=g)
     alg.correct_rollout(exp, metrics, "SomeEngine")
     mask = exp.response_mask.double()

@@ -37,9 +37,9 @@ def test_weights_against_the_formula(B, L, cap):
             capped += raw >= cap
             n += 1
             assert float(w[b, t]) == pytest.approx(min(raw, cap), rel=1e-6)
-    assert stats["is_weight_mean"] == pytest.approx(sum(ref) / n, rel=1e-6)
-    assert stats["is_weight_max"] == pytest.approx(max(ref), rel=1e-6)
-    assert stats["is_capped_fraction"] == pytest.approx(capped / n, abs=1e-6)
+    assert float(stats["is_weight_mean"]) == pytest.approx(sum(ref) / n, rel=1e-6)
+    assert float(stats["is_weight_max"]) == pytest.approx(max(ref), rel=1e-6)
+    assert float(stats["is_capped_fraction"]) == pytest.approx(capped / n, abs=1e-6)
     assert not w.requires_grad
 
 
@@ -47,7 +47,7 @@ def test_extreme_and_bad_inputs():
     old = torch.tensor([[0.0, -90.0]])
     w, stats = truncated_is_weights(old, torch.tensor([[-90.0, 0.0]]), torch.ones(1, 2), 3.0)
     assert torch.isfinite(w).all() and w.tolist() == [[3.0, pytest.approx(math.exp(-20.0))]]
-    assert stats["is_capped_fraction"] == 0.5
+    assert float(stats["is_capped_fraction"]) == 0.5
     with pytest.raises(ValueError, match="rollout_correction_cap must be > 0"):
         truncated_is_weights(old, old, torch.ones(1, 2), 0.0)
     with pytest.raises(ValueError, match=r"rollout_logprobs \(1, 3\) and old_logprobs \(1, 2\)"):
@@ -73,28 +73,42 @@ def corrected_trainer(tmp_path, engine, **rollout):
 
 def check_correction(trainer, atol):
     """The engine's log-probs are the actor's (same weights, same temperature) to ``atol``; the loss
-    the update reports is the weighted one, for the engine's weights and for perturbed ones."""
+    the update reports is the weighted one, for the engine's weights and for perturbed ones. One epoch
+    and one mini-batch: no old-log-prob pass runs, the weights come from the update's forward, and
+    they and their spread equal what the weights from an old-log-prob pass give."""
     metrics = {}
     exp = trainer.make_experience(trainer.processor.encode_all(PROMPTS), metrics)
+    assert exp.old_logprobs is None and exp.rollout_is_weights is None
+    assert not any(k.startswith("rollout_correction/") for k in metrics)
+    old = trainer._old_logprobs(exp)  # what the update's forward computes (lr 0: every update's)
     mask = exp.response_mask.bool()
-    assert exp.rollout_logprobs is not None and exp.rollout_logprobs.shape == exp.old_logprobs.shape
-    assert (exp.rollout_logprobs[mask] - exp.old_logprobs[mask]).abs().max() < atol
+    assert exp.rollout_logprobs is not None and exp.rollout_logprobs.shape == old.shape
+    assert (exp.rollout_logprobs[mask] - old[mask]).abs().max() < atol
     assert float(exp.rollout_logprobs[~mask].abs().sum()) == 0.0
-    for key in ("is_weight_mean", "is_weight_max", "is_capped_fraction", "mismatch_kl"):
-        assert f"rollout_correction/{key}" in metrics
-    assert metrics["rollout_correction/is_weight_mean"] == pytest.approx(1.0, abs=10 * atol)
+    assert exp.advantages.abs().sum() > 0, "the toy reward must vary within a group"
+    out = trainer.update_actor(exp)
+    assert out["rollout_correction/is_weight_mean"] == pytest.approx(1.0, abs=10 * atol)
     # a rollout engine off the trainer's distribution: the weights spread, some are capped
     g = torch.Generator().manual_seed(0)
-    exp.rollout_logprobs = exp.old_logprobs + 0.4 * torch.randn(exp.old_logprobs.shape, generator=g) * mask
-    metrics = {}
-    trainer.algorithm.correct_rollout(exp, metrics, "engine")
-    assert 0 < metrics["rollout_correction/is_capped_fraction"] < 1
-    assert metrics["rollout_correction/is_weight_max"] == pytest.approx(1.2)
-    assert exp.advantages.abs().sum() > 0, "the toy reward must vary within a group"
-    w = torch.clamp(torch.exp(exp.old_logprobs.double() - exp.rollout_logprobs.double()), max=1.2) * mask
+    exp.rollout_logprobs = old + 0.4 * torch.randn(old.shape, generator=g) * mask
+    raw = torch.exp(old.double() - exp.rollout_logprobs.double())
+    w = torch.clamp(raw, max=1.2) * mask
     expected = -(w * exp.advantages.double() * mask).sum() / mask.sum()  # PPO at ratio 1: -A per token
-    got = trainer.update_actor(exp)["actor/pg_loss"]
-    assert got == pytest.approx(float(expected), rel=1e-4, abs=1e-6)
+    out = trainer.update_actor(exp)
+    assert out["actor/pg_loss"] == pytest.approx(float(expected), rel=1e-4, abs=1e-6)
+    # the spread over the tokens the update trained on (samples whose advantage is 0 are left out)
+    on = mask & (exp.advantages.abs().sum(-1, keepdim=True) > 0)
+    assert out["rollout_correction/is_weight_mean"] == pytest.approx(float(w[on].mean()), rel=1e-4)
+    assert out["rollout_correction/is_weight_max"] == pytest.approx(float(w[on].max()), rel=1e-5)
+    assert out["rollout_correction/is_capped_fraction"] == pytest.approx(float((raw[on] >= 1.2).double().mean()),
+                                                                         abs=1e-6)
+    assert 0 < out["rollout_correction/is_capped_fraction"] < 1
+    # the same step with an old-log-prob pass's weights (as several mini-batches or the KL in the reward need)
+    exp.old_logprobs, metrics = old, {}
+    trainer.algorithm.correct_rollout(exp, metrics, "engine")
+    torch.testing.assert_close(exp.rollout_is_weights.double(), w, rtol=1e-5, atol=1e-6)
+    assert metrics["rollout_correction/is_weight_max"] == pytest.approx(1.2)
+    assert trainer.update_actor(exp)["actor/pg_loss"] == pytest.approx(out["actor/pg_loss"], rel=1e-5, abs=1e-7)
 
 
 def test_hf_engine(tmp_path):

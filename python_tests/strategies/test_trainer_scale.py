@@ -46,10 +46,11 @@ def runs(tmp_path_factory):
     critic = save_tiny_model(root / "critic", family="llama", seed=1)  # another family than the actor
     (root / "w1").mkdir()
     (root / "w2").mkdir()
-    one = subprocess.Popen([sys.executable, str(WORKER), str(root / "w1"), str(actor), str(critic), "grpo", "ppo"],
+    one = subprocess.Popen([sys.executable, str(WORKER), str(root / "w1"), str(actor), str(critic), "grpo", "ppo",
+                            "grpo_corrected"],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=HERE)
     two = torchrun([str(WORKER), str(root / "w2"), str(actor), str(critic), "grpo", "ppo", "ppo_prewrapped",
-                    "grpo_fsdp1", "grpo_options", "grpo_resharded", "grpo_packed"],
+                    "grpo_fsdp1", "grpo_options", "grpo_resharded", "grpo_packed", "grpo_corrected"],
                    extra=("--master_port", str(free_port())))
     finish([one, two])
 
@@ -88,6 +89,20 @@ def test_grpo_two_ranks_train_as_one(runs):
     assert_equal_across_ranks(multi, runs(2, "grpo", rank=1), ["actor"])
     assert multi["history"][0]["actor/kl"] == 0.0  # the reference built from the shards is the actor, exactly
     assert multi["history"][-1]["actor/kl"] > 0
+
+
+def test_rollout_correction_from_the_update_trains_as_one_on_two_ranks(runs):
+    """One mini-batch, one epoch: no old-log-prob pass; each micro-batch's weights come from the
+    update's forward. The weights' spread is a token mean over every rank's micro-batches (the max:
+    the largest of them) and the training is world 1's."""
+    single, multi = runs(1, "grpo_corrected"), runs(2, "grpo_corrected")
+    assert_same_training(single, multi)
+    for a, b in zip(single["history"], multi["history"]):
+        assert 0 < a["rollout_correction/is_capped_fraction"] < 1  # the weights spread: some capped, some not
+        assert a["rollout_correction/is_weight_max"] == pytest.approx(3.0)
+        for key in ("is_weight_mean", "is_capped_fraction", "mismatch_kl", "is_weight_max"):
+            key = f"rollout_correction/{key}"
+            assert b[key] == pytest.approx(a[key], rel=METRIC_RTOL), (key, a[key], b[key])
 
 
 def test_ppo_two_ranks_train_as_one_critic_reduced(runs):

@@ -19,15 +19,17 @@ PROMPTS = [{"prompt": f"What is {a} + {b}?" + " please" * (a % 3)} for a, b in [
 
 
 class ScriptedEngine(RolloutEngine):
-    """Responses drawn from a generator seeded by the prompt's tokens and the sample's number."""
+    """Responses drawn from a generator seeded by the prompt's tokens and the sample's number; with
+    ``logprobs``, behaviour log-probs drawn from it too (spread so that some weights hit the cap)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, logprobs=False):
         self.tokenizer = tokenizer
         self.vocab = len(tokenizer)
+        self.logprobs = logprobs
 
     def generate(self, prompts, sampling):
         specs = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
-        completions, index, texts = [], [], []
+        completions, index, texts, logprobs = [], [], [], []
         for i, (prompt, spec) in enumerate(zip(prompts, specs)):
             key = 0
             for t in prompt:
@@ -37,10 +39,11 @@ class ScriptedEngine(RolloutEngine):
                 length = int(torch.randint(2, spec.max_tokens + 1, (1,), generator=g))
                 tokens = torch.randint(3, self.vocab, (length,), generator=g).tolist()  # no special tokens
                 completions.append(tokens)
+                logprobs.append((-4.0 - 6.0 * torch.rand(length, generator=g)).tolist())
                 index.append(i)
                 texts.append(self.tokenizer.decode(tokens))
-        return pad_completions(completions, None, index, self.tokenizer.pad_token_id, texts,
-                               ["length"] * len(completions))
+        return pad_completions(completions, logprobs if self.logprobs else None, index, self.tokenizer.pad_token_id,
+                               texts, ["length"] * len(completions))
 
 
 def config(scenario: str, world: int, out_dir: str) -> dict:
@@ -62,6 +65,10 @@ def config(scenario: str, world: int, out_dir: str) -> dict:
         cfg["actor"]["strategy"] = "fsdp1"
     if scenario == "grpo_options" and sharded:
         cfg["actor"].update(mixed_precision="bfloat16", gradient_checkpointing=True)  # cpu_offload: CUDA only
+    if scenario == "grpo_corrected":  # the rollout correction's weights from the update's forward, per micro-batch
+        cfg["algorithm"].update(rollout_correction=True, rollout_correction_cap=3.0)
+        # FSDP ranks train every sample: so does world 1 here (the weights' spread is over the samples trained on)
+        cfg["actor"].update(micro_batch_size=3, skip_zero_advantage=False)
     if scenario in ("ppo", "ppo_prewrapped"):
         cfg["algorithm"] = {"type": "ppo", "gamma": 1.0, "lam": 0.95}
         cfg["critic"] = {"lr": 1e-3, "micro_batch_size": 4}
@@ -99,7 +106,7 @@ def run(scenario: str, actor_dir: str, critic_dir: str, out_dir: str, rank: int,
                 fully_shard(layer)
             fully_shard(model)
     trainer = RLTrainer(actor_model=actor, tokenizer=tok, critic_model=critic, config=config(scenario, world, out_dir),
-                        rollout_engine=ScriptedEngine(tok),
+                        rollout_engine=ScriptedEngine(tok, logprobs=scenario == "grpo_corrected"),
                         reward_fn=lambda solution_str: float(len(solution_str) % 2))
     items = trainer.processor.encode_all(PROMPTS)
     history: List[dict] = []

@@ -3,6 +3,8 @@ loss the trainer reports and the gradient the optimiser step sees are those of o
 piece, at every micro-batch size and token budget, whatever the policy loss (issue 27's Dr.GRPO bug: each micro-batch used to
 divide seq-mean-token-sum-norm by its own width)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -138,3 +140,27 @@ def test_actor_and_critic_exact_under_any_batching(ppo, mode, policy_loss, monke
         torch.testing.assert_close(critic_grad, ref_critic_grad, rtol=1e-4,
                                    atol=1e-5 * float(ref_critic_grad.abs().max()))
 
+
+
+def test_samples_left_out_of_the_backward_change_neither_the_gradient_nor_the_reported_loss(ppo, monkeypatch):
+    """Samples whose advantages are all 0 (no entropy or KL term in the loss) add nothing: leaving them
+    out of the backward gives the same gradient and the same ``pg_loss`` (their tokens still count
+    in its mean, as in the loss the gradient is of)."""
+    trainer, exp = ppo
+    a = trainer.cfg.actor
+    saved = a.entropy_coeff, a.use_kl_loss, a.micro_batch_size
+    a.entropy_coeff, a.use_kl_loss, a.micro_batch_size = 0.0, False, 2
+    idle = replace(exp, ref_logprobs=None, advantages=exp.advantages.clone())
+    idle.advantages[::3] = 0  # rows 0, 3 and 6
+    try:
+        runs = [recorded_update(trainer, idle, monkeypatch,
+                                lambda e, skip=skip: trainer.updates.actor(e, trainer.algorithm.actor_loss, skip, 0))
+                for skip in (False, True)]
+    finally:
+        a.entropy_coeff, a.use_kl_loss, a.micro_batch_size = saved
+    (every, every_grad), (skipped, skipped_grad) = runs
+    assert every["actor/active_fraction"] == 1.0 and skipped["actor/active_fraction"] == pytest.approx(6 / 9)
+    assert abs(every["actor/pg_loss"]) > 1e-4
+    assert skipped["actor/pg_loss"] == pytest.approx(every["actor/pg_loss"], rel=1e-5)
+    assert every_grad.abs().max() > 0
+    torch.testing.assert_close(skipped_grad, every_grad, rtol=1e-5, atol=1e-6 * float(every_grad.abs().max()))

@@ -2,27 +2,34 @@
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from verl_fast.algos.loss_terms import agg_loss, entropy_loss, kl_penalty
 from verl_fast.algos.policy_loss_variants import policy_loss_tokens
+from verl_fast.algos.rollout_correction import truncated_is_weights
 from verl_fast.rollout.experience import Experience
 
 
-def actor_loss(a, logp: torch.Tensor, entropy: torch.Tensor, sub: Experience,
-               counts: Dict[str, float]) -> Tuple[torch.Tensor, Dict[str, float]]:
+def actor_loss(a, logp: torch.Tensor, entropy: torch.Tensor, sub: Experience, counts: Dict[str, float],
+               correction_cap: Optional[float] = None) -> Tuple[torch.Tensor, Dict[str, float]]:
     """``a``: the actor config. ``logp`` / ``entropy`` [n, L] of the micro-batch ``sub``; ``counts``:
-    the mini-batch's normalisers. Returns this micro-batch's share of the mini-batch loss and its
-    statistics at the scale of a whole batch (callers average micro-batches weighted by tokens), as
-    0-d tensors: reading them here would stall the host until the GPU finished this forward, before
-    it could queue the backward (callers read them once the update is queued)."""
+    the mini-batch's normalisers; ``correction_cap``: the rollout correction's weights are taken from
+    this forward (no old-log-prob pass ran), capped there. Returns this micro-batch's share of the
+    mini-batch loss and its statistics at the scale of a whole batch (callers average micro-batches
+    weighted by tokens, and take the largest of a ``*_max``), as 0-d tensors: reading them here would
+    stall the host until the GPU finished this forward, before it could queue the backward (callers
+    read them once the update is queued)."""
     logp = logp.float()
     old = sub.old_logprobs if sub.old_logprobs is not None else logp.detach()
     per_token, stats = policy_loss_tokens(a, logp, old, sub.advantages, sub.response_mask)
-    if sub.rollout_is_weights is not None:  # algorithm.rollout_correction (rollout_correction.py)
-        per_token = per_token * sub.rollout_is_weights
+    weights = sub.rollout_is_weights  # algorithm.rollout_correction (rollout_correction.py)
+    if correction_cap is not None:
+        weights, spread = truncated_is_weights(old, sub.rollout_logprobs, sub.response_mask, correction_cap)
+        stats.update({f"rollout_correction/{k}": v for k, v in spread.items()})
+    if weights is not None:
+        per_token = per_token * weights
     pg = agg_loss(per_token, sub.response_mask, a.loss_agg_mode, **counts)
     loss = pg
     ent = entropy_loss(entropy.float(), sub.response_mask, a.loss_agg_mode, **counts)

@@ -120,10 +120,9 @@ class PolicyGradient:
 
     def needs_old_logprobs(self, exp: Experience) -> bool:
         """Old log-probs are the current ones unless the actor moves before the last mini-batch, or
-        the KL in the reward or the rollout correction reads them."""
+        the KL in the reward reads them (the rollout correction then reads the update's forward)."""
         a, n = self.cfg.actor, exp.num_sequences
-        return (a.ppo_epochs > 1 or (a.ppo_mini_batch_size or n) < n or self.cfg.algorithm.use_kl_in_reward
-                or self.correction is not None)
+        return a.ppo_epochs > 1 or (a.ppo_mini_batch_size or n) < n or self.cfg.algorithm.use_kl_in_reward
 
     def correct_rollout(self, exp: Experience, metrics: Dict[str, Any], engine: str) -> None:
         """The rollout correction's weights (with ``algorithm.rollout_correction``); else nothing."""
@@ -154,7 +153,9 @@ class PolicyGradient:
 
     def actor_loss(self, logp: torch.Tensor, entropy: torch.Tensor, sub: Experience,
                    counts: Dict[str, float]) -> Tuple[torch.Tensor, Stats]:
-        return actor_loss(self.cfg.actor, logp, entropy, sub, counts)
+        # the rollout correction's weights from this forward where no old-log-prob pass ran (correct_rollout)
+        cap = self.correction.cap if self.correction is not None and sub.rollout_is_weights is None else None
+        return actor_loss(self.cfg.actor, logp, entropy, sub, counts, correction_cap=cap)
 
     def critic_loss(self, values: torch.Tensor, sub: Experience, counts: Dict[str, float],
                     num_sequences: int) -> Tuple[torch.Tensor, Stats]:

@@ -4,9 +4,12 @@ engine's own log-probs of the tokens it sampled. The rollout engine (vLLM's kern
 batch shape) samples from a distribution slightly off the trainer's ``pi_old``; weighting each
 token's policy loss by ``w`` (detached) makes the gradient that of samples drawn from ``pi_old``,
 truncated at ``cap`` to bound its variance (truncated IS, as verl's rollout IS and TRL's vLLM IS
-correction). ``actor_loss`` multiplies the per-token policy loss by the weights. ``RolloutCorrection``
-is the policy-gradient algorithms' ``correct_rollout`` where it is on; ``engine_logprobs`` says whether
-the rollout engine is asked for its log-probs."""
+correction). ``actor_loss`` multiplies the per-token policy loss by the weights. Where the update
+makes one optimiser step over the whole batch (one epoch, one mini-batch, no KL in the reward), ``pi_old``
+is the policy the update's own forward computes: the trainer skips the old-log-prob pass and
+``actor_loss`` takes the weights from that forward, detached. ``RolloutCorrection`` is the
+policy-gradient algorithms' ``correct_rollout`` where it is on; ``engine_logprobs`` says whether the
+rollout engine is asked for its log-probs."""
 
 from __future__ import annotations
 
@@ -35,21 +38,26 @@ class RolloutCorrection:
 
     def weigh(self, exp: Experience, metrics: Dict[str, Any], engine: str) -> None:
         """``exp.rollout_is_weights`` from its old log-probs and the log-probs of the rollout engine
-        named ``engine``; their spread as ``rollout_correction/*`` in ``metrics``."""
+        named ``engine``; their spread as ``rollout_correction/*`` in ``metrics``. Without old
+        log-probs (the update's forward is ``pi_old``), nothing yet: ``actor_loss`` weighs each
+        micro-batch and the update reports the spread."""
         if exp.rollout_logprobs is None:
             raise ValueError(f"algorithm.rollout_correction needs the rollout engine's log-probs of its samples; "
                              f"{engine} returned none (a RolloutOperator's generation kwargs may have turned "
                              "SamplingSpec.logprobs off)")
+        if exp.old_logprobs is None:
+            return
         exp.rollout_is_weights, stats = truncated_is_weights(exp.old_logprobs, exp.rollout_logprobs,
                                                              exp.response_mask, self.cap)
-        metrics.update({f"rollout_correction/{k}": v for k, v in stats.items()})
+        metrics.update({f"rollout_correction/{k}": float(v) for k, v in stats.items()})
 
 
 def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor,
-                         cap: float) -> Tuple[torch.Tensor, Dict[str, float]]:
-    """Weights ``[N, L]`` (0 off the mask, no gradient) and their spread over the response tokens:
-    ``is_weight_mean``, ``is_weight_max``, ``is_capped_fraction`` (tokens whose weight hit ``cap``),
-    ``mismatch_kl`` (the mean of ``rollout - old``: a k1 estimate of KL(rollout || old))."""
+                         cap: float) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """Weights ``[N, L]`` (0 off the mask, no gradient) and their spread over the response tokens, as
+    0-d tensors (nothing read back: the update calls this per micro-batch): ``is_weight_mean``,
+    ``is_weight_max``, ``is_capped_fraction`` (tokens whose weight hit ``cap``), ``mismatch_kl`` (the
+    mean of ``rollout - old``: a k1 estimate of KL(rollout || old))."""
     if cap <= 0:
         raise ValueError(f"rollout_correction_cap must be > 0, got {cap}")
     if rollout_logprobs.shape != old_logprobs.shape:
@@ -59,11 +67,10 @@ def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Ten
     log_ratio = (old_logprobs.float() - rollout_logprobs.float()).detach()
     raw = torch.exp(torch.clamp(log_ratio, min=-20.0, max=20.0))  # exp() of a large log-ratio overflows
     weights = torch.clamp(raw, max=cap) * mask
-    on = mask.bool()
     stats = {
-        "is_weight_mean": float(masked_mean(weights, mask)),
-        "is_weight_max": float(weights[on].max()) if on.any() else 0.0,
-        "is_capped_fraction": float(masked_mean((raw >= cap).float(), mask)),
-        "mismatch_kl": float(masked_mean(-log_ratio, mask)),
+        "is_weight_mean": masked_mean(weights, mask),
+        "is_weight_max": weights.max() if weights.numel() else weights.new_zeros(()),  # >= 0, 0 off the mask
+        "is_capped_fraction": masked_mean((raw >= cap).float(), mask),
+        "mismatch_kl": masked_mean(-log_ratio, mask),
     }
     return weights, stats

@@ -89,8 +89,10 @@ class Updates:
         rows, one optimiser step each, with ``loss(logp, entropy, sub, counts)``; the statistics
         weighted by response tokens over every rank. ``skip_idle``: samples whose advantage is 0
         everywhere are left out of the backward (they add exactly nothing; the normalisers still
-        count them), where the strategy lets ranks run different numbers of passes. ``step``: the
-        trainer's, which seeds the shuffle (a resumed run shuffles the same)."""
+        count them), where the strategy lets ranks run different numbers of passes; ``pg_loss`` is
+        still the mini-batches' loss (a left-out sample's share is 0: its tokens count in the mean),
+        the other statistics are over the samples trained on. ``step``: the trainer's, which seeds
+        the shuffle (a resumed run shuffles the same)."""
         a = self.cfg.actor
         N = exp.num_sequences
         rows = torch.arange(N, device=self.device)
@@ -98,7 +100,8 @@ class Updates:
         active = exp.advantages.abs().sum(-1) > 0 if skip else torch.ones(N, dtype=torch.bool, device=self.device)
         mini = a.ppo_mini_batch_size or N
         totals: Dict[str, float] = {}
-        weight, norms = 0.0, 0.0
+        peaks: Dict[str, List[Any]] = {}  # the "*_max" statistics: the largest, not the mean
+        weight, every, norms = 0.0, 0.0, 0.0  # tokens trained on, tokens of the mini-batches, gradient norms
         self.strategy.actor.train()
         for epoch in range(a.ppo_epochs):
             order = rows
@@ -109,20 +112,32 @@ class Updates:
                 mb = order[start : start + mini]
                 counts = loss_normalisers(exp.response_mask[mb], self.dp_group, self._norm_length(a))
                 micro = self.micro(exp, mb[active[mb]])
+                every += float(exp.response_mask[mb].sum())
                 stats, norm = self.step(exp, micro, lambda logp, entropy, sub: loss(logp, entropy, sub, counts))
                 for idx, st in zip(micro, stats):
                     w = float(exp.response_mask[idx].sum())
                     for k, v in st.items():
-                        totals[k] = totals.get(k, 0.0) + v * w
+                        if k.endswith("_max"):
+                            peaks.setdefault(k, []).append(v)
+                        else:
+                            totals[k] = totals.get(k, 0.0) + v * w
                     weight += w
                 norms += norm
         totals = {k: float(v) for k, v in totals.items()}  # the statistics' one read back (actor_loss)
+        largest = {k: max(float(v) for v in values) for k, values in peaks.items()}
         if self.world > 1:  # weighted by every rank's tokens, as one process would weight them
             keys = sorted(totals)
-            summed = distributed.all_reduce_numbers([totals[k] for k in keys] + [weight], group=self.dp_group)
-            totals, weight = dict(zip(keys, summed[:-1])), summed[-1]
+            summed = distributed.all_reduce_numbers([totals[k] for k in keys] + [weight, every], group=self.dp_group)
+            totals, weight, every = dict(zip(keys, summed[:-2])), summed[-2], summed[-1]
+            if largest:
+                keys = sorted(largest)
+                largest = dict(zip(keys, distributed.all_reduce_numbers([largest[k] for k in keys], "max",
+                                                                        group=self.dp_group)))
         steps = a.ppo_epochs * math.ceil(N / mini)
-        out = {f"actor/{k}": v / max(weight, 1e-9) for k, v in totals.items()}
+        # statistics named with a group of their own ("rollout_correction/...") keep it; the rest are the actor's
+        out = {k if "/" in k else f"actor/{k}": v / max(every if k == "pg_loss" else weight, 1e-9)
+               for k, v in totals.items()}
+        out.update({k if "/" in k else f"actor/{k}": v for k, v in largest.items()})
         out.setdefault("actor/pg_loss", 0.0)  # every advantage 0: the policy loss is exactly 0
         out["actor/grad_norm"] = norms / steps
         out["actor/active_fraction"] = float(active.float().mean())
