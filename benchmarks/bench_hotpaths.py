@@ -1,7 +1,7 @@
 """The hot paths as users call them (issue 48): each op's default call before and after this issue's
 host-path changes, side by side in one process, with the baseline and the floor.
 
-    python benchmarks/bench_hotpaths.py [--device cuda|cpu] [--cases gae,logprobs,reshard,linear,host]
+    python benchmarks/bench_hotpaths.py [--device cuda|cpu] [--cases gae,logprobs,reshard,linear,linear05,host]
 
 Each op is timed two ways (CUDA events; medians):
 - ``called``: the GPU idle when the call starts, so the host's work before its first launch counts
@@ -19,7 +19,8 @@ Cases (CUDA sizes; CPU: small, to check the script):
   gae 1024x4096           default, check=False, graph replay | Python loop | floor: 17 B an element once
   logprobs 8192x151936    default (label check), check=False  | fp32 log_softmax | floor: read the logits once
   reshard one-shot 7B     vllm_weights default (new outputs)  | per-parameter torch.cat | floor: bytes at copy speed
-  linear 8192x3584x151936 fwd+bwd per chunk size / d_hidden GEMM / logits kept (store_logits)
+  linear 8192x3584x151936 fwd+bwd per chunk size / d_hidden GEMM / logits kept (store_logits);
+  linear05: the same head at the 0.5B hidden size (8192x896x151936), default and logits kept
                           | matmul + log_softmax | floor: 3 GEMMs (meta: one GEMM's time, so 4)
   host                    the wrappers' host time per call with 2x8 tensors, on the CPU and the --device
                           GPU, with the torch ops each call launches and its read-backs (waits for the GPU
@@ -49,7 +50,7 @@ from verl_fast.ops import pending_checks as _P  # noqa: E402
 
 _RAISE_LANDED = _P.raise_landed
 
-CASES = ("gae", "logprobs", "reshard", "linear", "host")
+CASES = ("gae", "logprobs", "reshard", "linear", "linear05", "host")
 
 
 # ------------------------------------------------------------------ the host paths before issue 48
@@ -385,12 +386,15 @@ def case_reshard(rep: Report, device: str, bw: float) -> None:
     rep.meta["reshard_bytes_moved"] = moved
 
 
-def case_linear(rep: Report, device: str, bw: float) -> None:
+def case_linear(rep: Report, device: str, bw: float, model: str = "Qwen2.5-7B", sweep: bool = True) -> None:
+    """The log-prob head at ``model``'s hidden size (the vocabulary of the Qwen2.5 family); ``sweep``:
+    the chunk sizes and the Triton d_hidden too."""
     from bench_logprob import reference_linear, rel_err
     from verl_fast.kernels.linear_logprobs import linear_config
 
     cuda = device.startswith("cuda")
-    N, H, Vv = (8192, shape("Qwen2.5-7B").hidden_size, shape("Qwen2.5-1.5B").vocab_size) if cuda else (256, 64, 2048)
+    H = shape(model).hidden_size
+    N, H, Vv = (8192, H, shape("Qwen2.5-1.5B").vocab_size) if cuda else (256, max(32, H // 56), 2048)
     dtype = torch.bfloat16 if cuda else torch.float32
     case = f"linear fwd+bwd {N}x{H}x{Vv}"
     gen = torch.Generator(device=device).manual_seed(0)
@@ -400,8 +404,8 @@ def case_linear(rep: Report, device: str, bw: float) -> None:
     x, y = h.detach(), w.detach()
     mm = time_ms(lambda: torch.mm(x, y.t()), device, warmup=3, rep=10)
     rep.floors[case] = 3 * mm
-    rep.meta.update(linear_gemm_ms=mm, linear_four_gemm_ms=4 * mm,
-                    linear_gemm_tflops=2 * N * H * Vv / (mm * 1e-3) / 1e12)
+    rep.meta.setdefault("linear_gemms", {})[case] = dict(gemm_ms=mm, four_gemm_ms=4 * mm,
+                                                         gemm_tflops=2 * N * H * Vv / (mm * 1e-3) / 1e12)
     ref = reference_linear(x, y, labels, -1.0, 0.0) if not cuda else None
 
     def step(run):
@@ -429,18 +433,20 @@ def case_linear(rep: Report, device: str, bw: float) -> None:
             lambda: -vf.linear_logprobs(h, w, labels, backend="triton", config=cfg).sum())
         return
     add("verl_fast default", lambda: -vf.linear_logprobs(h, w, labels).sum())
-    for mib in (128, 192, 256):
+    for mib in (128, 192, 256) if sweep else ():
         cfg = linear_config(N, H, Vv, dtype, h.device, chunk_bytes=mib << 20)
         add(f"chunk {mib} MiB", lambda cfg=cfg: -vf.linear_logprobs(h, w, labels, config=cfg).sum(),
             "fewer passes of the fp32 d_hidden accumulator (one per chunk)")
-    cfg = linear_config(N, H, Vv, dtype, h.device, dhidden_cublas=False)
-    add("d_hidden by Triton", lambda: -vf.linear_logprobs(h, w, labels, config=cfg).sum())
+    if sweep:
+        cfg = linear_config(N, H, Vv, dtype, h.device, dhidden_cublas=False)
+        add("d_hidden by Triton", lambda: -vf.linear_logprobs(h, w, labels, config=cfg).sum())
     cfg = linear_config(N, H, Vv, dtype, h.device, store_logits=True)
     add("store_logits (3 GEMMs)", lambda: -vf.linear_logprobs(h, w, labels, config=cfg).sum(),
         "logits kept in bf16 from the forward: N*V*2 bytes more, a plain matmul's rounding")
 
 
 RUNNERS = {"gae": case_gae, "logprobs": case_logprobs, "reshard": case_reshard, "linear": case_linear,
+           "linear05": lambda rep, device, bw: case_linear(rep, device, bw, "Qwen2.5-0.5B", sweep=False),
            "host": lambda rep, device, bw: case_host(rep, device)}
 
 

@@ -17,7 +17,8 @@ Engine start: the first variant's worker runs twice, the second start finding th
 Variants (``--variants``; each a fresh engine, ~1 min cold on the H200): ``default``, ``async``
 (``async_scheduling=True``), ``seqs256`` (``max_num_seqs=256``), ``graphs_all`` (vLLM's own capture
 sizes up to 512), ``no_prefix_cache``, ``logprobs`` (the sampled tokens' log-probs asked for, as the
-rollout correction does). Skips cleanly (exit 0, a note in the JSON) where vLLM does not import.
+rollout correction does). ``--import-profile`` starts the first variant once more with Python's import
+timer on and keeps the heaviest modules. Skips cleanly (exit 0, a note in the JSON) where vLLM does not import.
 
     python benchmarks/bench_vllm_alone.py [--device cuda|cpu] [--shape 0.5b] [--variants default,async]
 """
@@ -152,11 +153,13 @@ def worker(args) -> Dict[str, Any]:
 # ---------------------------------------------------------------- parent
 
 
-def run_worker(args, variant: str, out: Path) -> Dict[str, Any]:
+def run_worker(args, variant: str, out: Path, profile_imports: bool = False) -> Dict[str, Any]:
     cmd = [sys.executable, __file__, "--worker", variant, "--model", str(args.model), "--device", args.device,
            "--prompts", str(args.prompts), "--n", str(args.n), "--tokens", str(args.tokens), "--reps", str(args.reps),
            "--json", str(out)]
     env = {**os.environ, **cache_env(args.cache_dir), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if profile_imports:
+        env["PYTHONPROFILEIMPORTTIME"] = "1"
     if args.device == "cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     t0 = time.perf_counter()
@@ -169,7 +172,22 @@ def run_worker(args, variant: str, out: Path) -> Dict[str, Any]:
     # where the engine start goes, as vLLM logs it (its first 60 INFO lines, each with its time stamp:
     # configuration, weights loaded, torch.compile, graph capture, KV cache, and the gaps between them)
     result["start_log"] = [line[-240:] for line in (proc.stdout + proc.stderr).splitlines() if "INFO" in line][:60]
+    if profile_imports:
+        result["imports"] = import_profile(proc.stderr)
     return result
+
+
+def import_profile(stderr: str, top: int = 25) -> Dict[str, List[List[Any]]]:
+    """Python's ``-X importtime`` lines (``import time: self | cumulative | name``, microseconds) as the
+    ``top`` heaviest modules by their own time and the top-level imports by cumulative time, in seconds."""
+    rows = []
+    for line in stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            own, cumulative, name = line[len("import time:"):].split("|", 2)
+            if own.strip().isdigit():
+                rows.append((int(own) / 1e6, int(cumulative) / 1e6, name.rstrip()))
+    return {"self": [[n.strip(), o] for o, _, n in sorted(rows, key=lambda r: -r[0])[:top]],
+            "top_level": [[n.strip(), c] for _, c, n in sorted(rows, key=lambda r: -r[1]) if not n.startswith("  ")][:top]}
 
 
 def weight_bytes(model: Path) -> int:
@@ -198,6 +216,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "vf_vllm_cache")
     p.add_argument("--worker-timeout", type=float, default=300.0)
+    p.add_argument("--import-profile", action="store_true",
+                   help="one more start of the first variant under PYTHONPROFILEIMPORTTIME: where `import vllm` goes")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, default=None, help=argparse.SUPPRESS)
@@ -249,6 +269,13 @@ def main(argv=None) -> int:
                 # as each worker ends, so a run cut short by its time limit still shows the finished ones
                 print(f"{case}: start {res['init_s']:.1f} s, " + ", ".join(
                     f"{name} {s * 1e3:.1f} ms" for name, s in res["median_s"].items()), flush=True)
+        if args.import_profile:  # one more start of the first variant, its imports timed module by module
+            res = run_worker(args, variants[0], tmp / "imports.json", profile_imports=True)
+            report.meta["import_profile"] = res.get("imports") or res
+            for name, seconds in (res.get("imports") or {}).get("top_level", [])[:12]:
+                print(f"import (top level, cumulative): {name} {seconds:.2f} s", flush=True)
+            for name, seconds in (res.get("imports") or {}).get("self", [])[:12]:
+                print(f"import (own time): {name} {seconds:.2f} s", flush=True)
         report.meta["workers"] = results
     path = report.save()
     print(report.table())

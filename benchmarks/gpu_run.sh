@@ -11,6 +11,7 @@
 #   E2E_PROFILE=0 E2E_TOKENS=1024 SECTIONS=e2e ...                    # without the profiled rollout + update
 #   E2E_PROFILE_STEPS=1 SECTIONS=e2e ...                               # kernel-busy time, clocks, CPU of every phase (diagnostic)
 #   HOTPATHS_CASES=gae,logprobs VLLM_ALONE_VARIANTS=default,async SECTIONS=hotpaths ...  # some hot paths / vLLM variants
+#   VLLM_IMPORT_PROFILE=1 SECTIONS=hotpaths ...                     # and where `import vllm` goes, module by module
 #   HOTPATHS_DEVICE=cpu CMAKE_ARGS=-DVERL_FAST_CUDA=OFF SECTIONS=hotpaths ...  # the section checked on a CPU at small sizes
 #
 # Sections: tests (every gpu-marked test), defaults (the trainer's defaults at 0.5B / 1.5B, issue 42), 7b (the 7B
@@ -140,7 +141,7 @@ fi
 # ~3-4 minutes on one H200 with the build (vLLM: +3-5). ----
 if want hotpaths; then
   timeout ${HOTPATHS_TIMEOUT:-240} "$py" benchmarks/bench_hotpaths.py --device "${HOTPATHS_DEVICE:-cuda}" \
-    --cases "${HOTPATHS_CASES:-gae,logprobs,reshard,linear,host}" >> "$OUT/bench.log" 2>&1 || failed+=("bench_hotpaths")
+    --cases "${HOTPATHS_CASES:-gae,logprobs,reshard,linear,linear05,host}" >> "$OUT/bench.log" 2>&1 || failed+=("bench_hotpaths")
   sed -n '/^hotpaths on/,/^saved/p' "$OUT/bench.log" | tail -n 110
   if [ "${HOTPATHS_TESTS:-1}" = 1 ]; then  # after the figures, so a call cut short still has them
     "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/ops/test_reshard_new_outputs.py \
@@ -153,8 +154,10 @@ if want hotpaths; then
   if "$py" -c "import vllm" > /dev/null 2>&1; then
     timeout ${VLLM_ALONE_TIMEOUT:-420} "$py" benchmarks/bench_vllm_alone.py --device "${HOTPATHS_DEVICE:-cuda}" \
       --variants "${VLLM_ALONE_VARIANTS:-default}" --cache-dir "${VLLM_CACHE_DIR:-/tmp/vf_vllm_cache}" \
+      $([ "${VLLM_IMPORT_PROFILE:-0}" = 1 ] && echo --import-profile) \
       >> "$OUT/bench.log" 2>&1 || failed+=("bench_vllm_alone")
     sed -n '/^vllm_alone on/,/^saved/p' "$OUT/bench.log" | tail -n 20
+    grep '^import (' "$OUT/bench.log" | tail -n 24
   else
     echo "hotpaths: vLLM does not import here, bench_vllm_alone skipped"
   fi
