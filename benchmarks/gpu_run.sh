@@ -19,7 +19,7 @@
 # overlap (the reward beside the old-log-prob pass), hotpaths (the ops as users call them, before / after issue 48), vllm (every vLLM test, on the GPU's vLLM), trainer (the CLI
 # with vLLM rollout: GRPO + resume, PPO, the default config), advantage, logprobs, reshard, hybrid, e2e,
 # sft (our SFT step beside TRL's SFTTrainer), async (off / one_step / full), dist (needs 2 GPUs), megatron (2 GPUs; megatron-core's wheel in .whl/),
-# bench (`verl-fast bench` itself, quick sizes).
+# bench (`verl-fast bench` itself, quick sizes), ncu (Nsight Compute on the GAE scan kernel, where the image has it).
 # That machine: H200(s), torch 2.11 + CUDA 13, Triton 3.6, Python 3.12, no vLLM / megatron-core, no
 # network: build with --no-build-isolation --no-deps; pure-Python wheels (liger-kernel for the
 # logprobs baseline; trl, datasets, dill, multiprocess for e2e; megatron-core) travel in .whl/ (carry it);
@@ -291,6 +291,23 @@ if want decode; then
   timeout ${DECODE_TIMEOUT:-400} "$py" benchmarks/bench_decode.py --shapes "${DECODE_SHAPES:-0.5b,1.5b}" \
     --variants "${DECODE_VARIANTS:-merged,prefill_each}" >> "$OUT/bench.log" 2>&1 || failed+=("bench_decode")
   grep -E "^(0.5b|1.5b|7b) " "$OUT/bench.log" | tail -n 12
+fi
+
+# ---- ncu (diagnostic): Nsight Compute's full set on compute_gae's scan kernel at 1024 x 4096 (what bounds it:
+# occupancy, stalls, memory throughput), where the image has ncu and lets it read the counters ----
+if want ncu; then
+  if command -v ncu > /dev/null 2>&1; then
+    timeout 300 ncu --kernel-name regex:scan_kernel --launch-skip 3 --launch-count 1 --set full "$py" -c "
+import torch, verl_fast as vf
+g = torch.Generator(device='cuda').manual_seed(0)
+r, v = (torch.randn(1024, 4096, device='cuda', generator=g) for _ in range(2))
+m = torch.ones(1024, 4096, dtype=torch.bool, device='cuda')
+for _ in range(5): vf.compute_gae(r, v, m, 0.99, 0.95)
+torch.cuda.synchronize()" > "$OUT/ncu_gae.txt" 2>&1 || failed+=("ncu gae")
+    grep -iE "duration|throughput|occupancy|registers|stall|warp cycles|eligible|issued" "$OUT/ncu_gae.txt" | head -n 40
+  else
+    echo "ncu: not on this machine"
+  fi
 fi
 
 # ---- merge (issue 42): the LoRA merge before each rollout of the compiled decode, 7B shape r 64: ours against
