@@ -14,20 +14,25 @@ from ports import free_port  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-def check_updates_match_hf(tmp_path, family, tp, pp, device, user_init=False, ep=1):
+def check_updates_match_hf(tmp_path, family, tp, pp, device, user_init=False, ep=1, corrected=False):
     out = tmp_path / "rank0.pt"
     world = tp * pp * ep  # with experts spread, the data-parallel ranks see the same data
-    mp.spawn(W.worker, args=(world, free_port(), family, tp, pp, str(out), device, user_init, ep), nprocs=world,
-             join=True)
+    mp.spawn(W.worker, args=(world, free_port(), family, tp, pp, str(out), device, user_init, ep, corrected),
+             nprocs=world, join=True)
     got = torch.load(out)
-    metrics, old, weights = W.run_updates(family, W.config("auto", device="auto" if device == "cpu" else device))
+    metrics, old, weights = W.run_updates(family, W.config("auto", device="auto" if device == "cpu" else device,
+                                                           corrected=corrected))
     for step, (a, b, exp) in enumerate(zip(got["old"], old, W.experiences(W.VOCAB))):
         mask = exp.response_mask  # log-probs of padding positions are never used
         # step 0 runs the same weights; later steps differ by the updates' rounding (fp32, Adam)
         tol = 2e-5 if step == 0 else 2e-4
         torch.testing.assert_close(a * mask, b * mask, atol=tol, rtol=0, msg=lambda m: f"old log-probs, step {step}: {m}")
+    if corrected:  # the weights' spread comes from the update (no old-log-prob pass): both runs report it
+        assert all("rollout_correction/is_weight_max" in m for m in got["metrics"] + metrics)
     for step, (a, b) in enumerate(zip(got["metrics"], metrics)):
-        for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/pg_clipfrac"):
+        for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/pg_clipfrac",
+                    *(f"rollout_correction/{k}" for k in ("is_weight_mean", "is_weight_max", "is_capped_fraction",
+                                                           "mismatch_kl"))):
             if key in b:
                 assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-4), (step, key)
     before = W.actor_model(family).state_dict()
@@ -43,6 +48,12 @@ def check_updates_match_hf(tmp_path, family, tp, pp, device, user_init=False, ep
 def test_megatron_updates_match_hf(tmp_path, family, tp, pp, user_init):
     """(qwen2, TP=2) and (llama, PP=2) pass too; the PP=2 case reuses a parallel_state set up beforehand."""
     check_updates_match_hf(tmp_path, family, tp, pp, "cpu", user_init)
+
+
+def test_megatron_rollout_correction_from_the_update_matches_hf(tmp_path):
+    """TP=2, one mini-batch, the rollout correction on: each micro-batch's weights come from the
+    Megatron forward of the update (no old-log-prob pass), as the HF run's come from its own."""
+    check_updates_match_hf(tmp_path, "qwen2", 2, 1, "cpu", corrected=True)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])

@@ -40,28 +40,40 @@ def experiences(vocab: int, steps: int = 3, n: int = 8, prompt: int = 7, respons
     return out
 
 
-def config(strategy: str, tp: int = 1, pp: int = 1, out_dir: str = "unused", device: str = "auto", ep: int = 1):
-    return {"actor": {"lr": 5e-3, "max_grad_norm": 0.5, "micro_batch_size": 3, "ppo_mini_batch_size": 4,
+def config(strategy: str, tp: int = 1, pp: int = 1, out_dir: str = "unused", device: str = "auto", ep: int = 1,
+           corrected: bool = False):
+    """``corrected``: the rollout correction on, one mini-batch (its weights from the update's forward)."""
+    return {"actor": {"lr": 5e-3, "max_grad_norm": 0.5, "micro_batch_size": 3,
+                      "ppo_mini_batch_size": None if corrected else 4,
                       "strategy": strategy, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                       "expert_model_parallel_size": ep},
             "rollout": {"type": "hf", "n": 4, "max_new_tokens": 5},
-            "reward_fn": {"type": "gsm8k"}, "algorithm": {"type": "grpo"},
+            "reward_fn": {"type": "gsm8k"}, "algorithm": {"type": "grpo", "rollout_correction": corrected},
             "trainer": {"output_dir": out_dir, "progress_bar": False, "plot": False, "device": device}}
 
 
 def run_updates(family: str, cfg: dict):
-    """Each step: old log-probs, then the update. Returns (per-step metrics, old log-probs, HF weights)."""
+    """Each step: old log-probs, then the update. Returns (per-step metrics, old log-probs, HF weights).
+    With the rollout correction on, the old log-probs are only compared: the update takes its weights
+    from its own forward, against behaviour log-probs 0.3 nats of noise off them (the same on every rank)."""
     from verl_fast.trainer.rl_trainer import RLTrainer
 
     tok = build_tokenizer(vocab_size=320)
     assert len(tok) == VOCAB, len(tok)
     model = actor_model(family)
     trainer = RLTrainer(actor_model=model, tokenizer=tok, config=cfg, reward_fn=lambda solution_str: 0.0)
+    corrected = cfg["algorithm"]["rollout_correction"]
+    noise = torch.Generator().manual_seed(5)
     metrics, old = [], []
     for exp in experiences(len(tok)):
         exp = exp.to(trainer.device)
-        exp.old_logprobs = trainer._old_logprobs(exp)
-        old.append(exp.old_logprobs.cpu())
+        logprobs = trainer._old_logprobs(exp)
+        old.append(logprobs.cpu())
+        if corrected:
+            shift = 0.3 * torch.randn(logprobs.shape, generator=noise).to(logprobs.device)
+            exp.rollout_logprobs = (logprobs + shift) * exp.response_mask
+        else:
+            exp.old_logprobs = logprobs
         metrics.append(trainer.update_actor(exp))
     return metrics, old, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
@@ -87,11 +99,11 @@ def user_parallel_state(tp: int, pp: int):
     return check
 
 
-def worker(rank, world, port, family, tp, pp, out_path, device="cpu", user_init=False, ep=1):
+def worker(rank, world, port, family, tp, pp, out_path, device="cpu", user_init=False, ep=1, corrected=False):
     init_worker(rank, world, port, device)
     check = user_parallel_state(tp, pp) if user_init else (lambda: None)
     metrics, old, weights = run_updates(family, config("megatron", tp, pp, device="auto" if device == "cpu" else device,
-                                                       ep=ep))
+                                                       ep=ep, corrected=corrected))
     check()
     if rank == 0:
         torch.save({"metrics": metrics, "old": old, "weights": weights}, out_path)
