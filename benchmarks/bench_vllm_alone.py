@@ -271,10 +271,11 @@ def main(argv=None) -> int:
                     f"{name} {s * 1e3:.1f} ms" for name, s in res["median_s"].items()), flush=True)
         if args.import_profile:  # one more start of the first variant, its imports timed module by module
             res = run_worker(args, variants[0], tmp / "imports.json", profile_imports=True)
-            report.meta["import_profile"] = res.get("imports") or res
-            for name, seconds in (res.get("imports") or {}).get("top_level", [])[:12]:
+            imports = res.get("imports") or {}
+            report.meta["import_profile"] = imports or res  # the worker's error where it failed
+            for name, seconds in imports.get("top_level", [])[:12]:
                 print(f"import (top level, cumulative): {name} {seconds:.2f} s", flush=True)
-            for name, seconds in (res.get("imports") or {}).get("self", [])[:12]:
+            for name, seconds in imports.get("self", [])[:12]:
                 print(f"import (own time): {name} {seconds:.2f} s", flush=True)
         report.meta["workers"] = results
     path = report.save()

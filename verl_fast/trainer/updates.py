@@ -134,10 +134,9 @@ class Updates:
                 largest = dict(zip(keys, distributed.all_reduce_numbers([largest[k] for k in keys], "max",
                                                                         group=self.dp_group)))
         steps = a.ppo_epochs * math.ceil(N / mini)
+        means = {k: v / max(every if k == "pg_loss" else weight, 1e-9) for k, v in totals.items()}
         # statistics named with a group of their own ("rollout_correction/...") keep it; the rest are the actor's
-        out = {k if "/" in k else f"actor/{k}": v / max(every if k == "pg_loss" else weight, 1e-9)
-               for k, v in totals.items()}
-        out.update({k if "/" in k else f"actor/{k}": v for k, v in largest.items()})
+        out = {k if "/" in k else f"actor/{k}": v for k, v in {**means, **largest}.items()}
         out.setdefault("actor/pg_loss", 0.0)  # every advantage 0: the policy loss is exactly 0
         out["actor/grad_norm"] = norms / steps
         out["actor/active_fraction"] = float(active.float().mean())
