@@ -17,6 +17,8 @@ one allocation and one conversion per reshard output).
 
 Cases (CUDA sizes; CPU: small, to check the script):
   gae 1024x4096           default, check=False, graph replay | Python loop | floor: 17 B an element once
+  gae_rows                the scan alone (graph replay, no whitening, no check) as the row count and the row
+                          length change: what bounds it (a row's chain of tiles, or the memory's rate)
   logprobs 8192x151936    default (label check), check=False  | fp32 log_softmax | floor: read the logits once
   reshard one-shot 7B     vllm_weights default (new outputs)  | per-parameter torch.cat | floor: bytes at copy speed
   linear 8192x3584x151936 fwd+bwd per chunk size / d_hidden GEMM / logits kept (store_logits);
@@ -50,7 +52,7 @@ from verl_fast.ops import pending_checks as _P  # noqa: E402
 
 _RAISE_LANDED = _P.raise_landed
 
-CASES = ("gae", "logprobs", "reshard", "linear", "linear05", "host")
+CASES = ("gae", "gae_rows", "logprobs", "reshard", "linear", "linear05", "host")
 
 
 # ------------------------------------------------------------------ the host paths before issue 48
@@ -333,6 +335,25 @@ def case_gae(rep: Report, device: str, bw: float) -> None:
     rep.add(case, "python loop (verl)", time_ms(lambda: loop_gae(r, v, m, 0.99, 0.95), device, warmup=1, rep=3))
 
 
+def case_gae_rows(rep: Report, device: str, bw: float) -> None:
+    """The scan's GPU time (memset + scan_kernel: whiten=False, check=False, graph replay) over row counts at
+    one row length, then over row lengths at one row count. One warp walks a row: where the time stays flat
+    as rows double, each warp's chain of tiles (latency) bounds it; where it doubles, the memory's rate does."""
+    cuda = device.startswith("cuda")
+    T0, B0 = (4096, 1024) if cuda else (256, 64)
+    shapes = [(b, T0) for b in ((128, 256, 512, 1024, 2048, 4096, 8192) if cuda else (16, 64))]
+    shapes += [(B0, t) for t in ((512, 1024, 2048, 8192, 16384) if cuda else (64,))]
+    for B, T in shapes:
+        r, v, m = gae_inputs(B, T, device)
+        fn = lambda: vf.compute_gae(r, v, m, 0.99, 0.95, whiten=False, check=False)  # noqa: E731
+        ms = graph_ms(fn, device) if cuda else time_ms(fn, device)
+        floor_ms = B * T * 17 / (bw * 1e9) * 1e3
+        rep.add("gae_rows scan", f"{B}x{T}", ms,
+                note=f"{B * T * 17 / (ms * 1e-3) / 1e9:.0f} GB/s; floor {floor_ms * 1e3:.1f} us; "
+                     f"{T / (ms * 1e3) if ms else 0:.0f} positions a row per us")
+        del r, v, m
+
+
 def case_logprobs(rep: Report, device: str, bw: float) -> None:
     cuda = device.startswith("cuda")
     N, Vv = (8192, shape("Qwen2.5-1.5B").vocab_size) if cuda else (256, 4096)
@@ -445,7 +466,7 @@ def case_linear(rep: Report, device: str, bw: float, model: str = "Qwen2.5-7B", 
         "logits kept in bf16 from the forward: N*V*2 bytes more, a plain matmul's rounding")
 
 
-RUNNERS = {"gae": case_gae, "logprobs": case_logprobs, "reshard": case_reshard, "linear": case_linear,
+RUNNERS = {"gae": case_gae, "gae_rows": case_gae_rows, "logprobs": case_logprobs, "reshard": case_reshard, "linear": case_linear,
            "linear05": lambda rep, device, bw: case_linear(rep, device, bw, "Qwen2.5-0.5B", sweep=False),
            "host": lambda rep, device, bw: case_host(rep, device)}
 

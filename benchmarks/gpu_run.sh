@@ -296,8 +296,9 @@ fi
 # ---- ncu (diagnostic): Nsight Compute's full set on compute_gae's scan kernel at 1024 x 4096 (what bounds it:
 # occupancy, stalls, memory throughput), where the image has ncu and lets it read the counters ----
 if want ncu; then
-  if command -v ncu > /dev/null 2>&1; then
-    timeout 300 ncu --kernel-name regex:scan_kernel --launch-skip 3 --launch-count 1 --set full "$py" -c "
+  ncu=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+  if [ -n "$ncu" ]; then
+    timeout 300 "$ncu" --kernel-name regex:scan_kernel --launch-skip 3 --launch-count 1 --set full "$py" -c "
 import torch, verl_fast as vf
 g = torch.Generator(device='cuda').manual_seed(0)
 r, v = (torch.randn(1024, 4096, device='cuda', generator=g) for _ in range(2))
