@@ -1,13 +1,14 @@
 // CUDA path of the advantage engine.
 //
-// Reverse scans (scan_kernel): one warp per row. The warp walks its row from the right in tiles of
-// 32 * kItems positions, each lane owning kItems consecutive ones. Each position's update is an
-// affine map of the state arriving from its right (x -> a*x + b), so a lane composes the maps of its
-// positions, the warp scans the lanes' composites with shuffles (no block-wide barriers), and each
-// lane replays its positions from the state that reaches it. GAE runs two such scans per tile: the "next
-// valid value" (a = 1 - m, b = m*V) and the advantage (a = m*gamma*lam + (1 - m), b = m*delta). The
-// next tile's loads are issued before the current tile is scanned. One pass over the inputs; the
-// whitening statistics are accumulated on the way (block_publish), and whitening adds one in-place pass.
+// Reverse scans (scan_kernel): one block per row. The block walks its row from the right in chunks of
+// kThreads * kItems positions, each thread owning kItems consecutive ones. Each position's update is an
+// affine map of the state arriving from its right (x -> a*x + b), so a thread composes the maps of its
+// positions, each warp scans its lanes' composites with shuffles, one barrier shares the warps'
+// composites through shared memory, and each thread replays its positions from the state that reaches
+// it. GAE runs two such scans per chunk: the "next valid value" (a = 1 - m, b = m*V) and the advantage
+// (a = m*gamma*lam + (1 - m), b = m*delta). The next chunk's loads are issued before the current chunk is
+// scanned. One pass over the inputs; the whitening statistics are accumulated on the way (block_publish),
+// and whitening adds one in-place pass.
 // Group estimators: per-row sums (row_sums_kernel), then a_b per row from its group's scores.
 #include "advantage/advantage.h"
 #include "common/check.h"
@@ -20,12 +21,15 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-// Consecutive positions per lane. A warp's row is a chain of tiles, each waiting for its loads (one tile
-// prefetched): at 1024 x 4096 a warp per row leaves ~8 warps an SM, and the scan ran at ~2 us a tile
-// (35 us, 60% of the HBM rate, on an H100). 16 positions a lane halve the chain and double the bytes in
-// flight (166 registers for GAE, no spills at 256 threads).
-constexpr int kItems = 16;
-constexpr int kTile = 32 * kItems;    // positions per warp step
+// Consecutive positions per thread. A warp per row (the design before this one) left 1024 x 4096 with
+// 1024 warps, 8 an SM (166 registers a thread at 16 positions): Nsight Compute saw 0.21 instructions
+// issued a cycle per scheduler and 20% of the DRAM rate, the scan 33 us on an H200. A block per row at 4
+// positions a thread keeps to 64 registers, so four blocks (32 warps) share an SM: 27 us. At 8 positions
+// (119 registers, two blocks an SM) it took 44 us, slower than the warp per row.
+constexpr int kItems = 4;
+constexpr int kChunk = kThreads * kItems;  // positions per block step
+constexpr int kBlocksPerSm = 4;             // __launch_bounds__: registers capped at 65536 / (4 * 256)
+static_assert(kItems == 4 || kItems % 8 == 0, "load_items reads 4, or a multiple of 8, positions a thread");
 
 struct Affine {
   float a, b;  // x -> a * x + b
@@ -37,12 +41,14 @@ __device__ __forceinline__ Affine after(Affine left, Affine right) {
 }
 __device__ __forceinline__ float apply(Affine f, float x) { return fmaf(f.a, x, f.b); }
 
-// Warp-wide reverse exclusive scan. `chunk` maps the state entering this lane's positions from the
-// right to the state leaving them on the left. Returns the state entering this lane's chunk;
-// *tile_out receives the state leaving the warp's whole tile (same in every lane).
-__device__ __forceinline__ float warp_reverse_scan(Affine chunk, float tile_in, float* tile_out) {
-  const int lane = threadIdx.x & 31;
-  Affine inc = chunk;  // lanes lane..31
+// Block-wide reverse exclusive scan (thread kThreads - 1 rightmost). `mine` maps the state entering this
+// thread's positions from the right to the state leaving them on the left; `chunk_in` is the state entering
+// the block's chunk. Returns the state entering this thread's positions; *chunk_out receives the state
+// leaving the chunk (same in every thread). `shared` (kWarps maps) must not be written again before every
+// thread has passed the next call's barrier: callers alternate two.
+__device__ __forceinline__ float block_reverse_scan(Affine mine, float chunk_in, float* chunk_out, Affine* shared) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  Affine inc = mine;  // lanes lane..31
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
     const Affine other{__shfl_down_sync(0xffffffffu, inc.a, o), __shfl_down_sync(0xffffffffu, inc.b, o)};
@@ -50,8 +56,16 @@ __device__ __forceinline__ float warp_reverse_scan(Affine chunk, float tile_in, 
   }
   Affine exc{__shfl_down_sync(0xffffffffu, inc.a, 1), __shfl_down_sync(0xffffffffu, inc.b, 1)};
   if (lane == 31) exc = {1.0f, 0.0f};
-  *tile_out = apply(Affine{__shfl_sync(0xffffffffu, inc.a, 0), __shfl_sync(0xffffffffu, inc.b, 0)}, tile_in);
-  return apply(exc, tile_in);
+  if (lane == 0) shared[warp] = inc;  // the warp's whole composite
+  __syncthreads();
+  float x = chunk_in, warp_in = chunk_in;
+#pragma unroll
+  for (int w = kWarps - 1; w >= 0; --w) {
+    if (w == warp) warp_in = x;
+    x = apply(shared[w], x);
+  }
+  *chunk_out = x;
+  return apply(exc, warp_in);
 }
 
 // Loads kItems consecutive positions [t, t + kItems) of row b as floats (0 past T). The common
@@ -71,14 +85,21 @@ __device__ __forceinline__ void load_items(const View2& v, bool vec_ok, int64_t 
         return;
       }
       case DType::bf16:
-      case DType::f16: {
-        const uint4* q = reinterpret_cast<const uint4*>(base + (b * v.sb + t) * 2);
+      case DType::f16: {  // 8 positions a 16-byte load (4 positions: one 8-byte load)
+        constexpr int kWords = N < 8 ? N / 2 : 4;
+        const char* q = base + (b * v.sb + t) * 2;
 #pragma unroll
-        for (int k = 0; k < N / 8; ++k) {
-          const uint4 x = __ldg(q + k);
-          const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+        for (int k = 0; k < (N + 7) / 8; ++k) {
+          uint32_t w[4];
+          if constexpr (kWords == 4) {
+            const uint4 x = __ldg(reinterpret_cast<const uint4*>(q) + k);
+            w[0] = x.x, w[1] = x.y, w[2] = x.z, w[3] = x.w;
+          } else {
+            const uint2 x = __ldg(reinterpret_cast<const uint2*>(q));
+            w[0] = x.x, w[1] = x.y;
+          }
 #pragma unroll
-          for (int h = 0; h < 4; ++h) {
+          for (int h = 0; h < kWords; ++h) {
             const uint16_t lo = w[h] & 0xffffu, hi = w[h] >> 16;
             if (static_cast<DType>(v.dtype) == DType::bf16) {
               out[8 * k + 2 * h] = __uint_as_float(static_cast<uint32_t>(lo) << 16);
@@ -92,13 +113,19 @@ __device__ __forceinline__ void load_items(const View2& v, bool vec_ok, int64_t 
         return;
       }
       case DType::u8:
-      case DType::boolean: {
-        const uint2* q = reinterpret_cast<const uint2*>(base + (b * v.sb + t));
+      case DType::boolean: {  // 8 positions an 8-byte load (4 positions: one 4-byte load)
+        const char* q = base + (b * v.sb + t);
 #pragma unroll
-        for (int k = 0; k < N / 8; ++k) {
-          const uint2 x = __ldg(q + k);
+        for (int k = 0; k < (N + 7) / 8; ++k) {
+          uint2 x;
+          if constexpr (N >= 8) {
+            x = __ldg(reinterpret_cast<const uint2*>(q) + k);
+          } else {
+            x = {__ldg(reinterpret_cast<const unsigned int*>(q)), 0u};
+          }
 #pragma unroll
-          for (int h = 0; h < 8; ++h) out[8 * k + h] = static_cast<float>(((h < 4 ? x.x : x.y) >> (8 * (h & 3))) & 0xffu);
+          for (int h = 0; h < (N < 8 ? N : 8); ++h)
+            out[8 * k + h] = static_cast<float>(((h < 4 ? x.x : x.y) >> (8 * (h & 3))) & 0xffu);
         }
         return;
       }
@@ -192,27 +219,27 @@ __device__ __forceinline__ void load_tile(const ScanDev& p, int64_t b, int64_t t
   load_items<kItems>(p.m, p.vec_m, b, t, p.T, d.m);
 }
 
-// One warp per row: the warp walks its row from the right in tiles of 32 * kItems positions, each
-// lane owning kItems consecutive ones; the next tile's loads are issued before the current tile is
-// scanned, so memory stays busy while the shuffles run. No block-wide barriers at all.
+// One block per row: the block walks its row from the right in chunks of kThreads * kItems positions,
+// each thread owning kItems consecutive ones; the next chunk's loads are issued before the current chunk
+// is scanned, so memory stays busy while the shuffles and the barriers run.
 template <ScanKind K>
-__global__ void __launch_bounds__(kThreads) scan_kernel(ScanDev p) {
-  const int lane = threadIdx.x & 31;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  Sums sums{};  // this lane's share of what gets whitened, over all its warp's rows
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm) scan_kernel(ScanDev p) {
+  __shared__ Affine shared[2][kWarps];  // alternated between consecutive scans (block_reverse_scan)
+  int turn = 0;
+  Sums sums{};  // this thread's share of what gets whitened, over all its block's rows
   int status = 0;
-  for (int64_t b = blockIdx.x * static_cast<int64_t>(kWarps) + (threadIdx.x >> 5); b < p.B; b += warps) {
+  for (int64_t b = blockIdx.x; b < p.B; b += gridDim.x) {
     float carry = 0.0f, carry_nv = 0.0f;
     const float base = K == ScanKind::remax ? load_float(p.base, b, 0) : 0.0f;
     if (K == ScanKind::remax && !isfinite(base)) status |= kBadValues;
     float* adv_row = p.adv + b * p.T;
     float* ret_row = p.ret + b * p.T;
-    int64_t tile = (p.T - 1) / kTile * kTile;
+    int64_t chunk = (p.T - 1) / kChunk * kChunk;
     TileData cur, next;
-    load_tile<K>(p, b, tile + lane * kItems, cur);
-    for (; tile >= 0; tile -= kTile) {
-      const int64_t t0 = tile + lane * kItems;
-      if (tile >= kTile) load_tile<K>(p, b, t0 - kTile, next);  // prefetch
+    load_tile<K>(p, b, chunk + threadIdx.x * kItems, cur);
+    for (; chunk >= 0; chunk -= kChunk) {
+      const int64_t t0 = chunk + threadIdx.x * kItems;
+      if (chunk >= kChunk) load_tile<K>(p, b, t0 - kChunk, next);  // prefetch
       bool m[kItems];
 #pragma unroll
       for (int j = 0; j < kItems; ++j) {
@@ -227,7 +254,7 @@ __global__ void __launch_bounds__(kThreads) scan_kernel(ScanDev p) {
         Affine f{1.0f, 0.0f};
 #pragma unroll
         for (int j = 0; j < kItems; ++j) f = after(f, m[j] ? Affine{0.0f, cur.v[j]} : Affine{1.0f, 0.0f});
-        float x = warp_reverse_scan(f, carry_nv, &carry_nv);
+        float x = block_reverse_scan(f, carry_nv, &carry_nv, shared[turn ^= 1]);
         float delta[kItems];
 #pragma unroll
         for (int j = kItems - 1; j >= 0; --j) {
@@ -238,7 +265,7 @@ __global__ void __launch_bounds__(kThreads) scan_kernel(ScanDev p) {
         f = {1.0f, 0.0f};
 #pragma unroll
         for (int j = 0; j < kItems; ++j) f = after(f, m[j] ? Affine{p.gl, delta[j]} : Affine{1.0f, 0.0f});
-        x = warp_reverse_scan(f, carry, &carry);
+        x = block_reverse_scan(f, carry, &carry, shared[turn ^= 1]);
 #pragma unroll
         for (int j = kItems - 1; j >= 0; --j) {
           if (m[j]) x = fmaf(p.gl, x, delta[j]);
@@ -249,7 +276,7 @@ __global__ void __launch_bounds__(kThreads) scan_kernel(ScanDev p) {
         Affine f{1.0f, 0.0f};
 #pragma unroll
         for (int j = 0; j < kItems; ++j) f = after(f, m[j] ? Affine{p.gamma, cur.r[j]} : Affine{1.0f, 0.0f});
-        float x = warp_reverse_scan(f, carry, &carry);
+        float x = block_reverse_scan(f, carry, &carry, shared[turn ^= 1]);
 #pragma unroll
         for (int j = kItems - 1; j >= 0; --j) {
           if (m[j]) x = fmaf(p.gamma, x, cur.r[j]);  // G_t; outside the mask it passes through unchanged
@@ -259,7 +286,7 @@ __global__ void __launch_bounds__(kThreads) scan_kernel(ScanDev p) {
         Affine f{1.0f, 0.0f};
 #pragma unroll
         for (int j = 0; j < kItems; ++j) f = after(f, Affine{1.0f, m[j] ? cur.r[j] : 0.0f});
-        float x = warp_reverse_scan(f, carry, &carry);
+        float x = block_reverse_scan(f, carry, &carry, shared[turn ^= 1]);
 #pragma unroll
         for (int j = kItems - 1; j >= 0; --j) {
           if (m[j]) x += cur.r[j];
@@ -269,10 +296,12 @@ __global__ void __launch_bounds__(kThreads) scan_kernel(ScanDev p) {
       }
       store_items(adv_row, p.vec_out, t0, p.T, out_a);
       store_items(ret_row, p.vec_out, t0, p.T, out_r);
-      if (K != ScanKind::remax) {
+      if (K != ScanKind::remax) {  // float over a thread's kItems positions, double across chunks
+        float n = 0.0f, s = 0.0f, s2 = 0.0f;
 #pragma unroll
         for (int j = 0; j < kItems; ++j)
-          if (m[j]) sums.add(out_a[j]);
+          if (m[j]) n += 1.0f, s += out_a[j], s2 = fmaf(out_a[j], out_a[j], s2);
+        sums.merge(Sums{n, s, s2});
       }
       cur = next;
     }
@@ -432,7 +461,7 @@ void advantage_scan_cuda(const ScanArgs& a) {
             T,
             a.gamma,
             a.gamma * a.lam};
-  const unsigned grid = grid_for((B + kWarps - 1) / kWarps);
+  const unsigned grid = grid_for(B);
   switch (a.kind) {
     case ScanKind::gae: scan_kernel<ScanKind::gae><<<grid, kThreads, 0, stream>>>(p); break;
     case ScanKind::reinforce_pp: scan_kernel<ScanKind::reinforce_pp><<<grid, kThreads, 0, stream>>>(p); break;
