@@ -337,8 +337,9 @@ def case_gae(rep: Report, device: str, bw: float) -> None:
 
 def case_gae_rows(rep: Report, device: str, bw: float) -> None:
     """The scan's GPU time (memset + scan_kernel: whiten=False, check=False, graph replay) over row counts at
-    one row length, then over row lengths at one row count. One warp walks a row: where the time stays flat
-    as rows double, each warp's chain of tiles (latency) bounds it; where it doubles, the memory's rate does."""
+    one row length, then over row lengths at one row count. Each row is one chain of steps from its right end:
+    where the time stays flat as rows double, a row's chain (latency) bounds it; where it doubles with them,
+    the SMs' issue rate or the memory's does."""
     cuda = device.startswith("cuda")
     T0, B0 = (4096, 1024) if cuda else (256, 64)
     shapes = [(b, T0) for b in ((128, 256, 512, 1024, 2048, 4096, 8192) if cuda else (16, 64))]
@@ -466,7 +467,8 @@ def case_linear(rep: Report, device: str, bw: float, model: str = "Qwen2.5-7B", 
         "logits kept in bf16 from the forward: N*V*2 bytes more, a plain matmul's rounding")
 
 
-RUNNERS = {"gae": case_gae, "gae_rows": case_gae_rows, "logprobs": case_logprobs, "reshard": case_reshard, "linear": case_linear,
+RUNNERS = {"gae": case_gae, "gae_rows": case_gae_rows, "logprobs": case_logprobs, "reshard": case_reshard,
+           "linear": case_linear,
            "linear05": lambda rep, device, bw: case_linear(rep, device, bw, "Qwen2.5-0.5B", sweep=False),
            "host": lambda rep, device, bw: case_host(rep, device)}
 

@@ -133,7 +133,7 @@ if want hybrid; then
 fi
 
 # ---- hotpaths (issue 48): the ops as users call them, before and after the issue's host paths side by side:
-# compute_gae 1024x4096, logprobs_from_logits 8192x151936, the one-shot reshard at Qwen2.5-7B shapes, and
+# compute_gae 1024x4096 (and its scan alone over row counts and lengths), logprobs_from_logits 8192x151936, the one-shot reshard at Qwen2.5-7B shapes, and
 # linear_logprobs' fwd+bwd per chunk size / d_hidden GEMM / store_logits, each beside its baseline and floor,
 # and the wrappers' host time per call on 2x8 tensors (CPU and CUDA, compute_gae piece by piece, issue 49);
 # then the gpu tests of the changed paths (HOTPATHS_TESTS=0 skips them); then, where vLLM imports,
@@ -141,7 +141,7 @@ fi
 # ~3-4 minutes on one H200 with the build (vLLM: +3-5). ----
 if want hotpaths; then
   timeout ${HOTPATHS_TIMEOUT:-240} "$py" benchmarks/bench_hotpaths.py --device "${HOTPATHS_DEVICE:-cuda}" \
-    --cases "${HOTPATHS_CASES:-gae,logprobs,reshard,linear,linear05,host}" >> "$OUT/bench.log" 2>&1 || failed+=("bench_hotpaths")
+    --cases "${HOTPATHS_CASES:-gae,gae_rows,logprobs,reshard,linear,linear05,host}" >> "$OUT/bench.log" 2>&1 || failed+=("bench_hotpaths")
   sed -n '/^hotpaths on/,/^saved/p' "$OUT/bench.log" | tail -n 110
   if [ "${HOTPATHS_TESTS:-1}" = 1 ]; then  # after the figures, so a call cut short still has them
     "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/ops/test_reshard_new_outputs.py \

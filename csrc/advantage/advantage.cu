@@ -141,7 +141,7 @@ __device__ __forceinline__ void load_items(const View2& v, bool vec_ok, int64_t 
 bool vector_loadable(const TensorRef& t, int items) {
   if (t.data == nullptr || t.dim() != 2 || t.strides[1] != 1) return false;
   const int64_t esize = dtype_size(t.dtype);
-  const int64_t chunk = items * esize;  // bytes per lane step: 32 (f32), 16 (16-bit), 8 (bytes)
+  const int64_t chunk = items * esize;  // bytes a thread reads a step: 16 (f32), 8 (16-bit), 4 (bytes) at 4 items
   const int64_t align = chunk >= 16 ? 16 : chunk;
   if (t.dtype != DType::f32 && t.dtype != DType::bf16 && t.dtype != DType::f16 && t.dtype != DType::u8 &&
       t.dtype != DType::boolean)
