@@ -323,7 +323,7 @@ def kernel_profile(run, top: int = 10, operators: bool = False) -> Dict[str, Any
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     intervals = kernel_intervals(prof)
-    busy, kernels = gpu_busy(prof, intervals)
+    busy, kernels = gpu_busy(intervals)
     averages = prof.key_averages()
     idle = idle_stretches(intervals, wall)
     cuda = torch.autograd.DeviceType.CUDA
@@ -346,10 +346,8 @@ def kernel_intervals(prof) -> List[tuple]:
                   if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def gpu_busy(prof, kernels: Optional[List[tuple]] = None) -> tuple:
-    """(seconds some kernel ran: the union of the kernel intervals, kernel count) of a profile
-    (``kernels``: its ``kernel_intervals``, when already listed)."""
-    kernels = kernel_intervals(prof) if kernels is None else kernels
+def gpu_busy(kernels: List[tuple]) -> tuple:
+    """(seconds some kernel ran: the union of the intervals, kernel count) of a profile's ``kernel_intervals``."""
     busy, end = 0.0, float("-inf")
     for a, b, _ in kernels:  # microseconds; merge overlapping intervals
         busy += max(0.0, b - max(a, end))
@@ -463,7 +461,7 @@ def phase_figures(box: Dict[str, Any]) -> Dict[str, float]:
         out.update({f"prof/{phase}_sm_mhz": mid.get("clock", 0.0), f"prof/{phase}_thread_cpu_s": p["thread_s"],
                     f"prof/{phase}_process_cpu_s": p["process_s"]})
         if p["prof"] is not None:
-            busy, kernels = gpu_busy(p["prof"])
+            busy, kernels = gpu_busy(kernel_intervals(p["prof"]))
             out.update({f"prof/{phase}_busy_s": busy, f"prof/{phase}_kernels": float(kernels)})
         print(f"  {phase}: busiest threads {p['tasks']}"
               + ("; other Python threads: " + " | ".join(mid["others"]) if mid.get("others") else ""), flush=True)

@@ -101,7 +101,7 @@ class Updates:
         mini = a.ppo_mini_batch_size or N
         totals: Dict[str, float] = {}
         peaks: Dict[str, List[Any]] = {}  # the "*_max" statistics: the largest, not the mean
-        weight, every, norms = 0.0, 0.0, 0.0  # tokens trained on, tokens of the mini-batches, gradient norms
+        weight, every, norms = 0.0, 0.0, 0.0  # tokens trained on, the mini-batches' tokens (every rank's), norms
         self.strategy.actor.train()
         for epoch in range(a.ppo_epochs):
             order = rows
@@ -112,7 +112,7 @@ class Updates:
                 mb = order[start : start + mini]
                 counts = loss_normalisers(exp.response_mask[mb], self.dp_group, self._norm_length(a))
                 micro = self.micro(exp, mb[active[mb]])
-                every += float(exp.response_mask[mb].sum())
+                every += counts["num_tokens"] * counts["dp_size"]
                 stats, norm = self.step(exp, micro, lambda logp, entropy, sub: loss(logp, entropy, sub, counts))
                 for idx, st in zip(micro, stats):
                     w = float(exp.response_mask[idx].sum())
@@ -127,8 +127,8 @@ class Updates:
         largest = {k: max(float(v) for v in values) for k, values in peaks.items()}
         if self.world > 1:  # weighted by every rank's tokens, as one process would weight them
             keys = sorted(totals)
-            summed = distributed.all_reduce_numbers([totals[k] for k in keys] + [weight, every], group=self.dp_group)
-            totals, weight, every = dict(zip(keys, summed[:-2])), summed[-2], summed[-1]
+            summed = distributed.all_reduce_numbers([totals[k] for k in keys] + [weight], group=self.dp_group)
+            totals, weight = dict(zip(keys, summed[:-1])), summed[-1]
             if largest:
                 keys = sorted(largest)
                 largest = dict(zip(keys, distributed.all_reduce_numbers([largest[k] for k in keys], "max",
