@@ -4,7 +4,8 @@ one named with the pip extra of verl_fast that installs it and the key that aske
 ``pip install verl_fast`` trains (transformers, datasets, ... are core dependencies); what a config
 turns on beyond that comes from an extra: ``plot`` (matplotlib), ``wandb``, ``tensorboard``, ``lora``
 (peft), ``torchao`` (8-bit optimizer states), ``vllm``, ``demo`` (reasoning-gym and the demo model's GGUF
-reader); the training strategies register theirs (``register``).
+reader); the training strategies and the rollout engines register theirs (``register``). What only a run
+that generates needs (its engine, the reward's package) is not asked of an offline algorithm's run.
 """
 
 from __future__ import annotations
@@ -14,20 +15,15 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 # (import name, extra, what in the config needs it: a description, and whether this config does)
 _Need = Tuple[str, str, Callable[[Any], Optional[str]]]
+# what a config needs, computed from it: (import name, extra, the key asking) each
+_Provider = Callable[[Any], List[Tuple[str, str, str]]]
 
 
 def _logger(name: str) -> Callable[[Any], Optional[str]]:
     return lambda cfg: f"trainer.loggers has {name}" if name in cfg.trainer.loggers else None
 
 
-# the algorithms that generate nothing (``samples = False`` in verl_fast/algos/; python_tests/algos/test_sft.py checks the list),
-# so they neither score samples nor start an engine
-OFFLINE_ALGORITHMS = ("dpo", "kto", "orpo", "simpo", "cpo", "sft")
-
-
-def _reasoning_gym(cfg: Any) -> Optional[str]:
-    if cfg.reward_fn.type == "reasoning_gym" and cfg.algorithm.type not in OFFLINE_ALGORITHMS:
-        return "reward_fn.type=reasoning_gym"
+def _reasoning_gym_data(cfg: Any) -> Optional[str]:
     if isinstance(cfg.trainer.dataset, str) and cfg.trainer.dataset.startswith("reasoning_gym:"):
         return f"trainer.dataset={cfg.trainer.dataset}"
     return None
@@ -43,11 +39,15 @@ NEEDS: List[_Need] = [
     ("wandb", "wandb", _logger("wandb")),
     ("tensorboard", "tensorboard", _logger("tensorboard")),
     ("peft", "lora", _lora),
-    ("vllm", "vllm", lambda cfg: "rollout.type=vllm" if cfg.rollout.type == "vllm"
-     and cfg.algorithm.type not in OFFLINE_ALGORITHMS else None),
-    ("reasoning_gym", "demo", _reasoning_gym),
+    ("reasoning_gym", "demo", _reasoning_gym_data),
     ("torchao", "torchao", lambda cfg: "actor.optimizer=adamw_8bit" if cfg.actor.optimizer == "adamw_8bit" else None),
 ]
+# needed by a run that generates (and scores) samples only
+GENERATING: List[_Need] = [
+    ("reasoning_gym", "demo", lambda cfg: "reward_fn.type=reasoning_gym" if cfg.reward_fn.type == "reasoning_gym"
+     else None),
+]
+PROVIDERS: List[_Provider] = []  # a generating run's needs that a room computes (the rollout engine's)
 
 
 def register(module: str, extra: str, needed: Callable[[Any], Optional[str]]) -> None:
@@ -55,6 +55,13 @@ def register(module: str, extra: str, needed: Callable[[Any], Optional[str]]) ->
     strategy registers its own where the strategies are registered, ``strategies/backends.py``)."""
     if (module, extra, needed) not in NEEDS:
         NEEDS.append((module, extra, needed))
+
+
+def register_provider(provider: _Provider) -> None:
+    """``provider(cfg)``: the packages a generating run of ``cfg`` needs, as (import name, extra, key) each
+    (the rollout engines', ``rollout/registry.py``)."""
+    if provider not in PROVIDERS:
+        PROVIDERS.append(provider)
 
 
 def installed(module: str) -> bool:
@@ -75,22 +82,26 @@ def hint(module: str, extra: str) -> str:
     return f"the {pip} package: pip install {pip} (or pip install 'verl_fast[{extra}]')"
 
 
-def missing(cfg: Any, modules: Optional[Sequence[str]] = None) -> List[str]:
+def missing(cfg: Any, modules: Optional[Sequence[str]] = None, generates: bool = True) -> List[str]:
     """One message per optional package ``cfg`` needs and this environment lacks (of ``modules``
-    only, when given)."""
-    found = []
-    for module, extra, needed in NEEDS:
-        if modules is not None and module not in modules:
+    only, when given; ``generates``: whether the run's algorithm samples, and so needs an engine and a
+    reward)."""
+    needs = [(module, extra, needed(cfg)) for module, extra, needed in (GENERATING if generates else []) + NEEDS]
+    if generates:
+        needs += [need for provider in PROVIDERS for need in provider(cfg)]
+    found, named = [], set()
+    for module, extra, why in needs:
+        if why is None or module in named or (modules is not None and module not in modules):
             continue
-        why = needed(cfg)
-        if why is not None and not installed(module):
+        named.add(module)  # one message a package, naming the first key that asks for it
+        if not installed(module):
             found.append(f"{why}, which needs {hint(module, extra)}")
     return found
 
 
-def check(cfg: Any, modules: Optional[Sequence[str]] = None) -> None:
+def check(cfg: Any, modules: Optional[Sequence[str]] = None, generates: bool = True) -> None:
     """Raises ImportError naming every missing package (of ``modules``), its extra and the key that
     needs it."""
-    problems = missing(cfg, modules)
+    problems = missing(cfg, modules, generates)
     if problems:
         raise ImportError("; ".join(problems) + " (or change those keys)")

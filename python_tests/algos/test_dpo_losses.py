@@ -11,7 +11,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tiny_models import save_tiny_model
 from verl_fast import config as C
-from verl_fast.algos.loss_terms import DPO_LOSSES, dpo_loss
+from verl_fast.algos.preference_losses import dpo_loss, dpo_loss_names
+
+DPO_LOSSES = dpo_loss_names()
 from verl_fast.trainer.rl_trainer import RLTrainer
 
 

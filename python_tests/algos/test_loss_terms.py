@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from verl_fast.algos.loss_terms import agg_loss, dpo_loss, kl_penalty, policy_loss, value_loss
+from verl_fast.algos.loss_terms import agg_loss, kl_penalty, policy_loss, value_loss
+from verl_fast.algos.preference_losses import dpo_loss
 
 
 def rnd(*shape, seed=0, scale=1.0):

@@ -149,13 +149,20 @@ def test_lora_sft_trains_the_adapters_only(model_path, tmp_path):
     assert history[1]["sft/loss"] < history[0]["sft/loss"]
 
 
-def test_offline_algorithms_are_the_ones_that_sample_nothing():
-    from verl_fast import extras
-    from verl_fast.algos.registry import SPECS
+def test_every_spec_declares_what_the_assembly_asks():
+    """samples, needs_critic and item_type are asked of the algorithm's spec, never of its name."""
+    from verl_fast import config as C
+    from verl_fast.algos import registry
+    from verl_fast.data import PreferencePair, PromptRow
 
-    # a policy-gradient spec (algos/policy_gradient.py) builds an algorithm that samples, and declares nothing
-    offline = sorted(n for n, s in SPECS.items() if not getattr(s, "samples", True))
-    assert sorted(extras.OFFLINE_ALGORITHMS) == offline and "sft" in offline
+    for name, spec in registry.SPECS.items():
+        built = registry.build(C.from_dict({"algorithm": {"type": name}, "rollout": {"n": 2}}))
+        assert (spec.samples, spec.needs_critic, spec.item_type) == (built.samples, built.needs_critic,
+                                                                     built.item_type), name
+    offline = sorted(n for n, s in registry.SPECS.items() if not s.samples)
+    assert offline == ["cpo", "dpo", "kto", "orpo", "sft", "simpo"]
+    assert [n for n, s in registry.SPECS.items() if s.needs_critic] == ["ppo"]
+    assert registry.SPECS["online_dpo"].item_type is PromptRow and registry.SPECS["orpo"].item_type is PreferencePair
 
 
 def test_bad_sft_combinations_are_refused():

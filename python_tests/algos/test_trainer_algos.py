@@ -130,7 +130,7 @@ def test_dpo_says_what_does_not_apply(tiny_path, tmp_path):
     with pytest.warns(UserWarning) as caught:
         trainer = RLTrainer(actor_model=model, tokenizer=tok, config=cfg)
     text = " ".join(str(w.message) for w in caught)
-    assert "critic section does not apply" in text and "no vLLM engine is started" in text
+    assert "critic section does not apply" in text and "no VLLMInferenceEngine is started" in text
     assert trainer.engine is None
 
 

@@ -13,6 +13,7 @@ import yaml
 
 from verl_fast import config as C
 from verl_fast import extras
+from verl_fast.algos import registry
 from verl_fast.cli.main import main as cli_main
 
 
@@ -137,9 +138,12 @@ def test_packages_not_asked_for_are_not_needed(monkeypatch):
     monkeypatch.setattr(extras, "installed", lambda m: False)
     cfg = C.from_dict({"algorithm": {"type": "dpo"}, "reward_fn": {"type": "pairwise_ranking"},
                        "rollout": {"type": "vllm"}, "trainer": {"plot": False, "dataset": "pairs.jsonl"}})
-    assert extras.missing(cfg) == []
+    offline = not registry.spec(cfg).samples  # dpo generates nothing: no engine, no reward's package
+    assert offline and extras.missing(cfg, generates=False) == []
+    assert extras.missing(cfg) == ["rollout.type=vllm, which needs the vllm package: pip install vllm (or pip install "
+                                   "'verl_fast[vllm]')"]
     cfg.trainer.plot, cfg.critic.strategy = True, "megatron"  # a critic trains with ppo only
-    assert extras.missing(cfg) == ["trainer.plot=true (the reward-curve PNG), which needs the matplotlib package: "
+    assert extras.missing(cfg, generates=False) == ["trainer.plot=true (the reward-curve PNG), which needs the matplotlib package: "
                                    "pip install matplotlib (or pip install 'verl_fast[plot]')"]
 
 

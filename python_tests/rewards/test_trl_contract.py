@@ -10,7 +10,7 @@ import pytest
 
 from tiny_models import save_tiny_model
 from verl_fast import config as C
-from verl_fast.data import preflight
+from verl_fast.trainer import preflight
 from verl_fast.data import RLDataProcessor, preference_parts
 from verl_fast.rewards import CallableReward, GuardedReward, RewardInput, WeightedRewards, build_reward
 from verl_fast.trainer.rl_trainer import RLTrainer

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tiny_models import save_tiny_model
-from verl_fast.algos.actor_micro_batch_loss import actor_loss
+from verl_fast.algos.policy_losses import actor_loss
 from verl_fast.config import ActorConfig
 from verl_fast.rollout.experience import Experience
 from verl_fast.strategies import fsdp_strategy

@@ -21,8 +21,8 @@ A step is one of two sequences of phases (``Step``), which the algorithm names:
 Start-up: ``check`` refuses the combinations the algorithm cannot run (config validation);
 ``configure`` adjusts the run once the number of data-parallel ranks is known.
 
-New policy losses go to ``algos/policy_loss_variants.py`` (``actor_loss`` aggregates them), new estimators are new
-modules, new DPO losses go to ``loss_terms.dpo_loss``.
+New policy losses go to ``algos/policy_losses.py`` (a function under ``@register_policy_loss``), new estimators are new
+modules, new DPO losses to ``preference_losses.py`` (a function under ``@register_dpo_loss``).
 """
 
 from __future__ import annotations

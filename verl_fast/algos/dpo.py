@@ -1,7 +1,7 @@
 """DPO (Rafailov et al.) on the dataset's chosen / rejected pairs (``Step.PREFERENCE``, no rollout): the
 summed response log-probs of chosen and rejected under the actor and the reference (none with
 ``reward_fn.reference_free``; ``ipo`` takes their per-token means, as Azar et al.'s authors and TRL
-do), the DPO loss (``algorithm.loss_type``: sigmoid, ipo, hinge, robust, exo_pair, nca_pair, bco_pair, sppo_hard, apo_zero, apo_down, discopop (``loss_terms.dpo_loss``), with ``beta`` and
+do), the DPO loss (``algorithm.loss_type``: sigmoid, ipo, hinge, robust, exo_pair, nca_pair, bco_pair, sppo_hard, apo_zero, apo_down, discopop (``preference_losses.dpo_loss``), with ``beta`` and
 ``label_smoothing``) plus ``algorithm.sft_weight`` times the chosen responses' mean token NLL (RPO),
 through the strategy's ``forward_backward`` (``pair_rows.py``: every training backend), one optimiser
 step per batch. Log-probs are taken at ``rollout.temperature`` (1 unless set), as every pass of the actor.
@@ -21,8 +21,7 @@ import torch
 
 from verl_fast.algos import pair_rows
 from verl_fast.algos.algorithm import Step, kl_reference
-from verl_fast.algos.loss_terms import dpo_loss
-from verl_fast.algos.preference_loss_variants import ipo_loss
+from verl_fast.algos.preference_losses import dpo_loss, ipo_loss
 from verl_fast.config import Config, CriticConfig
 from verl_fast.data import PreferencePair, RLDataProcessor
 from verl_fast.rollout.experience import Experience
@@ -57,11 +56,6 @@ class DPO:
         (module docstring)."""
         cfg = self.cfg
         warn_unused_critic(cfg)
-        if cfg.actor.type == "vllm" or cfg.rollout.type == "vllm":
-            warnings.warn("actor.type=vllm / rollout.type=vllm does not apply to algorithm.type=dpo: offline DPO "
-                          "generates nothing (it trains on the dataset's chosen/rejected pairs), so no vLLM engine "
-                          "is started; use algorithm.type=online_dpo to sample the pairs with vLLM",
-                          UserWarning, stacklevel=3)
         if cfg.trainer.gradient_accumulation_steps:
             cfg.trainer.train_batch_size = pairs_per_micro_batch(cfg) * cfg.trainer.gradient_accumulation_steps * world
 
@@ -120,7 +114,7 @@ def step(updates: Any, pairs: List[PreferencePair], pad_id: int, algorithm: Any,
     def loss_fn(logp: torch.Tensor, sub: Experience) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         sums = policy = pair_rows.summed(logp, sub)
         reference = pair_rows.summed(sub.ref_logprobs, sub) if sub.ref_logprobs is not None else torch.zeros_like(policy)
-        if algorithm.loss_type == "ipo":  # IPO on per-token log-ratios (preference_loss_variants.ipo_loss)
+        if algorithm.loss_type == "ipo":  # IPO on per-token log-ratios (preference_losses.ipo_loss)
             policy, reference = policy / pair_rows.lengths(sub), reference / pair_rows.lengths(sub)
             loss, s = ipo_loss(policy[0::2], policy[1::2], reference[0::2], reference[1::2], algorithm.beta)
         else:

@@ -4,7 +4,7 @@ format: rows ``{"prompt", "completion", "label": bool}`` (strings or chat messag
 Each step: the summed completion log-probs under the actor and the reference; the reference point
 z0 = max(0, mean over the step's examples of the log-ratio of *mismatched* pairs (prompt i with
 completion i+1 of the same micro-batch, TRL's KL estimate), averaged over the data-parallel ranks,
-no gradient); ``preference_loss_variants.kto_loss`` with ``beta`` and ``kto_desirable_weight`` /
+no gradient); ``preference_losses.kto_loss`` with ``beta`` and ``kto_desirable_weight`` /
 ``kto_undesirable_weight``; the mean over the step's examples; one optimiser step through the
 strategy's ``forward_backward`` (``pair_rows.py``). Batching as DPO's:
 ``per_device_train_batch_size`` examples a forward / backward (else half of ``actor.micro_batch_size``).
@@ -22,7 +22,7 @@ import torch
 from verl_fast import distributed
 from verl_fast.algos import dpo, pair_rows
 from verl_fast.algos.algorithm import Step
-from verl_fast.algos.preference_loss_variants import kto_loss
+from verl_fast.algos.preference_losses import kto_loss
 from verl_fast.config import Config
 from verl_fast.data import RLDataProcessor
 from verl_fast.rollout.experience import Experience

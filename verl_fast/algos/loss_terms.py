@@ -1,4 +1,7 @@
-"""Losses as small pure functions over token tensors ``[B, L]``, as verl defines them.
+"""The terms of the RL losses as small pure functions over token tensors ``[B, L]``, as verl defines them:
+aggregation (``agg_loss``), KL estimators, PPO-clip policy loss, clipped value loss, entropy. The
+preference losses (DPO's and its family) are in ``preference_losses.py``, the policy losses by name in
+``policy_losses.py``.
 
 Each takes per-token tensors and a ``response_mask`` and returns a scalar (via ``agg_loss``) plus
 the statistics the trainer logs. No state, no config objects: the trainer picks the variant once.
@@ -6,18 +9,14 @@ the statistics the trainer logs. No state, no config objects: the trainer picks 
 
 from __future__ import annotations
 
-import math
 from typing import Dict, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from verl_fast.ops.masked import masked_mean, masked_sum
 
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs", "k1+", "k2+", "k3+", "low_var_kl+", "abs+")
-DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
-              "apo_down", "discopop")
 
 
 def agg_loss(loss_mat: torch.Tensor, response_mask: torch.Tensor, mode: str = "token-mean",
@@ -155,70 +154,3 @@ def entropy_loss(entropy: torch.Tensor, response_mask: torch.Tensor, loss_agg_mo
                  **counts) -> torch.Tensor:
     """Mean entropy of the response tokens (subtracted, times a coefficient, for an entropy bonus)."""
     return agg_loss(entropy, response_mask, loss_agg_mode, **counts)
-
-
-def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-             ref_rejected: torch.Tensor, beta: float = 0.1, loss_type: str = "sigmoid",
-             label_smoothing: float = 0.0, discopop_tau: float = 0.05) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """DPO over summed sequence log-probs ``[B]``, the mean over pairs. With the log-ratios
-    c = pi_c - ref_c, r = pi_r - ref_r and the margin m = c - r (pass zeros as ref for reference-free DPO):
-
-    sigmoid (Rafailov et al.): -log sig(beta m), with conservative label smoothing eps:
-      -(1-eps) log sig(beta m) - eps log sig(-beta m)
-    ipo (Azar et al.): (m - 1/(2 beta))^2
-    hinge (SLiC): relu(1 - beta m)
-    robust (Chowdhury et al., rDPO): (-(1-eps) log sig(beta m) + eps log sig(-beta m)) / (1 - 2 eps), eps < 0.5
-    exo_pair (Ji et al., EXO): KL(q || p) with q = (sig(beta m), sig(-beta m)), p = (1-eps, eps), eps > 0
-    nca_pair (Chen et al., NCA): -log sig(beta c) - 0.5 log sig(-beta c) - 0.5 log sig(-beta r)
-    bco_pair (Jung et al., BCO): -log sig(beta c) - log sig(-beta r) (no reward shift, as TRL 1.16)
-    sppo_hard (Wu et al., SPPO, hard labels): (c - 1/(2 beta))^2 + (r + 1/(2 beta))^2
-    apo_zero (D'Oosterlinck et al., APO eq. 7): (1 - sig(beta c)) + sig(beta r)
-    apo_down (APO eq. 8): sig(beta c) + (1 - sig(beta m))
-    discopop (Chris Lu et al., DiscoPOP eq. 5): with rho = beta m and w = sig(rho / tau),
-      (1 - w) (-log sig(rho)) + w exp(-rho)
-    """
-    c = policy_chosen - ref_chosen
-    r = policy_rejected - ref_rejected
-    margin = c - r
-    eps = label_smoothing
-    z = beta * margin
-    if loss_type == "sigmoid":
-        losses = -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
-    elif loss_type == "ipo":
-        losses = (margin - 1.0 / (2.0 * beta)).square()
-    elif loss_type == "hinge":
-        losses = torch.relu(1.0 - z)
-    elif loss_type == "robust":
-        if not 0.0 <= eps < 0.5:
-            raise ValueError(f"dpo loss_type robust needs 0 <= label_smoothing < 0.5, got {eps}")
-        losses = (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
-    elif loss_type == "exo_pair":
-        if not 0.0 < eps < 1.0:
-            raise ValueError(f"dpo loss_type exo_pair needs 0 < label_smoothing < 1 (its target (1-eps, eps) "
-                             f"has no log at 0), got {eps}")
-        losses = (torch.sigmoid(z) * (F.logsigmoid(z) - math.log1p(-eps))
-                  + torch.sigmoid(-z) * (F.logsigmoid(-z) - math.log(eps)))
-    elif loss_type == "nca_pair":
-        losses = -F.logsigmoid(beta * c) - 0.5 * F.logsigmoid(-beta * c) - 0.5 * F.logsigmoid(-beta * r)
-    elif loss_type == "bco_pair":
-        losses = -F.logsigmoid(beta * c) - F.logsigmoid(-beta * r)
-    elif loss_type == "sppo_hard":
-        losses = (c - 0.5 / beta).square() + (r + 0.5 / beta).square()
-    elif loss_type == "apo_zero":
-        losses = (1 - torch.sigmoid(beta * c)) + torch.sigmoid(beta * r)
-    elif loss_type == "apo_down":
-        losses = torch.sigmoid(beta * c) + (1 - torch.sigmoid(z))
-    elif loss_type == "discopop":
-        if discopop_tau <= 0:
-            raise ValueError(f"dpo loss_type discopop needs discopop_tau > 0, got {discopop_tau}")
-        # w exp(-rho) as exp(log w - rho): exp(-rho) alone overflows for a large negative margin where w is 0
-        losses = -(1 - torch.sigmoid(z / discopop_tau)) * F.logsigmoid(z) + torch.exp(F.logsigmoid(z / discopop_tau) - z)
-    else:
-        raise ValueError(f"dpo loss_type must be one of {DPO_LOSSES}, got {loss_type!r}")
-    chosen_reward = beta * c.detach()
-    rejected_reward = beta * r.detach()
-    stats = {
-        "reward_margin": (chosen_reward - rejected_reward).mean(),
-        "reward_accuracy": (chosen_reward > rejected_reward).float().mean(),
-    }
-    return losses.mean(), stats

@@ -14,8 +14,8 @@ baseline is the prompt's other samples, its critic loss, its extra rollout.
   chooses the groups the update trains on (``select_experience``); the rollout correction
   (``algorithm.rollout_correction``, ``rollout_correction.RolloutCorrection``) weighs each token
   (``correct_rollout``). Each is built here from the config, or is absent.
-- Loss: ``actor.policy_loss`` (PPO-clip, GSPO, CISPO, SAPO: ``policy_loss_variants.py``) with the actor
-  section's clipping, aggregation, entropy bonus and KL-in-loss (``actor_micro_batch_loss.py``).
+- Loss: ``actor.policy_loss`` (PPO-clip, GSPO, CISPO, SAPO: ``policy_losses.py``) with the actor
+  section's clipping, aggregation, entropy bonus and KL-in-loss (``policy_losses.actor_loss``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from verl_fast import distributed
-from verl_fast.algos.actor_micro_batch_loss import actor_loss
+from verl_fast.algos.policy_losses import actor_loss
 from verl_fast.algos.dapo import DynamicSampling, overlong_penalty
 from verl_fast.algos.algorithm import MorePrompts, Score, Stats, Step, kl_reference, refuse_pairwise_ranking
 from verl_fast.algos.loss_terms import kl_penalty
@@ -64,6 +64,14 @@ class PolicyGradientSpec:
     group_baseline: bool = False  # the baseline is the other samples of the same prompt
     critic_loss: Optional[CriticLoss] = None  # trains a critic (values for the estimator) with this loss
     baseline: Any = NoBaseline()  # an extra rollout and the baselines it gives (ReMax)
+
+    # what the run's assembly asks of an algorithm before building it (``registry.spec``)
+    item_type = PromptRow
+    samples = True
+
+    @property
+    def needs_critic(self) -> bool:
+        return self.critic_loss is not None
 
     def check(self, cfg: Config) -> None:
         if self.group_baseline and cfg.rollout.n < 2:

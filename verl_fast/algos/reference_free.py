@@ -1,6 +1,6 @@
 """ORPO, SimPO and CPO (``Step.PREFERENCE``, no rollout, no reference model): the dataset's chosen /
 rejected pairs, the actor's response log-probs of both, a loss of the policy alone
-(``preference_loss_variants``), plus a weight times the chosen responses' token-mean NLL, through the
+(``preference_losses``), plus a weight times the chosen responses' token-mean NLL, through the
 strategy's ``forward_backward`` (``pair_rows.py``), one optimiser step per batch.
 
     orpo   odds ratio of the per-token mean log-probs, weight beta (the paper's lambda); NLL weight 1
@@ -23,7 +23,7 @@ import torch
 
 from verl_fast.algos import dpo, pair_rows
 from verl_fast.algos.algorithm import Step, kl_reference
-from verl_fast.algos.preference_loss_variants import cpo_loss, orpo_loss, simpo_loss
+from verl_fast.algos.preference_losses import cpo_loss, orpo_loss, simpo_loss
 from verl_fast.config import Config
 from verl_fast.data import PreferencePair, RLDataProcessor
 from verl_fast.rollout.experience import Experience

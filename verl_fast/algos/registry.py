@@ -13,7 +13,8 @@ are registered in the config here.
     orpo, simpo, cpo       reference_free.py  offline pairs, no reference model
     sft                    sft.py           supervised fine-tuning on completions / chat turns
 
-A new algorithm is a module with a spec (``name``, ``check(cfg)``, ``build(cfg)``) added to ``SPECS``.
+A new algorithm is a module with a spec (``name``, ``samples``, ``needs_critic``, ``item_type``, ``check(cfg)``,
+``build(cfg)``) added to ``SPECS``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from verl_fast import config
-from verl_fast.algos import (dpo, grpo, kto, loss_terms, online_dpo, policy_loss_variants, ppo, reference_free,
+from verl_fast.algos import (dpo, grpo, kto, loss_terms, online_dpo, ppo, reference_free,
                              reinforce_pp, remax, rloo, sft)
 from verl_fast.algos.algorithm import Algorithm
 
@@ -32,18 +33,26 @@ SPECS: Dict[str, Any] = {spec.name: spec for spec in (
 )}
 
 
+def spec(cfg: config.Config) -> Any:
+    """The spec ``cfg.algorithm.type`` names: what a run's assembly asks before building the algorithm
+    (``samples``: it generates, so needs an engine and a reward; ``needs_critic``; ``item_type``: what the
+    dataset's rows become); one line naming the choices for an unknown name."""
+    found = SPECS.get(cfg.algorithm.type)
+    if found is None:
+        raise ValueError(f"algorithm.type must be one of {list(SPECS)}, got {cfg.algorithm.type!r}")
+    return found
+
+
 def build(cfg: config.Config) -> Algorithm:
     """The algorithm ``cfg.algorithm.type`` names, for this run."""
-    return SPECS[cfg.algorithm.type].build(cfg)
+    return spec(cfg).build(cfg)
 
 
 def _check(cfg: config.Config) -> None:
-    SPECS[cfg.algorithm.type].check(cfg)
+    spec(cfg).check(cfg)
 
 
 config.ALGORITHMS.register(*SPECS)
 config.LOSS_AGG_MODES.register(*loss_terms.AGG_MODES)
 config.KL_ESTIMATORS.register(*loss_terms.KL_KINDS)
-config.DPO_LOSSES.register(*loss_terms.DPO_LOSSES)
-config.POLICY_LOSSES.register(*policy_loss_variants.POLICY_LOSSES)
 config.register_check(_check)

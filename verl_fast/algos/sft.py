@@ -16,7 +16,6 @@ default) or ``actor.micro_batch_size`` rows.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -56,9 +55,6 @@ class SFT:
 
     def configure(self, world: int) -> None:
         dpo.warn_unused_critic(self.cfg)
-        if self.cfg.rollout.type == "vllm" or self.cfg.actor.type == "vllm":
-            warnings.warn("rollout.type=vllm does not apply to algorithm.type=sft (it generates nothing); no vLLM "
-                          "engine is started", UserWarning, stacklevel=3)
         t = self.cfg.trainer
         if t.gradient_accumulation_steps:
             t.train_batch_size = (t.per_device_train_batch_size or self.cfg.actor.micro_batch_size) \

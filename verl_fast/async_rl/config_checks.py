@@ -35,14 +35,7 @@ def check(cfg: config.Config) -> None:
         if on:
             raise ValueError(f"{key} is not supported with {name}=true (the rollout copies record no routes, and "
                              "an older policy's would not be the ones to replay); use trainer.async_mode=off")
-    if cfg.rollout.type == "vllm" and cfg.rollout.enable_sleep_mode:
-        raise ValueError(f"{key} is not supported with rollout.enable_sleep_mode=true (the engine generates while "
-                         "the update runs); set rollout.enable_sleep_mode=false")
-    if mode == "full":
-        if cfg.rollout.type == "vllm":
-            raise ValueError("trainer.async_mode=full is not supported with rollout.type=vllm (its workers decode "
-                             "with verl_fast/async_rl/decode.py); use rollout.type=hf or auto")
-    elif t.async_workers != 1:
+    if mode != "full" and t.async_workers != 1:
         raise ValueError(f"trainer.async_workers={t.async_workers} is not supported with {key} (one rollout "
                          "thread); use trainer.async_mode=full or async_workers=1")
     if mode == "one_step" and t.max_staleness != 1:

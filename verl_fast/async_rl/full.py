@@ -30,7 +30,7 @@ from verl_fast.async_rl import transport
 from verl_fast.async_rl.records import AsyncStats, Sampled, check_staleness, staleness_figures
 from verl_fast.async_rl.worker import Task, WorkerSetup, main
 from verl_fast.models.wrapping import hf_module
-from verl_fast.rollout.hf_engine import _eos_ids
+from verl_fast.rollout.hf_engine import eos_token_ids
 from verl_fast.rollout.operator import RolloutOperator
 
 
@@ -63,7 +63,7 @@ class FullAsyncRollout:
         self.pushed = transport.PushedWeights(self.module)  # a LoRA actor's adapters merged into the base
         self.operator, self.seed_of, self.tokenizer = operator, seed_of, tokenizer
         self.pad_id = tokenizer.pad_token_id
-        self.stop_ids = _eos_ids(self.module, tokenizer)
+        self.stop_ids = eos_token_ids(self.module, tokenizer)
         self.device = self.pushed.device
         count = torch.cuda.device_count() if self.device.type == "cuda" else 0
         self.devices, kind, self.backend = placement(t.async_workers, self.device, count)

@@ -60,11 +60,12 @@ def load_checked(args: argparse.Namespace, packages: bool = True) -> config_mod.
     import yaml
 
     from verl_fast import extras
+    from verl_fast.algos import registry as algorithms
 
     try:
         cfg = resolve_config(args)
         if packages:
-            extras.check(cfg)
+            extras.check(cfg, generates=algorithms.spec(cfg).samples)
     except (ValueError, ImportError, OSError, yaml.YAMLError) as e:
         lines = [" ".join(line.split()) for line in str(e).splitlines() if line.strip()]  # each problem, one line
         raise ConfigError("\n".join(lines) or type(e).__name__) from None
@@ -115,10 +116,12 @@ def _load_models(cfg: config_mod.Config, device: Any):
     actor, tokenizer = load_causal_lm(cfg.actor.model_name, cfg.actor.dtype,
                                       **attention_kwargs(cfg.actor, "actor", cuda))
     actor.to(device)
+    from verl_fast.algos import registry as algorithms
+
     critic = None  # the reference, when KL needs one, is built from the actor's weights
-    if cfg.algorithm.type == "ppo":
+    if algorithms.spec(cfg).needs_critic:
         if not cfg.critic.model_name:
-            raise ConfigError("algorithm.type=ppo needs critic.model_name")
+            raise ConfigError(f"algorithm.type={cfg.algorithm.type} needs critic.model_name")
         critic, _ = load_causal_lm(cfg.critic.model_name, cfg.critic.dtype, "critic.model_name",
                                    **attention_kwargs(cfg.critic, "critic", cuda))
         critic.to(device)
@@ -133,7 +136,9 @@ def _check_model_folders(cfg: config_mod.Config) -> None:
 
     if cfg.actor.model_name is None:
         raise ConfigError("actor.model_name is not set")
-    critic = cfg.critic.model_name if cfg.algorithm.type == "ppo" else None
+    from verl_fast.algos import registry as algorithms
+
+    critic = cfg.critic.model_name if algorithms.spec(cfg).needs_critic else None
     for key, name, new_tokens in (("actor.model_name", cfg.actor.model_name, cfg.rollout.max_new_tokens),
                                   ("critic.model_name", critic, None)):
         folder = local_folder(name)
@@ -160,10 +165,9 @@ def run(args: argparse.Namespace) -> int:
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         print("\n".join(f"# {key}: {value}" for key, value in auto_settings(cfg).items()))
         return 0
-    if cfg.rollout.type in ("auto", "vllm"):
-        from verl_fast.rollout import vllm_env
+    from verl_fast.rollout import engines as rollout_engines
 
-        vllm_env.configure_vllm_env()  # the launcher's job, not a constructor's: before vLLM is imported
+    rollout_engines.prepare_process(cfg)  # the launcher's job, not a constructor's: before the engine's libraries
     from verl_fast.strategies import backends
 
     strategy = backends.strategy_class(cfg)
@@ -176,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     from verl_fast.trainer import run_dir
 
     # folder, lock, port, loggers, dataset: checked before any model loads (the lock is held to the end)
-    from verl_fast.data import preflight
+    from verl_fast.trainer import preflight
 
     try:
         rows = run_dir.precheck(cfg)  # releases the lock itself when it fails

@@ -55,15 +55,16 @@ class Choices:
 ALGORITHMS = Choices("algorithm.type")  # verl_fast/algos/registry.py
 LOSS_AGG_MODES = Choices("actor.loss_agg_mode, critic.loss_agg_mode")  # verl_fast/algos/registry.py
 KL_ESTIMATORS = Choices("actor.kl_loss_type, algorithm.kl_penalty")  # verl_fast/algos/registry.py
-DPO_LOSSES = Choices("algorithm.loss_type")  # verl_fast/algos/registry.py
-POLICY_LOSSES = Choices("actor.policy_loss")  # verl_fast/algos/registry.py
+DPO_LOSSES = Choices("algorithm.loss_type")  # verl_fast/algos/preference_losses.py
+POLICY_LOSSES = Choices("actor.policy_loss")  # verl_fast/algos/policy_losses.py
 REWARDS = Choices("reward_fn.type")  # verl_fast/rewards/__init__.py
 REWARD_ERRORS = Choices("reward_fn.on_error")  # verl_fast/rewards/__init__.py
 OVERLONG_PROMPTS = Choices("trainer.overlong_prompts")  # verl_fast/data/__init__.py
 STRATEGIES = Choices("actor.strategy, critic.strategy")  # verl_fast/strategies/backends.py
 LOGGERS = Choices("trainer.loggers")  # verl_fast/metrics/logger.py
+ENGINES = Choices("rollout.type")  # verl_fast/rollout/engines.py
 _REGISTERED = (ALGORITHMS, LOSS_AGG_MODES, KL_ESTIMATORS, DPO_LOSSES, POLICY_LOSSES, REWARDS, REWARD_ERRORS, OVERLONG_PROMPTS,
-               STRATEGIES, LOGGERS)
+               STRATEGIES, LOGGERS, ENGINES)
 
 # Combination checks registered by the rooms, run by ``validate`` after the config's own, in order.
 _CHECKS: List[Callable[["Config"], None]] = []
@@ -241,7 +242,7 @@ class CriticConfig(ModelLayoutConfig, ScheduleConfig):
 
 @dataclass
 class RolloutConfig:
-    type: str = _f("auto", choices=("auto", "hf", "vllm"),
+    type: str = _f("auto", choices=ENGINES,
                    doc="auto: hf for a whole dense actor (unsharded; LoRA adapters merged for the decode) on one "
                        "GPU, its decode compiled (on an H200 the step took 0.67x / 0.78x vLLM's at the 0.5B / 1.5B "
                        "shapes); otherwise vllm when "
@@ -354,7 +355,7 @@ class AlgorithmConfig:
     beta: Optional[float] = _f(None, min=0.0, doc="dpo / online_dpo / kto / orpo / simpo / cpo: the loss's temperature (null: 0.1); the "
                                "policy-gradient algorithms: TRL's KL coefficient, as actor.use_kl_loss with "
                                "kl_loss_coef=beta and kl_loss_type=k3 (TRL's estimator; 0: no KL)")
-    loss_type: str = _f("sigmoid", choices=DPO_LOSSES, doc="DPO loss (loss_terms.dpo_loss names each one's paper)")
+    loss_type: str = _f("sigmoid", choices=DPO_LOSSES, doc="DPO loss (preference_losses.py names each one's paper)")
     label_smoothing: float = _f(0.0, min=0.0, max=0.5, doc="DPO: sigmoid's conservative smoothing, robust's "
                                 "flip rate (< 0.5), exo_pair's target eps (> 0)")
     discopop_tau: float = _f(0.05, min=0.0, doc="DPO loss_type discopop: the temperature of its mixing weight (> 0)")
@@ -685,9 +686,6 @@ def validate(cfg: Config) -> None:
     if cfg.rollout.guided_decoding:
         raise ValueError("rollout.guided_decoding is not supported: constrained sampling is not the policy's "
                          "distribution, so the policy gradient would be wrong; remove it")
-    if cfg.rollout.quantization and cfg.rollout.type == "hf":
-        raise ValueError(f"rollout.quantization={cfg.rollout.quantization} is not supported with rollout.type=hf "
-                         "(generate runs the actor's own weights); use rollout.type=vllm")
     if cfg.actor.use_kl_loss and cfg.algorithm.use_kl_in_reward:
         raise ValueError("actor.use_kl_loss is not supported with algorithm.use_kl_in_reward; use one of them")
     if cfg.algorithm.epsilon <= 0:  # GRPO divides by std + epsilon, and a group of equal rewards has std 0

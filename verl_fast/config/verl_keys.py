@@ -78,8 +78,12 @@ def std_in_grpo(value: Any, given: Given) -> Any:
 
 
 def rollout_name(value: Any, given: Given) -> Any:
-    if value not in ("vllm", "hf"):
-        raise ValueError(f"{R}.name={value} is not available here; vllm or hf")
+    """An engine's name, as the engines registered it (``rollout.type``'s choices but auto)."""
+    from verl_fast.config import ENGINES
+
+    engines = [name for name in ENGINES if name != "auto"]
+    if engines and value not in engines:
+        raise ValueError(f"{R}.name={value} is not available here; one of {engines}")
     return value
 
 

@@ -149,10 +149,47 @@ def merge_outputs(parts: Sequence[Tuple[GenerationOutput, Sequence[int]]], pad_t
 
 
 class RolloutEngine:
-    """What the trainer needs from an engine. Subclasses: HFGenerateEngine, VLLMInferenceEngine."""
+    """What the trainer needs from an engine. Subclasses: HFGenerateEngine, VLLMInferenceEngine; a new
+    engine is one module and one line of ``verl_fast/rollout/engines.py`` (``docs/add_an_engine.md``).
+
+    The class answers for its kind before any engine exists: ``check_config`` (its combinations of
+    keys), ``prepare_process`` (environment the launcher sets before libraries load), ``build`` (the
+    engine from a config beside its actor), ``owns_weights`` (its memory: a copy of its own) and
+    ``packages`` (the optional packages it imports). An engine then generates, takes the actor's
+    weights (``sync_from``), and sleeps and wakes around the update."""
+
+    #: the ``rollout.type`` that names this engine (the registry sets it)
+    name: str = ""
 
     #: True when the engine holds its own copy of the weights (they must be pushed after updates).
     owns_weights: bool = False
+
+    #: True when ``rollout.length_buckets: auto`` sends it prompts in length-bucketed waves (an engine
+    #: that pads a call's batch to its longest prompt gains; one that schedules its own does not)
+    waves_by_default: bool = False
+
+    #: the optional packages it imports: (import name, the verl_fast extra that installs it)
+    packages: Tuple[Tuple[str, str], ...] = ()
+
+    #: the token id its completions are right-padded with
+    pad_token_id: int = 0
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Raises ValueError (one line naming the keys) for a config this engine cannot run."""
+
+    @classmethod
+    def prepare_process(cls, cfg) -> None:
+        """Sets up this process for the engine before its libraries are imported (the launcher's job,
+        never a constructor's)."""
+
+    @classmethod
+    def build(cls, cfg, actor: torch.nn.Module, tokenizer, *, model_path: Optional[str] = None,
+              autocast_dtype: Optional[torch.dtype] = None, source=None) -> "RolloutEngine":
+        """The engine for ``cfg.rollout`` beside ``actor``, generating with its weights. ``model_path``:
+        the actor's folder, where the engine may load the weights from; ``source``: what an engine that
+        owns weights syncs from when not the actor itself (a strategy's own copy)."""
+        raise NotImplementedError(f"{cls.__name__} cannot be built from a config: override build()")
 
     def generate(
         self,

@@ -47,6 +47,14 @@ class EngineWrapper(RolloutEngine):
     def owns_weights(self) -> bool:
         return self.engine.owns_weights
 
+    @property
+    def name(self) -> str:
+        return self.engine.name
+
+    @property
+    def waves_by_default(self) -> bool:
+        return self.engine.waves_by_default
+
     def sync_from(self, model: torch.nn.Module) -> Dict[str, float]:
         return self.engine.sync_from(model)
 

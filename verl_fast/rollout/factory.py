@@ -1,4 +1,5 @@
-"""The rollout engine a run's config asks for, built beside its actor.
+"""The rollout engine a run's config asks for, built beside its actor by its class (``engines.py``), and
+the vLLM engine's sizing from the config.
 
 - ``rollout.type: hf``: ``generate`` on the actor itself (no second copy of the weights).
 - ``rollout.type: vllm``: vLLM's ``LLM`` in this process. Under torchrun every rank runs one
@@ -40,9 +41,8 @@ from verl_fast import distributed
 from verl_fast.config import Config
 from verl_fast.models.wrapping import hf_module, is_sharded
 from verl_fast.ops.reshard.spec import MOE_FAMILIES
-from verl_fast.rollout import hf_decode
+from verl_fast.rollout import engines, hf_decode
 from verl_fast.rollout.base import RolloutEngine
-from verl_fast.rollout.hf_engine import HFGenerateEngine
 
 
 def resolve_type(kind: str, actor: Optional[torch.nn.Module] = None) -> str:
@@ -76,28 +76,31 @@ def compiles_decode(actor: torch.nn.Module, setting: Optional[bool] = None) -> b
 def build_engine(cfg: Config, actor: torch.nn.Module, tokenizer: Any, model_path: Optional[str] = None,
                  autocast_dtype: Optional[torch.dtype] = None, source: Any = None,
                  hf_decode_by_default: bool = True) -> RolloutEngine:
-    """The engine for ``cfg.rollout`` (see the module docstring); collective under torchrun. ``source``:
-    what a vLLM engine takes its weights from, when not the actor itself (a strategy's own copy).
-    ``hf_decode_by_default``: whether ``rollout.type: auto`` may pick HF decode for ``actor`` (not
-    where the strategy trains another copy and only exports into it after each update)."""
+    """The engine for ``cfg.rollout`` (``rollout.type``, ``auto`` resolved here, see the module docstring),
+    built by its class (``engines.py``); collective under torchrun. ``source``: what an engine that owns
+    weights takes them from, when not the actor itself (a strategy's own copy). ``hf_decode_by_default``:
+    whether ``rollout.type: auto`` may pick HF decode for ``actor`` (not where the strategy trains another
+    copy and only exports into it after each update)."""
     kind = resolve_type(cfg.rollout.type, actor if hf_decode_by_default else None)
-    quantization = cfg.rollout.quantization
-    if quantization and (kind == "hf" or not hasattr(actor, "peft_config")):
-        raise ValueError(f"rollout.quantization={quantization} is not supported with " + (
-            "HF generate rollout (it runs the actor's own weights); use rollout.type=vllm" if kind == "hf" else
-            "a full-weight actor: the engine's quantized weights cannot take the trainer's updates; train a "
-            "LoRA (PEFT) actor on the quantized base, whose adapter is what moves, or drop rollout.quantization"))
-    record = cfg.rollout.record_routing or cfg.actor.routing_replay  # the replay needs the rollout's routing
-    if kind == "hf":
-        return HFGenerateEngine(actor, tokenizer, autocast_dtype=autocast_dtype, fast_decode=cfg.rollout.hf_fast_decode,
-                                record_routing=record,
-                                compile_decode=compiles_decode(actor, cfg.rollout.hf_compile_decode))
+    return engines.engine_class(kind).build(cfg, actor, tokenizer, model_path=model_path,
+                                             autocast_dtype=autocast_dtype, source=source)
+
+
+def build_vllm(cls: type, cfg: Config, actor: torch.nn.Module, tokenizer: Any, model_path: Optional[str],
+               autocast_dtype: Optional[torch.dtype], source: Any) -> RolloutEngine:
+    """``cls`` (the vLLM engine) for ``cfg.rollout`` beside ``actor``: sized from the config and the actor
+    (KV cache, CUDA-graph batch sizes, sleep level, LoRA rank), loaded from ``model_path`` or placeholder
+    weights synced from the actor; one engine a tensor-parallel group under torchrun."""
+    from verl_fast.models.lora import is_peft
     from verl_fast.rollout.data_parallel import DataParallelEngine
-    from verl_fast.rollout.vllm_engine import VLLMInferenceEngine
 
     r = cfg.rollout
+    peft = is_peft(actor)
+    if r.quantization and not peft:
+        raise ValueError(f"rollout.quantization={r.quantization} is not supported with a full-weight actor: the "
+                         "engine's quantized weights cannot take the trainer's updates; train a LoRA (PEFT) actor on "
+                         "the quantized base, whose adapter is what moves, or drop rollout.quantization")
     world = distributed.world_size()
-    peft = hasattr(actor, "peft_config")
     if peft and model_path is None:
         raise ValueError("a PEFT actor with rollout.type=vllm needs model_path (the base model's folder); "
                          "the adapter is pushed to the engine after each update")
@@ -122,14 +125,15 @@ def build_engine(cfg: Config, actor: torch.nn.Module, tokenizer: Any, model_path
     elif r.kv_cache_gib is None and torch.cuda.is_available():
         kwargs["kv_cache_memory_bytes"] = step_kv_cache_bytes(hf_module(actor).config, min(r.max_num_seqs, per_engine),
                                                               max_len, dtype, r.tensor_parallel_size)
-    engine = VLLMInferenceEngine(
+    engine = cls(
         str(model_path), tensor_parallel_size=r.tensor_parallel_size, dtype=dtype,
         gpu_memory_utilization=r.gpu_memory_utilization, enable_prefix_caching=r.enable_prefix_caching,
         max_num_seqs=r.max_num_seqs, max_model_len=max_len, enable_chunked_prefill=r.enable_chunked_prefill,
         seed=r.seed, enable_sleep_mode=None if r.enable_sleep_mode else False,
         sleep_level=resolve_sleep_level(r.sleep_level, peft, engine_weight_bytes(actor, dtype)), enable_lora=peft, enforce_eager=r.enforce_eager,
         **({"max_lora_rank": lora_rank(actor)} if peft else {}),
-        cudagraph_batch=min(r.max_num_seqs, per_engine), record_routing=record, **kwargs)
+        cudagraph_batch=min(r.max_num_seqs, per_engine),
+        record_routing=r.record_routing or cfg.actor.routing_replay, **kwargs)
     if placeholder or peft:  # placeholder weights, or the adapter still to push
         engine.sync_from(actor if source is None or peft else source)
     if world > 1:

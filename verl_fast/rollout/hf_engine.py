@@ -19,7 +19,8 @@ logger = logging.getLogger(__name__)
 FAST_DECODE = ("auto", "on", "off")
 
 
-def _eos_ids(model, tokenizer) -> List[int]:
+def eos_token_ids(model, tokenizer) -> List[int]:
+    """The ids that end a response: the model's generation config's EOS ids, then the tokenizer's."""
     ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if ids is None:
         ids = tokenizer.eos_token_id
@@ -120,6 +121,23 @@ class HFGenerateEngine(RolloutEngine):
     """
 
     owns_weights = False
+    waves_by_default = True  # a call pads its batch to the longest prompt and decodes to the longest response
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        if cfg.rollout.quantization:
+            raise ValueError(f"rollout.quantization={cfg.rollout.quantization} is not supported with rollout.type=hf "
+                             "(generate runs the actor's own weights); use rollout.type=vllm")
+
+    @classmethod
+    def build(cls, cfg, actor, tokenizer, *, model_path=None, autocast_dtype=None, source=None) -> "HFGenerateEngine":
+        """Decoding on ``actor`` itself (``model_path`` and ``source`` are not needed: nothing to sync)."""
+        from verl_fast.rollout.factory import compiles_decode
+
+        cls.check_config(cfg)
+        return cls(actor, tokenizer, autocast_dtype=autocast_dtype, fast_decode=cfg.rollout.hf_fast_decode,
+                   record_routing=cfg.rollout.record_routing or cfg.actor.routing_replay,
+                   compile_decode=compiles_decode(actor, cfg.rollout.hf_compile_decode))
 
     def __init__(self, model, tokenizer, max_batch_size: int = 64, autocast_dtype: Optional[torch.dtype] = None,
                  fast_decode: str = "auto", record_routing: bool = False, compile_decode: bool = False):
@@ -139,8 +157,8 @@ class HFGenerateEngine(RolloutEngine):
         self.last_mode: Optional[str] = None  # how the last call decoded: graph, eager or generate
         self._graphs = hf_decode.GraphPool()  # the decode graph's memory, reused by the next call's graph
         self._compiled = hf_decode.CompiledForward() if compile_decode else None
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        if self.pad_id is None:
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if self.pad_token_id is None:
             raise ValueError("the tokenizer has neither a pad nor an EOS token")
 
     def settings(self) -> dict:
@@ -197,7 +215,7 @@ class HFGenerateEngine(RolloutEngine):
                 texts.append(self.tokenizer.decode(toks, skip_special_tokens=True))
                 if self.record_routing:
                     routed_all.append(routes[i][j])
-        return pad_completions(completions, logprobs, index, self.pad_id, texts, reasons,
+        return pad_completions(completions, logprobs, index, self.pad_token_id, texts, reasons,
                                routed_all if self.record_routing else None)
 
     def _fast_prompts_per_call(self, prompts: Sequence[Sequence[int]], members: List[int], spec: SamplingSpec) -> int:
@@ -247,13 +265,13 @@ class HFGenerateEngine(RolloutEngine):
         module = self._module()
         device = self.device
         width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for row, p in enumerate(prompts):
             if len(p):
                 ids[row, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
                 mask[row, width - len(p):] = 1
-        eos = _eos_ids(module, self.tokenizer)
+        eos = eos_token_ids(module, self.tokenizer)
         greedy = spec.temperature == 0.0
         copies = spec.n if greedy else 1  # greedy samples are identical: decode once, copy n times
         was_training = module.training
@@ -292,7 +310,7 @@ class HFGenerateEngine(RolloutEngine):
         try:
             return hf_decode.decode(
                 module, distinct[:, :width].to(device), distinct[:, width:].to(device), spec.max_tokens,
-                spec.temperature, spec.top_k, spec.top_p, list(eos) + list(spec.stop_token_ids), self.pad_id,
+                spec.temperature, spec.top_k, spec.top_p, list(eos) + list(spec.stop_token_ids), self.pad_token_id,
                 use_graph=device.type == "cuda" and not _fsdp1(self.model), graphs=self._graphs,
                 compiled=self._compiled if not is_sharded(self.model) else None,
                 rows=prompt_of.repeat_interleave(spec.n // copies).to(device))
@@ -310,7 +328,7 @@ class HFGenerateEngine(RolloutEngine):
         device = self.device
         greedy = spec.temperature == 0.0
         kwargs = dict(max_new_tokens=spec.max_tokens, do_sample=not greedy, num_return_sequences=spec.n // copies,
-                      pad_token_id=self.pad_id, eos_token_id=eos or None, return_dict_in_generate=True,
+                      pad_token_id=self.pad_token_id, eos_token_id=eos or None, return_dict_in_generate=True,
                       output_logits=spec.logprobs, use_cache=True)
         if not greedy:
             kwargs.update(temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k if spec.top_k > 0 else 0)
@@ -339,7 +357,7 @@ class HFGenerateEngine(RolloutEngine):
                     break
             if reason == "length" and spec.stop:
                 # generate stopped on a stop string: trailing pad tokens are not part of the response
-                while end > 0 and toks[end - 1] == self.pad_id and self.pad_id not in stop_ids:
+                while end > 0 and toks[end - 1] == self.pad_token_id and self.pad_token_id not in stop_ids:
                     end -= 1
                 reason = "stop" if end < len(toks) else reason
             lps = logp[row, :end].tolist() if logp is not None else [0.0] * end

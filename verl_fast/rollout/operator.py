@@ -67,8 +67,7 @@ class RolloutOperator:
             members = [int(i) for i in wave]
             out = self.engine.generate([prompts[i] for i in members], [specs[i] for i in members])
             parts.append((out, members))
-        pad = getattr(self.engine, "pad_id", getattr(self.engine, "pad_token_id", None))
-        return merge_outputs(parts, int(pad) if pad is not None else 0)
+        return merge_outputs(parts, int(self.engine.pad_token_id))
 
     def metrics(self) -> Dict[str, float]:
         """The latest rollout's own figures (the multi-turn operator's turns and tool calls)."""

@@ -212,6 +212,27 @@ class VLLMInferenceEngine(RolloutEngine):
     """
 
     owns_weights = True
+    packages = (("vllm", "vllm"),)
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        mode = cfg.trainer.async_mode
+        if mode != "off" and cfg.rollout.enable_sleep_mode:
+            raise ValueError(f"trainer.async_mode={mode} is not supported with rollout.enable_sleep_mode=true (the "
+                             "engine generates while the update runs); set rollout.enable_sleep_mode=false")
+        if mode == "full":
+            raise ValueError("trainer.async_mode=full is not supported with rollout.type=vllm (its workers decode "
+                             "with verl_fast/async_rl/decode.py); use rollout.type=hf or auto")
+
+    @classmethod
+    def prepare_process(cls, cfg) -> None:
+        configure_vllm_env()  # before vLLM is imported: it reads its variables once
+
+    @classmethod
+    def build(cls, cfg, actor, tokenizer, *, model_path=None, autocast_dtype=None, source=None) -> RolloutEngine:
+        from verl_fast.rollout.factory import build_vllm
+
+        return build_vllm(cls, cfg, actor, tokenizer, model_path, autocast_dtype, source)
 
     def __init__(
         self,

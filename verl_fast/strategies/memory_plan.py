@@ -34,6 +34,7 @@ import torch
 
 from verl_fast.config import Config
 from verl_fast.distributed import MEMORY_FRACTION, allocatable_bytes
+from verl_fast.rollout import engines as rollout_engines
 
 GIB = 2**30
 # Activation bytes a training pass keeps for its backward, per token, per layer and per unit of
@@ -192,7 +193,7 @@ def async_copies(cfg: Config, shape: Shape, nbytes: int) -> float:
     """Bytes the asynchronous mode keeps on the trainer's GPU besides the trainer's own (module docstring),
     at ``nbytes`` per element. Without a GPU of their own (a host of one) ``full``'s workers share it."""
     t = cfg.trainer
-    if t.async_mode == "one_step" and cfg.rollout.type != "vllm":  # vLLM's engine is its own copy
+    if t.async_mode == "one_step" and not rollout_engines.owns_weights(cfg):  # an engine's own copy serves it
         return nbytes * shape.trained
     if t.async_mode == "full" and torch.cuda.device_count() <= 1:
         return nbytes * shape.parameters * (1 + 2 * t.async_workers)

@@ -8,6 +8,7 @@ module itself imports none of them.
     reward_fn.type, reward_fn.on_error                       verl_fast/rewards/__init__.py
     trainer.overlong_prompts                                 verl_fast/data/__init__.py
     trainer.loggers                                          verl_fast/metrics/logger.py
+    rollout.type, the engines' checks                        verl_fast/rollout/engines.py
     rollout.multi_turn                                       verl_fast/agents/settings.py
     trainer.async_mode checks                                verl_fast/async_rl/config_checks.py
 """
@@ -15,6 +16,7 @@ module itself imports none of them.
 from verl_fast import config, data, rewards  # noqa: F401
 from verl_fast.agents import settings as agents  # noqa: F401
 from verl_fast.metrics import logger as metrics  # noqa: F401
+from verl_fast.rollout import engines  # noqa: F401
 from verl_fast.algos import registry as algorithms  # noqa: F401
 from verl_fast.async_rl import config_checks as async_checks  # noqa: F401
 from verl_fast.strategies import backends as strategies  # noqa: F401

@@ -26,6 +26,7 @@ import concurrent.futures
 import contextlib
 import logging
 import time
+import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
@@ -41,14 +42,14 @@ from verl_fast.config import Config
 from verl_fast.config import verl_config as config_verl
 from verl_fast.files import hub
 from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
-from verl_fast.data import preflight
+from verl_fast.trainer import preflight
 from verl_fast.rollout.experience import Experience, build_experience, last_token_rewards
 from verl_fast.metrics.logger import MetricsLogger
 from verl_fast.models import checks, lora
 from verl_fast.rewards import RewardStopped, RewardTimeout, build_reward, scoring
 from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec
+from verl_fast.rollout import engines as rollout_engines
 from verl_fast.rollout.factory import build_engine
-from verl_fast.rollout.hf_engine import HFGenerateEngine
 from verl_fast.rollout.operator import RolloutOperator
 from verl_fast.strategies import backends as strategies
 from verl_fast.trainer import catalog, lr_schedule, perf, run_dir, supervised
@@ -147,6 +148,8 @@ class RLTrainer:
                 cfg, s.actor, tokenizer, model_path, s.autocast_dtype, source=s.weight_source(owns_weights=True),
                 hf_decode_by_default=s.hf_decode_by_default))
             self.rollout = self._operator(generation_config)
+        elif rollout_engines.unused(cfg, self.algorithm.name):
+            warnings.warn(rollout_engines.unused(cfg, self.algorithm.name), UserWarning, stacklevel=2)
         self.step = 0
         self._items: Sequence[Any] = ()  # what fit() trains on
         self.total_steps: Optional[int] = None  # the run's length, set by fit (the schedules read it)
@@ -163,7 +166,7 @@ class RLTrainer:
         if self.is_main:  # what the defaults became here, once (the token budget: at the first update)
             settings = dict(s.resolved())
             if self.engine is not None:
-                settings["rollout.type"] = "hf" if isinstance(self.engine, HFGenerateEngine) else "vllm"
+                settings["rollout.type"] = self.engine.name or type(self.engine).__name__
             print(f"verl-fast: on {self.device}: " + ", ".join(f"{k}={v}" for k, v in settings.items()), flush=True)
 
     @property
@@ -180,9 +183,9 @@ class RLTrainer:
     # ------------------------------------------------------------------ setup helpers
 
     def _operator(self, generation_config: Optional[Dict[str, Any]]) -> RolloutOperator:
-        """The rollout operator over ``self.engine``: length-bucketed waves where they pay (HF)."""
+        """The rollout operator over ``self.engine``: length-bucketed waves where they pay (``waves_by_default``)."""
         cfg, r = self.cfg, self.cfg.rollout
-        waves = r.length_buckets == "on" or (r.length_buckets == "auto" and isinstance(self.engine, HFGenerateEngine))
+        waves = r.length_buckets == "on" or (r.length_buckets == "auto" and self.engine.waves_by_default)
         waves = waves and not self.engine.collective  # ranks would make different numbers of calls
         budget = r.max_batch_tokens or r.max_num_seqs * (cfg.trainer.max_prompt_length + r.max_new_tokens)
         multi_turn = agents.build_operator(cfg, self.engine, self.tokenizer, self._sampling_defaults(generation_config),

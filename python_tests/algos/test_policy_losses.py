@@ -1,4 +1,4 @@
-"""actor.policy_loss (algos/policy_loss_variants.py) against float64 references written here from each
+"""actor.policy_loss (algos/policy_losses.py) against float64 references written here from each
 paper's formula, value and gradient, on random inputs of several shapes and at the edges.
 
 - GSPO (Zheng et al. 2025, eq. 5-7): s_i = exp(1/|y_i| sum_t log(pi/pi_old)); J = mean_i min(s_i A_i,
@@ -14,9 +14,8 @@ import math
 import pytest
 import torch
 
-from verl_fast.algos.actor_micro_batch_loss import actor_loss
 from verl_fast.algos.loss_terms import agg_loss
-from verl_fast.algos.policy_loss_variants import cispo_tokens, gspo_tokens, policy_loss_tokens, sapo_tokens
+from verl_fast.algos.policy_losses import actor_loss, cispo_tokens, gspo_tokens, policy_loss_tokens, sapo_tokens
 from verl_fast.config import ActorConfig
 from verl_fast.rollout.experience import Experience
 

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from verl_fast.algos import preference_loss_variants as P
+from verl_fast.algos import preference_losses as P
 
 
 def logsig(x):

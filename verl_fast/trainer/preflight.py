@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from verl_fast import config as config_mod
-from verl_fast import extras
-from verl_fast.data import preference_parts
+from verl_fast.algos import registry as algorithms
+from verl_fast.data import PreferencePair, PromptRow, preference_parts
 from verl_fast.data.readers import ground_truth
 from verl_fast.rewards.interface import CallableReward, RewardFunction, load_callable
 from verl_fast.rewards.by_source import DataSourceReward, check_source
@@ -111,9 +111,10 @@ def check(cfg: config_mod.Config, rows: Sequence[Any], source: Any, reward: Opti
     built reward (else the config's reward functions)."""
     if rows and not isinstance(rows[0], dict):
         return  # prepared items (PromptRow / PreferencePair, from a .pt): the trainer checks their type
-    if cfg.algorithm.type in ("kto", "sft"):
-        return  # rows read by their own loaders (sft_data, algos/kto), which name the row; no reward
-    preference = cfg.algorithm.type in extras.OFFLINE_ALGORITHMS  # dpo and the reference-free pair losses
+    items = algorithms.spec(cfg).item_type
+    if items not in (PromptRow, PreferencePair):
+        return  # rows read by their algorithm's own loader (sft_data, algos/kto), which names the row; no reward
+    preference = items is PreferencePair  # dpo and the reference-free pair losses
     check_rows(rows, source, preference)
     if preference:
         return  # DPO scores nothing: the pairs carry their ranking
