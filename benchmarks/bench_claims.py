@@ -102,7 +102,7 @@ def timed_median(fn, rep: int) -> float:
 
 
 def bench_http_vs_inprocess(report: Report, model: Path, prompts, args, work: Path) -> None:
-    from verl_fast.rollout.base import SamplingSpec
+    from verl_fast.records.generation import SamplingSpec
     from verl_fast.rollout.vllm_engine import VLLMInferenceEngine
 
     case = "rollout in-process vs HTTP"
@@ -152,7 +152,7 @@ def bench_bucketing(report: Report, model: Path, args) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from verl_fast.ops.schedule import rollout_buckets
-    from verl_fast.rollout.base import SamplingSpec
+    from verl_fast.records.generation import SamplingSpec
     from verl_fast.rollout.hf_engine import HFGenerateEngine
 
     tok = AutoTokenizer.from_pretrained(model)

@@ -42,7 +42,7 @@ def hf_config(layers: int):
 
 
 def experience(n: int, length: int, vocab: int, device):
-    from verl_fast.rollout.experience import Experience
+    from verl_fast.records.experience import Experience
 
     g = torch.Generator().manual_seed(0)
     prompt = length // 2

@@ -74,7 +74,7 @@ def tool_prompts(count: int):
 def operators(model, tokenizer, args, device: str):
     from verl_fast.agents.settings import MultiTurnConfig
     from verl_fast.agents.rollout import MultiTurnRolloutOperator
-    from verl_fast.rollout.base import SamplingSpec
+    from verl_fast.records.generation import SamplingSpec
     from verl_fast.rollout.hf_engine import HFGenerateEngine
     from verl_fast.rollout.operator import RolloutOperator
 

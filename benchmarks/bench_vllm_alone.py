@@ -98,7 +98,7 @@ def timed(fn, reps: int) -> List[float]:
 
 
 def worker(args) -> Dict[str, Any]:
-    from verl_fast.rollout.base import SamplingSpec
+    from verl_fast.records.generation import SamplingSpec
     from verl_fast.rollout.vllm_engine import VLLMInferenceEngine
 
     variant = VARIANTS[args.worker]

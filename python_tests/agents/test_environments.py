@@ -7,7 +7,8 @@ from verl_fast.agents.environments import row_messages
 from verl_fast.agents.rollout import MultiTurnRolloutOperator
 from verl_fast.agents.settings import MultiTurnConfig
 from verl_fast.data import RLDataProcessor
-from verl_fast.rollout.base import RolloutEngine, SamplingSpec, pad_completions
+from verl_fast.records.generation import SamplingSpec, pad_completions
+from verl_fast.rollout.base import RolloutEngine
 
 
 class Answers(RolloutEngine):

@@ -11,7 +11,8 @@ from verl_fast.agents.parsing import detect_format, parse_tool_calls
 from verl_fast.agents.rollout import MultiTurnRolloutOperator
 from verl_fast.agents.tools import tool_schema
 from verl_fast.data import PromptRow
-from verl_fast.rollout.base import RolloutEngine, SamplingSpec, pad_completions
+from verl_fast.records.generation import SamplingSpec, pad_completions
+from verl_fast.rollout.base import RolloutEngine
 
 
 def add(a: int, b: int) -> int:

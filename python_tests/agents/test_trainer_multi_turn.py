@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tiny_models import save_tiny_model
 from verl_fast.agents.environments import Environment, StepResult, row_messages
-from verl_fast.rollout.experience import Experience, last_token_rewards
+from verl_fast.records.experience import Experience, last_token_rewards
 from verl_fast.trainer.rl_trainer import RLTrainer
 
 ROWS = [{"prompt": f"What is {a} + {b}?", "environment": "single_turn" if a % 2 else None,

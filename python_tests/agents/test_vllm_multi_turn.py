@@ -10,7 +10,7 @@ from verl_fast.agents.environments import Environment, StepResult, row_messages
 from verl_fast.agents.rollout import MultiTurnRolloutOperator
 from verl_fast.agents.settings import MultiTurnConfig
 from verl_fast.data import PromptRow
-from verl_fast.rollout.base import SamplingSpec
+from verl_fast.records.generation import SamplingSpec
 
 pytest.importorskip("vllm", reason="vLLM is not installed")
 

@@ -8,7 +8,7 @@ import torch
 from verl_fast import config as C
 from verl_fast.algos import registry
 from verl_fast.algos.algorithm import MorePrompts
-from verl_fast.rollout.experience import Experience
+from verl_fast.records.experience import Experience
 
 SAMPLES = 2  # per prompt
 

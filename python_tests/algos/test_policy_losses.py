@@ -17,7 +17,7 @@ import torch
 from verl_fast.algos.loss_terms import agg_loss
 from verl_fast.algos.policy_losses import actor_loss, cispo_tokens, gspo_tokens, policy_loss_tokens, sapo_tokens
 from verl_fast.config import ActorConfig
-from verl_fast.rollout.experience import Experience
+from verl_fast.records.experience import Experience
 
 SHAPES = [(1, 1), (3, 5), (4, 17), (7, 33)]
 

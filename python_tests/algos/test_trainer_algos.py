@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rollout_refs import ref_logprobs
 from tiny_models import save_tiny_model
 from verl_fast.data import PromptRow
-from verl_fast.rollout.base import pad_completions
+from verl_fast.records.generation import pad_completions
 from verl_fast.algos.online_dpo import best_worst_pairs
 from verl_fast.trainer.rl_trainer import RLTrainer
 

@@ -9,7 +9,7 @@ import torch
 
 from tiny_models import tiny_model
 from verl_fast.async_rl.decode import decode, filter_logits
-from verl_fast.rollout.base import SamplingSpec
+from verl_fast.records.generation import SamplingSpec
 
 
 def reference_filter(logits, top_k, top_p):

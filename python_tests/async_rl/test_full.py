@@ -13,7 +13,7 @@ from async_toy import PROMPTS, reward, tiny_path  # noqa: F401 (tiny_path: a fix
 from verl_fast import openmp_env
 from verl_fast.async_rl.full import FullAsyncRollout, placement
 from verl_fast.async_rl.records import Sampled, check_staleness
-from verl_fast.rollout.base import pad_completions
+from verl_fast.records.generation import pad_completions
 from verl_fast.trainer.rl_trainer import RLTrainer
 
 

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from async_toy import PROMPTS, reward, tiny_path  # noqa: F401 (tiny_path: a fixture)
 from rollout_refs import ENGINE_DTYPE, EngineReference
-from verl_fast.rollout.base import SamplingSpec
+from verl_fast.records.generation import SamplingSpec
 from verl_fast.rollout.vllm_env import configure_vllm_env
 from verl_fast.trainer.rl_trainer import RLTrainer
 

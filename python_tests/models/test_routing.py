@@ -9,10 +9,10 @@ import torch
 
 from tiny_models import EOS, build_tokenizer
 from verl_fast.data import PromptRow
-from verl_fast.rollout.experience import build_experience, concat
+from verl_fast.records.experience import build_experience, concat
 from verl_fast.models import routing
 from verl_fast.models.response_logprobs import response_logprobs
-from verl_fast.rollout.base import SamplingSpec
+from verl_fast.records.generation import SamplingSpec
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 
 transformers = pytest.importorskip("transformers")

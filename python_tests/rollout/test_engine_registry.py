@@ -12,7 +12,8 @@ from tiny_models import save_tiny_model
 from verl_fast import config as C
 from verl_fast import extras
 from verl_fast.rollout import engines
-from verl_fast.rollout.base import GenerationOutput, RolloutEngine, pad_completions
+from verl_fast.records.generation import GenerationOutput, pad_completions
+from verl_fast.rollout.base import RolloutEngine
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 from verl_fast.rollout.vllm_engine import VLLMInferenceEngine
 from verl_fast.strategies import memory_plan

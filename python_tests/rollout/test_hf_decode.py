@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tiny_models import build_model, build_tokenizer, save_tiny_model
 from verl_fast.rollout import hf_decode
-from verl_fast.rollout.base import SamplingSpec
+from verl_fast.records.generation import SamplingSpec
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 
 

@@ -20,7 +20,7 @@ import torch
 from rollout_refs import ENGINE_DTYPE, EngineReference, rows
 from tiny_models import save_tiny_model
 from verl_fast.rollout import vllm_compat
-from verl_fast.rollout.base import SamplingSpec
+from verl_fast.records.generation import SamplingSpec
 from verl_fast.rollout.vllm_engine import VLLMInferenceEngine, check_engine_kwargs
 from verl_fast.rollout.vllm_env import configure_vllm_env
 

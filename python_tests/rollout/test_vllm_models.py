@@ -10,7 +10,7 @@ import torch
 
 from rollout_refs import ENGINE_DTYPE, EngineReference, rows
 from tiny_models import save_tiny_model
-from verl_fast.rollout.base import SamplingSpec
+from verl_fast.records.generation import SamplingSpec
 from verl_fast.rollout.vllm_engine import VLLMInferenceEngine
 from verl_fast.rollout.vllm_env import configure_vllm_env
 

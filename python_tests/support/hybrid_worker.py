@@ -83,7 +83,7 @@ def full_state(model, wrap: str):
 def engine_decodes(engine, model, prompts, tokens=6):
     """What ``engine`` decodes greedily, and whether that is what ``model`` decodes (EngineReference)."""
     from rollout_refs import EngineReference
-    from verl_fast.rollout.base import SamplingSpec
+    from verl_fast.records.generation import SamplingSpec
 
     out = engine.generate(prompts, SamplingSpec(n=1, temperature=0.0, max_tokens=tokens))
     decoded = [out.response_ids[i][: int(out.response_mask[i].sum())].tolist() for i in range(len(prompts))]

@@ -19,7 +19,7 @@ def actor_model(family: str):
 
 def experiences(vocab: int, steps: int = 3, n: int = 8, prompt: int = 7, response: int = 5):
     """Fixed GRPO-like batches: left-padded prompts of mixed lengths, responses with trailing padding."""
-    from verl_fast.rollout.experience import Experience
+    from verl_fast.records.experience import Experience
 
     g = torch.Generator().manual_seed(11)
     out = []

@@ -32,7 +32,7 @@ def main(model_dir: str, out_dir: str, rollout: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rollout_refs import EngineReference
-    from verl_fast.rollout.base import SamplingSpec
+    from verl_fast.records.generation import SamplingSpec
     from verl_fast.trainer.rl_trainer import RLTrainer
 
     dist.init_process_group("gloo")

@@ -12,7 +12,8 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from verl_fast.rollout.base import RolloutEngine, pad_completions
+from verl_fast.records.generation import pad_completions
+from verl_fast.rollout.base import RolloutEngine
 
 STEPS = 3
 PROMPTS = [{"prompt": f"What is {a} + {b}?" + " please" * (a % 3)} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]]

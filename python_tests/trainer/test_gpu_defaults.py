@@ -12,7 +12,7 @@ from tiny_models import build_config, build_model, tiny_model
 from verl_fast.config import from_dict
 from verl_fast.strategies import memory_plan
 from verl_fast.strategies.fsdp_strategy import autocast_dtype, use_tf32
-from verl_fast.cli.train import auto_settings
+from verl_fast.trainer.launch import auto_settings
 
 GIB = 2**30
 # Qwen2.5-7B's published shape (config.json of Qwen/Qwen2.5-7B): 7,615,616,512 parameters

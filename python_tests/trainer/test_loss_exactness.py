@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tiny_models import save_tiny_model
 from verl_fast.algos.policy_losses import actor_loss
 from verl_fast.config import ActorConfig
-from verl_fast.rollout.experience import Experience
+from verl_fast.records.experience import Experience
 from verl_fast.strategies import fsdp_strategy
 from verl_fast.trainer.batching import loss_normalisers, micro_batches
 from verl_fast.trainer.rl_trainer import RLTrainer

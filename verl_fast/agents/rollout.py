@@ -40,8 +40,9 @@ from verl_fast.agents.environments import (Environment, ReasoningGymEnvironment,
                                            ToolEnvironment, custom_environment)
 from verl_fast.agents.settings import MultiTurnConfig
 from verl_fast.agents.tools import ToolExecutor, tool_schema
-from verl_fast.data import PromptRow
-from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec
+from verl_fast.records.prompts import PromptRow
+from verl_fast.records.generation import GenerationOutput, SamplingSpec
+from verl_fast.rollout.base import RolloutEngine
 from verl_fast.rollout.operator import RolloutOperator
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from verl_fast import config as config_mod
+from verl_fast.algos import registry as algorithms
 from verl_fast.config import _f, _section
 
 BUILT_IN_ENVIRONMENTS = ("tools", "reasoning_gym", "single_turn")
@@ -49,8 +50,9 @@ def _check(cfg: config_mod.Config) -> None:
     if mt.environment not in BUILT_IN_ENVIRONMENTS and ":" not in mt.environment:
         raise ValueError(f"rollout.multi_turn.environment must be one of {list(BUILT_IN_ENVIRONMENTS)} or "
                          f"module:Class, got {mt.environment!r}")
-    if cfg.algorithm.type in ("dpo",):
-        raise ValueError("rollout.multi_turn is not supported with algorithm.type=dpo, which samples nothing; remove it")
+    if not algorithms.spec(cfg).samples:
+        raise ValueError(f"rollout.multi_turn is not supported with algorithm.type={cfg.algorithm.type}, which samples "
+                         "nothing; remove it")
     from verl_fast.agents.tools import resolve_tools, tool_schema
 
     for i, spec in enumerate(mt.tools):

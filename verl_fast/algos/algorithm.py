@@ -34,10 +34,10 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 import torch
 
 from verl_fast.config import Config
-from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
-from verl_fast.rollout.experience import Experience
-from verl_fast.rollout.base import GenerationOutput
-from verl_fast.rollout.operator import RolloutOperator
+from verl_fast.data import RLDataProcessor
+from verl_fast.records.prompts import PreferencePair, PromptRow
+from verl_fast.records.experience import Experience
+from verl_fast.records.generation import Generate, GenerationOutput
 
 # score(batch, generation) -> [N] rewards of the generated samples
 Score = Callable[[Sequence[PromptRow], GenerationOutput], torch.Tensor]
@@ -85,7 +85,7 @@ class PolicyGradientAlgorithm(Algorithm, Protocol):
     #: ``select_experience`` chooses rows by their scores (the model passes then wait for the reward)
     scores_decide_rows: bool
 
-    def extra_rollout(self, operator: RolloutOperator, batch: Sequence[PromptRow]) -> Optional[GenerationOutput]:
+    def extra_rollout(self, generate: Generate, batch: Sequence[PromptRow]) -> Optional[GenerationOutput]:
         ...
 
     def reward_baselines(self, batch: Sequence[PromptRow], extra: Optional[GenerationOutput], score: Score,

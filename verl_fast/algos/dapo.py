@@ -21,8 +21,8 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 
 from verl_fast.algos.algorithm import MorePrompts
-from verl_fast.data import PromptRow
-from verl_fast.rollout.experience import Experience, concat
+from verl_fast.records.prompts import PromptRow
+from verl_fast.records.experience import Experience, concat
 
 
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor: float = 1.0) -> torch.Tensor:

@@ -23,8 +23,9 @@ from verl_fast.algos import pair_rows
 from verl_fast.algos.algorithm import Step, kl_reference
 from verl_fast.algos.preference_losses import dpo_loss, ipo_loss
 from verl_fast.config import Config, CriticConfig
-from verl_fast.data import PreferencePair, RLDataProcessor
-from verl_fast.rollout.experience import Experience
+from verl_fast.data import RLDataProcessor
+from verl_fast.records.prompts import PreferencePair
+from verl_fast.records.experience import Experience
 
 
 class DPO:

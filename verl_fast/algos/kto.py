@@ -25,7 +25,7 @@ from verl_fast.algos.algorithm import Step
 from verl_fast.algos.preference_losses import kto_loss
 from verl_fast.config import Config
 from verl_fast.data import RLDataProcessor
-from verl_fast.rollout.experience import Experience
+from verl_fast.records.experience import Experience
 
 
 @dataclass

@@ -16,8 +16,9 @@ import torch
 from verl_fast.algos import dpo
 from verl_fast.algos.algorithm import Score, Step, refuse_pairwise_ranking
 from verl_fast.config import Config
-from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
-from verl_fast.rollout.base import GenerationOutput
+from verl_fast.data import RLDataProcessor
+from verl_fast.records.prompts import PreferencePair, PromptRow
+from verl_fast.records.generation import GenerationOutput
 
 
 class OnlineDPO:

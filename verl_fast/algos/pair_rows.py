@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-from verl_fast.rollout.experience import Experience
+from verl_fast.records.experience import Experience
 
 
 def sequence_tensors(prompts: Sequence[List[int]], responses: Sequence[List[int]], pad_id: int,

@@ -32,10 +32,10 @@ from verl_fast.algos.algorithm import MorePrompts, Score, Stats, Step, kl_refere
 from verl_fast.algos.loss_terms import kl_penalty
 from verl_fast.algos.rollout_correction import RolloutCorrection
 from verl_fast.config import AlgorithmConfig, Config
-from verl_fast.data import PromptRow, RLDataProcessor
-from verl_fast.rollout.experience import Experience, last_token_rewards
-from verl_fast.rollout.base import GenerationOutput
-from verl_fast.rollout.operator import RolloutOperator
+from verl_fast.data import RLDataProcessor
+from verl_fast.records.prompts import PromptRow
+from verl_fast.records.experience import Experience, last_token_rewards
+from verl_fast.records.generation import Generate, GenerationOutput
 
 # estimate(exp, baselines [N] or None, the algorithm section, whiten) -> (advantages [N, L], returns [N, L])
 Estimate = Callable[[Experience, Optional[torch.Tensor], AlgorithmConfig, bool], Tuple[torch.Tensor, torch.Tensor]]
@@ -46,7 +46,7 @@ CriticLoss = Callable[[torch.Tensor, Experience, Dict[str, float], int, Config],
 class NoBaseline:
     """No extra rollout, no baseline beside the estimator's own."""
 
-    def rollout(self, operator: RolloutOperator, batch: Sequence[PromptRow]) -> Optional[GenerationOutput]:
+    def rollout(self, generate: Generate, batch: Sequence[PromptRow]) -> Optional[GenerationOutput]:
         return None
 
     def of(self, batch: Sequence[PromptRow], extra: Optional[GenerationOutput], score: Score, exp: Experience,
@@ -115,8 +115,8 @@ class PolicyGradient:
     def encode(self, processor: RLDataProcessor, rows: List[Dict[str, Any]]) -> List[PromptRow]:
         return processor.encode_all(rows)
 
-    def extra_rollout(self, operator: RolloutOperator, batch: Sequence[PromptRow]) -> Optional[GenerationOutput]:
-        return self.spec.baseline.rollout(operator, batch)
+    def extra_rollout(self, generate: Generate, batch: Sequence[PromptRow]) -> Optional[GenerationOutput]:
+        return self.spec.baseline.rollout(generate, batch)
 
     def reward_baselines(self, batch: Sequence[PromptRow], extra: Optional[GenerationOutput], score: Score,
                          exp: Experience, metrics: Dict[str, Any]) -> Optional[torch.Tensor]:

@@ -30,7 +30,7 @@ from verl_fast.algos.loss_terms import agg_loss, entropy_loss, kl_penalty, ppo_c
 from verl_fast.algos.rollout_correction import truncated_is_weights
 from verl_fast.config import ActorConfig
 from verl_fast.ops.masked import masked_mean, masked_sum
-from verl_fast.rollout.experience import Experience
+from verl_fast.records.experience import Experience
 
 Tokens = Tuple[torch.Tensor, Dict[str, torch.Tensor]]
 PolicyLoss = Callable[[ActorConfig, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Tokens]

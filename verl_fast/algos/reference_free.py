@@ -25,8 +25,9 @@ from verl_fast.algos import dpo, pair_rows
 from verl_fast.algos.algorithm import Step, kl_reference
 from verl_fast.algos.preference_losses import cpo_loss, orpo_loss, simpo_loss
 from verl_fast.config import Config
-from verl_fast.data import PreferencePair, RLDataProcessor
-from verl_fast.rollout.experience import Experience
+from verl_fast.data import RLDataProcessor
+from verl_fast.records.prompts import PreferencePair
+from verl_fast.records.experience import Experience
 
 # loss(chosen_sum, rejected_sum, chosen_len, rejected_len [B], algorithm section) -> (loss, stats)
 PairLoss = Callable[..., Tuple[torch.Tensor, Dict[str, torch.Tensor]]]

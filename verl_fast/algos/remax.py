@@ -14,24 +14,22 @@ import torch
 
 from verl_fast.algos.algorithm import Score
 from verl_fast.algos.policy_gradient import PolicyGradientSpec
-from verl_fast.data import PromptRow
-from verl_fast.rollout.experience import Experience
+from verl_fast.records.prompts import PromptRow
+from verl_fast.records.experience import Experience
 from verl_fast.ops.advantage import compute_remax_advantage
-from verl_fast.rollout.base import GenerationOutput
-from verl_fast.rollout.operator import RolloutOperator
+from verl_fast.records.generation import Generate, GenerationOutput
 
 
-def greedy_rollout(operator: RolloutOperator, batch: Sequence[PromptRow]) -> GenerationOutput:
+def greedy_rollout(generate: Generate, batch: Sequence[PromptRow]) -> GenerationOutput:
     """One greedy completion per prompt of ``batch``, in prompt order."""
-    specs = [replace(s, n=1, temperature=0.0, seed=None, logprobs=False) for s in operator.specs(batch)]
-    return operator.engine.generate([row.prompt_ids for row in batch], specs)
+    return generate(batch, lambda s: replace(s, n=1, temperature=0.0, seed=None, logprobs=False))
 
 
 class GreedyBaseline:
     """The greedy rollout, and each sample's baseline: its prompt's greedy reward."""
 
-    def rollout(self, operator: RolloutOperator, batch: Sequence[PromptRow]) -> GenerationOutput:
-        return greedy_rollout(operator, batch)
+    def rollout(self, generate: Generate, batch: Sequence[PromptRow]) -> GenerationOutput:
+        return greedy_rollout(generate, batch)
 
     def of(self, batch: Sequence[PromptRow], extra: GenerationOutput, score: Score, exp: Experience,
            metrics: Dict[str, Any]) -> torch.Tensor:

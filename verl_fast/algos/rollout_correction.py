@@ -19,7 +19,7 @@ from typing import Any, Dict, Tuple
 import torch
 
 from verl_fast.config import Config
-from verl_fast.rollout.experience import Experience
+from verl_fast.records.experience import Experience
 from verl_fast.ops.masked import masked_mean
 
 

@@ -26,7 +26,7 @@ from verl_fast.algos.algorithm import Step
 from verl_fast.algos.loss_terms import agg_loss
 from verl_fast.config import Config
 from verl_fast.data import RLDataProcessor
-from verl_fast.rollout.experience import Experience
+from verl_fast.records.experience import Experience
 from verl_fast.data.sft_data import SFTExample
 
 

@@ -17,7 +17,7 @@ from typing import Callable, List, Sequence
 
 import torch
 
-from verl_fast.rollout.base import SamplingSpec
+from verl_fast.records.generation import SamplingSpec
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from verl_fast.rollout.base import GenerationOutput, pad_completions
+from verl_fast.records.generation import GenerationOutput, pad_completions
 
 
 @dataclass

@@ -24,7 +24,7 @@ import torch
 
 from verl_fast.async_rl import transport
 from verl_fast.async_rl.decode import decode
-from verl_fast.rollout.base import SamplingSpec
+from verl_fast.records.generation import SamplingSpec
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 
 

@@ -1,9 +1,9 @@
-"""`verl-fast train`: load the config (or the embedded default), the models by name, and run."""
+"""`verl-fast train`: parse the command line into a config (or the embedded default), run it
+(``verl_fast.trainer.launch``), and print the summary."""
 
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 from typing import Any, Dict, List
 
@@ -92,141 +92,23 @@ def quiet_libraries() -> None:
     hf_logging.disable_progress_bar()  # "Loading weights" of from_pretrained
 
 
-def _distributed(cfg: config_mod.Config):
-    """Under torchrun (WORLD_SIZE > 1): the process group, NCCL for CUDA tensors with CUDA (plus gloo
-    for the CPU tensors of offloaded shards), else gloo. Multi-node is the same call: torchrun sets
-    RANK / WORLD_SIZE / LOCAL_RANK and the rendezvous address."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return None
-    import torch
-    import torch.distributed as dist
-
-    cuda = cfg.trainer.device != "cpu" and torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
-    return dist
-
-
-def _load_models(cfg: config_mod.Config, device: Any):
-    """The actor, its tokenizer and (PPO) the critic, by name, on ``device``."""
-    from verl_fast.models.loading import attention_kwargs, load_causal_lm
-
-    cuda = device is not None and device.type == "cuda"
-    actor, tokenizer = load_causal_lm(cfg.actor.model_name, cfg.actor.dtype,
-                                      **attention_kwargs(cfg.actor, "actor", cuda))
-    actor.to(device)
-    from verl_fast.algos import registry as algorithms
-
-    critic = None  # the reference, when KL needs one, is built from the actor's weights
-    if algorithms.spec(cfg).needs_critic:
-        if not cfg.critic.model_name:
-            raise ConfigError(f"algorithm.type={cfg.algorithm.type} needs critic.model_name")
-        critic, _ = load_causal_lm(cfg.critic.model_name, cfg.critic.dtype, "critic.model_name",
-                                   **attention_kwargs(cfg.critic, "critic", cuda))
-        critic.to(device)
-    return actor, tokenizer, critic
-
-
-def _check_model_folders(cfg: config_mod.Config) -> None:
-    """The model folders' files before anything reads them (links out, FIFOs, damaged headers, the
-    context length against rollout.max_new_tokens: ``models.checks``)."""
-    from verl_fast.models import checks
-    from verl_fast.models.loading import local_folder
-
-    if cfg.actor.model_name is None:
-        raise ConfigError("actor.model_name is not set")
-    from verl_fast.algos import registry as algorithms
-
-    critic = cfg.critic.model_name if algorithms.spec(cfg).needs_critic else None
-    for key, name, new_tokens in (("actor.model_name", cfg.actor.model_name, cfg.rollout.max_new_tokens),
-                                  ("critic.model_name", critic, None)):
-        folder = local_folder(name)
-        if folder is not None:
-            checks.check_folder(folder, key, new_tokens)
-
-
-def auto_settings(cfg: config_mod.Config) -> Dict[str, Any]:
-    """What the actor's null / auto keys resolve to on this machine, as far as known before a model
-    loads (the trainer prints the rest, resolved, at start-up)."""
-    import torch
-
-    from verl_fast.strategies import backends
-
-    cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
-    return backends.strategy_class(cfg).planned(cfg, torch.device("cuda" if cuda else "cpu"))
-
-
 def run(args: argparse.Namespace) -> int:
     cfg = load_checked(args, packages=not args.print_config)
+    from verl_fast.trainer import launch
+
     if args.print_config:
         import yaml
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        print("\n".join(f"# {key}: {value}" for key, value in auto_settings(cfg).items()))
+        print("\n".join(f"# {key}: {value}" for key, value in launch.auto_settings(cfg).items()))
         return 0
-    from verl_fast.rollout import engines as rollout_engines
-
-    rollout_engines.prepare_process(cfg)  # the launcher's job, not a constructor's: before the engine's libraries
-    from verl_fast.strategies import backends
-
-    strategy = backends.strategy_class(cfg)
     try:
-        strategy.check_machine(cfg)  # before any process group or model: one line, not a library's traceback
-    except RuntimeError as e:
-        raise SystemExit(f"error: {e}") from None
-    quiet_libraries()
-    dist = _distributed(cfg)
-    from verl_fast.trainer import run_dir
-
-    # folder, lock, port, loggers, dataset: checked before any model loads (the lock is held to the end)
-    from verl_fast.trainer import preflight
-
-    try:
-        rows = run_dir.precheck(cfg)  # releases the lock itself when it fails
-    except (ValueError, FileNotFoundError) as e:  # a dataset that is not there or cannot be read: one line
-        raise ConfigError(" ".join(str(e).split())) from None
-    try:  # the rows' form, the reward and their fit, on the first rows
-        preflight.check(cfg, rows, cfg.trainer.dataset)
-    except ValueError as e:
-        run_dir.release(cfg.trainer)
-        raise ConfigError(" ".join(str(e).split())) from None
-    import torch
-
-    from verl_fast.models.loading import resolve
-    from verl_fast.trainer.rl_trainer import RLTrainer
-
-    if cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available()):
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    else:
-        device = torch.device("cpu")
-    try:
-        _check_model_folders(cfg)
-        if device is not None:
-            from verl_fast.algos import registry as algorithms
-            from verl_fast.strategies import memory_plan
-
-            try:  # one line naming what would fit, not an out-of-memory error mid-step
-                strategy.check_fits(cfg, algorithms.build(cfg).needs_reference, device)
-            except memory_plan.DoesNotFit as e:
-                raise ConfigError(str(e)) from None
-        actor, tokenizer, critic = _load_models(cfg, device)
-    except BaseException:
-        run_dir.release(cfg.trainer)
-        raise
-    # the trainer shards the models as actor.strategy / critic.strategy say (FSDP2 under torchrun)
-    gc.freeze()  # what exists so far: not swept again by the engine's own collections at start
-    trainer = RLTrainer(actor_model=actor, tokenizer=tokenizer, critic_model=critic, config=cfg,
-                        model_path=resolve(cfg.actor.model_name))
-    gc.freeze()  # start-up's objects (the collector is off until here: see cli._train)
-    gc.enable()
-    history = trainer.fit(rows)  # a RewardTimeout (checkpointed already): one line, exit 2 (verl_fast.errors)
-    run_dir.release(cfg.trainer)
+        trainer, history = launch.launch(cfg, quiet_libraries)
+    except launch.LaunchRefused as e:
+        raise ConfigError(str(e)) from None
     if trainer.is_main and history:
         summarize(history, cfg.trainer.output_dir)
-    if dist is not None:
-        dist.barrier()  # every rank done with its collectives before any tears the group down
-        dist.destroy_process_group()
+    launch.finish()
     return trainer.exit_code  # non-zero when a reward called sys.exit(n)
 
 

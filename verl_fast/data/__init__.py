@@ -7,57 +7,14 @@ A verl-format row: ``{"data_source": str, "prompt": [{"role": ..., "content": ..
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from verl_fast import config
 from verl_fast.data import readers
 from verl_fast.files import hub
-
-
-@dataclass
-class PromptRow:
-    """One prompt ready for rollout."""
-
-    prompt_ids: List[int]
-    prompt_text: str  # after the chat template
-    ground_truth: Any = None
-    data_source: str = ""
-    extra_info: Dict[str, Any] = field(default_factory=dict)
-    columns: Dict[str, Any] = field(default_factory=dict)  # every field of the source row, as given
-
-
-class PromptBatch(list):
-    """The prompts of one rollout call, as ``RolloutOperator.get_generation_kwargs`` sees them: a list
-    of PromptRow (``batch[0]``, ``for row in batch``) that also answers column access:
-    ``batch["task_type"]`` is that field of every row, in order (any column of the source rows, or a
-    PromptRow attribute such as ``data_source``)."""
-
-    def __getitem__(self, key):
-        if not isinstance(key, str):
-            return super().__getitem__(key)
-        values = []
-        for i, row in enumerate(self):
-            if key in row.columns:
-                values.append(row.columns[key])
-            elif key in PromptRow.__dataclass_fields__ and key != "columns":
-                values.append(getattr(row, key))
-            else:
-                raise KeyError(f"batch[{key!r}]: row {i} has no column {key!r}; its columns: {sorted(row.columns)}")
-        return values
-
-
-@dataclass
-class PreferencePair:
-    """One DPO example: token ids of the prompt and of both responses (EOS appended)."""
-
-    prompt: str
-    chosen: str
-    rejected: str
-    prompt_ids: List[int]
-    chosen_ids: List[int]
-    rejected_ids: List[int]
+from verl_fast.records.prompts import PreferencePair, PromptBatch, PromptRow  # noqa: F401  (their import path)
 
 
 def _to_plain(x: Any) -> Any:

@@ -2,7 +2,8 @@
 
 import importlib.util
 
-from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec, pad_completions
+from verl_fast.records.generation import GenerationOutput, SamplingSpec, pad_completions
+from verl_fast.rollout.base import RolloutEngine
 from verl_fast.rollout.vllm_engine import VLLMInferenceEngine
 from verl_fast.rollout.vllm_env import configure_vllm_env
 

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from verl_fast.ops.schedule import balance_partitions
-from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec, merge_outputs, pad_completions
+from verl_fast.records.generation import GenerationOutput, SamplingSpec, merge_outputs, pad_completions
+from verl_fast.rollout.base import RolloutEngine
 
 
 def rows_of(out: GenerationOutput, start: int, stop: int) -> GenerationOutput:

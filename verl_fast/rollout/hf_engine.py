@@ -13,7 +13,8 @@ from verl_fast.distributed import MEMORY_FRACTION, collective_device, usable_byt
 from verl_fast.models import routing
 from verl_fast.models.wrapping import hf_module, is_sharded
 from verl_fast.rollout import hf_decode
-from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec, pad_completions
+from verl_fast.records.generation import GenerationOutput, SamplingSpec, pad_completions
+from verl_fast.rollout.base import RolloutEngine
 
 logger = logging.getLogger(__name__)
 FAST_DECODE = ("auto", "on", "off")

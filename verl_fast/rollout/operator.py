@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
-from verl_fast.data import PromptBatch, PromptRow
-from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec, merge_outputs
+from verl_fast.records.prompts import PromptBatch, PromptRow
+from verl_fast.records.generation import GenerationOutput, SamplingSpec, merge_outputs
+from verl_fast.rollout.base import RolloutEngine
 from verl_fast.ops.schedule import rollout_buckets
 
 
@@ -52,6 +53,13 @@ class RolloutOperator:
                 kw["seed"] = seed + i  # reproducible sampling per step and prompt
             specs.append(SamplingSpec.from_kwargs(self.default, kw))
         return specs
+
+    def generate(self, batch: Sequence[PromptRow],
+                 change: Optional[Callable[[SamplingSpec], SamplingSpec]] = None) -> GenerationOutput:
+        """The completions of ``batch`` in one engine call, each prompt's spec changed by ``change`` (the
+        ``Generate`` an algorithm's own rollout calls: ReMax's greedy one)."""
+        specs = self.specs(batch)
+        return self.engine.generate([row.prompt_ids for row in batch], [change(s) for s in specs] if change else specs)
 
     def rollout(self, batch: Sequence[PromptRow], seed: Optional[int] = None) -> GenerationOutput:
         prompts = [row.prompt_ids for row in batch]

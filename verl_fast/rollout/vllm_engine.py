@@ -65,7 +65,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 import torch
 
 from verl_fast.rollout import vllm_compat as compat
-from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec, pad_completions
+from verl_fast.records.generation import GenerationOutput, SamplingSpec, pad_completions
+from verl_fast.rollout.base import RolloutEngine
 from verl_fast.rollout.vllm_env import IN_PROCESS, configure_vllm_env
 
 logger = logging.getLogger(__name__)

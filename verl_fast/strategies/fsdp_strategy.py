@@ -30,7 +30,7 @@ import torch.distributed as dist
 from verl_fast import distributed
 from verl_fast.checkpoint import sharded as checkpoint
 from verl_fast.config import Config
-from verl_fast.rollout.experience import Experience
+from verl_fast.records.experience import Experience
 from verl_fast.models import compiled_blocks, lora, lora_linear, packed, routing
 from verl_fast.models.response_logprobs import accepts
 from verl_fast.models.shared_prefix import experience_logprobs, packed_layout

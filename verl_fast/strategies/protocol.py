@@ -25,7 +25,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Protocol
 
 import torch
 
-from verl_fast.rollout.experience import Experience
+from verl_fast.records.experience import Experience
 from verl_fast.rollout.base import RolloutEngine
 
 # loss_fn(*outputs [n, L] of the micro-batch, micro-batch) -> (loss, stats): the actor's outputs are

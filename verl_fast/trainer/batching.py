@@ -20,7 +20,7 @@ import torch.distributed as dist
 from verl_fast.algos.loss_terms import active_rows
 from verl_fast.distributed import usable_bytes
 from verl_fast.ops import schedule
-from verl_fast.rollout.experience import Experience, concat
+from verl_fast.records.experience import Experience, concat
 from verl_fast.strategies.memory_plan import (ACTIVATION_BYTES, MEMORY_FRACTION, adapted_width, adapter_per_token,
                                               checkpointed_per_token)
 

@@ -16,7 +16,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from verl_fast import config as config_mod
 from verl_fast.algos import registry as algorithms
-from verl_fast.data import PreferencePair, PromptRow, preference_parts
+from verl_fast.data import preference_parts
+from verl_fast.records.prompts import PreferencePair, PromptRow
 from verl_fast.data.readers import ground_truth
 from verl_fast.rewards.interface import CallableReward, RewardFunction, load_callable
 from verl_fast.rewards.by_source import DataSourceReward, check_source

@@ -41,13 +41,15 @@ from verl_fast.async_rl import modes as async_modes
 from verl_fast.config import Config
 from verl_fast.config import verl_config as config_verl
 from verl_fast.files import hub
-from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
+from verl_fast.data import RLDataProcessor
+from verl_fast.records.prompts import PreferencePair, PromptRow
 from verl_fast.trainer import preflight
-from verl_fast.rollout.experience import Experience, build_experience, last_token_rewards
+from verl_fast.records.experience import Experience, build_experience, last_token_rewards
 from verl_fast.metrics.logger import MetricsLogger
 from verl_fast.models import checks, lora
 from verl_fast.rewards import RewardStopped, RewardTimeout, build_reward, scoring
-from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec
+from verl_fast.records.generation import GenerationOutput, SamplingSpec
+from verl_fast.rollout.base import RolloutEngine
 from verl_fast.rollout import engines as rollout_engines
 from verl_fast.rollout.factory import build_engine
 from verl_fast.rollout.operator import RolloutOperator
@@ -500,7 +502,7 @@ class RLTrainer:
         else:
             with timed("generation"), self._engine_awake():
                 gen = self.rollout.rollout(batch, seed=self._seed())
-                extra = self.algorithm.extra_rollout(self.rollout, batch)
+                extra = self.algorithm.extra_rollout(self.rollout.generate, batch)
         metrics.update({f"rollout/{k}": v for k, v in self.engine.metrics().items()})
         metrics.update(self.rollout.metrics())
         exp = build_experience(batch, gen, self.tokenizer.pad_token_id).to(self.device)

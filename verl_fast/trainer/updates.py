@@ -15,7 +15,7 @@ import torch
 
 from verl_fast import distributed
 from verl_fast.config import Config
-from verl_fast.rollout.experience import Experience
+from verl_fast.records.experience import Experience
 from verl_fast.strategies import memory_plan
 from verl_fast.trainer.batching import loss_normalisers, micro_batches, token_budget
 

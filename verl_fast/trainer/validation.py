@@ -15,8 +15,8 @@ import torch
 
 from verl_fast import distributed
 from verl_fast.config import Config
-from verl_fast.data import PromptRow
-from verl_fast.rollout.base import GenerationOutput, SamplingSpec
+from verl_fast.records.prompts import PromptRow
+from verl_fast.records.generation import GenerationOutput, SamplingSpec
 from verl_fast.rollout.operator import RolloutOperator
 
 # score(batch, generation) -> [N] rewards (the trainer's, with its fault handling)

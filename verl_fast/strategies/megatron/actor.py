@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
-from verl_fast.rollout.experience import Experience
+from verl_fast.records.experience import Experience
 from verl_fast.ops.logprobs import linear_logprobs
 from verl_fast.strategies.megatron.gpt_model import MegatronGPT, Parallel, init_parallel_state
 from verl_fast.strategies.megatron.routing_replay import Replay

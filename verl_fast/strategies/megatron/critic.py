@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from verl_fast.rollout.experience import Experience
+from verl_fast.records.experience import Experience
 from verl_fast.models.value import ValueModel
 from verl_fast.strategies.megatron.gpt_model import VALUE_HEAD, MegatronGPT, Parallel, init_parallel_state
 from verl_fast.strategies.megatron.training import DTYPES, MegatronTrained

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from verl_fast.config import Config
-from verl_fast.rollout.experience import Experience
+from verl_fast.records.experience import Experience
 from verl_fast.models.packed import causal_pairs
 from verl_fast.models.wrapping import hf_module
 from verl_fast.rollout.base import RolloutEngine

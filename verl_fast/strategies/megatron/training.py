@@ -20,7 +20,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from verl_fast.rollout.experience import Experience
+from verl_fast.records.experience import Experience
 from verl_fast.strategies.megatron.gpt_model import MegatronGPT
 from verl_fast.strategies.megatron.grad_norm import use_foreach_grad_norm
 from verl_fast.strategies.megatron.routing_replay import Replay

@@ -8,8 +8,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from verl_fast.data import PromptRow
-from verl_fast.rollout.base import GenerationOutput
+from verl_fast.records.prompts import PromptRow
+from verl_fast.records.generation import GenerationOutput
 
 
 @dataclass
