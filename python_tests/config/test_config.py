@@ -84,11 +84,11 @@ def test_program_exit_codes(tmp_path):
     assert run("bogus").returncode == 2  # argparse's usage error
 
 
-def test_the_config_imports_nothing_and_the_run_registers_its_choices(tmp_path):
-    """Importing ``verl_fast.config`` and validating with it import nothing else of verl_fast: until
-    ``verl_fast.trainer.catalog.register()`` (what ``verl-fast train`` and RLTrainer call) imports the modules
-    that own the choices, a validation says so in one line; then the values are there, in the order
-    they always had."""
+def test_the_config_stands_on_its_own_and_the_run_registers_its_choices(tmp_path):
+    """In a plain script, ``verl_fast.config.load`` / ``from_dict`` work with no other call and import nothing
+    else of verl_fast; a value no module has registered yet is checked where it is looked up (one line naming
+    the choices). ``verl_fast.trainer.catalog.register()`` (what ``verl-fast train`` and RLTrainer call) imports
+    the modules that own the choices; then validation names them, in the order they always had."""
     import subprocess
     import sys
 
@@ -96,20 +96,30 @@ def test_the_config_imports_nothing_and_the_run_registers_its_choices(tmp_path):
         "import sys",
         "import verl_fast.config as C",
         "def loaded(): return sorted(m for m in sys.modules if m.startswith('verl_fast.'))",
-        "assert loaded() == ['verl_fast.config'], loaded()",
+        "cfg = C.load(C.default_config_path(), ['actor.lr=1e-5'])",
+        "assert cfg.actor.lr == 1e-5 and cfg.algorithm.type == 'grpo'",
+        "assert C.from_dict({'algorithm': {'type': 'ppo'}, 'rollout': {'type': 'vllm'}}).algorithm.type == 'ppo'",
+        "assert loaded() == ['verl_fast.config', 'verl_fast.config.yaml_files'], loaded()",
+        "bad = C.from_dict({'algorithm': {'type': 'nope'}})",
+        "from verl_fast.algos import registry",
         "try:",
-        "    C.from_dict({})",
-        "except RuntimeError as e:",
-        "    assert 'algorithm.type' in str(e) and 'verl_fast.trainer.catalog.register()' in str(e), e",
+        "    registry.spec(bad)",
+        "except ValueError as e:",
+        "    assert \"algorithm.type must be one of ['grpo', 'drgrpo'\" in str(e) and \"got 'nope'\" in str(e), e",
         "else:",
-        "    raise AssertionError('validated with no choices registered')",
-        "assert loaded() == ['verl_fast.config'], loaded()",
+        "    raise AssertionError('an unknown algorithm was looked up')",
         "from verl_fast.trainer import catalog",
         "catalog.register()",
-        "assert C.from_dict({'algorithm': {'type': 'ppo'}}).algorithm.type == 'ppo'",
+        "try:",
+        "    C.from_dict({'algorithm': {'type': 'nope'}})",
+        "except ValueError as e:",
+        "    assert 'algorithm.type must be one of' in str(e), e",
+        "else:",
+        "    raise AssertionError('validated an unknown algorithm once registered')",
         "assert list(C.ALGORITHMS) == ['grpo', 'drgrpo', 'ppo', 'rloo', 'reinforce_pp', 'reinforce_pp_baseline',"
         " 'remax', 'dpo', 'online_dpo', 'kto', 'orpo', 'simpo', 'cpo', 'sft']",
         "assert list(C.STRATEGIES) == ['auto', 'fsdp2', 'fsdp1', 'none', 'megatron']",
+        "assert list(C.ENGINES) == ['auto', 'hf', 'vllm']",
     ])
     # run outside the repository: from its root, `import verl_fast` would find the unbuilt source folder
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional
 
 from verl_fast import config as config_mod
 from verl_fast.algos import registry as algorithms
-from verl_fast.config import _f, _section
+from verl_fast.config import option, read_section
 
 BUILT_IN_ENVIRONMENTS = ("tools", "reasoning_gym", "single_turn")
 TOOL_FORMATS = ("auto", "hermes", "llama3", "mistral")
@@ -16,23 +16,23 @@ TOOL_FORMATS = ("auto", "hermes", "llama3", "mistral")
 
 @dataclass
 class MultiTurnConfig:
-    tools: List[str] = _f(list, doc="the tools, each module:function or path/to/file.py:function (a typed function "
+    tools: List[str] = option(list, doc="the tools, each module:function or path/to/file.py:function (a typed function "
                                     "with a Google-style docstring); RLTrainer(tools=[...]) adds functions")
-    environment: str = _f("tools", doc="tools (the observations are the tool results), reasoning_gym (retry until "
+    environment: str = option("tools", doc="tools (the observations are the tool results), reasoning_gym (retry until "
                                        "right, per-turn reward), single_turn, or module:Class (an Environment)")
-    environment_kwargs: Dict[str, Any] = _f(dict, doc="keyword arguments of the environment's constructor")
-    max_turns: int = _f(4, min=1, doc="model turns per trajectory at most")
-    max_tokens_per_turn: Optional[int] = _f(None, min=1, doc="tokens one model turn may sample (null: "
+    environment_kwargs: Dict[str, Any] = option(dict, doc="keyword arguments of the environment's constructor")
+    max_turns: int = option(4, min=1, doc="model turns per trajectory at most")
+    max_tokens_per_turn: Optional[int] = option(None, min=1, doc="tokens one model turn may sample (null: "
                                             "rollout.max_new_tokens); the whole trajectory after the prompt, "
                                             "observations included, stays within rollout.max_new_tokens")
-    tool_format: str = _f("auto", choices=TOOL_FORMATS, doc="how tool calls are written: auto reads the chat "
+    tool_format: str = option("auto", choices=TOOL_FORMATS, doc="how tool calls are written: auto reads the chat "
                           "template (hermes <tool_call>, llama3 JSON, mistral [TOOL_CALLS]); a template that renders "
                           "no tools gets the Hermes format described in its system message")
-    tool_workers: int = _f(4, min=1, doc="worker processes running tool calls: the calls running at once")
-    tool_timeout_s: float = _f(10.0, min=0.001, doc="a call running longer has its worker killed and replaced; the "
+    tool_workers: int = option(4, min=1, doc="worker processes running tool calls: the calls running at once")
+    tool_timeout_s: float = option(10.0, min=0.001, doc="a call running longer has its worker killed and replaced; the "
                                "model reads a timeout error")
-    tool_result_max_bytes: int = _f(4096, min=64, doc="a tool's result is cut to this many bytes (in its worker)")
-    max_tool_calls: int = _f(8, min=1, doc="tool calls per trajectory; later calls are refused and the episode ends")
+    tool_result_max_bytes: int = option(4096, min=64, doc="a tool's result is cut to this many bytes (in its worker)")
+    max_tool_calls: int = option(8, min=1, doc="tool calls per trajectory; later calls are refused and the episode ends")
 
 
 def parse(rollout_cfg: Any) -> Optional[MultiTurnConfig]:
@@ -40,7 +40,7 @@ def parse(rollout_cfg: Any) -> Optional[MultiTurnConfig]:
     raw = rollout_cfg.multi_turn
     if raw is None:
         return None
-    return _section(MultiTurnConfig, raw, "rollout.multi_turn")
+    return read_section(MultiTurnConfig, raw, "rollout.multi_turn")
 
 
 def _check(cfg: config_mod.Config) -> None:

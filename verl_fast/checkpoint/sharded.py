@@ -124,7 +124,7 @@ def _file_record(path: Path) -> Dict[str, Any]:
     return {"bytes": size, "crc32": crc}
 
 
-def _files(folder: Path) -> List[str]:
+def checkpoint_files(folder: Path) -> List[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
@@ -225,8 +225,8 @@ def save(output_dir: str, step: int, actor: torch.nn.Module, tokenizer: Any, opt
         whole = shards["actor"] if world == 1 and all(type(v) is torch.Tensor or not isinstance(v, torch.Tensor)
                                                         for v in shards["actor"].values()) else None
         written.update(on_main(lambda: _write_metadata(tmp, step, actor, tokenizer, state, export_hf, whole)))
-        records = records_to_publish(tmp, on_main(lambda: _files(tmp)), written)
-        on_main(lambda: _publish(tmp, final, records, step))
+        records = records_to_publish(tmp, on_main(lambda: checkpoint_files(tmp)), written)
+        on_main(lambda: publish(tmp, final, records, step))
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         on_main(lambda: shutil.rmtree(tmp, ignore_errors=True))
         if _is_disk_full(e):
@@ -269,7 +269,7 @@ def _write_metadata(tmp: Path, step: int, actor: torch.nn.Module, tokenizer: Any
     return _write_safetensors(tmp / DCP, tmp, whole=whole)
 
 
-def _publish(tmp: Path, final: Path, records: Dict[str, Dict[str, int]], step: int) -> None:
+def publish(tmp: Path, final: Path, records: Dict[str, Dict[str, int]], step: int) -> None:
     """The manifest last (fsynced with everything before it), then the rename that completes it."""
     (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": records}, indent=1))
     _fsync_tree(tmp)

@@ -11,9 +11,11 @@ This module sits at the foundation: importing it imports no other part of verl_f
 imports one later. The values of the keys that name an implementation (``algorithm.type``,
 ``reward_fn.type``, ``actor.strategy``, the loss modes, ...) are ``Choices`` that the modules
 implementing them register where they are defined, with the combination checks only they know
-(``register_check``). Whoever assembles a run registers them before validating a config:
-``verl_fast.trainer.catalog.register()`` (``verl-fast train`` and ``RLTrainer`` call it), so the messages
-name the same keys and values whoever validates.
+(``register_check``). ``load`` / ``from_dict`` work on their own, in a plain script: a ``Choices`` that no
+module has filled yet is checked where its value is looked up (``algos.registry.spec``, ``rollout.engines
+.engine_class``, ``policy_losses.policy_loss_fn``, ...: one line naming the choices), as verl's registries
+do. Whoever assembles a run (``verl-fast train``, ``RLTrainer``: ``verl_fast.trainer.catalog.register()``)
+imports every module that registers, so its validation names every choice and runs every check.
 """
 
 from __future__ import annotations
@@ -78,18 +80,22 @@ def register_check(check: Callable[["Config"], None]) -> Callable[["Config"], No
 
 
 def require_registered() -> None:
-    """Every Choices holds the values its module registered; the config module itself imports none
-    of them (``verl_fast.trainer.catalog.register()`` does, where a run is assembled)."""
+    """Every Choices holds the values its module registered (``verl_fast.trainer.catalog.register()``
+    checks that its imports registered them all)."""
     missing = [c.keys for c in _REGISTERED if not len(c)]
     if missing:
         raise RuntimeError(f"no values are registered for {'; '.join(missing)}: call verl_fast.trainer.catalog.register() "
                            "before validating a config (verl-fast train and RLTrainer do)")
 
 
-def _f(default, *, choices=None, min=None, max=None, above=None, doc: str = ""):
-    """A dataclass field with validation metadata (``above``: an exclusive lower bound)."""
+def option(default, *, choices=None, min=None, max=None, above=None, doc: str = ""):
+    """A config field with validation metadata (``above``: an exclusive lower bound); the sections of other
+    modules (``rollout.multi_turn``'s) declare theirs with it too."""
     kwargs = {"default_factory": default} if callable(default) else {"default": default}
     return field(metadata={"choices": choices, "min": min, "max": max, "above": above, "doc": doc}, **kwargs)
+
+
+_f = option  # the short name the fields below are written with
 
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -460,7 +466,7 @@ class Config:
 # ----------------------------------------------------------------------------- loading
 
 
-def _check_value(value: Any, annotation: Any, meta: Dict[str, Any], key: str) -> Any:
+def check_value(value: Any, annotation: Any, meta: Dict[str, Any], key: str) -> Any:
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if origin is Union and type(None) in args:
@@ -470,7 +476,7 @@ def _check_value(value: Any, annotation: Any, meta: Dict[str, Any], key: str) ->
         if len(kinds) > 1:  # e.g. a path or a list of paths: the first kind the value is
             for kind in kinds[1:]:
                 try:
-                    return _check_value(value, kind, meta, key)
+                    return check_value(value, kind, meta, key)
                 except ValueError:
                     pass
         annotation = kinds[0]
@@ -508,8 +514,10 @@ def _check_value(value: Any, annotation: Any, meta: Dict[str, Any], key: str) ->
     elif origin is list:
         if not isinstance(value, list):
             raise ValueError(f"{key} must be a list, got {value!r}")
-        return [_check_value(v, args[0], meta, f"{key}[{i}]") for i, v in enumerate(value)]
-    if meta.get("choices") is not None and value not in meta["choices"]:
+        return [check_value(v, args[0], meta, f"{key}[{i}]") for i, v in enumerate(value)]
+    choices = meta.get("choices")
+    # a Choices no module has filled yet is checked where its value is looked up
+    if choices is not None and (len(choices) or not isinstance(choices, Choices)) and value not in choices:
         raise ValueError(f"{key} must be one of {list(meta['choices'])}, got {value!r}")
     if meta.get("min") is not None and value < meta["min"]:
         raise ValueError(f"{key} must be >= {meta['min']}, got {value!r}")
@@ -539,11 +547,11 @@ def reward_functions(r: RewardConfig) -> List[RewardConfig]:
             raise ValueError(f"{key} must be a mapping (type, path, weight, name, ...), got {entry!r}")
         if entry.get("type") == WEIGHTED_REWARD or "functions" in entry:
             raise ValueError(f"{key}: a reward function in the list cannot hold functions of its own")
-        out.append(_section(RewardConfig, {"on_error": r.on_error, "timeout_s": r.timeout_s, **entry}, key))
+        out.append(read_section(RewardConfig, {"on_error": r.on_error, "timeout_s": r.timeout_s, **entry}, key))
     return out
 
 
-def _section(cls, data: Any, name: str):
+def read_section(cls, data: Any, name: str):
     if data is None:
         return cls()
     if not isinstance(data, dict):
@@ -554,7 +562,7 @@ def _section(cls, data: Any, name: str):
     for key, value in data.items():
         if key not in fields:
             raise ValueError(f"unknown key {name}.{key}; allowed keys in {name}: {sorted(fields)}")
-        values[key] = _check_value(value, hints[key], dict(fields[key].metadata), f"{name}.{key}")
+        values[key] = check_value(value, hints[key], dict(fields[key].metadata), f"{name}.{key}")
     return cls(**values)
 
 
@@ -563,7 +571,6 @@ def checked(cfg: Config) -> Config:
     field's type, finiteness and range, then the combinations."""
     if not isinstance(cfg, Config):
         raise TypeError(f"config must be a Config, a mapping of sections or None, got {type(cfg).__name__}")
-    require_registered()
     hints = typing.get_type_hints(Config)
     for name in hints:
         section = getattr(cfg, name)
@@ -571,7 +578,7 @@ def checked(cfg: Config) -> Config:
             raise ValueError(f"{name} must be a {hints[name].__name__}, got {type(section).__name__}")
         types = typing.get_type_hints(hints[name])
         for f in dataclasses.fields(section):
-            value = _check_value(getattr(section, f.name), types[f.name], dict(f.metadata), f"{name}.{f.name}")
+            value = check_value(getattr(section, f.name), types[f.name], dict(f.metadata), f"{name}.{f.name}")
             setattr(section, f.name, value)
     _apply_beta(cfg)
     validate(cfg)
@@ -579,7 +586,6 @@ def checked(cfg: Config) -> Config:
 
 
 def from_dict(data: Optional[Dict[str, Any]]) -> Config:
-    require_registered()
     data = dict(data or {})
     sections = {f.name: f.type for f in dataclasses.fields(Config)}
     unknown = sorted(set(data) - set(sections))
@@ -588,7 +594,7 @@ def from_dict(data: Optional[Dict[str, Any]]) -> Config:
     if isinstance(data.get("reward_fn"), list):  # several reward functions, each named and weighted
         data["reward_fn"] = {"type": WEIGHTED_REWARD, "functions": data["reward_fn"]}
     hints = typing.get_type_hints(Config)
-    cfg = Config(**{name: _section(hints[name], data.get(name), name) for name in sections})
+    cfg = Config(**{name: read_section(hints[name], data.get(name), name) for name in sections})
     _apply_aliases(cfg)
     validate(cfg)
     return cfg
@@ -744,11 +750,11 @@ def _check_lora(spec: Optional[Dict[str, Any]]) -> None:
         raise ValueError(f"unknown key actor.lora.{unknown[0]}; allowed keys in actor.lora: {list(LORA_KEYS)}")
     if "r" not in spec:
         raise ValueError("actor.lora needs r (the adapters' rank), e.g. actor.lora: {r: 16}")
-    r = _check_value(spec["r"], int, {"min": 1}, "actor.lora.r")
+    r = check_value(spec["r"], int, {"min": 1}, "actor.lora.r")
     if "alpha" in spec:
-        _check_value(spec["alpha"], float, {"min": 0.0}, "actor.lora.alpha")
+        check_value(spec["alpha"], float, {"min": 0.0}, "actor.lora.alpha")
     if "dropout" in spec:
-        _check_value(spec["dropout"], float, {"min": 0.0, "max": 0.999}, "actor.lora.dropout")
+        check_value(spec["dropout"], float, {"min": 0.0, "max": 0.999}, "actor.lora.dropout")
     targets = spec.get("target_modules", "all-linear")
     if not (targets == "all-linear" or (isinstance(targets, list) and targets and
                                         all(isinstance(t, str) and t for t in targets))):
@@ -760,4 +766,4 @@ def _check_lora(spec: Optional[Dict[str, Any]]) -> None:
 
 def default_config_path() -> Path:
     """The embedded default run: GRPO on SmolLM2-135M-Instruct with reasoning-gym chain_sum."""
-    return Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+    return Path(__file__).resolve().parent.parent / "presets" / "default.yaml"

@@ -210,7 +210,7 @@ class _Translation:
             _, hint, meta = NATIVE[ours]
             name = ours if source == ours else f"{source} (as {ours})"
             try:
-                value = config_mod._check_value(value, hint, meta, name)
+                value = config_mod.check_value(value, hint, meta, name)
             except ValueError as e:
                 self.problems.append(str(e))
                 continue

@@ -325,7 +325,7 @@ def packed_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, lay: Packed
     forward (zeros past each response's end), differentiable. ``attention``: ``varlen`` (inside
     ``attention_switched``) or ``dense`` (the model's own sdpa / eager with the [T, T] mask);
     ``fused``: the lm_head + log-prob kernels on the predicting positions (``linear_logprobs``)."""
-    from verl_fast.models.response_logprobs import _head_returns_logprobs, _output_head
+    from verl_fast.models.response_logprobs import head_returns_logprobs, output_head
     from verl_fast.models.wrapping import hf_module
 
     N, L = input_ids.shape[0], int(response_length)
@@ -345,11 +345,11 @@ def packed_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, lay: Packed
     else:
         raise ValueError(f"attention must be 'varlen' or 'dense', got {attention!r}")
     if fused:
-        head = _output_head(model)
+        head = output_head(model)
         if head is None:
             raise ValueError("fused log-probs need an nn.Linear output head of the families "
                              "response_logprobs.FUSED_FAMILIES; use fused=False")
-        with _head_returns_logprobs(head, labels[None], temperature, with_entropy, shifted=False):
+        with head_returns_logprobs(head, labels[None], temperature, with_entropy, shifted=False):
             out = model(**kwargs).logits[0]  # [M, 1 or 2]
         logp, entropy = out[:, 0], (out[:, 1] if with_entropy else None)
     else:

@@ -30,7 +30,7 @@ from verl_fast.ops.logprobs import linear_logprobs, logprobs_from_logits
 FUSED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 
-def _output_head(model: torch.nn.Module) -> Optional[torch.nn.Linear]:
+def output_head(model: torch.nn.Module) -> Optional[torch.nn.Linear]:
     config = getattr(model, "config", None)
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
@@ -39,8 +39,8 @@ def _output_head(model: torch.nn.Module) -> Optional[torch.nn.Linear]:
     return None
 
 
-def _fused_default(model: torch.nn.Module) -> bool:
-    if importlib.util.find_spec("triton") is None or _output_head(model) is None:
+def fused_default(model: torch.nn.Module) -> bool:
+    if importlib.util.find_spec("triton") is None or output_head(model) is None:
         return False
     return next(model.parameters()).device.type == "cuda"
 
@@ -53,7 +53,7 @@ def _cast_like_linear(hidden, weight, bias):
 
 
 @contextlib.contextmanager
-def _head_returns_logprobs(head: torch.nn.Linear, labels, temperature: float, with_entropy: bool,
+def head_returns_logprobs(head: torch.nn.Linear, labels, temperature: float, with_entropy: bool,
                            shifted: bool = True):
     """While active, ``head(hidden [B, k, H])`` returns [B, L, 1 or 2] = (logp, entropy) for the labels
     [B, L], from the k positions the model passes: ``shifted``, the L before the last (the last L + 1
@@ -114,14 +114,14 @@ def response_logprobs(
     if accepts(model, "logits_to_keep"):
         kwargs["logits_to_keep"] = L + 1
     if fused is None:
-        fused = _fused_default(model)
+        fused = fused_default(model)
     if fused:
-        head = _output_head(model)
+        head = output_head(model)
         if head is None:
             raise ValueError(f"fused log-probs support the families {sorted(FUSED_FAMILIES)} with an nn.Linear "
                              f"head; got model_type {getattr(getattr(model, 'config', None), 'model_type', None)!r}: "
                              "use fused=False")
-        with _head_returns_logprobs(head, labels, temperature, with_entropy):
+        with head_returns_logprobs(head, labels, temperature, with_entropy):
             out = model(**kwargs).logits  # [B, L, 1 or 2]
         return out[..., 0], (out[..., 1] if with_entropy else None)
     logits = model(**kwargs).logits[:, -L - 1 : -1, :]  # predicts tokens -L..-1; a view, no copy

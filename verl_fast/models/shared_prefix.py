@@ -110,10 +110,10 @@ def experience_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attenti
     there: its ranks must run the same number of forward passes, and whether a micro-batch can share
     depends on the rows each rank holds (the packed path is always one pass)."""
     from verl_fast.models import packed as packing
-    from verl_fast.models.response_logprobs import accepts, _fused_default, response_logprobs
+    from verl_fast.models.response_logprobs import accepts, fused_default, response_logprobs
     from verl_fast.models.wrapping import hf_module, is_sharded
 
-    use_fused = _fused_default(model) if fused is None else fused
+    use_fused = fused_default(model) if fused is None else fused
     if packed or layout is not None:
         lay = layout if layout is not None else packed_layout(model, input_ids, attention_mask, response_length,
                                                                 group, share)

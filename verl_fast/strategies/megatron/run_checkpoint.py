@@ -58,8 +58,8 @@ def save(output_dir: str, step: int, actor, hf_model: torch.nn.Module, tokenizer
         if _is_megatron(critic):
             dist_checkpoint.save(critic, tmp / MEGATRON_CRITIC)
         on_main(write_hf)
-        records = checkpoint.records_to_publish(tmp, on_main(lambda: checkpoint._files(tmp)))
-        on_main(lambda: checkpoint._publish(tmp, final, records, step))
+        records = checkpoint.records_to_publish(tmp, on_main(lambda: checkpoint.checkpoint_files(tmp)))
+        on_main(lambda: checkpoint.publish(tmp, final, records, step))
     except BaseException:
         on_main(lambda: shutil.rmtree(tmp, ignore_errors=True))
         raise
