@@ -35,6 +35,7 @@ def apply(model: torch.nn.Module, spec: Dict[str, Any]) -> torch.nn.Module:
 
 
 def is_peft(model: Any) -> bool:
+    """Whether ``model`` carries PEFT adapters: the one place that asks."""
     return hasattr(model, "peft_config")
 
 

@@ -68,6 +68,7 @@ from verl_fast.rollout import vllm_compat as compat
 from verl_fast.records.generation import GenerationOutput, SamplingSpec, pad_completions
 from verl_fast.rollout.base import RolloutEngine
 from verl_fast.rollout.vllm_env import IN_PROCESS, configure_vllm_env
+from verl_fast.models.lora import is_peft
 
 logger = logging.getLogger(__name__)
 
@@ -511,7 +512,7 @@ class VLLMInferenceEngine(RolloutEngine):
         """Pushes ``model``'s current weights (an HF model, FSDP1 or FSDP2, the trainer's Megatron actor;
         a PEFT model's adapter) into the engine in place; collective over the actor's ranks. Returns ``{"bytes": ...}``,
         the bytes this rank received from others. See the module docstring."""
-        if hasattr(model, "peft_config"):
+        if is_peft(model):
             self.update_lora(model)
             return {"bytes": 0}
         start = time.perf_counter()
@@ -554,7 +555,7 @@ class VLLMInferenceEngine(RolloutEngine):
         """Pushes a PEFT model's adapter: saved to a private folder, reloaded in place in the engine."""
         if not compat.lora_enabled(self.llm):
             raise ValueError("this engine was built without LoRA: pass enable_lora=True (and max_lora_rank)")
-        if not hasattr(peft_model, "peft_config"):
+        if not is_peft(peft_model):
             raise TypeError(f"update_lora needs a PEFT model (peft.PeftModel), got {type(peft_model).__name__}")
         start = time.perf_counter()
         if self._lora_dir is None:

@@ -41,6 +41,7 @@ from verl_fast.strategies import memory_plan, sharding
 from verl_fast.strategies.bf16_compute import BF16Compute, freeze_in_bf16
 from verl_fast.strategies.protocol import LossFn
 from verl_fast.strategies.sharding import Sharding
+from verl_fast.models.lora import is_peft
 
 AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 FUSED = {"auto": None, "on": True, "off": False}  # actor.fused_logprobs
@@ -134,14 +135,14 @@ def compiles_blocks(actor: torch.nn.Module, cfg: Config, device: torch.device) -
     setting = cfg.actor.compile_blocks
     if setting is not None:
         return setting
-    return device.type == "cuda" and not is_sharded(actor) and not hasattr(actor, "peft_config")
+    return device.type == "cuda" and not is_sharded(actor) and not is_peft(actor)
 
 
 def keeps_base_in_bf16(actor: torch.nn.Module, cfg: Config, layout: Sharding, device: torch.device,
                        autocast: Optional[torch.dtype]) -> bool:
     """Whether an unsharded LoRA actor's frozen base is kept in bf16 (``actor.mixed_precision``: its auto
     on a GPU under bf16 autocast, or bfloat16; ``bf16_compute.freeze_in_bf16``)."""
-    if layout.strategy != "none" or is_sharded(actor) or not hasattr(actor, "peft_config"):
+    if layout.strategy != "none" or is_sharded(actor) or not is_peft(actor):
         return False
     if cfg.actor.mixed_precision != "auto":
         return cfg.actor.mixed_precision == "bfloat16"
@@ -159,7 +160,7 @@ def computes_in_bf16(actor: torch.nn.Module, cfg: Config, layout: Sharding, devi
     if device.type != "cuda" or autocast != torch.bfloat16:
         return False
     floats = [p for p in actor.parameters() if p.is_floating_point()]
-    if hasattr(actor, "peft_config"):
+    if is_peft(actor):
         # the fp32 adapters (the frozen base is kept in bf16: keeps_base_in_bf16). peft casts each adapted
         # layer's input to the adapters' dtype, so fp32 adapters cost an fp32 copy of every such input per
         # pass, which autocast then casts back to bf16 for the GEMM; bf16 copies compute the same products

@@ -35,6 +35,7 @@ import torch
 from verl_fast.config import Config
 from verl_fast.distributed import MEMORY_FRACTION, allocatable_bytes
 from verl_fast.rollout import engines as rollout_engines
+from verl_fast.models.lora import is_peft
 
 GIB = 2**30
 # Activation bytes a training pass keeps for its backward, per token, per layer and per unit of
@@ -234,5 +235,5 @@ def wants_checkpointing(cfg: Config, model: torch.nn.Module, device: torch.devic
     free = allocatable_bytes(device)
     shape = shape_of(model)
     here = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cuda")
-    peft = hasattr(model, "peft_config")
+    peft = is_peft(model)
     return plan(cfg, shape, free + here, needs_reference, peft).checkpointing
