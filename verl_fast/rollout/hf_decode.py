@@ -373,6 +373,43 @@ class _Decoder:
         self.col = torch.tensor([W], dtype=torch.long, device=device)  # cache column of the next token
         self.t = torch.tensor([1], dtype=torch.long, device=device)  # output column of the next token
         self.cache.cols = self.col
+        # the call's output rows; row i of the batch decodes output row origin[i] (-1: a filler)
+        self.out_tokens, self.out_logprobs = self.tokens, self.logprobs
+        self.origin = torch.arange(B, device=device)
+
+    @property
+    def rows(self) -> int:
+        return self.done.shape[0]
+
+    def compact(self, rows: int) -> None:
+        """The batch cut to ``rows`` rows: the unfinished rows in their order, then finished ones as
+        fillers (a finished row decodes pads, and its output is final), every per-row buffer and each
+        layer's cache gathered into new tensors of that many rows (the larger ones freed layer by
+        layer). Columns, positions and masks move with their rows, so each row's next forward is the one
+        it would have had in the larger batch."""
+        self._flush()
+        order = torch.argsort(self.done.to(torch.int8), stable=True)[:rows]  # unfinished rows first
+        for store in (self.cache.keys, self.cache.values):
+            for layer, tensor in enumerate(store):
+                store[layer] = tensor.index_select(0, order)
+        self.origin = self.origin.index_select(0, order).masked_fill_(self.done.index_select(0, order), -1)
+        for name in ("tokens", "logprobs", "valid", "position", "current", "done"):
+            setattr(self, name, getattr(self, name).index_select(0, order))
+        self.mask = self.valid[:, None, None, :]
+
+    def _flush(self) -> None:
+        """The batch's real rows written to their output rows (nothing to do before the first compaction)."""
+        if self.tokens is self.out_tokens:
+            return
+        real = (self.origin >= 0).nonzero().squeeze(-1)
+        where = self.origin.index_select(0, real)
+        self.out_tokens.index_copy_(0, where, self.tokens.index_select(0, real))
+        self.out_logprobs.index_copy_(0, where, self.logprobs.index_select(0, real))
+
+    def result(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The output rows' tokens and log-probs [B, max_new_tokens], on the host."""
+        self._flush()
+        return self.out_tokens.cpu(), self.out_logprobs.cpu()
 
     def _prefill(self, input_ids, valid, positions, W, rows):
         """The prompts' forward, each prompt once, and each row's first token from its prompt's logits."""
@@ -440,12 +477,29 @@ class GraphPool:
         return graph
 
 
+def bucket_rows(live: int, smallest: int) -> int:
+    """The batch ``live`` unfinished rows decode in: the least of ``smallest`` x 2^k and ``smallest`` x
+    3 x 2^(k-1) that holds them (8, 12, 16, 24, 32, 48, 64, 96, 128, ... for 8), so that a captured
+    step is at most a third larger than its rows need and a call sees a few batch sizes only."""
+    size = smallest
+    while size < live:
+        if size * 3 // 2 >= live and size * 3 // 2 > size:
+            return size * 3 // 2
+        size *= 2
+    return size
+
+
+# The fewest rows a decode compacts to: below it a step costs the weights' read, whatever its rows
+MIN_ROWS = 8
+
+
 @torch.no_grad()
 def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
            temperature: float, top_k: int, top_p: float, stop_ids: Sequence[int], pad_id: int,
            use_graph: bool, check_every: int = 16, graphs: Optional[GraphPool] = None,
-           compiled: Optional[CompiledForward] = None,
-           rows: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, str]:
+           compiled: Optional[CompiledForward] = None, rows: Optional[torch.Tensor] = None,
+           min_rows: Optional[int] = MIN_ROWS,
+           log: Optional[List[Tuple[int, int]]] = None) -> Tuple[torch.Tensor, torch.Tensor, str]:
     """New tokens [B, max_new_tokens] (pad after a row's stop token, and after an early exit once
     every row stopped) and their log-probs [B, max_new_tokens] (0 past the end), on the host, and
     how the steps ran: "graph" (replays) or "eager".
@@ -456,8 +510,17 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
     prompt (16 prompts x 8 samples: an eighth of the prefill's work). The caller
     holds the model in eval mode, under its autocast, with parameters unsharded. ``use_graph``:
     replay a CUDA graph of the step (falls back to running it eagerly, with a logged reason, if
-    capture fails); ``graphs``: where the graph's memory is kept between calls (None: freed at the end);
-    ``compiled``: run the decode steps' forward compiled (None: eager)."""
+    capture fails); ``graphs``: where the graphs' memory is kept between calls (None: freed at the end);
+    ``compiled``: run the decode steps' forward compiled (None: eager).
+
+    Finished rows leave the batch: every ``check_every`` steps (the one host sync, which also ends the
+    loop once every row stopped), when the unfinished rows fit a smaller batch of ``bucket_rows`` (down
+    to ``min_rows``; None: never), the batch is compacted to it (``_Decoder.compact``: the cache shrinks
+    with it) and its step captured in a graph of its own. Each row's forwards are the ones it has in
+    the whole batch, so greedy tokens and log-probs are the uncompacted call's; sampled rows draw fresh
+    Exp(1) noise per row and step from the one generator either way, so each row's distribution is
+    the same (the draws themselves differ once the batch has changed). ``log``: (step, batch rows)
+    appended at the first step and at each compaction, then (steps run, 0)."""
     if compiled is not None:
         extra = -input_ids.shape[1] % compiled.WIDTH
         input_ids = torch.nn.functional.pad(input_ids, (extra, 0), value=pad_id)
@@ -469,25 +532,46 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
         dec = _Decoder(module, input_ids, attention_mask, max_new_tokens, (temperature, top_k, top_p), stop_ids,
                        pad_id, compiled, rows)  # the prefill: sdpa, eager
         stack.enter_context(_attention(module, ATTENTION))
-        graph = None
-        steps = 1
-        if use_graph and max_new_tokens > 2:
+        steps, graphed = _run_steps(dec, max_new_tokens, use_graph, check_every,
+                                    graphs if graphs is not None else GraphPool(), min_rows, log)
+        tokens, logprobs = dec.result()
+    if log is not None:
+        log.append((steps, 0))
+    return tokens, logprobs, "graph" if graphed else "eager"
+
+
+def _run_steps(dec: _Decoder, max_new_tokens: int, use_graph: bool, check_every: int, pool: GraphPool,
+               min_rows: Optional[int], log: Optional[List[Tuple[int, int]]]) -> Tuple[int, bool]:
+    """``decode``'s loop from the second token on: steps replayed from the current batch's graph (captured
+    on its first step) or run eagerly, the batch compacted as rows finish. A failed capture is logged
+    and the rest runs eagerly. Returns the steps run and whether they ran from graphs."""
+    graph, captured, steps = None, False, 1
+    if log is not None:
+        log.append((1, dec.rows))
+    while steps < max_new_tokens:
+        if steps % check_every == 0:
+            live = int((~dec.done).sum())
+            if live == 0:
+                break
+            if min_rows is not None and bucket_rows(live, min_rows) < dec.rows:
+                graph = None  # the larger batch's graph is never replayed again
+                dec.compact(bucket_rows(live, min_rows))
+                if log is not None:
+                    log.append((steps, dec.rows))
+        if graph is None and use_graph and max_new_tokens - steps > 2:
             try:
-                graph = (graphs if graphs is not None else GraphPool()).capture(dec)
-                steps += 1
+                graph = pool.capture(dec)  # runs this step (the warm-up), captures the next
+                captured = True
             except Exception as e:  # noqa: BLE001 - any capture failure: decode eagerly instead
                 logger.warning("CUDA-graph decoding unavailable (%s: %s); decoding eagerly", type(e).__name__, e)
-                graph = None
+                use_graph, graph = False, None
                 steps = int(dec.t.item())  # the warm-up step may have run
-        while steps < max_new_tokens:
-            if steps % check_every == 0 and bool(dec.done.all()):
-                break
-            if graph is not None:
-                graph.replay()
-            else:
-                dec.step()
+                continue
             steps += 1
-        tokens, logprobs = dec.tokens.cpu(), dec.logprobs.cpu()
-    mode = "graph" if graph is not None else "eager"
-    del graph
-    return tokens, logprobs, mode
+            continue
+        if graph is not None:
+            graph.replay()
+        else:
+            dec.step()
+        steps += 1
+    return steps, captured and use_graph
