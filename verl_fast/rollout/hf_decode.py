@@ -89,19 +89,31 @@ def kv_bytes_per_token(config, element_bytes: int, shards: int = 1) -> Optional[
 PREFILL_BYTES = 8
 
 
-def bytes_per_prompt(config, width: int, max_new_tokens: int, samples: int) -> int:
-    """Device bytes one prompt decoded ``samples`` times takes in the loop at its peak: each sample's KV
-    cache (every layer's keys and values for ``width + max_new_tokens`` columns, counted at 4 bytes an
-    element: under autocast the keys leave the float32 rotary product) and float32 sampling rows over the
-    vocabulary (the logits and a few temporaries of their size), and once for the prompt the prefill's
-    activations over its ``width`` columns and its boolean attention mask (the prefill runs each prompt
-    once, ``decode``'s ``rows``)."""
+def bytes_per_prompt(config, width: int, max_new_tokens: int, samples: int, kv_element_bytes: int = 4) -> int:
+    """Device bytes one prompt decoded ``samples`` times takes in the loop at its peak (the first step:
+    compaction only shrinks it): each sample's KV cache (every layer's keys and values for ``width +
+    max_new_tokens`` columns at ``kv_element_bytes`` an element: the autocast dtype's under autocast,
+    ``StaticKV``, else the model's) and float32 sampling rows over the vocabulary (the logits and a few
+    temporaries of their size), and once for the prompt the prefill's activations over its ``width``
+    columns and its boolean attention mask (the prefill runs each prompt once, ``decode``'s ``rows``)."""
     cfg = getattr(config, "text_config", None) or config
     length = width + max_new_tokens
-    kv = kv_bytes_per_token(cfg, 4) * length
+    kv = kv_bytes_per_token(cfg, kv_element_bytes) * length
     inner = getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size
     prefill = PREFILL_BYTES * width * (cfg.hidden_size + inner) + width * width
     return samples * (kv + 6 * 4 * cfg.vocab_size) + prefill
+
+
+def prompts_per_call(config, width: int, max_new_tokens: int, samples: int, prompts: int,
+                     room: Optional[float], kv_element_bytes: int) -> int:
+    """How many of ``prompts`` prompts (each decoded ``samples`` times) one call of the loop takes:
+    all of them, or as many as ``room`` bytes hold at ``bytes_per_prompt`` (at least one; None: no
+    limit). The rest decode in further calls: the cache is never planned at the whole batch x cap when
+    that does not fit."""
+    if room is None:
+        return prompts
+    per_prompt = bytes_per_prompt(config, width, max_new_tokens, samples, kv_element_bytes)
+    return max(1, min(prompts, int(room // per_prompt)))
 
 
 class StaticKV(Cache):
