@@ -127,27 +127,31 @@ def transition_logits(m, vocab):
         return m(input_ids=torch.arange(vocab, device=device_of(m))[:, None]).logits[:, 0].double().cpu()
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p,compiled", [(1.0, 0, 1.0, False), (0.8, 6, 0.95, False),
-                                                               (0.9, 0, 0.9, True)])
-def test_sampled_rows_keep_the_exact_distribution_through_compaction(temperature, top_k, top_p, compiled):
+@pytest.mark.parametrize("temperature,top_k,top_p,compiled,device", [
+    (1.0, 0, 1.0, False, "cpu"), (0.8, 6, 0.95, False, "cpu"), (0.9, 0, 0.9, True, "cpu"),
+    pytest.param(0.9, 0, 0.9, True, "cuda", marks=pytest.mark.gpu)])
+def test_sampled_rows_keep_the_exact_distribution_through_compaction(temperature, top_k, top_p, compiled, device):
     """Transitions sampled from 400 rows of one prompt, compacted as they finish (checked every step,
     down to a few rows): their counts against the exact transition matrix (temperature, top-k, top-p applied in
     float64) by a chi-square test, and every recorded log-prob equal to the matrix's unfiltered one; also
-    with the step's forward, sampling and bookkeeping compiled (Inductor's own random stream)."""
+    with the step's forward, sampling and bookkeeping compiled (Inductor's own random stream), and on a
+    GPU replayed from each batch size's CUDA graph (each replay must draw fresh noise)."""
     from test_hf_decode import reference_probs
 
     vocab = 12
-    m = markov_model(vocab)
+    m = markov_model(vocab).to(device)
     logits = transition_logits(m, vocab)
     probs = torch.stack([reference_probs(logits[x], temperature, top_k, top_p) for x in range(vocab)])
     logp_full = torch.log_softmax(logits / temperature, -1)
-    ids, mask = torch.tensor([[3, 5, 7]]), torch.ones(1, 3, dtype=torch.long)
+    ids, mask = torch.tensor([[3, 5, 7]], device=device), torch.ones(1, 3, dtype=torch.long, device=device)
     torch.manual_seed(0)
     rows, log = 400, []
-    tokens, logp, _ = hf_decode.decode(m, ids, mask, 64, temperature, top_k, top_p, [0], 0, use_graph=False,
-                                       check_every=1, min_rows=8 if compiled else 1,  # (fewer compiles)
-                                       rows=torch.zeros(rows, dtype=torch.long), log=log,
-                                       compiled=hf_decode.CompiledForward() if compiled else None)
+    tokens, logp, mode = hf_decode.decode(m, ids, mask, 64, temperature, top_k, top_p, [0], 0,
+                                          use_graph=device == "cuda", check_every=1 if device == "cpu" else 4,
+                                          min_rows=8 if compiled else 1,  # (fewer compiles)
+                                          rows=torch.zeros(rows, dtype=torch.long, device=device), log=log,
+                                          compiled=hf_decode.CompiledForward() if compiled else None)
+    assert mode == ("graph" if device == "cuda" else "eager")
     assert len(log) > 6 and log[-2][1] <= 96, log  # compacted many times
     counts = torch.zeros(vocab, vocab, dtype=torch.float64)
     source = torch.cat([torch.full((rows, 1), 7), tokens[:, :-1]], 1)  # each token's previous one
