@@ -6,7 +6,9 @@ Plain ``generate`` spends most of a small model's decode step in Python and kern
 0.4B 24-layer model launches ~1,000 kernels per token) and reads a flag back to the host every
 token. Here the step -- one forward over a [B, 1] token batch, sampling, bookkeeping -- touches only
 tensors of fixed address (the cache, the token/position buffers, the mask), so one captured graph
-replays it for every token; finished rows are checked every ``check_every`` tokens. The prefill
+replays it for every token; finished rows are checked every ``check_every`` tokens, and leave the
+batch once the rest fit a smaller one (``decode``: the batch and its cache compacted, one graph per
+batch size). The prefill
 runs the model's own sdpa attention; the decode steps an attention that reads each cached KV head
 once for all the query heads that share it (``grouped_attention``).
 
@@ -467,14 +469,17 @@ def record(logits, sampling, done, pad, stop, tokens, logprobs, current, positio
 
 class GraphPool:
     """Where the decode step's CUDA graphs are captured, kept from one rollout to the next, so that a
-    rollout leaves the caching allocator as it found it. Each rollout captures its own graph (the
-    weights it reads are that call's autocast copies). ``torch.cuda.graph`` empties the allocator's
-    cache before every capture: the update's cached working set went back to the driver at each
-    rollout and was allocated again in the next update (~435 ``cudaFree`` + ``cudaMalloc`` a step at
-    the 0.5B shape on an H200); here the capture is begun and ended directly. A graph's private pool
-    is freed with the graph, so each capture goes into the pool of the previous graph, kept here
-    until then (its segments stay reserved between rollouts). One side stream runs the warm-up
-    step and the capture (the allocator caches blocks per stream)."""
+    rollout leaves the caching allocator as it found it. Each rollout captures its own graphs, one per
+    batch size it compacts to (the buffers they address -- the cache, the rows' state -- are that
+    call's; kept for the next call they would hold every batch size's cache through the update).
+    ``torch.cuda.graph`` empties the allocator's cache before every capture: the update's cached working
+    set went back to the driver at each rollout and was allocated again in the next update (~435
+    ``cudaFree`` + ``cudaMalloc`` a step at the 0.5B shape on an H200); here the capture is begun and
+    ended directly. A graph's private pool is freed with the graph, so each capture goes into the pool
+    of the previous graph, kept here until then (its segments stay reserved between rollouts): a
+    graph's pool holds only its step's temporaries (every buffer that outlives a step is allocated
+    outside the capture), and a call replays one graph at a time, each after the last. One side stream
+    runs the warm-up step and the capture (the allocator caches blocks per stream)."""
 
     def __init__(self) -> None:
         self.last: Optional["torch.cuda.CUDAGraph"] = None
