@@ -283,14 +283,16 @@ if want sft; then
   sed -n '/^sft on/,$p' "$OUT/bench.log" | tail -n 14
 fi
 
-# ---- decode (issues 24, 42): the rollout's compiled, graph-captured decode alone, each prompt prefilled once for
-# its 8 samples against prefilled row by row, with each call's top kernels; 0.5B and 1.5B (~3 minutes),
-# DECODE_SHAPES=7b for the 7B class's decode (~1 minute a variant); DECODE_VARIANTS adds unmerged (q/k/v
-# and gate/up as separate products) and kernel_attention (the attention through the Triton kernel) ----
+# ---- decode (issues 24, 42, 66): the rollout's compiled, graph-captured decode alone, 16 prompts x 8 samples:
+# the trainer's default (kernel_attention) at 256 new tokens, then ragged lengths (geometric, mean 150, cap
+# 1,024) with finished rows compacted out of the batch (ragged) and without (ragged_whole), each call's
+# steps, tokens/s, time a step against the floor's and top kernels; 0.5B and 1.5B (~6 minutes).
+# DECODE_SHAPES=7b for the 7B class's decode; DECODE_VARIANTS=merged,prefill_each,unmerged,... the older ones ----
 if want decode; then
-  timeout ${DECODE_TIMEOUT:-400} "$py" benchmarks/bench_decode.py --shapes "${DECODE_SHAPES:-0.5b,1.5b}" \
-    --variants "${DECODE_VARIANTS:-merged,prefill_each}" >> "$OUT/bench.log" 2>&1 || failed+=("bench_decode")
-  grep -E "^(0.5b|1.5b|7b) " "$OUT/bench.log" | tail -n 12
+  timeout ${DECODE_TIMEOUT:-470} "$py" benchmarks/bench_decode.py --shapes "${DECODE_SHAPES:-0.5b,1.5b}" \
+    --variants "${DECODE_VARIANTS:-kernel_attention,ragged,ragged_whole}" --reps "${DECODE_REPS:-3}" \
+    >> "$OUT/bench.log" 2>&1 || failed+=("bench_decode")
+  grep -E "^(0.5b|1.5b|7b) " "$OUT/bench.log" | grep -v "top kernels" | tail -n 12
 fi
 
 # ---- ncu (diagnostic): Nsight Compute's full set on compute_gae's scan kernel at 1024 x 4096 (what bounds it:

@@ -6,7 +6,9 @@ Plain ``generate`` spends most of a small model's decode step in Python and kern
 0.4B 24-layer model launches ~1,000 kernels per token) and reads a flag back to the host every
 token. Here the step -- one forward over a [B, 1] token batch, sampling, bookkeeping -- touches only
 tensors of fixed address (the cache, the token/position buffers, the mask), so one captured graph
-replays it for every token; finished rows are checked every ``check_every`` tokens. The prefill
+replays it for every token; finished rows are checked every ``check_every`` tokens, and leave the
+batch once the rest fit a smaller one (``decode``: the batch and its cache compacted, one graph per
+batch size). The prefill
 runs the model's own sdpa attention; the decode steps an attention that reads each cached KV head
 once for all the query heads that share it (``grouped_attention``).
 
@@ -89,19 +91,31 @@ def kv_bytes_per_token(config, element_bytes: int, shards: int = 1) -> Optional[
 PREFILL_BYTES = 8
 
 
-def bytes_per_prompt(config, width: int, max_new_tokens: int, samples: int) -> int:
-    """Device bytes one prompt decoded ``samples`` times takes in the loop at its peak: each sample's KV
-    cache (every layer's keys and values for ``width + max_new_tokens`` columns, counted at 4 bytes an
-    element: under autocast the keys leave the float32 rotary product) and float32 sampling rows over the
-    vocabulary (the logits and a few temporaries of their size), and once for the prompt the prefill's
-    activations over its ``width`` columns and its boolean attention mask (the prefill runs each prompt
-    once, ``decode``'s ``rows``)."""
+def bytes_per_prompt(config, width: int, max_new_tokens: int, samples: int, kv_element_bytes: int = 4) -> int:
+    """Device bytes one prompt decoded ``samples`` times takes in the loop at its peak (the first step:
+    compaction only shrinks it): each sample's KV cache (every layer's keys and values for ``width +
+    max_new_tokens`` columns at ``kv_element_bytes`` an element: the autocast dtype's under autocast,
+    ``StaticKV``, else the model's) and float32 sampling rows over the vocabulary (the logits and a few
+    temporaries of their size), and once for the prompt the prefill's activations over its ``width``
+    columns and its boolean attention mask (the prefill runs each prompt once, ``decode``'s ``rows``)."""
     cfg = getattr(config, "text_config", None) or config
     length = width + max_new_tokens
-    kv = kv_bytes_per_token(cfg, 4) * length
+    kv = kv_bytes_per_token(cfg, kv_element_bytes) * length
     inner = getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size
     prefill = PREFILL_BYTES * width * (cfg.hidden_size + inner) + width * width
     return samples * (kv + 6 * 4 * cfg.vocab_size) + prefill
+
+
+def prompts_per_call(config, width: int, max_new_tokens: int, samples: int, prompts: int,
+                     room: Optional[float], kv_element_bytes: int) -> int:
+    """How many of ``prompts`` prompts (each decoded ``samples`` times) one call of the loop takes:
+    all of them, or as many as ``room`` bytes hold at ``bytes_per_prompt`` (at least one; None: no
+    limit). The rest decode in further calls: the cache is never planned at the whole batch x cap when
+    that does not fit."""
+    if room is None:
+        return prompts
+    per_prompt = bytes_per_prompt(config, width, max_new_tokens, samples, kv_element_bytes)
+    return max(1, min(prompts, int(room // per_prompt)))
 
 
 class StaticKV(Cache):
@@ -300,12 +314,14 @@ class CompiledForward:
     autocast the linear layers run on copies of their weights in the autocast dtype, kept here and
     refreshed from the parameters at every rollout (what autocast would cast them to: the same
     numbers), because a compiled graph cannot use autocast's cast cache and would cast every weight
-    at every token."""
+    at every token. The step's sampling and bookkeeping (``record``) are compiled too. A compacted batch
+    (``decode``) brings new row counts: the first compiles once more with the rows symbolic."""
 
     WIDTH = 64
 
     def __init__(self) -> None:
         self.fn = torch.compile(model_step)
+        self.record = torch.compile(record)
         self.copies: dict = {}
         self.merged = merged_projections.Merged()
 
@@ -353,6 +369,7 @@ class _Decoder:
         self.module = module
         self.sampling = sampling
         self.forward = compiled.fn if compiled is not None else model_step  # the decode steps' forward
+        self.record = compiled.record if compiled is not None else record  # and their sampling
         W = input_ids.shape[1]
         B = input_ids.shape[0] if rows is None else rows.shape[0]
         device = input_ids.device
@@ -373,6 +390,43 @@ class _Decoder:
         self.col = torch.tensor([W], dtype=torch.long, device=device)  # cache column of the next token
         self.t = torch.tensor([1], dtype=torch.long, device=device)  # output column of the next token
         self.cache.cols = self.col
+        # the call's output rows; row i of the batch decodes output row origin[i] (-1: a filler)
+        self.out_tokens, self.out_logprobs = self.tokens, self.logprobs
+        self.origin = torch.arange(B, device=device)
+
+    @property
+    def rows(self) -> int:
+        return self.done.shape[0]
+
+    def compact(self, rows: int) -> None:
+        """The batch cut to ``rows`` rows: the unfinished rows in their order, then finished ones as
+        fillers (a finished row decodes pads, and its output is final), every per-row buffer and each
+        layer's cache gathered into new tensors of that many rows (the larger ones freed layer by
+        layer). Columns, positions and masks move with their rows, so each row's next forward is the one
+        it would have had in the larger batch."""
+        self._flush()
+        order = torch.argsort(self.done.to(torch.int8), stable=True)[:rows]  # unfinished rows first
+        for store in (self.cache.keys, self.cache.values):
+            for layer, tensor in enumerate(store):
+                store[layer] = tensor.index_select(0, order)
+        self.origin = self.origin.index_select(0, order).masked_fill_(self.done.index_select(0, order), -1)
+        for name in ("tokens", "logprobs", "valid", "position", "current", "done"):
+            setattr(self, name, getattr(self, name).index_select(0, order))
+        self.mask = self.valid[:, None, None, :]
+
+    def _flush(self) -> None:
+        """The batch's real rows written to their output rows (nothing to do before the first compaction)."""
+        if self.tokens is self.out_tokens:
+            return
+        real = (self.origin >= 0).nonzero().squeeze(-1)
+        where = self.origin.index_select(0, real)
+        self.out_tokens.index_copy_(0, where, self.tokens.index_select(0, real))
+        self.out_logprobs.index_copy_(0, where, self.logprobs.index_select(0, real))
+
+    def result(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The output rows' tokens and log-probs [B, max_new_tokens], on the host."""
+        self._flush()
+        return self.out_tokens.cpu(), self.out_logprobs.cpu()
 
     def _prefill(self, input_ids, valid, positions, W, rows):
         """The prompts' forward, each prompt once, and each row's first token from its prompt's logits."""
@@ -391,29 +445,41 @@ class _Decoder:
 
     def step(self) -> None:
         self.valid.index_fill_(1, self.col, True)
-        token, logp = sample(self.forward(self.module, self.current, self.mask, self.position, self.cache),
-                             *self.sampling)
-        token = torch.where(self.done, self.pad, token)
-        logp = logp.masked_fill(self.done, 0.0)
-        self.tokens.index_copy_(1, self.t, token[:, None])
-        self.logprobs.index_copy_(1, self.t, logp[:, None])
-        self.done |= torch.isin(token, self.stop)
-        self.current.copy_(token[:, None])
-        self.position.add_(1)
-        self.col.add_(1)
-        self.t.add_(1)
+        logits = self.forward(self.module, self.current, self.mask, self.position, self.cache)
+        self.record(logits, self.sampling, self.done, self.pad, self.stop, self.tokens, self.logprobs, self.current,
+                    self.position, self.col, self.t)
+
+
+def record(logits, sampling, done, pad, stop, tokens, logprobs, current, position, col, t) -> None:
+    """A decode step's sampling and bookkeeping, in place: the next tokens drawn from ``logits`` [B, V]
+    (``sample``), pad and log-prob 0 for finished rows, written at output column ``t``, the rows that drew
+    a stop token marked done, and the token, positions and columns advanced. Compiled with the forward
+    (``CompiledForward.record``) it is a few fused kernels where eager runs ~20 (~8 of them over [B, V])."""
+    token, logp = sample(logits, *sampling)
+    token = torch.where(done, pad, token)
+    logp = logp.masked_fill(done, 0.0)
+    tokens.index_copy_(1, t, token[:, None])
+    logprobs.index_copy_(1, t, logp[:, None])
+    done |= torch.isin(token, stop)
+    current.copy_(token[:, None])
+    position.add_(1)
+    col.add_(1)
+    t.add_(1)
 
 
 class GraphPool:
     """Where the decode step's CUDA graphs are captured, kept from one rollout to the next, so that a
-    rollout leaves the caching allocator as it found it. Each rollout captures its own graph (the
-    weights it reads are that call's autocast copies). ``torch.cuda.graph`` empties the allocator's
-    cache before every capture: the update's cached working set went back to the driver at each
-    rollout and was allocated again in the next update (~435 ``cudaFree`` + ``cudaMalloc`` a step at
-    the 0.5B shape on an H200); here the capture is begun and ended directly. A graph's private pool
-    is freed with the graph, so each capture goes into the pool of the previous graph, kept here
-    until then (its segments stay reserved between rollouts). One side stream runs the warm-up
-    step and the capture (the allocator caches blocks per stream)."""
+    rollout leaves the caching allocator as it found it. Each rollout captures its own graphs, one per
+    batch size it compacts to (the buffers they address -- the cache, the rows' state -- are that
+    call's; kept for the next call they would hold every batch size's cache through the update).
+    ``torch.cuda.graph`` empties the allocator's cache before every capture: the update's cached working
+    set went back to the driver at each rollout and was allocated again in the next update (~435
+    ``cudaFree`` + ``cudaMalloc`` a step at the 0.5B shape on an H200); here the capture is begun and
+    ended directly. A graph's private pool is freed with the graph, so each capture goes into the pool
+    of the previous graph, kept here until then (its segments stay reserved between rollouts): a
+    graph's pool holds only its step's temporaries (every buffer that outlives a step is allocated
+    outside the capture), and a call replays one graph at a time, each after the last. One side stream
+    runs the warm-up step and the capture (the allocator caches blocks per stream)."""
 
     def __init__(self) -> None:
         self.last: Optional["torch.cuda.CUDAGraph"] = None
@@ -440,12 +506,29 @@ class GraphPool:
         return graph
 
 
+def bucket_rows(live: int, smallest: int) -> int:
+    """The batch ``live`` unfinished rows decode in: the least of ``smallest`` x 2^k and ``smallest`` x
+    3 x 2^(k-1) that holds them (8, 12, 16, 24, 32, 48, 64, 96, 128, ... for 8), so that a captured
+    step is at most a third larger than its rows need and a call sees a few batch sizes only."""
+    size = smallest
+    while size < live:
+        if size * 3 // 2 >= live and size * 3 // 2 > size:
+            return size * 3 // 2
+        size *= 2
+    return size
+
+
+# The fewest rows a decode compacts to: below it a step costs the weights' read, whatever its rows
+MIN_ROWS = 8
+
+
 @torch.no_grad()
 def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
            temperature: float, top_k: int, top_p: float, stop_ids: Sequence[int], pad_id: int,
            use_graph: bool, check_every: int = 16, graphs: Optional[GraphPool] = None,
-           compiled: Optional[CompiledForward] = None,
-           rows: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, str]:
+           compiled: Optional[CompiledForward] = None, rows: Optional[torch.Tensor] = None,
+           min_rows: Optional[int] = MIN_ROWS,
+           log: Optional[List[Tuple[int, int]]] = None) -> Tuple[torch.Tensor, torch.Tensor, str]:
     """New tokens [B, max_new_tokens] (pad after a row's stop token, and after an early exit once
     every row stopped) and their log-probs [B, max_new_tokens] (0 past the end), on the host, and
     how the steps ran: "graph" (replays) or "eager".
@@ -456,8 +539,17 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
     prompt (16 prompts x 8 samples: an eighth of the prefill's work). The caller
     holds the model in eval mode, under its autocast, with parameters unsharded. ``use_graph``:
     replay a CUDA graph of the step (falls back to running it eagerly, with a logged reason, if
-    capture fails); ``graphs``: where the graph's memory is kept between calls (None: freed at the end);
-    ``compiled``: run the decode steps' forward compiled (None: eager)."""
+    capture fails); ``graphs``: where the graphs' memory is kept between calls (None: freed at the end);
+    ``compiled``: run the decode steps' forward compiled (None: eager).
+
+    Finished rows leave the batch: every ``check_every`` steps (the one host sync, which also ends the
+    loop once every row stopped), when the unfinished rows fit a smaller batch of ``bucket_rows`` (down
+    to ``min_rows``; None: never), the batch is compacted to it (``_Decoder.compact``: the cache shrinks
+    with it) and its step captured in a graph of its own. Each row's forwards are the ones it has in
+    the whole batch, so greedy tokens and log-probs are the uncompacted call's; sampled rows draw fresh
+    Exp(1) noise per row and step from the one generator either way, so each row's distribution is
+    the same (the draws themselves differ once the batch has changed). ``log``: (step, batch rows)
+    appended at the first step and at each compaction, then (steps run, 0)."""
     if compiled is not None:
         extra = -input_ids.shape[1] % compiled.WIDTH
         input_ids = torch.nn.functional.pad(input_ids, (extra, 0), value=pad_id)
@@ -469,25 +561,46 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
         dec = _Decoder(module, input_ids, attention_mask, max_new_tokens, (temperature, top_k, top_p), stop_ids,
                        pad_id, compiled, rows)  # the prefill: sdpa, eager
         stack.enter_context(_attention(module, ATTENTION))
-        graph = None
-        steps = 1
-        if use_graph and max_new_tokens > 2:
+        steps, graphed = _run_steps(dec, max_new_tokens, use_graph, check_every,
+                                    graphs if graphs is not None else GraphPool(), min_rows, log)
+        tokens, logprobs = dec.result()
+    if log is not None:
+        log.append((steps, 0))
+    return tokens, logprobs, "graph" if graphed else "eager"
+
+
+def _run_steps(dec: _Decoder, max_new_tokens: int, use_graph: bool, check_every: int, pool: GraphPool,
+               min_rows: Optional[int], log: Optional[List[Tuple[int, int]]]) -> Tuple[int, bool]:
+    """``decode``'s loop from the second token on: steps replayed from the current batch's graph (captured
+    on its first step) or run eagerly, the batch compacted as rows finish. A failed capture is logged
+    and the rest runs eagerly. Returns the steps run and whether they ran from graphs."""
+    graph, captured, steps = None, False, 1
+    if log is not None:
+        log.append((1, dec.rows))
+    while steps < max_new_tokens:
+        if steps % check_every == 0:
+            live = int((~dec.done).sum())
+            if live == 0:
+                break
+            if min_rows is not None and bucket_rows(live, min_rows) < dec.rows:
+                graph = None  # the larger batch's graph is never replayed again
+                dec.compact(bucket_rows(live, min_rows))
+                if log is not None:
+                    log.append((steps, dec.rows))
+        if graph is None and use_graph and max_new_tokens - steps > 2:
             try:
-                graph = (graphs if graphs is not None else GraphPool()).capture(dec)
-                steps += 1
+                graph = pool.capture(dec)  # runs this step (the warm-up), captures the next
+                captured = True
             except Exception as e:  # noqa: BLE001 - any capture failure: decode eagerly instead
                 logger.warning("CUDA-graph decoding unavailable (%s: %s); decoding eagerly", type(e).__name__, e)
-                graph = None
+                use_graph, graph = False, None
                 steps = int(dec.t.item())  # the warm-up step may have run
-        while steps < max_new_tokens:
-            if steps % check_every == 0 and bool(dec.done.all()):
-                break
-            if graph is not None:
-                graph.replay()
-            else:
-                dec.step()
+                continue
             steps += 1
-        tokens, logprobs = dec.tokens.cpu(), dec.logprobs.cpu()
-    mode = "graph" if graph is not None else "eager"
-    del graph
-    return tokens, logprobs, mode
+            continue
+        if graph is not None:
+            graph.replay()
+        else:
+            dec.step()
+        steps += 1
+    return steps, captured and use_graph

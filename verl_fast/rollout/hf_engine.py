@@ -230,9 +230,13 @@ class HFGenerateEngine(RolloutEngine):
         step = hf_decode.CompiledForward.WIDTH  # the compiled loop pads prompts to a multiple of it
         width = -(-max(len(prompts[i]) for i in members) // step) * step
         rows = 1 if spec.temperature == 0.0 else spec.n
-        per_prompt = hf_decode.bytes_per_prompt(self._module().config, width, spec.max_tokens, rows)
-        fits = max(1, min(len(members), int(room // per_prompt)))
+        # the cache's element: the autocast dtype's keys and values (StaticKV), else the model's
+        element = (torch.empty((), dtype=self.autocast_dtype).element_size() if self.autocast_dtype is not None
+                   else next(self._module().parameters()).element_size())
+        config = self._module().config
+        fits = hf_decode.prompts_per_call(config, width, spec.max_tokens, rows, len(members), room, element)
         if fits < len(members):
+            per_prompt = hf_decode.bytes_per_prompt(config, width, spec.max_tokens, rows, element)
             logger.info("HF decode: %d of %d prompts per call (%.1f GiB of room at %.0f MiB a prompt)", fits,
                         len(members), room / 2**30, per_prompt / 2**20)
         return fits

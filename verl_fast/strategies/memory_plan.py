@@ -23,10 +23,16 @@ work, checkpointing costs one more forward of every token, so micro-batches of a
 ``MICRO_BATCH_S`` x ``UPDATE_FLOPS_PER_S`` / (2 x parameters) tokens are cheaper than recomputing
 (~38k tokens at the 0.5B shape, where a group decides; ~2.5k at 7B). The run is refused before the
 weights load when it cannot hold one sequence's even with it.
+
+The rollout's compiled HF decode holds its KV cache in the same room while it runs (the update's
+activations are gone by then): ``decode_prompts_per_call`` counts how many of a step's prompts one
+decode call takes at ``rollout.max_new_tokens`` (``hf_decode.prompts_per_call``), the rest decoding in
+further calls, and ``check_before_loading`` logs it where that is fewer than the step's.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Tuple
 
@@ -34,8 +40,11 @@ import torch
 
 from verl_fast.config import Config
 from verl_fast.distributed import MEMORY_FRACTION, allocatable_bytes
-from verl_fast.rollout import engines as rollout_engines
 from verl_fast.models.lora import is_peft
+from verl_fast.rollout import engines as rollout_engines
+from verl_fast.rollout import hf_decode
+
+logger = logging.getLogger(__name__)
 
 GIB = 2**30
 # Activation bytes a training pass keeps for its backward, per token, per layer and per unit of
@@ -213,9 +222,23 @@ def refusal(p: Plan, cfg: Config) -> str:
             + "; or ".join(o for o in options if o))
 
 
+def decode_prompts_per_call(p: Plan, cfg: Config, hf_config: Any) -> int:
+    """How many of a step's ``trainer.train_batch_size`` prompts one call of the HF decode takes in the
+    room ``p`` leaves: each prompt's ``rollout.n`` rows at ``trainer.max_prompt_length`` (rounded up as
+    the compiled decode pads it) and ``rollout.max_new_tokens``, keys and values in bf16 under bf16
+    autocast (else in ``actor.dtype``)."""
+    a, r, t = cfg.actor, cfg.rollout, cfg.trainer
+    step = hf_decode.CompiledForward.WIDTH
+    width = -(-t.max_prompt_length // step) * step
+    element = 2 if a.autocast in (None, "auto", "bfloat16", "float16") else DTYPE_BYTES[a.dtype]
+    return hf_decode.prompts_per_call(hf_config, width, r.max_new_tokens, r.n, t.train_batch_size, max(p.room, 0.0),
+                                      element)
+
+
 def check_before_loading(cfg: Config, folder: str, needs_reference: bool, device: torch.device) -> Optional[Plan]:
     """On a GPU: the plan of the model in ``folder``, raising ``DoesNotFit`` (one line) when even
-    checkpointed activations of one sequence find no room. None elsewhere."""
+    checkpointed activations of one sequence find no room (and logging how many prompts a decode call
+    takes where that is fewer than a step's). None elsewhere."""
     if device.type != "cuda":
         return None
     shape = shape_from_folder(folder, cfg.actor.lora, cfg.actor.trust_remote_code)
@@ -224,6 +247,14 @@ def check_before_loading(cfg: Config, folder: str, needs_reference: bool, device
     p = plan(cfg, shape, free, needs_reference and not peft, peft)
     if not p.fits():
         raise DoesNotFit(refusal(p, cfg))
+    from transformers import AutoConfig
+
+    per_call = decode_prompts_per_call(p, cfg, AutoConfig.from_pretrained(folder,
+                                                                           trust_remote_code=cfg.actor.trust_remote_code))
+    if per_call < cfg.trainer.train_batch_size:
+        logger.info("memory plan: the HF decode takes %d of a step's %d prompts per call (KV cache at %d new tokens "
+                    "in %.1f GiB of room)", per_call, cfg.trainer.train_batch_size, cfg.rollout.max_new_tokens,
+                    p.room / GIB)
     return p
 
 
