@@ -29,6 +29,7 @@ of them), or offloaded to the host where no sync rewrites them (a LoRA actor's b
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -42,6 +43,7 @@ from verl_fast.models.wrapping import hf_module, is_sharded
 from verl_fast.ops.reshard.spec import MOE_FAMILIES
 from verl_fast.rollout import hf_decode
 from verl_fast.rollout.base import RolloutEngine
+from verl_fast.rollout.fp8_sync import QUANTIZATION_CONFIG
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 
 
@@ -82,7 +84,7 @@ def build_engine(cfg: Config, actor: torch.nn.Module, tokenizer: Any, model_path
     where the strategy trains another copy and only exports into it after each update)."""
     kind = resolve_type(cfg.rollout.type, actor if hf_decode_by_default else None)
     quantization = cfg.rollout.quantization
-    if quantization and (kind == "hf" or not hasattr(actor, "peft_config")):
+    if quantization and quantization != "fp8" and (kind == "hf" or not hasattr(actor, "peft_config")):
         raise ValueError(f"rollout.quantization={quantization} is not supported with " + (
             "HF generate rollout (it runs the actor's own weights); use rollout.type=vllm" if kind == "hf" else
             "a full-weight actor: the engine's quantized weights cannot take the trainer's updates; train a "
@@ -91,7 +93,8 @@ def build_engine(cfg: Config, actor: torch.nn.Module, tokenizer: Any, model_path
     if kind == "hf":
         return HFGenerateEngine(actor, tokenizer, autocast_dtype=autocast_dtype, fast_decode=cfg.rollout.hf_fast_decode,
                                 record_routing=record,
-                                compile_decode=compiles_decode(actor, cfg.rollout.hf_compile_decode))
+                                compile_decode=compiles_decode(actor, cfg.rollout.hf_compile_decode),
+                                quantization=quantization)
     from verl_fast.rollout.data_parallel import DataParallelEngine
     from verl_fast.rollout.vllm_engine import VLLMInferenceEngine
 
@@ -105,9 +108,15 @@ def build_engine(cfg: Config, actor: torch.nn.Module, tokenizer: Any, model_path
         raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide the number of "
                          f"processes ({world}): each group of that many consecutive ranks runs one engine")
     kwargs: Dict[str, Any] = {"quantization": r.quantization} if r.quantization else {}
-    placeholder = model_path is None
+    fp8_weights = r.quantization == "fp8" and not peft  # block-FP8 layers the sync writes (rollout/fp8_sync.py)
+    if fp8_weights:
+        check_fp8_engine(world)
+    if r.kv_cache_dtype != "auto":
+        kwargs["kv_cache_dtype"] = r.kv_cache_dtype
+    placeholder = model_path is None or fp8_weights
     if placeholder:
-        model_path = engine_folder(actor, tokenizer)
+        model_path = engine_folder(actor, tokenizer, {"quantization_config": QUANTIZATION_CONFIG} if fp8_weights
+                                   else None)
         kwargs["load_format"] = "dummy"
     if world > 1:
         kwargs["distributed_executor_backend"] = "external_launcher"
@@ -129,12 +138,24 @@ def build_engine(cfg: Config, actor: torch.nn.Module, tokenizer: Any, model_path
         seed=r.seed, enable_sleep_mode=None if r.enable_sleep_mode else False,
         sleep_level=resolve_sleep_level(r.sleep_level, peft, engine_weight_bytes(actor, dtype)), enable_lora=peft, enforce_eager=r.enforce_eager,
         **({"max_lora_rank": lora_rank(actor)} if peft else {}),
-        cudagraph_batch=min(r.max_num_seqs, per_engine), record_routing=record, **kwargs)
+        cudagraph_batch=min(r.max_num_seqs, per_engine), record_routing=record, fp8_weights=fp8_weights, **kwargs)
     if placeholder or peft:  # placeholder weights, or the adapter still to push
         engine.sync_from(actor if source is None or peft else source)
     if world > 1:
         return DataParallelEngine(engine, r.tensor_parallel_size, engine.pad_token_id)
     return engine
+
+
+def check_fp8_engine(world: int) -> None:
+    """A vLLM engine of FP8 weights synced from a full-weight actor: a GPU's vLLM, one process."""
+    from verl_fast.rollout import vllm_compat
+
+    if vllm_compat.is_cpu_platform():
+        raise ValueError("rollout.quantization=fp8 with rollout.type=vllm needs a GPU (vLLM-CPU has no FP8 linear "
+                         "layers); on the CPU use rollout.type=hf, whose FP8 layers are emulated")
+    if world > 1:
+        raise ValueError("rollout.quantization=fp8 with rollout.type=vllm syncs from a whole actor in one process; "
+                         "run one process, or drop rollout.quantization")
 
 
 # the LoRA ranks vLLM's max_lora_rank takes
@@ -187,12 +208,15 @@ def resolve_sleep_level(level: Optional[int], keeps_base_weights: bool, weight_b
     return 0 if total and weight_bytes <= total // 8 else 2
 
 
-def engine_folder(actor: torch.nn.Module, tokenizer: Any) -> str:
+def engine_folder(actor: torch.nn.Module, tokenizer: Any, extra_config: Optional[Dict[str, Any]] = None) -> str:
     """A folder with the actor's config and tokenizer (no weights) for a placeholder-weight engine,
     named by a hash of those files under ``$VERL_FAST_CACHE`` (default ``~/.cache/verl_fast``), so
     the same model gets the same path on every run."""
     with tempfile.TemporaryDirectory(prefix="verl_fast_actor_") as tmp:
         hf_module(actor).config.save_pretrained(tmp)
+        if extra_config:  # e.g. the quantization_config of an FP8 engine
+            path = Path(tmp) / "config.json"
+            path.write_text(json.dumps({**json.loads(path.read_text()), **extra_config}, indent=2))
         tokenizer.save_pretrained(tmp)
         digest = hashlib.sha256()
         for f in sorted(Path(tmp).iterdir()):

@@ -64,6 +64,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from verl_fast.rollout import fp8_sync
 from verl_fast.rollout import vllm_compat as compat
 from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec, pad_completions
 from verl_fast.rollout.vllm_env import IN_PROCESS, configure_vllm_env
@@ -236,6 +237,7 @@ class VLLMInferenceEngine(RolloutEngine):
         cudagraph_batch: Optional[int] = None,
         model_name: Optional[str] = None,
         record_routing: bool = False,
+        fp8_weights: bool = False,
         **engine_kwargs: Any,
     ) -> None:
         if (model_name is None) == (model_name_or_path is None):  # model_name: the name user code often passes
@@ -252,6 +254,7 @@ class VLLMInferenceEngine(RolloutEngine):
         vllm = _vllm_in_process(external)
         self.import_seconds = time.perf_counter() - start  # vLLM's modules (cached after a first engine)
         self.record_routing = record_routing  # MoE: each token's experts per layer (GenerationOutput.routed_experts)
+        self.fp8_weights = fp8_weights  # block-FP8 projections, quantised at each sync (rollout/fp8_sync.py)
         if record_routing:
             compat.check_routed_experts()
             engine_kwargs["enable_return_routed_experts"] = True
@@ -493,6 +496,13 @@ class VLLMInferenceEngine(RolloutEngine):
             self.update_lora(model)
             return {"bytes": 0}
         start = time.perf_counter()
+        if self.fp8_weights:
+            self._wake(["weights"])
+            with compat.torch_threads(self._threads), compat.quiet_reload():
+                compat.reload_weights(self.llm, list(fp8_sync.fp8_tensors(model, self.dtype or torch.bfloat16)))
+            self._weights_stale = False
+            self._last_update_s = time.perf_counter() - start
+            return {"bytes": 0}
         if self._sync is None:
             self._sync = self._weight_sync(model)
         self._wake(["weights"])  # after sleep(): weights must be resident before they are written

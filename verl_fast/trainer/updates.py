@@ -18,6 +18,7 @@ from verl_fast.config import Config
 from verl_fast.rollout.experience import Experience
 from verl_fast.strategies import memory_plan
 from verl_fast.trainer.batching import loss_normalisers, micro_batches, token_budget
+from verl_fast.trainer.guardrails import nonfinite_step
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ class Updates:
         self.cfg, self.strategy, self.perf = cfg, strategy, perf
         self.device, self.dp_group, self.world = strategy.device, strategy.dp_group, strategy.dp_size
         self.auto_budget: Optional[int] = None  # actor.max_token_len_per_gpu's auto (token_budget)
+        self.skipped: List[str] = []  # the last actor update's steps skipped for a non-finite gradient, named
 
     # ---- micro-batches
 
@@ -103,6 +105,8 @@ class Updates:
         peaks: Dict[str, List[Any]] = {}  # the "*_max" statistics: the largest, not the mean
         weight, every, norms = 0.0, 0.0, 0.0  # tokens trained on, the mini-batches' tokens (every rank's), norms
         self.strategy.actor.train()
+        self.skipped = []
+        steps = a.ppo_epochs * math.ceil(N / mini)
         for epoch in range(a.ppo_epochs):
             order = rows
             if a.ppo_epochs > 1 or mini < N:
@@ -114,6 +118,10 @@ class Updates:
                 micro = self.micro(exp, mb[active[mb]])
                 every += counts["num_tokens"] * counts["dp_size"]
                 stats, norm = self.step(exp, micro, lambda logp, entropy, sub: loss(logp, entropy, sub, counts))
+                skipped = nonfinite_step(epoch * math.ceil(N / mini) + start // mini, steps, norm, stats)
+                if skipped is not None:  # the strategy did not step (guardrails name it)
+                    self.skipped.append(skipped)
+                    norm = 0.0  # actor/grad_norm: the mean of the steps taken
                 for idx, st in zip(micro, stats):
                     w = float(exp.response_mask[idx].sum())
                     for k, v in st.items():
@@ -133,12 +141,11 @@ class Updates:
                 keys = sorted(largest)
                 largest = dict(zip(keys, distributed.all_reduce_numbers([largest[k] for k in keys], "max",
                                                                         group=self.dp_group)))
-        steps = a.ppo_epochs * math.ceil(N / mini)
         means = {k: v / max(every if k == "pg_loss" else weight, 1e-9) for k, v in totals.items()}
         # statistics named with a group of their own ("rollout_correction/...") keep it; the rest are the actor's
         out = {k if "/" in k else f"actor/{k}": v for k, v in {**means, **largest}.items()}
         out.setdefault("actor/pg_loss", 0.0)  # every advantage 0: the policy loss is exactly 0
-        out["actor/grad_norm"] = norms / steps
+        out["actor/grad_norm"] = norms / max(steps - len(self.skipped), 1)
         out["actor/active_fraction"] = float(active.float().mean())
         return {**out, **self.budget_metrics()}
 
