@@ -9,7 +9,10 @@ import torch
 from verl_fast.algos.loss_terms import agg_loss, entropy_loss, kl_penalty
 from verl_fast.algos.policy_loss_variants import policy_loss_tokens
 from verl_fast.algos.rollout_correction import truncated_is_weights
+from verl_fast.ops.masked import masked_mean
 from verl_fast.rollout.experience import Experience
+
+SYNC_GAP = "guardrails/sync_logprob_diff"  # mean |actor - engine| log-prob per response token
 
 
 def actor_loss(a, logp: torch.Tensor, entropy: torch.Tensor, sub: Experience, counts: Dict[str, float],
@@ -28,6 +31,9 @@ def actor_loss(a, logp: torch.Tensor, entropy: torch.Tensor, sub: Experience, co
     if correction_cap is not None:
         weights, spread = truncated_is_weights(old, sub.rollout_logprobs, sub.response_mask, correction_cap)
         stats.update({f"rollout_correction/{k}": v for k, v in spread.items()})
+    if sub.old_logprobs is None and sub.rollout_logprobs is not None:  # this forward is the policy the engine
+        # should have sampled from: the sync guardrail's measure, free here (trainer/guardrails.py)
+        stats[SYNC_GAP] = masked_mean((old - sub.rollout_logprobs.float()).abs(), sub.response_mask.float())
     if weights is not None:
         per_token = per_token * weights
     pg = agg_loss(per_token, sub.response_mask, a.loss_agg_mode, **counts)

@@ -455,11 +455,9 @@ class GuardrailsConfig:
     line or stops the run naming what it found (``trainer/guardrails.py``, docs/faults.md#guardrails)."""
 
     sync_check: bool = _f(True, doc="at every rollout (the first after each weight sync), the engine's "
-                          "log-probs of its sampled tokens against the actor's: the old log-probs where the step "
-                          "computes them, else one pass over sync_check_rows samples; past "
-                          "sync_logprob_tolerance the run stops naming the parameter groups that differ")
-    sync_check_rows: int = _f(2, min=1, doc="sync_check: the samples the actor scores when the step computes no "
-                              "old log-probs")
+                          "log-probs of its sampled tokens against the actor's, at no extra pass (the step's old "
+                          "log-probs, else the update's own forward); past sync_logprob_tolerance the run stops "
+                          "naming the parameter groups that differ")
     sync_logprob_tolerance: float = _f(0.5, above=0.0, doc="sync_check: the largest mean |engine - actor| "
                                        "log-prob per response token (nats) of the checked samples")
     truncation_threshold: float = _f(0.5, min=0.0, max=1.0, doc="warn when response/truncated is above this "

@@ -3,9 +3,9 @@ trainer runs on every step, each a ``guardrails/*`` metric and a one-line warnin
 the run.
 
 - The weight sync: the rollout engine's log-probs of the tokens it sampled against the actor's, at every
-  rollout (so at the first after each sync). The actor's come free where the step computes old log-probs;
-  else one forward over ``sync_check_rows`` samples (a pass over a few rows of a step that runs forward
-  and backward over all of them). Past the tolerance the run stops, naming the parameter groups whose
+  rollout (so at the first after each sync), at no extra pass: the actor's are the step's old log-probs
+  where it computes them, else the update's own forward (which is then the policy before the update:
+  one optimiser step per batch), measured in the actor's loss and checked before the optimiser step. Past the tolerance the run stops, naming the parameter groups whose
   engine copy differs from the actor (``RolloutEngine.weight_differences``): an adapter the engine ignored,
   a stale or partial sync, a wrong dtype or layout.
 - The samples' signal: heavy truncation for several steps, prompt groups whose samples all score the
@@ -117,29 +117,29 @@ class Guardrails:
 
     # ---- the weight sync
 
-    def check_sync(self, step: int, exp: Experience, actor_logprobs: Callable[[Experience, List[torch.Tensor]],
-                   torch.Tensor], differences: Callable[[], Optional[List[str]]], metrics: Dict[str, Any]) -> None:
-        """The engine's log-probs of its samples (``exp.rollout_logprobs``) against the actor's: the step's
-        old log-probs where it has them, else ``actor_logprobs(exp, [rows])`` over the first
-        ``sync_check_rows``. Past the tolerance, stops naming ``differences()`` (the parameter groups whose
-        engine copy differs; None: the engine cannot tell)."""
-        c = self.cfg
-        if not c.sync_check:
-            return
-        if exp.rollout_logprobs is None:  # an engine that returns none cannot be checked
+    def sync_gap(self, exp: Experience) -> Optional[float]:
+        """The mean |engine - actor| log-prob per response token of ``exp`` from its old log-probs (every
+        rank's tokens), or None where the step has none (the update's forward then measures it:
+        ``actor_micro_batch_loss``'s ``guardrails/sync_logprob_diff``) or the engine returned none."""
+        if exp.rollout_logprobs is None:
             if not self._warned_no_logprobs:
                 self._warn("the rollout engine returned no log-probs of its samples: the weight sync is not checked")
                 self._warned_no_logprobs = True
-            return
-        if exp.old_logprobs is not None:
-            rows, actor = slice(None), exp.old_logprobs
-        else:
-            rows = torch.arange(min(c.sync_check_rows, exp.num_sequences), device=exp.response_mask.device)
-            actor = actor_logprobs(exp, [rows])
-        mask = exp.response_mask[rows].float()
-        gap = ((actor[rows].float() - exp.rollout_logprobs[rows].float()).abs() * mask).sum()
+            return None
+        if exp.old_logprobs is None:
+            return None
+        mask = exp.response_mask.float()
+        gap = ((exp.old_logprobs.float() - exp.rollout_logprobs.float()).abs() * mask).sum()
         total, tokens = self._sum([gap, mask.sum()])
-        diff = total / max(tokens, 1.0)
+        return total / max(tokens, 1.0)
+
+    def check_sync(self, step: int, diff: Optional[float], differences: Callable[[], Optional[List[str]]],
+                   metrics: Dict[str, Any]) -> None:
+        """Past ``sync_logprob_tolerance``, stops naming ``differences()`` (the parameter groups whose engine
+        copy differs from the actor's; None: the engine cannot tell). ``diff`` None: nothing measured."""
+        c = self.cfg
+        if not c.sync_check or diff is None:
+            return
         metrics["guardrails/sync_logprob_diff"] = diff
         if diff <= c.sync_logprob_tolerance:
             return

@@ -166,6 +166,9 @@ class RLTrainer:
         self.perf.watch = self.watchdog.phase
         # trainer.async_mode: where the samples come from when not generated in the step (None: off)
         self.async_rollout = async_modes.build(self)
+        if self.async_rollout is None:  # the sync guardrail where the update's forward is the policy sampled from
+            self.updates.sync_gap_check = lambda diff: self.guardrails.check_sync(
+                self.step + 1, diff, self._weight_differences, {})
         if self.is_main:  # what the defaults became here, once (the token budget: at the first update)
             settings = dict(s.resolved())
             if self.engine is not None:
@@ -477,8 +480,7 @@ class RLTrainer:
         if not early:
             self._model_passes(exp)
         if self.async_rollout is None:  # samples of the weights the actor has now (async: of an older version)
-            with timed("guardrails"):
-                self.guardrails.check_sync(self.step + 1, exp, self._actor_logprobs, self._weight_differences, metrics)
+            self.guardrails.check_sync(self.step + 1, self.guardrails.sync_gap(exp), self._weight_differences, metrics)
         algorithm.correct_rollout(exp, metrics, type(self.engine).__name__)
         with timed("advantages"):
             algorithm.shape_rewards(exp, metrics)
@@ -547,10 +549,6 @@ class RLTrainer:
     @torch.no_grad()
     def _old_logprobs(self, exp: Experience) -> torch.Tensor:
         return self.strategy.actor_logprobs(exp, self.updates.micro(exp, for_update=False))
-
-    @torch.no_grad()
-    def _actor_logprobs(self, exp: Experience, micro: List[torch.Tensor]) -> torch.Tensor:
-        return self.strategy.actor_logprobs(exp, micro)
 
     def _weight_differences(self) -> Optional[List[str]]:
         """The engine's parameter groups that differ from the actor's (None: the engine cannot tell)."""
