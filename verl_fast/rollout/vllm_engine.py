@@ -517,7 +517,7 @@ class VLLMInferenceEngine(RolloutEngine):
         self._last_update_s = time.perf_counter() - start
         return {"bytes": self._sync.received_bytes}
 
-    def _weight_sync(self, model: torch.nn.Module):
+    def _weight_sync(self, model: torch.nn.Module, direct: Optional[bool] = None):
         from verl_fast.models.wrapping import hf_module
         from verl_fast import distributed
         from verl_fast.ops.reshard import ModelSpec
@@ -531,7 +531,26 @@ class VLLMInferenceEngine(RolloutEngine):
         config = getattr(model, "hf_config", None) or hf_module(model).config  # hf_config: a Megatron actor
         spec = ModelSpec.from_hf_config(config, dtype=self.dtype)
         return WeightSync(spec, tp, consecutive_tp_ranks(world, tp), world, self.dtype or spec.dtype,
-                          direct=not compat.is_cpu_platform())
+                          direct=not compat.is_cpu_platform() if direct is None else direct)
+
+    def weight_differences(self, model: torch.nn.Module) -> Optional[List[str]]:
+        """The engine's parameter groups (vLLM's names: ``qkv_proj``, ``gate_up_proj`` fused) whose weights are
+        not ``model``'s as a sync writes them (the resharding engine's direct layout, in the engine's dtype);
+        None for an engine of several processes, a LoRA adapter or FP8 weights."""
+        from verl_fast import distributed
+        from verl_fast.rollout import sync_check
+
+        if hasattr(model, "peft_config") or self.fp8_weights or distributed.world_size() > 1:
+            return None
+        self._wake(["weights"])
+        expected = self._weight_sync(model, direct=True).run(model)
+        engine = self._engine_parameters()
+        # vLLM-CPU may repack a linear weight into oneDNN's own buffer and leave the parameter empty
+        unreadable = {k for k, v in engine.items() if not v.numel() and expected.get(k, v).numel()}
+        groups = sync_check.differing_groups({k: v for k, v in engine.items() if k not in unreadable},
+                                             {k: v for k, v in expected.items() if k not in unreadable},
+                                             {k: v.dtype for k, v in engine.items()})
+        return groups if groups or not unreadable else None
 
     def _engine_parameters(self) -> Dict[str, torch.Tensor]:
         if not hasattr(self, "_params"):
