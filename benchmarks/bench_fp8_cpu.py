@@ -8,13 +8,14 @@ Each run is ``verl-fast train`` of the embedded default config (``bench_async_cp
 (``guardrails/sync_logprob_diff``) per run; a mode's summary is the mean of its last ``--last`` steps' rewards
 over the seeds; FP8 is "within" when that mean lies inside the unquantised seeds' [min, max].
 
-    python benchmarks/bench_fp8_cpu.py [--steps 12] [--seeds 0,1,2]
+    python benchmarks/bench_fp8_cpu.py [--steps 12] [--seeds 0,1,2] [--jobs 3]
     python benchmarks/bench_fp8_cpu.py --steps 2 --seeds 0 --set actor.model_name=TINY_DIR  # smoke test
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import statistics
 import sys
@@ -41,20 +42,27 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--last", type=int, default=4, help="steps at the end averaged per run")
     p.add_argument("--set", action="append", default=[], help="SECTION.KEY=VALUE for every run")
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time (their wall_s then overlap)")
     args = p.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     report = Report("fp8_curves", "cpu", meta={"steps": args.steps, "seeds": seeds, "last": args.last, "runs": {}})
     summary: Dict[str, Dict[str, float]] = {}
-    with tempfile.TemporaryDirectory(prefix="bench_fp8_cpu_") as tmp:
-        for mode, extra in MODES.items():
+    with tempfile.TemporaryDirectory(prefix="bench_fp8_cpu_") as tmp, \
+            concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        def one(mode: str, seed: int) -> Dict[str, object]:
             work = Path(tmp) / mode
-            work.mkdir()
-            runs = []
-            for seed in seeds:
-                run = run_one("off", seed, args.steps, work, [*extra, *args.set])
-                run["sync_logprob_diff"] = gaps(work / f"off_{seed}")
-                runs.append(run)
-                print(f"{mode} seed {seed}: rewards {[round(r, 3) for r in run['rewards']]}", flush=True)
+            work.mkdir(exist_ok=True)
+            run = run_one("off", seed, args.steps, work, [*MODES[mode], *args.set])
+            run["sync_logprob_diff"] = gaps(work / f"off_{seed}")
+            print(f"{mode} seed {seed}: rewards {[round(r, 3) for r in run['rewards']]}", flush=True)
+            return run
+
+        started: Dict[str, list] = {mode: [] for mode in MODES}
+        for seed in seeds:  # the modes' runs side by side, seed by seed
+            for mode in MODES:
+                started[mode].append(pool.submit(one, mode, seed))
+        for mode, futures in started.items():
+            runs = [f.result() for f in futures]
             report.meta["runs"][mode] = runs
             ends = [statistics.mean(r["rewards"][-args.last:]) for r in runs]
             summary[mode] = {"mean": statistics.mean(ends), "min": min(ends), "max": max(ends),
