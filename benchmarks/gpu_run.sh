@@ -19,7 +19,7 @@
 # overlap (the reward beside the old-log-prob pass), hotpaths (the ops as users call them, before / after issue 48), vllm (every vLLM test, on the GPU's vLLM), trainer (the CLI
 # with vLLM rollout: GRPO + resume, PPO, the default config), advantage, logprobs, reshard, hybrid, e2e,
 # sft (our SFT step beside TRL's SFTTrainer), async (off / one_step / full), dist (needs 2 GPUs), megatron (2 GPUs; megatron-core's wheel in .whl/),
-# bench (`verl-fast bench` itself, quick sizes), ncu (Nsight Compute on the GAE scan kernel, where the image has it).
+# fp8 (FP8 rollout vs bf16 at 7B: sync, HF decode, vLLM), bench (`verl-fast bench` itself, quick sizes), ncu (Nsight Compute on the GAE scan kernel, where the image has it).
 # That machine: H200(s), torch 2.11 + CUDA 13, Triton 3.6, Python 3.12, no vLLM / megatron-core, no
 # network: build with --no-build-isolation --no-deps; pure-Python wheels (liger-kernel for the
 # logprobs baseline; trl, datasets, dill, multiprocess for e2e; megatron-core) travel in .whl/ (carry it);
@@ -340,6 +340,18 @@ if want multi_turn; then
     --trl-timeout "${MULTI_TURN_TRL_TIMEOUT:-270}" >> "$OUT/bench.log" 2>&1 || failed+=("bench_multi_turn")
   grep -E "^0.5b multi-turn|^TRL " "$OUT/bench.log" | tail -n 3
   sed -n '/^multi_turn on/,/^saved/p' "$OUT/bench.log" | tail -n 8
+fi
+
+# ---- fp8 (issue 69): FP8 rollout at the Qwen2.5-7B shape, one GPU (benchmarks/bench_fp8.py): the sync's work
+# (bf16 reshard vs the FP8 kernel into fused rows), the HF decode bf16 vs FP8 (_scaled_mm) tokens/s, vLLM bf16 vs
+# block-FP8 tokens/s and sync (where vLLM is installed); then the FP8 gpu tests (kernel vs CPU byte for byte, the
+# vLLM block-FP8 engine). FP8_PARTS picks parts (default sync,hf,vllm); ~6 min ----
+if want fp8; then
+  timeout 420 "$py" benchmarks/bench_fp8.py --parts "${FP8_PARTS:-sync,hf,vllm}" >> "$OUT/bench.log" 2>&1 || failed+=("bench_fp8")
+  grep -A8 "^fp8_rollout" "$OUT/bench.log" | tail -n 9
+  timeout 120 "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/ops/test_fp8_quantize.py \
+    python_tests/rollout/test_fp8_rollout.py > "$OUT/pytest_fp8.log" 2>&1 || failed+=("pytest fp8")
+  tail -n 3 "$OUT/pytest_fp8.log"
 fi
 
 # ---- bench (issue 17): `verl-fast bench` itself on the GPU (CUDA events, peak memory, the one table,

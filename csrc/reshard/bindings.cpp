@@ -8,6 +8,7 @@
 #include "bindings.h"
 #include "py_scalar.h"
 #include "py_tensor.h"
+#include "reshard/fp8.h"
 #include "reshard/reshard.h"
 
 namespace py = pybind11;
@@ -116,6 +117,19 @@ void bind_reshard(py::module_& m) {
           py::arg("bucket"), py::arg("phase"), py::arg("stream") = py::none(), py::arg("num_threads") = 0,
           "Runs the pack or copy phase of one bucket (one CUDA launch on `stream`, a torch.cuda.Stream or "
           "None for the default stream; or CPU threads)");
+  m.def(
+      "fp8_quantize",
+      [](const TensorRef& src, const TensorRef& dst, const TensorRef& scale, py::handle block_rows,
+         py::handle block_cols, CudaStream stream, py::handle threads) {
+        const int64_t br = strict_int(block_rows, "block_rows"), bc = strict_int(block_cols, "block_cols");
+        const int num_threads = strict_scalar<int>(threads, "num_threads");
+        py::gil_scoped_release nogil;
+        fp8_quantize(src, dst, scale, br, bc, stream, num_threads);
+      },
+      py::arg("src"), py::arg("dst"), py::arg("scale"), py::arg("block_rows"), py::arg("block_cols"),
+      py::arg("stream") = py::none(), py::arg("num_threads") = 0,
+      "FP8 e4m3 quantisation of src [rows, cols] into dst (uint8 bytes) with one float32 scale per block "
+      "(block_cols 0: per row); see csrc/reshard/fp8.h");
 }
 
 }  // namespace vf

@@ -32,6 +32,8 @@ from verl_fast.config import ActorConfig
 from verl_fast.ops.masked import masked_mean, masked_sum
 from verl_fast.records.experience import Experience
 
+SYNC_GAP = "guardrails/sync_logprob_diff"  # mean |actor - engine| log-prob per response token
+
 Tokens = Tuple[torch.Tensor, Dict[str, torch.Tensor]]
 PolicyLoss = Callable[[ActorConfig, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Tokens]
 _LOSSES: Dict[str, PolicyLoss] = {}
@@ -168,6 +170,9 @@ def actor_loss(a, logp: torch.Tensor, entropy: torch.Tensor, sub: Experience, co
     if correction_cap is not None:
         weights, spread = truncated_is_weights(old, sub.rollout_logprobs, sub.response_mask, correction_cap)
         stats.update({f"rollout_correction/{k}": v for k, v in spread.items()})
+    if sub.old_logprobs is None and sub.rollout_logprobs is not None:  # this forward is the policy the engine
+        # should have sampled from: the sync guardrail's measure, free here (trainer/guardrails.py)
+        stats[SYNC_GAP] = masked_mean((old - sub.rollout_logprobs.float()).abs(), sub.response_mask.float())
     if weights is not None:
         per_token = per_token * weights
     pg = agg_loss(per_token, sub.response_mask, a.loss_agg_mode, **counts)

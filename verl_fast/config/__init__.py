@@ -296,8 +296,13 @@ class RolloutConfig:
                                            "at the first rollout, ~30-40 s at the 0.5B shape, and once more, "
                                            "lengths symbolic, at the first of another prompt width); null: on a "
                                            "GPU for an unsharded actor")
-    quantization: Optional[str] = _f(None, doc="vLLM's quantization (awq, gptq, fp8, ...); vllm rollout with a "
-                                     "PEFT actor only (the engine's quantized base cannot take full updates)")
+    quantization: Optional[str] = _f(None, doc="fp8: the engine's linear layers in FP8 e4m3, written by every "
+                                     "weight sync (vllm: block-FP8 layers, 128x128 scales, a GPU; hf: per-channel "
+                                     "scales, torch._scaled_mm on a GPU of compute capability 8.9+, emulated "
+                                     "elsewhere); algorithm.rollout_correction then defaults to on. Other values "
+                                     "(awq, gptq, ...): vLLM's quantized base under a PEFT actor only")
+    kv_cache_dtype: str = _f("auto", choices=("auto", "fp8"), doc="vLLM's KV cache dtype (fp8: e4m3, half the "
+                             "bytes of bf16); rollout.type vllm only")
     multi_turn: Optional[Dict[str, Any]] = _f(None, doc="multi-turn rollouts with tools or an environment: {tools: "
                                               "[module:function, ...], environment, max_turns, ...}; the keys: "
                                               "verl_fast/agents/settings.py, docs/agents.md")
@@ -349,8 +354,9 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = _f(False)
     kl_penalty: str = _f("kl", choices=KL_ESTIMATORS)
     kl_coef: float = _f(0.001, min=0.0, max=100.0)
-    rollout_correction: bool = _f(False, doc="weight each token's policy loss by min(exp(old_logprob - "
-                                  "rollout_logprob), rollout_correction_cap), the rollout engine's own log-probs")
+    rollout_correction: Optional[bool] = _f(None, doc="weight each token's policy loss by min(exp(old_logprob - "
+                                            "rollout_logprob), rollout_correction_cap), the rollout engine's own "
+                                            "log-probs (null: on with rollout.quantization fp8, else off)")
     rollout_correction_cap: float = _f(2.0, min=0.0, doc="rollout_correction: the truncation of the weights (> 0)")
     dynamic_sampling: bool = _f(False, doc="DAPO: drop prompts whose samples all score the same and draw more "
                                 "(group-baseline algorithms, one process)")
@@ -451,6 +457,39 @@ class TrainerConfig:
 
 
 @dataclass
+class GuardrailsConfig:
+    """Checks against silent failure, on by default: each writes ``guardrails/*`` metrics and warns in one
+    line or stops the run naming what it found (``trainer/guardrails.py``, docs/faults.md#guardrails)."""
+
+    sync_check: bool = _f(True, doc="at every rollout (the first after each weight sync), the engine's "
+                          "log-probs of its sampled tokens against the actor's, at no extra pass (the step's old "
+                          "log-probs, else the update's own forward); past sync_logprob_tolerance the run stops "
+                          "naming the parameter groups that differ")
+    sync_logprob_tolerance: float = _f(0.5, above=0.0, doc="sync_check: the largest mean |engine - actor| "
+                                       "log-prob per response token (nats) of the checked samples")
+    truncation_threshold: float = _f(0.5, min=0.0, max=1.0, doc="warn when response/truncated is above this "
+                                     "for truncation_steps steps in a row")
+    truncation_steps: int = _f(3, min=1, doc="truncation_threshold's steps in a row")
+    flat_groups_threshold: float = _f(0.9, min=0.0, max=1.0, doc="warn when more than this share of the "
+                                      "step's prompt groups score all their samples the same (no signal), or "
+                                      "every sample of the batch scores the same, for flat_groups_steps in a row")
+    flat_groups_steps: int = _f(3, min=1, doc="flat_groups_threshold's steps in a row")
+    all_none_rewards: str = _f("error", choices=("error", "warn"), doc="a batch every reward function "
+                               "answered None (not applicable) for: error stops the run (it would train on 0.0); "
+                               "warn trains on 0.0")
+    max_nonfinite_steps: int = _f(3, min=0, doc="optimiser steps in a row skipped for a NaN / inf gradient "
+                                  "(each named in a warning) before the run stops (0: never)")
+    watchdog: str = _f("warn", choices=("off", "warn", "stop"), doc="a phase (generation, reward, update, "
+                       "sync, checkpoint) past its expected time prints the phase, the rank and its Python stack; "
+                       "stop also ends the run: SIGTERM (the step finishes, checkpoints, exits), then after as "
+                       "long again exit 124, the last complete checkpoint intact")
+    watchdog_factor: float = _f(10.0, min=1.0, doc="watchdog: a phase's expected time is this times its "
+                                "longest earlier run (and at least watchdog_min_s)")
+    watchdog_min_s: float = _f(600.0, above=0.0, doc="watchdog: the shortest expected time of any phase")
+    watchdog_first_s: float = _f(3600.0, above=0.0, doc="watchdog: a phase's expected time at its first run")
+
+
+@dataclass
 class Config:
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
@@ -458,6 +497,7 @@ class Config:
     reward_fn: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    guardrails: GuardrailsConfig = field(default_factory=GuardrailsConfig)
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -581,6 +621,7 @@ def checked(cfg: Config) -> Config:
             value = check_value(getattr(section, f.name), types[f.name], dict(f.metadata), f"{name}.{f.name}")
             setattr(section, f.name, value)
     _apply_beta(cfg)
+    _apply_rollout_correction(cfg)
     validate(cfg)
     return cfg
 
@@ -651,6 +692,7 @@ def _apply_aliases(cfg: Config) -> None:
         if getattr(a, key) is not None:
             setattr(r, key, getattr(a, key))
     _apply_beta(cfg)
+    _apply_rollout_correction(cfg)
     if t.learning_rate is not None:
         a.lr = t.learning_rate
     if t.max_grad_norm is not None:
@@ -659,6 +701,12 @@ def _apply_aliases(cfg: Config) -> None:
         a.micro_batch_size = t.per_device_train_batch_size
         if t.gradient_accumulation_steps is not None:
             a.ppo_mini_batch_size = t.per_device_train_batch_size * t.gradient_accumulation_steps
+
+
+def _apply_rollout_correction(cfg: Config) -> None:
+    """``algorithm.rollout_correction`` null: on where an FP8 engine samples from a distribution off the actor's."""
+    if cfg.algorithm.rollout_correction is None:
+        cfg.algorithm.rollout_correction = cfg.rollout.quantization == "fp8"
 
 
 PREFERENCE_ALGORITHMS = ("dpo", "online_dpo", "kto", "orpo", "simpo", "cpo")  # algorithm.beta is their temperature

@@ -30,6 +30,7 @@ class WeightedRewards(RewardFunction):
         self.parts = list(parts)
         self.name = "+".join(names)
         self.last_errors = 0
+        self.last_not_applicable = 0  # the latest call's samples no function applied to (each scored 0.0)
         self.last_metrics: Dict[str, float] = {}
 
     @property
@@ -40,15 +41,18 @@ class WeightedRewards(RewardFunction):
 
     def __call__(self, samples: Sequence[RewardInput], stop: Optional[threading.Event] = None) -> List[float]:
         total = [0.0] * len(samples)
+        applied_any = [False] * len(samples)
         metrics: Dict[str, float] = {}
         errors = 0
         for name, weight, reward in self.parts:
             scores = reward(samples, stop=stop)
             errors += reward.last_errors
             total = [t if math.isnan(s) else t + weight * s for t, s in zip(total, scores)]
+            applied_any = [a or not math.isnan(s) for a, s in zip(applied_any, scores)]
             applied = [s for s in scores if not math.isnan(s)]
             if len(self.parts) > 1 and applied:
                 metrics[f"reward/{name}/mean"] = sum(applied) / len(applied)
             metrics.update({f"reward/{name}/{k}": v for k, v in reward.last_extras.items()})
         self.last_errors, self.last_metrics = errors, metrics
+        self.last_not_applicable = applied_any.count(False)
         return total

@@ -77,6 +77,11 @@ class RolloutEngine:
     def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
         """Loads new weights in place (HF names). Engines that share the actor's weights do nothing."""
 
+    def weight_differences(self, model: torch.nn.Module) -> Optional[List[str]]:
+        """The parameter groups (modules, HF names) whose weights in the engine differ from ``model``'s
+        beyond the engine's dtype: what a failed sync check names. None: this engine cannot tell."""
+        return None
+
     def sleep(self) -> None:
         """Releases memory held for generation while training runs (where the engine can)."""
 

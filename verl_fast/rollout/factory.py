@@ -30,6 +30,7 @@ of them), or offloaded to the host where no sync rewrites them (a LoRA actor's b
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -43,6 +44,7 @@ from verl_fast.models.wrapping import hf_module, is_sharded
 from verl_fast.ops.reshard.spec import MOE_FAMILIES
 from verl_fast.rollout import engines, hf_decode
 from verl_fast.rollout.base import RolloutEngine
+from verl_fast.rollout.fp8_sync import QUANTIZATION_CONFIG
 
 
 def resolve_type(kind: str, actor: Optional[torch.nn.Module] = None) -> str:
@@ -96,7 +98,7 @@ def build_vllm(cls: type, cfg: Config, actor: torch.nn.Module, tokenizer: Any, m
 
     r = cfg.rollout
     peft = is_peft(actor)
-    if r.quantization and not peft:
+    if r.quantization and r.quantization != "fp8" and not peft:
         raise ValueError(f"rollout.quantization={r.quantization} is not supported with a full-weight actor: the "
                          "engine's quantized weights cannot take the trainer's updates; train a LoRA (PEFT) actor on "
                          "the quantized base, whose adapter is what moves, or drop rollout.quantization")
@@ -108,9 +110,15 @@ def build_vllm(cls: type, cfg: Config, actor: torch.nn.Module, tokenizer: Any, m
         raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide the number of "
                          f"processes ({world}): each group of that many consecutive ranks runs one engine")
     kwargs: Dict[str, Any] = {"quantization": r.quantization} if r.quantization else {}
-    placeholder = model_path is None
+    fp8_weights = r.quantization == "fp8" and not peft  # block-FP8 layers the sync writes (rollout/fp8_sync.py)
+    if fp8_weights:
+        check_fp8_engine(world)
+    if r.kv_cache_dtype != "auto":
+        kwargs["kv_cache_dtype"] = r.kv_cache_dtype
+    placeholder = model_path is None or fp8_weights
     if placeholder:
-        model_path = engine_folder(actor, tokenizer)
+        model_path = engine_folder(actor, tokenizer, {"quantization_config": QUANTIZATION_CONFIG} if fp8_weights
+                                   else None)
         kwargs["load_format"] = "dummy"
     if world > 1:
         kwargs["distributed_executor_backend"] = "external_launcher"
@@ -133,12 +141,24 @@ def build_vllm(cls: type, cfg: Config, actor: torch.nn.Module, tokenizer: Any, m
         sleep_level=resolve_sleep_level(r.sleep_level, peft, engine_weight_bytes(actor, dtype)), enable_lora=peft, enforce_eager=r.enforce_eager,
         **({"max_lora_rank": lora_rank(actor)} if peft else {}),
         cudagraph_batch=min(r.max_num_seqs, per_engine),
-        record_routing=r.record_routing or cfg.actor.routing_replay, **kwargs)
+        record_routing=r.record_routing or cfg.actor.routing_replay, fp8_weights=fp8_weights, **kwargs)
     if placeholder or peft:  # placeholder weights, or the adapter still to push
         engine.sync_from(actor if source is None or peft else source)
     if world > 1:
         return DataParallelEngine(engine, r.tensor_parallel_size, engine.pad_token_id)
     return engine
+
+
+def check_fp8_engine(world: int) -> None:
+    """A vLLM engine of FP8 weights synced from a full-weight actor: a GPU's vLLM, one process."""
+    from verl_fast.rollout import vllm_compat
+
+    if vllm_compat.is_cpu_platform():
+        raise ValueError("rollout.quantization=fp8 with rollout.type=vllm needs a GPU (vLLM-CPU has no FP8 linear "
+                         "layers); on the CPU use rollout.type=hf, whose FP8 layers are emulated")
+    if world > 1:
+        raise ValueError("rollout.quantization=fp8 with rollout.type=vllm syncs from a whole actor in one process; "
+                         "run one process, or drop rollout.quantization")
 
 
 # the LoRA ranks vLLM's max_lora_rank takes
@@ -191,12 +211,15 @@ def resolve_sleep_level(level: Optional[int], keeps_base_weights: bool, weight_b
     return 0 if total and weight_bytes <= total // 8 else 2
 
 
-def engine_folder(actor: torch.nn.Module, tokenizer: Any) -> str:
+def engine_folder(actor: torch.nn.Module, tokenizer: Any, extra_config: Optional[Dict[str, Any]] = None) -> str:
     """A folder with the actor's config and tokenizer (no weights) for a placeholder-weight engine,
     named by a hash of those files under ``$VERL_FAST_CACHE`` (default ``~/.cache/verl_fast``), so
     the same model gets the same path on every run."""
     with tempfile.TemporaryDirectory(prefix="verl_fast_actor_") as tmp:
         hf_module(actor).config.save_pretrained(tmp)
+        if extra_config:  # e.g. the quantization_config of an FP8 engine
+            path = Path(tmp) / "config.json"
+            path.write_text(json.dumps({**json.loads(path.read_text()), **extra_config}, indent=2))
         tokenizer.save_pretrained(tmp)
         digest = hashlib.sha256()
         for f in sorted(Path(tmp).iterdir()):

@@ -12,8 +12,8 @@ import torch
 from verl_fast.distributed import MEMORY_FRACTION, collective_device, usable_bytes
 from verl_fast.models import routing
 from verl_fast.models.wrapping import hf_module, is_sharded
-from verl_fast.rollout import hf_decode
 from verl_fast.records.generation import GenerationOutput, SamplingSpec, pad_completions
+from verl_fast.rollout import fp8_linear, hf_decode, sync_check
 from verl_fast.rollout.base import RolloutEngine
 
 logger = logging.getLogger(__name__)
@@ -126,9 +126,12 @@ class HFGenerateEngine(RolloutEngine):
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        if cfg.rollout.quantization:
+        if cfg.rollout.quantization not in (None, "fp8"):
             raise ValueError(f"rollout.quantization={cfg.rollout.quantization} is not supported with rollout.type=hf "
-                             "(generate runs the actor's own weights); use rollout.type=vllm")
+                             "(generate runs the actor's own weights); use rollout.type=vllm, or quantization fp8")
+        if cfg.rollout.kv_cache_dtype != "auto":
+            raise ValueError(f"rollout.kv_cache_dtype={cfg.rollout.kv_cache_dtype} is not supported with "
+                             "rollout.type=hf (its static KV cache is in the actor's dtype); use rollout.type=vllm")
 
     @classmethod
     def build(cls, cfg, actor, tokenizer, *, model_path=None, autocast_dtype=None, source=None) -> "HFGenerateEngine":
@@ -138,10 +141,12 @@ class HFGenerateEngine(RolloutEngine):
         cls.check_config(cfg)
         return cls(actor, tokenizer, autocast_dtype=autocast_dtype, fast_decode=cfg.rollout.hf_fast_decode,
                    record_routing=cfg.rollout.record_routing or cfg.actor.routing_replay,
-                   compile_decode=compiles_decode(actor, cfg.rollout.hf_compile_decode))
+                   compile_decode=compiles_decode(actor, cfg.rollout.hf_compile_decode),
+                   quantization=cfg.rollout.quantization)
 
     def __init__(self, model, tokenizer, max_batch_size: int = 64, autocast_dtype: Optional[torch.dtype] = None,
-                 fast_decode: str = "auto", record_routing: bool = False, compile_decode: bool = False):
+                 fast_decode: str = "auto", record_routing: bool = False, compile_decode: bool = False,
+                 quantization: Optional[str] = None):
         if fast_decode not in FAST_DECODE:
             raise ValueError(f"fast_decode must be one of {list(FAST_DECODE)}, got {fast_decode!r}")
         self.model = model
@@ -159,6 +164,12 @@ class HFGenerateEngine(RolloutEngine):
         self._graphs = hf_decode.GraphPool()  # the decode graph's memory, reused by the next call's graph
         self._compiled = hf_decode.CompiledForward() if compile_decode else None
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be None or fp8 for the HF engine, got {quantization!r}")
+        if quantization and is_sharded(model):
+            raise ValueError("rollout.quantization=fp8 with rollout.type=hf needs an unsharded actor (one process)")
+        # rollout.quantization fp8: the decoder's linear layers run on FP8 copies (rollout/fp8_linear.py)
+        self._fp8 = fp8_linear.FP8Decode() if quantization == "fp8" else None
         if self.pad_token_id is None:
             raise ValueError("the tokenizer has neither a pad nor an EOS token")
 
@@ -166,10 +177,23 @@ class HFGenerateEngine(RolloutEngine):
         """The keyword arguments that build this engine's twin over another model (the asynchronous
         modes' rollout copies decode as the trainer's engine does)."""
         return {"max_batch_size": self.max_batch_size, "autocast_dtype": self.autocast_dtype,
-                "fast_decode": self.fast_decode, "compile_decode": self._compiled is not None}
+                "fast_decode": self.fast_decode, "compile_decode": self._compiled is not None,
+                "quantization": "fp8" if self._fp8 is not None else None}
 
     def _module(self):
         return hf_module(self.model)  # FSDP1 / DDP keep the HF model in .module
+
+    def weight_differences(self, model: torch.nn.Module) -> Optional[List[str]]:
+        """None differ where the engine decodes with ``model`` itself; else the groups of its own copy
+        (e.g. the HF model a Megatron actor exports to) that differ from ``model``'s."""
+        mine, theirs = self._module(), hf_module(model)
+        if mine is theirs:
+            return [] if self._fp8 is None else self._fp8.weight_differences(theirs)
+        if is_sharded(self.model) or is_sharded(model):
+            return None
+        engine = dict(mine.named_parameters())
+        return sync_check.differing_groups(engine, dict(theirs.named_parameters()),
+                                           {k: v.dtype for k, v in engine.items()})
 
     @property
     def device(self) -> torch.device:
@@ -285,7 +309,8 @@ class HFGenerateEngine(RolloutEngine):
                     else contextlib.nullcontext())
         recording = routing.record(module) if self.record_routing else contextlib.nullcontext()
         try:
-            with _full_params(self.model), autocast, recording as rec:
+            fp8 = self._fp8.swapped(module) if self._fp8 is not None else contextlib.nullcontext()
+            with _full_params(self.model), fp8, autocast, recording as rec:
                 new, logp, self.last_mode = self._decode_fast(module, ids, mask, spec, eos, copies)
                 if new is None:
                     new, logp = self._decode_generate(module, ids, mask, spec, eos, copies)

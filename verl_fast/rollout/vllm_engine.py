@@ -64,6 +64,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from verl_fast.rollout import fp8_sync
 from verl_fast.rollout import vllm_compat as compat
 from verl_fast.records.generation import GenerationOutput, SamplingSpec, pad_completions
 from verl_fast.rollout.base import RolloutEngine
@@ -259,6 +260,7 @@ class VLLMInferenceEngine(RolloutEngine):
         cudagraph_batch: Optional[int] = None,
         model_name: Optional[str] = None,
         record_routing: bool = False,
+        fp8_weights: bool = False,
         **engine_kwargs: Any,
     ) -> None:
         if (model_name is None) == (model_name_or_path is None):  # model_name: the name user code often passes
@@ -275,6 +277,7 @@ class VLLMInferenceEngine(RolloutEngine):
         vllm = _vllm_in_process(external)
         self.import_seconds = time.perf_counter() - start  # vLLM's modules (cached after a first engine)
         self.record_routing = record_routing  # MoE: each token's experts per layer (GenerationOutput.routed_experts)
+        self.fp8_weights = fp8_weights  # block-FP8 projections, quantised at each sync (rollout/fp8_sync.py)
         if record_routing:
             compat.check_routed_experts()
             engine_kwargs["enable_return_routed_experts"] = True
@@ -516,6 +519,13 @@ class VLLMInferenceEngine(RolloutEngine):
             self.update_lora(model)
             return {"bytes": 0}
         start = time.perf_counter()
+        if self.fp8_weights:
+            self._wake(["weights"])
+            with compat.torch_threads(self._threads), compat.quiet_reload():
+                compat.reload_weights(self.llm, list(fp8_sync.fp8_tensors(model, self.dtype or torch.bfloat16)))
+            self._weights_stale = False
+            self._last_update_s = time.perf_counter() - start
+            return {"bytes": 0}
         if self._sync is None:
             self._sync = self._weight_sync(model)
         self._wake(["weights"])  # after sleep(): weights must be resident before they are written
@@ -530,7 +540,7 @@ class VLLMInferenceEngine(RolloutEngine):
         self._last_update_s = time.perf_counter() - start
         return {"bytes": self._sync.received_bytes}
 
-    def _weight_sync(self, model: torch.nn.Module):
+    def _weight_sync(self, model: torch.nn.Module, direct: Optional[bool] = None):
         from verl_fast.models.wrapping import hf_module
         from verl_fast import distributed
         from verl_fast.ops.reshard import ModelSpec
@@ -544,7 +554,26 @@ class VLLMInferenceEngine(RolloutEngine):
         config = getattr(model, "hf_config", None) or hf_module(model).config  # hf_config: a Megatron actor
         spec = ModelSpec.from_hf_config(config, dtype=self.dtype)
         return WeightSync(spec, tp, consecutive_tp_ranks(world, tp), world, self.dtype or spec.dtype,
-                          direct=not compat.is_cpu_platform())
+                          direct=not compat.is_cpu_platform() if direct is None else direct)
+
+    def weight_differences(self, model: torch.nn.Module) -> Optional[List[str]]:
+        """The engine's parameter groups (vLLM's names: ``qkv_proj``, ``gate_up_proj`` fused) whose weights are
+        not ``model``'s as a sync writes them (the resharding engine's direct layout, in the engine's dtype);
+        None for an engine of several processes, a LoRA adapter or FP8 weights."""
+        from verl_fast import distributed
+        from verl_fast.rollout import sync_check
+
+        if is_peft(model) or self.fp8_weights or distributed.world_size() > 1:
+            return None
+        self._wake(["weights"])
+        expected = self._weight_sync(model, direct=True).run(model)
+        engine = self._engine_parameters()
+        # vLLM-CPU may repack a linear weight into oneDNN's own buffer and leave the parameter empty
+        unreadable = {k for k, v in engine.items() if not v.numel() and expected.get(k, v).numel()}
+        groups = sync_check.differing_groups({k: v for k, v in engine.items() if k not in unreadable},
+                                             {k: v for k, v in expected.items() if k not in unreadable},
+                                             {k: v.dtype for k, v in engine.items()})
+        return groups if groups or not unreadable else None
 
     def _engine_parameters(self) -> Dict[str, torch.Tensor]:
         if not hasattr(self, "_params"):

@@ -26,7 +26,7 @@ import contextlib
 import gc
 import sys
 import time
-from typing import Dict, Iterator, List, Optional
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
 
 import torch
 
@@ -131,6 +131,8 @@ class StepPerf:
             gc.callbacks.append(_time_gc)
         if device.type == "cuda":
             _count_kernel_compiles()
+        # name -> a context manager around each timed phase (the trainer's watchdog), or None
+        self.watch: Optional[Callable[[str], ContextManager[Any]]] = None
         self.begin()
 
     def begin(self) -> None:
@@ -170,7 +172,8 @@ class StepPerf:
         self._open.append(name)
         start = time.perf_counter()
         try:
-            yield
+            with self.watch(name) if self.watch is not None else contextlib.nullcontext():
+                yield
         finally:
             self._sync()
             key = f"time/{name}"

@@ -57,6 +57,8 @@ from verl_fast.strategies import backends as strategies
 from verl_fast.trainer import catalog, lr_schedule, perf, run_dir, supervised
 from verl_fast.trainer.validation import Validation
 from verl_fast.trainer.batching import balance_across_ranks
+from verl_fast.trainer.guardrails import Guardrails
+from verl_fast.trainer.watchdog import Watchdog
 from verl_fast.trainer.updates import Updates
 
 logger = logging.getLogger(__name__)
@@ -163,8 +165,15 @@ class RLTrainer:
         self.generations: List[Dict[str, Any]] = []  # the latest step's first trainer.log_generations samples
         self.perf = perf.StepPerf(s.actor, self.device)
         self.updates = Updates(cfg, s, self.perf)  # the optimiser steps (trainer/updates.py)
+        self.guardrails = Guardrails(cfg.guardrails, self.is_main, self.dp_group)  # checks against silent failure
+        g = cfg.guardrails
+        self.watchdog = Watchdog(g.watchdog, g.watchdog_factor, g.watchdog_min_s, g.watchdog_first_s, self.rank)
+        self.perf.watch = self.watchdog.phase
         # trainer.async_mode: where the samples come from when not generated in the step (None: off)
         self.async_rollout = async_modes.build(self)
+        if self.async_rollout is None:  # the sync guardrail where the update's forward is the policy sampled from
+            self.updates.sync_gap_check = lambda diff: self.guardrails.check_sync(
+                self.step + 1, diff, self._weight_differences, {})
         if self.is_main:  # what the defaults became here, once (the token budget: at the first update)
             settings = dict(s.resolved())
             if self.engine is not None:
@@ -200,7 +209,8 @@ class RLTrainer:
     def _sampling_defaults(self, generation_config: Optional[Dict[str, Any]]) -> SamplingSpec:
         r = self.cfg.rollout
         base = SamplingSpec(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                            max_tokens=r.max_new_tokens, logprobs=rollout_correction.engine_logprobs(self.cfg))
+                            max_tokens=r.max_new_tokens,
+                            logprobs=rollout_correction.engine_logprobs(self.cfg) or self.cfg.guardrails.sync_check)
         return SamplingSpec.from_kwargs(base, dict(generation_config or {}))
 
     def update_reward_fn(self, reward_fn: Any) -> None:
@@ -247,7 +257,8 @@ class RLTrainer:
                 self._resume(logger)
                 if self.async_rollout is not None:  # async hook: it generates ahead in the data's order
                     self.async_rollout.begin(lambda s: self._batch(items, s, per_epoch), total)
-                self._loop(items, per_epoch, total, logger, stop)
+                with self.watchdog:  # a phase far past its expected time is named, with its stack
+                    self._loop(items, per_epoch, total, logger, stop)
         finally:
             if self.async_rollout is not None:  # async hook: its thread / workers stop, an engine on the final weights
                 self.async_rollout.close(self.step)
@@ -285,7 +296,8 @@ class RLTrainer:
             if cfg.save_freq and self.step % cfg.save_freq == 0 and self.step < total and not stopping:
                 self.history = logger.history + [metrics]  # the checkpoint holds this step's metrics
                 checkpoint_start = time.perf_counter()
-                self.save(export_hf=cfg.hf_export == "every")
+                with self.watchdog.phase("checkpoint"):
+                    self.save(export_hf=cfg.hf_export == "every")
                 metrics["time/checkpoint"] = time.perf_counter() - checkpoint_start
             logger.log(metrics)
             self.history = logger.history
@@ -457,6 +469,8 @@ class RLTrainer:
         early = not algorithm.scores_decide_rows and scoring.beside_passes(
             self.cfg.reward_fn.launch_reward_fn_async, self.device, self.reward)
         exp, extra = self._scored_rollout(batch, metrics, self._model_passes if early else None)
+        self.guardrails.after_rewards(self.step + 1, exp, metrics["response/truncated"],
+                                      getattr(self.reward, "last_not_applicable", 0), metrics)
         # the batch's own figures, before the algorithm chooses its rows
         lengths = exp.response_mask.sum(-1).float()
         metrics.update({
@@ -470,6 +484,8 @@ class RLTrainer:
         exp = algorithm.select_experience(exp, more, metrics)
         if not early:
             self._model_passes(exp)
+        if self.async_rollout is None:  # samples of the weights the actor has now (async: of an older version)
+            self.guardrails.check_sync(self.step + 1, self.guardrails.sync_gap(exp), self._weight_differences, metrics)
         algorithm.correct_rollout(exp, metrics, type(self.engine).__name__)
         with timed("advantages"):
             algorithm.shape_rewards(exp, metrics)
@@ -539,6 +555,10 @@ class RLTrainer:
     def _old_logprobs(self, exp: Experience) -> torch.Tensor:
         return self.strategy.actor_logprobs(exp, self.updates.micro(exp, for_update=False))
 
+    def _weight_differences(self) -> Optional[List[str]]:
+        """The engine's parameter groups that differ from the actor's (None: the engine cannot tell)."""
+        return self.engine.weight_differences(self.strategy.weight_source(self.engine.owns_weights))
+
     @torch.no_grad()
     def _ref_logprobs(self, exp: Experience) -> torch.Tensor:
         return self.strategy.ref_logprobs(exp, self.updates.micro(exp, for_update=False))
@@ -553,6 +573,7 @@ class RLTrainer:
     def update_actor(self, exp: Experience) -> Dict[str, float]:
         """The actor's optimiser steps on ``exp`` with the algorithm's loss (``updates.Updates.actor``)."""
         out = self.updates.actor(exp, self.algorithm.actor_loss, self.algorithm.zero_advantage_is_idle, self.step)
+        self.guardrails.after_update(self.step + 1, self.updates.skipped, out)
         self.strategy.actor_updated(self.engine is not None and self.engine.owns_weights)
         return out
 

@@ -14,10 +14,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from verl_fast import distributed
+from verl_fast.algos.policy_losses import SYNC_GAP
 from verl_fast.config import Config
 from verl_fast.records.experience import Experience
 from verl_fast.strategies import memory_plan
 from verl_fast.trainer.batching import loss_normalisers, micro_batches, token_budget
+from verl_fast.trainer.guardrails import nonfinite_step
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +34,10 @@ class Updates:
         self.cfg, self.strategy, self.perf = cfg, strategy, perf
         self.device, self.dp_group, self.world = strategy.device, strategy.dp_group, strategy.dp_size
         self.auto_budget: Optional[int] = None  # actor.max_token_len_per_gpu's auto (token_budget)
+        self.skipped: List[str] = []  # the last actor update's steps skipped for a non-finite gradient, named
+        # given the engine / actor log-prob gap the update's first forward measured (policy_losses.py's
+        # SYNC_GAP, every rank's tokens), before the first optimiser step (the trainer's sync guardrail)
+        self.sync_gap_check: Optional[Callable[[float], None]] = None
 
     # ---- micro-batches
 
@@ -76,13 +82,29 @@ class Updates:
     # ---- steps
 
     def step(self, exp: Experience, micro: List[torch.Tensor], loss_fn: Callable[..., Any],
-             entropy: bool = True) -> Tuple[List[Dict], float]:
+             entropy: bool = True, before_step: Optional[Callable[[List[Dict]], None]] = None
+             ) -> Tuple[List[Dict], float]:
         """One optimiser step of the actor over ``micro`` with ``loss_fn(logp, entropy, sub)`` (entropy
         None with ``entropy=False``): each micro-batch's statistics and the gradient norm (the passes'
-        work counted in ``perf``)."""
+        work counted in ``perf``); ``before_step(stats)`` runs between the backward and the step."""
         stats, cost = self.strategy.forward_backward(exp, micro, loss_fn, entropy=entropy)
         self.perf.count_update(*cost)
+        if before_step is not None:
+            before_step(stats)
         return stats, self.strategy.optimizer_step()
+
+    def _sync_gap(self, exp: Experience, micro: List[torch.Tensor]) -> Callable[[List[Dict]], None]:
+        """``before_step`` of the update's first step: the token-weighted SYNC_GAP of its micro-batches over
+        every rank (read once the backward ran: the gradient norm's read follows anyway) to ``sync_gap_check``."""
+        def check(stats: List[Dict]) -> None:
+            weighted = [(st[SYNC_GAP], exp.response_mask[idx].sum()) for idx, st in zip(micro, stats) if SYNC_GAP in st]
+            total = float(sum(v * w for v, w in weighted)) if weighted else 0.0
+            tokens = float(sum(w for _, w in weighted)) if weighted else 0.0
+            if self.world > 1:
+                total, tokens = distributed.all_reduce_numbers([total, tokens], group=self.dp_group)
+            if tokens > 0:
+                self.sync_gap_check(total / tokens)
+        return check
 
     def actor(self, exp: Experience, loss: ActorLoss, skip_idle: bool, step: int) -> Dict[str, float]:
         """``actor.ppo_epochs`` passes over ``exp`` in shuffled mini-batches of ``actor.ppo_mini_batch_size``
@@ -103,6 +125,8 @@ class Updates:
         peaks: Dict[str, List[Any]] = {}  # the "*_max" statistics: the largest, not the mean
         weight, every, norms = 0.0, 0.0, 0.0  # tokens trained on, the mini-batches' tokens (every rank's), norms
         self.strategy.actor.train()
+        self.skipped = []
+        steps = a.ppo_epochs * math.ceil(N / mini)
         for epoch in range(a.ppo_epochs):
             order = rows
             if a.ppo_epochs > 1 or mini < N:
@@ -113,7 +137,13 @@ class Updates:
                 counts = loss_normalisers(exp.response_mask[mb], self.dp_group, self._norm_length(a))
                 micro = self.micro(exp, mb[active[mb]])
                 every += counts["num_tokens"] * counts["dp_size"]
-                stats, norm = self.step(exp, micro, lambda logp, entropy, sub: loss(logp, entropy, sub, counts))
+                first = epoch == 0 and start == 0 and self.sync_gap_check is not None
+                stats, norm = self.step(exp, micro, lambda logp, entropy, sub: loss(logp, entropy, sub, counts),
+                                        before_step=self._sync_gap(exp, micro) if first else None)
+                skipped = nonfinite_step(epoch * math.ceil(N / mini) + start // mini, steps, norm, stats)
+                if skipped is not None:  # the strategy did not step (guardrails name it)
+                    self.skipped.append(skipped)
+                    norm = 0.0  # actor/grad_norm: the mean of the steps taken
                 for idx, st in zip(micro, stats):
                     w = float(exp.response_mask[idx].sum())
                     for k, v in st.items():
@@ -133,12 +163,11 @@ class Updates:
                 keys = sorted(largest)
                 largest = dict(zip(keys, distributed.all_reduce_numbers([largest[k] for k in keys], "max",
                                                                         group=self.dp_group)))
-        steps = a.ppo_epochs * math.ceil(N / mini)
         means = {k: v / max(every if k == "pg_loss" else weight, 1e-9) for k, v in totals.items()}
         # statistics named with a group of their own ("rollout_correction/...") keep it; the rest are the actor's
         out = {k if "/" in k else f"actor/{k}": v for k, v in {**means, **largest}.items()}
         out.setdefault("actor/pg_loss", 0.0)  # every advantage 0: the policy loss is exactly 0
-        out["actor/grad_norm"] = norms / steps
+        out["actor/grad_norm"] = norms / max(steps - len(self.skipped), 1)
         out["actor/active_fraction"] = float(active.float().mean())
         return {**out, **self.budget_metrics()}
 

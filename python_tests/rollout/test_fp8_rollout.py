@@ -1,0 +1,149 @@
+"""FP8 rollout (rollout.quantization: fp8): the HF decode's FP8 linear layers against a float64 reference of
+w8a8 with per-channel / per-token scales, their refresh after an update, the engine's sync check naming a
+spoiled copy, the config's defaults and refusals, and a trainer step with rollout correction."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tiny_models import save_tiny_model
+from verl_fast import config
+from verl_fast.ops.reshard import fp8
+from verl_fast.rollout import fp8_linear, fp8_sync
+from verl_fast.records.generation import SamplingSpec
+from verl_fast.rollout.factory import check_fp8_engine
+from verl_fast.rollout.hf_engine import HFGenerateEngine
+from verl_fast.trainer.rl_trainer import RLTrainer
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", family="qwen2")
+
+
+def load(path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
+
+
+def per_row_fp8_f64(x):
+    """float64 reference: each row scaled by amax / 448 (1 for a zero row), rounded to e4m3 by torch's own
+    cast (round to nearest even), dequantised."""
+    x = x.double()
+    amax = x.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, (amax.float() / 448.0).double(), torch.ones_like(amax))
+    q = (x / scale).float().clamp(-448, 448).to(torch.float8_e4m3fn).double()
+    return q * scale
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (7, 96), (33, 128)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_linear_matches_the_float64_w8a8_reference(shape, bias):
+    g = torch.Generator().manual_seed(shape[0])
+    lin = torch.nn.Linear(shape[1], 48, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(48, shape[1], generator=g) * 0.1)
+    layer = fp8_linear.FP8Linear(lin, fast=False)
+    assert layer.refresh() and not layer.refresh()  # quantised once until the weight changes
+    x = torch.randn(shape, generator=g) * 3
+    x[-1] = 0.0 if shape[0] > 1 else x[-1]  # a zero row: scale 1, output the bias
+    expected = per_row_fp8_f64(x) @ per_row_fp8_f64(lin.weight.detach()).t()
+    if bias:
+        expected = expected + lin.bias.detach().double()
+    got = layer(x)
+    assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-5), (got.double() - expected).abs().max()
+    # and FP8 is not the float32 product: the quantisation is really there
+    assert (got - lin(x)).abs().max() > 1e-4
+    with torch.no_grad():
+        lin.weight.mul_(2.0)  # an optimiser step moves the version counter
+    assert layer.refresh()
+
+
+def test_hf_engine_decodes_with_fp8_copies_and_restores_the_model(tiny_path):
+    model, tok = load(tiny_path)
+    engine = HFGenerateEngine(model, tok, fast_decode="off", quantization="fp8")
+    plain = HFGenerateEngine(model, tok, fast_decode="off")
+    spec = SamplingSpec(n=2, temperature=1.0, max_tokens=5, seed=3)
+    prompts = [tok("What is 2 + 3?")["input_ids"], tok("Hello")["input_ids"]]
+    out = engine.generate(prompts, spec)
+    layers = engine._fp8.layers
+    assert len(layers) == 2 * 7 and engine._fp8.refreshed == 14  # q k v o gate up down in each of 2 layers
+    assert all(type(m) is not fp8_linear.FP8Linear for m in model.modules())  # swapped back
+    engine.generate(prompts, spec)
+    assert engine._fp8.refreshed == 0  # nothing changed: no requantisation
+    ref = plain.generate(prompts, spec)
+    assert out.response_ids.shape[0] == ref.response_ids.shape[0] == 4
+    # the same tokens scored by both: FP8's log-probs are close to, and not equal to, the actor's
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.add_(0.0)  # an in-place update
+    engine.generate(prompts, spec)
+    assert engine._fp8.refreshed == 1
+    assert engine.weight_differences(model) == []
+    engine._fp8.layers["model.layers.1.self_attn.v_proj"].weight_fp8.zero_()  # a spoiled copy
+    assert engine.weight_differences(model) == ["model.layers.1.self_attn.v_proj"]
+
+
+def test_fp8_logprobs_stay_close_to_the_actors(tiny_path, tmp_path):
+    model, tok = load(tiny_path)
+    cfg = {"actor": {"lr": 1e-3, "micro_batch_size": 8},
+           "rollout": {"type": "hf", "n": 4, "max_new_tokens": 6, "quantization": "fp8", "hf_fast_decode": "off"},
+           "reward_fn": {"type": "gsm8k"}, "algorithm": {"type": "grpo"},
+           "trainer": {"total_steps": 2, "train_batch_size": 2, "output_dir": str(tmp_path / "run"),
+                       "progress_bar": False, "plot": False, "device": "cpu"}}
+    rows = [{"prompt": f"What is {a} + {b}?", "reward_model": {"ground_truth": str(a + b)}} for a, b in [(1, 2), (3, 4)]]
+    trainer = RLTrainer(actor_model=model, tokenizer=tok, reward_fn=lambda solution_str: float(len(solution_str) % 3),
+                        config=cfg)
+    assert trainer.cfg.algorithm.rollout_correction is True  # on by default with FP8
+    history = trainer.fit(rows)
+    for m in history:
+        assert 0 < m["guardrails/sync_logprob_diff"] < 0.2, m["guardrails/sync_logprob_diff"]
+        assert "rollout_correction/mismatch_kl" in m and "rollout_correction/is_weight_mean" in m
+
+
+def test_config_defaults_and_refusals():
+    base = {"rollout": {"type": "hf", "quantization": "fp8"}}
+    assert config.from_dict(base).algorithm.rollout_correction is True
+    assert config.from_dict({**base, "algorithm": {"rollout_correction": False}}).algorithm.rollout_correction is False
+    assert config.from_dict({}).algorithm.rollout_correction is False
+    with pytest.raises(ValueError, match="rollout.kv_cache_dtype=fp8 is not supported with rollout.type=hf"):
+        config.from_dict({"rollout": {"type": "hf", "kv_cache_dtype": "fp8"}})
+    with pytest.raises(ValueError, match="rollout.quantization=awq is not supported with rollout.type=hf"):
+        config.from_dict({"rollout": {"type": "hf", "quantization": "awq"}})
+
+
+def test_vllm_fp8_on_the_cpu_is_refused_in_one_line():
+    pytest.importorskip("vllm")
+    from verl_fast.rollout import vllm_compat
+
+    if not vllm_compat.is_cpu_platform():
+        pytest.skip("a GPU vLLM builds FP8 layers")
+    with pytest.raises(ValueError, match=r"^rollout.quantization=fp8 with rollout.type=vllm needs a GPU"):
+        check_fp8_engine(1)
+
+
+def test_the_vllm_sync_hands_fp8_projections_and_their_scales(tiny_path):
+    model, _ = load(tiny_path)
+    tensors = dict(fp8_sync.fp8_tensors(model, torch.bfloat16))
+    w = model.model.layers[0].self_attn.q_proj.weight.detach()
+    q, s = tensors["model.layers.0.self_attn.q_proj.weight"], tensors["model.layers.0.self_attn.q_proj.weight_scale_inv"]
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (1, 1)
+    back = fp8.dequantize(q, s, fp8.BLOCK)
+    assert ((back - w).abs() <= w.abs() * 2 ** -4 + s.max() * 2 ** -10 + 1e-12).all()
+    assert tensors["model.norm.weight"].dtype == torch.bfloat16 and "model.embed_tokens.weight_scale_inv" not in tensors
+
+
+@pytest.mark.gpu
+def test_vllm_block_fp8_engine_follows_the_actor(tiny_path):
+    """On a GPU: a block-FP8 vLLM engine synced from the actor samples tokens whose log-probs match the
+    actor's within FP8's error."""
+    pytest.importorskip("vllm")
+    from verl_fast.rollout.factory import build_engine
+
+    model, tok = load(tiny_path)
+    model = model.cuda()
+    cfg = config.from_dict({"rollout": {"type": "vllm", "quantization": "fp8", "n": 2, "max_new_tokens": 8,
+                                        "enforce_eager": True, "gpu_memory_utilization": 0.2}})
+    engine = build_engine(cfg, model, tok, autocast_dtype=torch.bfloat16)
+    out = engine.generate([tok("What is 2 + 3?")["input_ids"]], SamplingSpec(n=2, max_tokens=8, seed=0))
+    assert out.logprobs is not None and torch.isfinite(out.logprobs).all()
+    params = {k: v for k, v in engine._engine_parameters().items() if k.endswith("qkv_proj.weight")}
+    assert params and all(v.dtype == torch.float8_e4m3fn for v in params.values())

@@ -1,0 +1,134 @@
+"""FP8 linear layers for the HF decode (``rollout.quantization: fp8`` with ``rollout.type: hf``): while the
+engine generates, each plain ``nn.Linear`` of the decoder layers runs on an FP8 e4m3 copy of its weight
+with one scale per output channel (``ops.reshard.fp8``), and its input quantised per token the same way
+(w8a8, as vLLM's FP8 layers). The embeddings, the LM head and the norms stay in the actor's dtype.
+
+- The copies are the engine's weights: written from the actor's parameters by the resharding engine's
+  FP8 quantisation (the CUDA kernel on a GPU) at the first rollout and again at each rollout after an
+  optimiser step changed a weight (its version counter moved), into buffers kept from one rollout to
+  the next.
+- The product: ``torch._scaled_mm`` (FP8 tensor cores, float32 accumulation) on a GPU that has it
+  (compute capability 8.9+: Ada, Hopper); elsewhere the same numbers emulated in float32 from the
+  dequantised operands (the CPU: tests and the CPU demo), announced once in one line.
+- LoRA layers (PEFT) keep their own forward: only plain linear layers are quantised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from verl_fast.ops.reshard import fp8
+from verl_fast.rollout import sync_check
+
+logger = logging.getLogger(__name__)
+
+SKIPPED = ("lm_head", "embed_tokens", "score")  # layers kept in the actor's dtype (vLLM's FP8 models too)
+
+
+def scaled_mm_available(device: torch.device) -> bool:
+    """Whether torch._scaled_mm runs FP8 products here: a CUDA GPU of compute capability 8.9 or more."""
+    return (device.type == "cuda" and hasattr(torch, "_scaled_mm")
+            and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
+def quantize_rows(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Activations ``[M, K]`` as FP8 with one scale per row (amax / 448; 1 for a zero row), in torch ops
+    (traceable by torch.compile and CUDA graphs): ``(q [M, K], scale [M, 1] float32)``."""
+    amax = x.detach().abs().amax(dim=-1, keepdim=True).float()
+    scale = torch.where(amax > 0, amax / fp8.FP8_MAX, torch.ones_like(amax))
+    q = (x.float() / scale).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8)
+    return q, scale
+
+
+class FP8Linear(torch.nn.Module):
+    """Stands in for ``linear`` during a rollout: ``y = (q_x * s_x) @ (q_w * s_w)^T + b``."""
+
+    def __init__(self, linear: torch.nn.Linear, fast: bool):
+        super().__init__()
+        self.linear, self.fast = linear, fast
+        w = linear.weight
+        self.weight_fp8 = torch.empty(w.shape, dtype=fp8.FP8, device=w.device)
+        self.weight_scale = torch.empty(w.shape[0], 1, dtype=torch.float32, device=w.device)
+        self.dequantized: Optional[torch.Tensor] = None  # the emulation's float32 weight
+        self.version = -1  # linear.weight._version the copy was written from
+
+    def refresh(self) -> bool:
+        """Quantises the weight again where it changed since the last copy; whether it did."""
+        w = self.linear.weight
+        if w._version == self.version:
+            return False
+        fp8.quantize(w.detach(), "channel", out=self.weight_fp8, scale_out=self.weight_scale)
+        self.dequantized = None if self.fast else fp8.dequantize(self.weight_fp8, self.weight_scale, "channel")
+        self.version = w._version
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, bias = x.shape, self.linear.bias
+        q, s = quantize_rows(x.reshape(-1, shape[-1]))
+        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+        if self.fast:
+            y = torch._scaled_mm(q, self.weight_fp8.t(), scale_a=s, scale_b=self.weight_scale.view(1, -1),
+                                 out_dtype=out_dtype if out_dtype != torch.float32 else torch.bfloat16)
+        else:  # the same operands in float32: what the FP8 tensor cores compute, up to the order of the sums
+            y = (q.float() * s) @ self.dequantized.t()
+        y = y.to(out_dtype)
+        if bias is not None:
+            y = y + bias.to(out_dtype)
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+
+class FP8Decode:
+    """The FP8 copies of one model's linear layers (module docstring); ``swapped(model)`` puts them in place
+    for the length of a rollout."""
+
+    def __init__(self) -> None:
+        self.layers: Dict[str, FP8Linear] = {}
+        self._noted = False
+        self.refreshed = 0  # layers quantised at the last rollout (the FP8 sync's work)
+
+    def _targets(self, model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module, str, torch.nn.Linear]]:
+        out = []
+        for name, parent in model.named_modules():
+            for attr, child in parent.named_children():
+                full = f"{name}.{attr}" if name else attr
+                if type(child) is torch.nn.Linear and attr not in SKIPPED and child.weight.is_floating_point():
+                    out.append((full, parent, attr, child))
+        return out
+
+    @contextlib.contextmanager
+    def swapped(self, model: torch.nn.Module) -> Iterator[None]:
+        targets = self._targets(model)
+        device = next(model.parameters()).device
+        fast = scaled_mm_available(device)
+        if not fast and not self._noted:
+            logger.warning("rollout.quantization=fp8: no FP8 matrix products on %s (torch._scaled_mm needs a GPU "
+                           "of compute capability 8.9+); the FP8 layers are emulated from dequantised weights "
+                           "(the same numbers, no speed-up)", device)
+            self._noted = True
+        self.refreshed = 0
+        with torch.no_grad():
+            for full, _, _, child in targets:
+                layer = self.layers.get(full)
+                if layer is None or layer.linear is not child or layer.fast != fast:
+                    layer = self.layers[full] = FP8Linear(child, fast)
+                self.refreshed += layer.refresh()
+        for full, parent, attr, _ in targets:
+            setattr(parent, attr, self.layers[full])
+        try:
+            yield
+        finally:
+            for _, parent, attr, child in targets:
+                setattr(parent, attr, child)
+
+    def weight_differences(self, model: torch.nn.Module) -> List[str]:
+        """The layers whose FP8 copy is not ``model``'s weight quantised (beyond FP8's rounding)."""
+        theirs = dict(model.named_parameters())
+        engine = {f"{k}.weight": fp8.dequantize(v.weight_fp8, v.weight_scale, "channel")
+                  for k, v in self.layers.items()}
+        actor = {k: theirs[k] for k in engine if k in theirs}
+        return sync_check.differing_groups(engine, actor, {k: fp8.FP8 for k in engine})
+
