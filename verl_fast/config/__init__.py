@@ -287,6 +287,16 @@ class RolloutConfig:
     record_routing: bool = _f(False, doc="MoE: the rollout records each token's top-k experts per layer; the "
                                          "update reports actor/routing_changed_frac, the share of tokens whose "
                                          "experts its forward would change (replayed with actor.routing_replay)")
+    partial_step_tokens: int = _f(0, min=0, doc="synchronous partial rollouts (0: off): the most new tokens a "
+                                  "sample gets in one step; the samples still running then are carried into the "
+                                  "next step with their tokens and behaviour log-probs (needs "
+                                  "algorithm.rollout_correction; verl_fast/rollout/partial.py, docs/rollout.md)")
+    partial_round_tokens: Optional[int] = _f(None, min=1, doc="partial rollouts: the rollout decodes in rounds of "
+                                             "this many tokens and stops after the round that completes as many "
+                                             "prompts' groups as the step trains (null: one round of "
+                                             "partial_step_tokens)")
+    partial_max_carry: int = _f(2, min=1, doc="partial rollouts: a group carried this many steps is finished in the "
+                                "step whatever the budget (no token trained more than this many versions old)")
     hf_fast_decode: str = _f("auto", choices=("auto", "on", "off"),
                              doc="type hf: static-KV-cache decoding of the whole batch, CUDA graphs on a GPU "
                                  "(auto: on a GPU); off: model.generate")

@@ -11,6 +11,7 @@ module itself imports none of them.
     rollout.type, the engines' checks                        verl_fast/rollout/engines.py
     rollout.multi_turn                                       verl_fast/agents/settings.py
     trainer.async_mode checks                                verl_fast/async_rl/config_checks.py
+    rollout.partial_step_tokens checks                       verl_fast/trainer/partial_checks.py
 """
 
 from verl_fast import config, data, rewards  # noqa: F401
@@ -20,6 +21,7 @@ from verl_fast.rollout import engines  # noqa: F401
 from verl_fast.algos import registry as algorithms  # noqa: F401
 from verl_fast.async_rl import config_checks as async_checks  # noqa: F401
 from verl_fast.strategies import backends as strategies  # noqa: F401
+from verl_fast.trainer import partial_checks  # noqa: F401
 
 
 def register() -> None:

@@ -54,7 +54,7 @@ from verl_fast.rollout import engines as rollout_engines
 from verl_fast.rollout.factory import build_engine
 from verl_fast.rollout.operator import RolloutOperator
 from verl_fast.strategies import backends as strategies
-from verl_fast.trainer import catalog, lr_schedule, perf, run_dir, supervised
+from verl_fast.trainer import catalog, lr_schedule, partial_checks, perf, run_dir, supervised
 from verl_fast.trainer.validation import Validation
 from verl_fast.trainer.batching import balance_across_ranks
 from verl_fast.trainer.guardrails import Guardrails
@@ -174,6 +174,8 @@ class RLTrainer:
         if self.async_rollout is None:  # the sync guardrail where the update's forward is the policy sampled from
             self.updates.sync_gap_check = lambda diff: self.guardrails.check_sync(
                 self.step + 1, diff, self._weight_differences, {})
+        # rollout.partial_step_tokens: a step's unfinished samples carried into the next (None: off)
+        self.partial = partial_checks.build(cfg, self.engine, tokenizer, self.world) if self.rollout else None
         if self.is_main:  # what the defaults became here, once (the token budget: at the first update)
             settings = dict(s.resolved())
             if self.engine is not None:
@@ -468,7 +470,7 @@ class RLTrainer:
         timed, algorithm = self.perf.phase, self.algorithm
         early = not algorithm.scores_decide_rows and scoring.beside_passes(
             self.cfg.reward_fn.launch_reward_fn_async, self.device, self.reward)
-        exp, extra = self._scored_rollout(batch, metrics, self._model_passes if early else None)
+        exp, extra, batch = self._scored_rollout(batch, metrics, self._model_passes if early else None)
         self.guardrails.after_rewards(self.step + 1, exp, metrics["response/truncated"],
                                       getattr(self.reward, "last_not_applicable", 0), metrics)
         # the batch's own figures, before the algorithm chooses its rows
@@ -510,11 +512,17 @@ class RLTrainer:
     def _scored_rollout(self, batch: List[PromptRow], metrics: Dict[str, Any],
                         beside: Optional[Callable[[Experience], None]] = None) -> tuple:
         """Generation and rewards of ``batch``: ``(experience with scores and outcome rewards, the
-        algorithm's extra rollout or None)``; ``beside(exp)`` runs while the reward scores."""
+        algorithm's extra rollout or None, the prompts it answers)``: ``batch``, or with partial rollouts the
+        groups completed; ``beside(exp)`` runs while the reward scores."""
         timed = self.perf.phase
         if self.async_rollout is not None:  # async hook: generated ahead (no extra rollout: checks.py)
             with timed("generation"):
                 gen, extra = self.async_rollout.take(self.step, batch, metrics), None
+        elif self.partial is not None:  # partial hook: the groups this step completed, the rest carried
+            with timed("generation"), self._engine_awake():
+                seed = self._seed()
+                batch, gen = self.partial.rollout(batch, self.rollout.specs(batch, seed), self.step, seed, metrics)
+            extra = None
         else:
             with timed("generation"), self._engine_awake():
                 gen = self.rollout.rollout(batch, seed=self._seed())
@@ -540,7 +548,7 @@ class RLTrainer:
         metrics["data/skipped_overlong"] = float(self.processor.skipped_overlong)
         metrics["response/truncated"] = (sum(r == "length" for r in gen.finish_reasons)
                                          / max(1, len(gen.finish_reasons)))
-        return exp, extra
+        return exp, extra, batch
 
     def _score(self, batch: List[PromptRow], gen: Any,
                started: Optional[concurrent.futures.Future] = None) -> torch.Tensor:
@@ -597,6 +605,8 @@ class RLTrainer:
         state = {"history": self.history, "config": self.cfg.to_dict(), "torch_rng": torch.get_rng_state().tolist()}
         if self.async_rollout is not None:  # async hook: the samples in flight, finished
             state["async_rollout"] = self.async_rollout.state_dict()
+        if self.partial is not None:  # partial hook: the carried samples, continued after a resume
+            state["partial_rollout"] = self.partial.state_dict()
         self.strategy.save(t.output_dir, self.step, self.tokenizer, state, export_hf)
         if t.save_total_limit:  # the new one is complete (renamed into place): the oldest beyond the limit go
             distributed.on_main(lambda: checkpoint.prune(t.output_dir, t.save_total_limit))
@@ -634,6 +644,8 @@ class RLTrainer:
             torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
             if self.async_rollout is not None:  # async hook: the samples that were in flight
                 self.async_rollout.load_state_dict(state.get("async_rollout", {}))
+            if self.partial is not None:  # partial hook: the samples carried at the checkpoint
+                self.partial.load_state_dict(state.get("partial_rollout", {}))
         logger.resume(self.history)
 
 
