@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from multiprocessing.connection import Connection, Pipe
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -116,6 +117,7 @@ class Worker:
                 serve(child)
             except BaseException:  # noqa: BLE001 - a worker ends with a status, never back in the trainer's code
                 code = 1
+                traceback.print_exc()  # the user's code failed here: its traceback, on the worker's stderr
             finally:
                 os._exit(code)
         child.close()
