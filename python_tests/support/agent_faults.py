@@ -38,7 +38,11 @@ def spawn_sleepers(count: int) -> str:
         count: How many.
     """
     procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]) for _ in range(count)]
-    return " ".join(str(p.pid) for p in procs)
+    pids = " ".join(str(p.pid) for p in procs)
+    if os.environ.get("VERL_FAST_FAULTS_SPAWNED"):  # a run's test collects them here
+        with open(os.environ["VERL_FAST_FAULTS_SPAWNED"], "a") as f:
+            f.write(pids + "\n")
+    return pids
 
 
 def spawn_and_stall(count: int) -> str:
