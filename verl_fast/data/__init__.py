@@ -194,9 +194,6 @@ class RLDataProcessor:
             if not path.exists():
                 raise FileNotFoundError(f"dataset {source} not found (parquet, jsonl, json, a datasets folder, "
                                         "a Hub dataset name, or reasoning_gym:<task>)")
-            if kwargs:
-                raise ValueError(f"dataset_kwargs.{sorted(kwargs)[0]}: the dataset {source} is a file or folder, which "
-                                 "takes no options (they go to a Hub dataset's load_dataset or a reasoning_gym task)")
             if path.is_dir():
                 import datasets
 
