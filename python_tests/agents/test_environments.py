@@ -16,12 +16,12 @@ class Answers(RolloutEngine):
 
     def __init__(self, tok, first_len, wrong, right):
         self.tok, self.first_len, self.wrong, self.right = tok, first_len, wrong, right
-        self.pad_id = tok.pad_token_id
+        self.pad_token_id = tok.pad_token_id
 
     def generate(self, prompts, sampling):
         eos = self.tok.eos_token_id
         out = [self.tok(self.right if len(p) > self.first_len else self.wrong)["input_ids"] + [eos] for p in prompts]
-        return pad_completions(out, None, list(range(len(prompts))), self.pad_id, ["" for _ in out], ["stop"] * len(out))
+        return pad_completions(out, None, list(range(len(prompts))), self.pad_token_id, ["" for _ in out], ["stop"] * len(out))
 
 
 def test_reasoning_gym_retries_until_right():

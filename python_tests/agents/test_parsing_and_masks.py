@@ -89,7 +89,7 @@ class ScriptedEngine(RolloutEngine):
     longer than the first prompt plus ``starts[k]`` tokens (the (k-1)-th turn's start)."""
 
     def __init__(self, turns, first_prompt_len, pad_id, starts):
-        self.turns, self.first, self.pad_id, self.starts = turns, first_prompt_len, pad_id, starts
+        self.turns, self.first, self.pad_token_id, self.starts = turns, first_prompt_len, pad_id, starts
         self.calls = []
 
     def generate(self, prompts, sampling):
@@ -97,7 +97,7 @@ class ScriptedEngine(RolloutEngine):
         out = []
         for p in prompts:
             out.append(self.turns[min(len(self.turns) - 1, sum(len(p) > self.first + t for t in self.starts))])
-        return pad_completions(out, [[-0.5] * len(o) for o in out], list(range(len(prompts))), self.pad_id,
+        return pad_completions(out, [[-0.5] * len(o) for o in out], list(range(len(prompts))), self.pad_token_id,
                                ["" for _ in out], ["stop"] * len(out))
 
 

@@ -146,7 +146,7 @@ def test_workers_exit_when_the_trainer_is_killed(tmp_path):
 
     script = ("import os, sys, time\nfrom verl_fast.agents.tools import ToolExecutor\n"
               "ex = ToolExecutor({'len': len}, workers=2)\n"
-              "print(' '.join(str(w.process.pid) for w in ex._all), flush=True)\ntime.sleep(60)\n")
+              "print(' '.join(str(w.pid) for w in ex._all), flush=True)\ntime.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     pids = [int(p) for p in proc.stdout.readline().split()]
     assert len(pids) == 2

@@ -50,7 +50,7 @@ def rollout(model, tokenizer, texts, spec):
     rows = [PromptRow(prompt_ids=tokenizer(t)["input_ids"], prompt_text=t) for t in texts]
     engine = HFGenerateEngine(model, tokenizer, fast_decode="off", record_routing=True)
     gen = engine.generate([r.prompt_ids for r in rows], spec)
-    return build_experience(rows, gen, engine.pad_id), gen
+    return build_experience(rows, gen, engine.pad_token_id), gen
 
 
 TEXTS = ["What is 3 + 4?", "the sum of 12 and 30", "x"]

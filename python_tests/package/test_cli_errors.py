@@ -116,6 +116,21 @@ def checkpoint_with_state(tmp: Path, step_value) -> Path:
     return step
 
 
+SFT_ROW = '{"messages": [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4"}]}\n'
+
+
+def fake_demo_model(tmp: Path) -> Path:
+    """A cache holding the demo model's folder (its config's 8192 positions, no real weights)."""
+    folder = tmp / "cache" / "SmolLM2-135M-Instruct"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 8192}))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_text("{}")
+    (folder / "model.safetensors").write_bytes(safetensors_bytes(
+        {"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4))
+    return folder.parent
+
+
 BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
     f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]\n" for i in range(8)) + "trainer: {}\n"
 
@@ -215,6 +230,33 @@ CASES = [
          r"no complete checkpoint there", lambda t: ["export", str(t), str(t / "out")]),
     Case("convert_missing", "`verl-fast convert` of a folder that is no Megatron checkpoint", "traceback",
          r"checkpoint_path '.*none' is not a directory", lambda t: ["convert", str(t / "none"), str(t / "out")]),
+    Case("dataset_kwargs_unknown_key", "an unknown key in trainer.dataset_kwargs (a reasoning_gym task)",
+         "TypeError traceback", r"dataset_kwargs\.bogus: reasoning_gym task chain_sum has no such option; its options: "
+         r"allow_negation, max_digits", lambda t: train(t, "trainer.dataset_kwargs.bogus=1",
+                                                        dataset="reasoning_gym:chain_sum")),
+    Case("sft_messages_empty", "an SFT row whose `messages` is []", "traceback from transformers",
+         r"rows\.jsonl:2: messages must be a non-empty list of chat messages, got list \[\]",
+         lambda t: train(t, "algorithm.type=sft", dataset=rows(t, SFT_ROW + '{"messages": []}\n'))),
+    Case("sft_messages_null_content", "an SFT message with null content", "trained on the text 'None'",
+         r"rows\.jsonl:1: messages\[0\] must be a chat message with a string 'content'",
+         lambda t: train(t, "algorithm.type=sft", dataset=rows(
+             t, '{"messages": [{"role": "user", "content": null}, {"role": "assistant", "content": "4"}]}\n'))),
+    Case("sft_messages_strings", "SFT `messages` as strings instead of dicts", "AttributeError traceback",
+         r"rows\.jsonl:1: messages\[0\] must be a chat message with a string 'content' .*got 'hi'",
+         lambda t: train(t, "algorithm.type=sft", dataset=rows(t, '{"messages": ["hi", "there"]}\n'))),
+    Case("max_new_tokens_default_engine", "rollout.max_new_tokens=1000000000 with the default model and engine "
+         "(vLLM where installed)", "vLLM's pydantic ValidationError traceback", r"rollout\.max_new_tokens=1000000000 "
+         r"does not fit actor\.model_name's context of 8192", lambda t: [
+             "train", "rollout.max_new_tokens=1000000000", "trainer.device=cpu", f"trainer.output_dir={t / 'run'}"]),
+    Case("total_epochs_empty", "`+trainer.total_epochs=` (no value) on the command line", "accepted and ignored",
+         r"trainer\.total_epochs= gives no value \(null\), and trainer\.num_epochs needs one",
+         lambda t: ["train", "--print-config", "+trainer.total_epochs="]),
+    Case("tool_workers_huge", "rollout.multi_turn.tool_workers=100000", "accepted (a process each)",
+         r"rollout\.multi_turn\.tool_workers must be <= 256, got 100000",
+         lambda t: ["train", "--print-config", "rollout.multi_turn.tool_workers=100000"]),
+    Case("async_workers_huge", "trainer.async_workers=100000", "accepted (a process each)",
+         r"trainer\.async_workers must be <= 64, got 100000",
+         lambda t: ["train", "--print-config", "trainer.async_workers=100000"]),
 ]
 
 # cases other tests reproduce (a step must run, or no command line reaches them): (what the user does,
@@ -270,6 +312,45 @@ OTHER_CASES = [
     ("trainer.loggers has wandb without the package", "\"trainer.loggers has wandb needs wandb is not installed\"",
      "\"trainer.loggers has wandb, which needs the wandb package: pip install wandb ...\"",
      "python_tests/trainer/test_run_dir.py::test_precheck_names_the_busy_port_the_bad_folder_and_the_dataset"),
+    ("a tool call times out during a run", "the run never exited: a replaced worker took the trainer's SIGTERM "
+     "handler, and exit waited on it", "workers take the default SIGTERM; exit waits on none",
+     "python_tests/agents/test_tool_faults.py::test_a_run_whose_tool_timed_out_exits_on_its_own"),
+    ("a model turn whose tool call nests ~1,100 brackets", "RecursionError out of the rollout",
+     "a failed call the model reads, counted in multi_turn/tool_calls_malformed",
+     "python_tests/agents/test_parser_faults.py::test_a_degenerate_call_is_a_failed_call_in_the_trajectory_and_a_metric"),
+    ("a tool returns a lone surrogate (os.listdir on a name that is not UTF-8)", "tokenizer TypeError, the run dead",
+     "crosses as UTF-8 bytes, decoded with U+FFFD in its place",
+     "python_tests/agents/test_tool_faults.py::test_a_lone_surrogate_reaches_the_trainer_as_valid_text"),
+    ("an environment's step never returns", "the run hung, and SIGTERM did not end it",
+     "the trajectory ends after rollout.multi_turn.env_timeout_s (multi_turn/env_timeouts)",
+     "python_tests/agents/test_environment_faults.py::test_a_step_that_never_returns_ends_its_trajectory"),
+    ("a tool starts processes; kill -9 of the trainer during a call", "12 of 12 alive after the run, 25 of 25 after "
+     "close(); the workers outlived kill -9", "each worker's process group killed at the timeout, at close and when "
+     "the trainer dies (its guardian)",
+     "python_tests/agents/test_tool_faults.py::test_kill_9_of_the_trainer_during_a_call_takes_the_workers_and_their_children"),
+    ("a tool returns a str subclass whose __reduce__ runs code", "it ran in the trainer (os._exit(0): exit 0 "
+     "mid-step); an unpickling error escaped ToolExecutor.call", "results cross as bytes, never unpickled",
+     "python_tests/agents/test_tool_faults.py::test_a_hostile_result_runs_no_code_in_the_trainer"),
+    ("an environment returns None, a dict, messages as a string, a message without content or with int content",
+     "library or jinja tracebacks naming no environment", "one line naming the environment, the method and what "
+     "was wrong", "python_tests/agents/test_environment_faults.py::"
+     "test_wrong_return_types_are_one_line_naming_the_environment_and_method"),
+    ("a tool prints 8 MiB", "into the run's log, unbounded (400 MiB in one step)", "captured per call, cut to "
+     "rollout.multi_turn.tool_output_max_bytes, counted in the metrics",
+     "python_tests/agents/test_tool_faults.py::test_stdout_and_stderr_are_captured_bounded_and_counted"),
+    ("ToolExecutor(timeout_s=nan or inf), ToolExecutor(workers=100000)", "accepted; every call then raised",
+     "refused at construction naming the argument",
+     "python_tests/agents/test_tool_faults.py::test_executor_limits_are_refused_at_construction"),
+    ("resume from a checkpoint of another shape, model or optimizer", "one line of 1,268 characters holding DCP's "
+     "flattened traceback", "one short line naming the cause",
+     "python_tests/checkpoint/test_resume_refusals.py::test_resume_refusals_are_short_and_name_the_cause"),
+    ("`verl-fast export` onto a full disk (an error that names no path)", "the path not named",
+     "names the folder and its free space",
+     "python_tests/checkpoint/test_resume_refusals.py::test_an_export_onto_a_full_disk_names_the_folder"),
+    ("a tool-calling run with a timed-out tool, a forking tool and a step past its time limit", "never exited; "
+     "processes left behind", "ends on its own; no worker, tool process or guardian left in /proc",
+     "python_tests/agents/test_fault_run.py::"
+     "test_a_run_with_a_timed_out_tool_a_forking_tool_and_a_hanging_environment_ends_and_leaves_nothing"),
 ]
 
 
@@ -297,6 +378,8 @@ def test_cli_refusals_are_one_line_without_a_traceback(case, tmp_path, capsys, m
     argv = case.argv(tmp_path)
     checkpoints = tmp_path / "run" / "checkpoints"
     had_checkpoints = checkpoints.exists()  # a case's own (export, resume_from)
+    if case.id == "max_new_tokens_default_engine":  # the demo alias's folder, without converting the real one
+        monkeypatch.setenv("VERL_FAST_CACHE", str(fake_demo_model(tmp_path)))
     holder = _hold_lock(tmp_path / "run") if case.id == "lock_held" else None
     try:
         line = refusal(argv, capsys)

@@ -16,7 +16,7 @@ from ragged import save_ragged_model
 from verl_fast import config as config_mod
 from verl_fast.bench import lengths
 from verl_fast.data import RLDataProcessor
-from verl_fast.rollout.base import SamplingSpec
+from verl_fast.records.generation import SamplingSpec
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 from verl_fast.rollout.partial import PartialRollout
 from verl_fast.trainer.catalog import register

@@ -22,14 +22,19 @@ model made; done when it makes none), ``reasoning_gym`` (``ReasoningGymEnvironme
 answers a reasoning-gym question and is told to try again when wrong, reward 1 for the first right
 answer) and ``single_turn`` (done after the first turn: a row may ask for it in a multi-turn batch).
 Custom ones are named ``module:Class`` (``rollout.multi_turn.environment``), built once per
-trajectory with ``rollout.multi_turn.environment_kwargs``.
+trajectory with ``rollout.multi_turn.environment_kwargs``. What ``reset`` and ``step`` return is
+checked (``checked_reset`` / ``checked_step``): a wrong type is one line naming the environment, the
+method and what was wrong, and the messages' text is made valid UTF-8 (lone surrogates replaced).
+``agents/guarded.py`` runs them under a time limit.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
+from verl_fast.agents.isolation import as_text
 from verl_fast.agents.parsing import ToolCall, parse_tool_calls
 from verl_fast.agents.tools import ToolExecutor, ToolResult
 from verl_fast.data import PromptRow
@@ -58,6 +63,51 @@ class Environment:
     def metrics(self) -> Dict[str, float]:
         """Counts for the step's metrics (summed over trajectories), e.g. ``{"tool_calls": 2}``."""
         return {}
+
+
+def _shown(value: Any) -> str:
+    return f"{type(value).__name__} {value!r:.80}"
+
+
+def checked_messages(value: Any, where: str) -> List[Message]:
+    """``value`` as chat messages (a list of dicts with a string ``role`` and ``content``, the text
+    made valid), or a ValueError that starts with ``where`` and says what is wrong."""
+    if not isinstance(value, list):
+        raise ValueError(f"{where} must return a list of chat messages ({{'role': ..., 'content': ...}}), "
+                         f"got {_shown(value)}")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise ValueError(f"{where}: message [{i}] must be a dict with 'role' and 'content', got {_shown(m)}")
+        if not isinstance(m.get("role"), str):
+            raise ValueError(f"{where}: message [{i}] needs a string 'role', got {_shown(m)}")
+        if not isinstance(m.get("content"), str):
+            raise ValueError(f"{where}: message [{i}] needs a string 'content', got {_shown(m)}")
+        out.append({**m, "content": as_text(m["content"])})
+    return out
+
+
+def checked_reset(value: Any, name: str) -> List[Message]:
+    """What environment ``name``'s ``reset`` returned, checked (one message at least)."""
+    messages = checked_messages(value, f"environment {name}: reset")
+    if not messages:
+        raise ValueError(f"environment {name}: reset returned no messages; the first prompt needs one at least")
+    return messages
+
+
+def checked_step(value: Any, name: str) -> StepResult:
+    """What environment ``name``'s ``step`` returned, checked: a StepResult with chat messages, a
+    finite reward or None, and a bool ``done``."""
+    where = f"environment {name}: step"
+    if not isinstance(value, StepResult):
+        raise ValueError(f"{where} must return a StepResult(messages, reward, done), got {_shown(value)}")
+    reward = value.reward
+    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))
+                               or not math.isfinite(reward)):
+        raise ValueError(f"{where}: the reward must be a finite number or None, got {_shown(reward)}")
+    if not isinstance(value.done, bool):
+        raise ValueError(f"{where}: done must be a bool, got {_shown(value.done)}")
+    return StepResult(checked_messages(value.messages, where), reward, value.done)
 
 
 def row_messages(row: PromptRow, system_prompt: Optional[str] = None) -> List[Message]:
@@ -95,15 +145,24 @@ class ToolEnvironment(Environment):
         self.executor, self.format, self.max_calls = executor, tool_format, max_tool_calls
         self.system_prompt = system_prompt
         self.counts = {"tool_calls": 0.0, "tool_errors": 0.0, "tool_timeouts": 0.0, "tool_crashes": 0.0,
-                       "tool_seconds": 0.0, "tool_calls_refused": 0.0}
+                       "tool_seconds": 0.0, "tool_calls_refused": 0.0, "tool_calls_malformed": 0.0,
+                       "tool_results_truncated": 0.0, "tool_stdout_bytes": 0.0, "tool_stderr_bytes": 0.0,
+                       "tool_output_truncated": 0.0}
 
     def reset(self, row: PromptRow) -> List[Message]:
         return row_messages(row, self.system_prompt)
 
     def _run(self, call: ToolCall) -> ToolResult:
         if call.error is not None:
+            self.counts["tool_calls_malformed"] += 1
             return ToolResult(call.error, "error", 0.0)
-        return self.executor.call(call.name, call.arguments)
+        result = self.executor.call(call.name, call.arguments)
+        limit = self.executor.output_limit
+        self.counts["tool_results_truncated"] += result.result_bytes > self.executor.limit
+        self.counts["tool_stdout_bytes"] += result.stdout_bytes
+        self.counts["tool_stderr_bytes"] += result.stderr_bytes
+        self.counts["tool_output_truncated"] += result.stdout_bytes > limit or result.stderr_bytes > limit
+        return result
 
     def step(self, message: Message) -> StepResult:
         calls = parse_tool_calls(message["content"], self.format)

@@ -12,17 +12,24 @@ Formats (``detect_format`` picks one from the template's text):
 
 A call whose JSON does not parse, or that names no function, is returned as a ``ToolCall`` with
 ``error`` set: the model is told what was wrong (a tool message) instead of the turn silently
-ending.
+ending. What a degenerate turn can hold is bounded before any JSON is parsed: a call's text
+(``MAX_CALL_CHARS``), its nesting (``MAX_DEPTH`` brackets, counted in one pass outside strings) and
+the calls a turn makes (``MAX_CALLS``, the rest dropped); past them the call is an error, never an
+exception out of the rollout.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 FORMATS = ("hermes", "llama3", "mistral")
+MAX_CALL_CHARS = 1 << 20  # a call's JSON text
+MAX_DEPTH = 64  # nested brackets in a call's JSON
+MAX_CALLS = 64  # calls read from one turn
 
 
 @dataclass
@@ -52,6 +59,43 @@ def detect_format(chat_template: Optional[str]) -> Optional[str]:
     return None
 
 
+def _depth(text: str) -> int:
+    """The deepest nesting of ``[``/``{`` in ``text`` outside JSON strings (one pass, no recursion)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def _loads(text: str) -> Tuple[Any, Optional[str]]:
+    """``(value, None)``, or ``(None, what is wrong)`` for text that is too long, too deep or not JSON."""
+    if len(text) > MAX_CALL_CHARS:
+        return None, f"a tool call longer than {MAX_CALL_CHARS} characters ({len(text)})"
+    depth = _depth(text)
+    if depth > MAX_DEPTH:
+        return None, f"a tool call nested {depth} brackets deep (at most {MAX_DEPTH}): {text[:80]!r}"
+    try:
+        return json.loads(text), None
+    except json.JSONDecodeError as e:
+        return None, f"the tool call is not valid JSON ({e.msg} at {e.pos}): {text[:80]!r}"
+    except RecursionError:  # the count above keeps it out; json's own limit, should the count miss a case
+        return None, f"a tool call nested too deep to read: {text[:80]!r}"
+
+
 def _from_json_object(obj: Any, source: str) -> ToolCall:
     if not isinstance(obj, dict):
         return ToolCall(name="", error=f"a tool call must be a JSON object, got {source[:80]!r}")
@@ -60,20 +104,18 @@ def _from_json_object(obj: Any, source: str) -> ToolCall:
         return ToolCall(name="", error=f"a tool call needs a 'name' string, got {source[:80]!r}")
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # some models write the arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return ToolCall(name=name, error=f"the arguments of {name} are not JSON: {args[:80]!r}")
+        args, error = _loads(args)
+        if error is not None:
+            return ToolCall(name=name, error=f"the arguments of {name}: {error}")
     if not isinstance(args, dict):
         return ToolCall(name=name, error=f"the arguments of {name} must be a JSON object, got {args!r:.80}")
     return ToolCall(name=name, arguments=args)
 
 
 def _parse_json(text: str) -> ToolCall:
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        return ToolCall(name="", error=f"the tool call is not valid JSON ({e.msg} at {e.pos}): {text[:80]!r}")
+    obj, error = _loads(text)
+    if error is not None:
+        return ToolCall(name="", error=error)
     return _from_json_object(obj, text)
 
 
@@ -81,7 +123,7 @@ _HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 
 def _hermes(text: str) -> List[ToolCall]:
-    return [_parse_json(m.group(1).strip()) for m in _HERMES.finditer(text)]
+    return [_parse_json(m.group(1).strip()) for m in itertools.islice(_HERMES.finditer(text), MAX_CALLS)]
 
 
 def _llama3(text: str) -> List[ToolCall]:
@@ -89,13 +131,12 @@ def _llama3(text: str) -> List[ToolCall]:
     body = body.strip()
     if not body.startswith("{"):
         return []
-    try:  # one object, or several joined by ';'
-        return [_from_json_object(json.loads(body), body)]
-    except json.JSONDecodeError:
-        pass
+    obj, error = _loads(body)  # one object, or several joined by ';'
+    if error is None:
+        return [_from_json_object(obj, body)]
     parts = [p.strip() for p in body.split(";") if p.strip()]
     if len(parts) > 1 and all(p.startswith("{") for p in parts):
-        return [_parse_json(p) for p in parts]
+        return [_parse_json(p) for p in parts[:MAX_CALLS]]
     return [_parse_json(body)]
 
 
@@ -106,19 +147,18 @@ def _mistral(text: str) -> List[ToolCall]:
     if "[TOOL_CALLS]" not in text:
         return []
     calls: List[ToolCall] = []
-    for chunk in text.split("[TOOL_CALLS]")[1:]:
+    for chunk in text.split("[TOOL_CALLS]", MAX_CALLS)[1:]:
         chunk = chunk.strip()
         named = _MISTRAL_NAMED.match(chunk)
         if named:  # name[ARGS]{...}
             args = chunk[named.end():].strip()
             calls.append(_from_json_object({"name": named.group(1), "arguments": args}, args))
             continue
-        try:
-            obj = json.loads(chunk)
-        except json.JSONDecodeError as e:
-            calls.append(ToolCall(name="", error=f"the tool calls are not valid JSON ({e.msg}): {chunk[:80]!r}"))
+        obj, error = _loads(chunk)
+        if error is not None:
+            calls.append(ToolCall(name="", error=error))
             continue
-        calls.extend(_from_json_object(o, json.dumps(o)) for o in (obj if isinstance(obj, list) else [obj]))
+        calls.extend(_from_json_object(o, json.dumps(o)[:80]) for o in (obj if isinstance(obj, list) else [obj]))
     return calls
 
 
@@ -130,7 +170,7 @@ def parse_tool_calls(text: str, fmt: str) -> List[ToolCall]:
     makes none; each call gets an id unique within the turn (Mistral templates want 9 characters)."""
     if fmt not in _PARSERS:
         raise ValueError(f"tool-call format must be one of {list(FORMATS)}, got {fmt!r}")
-    calls = _PARSERS[fmt](text)
+    calls = _PARSERS[fmt](text)[:MAX_CALLS]
     for i, call in enumerate(calls):
         call.id = f"call{i:05d}"[:9]
     return calls

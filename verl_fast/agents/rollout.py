@@ -38,6 +38,7 @@ import torch
 from verl_fast.agents.chat import ChatRenderer
 from verl_fast.agents.environments import (Environment, ReasoningGymEnvironment, SingleTurnEnvironment, StepResult,
                                            ToolEnvironment, custom_environment)
+from verl_fast.agents.guarded import GuardedEnvironment
 from verl_fast.agents.settings import MultiTurnConfig
 from verl_fast.agents.tools import ToolExecutor, tool_schema
 from verl_fast.records.prompts import PromptRow
@@ -83,8 +84,8 @@ class MultiTurnRolloutOperator(RolloutOperator):
             raise ValueError("rollout.multi_turn.environment=tools needs tools: list them in rollout.multi_turn.tools "
                              "or pass RLTrainer(tools=[...])")
         self.renderer = ChatRenderer(tokenizer, [tool_schema(f) for f in tools.values()], mt.tool_format)
-        self.executor = ToolExecutor(tools, mt.tool_workers, mt.tool_timeout_s, mt.tool_result_max_bytes) \
-            if tools else None
+        self.executor = ToolExecutor(tools, mt.tool_workers, mt.tool_timeout_s, mt.tool_result_max_bytes,
+                                     mt.tool_output_max_bytes) if tools else None
         self._custom = custom_environment(mt.environment) if ":" in mt.environment else None
         self._threads = concurrent.futures.ThreadPoolExecutor(max(mt.tool_workers, 1),
                                                               thread_name_prefix="verl_fast env step")
@@ -93,41 +94,53 @@ class MultiTurnRolloutOperator(RolloutOperator):
     # ------------------------------------------------------------------ environments
 
     def _environment(self, row: PromptRow) -> Tuple[Environment, bool]:
-        """``(environment, single_turn)`` of a row: the configured one, or single turn where the row's
-        ``environment`` column (or extra_info key) says ``single_turn``."""
+        """``(environment, single_turn)`` of a row: the configured one (under its time limit, where
+        ``env_isolation`` asks), or single turn where the row's ``environment`` column (or extra_info
+        key) says ``single_turn``."""
         wanted = row.columns.get("environment") or row.extra_info.get("environment") or self.mt.environment
         if wanted == "single_turn":
             return SingleTurnEnvironment(self.system_prompt), True
         if wanted != self.mt.environment:
             raise ValueError(f"a row asks for environment {wanted!r}; this run's is rollout.multi_turn.environment="
                              f"{self.mt.environment} (a row may also ask for single_turn)")
-        if self._custom is not None:
-            return self._custom(**self.mt.environment_kwargs), False
-        if wanted == "reasoning_gym":
-            return ReasoningGymEnvironment(system_prompt=self.system_prompt, **self.mt.environment_kwargs), False
-        return ToolEnvironment(self.executor, self.renderer.format, self.mt.max_tool_calls, self.system_prompt,
-                               **self.mt.environment_kwargs), False
+        return GuardedEnvironment(self._make_environment, wanted, self.mt.env_timeout_s, self.mt.env_isolation), False
 
-    def _start(self, batch: Sequence[PromptRow], specs: List[SamplingSpec], seed: Optional[int]) -> List[Trajectory]:
-        out = []
+    def _make_environment(self) -> Environment:
+        if self._custom is not None:
+            return self._custom(**self.mt.environment_kwargs)
+        if self.mt.environment == "reasoning_gym":
+            return ReasoningGymEnvironment(system_prompt=self.system_prompt, **self.mt.environment_kwargs)
+        return ToolEnvironment(self.executor, self.renderer.format, self.mt.max_tool_calls, self.system_prompt,
+                               **self.mt.environment_kwargs)
+
+    def _start(self, batch: Sequence[PromptRow], specs: List[SamplingSpec], out: List[Trajectory]) -> None:
+        """Appends every sample's trajectory to ``out`` (its environment reset)."""
         for i, (row, spec) in enumerate(zip(batch, specs)):
             for k in range(spec.n):
                 env, single = self._environment(row)
-                messages = env.reset(row)
+                try:
+                    messages = env.reset(row)
+                except BaseException:
+                    _close(env)
+                    raise
                 # a single-turn row keeps its own prompt tokens: the single-turn rollout's exactly
                 ids = list(row.prompt_ids) if single else self.renderer.prompt_ids(messages)
                 sample_seed = None if spec.seed is None else spec.seed * 1009 + k
                 out.append(Trajectory(i, env, ids, replace(spec, n=1, seed=sample_seed), single_turn=single))
-        return out
 
     # ------------------------------------------------------------------ the loop
 
     def rollout(self, batch: Sequence[PromptRow], seed: Optional[int] = None) -> GenerationOutput:
         start = time.perf_counter()
-        trajectories = self._start(batch, self.specs(batch, seed), seed)
-        run = self._stream if self.engine.streams else self._waves
-        generate_s, calls = run(trajectories)
-        self._metrics = self._summary(trajectories, time.perf_counter() - start, generate_s, calls)
+        trajectories: List[Trajectory] = []
+        try:
+            self._start(batch, self.specs(batch, seed), trajectories)
+            run = self._stream if self.engine.streams else self._waves
+            generate_s, calls = run(trajectories)
+            self._metrics = self._summary(trajectories, time.perf_counter() - start, generate_s, calls)
+        finally:
+            for t in trajectories:
+                _close(t.env)
         return self._output(trajectories)
 
     def _turn_spec(self, t: Trajectory) -> SamplingSpec:
@@ -300,6 +313,11 @@ class MultiTurnRolloutOperator(RolloutOperator):
         self._threads.shutdown(wait=False)
         if self.executor is not None:
             self.executor.close()
+
+
+def _close(env: Environment) -> None:
+    if isinstance(env, GuardedEnvironment):
+        env.close()
 
 
 def build_operator(cfg: Any, engine: RolloutEngine, tokenizer: Any, default: SamplingSpec,

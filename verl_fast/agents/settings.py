@@ -28,11 +28,19 @@ class MultiTurnConfig:
     tool_format: str = option("auto", choices=TOOL_FORMATS, doc="how tool calls are written: auto reads the chat "
                           "template (hermes <tool_call>, llama3 JSON, mistral [TOOL_CALLS]); a template that renders "
                           "no tools gets the Hermes format described in its system message")
-    tool_workers: int = option(4, min=1, doc="worker processes running tool calls: the calls running at once")
+    tool_workers: int = option(4, min=1, max=256, doc="worker processes running tool calls: the calls running at once")
     tool_timeout_s: float = option(10.0, min=0.001, doc="a call running longer has its worker killed and replaced; the "
                                "model reads a timeout error")
     tool_result_max_bytes: int = option(4096, min=64, doc="a tool's result is cut to this many bytes (in its worker)")
+    tool_output_max_bytes: int = option(4096, min=0, doc="what a tool call prints (its stdout and its stderr, each) is "
+                                    "captured in its worker and cut to this many bytes; every byte is counted in "
+                                    "the metrics")
     max_tool_calls: int = option(8, min=1, doc="tool calls per trajectory; later calls are refused and the episode ends")
+    env_timeout_s: float = option(120.0, min=0.001, doc="an environment's reset or step running longer is given up: a "
+                              "step ends its trajectory (multi_turn/env_timeouts), a reset stops the run")
+    env_isolation: str = option("thread", choices=("thread", "process"), doc="where an environment runs: thread (the "
+                            "trainer's process) or process (a worker process per trajectory, killed with every "
+                            "process it started when the trajectory ends or times out)")
 
 
 def parse(rollout_cfg: Any) -> Optional[MultiTurnConfig]:
@@ -50,6 +58,9 @@ def _check(cfg: config_mod.Config) -> None:
     if mt.environment not in BUILT_IN_ENVIRONMENTS and ":" not in mt.environment:
         raise ValueError(f"rollout.multi_turn.environment must be one of {list(BUILT_IN_ENVIRONMENTS)} or "
                          f"module:Class, got {mt.environment!r}")
+    if mt.env_isolation == "process" and mt.environment == "tools":
+        raise ValueError("rollout.multi_turn.env_isolation=process is not supported with environment=tools (its tool "
+                         "calls run in worker processes already); use env_isolation=thread")
     if not algorithms.spec(cfg).samples:
         raise ValueError(f"rollout.multi_turn is not supported with algorithm.type={cfg.algorithm.type}, which samples "
                          "nothing; remove it")

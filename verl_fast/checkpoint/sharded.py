@@ -504,6 +504,17 @@ def latest_valid(output_dir: str, warn: Callable[[str], None] = _warn) -> Option
     return None
 
 
+def _dcp_cause(error: BaseException) -> str:
+    """The first line of what failed inside DCP (its CheckpointException holds each rank's exception
+    with its traceback flattened into the text)."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))  # (the exception, its frames)
+        error = first[0] if isinstance(first, tuple) and first and isinstance(first[0], BaseException) else first
+    lines = str(error).strip().splitlines()
+    return (lines[0] if lines else type(error).__name__)[:300]
+
+
 def load(path: Path, actor: torch.nn.Module, optimizer: torch.optim.Optimizer,
          critic: Optional[torch.nn.Module] = None,
          critic_optimizer: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
@@ -524,7 +535,8 @@ def load(path: Path, actor: torch.nn.Module, optimizer: torch.optim.Optimizer,
             dcp.load(shards, storage_reader=reader, planner=safe_load.dcp_planner(),
                      no_dist=world == 1)  # data only: nothing in the files runs
     except BaseException as e:  # DCP's CheckpointException is a BaseException
-        raise CheckpointError(f"checkpoint {path} does not fit this run's models: {e}") from e
+        raise CheckpointError(f"checkpoint {path} does not fit this run's models: {_dcp_cause(e)} (saved by a run "
+                              "of another model, LoRA setting or optimizer?)") from e
     set_model_state_dict(actor, shards["actor"])
     set_optimizer_state_dict(actor, optimizer, shards["actor_optim"])
     if critic is not None:
@@ -668,7 +680,19 @@ def export(checkpoint: str, out_dir: str, max_shard_bytes: int = 5 << 30, overwr
         _write_safetensors(src / DCP, tmp, max_shard_bytes)
         _fsync_tree(tmp)
 
-    return output_folder.write_folder(out, run, fill, overwrite=overwrite, what="the export", stale=is_weights)
+    try:
+        return output_folder.write_folder(out, run, fill, overwrite=overwrite, what="the export", stale=is_weights)
+    except Exception as e:
+        if not _is_disk_full(e):
+            raise
+        from verl_fast.errors import human_bytes
+
+        where = out.resolve()
+        while not where.is_dir() and where != where.parent:  # the nearest folder there is
+            where = where.parent
+        raise CheckpointError(f"no space left on the disk of {out} ({human_bytes(shutil.disk_usage(where).free)} "
+                              f"free) for the export of {src}: nothing was written there; free space or export "
+                              "elsewhere") from e
 
 
 def is_weights(name: str) -> bool:

@@ -455,8 +455,8 @@ class TrainerConfig:
                              "workers in processes of their own fill a bounded queue, weights pushed by version")
     max_staleness: int = _f(1, min=1, doc="async_mode: no token sampled by a policy more than this many versions "
                             "(optimiser steps) older than the one that trains on it is ever trained on")
-    async_workers: int = _f(1, min=1, doc="async_mode full: rollout worker processes (on the GPUs the trainer "
-                            "leaves free when there are several; sharing the one otherwise)")
+    async_workers: int = _f(1, min=1, max=64, doc="async_mode full: rollout worker processes (on the GPUs the "
+                            "trainer leaves free when there are several; sharing the one otherwise)")
     partial_rollouts: bool = _f(True, doc="async_mode full: a weight push mid-generation reaches the sequences in "
                                 "flight, which continue under the new weights, each token tagged with its version")
     # older spellings of actor settings (copied to the actor section)

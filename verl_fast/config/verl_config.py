@@ -202,7 +202,10 @@ class _Translation:
         outs = out if len(entry.ours) > 1 else (out,)
         for ours, v in zip(entry.ours, outs):
             if v is None and not _optional(ours):
-                continue  # verl's null: our default
+                if key in self.overridden and raw is None:  # ``key=`` on the command line: a value forgotten
+                    self.problems.append(f"{key}= gives no value (null), and {ours} needs one; give it, or drop "
+                                         f"the override for the default")
+                continue  # verl's null in a file: our default
             self.set(ours, v, key)
 
     def check_values(self) -> None:

@@ -183,8 +183,21 @@ class RLDataProcessor:
         raise TypeError(f"unsupported dataset source {type(source).__name__}")
 
     def reasoning_gym_rows(self, task: str, size: int = 1000, seed: int = 42, **task_kwargs: Any) -> List[Dict[str, Any]]:
-        import reasoning_gym
+        import dataclasses
+        import difflib
 
+        import reasoning_gym
+        from reasoning_gym.factory import DATASETS
+
+        if task not in DATASETS:
+            close = difflib.get_close_matches(task, list(DATASETS), n=3)
+            raise ValueError(f"reasoning_gym has no task {task!r}" + (f"; did you mean {', '.join(close)}?" if close
+                                                                      else f" ({len(DATASETS)} tasks)"))
+        options = {f.name for f in dataclasses.fields(DATASETS[task][1])}
+        unknown = sorted(set(task_kwargs) - options)
+        if unknown:
+            raise ValueError(f"dataset_kwargs.{unknown[0]}: reasoning_gym task {task} has no such option; its options: "
+                             f"{', '.join(sorted(options))}")
         dataset = reasoning_gym.create_dataset(task, size=size, seed=seed, **task_kwargs)
         return [{"data_source": f"reasoning_gym/{task}", "prompt": [{"role": "user", "content": e["question"]}],
                  "reward_model": {"ground_truth": _to_plain(e)}, "extra_info": {"index": i}}

@@ -7,7 +7,7 @@ checked before any model loads, each error naming the file and line (or row).
   after reading one piece past the limit), a ``.json`` file at most ``MAX_JSON_BYTES``; text is
   UTF-8 (the line of a bad byte is named).
 - ``check_row``: a row has a prompt (a string, or chat messages each with a string ``content``), or a
-  preference pair's or an SFT row's fields; ``reward_model`` is a mapping; a ground truth under a misspelt key
+  preference pair's or an SFT row's fields (an SFT ``messages``: a non-empty list of such messages); ``reward_model`` is a mapping; a ground truth under a misspelt key
   (``groundtruth``, ``groundTruth``, ``ground-truth``) is refused naming it, rather than reaching the
   reward as None.
 - ``Rows``: the rows of a file, each with where it came from (``path:line`` or ``path row N``), so a
@@ -153,6 +153,8 @@ def check_row(row: Dict[str, Any], place: str) -> None:
         raise ValueError(f"{place}: a row needs a 'prompt' field (verl format), got keys {sorted(map(str, row))}")
     if "prompt" in row:
         check_prompt(row["prompt"], place)
+    if "messages" in row:  # an SFT chat
+        check_prompt(row["messages"], place, "messages")
     check_truth(row, place)
 
 
@@ -187,13 +189,15 @@ def require_truth(rows: List[Any], key: str) -> None:
                              "(reward_model.ground_truth, ground_truth or answer)")
 
 
-def check_prompt(prompt: Any, place: str) -> None:
-    if isinstance(prompt, str):
+def check_prompt(prompt: Any, place: str, key: str = "prompt") -> None:
+    """A prompt (``key``: the row's field) is a string or a non-empty list of chat messages, each with
+    a string ``content``; the ``messages`` of an SFT row must be such a list."""
+    if isinstance(prompt, str) and key == "prompt":
         return
     if not isinstance(prompt, list) or not prompt:
-        raise ValueError(f"{place}: prompt must be a string or a non-empty list of chat messages, got "
-                         f"{type(prompt).__name__} {prompt!r:.80}")
+        kinds = "a string or a non-empty list" if key == "prompt" else "a non-empty list"
+        raise ValueError(f"{place}: {key} must be {kinds} of chat messages, got {type(prompt).__name__} {prompt!r:.80}")
     for j, message in enumerate(prompt):
         if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-            raise ValueError(f"{place}: prompt[{j}] must be a chat message with a string 'content' "
+            raise ValueError(f"{place}: {key}[{j}] must be a chat message with a string 'content' "
                              f"({{'role': ..., 'content': ...}}), got {message!r:.80}")

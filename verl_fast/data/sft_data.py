@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Sequence, Tuple
 
+from verl_fast.data import readers
+
 
 @dataclass
 class SFTExample:
@@ -65,6 +67,7 @@ def _with_eos(tokenizer: Any, ids: List[int], mask: List[int]) -> Tuple[List[int
 def encode_row(tokenizer: Any, row: Dict[str, Any], where: str) -> SFTExample:
     """One row (module docstring) as an SFTExample."""
     if "messages" in row:
+        readers.check_prompt(row["messages"], where, "messages")  # rows given in Python: not read by readers
         text, spans = chat_spans(tokenizer, row["messages"], where)
         ids, mask = _tokens(tokenizer, text, spans)
     elif "prompt" in row and "completion" in row:

@@ -30,13 +30,14 @@ def resolve(name: str) -> str:
 
 def local_folder(name: Optional[str]) -> Optional[Path]:
     """The folder ``name`` (a path, the demo alias, or a Hub name already in the HF cache) names on
-    this machine, without downloading anything; None when there is none yet."""
+    this machine, without downloading anything; None when there is none yet. The demo alias's folder
+    is converted from its package here when it is not yet (the load that follows would convert it)."""
     if not name:
         return None
     if os.path.isdir(name):
         return Path(name)
     if name in DEMO_ALIASES:
-        return None  # built by verl_fast itself
+        return Path(resolve(name))
     try:
         from huggingface_hub import snapshot_download
 

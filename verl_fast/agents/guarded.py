@@ -1,0 +1,168 @@
+"""Environments under a time limit, in the trainer's process or in a worker process of their own.
+
+``GuardedEnvironment`` wraps one trajectory's environment (``rollout.multi_turn.environment``):
+
+- ``reset`` and ``step`` run on a daemon thread (``isolation: thread``, the default) or in a worker
+  process (``isolation: process``: ``agents/isolation.py``, a fork per trajectory that builds the
+  environment there, killed with its process group when the trajectory ends), and are waited on for
+  ``timeout_s`` at most. A ``step`` that does not return in time ends its trajectory (counted in
+  ``env_timeouts``); the thread left running is a daemon and never holds the trainer's exit, the
+  worker is killed. A ``reset`` that does not return in time stops the run, naming the environment.
+- what they return is checked (``checked_reset`` / ``checked_step``): a wrong type is one line
+  naming the environment, the method and what was wrong. From a worker, what crosses is JSON
+  bytes (``MAX_ANSWER_BYTES`` at most), never a pickled object.
+- an environment whose worker dies ends its trajectory (``env_crashes``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable, Dict, List, Optional
+
+from verl_fast.agents.environments import Environment, Message, StepResult, checked_reset, checked_step
+from verl_fast.agents.isolation import Worker, WorkerGone, as_text, next_request
+from verl_fast.data import PromptRow
+
+ISOLATIONS = ("thread", "process")
+MAX_ANSWER_BYTES = 16 << 20  # an answer from an environment's worker
+
+
+class EnvironmentTimeout(RuntimeError):
+    """A reset that did not return within the limit (the message names the environment)."""
+
+
+def _on_daemon_thread(fn: Callable[..., Any], *args: Any) -> "Future[Any]":
+    future: "Future[Any]" = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread, which raises it
+            future.set_exception(e)
+
+    threading.Thread(target=run, daemon=True, name="verl_fast environment").start()
+    return future
+
+
+def _serve(conn: Any, parent: int, make: Callable[[], Environment], name: str) -> None:
+    """An environment's worker: builds it, then answers pickled ``(method, argument)`` requests from
+    the trainer with JSON ``{"value": ...}`` or ``{"error": one line}``."""
+    env = make()
+    while True:
+        request = next_request(conn, parent)
+        if request is None:
+            return
+        method, arg = pickle.loads(request)  # from the trainer: its own objects
+        try:
+            if method == "reset":
+                value: Any = checked_reset(env.reset(arg), name)
+            elif method == "step":
+                r = checked_step(env.step(arg), name)
+                value = {"messages": r.messages, "reward": r.reward, "done": r.done}
+            else:
+                value = {str(k): float(v) for k, v in env.metrics().items()}
+            answer = {"value": value}
+        except ValueError as e:  # a wrong return type: the one line the trainer raises
+            answer = {"error": str(e)}
+        conn.send_bytes(json.dumps(answer, default=str).encode("utf-8", "surrogatepass"))
+
+
+class GuardedEnvironment(Environment):
+    """One trajectory's environment, built by ``make`` and named ``name`` (see the module docstring)."""
+
+    def __init__(self, make: Callable[[], Environment], name: str, timeout_s: float, isolation: str = "thread"):
+        if isolation not in ISOLATIONS:
+            raise ValueError(f"environment isolation must be one of {list(ISOLATIONS)}, got {isolation!r}")
+        self.name, self.timeout_s = name, timeout_s
+        self.counts = {"env_timeouts": 0.0, "env_crashes": 0.0}
+        self._env: Optional[Environment] = None
+        self._worker: Optional[Worker] = None
+        if isolation == "process":
+            parent = os.getpid()
+            self._worker = Worker(lambda conn: _serve(conn, parent, make, name), "verl_fast environment")
+        else:
+            self._env = make()
+        self._broken = False  # timed out or crashed: no further calls
+
+    # ------------------------------------------------------------------ the calls
+
+    def _in_thread(self, method: str, arg: Any) -> Any:
+        fn = getattr(self._env, method)
+        future = _on_daemon_thread(fn, *(() if arg is None else (arg,)))
+        try:
+            return future.result(timeout=self.timeout_s)
+        except TimeoutError:
+            return _TIMEOUT
+
+    def _in_worker(self, method: str, arg: Any) -> Any:
+        try:
+            data = self._worker.request(pickle.dumps((method, arg)), self.timeout_s, MAX_ANSWER_BYTES)
+        except WorkerGone as gone:
+            return _Crash(f"its process exited with code {gone.code}")
+        if data is None:
+            self._worker.kill()
+            return _TIMEOUT
+        try:
+            answer = json.loads(as_text(data))
+        except (ValueError, RecursionError):
+            answer = None
+        if not isinstance(answer, dict) or not ("value" in answer or isinstance(answer.get("error"), str)):
+            self._worker.kill()
+            return _Crash("its process sent an answer that cannot be read")
+        if "error" in answer:
+            raise ValueError(answer["error"])
+        value = answer["value"]
+        if method == "step":  # checked again here: the worker's answer is data from outside
+            value = StepResult(value.get("messages"), value.get("reward"), value.get("done")) \
+                if isinstance(value, dict) else value
+        return value
+
+    def _call(self, method: str, arg: Any = None) -> Any:
+        return self._in_worker(method, arg) if self._worker is not None else self._in_thread(method, arg)
+
+    # ------------------------------------------------------------------ Environment
+
+    def reset(self, row: PromptRow) -> List[Message]:
+        value = self._call("reset", row)
+        if value is _TIMEOUT:
+            raise EnvironmentTimeout(f"environment {self.name}: reset did not return within {self.timeout_s:g} s "
+                                     "(rollout.multi_turn.env_timeout_s)")
+        if isinstance(value, _Crash):
+            raise EnvironmentTimeout(f"environment {self.name}: reset failed: {value.why}")
+        return checked_reset(value, self.name)
+
+    def step(self, message: Message) -> StepResult:
+        if self._broken:
+            return StepResult(done=True)
+        value = self._call("step", message)
+        if value is _TIMEOUT or isinstance(value, _Crash):
+            self._broken = True
+            self.counts["env_timeouts" if value is _TIMEOUT else "env_crashes"] += 1
+            return StepResult(done=True)
+        return checked_step(value, self.name)
+
+    def metrics(self) -> Dict[str, float]:
+        out = dict(self.counts)
+        if not self._broken:
+            value = self._call("metrics")
+            if isinstance(value, dict):
+                out.update({k: float(v) for k, v in value.items() if isinstance(v, (int, float))})
+        return out
+
+    def close(self) -> None:
+        """Kills the environment's worker, if it has one (idempotent)."""
+        if self._worker is not None:
+            self._worker.kill()
+
+
+class _Crash:
+    def __init__(self, why: str):
+        self.why = why
+
+
+_TIMEOUT = object()
+
