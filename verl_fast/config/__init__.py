@@ -364,6 +364,11 @@ class AlgorithmConfig:
     cpo_alpha: Optional[float] = _f(None, min=0.0, doc="CPO / SimPO: weight of the chosen responses' mean token "
                                     "NLL (null: 1 for cpo, 0 for simpo, as their papers)")
     sft_max_length: int = _f(2048, min=2, doc="SFT: tokens a row is cut to (algorithm.type=sft)")
+    sft_truncation: str = _f("right", choices=("right", "error"), doc="SFT: a row longer than sft_max_length is cut "
+                             "(right) or refused naming the row (error, verl's default)")
+    sft_columns: Dict[str, str] = _f(dict, doc="SFT: the columns read as prompt / completion / messages, each a "
+                                     "column or a dotted path into one (verl's data.prompt_key + prompt_dict_keys); "
+                                     "a string prompt read so is the user's message, through the chat template")
     kto_desirable_weight: float = _f(1.0, min=0.0, doc="KTO: lambda_D, the weight of desirable (label true) "
                                      "completions' losses")
     kto_undesirable_weight: float = _f(1.0, min=0.0, doc="KTO: lambda_U, the weight of undesirable (label false) "
@@ -380,7 +385,8 @@ class TrainerConfig:
     tf32: Optional[bool] = _f(None, doc="TF32 tensor cores for float32 matmuls and convolutions left outside "
                               "autocast (null: on for a GPU run)")
     output_dir: str = _f("runs/verl_fast")
-    save_freq: int = _f(0, min=0, doc="checkpoint every N steps (0: only at the end)")
+    save_freq: int = _f(0, min=-1, doc="checkpoint every N steps (0: only at the end; -1: never, verl's -1, though "
+                        "a run stopped by a signal still saves)")
     resume: bool = _f(True, doc="continue from the latest complete checkpoint in output_dir (trainer.resume_from, "
                       "when set, names the checkpoint instead)")
     overwrite: bool = _f(False, doc="clear an older run's checkpoints and metrics from output_dir at start "
@@ -394,8 +400,8 @@ class TrainerConfig:
     val_dataset: Optional[Union[str, List[str]]] = _f(None, doc="validation prompts, in the formats of trainer.dataset (null: no "
                                     "validation)")
     val_dataset_kwargs: Dict[str, Any] = _f(dict, doc="as dataset_kwargs, for val_dataset")
-    val_freq: int = _f(0, min=0, doc="validate after every N-th step and after the last one (0: after the last "
-                       "one only)")
+    val_freq: int = _f(0, min=-1, doc="validate after every N-th step and after the last one (0: after the last "
+                       "one only; -1: never after a step, verl's -1)")
     val_before_train: bool = _f(False, doc="validate before the first step too (logged as step 0)")
     val_n: int = _f(1, min=1, doc="validation samples per prompt")
     val_temperature: float = _f(0.0, min=0.0, doc="validation sampling temperature (0: greedy)")

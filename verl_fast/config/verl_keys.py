@@ -102,9 +102,9 @@ def unset_if_negative(value: Any, given: Given) -> Any:
     return SKIP if value is None or value < 0 else value
 
 
-def never_is_zero(value: Any, given: Given) -> Any:
-    """verl's -1 (never) as our 0 (at the end only)."""
-    return 0 if value is None or value < 0 else value
+def never(value: Any, given: Given) -> Any:
+    """verl's -1 (never) and ours; null: our default."""
+    return SKIP if value is None else (-1 if value < 0 else value)
 
 
 def scheduler(value: Any, given: Given) -> Any:
@@ -628,8 +628,8 @@ KEYS: List[VerlKey] = [
     M("trainer.experiment_name", "trainer.run_name"),
     M("trainer.logger", "trainer.loggers", "console, wandb, tensorboard (+ jsonl, always)", logger),
     M("trainer.log_val_generations", "trainer.log_generations"),
-    M("trainer.save_freq", "trainer.save_freq", "-1 (never) -> 0: at the end only", never_is_zero),
-    M("trainer.test_freq", "trainer.val_freq", "-1 -> 0: after the last step only", never_is_zero),
+    M("trainer.save_freq", "trainer.save_freq", "every N steps; -1: never (verl's default)", never),
+    M("trainer.test_freq", "trainer.val_freq", "every N steps; -1: never (verl's default)", never),
     M("trainer.val_before_train", "trainer.val_before_train"),
     M("trainer.default_local_dir", "trainer.output_dir", "checkpoints and metrics"),
     M("trainer.resume_mode", "trainer.resume", "auto / resume_path: true; disable: false", resume_mode),
