@@ -154,10 +154,10 @@ class _Composer:
         optional = key.startswith("optional ")
         key = key[len("optional "):].strip() if optional else key
         grp, _, pkg = key.partition("@")
-        option = self.overrides.get(grp, option)
+        target = _normal(Path(group) / grp if group else Path(grp), self.where, e)
+        option = self.overrides.get(target, option)
         if option is None:
             return None
-        target = _normal(Path(group) / grp if group else Path(grp), self.where, e)
         own = ".".join(p for p in Path(grp).parts if p not in ("..", "."))
         return self.one(f"{target}/{option}", target, pkg or None, own, package, optional, e, depth)
 
