@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from verl_fast import config as config_mod
-from verl_fast.config import hydra_compose, verl_defaults, verl_keys, verl_sft_keys
+from verl_fast.config import hydra_compose, verl_defaults, verl_keys, verl_sft_keys, yaml_files
 from verl_fast.config.verl_keys import SKIP, VerlKey
 
 HIDDEN = ("_target_",)  # Hydra's instantiation marker: not a setting
@@ -448,6 +448,13 @@ def load(path: Optional[Union[str, Path]], overrides: Optional[List[str]] = None
     for key in deleted:
         hydra_compose.delete(data, key, known=table.knows(key) or key in verl_defaults.DEFAULTS.get(tree or "", {}))
     overridden = tuple(o.partition("=")[0].strip() for o in plain)
+    top = [o for o in plain if "=" in o and "." not in o.partition("=")[0]]
+    if tree is not None:  # verl's trees have top-level keys (the SFT trainer's ulysses_sequence_parallel_size)
+        data = dict(data)
+        for item in top:
+            key, _, raw = item.partition("=")
+            data[key.strip()] = yaml_files.loads(raw, f"override {item!r}") if raw != "" else None
+        plain = [o for o in plain if o not in top]
     return from_dict(config_mod.apply_overrides(data, plain), overridden, tree, tuple(deleted))
 
 

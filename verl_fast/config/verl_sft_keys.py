@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, List
 
-from verl_fast.config.verl_keys import (SKIP, VerlKey, Given, M, N, T, dtype, files, logger, never, only,
+from verl_fast.config.verl_keys import (SKIP, VerlKey, Given, M, N, T, betas, dtype, files, global_micro, logger, never, only,
                                         resume_mode, scheduler, strategy)
 
 
@@ -69,7 +69,7 @@ KEYS: List[VerlKey] = [
     M("data.train_batch_size", "trainer.train_batch_size", "rows per optimiser step"),
     M("data.micro_batch_size_per_gpu", "actor.micro_batch_size", "rows per forward/backward on each rank",
       per_gpu_batch),
-    N("data.micro_batch_size", "deprecated in verl: data.micro_batch_size_per_gpu"),
+    M("data.micro_batch_size", "actor.micro_batch_size", "deprecated (all GPUs): / WORLD_SIZE", global_micro),
     M("data.prompt_key", "algorithm.sft_columns", SFT_COLUMNS, columns),
     M("data.response_key", "algorithm.sft_columns", SFT_COLUMNS, columns),
     M("data.prompt_dict_keys", "algorithm.sft_columns", "keys into the prompt column's mappings", columns),
@@ -97,7 +97,8 @@ KEYS: List[VerlKey] = [
     M("optim.lr_warmup_steps_ratio", "actor.warmup_ratio"),
     M("optim.lr_scheduler", "actor.lr_scheduler", "cosine, constant (linear too)", scheduler),
     M("optim.warmup_style", "actor.lr_scheduler", "older name of lr_scheduler", scheduler),
-    N("optim.betas", "AdamW's betas are (0.9, 0.999) here"),
+    N("optim.betas", "AdamW's betas are (0.9, 0.999) here (verl's SFT default [0.9, 0.95] is not applied); other "
+      "values are refused", betas),
     T("optim", "AdamW (torch.optim) is the optimiser here"),
     N("ulysses_sequence_parallel_size", "no sequence parallelism here (1)",
       only("ulysses_sequence_parallel_size", (None, 1), "no sequence parallelism")),
