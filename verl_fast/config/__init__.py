@@ -59,6 +59,7 @@ DPO_LOSSES = Choices("algorithm.loss_type")  # verl_fast/algos/registry.py
 POLICY_LOSSES = Choices("actor.policy_loss")  # verl_fast/algos/registry.py
 REWARDS = Choices("reward_fn.type")  # verl_fast/rewards/__init__.py
 REWARD_ERRORS = Choices("reward_fn.on_error")  # verl_fast/rewards/__init__.py
+REWARD_MANAGERS = Choices("reward_fn.manager")  # verl_fast/rewards/__init__.py
 OVERLONG_PROMPTS = Choices("trainer.overlong_prompts")  # verl_fast/data/__init__.py
 STRATEGIES = Choices("actor.strategy, critic.strategy")  # verl_fast/strategies/backends.py
 LOGGERS = Choices("trainer.loggers")  # verl_fast/metrics/logger.py
@@ -304,6 +305,11 @@ class RewardConfig:
                    "openai/gsm8k, the MATH family, math_dapo / aime*, searchR1_*; reasoning_gym/<task>); reasoning_gym, "
                    "gsm8k, callable, reward_model, pairwise_ranking (DPO), weighted (a list)")
     path: Optional[str] = _f(None, doc="'module:function' for type callable")
+    kwargs: Dict[str, Any] = _f(dict, doc="type callable: keyword arguments given to the function on every call "
+                                "(verl's custom_reward_function.reward_kwargs)")
+    manager: str = _f("naive", choices=REWARD_MANAGERS, doc="type callable: how the function is called, as verl's "
+                      "reward_model.reward_manager: naive / dapo (per sample), batch (once per batch: data_sources, "
+                      "solution_strs, ground_truths, extra_infos), prime (per sample, a failure scores 0)")
     model_name: Optional[str] = _f(None, doc="sequence-classification model (Hub name or local folder) for "
                                    "type reward_model")
     reference_free: bool = _f(False, doc="dpo / online_dpo: DPO without a reference model")

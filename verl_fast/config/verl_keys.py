@@ -196,6 +196,18 @@ def overlong(prefix: str) -> Callable[[Any, Given], Any]:
     return convert
 
 
+MANAGERS = ("naive", "dapo", "batch", "prime")
+
+
+def manager(value: Any, given: Given) -> Any:
+    """verl's reward manager: how the custom function is called, and prime's failures scored 0."""
+    if value is None:
+        return SKIP
+    if value not in MANAGERS:
+        raise ValueError(f"reward manager {value} is not available here; one of {', '.join(MANAGERS)}")
+    return value, ("zero" if value == "prime" else None)
+
+
 def kl_ctrl(value: Any, given: Given) -> Any:
     if value != "fixed":
         raise ValueError(f"algorithm.kl_ctrl.type={value} is not available here; fixed")
@@ -595,8 +607,12 @@ KEYS: List[VerlKey] = [
     M("reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor", "algorithm.overlong_penalty_factor"),
     N("reward_model.reward_kwargs.overlong_buffer_cfg.log", "the penalty is in the reward's metrics"),
     N("reward_model.reward_kwargs.max_resp_len", "the buffer ends at data.max_response_length"),
-    N("reward_model.reward_manager", "naive / dapo: rows scored one by one by data_source or the custom function "
-                                     "(dapo's overlong buffer: algorithm.overlong_buffer)"),
+    M("reward_model.reward_manager", "reward_fn.manager+reward_fn.on_error", "naive / dapo: per sample (dapo's "
+      "overlong buffer: algorithm.overlong_buffer); batch: one call per batch with verl's batched signature; "
+      "prime: per sample, a failure scores 0", manager),
+    M("reward_manager.name", "reward_fn.manager+reward_fn.on_error", "as reward_model.reward_manager", manager),
+    M("custom_reward_function.reward_kwargs", "reward_fn.kwargs", "keyword arguments of every call of the custom "
+      "function"),
     T("reward_model.reward_kwargs", "the reward function's own arguments are its defaults"),
     T("reward_model.model", "the reward model loads with transformers' defaults"),
     T("reward_model.rollout", "a generative reward model's engine (not available here)"),
