@@ -208,6 +208,32 @@ def manager(value: Any, given: Given) -> Any:
     return value, ("zero" if value == "prime" else None)
 
 
+VERL_TOOLS = "verl_fast.agents.verl_tools:VerlToolEnvironment"
+
+
+def multi_turn(value: Any, given: Given) -> Any:
+    """verl's multi_turn section as rollout.multi_turn: its tools as the environment of verl_tools."""
+    mt = f"{R}.multi_turn"
+    if not given(f"{mt}.enable", False):
+        return SKIP
+    path = given(f"{mt}.tool_config_path", None)
+    if not path:
+        raise ValueError(f"{mt}.enable=true needs {mt}.tool_config_path here (verl's interactions and tool-less "
+                         "multi-turn are not available; write an Environment: rollout.multi_turn.environment)")
+    fmt = given(f"{mt}.format", "hermes")
+    if fmt != "hermes":
+        raise ValueError(f"{mt}.format={fmt} is not available here; hermes")
+    out = {"environment": VERL_TOOLS, "tool_format": "hermes",
+           "environment_kwargs": {"tool_config_path": str(path), "tool_format": "hermes",
+                                  "max_parallel_calls": int(given(f"{mt}.max_parallel_calls", 1)),
+                                  "max_response_chars": int(given(f"{mt}.max_tool_response_length", 256)),
+                                  "truncate_side": given(f"{mt}.tool_response_truncate_side", "middle")}}
+    turns = given(f"{mt}.max_assistant_turns", None)
+    if turns is not None:
+        out["max_turns"] = int(turns)
+    return out
+
+
 def kl_ctrl(value: Any, given: Given) -> Any:
     if value != "fixed":
         raise ValueError(f"algorithm.kl_ctrl.type={value} is not available here; fixed")
@@ -466,7 +492,25 @@ KEYS: List[VerlKey] = [
     N(f"{R}.quantization_config_file", "rollout.quantization names the method"),
     N(f"{R}.mtp", "no multi-token prediction here"),
     T(f"{R}.engine_kwargs", "vLLM's own options beyond the rollout keys are not passed"),
-    T(f"{R}.multi_turn", "multi-turn rollouts are configured by the agents API here"),
+    M(f"{R}.multi_turn.enable", "rollout.multi_turn", "true: verl's tools (tool_config_path) as the environment "
+      "verl_fast.agents.verl_tools:VerlToolEnvironment", multi_turn),
+    M(f"{R}.multi_turn.tool_config_path", "rollout.multi_turn", "verl's tool YAML (class_name, config, tool_schema)",
+      multi_turn),
+    M(f"{R}.multi_turn.max_assistant_turns", "rollout.multi_turn", "rollout.multi_turn.max_turns", multi_turn),
+    M(f"{R}.multi_turn.max_parallel_calls", "rollout.multi_turn", "the calls of one turn that run", multi_turn),
+    M(f"{R}.multi_turn.max_tool_response_length", "rollout.multi_turn", "characters of a tool's reply", multi_turn),
+    M(f"{R}.multi_turn.tool_response_truncate_side", "rollout.multi_turn", "left, middle, right", multi_turn),
+    M(f"{R}.multi_turn.format", "rollout.multi_turn", "hermes (rollout.multi_turn.tool_format)", multi_turn),
+    N(f"{R}.multi_turn.interaction_config_path", "verl's interactions are refused: write an Environment "
+      "(rollout.multi_turn.environment)", only(f"{R}.multi_turn.interaction_config_path", (None,),
+                                                "verl's interactions do not run here; write an Environment")),
+    N(f"{R}.multi_turn.max_user_turns", "tool turns follow the assistant's (max_assistant_turns)",
+      only(f"{R}.multi_turn.max_user_turns", (None,), "tool turns follow the assistant's; set max_assistant_turns")),
+    N(f"{R}.multi_turn.use_inference_chat_template", "the model's chat template renders every turn"),
+    N(f"{R}.multi_turn.tokenization_sanity_check_mode", "the turns are tokenized once, as rendered"),
+    N(f"{R}.multi_turn.num_repeat_rollouts", "rollout.n samples per prompt",
+      only(f"{R}.multi_turn.num_repeat_rollouts", (None,), "rollout.n sets the samples per prompt")),
+    T(f"{R}.multi_turn", "verl's multi-turn settings beyond the keys above are not available here"),
     T(f"{R}.agent", "the agent loop is the agents API here"),
     T(f"{R}.checkpoint_engine", "weights sync through the resharding engine"),
     T(f"{R}.trace", "no rollout tracing here"),

@@ -1,4 +1,5 @@
-"""``verl.utils.reward_score`` for reward files written for verl, where verl is not installed.
+"""``verl.utils.reward_score`` (and what other modules ``serve``) for files written for verl, where verl
+is not installed.
 
 A verl recipe's reward file often starts ``from verl.utils.reward_score import gsm8k`` (or ``math``,
 ``math_dapo``, ``default_compute_score``). While such a file is loaded (``loading_user_code``), an import
@@ -88,7 +89,14 @@ MODULES: Dict[str, Dict[str, Callable[..., Any]]] = {
     f"{PACKAGE}.math_dapo": {"compute_score": _math_dapo},
     f"{PACKAGE}.search_r1_like_qa_em": {"compute_score": _search_r1},
 }
-PACKAGES = ("verl", "verl.utils", PACKAGE)
+PACKAGES = ["verl", "verl.utils", PACKAGE]
+
+
+def serve(name: str, attributes: Dict[str, Any], package: bool = False) -> None:
+    """Serve ``name`` (with ``attributes``) too, where verl is absent (``agents.verl_tools``: verl's tool names)."""
+    if package:
+        PACKAGES.append(name)
+    MODULES[name] = dict(attributes)
 
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
