@@ -216,7 +216,10 @@ def compose(config_path: Optional[str], config_name: Optional[str], config_file:
         name = name[:-len(".yaml")] if name.endswith(".yaml") else name
         folder = Path(config_path).expanduser() if config_path else None
         if folder is not None and not folder.is_dir():
-            raise ValueError(f"--config-path {config_path}: no such folder")
+            if name not in verl_defaults.TOP_LEVEL:
+                raise ValueError(f"--config-path {config_path}: no such folder (and {name} is no config of verl's "
+                                 f"built in: {', '.join(verl_defaults.TOP_LEVEL)})")
+            folder = None  # verl's scripts name verl's own folder (config, beside main_ppo.py): built in here
         where = f"--config-name {name}"
         path = folder / f"{name}.yaml" if folder is not None else None
         if path is not None and path.is_file():

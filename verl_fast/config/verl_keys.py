@@ -278,6 +278,15 @@ def only(key: str, allowed: Tuple[Any, ...], why: str) -> Callable[[Any, Given],
     return check
 
 
+def refused(key: str, why: str) -> Callable[[Any, Given], Any]:
+    """A key of a verl recipe whose algorithm is not available here: any value but off is refused."""
+    def check(value: Any, given: Given) -> Any:
+        if value not in (None, False):
+            raise ValueError(f"{key}={value}: {why}")
+        return SKIP
+    return check
+
+
 def fsdp_only(value: Any, given: Given) -> Any:
     """A setting of the FSDP actor's forward; under strategy megatron, Megatron's own (its defaults here)."""
     return SKIP if given(f"{A}.strategy", "fsdp") == "megatron" else value
@@ -657,6 +666,14 @@ KEYS: List[VerlKey] = [
     M("reward_manager.name", "reward_fn.manager+reward_fn.on_error", "as reward_model.reward_manager", manager),
     M("custom_reward_function.reward_kwargs", "reward_fn.kwargs", "keyword arguments of every call of the custom "
       "function"),
+    N("reward_model.model.update", "PRIME's implicit process reward model (trained online) is not available here",
+      refused("reward_model.model.update", "PRIME's implicit process reward model (trained online) is not available "
+              "here; score with a rule or a fixed reward model")),
+    N("data.filter_accuracy", "PRIME's accuracy filter: algorithm.dynamic_sampling drops groups of one reward",
+      refused("data.filter_accuracy", "PRIME's accuracy filter is not available here; DAPO's group filter is "
+              "(algorithm.filter_groups.enable)")),
+    N(f"{A}.sppo_eta", "SPPO's self-play loss is not available here",
+      refused(f"{A}.sppo_eta", "SPPO's self-play preference loss is not available here")),
     T("reward_model.reward_kwargs", "the reward function's own arguments are its defaults"),
     T("reward_model.model", "the reward model loads with transformers' defaults"),
     T("reward_model.rollout", "a generative reward model's engine (not available here)"),
