@@ -29,8 +29,9 @@ def test_every_mapped_entry_names_keys_of_ours_and_no_key_twice():
 
 def test_docs_table_is_the_table():
     text = DOCS.read_text()
-    table = verl_config.markdown()
-    assert table in text, "docs/verl_and_trl.md: regenerate with python -m verl_fast.config.verl_config --markdown"
+    for tree in ("ppo", "sft"):
+        assert verl_config.markdown(tree) in text, \
+            f"docs/verl_and_trl.md: regenerate with python -m verl_fast.config.verl_config --markdown {tree}"
 
 
 def test_mini_batch_counts_prompts_times_n_per_rank(monkeypatch):
