@@ -2,7 +2,6 @@
 ``+`` / ``++`` / ``~``, interpolations) and verl's defaults, on configs written here in the shape of
 verl's ``verl/trainer/config`` and its examples' folders."""
 
-import os
 import resource
 import textwrap
 import time
