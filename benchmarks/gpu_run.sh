@@ -375,6 +375,10 @@ if want megatron; then
   timeout 400 "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/megatron/test_megatron_trainer.py \
     > "$OUT/pytest_megatron.log" 2>&1 || failed+=("pytest megatron")
   tail -n 15 "$OUT/pytest_megatron.log"
+  # verl's run_qwen2-7b_math_megatron.sh (--config-name=ppo_megatron_trainer.yaml) one step on a tiny model (issue 67)
+  timeout 300 "$py" -m pytest -q -p no:cacheprovider python_tests/config/test_verl_recipes.py -k megatron \
+    > "$OUT/pytest_verl_megatron_example.log" 2>&1 || failed+=("pytest verl megatron example")
+  tail -n 3 "$OUT/pytest_verl_megatron_example.log"
 fi
 
 (cd "$OUT" && [ -d results ] && tar czf results.tgz results && rm -rf results)

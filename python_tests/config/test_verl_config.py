@@ -29,8 +29,9 @@ def test_every_mapped_entry_names_keys_of_ours_and_no_key_twice():
 
 def test_docs_table_is_the_table():
     text = DOCS.read_text()
-    table = verl_config.markdown()
-    assert table in text, "docs/verl_and_trl.md: regenerate with python -m verl_fast.config.verl_config --markdown"
+    for tree in ("ppo", "sft"):
+        assert verl_config.markdown(tree) in text, \
+            f"docs/verl_and_trl.md: regenerate with python -m verl_fast.config.verl_config --markdown {tree}"
 
 
 def test_mini_batch_counts_prompts_times_n_per_rank(monkeypatch):
@@ -47,7 +48,7 @@ def test_mini_batch_counts_prompts_times_n_per_rank(monkeypatch):
 def test_verl_default_n_is_one_when_not_given():
     cfg, notes = load("algorithm.adv_estimator=gae", "actor_rollout_ref.actor.ppo_mini_batch_size=8")
     assert cfg.rollout.n == 1 and cfg.actor.ppo_mini_batch_size == 8
-    assert any("verl's default 1" in n for n in notes)
+    assert any(n.startswith("verl's defaults applied") and "actor_rollout_ref.rollout.n=1" in n for n in notes)
 
 
 def test_units_and_names():
@@ -58,7 +59,7 @@ def test_units_and_names():
                   "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.rollout.val_kwargs.do_sample=false",
                   "actor_rollout_ref.rollout.val_kwargs.temperature=0.7")
     assert cfg.algorithm.type == "ppo" and cfg.critic.model_name == "m" and cfg.actor.lr == pytest.approx(3e-6)
-    assert cfg.trainer.num_epochs == 15 and cfg.trainer.save_freq == 0 and cfg.trainer.val_freq == 0
+    assert cfg.trainer.num_epochs == 15 and cfg.trainer.save_freq == -1 and cfg.trainer.val_freq == -1  # never
     assert cfg.trainer.loggers == ["console", "jsonl"] and cfg.rollout.type == "vllm"
     assert cfg.trainer.overlong_prompts == "truncate_left" and cfg.trainer.resume is False
     assert cfg.actor.warmup_steps is None and cfg.algorithm.kl_coef == pytest.approx(0.01)
@@ -67,7 +68,8 @@ def test_units_and_names():
 
 
 def test_grpo_without_std_is_drgrpo():
-    cfg, _ = load("algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=False")
+    cfg, _ = load("algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=False",
+                  "actor_rollout_ref.rollout.n=4")
     assert cfg.algorithm.type == "drgrpo"
 
 
@@ -131,7 +133,7 @@ def test_hydra_plus_and_interpolations(tmp_path):
     path.write_text(yaml.safe_dump({
         "data": {"max_response_length": 12, "train_batch_size": 6},
         "actor_rollout_ref": {"rollout": {"response_length": "${oc.select:data.max_response_length,512}",
-                                          "prompt_length": "${oc.select:data.max_prompt_length,100}"}},
+                                          "prompt_length": "${oc.select:data.no_such_key,100}"}},
         "trainer": {"project_name": "p", "experiment_name": "e",
                     "default_local_dir": "checkpoints/${trainer.project_name}/${trainer.experiment_name}"}}))
     cfg, _ = load("+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",

@@ -72,7 +72,7 @@ def verl_args(script, home, extra, env=None):
 
 def sizes(home, tmp_path):
     tiny = str(home / "models" / "tiny")
-    return [f"actor_rollout_ref.model.path={tiny}", "data.train_batch_size=2", "data.max_prompt_length=128",
+    return [f"actor_rollout_ref.model.path={tiny}", "data.train_batch_size=2", "data.max_prompt_length=256",
             "data.max_response_length=8", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
             "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "actor_rollout_ref.rollout.name=hf",

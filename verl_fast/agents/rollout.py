@@ -83,10 +83,13 @@ class MultiTurnRolloutOperator(RolloutOperator):
         if mt.environment == "tools" and not tools:
             raise ValueError("rollout.multi_turn.environment=tools needs tools: list them in rollout.multi_turn.tools "
                              "or pass RLTrainer(tools=[...])")
-        self.renderer = ChatRenderer(tokenizer, [tool_schema(f) for f in tools.values()], mt.tool_format)
+        self._custom = custom_environment(mt.environment) if ":" in mt.environment else None
+        schemas = [tool_schema(f) for f in tools.values()]
+        if hasattr(self._custom, "tool_schemas"):  # an environment that offers tools of its own (verl's tools)
+            schemas += self._custom.tool_schemas(**mt.environment_kwargs)
+        self.renderer = ChatRenderer(tokenizer, schemas, mt.tool_format)
         self.executor = ToolExecutor(tools, mt.tool_workers, mt.tool_timeout_s, mt.tool_result_max_bytes,
                                      mt.tool_output_max_bytes) if tools else None
-        self._custom = custom_environment(mt.environment) if ":" in mt.environment else None
         self._threads = concurrent.futures.ThreadPoolExecutor(max(mt.tool_workers, 1),
                                                               thread_name_prefix="verl_fast env step")
         self._metrics: Dict[str, float] = {}

@@ -44,7 +44,7 @@ class DPO:
     @staticmethod
     def check(cfg: Config) -> None:
         if cfg.reward_fn.type not in ("auto", "pairwise_ranking"):  # auto: no reward entry, nothing scored
-            raise ValueError(f"algorithm.type=dpo is not supported with reward_fn.type={cfg.reward_fn.type}; "
+            raise ValueError(f"algorithm.type={cfg.algorithm.type} is not supported with reward_fn.type={cfg.reward_fn.type}; "
                              "leave reward_fn out (DPO learns from chosen/rejected pairs)")
         check_loss(cfg)
 

@@ -61,7 +61,8 @@ class SFT:
                 * t.gradient_accumulation_steps * world
 
     def encode(self, processor: RLDataProcessor, rows: List[Dict[str, Any]]) -> List[SFTExample]:
-        return sft_data.encode(processor.tokenizer, rows, self.cfg.algorithm.sft_max_length)
+        a = self.cfg.algorithm
+        return sft_data.encode(processor.tokenizer, rows, a.sft_max_length, a.sft_columns, a.sft_truncation)
 
     def experience(self, batch: List[SFTExample], pad_id: int, device: torch.device) -> Experience:
         return experience(batch, pad_id, device)

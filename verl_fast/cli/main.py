@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="run an RL job (no --config: the embedded default run)")
     add_arguments(train)
     train.set_defaults(func=_train)
+    sft = sub.add_parser("sft", help="verl's SFT trainer command line (torchrun -m verl.trainer.fsdp_sft_trainer "
+                                     "key=value ...) as algorithm.type=sft, with verl's SFT defaults")
+    add_arguments(sft)
+    sft.set_defaults(func=_train, tree="sft")
     bench = sub.add_parser("bench", help="benchmarks against their baselines and floors (the scripts of a "
                                          "source checkout): one table, JSON, Markdown and PNG in benchmarks/results/")
     from verl_fast.bench.runner import add_arguments as bench_arguments
@@ -115,7 +119,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     line on stderr and exit 2, only a bug shows a traceback."""
     from verl_fast.errors import guarded
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # options may come anywhere among train's key=value overrides (argparse ends the positionals at the
+    # first option): the overrides after it are taken here; anything else is still an error
+    stray = [a for a in extra if a.startswith("-") and not a.startswith("~")]
+    if stray or (extra and not hasattr(args, "assignments")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.assignments = list(args.assignments) + extra
     return guarded(args.command, args.func, args)
 
 

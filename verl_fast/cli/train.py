@@ -21,8 +21,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="override config values, any depth (repeatable), e.g. --set actor.lr=1e-5 "
                         "trainer.dataset_kwargs.size=10")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--config-path", "-cp", dest="config_path",
+                   help="Hydra's: the folder of --config-name's YAML and of the configs its defaults list names "
+                        "(verl's own configs are built in)")
+    p.add_argument("--config-name", "-cn", dest="config_name",
+                   help="Hydra's: the config to compose (verl's ppo_trainer, ppo_megatron_trainer, sft_trainer are "
+                        "built in), e.g. --config-name=ppo_megatron_trainer")
     p.add_argument("assignments", nargs="*", metavar="KEY=VALUE",
-                   help="overrides as bare arguments (verl / Hydra style), e.g. actor.lr=1e-5")
+                   help="overrides as bare arguments (verl / Hydra style: +key=value, ++key=value, ~key too), "
+                        "e.g. actor.lr=1e-5; options may come anywhere among them")
 
 
 def resolve_config(args: argparse.Namespace) -> config_mod.Config:
@@ -34,7 +41,7 @@ def resolve_config(args: argparse.Namespace) -> config_mod.Config:
 
     overrides: List[str] = [item for group in args.overrides for item in group]
     for item in args.assignments:
-        if "=" not in item:
+        if "=" not in item and not item.startswith("~"):
             raise ValueError(f"unexpected argument {item!r}: a bare argument is an override, section.key=value")
         overrides.append(item)
     if args.dataset_path:
@@ -46,12 +53,33 @@ def resolve_config(args: argparse.Namespace) -> config_mod.Config:
     from verl_fast.trainer import catalog
 
     catalog.register()
-    # a command line in verl's tree with no --config starts from our defaults, not the embedded demo run
-    path = args.config or (None if verl_config.is_verl_layout(overrides) else config_mod.default_config_path())
-    cfg, notes = verl_config.load(path, overrides)
+    tree = getattr(args, "tree", None)  # verl-fast sft: verl's SFT trainer
+    hydra = args.config_path is not None or args.config_name is not None
+    # a command line in verl's tree (or Hydra's) with no --config starts from verl's defaults, not the demo run
+    demo = not (args.config or hydra or tree or verl_config.is_verl_layout(overrides))
+    path = args.config or (config_mod.default_config_path() if demo else None)
+    if demo:
+        overrides = _off_the_demo(overrides) + overrides
+    cfg, notes = verl_config.load(path, overrides, args.config_path, args.config_name, tree)
     for note in notes:
         print(f"verl-fast train: note: {note}", file=sys.stderr)
     return cfg
+
+
+def _off_the_demo(overrides: List[str]) -> List[str]:
+    """What of the embedded demo run a command line leaves behind when it names its own work: the
+    demo's reward under an algorithm that samples nothing (SFT, DPO, KTO, ...), the demo's dataset
+    options under another dataset. Put before the command line's overrides, which still win."""
+    from verl_fast.algos import registry
+
+    keys = {o.lstrip("+").partition("=")[0].strip(): o.partition("=")[2].strip() for o in overrides}
+    out = []
+    spec = registry.SPECS.get(keys.get("algorithm.type", ""))
+    if spec is not None and not getattr(spec, "samples", True):
+        out.append("reward_fn.type=auto")
+    if "trainer.dataset" in keys:
+        out.append("trainer.dataset_kwargs={}")
+    return out
 
 
 def load_checked(args: argparse.Namespace, packages: bool = True) -> config_mod.Config:

@@ -61,6 +61,7 @@ DPO_LOSSES = Choices("algorithm.loss_type")  # verl_fast/algos/preference_losses
 POLICY_LOSSES = Choices("actor.policy_loss")  # verl_fast/algos/policy_losses.py
 REWARDS = Choices("reward_fn.type")  # verl_fast/rewards/__init__.py
 REWARD_ERRORS = Choices("reward_fn.on_error")  # verl_fast/rewards/__init__.py
+REWARD_MANAGERS = Choices("reward_fn.manager")  # verl_fast/rewards/__init__.py
 OVERLONG_PROMPTS = Choices("trainer.overlong_prompts")  # verl_fast/data/__init__.py
 STRATEGIES = Choices("actor.strategy, critic.strategy")  # verl_fast/strategies/backends.py
 LOGGERS = Choices("trainer.loggers")  # verl_fast/metrics/logger.py
@@ -326,6 +327,11 @@ class RewardConfig:
                    "openai/gsm8k, the MATH family, math_dapo / aime*, searchR1_*; reasoning_gym/<task>); reasoning_gym, "
                    "gsm8k, callable, reward_model, pairwise_ranking (DPO), weighted (a list)")
     path: Optional[str] = _f(None, doc="'module:function' for type callable")
+    kwargs: Dict[str, Any] = _f(dict, doc="type callable: keyword arguments given to the function on every call "
+                                "(verl's custom_reward_function.reward_kwargs)")
+    manager: str = _f("naive", choices=REWARD_MANAGERS, doc="type callable: how the function is called, as verl's "
+                      "reward_model.reward_manager: naive / dapo (per sample), batch (once per batch: data_sources, "
+                      "solution_strs, ground_truths, extra_infos), prime (per sample, a failure scores 0)")
     model_name: Optional[str] = _f(None, doc="sequence-classification model (Hub name or local folder) for "
                                    "type reward_model")
     reference_free: bool = _f(False, doc="dpo / online_dpo: DPO without a reference model")
@@ -387,6 +393,11 @@ class AlgorithmConfig:
     cpo_alpha: Optional[float] = _f(None, min=0.0, doc="CPO / SimPO: weight of the chosen responses' mean token "
                                     "NLL (null: 1 for cpo, 0 for simpo, as their papers)")
     sft_max_length: int = _f(2048, min=2, doc="SFT: tokens a row is cut to (algorithm.type=sft)")
+    sft_truncation: str = _f("right", choices=("right", "error"), doc="SFT: a row longer than sft_max_length is cut "
+                             "(right) or refused naming the row (error, verl's default)")
+    sft_columns: Dict[str, str] = _f(dict, doc="SFT: the columns read as prompt / completion / messages, each a "
+                                     "column or a dotted path into one (verl's data.prompt_key + prompt_dict_keys); "
+                                     "a string prompt read so is the user's message, through the chat template")
     kto_desirable_weight: float = _f(1.0, min=0.0, doc="KTO: lambda_D, the weight of desirable (label true) "
                                      "completions' losses")
     kto_undesirable_weight: float = _f(1.0, min=0.0, doc="KTO: lambda_U, the weight of undesirable (label false) "
@@ -403,7 +414,8 @@ class TrainerConfig:
     tf32: Optional[bool] = _f(None, doc="TF32 tensor cores for float32 matmuls and convolutions left outside "
                               "autocast (null: on for a GPU run)")
     output_dir: str = _f("runs/verl_fast")
-    save_freq: int = _f(0, min=0, doc="checkpoint every N steps (0: only at the end)")
+    save_freq: int = _f(0, min=-1, doc="checkpoint every N steps (0: only at the end; -1: never, verl's -1, though "
+                        "a run stopped by a signal still saves)")
     resume: bool = _f(True, doc="continue from the latest complete checkpoint in output_dir (trainer.resume_from, "
                       "when set, names the checkpoint instead)")
     overwrite: bool = _f(False, doc="clear an older run's checkpoints and metrics from output_dir at start "
@@ -417,8 +429,8 @@ class TrainerConfig:
     val_dataset: Optional[Union[str, List[str]]] = _f(None, doc="validation prompts, in the formats of trainer.dataset (null: no "
                                     "validation)")
     val_dataset_kwargs: Dict[str, Any] = _f(dict, doc="as dataset_kwargs, for val_dataset")
-    val_freq: int = _f(0, min=0, doc="validate after every N-th step and after the last one (0: after the last "
-                       "one only)")
+    val_freq: int = _f(0, min=-1, doc="validate after every N-th step and after the last one (0: after the last "
+                       "one only; -1: never after a step, verl's -1)")
     val_before_train: bool = _f(False, doc="validate before the first step too (logged as step 0)")
     val_n: int = _f(1, min=1, doc="validation samples per prompt")
     val_temperature: float = _f(0.0, min=0.0, doc="validation sampling temperature (0: greedy)")

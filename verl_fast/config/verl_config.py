@@ -1,14 +1,18 @@
 """verl's configuration tree read as ours: ``ppo_trainer.yaml``'s layout (``actor_rollout_ref.{model,
 actor,rollout,ref}``, ``data``, ``algorithm``, ``critic``, ``reward_model``, ``custom_reward_function``,
-``trainer``, ...) in a YAML file or as ``key=value`` overrides (Hydra's ``+key=value`` too), beside
-or instead of our own sections.
+``trainer``, ...) in a YAML file or as ``key=value`` overrides (Hydra's ``+key=value`` / ``~key`` too), beside
+or instead of our own sections; verl's SFT trainer's tree (``sft_trainer.yaml``) where the run is
+``verl-fast sft``. A file's ``defaults:`` list and Hydra's ``--config-path`` / ``--config-name`` are
+composed by ``hydra_compose``; a config in verl's tree takes verl's defaults (``verl_defaults``) for
+the keys it does not set, and the notes name those that differ from ours.
 
 Every key is looked up once: our own key as it is; verl's key through the table in
 ``verl_fast.config.verl_keys`` (verl's units converted: mini-batches in prompts x rollout.n, micro-batches per
 GPU, epochs or steps, ...), or noted in one line when it has no meaning here; anything else is unknown,
 with the closest key named. Every problem of the config is reported at once, one line each
 (``ConfigProblems``), before the combination checks of ``config.validate``. Values may use verl's
-interpolations (``${key}``, ``${oc.select:key,default}``, ``${.sibling}``).
+interpolations (``${key}``, ``${oc.select:key,default}``, ``${oc.env:NAME,default}``, ``${.sibling}``),
+measured before any is expanded (MAX_EXPANDED_CHARS, MAX_REFERENCES, MAX_DEPTH).
 
 ``python -m verl_fast.config.verl_config --markdown`` prints the table of verl keys (docs/verl_and_trl.md).
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
 import sys
 import typing
@@ -24,11 +29,14 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from verl_fast import config as config_mod
-from verl_fast.config.verl_keys import KEYS, SKIP, R, VerlKey
+from verl_fast.config import hydra_compose, verl_defaults, verl_keys, verl_sft_keys, yaml_files
+from verl_fast.config.verl_keys import SKIP, VerlKey
 
-EXACT: Dict[str, VerlKey] = {k.verl: k for k in KEYS if not k.subtree}
-SUBTREES: Dict[str, VerlKey] = {k.verl: k for k in KEYS if k.subtree}
 HIDDEN = ("_target_",)  # Hydra's instantiation marker: not a setting
+# interpolations are measured before any is expanded (a "billion laughs" of ${...} refused up front)
+MAX_EXPANDED_CHARS = 1 << 20  # a value's text with every ${...} expanded
+MAX_REFERENCES = 10_000  # references one value expands, counted through the values it names
+MAX_DEPTH = 16  # references that name references
 
 
 class ConfigProblems(ValueError):
@@ -54,14 +62,39 @@ NATIVE = native_keys()
 SECTIONS = {k.split(".")[0] for k in NATIVE}
 
 
+class Table:
+    """One of verl's trainers' key tables: its exact keys and the subtrees noted whole."""
+
+    def __init__(self, name: str, entry: str, keys: List[VerlKey]):
+        self.name, self.entry = name, entry  # "PPO", "verl-fast train"
+        self.exact: Dict[str, VerlKey] = {k.verl: k for k in keys if not k.subtree}
+        self.subtrees: Dict[str, VerlKey] = {k.verl: k for k in keys if k.subtree}
+
+    def covering(self, key: str) -> Optional[VerlKey]:
+        """The deepest subtree entry that ``key`` lies in (or is)."""
+        parts = key.split(".")
+        for n in range(len(parts), 0, -1):
+            entry = self.subtrees.get(".".join(parts[:n]))
+            if entry is not None:
+                return entry
+        return None
+
+    def has_keys_under(self, key: str) -> bool:
+        prefix = key + "."
+        return any(k.startswith(prefix) for k in self.exact) or any(k.startswith(prefix) for k in NATIVE)
+
+    def knows(self, key: str) -> bool:
+        return key in self.exact or self.covering(key) is not None or key in NATIVE or self.has_keys_under(key)
+
+
+TABLES = {"ppo": Table("PPO", "verl-fast train", verl_keys.KEYS),
+          "sft": Table("SFT", "verl-fast sft", verl_sft_keys.KEYS)}
+EXACT = TABLES["ppo"].exact
+SUBTREES = TABLES["ppo"].subtrees
+
+
 def _covering(key: str) -> Optional[VerlKey]:
-    """The deepest subtree entry that ``key`` lies in (or is)."""
-    parts = key.split(".")
-    for n in range(len(parts), 0, -1):
-        entry = SUBTREES.get(".".join(parts[:n]))
-        if entry is not None:
-            return entry
-    return None
+    return TABLES["ppo"].covering(key)
 
 
 def _native_leaf(key: str, value: Any) -> bool:
@@ -75,57 +108,107 @@ def _native_leaf(key: str, value: Any) -> bool:
     return not isinstance(value, dict) or takes_mapping
 
 
-def _has_keys_under(key: str) -> bool:
-    prefix = key + "."
-    return any(k.startswith(prefix) for k in EXACT) or any(k.startswith(prefix) for k in NATIVE)
-
-
-def _leaves(node: Dict[str, Any], path: str, out: Dict[str, Any], full: bool) -> None:
+def _leaves(node: Dict[str, Any], path: str, out: Dict[str, Any], full: bool, table: Table) -> None:
     """The config's keys, dotted: down to our keys, verl's exact keys and (``full=False``) the
     subtrees noted whole; ``full``: every leaf (what interpolations may name)."""
     for k, v in node.items():
         key = f"{path}.{k}" if path else str(k)
         if k in HIDDEN:
             continue
-        stop = _native_leaf(key, v) or key in EXACT or (not full and _covering(key) is not None
-                                                        and not _has_keys_under(key))
+        stop = _native_leaf(key, v) or key in table.exact or (
+            not full and table.covering(key) is not None and not table.has_keys_under(key))
         if isinstance(v, dict) and v and not stop:
-            _leaves(v, key, out, full)
+            _leaves(v, key, out, full, table)
         else:
             out[key] = v
 
 
-_INTERPOLATION = re.compile(r"\$\{(?:oc\.select:)?\s*([^,}]+?)\s*(?:,\s*([^}]*))?\}")
+# ${key}, ${.sibling}, ${..uncle}, ${oc.select:key,default}, ${oc.env:NAME,default}
+_INTERPOLATION = re.compile(r"\$\{\s*(?:([A-Za-z_][\w.]*):)?\s*([^,}]*?)\s*(?:,\s*([^}]*))?\}")
+RESOLVERS = (None, "oc.select", "oc.env")
+
+
+def _target(key: str, ref: str) -> str:
+    """The key ``ref`` names from ``key`` (``.x``: a sibling; ``..x``: the parent's sibling)."""
+    if not ref.startswith("."):
+        return ref
+    dots = len(ref) - len(ref.lstrip("."))
+    parts = key.split(".")[:-dots]
+    return ".".join(parts + [ref[dots:]]) if ref[dots:] else ".".join(parts)
 
 
 class _Values:
-    """The config's leaves, with verl's interpolations resolved on reading."""
+    """The config's leaves, with verl's interpolations resolved on reading; their expanded size,
+    count and depth measured first (``check``), before anything is expanded."""
 
-    def __init__(self, data: Dict[str, Any]):
+    def __init__(self, data: Dict[str, Any], table: Table):
         self.flat: Dict[str, Any] = {}
-        _leaves(data, "", self.flat, full=True)
+        _leaves(data, "", self.flat, full=True, table=table)
 
-    def get(self, key: str, default: Any = None, depth: int = 0) -> Any:
+    def check(self) -> None:
+        measured: Dict[str, Tuple[int, int, int]] = {}
+        for key in self.flat:
+            self._measure(key, measured, ())
+
+    def _measure(self, key: str, measured: Dict[str, Tuple[int, int, int]], stack: Tuple[str, ...]
+                 ) -> Tuple[int, int, int]:
+        """(characters, references, depth) of ``key``'s value with every reference expanded."""
+        if key in measured:
+            return measured[key]
+        if key in stack:
+            raise ValueError(f"{stack[0]}: its interpolations name each other in a cycle ({' -> '.join(stack[-4:])} "
+                             f"-> {key})")
+        value = self.flat[key]
+        if not isinstance(value, str) or "${" not in value:
+            measured[key] = (len(str(value)), 0, 0)
+            return measured[key]
+        chars, refs, depth = len(value), 0, 0
+        for m in _INTERPOLATION.finditer(value):
+            resolver, ref, default = m.group(1), m.group(2), m.group(3)
+            chars -= len(m.group(0))
+            refs += 1
+            target = _target(key, ref)
+            if resolver in (None, "oc.select") and target in self.flat:
+                if len(stack) >= MAX_DEPTH:
+                    raise ValueError(f"{stack[0] if stack else key}: interpolations nest more than {MAX_DEPTH} deep")
+                c, r, d = self._measure(target, measured, stack + (key,))
+                chars, refs, depth = chars + c, refs + r, max(depth, d + 1)
+            else:
+                chars += len(default or "") + (len(os.environ.get(ref, "")) if resolver == "oc.env" else 0)
+            if chars > MAX_EXPANDED_CHARS or refs > MAX_REFERENCES:
+                raise ValueError(f"{key}: its ${{...}} interpolations would expand to more than "
+                                 f"{MAX_EXPANDED_CHARS:,} characters or {MAX_REFERENCES:,} references; refused "
+                                 "before expanding (docs/faults.md)")
+        measured[key] = (chars, refs, depth)
+        return measured[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
         if key not in self.flat or self.flat[key] is None:
             return default
-        return self.resolve(key, self.flat[key], depth)
+        return self.resolve(key, self.flat[key])
 
-    def resolve(self, key: str, value: Any, depth: int = 0) -> Any:
+    def resolve(self, key: str, value: Any) -> Any:
         if not isinstance(value, str) or "${" not in value:
             return value
-        if depth > 16:
-            raise ValueError(f"{key}: interpolations nest more than 16 deep (a cycle?)")
 
         def one(m: "re.Match[str]") -> Any:
-            ref, default = m.group(1), m.group(2)
-            if ref.startswith("."):
-                ref = key.rsplit(".", 1)[0] + ref
-            if ref in self.flat:
-                return self.get(ref, None, depth + 1)
+            resolver, ref, default = m.group(1), m.group(2), m.group(3)
+            if resolver not in RESOLVERS:
+                raise ValueError(f"{key}: {m.group(0)} uses the resolver {resolver}, which is not available here "
+                                 "(oc.select, oc.env)")
+            if resolver == "oc.env":
+                if ref in os.environ:
+                    return os.environ[ref]
+                if default is None:
+                    raise ValueError(f"{key}: {m.group(0)}: the environment variable {ref} is not set")
+                return _yaml_value(default)
+            target = _target(key, ref)
+            if target in self.flat:
+                return self.get(target, None)
             if default is not None:
-                import yaml
-
-                return yaml.safe_load(default)
+                return _yaml_value(default)
+            if resolver == "oc.select":
+                return None
             raise ValueError(f"{key}: {m.group(0)} names no key of the config")
 
         whole = _INTERPOLATION.fullmatch(value.strip())
@@ -134,36 +217,60 @@ class _Values:
         return _INTERPOLATION.sub(lambda m: str(one(m)), value)
 
 
-def _suggest(key: str) -> str:
-    close = difflib.get_close_matches(key, list(EXACT) + list(NATIVE) + list(SUBTREES), n=1, cutoff=0.6)
+def _yaml_value(text: str) -> Any:
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def _suggest(key: str, table: Table) -> str:
+    """A hint for an unknown key: the key of verl's other trainer it is, a close key of the same
+    section, the same name under another section, or the section's keys."""
+    for other in TABLES.values():
+        if other is not table and (key in other.exact or other.covering(key) is not None):
+            return f"; this is a key of verl's {other.name} trainer: run it with {other.entry}"
+    known = list(table.exact) + list(NATIVE) + list(table.subtrees)
+    parent, _, leaf = key.rpartition(".")
+    siblings = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == parent}
+    close = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.75)
     if close:
-        return f"; did you mean {close[0]}?"
+        return f"; did you mean {siblings[close[0]]}?"
+    elsewhere = difflib.get_close_matches(key, [k for k in known if k.rpartition(".")[2] == leaf], n=1, cutoff=0.5)
+    if elsewhere:
+        return f"; did you mean {elsewhere[0]}?"
     section = key.split(".")[0]
-    if section in SECTIONS:
+    if section in SECTIONS and parent == section:
         names = sorted(k.split(".", 1)[1] for k in NATIVE if k.startswith(section + "."))
         return f"; {section}'s keys: {', '.join(names)}"
-    verl_sections = sorted({k.split(".")[0] for k in EXACT} | set(SECTIONS))
-    return f"; sections: {', '.join(verl_sections)}"
+    verl_sections = sorted({k.split(".")[0] for k in table.exact} | set(SECTIONS))
+    if section not in verl_sections:
+        return f"; sections: {', '.join(verl_sections)}"
+    return ""
 
 
 class _Translation:
-    def __init__(self, data: Dict[str, Any], overridden: Tuple[str, ...] = ()):
-        self.values = _Values(data)
+    def __init__(self, data: Dict[str, Any], overridden: Tuple[str, ...], table: Table):
+        self.table = table
+        self.values = _Values(data, table)
         self.overridden = overridden  # keys the command line set: they win over the file's
+        self.defaulted: Dict[str, Any] = {}  # verl's defaults the run takes (verl key -> value)
         self.ours: Dict[str, Tuple[Any, str]] = {}  # our key -> (value, the key that set it)
         self.notes: List[str] = []
         self.problems: List[str] = []
 
-    def _from_command_line(self, key: str) -> bool:
-        return any(o == key or o.startswith(key + ".") or key.startswith(o + ".") for o in self.overridden)
+    def _rank(self, key: str) -> int:
+        """Who set ``key``: 2 the command line, 1 the file, 0 verl's default."""
+        if key in self.defaulted:
+            return 0
+        return 2 if any(o == key or o.startswith(key + ".") or key.startswith(o + ".") for o in self.overridden) else 1
 
     def set(self, ours: str, value: Any, source: str) -> None:
         if ours in self.ours and self.ours[ours][0] != value:
             before, by = self.ours[ours]
-            new_wins, old_wins = self._from_command_line(source), self._from_command_line(by)
-            if new_wins and not old_wins:
+            new, old = self._rank(source), self._rank(by)
+            if new > old:
                 self.ours[ours] = (value, source)
-            elif new_wins == old_wins:
+            elif new == old and new > 0:
                 self.problems.append(f"{ours} is set twice: {by}={before!r} and {source}={value!r}; keep one")
             return
         self.ours.setdefault(ours, (value, source))
@@ -173,18 +280,18 @@ class _Translation:
             self.notes.append(text)
 
     def leaf(self, key: str, raw: Any) -> None:
-        entry = EXACT.get(key)
+        entry = self.table.exact.get(key)
         if entry is not None:
             self.mapped(entry, raw)
         elif _native_leaf(key, raw):
             self.set(key, self.values.resolve(key, raw), key)
-        elif _covering(key) is not None:
-            covering = _covering(key)
+        elif self.table.covering(key) is not None:
+            covering = self.table.covering(key)
             self.note(f"{covering.verl}.*: {covering.how} (no meaning here; accepted)")
         elif key in SECTIONS and raw is None:
             return  # an empty section
         else:
-            self.problems.append(f"unknown key {key}{_suggest(key)}")
+            self.problems.append(f"unknown key {key}{_suggest(key, self.table)}")
 
     def mapped(self, entry: VerlKey, raw: Any) -> None:
         key = entry.verl
@@ -219,6 +326,19 @@ class _Translation:
                 continue
             self.ours[ours] = (value, source)
 
+    def applied_defaults(self) -> Optional[str]:
+        """The note of verl's defaults that set a key of ours to other than its own default."""
+        ours_default = config_mod.Config().to_dict()
+        differ = []
+        for ours, (value, source) in self.ours.items():
+            section, name = ours.split(".", 1)
+            if source in self.defaulted and ours_default.get(section, {}).get(name) != value:
+                differ.append(f"{source}={self.values.get(source)} (verl_fast's {ours}: "
+                              f"{ours_default[section][name]})")
+        if not differ:
+            return None
+        return "verl's defaults applied, where verl_fast's own differ: " + "; ".join(sorted(set(differ)))
+
     def nested(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {}
         for ours, (value, _) in self.ours.items():
@@ -232,26 +352,56 @@ def _optional(ours: str) -> bool:
     return typing.get_origin(hint) is Union and type(None) in typing.get_args(hint)
 
 
-def translate(data: Dict[str, Any], overridden: Tuple[str, ...] = ()) -> Tuple[Dict[str, Any], List[str]]:
+def verl_tree(data: Dict[str, Any]) -> Optional[str]:
+    """``ppo`` where ``data`` holds a key of verl's tree that is none of ours (None: our own layout)."""
+    flat: Dict[str, Any] = {}
+    _leaves(data, "", flat, full=False, table=TABLES["ppo"])
+    return "ppo" if any(k.split(".")[0] not in SECTIONS or (k in EXACT and k not in NATIVE) for k in flat) else None
+
+
+def _defaults(t: _Translation, tree: str, deleted: Tuple[str, ...]) -> Dict[str, Any]:
+    """verl's defaults of ``tree`` for the keys the config does not set (nor ``~key`` removed)."""
+    out = {}
+    for key, value in verl_defaults.DEFAULTS[tree].items():
+        if key in t.values.flat or any(key == d or key.startswith(d + ".") for d in deleted):
+            continue
+        if key == "trainer.val_before_train" and t.values.get("data.val_files") is None:
+            continue  # verl's default val_files is a placeholder: no validation set, no validation
+        out[key] = value
+    return out
+
+
+def translate(data: Dict[str, Any], overridden: Tuple[str, ...] = (), tree: Optional[str] = None,
+              deleted: Tuple[str, ...] = ()) -> Tuple[Dict[str, Any], List[str]]:
     """``data`` (our sections, verl's, or both) as our sections, and the notes of verl keys with
-    no meaning here; ConfigProblems lists everything wrong. Two keys that set one of ours differently
-    are a problem, unless one of them is in ``overridden`` (the command line's), which wins."""
-    t = _Translation(data, overridden)
+    no meaning here; ConfigProblems lists everything wrong. ``tree``: the verl trainer whose keys and
+    defaults apply (``ppo``, ``sft``; None: ``ppo`` where data holds a key of verl's, else none). Two
+    keys that set one of ours differently are a problem, unless one of them is in ``overridden`` (the
+    command line's), which wins; verl's defaults lose to either."""
+    tree = tree or verl_tree(data)
+    table = TABLES[tree or "ppo"]
+    t = _Translation(data, overridden, table)
     passed: Dict[str, Any] = {}
     leaves: Dict[str, Any] = {}
     for section, value in data.items():
         if section in SECTIONS and value is not None and not isinstance(value, dict):
             passed[section] = value  # reward_fn: [...] and other non-mapping sections: from_dict decides
         elif isinstance(value, dict):
-            _leaves(value, str(section), leaves, full=False)
+            _leaves(value, str(section), leaves, full=False, table=table)
         else:
             leaves[str(section)] = value
+    if tree is not None:
+        t.defaulted = _defaults(t, tree, deleted)
+        t.values.flat.update(t.defaulted)
+        leaves.update(t.defaulted)
+    try:
+        t.values.check()  # before any value is expanded
+    except ValueError as e:
+        raise ConfigProblems([str(e)]) from None
+    if tree == "sft":
+        t.set("algorithm.type", "sft", "verl-fast sft")
     for key, raw in leaves.items():
         t.leaf(key, raw)
-    mini = f"{R.rsplit('.', 1)[0]}.actor.ppo_mini_batch_size"
-    if mini in t.values.flat and f"{R}.n" not in t.values.flat and "rollout.n" not in t.ours:
-        t.set("rollout.n", 1, f"{R}.n")  # verl's default, which the mini-batch (in prompts) was sized with
-        t.note(f"{R}.n: not set, so verl's default 1 (samples per prompt), as ppo_mini_batch_size counts them")
     t.check_values()
     if t.problems:
         raise ConfigProblems(t.problems)
@@ -260,61 +410,80 @@ def translate(data: Dict[str, Any], overridden: Tuple[str, ...] = ()) -> Tuple[D
         if section in out:
             raise ConfigProblems([f"{section} is given both as a list and as keys; keep one"])
         out[section] = value
-    return out, t.notes
-
-
-def strip_hydra(overrides: List[str]) -> List[str]:
-    """Hydra's ``+key=value`` / ``++key=value`` (add / force-add) are plain overrides here."""
-    return [o.lstrip("+") for o in overrides]
+    applied = t.applied_defaults()
+    return out, t.notes + ([applied] if applied else [])
 
 
 def is_verl_layout(overrides: List[str]) -> bool:
     """Whether the command line is written in verl's tree (a key of verl's that is none of ours)."""
-    keys = [o.partition("=")[0].strip() for o in strip_hydra(overrides)]
+    plain, deleted = hydra_compose.split_overrides(overrides)
+    keys = [o.partition("=")[0].strip() for o in plain] + deleted
     return any(k.split(".")[0] not in SECTIONS or (k in EXACT and k not in NATIVE) for k in keys)
 
 
-def from_dict(data: Optional[Dict[str, Any]], overridden: Tuple[str, ...] = ()) -> Tuple[config_mod.Config, List[str]]:
+def from_dict(data: Optional[Dict[str, Any]], overridden: Tuple[str, ...] = (), tree: Optional[str] = None,
+              deleted: Tuple[str, ...] = ()) -> Tuple[config_mod.Config, List[str]]:
     """A Config from our sections and / or verl's tree, and the notes to show."""
     if data is None:
         return config_mod.from_dict({}), []
     if not isinstance(data, dict):
         raise ValueError(f"the config must be a mapping of sections, got {type(data).__name__}")
     config_mod.require_registered()
-    ours, notes = translate(data, overridden)
+    ours, notes = translate(data, overridden, tree, deleted)
     return config_mod.from_dict(ours), notes
 
 
-def load(path: Optional[Union[str, Path]], overrides: Optional[List[str]] = None
-         ) -> Tuple[config_mod.Config, List[str]]:
-    """A YAML file (ours or verl's layout; None: nothing) plus ``key=value`` overrides (either layout),
-    which win over the file's keys, whichever layout each is written in."""
-    from verl_fast.config import yaml_files
-
-    data: Any = {}
-    if path is not None:
-        data = yaml_files.load_file(path) or {}  # size, alias and duplicate-key limits
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: the config must be a mapping of sections")
-    overrides = strip_hydra(overrides or [])
-    overridden = tuple(o.partition("=")[0].strip() for o in overrides)
-    return from_dict(config_mod.apply_overrides(data, overrides), overridden)
+def load(path: Optional[Union[str, Path]], overrides: Optional[List[str]] = None, config_path: Optional[str] = None,
+         config_name: Optional[str] = None, tree: Optional[str] = None) -> Tuple[config_mod.Config, List[str]]:
+    """A config (``path``: a YAML file, ours or verl's layout, its ``defaults:`` list composed;
+    ``config_path`` / ``config_name``: Hydra's; ``tree="sft"``: verl's SFT trainer; none of them: a
+    command line in verl's tree composes onto verl's ``ppo_trainer``) plus ``key=value`` overrides
+    (either layout, Hydra's ``+`` / ``++`` / ``~key`` too), which win over the file's keys."""
+    plain, deleted = hydra_compose.split_overrides(overrides or [])
+    data: Dict[str, Any] = {}
+    if path is not None or config_name is not None or config_path is not None or tree is not None:
+        name = config_name or ("sft_trainer" if tree == "sft" and path is None else None)
+        composed = hydra_compose.compose(config_path, name, str(path) if path is not None else None)
+        data, tree = composed.data, tree or composed.tree
+    elif is_verl_layout(overrides or []):
+        tree = "ppo"
+    table = TABLES[tree or "ppo"]
+    for key in deleted:
+        hydra_compose.delete(data, key, known=table.knows(key) or key in verl_defaults.DEFAULTS.get(tree or "", {}))
+    overridden = tuple(o.partition("=")[0].strip() for o in plain)
+    top = [o for o in plain if "=" in o and "." not in o.partition("=")[0]]
+    if tree is not None:  # verl's trees have top-level keys (the SFT trainer's ulysses_sequence_parallel_size)
+        data = dict(data)
+        for item in top:
+            key, _, raw = item.partition("=")
+            data[key.strip()] = yaml_files.loads(raw, f"override {item!r}") if raw != "" else None
+        plain = [o for o in plain if o not in top]
+    return from_dict(config_mod.apply_overrides(data, plain), overridden, tree, tuple(deleted))
 
 
 # ----------------------------------------------------------------------------- the table, for the docs
 
 
-def markdown() -> str:
-    """The table of verl keys: verl key | here | how."""
-    rows = ["| verl key | here | meaning here |", "|---|---|---|"]
-    for k in KEYS:
+def _default_cell(tree: str, key: str) -> str:
+    if key not in verl_defaults.DEFAULTS[tree]:
+        return ""
+    value = verl_defaults.DEFAULTS[tree][key]
+    return f"`{value}`".replace("|", "/") if not isinstance(value, bool) else f"`{str(value).lower()}`"
+
+
+def markdown(tree: str = "ppo") -> str:
+    """The table of verl's keys of one trainer: verl key | here | meaning here | verl's default (the
+    ones a run in verl's shape takes)."""
+    keys = verl_keys.KEYS if tree == "ppo" else verl_sft_keys.KEYS
+    rows = ["| verl key | here | meaning here | verl's default, applied |", "|---|---|---|---|"]
+    for k in keys:
         verl = f"`{k.verl}.*`" if k.subtree else f"`{k.verl}`"
         ours = ", ".join(f"`{o}`" for o in k.ours) if k.ours else "noted"
-        rows.append(f"| {verl} | {ours} | {k.how.replace('|', '/')} |")
+        rows.append(f"| {verl} | {ours} | {k.how.replace('|', '/')} | {_default_cell(tree, k.verl)} |")
     return "\n".join(rows)
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] != ["--markdown"]:
-        raise SystemExit("usage: python -m verl_fast.config.verl_config --markdown")
-    print(markdown())
+    if sys.argv[1:] not in (["--markdown"], ["--markdown", "sft"]):
+        raise SystemExit("usage: python -m verl_fast.config.verl_config --markdown [sft]")
+    print(markdown(sys.argv[2] if len(sys.argv) > 2 else "ppo"))

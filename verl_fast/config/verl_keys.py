@@ -106,9 +106,9 @@ def unset_if_negative(value: Any, given: Given) -> Any:
     return SKIP if value is None or value < 0 else value
 
 
-def never_is_zero(value: Any, given: Given) -> Any:
-    """verl's -1 (never) as our 0 (at the end only)."""
-    return 0 if value is None or value < 0 else value
+def never(value: Any, given: Given) -> Any:
+    """verl's -1 (never) and ours; null: our default."""
+    return SKIP if value is None else (-1 if value < 0 else value)
 
 
 def scheduler(value: Any, given: Given) -> Any:
@@ -200,6 +200,44 @@ def overlong(prefix: str) -> Callable[[Any, Given], Any]:
     return convert
 
 
+MANAGERS = ("naive", "dapo", "batch", "prime")
+
+
+def manager(value: Any, given: Given) -> Any:
+    """verl's reward manager: how the custom function is called, and prime's failures scored 0."""
+    if value is None:
+        return SKIP
+    if value not in MANAGERS:
+        raise ValueError(f"reward manager {value} is not available here; one of {', '.join(MANAGERS)}")
+    return value, ("zero" if value == "prime" else None)
+
+
+VERL_TOOLS = "verl_fast.agents.verl_tools:VerlToolEnvironment"
+
+
+def multi_turn(value: Any, given: Given) -> Any:
+    """verl's multi_turn section as rollout.multi_turn: its tools as the environment of verl_tools."""
+    mt = f"{R}.multi_turn"
+    if not given(f"{mt}.enable", False):
+        return SKIP
+    path = given(f"{mt}.tool_config_path", None)
+    if not path:
+        raise ValueError(f"{mt}.enable=true needs {mt}.tool_config_path here (verl's interactions and tool-less "
+                         "multi-turn are not available; write an Environment: rollout.multi_turn.environment)")
+    fmt = given(f"{mt}.format", "hermes")
+    if fmt != "hermes":
+        raise ValueError(f"{mt}.format={fmt} is not available here; hermes")
+    out = {"environment": VERL_TOOLS, "tool_format": "hermes",
+           "environment_kwargs": {"tool_config_path": str(path), "tool_format": "hermes",
+                                  "max_parallel_calls": int(given(f"{mt}.max_parallel_calls", 1)),
+                                  "max_response_chars": int(given(f"{mt}.max_tool_response_length", 256)),
+                                  "truncate_side": given(f"{mt}.tool_response_truncate_side", "middle")}}
+    turns = given(f"{mt}.max_assistant_turns", None)
+    if turns is not None:
+        out["max_turns"] = int(turns)
+    return out
+
+
 def kl_ctrl(value: Any, given: Given) -> Any:
     if value != "fixed":
         raise ValueError(f"algorithm.kl_ctrl.type={value} is not available here; fixed")
@@ -240,6 +278,15 @@ def only(key: str, allowed: Tuple[Any, ...], why: str) -> Callable[[Any, Given],
         if value not in allowed:
             raise ValueError(f"{key}={value} is not available here ({why}); use "
                              f"{' or '.join(str(a) for a in allowed if a is not None)}")
+        return SKIP
+    return check
+
+
+def refused(key: str, why: str) -> Callable[[Any, Given], Any]:
+    """A key of a verl recipe whose algorithm is not available here: any value but off is refused."""
+    def check(value: Any, given: Given) -> Any:
+        if value not in (None, False):
+            raise ValueError(f"{key}={value}: {why}")
         return SKIP
     return check
 
@@ -458,7 +505,25 @@ KEYS: List[VerlKey] = [
     N(f"{R}.quantization_config_file", "rollout.quantization names the method"),
     N(f"{R}.mtp", "no multi-token prediction here"),
     T(f"{R}.engine_kwargs", "vLLM's own options beyond the rollout keys are not passed"),
-    T(f"{R}.multi_turn", "multi-turn rollouts are configured by the agents API here"),
+    M(f"{R}.multi_turn.enable", "rollout.multi_turn", "true: verl's tools (tool_config_path) as the environment "
+      "verl_fast.agents.verl_tools:VerlToolEnvironment", multi_turn),
+    M(f"{R}.multi_turn.tool_config_path", "rollout.multi_turn", "verl's tool YAML (class_name, config, tool_schema)",
+      multi_turn),
+    M(f"{R}.multi_turn.max_assistant_turns", "rollout.multi_turn", "rollout.multi_turn.max_turns", multi_turn),
+    M(f"{R}.multi_turn.max_parallel_calls", "rollout.multi_turn", "the calls of one turn that run", multi_turn),
+    M(f"{R}.multi_turn.max_tool_response_length", "rollout.multi_turn", "characters of a tool's reply", multi_turn),
+    M(f"{R}.multi_turn.tool_response_truncate_side", "rollout.multi_turn", "left, middle, right", multi_turn),
+    M(f"{R}.multi_turn.format", "rollout.multi_turn", "hermes (rollout.multi_turn.tool_format)", multi_turn),
+    N(f"{R}.multi_turn.interaction_config_path", "verl's interactions are refused: write an Environment "
+      "(rollout.multi_turn.environment)", only(f"{R}.multi_turn.interaction_config_path", (None,),
+                                                "verl's interactions do not run here; write an Environment")),
+    N(f"{R}.multi_turn.max_user_turns", "tool turns follow the assistant's (max_assistant_turns)",
+      only(f"{R}.multi_turn.max_user_turns", (None,), "tool turns follow the assistant's; set max_assistant_turns")),
+    N(f"{R}.multi_turn.use_inference_chat_template", "the model's chat template renders every turn"),
+    N(f"{R}.multi_turn.tokenization_sanity_check_mode", "the turns are tokenized once, as rendered"),
+    N(f"{R}.multi_turn.num_repeat_rollouts", "rollout.n samples per prompt",
+      only(f"{R}.multi_turn.num_repeat_rollouts", (None,), "rollout.n sets the samples per prompt")),
+    T(f"{R}.multi_turn", "verl's multi-turn settings beyond the keys above are not available here"),
     T(f"{R}.agent", "the agent loop is the agents API here"),
     T(f"{R}.checkpoint_engine", "weights sync through the resharding engine"),
     T(f"{R}.trace", "no rollout tracing here"),
@@ -599,8 +664,20 @@ KEYS: List[VerlKey] = [
     M("reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor", "algorithm.overlong_penalty_factor"),
     N("reward_model.reward_kwargs.overlong_buffer_cfg.log", "the penalty is in the reward's metrics"),
     N("reward_model.reward_kwargs.max_resp_len", "the buffer ends at data.max_response_length"),
-    N("reward_model.reward_manager", "naive / dapo: rows scored one by one by data_source or the custom function "
-                                     "(dapo's overlong buffer: algorithm.overlong_buffer)"),
+    M("reward_model.reward_manager", "reward_fn.manager+reward_fn.on_error", "naive / dapo: per sample (dapo's "
+      "overlong buffer: algorithm.overlong_buffer); batch: one call per batch with verl's batched signature; "
+      "prime: per sample, a failure scores 0", manager),
+    M("reward_manager.name", "reward_fn.manager+reward_fn.on_error", "as reward_model.reward_manager", manager),
+    M("custom_reward_function.reward_kwargs", "reward_fn.kwargs", "keyword arguments of every call of the custom "
+      "function"),
+    N("reward_model.model.update", "PRIME's implicit process reward model (trained online) is not available here",
+      refused("reward_model.model.update", "PRIME's implicit process reward model (trained online) is not available "
+              "here; score with a rule or a fixed reward model")),
+    N("data.filter_accuracy", "PRIME's accuracy filter: algorithm.dynamic_sampling drops groups of one reward",
+      refused("data.filter_accuracy", "PRIME's accuracy filter is not available here; DAPO's group filter is "
+              "(algorithm.filter_groups.enable)")),
+    N(f"{A}.sppo_eta", "SPPO's self-play loss is not available here",
+      refused(f"{A}.sppo_eta", "SPPO's self-play preference loss is not available here")),
     T("reward_model.reward_kwargs", "the reward function's own arguments are its defaults"),
     T("reward_model.model", "the reward model loads with transformers' defaults"),
     T("reward_model.rollout", "a generative reward model's engine (not available here)"),
@@ -632,8 +709,8 @@ KEYS: List[VerlKey] = [
     M("trainer.experiment_name", "trainer.run_name"),
     M("trainer.logger", "trainer.loggers", "console, wandb, tensorboard (+ jsonl, always)", logger),
     M("trainer.log_val_generations", "trainer.log_generations"),
-    M("trainer.save_freq", "trainer.save_freq", "-1 (never) -> 0: at the end only", never_is_zero),
-    M("trainer.test_freq", "trainer.val_freq", "-1 -> 0: after the last step only", never_is_zero),
+    M("trainer.save_freq", "trainer.save_freq", "every N steps; -1: never (verl's default)", never),
+    M("trainer.test_freq", "trainer.val_freq", "every N steps; -1: never (verl's default)", never),
     M("trainer.val_before_train", "trainer.val_before_train"),
     M("trainer.default_local_dir", "trainer.output_dir", "checkpoints and metrics"),
     M("trainer.resume_mode", "trainer.resume", "auto / resume_path: true; disable: false", resume_mode),

@@ -14,7 +14,7 @@ Rows longer than ``max_length`` tokens are cut to it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from verl_fast.data import readers
 
@@ -89,12 +89,38 @@ def encode_row(tokenizer: Any, row: Dict[str, Any], where: str) -> SFTExample:
     return SFTExample(ids, mask)
 
 
-def encode(tokenizer: Any, rows: Sequence[Dict[str, Any]], max_length: int) -> List[SFTExample]:
-    """Every row as an SFTExample, cut to ``max_length`` tokens; a row with no trained token (after
-    the cut) is refused, naming it."""
+def _column(row: Dict[str, Any], path: str, where: str) -> Any:
+    node: Any = row
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise ValueError(f"{where}: no column {path} (algorithm.sft_columns; the row's keys: {sorted(row)})")
+        node = node[part]
+    return node
+
+
+def remap(row: Dict[str, Any], columns: Dict[str, str], where: str) -> Dict[str, Any]:
+    """The row's ``columns`` (ours -> its column or dotted path) under our names; a string prompt so read
+    becomes the user's message and its string completion the assistant's (verl's SFT rendering)."""
+    if not columns:
+        return row
+    out = {ours: _column(row, path, where) for ours, path in columns.items()}
+    if isinstance(out.get("prompt"), str) and isinstance(out.get("completion"), str):
+        out["prompt"] = [{"role": "user", "content": out["prompt"]}]
+        out["completion"] = [{"role": "assistant", "content": out["completion"]}]
+    return out
+
+
+def encode(tokenizer: Any, rows: Sequence[Dict[str, Any]], max_length: int, columns: Optional[Dict[str, str]] = None,
+           truncation: str = "right") -> List[SFTExample]:
+    """Every row (its ``columns`` read under our names) as an SFTExample, cut to ``max_length`` tokens
+    (``truncation="error"``: a longer row refused, naming it); a row with no trained token (after the
+    cut) is refused, naming it."""
     out = []
     for i, row in enumerate(rows):
-        e = encode_row(tokenizer, row, f"SFT row {i}")
+        e = encode_row(tokenizer, remap(row, columns or {}, f"SFT row {i}"), f"SFT row {i}")
+        if truncation == "error" and len(e.ids) > max_length:
+            raise ValueError(f"SFT row {i}: {len(e.ids)} tokens, more than algorithm.sft_max_length={max_length} "
+                             "(verl's data.max_length; data.truncation=right cuts it)")
         e = SFTExample(e.ids[:max_length], e.loss_mask[:max_length])
         if not any(e.loss_mask[1:]):  # the first token has nothing before it to be predicted from
             raise ValueError(f"SFT row {i}: no assistant / completion token within algorithm.sft_max_length="

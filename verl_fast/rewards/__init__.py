@@ -21,6 +21,7 @@ from verl_fast.rewards.model import RewardModel, is_sequence_classifier
 from verl_fast.rewards.by_source import DataSourceReward
 from verl_fast.rewards.rule import GSM8KReward, ReasoningGymReward, gsm8k_answer, last_number
 from verl_fast.rewards.weighted import WeightedRewards
+from verl_fast.rewards import verl_managers
 
 
 def build_reward(cfg: Any, override: Optional[Any] = None, tokenizer: Optional[Any] = None
@@ -75,7 +76,7 @@ REWARDS = {
     "auto": lambda cfg: DataSourceReward(),
     "reasoning_gym": lambda cfg: ReasoningGymReward(),
     "gsm8k": lambda cfg: GSM8KReward(),
-    "callable": lambda cfg: CallableReward(load_callable(cfg.path)),
+    "callable": lambda cfg: verl_managers.callable_reward(cfg.path, cfg.manager, cfg.kwargs),
     "reward_model": _reward_model,
     "pairwise_ranking": lambda cfg: None,
 }
@@ -94,6 +95,9 @@ def _check(cfg: config.Config) -> None:
         key = f"reward_fn[{i}]" if several else "reward_fn"
         if r.type == "callable" and not r.path:
             raise ValueError(f"{key}.type=callable needs {key}.path ('module:function')")
+        problems = verl_managers.check(r.manager, r.type, key)
+        if problems:
+            raise ValueError(problems[0])
         if r.type == "reward_model" and not r.model_name:
             raise ValueError(f"{key}.type=reward_model needs {key}.model_name")
         if several and r.timeout_s is not None and r.timeout_s <= 0:
@@ -105,6 +109,7 @@ def _check(cfg: config.Config) -> None:
 
 config.REWARDS.register(*REWARDS, config.WEIGHTED_REWARD)
 config.REWARD_ERRORS.register(*ON_ERROR)
+config.REWARD_MANAGERS.register(*verl_managers.MANAGERS)
 config.register_check(_check)
 
 __all__ = [

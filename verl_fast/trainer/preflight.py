@@ -19,7 +19,8 @@ from verl_fast.algos import registry as algorithms
 from verl_fast.data import preference_parts
 from verl_fast.records.prompts import PreferencePair, PromptRow
 from verl_fast.data.readers import ground_truth
-from verl_fast.rewards.interface import CallableReward, RewardFunction, load_callable
+from verl_fast.rewards import verl_managers
+from verl_fast.rewards.interface import CallableReward, RewardFunction
 from verl_fast.rewards.by_source import DataSourceReward, check_source
 from verl_fast.rewards.rule import GSM8KReward, ReasoningGymReward
 
@@ -96,7 +97,8 @@ def config_parts(reward_cfg: Any) -> List[tuple]:
             parts.append((entry.name or entry.type, cheap[entry.type]()))
         elif entry.type == "callable":
             try:
-                parts.append((entry.name or entry.path, CallableReward(load_callable(entry.path))))
+                parts.append((entry.name or entry.path, verl_managers.callable_reward(entry.path, entry.manager,
+                                                                                       entry.kwargs)))
             except (TypeError, ImportError, OSError, SyntaxError) as e:
                 raise ValueError(f"reward_fn.path={entry.path}: {' '.join(str(e).split())}") from None
     return parts

@@ -293,9 +293,9 @@ class RLTrainer:
             if self.is_main and self.generations:
                 logger.log_generations(self.step, "train", self.generations)
             if self.validation is not None and not stopping and (
-                    self.step == total or (cfg.val_freq and self.step % cfg.val_freq == 0)):
+                    (self.step == total and cfg.val_freq >= 0) or (cfg.val_freq > 0 and self.step % cfg.val_freq == 0)):
                 metrics.update(self._validate(logger))
-            if cfg.save_freq and self.step % cfg.save_freq == 0 and self.step < total and not stopping:
+            if cfg.save_freq > 0 and self.step % cfg.save_freq == 0 and self.step < total and not stopping:
                 self.history = logger.history + [metrics]  # the checkpoint holds this step's metrics
                 checkpoint_start = time.perf_counter()
                 with self.watchdog.phase("checkpoint"):
@@ -308,7 +308,9 @@ class RLTrainer:
                 break
         if self.engine is not None:  # the engine leaves fit() generating with the final weights
             self.engine.wake_up()
-        if self.step > first or checkpoint.latest_valid(cfg.output_dir, warn=lambda m: None) is None:
+        # save_freq -1 (verl's never): no checkpoint after a run that completed; a stopped one still saves
+        never = cfg.save_freq < 0 and self.step >= total and not self.stopped and abandoned is None
+        if not never and (self.step > first or checkpoint.latest_valid(cfg.output_dir, warn=lambda m: None) is None):
             self.save(export_hf=cfg.hf_export == "every" or (cfg.hf_export == "final" and self.step >= total))
         if cfg.hub_model_id and self.step >= total and abandoned is None and not self.stopped:
             self.push_to_hub()
@@ -340,7 +342,7 @@ class RLTrainer:
         """The run's validation set, encoded as the training prompts are (None: no validation)."""
         t = self.cfg.trainer
         if source is None:
-            if t.val_before_train or t.val_freq:
+            if t.val_before_train or t.val_freq > 0:
                 raise ValueError("trainer.val_freq / trainer.val_before_train need a validation set: set "
                                  "trainer.val_dataset (or pass val_dataset to fit)")
             return None
