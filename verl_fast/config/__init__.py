@@ -302,7 +302,8 @@ class RolloutConfig:
 class RewardConfig:
     type: str = _f("auto", choices=REWARDS, doc="auto: each row scored as its data_source names (verl's routing: "
                    "openai/gsm8k, the MATH family, math_dapo / aime*, searchR1_*; reasoning_gym/<task>); reasoning_gym, "
-                   "gsm8k, callable, reward_model, pairwise_ranking (DPO), weighted (a list)")
+                   "gsm8k, callable, reward_model, code (the response's program against the row's tests, "
+                   "sandboxed), judge (a generative model's verdict), pairwise_ranking (DPO), weighted (a list)")
     path: Optional[str] = _f(None, doc="'module:function' for type callable")
     model_name: Optional[str] = _f(None, doc="sequence-classification model (Hub name or local folder) for "
                                    "type reward_model")
@@ -327,6 +328,12 @@ class RewardConfig:
                        "(the weighted sum)")
     name: Optional[str] = _f(None, doc="in a list of reward functions: this one's metric reward/<name>/mean "
                              "(default: the function's name, or the type)")
+    judge: Optional[Dict[str, Any]] = _f(None, doc="type judge: the judge model {model_name | url, prompt_template, "
+                                         "parser, max_score, verdicts, ...}; the keys: verl_fast/rewards/judge.py, "
+                                         "docs/agents.md")
+    sandbox: Optional[Dict[str, Any]] = _f(None, doc="type code: the sandbox of the model's programs {isolation, "
+                                           "cpu_s, wall_s, memory_mb, output_bytes, processes, file_mb, workers, "
+                                           "tests_key}; the keys: verl_fast/rewards/code.py, docs/agents.md")
     functions: List[Dict[str, Any]] = _f(list, doc="type weighted: the reward functions, each a reward_fn "
                                          "mapping of its own (type, path, weight, name, on_error, ...; on_error "
                                          "and timeout_s default to this section's); written as a list, "
