@@ -294,6 +294,9 @@ class RolloutConfig:
     multi_turn: Optional[Dict[str, Any]] = _f(None, doc="multi-turn rollouts with tools or an environment: {tools: "
                                               "[module:function, ...], environment, max_turns, ...}; the keys: "
                                               "verl_fast/agents/settings.py, docs/agents.md")
+    server: Optional[Dict[str, Any]] = _f(None, doc="an agent program drives the rollout through an OpenAI-compatible "
+                                          "endpoint on this engine: {agent: module:function, concurrency, timeout_s, "
+                                          "...}; the keys: verl_fast/agents/server_settings.py, docs/agents.md")
     speculative_config: Optional[Dict[str, Any]] = _f(None, doc="rejected: RL must sample from the policy")
     guided_decoding: Optional[Dict[str, Any]] = _f(None, doc="rejected: RL must sample from the policy")
 

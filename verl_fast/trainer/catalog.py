@@ -9,11 +9,13 @@ module itself imports none of them.
     trainer.overlong_prompts                                 verl_fast/data/__init__.py
     trainer.loggers                                          verl_fast/metrics/logger.py
     rollout.multi_turn                                       verl_fast/agents/settings.py
+    rollout.server                                           verl_fast/agents/server_settings.py
     trainer.async_mode checks                                verl_fast/async_rl/config_checks.py
 """
 
 from verl_fast import config, data, rewards  # noqa: F401
 from verl_fast.agents import settings as agents  # noqa: F401
+from verl_fast.agents import server_settings  # noqa: F401
 from verl_fast.metrics import logger as metrics  # noqa: F401
 from verl_fast.algos import registry as algorithms  # noqa: F401
 from verl_fast.async_rl import config_checks as async_checks  # noqa: F401
