@@ -16,7 +16,7 @@
 #
 # Sections: tests (every gpu-marked test), defaults (the trainer's defaults at 0.5B / 1.5B, issue 42), 7b (the 7B
 # class: LoRA and full fine-tune, ours or TRL's by SEVEN_B), shapes (a new token count's first-call cost), decode (the rollout's decode alone), merge (the LoRA merge before a rollout),
-# overlap (the reward beside the old-log-prob pass), hotpaths (the ops as users call them, before / after issue 48), vllm (every vLLM test, on the GPU's vLLM), trainer (the CLI
+# overlap (the reward beside the old-log-prob pass), agent_endpoint (an agent through the rollout endpoint, issue 68), hotpaths (the ops as users call them, before / after issue 48), vllm (every vLLM test, on the GPU's vLLM), trainer (the CLI
 # with vLLM rollout: GRPO + resume, PPO, the default config), advantage, logprobs, reshard, hybrid, e2e,
 # sft (our SFT step beside TRL's SFTTrainer), async (off / one_step / full), dist (needs 2 GPUs), megatron (2 GPUs; megatron-core's wheel in .whl/),
 # bench (`verl-fast bench` itself, quick sizes), ncu (Nsight Compute on the GAE scan kernel, where the image has it).
@@ -338,6 +338,16 @@ if want multi_turn; then
     --trl-timeout "${MULTI_TURN_TRL_TIMEOUT:-270}" >> "$OUT/bench.log" 2>&1 || failed+=("bench_multi_turn")
   grep -E "^0.5b multi-turn|^TRL " "$OUT/bench.log" | tail -n 3
   sed -n '/^multi_turn on/,/^saved/p' "$OUT/bench.log" | tail -n 8
+fi
+
+# ---- agent_endpoint (issue 68): an agent program (urllib, 4 chat calls each) driving the rollout through the
+# OpenAI-compatible endpoint against the built-in multi-turn rollout, the same turns and tokens, 16 x 8 = 128
+# trajectories in flight, HF decode engine, 0.5B random weights, 256 model tokens (~2-3 minutes); needs
+# .bench_assets/ ----
+if want agent_endpoint; then
+  timeout ${AGENT_ENDPOINT_TIMEOUT:-500} "$py" benchmarks/bench_agent_endpoint.py --device cuda --shape 0.5b \
+    >> "$OUT/bench.log" 2>&1 || failed+=("bench_agent_endpoint")
+  sed -n '/^agent_endpoint on/,/^saved/p' "$OUT/bench.log" | tail -n 6
 fi
 
 # ---- bench (issue 17): `verl-fast bench` itself on the GPU (CUDA events, peak memory, the one table,
