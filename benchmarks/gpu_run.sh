@@ -16,7 +16,7 @@
 #
 # Sections: tests (every gpu-marked test), defaults (the trainer's defaults at 0.5B / 1.5B, issue 42), 7b (the 7B
 # class: LoRA and full fine-tune, ours or TRL's by SEVEN_B), shapes (a new token count's first-call cost), decode (the rollout's decode alone), merge (the LoRA merge before a rollout),
-# overlap (the reward beside the old-log-prob pass), hotpaths (the ops as users call them, before / after issue 48), vllm (every vLLM test, on the GPU's vLLM), trainer (the CLI
+# overlap (the reward beside the old-log-prob pass), agent_endpoint (an agent through the rollout endpoint, issue 68), hotpaths (the ops as users call them, before / after issue 48), vllm (every vLLM test, on the GPU's vLLM), trainer (the CLI
 # with vLLM rollout: GRPO + resume, PPO, the default config), advantage, logprobs, reshard, hybrid, e2e,
 # sft (our SFT step beside TRL's SFTTrainer), async (off / one_step / full), dist (needs 2 GPUs), megatron (2 GPUs; megatron-core's wheel in .whl/),
 # fp8 (FP8 rollout vs bf16 at 7B: sync, HF decode, vLLM), bench (`verl-fast bench` itself, quick sizes), ncu (Nsight Compute on the GAE scan kernel, where the image has it).
@@ -352,6 +352,16 @@ if want fp8; then
   timeout 120 "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/ops/test_fp8_quantize.py \
     python_tests/rollout/test_fp8_rollout.py > "$OUT/pytest_fp8.log" 2>&1 || failed+=("pytest fp8")
   tail -n 3 "$OUT/pytest_fp8.log"
+fi
+
+# ---- agent_endpoint (issue 68): an agent program (urllib, 4 chat calls each) driving the rollout through the
+# OpenAI-compatible endpoint against the built-in multi-turn rollout, the same turns and tokens, 16 x 8 = 128
+# trajectories in flight, HF decode engine, 0.5B random weights, 256 model tokens (~2-3 minutes); needs
+# .bench_assets/ ----
+if want agent_endpoint; then
+  timeout ${AGENT_ENDPOINT_TIMEOUT:-500} "$py" benchmarks/bench_agent_endpoint.py --device cuda --shape 0.5b \
+    >> "$OUT/bench.log" 2>&1 || failed+=("bench_agent_endpoint")
+  sed -n '/^agent_endpoint on/,/^saved/p' "$OUT/bench.log" | tail -n 6
 fi
 
 # ---- bench (issue 17): `verl-fast bench` itself on the GPU (CUDA events, peak memory, the one table,

@@ -54,8 +54,11 @@ def overrides(folder, models, out_dir):
         sets += ["trainer.train_batch_size=4", f"trainer.dataset={EXAMPLES / 'sft' / 'data.jsonl'}",
                  f"trainer.val_dataset={EXAMPLES / 'sft' / 'val.jsonl'}"]
     elif folder != "dpo":
-        sets += ["trainer.train_batch_size=2", "trainer.dataset_kwargs={size: 8, seed: 1}", "rollout.type=hf",
-                 "rollout.n=2", "rollout.max_new_tokens=4"]
+        sets += ["trainer.train_batch_size=2", "rollout.type=hf", "rollout.n=2", "rollout.max_new_tokens=4"]
+        if folder != "code_reward":  # its dataset is its own file
+            sets.append("trainer.dataset_kwargs={size: 8, seed: 1}")
+    if folder == "judge_reward":  # the tiny model judges too
+        sets.append(f"reward_fn.judge.model_name={models['qwen2']}")
     if folder == "ppo":
         sets.append(f"critic.model_name={models['llama']}")  # another family than the actor
     return [arg for s in sets for arg in ("--set", s)]
@@ -84,7 +87,7 @@ def test_every_example_has_a_readme_line():
 @pytest.mark.parametrize("folder", FOLDERS)
 def test_example_runs_one_step(folder, models, tmp_path, monkeypatch):
     out_dir = tmp_path / "run"
-    monkeypatch.chdir(EXAMPLES.parent)  # tool_calling names its tool by a path from the repository root
+    monkeypatch.chdir(EXAMPLES.parent)  # tool_calling (agent_endpoint) names its tool (agent) by a path from the root
     if folder == "lora":
         history = load_script(EXAMPLES / "lora" / "train.py").main(
             ["--model", str(models["qwen2"]), "--steps", "1", "--rollout", "hf", "--output_dir", str(out_dir),
@@ -131,5 +134,11 @@ def test_example_runs_one_step(folder, models, tmp_path, monkeypatch):
     assert len(records) == 1 and records[0]["step"] == 1
     if folder == "sft":
         assert records[0]["sft/loss"] > 0 and records[0]["val/loss"] > 0 and (out_dir / "checkpoints").is_dir()
+    if folder == "agent_endpoint":  # the agent's calls went through the endpoint, none failed
+        assert records[0]["agent/calls"] >= 4 and records[0]["agent/failed"] == 0
+    if folder == "code_reward":  # the programs ran in the sandbox (random weights: none passes its tests)
+        assert "reward/code/seconds" in records[0] and records[0]["reward/mean"] == 0.0
+    if folder == "judge_reward":  # random weights write no score: every verdict fails to parse
+        assert records[0]["reward/judge/parse_failures"] == 1.0 and "reward/judge/seconds" in records[0]
     if folder == "tool_calling":  # a multi-turn rollout ran, with its tool figures
         assert records[0]["multi_turn/turns_mean"] >= 1 and "multi_turn/tool_calls" in records[0]

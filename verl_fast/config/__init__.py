@@ -317,6 +317,9 @@ class RolloutConfig:
     multi_turn: Optional[Dict[str, Any]] = _f(None, doc="multi-turn rollouts with tools or an environment: {tools: "
                                               "[module:function, ...], environment, max_turns, ...}; the keys: "
                                               "verl_fast/agents/settings.py, docs/agents.md")
+    server: Optional[Dict[str, Any]] = _f(None, doc="an agent program drives the rollout through an OpenAI-compatible "
+                                          "endpoint on this engine: {agent: module:function, concurrency, timeout_s, "
+                                          "...}; the keys: verl_fast/agents/server_settings.py, docs/agents.md")
     speculative_config: Optional[Dict[str, Any]] = _f(None, doc="rejected: RL must sample from the policy")
     guided_decoding: Optional[Dict[str, Any]] = _f(None, doc="rejected: RL must sample from the policy")
 
@@ -325,7 +328,8 @@ class RolloutConfig:
 class RewardConfig:
     type: str = _f("auto", choices=REWARDS, doc="auto: each row scored as its data_source names (verl's routing: "
                    "openai/gsm8k, the MATH family, math_dapo / aime*, searchR1_*; reasoning_gym/<task>); reasoning_gym, "
-                   "gsm8k, callable, reward_model, pairwise_ranking (DPO), weighted (a list)")
+                   "gsm8k, callable, reward_model, code (the response's program against the row's tests, "
+                   "sandboxed), judge (a generative model's verdict), pairwise_ranking (DPO), weighted (a list)")
     path: Optional[str] = _f(None, doc="'module:function' for type callable")
     kwargs: Dict[str, Any] = _f(dict, doc="type callable: keyword arguments given to the function on every call "
                                 "(verl's custom_reward_function.reward_kwargs)")
@@ -355,6 +359,12 @@ class RewardConfig:
                        "(the weighted sum)")
     name: Optional[str] = _f(None, doc="in a list of reward functions: this one's metric reward/<name>/mean "
                              "(default: the function's name, or the type)")
+    judge: Optional[Dict[str, Any]] = _f(None, doc="type judge: the judge model {model_name | url, prompt_template, "
+                                         "parser, max_score, verdicts, ...}; the keys: verl_fast/rewards/judge.py, "
+                                         "docs/agents.md")
+    sandbox: Optional[Dict[str, Any]] = _f(None, doc="type code: the sandbox of the model's programs {isolation, "
+                                           "cpu_s, wall_s, memory_mb, output_bytes, processes, file_mb, workers, "
+                                           "tests_key}; the keys: verl_fast/rewards/code.py, docs/agents.md")
     functions: List[Dict[str, Any]] = _f(list, doc="type weighted: the reward functions, each a reward_fn "
                                          "mapping of its own (type, path, weight, name, on_error, ...; on_error "
                                          "and timeout_s default to this section's); written as a list, "

@@ -21,7 +21,7 @@ from verl_fast.rewards.model import RewardModel, is_sequence_classifier
 from verl_fast.rewards.by_source import DataSourceReward
 from verl_fast.rewards.rule import GSM8KReward, ReasoningGymReward, gsm8k_answer, last_number
 from verl_fast.rewards.weighted import WeightedRewards
-from verl_fast.rewards import verl_managers
+from verl_fast.rewards import code, judge, verl_managers
 
 
 def build_reward(cfg: Any, override: Optional[Any] = None, tokenizer: Optional[Any] = None
@@ -78,6 +78,8 @@ REWARDS = {
     "gsm8k": lambda cfg: GSM8KReward(),
     "callable": lambda cfg: verl_managers.callable_reward(cfg.path, cfg.manager, cfg.kwargs),
     "reward_model": _reward_model,
+    "code": lambda cfg: code.CodeReward(code.parse(cfg.sandbox)),
+    "judge": lambda cfg: judge.JudgeReward.from_config(judge.parse(cfg.judge)),
     "pairwise_ranking": lambda cfg: None,
 }
 

@@ -10,12 +10,14 @@ module itself imports none of them.
     trainer.loggers                                          verl_fast/metrics/logger.py
     rollout.type, the engines' checks                        verl_fast/rollout/engines.py
     rollout.multi_turn                                       verl_fast/agents/settings.py
+    rollout.server                                           verl_fast/agents/server_settings.py
     trainer.async_mode checks                                verl_fast/async_rl/config_checks.py
     rollout.partial_step_tokens checks                       verl_fast/trainer/partial_checks.py
 """
 
 from verl_fast import config, data, rewards  # noqa: F401
 from verl_fast.agents import settings as agents  # noqa: F401
+from verl_fast.agents import server_settings  # noqa: F401
 from verl_fast.metrics import logger as metrics  # noqa: F401
 from verl_fast.rollout import engines  # noqa: F401
 from verl_fast.algos import registry as algorithms  # noqa: F401

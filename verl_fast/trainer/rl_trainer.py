@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Unio
 import torch
 
 from verl_fast import agents, distributed, extras
+from verl_fast.agents import agent_rollout
 from verl_fast.checkpoint import sharded as checkpoint
 from verl_fast import config as config_mod
 from verl_fast.algos import registry as algorithms
@@ -95,6 +96,7 @@ class RLTrainer:
         rollout_engine: Optional[RolloutEngine] = None,
         model_path: Optional[str] = None,
         tools: Sequence[Callable[..., Any]] = (),
+        agent: Optional[Callable[..., Any]] = None,
     ):
         """``actor_model``: any PreTrainedModel, or an FSDP-wrapped one (used as it is, never
         re-wrapped), or a name (Hub ``org/name`` or a local folder), loaded with its tokenizer
@@ -108,7 +110,9 @@ class RLTrainer:
         ``generation_config``: default sampling (SamplingSpec fields or HF names). ``model_path``:
         the actor's folder, which a vLLM engine loads (else the actor is saved to a temporary one).
         ``tools``: functions the model may call (a multi-turn rollout, ``verl_fast/agents/``; with
-        ``rollout.multi_turn.tools`` too)."""
+        ``rollout.multi_turn.tools`` too). ``agent``: an agent program, ``agent(row, base_url)``, run per
+        sample against an OpenAI-compatible endpoint on the rollout engine (``rollout.server``;
+        ``verl_fast/agents/agent_rollout.py``)."""
         catalog.register()
         self.cfg = config_mod.checked(config) if isinstance(config, Config) else _from_mapping(config)
         cfg = self.cfg
@@ -144,6 +148,7 @@ class RLTrainer:
                                          overlong_prompts=cfg.trainer.overlong_prompts)
         self.engine, self.rollout = rollout_engine, rollout_operator
         self._tools = tuple(tools)
+        self._agent = agent
         self._engine_fresh = rollout_engine is None and rollout_operator is None  # built below from the actor
         if rollout_operator is not None:
             self.engine = rollout_operator.engine
@@ -201,6 +206,10 @@ class RLTrainer:
         waves = r.length_buckets == "on" or (r.length_buckets == "auto" and self.engine.waves_by_default)
         waves = waves and not self.engine.collective  # ranks would make different numbers of calls
         budget = r.max_batch_tokens or r.max_num_seqs * (cfg.trainer.max_prompt_length + r.max_new_tokens)
+        agent = agent_rollout.build_operator(cfg, self.engine, self.tokenizer,
+                                             self._sampling_defaults(generation_config), self._agent)
+        if agent is not None:  # an agent program through the endpoint (verl_fast/agents/agent_rollout.py)
+            return agent
         multi_turn = agents.build_operator(cfg, self.engine, self.tokenizer, self._sampling_defaults(generation_config),
                                            self._tools)
         if multi_turn is not None:  # tools / environments: trajectories of turns (verl_fast/agents/rollout.py)

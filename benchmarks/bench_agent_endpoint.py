@@ -1,0 +1,107 @@
+"""An agent program driving the rollout through the OpenAI-compatible endpoint (``rollout.server``)
+against the built-in multi-turn rollout, the same turns and tokens (issue 68).
+
+bench_multi_turn's setup (HF decode engine, Qwen2 shapes with random weights, the demo tokenizer, the
+calculator described in the system message): ``--prompts`` x ``--n`` trajectories of ``--turns`` model
+turns of ``tokens / turns`` tokens, every turn answered with the same short user message:
+
+- built-in: ``MultiTurnRolloutOperator`` with bench_multi_turn's scripted environment;
+- endpoint: ``AgentRolloutOperator`` with a plain urllib agent per trajectory (all ``--prompts x --n``
+  in flight), each turn one ``/chat/completions`` call that continues the previous one.
+
+Throughput counts the model's sampled tokens. Target: endpoint >= 0.8x built-in tokens/s at 128
+trajectories.
+
+    python benchmarks/bench_agent_endpoint.py [--shape 0.5b] [--device cuda]
+    python benchmarks/bench_agent_endpoint.py --device cpu --shape tiny --prompts 2 --n 2 --tokens 16 --reps 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import Report  # noqa: E402
+from bench_e2e import build_model  # noqa: E402
+from bench_multi_turn import operators, timed, tool_prompts  # noqa: E402
+
+TURN_TOKENS = {"value": 0}  # the agent's max_tokens per call, set by main
+TURNS = {"value": 0}
+
+
+def scripted_agent(row, base_url):
+    """The scripted environment's turns, as an agent program: ask, answer "Continue.", ask again."""
+    messages = list(row["messages"])
+    for _ in range(TURNS["value"]):
+        body = json.dumps({"model": "policy", "messages": messages, "max_tokens": TURN_TOKENS["value"]}).encode()
+        request = urllib.request.Request(f"{base_url}/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as response:
+            reply = json.loads(response.read())["choices"][0]["message"]
+        messages += [{"role": "assistant", "content": reply["content"]}, {"role": "user", "content": "Continue."}]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="0.5b")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--window", type=float, default=0.02, help="rollout.server.batch_window_s")
+    args = p.parse_args(argv)
+    if args.turns < 1 or args.tokens < args.turns:
+        p.error(f"--turns {args.turns} must be >= 1 and <= --tokens {args.tokens}")
+    from dataclasses import replace
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl_fast.agents.agent_rollout import AgentRolloutOperator
+    from verl_fast.agents.server_settings import ServerConfig
+    from verl_fast.data import RLDataProcessor
+
+    TURN_TOKENS["value"], TURNS["value"] = args.tokens // args.turns, args.turns
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = build_model(args.shape, Path(tmp) / "model", args.device)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(args.device).eval()
+        rows = RLDataProcessor(tokenizer, 1024, args.tokens).encode_all(
+            [{"prompt": m} for m in tool_prompts(args.prompts)])
+        _, builtin = operators(model, tokenizer, args, args.device)
+        settings = ServerConfig(concurrency=args.prompts * args.n, batch_window_s=args.window, timeout_s=3600.0)
+        agent = AgentRolloutOperator(builtin.engine, replace(builtin.default, logprobs=True), tokenizer,
+                                     scripted_agent, settings)
+        report = Report("agent_endpoint", args.device)
+        case = f"{args.shape} {args.prompts}x{args.n}x{args.tokens} t{args.turns}"
+        b_time, b_tokens = timed(builtin, rows, args.reps, args.device)
+        a_time, a_tokens = timed(agent, rows, args.reps, args.device)
+        a_metrics = agent.metrics()
+        builtin.close()
+        agent.close()
+        b_rate, a_rate = b_tokens / b_time, a_tokens / a_time
+        report.add(case, "built-in multi-turn", b_time * 1e3, note=f"{b_tokens} model tokens, {b_rate:.0f} tokens/s")
+        report.add(case, "agent through the endpoint", a_time * 1e3,
+                   note=f"{a_tokens} model tokens, {a_rate:.0f} tokens/s, {a_rate / b_rate:.2f}x built-in, "
+                        f"{a_metrics['agent/engine_calls']:.0f} generate calls")
+        report.meta.update(setup=f"{args.prompts} prompts x {args.n} trajectories in flight, {args.tokens} model tokens "
+                                 f"in {args.turns} turns, HF decode engine, temperature 1, window {args.window} s",
+                           builtin_tokens_per_s=b_rate, endpoint_tokens_per_s=a_rate, ratio=a_rate / b_rate,
+                           target_ratio=0.8, agent_metrics=a_metrics)
+        print(f"{args.shape} endpoint {a_rate:.0f} tokens/s vs built-in {b_rate:.0f} tokens/s: {a_rate / b_rate:.2f}x "
+              "(target >= 0.8x)", flush=True)
+    print(report.table())
+    print(f"saved {report.save()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,358 @@
+"""An OpenAI-compatible HTTP endpoint on the run's own rollout engine, for agent programs: every call is
+recorded as the token ids and log-probs the engine sampled (never re-tokenised), per trajectory.
+
+Each trajectory has its own base URL, ``http://127.0.0.1:<port>/t/<id>/v1``, so any client works
+(``openai.OpenAI(base_url=...)``, a plain ``requests`` / urllib loop). Served: ``POST /chat/completions``
+(``messages``, ``tools``, ``tool_choice`` ``auto`` / ``none``, ``n``, ``max_tokens`` /
+``max_completion_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``, ``logprobs``), ``POST /completions``
+(``prompt`` as text or token ids) and ``GET /models``.
+
+Requests from all trajectories meet in ``EngineBatcher``: those that arrive within ``batch_window_s`` of
+each other go to the engine in one ``generate`` call.
+
+A chat call whose messages repeat the trajectory's previous call and the assistant message returned to
+it, then add tool / user messages, continues that call's tokens: its prompt is the previous prompt, the
+sampled tokens, and the new messages rendered through the chat template (``agents/chat.py``). A call
+that rewrites the history is tokenised whole and starts a new chain; ``Recorder.trajectory`` keeps the
+last chain (the calls that continue each other).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from verl_fast.agents.chat import ChatRenderer
+from verl_fast.agents.parsing import parse_tool_calls
+from verl_fast.rollout.base import RolloutEngine, SamplingSpec
+
+
+class Refused(Exception):
+    """A request the endpoint answers with an HTTP error (status, one-line message)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class EngineBatcher:
+    """Calls of many trajectories as few ``generate`` calls: a worker thread takes every request that
+    arrives within ``window_s`` of the first (at most ``max_batch``) and generates them together."""
+
+    def __init__(self, engine: RolloutEngine, window_s: float = 0.02, max_batch: int = 256):
+        self.engine, self.window_s, self.max_batch = engine, window_s, max_batch
+        self._queue: "queue.Queue[Optional[Tuple[List[int], SamplingSpec, Future]]]" = queue.Queue()
+        self.calls, self.seconds = 0, 0.0
+        self._thread = threading.Thread(target=self._loop, name="verl_fast endpoint engine", daemon=True)
+        self._thread.start()
+
+    def generate(self, prompt_ids: List[int], spec: SamplingSpec) -> List[Tuple[List[int], List[float], str]]:
+        """``spec.n`` samples of ``prompt_ids``: (token ids, their log-probs, finish reason) each."""
+        future: Future = Future()
+        self._queue.put((prompt_ids, spec, future))
+        return future.result()
+
+    def _loop(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch, deadline = [first], time.monotonic() + self.window_s
+            while len(batch) < self.max_batch:
+                try:
+                    item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                if item is None:
+                    self._queue.put(None)
+                    break
+                batch.append(item)
+            self._run(batch)
+
+    def _run(self, batch: List[Tuple[List[int], SamplingSpec, Future]]) -> None:
+        try:
+            start = time.perf_counter()
+            out = self.engine.generate([p for p, _, _ in batch], [s for _, s, _ in batch])
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+        except Exception as e:  # noqa: BLE001 - every waiting request gets the engine's error
+            for _, _, future in batch:
+                future.set_exception(e)
+            return
+        rows: Dict[int, List[Tuple[List[int], List[float], str]]] = {}
+        for r, i in enumerate(out.prompt_index.tolist()):
+            n = int(out.response_mask[r].sum())
+            ids = out.response_ids[r, :n].tolist()
+            logprobs = out.logprobs[r, :n].tolist() if out.logprobs is not None else [0.0] * n
+            reason = out.finish_reasons[r] if out.finish_reasons else "stop"
+            rows.setdefault(i, []).append((ids, logprobs, reason))
+        for i, (_, _, future) in enumerate(batch):
+            future.set_result(rows.get(i, []))
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+
+@dataclass
+class Call:
+    """One sampled completion as the trajectory keeps it."""
+
+    prompt_ids: List[int]
+    ids: List[int]
+    logprobs: List[float]
+    finish: str
+    messages: Optional[List[Dict[str, Any]]] = None  # chat calls: the request's messages
+    reply: Optional[Dict[str, Any]] = None  # chat calls: the assistant message returned
+    prompt_text: Optional[str] = None  # completion calls: the prompt as text, when it was text
+    text: str = ""
+
+
+@dataclass
+class Recorder:
+    """The calls of one trajectory, and what ended it."""
+
+    spec: SamplingSpec  # the sample's sampling: max_tokens bounds the model and observation tokens after the prompt
+    calls: List[Call] = field(default_factory=list)
+    renderer: Optional[ChatRenderer] = None
+    closed: Optional[str] = None  # why no more calls are served (timeout, finished)
+    refused: int = 0  # calls refused (token budget, unsupported arguments)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def chain(self) -> List[Call]:
+        """The last run of calls each of which continues the one before (its prompt extends the
+        previous prompt and sampled tokens)."""
+        out: List[Call] = []
+        for call in self.calls:
+            if out and call.prompt_ids[:len(out[-1].prompt_ids) + len(out[-1].ids)] == out[-1].prompt_ids + out[-1].ids:
+                out.append(call)
+            else:
+                out = [call]
+        return out
+
+    def used(self, prompt_ids: List[int]) -> int:
+        """What a call on ``prompt_ids`` finds spent of the budget: the tokens sampled over all calls, or
+        the response the trajectory would hold (observations included), whichever is more."""
+        chain = self.chain()
+        held = len(prompt_ids) - len(chain[0].prompt_ids) if chain else 0
+        return max(held, sum(len(c.ids) for c in self.calls))
+
+
+def _same(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
+    return a.get("role") == b.get("role") and (a.get("content") or "") == (b.get("content") or "")
+
+
+def _tool_call_json(call: Any) -> Dict[str, Any]:
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+
+
+class Endpoint:
+    """The HTTP server (``host``, ``port`` 0: any free one) over ``batcher``, rendering with ``tokenizer``.
+    ``open(tid, spec)`` registers a trajectory sampled as ``spec`` (a request's arguments override it) and
+    returns its base URL."""
+
+    def __init__(self, batcher: EngineBatcher, tokenizer: Any, tool_format: str = "auto", host: str = "127.0.0.1",
+                 port: int = 0, model_name: str = "policy"):
+        self.batcher, self.tokenizer = batcher, tokenizer
+        self.tool_format, self.model_name = tool_format, model_name
+        self.trajectories: Dict[str, Recorder] = {}
+        self._lock = threading.Lock()
+        endpoint = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self):  # noqa: N802 - http.server's name
+                endpoint._answer(self, None)
+
+            def do_POST(self):  # noqa: N802
+                length = int(self.headers.get("Content-Length") or 0)
+                endpoint._answer(self, self.rfile.read(length) if length else b"")
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.server.daemon_threads = True
+        self._thread = threading.Thread(target=self.server.serve_forever, name="verl_fast endpoint", daemon=True)
+        self._thread.start()
+        self.host, self.port = self.server.server_address[:2]
+
+    def open(self, tid: str, spec: SamplingSpec) -> str:
+        with self._lock:
+            self.trajectories[tid] = Recorder(spec)
+        return f"http://{self.host}:{self.port}/t/{tid}/v1"
+
+    def close_trajectory(self, tid: str, why: str) -> None:
+        with self._lock:
+            rec = self.trajectories.get(tid)
+        if rec is not None and rec.closed is None:
+            rec.closed = why
+
+    def pop(self, tid: str) -> Recorder:
+        with self._lock:
+            return self.trajectories.pop(tid)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    # ------------------------------------------------------------------ requests
+
+    def _answer(self, handler: BaseHTTPRequestHandler, body: Optional[bytes]) -> None:
+        try:
+            status, reply = 200, self._route(handler.path, body)
+        except Refused as e:
+            status, reply = e.status, {"error": {"message": str(e), "type": "invalid_request_error"}}
+        except Exception as e:  # noqa: BLE001 - the agent reads the engine's failure; the run sees it too
+            status, reply = 500, {"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}}
+        data = json.dumps(reply).encode()
+        handler.send_response(status)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(data)))
+        handler.end_headers()
+        handler.wfile.write(data)
+
+    def _route(self, path: str, body: Optional[bytes]) -> Dict[str, Any]:
+        parts = path.split("?")[0].strip("/").split("/")
+        if len(parts) < 4 or parts[0] != "t" or parts[2] != "v1":
+            raise Refused(404, f"no such endpoint {path}; a trajectory's base URL is /t/<id>/v1")
+        with self._lock:
+            rec = self.trajectories.get(parts[1])
+        if rec is None:
+            raise Refused(404, f"no open trajectory {parts[1]!r}")
+        route = "/".join(parts[3:])
+        if route == "models" and body is None:
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model"}]}
+        if body is None or route not in ("chat/completions", "completions"):
+            raise Refused(404, f"no such endpoint {path}")
+        if rec.closed:
+            raise Refused(410, f"trajectory {parts[1]} is closed ({rec.closed})")
+        try:
+            request = json.loads(body)
+        except ValueError:
+            raise Refused(400, "the request body is not JSON") from None
+        if not isinstance(request, dict):
+            raise Refused(400, "the request body must be a JSON object")
+        with rec.lock:  # one call of a trajectory at a time: its calls form one history
+            return self._chat(rec, request) if route == "chat/completions" else self._completion(rec, request)
+
+    def _spec(self, rec: Recorder, request: Dict[str, Any], prompt_ids: List[int]) -> SamplingSpec:
+        unsupported = [k for k in ("response_format", "guided_json", "logit_bias") if request.get(k)]
+        if unsupported:
+            raise Refused(400, f"{unsupported[0]} is not supported: RL samples from the policy unconstrained")
+        base = rec.spec
+        left = base.max_tokens - rec.used(prompt_ids)
+        if left <= 0:
+            rec.refused += 1
+            raise Refused(400, f"the trajectory's token budget (rollout.max_new_tokens={base.max_tokens}) is spent")
+        asked = request.get("max_completion_tokens") or request.get("max_tokens") or base.max_tokens
+        stop = request.get("stop") or ()
+        # a seed of its own per call, as the built-in multi-turn rollout's per turn
+        seed = request.get("seed", None if base.seed is None else base.seed + 7919 * len(rec.calls))
+        try:
+            spec = replace(base, n=int(request.get("n", 1)), max_tokens=min(int(asked), left),
+                           temperature=float(request.get("temperature", base.temperature)),
+                           top_p=float(request.get("top_p", base.top_p)),
+                           stop=(stop,) if isinstance(stop, str) else tuple(stop), seed=seed, logprobs=True)
+            spec.validate()
+        except (TypeError, ValueError) as e:
+            raise Refused(400, f"bad sampling argument: {e}") from None
+        return spec
+
+    def _chat(self, rec: Recorder, request: Dict[str, Any]) -> Dict[str, Any]:
+        messages = request.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise Refused(400, "messages must be a non-empty list of {role, content} objects")
+        choice = request.get("tool_choice", "auto")
+        if choice not in ("auto", "none", None):
+            raise Refused(400, f"tool_choice {choice!r} is not supported: RL samples from the policy unconstrained "
+                          "(use auto or none)")
+        tools = [] if choice == "none" else list(request.get("tools") or [])
+        if rec.renderer is None or rec.renderer.schemas != tools:
+            rec.renderer = ChatRenderer(self.tokenizer, tools, self.tool_format)
+        prompt_ids, previous = self._continued(rec, messages)
+        spec = self._spec(rec, request, prompt_ids)
+        choices = []
+        for k, (ids, logprobs, reason) in enumerate(self.batcher.generate(prompt_ids, spec)):
+            stop_token = ids[-1] if ids and reason == "stop" else None
+            own = ids[:-1] if stop_token is not None else ids
+            text = self.tokenizer.decode(own, skip_special_tokens=False)
+            calls = parse_tool_calls(text, rec.renderer.format) if tools else []
+            reply: Dict[str, Any] = {"role": "assistant",
+                                     "content": self.tokenizer.decode(own, skip_special_tokens=True)}
+            if calls:
+                reply["tool_calls"] = [_tool_call_json(c) for c in calls if c.error is None]
+            rec.calls.append(Call(prompt_ids, ids, logprobs, reason, messages=list(messages), reply=reply,
+                                  text=reply["content"]))
+            choice_out: Dict[str, Any] = {"index": k, "message": reply,
+                                          "finish_reason": "tool_calls" if reply.get("tool_calls") else reason}
+            if request.get("logprobs"):
+                choice_out["logprobs"] = {"content": [
+                    {"token": self.tokenizer.decode([t]), "logprob": lp, "top_logprobs": []}
+                    for t, lp in zip(ids, logprobs)]}
+            choice_out["token_ids"] = ids
+            choices.append(choice_out)
+        return self._envelope("chat.completion", choices, prompt_ids, previous)
+
+    def _continued(self, rec: Recorder, messages: List[Dict[str, Any]]) -> Tuple[List[int], bool]:
+        """The prompt's tokens: the previous chat call's prompt and sampled tokens plus the new messages
+        where ``messages`` continue it (True), else the whole history rendered (False)."""
+        latest = rec.calls[-1].prompt_ids if rec.calls else None
+        for call in reversed(rec.calls):  # the latest request's choices (n of them)
+            if call.messages is None or call.prompt_ids != latest:
+                break
+            k = len(call.messages)
+            if (len(messages) > k + 1 and all(_same(a, b) for a, b in zip(messages[:k], call.messages))
+                    and _same(messages[k], call.reply) and all(m.get("role") != "assistant" for m in messages[k + 1:])):
+                stop_token = call.ids[-1] if call.ids and call.finish == "stop" else None
+                rest = rec.renderer.observation_ids(messages[k + 1:], stop_token)
+                return call.prompt_ids + call.ids + rest, True
+        return rec.renderer.prompt_ids(messages), False
+
+    def _completion(self, rec: Recorder, request: Dict[str, Any]) -> Dict[str, Any]:
+        prompt = request.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            prompt_ids, text = list(prompt), None
+        elif isinstance(prompt, str) and prompt:
+            text = prompt
+            prompt_ids = self._completion_prefix(rec, prompt)
+        else:
+            raise Refused(400, "prompt must be a non-empty string or a list of token ids")
+        spec = self._spec(rec, request, prompt_ids)
+        choices = []
+        for k, (ids, logprobs, reason) in enumerate(self.batcher.generate(prompt_ids, spec)):
+            out_text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            rec.calls.append(Call(prompt_ids, ids, logprobs, reason, prompt_text=text, text=out_text))
+            choice_out: Dict[str, Any] = {"index": k, "text": out_text, "finish_reason": reason, "token_ids": ids}
+            if request.get("logprobs") is not None:
+                choice_out["logprobs"] = {"tokens": [self.tokenizer.decode([t]) for t in ids],
+                                          "token_logprobs": list(logprobs)}
+            choices.append(choice_out)
+        return self._envelope("text_completion", choices, prompt_ids, False)
+
+    def _completion_prefix(self, rec: Recorder, prompt: str) -> List[int]:
+        """A text prompt that extends the previous completion call's prompt and text keeps their tokens."""
+        for call in reversed(rec.calls[-1:]):
+            if call.prompt_text is not None:
+                before = call.prompt_text + self.tokenizer.decode(call.ids, skip_special_tokens=False)
+                if prompt.startswith(before):
+                    rest = prompt[len(before):]
+                    extra = list(self.tokenizer(rest, add_special_tokens=False)["input_ids"]) if rest else []
+                    return call.prompt_ids + call.ids + extra
+        return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+    def _envelope(self, kind: str, choices: List[Dict[str, Any]], prompt_ids: Sequence[int], continued: bool
+                  ) -> Dict[str, Any]:
+        generated = sum(len(c["token_ids"]) for c in choices)
+        return {"id": f"verl_fast-{time.monotonic_ns()}", "object": kind, "created": int(time.time()),
+                "model": self.model_name, "choices": choices, "continued": continued,
+                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": generated,
+                          "total_tokens": len(prompt_ids) + generated}}
