@@ -19,7 +19,7 @@ from verl_fast.agents.agent_rollout import AgentRolloutOperator
 from verl_fast.agents.chat import ChatRenderer
 from verl_fast.agents.server_settings import ServerConfig
 from verl_fast.data import PromptRow
-from verl_fast.rollout.base import SamplingSpec
+from verl_fast.records.generation import SamplingSpec
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 from verl_fast.trainer.rl_trainer import RLTrainer
 

@@ -32,7 +32,8 @@ from verl_fast.agents.environments import row_messages
 from verl_fast.agents.rollout import MultiTurnRolloutOperator, Trajectory
 from verl_fast.agents.server_settings import ServerConfig
 from verl_fast.data import PromptRow
-from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec
+from verl_fast.records.generation import GenerationOutput, SamplingSpec
+from verl_fast.rollout.base import RolloutEngine
 from verl_fast.rollout.operator import RolloutOperator
 
 logger = logging.getLogger(__name__)

@@ -30,7 +30,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from verl_fast.agents.chat import ChatRenderer
 from verl_fast.agents.parsing import parse_tool_calls
-from verl_fast.rollout.base import RolloutEngine, SamplingSpec
+from verl_fast.records.generation import SamplingSpec
+from verl_fast.rollout.base import RolloutEngine
 
 
 class Refused(Exception):

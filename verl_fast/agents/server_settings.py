@@ -7,29 +7,29 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from verl_fast import config as config_mod
-from verl_fast.config import _f, _section
+from verl_fast.config import option, read_section
 
 TOOL_FORMATS = ("auto", "hermes", "llama3", "mistral")
 
 
 @dataclass
 class ServerConfig:
-    agent: Optional[str] = _f(None, doc="the agent program: module:function or path/to/file.py:function, called as "
+    agent: Optional[str] = option(None, doc="the agent program: module:function or path/to/file.py:function, called as "
                               "agent(row, base_url) per sample (RLTrainer(agent=f) passes a function)")
-    host: str = _f("127.0.0.1", doc="the address the endpoint listens on")
-    port: int = _f(0, min=0, max=65535, doc="its port (0: any free one)")
-    concurrency: int = _f(64, min=1, doc="agent runs at once")
-    timeout_s: float = _f(300.0, above=0.0, doc="seconds one agent run may take; then its trajectory is closed "
+    host: str = option("127.0.0.1", doc="the address the endpoint listens on")
+    port: int = option(0, min=0, max=65535, doc="its port (0: any free one)")
+    concurrency: int = option(64, min=1, doc="agent runs at once")
+    timeout_s: float = option(300.0, above=0.0, doc="seconds one agent run may take; then its trajectory is closed "
                           "(later calls refused) and the sample scored as failed")
-    batch_window_s: float = _f(0.02, min=0.0, doc="requests arriving within this many seconds of each other go to "
+    batch_window_s: float = option(0.02, min=0.0, doc="requests arriving within this many seconds of each other go to "
                                "the engine in one generate call")
-    tool_format: str = _f("auto", choices=TOOL_FORMATS, doc="how tool calls in the model's text are read into "
+    tool_format: str = option("auto", choices=TOOL_FORMATS, doc="how tool calls in the model's text are read into "
                           "tool_calls (auto: from the chat template)")
 
 
 def parse(rollout_cfg: Any) -> Optional[ServerConfig]:
     raw = rollout_cfg.server
-    return None if raw is None else _section(ServerConfig, raw, "rollout.server")
+    return None if raw is None else read_section(ServerConfig, raw, "rollout.server")
 
 
 def _check(cfg: config_mod.Config) -> None:

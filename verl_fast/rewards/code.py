@@ -20,29 +20,29 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from verl_fast import config
-from verl_fast.config import _f, _section
+from verl_fast.config import option, read_section
 from verl_fast.rewards.interface import RewardFunction, RewardInput
 from verl_fast.rewards.sandbox import LEVELS, Limits, Result, Sandbox, bwrap_status
 
 
 @dataclass
 class SandboxConfig:
-    isolation: str = _f("auto", choices=LEVELS, doc="bwrap (Linux namespaces: no network, read-only system, private "
+    isolation: str = option("auto", choices=LEVELS, doc="bwrap (Linux namespaces: no network, read-only system, private "
                         "/tmp), rlimits (limits only: the file system and network are not isolated), or auto (bwrap "
                         "where it works, else rlimits with a warning); docs/faults.md")
-    cpu_s: float = _f(5.0, above=0.0, doc="CPU seconds a program may use")
-    wall_s: float = _f(10.0, above=0.0, doc="wall-clock seconds a program may run (its whole process tree is killed)")
-    memory_mb: int = _f(512, min=16, doc="address space of a program, MiB")
-    output_bytes: int = _f(65536, min=64, doc="stdout + stderr kept; past this the program is killed")
-    processes: int = _f(16, min=1, doc="processes and threads a program may run at once")
-    file_mb: int = _f(16, min=1, doc="MiB one written file may reach (under bwrap: all of /tmp together)")
-    workers: int = _f(4, min=1, doc="programs running at once")
-    tests_key: str = _f("tests", doc="the dataset column (or extra_info key) holding a row's tests; the ground "
+    cpu_s: float = option(5.0, above=0.0, doc="CPU seconds a program may use")
+    wall_s: float = option(10.0, above=0.0, doc="wall-clock seconds a program may run (its whole process tree is killed)")
+    memory_mb: int = option(512, min=16, doc="address space of a program, MiB")
+    output_bytes: int = option(65536, min=64, doc="stdout + stderr kept; past this the program is killed")
+    processes: int = option(16, min=1, doc="processes and threads a program may run at once")
+    file_mb: int = option(16, min=1, doc="MiB one written file may reach (under bwrap: all of /tmp together)")
+    workers: int = option(4, min=1, doc="programs running at once")
+    tests_key: str = option("tests", doc="the dataset column (or extra_info key) holding a row's tests; the ground "
                         "truth when neither has it")
 
 
 def parse(raw: Optional[Dict[str, Any]], key: str = "reward_fn") -> SandboxConfig:
-    return _section(SandboxConfig, raw or {}, f"{key}.sandbox")
+    return read_section(SandboxConfig, raw or {}, f"{key}.sandbox")
 
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.S)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from verl_fast import config
-from verl_fast.config import _f, _section
+from verl_fast.config import option, read_section
 from verl_fast.rewards.interface import RewardFunction, RewardInput, load_callable
 
 DEFAULT_TEMPLATE = ("You are grading an answer.\n\nQuestion:\n{prompt}\n\nReference answer:\n{ground_truth}\n\n"
@@ -34,26 +34,26 @@ FIELDS = ("prompt", "response", "ground_truth", "data_source")
 
 @dataclass
 class JudgeConfig:
-    model_name: Optional[str] = _f(None, doc="the judge as a Hugging Face causal LM (local folder or Hub name)")
-    url: Optional[str] = _f(None, doc="the judge as an OpenAI-compatible server's base URL (http://host:port/v1)")
-    model: str = _f("judge", doc="url: the model name sent with each request")
-    api_key_env: Optional[str] = _f(None, doc="url: the environment variable holding the API key (Bearer)")
-    prompt_template: str = _f(DEFAULT_TEMPLATE, doc="the judge's prompt: {prompt}, {response}, {ground_truth}, "
+    model_name: Optional[str] = option(None, doc="the judge as a Hugging Face causal LM (local folder or Hub name)")
+    url: Optional[str] = option(None, doc="the judge as an OpenAI-compatible server's base URL (http://host:port/v1)")
+    model: str = option("judge", doc="url: the model name sent with each request")
+    api_key_env: Optional[str] = option(None, doc="url: the environment variable holding the API key (Bearer)")
+    prompt_template: str = option(DEFAULT_TEMPLATE, doc="the judge's prompt: {prompt}, {response}, {ground_truth}, "
                               "{data_source} and any dataset column by name")
-    parser: str = _f("score", doc="score ('Score: N' / max_score), verdict (the last of verdicts' words), or "
+    parser: str = option("score", doc="score ('Score: N' / max_score), verdict (the last of verdicts' words), or "
                      "module:function (the judge's text -> float or None)")
-    max_score: float = _f(10.0, above=0.0, doc="parser score: the top of the judge's scale (read scores are divided "
+    max_score: float = option(10.0, above=0.0, doc="parser score: the top of the judge's scale (read scores are divided "
                           "by it; one outside [0, max_score] is a parse failure)")
-    verdicts: Dict[str, float] = _f(lambda: {"yes": 1.0, "no": 0.0}, doc="parser verdict: word -> score")
-    failure_score: float = _f(0.0, doc="the score of a verdict the parser cannot read (counted as "
+    verdicts: Dict[str, float] = option(lambda: {"yes": 1.0, "no": 0.0}, doc="parser verdict: word -> score")
+    failure_score: float = option(0.0, doc="the score of a verdict the parser cannot read (counted as "
                               "reward/<name>/parse_failures)")
-    max_new_tokens: int = _f(64, min=1, doc="tokens the judge may write per verdict")
-    batch_size: int = _f(16, min=1, doc="verdicts generated together (model_name) or requests in flight (url)")
-    request_timeout_s: float = _f(60.0, above=0.0, doc="url: seconds one request may take")
+    max_new_tokens: int = option(64, min=1, doc="tokens the judge may write per verdict")
+    batch_size: int = option(16, min=1, doc="verdicts generated together (model_name) or requests in flight (url)")
+    request_timeout_s: float = option(60.0, above=0.0, doc="url: seconds one request may take")
 
 
 def parse(raw: Optional[Dict[str, Any]], key: str = "reward_fn") -> JudgeConfig:
-    cfg = _section(JudgeConfig, raw or {}, f"{key}.judge")
+    cfg = read_section(JudgeConfig, raw or {}, f"{key}.judge")
     if (cfg.model_name is None) == (cfg.url is None):
         raise ValueError(f"{key}.judge needs exactly one of model_name (a causal LM) and url (an OpenAI-compatible "
                          "server)")
