@@ -91,6 +91,11 @@ def test_example_runs_one_step(folder, models, tmp_path, monkeypatch):
              "--dataset_size", "8", "--samples", "2", "--max_new_tokens", "4"])
         assert len(history) == 1 and "reward/mean" in history[0]
         return
+    if folder == "vlm_grpo":  # its own tiny random-weight Qwen2-VL and synthetic pictures
+        history = load_script(EXAMPLES / "vlm_grpo" / "train.py").main(
+            ["--steps", "1", "--output_dir", str(out_dir), "--dataset_size", "8", "--samples", "2"])
+        assert len(history) == 1 and 0.0 <= history[0]["reward/mean"] <= 1.0
+        return
     args = ["--config", str(EXAMPLES / folder / "config.yaml")] + overrides(folder, models, out_dir)
     if folder == "dpo":  # the hub builder's data from a local webgpt file, then the offline builder's
         data = tmp_path / "data" / "rl_dataset.pt"

@@ -42,9 +42,11 @@ from verl_fast.config import verl_config as config_verl
 from verl_fast.files import hub
 from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
 from verl_fast.data import preflight
+from verl_fast.data.vision import ImageLimits, VisionProcessor
 from verl_fast.rollout.experience import Experience, build_experience, last_token_rewards
 from verl_fast.metrics.logger import MetricsLogger
 from verl_fast.models import checks, lora
+from verl_fast.models import vision as vision_model
 from verl_fast.rewards import RewardStopped, RewardTimeout, build_reward, scoring
 from verl_fast.rollout.base import GenerationOutput, RolloutEngine, SamplingSpec
 from verl_fast.rollout.factory import build_engine
@@ -111,7 +113,17 @@ class RLTrainer:
             actor_model, tokenizer, model_path = _load_actor(cfg, actor_model, tokenizer, model_path)
         if tokenizer is None:
             raise ValueError("tokenizer is needed with a model object as actor_model (or pass actor_model by name)")
+        # a vision-language actor's processor (TRL's processing_class): images and text; None for a tokenizer
+        self.vision = VisionProcessor.of(tokenizer)
+        if self.vision is not None:
+            tokenizer = self.vision.tokenizer
+            vision_model.check_run(cfg, actor_model, distributed.world_size())
+        if vision_model.is_vision_model(actor_model) and cfg.actor.freeze_vision_tower:
+            vision_model.freeze_vision_tower(actor_model)
         self.algorithm = algorithms.build(cfg)
+        if self.vision is not None and (self.algorithm.step is not Step.POLICY_GRADIENT or self.algorithm.needs_critic):
+            raise ValueError(f"algorithm.type={self.algorithm.name} is not supported with a vision-language actor; "
+                             "use a critic-free policy-gradient algorithm (grpo, drgrpo, rloo, reinforce_pp, ...)")
         self.tokenizer = tokenizer
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
@@ -134,9 +146,11 @@ class RLTrainer:
                       Step.PREFERENCE: self._preference_step,
                       Step.SUPERVISED: self._supervised_step}[self.algorithm.step]
         self.reward = build_reward(cfg.reward_fn, reward_fn, tokenizer)
-        self.processor = RLDataProcessor(tokenizer, cfg.trainer.max_prompt_length, cfg.rollout.max_new_tokens,
-                                         system_prompt=cfg.trainer.system_prompt,
-                                         overlong_prompts=cfg.trainer.overlong_prompts)
+        t = cfg.trainer
+        self.processor = RLDataProcessor(self.vision or tokenizer, t.max_prompt_length, cfg.rollout.max_new_tokens,
+                                         system_prompt=t.system_prompt, overlong_prompts=t.overlong_prompts,
+                                         image_limits=ImageLimits(t.image_min_pixels, t.image_max_pixels,
+                                                                  t.image_max_input_pixels))
         self.engine, self.rollout = rollout_engine, rollout_operator
         self._tools = tuple(tools)
         self._engine_fresh = rollout_engine is None and rollout_operator is None  # built below from the actor
@@ -571,7 +585,7 @@ class RLTrainer:
         state = {"history": self.history, "config": self.cfg.to_dict(), "torch_rng": torch.get_rng_state().tolist()}
         if self.async_rollout is not None:  # async hook: the samples in flight, finished
             state["async_rollout"] = self.async_rollout.state_dict()
-        self.strategy.save(t.output_dir, self.step, self.tokenizer, state, export_hf)
+        self.strategy.save(t.output_dir, self.step, self.vision or self.tokenizer, state, export_hf)
         if t.save_total_limit:  # the new one is complete (renamed into place): the oldest beyond the limit go
             distributed.on_main(lambda: checkpoint.prune(t.output_dir, t.save_total_limit))
 
