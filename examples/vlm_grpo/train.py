@@ -5,11 +5,10 @@
 
 The prompts are verl-format rows (an ``images`` column of PNG bytes, an ``<image>`` placeholder in the
 text). The reward reads the picture itself (TRL's contract fills ``images`` by name): it counts the
-red cells of the picture's 3 x 3 grid and compares the first number of the completion with it (0.2
-for any number, 1.0 for the right one). Without ``--model`` the actor is a random-weight Qwen2-VL
-built here with a locally trained tokenizer (``verl_fast.models.random_vlm``), so the reward rises
-from learning to answer with a small number and, as training goes on, with the right one. The vision
-tower stays frozen (``actor.freeze_vision_tower``).
+red cells of the picture's 3 x 3 grid and scores the completion's first number 1 / (1 + its distance
+from that count). Without ``--model`` the actor is a random-weight Qwen2-VL built here with a locally
+trained tokenizer (``verl_fast.models.random_vlm``): the reward rises as it learns to answer with a
+number, then a small one. The vision tower stays frozen (``actor.freeze_vision_tower``).
 """
 
 import argparse
@@ -60,13 +59,12 @@ def rows(count: int, seed: int = 0) -> list:
 
 
 def count_reward(completions, images, **kwargs):
-    """1.0 when the completion's first number is the picture's count of red squares, 0.2 for another
-    number, 0 without one."""
+    """1 / (1 + |first number of the completion - the picture's count of red squares|), 0 without a number."""
     scores = []
     for completion, pictures in zip(completions, images):
         text = completion[0]["content"] if isinstance(completion, list) else completion  # chat prompts: messages
         found = re.search(r"\d+", text)
-        scores.append(0.0 if found is None else 1.0 if int(found.group()) == red_cells(pictures[0]) else 0.2)
+        scores.append(0.0 if found is None else 1.0 / (1 + abs(int(found.group()) - red_cells(pictures[0]))))
     return scores
 
 

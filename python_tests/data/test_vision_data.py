@@ -10,7 +10,7 @@ from PIL import Image  # noqa: E402
 
 from tiny_vlm import MAX_PIXELS, build_processor, square_image  # noqa: E402
 from verl_fast.data import RLDataProcessor  # noqa: E402
-from verl_fast.data.vision import ImageLimits, read_image, vision_messages  # noqa: E402
+from verl_fast.data.images import ImageLimits, read_image, vision_messages  # noqa: E402
 
 
 def _png(image) -> bytes:
@@ -132,3 +132,9 @@ def test_images_without_vision_processor():
     data = RLDataProcessor(build_tokenizer())
     with pytest.raises(ValueError, match="row 0: the row has images, but the tokenizer is not a vision-language"):
         data.encode_all([{"prompt": "<image>x", "images": [square_image(1)]}])
+
+
+def test_placeholder_without_images_refused(processor):
+    data = RLDataProcessor(processor)
+    with pytest.raises(ValueError, match=r"row 0: the prompt holds <\|image_pad\|>, but the row has no images"):
+        data.encode_all([{"prompt": "look: <|image_pad|>"}])

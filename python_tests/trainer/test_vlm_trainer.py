@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("PIL")
 
 from tiny_vlm import build_vlm, square_image  # noqa: E402
-from verl_fast.data.vision import VisionProcessor  # noqa: E402
+from verl_fast.data.images import VisionProcessor  # noqa: E402
 from verl_fast.rollout.base import SamplingSpec  # noqa: E402
 from verl_fast.rollout.hf_engine import HFGenerateEngine  # noqa: E402
 from verl_fast.trainer.rl_trainer import RLTrainer  # noqa: E402
@@ -157,3 +157,17 @@ def test_processor_with_a_text_model_refused(tmp_path):
     _, processor = build_vlm("qwen2_vl")
     with pytest.raises(ValueError, match="the actor is not a vision-language model"):
         RLTrainer(actor_model=build_model(vocab_size=len(processor)), tokenizer=processor, config=config(tmp_path))
+
+
+def test_engine_never_samples_image_placeholders(tmp_path):
+    """A model that would mostly sample <|image_pad|> (its head row scaled up) samples other tokens: a
+    placeholder in a response would stand for an image the passes do not have."""
+    model, processor = build_vlm("qwen2_vl")
+    with torch.no_grad():
+        model.lm_head.weight[model.config.image_token_id] *= 50
+    rows = RLTrainer(actor_model=model, tokenizer=processor, config=config(tmp_path)).processor.encode_all(verl_rows(2))
+    engine = HFGenerateEngine(model, processor.tokenizer, fast_decode="off")
+    out = engine.generate([r.prompt_ids for r in rows], SamplingSpec(n=4, temperature=1.0, max_tokens=6),
+                          vision=[r.vision for r in rows])
+    sampled = out.response_ids[out.response_mask.bool()]
+    assert sampled.numel() > 0 and not (sampled == model.config.image_token_id).any()

@@ -13,7 +13,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from verl_fast import config
 from verl_fast.data import readers
-from verl_fast.data.vision import ImageLimits, VisionInputs, VisionProcessor, encode_row, row_images
+from verl_fast.data.images import ImageLimits, VisionInputs, VisionProcessor, encode_row, row_images
 from verl_fast.files import hub
 
 
@@ -27,7 +27,7 @@ class PromptRow:
     data_source: str = ""
     extra_info: Dict[str, Any] = field(default_factory=dict)
     columns: Dict[str, Any] = field(default_factory=dict)  # every field of the source row, as given
-    vision: Optional[VisionInputs] = None  # the prompt's images (data/vision.py), None for a text prompt
+    vision: Optional[VisionInputs] = None  # the prompt's images (data/images.py), None for a text prompt
 
 
 class PromptBatch(list):
@@ -162,7 +162,7 @@ class RLDataProcessor:
                  max_response_length: int = 512, system_prompt: Optional[str] = None,
                  overlong_prompts: str = "skip", image_limits: ImageLimits = ImageLimits()):
         """``tokenizer_name``: a tokenizer, a name, or a vision-language processor (rows with images
-        then carry them: ``data/vision.py``), resizing within ``image_limits``."""
+        then carry them: ``data/images.py``), resizing within ``image_limits``."""
         if isinstance(tokenizer_name, str):  # a folder, a hub name, or the demo model's name (as the CLI takes it)
             from transformers import AutoTokenizer
 
@@ -291,6 +291,9 @@ class RLDataProcessor:
         else:
             text = self.template(row["prompt"])
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if self.vision is not None and self.vision.image_token_id in ids:
+                raise ValueError(f"the prompt holds {self.vision.image_token}, but the row has no images (an 'images' "
+                                 "or 'image' column)")
         fitted = self._fit(ids, text)
         if fitted is None:
             return None

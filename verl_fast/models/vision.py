@@ -1,7 +1,7 @@
 """Vision-language models (Qwen2-VL / Qwen2.5-VL through ``AutoModelForImageTextToText``): what the
 passes over their rows need beside the token ids.
 
-A micro-batch's rows carry their prompts' ``VisionInputs`` (``data/vision.py``); ``model_inputs``
+A micro-batch's rows carry their prompts' ``VisionInputs`` (``data/images.py``); ``model_inputs``
 turns them into the forward's keywords: the pixel values and patch grids of the rows' images in row
 order (the model scatters the vision tower's output onto the ``<|image_pad|>`` positions in that
 order), the token types, and the 3-D rotary positions (M-RoPE: an image's tokens take (t, h, w)
@@ -12,7 +12,7 @@ or on which rows share its micro-batch, and text-only rows get plain positions i
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -46,6 +46,13 @@ def check_run(cfg: Any, model: Any, world: int) -> None:
 def _core(model: torch.nn.Module) -> torch.nn.Module:
     """The inner model that owns ``visual`` and ``get_rope_index`` (under peft / FSDP1 wrapping)."""
     return peft_base(hf_module(model)).model
+
+
+def placeholder_ids(model: Any) -> List[int]:
+    """The token ids the forward replaces by vision features (image and video placeholders): never
+    sampled, so that every one in a sequence stands for an image it was given."""
+    config = hf_module(model).config
+    return [i for i in (config.image_token_id, getattr(config, "video_token_id", None)) if i is not None]
 
 
 def freeze_vision_tower(model: torch.nn.Module) -> int:

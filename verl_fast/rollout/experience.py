@@ -30,7 +30,7 @@ class Experience:
     rollout_logprobs: Optional[torch.Tensor] = None  # [N, L] the rollout engine's, when it returned them
     rollout_is_weights: Optional[torch.Tensor] = None  # [N, L] algorithm.rollout_correction's weights
     routed_experts: Optional[torch.Tensor] = None  # [N, P + L, layers, k] int16 rollout experts (-1: none)
-    # [N] each row's prompt's images (data/vision.VisionInputs, None for a text prompt); None: no images
+    # [N] each row's prompt's images (data/images.VisionInputs, None for a text prompt); None: no images
     vision: Optional[List[Any]] = None
 
     @property

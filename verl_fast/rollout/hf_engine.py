@@ -329,6 +329,8 @@ class HFGenerateEngine(RolloutEngine):
             kwargs.update(temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k if spec.top_k > 0 else 0)
         if spec.stop:
             kwargs.update(stop_strings=list(spec.stop), tokenizer=self.tokenizer)
+        if self.vision_language:  # a sampled image placeholder would stand for an image the passes lack
+            kwargs["suppress_tokens"] = vision_model.placeholder_ids(module)
         out = module.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs, **(images or {}))
         new = out.sequences[:, width:].cpu()
         logp = None

@@ -42,7 +42,7 @@ from verl_fast.config import verl_config as config_verl
 from verl_fast.files import hub
 from verl_fast.data import PreferencePair, PromptRow, RLDataProcessor
 from verl_fast.data import preflight
-from verl_fast.data.vision import ImageLimits, VisionProcessor
+from verl_fast.data.images import ImageLimits, VisionProcessor
 from verl_fast.rollout.experience import Experience, build_experience, last_token_rewards
 from verl_fast.metrics.logger import MetricsLogger
 from verl_fast.models import checks, lora
