@@ -138,3 +138,10 @@ def test_example_runs_one_step(folder, models, tmp_path, monkeypatch):
         assert records[0]["sft/loss"] > 0 and records[0]["val/loss"] > 0 and (out_dir / "checkpoints").is_dir()
     if folder == "tool_calling":  # a multi-turn rollout ran, with its tool figures
         assert records[0]["multi_turn/turns_mean"] >= 1 and "multi_turn/tool_calls" in records[0]
+
+
+def test_vlm_example_reward_rises(tmp_path):
+    """The vision-language example as written (30 steps, a tiny random-weight Qwen2-VL): its reward rises."""
+    history = load_script(EXAMPLES / "vlm_grpo" / "train.py").main(["--output_dir", str(tmp_path / "run")])
+    rewards = [h["reward/mean"] for h in history]
+    assert len(rewards) == 30 and sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.1, rewards
