@@ -94,6 +94,11 @@ def test_example_runs_one_step(folder, models, tmp_path, monkeypatch):
              "--dataset_size", "8", "--samples", "2", "--max_new_tokens", "4"])
         assert len(history) == 1 and "reward/mean" in history[0]
         return
+    if folder == "vlm_grpo":  # its own tiny random-weight Qwen2-VL and synthetic pictures
+        history = load_script(EXAMPLES / "vlm_grpo" / "train.py").main(
+            ["--steps", "1", "--output_dir", str(out_dir), "--dataset_size", "8", "--samples", "2"])
+        assert len(history) == 1 and 0.0 <= history[0]["reward/mean"] <= 1.0
+        return
     args = ["--config", str(EXAMPLES / folder / "config.yaml")] + overrides(folder, models, out_dir)
     if folder == "dpo":  # the hub builder's data from a local webgpt file, then the offline builder's
         data = tmp_path / "data" / "rl_dataset.pt"
@@ -142,3 +147,10 @@ def test_example_runs_one_step(folder, models, tmp_path, monkeypatch):
         assert records[0]["reward/judge/parse_failures"] == 1.0 and "reward/judge/seconds" in records[0]
     if folder == "tool_calling":  # a multi-turn rollout ran, with its tool figures
         assert records[0]["multi_turn/turns_mean"] >= 1 and "multi_turn/tool_calls" in records[0]
+
+
+def test_vlm_example_reward_rises(tmp_path):
+    """The vision-language example as written (30 steps, a tiny random-weight Qwen2-VL): its reward rises."""
+    history = load_script(EXAMPLES / "vlm_grpo" / "train.py").main(["--output_dir", str(tmp_path / "run")])
+    rewards = [h["reward/mean"] for h in history]
+    assert len(rewards) == 30 and sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.1, rewards

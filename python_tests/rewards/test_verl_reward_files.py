@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from verl_fast.config import verl_config
-from verl_fast.data import preflight
+from verl_fast.trainer import preflight
 from verl_fast.rewards import verl_managers, verl_shim
 from verl_fast.rewards.interface import RewardInput
 from verl_fast.trainer import catalog

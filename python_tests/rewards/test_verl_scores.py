@@ -102,3 +102,15 @@ def test_unknown_source_is_one_line_naming_it(source, match):
     with pytest.raises(ValueError, match=match) as e:
         check_source(source, "data.parquet row 0")
     assert str(e.value).startswith("data.parquet row 0: ") and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("response, truth, expected", [
+    ("<think>angles sum</think> so \\boxed{30}", "30", 1.0),  # right and formatted
+    ("so \\boxed{30}", "30", 0.9),  # right, no think block
+    ("<think>x</think> \\boxed{31}", "30", 0.1),  # formatted, wrong
+    ("<think>x</think> 30", "30", 0.0),  # no box: neither
+    ("<think>x</think> \\boxed{\\frac{1}{2}}", "\\frac12", 1.0),  # MATH normalisation of the answer
+])
+def test_geometry3k_routes_to_geo3k(response, truth, expected):
+    reward = DataSourceReward()
+    assert reward([sample("hiyouga/geometry3k", response, truth)]) == [pytest.approx(expected)]

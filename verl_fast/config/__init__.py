@@ -205,6 +205,8 @@ class ActorConfig(ModelLayoutConfig, ScheduleConfig):
                                         "(default 0), target_modules (default all-linear)}; the base stays frozen, "
                                         "the export is the merged model plus the adapter folder")
     skip_zero_advantage: bool = _f(True, doc="leave samples whose advantages are all 0 out of the backward")
+    freeze_vision_tower: bool = _f(True, doc="a vision-language actor (Qwen2-VL / Qwen2.5-VL): its vision tower "
+                                   "(and merger) stays frozen; LoRA adapts the language model only either way")
     tensor_model_parallel_size: int = _f(1, min=1, doc="strategy megatron: TP size")
     pipeline_model_parallel_size: int = _f(1, min=1, doc="strategy megatron: PP size")
     virtual_pipeline_model_parallel_size: Optional[int] = _f(None, min=1, doc="strategy megatron: model chunks "
@@ -454,6 +456,13 @@ class TrainerConfig:
     overlong_prompts: str = _f("skip", choices=OVERLONG_PROMPTS, doc="prompts over max_prompt_length: skip "
                                "(counted as data/skipped_overlong), error, or truncate_left (the reward sees the "
                                "kept text)")
+    image_min_pixels: Optional[int] = _f(None, min=1, doc="prompts with images: each image is resized to at "
+                                         "least this many pixels (null: the processor's own bound)")
+    image_max_pixels: Optional[int] = _f(None, min=1, doc="prompts with images: each image is resized to at "
+                                         "most this many pixels (its tokens: pixels / 784 for Qwen2-VL; null: the "
+                                         "processor's own bound)")
+    image_max_input_pixels: int = _f(64 * 1024 * 1024, min=1, doc="a dataset image larger than this (width x "
+                                     "height, before resizing) is refused, naming its row")
     progress_bar: bool = _f(True)
     metrics_port: Optional[int] = _f(None, min=0, max=65535)
     metrics_host: str = _f("127.0.0.1", doc="address the metrics endpoint binds (0.0.0.0: every interface)")

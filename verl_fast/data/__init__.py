@@ -13,6 +13,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from verl_fast import config
 from verl_fast.data import readers
+from verl_fast.data.images import ImageLimits, VisionInputs, VisionProcessor, encode_row, row_images
 from verl_fast.files import hub
 from verl_fast.records.prompts import PreferencePair, PromptBatch, PromptRow  # noqa: F401  (their import path)
 
@@ -115,7 +116,9 @@ class RLDataProcessor:
 
     def __init__(self, tokenizer_name: Union[str, Any], max_prompt_length: int = 512,
                  max_response_length: int = 512, system_prompt: Optional[str] = None,
-                 overlong_prompts: str = "skip"):
+                 overlong_prompts: str = "skip", image_limits: ImageLimits = ImageLimits()):
+        """``tokenizer_name``: a tokenizer, a name, or a vision-language processor (rows with images
+        then carry them: ``data/images.py``), resizing within ``image_limits``."""
         if isinstance(tokenizer_name, str):  # a folder, a hub name, or the demo model's name (as the CLI takes it)
             from transformers import AutoTokenizer
 
@@ -124,6 +127,10 @@ class RLDataProcessor:
             self.tokenizer = AutoTokenizer.from_pretrained(resolve(tokenizer_name))
         else:
             self.tokenizer = tokenizer_name
+        self.vision = VisionProcessor.of(self.tokenizer)
+        if self.vision is not None:
+            self.vision.with_limits(image_limits)
+        self.image_limits = image_limits
         if overlong_prompts not in OVERLONG_PROMPTS:
             raise ValueError(f"overlong_prompts must be one of {list(OVERLONG_PROMPTS)}, got {overlong_prompts!r}")
         if max_prompt_length < 1 or max_response_length < 1:
@@ -241,13 +248,27 @@ class RLDataProcessor:
             got = sorted(row) if isinstance(row, dict) else type(row).__name__
             raise ValueError(f"a row needs a 'prompt' field (verl format), got {got}")
         readers.check_truth(row)  # rows given in Python too: never a ground truth silently None
-        text = self.template(row["prompt"])
-        fitted = self._fit(self.tokenizer(text, add_special_tokens=False)["input_ids"], text)
+        raw_images, inputs = row_images(row), None
+        if raw_images is not None:
+            if self.vision is None:
+                raise ValueError("the row has images, but the tokenizer is not a vision-language processor (give "
+                                 "the model's processor, e.g. AutoProcessor.from_pretrained)")
+            ids, text, inputs = encode_row(self.vision, self.messages(row["prompt"]), raw_images, self.image_limits)
+            if len(ids) > self.max_prompt_length and self.overlong_prompts == "truncate_left":
+                raise ValueError(f"a prompt with images has {len(ids)} tokens, more than max_prompt_length="
+                                 f"{self.max_prompt_length}: truncate_left would cut its image tokens")
+        else:
+            text = self.template(row["prompt"])
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if self.vision is not None and self.vision.image_token_id in ids:
+                raise ValueError(f"the prompt holds {self.vision.image_token}, but the row has no images (an 'images' "
+                                 "or 'image' column)")
+        fitted = self._fit(ids, text)
         if fitted is None:
             return None
         return PromptRow(prompt_ids=fitted[0], prompt_text=fitted[1], ground_truth=readers.ground_truth(row),
                          data_source=str(row.get("data_source", "")), extra_info=dict(row.get("extra_info") or {}),
-                         columns=dict(row))
+                         columns=dict(row), vision=inputs)
 
     def encode_all(self, rows: Iterable[Dict[str, Any]]) -> List[PromptRow]:
         """Every row's prompt; overlong ones skipped are counted in ``skipped_overlong``; an error

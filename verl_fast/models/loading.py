@@ -80,14 +80,20 @@ def load_causal_lm(name: str, dtype: str = "float32", what: str = "actor.model_n
                    **kwargs: Any) -> Tuple[Any, Any]:
     """Model and tokenizer by name (see the module docstring); ``what`` names the config key in
     errors; ``kwargs`` (``attn_implementation``, ``trust_remote_code``) go to ``from_pretrained``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
+    from verl_fast.data.images import VisionProcessor
     from verl_fast.models.checks import missing_weights
 
-    model, info = pretrained(AutoModelForCausalLM, name, what, dtype=DTYPES[dtype], output_loading_info=True,
-                             **kwargs)
+    remote = kwargs.get("trust_remote_code", False)
+    config = pretrained(AutoConfig, name, what, trust_remote_code=remote)
+    vlm = getattr(config, "vision_config", None) is not None  # its processor (images and text) stands as tokenizer
+    model, info = pretrained(AutoModelForImageTextToText if vlm else AutoModelForCausalLM, name, what,
+                             dtype=DTYPES[dtype], output_loading_info=True, **kwargs)
     missing_weights(info, name, what)
-    tokenizer = pretrained(AutoTokenizer, name, what, trust_remote_code=kwargs.get("trust_remote_code", False))
+    if vlm:
+        return model, VisionProcessor.from_pretrained(resolve(name))
+    tokenizer = pretrained(AutoTokenizer, name, what, trust_remote_code=remote)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer

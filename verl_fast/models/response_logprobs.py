@@ -20,14 +20,14 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import inspect
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from verl_fast.models.wrapping import hf_module, peft_base
 from verl_fast.ops.logprobs import linear_logprobs, logprobs_from_logits
 
-FUSED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+FUSED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl"})
 
 
 def output_head(model: torch.nn.Module) -> Optional[torch.nn.Linear]:
@@ -97,12 +97,14 @@ def response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     fused: Optional[bool] = None,
+    model_inputs: Optional[Dict[str, torch.Tensor]] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Returns ``(logprobs [B, L] float32, entropy [B, L] float32 or None)``, differentiable.
 
     ``fused``: None = fused where Triton and a CUDA model are present (and the family is in
     ``FUSED_FAMILIES``); True forces it (on CPU it runs the chunked torch implementation); False
-    takes the plain logits path.
+    takes the plain logits path. ``model_inputs``: more keywords of the forward, which replace the
+    plain ones (a vision-language model's images and 3-D positions: ``models/vision.model_inputs``).
     """
     L = int(response_length)
     if input_ids.dim() != 2 or not 1 <= L < input_ids.shape[1]:
@@ -111,6 +113,7 @@ def response_logprobs(
     labels = input_ids[:, -L:]
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    kwargs.update(model_inputs or {})
     if accepts(model, "logits_to_keep"):
         kwargs["logits_to_keep"] = L + 1
     if fused is None:

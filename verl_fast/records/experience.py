@@ -4,7 +4,7 @@ training strategies: built from the engine's output, cut into micro-batches by `
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 
@@ -30,6 +30,8 @@ class Experience:
     rollout_logprobs: Optional[torch.Tensor] = None  # [N, L] the rollout engine's, when it returned them
     rollout_is_weights: Optional[torch.Tensor] = None  # [N, L] algorithm.rollout_correction's weights
     routed_experts: Optional[torch.Tensor] = None  # [N, P + L, layers, k] int16 rollout experts (-1: none)
+    # [N] each row's prompt's images (data/images.VisionInputs, None for a text prompt); None: no images
+    vision: Optional[List[Any]] = None
 
     @property
     def num_sequences(self) -> int:
@@ -45,7 +47,10 @@ class Experience:
 
     def select(self, index: torch.Tensor) -> "Experience":
         """Rows ``index``, with the padding columns no selected row needs cut away."""
-        sub = {f.name: getattr(self, f.name)[index] for f in fields(self) if getattr(self, f.name) is not None}
+        sub = {f.name: getattr(self, f.name)[index] for f in fields(self)
+               if getattr(self, f.name) is not None and f.name != "vision"}
+        if self.vision is not None:  # a sample's images go with its tokens
+            sub["vision"] = [self.vision[i] for i in index.tolist()]
         L = self.response_length
         P = self.input_ids.shape[1] - L
         prompt_mask = sub["attention_mask"][:, :P]
@@ -59,7 +64,7 @@ class Experience:
             if name in sub:
                 sub[name] = sub[name][:, keep]
         for name, value in list(sub.items()):
-            if value.dim() == 2 and name not in ("input_ids", "attention_mask"):
+            if name != "vision" and value.dim() == 2 and name not in ("input_ids", "attention_mask"):
                 sub[name] = value[:, :resp_len]
         return Experience(**sub)
 
@@ -72,6 +77,9 @@ def concat(parts: Sequence[Experience]) -> Experience:
     out = {}
     for f in fields(Experience):
         values = [getattr(e, f.name) for e in parts]
+        if f.name == "vision" and not all(v is None for v in values):  # rows of text prompts: None each
+            out[f.name] = [x for v, e in zip(values, parts) for x in (v or [None] * e.num_sequences)]
+            continue
         if any(v is None for v in values):
             out[f.name] = None
             continue
@@ -108,6 +116,8 @@ def build_experience(prompts: Sequence[PromptRow], gen: GenerationOutput, pad_id
         prompt_index=gen.prompt_index.long(),
         rollout_logprobs=None if gen.logprobs is None else gen.logprobs.float(),
         routed_experts=None if gen.routed_experts is None else _routed_columns(firsts, gen, P),
+        vision=([prompts[i].vision for i in gen.prompt_index.tolist()]
+                if any(p.vision is not None for p in prompts) else None),
     )
 
 

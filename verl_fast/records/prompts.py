@@ -5,7 +5,22 @@ them (and exports them under its own name)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class VisionInputs:
+    """One prompt's images as the model takes them."""
+
+    pixel_values: torch.Tensor  # [patches, channels * temporal_patch * patch * patch] float32
+    image_grid_thw: torch.Tensor  # [images, 3] int64: each image's (t, h, w) patch grid
+    images: Tuple[Any, ...]  # the RGB PIL images (rewards that receive them; engines that take pictures)
+
+    @property
+    def num_images(self) -> int:
+        return int(self.image_grid_thw.shape[0])
 
 
 @dataclass
@@ -18,6 +33,7 @@ class PromptRow:
     data_source: str = ""
     extra_info: Dict[str, Any] = field(default_factory=dict)
     columns: Dict[str, Any] = field(default_factory=dict)  # every field of the source row, as given
+    vision: Optional[VisionInputs] = None  # the prompt's images (data/images.py reads them), None for a text prompt
 
 
 class PromptBatch(list):

@@ -19,6 +19,7 @@ SCORERS: Dict[str, Callable[[str, Any], Score]] = {
     **{name: verl_scores.math_boxed for name in ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval",
                                                  "HuggingFaceH4/MATH-500")},
     **{name: verl_scores.math_dapo for name in ("math_dapo", "math", "math_dapo_reasoning")},
+    "hiyouga/geometry3k": verl_scores.geo3k,
     **{f"searchR1_{name}": verl_scores.search_r1_em for name in ("nq", "triviaqa", "popqa", "hotpotqa",
                                                                 "2wikimultihopqa", "musique", "bamboogle")},
 }
@@ -29,7 +30,6 @@ NOT_HERE = {
     **{name: "prime_math's sympy grader" for name in ("numina_aops_forum", "numina_synthetic_math", "numina_amc_aime",
                                                       "numina_synthetic_amc", "numina_cn_k12", "numina_olympiads")},
     **{name: "a code sandbox" for name in ("codecontests", "apps", "codeforces", "taco")},
-    "hiyouga/geometry3k": "mathruler's grader",
 }
 
 

@@ -10,7 +10,7 @@ import math
 import numbers
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from verl_fast.rewards import deadline
 
@@ -25,6 +25,7 @@ class RewardInput:
     columns: Dict[str, Any] = field(default_factory=dict)  # every field of the dataset row, as given
     completion_ids: Optional[List[int]] = None  # the response's token ids (TRL's completion_ids)
     trainer_state: Any = None  # the run's TrainerState when a trainer scores (TRL's trainer_state)
+    images: Optional[Tuple[Any, ...]] = None  # the prompt's images (RGB PIL) when it has any
 
 
 @dataclass
@@ -78,10 +79,10 @@ class CallableReward(RewardFunction):
       "content": ...}]``, when the prompt is a list of messages, as TRL's conversational format; else
       strings), the response token ids, a TrainerState, and every other dataset column as a list
       (``ground_truth`` too) — those the function names, or all with ``**kwargs``; None for a sample
-      means not applicable;
+      means not applicable; ``images``: each prompt's images as RGB PIL images (None for a text prompt);
     - verl's per-sample signature: any subset of ``data_source``, ``solution_str``/``response``,
       ``ground_truth``, ``extra_info``, ``prompt`` (the templated text), by keyword, plus the row's
-      other columns it names (all of them with ``**kwargs``);
+      other columns it names (all of them with ``**kwargs``; ``images`` as the TRL contract gives them);
     - a batch function taking one argument named ``samples`` (RewardInput objects).
 
     A score may be a float, None (not applicable: NaN, left out of the weighted sum) or a dict with a
@@ -109,7 +110,7 @@ class CallableReward(RewardFunction):
         """The required parameters that neither the call nor a dataset column with these names fills."""
         if self.batched:
             return []
-        given = set(columns) | {"ground_truth"} | set(TRL_ARGS if self.trl else _PER_SAMPLE_ARGS)
+        given = set(columns) | {"ground_truth", "images"} | set(TRL_ARGS if self.trl else _PER_SAMPLE_ARGS)
         if self.trl:
             given -= set(_TRL_HELD)
         return [n for n in self.required if n not in given]
@@ -126,6 +127,8 @@ class CallableReward(RewardFunction):
         outs = []
         for s in samples:
             kwargs = {a: _PER_SAMPLE_ARGS[a](s) for a in self.args}
+            if s.images is not None and self._wanted("images"):
+                kwargs["images"] = list(s.images)
             kwargs.update({k: v for k, v in s.columns.items() if k not in kwargs and self._wanted(k)})
             outs.append(self.fn(**kwargs))
         return self._kept(outs)
@@ -142,6 +145,8 @@ class CallableReward(RewardFunction):
         for k in sorted({k for s in samples for k in s.columns} - set(_TRL_HELD) - set(TRL_ARGS)):
             given[k] = [s.columns.get(k) for s in samples]
         given.setdefault("ground_truth", [s.ground_truth for s in samples])
+        if any(s.images is not None for s in samples):  # decoded, in place of the column's raw values
+            given["images"] = [None if s.images is None else list(s.images) for s in samples]
         return self.fn(**{k: v for k, v in given.items() if self._wanted(k)})
 
     def _kept(self, outs: Sequence[Any]) -> List[float]:

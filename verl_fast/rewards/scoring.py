@@ -34,7 +34,8 @@ def reward_inputs(batch: Sequence[Any], gen: Any, step: int, max_steps: Optional
     ids = [row[mask.bool()].tolist() for row, mask in zip(gen.response_ids.cpu(), gen.response_mask.cpu())]
     return [RewardInput(prompt=batch[i].prompt_text, response=text, ground_truth=batch[i].ground_truth,
                         data_source=batch[i].data_source, extra_info=batch[i].extra_info, columns=batch[i].columns,
-                        completion_ids=ids[j], trainer_state=state)
+                        completion_ids=ids[j], trainer_state=state,
+                        images=None if batch[i].vision is None else batch[i].vision.images)
             for j, (i, text) in enumerate(zip(gen.prompt_index.tolist(), gen.texts))]
 
 

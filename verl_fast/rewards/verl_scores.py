@@ -9,6 +9,9 @@ score a verl run gives each response, so that a run moved here keeps its reward.
   Hendrycks MATH harness does (fractions, units, spaces, ``\\left``, ...): 1.0 when equal, else 0.0.
 - ``math_dapo`` (math_dapo, math, math_dapo_reasoning, aime*): the last ``Answer: ...`` line of the
   response's last 300 characters, normalised as Minerva does; ``{"score": 1.0 or -1.0, "acc": 0/1}``.
+- ``geo3k`` (hiyouga/geometry3k): 0.9 x the last ``\\boxed{...}`` equal to the ground truth (as
+  ``math_boxed`` compares them; verl grades with mathruler's sympy check, whose equivalences beyond this
+  normalisation are not counted here) + 0.1 x the format ``<think>...</think>...\\boxed{...}...``.
 - ``search_r1_em`` (searchR1_*): the last ``<answer>...</answer>`` exactly matching one of
   ``ground_truth["target"]`` after SQuAD normalisation: 1.0 (a quarter when the response holds more than
   10 opening or closing tags), else 0.0.
@@ -138,6 +141,15 @@ def math_boxed(solution: str, ground_truth: Any) -> float:
     boxed = last_boxed(solution)
     answer = unbox(boxed) if boxed is not None else None
     return 1.0 if answer is not None and math_equivalent(answer, str(ground_truth)) else 0.0
+
+
+_GEO3K_FORMAT = re.compile(r"<think>.*</think>.*\\boxed\{.*\}.*", re.DOTALL)
+GEO3K_FORMAT_SCORE = 0.1  # the format's share of the score, as verl weighs it
+
+
+def geo3k(solution: str, ground_truth: Any) -> float:
+    formatted = 1.0 if _GEO3K_FORMAT.fullmatch(solution) else 0.0
+    return (1.0 - GEO3K_FORMAT_SCORE) * math_boxed(solution, ground_truth) + GEO3K_FORMAT_SCORE * formatted
 
 
 # ----------------------------------------------------------------------------- DAPO (Minerva)

@@ -40,6 +40,7 @@ import torch
 
 from verl_fast import distributed
 from verl_fast.config import Config
+from verl_fast.models.vision import is_vision_model
 from verl_fast.models.wrapping import hf_module, is_sharded
 from verl_fast.ops.reshard.spec import MOE_FAMILIES
 from verl_fast.rollout import engines, hf_decode
@@ -55,6 +56,8 @@ def resolve_type(kind: str, actor: Optional[torch.nn.Module] = None) -> str:
     else ``hf``."""
     if kind != "auto":
         return kind
+    if actor is not None and is_vision_model(actor):
+        return "hf"  # images through the prefill of generate (vLLM's multimodal requests: not yet)
     whole = actor is not None and distributed.world_size() == 1
     if whole and compiles_decode(actor) and getattr(hf_module(actor).config, "model_type", None) not in MOE_FAMILIES \
             and hf_decode.unsupported(hf_module(actor)) is None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import replace
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from verl_fast.distributed import MEMORY_FRACTION, collective_device, usable_bytes
-from verl_fast.models import routing
+from verl_fast.models import routing, vision as vision_model
 from verl_fast.models.wrapping import hf_module, is_sharded
 from verl_fast.records.generation import GenerationOutput, SamplingSpec, pad_completions
 from verl_fast.rollout import fp8_linear, hf_decode, sync_check
@@ -160,6 +160,10 @@ class HFGenerateEngine(RolloutEngine):
             raise ValueError("record_routing needs a mixture-of-experts model (Qwen2-MoE / Qwen3-MoE); this one "
                              "has no top-k routers")
         self.fast_failed: Optional[str] = None
+        self.vision_language = vision_model.is_vision_model(model)
+        if self.vision_language and fast_decode != "off":
+            logger.info("HF rollout: a vision-language model decodes through generate (images in the prefill; "
+                        "the compiled decode is text only)")
         self.last_mode: Optional[str] = None  # how the last call decoded: graph, eager or generate
         self._graphs = hf_decode.GraphPool()  # the decode graph's memory, reused by the next call's graph
         self._compiled = hf_decode.CompiledForward() if compile_decode else None
@@ -201,8 +205,10 @@ class HFGenerateEngine(RolloutEngine):
             return collective_device()
         return next(self._module().parameters()).device
 
-    def generate(self, prompts: Sequence[Sequence[int]],
-                 sampling: Union[SamplingSpec, Sequence[SamplingSpec]]) -> GenerationOutput:
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Union[SamplingSpec, Sequence[SamplingSpec]],
+                 vision: Optional[Sequence[Optional[Any]]] = None) -> GenerationOutput:
+        """``vision``: each prompt's images (``VisionInputs``, None for a text prompt) for a
+        vision-language actor, which decodes through ``generate`` (the compiled loop is text only)."""
         specs = [sampling] * len(prompts) if isinstance(sampling, SamplingSpec) else list(sampling)
         if len(specs) != len(prompts):
             raise ValueError(f"one sampling spec per prompt expected: {len(prompts)} prompts, {len(specs)} specs")
@@ -225,7 +231,8 @@ class HFGenerateEngine(RolloutEngine):
                         else max(1, self.max_batch_size // spec.n))
             for start in range(0, len(members), per_call):
                 chunk = members[start : start + per_call]
-                grouped, routed = self._generate([prompts[i] for i in chunk], spec)
+                grouped, routed = self._generate([prompts[i] for i in chunk], spec,
+                                                 None if vision is None else [vision[i] for i in chunk])
                 for k, i in enumerate(chunk):
                     results[i] = grouped[k]
                     if routed is not None:
@@ -279,6 +286,8 @@ class HFGenerateEngine(RolloutEngine):
 
     def _fast_reason(self, spec: SamplingSpec) -> Optional[str]:
         """Why this call goes to ``generate`` rather than the static-cache loop (None: it does not)."""
+        if self.vision_language:
+            return "a vision-language model (the static-cache loop decodes text models)"
         if self.fast_decode == "off" or (self.fast_decode == "auto" and self.device.type != "cuda"):
             return f"fast_decode={self.fast_decode} on {self.device.type}"
         if self.fast_failed:
@@ -290,7 +299,8 @@ class HFGenerateEngine(RolloutEngine):
         return hf_decode.unsupported(self._module())
 
     @torch.no_grad()
-    def _generate(self, prompts: List[Sequence[int]], spec: SamplingSpec) -> List[List[Tuple[List[int], List[float], str]]]:
+    def _generate(self, prompts: List[Sequence[int]], spec: SamplingSpec,
+                  vision: Optional[Sequence[Optional[Any]]] = None) -> List[List[Tuple[List[int], List[float], str]]]:
         module = self._module()
         device = self.device
         width = max(len(p) for p in prompts)
@@ -313,7 +323,8 @@ class HFGenerateEngine(RolloutEngine):
             with _full_params(self.model), fp8, autocast, recording as rec:
                 new, logp, self.last_mode = self._decode_fast(module, ids, mask, spec, eos, copies)
                 if new is None:
-                    new, logp = self._decode_generate(module, ids, mask, spec, eos, copies)
+                    images = {} if vision is None else vision_model.image_inputs(module, ids.to(device), vision)
+                    new, logp = self._decode_generate(module, ids, mask, spec, eos, copies, images)
                     self.last_mode = "generate"
         finally:
             module.train(was_training)
@@ -353,7 +364,9 @@ class HFGenerateEngine(RolloutEngine):
         """``cuda_graph``: 1 when the last call decoded by graph replays, 0 otherwise."""
         return {"cuda_graph": float(self.last_mode == "graph")} if self.last_mode else {}
 
-    def _decode_generate(self, module, ids, mask, spec: SamplingSpec, eos: List[int], copies: int):
+    def _decode_generate(self, module, ids, mask, spec: SamplingSpec, eos: List[int], copies: int,
+                         images: Optional[Dict[str, torch.Tensor]] = None):
+        """``generate``'s tokens and log-probs; ``images``: a vision-language model's image keywords."""
         width = ids.shape[1]
         device = self.device
         greedy = spec.temperature == 0.0
@@ -364,7 +377,9 @@ class HFGenerateEngine(RolloutEngine):
             kwargs.update(temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k if spec.top_k > 0 else 0)
         if spec.stop:
             kwargs.update(stop_strings=list(spec.stop), tokenizer=self.tokenizer)
-        out = module.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
+        if self.vision_language:  # a sampled image placeholder would stand for an image the passes lack
+            kwargs["suppress_tokens"] = vision_model.placeholder_ids(module)
+        out = module.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs, **(images or {}))
         new = out.sequences[:, width:].cpu()
         logp = None
         if spec.logprobs and out.logits:

@@ -64,8 +64,9 @@ class RolloutOperator:
     def rollout(self, batch: Sequence[PromptRow], seed: Optional[int] = None) -> GenerationOutput:
         prompts = [row.prompt_ids for row in batch]
         specs = self.specs(batch, seed)
+        vision = [row.vision for row in batch] if any(row.vision is not None for row in batch) else None
         if self.max_batch_tokens is None or len(batch) < 2:
-            return self.engine.generate(prompts, specs)
+            return self.engine.generate(prompts, specs, **_images(vision, range(len(batch))))
         n = max(s.n for s in specs)  # each prompt occupies n sequences
         plan = rollout_buckets([len(p) for p in prompts], [s.max_tokens for s in specs],
                                max(1, (self.max_num_seqs or len(batch) * n) // n),
@@ -73,10 +74,17 @@ class RolloutOperator:
         parts = []
         for wave in plan:
             members = [int(i) for i in wave]
-            out = self.engine.generate([prompts[i] for i in members], [specs[i] for i in members])
+            out = self.engine.generate([prompts[i] for i in members], [specs[i] for i in members],
+                                       **_images(vision, members))
             parts.append((out, members))
         return merge_outputs(parts, int(self.engine.pad_token_id))
 
     def metrics(self) -> Dict[str, float]:
         """The latest rollout's own figures (the multi-turn operator's turns and tool calls)."""
         return {}
+
+
+def _images(vision: Optional[List[Any]], members: Sequence[int]) -> Dict[str, Any]:
+    """The ``vision`` keyword of an engine call over prompts ``members`` (none for text prompts: engines
+    without images take every text call)."""
+    return {} if vision is None else {"vision": [vision[i] for i in members]}

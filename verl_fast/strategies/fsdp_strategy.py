@@ -31,8 +31,8 @@ from verl_fast import distributed
 from verl_fast.checkpoint import sharded as checkpoint
 from verl_fast.config import Config
 from verl_fast.records.experience import Experience
-from verl_fast.models import compiled_blocks, lora, lora_linear, packed, routing
-from verl_fast.models.response_logprobs import accepts
+from verl_fast.models import compiled_blocks, lora, lora_linear, packed, routing, vision
+from verl_fast.models.response_logprobs import accepts, response_logprobs
 from verl_fast.models.shared_prefix import experience_logprobs, packed_layout
 from verl_fast.models.value import ValueModel, response_values
 from verl_fast.models.wrapping import hf_module, is_sharded
@@ -201,7 +201,7 @@ def prepared(model: torch.nn.Module, exp: Experience, micro: List[torch.Tensor],
     for idx in micro:
         sub = exp.select(idx)
         lay = None
-        if packs and sub.routed_experts is None:
+        if packs and sub.routed_experts is None and sub.vision is None:  # images: padded rows
             lay = packed_layout(model, sub.input_ids, sub.attention_mask, sub.response_length, sub.prompt_index,
                                 cfg.actor.share_prompt_forward)
         out.append((sub, lay))
@@ -226,7 +226,12 @@ def micro_logprobs(model: torch.nn.Module, sub: Experience, cfg: Config, lay: Op
     """One micro-batch's response log-probs (and entropy) as the actor section configures them, at the
     sampling temperature (else the PPO ratio of an unchanged actor is not 1 when ``rollout.temperature``
     is not 1); packed by ``lay`` when there is one (``prepared``). Recorded routing maps one-to-one
-    onto the plain forward's tokens: no shared prompt pass then."""
+    onto the plain forward's tokens: no shared prompt pass then. Rows with images run padded, each with
+    its own prompt (``models/vision``)."""
+    if sub.vision is not None:
+        return response_logprobs(model, sub.input_ids, sub.attention_mask, sub.response_length,
+                                 cfg.rollout.temperature or 1.0, with_entropy, fused=FUSED[cfg.actor.fused_logprobs],
+                                 model_inputs=vision.model_inputs(model, sub.input_ids, sub.attention_mask, sub.vision))
     return experience_logprobs(model, sub.input_ids, sub.attention_mask, sub.response_length, sub.prompt_index,
                                temperature=cfg.rollout.temperature or 1.0, with_entropy=with_entropy,
                                fused=FUSED[cfg.actor.fused_logprobs],

@@ -43,11 +43,13 @@ from verl_fast.config import Config
 from verl_fast.config import verl_config as config_verl
 from verl_fast.files import hub
 from verl_fast.data import RLDataProcessor
+from verl_fast.data.images import ImageLimits, VisionProcessor
 from verl_fast.records.prompts import PreferencePair, PromptRow
 from verl_fast.trainer import preflight
 from verl_fast.records.experience import Experience, build_experience, last_token_rewards
 from verl_fast.metrics.logger import MetricsLogger
 from verl_fast.models import checks, lora
+from verl_fast.models import vision as vision_model
 from verl_fast.rewards import RewardStopped, RewardTimeout, build_reward, scoring
 from verl_fast.records.generation import GenerationOutput, SamplingSpec
 from verl_fast.rollout.base import RolloutEngine
@@ -120,7 +122,17 @@ class RLTrainer:
             actor_model, tokenizer, model_path = _load_actor(cfg, actor_model, tokenizer, model_path)
         if tokenizer is None:
             raise ValueError("tokenizer is needed with a model object as actor_model (or pass actor_model by name)")
+        # a vision-language actor's processor (TRL's processing_class): images and text; None for a tokenizer
+        self.vision = VisionProcessor.of(tokenizer)
+        if self.vision is not None:
+            tokenizer = self.vision.tokenizer
+            vision_model.check_run(cfg, actor_model, distributed.world_size())
+        if vision_model.is_vision_model(actor_model) and cfg.actor.freeze_vision_tower:
+            vision_model.freeze_vision_tower(actor_model)
         self.algorithm = algorithms.build(cfg)
+        if self.vision is not None and (self.algorithm.step is not Step.POLICY_GRADIENT or self.algorithm.needs_critic):
+            raise ValueError(f"algorithm.type={self.algorithm.name} is not supported with a vision-language actor; "
+                             "use a critic-free policy-gradient algorithm (grpo, drgrpo, rloo, reinforce_pp, ...)")
         self.tokenizer = tokenizer
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
@@ -143,9 +155,11 @@ class RLTrainer:
                       Step.PREFERENCE: self._preference_step,
                       Step.SUPERVISED: self._supervised_step}[self.algorithm.step]
         self.reward = build_reward(cfg.reward_fn, reward_fn, tokenizer)
-        self.processor = RLDataProcessor(tokenizer, cfg.trainer.max_prompt_length, cfg.rollout.max_new_tokens,
-                                         system_prompt=cfg.trainer.system_prompt,
-                                         overlong_prompts=cfg.trainer.overlong_prompts)
+        t = cfg.trainer
+        self.processor = RLDataProcessor(self.vision or tokenizer, t.max_prompt_length, cfg.rollout.max_new_tokens,
+                                         system_prompt=t.system_prompt, overlong_prompts=t.overlong_prompts,
+                                         image_limits=ImageLimits(t.image_min_pixels, t.image_max_pixels,
+                                                                  t.image_max_input_pixels))
         self.engine, self.rollout = rollout_engine, rollout_operator
         self._tools = tuple(tools)
         self._agent = agent
@@ -618,7 +632,7 @@ class RLTrainer:
             state["async_rollout"] = self.async_rollout.state_dict()
         if self.partial is not None:  # partial hook: the carried samples, continued after a resume
             state["partial_rollout"] = self.partial.state_dict()
-        self.strategy.save(t.output_dir, self.step, self.tokenizer, state, export_hf)
+        self.strategy.save(t.output_dir, self.step, self.vision or self.tokenizer, state, export_hf)
         if t.save_total_limit:  # the new one is complete (renamed into place): the oldest beyond the limit go
             distributed.on_main(lambda: checkpoint.prune(t.output_dir, t.save_total_limit))
 

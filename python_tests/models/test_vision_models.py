@@ -1,0 +1,113 @@
+"""Vision-language actors: exact response log-probs with images against the model's own forward, the
+vision tower frozen, LoRA on the language model only."""
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("PIL")
+
+from tiny_vlm import VLM_FAMILIES, build_vlm, square_image  # noqa: E402
+from verl_fast.data import RLDataProcessor  # noqa: E402
+from verl_fast.models import vision  # noqa: E402
+from verl_fast.models.response_logprobs import response_logprobs  # noqa: E402
+from verl_fast.records.experience import Experience, concat  # noqa: E402
+
+
+def _rows(processor):
+    """Three prompts: two images, one image, none; each with a response of its own length."""
+    data = RLDataProcessor(processor, max_prompt_length=1024)
+    prompts = [
+        data.encode({"prompt": [{"role": "user", "content": "<image> and <image> how many?"}],
+                     "images": [square_image(2, 56), square_image(1, 84, seed=3)]}),
+        data.encode({"prompt": "count the squares", "image": square_image(3, 112, seed=5)}),
+        data.encode({"prompt": "what is 2 + 3?"}),
+    ]
+    g = torch.Generator().manual_seed(0)
+    responses = [torch.randint(10, 300, (n,), generator=g).tolist() for n in (5, 3, 7)]
+    return prompts, responses
+
+
+def _batch(prompts, responses, pad):
+    """Left-padded prompts, right-padded responses: [B, P + L] ids and mask, as Experience lays them."""
+    P = max(len(p.prompt_ids) for p in prompts)
+    L = max(len(r) for r in responses)
+    ids = torch.full((len(prompts), P + L), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, P - len(p.prompt_ids) : P] = torch.tensor(p.prompt_ids)
+        ids[i, P : P + len(r)] = torch.tensor(r)
+        mask[i, P - len(p.prompt_ids) : P + len(r)] = 1
+    return ids, mask, L
+
+
+def _reference(model, prompt, response):
+    """float64 log-probs of ``response`` after ``prompt`` from the model's own forward on the row alone
+    (no padding; the model computes its M-RoPE positions itself)."""
+    ids = torch.tensor([prompt.prompt_ids + response])
+    kwargs = {"mm_token_type_ids": (ids == model.config.image_token_id).int()}
+    if prompt.vision is not None:
+        kwargs.update(pixel_values=prompt.vision.pixel_values.double(), image_grid_thw=prompt.vision.image_grid_thw)
+    logits = model(input_ids=ids, **kwargs).logits[0].double()
+    logp = torch.log_softmax(logits[len(prompt.prompt_ids) - 1 : -1], -1)
+    return logp.gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+@pytest.mark.parametrize("fused", [False, True])
+def test_logprobs_with_images_match_own_forward(family, fused):
+    """float32 log-probs of a left-padded batch (two pictures, one, none) against each row alone in float64."""
+    model, processor = build_vlm(family)
+    reference = copy.deepcopy(model).double()
+    prompts, responses = _rows(processor)
+    ids, mask, L = _batch(prompts, responses, processor.pad_token_id)
+    inputs = vision.model_inputs(model, ids, mask, [p.vision for p in prompts])
+    with torch.no_grad():
+        logp, _ = response_logprobs(model, ids, mask, L, fused=fused, model_inputs=inputs)
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            ref = _reference(reference, p, r)
+            assert torch.allclose(logp[i, : len(r)].double(), ref, atol=1e-4, rtol=0), (i, logp[i], ref)
+    # the images matter: the plain forward (no images, 1-D positions) differs on the image rows only
+    with torch.no_grad():
+        blind, _ = response_logprobs(model, ids, mask, L, fused=fused)
+    assert not torch.allclose(blind[0, :5], logp[0, :5], atol=1e-3)
+    assert torch.allclose(blind[2, :7], logp[2, :7], atol=1e-5)  # the text row: plain positions agree
+
+
+def test_gradients_reach_language_model_not_frozen_tower():
+    model, processor = build_vlm("qwen2_vl")
+    assert vision.freeze_vision_tower(model) > 0
+    prompts, responses = _rows(processor)
+    ids, mask, L = _batch(prompts, responses, processor.pad_token_id)
+    logp, _ = response_logprobs(model, ids, mask, L, model_inputs=vision.model_inputs(
+        model, ids, mask, [p.vision for p in prompts]))
+    logp.sum().backward()
+    assert all(p.grad is None for p in model.model.visual.parameters())
+    assert model.model.language_model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+
+
+def test_lora_adapts_language_model_only():
+    pytest.importorskip("peft")
+    from verl_fast.models import lora
+
+    model, _ = build_vlm("qwen2_5_vl")
+    peft_model = lora.apply(model, {"r": 4})
+    adapted = [n for n, _ in peft_model.named_parameters() if "lora_A" in n]
+    assert adapted and not any(".visual." in n for n in adapted)
+    assert any("language_model" in n for n in adapted)
+
+
+def test_experience_keeps_images_with_rows():
+    """select / concat carry each row's images with its tokens."""
+    _, processor = build_vlm("qwen2_vl")
+    prompts, responses = _rows(processor)
+    ids, mask, L = _batch(prompts, responses, processor.pad_token_id)
+    exp = Experience(input_ids=ids, attention_mask=mask, response_mask=mask[:, -L:], prompt_index=torch.arange(3),
+                     vision=[p.vision for p in prompts])
+    sub = exp.select(torch.tensor([2, 0]))
+    assert sub.vision == [prompts[2].vision, prompts[0].vision]
+    text_only = Experience(input_ids=ids[2:], attention_mask=mask[2:], response_mask=mask[2:, -L:],
+                           prompt_index=torch.tensor([0]))
+    both = concat([sub, text_only])
+    assert both.vision == [prompts[2].vision, prompts[0].vision, None]

@@ -1,0 +1,92 @@
+"""Vision-language models (Qwen2-VL / Qwen2.5-VL through ``AutoModelForImageTextToText``): what the
+passes over their rows need beside the token ids.
+
+A micro-batch's rows carry their prompts' ``VisionInputs`` (``data/images.py``); ``model_inputs``
+turns them into the forward's keywords: the pixel values and patch grids of the rows' images in row
+order (the model scatters the vision tower's output onto the ``<|image_pad|>`` positions in that
+order), the token types, and the 3-D rotary positions (M-RoPE: an image's tokens take (t, h, w)
+positions, the text after it continues from the image's largest) computed by the model's own
+``get_rope_index`` over the left-padded rows -- so a row's positions do not depend on its padding
+or on which rows share its micro-batch, and text-only rows get plain positions in all three.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from verl_fast.models.wrapping import hf_module, peft_base
+
+#: peft's exclude_modules for LoRA on the language model only (the vision tower and its merger)
+VISION_MODULES = r".*\bvisual\b.*"
+
+
+def is_vision_model(model: Any) -> bool:
+    """A Qwen2-VL-style model: a vision tower and an image token in its config."""
+    config = getattr(hf_module(model), "config", None)
+    return getattr(config, "vision_config", None) is not None and getattr(config, "image_token_id", None) is not None
+
+
+def check_run(cfg: Any, model: Any, world: int) -> None:
+    """A run with a vision-language processor: what it supports, each refusal one line."""
+    if not is_vision_model(model):
+        raise ValueError("a vision-language processor was given, but the actor is not a vision-language model "
+                         "(Qwen2-VL / Qwen2.5-VL, AutoModelForImageTextToText); give its tokenizer instead")
+    refused = [(world > 1, f"{world} processes", "one process (no torchrun)"),
+               (cfg.actor.strategy == "megatron", "actor.strategy=megatron", "actor.strategy: none"),
+               (cfg.rollout.type == "vllm", "rollout.type=vllm", "rollout.type: hf"),
+               (cfg.trainer.async_mode != "off", f"trainer.async_mode={cfg.trainer.async_mode}",
+                "trainer.async_mode: off")]
+    for bad, what, use in refused:
+        if bad:
+            raise ValueError(f"a vision-language actor is not supported with {what}; use {use}")
+
+
+def _core(model: torch.nn.Module) -> torch.nn.Module:
+    """The inner model that owns ``visual`` and ``get_rope_index`` (under peft / FSDP1 wrapping)."""
+    return peft_base(hf_module(model)).model
+
+
+def placeholder_ids(model: Any) -> List[int]:
+    """The token ids the forward replaces by vision features (image and video placeholders): never
+    sampled, so that every one in a sequence stands for an image it was given."""
+    config = hf_module(model).config
+    return [i for i in (config.image_token_id, getattr(config, "video_token_id", None)) if i is not None]
+
+
+def freeze_vision_tower(model: torch.nn.Module) -> int:
+    """The vision tower's parameters frozen (``actor.freeze_vision_tower``); returns how many."""
+    frozen = 0
+    for p in _core(model).visual.parameters():
+        if p.requires_grad:
+            p.requires_grad_(False)
+            frozen += 1
+    return frozen
+
+
+def image_inputs(model: torch.nn.Module, input_ids: torch.Tensor,
+                 vision: Sequence[Optional[Any]]) -> Dict[str, torch.Tensor]:
+    """``mm_token_type_ids`` of rows ``input_ids [B, T]`` and, when a row has images (``vision``: one
+    ``VisionInputs`` or None a row), their ``pixel_values`` / ``image_grid_thw`` in row order, on the
+    rows' device: what ``generate`` takes (it computes the 3-D positions itself)."""
+    if len(vision) != input_ids.shape[0]:
+        raise ValueError(f"vision must hold one entry per row: {input_ids.shape[0]} rows, {len(vision)} entries")
+    out = {"mm_token_type_ids": (input_ids == hf_module(model).config.image_token_id).int()}
+    rows = [v for v in vision if v is not None]
+    if rows:
+        out["pixel_values"] = torch.cat([v.pixel_values for v in rows]).to(input_ids.device)
+        out["image_grid_thw"] = torch.cat([v.image_grid_thw for v in rows]).to(input_ids.device)
+    return out
+
+
+def model_inputs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 vision: Sequence[Optional[Any]]) -> Dict[str, torch.Tensor]:
+    """The forward's keywords for rows ``input_ids [B, T]`` (left-padded) whose prompts' images are
+    ``vision`` (one ``VisionInputs`` or None a row): ``position_ids [3, B, T]``, ``mm_token_type_ids``
+    and, when a row has images, ``pixel_values`` / ``image_grid_thw``."""
+    out = image_inputs(model, input_ids, vision)
+    out["position_ids"], _ = _core(model).get_rope_index(input_ids, out["mm_token_type_ids"],
+                                                        image_grid_thw=out.get("image_grid_thw"),
+                                                        attention_mask=attention_mask)
+    return out
