@@ -48,15 +48,14 @@ from verl_fast.rollout.base import RolloutEngine
 def resolve_type(kind: str, actor: Optional[torch.nn.Module] = None) -> str:
     """``auto`` -> ``hf`` for a whole (unsharded, dense) ``actor`` on a GPU in one process whose model
     the HF fast decode runs (it decodes compiled there, a LoRA actor's adapters merged into its copies of
-    the weights: measured faster than vLLM 0.26 on one H200, ``benchmarks/results/e2e_0.5b_cuda.json`` /
-    ``e2e_1.5b_cuda.json``); otherwise ``vllm`` when vLLM is installed and set up to run in this process,
+    the weights: the faster of the two there, docs/benchmarks.md); otherwise ``vllm`` when vLLM is installed and set up to run in this process,
     else ``hf``."""
     if kind != "auto":
         return kind
     whole = actor is not None and distributed.world_size() == 1
     if whole and compiles_decode(actor) and getattr(hf_module(actor).config, "model_type", None) not in MOE_FAMILIES \
             and hf_decode.unsupported(hf_module(actor)) is None:
-        return "hf"  # measured on dense models; a mixture of experts goes to vLLM's fused expert kernels
+        return "hf"  # dense models; a mixture of experts goes to vLLM's fused expert kernels
     from verl_fast.rollout import vllm_available
 
     if not vllm_available():
@@ -182,7 +181,7 @@ def resolve_sleep_level(level: Optional[int], keeps_base_weights: bool, weight_b
     """``rollout.sleep_level`` (None: auto, see the module docstring): 1 where the base weights must
     survive (LoRA), else 0 when the engine's weights take at most an eighth of the GPU (keeping them
     resident costs little, and the sync then writes into them without a wake: at sleep level 2 the
-    0.5B sync measured 31 ms on an H200, most of it mapping and refilling the discarded memory), else 2."""
+    sync spent most of its time mapping and refilling the discarded memory), else 2."""
     if level is not None:
         return level
     if keeps_base_weights:
