@@ -7,7 +7,7 @@ the vLLM engine's sizing from the config.
   groups serving the world's prompts data-parallel, see ``data_parallel.py``); the actor may be
   sharded (FSDP1 / FSDP2), its weights move with ``engine.sync_from(actor)``.
 - ``rollout.type: auto``: HF, decoding compiled, for a whole actor on one GPU (``resolve_type``: the
-  faster measured there); otherwise vLLM when it is installed and the process is set up to run it in
+  faster there, docs/benchmarks.md); otherwise vLLM when it is installed and the process is set up to run it in
   process (``configure_vllm_env()``, which the CLI calls), else HF.
 
 The engine comes back generating with the actor's weights: loaded from ``model_path`` (which must
@@ -156,8 +156,8 @@ def lora_rank(actor: Any) -> int:
 def step_kv_cache_bytes(hf_config: Any, sequences: int, max_len: int, dtype: str, tensor_parallel_size: int) -> Optional[int]:
     """The KV cache one engine needs for ``sequences`` sequences of ``max_len`` tokens (in 16-token
     blocks, x1.25), from the model's config; None where the config does not say (vLLM then sizes it by
-    ``gpu_memory_utilization``). vLLM's own default fills half the GPU: ~70 GB on an H200, of which a
-    0.5B model's 128 x 300-token step uses 0.6%, and every sleep / wake unmaps / maps all of it."""
+    ``gpu_memory_utilization``). vLLM's own default fills half the GPU, of which a small model's step uses
+    a sliver, and every sleep / wake unmaps / maps all of it."""
     element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     per_token = hf_decode.kv_bytes_per_token(hf_config, element, tensor_parallel_size)
     if per_token is None:
