@@ -2,10 +2,10 @@
 process sets it for itself, a trainer in async_mode full for its rollout worker processes.
 
 torch's CPU ops run parallel regions on GNU OpenMP's thread pool, whose idle workers spin before they
-sleep (``OMP_WAIT_POLICY`` unset). Measured on one H200 (16 cores, benchmarks/NOTES.md, eighth run):
-in a trainer process whose torch.compile caches were warm, the two updates after the first step took
-0.72 s against ~0.35 s, the kernels no busier, while ~7 native worker threads burned 5.4 CPU-seconds
-each step; with ``OMP_WAIT_POLICY=PASSIVE`` the same warm-cache run had no such steps. On a CPU-only
+sleep (``OMP_WAIT_POLICY`` unset). On a GPU machine, in a trainer process whose torch.compile caches
+were warm, the updates after the first step ran about twice as long, the kernels no busier, while the
+native worker threads burned CPU-seconds spinning; with ``OMP_WAIT_POLICY=PASSIVE`` the same run had no
+such steps (docs/benchmarks.md, "Measurements behind the code's choices"). On a CPU-only
 machine the spinning is what keeps torch's own parallel ops fast (the default run's steps took ~30%
 longer under PASSIVE on 2 cores), so the policy is set only where an NVIDIA device is present.
 libgomp reads the variable once, when torch loads it: ``use`` must run before ``import torch``.

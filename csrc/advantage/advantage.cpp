@@ -112,8 +112,8 @@ void validate(const GroupArgs& a) {
 }
 
 // K rows of a reverse scan at once: the recurrences are serial along T, so interleaving rows
-// gives the core independent chains to overlap. K = 2 measured best on a 2-core Xeon (4096x8192:
-// 94 ms at K=2, 100 at K=1, 156 at K=4, 350 at K=8: more concurrent streams defeat the prefetchers).
+// gives the core independent chains to overlap. K = 2 is the fastest on a 2-core Xeon: more concurrent
+// streams defeat the prefetchers (docs/benchmarks.md, "Measurements behind the code's choices").
 // Writes advantages/returns (unwhitened) and each row's moments of what is whitened; returns
 // status bits.
 template <int K, typename R, typename V, typename M>

@@ -21,11 +21,10 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-// Consecutive positions per thread. A warp per row (the design before this one) left 1024 x 4096 with
-// 1024 warps, 8 an SM (166 registers a thread at 16 positions): Nsight Compute saw 0.21 instructions
-// issued a cycle per scheduler and 20% of the DRAM rate, the scan 33 us on an H200. A block per row at 4
-// positions a thread keeps to 64 registers, so four blocks (32 warps) share an SM: 27 us. At 8 positions
-// (119 registers, two blocks an SM) it took 44 us, slower than the warp per row.
+// Consecutive positions per thread. A warp per row at 16 positions needs 166 registers a thread, so
+// only 8 warps share an SM and too few instructions issue a cycle to keep DRAM busy. A block per row at
+// 4 positions a thread keeps to 64 registers, so four blocks (32 warps) share an SM; at 8 positions (119
+// registers, two blocks an SM) occupancy falls again. The three layouts' timings: docs/hotpaths.md.
 constexpr int kItems = 4;
 constexpr int kChunk = kThreads * kItems;  // positions per block step
 constexpr int kBlocksPerSm = 4;             // __launch_bounds__: registers capped at 65536 / (4 * 256)

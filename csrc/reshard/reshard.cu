@@ -46,8 +46,8 @@ constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
 // Block b copies part b % parts of tile begin + b / parts, each part about kPartBytes: consecutive
 // blocks, which run at the same time, then work on neighbouring addresses, as they would with tiles
-// that small (a 7.6 GB copy on an H200: 3.89 ms in 256 KiB tiles, 3.77 in 64 KiB, 3.63 in 16 KiB,
-// cudaMemcpy 3.55 ms), while the plan keeps one table entry per tile_bytes.
+// that small (faster than larger tiles; docs/benchmarks.md, "Measurements behind the code's choices"),
+// while the plan keeps one table entry per tile_bytes.
 constexpr int64_t kPartBytes = 16 << 10;
 constexpr int64_t kMaxParts = 64;
 

@@ -128,3 +128,11 @@ def test_import_verl_fast_is_light_and_its_public_names_resolve(tmp_path):
     # run outside the repository: from its root, `import verl_fast` would find the unbuilt source folder
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_rooms_stand_on_at_most_ten_levels():
+    """The graph of rooms (a package below verl_fast, or a root module) drawn bottom-up stays low: at most
+    ten levels, none in a circle (``python scripts/import_graph.py`` prints the figure)."""
+    rooms = import_graph.rooms(_graph())
+    assert not import_graph.circles(rooms), import_graph.circles(rooms)
+    assert import_graph.depth(rooms) <= 10, import_graph.depth(rooms)

@@ -234,7 +234,7 @@ class LinearConfig:
 _DEFAULTS = {  # by device: (forward, dlogits, dhidden)
     # 128x256 tiles fill an H100/H200 SM's registers (255 per thread, no spills); GROUP_M 16 keeps a
     # wave's weight tiles and hidden rows (~15 MB each at H=3584) inside the 50 MB L2.
-    # TMA loads for the two logits GEMMs: 12.1 ms vs 15.1 (forward) and 13.5 vs 16.4 (recompute) on an H200.
+    # TMA loads for the two logits GEMMs: faster than plain loads there (docs/benchmarks.md).
     "sm90": (Tiles(128, 256, 64, 16, 8, 3, tma=True), Tiles(128, 256, 64, 16, 8, 3, tma=True),
              Tiles(128, 256, 64, 16, 8, 3)),
     "sm80": (Tiles(128, 128, 32, 8, 4, 4), Tiles(128, 128, 32, 8, 4, 4), Tiles(128, 128, 32, 8, 4, 4)),

@@ -1,12 +1,12 @@
 """The training passes' norms and MLPs compiled by torch.compile (Inductor): ``actor.compile_blocks``.
 
-At the 0.5B Qwen2 shape on one H200 the update is launch-bound: its profiled 0.83 s ran 14,425
-kernels with the GPU busy 45% of the time, and of a layer's ~100 forward + backward kernels the two
+At the 0.5B Qwen2 shape on a GPU the update is launch-bound (the GPU busy under half the time), and
+of a layer's ~100 forward + backward kernels the two
 RMSNorms (~7 elementwise kernels each way: cast, pow, mean, add, rsqrt, two multiplies) and the
 MLP's activation (silu, multiply) are about a third by that count. Compiled, each norm is one kernel
 forward and one or two backward, the activation one; the attention (which writes the shared-prompt
-pass's KV cache, a Python object per layer) and the linear layers stay eager. Measured there: 11,396
-kernels instead of 14,425, the update 0.54 -> 0.51 s and the peak 33.5 -> 26.5 GiB (benchmarks/NOTES.md).
+pass's KV cache, a Python object per layer) and the linear layers stay eager. The kernel counts, time
+and peak memory either way: docs/benchmarks.md, "Measurements behind the code's choices".
 
 One compiled function per module class (``type(m).forward`` with the module as its argument), so a
 model's 49 norms share one compile (and the reference model's, and a later model's of the class):

@@ -16,8 +16,8 @@ that is ~8 x out bytes less traffic each way (at the Qwen2.5-7B shape ~11 MB a t
 layers, forward). ``fused(model)`` installs this forward on every peft ``lora.Linear`` of ``model``
 for the duration; a layer it does not cover (merged, adapters off, more than one active adapter, a
 LoRA variant such as DoRA, dropout, ``fan_in_fan_out``, a lora bias, extra arguments) runs peft's own.
-``FUSED`` switches it on for the trainer's passes: on, as measured at the Qwen2.5-7B shape with r 64 on
-an H100 (the GRPO update 2.94 -> 2.80 s, the step 4.86 -> 4.72 s; ``bench_e2e.py --lora-peft`` runs peft's).
+``FUSED`` switches it on for the trainer's passes: on, the faster at the Qwen2.5-7B shape with r 64
+(docs/benchmarks.md; ``bench_e2e.py --lora-peft`` runs peft's).
 """
 
 from __future__ import annotations

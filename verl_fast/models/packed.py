@@ -13,8 +13,8 @@ tokens see which is one rule, two ways to apply it:
   prompt's keys and values again for each response), aligned bottom-right under the causal mask,
   so response token j sees the prompt and response tokens 0..j. Nothing is built per shape: cuDNN's
   SDPA, which the padded forward gets on Hopper, builds (and, for a new kernel variant, compiles)
-  a plan for every new shape, about a second on the H200 for a step whose micro-batches changed
-  shape (``benchmarks/NOTES.md``). Elsewhere (CPU, fp32) the same sequences run one at a time
+  a plan for every new shape, about a second for a step whose micro-batches changed shape
+  (``benchmarks/NOTES.md``). Elsewhere (CPU, fp32) the same sequences run one at a time
   through ``scaled_dot_product_attention`` (the reference the GPU test checks against).
 - ``dense``: the model's own sdpa / eager attention with a [T, T] boolean mask, for small CPU
   batches (up to ``DENSE_MAX_TOKENS``), where one masked call beats a loop over sequences.

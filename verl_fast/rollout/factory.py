@@ -7,7 +7,7 @@ the vLLM engine's sizing from the config.
   groups serving the world's prompts data-parallel, see ``data_parallel.py``); the actor may be
   sharded (FSDP1 / FSDP2), its weights move with ``engine.sync_from(actor)``.
 - ``rollout.type: auto``: HF, decoding compiled, for a whole actor on one GPU (``resolve_type``: the
-  faster measured there); otherwise vLLM when it is installed and the process is set up to run it in
+  faster there, docs/benchmarks.md); otherwise vLLM when it is installed and the process is set up to run it in
   process (``configure_vllm_env()``, which the CLI calls), else HF.
 
 The engine comes back generating with the actor's weights: loaded from ``model_path`` (which must
@@ -51,8 +51,7 @@ from verl_fast.rollout.fp8_sync import QUANTIZATION_CONFIG
 def resolve_type(kind: str, actor: Optional[torch.nn.Module] = None) -> str:
     """``auto`` -> ``hf`` for a whole (unsharded, dense) ``actor`` on a GPU in one process whose model
     the HF fast decode runs (it decodes compiled there, a LoRA actor's adapters merged into its copies of
-    the weights: measured faster than vLLM 0.26 on one H200, ``benchmarks/results/e2e_0.5b_cuda.json`` /
-    ``e2e_1.5b_cuda.json``); otherwise ``vllm`` when vLLM is installed and set up to run in this process,
+    the weights: the faster of the two there, docs/benchmarks.md); otherwise ``vllm`` when vLLM is installed and set up to run in this process,
     else ``hf``."""
     if kind != "auto":
         return kind
@@ -61,7 +60,7 @@ def resolve_type(kind: str, actor: Optional[torch.nn.Module] = None) -> str:
     whole = actor is not None and distributed.world_size() == 1
     if whole and compiles_decode(actor) and getattr(hf_module(actor).config, "model_type", None) not in MOE_FAMILIES \
             and hf_decode.unsupported(hf_module(actor)) is None:
-        return "hf"  # measured on dense models; a mixture of experts goes to vLLM's fused expert kernels
+        return "hf"  # dense models; a mixture of experts goes to vLLM's fused expert kernels
     from verl_fast.rollout import vllm_available
 
     if not vllm_available():
@@ -180,8 +179,8 @@ def lora_rank(actor: Any) -> int:
 def step_kv_cache_bytes(hf_config: Any, sequences: int, max_len: int, dtype: str, tensor_parallel_size: int) -> Optional[int]:
     """The KV cache one engine needs for ``sequences`` sequences of ``max_len`` tokens (in 16-token
     blocks, x1.25), from the model's config; None where the config does not say (vLLM then sizes it by
-    ``gpu_memory_utilization``). vLLM's own default fills half the GPU: ~70 GB on an H200, of which a
-    0.5B model's 128 x 300-token step uses 0.6%, and every sleep / wake unmaps / maps all of it."""
+    ``gpu_memory_utilization``). vLLM's own default fills half the GPU, of which a small model's step uses
+    a sliver, and every sleep / wake unmaps / maps all of it."""
     element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     per_token = hf_decode.kv_bytes_per_token(hf_config, element, tensor_parallel_size)
     if per_token is None:
@@ -205,7 +204,7 @@ def resolve_sleep_level(level: Optional[int], keeps_base_weights: bool, weight_b
     """``rollout.sleep_level`` (None: auto, see the module docstring): 1 where the base weights must
     survive (LoRA), else 0 when the engine's weights take at most an eighth of the GPU (keeping them
     resident costs little, and the sync then writes into them without a wake: at sleep level 2 the
-    0.5B sync measured 31 ms on an H200, most of it mapping and refilling the discarded memory), else 2."""
+    sync spent most of its time mapping and refilling the discarded memory), else 2."""
     if level is not None:
         return level
     if keeps_base_weights:

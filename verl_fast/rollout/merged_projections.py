@@ -3,8 +3,8 @@ one matrix product, and its MLP's gate and up projections as one.
 
 A decode step multiplies [B, 1, hidden] activations by every weight once: at B = 128 each product
 is a small-M GEMM that costs cuBLAS a few microseconds however few bytes it reads, so a Qwen2 layer's
-seven GEMMs (q, k, v, o, gate, up, down) cost about seven launches' latency per token (the 0.5B
-decode on an H200: ~1.1 ms of GEMMs per token against ~0.2 ms to read the weights). Stacking q/k/v
+seven GEMMs (q, k, v, o, gate, up, down) cost about seven launches' latency per token, several times
+what reading the weights takes at the 0.5B shape. Stacking q/k/v
 and gate/up (the weights' rows concatenated, as vLLM's QKVParallelLinear and MergedColumnParallelLinear
 hold them) leaves four. The merged weights are copies, refreshed from the parameters at every rollout
 by ``hf_decode.CompiledForward.weights``; the model's own modules are left as they are outside it.

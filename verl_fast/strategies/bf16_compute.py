@@ -8,9 +8,8 @@ parameter's data is a bf16 copy made from its master, so the forward runs in bf1
 residual stream, the norms and what they keep for the backward are bf16 where fp32 weights under
 autocast leave them fp32, and no per-pass weight casts are launched. The backward leaves bf16
 gradients, which ``accumulate`` (after each micro-batch) and the end of ``active`` add up in fp32 on
-the masters. Measured on one H200 (benchmarks/NOTES.md, eighth run): the 0.5B update 0.29 ->
-0.25 s, the 1.5B update 0.68 -> 0.62 s; bf16 weights without masters, the bound, 0.24 / 0.60 s at
-35.0 / 77.1 GiB of peak against 44.1 / 99.8.
+the masters. The update's time and peak memory against fp32 passes and against bf16 weights without
+masters (the bound): docs/benchmarks.md, "Measurements behind the code's choices".
 
 A LoRA actor's frozen base needs no master: nothing steps it, and its passes only ever use it as
 autocast's bf16 casts. ``freeze_in_bf16`` keeps those weights in bf16 for good (half their memory, no

@@ -82,7 +82,7 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max
 
 def autocast_dtype(name: Optional[str], device: torch.device) -> Optional[torch.dtype]:
     """``actor.autocast`` on ``device``. Null (the default): bfloat16 on a GPU that computes it (TRL's
-    default too; on an H200 the 0.5B step took 0.82 s against 4.18 s in fp32), none on the CPU.
+    default too; several times faster than fp32 there, docs/benchmarks.md), none on the CPU.
     ``auto``: bfloat16 wherever the device multiplies it natively (a GPU with bf16, a CPU with
     AVX512-BF16 or AMX), else none. On a CPU without them a bf16 matmul takes ~70x an fp32 one
     (1024^3, AVX2-only EPYC, torch 2.13: 3.7 s against 0.05 s), so fp32 is faster there."""

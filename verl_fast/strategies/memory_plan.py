@@ -49,22 +49,21 @@ logger = logging.getLogger(__name__)
 GIB = 2**30
 # Activation bytes a training pass keeps for its backward, per token, per layer and per unit of
 # (hidden + intermediate) width, packed rows under bf16 autocast with compiled norms and MLPs:
-# measured on one H200 (benchmarks/NOTES.md) 7.2 at the 0.5B shape and 7.5 at 1.5B; eager norms
-# and MLPs keep ~1.3x as much, no autocast (float32 activations) ~2x.
+# 8 rounds up what the 0.5B and 1.5B shapes keep (docs/benchmarks.md, "Measurements behind the code's
+# choices"); eager norms and MLPs keep ~1.3x as much, no autocast (float32 activations) ~2x.
 ACTIVATION_BYTES = 8.0
 # LoRA's passes keep more per token than the model alone (each adapted layer's input cast again for
 # lora_A, the base + adapter sum kept by the next operation, the residual stream in float32 beside
-# frozen float32 weights): measured on one H200 at the Qwen2.5-7B shape with r 64 on every linear layer,
-# eager, bf16 autocast, 7.85 MiB per token where ACTIVATION_BYTES x 1.3 counts 6.25 MiB (its SFT ran
-# out of memory with that count). Counted per unit of the adapted layers' (in + out) width: 8.66 MiB there.
+# frozen float32 weights): more than ACTIVATION_BYTES x 1.3 counts at the Qwen2.5-7B shape with r 64 on
+# every linear layer (its SFT ran out of memory with that count; docs/benchmarks.md). Counted per unit of
+# the adapted layers' (in + out) width.
 ADAPTER_ACTIVATION_BYTES = 1.0
 OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "adamw_8bit": 2.0}  # per trained parameter (8-bit: + block scales)
 # What one micro-batch more costs an update beyond its tokens' work (launches, the passes' weight reads,
-# the per-micro-batch bookkeeping): ~75 ms measured on one H200 at the 0.5B shape (a 16k-token budget's
-# two extra micro-batches: 0.25 -> 0.40 s; benchmarks/NOTES.md).
+# the per-micro-batch bookkeeping), at the 0.5B shape (docs/benchmarks.md).
 MICRO_BATCH_S = 0.075
-# The update's bf16 rate at the 7B shape (~50% of an H100's / H200's dense peak: the LoRA update's 4 and
-# the full fine-tune's 6 FLOPs a parameter and token over their measured times), for what recomputing
+# The update's bf16 rate at the 7B shape (about half a Hopper GPU's dense peak: the LoRA update's 4 and
+# the full fine-tune's 6 FLOPs a parameter and token over their times), for what recomputing
 # a token's forward costs.
 UPDATE_FLOPS_PER_S = 5e14
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
