@@ -509,7 +509,7 @@ class GraphPool:
 def bucket_rows(live: int, smallest: int) -> int:
     """The batch ``live`` unfinished rows decode in: the least of ``smallest`` x 2^k and ``smallest`` x
     3 x 2^(k-1) that holds them (8, 12, 16, 24, 32, 48, 64, 96, 128, ... for 8), so that a captured
-    step is at most a third larger than its rows need and a call sees a few batch sizes only."""
+    step has under 1.5x the rows it needs (above ``smallest``) and a call sees a few batch sizes only."""
     size = smallest
     while size < live:
         if size * 3 // 2 >= live and size * 3 // 2 > size:
