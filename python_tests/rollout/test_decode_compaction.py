@@ -189,3 +189,23 @@ def test_compacted_graphs_match_the_eager_loop_and_the_whole_batch():
         assert torch.equal(got[name][0], got["graph"][0]), name
         torch.testing.assert_close(got[name][1], got["graph"][1], atol=1e-5, rtol=0)
     assert got["graph"][2] == "graph" and got["eager"][2] == "eager"
+
+
+@pytest.mark.parametrize("rows", [None, [0, 0, 2, 1, 2, 3, 3, 0]])
+def test_a_prompt_prefilled_in_chunks_decodes_as_prefilled_at_once(model, monkeypatch, rows):
+    """Prompts longer than ``PREFILL_CHUNK`` run their prefill in chunks (here 4 columns: 9-column prompts
+    in three), each attending to the cache's earlier columns: the same greedy tokens and log-probs as
+    one forward over the whole prompt, with each prompt's cache copied to the rows that decode it."""
+    ids, mask = ragged_prompts(count=4)
+    rows = None if rows is None else torch.tensor(rows)
+    whole = hf_decode.decode(model, ids, mask, 12, 0.0, 0, 1.0, [-1], 0, use_graph=False, rows=rows)
+    widths = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda mod, args, out: widths.append(args[0].shape[1]))
+    monkeypatch.setattr(hf_decode, "PREFILL_CHUNK", 4)
+    try:
+        chunked = hf_decode.decode(model, ids, mask, 12, 0.0, 0, 1.0, [-1], 0, use_graph=False, rows=rows)
+    finally:
+        hook.remove()
+    assert widths[:3] == [4, 4, 1] and set(widths[3:]) == {1}
+    assert torch.equal(chunked[0], whole[0])
+    torch.testing.assert_close(chunked[1], whole[1], atol=1e-5, rtol=0)

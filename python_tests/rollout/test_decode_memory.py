@@ -23,7 +23,11 @@ def per_prompt_bytes(shape, width, cap, n, element):
     (the logits and five temporaries), and the prefill's activations and mask over the prompt once."""
     head_dim = shape["hidden_size"] // shape["num_attention_heads"]
     kv = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * element * (width + cap)
-    prefill = hf_decode.PREFILL_BYTES * width * (shape["hidden_size"] + shape["intermediate_size"]) + width * width
+    if width <= 2048:  # one forward over the prompt
+        prefill = hf_decode.PREFILL_BYTES * width * (shape["hidden_size"] + shape["intermediate_size"]) + width * width
+    else:  # chunks of 2,048 columns, a later one's mask over the whole cache
+        prefill = hf_decode.PREFILL_BYTES * 2048 * (shape["hidden_size"] + shape["intermediate_size"]) + \
+            2048 * (width + cap)
     return n * (kv + 6 * 4 * shape["vocab_size"]) + prefill
 
 
@@ -32,6 +36,9 @@ def test_prompts_per_call_is_what_the_room_holds(element):
     cfg = transformers.Qwen2Config(**QWEN25_1_5B)
     one = per_prompt_bytes(QWEN25_1_5B, 512, 16384, 8, element)
     assert hf_decode.bytes_per_prompt(cfg, 512, 16384, 8, element) == one
+    assert hf_decode.PREFILL_CHUNK == 2048
+    assert hf_decode.bytes_per_prompt(cfg, 8192, 4096, 8, element) == per_prompt_bytes(QWEN25_1_5B, 8192, 4096, 8,
+                                                                                       element)
     for room, want in ((None, 16), (100 * one, 16), (5.5 * one, 5), (one - 1, 1), (0.0, 1)):
         assert hf_decode.prompts_per_call(cfg, 512, 16384, 8, 16, room, element) == want
 

@@ -85,6 +85,9 @@ def kv_bytes_per_token(config, element_bytes: int, shards: int = 1) -> Optional[
     return 2 * layers * max(1, kv_heads // shards) * head_dim * element_bytes
 
 
+# The most prompt columns one prefill forward takes: longer prompts run in chunks of it
+PREFILL_CHUNK = 2048
+
 # Device bytes the prefill holds per prompt token and unit of the layers' (hidden + intermediate) width:
 # one layer's temporaries at a time (the MLP's gate, up and product, the attention's q, k, v and output,
 # in bf16) beside the float32 residual stream; a round upper count, not measured
@@ -97,12 +100,14 @@ def bytes_per_prompt(config, width: int, max_new_tokens: int, samples: int, kv_e
     max_new_tokens`` columns at ``kv_element_bytes`` an element: the autocast dtype's under autocast,
     ``StaticKV``, else the model's) and float32 sampling rows over the vocabulary (the logits and a few
     temporaries of their size), and once for the prompt the prefill's activations over its ``width``
-    columns and its boolean attention mask (the prefill runs each prompt once, ``decode``'s ``rows``)."""
+    columns, or one chunk's (``PREFILL_CHUNK``), and its boolean attention mask (the prefill runs each
+    prompt once, ``decode``'s ``rows``)."""
     cfg = getattr(config, "text_config", None) or config
     length = width + max_new_tokens
     kv = kv_bytes_per_token(cfg, kv_element_bytes) * length
     inner = getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size
-    prefill = PREFILL_BYTES * width * (cfg.hidden_size + inner) + width * width
+    chunk = min(width, PREFILL_CHUNK)  # a chunk after the first attends to the whole cache's columns
+    prefill = PREFILL_BYTES * chunk * (cfg.hidden_size + inner) + chunk * (width if width <= PREFILL_CHUNK else length)
     return samples * (kv + 6 * 4 * cfg.vocab_size) + prefill
 
 
@@ -429,13 +434,29 @@ class _Decoder:
         return self.out_tokens.cpu(), self.out_logprobs.cpu()
 
     def _prefill(self, input_ids, valid, positions, W, rows):
-        """The prompts' forward, each prompt once, and each row's first token from its prompt's logits."""
-        P = input_ids.shape[0]
-        causal = torch.ones((W, W), dtype=torch.bool, device=input_ids.device).tril()
-        # a left-pad query attends to itself only: a row with no key would give NaN states
-        mask = ((causal & valid[:, None, :]) | torch.eye(W, dtype=torch.bool, device=input_ids.device))[:, None]
-        self.cache.cols = torch.arange(W, device=input_ids.device)
-        logits = model_step(self.module, input_ids, mask, positions, self.cache)
+        """The prompts' forward, each prompt once, in chunks of at most ``PREFILL_CHUNK`` columns (a later
+        chunk's queries attend to the cache's earlier columns: activations and mask over a chunk, not the
+        whole prompt), and each row's first token from its prompt's logits."""
+        device = input_ids.device
+        chunked = W > PREFILL_CHUNK
+        if chunked:  # the chunks' keys and values kept per prompt, copied to the rows that decode them after
+            self.cache.rows = None
+        for start in range(0, W, PREFILL_CHUNK):
+            end = min(start + PREFILL_CHUNK, W)
+            # keys attended: the first chunk's own (the cache returns them), a later chunk's the whole cache's
+            keys = end if start == 0 else self.cache.length
+            query = torch.arange(start, end, device=device)[:, None]
+            key = torch.arange(keys, device=device)[None, :]
+            attended = torch.nn.functional.pad(valid, (0, max(keys - W, 0)))[:, :keys]
+            # causal over the prompts' own keys; a left-pad query attends to itself only (no key: NaN states)
+            mask = (((key <= query)[None] & attended[:, None, :]) | (key == query)[None])[:, None]
+            self.cache.cols = torch.arange(start, end, device=device)
+            self.cache.seen = start
+            logits = model_step(self.module, input_ids[:, start:end], mask, positions[:, start:end], self.cache)
+        if chunked and rows is not None:
+            for store in (self.cache.keys, self.cache.values):
+                for layer, tensor in enumerate(store):
+                    store[layer] = tensor.index_select(0, rows)
         token, logp = sample(logits if rows is None else logits.index_select(0, rows), *self.sampling)
         self.cache.seen = W
         self.tokens[:, 0] = token
@@ -509,7 +530,7 @@ class GraphPool:
 def bucket_rows(live: int, smallest: int) -> int:
     """The batch ``live`` unfinished rows decode in: the least of ``smallest`` x 2^k and ``smallest`` x
     3 x 2^(k-1) that holds them (8, 12, 16, 24, 32, 48, 64, 96, 128, ... for 8), so that a captured
-    step is at most a third larger than its rows need and a call sees a few batch sizes only."""
+    step has under 1.5x the rows it needs (above ``smallest``) and a call sees a few batch sizes only."""
     size = smallest
     while size < live:
         if size * 3 // 2 >= live and size * 3 // 2 > size:
