@@ -49,15 +49,14 @@ class Streak:
 
 def flat_group_fraction(scores: torch.Tensor, prompt_index: torch.Tensor) -> float:
     """The share of prompt groups (samples of one prompt, ``prompt_index [N]``) of two or more samples
-    whose ``scores [N]`` are all equal; 0 with no such group."""
-    groups = torch.unique(prompt_index)
-    flat, counted = 0, 0
-    for g in groups.tolist():
-        s = scores[prompt_index == g]
-        if s.numel() > 1:
-            counted += 1
-            flat += int(bool((s == s[0]).all()))
-    return flat / counted if counted else 0.0
+    whose ``scores [N]`` are all equal; 0 with no such group (a few tensor ops, no loop over groups)."""
+    _, group, counts = torch.unique(prompt_index, return_inverse=True, return_counts=True)
+    s = scores.float()
+    hi = torch.full(counts.shape, float("-inf")).scatter_reduce(0, group, s, "amax")
+    lo = torch.full(counts.shape, float("inf")).scatter_reduce(0, group, s, "amin")
+    several = counts > 1
+    counted = int(several.sum())
+    return float(((hi == lo) & several).sum()) / counted if counted else 0.0
 
 
 class Guardrails:
