@@ -19,6 +19,7 @@ the seeds; an async mode is "within" when its mean lies inside the synchronous s
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import statistics
 import subprocess
@@ -59,14 +60,17 @@ def run_one(mode: str, seed: int, steps: int, work: Path, extra: List[str]) -> D
 
 
 def kept_runs(path, steps: int, seeds: List[int]) -> Dict[str, List[Dict[str, object]]]:
-    """The runs per mode of an earlier result (``--keep``), refused unless it ran the same steps and seeds."""
+    """The runs per mode of an earlier result (``--keep``), refused unless it ran the same seeds and at least
+    ``steps`` steps; longer runs are cut to their first ``steps`` (the demo's learning rate is constant, so
+    they are the steps a shorter run makes)."""
     if path is None:
         return {}
     meta = json.loads(path.read_text())["meta"]
-    if meta["steps"] != steps or meta["seeds"] != seeds:
-        raise SystemExit(f"--keep {path}: it ran steps={meta['steps']} seeds={meta['seeds']}, not steps={steps} "
+    if meta["steps"] < steps or meta["seeds"] != seeds:
+        raise SystemExit(f"--keep {path}: it ran steps={meta['steps']} seeds={meta['seeds']}, not steps>={steps} "
                          f"seeds={seeds}")
-    return {mode: runs for mode, runs in meta["runs"].items() if len(runs) == len(seeds)}
+    return {mode: [{**run, "rewards": run["rewards"][:steps], "kept_from": f"{path.name}, its first {steps} steps"}
+                   for run in runs] for mode, runs in meta["runs"].items() if len(runs) == len(seeds)}
 
 
 def main(argv=None) -> int:
@@ -77,6 +81,7 @@ def main(argv=None) -> int:
     p.add_argument("--last", type=int, default=5, help="steps at the end averaged per run")
     p.add_argument("--keep", type=Path, help="an earlier async_curves JSON: the modes whose runs it holds (same steps "
                    "and seeds) are taken from it, not run again (a sweep finished in parts)")
+    p.add_argument("--jobs", type=int, default=1, help="runs of a mode at once")
     p.add_argument("--name", default="async_curves", help="the report's name (results/<name>_cpu.json)")
     p.add_argument("--set", action="append", default=[], help="SECTION.KEY=VALUE for every run (a smoke test: "
                    "actor.model_name=<a tiny model folder>)")
@@ -92,9 +97,11 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_async_cpu_") as tmp:
         for mode in modes:
             runs: List[Dict[str, object]] = kept.get(mode, [])
-            for seed in seeds[len(runs):]:
-                runs.append(run_one(mode, seed, args.steps, Path(tmp), args.set))
-                print(f"{mode} seed {seed}: rewards {[round(r, 3) for r in runs[-1]['rewards']]}", flush=True)
+            with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+                for seed, run in zip(seeds[len(runs):], pool.map(lambda seed: run_one(mode, seed, args.steps, Path(tmp),
+                                                                                    args.set), seeds[len(runs):])):
+                    runs.append(run)
+                    print(f"{mode} seed {seed}: rewards {[round(r, 3) for r in run['rewards']]}", flush=True)
             report.meta["runs"][mode] = runs
             ends = [statistics.mean(r["rewards"][-args.last:]) for r in runs]
             summary[mode] = {"mean": statistics.mean(ends), "min": min(ends), "max": max(ends),
