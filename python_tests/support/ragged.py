@@ -10,9 +10,11 @@ from verl_fast.bench import lengths
 
 
 def ragged_config(tokenizer, tied: bool = False, **overrides):
-    """A tiny Qwen2 config over ``tokenizer`` with the rope theta the mechanism needs."""
+    """A tiny Qwen2 config over ``tokenizer`` with the rope theta the mechanism needs and the initialisation
+    of the benchmarks' random models (transformers' 0.02)."""
     cfg = build_config("qwen2", vocab_size=len(tokenizer), tie_word_embeddings=tied,
-                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **overrides)
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                       **{"initializer_range": 0.02, **overrides})
     cfg.rope_parameters["rope_theta"] = 1e6
     return cfg
 

@@ -161,8 +161,8 @@ def predicted(rates: Sequence[float], cap: int) -> Dict[str, float]:
 
 def calibrate(prompts: Sequence[Sequence[int]], tokenizer, vocab: int, cap: int, median: int,
               spread: float) -> LengthSpec:
-    """The ``bias`` whose predicted median over ``prompts`` is ``median`` at this ``spread`` (bisection on
-    the EOS logit), at most ``cap``."""
+    """The ``bias`` whose predicted median over ``prompts`` is ``median`` (the smallest such bias, found by
+    bisection on the EOS logit; a median below ``cap``) at this ``spread``."""
     digits = digit_tokens(tokenizer)
     lo, hi = -10.0, math.log(vocab) + 10.0
     for _ in range(40):
@@ -170,7 +170,7 @@ def calibrate(prompts: Sequence[Sequence[int]], tokenizer, vocab: int, cap: int,
         spec = LengthSpec(mid, spread)
         got = predicted([prompt_rate(p, digits, spec, vocab) for p in prompts], cap)["median"]
         lo, hi = (mid, hi) if got > median else (lo, mid)
-    return LengthSpec(round((lo + hi) / 2, 4), spread)
+    return LengthSpec(hi, spread)  # the side whose median is at most ``median``
 
 
 def figures(lengths: Sequence[int], cap: int) -> Dict[str, float]:
