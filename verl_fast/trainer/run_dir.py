@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from verl_fast import extras
+from verl_fast.algos import registry as algorithms
 from verl_fast.data import readers
 from verl_fast.metrics.logger import check_loggers
 from verl_fast.checkpoint import sharded as checkpoint
@@ -219,7 +220,7 @@ def precheck(cfg: Any) -> List[Dict[str, Any]]:
         rows = RLDataProcessor(None, t.max_prompt_length).load(t.dataset, **t.dataset_kwargs)
         if not rows:
             raise ValueError(f"trainer.dataset={t.dataset} has no rows")
-        if cfg.algorithm.type not in extras.OFFLINE_ALGORITHMS and cfg.reward_fn.type in GROUND_TRUTH_REWARDS:
+        if algorithms.spec(cfg).samples and cfg.reward_fn.type in GROUND_TRUTH_REWARDS:  # offline runs score nothing
             readers.require_truth(rows, f"reward_fn.type={cfg.reward_fn.type}")
     except BaseException:
         release(t)
