@@ -258,7 +258,8 @@ class MultiTurnRolloutOperator(RolloutOperator):
         order = sorted(range(len(trajectories)), key=lambda j: trajectories[j].row)  # stable: grouped by prompt
         ts = [trajectories[j] for j in order]
         N, L = len(ts), max(1, max(len(t.ids) for t in ts))
-        pad = int(self.engine.pad_token_id)
+        pad = self.engine.pad_token_id
+        pad = int(pad if pad is not None else self.tokenizer.pad_token_id or 0)
         ids = torch.full((N, L), pad, dtype=torch.int64)
         mask = torch.zeros((N, L), dtype=torch.int64)
         attn = torch.zeros((N, L), dtype=torch.int64)

@@ -33,8 +33,8 @@ class RolloutEngine:
     #: the optional packages it imports: (import name, the verl_fast extra that installs it)
     packages: Tuple[Tuple[str, str], ...] = ()
 
-    #: the token id its completions are right-padded with
-    pad_token_id: int = 0
+    #: the token id its completions are right-padded with (None: the tokenizer's)
+    pad_token_id: Optional[int] = None
 
     @classmethod
     def check_config(cls, cfg) -> None:

@@ -77,7 +77,8 @@ class RolloutOperator:
             out = self.engine.generate([prompts[i] for i in members], [specs[i] for i in members],
                                        **_images(vision, members))
             parts.append((out, members))
-        return merge_outputs(parts, int(self.engine.pad_token_id))
+        pad = self.engine.pad_token_id
+        return merge_outputs(parts, int(pad) if pad is not None else 0)
 
     def metrics(self) -> Dict[str, float]:
         """The latest rollout's own figures (the multi-turn operator's turns and tool calls)."""
