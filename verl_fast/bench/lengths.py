@@ -189,6 +189,8 @@ def figures(lengths: Sequence[int], cap: int) -> Dict[str, float]:
 def targets(cap: int) -> Tuple[int, float]:
     """(median, spread) of the benchmarks at ``cap``: a median of a few hundred tokens (600 from a 4k cap
     up, 1/5 of a smaller cap) and a spread whose 99th percentile reaches about the cap."""
+    if cap >= 8192:
+        return 600, 1.4
     return (600, 1.0) if cap >= 4096 else (max(8, cap // 5), 0.5)
 
 
