@@ -289,6 +289,11 @@ class RolloutConfig:
                                            "at the first rollout, ~30-40 s at the 0.5B shape, and once more, "
                                            "lengths symbolic, at the first of another prompt width); null: on a "
                                            "GPU for an unsharded actor")
+    hf_compact_rows: str = _f("auto", choices=("auto", "on", "off"),
+                              doc="type hf, fast decode: finished rows leave the batch as the rest fit a smaller "
+                                  "one (the KV cache shrinks with it; a new graph capture per batch size); auto: "
+                                  "off on a GPU, where the step's time barely falls with its rows "
+                                  "(docs/hotpaths.md), on elsewhere")
     quantization: Optional[str] = _f(None, doc="vLLM's quantization (awq, gptq, fp8, ...); vllm rollout with a "
                                      "PEFT actor only (the engine's quantized base cannot take full updates)")
     multi_turn: Optional[Dict[str, Any]] = _f(None, doc="multi-turn rollouts with tools or an environment: {tools: "

@@ -91,7 +91,8 @@ def build_engine(cfg: Config, actor: torch.nn.Module, tokenizer: Any, model_path
     if kind == "hf":
         return HFGenerateEngine(actor, tokenizer, autocast_dtype=autocast_dtype, fast_decode=cfg.rollout.hf_fast_decode,
                                 record_routing=record,
-                                compile_decode=compiles_decode(actor, cfg.rollout.hf_compile_decode))
+                                compile_decode=compiles_decode(actor, cfg.rollout.hf_compile_decode),
+                                compact_rows=cfg.rollout.hf_compact_rows)
     from verl_fast.rollout.data_parallel import DataParallelEngine
     from verl_fast.rollout.vllm_engine import VLLMInferenceEngine
 
