@@ -209,3 +209,55 @@ def test_a_prompt_prefilled_in_chunks_decodes_as_prefilled_at_once(model, monkey
     assert widths[:3] == [4, 4, 1] and set(widths[3:]) == {1}
     assert torch.equal(chunked[0], whole[0])
     torch.testing.assert_close(chunked[1], whole[1], atol=1e-5, rtol=0)
+
+
+def countdown_model(vocab=64):
+    """A Qwen2 model whose greedy next token is the current one minus one (its attention and MLP outputs
+    zero, the embedding one-hot, the head shifted by one): a row whose first new token is k ends with the
+    stop token 0 at new-token column k, k + 1 tokens, whatever the batch it decodes in."""
+    m = build_model("qwen2", vocab_size=vocab, num_layers=2, hidden_size=vocab, num_heads=4, num_kv_heads=2,
+                    eos_token_id=0, pad_token_id=0)
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        m.model.embed_tokens.weight.copy_(torch.eye(vocab))
+        m.lm_head.weight.zero_()
+        m.lm_head.weight[:-1] = torch.eye(vocab)[1:] / 2  # logit w: half the hidden state at w + 1
+    return m
+
+
+@pytest.mark.parametrize("check_every", [1, 5])
+@pytest.mark.parametrize("min_rows", [None, 1, 8])
+@pytest.mark.parametrize("samples", [1, 2])
+def test_the_decode_stops_within_check_every_steps_of_its_longest_row(check_every, min_rows, samples):
+    """Rows of forced lengths (a long tail: the last rows live alone, fewer than ``MIN_ROWS``): the steps
+    run -- the forwards counted, and the count ``log`` reports -- are the first check at or after the
+    longest row's end, compacted or not, and each output row, in the caller's order, holds its own
+    countdown through the stop token and pads after it."""
+    m = countdown_model()
+    lengths = torch.tensor([3, 45, 1, 7, 12, 2, 30, 5, 9, 4, 16, 2, 6, 33, 8, 3, 11, 1, 20, 5])
+    width = 6
+    ids = torch.randint(1, 64, (len(lengths), width), generator=torch.Generator().manual_seed(0))
+    ids[:, -1] = lengths  # the first new token: length - 1
+    ids[::3, :2] = 0  # some prompts left-padded
+    mask = (ids != 0).long()
+    mask[:, -1] = 1
+    rows = torch.arange(len(lengths)).repeat_interleave(samples)
+    forwards, log = [], []
+    hook = m.model.embed_tokens.register_forward_hook(lambda mod, args, out: forwards.append(args[0].shape[1]))
+    try:
+        tokens, logp, _ = hf_decode.decode(m, ids, mask, CAP + 20, 0.0, 0, 1.0, [0], 0, use_graph=False,
+                                           check_every=check_every, min_rows=min_rows, rows=rows, log=log)
+    finally:
+        hook.remove()
+    longest = int(lengths.max())
+    steps = -(-longest // check_every) * check_every  # the first check at or after the longest row's end
+    assert len(forwards) == steps == log[-1][0], (len(forwards), steps, log)
+    assert steps <= longest + check_every
+    if min_rows is not None:  # compacted down to the smallest batch
+        assert log[-2][1] == hf_decode.bucket_rows(samples, min_rows) and len(log) > 3, log
+    for row, length in enumerate(lengths.repeat_interleave(samples).tolist()):
+        want = torch.cat([torch.arange(length - 1, -1, -1), torch.zeros(CAP + 20 - length, dtype=torch.long)])
+        assert torch.equal(tokens[row], want), (row, length, tokens[row])
+        assert (logp[row, length:] == 0).all() and (logp[row, :length] < 0).all()

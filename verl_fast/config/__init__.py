@@ -309,6 +309,11 @@ class RolloutConfig:
                                            "at the first rollout, ~30-40 s at the 0.5B shape, and once more, "
                                            "lengths symbolic, at the first of another prompt width); null: on a "
                                            "GPU for an unsharded actor")
+    hf_compact_rows: str = _f("auto", choices=("auto", "on", "off"),
+                              doc="type hf, fast decode: finished rows leave the batch as the rest fit a smaller "
+                                  "one (the KV cache shrinks with it; a new graph capture per batch size); auto: "
+                                  "off on a GPU, where the step's time barely falls with its rows "
+                                  "(docs/hotpaths.md), on elsewhere")
     quantization: Optional[str] = _f(None, doc="fp8: the engine's linear layers in FP8 e4m3, written by every "
                                      "weight sync (vllm: block-FP8 layers, 128x128 scales, a GPU; hf: per-channel "
                                      "scales, torch._scaled_mm on a GPU of compute capability 8.9+, emulated "

@@ -115,7 +115,8 @@ class HFGenerateEngine(RolloutEngine):
     later call once the loop has failed (the reason is logged). Both give the same distribution.
     ``compile_decode``: the loop's decode steps run their forward compiled by torch.compile
     (``hf_decode.CompiledForward``; an unsharded actor only), compiled at the first rollout of
-    each batch shape.
+    each batch shape. ``compact_rows``: finished rows leave the loop's batch (``hf_decode.decode``'s
+    ``min_rows``); ``auto`` is ``off`` on a GPU, where a step's time barely falls with its rows.
 
     Log-probs of the sampled tokens come from the raw logits divided by the temperature (what the
     trainer's log-prob pass computes), not from the top-k/top-p-filtered scores.
@@ -142,18 +143,20 @@ class HFGenerateEngine(RolloutEngine):
         return cls(actor, tokenizer, autocast_dtype=autocast_dtype, fast_decode=cfg.rollout.hf_fast_decode,
                    record_routing=cfg.rollout.record_routing or cfg.actor.routing_replay,
                    compile_decode=compiles_decode(actor, cfg.rollout.hf_compile_decode),
-                   quantization=cfg.rollout.quantization)
+                   quantization=cfg.rollout.quantization, compact_rows=cfg.rollout.hf_compact_rows)
 
     def __init__(self, model, tokenizer, max_batch_size: int = 64, autocast_dtype: Optional[torch.dtype] = None,
                  fast_decode: str = "auto", record_routing: bool = False, compile_decode: bool = False,
-                 quantization: Optional[str] = None):
-        if fast_decode not in FAST_DECODE:
-            raise ValueError(f"fast_decode must be one of {list(FAST_DECODE)}, got {fast_decode!r}")
+                 quantization: Optional[str] = None, compact_rows: str = "auto"):
+        for name, value in (("fast_decode", fast_decode), ("compact_rows", compact_rows)):
+            if value not in FAST_DECODE:
+                raise ValueError(f"{name} must be one of {list(FAST_DECODE)}, got {value!r}")
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.autocast_dtype = autocast_dtype
         self.fast_decode = fast_decode
+        self.compact_rows = compact_rows
         # MoE: each sequence's experts per token and layer, from hooks on the routers (models.routing)
         self.record_routing = record_routing
         if record_routing and not routing.routers(hf_module(model)):
@@ -182,7 +185,7 @@ class HFGenerateEngine(RolloutEngine):
         modes' rollout copies decode as the trainer's engine does)."""
         return {"max_batch_size": self.max_batch_size, "autocast_dtype": self.autocast_dtype,
                 "fast_decode": self.fast_decode, "compile_decode": self._compiled is not None,
-                "quantization": "fp8" if self._fp8 is not None else None}
+                "quantization": "fp8" if self._fp8 is not None else None, "compact_rows": self.compact_rows}
 
     def _module(self):
         return hf_module(self.model)  # FSDP1 / DDP keep the HF model in .module
@@ -354,11 +357,16 @@ class HFGenerateEngine(RolloutEngine):
                 spec.temperature, spec.top_k, spec.top_p, list(eos) + list(spec.stop_token_ids), self.pad_token_id,
                 use_graph=device.type == "cuda" and not _fsdp1(self.model), graphs=self._graphs,
                 compiled=self._compiled if not is_sharded(self.model) else None,
-                rows=prompt_of.repeat_interleave(spec.n // copies).to(device))
+                rows=prompt_of.repeat_interleave(spec.n // copies).to(device), min_rows=self._min_rows(device))
         except Exception as e:  # noqa: BLE001 - the loop is an optimisation: generate still works
             self.fast_failed = f"the static-cache loop failed before ({type(e).__name__}: {e})"
             logger.warning("fast HF decoding failed, using generate from now on: %s: %s", type(e).__name__, e)
             return None, None, None
+
+    def _min_rows(self, device: torch.device) -> Optional[int]:
+        """``decode``'s ``min_rows`` for ``compact_rows`` (None: the whole batch to the longest row)."""
+        compact = self.compact_rows == "on" or (self.compact_rows == "auto" and device.type != "cuda")
+        return hf_decode.MIN_ROWS if compact else None
 
     def metrics(self) -> dict:
         """``cuda_graph``: 1 when the last call decoded by graph replays, 0 otherwise."""
