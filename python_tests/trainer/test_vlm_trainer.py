@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("PIL")
 
 from tiny_vlm import build_vlm, square_image  # noqa: E402
-from verl_fast.data.images import VisionProcessor  # noqa: E402
+from verl_fast.models.vision_processor import VisionProcessor  # noqa: E402
 from verl_fast.records.generation import SamplingSpec  # noqa: E402
 from verl_fast.rollout.hf_engine import HFGenerateEngine  # noqa: E402
 from verl_fast.trainer.rl_trainer import RLTrainer  # noqa: E402

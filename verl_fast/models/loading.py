@@ -82,7 +82,7 @@ def load_causal_lm(name: str, dtype: str = "float32", what: str = "actor.model_n
     errors; ``kwargs`` (``attn_implementation``, ``trust_remote_code``) go to ``from_pretrained``."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-    from verl_fast.data.images import VisionProcessor
+    from verl_fast.models.vision_processor import VisionProcessor
     from verl_fast.models.checks import missing_weights
 
     remote = kwargs.get("trust_remote_code", False)

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Tuple, Union
 
 import torch
 
-from verl_fast.data.images import VisionProcessor
+from verl_fast.models.vision_processor import VisionProcessor
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 EOS = "<|endoftext|>"

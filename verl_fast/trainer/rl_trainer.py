@@ -43,7 +43,8 @@ from verl_fast.config import Config
 from verl_fast.config import verl_config as config_verl
 from verl_fast.files import hub
 from verl_fast.data import RLDataProcessor
-from verl_fast.data.images import ImageLimits, VisionProcessor
+from verl_fast.data.images import ImageLimits
+from verl_fast.models.vision_processor import VisionProcessor
 from verl_fast.records.prompts import PreferencePair, PromptRow
 from verl_fast.trainer import preflight
 from verl_fast.records.experience import Experience, build_experience, last_token_rewards

@@ -29,7 +29,6 @@ import threading
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from verl_fast import extras
 from verl_fast.algos import registry as algorithms
 from verl_fast.data import readers
 from verl_fast.metrics.logger import check_loggers
