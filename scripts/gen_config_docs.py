@@ -29,8 +29,10 @@ and what is allowed; `verl-fast train --print-config` prints the resolved config
 def _type(annotation) -> str:
     """``Optional[int]`` -> ``int or null``; ``List[str]`` -> ``list of str``; ``Dict[str, Any]`` -> ``mapping``."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is typing.Union and type(None) in args:
-        return " or ".join(_type(a) for a in args if a is not type(None)) + " or null"
+    if origin is typing.Union:
+        return " or ".join(_type(a) for a in args if a is not type(None)) + (" or null" if type(None) in args else "")
+    if dataclasses.is_dataclass(annotation):
+        return "mapping (below)"
     if origin is list:
         return f"list of {_type(args[0])}"
     if origin is dict or annotation is dict:
@@ -78,19 +80,29 @@ def render() -> str:
     catalog.register()  # the values of the keys that name an implementation
     lines = [HEAD]
     for section in dataclasses.fields(config.Config):
-        cls = typing.get_type_hints(config.Config)[section.name]
-        hints = typing.get_type_hints(cls)
-        lines += [f"## {section.name}", ""]
-        own = cls.__dict__.get("__doc__")
-        if own and not own.startswith(f"{cls.__name__}("):  # the dataclass's generated signature is no doc
-            lines += [" ".join(own.split()), ""]
-        lines += ["| key | type | default | allowed | description |", "|---|---|---|---|---|"]
-        for f in dataclasses.fields(cls):
-            meta = dict(f.metadata)
-            lines.append(f"| `{f.name}` | {_type(hints[f.name])} | `{_default(f)}` | {_cell(_allowed(meta))} | "
-                         f"{_cell(meta.get('doc', ''))} |")
-        lines.append("")
+        lines += _section(typing.get_type_hints(config.Config)[section.name], section.name, "##")
     return "\n".join(lines)
+
+
+def _section(cls, name: str, level: str) -> list:
+    """The table of a section's keys, then one table per section within it (``actor.lora``)."""
+    hints = typing.get_type_hints(cls)
+    lines = [f"{level} {name}", ""]
+    own = cls.__dict__.get("__doc__")
+    if own and not own.startswith(f"{cls.__name__}("):  # the dataclass's generated signature is no doc
+        lines += [" ".join(own.split()), ""]
+    lines += ["| key | type | default | allowed | description |", "|---|---|---|---|---|"]
+    inner = []
+    for f in dataclasses.fields(cls):
+        meta = dict(f.metadata)
+        lines.append(f"| `{f.name}` | {_type(hints[f.name])} | `{_default(f)}` | {_cell(_allowed(meta))} | "
+                     f"{_cell(meta.get('doc', ''))} |")
+        kinds = [k for k in typing.get_args(hints[f.name]) or (hints[f.name],) if dataclasses.is_dataclass(k)]
+        inner += [(kinds[0], f"{name}.{f.name}")] if kinds else []
+    lines.append("")
+    for kind, key in inner:
+        lines += _section(kind, key, level + "#")
+    return lines
 
 
 def main(argv=None) -> int:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from verl_fast.config import verl_config
+from verl_fast.config import LoraConfig, verl_config
 from verl_fast.config import verl_keys
 from verl_fast.config.verl_config import EXACT, NATIVE, ConfigProblems
 
@@ -63,7 +63,7 @@ def test_units_and_names():
     assert cfg.trainer.loggers == ["console", "jsonl"] and cfg.rollout.type == "vllm"
     assert cfg.trainer.overlong_prompts == "truncate_left" and cfg.trainer.resume is False
     assert cfg.actor.warmup_steps is None and cfg.algorithm.kl_coef == pytest.approx(0.01)
-    assert cfg.actor.lora == {"r": 8, "alpha": 16, "target_modules": "all-linear"}
+    assert cfg.actor.lora == LoraConfig(r=8, alpha=16, target_modules="all-linear")
     assert cfg.trainer.val_temperature == 0.0  # do_sample=false: greedy, whatever the temperature
 
 

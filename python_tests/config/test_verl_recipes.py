@@ -8,7 +8,7 @@ import pytest
 
 from test_verl_examples import home, run_one_step  # noqa: F401  (the fixture: a tiny model, gsm8k / math parquets)
 from verl_fast.cli import main as cli
-from verl_fast.config import verl_config
+from verl_fast.config import LoraConfig, verl_config
 from verl_fast.config.verl_config import ConfigProblems
 
 
@@ -60,7 +60,7 @@ def megatron_grpo(home):
 def test_grpo_lora_example_runs_a_step(home, tmp_path, monkeypatch):  # noqa: F811
     args = grpo_lora(home) + sizes(home, tmp_path)
     cfg, _ = verl_config.load(None, args)
-    assert cfg.actor.lora == {"r": 64, "alpha": 32, "target_modules": "all-linear"}
+    assert cfg.actor.lora == LoraConfig(r=64, alpha=32, target_modules="all-linear")
     assert cfg.trainer.save_freq == 20 and cfg.trainer.val_freq == 5
     record = run_one_step(args, tmp_path, monkeypatch)
     assert record["reward/mean"] == record["reward/mean"]

@@ -9,7 +9,7 @@ import pytest
 
 from tiny_models import save_tiny_model
 from verl_fast.cli import main as cli
-from verl_fast.config import verl_config
+from verl_fast.config import LoraConfig, verl_config
 from verl_fast.config.verl_config import ConfigProblems
 from verl_fast.trainer import catalog
 
@@ -69,7 +69,7 @@ def test_gsm8k_peft_script_runs_a_step(home, tmp_path, monkeypatch):
     cfg, notes = verl_config.load(None, args, tree="sft")
     assert cfg.algorithm.type == "sft" and cfg.actor.lr == pytest.approx(1e-4)
     assert cfg.algorithm.sft_columns == {"prompt": "extra_info.question", "completion": "extra_info.answer"}
-    assert cfg.actor.lora == {"r": 8, "alpha": 16, "target_modules": "all-linear"}
+    assert cfg.actor.lora == LoraConfig(r=8, alpha=16, target_modules="all-linear")
     assert cfg.actor.micro_batch_size == 2 and cfg.trainer.save_freq == -1 and cfg.trainer.val_freq == -1
     assert cli.main(["sft", *args]) == 0
     trained = [s for s in steps(tmp_path / "run") if s.get("step") == 1]

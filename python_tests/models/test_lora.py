@@ -55,16 +55,53 @@ def test_unsupported_adapters_are_named():
 @pytest.mark.parametrize("spec,message", [
     ({"alpha": 8}, "actor.lora needs r"),
     ({"r": 0}, "actor.lora.r must be >= 1"),
-    ({"r": 8, "rank": 2}, r"unknown key actor.lora.rank; allowed keys in actor.lora: \['r', 'alpha'"),
+    ({"r": 8, "rank": 2}, r"unknown key actor.lora.rank; allowed keys in actor.lora: \['alpha', 'dropout', 'r'"),
     ({"r": 8, "dropout": 1.5}, "actor.lora.dropout must be <= 0.999"),
     ({"r": 8, "target_modules": "q_proj"}, "actor.lora.target_modules must be all-linear or a list"),
     ({"r": 1024}, "actor.lora.r must be <= 512"),
+    ({"r": 8, "alpha": "big"}, "actor.lora.alpha must be a number, got 'big'"),
+    (16, "actor.lora must be a mapping of keys, got 16"),
 ])
 def test_lora_config_errors(spec, message):
     with pytest.raises(ValueError, match=message):
         C.from_dict({"actor": {"lora": spec}})
     with pytest.raises(ValueError, match="actor.lora is not supported with actor.strategy=megatron"):
         C.from_dict({"actor": {"lora": {"r": 8}, "strategy": "megatron"}})
+
+
+def test_lora_config_is_typed_from_yaml_dicts_and_python():
+    """actor.lora's mapping becomes a LoraConfig (alpha null: 2r); a Config built in Python with a
+    LoraConfig or the same mapping is checked alike."""
+    cfg = C.from_dict({"actor": {"lora": {"r": 16, "dropout": 0.05, "target_modules": ["q_proj", "v_proj"]}}})
+    assert cfg.actor.lora == C.LoraConfig(r=16, alpha=None, dropout=0.05, target_modules=["q_proj", "v_proj"])
+    assert cfg.actor.lora.scale_alpha == 32.0 and C.LoraConfig(r=16, alpha=8).scale_alpha == 8
+    assert C.from_dict({"actor": {}}).actor.lora is None
+    for given in (C.LoraConfig(r=4, alpha=8), {"r": 4, "alpha": 8}):
+        built = C.Config(actor=C.ActorConfig(lora=given))
+        assert C.checked(built).actor.lora == C.LoraConfig(r=4, alpha=8.0)
+    with pytest.raises(ValueError, match="actor.lora.dropout must be >= 0.0"):
+        C.checked(C.Config(actor=C.ActorConfig(lora=C.LoraConfig(r=4, dropout=-1.0))))
+    loaded = C.apply_overrides({}, ["actor.lora={r: 16, alpha: 32}", "actor.lora.dropout=0.1"])
+    assert C.from_dict(loaded).actor.lora == C.LoraConfig(r=16, alpha=32.0, dropout=0.1)
+
+
+def test_vllm_lora_rank_comes_from_the_config_else_the_peft_model():
+    """vLLM's max_lora_rank: actor.lora.r where the config sets the adapters, the PEFT model's own
+    rank where the user hands over a PEFT model (actor.lora unset)."""
+    from verl_fast.rollout.factory import lora_rank
+
+    class Adapter:
+        def __init__(self, r):
+            self.r = r
+
+    class Handed:  # a PEFT model's peft_config: adapter name -> its LoraConfig
+        peft_config = {"default": Adapter(40), "other": Adapter(4)}
+
+    assert lora_rank(Handed(), None) == 64  # the smallest vLLM rank that holds 40
+    assert lora_rank(Handed(), C.LoraConfig(r=16)) == 16
+    assert lora_rank(Handed(), C.LoraConfig(r=9)) == 16
+    with pytest.raises(ValueError, match="above vLLM's largest"):
+        lora_rank(type("Big", (), {"peft_config": {"d": Adapter(600)}})(), None)
 
 
 def outputs(model, ids):

@@ -89,10 +89,11 @@ def test_gradients_reach_language_model_not_frozen_tower():
 
 def test_lora_adapts_language_model_only():
     pytest.importorskip("peft")
+    from verl_fast.config import LoraConfig
     from verl_fast.models import lora
 
     model, _ = build_vlm("qwen2_5_vl")
-    peft_model = lora.apply(model, {"r": 4})
+    peft_model = lora.apply(model, LoraConfig(r=4))
     adapted = [n for n, _ in peft_model.named_parameters() if "lora_A" in n]
     assert adapted and not any(".visual." in n for n in adapted)
     assert any("language_model" in n for n in adapted)

@@ -51,7 +51,7 @@ def test_long_caps_plan_calls_that_fit_one_h100(case, tmp_path):
     hf_config.save_pretrained(tmp_path)
     cfg = from_dict({"actor": {"lora": lora}, "rollout": {"n": 8, "max_new_tokens": cap},
                      "trainer": {"train_batch_size": 16, "max_prompt_length": 500}})
-    plan = memory_plan.plan(cfg, memory_plan.shape_from_folder(str(tmp_path), lora), 80 * GIB,
+    plan = memory_plan.plan(cfg, memory_plan.shape_from_folder(str(tmp_path), cfg.actor.lora), 80 * GIB,
                             needs_reference=False, peft=lora is not None)
     assert plan.fits()
     per_call = memory_plan.decode_prompts_per_call(plan, cfg, hf_config)

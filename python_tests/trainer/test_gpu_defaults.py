@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from tiny_models import build_config, build_model, tiny_model
-from verl_fast.config import from_dict
+from verl_fast.config import LoraConfig, from_dict
 from verl_fast.strategies import memory_plan
 from verl_fast.strategies.fsdp_strategy import autocast_dtype, use_tf32
 from verl_fast.trainer.launch import auto_settings
@@ -94,7 +94,7 @@ def test_adapted_width_is_the_same_from_the_folder_and_from_the_built_peft_model
                if name.endswith(("q_proj", "down_proj")))
     assert memory_plan.shape_of(built).adapted == want > 0
     assert memory_plan.shape_of(build_model("qwen2")).adapted == 0
-    shape = memory_plan.shape_from_folder(_folder(tmp_path, **QWEN25_7B), {"r": 64})
+    shape = memory_plan.shape_from_folder(_folder(tmp_path, **QWEN25_7B), LoraConfig(r=64))
     assert shape.adapted == shape.trained // 64 == 28 * (6 * 3584 + 18944 + 3584 * 3 + 512 * 2 + 18944 * 2)
     cfg = from_dict({"actor": {"lora": {"r": 64}}})
     plain = memory_plan.plan(cfg, memory_plan.Shape(shape.parameters, shape.trained, shape.layers, shape.width,
@@ -123,7 +123,7 @@ def test_the_7b_full_fine_tune_fits_one_h200_with_8bit_states_and_not_with_fp32_
 
 def test_lora_7b_fits_and_checkpointing_turns_on_only_where_memory_needs_it(tmp_path):
     lora = {"r": 64}
-    shape = memory_plan.shape_from_folder(_folder(tmp_path, **QWEN25_7B), lora)
+    shape = memory_plan.shape_from_folder(_folder(tmp_path, **QWEN25_7B), LoraConfig(**lora))
     assert 150e6 < shape.trained < 170e6  # 64 x (in + out) over 7 projections x 28 layers: 161,480,704
     cfg = from_dict({"actor": {"lora": lora}, "rollout": {"n": 8, "max_new_tokens": 256}})
     p = memory_plan.plan(cfg, shape, 139 * GIB, needs_reference=False, peft=True)

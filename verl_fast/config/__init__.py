@@ -138,6 +138,26 @@ class ScheduleConfig:
     min_lr_ratio: float = _f(0.0, min=0.0, max=1.0, doc="linear / cosine: the final rate as a fraction of lr")
 
 
+LORA_MAX_RANK = 512  # vLLM's largest LoRA rank
+
+
+@dataclass
+class LoraConfig:
+    """``actor.lora``: LoRA adapters through peft (``actor.lora: {r: 16, alpha: 32}``); the base stays
+    frozen, the export is the merged model plus the adapter folder."""
+
+    r: Optional[int] = _f(None, min=1, doc="the adapters' rank (required)")
+    alpha: Optional[float] = _f(None, min=0.0, doc="the scale's numerator (adapters scaled by alpha / r); null: 2r")
+    dropout: float = _f(0.0, min=0.0, max=0.999, doc="dropout on the adapters' input")
+    target_modules: Union[str, List[str]] = _f("all-linear", doc="all-linear (every Linear but the output head; a "
+                                                "vision-language model's vision tower never) or a list of module "
+                                                "names, e.g. [q_proj, v_proj]")
+
+    @property
+    def scale_alpha(self) -> float:
+        return 2.0 * self.r if self.alpha is None else self.alpha
+
+
 @dataclass
 class ActorConfig(ModelLayoutConfig, ScheduleConfig):
     model_name: Optional[str] = _f(None, doc="Hub name (org/name, from the HF cache or the Hub), local HF "
@@ -201,9 +221,8 @@ class ActorConfig(ModelLayoutConfig, ScheduleConfig):
     trust_remote_code: bool = _f(False, doc="actor and reference: let transformers run the model folder's own code")
     attn_implementation: Optional[str] = _f(None, choices=ATTN_IMPLEMENTATIONS,
                                             doc="None: transformers' default; flash_attention_2 needs flash-attn")
-    lora: Optional[Dict[str, Any]] = _f(None, doc="LoRA adapters through peft: {r, alpha (default 2r), dropout "
-                                        "(default 0), target_modules (default all-linear)}; the base stays frozen, "
-                                        "the export is the merged model plus the adapter folder")
+    lora: Optional[LoraConfig] = _f(None, doc="LoRA adapters through peft: {r, alpha, dropout, target_modules} "
+                                    "(the keys below, under actor.lora); null: every weight trains")
     skip_zero_advantage: bool = _f(True, doc="leave samples whose advantages are all 0 out of the backward")
     freeze_vision_tower: bool = _f(True, doc="a vision-language actor (Qwen2-VL / Qwen2.5-VL): its vision tower "
                                    "(and merger) stays frozen; LoRA adapts the language model only either way")
@@ -567,6 +586,8 @@ def check_value(value: Any, annotation: Any, meta: Dict[str, Any], key: str) -> 
                     pass
         annotation = kinds[0]
         origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if dataclasses.is_dataclass(annotation):  # a section within a section (actor.lora)
+        return read_section(annotation, dataclasses.asdict(value) if isinstance(value, annotation) else value, key)
     if annotation is bool:
         if not isinstance(value, bool):
             raise ValueError(f"{key} must be true or false, got {value!r}")
@@ -832,30 +853,19 @@ def validate(cfg: Config) -> None:
         check(cfg)
 
 
-LORA_KEYS = ("r", "alpha", "dropout", "target_modules")
-
-
-def _check_lora(spec: Optional[Dict[str, Any]]) -> None:
-    """actor.lora's keys, each named in its message."""
+def _check_lora(spec: Optional[LoraConfig]) -> None:
+    """actor.lora's combinations (each key's type and range are its field's)."""
     if spec is None:
         return
-    unknown = sorted(set(spec) - set(LORA_KEYS))
-    if unknown:
-        raise ValueError(f"unknown key actor.lora.{unknown[0]}; allowed keys in actor.lora: {list(LORA_KEYS)}")
-    if "r" not in spec:
+    if spec.r is None:
         raise ValueError("actor.lora needs r (the adapters' rank), e.g. actor.lora: {r: 16}")
-    r = check_value(spec["r"], int, {"min": 1}, "actor.lora.r")
-    if "alpha" in spec:
-        check_value(spec["alpha"], float, {"min": 0.0}, "actor.lora.alpha")
-    if "dropout" in spec:
-        check_value(spec["dropout"], float, {"min": 0.0, "max": 0.999}, "actor.lora.dropout")
-    targets = spec.get("target_modules", "all-linear")
+    if spec.r > LORA_MAX_RANK:
+        raise ValueError(f"actor.lora.r must be <= {LORA_MAX_RANK} (vLLM's largest LoRA rank), got {spec.r}")
+    targets = spec.target_modules
     if not (targets == "all-linear" or (isinstance(targets, list) and targets and
                                         all(isinstance(t, str) and t for t in targets))):
         raise ValueError(f"actor.lora.target_modules must be all-linear or a list of module names (e.g. [q_proj, "
                          f"v_proj]), got {targets!r}")
-    if r > 512:
-        raise ValueError(f"actor.lora.r must be <= 512 (vLLM's largest LoRA rank), got {r}")
 
 
 def default_config_path() -> Path:

@@ -103,8 +103,8 @@ def _native_leaf(key: str, value: Any) -> bool:
     if key not in NATIVE:
         return False
     hint = NATIVE[key][1]
-    takes_mapping = hint is dict or typing.get_origin(hint) is dict or dict in typing.get_args(hint) or any(
-        typing.get_origin(a) is dict for a in typing.get_args(hint))
+    kinds = (hint, *typing.get_args(hint))  # a section within a section (actor.lora) takes a mapping too
+    takes_mapping = any(k is dict or typing.get_origin(k) is dict or dataclasses.is_dataclass(k) for k in kinds)
     return not isinstance(value, dict) or takes_mapping
 
 

@@ -1,4 +1,4 @@
-"""LoRA adapters from the config (``actor.lora: {r, alpha, dropout, target_modules}``) through peft,
+"""LoRA adapters from the config (``actor.lora``, a ``LoraConfig``) through peft,
 and what the HF export of a LoRA actor is made of.
 
 The export is the merged model, which transformers loads as the base family with no missing or
@@ -16,25 +16,24 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
+from verl_fast.config import LoraConfig
 from verl_fast.models.vision import VISION_MODULES, is_vision_model
 
 ADAPTER = "adapter"  # the adapter folder in a checkpoint and in its export (peft's save_pretrained)
 PREFIX = "base_model.model."
 
 
-def apply(model: torch.nn.Module, spec: Dict[str, Any]) -> torch.nn.Module:
-    """``model`` with fresh LoRA adapters as ``spec`` (an ``actor.lora`` mapping, checked at start-up)
-    says: ``r``, ``alpha`` (default 2r), ``dropout`` (default 0), ``target_modules`` (default
-    ``all-linear``: every Linear but the output head; a vision-language model's vision tower never).
-    The base weights are frozen."""
+def apply(model: torch.nn.Module, spec: LoraConfig) -> torch.nn.Module:
+    """``model`` with fresh LoRA adapters as ``spec`` (``actor.lora``, checked at start-up) says;
+    ``all-linear`` targets every Linear but the output head, and a vision-language model's vision
+    tower never. The base weights are frozen."""
     try:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig as PeftLoraConfig, get_peft_model
     except ImportError as e:
         raise ImportError("actor.lora needs peft: pip install peft") from e
-    r = int(spec["r"])
-    config = LoraConfig(r=r, lora_alpha=float(spec.get("alpha", 2 * r)), lora_dropout=float(spec.get("dropout", 0.0)),
-                        target_modules=spec.get("target_modules", "all-linear"), task_type="CAUSAL_LM",
-                        exclude_modules=VISION_MODULES if is_vision_model(model) else None)  # the LM only
+    config = PeftLoraConfig(r=spec.r, lora_alpha=spec.scale_alpha, lora_dropout=spec.dropout,
+                            target_modules=spec.target_modules, task_type="CAUSAL_LM",
+                            exclude_modules=VISION_MODULES if is_vision_model(model) else None)  # the LM only
     return get_peft_model(model, config)
 
 

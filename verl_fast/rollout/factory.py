@@ -39,7 +39,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from verl_fast import distributed
-from verl_fast.config import Config
+from verl_fast.config import Config, LoraConfig
 from verl_fast.models.vision import is_vision_model
 from verl_fast.models.wrapping import hf_module, is_sharded
 from verl_fast.ops.reshard.spec import MOE_FAMILIES
@@ -141,7 +141,7 @@ def build_vllm(cls: type, cfg: Config, actor: torch.nn.Module, tokenizer: Any, m
         max_num_seqs=r.max_num_seqs, max_model_len=max_len, enable_chunked_prefill=r.enable_chunked_prefill,
         seed=r.seed, enable_sleep_mode=None if r.enable_sleep_mode else False,
         sleep_level=resolve_sleep_level(r.sleep_level, peft, engine_weight_bytes(actor, dtype)), enable_lora=peft, enforce_eager=r.enforce_eager,
-        **({"max_lora_rank": lora_rank(actor)} if peft else {}),
+        **({"max_lora_rank": lora_rank(actor, cfg.actor.lora)} if peft else {}),
         cudagraph_batch=min(r.max_num_seqs, per_engine),
         record_routing=r.record_routing or cfg.actor.routing_replay, fp8_weights=fp8_weights, **kwargs)
     if placeholder or peft:  # placeholder weights, or the adapter still to push
@@ -167,9 +167,10 @@ def check_fp8_engine(world: int) -> None:
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
-def lora_rank(actor: Any) -> int:
-    """vLLM's max_lora_rank for a PEFT actor: the smallest rank vLLM takes that holds the adapter's."""
-    r = max(int(c.r) for c in actor.peft_config.values())
+def lora_rank(actor: Any, spec: Optional[LoraConfig]) -> int:
+    """vLLM's max_lora_rank for a PEFT actor: the smallest rank vLLM takes that holds the adapter's
+    (``actor.lora.r``; a PEFT model handed over as it is: the largest rank of its adapters)."""
+    r = spec.r if spec is not None else max(int(c.r) for c in actor.peft_config.values())
     fits = [k for k in VLLM_LORA_RANKS if k >= r]
     if not fits:
         raise ValueError(f"the actor's LoRA rank {r} is above vLLM's largest ({VLLM_LORA_RANKS[-1]})")

@@ -38,7 +38,7 @@ from typing import Any, Iterable, Optional, Tuple
 
 import torch
 
-from verl_fast.config import Config
+from verl_fast.config import Config, LoraConfig
 from verl_fast.distributed import MEMORY_FRACTION, allocatable_bytes
 from verl_fast.models.lora import is_peft
 from verl_fast.rollout import engines as rollout_engines
@@ -115,7 +115,7 @@ def shape_of(model: torch.nn.Module) -> Shape:
                  hidden + int(getattr(cfg, "intermediate_size", 0) or 0), hidden, adapted_width(model))
 
 
-def shape_from_folder(folder: str, lora: Optional[dict], trust_remote_code: bool = False) -> Shape:
+def shape_from_folder(folder: str, lora: Optional[LoraConfig], trust_remote_code: bool = False) -> Shape:
     """The ``Shape`` of the model in ``folder`` without loading its weights (built on the meta device),
     with LoRA's trained parameters when ``lora`` is set (rank r on every linear layer it targets)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -126,8 +126,8 @@ def shape_from_folder(folder: str, lora: Optional[dict], trust_remote_code: bool
     shape = shape_of(model)
     if lora is None:
         return shape
-    rank = int(lora.get("r", 8))
-    trained = lora_parameters(model.named_modules(), rank, lora.get("target_modules", "all-linear"))
+    rank = lora.r
+    trained = lora_parameters(model.named_modules(), rank, lora.target_modules)
     return Shape(shape.parameters + trained, trained, shape.layers, shape.width, shape.hidden, trained // rank)
 
 
