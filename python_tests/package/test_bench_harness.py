@@ -199,14 +199,29 @@ def test_cli_lists_bench_and_regenerates_the_report(tmp_path, capsys):
     assert list(tmp_path.glob("cpu-*.png")) and list(tmp_path.glob("cpu-*.md"))
 
 
-def test_bench_says_in_one_line_where_the_scripts_are_missing(tmp_path, monkeypatch, capsys):
-    """The wheel carries the library only: without a checkout's benchmarks/ beside the package or in
-    the current folder, `verl-fast bench` says so in one line (and runs nothing)."""
+def test_without_a_checkout_the_suite_runs_and_the_scripts_are_missing(tmp_path, monkeypatch):
+    """An installed wheel: the package's ops run, the checkout's scripts are "missing" in one line,
+    and the results go to the current folder."""
     assert paths.benchmarks_dir() == ROOT / "benchmarks"  # this checkout, beside the editable package
     monkeypatch.setattr(paths, "__file__", str(tmp_path / "site" / "verl_fast" / "bench" / "paths.py"))
     monkeypatch.chdir(tmp_path)
-    assert main(["bench", "--device", "cpu", "--quick"]) == 2  # a refusal: one line, exit 2
-    assert capsys.readouterr().err == f"verl-fast bench: {paths.MISSING}\n" and "\n" not in paths.MISSING
+    assert paths.benchmarks_dir() is None and paths.default_out_dir() == tmp_path
+    record = runner.run_op("reshard", "cpu", True, None, echo=False)
+    assert record["status"] == "missing" and record["reason"].endswith("runs from a clone of the repository")
+    assert runner.op_command("gae", "cpu", True, None)[1:] == ["-m", "verl_fast.bench.ops_advantage", "--device", "cpu",
+                                                              "--quick"]
+    assert set(runner.QUICK_OPS) <= {name for name, op in runner.OPS.items() if op.module}
     (tmp_path / "benchmarks").mkdir()
     (tmp_path / "benchmarks" / "_common.py").write_text("")
     assert paths.benchmarks_dir() == tmp_path / "benchmarks"  # a checkout as the current folder
+
+
+def test_the_step_benchmarks_tokenizer_round_trips_chat_text():
+    from verl_fast.bench.ops_step import char_tokenizer
+
+    tok = char_tokenizer()
+    text = tok.apply_chat_template([{"role": "user", "content": "What is 12 + 7?"}], tokenize=False,
+                                   add_generation_prompt=True)
+    ids = tok(text)["input_ids"]
+    assert tok.decode(ids) == text and ids.count(tok.convert_tokens_to_ids("<|im_start|>")) == 2
+    assert len(ids) == len("What is 12 + 7?") + len("user\n") + len("\nassistant\n") + 3

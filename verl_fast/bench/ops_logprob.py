@@ -26,7 +26,8 @@ from typing import Callable
 
 import torch
 
-from verl_fast.bench.record import Report, copy_bandwidth_gbs, peak_extra_bytes, sync, time_ms
+from verl_fast.bench.record import Report, copy_bandwidth_gbs, peak_extra_bytes, time_ms
+from verl_fast.bench.timing import sync
 
 import verl_fast as vf
 from verl_fast.bench.shapes import shape

@@ -33,6 +33,7 @@ from verl_fast.bench.record import Report, time_ms
 from verl_fast import schedule
 
 SIZES = [1024, 16384, 131072]
+QUICK_SIZES = [1024, 4096]
 KS = [8, 64]
 MAX_LEN = 2048
 
@@ -257,7 +258,7 @@ def bench_rollout(report: Report, n: int) -> None:
 def run(quick: bool = False, python_limit_s: float = 30.0) -> Report:
     report = Report("schedule", "cpu")
     report.meta["workload"] = "GSM8K+Alpaca-like log-normal mix, 10..2048 tokens"
-    sizes = SIZES[:2] if quick else SIZES
+    sizes = QUICK_SIZES if quick else SIZES
     bench_balance(report, sizes, python_limit_s)
     bench_pack(report, sizes)
     bench_rollout(report, 4096 if quick else 65536)
@@ -266,7 +267,7 @@ def run(quick: bool = False, python_limit_s: float = 30.0) -> Report:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="n up to 16k only")
+    p.add_argument("--quick", action="store_true", help="n up to 4096 only")
     p.add_argument("--python-limit-s", type=float, default=30.0,
                    help="skip a Python KK run estimated to take longer than this")
     args = p.parse_args(argv)

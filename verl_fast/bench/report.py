@@ -233,7 +233,7 @@ def regenerate(out: Path) -> Tuple[Path, Dict[str, Any], Path, Optional[Path]]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="rebuild the benchmark report from the latest results JSON")
-    p.add_argument("out", nargs="?", help="results folder (default: benchmarks/results)")
+    p.add_argument("out", nargs="?", help="results folder (default: a checkout's benchmarks/results, else here)")
     args = p.parse_args(argv)
     latest, _, md, png = regenerate(Path(args.out) if args.out else default_out_dir())
     print(f"results: {latest}\nreport: {md}\nchart: {png}")

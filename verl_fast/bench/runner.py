@@ -1,6 +1,10 @@
-"""`verl-fast bench`: runs the benchmarks by name, each benchmarks/bench_<op>.py in a process of its own.
+"""`verl-fast bench`: runs the benchmarks by name, each in a process of its own.
 
-A benchmark script saves its Report JSON files under ``$VF_BENCH_RESULTS``; the runner points that at
+The suite ships in the package (``python -m verl_fast.bench.ops_<op>``: the advantages, the log-prob
+kernels, the scheduler, an end-to-end GRPO step) and runs from a plain install; the other ops are
+benchmarks/bench_<op>.py scripts of a source checkout, reported "missing" without one.
+
+A benchmark saves its Report JSON files under ``$VF_BENCH_RESULTS``; the runner points that at
 a private folder per op, collects what each wrote, and hands everything to the report (one table,
 ``<device>-<date>.json``, Markdown, PNG). A process per op keeps one benchmark's state (vLLM inside
 the process, thread settings, allocator caches) out of the next one's figures.
@@ -26,7 +30,8 @@ from verl_fast.bench.timing import cpu_load
 
 @dataclass(frozen=True)
 class Op:
-    script: str
+    script: Optional[str] = None  # a benchmarks/ script of a checkout
+    module: Optional[str] = None  # else a module of this package, verl_fast.bench.<module>
     device_flag: bool = True  # takes --device
     quick: Sequence[str] = ("--quick",)  # extra arguments under --quick
     full: Sequence[str] = ()  # extra arguments without --quick
@@ -36,47 +41,52 @@ class Op:
 
 
 OPS: Dict[str, Op] = {
-    "gae": Op("bench_advantage.py"),
-    "logprob": Op("bench_logprob.py", quick=("--tokens", "64", "--hidden", "64", "--vocab", "1024", "--no-sweep")),
-    "schedule": Op("bench_schedule.py", device_flag=False),
+    "gae": Op(module="ops_advantage"),
+    "logprob": Op(module="ops_logprob", quick=("--tokens", "64", "--hidden", "64", "--vocab", "1024", "--no-sweep")),
+    "schedule": Op(module="ops_schedule", device_flag=False),
+    "step": Op(module="ops_step"),
     "reshard": Op("bench_reshard.py", quick=("--only", "1")),
     "rollout": Op("bench_rollout.py", quick=("--models", "tiny", "--rep", "2")),
     "e2e": Op("bench_e2e.py", quick=("--tiny",)),
     "claims": Op("bench_claims.py"),
     "default_run": Op("bench_default_run.py", devices=("cpu",)),
 }
-QUICK_OPS = ("gae", "logprob", "schedule")
+QUICK_OPS = ("gae", "logprob", "schedule", "step")
 # the op each script's saved Report belongs to, by the report name's first word
 REPORT_OPS = {"advantage": "gae", "bench": "logprob", "schedule": "schedule", "reshard": "reshard",
-              "weight": "reshard", "rollout": "rollout", "e2e": "e2e", "claims": "claims", "default": "default_run"}
-DEFAULT_OPS = {"cpu": ("gae", "logprob", "schedule", "reshard", "rollout", "claims", "default_run"),
-               "cuda": ("gae", "logprob", "reshard", "e2e")}
+              "weight": "reshard", "rollout": "rollout", "e2e": "e2e", "claims": "claims", "default": "default_run",
+              "step": "step"}
+DEFAULT_OPS = {"cpu": ("gae", "logprob", "schedule", "step", "reshard", "rollout", "claims", "default_run"),
+               "cuda": ("gae", "logprob", "step", "reshard", "e2e")}
 
 
-def op_command(name: str, device: str, quick: bool, folder: Path) -> List[str]:
+def op_command(name: str, device: str, quick: bool, folder: Optional[Path]) -> List[str]:
     op = OPS[name]
-    cmd = [sys.executable, str(folder / op.script)]
+    cmd = [sys.executable, "-m", f"verl_fast.bench.{op.module}"] if op.module else \
+        [sys.executable, str(folder / op.script)]
     if op.device_flag:
         cmd += ["--device", device]
     cmd += list(op.quick if quick else op.full)
     return cmd + list(op.extra.get(device, ()))
 
 
-def run_op(name: str, device: str, quick: bool, folder: Path, echo: bool = True) -> Dict[str, object]:
-    """Runs one benchmark; returns its status, wall time, load, output tail and saved reports."""
+def run_op(name: str, device: str, quick: bool, folder: Optional[Path], echo: bool = True) -> Dict[str, object]:
+    """Runs one benchmark (``folder``: the checkout's benchmarks/, None without a checkout); returns
+    its status, wall time, load, output tail and saved reports."""
     op = OPS[name]
-    record: Dict[str, object] = {"op": name, "script": op.script, "reports": []}
+    record: Dict[str, object] = {"op": name, "script": op.script or f"verl_fast.bench.{op.module}", "reports": []}
     if device not in op.devices:
         return {**record, "status": "skipped", "reason": f"runs on {'/'.join(op.devices)} only"}
-    if not (folder / op.script).is_file():
-        return {**record, "status": "missing", "reason": f"{op.script} is not in {folder}"}
+    if op.script and (folder is None or not (folder / op.script).is_file()):
+        where = folder or "this folder: it runs from a clone of the repository"
+        return {**record, "status": "missing", "reason": f"{op.script} is not in {where}"}
     cmd = op_command(name, device, quick, folder)
     with tempfile.TemporaryDirectory(prefix=f"vf_bench_{name}_") as tmp:
         env = {**os.environ, "VF_BENCH_RESULTS": tmp, "PYTHONUNBUFFERED": "1"}
         env.pop("VF_BENCH_SUMMARY", None)
         load, start = cpu_load(), time.perf_counter()
         try:
-            proc = subprocess.run(cmd, env=env, cwd=folder, capture_output=True, text=True, timeout=op.timeout_s)
+            proc = subprocess.run(cmd, env=env, cwd=folder or tmp, capture_output=True, text=True, timeout=op.timeout_s)
             output, code = proc.stdout + proc.stderr, proc.returncode
         except subprocess.TimeoutExpired as e:
             output, code = f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {op.timeout_s} s", -1
@@ -119,8 +129,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops", help=f"comma list of {', '.join(OPS)} (default: all that run on the device; "
                                  f"with --quick: {','.join(QUICK_OPS)})")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
-    p.add_argument("--quick", action="store_true", help="small sizes (CI on the CPU, under 2 minutes)")
-    p.add_argument("--out", help="results folder (default: benchmarks/results)")
+    p.add_argument("--quick", action="store_true", help="small sizes (CI on the CPU, about a minute)")
+    p.add_argument("--out", help="results folder (default: a checkout's benchmarks/results, else the current folder)")
     p.add_argument("--collect", action="store_true",
                    help="run nothing: one results JSON from the <name>_<device>.json files the scripts saved in DIR")
     p.add_argument("--report-only", action="store_true",

@@ -82,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "key=value ...) as algorithm.type=sft, with verl's SFT defaults")
     add_arguments(sft)
     sft.set_defaults(func=_train, tree="sft")
-    bench = sub.add_parser("bench", help="benchmarks against their baselines and floors (the scripts of a "
-                                         "source checkout): one table, JSON, Markdown and PNG in benchmarks/results/")
+    bench = sub.add_parser("bench", help="benchmarks on this device against their baselines, the floors and the "
+                                         "A100 design targets: one table, JSON, Markdown and PNG (--out)")
     from verl_fast.bench.runner import add_arguments as bench_arguments
 
     bench_arguments(bench)
