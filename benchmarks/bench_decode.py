@@ -19,9 +19,10 @@ Ragged lengths (``ragged``, ``ragged_whole``): the trainer's default decode (``k
 ``--cap`` new tokens, rows ending where they sample one of the ``vocab / --mean`` lowest token ids (a
 random-weight model's next-token distribution is close to uniform, so lengths are close to geometric
 with that mean; the decode is told only the stop ids). ``ragged`` compacts finished rows out of the
-batch (the trainer's default), ``ragged_whole`` steps the whole batch to the longest row. Reported:
-the steps the longest row needs, generated tokens and tokens/s, the time per step, and the floor (per
-step, the bf16 weights once and the unfinished rows' KV cache, at the card's HBM bandwidth).
+batch, ``ragged_whole`` steps the whole batch to the longest row. Reported: the steps run, the rows'
+lengths and the batch rows from each step, all of the last timed call; generated tokens and tokens/s;
+the median of the calls' time per step (each call's time over its own steps); and the floor (per step,
+the bf16 weights once and the unfinished rows' KV cache, at the card's HBM bandwidth).
 
 (Inductor's ``max-autotune``, its Triton GEMM templates timed against cuBLAS per product, was tried on
 the 0.5B shape: 3-17 s of autotuning per GEMM shape, the compile not done within 190 s; not a variant.)
@@ -134,12 +135,14 @@ def run_variant(model, ids, mask, n: int, tokens: int, variant: str, reps: int, 
         start = time.perf_counter()
         _, _, mode = call()
         first = time.perf_counter() - start
-        times = []
+        times, per_step = [], []
         for _ in range(reps):
             torch.manual_seed(len(times))  # the same draws for every variant's i-th call
             start = time.perf_counter()
             new, _, _ = call()
             times.append(time.perf_counter() - start)
+            per_step.append(times[-1] / log[-1][0])  # a ragged call's steps are its own draws'
+        batches = [list(x) for x in log]  # the last timed call's: its steps and rows go with its tokens
         torch.manual_seed(0)
         profiled = kernel_profile(call)
     finally:
@@ -147,13 +150,15 @@ def run_variant(model, ids, mask, n: int, tokens: int, variant: str, reps: int, 
         hf_decode.KERNEL = kernel
         for name, value in launch.items():
             setattr(kernel_module, name, value)
-    steps = log[-1][0]
+    steps = batches[-1][0]
+    profiled_steps = log[-1][0]
     lengths = (torch.cumsum(torch.isin(new, torch.tensor(list(stop))), 1) == 0).sum(1) + 1  # through the stop
     lengths = lengths.clamp(max=tokens)
     return {"variant": variant, "mode": mode, "first_s": first, "median_s": statistics.median(times),
-            "min_s": min(times), "max_s": max(times), "kernels_per_token": profiled["kernels"] / steps,
+            "min_s": min(times), "max_s": max(times), "kernels_per_token": profiled["kernels"] / profiled_steps,
             "busy_share": profiled["gpu_busy_s"] / profiled["wall_s"], "top_kernels": profiled["top_kernels"],
-            "steps": steps, "batches": [list(x) for x in log], "lengths": lengths.tolist()}
+            "steps": steps, "step_ms": statistics.median(per_step) * 1e3, "batches": batches,
+            "lengths": lengths.tolist()}
 
 
 def floor_s(weights: int, kv_per_token: int, width: int, lengths, bandwidth: float) -> float:
@@ -200,7 +205,7 @@ def main(argv=None) -> int:
             floor = floor_s(weights, kv_per_token, ids.shape[1], r["lengths"], hbm_bytes_per_s())
             generated = sum(r["lengths"])
             r.update(floor_s=floor, generated=generated, tokens_per_s=generated / r["median_s"],
-                     step_ms=r["median_s"] / r["steps"] * 1e3, floor_step_ms=floor / r["steps"] * 1e3)
+                     floor_step_ms=floor / r["steps"] * 1e3)
             rows.append(r)
             case = (f"{shape} ragged {samples}x<={args.cap} (mean {args.mean})" if ragged
                     else f"{shape} decode {samples}x{args.tokens}")

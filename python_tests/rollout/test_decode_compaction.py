@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy import stats
 
-from tiny_models import build_model
+from tiny_models import build_model, build_tokenizer
 from verl_fast.rollout import hf_decode
 
 VOCAB = 256
@@ -261,3 +261,31 @@ def test_the_decode_stops_within_check_every_steps_of_its_longest_row(check_ever
         want = torch.cat([torch.arange(length - 1, -1, -1), torch.zeros(CAP + 20 - length, dtype=torch.long)])
         assert torch.equal(tokens[row], want), (row, length, tokens[row])
         assert (logp[row, length:] == 0).all() and (logp[row, :length] < 0).all()
+
+
+def test_the_engine_compacts_as_rollout_hf_compact_rows_says(monkeypatch):
+    """``rollout.hf_compact_rows`` through the HF engine to ``decode``'s ``min_rows``: auto compacts off a
+    GPU and steps the whole batch on one; a bad value is named in one line, by the engine and the config."""
+    from verl_fast import config
+    from verl_fast.rollout.base import SamplingSpec
+    from verl_fast.rollout.hf_engine import HFGenerateEngine
+
+    tok = build_tokenizer()
+    m = build_model("qwen2", vocab_size=len(tok), num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1,
+                    eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    seen = []
+    real = hf_decode.decode
+    monkeypatch.setattr(hf_decode, "decode", lambda *a, **k: seen.append(k["min_rows"]) or real(*a, **k))
+    for setting, want in (("auto", hf_decode.MIN_ROWS), ("on", hf_decode.MIN_ROWS), ("off", None)):
+        engine = HFGenerateEngine(m, tok, fast_decode="on", compact_rows=setting)
+        engine.generate([[5, 6, 7]], SamplingSpec(n=2, max_tokens=3, seed=0))
+        assert seen[-1] == want, setting
+        assert engine.settings()["compact_rows"] == setting
+    cuda = torch.device("cuda")
+    assert HFGenerateEngine(m, tok, compact_rows="auto")._min_rows(cuda) is None
+    assert HFGenerateEngine(m, tok, compact_rows="on")._min_rows(cuda) == hf_decode.MIN_ROWS
+    with pytest.raises(ValueError, match="compact_rows must be one of"):
+        HFGenerateEngine(m, tok, compact_rows="yes")
+    assert config.from_dict({"rollout": {"hf_compact_rows": "off"}}).rollout.hf_compact_rows == "off"
+    with pytest.raises(ValueError, match=r"rollout.hf_compact_rows must be one of \['auto', 'on', 'off'\]"):
+        config.from_dict({"rollout": {"hf_compact_rows": "sometimes"}})
