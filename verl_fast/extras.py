@@ -86,7 +86,11 @@ def missing(cfg: Any, modules: Optional[Sequence[str]] = None, generates: bool =
     """One message per optional package ``cfg`` needs and this environment lacks (of ``modules``
     only, when given; ``generates``: whether the run's algorithm samples, and so needs an engine and a
     reward)."""
-    needs = [(module, extra, needed(cfg)) for module, extra, needed in (GENERATING if generates else []) + NEEDS]
+    generating = GENERATING if generates else []
+    # in NEEDS' order, a package's generating needs first (the key named is the first that asks)
+    ordered = [n for need in NEEDS for n in [g for g in generating if g[0] == need[0]] + [need]]
+    ordered += [g for g in generating if g[0] not in {need[0] for need in NEEDS}]
+    needs = [(module, extra, needed(cfg)) for module, extra, needed in ordered]
     if generates:
         needs += [need for provider in PROVIDERS for need in provider(cfg)]
     found, named = [], set()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -38,6 +39,9 @@ class Updates:
         # given the engine / actor log-prob gap the update's first forward measured (policy_losses.py's
         # SYNC_GAP, every rank's tokens), before the first optimiser step (the trainer's sync guardrail)
         self.sync_gap_check: Optional[Callable[[float], None]] = None
+        # the experience whose gap was checked: a rollout meets the engine's policy once, in the first update
+        # over it (a second update over the same rows starts from a policy that has moved since)
+        self._gap_checked: Optional[weakref.ReferenceType] = None
 
     # ---- micro-batches
 
@@ -137,7 +141,10 @@ class Updates:
                 counts = loss_normalisers(exp.response_mask[mb], self.dp_group, self._norm_length(a))
                 micro = self.micro(exp, mb[active[mb]])
                 every += counts["num_tokens"] * counts["dp_size"]
-                first = epoch == 0 and start == 0 and self.sync_gap_check is not None
+                first = (epoch == 0 and start == 0 and self.sync_gap_check is not None
+                         and (self._gap_checked is None or self._gap_checked() is not exp))
+                if first:
+                    self._gap_checked = weakref.ref(exp)
                 stats, norm = self.step(exp, micro, lambda logp, entropy, sub: loss(logp, entropy, sub, counts),
                                         before_step=self._sync_gap(exp, micro) if first else None)
                 skipped = nonfinite_step(epoch * math.ceil(N / mini) + start // mini, steps, norm, stats)
