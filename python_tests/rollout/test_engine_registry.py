@@ -22,7 +22,8 @@ from verl_fast.trainer.rl_trainer import RLTrainer
 
 class ToyEngine(RolloutEngine):
     """Answers sample ``j`` of a prompt with the prompt's tokens reversed from the ``j``-th on, at most
-    ``max_tokens`` of them, log-probs of -1: a deterministic engine whose samples differ within a group."""
+    ``max_tokens`` of them, without log-probs (it samples from no policy, so the sync guardrail has
+    nothing to compare): a deterministic engine whose samples differ within a group."""
 
     owns_weights = True  # a copy of its own: the trainer pushes the weights after each update
     built = []  # (the engine, what build received) of every engine built
@@ -53,7 +54,7 @@ class ToyEngine(RolloutEngine):
             for j in range(spec.n):
                 completions.append(list(prompt[::-1][j:j + spec.max_tokens]))
                 index.append(i)
-        return pad_completions(completions, [[-1.0] * len(c) for c in completions], index, self.pad_token_id,
+        return pad_completions(completions, None, index, self.pad_token_id,
                                texts=self.tokenizer.batch_decode(completions),
                                finish_reasons=["length"] * len(completions))
 
@@ -96,12 +97,14 @@ def test_the_choices_come_from_the_table():
 
 
 def test_each_engine_answers_for_its_kind():
-    with pytest.raises(ValueError, match="rollout.quantization=fp8 is not supported with rollout.type=hf"):
-        C.from_dict({"rollout": {"type": "hf", "quantization": "fp8"}})
+    with pytest.raises(ValueError, match="rollout.quantization=awq is not supported with rollout.type=hf"):
+        C.from_dict({"rollout": {"type": "hf", "quantization": "awq"}})
+    with pytest.raises(ValueError, match="rollout.kv_cache_dtype=fp8 is not supported with rollout.type=hf"):
+        C.from_dict({"rollout": {"type": "hf", "kv_cache_dtype": "fp8"}})
     with pytest.raises(ValueError, match="trainer.async_mode=full is not supported with rollout.type=vllm"):
         C.from_dict({"rollout": {"type": "vllm", "enable_sleep_mode": False},
                      "algorithm": {"rollout_correction": True}, "trainer": {"async_mode": "full"}})
-    C.from_dict({"rollout": {"type": "auto", "quantization": "fp8"}})  # auto: the engine is chosen beside the actor
+    C.from_dict({"rollout": {"type": "auto", "quantization": "awq"}})  # auto: the engine is chosen beside the actor
     vllm = C.from_dict({"rollout": {"type": "vllm"}})
     assert engines.owns_weights(vllm) and not engines.owns_weights(C.from_dict({"rollout": {"type": "hf"}}))
     assert not engines.owns_weights(C.from_dict({}))  # auto may decode with the actor itself

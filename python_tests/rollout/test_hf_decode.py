@@ -417,7 +417,7 @@ def test_a_group_larger_than_the_room_decodes_in_calls_that_fit(model, tok, monk
     calls = []
     run = fast._generate
     monkeypatch.setattr(fast, "_room_bytes", lambda: 2.5 * per_prompt)  # greedy: one row a prompt
-    monkeypatch.setattr(fast, "_generate", lambda ps, s: calls.append(len(ps)) or run(ps, s))
+    monkeypatch.setattr(fast, "_generate", lambda ps, s, v=None: calls.append(len(ps)) or run(ps, s, v))
     cut = fast.generate(prompts(tok), spec)
     assert calls == [2, 2, 1]
     assert torch.equal(cut.response_ids, whole.response_ids) and cut.finish_reasons == whole.finish_reasons
