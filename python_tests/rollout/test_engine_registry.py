@@ -70,12 +70,14 @@ class ToyEngine(RolloutEngine):
 
 
 @pytest.fixture
-def toy():
+def toy(monkeypatch):
+    # the registration lasts this test only: the table and rollout.type's choices are restored after it
+    monkeypatch.setattr(engines, "_ENGINES", dict(engines._ENGINES))
+    monkeypatch.setattr(C.ENGINES, "_names", list(C.ENGINES._names))
     engines.register("toy", ToyEngine)
     ToyEngine.built.clear()
     ToyEngine.checked.clear()
-    yield ToyEngine
-    engines._ENGINES.pop("toy")
+    return ToyEngine
 
 
 @pytest.fixture(scope="module")
