@@ -26,7 +26,7 @@ import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 
 class Choices:
@@ -656,6 +656,14 @@ def reward_functions(r: RewardConfig) -> List[RewardConfig]:
             raise ValueError(f"{key}: a reward function in the list cannot hold functions of its own")
         out.append(read_section(RewardConfig, {"on_error": r.on_error, "timeout_s": r.timeout_s, **entry}, key))
     return out
+
+
+def keyed_reward_functions(r: RewardConfig) -> List[Tuple[str, RewardConfig]]:
+    """``reward_functions(r)``, each with the key that names it in messages (``reward_fn``, or
+    ``reward_fn[i]`` for a weighted section's functions)."""
+    entries = reward_functions(r)
+    several = len(entries) > 1 or r.type == WEIGHTED_REWARD
+    return [(f"reward_fn[{i}]" if several else "reward_fn", e) for i, e in enumerate(entries)]
 
 
 def read_section(cls, data: Any, name: str):

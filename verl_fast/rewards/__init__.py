@@ -91,10 +91,8 @@ def _unguarded(cfg: Any) -> RewardFunction:
 
 
 def _check(cfg: config.Config) -> None:
-    entries = config.reward_functions(cfg.reward_fn)
-    several = len(entries) > 1 or cfg.reward_fn.type == config.WEIGHTED_REWARD
-    for i, r in enumerate(entries):
-        key = f"reward_fn[{i}]" if several else "reward_fn"
+    for key, r in config.keyed_reward_functions(cfg.reward_fn):
+        several = key != "reward_fn"  # one of a weighted section's functions
         if r.type == "callable" and not r.path:
             raise ValueError(f"{key}.type=callable needs {key}.path ('module:function')")
         problems = verl_managers.check(r.manager, r.type, key)

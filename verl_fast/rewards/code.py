@@ -136,10 +136,7 @@ def _passed(result: Result, job: Tuple[str, Optional[str], str]) -> bool:
 
 
 def _check(cfg: config.Config) -> None:
-    entries = config.reward_functions(cfg.reward_fn)
-    several = len(entries) > 1 or cfg.reward_fn.type == config.WEIGHTED_REWARD
-    for i, r in enumerate(entries):
-        key = f"reward_fn[{i}]" if several else "reward_fn"
+    for key, r in config.keyed_reward_functions(cfg.reward_fn):
         if r.sandbox and r.type != "code":
             raise ValueError(f"{key}.sandbox applies to {key}.type=code only, got type {r.type}")
         if r.type == "code":

@@ -248,10 +248,7 @@ class JudgeReward(RewardFunction):
 
 
 def _check(cfg: config.Config) -> None:
-    entries = config.reward_functions(cfg.reward_fn)
-    several = len(entries) > 1 or cfg.reward_fn.type == config.WEIGHTED_REWARD
-    for i, r in enumerate(entries):
-        key = f"reward_fn[{i}]" if several else "reward_fn"
+    for key, r in config.keyed_reward_functions(cfg.reward_fn):
         if r.judge and r.type != "judge":
             raise ValueError(f"{key}.judge applies to {key}.type=judge only, got type {r.type}")
         if r.type == "judge":
