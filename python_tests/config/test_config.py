@@ -99,7 +99,7 @@ def test_the_config_stands_on_its_own_and_the_run_registers_its_choices(tmp_path
         "cfg = C.load(C.default_config_path(), ['actor.lr=1e-5'])",
         "assert cfg.actor.lr == 1e-5 and cfg.algorithm.type == 'grpo'",
         "assert C.from_dict({'algorithm': {'type': 'ppo'}, 'rollout': {'type': 'vllm'}}).algorithm.type == 'ppo'",
-        "assert loaded() == ['verl_fast.config', 'verl_fast.config.yaml_files'], loaded()",
+        "assert all(m.split('.')[1] == 'config' for m in loaded()), loaded()",
         "bad = C.from_dict({'algorithm': {'type': 'nope'}})",
         "from verl_fast.algos import registry",
         "try:",
