@@ -71,7 +71,7 @@ def _waiting_raise_landed(device):
 
 
 def _old_gae_inputs(r, v, m):
-    from verl_fast.ops import _validate as V
+    from verl_fast.ops import arguments as V
 
     r = V.float_2d(r, "token_level_rewards")
     V.device_supported(r, "token_level_rewards")
@@ -93,7 +93,7 @@ def before_48():
     """The public calls as they ran before issue 48's host-path changes."""
     from verl_fast.kernels import autograd as AG
     from verl_fast.kernels import logprobs_from_logits as LF
-    from verl_fast.ops import _validate as V
+    from verl_fast.ops import arguments as V
     from verl_fast.ops import advantage as A
     from verl_fast.ops import logprobs as L
     from verl_fast.ops.reshard.plan import ReshardPlan
@@ -248,7 +248,7 @@ def logprobs_pieces(logits, labels):
     """logprobs_from_logits' Triton path piece by piece, each as the default call runs it (see
     ops/logprobs.py and kernels/logprobs_from_logits.py): where the host time before the launch goes."""
     from verl_fast.kernels import logprobs_from_logits as K
-    from verl_fast.ops import _validate as Vd
+    from verl_fast.ops import arguments as Vd
     from verl_fast.ops import logprobs as L
 
     V = logits.shape[-1]

@@ -147,6 +147,19 @@ def test_packages_not_asked_for_are_not_needed(monkeypatch):
                                    "pip install matplotlib (or pip install 'verl_fast[plot]')"]
 
 
+@pytest.mark.parametrize("algorithm", ["ppo", "dpo", "grpo"])
+def test_megatron_core_is_asked_for_by_the_actor_whatever_the_algorithm(monkeypatch, algorithm):
+    """A Megatron critic is refused beside any other actor, so the actor's key is the one that needs
+    megatron-core, with or without a critic trained (no algorithm's name is asked)."""
+    with pytest.raises(ValueError, match="critic.strategy=megatron is not supported with actor.strategy=auto"):
+        C.from_dict({"algorithm": {"type": algorithm}, "critic": {"strategy": "megatron"}})
+    cfg = C.from_dict({"algorithm": {"type": algorithm}, "actor": {"strategy": "megatron", "autocast": "none"},
+                       "critic": {"strategy": "megatron"}, "trainer": {"plot": False}})
+    monkeypatch.setattr(extras, "installed", lambda m: m != "megatron.core")
+    assert extras.missing(cfg, generates=False) == ["actor.strategy=megatron, which needs the megatron-core package: "
+                                                    "pip install megatron-core (or pip install 'verl_fast[megatron]')"]
+
+
 def test_cli_refuses_a_missing_extra_before_training(tmp_path, monkeypatch, capsys):
     """Before the output folder, the dataset or any model is touched: nothing written."""
     monkeypatch.setattr(extras, "installed", lambda m: m != "matplotlib")

@@ -31,8 +31,9 @@ def collect() -> Dict[str, object]:
 
     out: Dict[str, object] = {"verl_fast": verl_fast.__version__}
     try:
-        from verl_fast import _C
+        from verl_fast.ops import native
 
+        _C = native.ext()
         out["_C"] = {"loaded": True, "version": _C.__version__, "cuda": bool(_C.has_cuda),
                      "cuda_archs": _C.cuda_archs}
     except ImportError as e:

@@ -24,7 +24,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from verl_fast.ops import _validate as V
+from verl_fast.ops import arguments as V
 from verl_fast.ops import pending_checks as P
 from verl_fast.ops.native import cuda_stream, ext
 

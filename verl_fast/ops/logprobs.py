@@ -35,7 +35,7 @@ import torch
 from verl_fast.kernels.autograd import LinearLogprobsFunction, LogprobsFunction
 from verl_fast.kernels.softmax_stats import vocab_shard
 from verl_fast.ops import _logprobs_torch
-from verl_fast.ops import _validate as V
+from verl_fast.ops import arguments as V
 from verl_fast.ops import pending_checks as P
 from verl_fast.ops.native import stream_handle
 

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from verl_fast.ops import _validate as V
+from verl_fast.ops import arguments as V
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, axis: Optional[int] = None) -> torch.Tensor:

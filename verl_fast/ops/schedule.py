@@ -24,7 +24,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from verl_fast.ops import _validate as V
+from verl_fast.ops import arguments as V
 from verl_fast.ops.native import ext
 
 __all__ = ["Plan", "PlanReport", "balance_partitions", "pack_micro_batches", "rollout_buckets", "FLOPS_A"]

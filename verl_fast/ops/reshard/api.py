@@ -8,7 +8,7 @@ from typing import Dict, Iterator, Mapping, Optional, Tuple, Union
 
 import torch
 
-from verl_fast.ops import _validate as V
+from verl_fast.ops import arguments as V
 from verl_fast.ops.reshard import oneshot
 from verl_fast.ops.reshard.fsdp import dtensor_layout
 from verl_fast.ops.reshard.hf import detect_naming, hf_layout

@@ -25,7 +25,7 @@ from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from verl_fast.ops import _validate as V
+from verl_fast.ops import arguments as V
 from verl_fast.ops.reshard.layout import (Band, Layout, PhysTensor, Piece, col_slice, even_split, replicated,
                                          row_bands, slice_bands)
 from verl_fast.ops.reshard.spec import ModelSpec, layer_prefix, logical_shapes

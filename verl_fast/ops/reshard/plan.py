@@ -17,7 +17,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 
 from verl_fast.distributed import indexed
-from verl_fast.ops import _validate as V
+from verl_fast.ops import arguments as V
 from verl_fast.ops.native import cuda_stream, ext
 from verl_fast.ops.reshard.layout import Layout, PhysTensor, local_tensor, order_tensors
 from verl_fast.ops.reshard.spec import as_2d

@@ -19,7 +19,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from verl_fast.ops import _validate as V
+from verl_fast.ops import arguments as V
 from verl_fast.ops.reshard.hf import hf_layout
 from verl_fast.ops.reshard.layout import Layout, PhysTensor, Piece, col_slice, even_split, replicated, row_bands
 from verl_fast.ops.reshard.spec import ModelSpec, as_2d, layer_prefix, logical_shapes

@@ -28,7 +28,7 @@ from typing import Dict, Mapping, Optional, Tuple, Union
 import torch
 
 from verl_fast.files import safe_load
-from verl_fast.ops import _validate as V
+from verl_fast.ops import arguments as V
 from verl_fast.ops.reshard.hf import hf_layout
 from verl_fast.ops.reshard.megatron import detect_names, megatron_layout, shard_prefix, torch_dist_layout, vocab_rows
 from verl_fast.ops.reshard.plan import ReshardPlan

@@ -157,12 +157,9 @@ def check(cfg: Config) -> None:
 
 
 def needs_megatron_core(cfg: Config) -> Optional[str]:
-    """The key that makes a run need megatron-core (``extras.register``), or None."""
-    if cfg.actor.strategy == "megatron":
-        return "actor.strategy=megatron"
-    if cfg.critic.strategy == "megatron" and cfg.algorithm.type == "ppo":  # the critic trains with PPO only
-        return "critic.strategy=megatron"
-    return None
+    """The key that makes a run need megatron-core (``extras.register``), or None: the actor's, since
+    ``check`` refuses a Megatron critic beside any other actor."""
+    return "actor.strategy=megatron" if cfg.actor.strategy == "megatron" else None
 
 
 def check_device(cfg: Config) -> None:

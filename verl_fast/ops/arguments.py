@@ -1,4 +1,5 @@
-"""Argument checks shared by the op wrappers. Messages name the argument and what was expected."""
+"""Argument checks shared by the op wrappers, and by any room that takes sizes and flags as they do.
+Messages name the argument and what was expected."""
 
 from __future__ import annotations
 
