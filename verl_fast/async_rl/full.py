@@ -145,8 +145,8 @@ class FullAsyncRollout:
 
     def _start(self) -> None:
         # the workers' torch loads after their start: on a GPU machine their OpenMP pools wait passively
-        # (with every process's pool spinning, `full` ran at 0.73x the synchronous samples/s at 0.5B,
-        # 1.02x without: docs/async.md); this process's own pool read the variable when it loaded torch
+        # (every process's pool spinning slowed `full` below the synchronous samples/s: docs/async.md);
+        # this process's own pool read the variable when it loaded torch
         # (`verl-fast` sets it before that)
         openmp_env.use()
         ctx = torch.multiprocessing.get_context("spawn")

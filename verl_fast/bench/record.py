@@ -40,7 +40,7 @@ def time_ms(fn: Callable[[], object], device: str, *, warmup: int = 3, rep: int 
             max_seconds: float = 20.0, busy_gpu: bool = False) -> Ms:
     """Median wall time of ``fn`` in milliseconds (CUDA events on a GPU), with its spread attached.
 
-    ``busy_gpu``: before each timed call, queue a 1 GiB fill (about 0.3 ms on an H200), so the GPU
+    ``busy_gpu``: before each timed call, queue a 1 GiB fill (longer than a small op's launch), so the GPU
     is busy while the host runs ``fn``'s Python and launches -- as in a training step, where the host
     runs ahead of the GPU -- and L2 holds none of the inputs (Triton's do_bench does the same). The
     time is then the call's GPU time plus whatever host time the fill did not cover (a host sync

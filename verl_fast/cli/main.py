@@ -134,8 +134,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 def program() -> None:
     """The ``verl-fast`` program: ``main`` on the command line, then out of the process without the
     interpreter's own teardown. Everything a command writes is closed when it returns and the exit
-    handlers still run; what is skipped is freeing every module and tensor one by one (~3 s after a
-    training run on 2 cores), and the vLLM engines' shutdown (1.2 s), which writes nothing either."""
+    handlers still run; what is skipped is freeing every module and tensor one by one, and the vLLM
+    engines' shutdown, which writes nothing either (their time: docs/benchmarks.md)."""
     import atexit
 
     from verl_fast import openmp_env

@@ -37,8 +37,8 @@ class ModelLayoutConfig:
                               doc="bf16 parameters in forward/backward, fp32 weights in the optimizer: FSDP with "
                                   "fp32 gradient reduction; an unsharded actor (strategy none) for its policy-gradient "
                                   "log-prob and training passes (strategies/bf16_compute.py). auto: bfloat16 for an "
-                                  "unsharded, non-PEFT fp32 actor on a GPU under bf16 autocast (on an H200 the update "
-                                  "took 0.86x / 0.91x the time at 0.5B / 1.5B); for a LoRA actor there (and under "
+                                  "unsharded, non-PEFT fp32 actor on a GPU under bf16 autocast (the faster there: "
+                                  "docs/benchmarks.md); for a LoRA actor there (and under "
                                   "bfloat16) the frozen base weights are kept in bf16 and the adapters' passes run "
                                   "on bf16 copies of their fp32 weights; otherwise none")
     cpu_offload: bool = _f(False, doc="FSDP: sharded parameters, gradients and optimizer state on the CPU")
@@ -135,8 +135,8 @@ class ActorConfig(ModelLayoutConfig, ScheduleConfig):
                                                 "strategies/memory_plan.py)")
     optimizer: str = _f("adamw", choices=("adamw", "adamw_8bit"),
                         doc="adamw: torch's, fp32 states (8 bytes a trained parameter); adamw_8bit: torchao's "
-                            "AdamW8bit, block-quantised states (2 bytes: what lets a 7B full fine-tune fit one "
-                            "141 GB GPU; pip install torchao)")
+                            "AdamW8bit, block-quantised states (2 bytes: a quarter of adamw's; pip install "
+                            "torchao)")
     compile_blocks: Optional[bool] = _f(None, doc="torch.compile the norms and MLPs of the training and log-prob "
                                         "passes (llama / mistral / qwen2 / qwen3); null (auto): on for an unsharded, "
                                         "non-PEFT actor on a GPU (gradient_checkpointing's recompute runs them compiled too)")
@@ -194,8 +194,7 @@ class CriticConfig(ModelLayoutConfig, ScheduleConfig):
 class RolloutConfig:
     type: str = _f("auto", choices=ENGINES,
                    doc="auto: hf for a whole dense actor (unsharded; LoRA adapters merged for the decode) on one "
-                       "GPU, its decode compiled (on an H200 the step took 0.67x / 0.78x vLLM's at the 0.5B / 1.5B "
-                       "shapes); otherwise vllm when "
+                       "GPU, its decode compiled (the faster there: docs/benchmarks.md); otherwise vllm when "
                        "installed and configure_vllm_env() has run (the CLI runs it), else hf")
     n: int = _f(8, min=1, doc="samples per prompt")
     temperature: float = _f(1.0, min=0.0)
@@ -247,7 +246,7 @@ class RolloutConfig:
     hf_compile_decode: Optional[bool] = _f(None, doc="type hf, fast decode: the decode steps' forward compiled "
                                            "by torch.compile (fewer, fused kernels per token; a Llama-family "
                                            "layer's q/k/v and gate/up products merged into one each; compiled "
-                                           "at the first rollout, ~30-40 s at the 0.5B shape, and once more, "
+                                           "at the first rollout (docs/benchmarks.md gives the time), and once more, "
                                            "lengths symbolic, at the first of another prompt width); null: on a "
                                            "GPU for an unsharded actor")
     hf_compact_rows: str = _f("auto", choices=("auto", "on", "off"),
@@ -301,8 +300,8 @@ class RewardConfig:
                                                 "dynamic sampling, and every reward function scores in a worker "
                                                 "thread anyway (timeout_s set, not a reward model); null (auto): on "
                                                 "when the trainer runs on a GPU (on a CPU a reward that computes in "
-                                                "Python takes cores from the passes: 2 cores, 925 -> 1084 ms; one "
-                                                "that waits, e.g. on a sandbox, gains: 885 -> 476 ms)")
+                                                "Python takes cores from the passes; one that waits, e.g. on a "
+                                                "sandbox, gains: docs/data-and-rewards.md)")
     weight: float = _f(1.0, doc="in a list of reward functions: this one's weight in the sample's reward "
                        "(the weighted sum)")
     name: Optional[str] = _f(None, doc="in a list of reward functions: this one's metric reward/<name>/mean "

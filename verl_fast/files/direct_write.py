@@ -3,8 +3,7 @@ the way.
 
 Why: a buffered write first fills fresh page-cache pages, and on virtual machines whose memory the
 host backs lazily (the 2-core development machine is one) every fresh 4 KiB page faults in from the
-host: writing 1.6 GB took 3.9 s there (0.4 GB/s), against 0.5 s through ``O_DIRECT`` from one
-aligned buffer. A checkpoint is written once and read rarely, so leaving it out of the cache costs
+host, several times slower than ``O_DIRECT`` from one aligned buffer (docs/benchmarks.md). A checkpoint is written once and read rarely, so leaving it out of the cache costs
 nothing later, and the CRC the manifest records needs no second pass over the files. Where the file
 system refuses ``O_DIRECT`` (tmpfs, some network file systems) the same writer writes buffered.
 

@@ -272,9 +272,9 @@ def merge_adapters(module: torch.nn.Module, dtype: Optional[torch.dtype], copies
 
     Each adapter's product is added by one GEMM (``addmm_``: products accumulated in float32), into the
     copy itself when the base weight is in the copy's dtype (a LoRA actor's bf16 base: the adapters'
-    factors taken in bf16, the sum rounded once), else into one float32 temporary. At the 7B shape in
-    bf16 that reads and writes ~4 bytes a weight, where merging through float32 temporaries moved ~36
-    (~235 GB a rollout, ~70 ms on an H100)."""
+    factors taken in bf16, the sum rounded once), else into one float32 temporary. In bf16 that reads
+    and writes ~4 bytes a weight, where merging through float32 temporaries moved ~36
+    (docs/benchmarks.md, "Measurements behind the code's choices")."""
     for name, sub in list(module.named_modules()):
         base = getattr(sub, "base_layer", None)
         if (not isinstance(base, torch.nn.Linear) or not hasattr(sub, "lora_A") or getattr(sub, "merged", False)
@@ -494,8 +494,8 @@ class GraphPool:
     batch size it compacts to (the buffers they address -- the cache, the rows' state -- are that
     call's; kept for the next call they would hold every batch size's cache through the update).
     ``torch.cuda.graph`` empties the allocator's cache before every capture: the update's cached working
-    set went back to the driver at each rollout and was allocated again in the next update (~435
-    ``cudaFree`` + ``cudaMalloc`` a step at the 0.5B shape on an H200); here the capture is begun and
+    set went back to the driver at each rollout and was allocated again in the next update (hundreds
+    of ``cudaFree`` + ``cudaMalloc`` a step: docs/benchmarks.md); here the capture is begun and
     ended directly. A graph's private pool is freed with the graph, so each capture goes into the pool
     of the previous graph, kept here until then (its segments stay reserved between rollouts): a
     graph's pool holds only its step's temporaries (every buffer that outlives a step is allocated

