@@ -304,15 +304,15 @@ def sweep_linear(rep: Report, a):
         lambda: L.linear_logprobs_backward(h, w, None, labels, lse, ent, g[0], g[1], 1.0, 0, (False, False, False),
                                            config=conf(dlogits=t)), a.device, **TUNE_REPS))
     base = conf()
-    width = L._chunk_width(base, N, V, h.element_size())
+    width = L.chunk_width(base, N, V, h.element_size())
     buf = torch.randn(N, width, device=a.device).to(a.dtype) * 1e-3
     d_h = torch.zeros(N, H, device=a.device)
 
     def dhidden(choice):
         cfg = conf(dhidden=None if choice == "cublas" else choice, dhidden_cublas=choice == "cublas")
-        if choice == "cublas" and not (a.dtype == torch.float32 or L._cublas_accumulates_in_fp32(h.device)):
+        if choice == "cublas" and not (a.dtype == torch.float32 or L.cublas_accumulates_in_fp32(h.device)):
             raise RuntimeError("torch.addmm(out_dtype=float32) is not available here")
-        return time_ms(lambda: [L._accumulate_dhidden(d_h, buf[:, : min(V, v0 + width) - v0], w[v0 : v0 + width],
+        return time_ms(lambda: [L.accumulate_dhidden(d_h, buf[:, : min(V, v0 + width) - v0], w[v0 : v0 + width],
                                                       cfg, choice == "cublas") for v0 in range(0, V, width)],
                        a.device, **TUNE_REPS)
 

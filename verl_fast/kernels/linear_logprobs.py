@@ -305,7 +305,7 @@ def linear_config(n_tokens: int, hidden: int, vocab: int, dtype: torch.dtype, de
 
 
 @functools.lru_cache(maxsize=None)
-def _cublas_accumulates_in_fp32(device: torch.device) -> bool:
+def cublas_accumulates_in_fp32(device: torch.device) -> bool:
     """Whether torch.addmm takes bf16 inputs into an fp32 output here (torch >= 2.8 on CUDA); checked once."""
     if device.type != "cuda":
         return False
@@ -321,10 +321,10 @@ def _cublas_accumulates_in_fp32(device: torch.device) -> bool:
 def _use_cublas_for_dhidden(cfg: LinearConfig, x: torch.Tensor) -> bool:
     if cfg.dhidden_cublas is not None:
         return cfg.dhidden_cublas
-    return x.device.type == "cuda" and (x.dtype == torch.float32 or _cublas_accumulates_in_fp32(x.device))
+    return x.device.type == "cuda" and (x.dtype == torch.float32 or cublas_accumulates_in_fp32(x.device))
 
 
-def _accumulate_dhidden(d_hidden, d_logits, weight_chunk, cfg: LinearConfig, cublas: bool) -> None:
+def accumulate_dhidden(d_hidden, d_logits, weight_chunk, cfg: LinearConfig, cublas: bool) -> None:
     """d_hidden (fp32) += d_logits @ weight_chunk."""
     if not cublas:
         _accumulate_matmul(d_logits, weight_chunk, d_hidden, cfg.dhidden)
@@ -385,7 +385,9 @@ def linear_logprobs_forward(hidden, weight, bias, labels, inv_t: float, vocab_st
     return Stats(out[0], out[1], out[2] if with_entropy else None, out[3])
 
 
-def _chunk_width(cfg: LinearConfig, n_tokens: int, vocab: int, elsize: int) -> int:
+def chunk_width(cfg: LinearConfig, n_tokens: int, vocab: int, elsize: int) -> int:
+    """The vocabulary columns one chunk of the backward's logits spans: ``cfg.chunk_bytes`` over
+    ``n_tokens`` rows, in whole dlogits blocks, at least one block and at most the vocabulary's."""
     block = cfg.dlogits.block_n
     width = cfg.chunk_bytes // (max(n_tokens, 1) * elsize) // block * block
     return max(block, min(width, triton.cdiv(vocab, block) * block))
@@ -405,7 +407,7 @@ def linear_logprobs_backward(hidden, weight, bias, labels, lse, entropy, g_logp,
     if N:
         g_logp = None if g_logp is None else g_logp.float().contiguous()
         g_entropy = None if g_entropy is None else g_entropy.float().contiguous()
-        width = _chunk_width(cfg, N, V, hidden.element_size())
+        width = chunk_width(cfg, N, V, hidden.element_size())
         buf = torch.empty((N, width), dtype=hidden.dtype, device=dev)
         cublas = need_h and _use_cublas_for_dhidden(cfg, hidden)
         operands = _logits_operands(hidden, weight, cfg.dlogits)
@@ -416,7 +418,7 @@ def linear_logprobs_backward(hidden, weight, bias, labels, lse, entropy, g_logp,
             if need_w:
                 torch.mm(d_logits.t(), hidden, out=d_weight[v0:v1])
             if need_h:
-                _accumulate_dhidden(d_hidden, d_logits, weight[v0:v1], cfg, cublas)
+                accumulate_dhidden(d_hidden, d_logits, weight[v0:v1], cfg, cublas)
         del buf
     return d_hidden, d_weight, None if d_bias is None else d_bias.to(bias.dtype)
 
@@ -487,7 +489,7 @@ def stored_logits_backward(hidden, weight, bias, labels, lse, entropy, g_logp, g
         d_weight = torch.mm(d_logits.t(), hidden)
     if need_h:
         d_hidden = torch.zeros((N, H), dtype=torch.float32, device=hidden.device)
-        _accumulate_dhidden(d_hidden, d_logits, weight, config, _use_cublas_for_dhidden(config, hidden))
+        accumulate_dhidden(d_hidden, d_logits, weight, config, _use_cublas_for_dhidden(config, hidden))
     if need_b:
         d_bias = d_logits.sum(0, dtype=torch.float32).to(bias.dtype)
     return d_hidden, d_weight, d_bias
