@@ -1,5 +1,5 @@
 """Prints the figures of verl_fast's import graph: modules, floors, arrows, arrows back up, circles,
-the longest functions and classes. The floors are those python_tests/package/test_import_graph.py
+the longest files, functions and classes. The floors are those python_tests/package/test_import_graph.py
 defines; the graph is read as python_tests/support/import_graph.py reads it.
 
     python scripts/import_graph.py

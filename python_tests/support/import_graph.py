@@ -174,7 +174,7 @@ def largest(known: Dict[str, Path], kind, top: int) -> List[Tuple[int, str]]:
 
 def figures(known: Dict[str, Path], floor: Callable[[str], int], floors: int, top: int = 5) -> List[str]:
     """The figures of the house as lines of text: modules, floors, arrows, arrows back up, circles,
-    the longest functions and classes."""
+    the longest files, functions and classes."""
     g = graph(known)
     up = upward(g, floor)
     found = circles(g)
@@ -189,6 +189,10 @@ def figures(known: Dict[str, Path], floor: Callable[[str], int], floors: int, to
     lines += [f"  {a} -> {b}" for a, b in up]
     lines.append(f"circles (modules that reach themselves through imports): {len(found)}"
                  + (f", of {', '.join(str(len(c)) for c in found)} modules" if found else ""))
+    lines.append("longest files (lines):")
+    files = sorted(((len(path.read_text().splitlines()), name) for name, path in known.items()),
+                   key=lambda f: (-f[0], f[1]))
+    lines += [f"  {n:5d}  {name}" for n, name in files[:top]]
     lines.append("longest functions (lines):")
     lines += [f"  {n:5d}  {where}" for n, where in largest(known, (ast.FunctionDef, ast.AsyncFunctionDef), top)]
     lines.append("longest classes (lines):")

@@ -6,7 +6,7 @@ module itself imports none of them.
     algorithm.type, loss modes, KL estimators, DPO losses   verl_fast/algos/registry.py
     actor.strategy / critic.strategy, Megatron checks        verl_fast/strategies/backends.py
     reward_fn.type, reward_fn.on_error                       verl_fast/rewards/__init__.py
-    trainer.overlong_prompts                                 verl_fast/data/__init__.py
+    trainer.overlong_prompts                                 verl_fast/data/processor.py
     trainer.loggers                                          verl_fast/metrics/logger.py
     rollout.type, the engines' checks                        verl_fast/rollout/engines.py
     rollout.multi_turn                                       verl_fast/agents/settings.py
