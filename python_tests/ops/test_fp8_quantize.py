@@ -154,7 +154,8 @@ def many_sources(device="cpu"):
         rows, cols = [(130, 256), (1, 72), (64, 40), (200, 130), (3, 5)][i % 5]
         dtype = [torch.bfloat16, torch.float32, torch.float16, torch.float64][(i // 7) % 4]
         base = (torch.randn(rows + 2, cols + 8, generator=g) * 2.0 ** (i % 9 - 4)).to(dtype)
-        x = [base[:rows, :cols], base[1:rows + 1, 8:cols + 8], base.t()[:cols, :rows].t(), base[:rows, 1:cols + 1]][i % 4]
+        x = [base[:rows, :cols], base[1:rows + 1, 8:cols + 8], base.t().contiguous().t()[:rows, :cols],
+             base[:rows, 1:cols + 1]][i % 4]
         out.append(x.to(device))
     return out
 
