@@ -43,7 +43,7 @@ def test_fp8_linear_matches_the_float64_w8a8_reference(shape, bias):
     with torch.no_grad():
         lin.weight.copy_(torch.randn(48, shape[1], generator=g) * 0.1)
     layer = fp8_linear.FP8Linear(lin, fast=False)
-    assert layer.refresh() and not layer.refresh()  # quantised once until the weight changes
+    assert fp8_linear.refresh([layer]) == 1 and fp8_linear.refresh([layer]) == 0  # once until the weight changes
     x = torch.randn(shape, generator=g) * 3
     x[-1] = 0.0 if shape[0] > 1 else x[-1]  # a zero row: scale 1, output the bias
     expected = per_row_fp8_f64(x) @ per_row_fp8_f64(lin.weight.detach()).t()
@@ -55,7 +55,7 @@ def test_fp8_linear_matches_the_float64_w8a8_reference(shape, bias):
     assert (got - lin(x)).abs().max() > 1e-4
     with torch.no_grad():
         lin.weight.mul_(2.0)  # an optimiser step moves the version counter
-    assert layer.refresh()
+    assert layer.stale() and fp8_linear.refresh([layer]) == 1
 
 
 def test_hf_engine_decodes_with_fp8_copies_and_restores_the_model(tiny_path):

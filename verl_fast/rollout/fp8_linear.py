@@ -4,9 +4,9 @@ with one scale per output channel (``ops.reshard.fp8``), and its input quantised
 (w8a8, as vLLM's FP8 layers). The embeddings, the LM head and the norms stay in the actor's dtype.
 
 - The copies are the engine's weights: written from the actor's parameters by the resharding engine's
-  FP8 quantisation (the CUDA kernel on a GPU) at the first rollout and again at each rollout after an
-  optimiser step changed a weight (its version counter moved), into buffers kept from one rollout to
-  the next.
+  FP8 quantisation (the CUDA kernel on a GPU; every changed layer in one call) at the first rollout and
+  again at each rollout after an optimiser step changed a weight (its version counter moved), into
+  buffers kept from one rollout to the next.
 - The product: ``torch._scaled_mm`` (FP8 tensor cores, float32 accumulation) on a GPU that has it
   (compute capability 8.9+: Ada, Hopper); elsewhere the same numbers emulated in float32 from the
   dequantised operands (the CPU: tests and the CPU demo), announced once in one line.
@@ -56,15 +56,14 @@ class FP8Linear(torch.nn.Module):
         self.dequantized: Optional[torch.Tensor] = None  # the emulation's float32 weight
         self.version = -1  # linear.weight._version the copy was written from
 
-    def refresh(self) -> bool:
-        """Quantises the weight again where it changed since the last copy; whether it did."""
-        w = self.linear.weight
-        if w._version == self.version:
-            return False
-        fp8.quantize(w.detach(), "channel", out=self.weight_fp8, scale_out=self.weight_scale)
+    def stale(self) -> bool:
+        """Whether the weight changed since the FP8 copy was written (its version counter moved)."""
+        return self.linear.weight._version != self.version
+
+    def written(self) -> None:
+        """Notes that ``weight_fp8`` / ``weight_scale`` now hold the weight quantised (``FP8Decode.refresh``)."""
         self.dequantized = None if self.fast else fp8.dequantize(self.weight_fp8, self.weight_scale, "channel")
-        self.version = w._version
-        return True
+        self.version = self.linear.weight._version
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, bias = x.shape, self.linear.bias
@@ -79,6 +78,17 @@ class FP8Linear(torch.nn.Module):
         if bias is not None:
             y = y + bias.to(out_dtype)
         return y.reshape(*shape[:-1], y.shape[-1])
+
+
+def refresh(layers: List[FP8Linear]) -> int:
+    """The stale layers' weights quantised into their FP8 copies in one call (``fp8.quantize_many``: one
+    kernel launch per 32 layers on a GPU, no host synchronisation); how many were."""
+    stale = [layer for layer in layers if layer.stale()]
+    fp8.quantize_many([layer.linear.weight.detach() for layer in stale], [layer.weight_fp8 for layer in stale],
+                      [layer.weight_scale for layer in stale], "channel")
+    for layer in stale:
+        layer.written()
+    return len(stale)
 
 
 class FP8Decode:
@@ -109,13 +119,12 @@ class FP8Decode:
                            "of compute capability 8.9+); the FP8 layers are emulated from dequantised weights "
                            "(the same numbers, no speed-up)", device)
             self._noted = True
-        self.refreshed = 0
         with torch.no_grad():
             for full, _, _, child in targets:
                 layer = self.layers.get(full)
                 if layer is None or layer.linear is not child or layer.fast != fast:
-                    layer = self.layers[full] = FP8Linear(child, fast)
-                self.refreshed += layer.refresh()
+                    self.layers[full] = FP8Linear(child, fast)
+            self.refreshed = refresh([self.layers[full] for full, *_ in targets])
         for full, parent, attr, _ in targets:
             setattr(parent, attr, self.layers[full])
         try:
