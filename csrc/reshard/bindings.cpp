@@ -130,6 +130,35 @@ void bind_reshard(py::module_& m) {
       py::arg("stream") = py::none(), py::arg("num_threads") = 0,
       "FP8 e4m3 quantisation of src [rows, cols] into dst (uint8 bytes) with one float32 scale per block "
       "(block_cols 0: per row); see csrc/reshard/fp8.h");
+  m.def(
+      "fp8_quantize_many",
+      [](const py::list& srcs, const py::list& dsts, const py::list& scales, py::handle block_rows,
+         py::handle block_cols, CudaStream stream, py::handle threads) {
+        const int64_t br = strict_int(block_rows, "block_rows"), bc = strict_int(block_cols, "block_cols");
+        const int num_threads = strict_scalar<int>(threads, "num_threads");
+        VF_CHECK(dsts.size() == srcs.size() && scales.size() == srcs.size(), "srcs, dsts and scales must be as long, "
+                 "got ", srcs.size(), ", ", dsts.size(), " and ", scales.size());
+        std::vector<TensorRef> held;  // the tensors stay referenced until the launches are queued
+        std::vector<Fp8Job> jobs;
+        for (size_t i = 0; i < srcs.size(); ++i) {
+          const std::string what = "[" + std::to_string(i) + "]";
+          held.push_back(tensor_ref_from_py(srcs[i]));
+          held.push_back(tensor_ref_from_py(dsts[i]));
+          held.push_back(tensor_ref_from_py(scales[i]));
+          const TensorRef &s = held[held.size() - 3], &d = held[held.size() - 2], &sc = held.back();
+          check_same_device(held[0], "srcs[0]", s, ("srcs" + what).c_str());
+          jobs.push_back(fp8_job(s, d, sc, br, bc, what));
+        }
+        if (jobs.empty()) return;
+        const Device device = held[0].device;
+        const int index = held[0].device_index;
+        py::gil_scoped_release nogil;
+        fp8_quantize_jobs(jobs, device, index, stream, num_threads);
+      },
+      py::arg("srcs"), py::arg("dsts"), py::arg("scales"), py::arg("block_rows"), py::arg("block_cols"),
+      py::arg("stream") = py::none(), py::arg("num_threads") = 0,
+      "fp8_quantize of each srcs[i] into dsts[i] and scales[i] (one block shape, destinations disjoint), in "
+      "as few CUDA launches as fp8.h allows; see csrc/reshard/fp8.h");
 }
 
 }  // namespace vf

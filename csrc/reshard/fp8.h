@@ -4,12 +4,16 @@
 // nearest e4m3 value (ties to even), saturated at +-448 (the "fn" format has no infinity). The source is
 // any 2-D float tensor with any strides; the destination (uint8 bytes of the float8_e4m3fn tensor) and
 // the scales may be views into larger tensors (a fused parameter's rows), so the copy lands in place.
+// One pass: each block is read once (its amax, then its bytes from what was read), and a list of
+// tensors is quantised in one go (fp8_quantize_jobs: one CUDA launch per kFp8BatchJobs tensors).
 // Dequantised, the block holds q * scale: the error is at most half an e4m3 step of the value (2^-4
 // relative) above 2^-6 * scale, and 2^-10 * scale below it.
 #pragma once
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "common/tensor.h"
 
@@ -68,14 +72,36 @@ VF_HD uint8_t float_to_e4m3(float v) {
 
 VF_HD float fp8_scale(float amax) { return amax > 0.0f ? amax / kFp8Max : 1.0f; }
 
-// Checks the tensors (naming each), then quantises on the CPU (up to num_threads threads) or as one
-// CUDA launch on `stream`. block_cols = 0 means the whole row (per-channel scales).
+// The tensors of one quantisation checked (each named, `what` first: "srcs[3]" for the fourth of a list)
+// and described as a job. block_cols = 0 means the whole row (per-channel scales).
+Fp8Job fp8_job(const TensorRef& src, const TensorRef& dst, const TensorRef& scale, int64_t block_rows,
+               int64_t block_cols, const std::string& what);
+
+// Quantises jobs[i] for every i (their destinations disjoint): on the CPU, every block of every job over
+// up to num_threads threads; on CUDA, in as few launches on `stream` as kFp8BatchJobs and the jobs'
+// source dtypes allow (consecutive jobs of one dtype share a launch), with no host synchronisation.
+void fp8_quantize_jobs(const std::vector<Fp8Job>& jobs, Device device, int device_index, uintptr_t stream,
+                       int num_threads);
+
+// One quantisation: fp8_job, then fp8_quantize_jobs.
 void fp8_quantize(const TensorRef& src, const TensorRef& dst, const TensorRef& scale, int64_t block_rows,
                   int64_t block_cols, uintptr_t stream, int num_threads);
 
-void fp8_quantize_cpu(const Fp8Job& job, int num_threads);
+// How many scale blocks a job has.
+int64_t fp8_blocks(const Fp8Job& job);
+
+void fp8_quantize_cpu(const std::vector<Fp8Job>& jobs, int num_threads);
 #if defined(VF_WITH_CUDA)
-void fp8_quantize_cuda(const Fp8Job& job, uintptr_t stream, int device);  // fp8.cu
+// The jobs a CUDA launch carries as its kernel parameter (within the 4 KiB every driver accepts): each
+// thread block finds its job by binary search over first_block.
+constexpr int kFp8BatchJobs = 32;
+struct Fp8Batch {
+  Fp8Job jobs[kFp8BatchJobs];
+  int64_t first_block[kFp8BatchJobs + 1];
+  int32_t count;
+};
+static_assert(sizeof(Fp8Batch) <= 4096, "an Fp8Batch must fit a kernel's 4 KiB of parameters");
+void fp8_quantize_cuda(const std::vector<Fp8Job>& jobs, uintptr_t stream, int device);  // fp8.cu
 #endif
 
 }  // namespace vf::reshard

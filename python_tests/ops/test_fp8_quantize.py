@@ -145,6 +145,82 @@ def test_bad_arguments_are_named():
         fp8.quantize(torch.ones(4, 4, dtype=torch.long), (128, 128))
 
 
+def many_sources(device="cpu"):
+    """40 tensors (more than one CUDA launch's 32), dtypes changing along the list, contiguous ones (the
+    vectorised path), transposed / stepped / unaligned ones (element by element), rows of one, odd widths."""
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for i in range(40):
+        rows, cols = [(130, 256), (1, 72), (64, 40), (200, 130), (3, 5)][i % 5]
+        dtype = [torch.bfloat16, torch.float32, torch.float16, torch.float64][(i // 7) % 4]
+        base = (torch.randn(rows + 2, cols + 8, generator=g) * 2.0 ** (i % 9 - 4)).to(dtype)
+        x = [base[:rows, :cols], base[1:rows + 1, 8:cols + 8], base.t().contiguous().t()[:rows, :cols],
+             base[:rows, 1:cols + 1]][i % 4]
+        out.append(x.to(device))
+    return out
+
+
+@pytest.mark.parametrize("block", [(128, 128), "channel", (16, 32)])
+def test_quantize_many_matches_the_float64_reference(block):
+    """One call quantises every tensor of a list into views of a fused destination, each as quantize would."""
+    sources = many_sources()
+    rows = sum(x.shape[0] for x in sources)
+    cols = max(x.shape[1] for x in sources)
+    fused = torch.zeros(rows, cols + 3, dtype=fp8.FP8)  # row stride not a multiple of 16
+    outs, scales, at = [], [], 0
+    for x in sources:
+        outs.append(fused[at:at + x.shape[0], : x.shape[1]])
+        scales.append(torch.full(fp8.scale_shape(tuple(x.shape), block), -1.0))
+        at += x.shape[0]
+    fp8.quantize_many(sources, outs, scales, block)
+    for x, q, s in zip(sources, outs, scales):
+        rq, rs = reference(x, block)
+        assert torch.equal(s, rs) and torch.equal(q.double(), rq)
+
+
+def test_quantize_many_names_the_bad_tensor():
+    x = torch.randn(4, 4)
+    ok = (fp8.quantize(x)[0], torch.empty(1, 1))
+    with pytest.raises(ValueError, match="must be as long"):
+        fp8.quantize_many([x, x], [ok[0]], [ok[1]])
+    with pytest.raises(ValueError, match=r"scale\[1\] must be a 2-D tensor"):
+        fp8.quantize_many([x, x], [ok[0], ok[0].clone()], [ok[1], torch.empty(2, 2)])
+    with pytest.raises(TypeError, match=r"outs\[0\] must be float8_e4m3fn"):
+        fp8.quantize_many([x], [torch.empty(4, 4)], [ok[1]])
+    fp8.quantize_many([], [], [])  # nothing to do
+
+
+def test_nan_keeps_its_sign_and_inf_saturates():
+    x = torch.tensor([[float("nan"), -float("nan"), 1.0, -3.0, 1e30, -1e30]])
+    q, s = fp8.quantize(x, "channel")
+    codes = q.view(torch.uint8).tolist()[0]
+    assert codes[:2] == [0x7F, 0xFF] and codes[4:] == [0x7E, 0xFE] and s.item() == pytest.approx(1e30 / 448)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [(128, 128), "channel", (16, 32)])
+def test_cuda_quantize_many_matches_cpu_byte_for_byte(block):
+    sources = many_sources()
+    def run(device):
+        outs = [torch.empty(x.shape, dtype=fp8.FP8, device=device) for x in sources]
+        scales = [torch.empty(fp8.scale_shape(tuple(x.shape), block), device=device) for x in sources]
+        fp8.quantize_many([x.to(device) for x in sources], outs, scales, block)
+        return [o.cpu().view(torch.uint8) for o in outs], [s.cpu() for s in scales]
+    (q, s), (qc, sc) = run("cpu"), run("cuda")
+    assert all(torch.equal(a, b) for a, b in zip(q, qc)) and all(torch.equal(a, b) for a, b in zip(s, sc))
+
+
+@pytest.mark.gpu
+def test_cuda_nan_and_inf_match_cpu():
+    x = torch.randn(4, 256)
+    x[0, :8] = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-30, -1e-30])
+    x[1, 3] = float("nan")
+    for block in [(2, 128), "channel"]:
+        q, s = fp8.quantize(x, block)
+        qc, sc = fp8.quantize(x.cuda(), block)
+        assert torch.equal(qc.cpu().view(torch.uint8), q.view(torch.uint8)) and torch.equal(sc.cpu(), s)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("block", [(128, 128), "channel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -43,7 +43,7 @@ def test_fp8_linear_matches_the_float64_w8a8_reference(shape, bias):
     with torch.no_grad():
         lin.weight.copy_(torch.randn(48, shape[1], generator=g) * 0.1)
     layer = fp8_linear.FP8Linear(lin, fast=False)
-    assert layer.refresh() and not layer.refresh()  # quantised once until the weight changes
+    assert fp8_linear.refresh([layer]) == 1 and fp8_linear.refresh([layer]) == 0  # once until the weight changes
     x = torch.randn(shape, generator=g) * 3
     x[-1] = 0.0 if shape[0] > 1 else x[-1]  # a zero row: scale 1, output the bias
     expected = per_row_fp8_f64(x) @ per_row_fp8_f64(lin.weight.detach()).t()
@@ -55,7 +55,7 @@ def test_fp8_linear_matches_the_float64_w8a8_reference(shape, bias):
     assert (got - lin(x)).abs().max() > 1e-4
     with torch.no_grad():
         lin.weight.mul_(2.0)  # an optimiser step moves the version counter
-    assert layer.refresh()
+    assert layer.stale() and fp8_linear.refresh([layer]) == 1
 
 
 def test_hf_engine_decodes_with_fp8_copies_and_restores_the_model(tiny_path):
@@ -149,3 +149,31 @@ def test_vllm_block_fp8_engine_follows_the_actor(tiny_path):
     assert out.logprobs is not None and torch.isfinite(out.logprobs).all()
     params = {k: v for k, v in engine._engine_parameters().items() if k.endswith("qkv_proj.weight")}
     assert params and all(v.dtype == torch.float8_e4m3fn for v in params.values())
+
+
+def test_compiled_decode_merges_the_fp8_products(tiny_path):
+    """With FP8 the decode's merged q/k/v and gate/up products stay merged (an FP8 stack per attention / MLP,
+    one GEMM where the layers run three or two): the merged forward computes what the layers' FP8 copies do,
+    and the layers' copies are views into the stack (one quantisation, one buffer)."""
+    from verl_fast.rollout import merged_projections
+
+    model, _ = load(tiny_path)
+    model.config._attn_implementation = "sdpa"
+    ids = torch.randint(0, model.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
+    decode = fp8_linear.FP8Decode()
+    with torch.no_grad(), decode.swapped(model):
+        attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+        assert merged_projections.kind(attn) == "attention" and merged_projections.kind(mlp) == "mlp"
+        stack = attn.merged_product
+        assert attn.k_proj.weight_fp8.data_ptr() == stack.weight_fp8[attn.q_proj.linear.out_features:].data_ptr()
+        layers_each = model(ids, use_cache=False).logits  # transformers' forwards: the layers one by one
+        done = []
+        merged_projections.Merged().install(model, None, done)
+        assert len(done) == 4 and "merged_weight" not in attn._parameters  # no bf16 copies beside FP8
+        merged = model(ids, use_cache=False).logits
+        merged_projections.Merged.remove(done)
+    assert "merged_product" not in attn._modules and type(attn.q_proj) is torch.nn.Linear
+    torch.testing.assert_close(merged, layers_each, rtol=1e-4, atol=1e-4)
+    plain = model(ids, use_cache=False).logits
+    assert (plain - merged).abs().max() > 1e-4  # FP8 is really in the merged product
+    assert decode.refreshed == 14 and len(decode.stacks) == 4

@@ -4,9 +4,9 @@ with one scale per output channel (``ops.reshard.fp8``), and its input quantised
 (w8a8, as vLLM's FP8 layers). The embeddings, the LM head and the norms stay in the actor's dtype.
 
 - The copies are the engine's weights: written from the actor's parameters by the resharding engine's
-  FP8 quantisation (the CUDA kernel on a GPU) at the first rollout and again at each rollout after an
-  optimiser step changed a weight (its version counter moved), into buffers kept from one rollout to
-  the next.
+  FP8 quantisation (the CUDA kernel on a GPU; every changed layer in one call) at the first rollout and
+  again at each rollout after an optimiser step changed a weight (its version counter moved), into
+  buffers kept from one rollout to the next.
 - The product: ``torch._scaled_mm`` (FP8 tensor cores, float32 accumulation) on a GPU that has it
   (compute capability 8.9+: Ada, Hopper); elsewhere the same numbers emulated in float32 from the
   dequantised operands (the CPU: tests and the CPU demo), announced once in one line.
@@ -22,7 +22,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 
 from verl_fast.ops.reshard import fp8
-from verl_fast.rollout import sync_check
+from verl_fast.rollout import merged_projections, sync_check
 
 logger = logging.getLogger(__name__)
 
@@ -44,49 +44,104 @@ def quantize_rows(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-class FP8Linear(torch.nn.Module):
-    """Stands in for ``linear`` during a rollout: ``y = (q_x * s_x) @ (q_w * s_w)^T + b``."""
+def product(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
+            dequantized: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``(q_x * s_x) @ (q_w * s_w)^T + b``: ``torch._scaled_mm`` where ``dequantized`` is None, else the same
+    operands in float32 (what the FP8 tensor cores compute, up to the order of the sums)."""
+    shape = x.shape
+    q, s = quantize_rows(x.reshape(-1, shape[-1]))
+    out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+    if dequantized is None:
+        y = torch._scaled_mm(q, weight_fp8.t(), scale_a=s, scale_b=weight_scale.view(1, -1),
+                             out_dtype=out_dtype if out_dtype != torch.float32 else torch.bfloat16)
+    else:
+        y = (q.float() * s) @ dequantized.t()
+    y = y.to(out_dtype)
+    if bias is not None:
+        y = y + bias.to(out_dtype)
+    return y.reshape(*shape[:-1], y.shape[-1])
 
-    def __init__(self, linear: torch.nn.Linear, fast: bool):
+
+class FP8Linear(torch.nn.Module):
+    """Stands in for ``linear`` during a rollout (``product`` of its FP8 copy). ``storage``: the rows of a
+    stack's buffers (``FP8Stack``) to keep the copy in, else buffers of its own."""
+
+    def __init__(self, linear: torch.nn.Linear, fast: bool,
+                 storage: Optional[Tuple[torch.Tensor, torch.Tensor]] = None):
         super().__init__()
         self.linear, self.fast = linear, fast
+        self.in_features, self.out_features = linear.in_features, linear.out_features  # as nn.Linear reads
         w = linear.weight
-        self.weight_fp8 = torch.empty(w.shape, dtype=fp8.FP8, device=w.device)
-        self.weight_scale = torch.empty(w.shape[0], 1, dtype=torch.float32, device=w.device)
+        self.weight_fp8, self.weight_scale = storage if storage is not None else (
+            torch.empty(w.shape, dtype=fp8.FP8, device=w.device),
+            torch.empty(w.shape[0], 1, dtype=torch.float32, device=w.device))
         self.dequantized: Optional[torch.Tensor] = None  # the emulation's float32 weight
         self.version = -1  # linear.weight._version the copy was written from
 
-    def refresh(self) -> bool:
-        """Quantises the weight again where it changed since the last copy; whether it did."""
-        w = self.linear.weight
-        if w._version == self.version:
-            return False
-        fp8.quantize(w.detach(), "channel", out=self.weight_fp8, scale_out=self.weight_scale)
+    def stale(self) -> bool:
+        """Whether the weight changed since the FP8 copy was written (its version counter moved)."""
+        return self.linear.weight._version != self.version
+
+    def written(self) -> None:
+        """Notes that ``weight_fp8`` / ``weight_scale`` now hold the weight quantised (``refresh``)."""
         self.dequantized = None if self.fast else fp8.dequantize(self.weight_fp8, self.weight_scale, "channel")
-        self.version = w._version
-        return True
+        self.version = self.linear.weight._version
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape, bias = x.shape, self.linear.bias
-        q, s = quantize_rows(x.reshape(-1, shape[-1]))
-        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
-        if self.fast:
-            y = torch._scaled_mm(q, self.weight_fp8.t(), scale_a=s, scale_b=self.weight_scale.view(1, -1),
-                                 out_dtype=out_dtype if out_dtype != torch.float32 else torch.bfloat16)
-        else:  # the same operands in float32: what the FP8 tensor cores compute, up to the order of the sums
-            y = (q.float() * s) @ self.dequantized.t()
-        y = y.to(out_dtype)
-        if bias is not None:
-            y = y + bias.to(out_dtype)
-        return y.reshape(*shape[:-1], y.shape[-1])
+        return product(x, self.weight_fp8, self.weight_scale, self.dequantized, self.linear.bias)
+
+
+class FP8Stack(torch.nn.Module):
+    """The FP8 copies of layers that read one input (q/k/v, gate/up) stacked along their output rows, as one
+    product: the compiled decode's merged product (``merged_projections``' ``merged_product``), one GEMM and
+    one quantisation of the input where the layers' own would run three or two. Per-channel scales make
+    each layer's rows its own quantisation: the layers' ``FP8Linear`` copies are views into these buffers."""
+
+    def __init__(self, linears: List[torch.nn.Linear], fast: bool):
+        super().__init__()
+        w = linears[0].weight
+        rows = sum(lin.weight.shape[0] for lin in linears)
+        self.weight_fp8 = torch.empty(rows, w.shape[1], dtype=fp8.FP8, device=w.device)
+        self.weight_scale = torch.empty(rows, 1, dtype=torch.float32, device=w.device)
+        self.parts: List[FP8Linear] = []
+        at = 0
+        for lin in linears:
+            n = lin.weight.shape[0]
+            self.parts.append(FP8Linear(lin, fast, (self.weight_fp8[at:at + n], self.weight_scale[at:at + n])))
+            at += n
+        biased = all(lin.bias is not None for lin in linears)
+        self.bias = torch.empty(rows, dtype=linears[0].bias.dtype, device=w.device) if biased else None
+        self.fast = fast
+        self.dequantized: Optional[torch.Tensor] = None
+
+    def written(self) -> None:
+        """After a rollout's refresh: the stacked bias copied again, the emulation's weight made again."""
+        if self.bias is not None:
+            torch.cat([part.linear.bias.detach() for part in self.parts], out=self.bias)
+        self.dequantized = None if self.fast else fp8.dequantize(self.weight_fp8, self.weight_scale, "channel")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return product(x, self.weight_fp8, self.weight_scale, self.dequantized, self.bias)
+
+
+def refresh(layers: List[FP8Linear]) -> int:
+    """The stale layers' weights quantised into their FP8 copies in one call (``fp8.quantize_many``: one
+    kernel launch per 32 layers on a GPU, no host synchronisation); how many were."""
+    stale = [layer for layer in layers if layer.stale()]
+    fp8.quantize_many([layer.linear.weight.detach() for layer in stale], [layer.weight_fp8 for layer in stale],
+                      [layer.weight_scale for layer in stale], "channel")
+    for layer in stale:
+        layer.written()
+    return len(stale)
 
 
 class FP8Decode:
     """The FP8 copies of one model's linear layers (module docstring); ``swapped(model)`` puts them in place
-    for the length of a rollout."""
+    for the length of a rollout, and gives each mergeable attention / MLP its stacked copy."""
 
     def __init__(self) -> None:
         self.layers: Dict[str, FP8Linear] = {}
+        self.stacks: Dict[str, FP8Stack] = {}
         self._noted = False
         self.refreshed = 0  # layers quantised at the last rollout (the FP8 sync's work)
 
@@ -99,6 +154,23 @@ class FP8Decode:
                     out.append((full, parent, attr, child))
         return out
 
+    def _stacks(self, model: torch.nn.Module, fast: bool) -> List[Tuple[str, torch.nn.Module]]:
+        """The mergeable modules (``merged_projections.kind``), each with its stack (kept while its layers
+        are the same objects), the stacked layers' copies registered as the stack's parts."""
+        out = []
+        for name, sub in model.named_modules():
+            found = merged_projections.kind(sub)
+            if found is None:
+                continue
+            linears = [getattr(sub, part) for part in merged_projections.PARTS[found]]
+            stack = self.stacks.get(name)
+            if stack is None or stack.fast != fast or [p.linear for p in stack.parts] != linears:
+                stack = self.stacks[name] = FP8Stack(linears, fast)
+            for part, lin in zip(merged_projections.PARTS[found], stack.parts):
+                self.layers[f"{name}.{part}" if name else part] = lin
+            out.append((name, sub))
+        return out
+
     @contextlib.contextmanager
     def swapped(self, model: torch.nn.Module) -> Iterator[None]:
         targets = self._targets(model)
@@ -109,18 +181,24 @@ class FP8Decode:
                            "of compute capability 8.9+); the FP8 layers are emulated from dequantised weights "
                            "(the same numbers, no speed-up)", device)
             self._noted = True
-        self.refreshed = 0
         with torch.no_grad():
+            stacked = self._stacks(model, fast)
             for full, _, _, child in targets:
                 layer = self.layers.get(full)
                 if layer is None or layer.linear is not child or layer.fast != fast:
-                    layer = self.layers[full] = FP8Linear(child, fast)
-                self.refreshed += layer.refresh()
+                    self.layers[full] = FP8Linear(child, fast)
+            self.refreshed = refresh([self.layers[full] for full, *_ in targets])
+            for name, _ in stacked:
+                self.stacks[name].written()
         for full, parent, attr, _ in targets:
             setattr(parent, attr, self.layers[full])
+        for name, sub in stacked:
+            sub._modules["merged_product"] = self.stacks[name]
         try:
             yield
         finally:
+            for _, sub in stacked:
+                del sub._modules["merged_product"]
             for _, parent, attr, child in targets:
                 setattr(parent, attr, child)
 
@@ -131,4 +209,3 @@ class FP8Decode:
                   for k, v in self.layers.items()}
         actor = {k: theirs[k] for k in engine if k in theirs}
         return sync_check.differing_groups(engine, actor, {k: fp8.FP8 for k in engine})
-

@@ -30,12 +30,18 @@ def quantized(name: str, tensor: torch.Tensor) -> bool:
 
 def fp8_tensors(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[Tuple[str, torch.Tensor]]:
     """HF names and tensors for vLLM's loader: projections as (``weight`` FP8, ``weight_scale_inv``), the rest
-    in ``dtype``. ``model``: a whole (unsharded) HF model."""
-    for name, p in hf_module(model).named_parameters():
-        x = p.detach()
-        if quantized(name, x):
-            q, scale = fp8.quantize(x, fp8.BLOCK)
-            yield name, q
-            yield name[: -len("weight")] + "weight_scale_inv", scale
+    in ``dtype``. ``model``: a whole (unsharded) HF model. Every projection is quantised in one call
+    (``fp8.quantize_many``) before the first is handed over."""
+    named = [(name, p.detach()) for name, p in hf_module(model).named_parameters()]
+    projections = [(name, x) for name, x in named if quantized(name, x)]
+    outs = [torch.empty(x.shape, dtype=fp8.FP8, device=x.device) for _, x in projections]
+    scales = [torch.empty(fp8.scale_shape(tuple(x.shape), fp8.BLOCK), dtype=torch.float32, device=x.device)
+              for _, x in projections]
+    fp8.quantize_many([x for _, x in projections], outs, scales, fp8.BLOCK)
+    done = {name: (q, s) for (name, _), q, s in zip(projections, outs, scales)}
+    for name, x in named:
+        if name in done:
+            yield name, done[name][0]
+            yield name[: -len("weight")] + "weight_scale_inv", done[name][1]
         else:
             yield name, x.to(dtype)

@@ -7,7 +7,9 @@ seven GEMMs (q, k, v, o, gate, up, down) cost about seven launches' latency per 
 what reading the weights takes at the 0.5B shape. Stacking q/k/v
 and gate/up (the weights' rows concatenated, as vLLM's QKVParallelLinear and MergedColumnParallelLinear
 hold them) leaves four. The merged weights are copies, refreshed from the parameters at every rollout
-by ``hf_decode.CompiledForward.weights``; the model's own modules are left as they are outside it.
+by ``hf_decode.CompiledForward.weights``; the model's own modules are left as they are outside it. A
+module given a ``merged_product`` submodule (the FP8 decode's stacked FP8 copies) computes its merged
+product with it instead, and gets no copies.
 
 The forwards below restate the attention and MLP of the Llama family (Llama, Mistral, Qwen2, Qwen3)
 with the merged products: the same operations in the same order as transformers' modules, the
@@ -44,6 +46,8 @@ def kind(module: torch.nn.Module) -> Optional[str]:
         found = "mlp"
     else:
         return None
+    if "merged_product" in module._modules:  # an engine computes the merged product itself (FP8)
+        return found
     layers = [getattr(module, part, None) for part in PARTS[found]]
     # plain linear layers of float weights only: a LoRA or a quantized layer (some subclass nn.Linear)
     # computes more than its weight's product
@@ -72,13 +76,20 @@ def merged_copy(layers: List[torch.nn.Linear], attr: str, dtype: torch.dtype,
     return kept
 
 
+def merged(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The merged layers' product: ``module.merged_product`` where an engine holds the weights in a form of
+    its own (the FP8 decode's stacked copies, ``fp8_linear.FP8Decode``), else the merged copies'."""
+    product = module._modules.get("merged_product")
+    return product(x) if product is not None else F.linear(x, module.merged_weight, module.merged_bias)
+
+
 def attention_forward(attn, hidden_states: torch.Tensor, position_embeddings: Tuple[torch.Tensor, torch.Tensor],
                       attention_mask: Optional[torch.Tensor], past_key_values=None, **kwargs):
     """The Llama-family attention with q/k/v as one product (``attn.merged_weight`` / ``merged_bias``)."""
     batch_shape = hidden_states.shape[:-1]
     shape = (*batch_shape, -1, attn.head_dim)
     q_size, kv_size = attn.q_proj.out_features, attn.k_proj.out_features
-    q, k, v = F.linear(hidden_states, attn.merged_weight, attn.merged_bias).split([q_size, kv_size, kv_size], -1)
+    q, k, v = merged(attn, hidden_states).split([q_size, kv_size, kv_size], -1)
     q, k, v = q.view(shape), k.view(shape), v.view(shape)
     if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head RMSNorm before the rotary embedding
         q, k = attn.q_norm(q), attn.k_norm(k)
@@ -97,7 +108,7 @@ def attention_forward(attn, hidden_states: torch.Tensor, position_embeddings: Tu
 
 def mlp_forward(mlp, x: torch.Tensor) -> torch.Tensor:
     """The gated MLP, down(act(gate(x)) * up(x)), with gate/up as one product."""
-    gate, up = F.linear(x, mlp.merged_weight, mlp.merged_bias).chunk(2, dim=-1)
+    gate, up = merged(mlp, x).chunk(2, dim=-1)
     return mlp.down_proj(mlp.act_fn(gate) * up)
 
 
@@ -124,7 +135,7 @@ class Merged:
                 continue
             layers = [getattr(sub, part) for part in PARTS[found]]
             done.append((sub, layers))
-            for attr in ("weight", "bias"):
+            for attr in ("weight", "bias") if "merged_product" not in sub._modules else ():
                 key = f"{name}.merged_{attr}"
                 self.copies[key] = merged_copy(layers, attr, dtype or layers[0].weight.dtype, self.copies.get(key))
                 sub._parameters[f"merged_{attr}"] = self.copies[key]

@@ -1,0 +1,81 @@
+"""What the guardrails add to a training step (docs/faults.md#guardrails; the target: <= 1% of a step at 0.5B).
+
+Each run is ``verl-fast train`` of the embedded default config (``bench_async_cpu.run_one``: synchronous, the
+HF engine) on a random Qwen2 model of ``--shape`` (``tiny``: the tests' tiny model; ``0.5b``: Qwen2.5-0.5B's
+shape, bench_e2e.SHAPES) with the tests' small tokenizer, seeded alike, guardrails on (the defaults) and off
+(``OFF``: no sync check, so the engine returns no log-probs either, no watchdog, no non-finite step count),
+``--pairs`` pairs run one after the other, the order alternating (on/off, off/on, ...) so that a machine's
+drift falls on both. A run's figure is the median ``time/step`` of its steps after the first (the first
+compiles); a mode's is the median over its runs; the cost is on / off - 1.
+
+    python benchmarks/bench_guardrails.py [--shape tiny] [--steps 6] [--pairs 2] [--set SECTION.KEY=VALUE]
+    python benchmarks/bench_guardrails.py --shape 0.5b --steps 6 --pairs 2   # the GPU section (gpu_run.sh)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Dict, List
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT.parent / "python_tests" / "support"))
+from _common import Report  # noqa: E402
+from bench_async_cpu import run_one  # noqa: E402
+from bench_e2e import SHAPES  # noqa: E402
+
+OFF = ["guardrails.sync_check=false", "guardrails.watchdog=off", "guardrails.max_nonfinite_steps=0"]
+CASE = "a training step, guardrails on vs off"
+
+
+def step_times(out: Path) -> List[float]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r["time/step"] for r in records if "time/step" in r]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="tiny", choices=["tiny", *SHAPES])
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--pairs", type=int, default=2)
+    p.add_argument("--set", action="append", default=[], help="SECTION.KEY=VALUE for every run")
+    args = p.parse_args(argv)
+    if args.steps < 2:
+        raise SystemExit("--steps must be >= 2 (the first step compiles and is left out)")
+    from tiny_models import save_tiny_model
+
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    report = Report("guardrails_cost", device, meta={"shape": args.shape, "steps": args.steps, "pairs": args.pairs,
+                                                     "off": OFF, "set": args.set, "runs": {"on": [], "off": []}})
+    with tempfile.TemporaryDirectory(prefix="bench_guardrails_") as tmp:
+        shape = {} if args.shape == "tiny" else SHAPES[args.shape]
+        model = save_tiny_model(Path(tmp) / "model", family="qwen2", **shape)
+        for pair in range(args.pairs):
+            for mode in (("on", "off") if pair % 2 == 0 else ("off", "on")):
+                work = Path(tmp) / f"{mode}_{pair}"
+                work.mkdir()
+                extra = [f"actor.model_name={model}", *args.set, *(OFF if mode == "off" else [])]
+                run = run_one("off", 0, args.steps, work, extra)
+                times = step_times(work / "off_0")
+                report.meta["runs"][mode].append({"step_s": times, "wall_s": run["wall_s"]})
+                print(f"pair {pair} {mode}: steps {[round(t, 3) for t in times]}", flush=True)
+    med: Dict[str, float] = {mode: statistics.median(statistics.median(r["step_s"][1:]) for r in runs)
+                             for mode, runs in report.meta["runs"].items()}
+    cost = med["on"] / med["off"] - 1
+    report.meta["cost"] = cost
+    report.add(CASE, "baseline: guardrails off", med["off"] * 1e3, note=f"{args.shape}, median of steps 2..")
+    report.add(CASE, "verl_fast guardrails on (defaults)", med["on"] * 1e3, note=f"{cost * 100:+.2f}% of a step")
+    report.save()
+    print(report.table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
