@@ -14,7 +14,7 @@
 #   VLLM_IMPORT_PROFILE=1 SECTIONS=hotpaths ...                     # and where `import vllm` goes, module by module
 #   HOTPATHS_DEVICE=cpu CMAKE_ARGS=-DVERL_FAST_CUDA=OFF SECTIONS=hotpaths ...  # the section checked on a CPU at small sizes
 #
-# Sections: tests (every gpu-marked test), defaults (the trainer's defaults at 0.5B / 1.5B, issue 42), 7b (the 7B
+# Sections: tests (every gpu-marked test), long_caps (the update's peak memory at 8k-16k caps, issue 66), defaults (the trainer's defaults at 0.5B / 1.5B, issue 42), 7b (the 7B
 # class: LoRA and full fine-tune, ours or TRL's by SEVEN_B), shapes (a new token count's first-call cost), decode (the rollout's decode alone), merge (the LoRA merge before a rollout),
 # overlap (the reward beside the old-log-prob pass), agent_endpoint (an agent through the rollout endpoint, issue 68), hotpaths (the ops as users call them, before / after issue 48), vllm (every vLLM test, on the GPU's vLLM), trainer (the CLI
 # with vLLM rollout: GRPO + resume, PPO, the default config), advantage, logprobs, reshard, hybrid, e2e,
@@ -314,6 +314,16 @@ if want sft; then
     --impls "${SFT_IMPLS:-ours,trl}" --rows "${SFT_ROWS:-32}" --steps "${SFT_STEPS:-5}" --timeout "${SFT_RUN_TIMEOUT:-120}" --name "${SFT_NAME:-sft}" \
     >> "$OUT/bench.log" 2>&1 || failed+=("bench_sft")
   sed -n '/^sft on/,$p' "$OUT/bench.log" | tail -n 14
+fi
+
+# ---- long_caps (issue 66): the update at long caps, measured peak memory beside the memory plan's estimate
+# (strategies/memory_plan.estimate; docs/memory.md): the 1.5B shape full fine-tune at a 16k cap and the 7B shape
+# with LoRA r 64 at an 8k cap, two sequences of the whole length, two steps each (~4 minutes); both must peak
+# <= 75 GiB on an 80 GB H100 (results/long_caps_cuda.json). LONG_CAPS_ROWS=1.5b_16k for one row ----
+if want long_caps; then
+  timeout 580 "$py" benchmarks/bench_long_caps.py --device cuda --rows-set "${LONG_CAPS_ROWS:-1.5b_16k,7b_lora_8k}" \
+    >> "$OUT/bench.log" 2>&1 || failed+=("bench_long_caps")
+  grep -E "^(1.5b_16k|7b_lora_8k):" "$OUT/bench.log" | tail -n 2
 fi
 
 # ---- decode (issues 24, 42, 66): the rollout's compiled, graph-captured decode alone, 16 prompts x 8 samples:

@@ -33,7 +33,7 @@ further calls, and ``check_before_loading`` logs it where that is fewer than the
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Optional, Tuple
 
 import torch
@@ -52,6 +52,7 @@ GIB = 2**30
 # 8 rounds up what the 0.5B and 1.5B shapes keep (docs/benchmarks.md, "Measurements behind the code's
 # choices"); eager norms and MLPs keep ~1.3x as much, no autocast (float32 activations) ~2x.
 ACTIVATION_BYTES = 8.0
+EAGER_FACTOR = 1.3  # eager norms and MLPs' activations against compiled ones'
 # LoRA's passes keep more per token than the model alone (each adapted layer's input cast again for
 # lora_A, the base + adapter sum kept by the next operation, the residual stream in float32 beside
 # frozen float32 weights): more than ACTIVATION_BYTES x 1.3 counts at the Qwen2.5-7B shape with r 64 on
@@ -73,10 +74,11 @@ class DoesNotFit(ValueError):
     """The run's weights, gradients and optimizer states leave no room for one sequence's activations."""
 
 
-def checkpointed_per_token(per_token: float, layers: int, hidden: int) -> float:
+def checkpointed_per_token(per_token: float, layers: int, hidden: int, element: int = 2) -> float:
     """Activation bytes per token under gradient checkpointing, from ``per_token`` without it: each
-    layer's input kept (bf16), one layer's full activations at a time in the recompute."""
-    return 2.0 * layers * hidden + per_token / max(layers, 1)
+    layer's input kept (``element`` bytes: bf16 under autocast, 4 in float32), one layer's full
+    activations at a time in the recompute."""
+    return float(element) * layers * hidden + per_token / max(layers, 1)
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ class Shape:
     width: int  # hidden + intermediate
     hidden: int
     adapted: int = 0  # the (in + out) widths of the linear layers carrying LoRA adapters, summed
+    vocab: int = 0  # the output head's rows
 
 
 def adapter_per_token(adapted: int, half: bool) -> float:
@@ -112,15 +115,23 @@ def shape_of(model: torch.nn.Module) -> Shape:
     hidden = int(getattr(cfg, "hidden_size", 0) or 0)
     return Shape(sum(t.numel() for t in local), sum(t.numel() for p, t in zip(params, local) if p.requires_grad),
                  int(getattr(cfg, "num_hidden_layers", 0) or 0),
-                 hidden + int(getattr(cfg, "intermediate_size", 0) or 0), hidden, adapted_width(model))
+                 hidden + int(getattr(cfg, "intermediate_size", 0) or 0), hidden, adapted_width(model),
+                 int(getattr(cfg, "vocab_size", 0) or 0))
 
 
 def shape_from_folder(folder: str, lora: Optional[LoraConfig], trust_remote_code: bool = False) -> Shape:
-    """The ``Shape`` of the model in ``folder`` without loading its weights (built on the meta device),
-    with LoRA's trained parameters when ``lora`` is set (rank r on every linear layer it targets)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The ``Shape`` of the model in ``folder`` without loading its weights (``shape_from_config``)."""
+    from transformers import AutoConfig
 
-    hf_cfg = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    return shape_from_config(AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code), lora,
+                             trust_remote_code)
+
+
+def shape_from_config(hf_cfg: Any, lora: Optional[LoraConfig], trust_remote_code: bool = False) -> Shape:
+    """The ``Shape`` of a model built from the HF config ``hf_cfg`` on the meta device (no weights), with
+    LoRA's trained parameters when ``lora`` is set (rank r on every linear layer it targets)."""
+    from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_cfg, trust_remote_code=trust_remote_code)
     shape = shape_of(model)
@@ -128,7 +139,7 @@ def shape_from_folder(folder: str, lora: Optional[LoraConfig], trust_remote_code
         return shape
     rank = lora.r
     trained = lora_parameters(model.named_modules(), rank, lora.target_modules)
-    return Shape(shape.parameters + trained, trained, shape.layers, shape.width, shape.hidden, trained // rank)
+    return replace(shape, parameters=shape.parameters + trained, trained=trained, adapted=trained // rank)
 
 
 def lora_parameters(modules: Iterable[Tuple[str, torch.nn.Module]], r: int, targets: Any) -> int:
@@ -192,7 +203,7 @@ def plan(cfg: Config, shape: Shape, free_bytes: float, needs_reference: bool, pe
     half = bf16_autocast or weight == 2
     per_token = ACTIVATION_BYTES * shape.layers * shape.width * (1.0 if half else 2.0)
     per_token += adapter_per_token(shape.adapted, half)
-    checkpointed = checkpointed_per_token(per_token, shape.layers, shape.hidden)
+    checkpointed = checkpointed_per_token(per_token, shape.layers, shape.hidden, 2 if half else 4)
     sequence = cfg.trainer.max_prompt_length + r.max_new_tokens
     worthwhile = MICRO_BATCH_S * UPDATE_FLOPS_PER_S / (2.0 * shape.parameters) if shape.parameters else float("inf")
     return Plan(static, free_bytes, per_token, checkpointed, r.n * sequence, sequence, worthwhile)
@@ -207,6 +218,82 @@ def async_copies(cfg: Config, shape: Shape, nbytes: int) -> float:
     if t.async_mode == "full" and torch.cuda.device_count() <= 1:
         return nbytes * shape.parameters * (1 + 2 * t.async_workers)
     return 0.0
+
+
+def head_bytes(tokens: int, hidden: int, vocab: int, fused: bool) -> float:
+    """Device bytes the log-prob head holds for a micro-batch of ``tokens`` at its peak (its backward).
+    Fused (``linear_logprobs``): the bf16 hidden states it keeps, their fp32 gradient accumulator and one
+    d_logits chunk; the [tokens, vocab] logits never exist. Plain: the bf16 logits kept for the backward
+    and their fp32 gradient."""
+    if fused:
+        from verl_fast.kernels.linear_logprobs import LinearConfig
+
+        return tokens * hidden * (2 + 4) + LinearConfig.chunk_bytes
+    return tokens * vocab * (2 + 4)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A run's peak device bytes by phase: what stays (``static``), then either the update's micro-batch
+    (its saved activations as ``mode`` keeps them, and the log-prob head) or the rollout's decode (its
+    KV cache and sampling rows), which never hold memory at the same time."""
+
+    static: float
+    mode: str  # "plain" | "checkpointed": how the update keeps its activations
+    micro_tokens: int  # the update's micro-batch, in tokens
+    activations: float
+    head: float
+    rollout: float
+    rollout_prompts: int  # the prompts one decode call takes
+
+    @property
+    def update_peak(self) -> float:
+        return self.static + self.activations + self.head
+
+    @property
+    def rollout_peak(self) -> float:
+        return self.static + self.rollout
+
+    @property
+    def peak(self) -> float:
+        return max(self.update_peak, self.rollout_peak)
+
+    def as_dict(self) -> dict:
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return {**out, "update_peak": self.update_peak, "rollout_peak": self.rollout_peak, "peak": self.peak}
+
+
+def estimate(cfg: Config, shape: Shape, hf_config: Any, free_bytes: float, needs_reference: bool = False,
+             peft: bool = False, compiled: bool = True, fused_head: bool = True) -> Estimate:
+    """The peak of a run of ``cfg`` on a GPU with ``free_bytes`` free, phase by phase (``Estimate``).
+
+    The update: the micro-batch is ``actor.max_token_len_per_gpu`` when set, else what the trainer's
+    auto budget takes (``trainer/batching.token_budget``: the room over the per-token activations, at
+    most the step's tokens), never less than one sequence; its activations are kept whole where the
+    room holds them (``plan``'s ``checkpointing``, or ``actor.gradient_checkpointing`` when set), else
+    checkpointed. ``compiled``: the norms and MLPs compiled (``actor.compile_blocks``; eager ones keep
+    ``EAGER_FACTOR`` more); ``fused_head``: the fused log-prob head (``head_bytes``). The rollout: the
+    compiled HF decode's prompts per call in the room (``decode_prompts_per_call``) at their cache."""
+    a, r, t = cfg.actor, cfg.rollout, cfg.trainer
+    p = plan(cfg, shape, free_bytes, needs_reference, peft)
+    whole = p.per_token * (1.0 if compiled else EAGER_FACTOR)
+    checkpointing = p.checkpointing if a.gradient_checkpointing is None else a.gradient_checkpointing
+    per_token = whole
+    if checkpointing:
+        half = a.autocast in (None, "auto", "bfloat16", "float16") or a.dtype != "float32"
+        per_token = checkpointed_per_token(whole, shape.layers, shape.hidden, 2 if half else 4)
+    # the backward of a layer holds its activations' gradients beside them: one layer's more
+    per_token += whole / max(shape.layers, 1)
+    step_tokens = t.train_batch_size * r.n * p.sequence_tokens
+    budget = a.max_token_len_per_gpu or min(step_tokens, int(max(p.room, 0.0) // per_token))
+    tokens = max(p.sequence_tokens, budget)
+    step = hf_decode.CompiledForward.WIDTH
+    width = -(-t.max_prompt_length // step) * step
+    element = 2 if a.autocast in (None, "auto", "bfloat16", "float16") else DTYPE_BYTES[a.dtype]
+    prompts = decode_prompts_per_call(p, cfg, hf_config)
+    rollout = prompts * hf_decode.bytes_per_prompt(hf_config, width, r.max_new_tokens, r.n, element)
+    return Estimate(p.static_bytes, "checkpointed" if checkpointing else "plain", tokens, tokens * per_token,
+                    head_bytes(tokens, shape.hidden, shape.vocab, fused_head), rollout, prompts)
 
 
 def refusal(p: Plan, cfg: Config) -> str:

@@ -21,7 +21,7 @@ from verl_fast.algos.loss_terms import active_rows
 from verl_fast.distributed import usable_bytes
 from verl_fast.ops import schedule
 from verl_fast.records.experience import Experience, concat
-from verl_fast.strategies.memory_plan import (ACTIVATION_BYTES, MEMORY_FRACTION, adapted_width, adapter_per_token,
+from verl_fast.strategies.memory_plan import (ACTIVATION_BYTES, EAGER_FACTOR, MEMORY_FRACTION, adapted_width, adapter_per_token,
                                               checkpointed_per_token)
 
 __all__ = ["loss_normalisers", "micro_batches", "balance_across_ranks", "token_budget"]
@@ -83,10 +83,10 @@ def token_budget(model: torch.nn.Module, optimizer: torch.optim.Optimizer, devic
     layers = getattr(cfg, "num_hidden_layers", 0) or 0
     if not width or not layers:
         return CPU_TOKEN_BUDGET
-    per_token = ACTIVATION_BYTES * layers * width * (1.0 if compiled else 1.3) * (1.0 if half else 2.0)
+    per_token = ACTIVATION_BYTES * layers * width * (1.0 if compiled else EAGER_FACTOR) * (1.0 if half else 2.0)
     per_token += adapter_per_token(adapted_width(model), half)  # LoRA's own (none without adapters)
     if checkpointed:
-        per_token = checkpointed_per_token(per_token, layers, cfg.hidden_size)
+        per_token = checkpointed_per_token(per_token, layers, cfg.hidden_size, 2 if half else 4)
 
     # (trained parameter, this rank's shard of it: a DTensor's local tensor)
     trained = [(p, p.to_local() if hasattr(p, "to_local") else p) for p in model.parameters() if p.requires_grad]

@@ -1,0 +1,95 @@
+"""The memory plan's estimate (strategies/memory_plan.estimate): an update pass's measured peak on the CPU
+against it at tiny sizes, and the long-cap shapes of issue 66 (1.5B full fine-tune at a 16k cap, 7B LoRA at
+an 8k cap) within one 80 GB H100 (75 GiB) by its count. The GPU's measured peaks of the same two shapes:
+``SECTIONS=long_caps`` in benchmarks/gpu_run.sh."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import transformers
+
+from verl_fast.bench.shapes import shape as bench_shape
+from verl_fast.config import from_dict
+from verl_fast.strategies import memory_plan
+
+GIB = 2**30
+H100 = 75 * GIB
+WORKER = Path(__file__).resolve().parents[1] / "support" / "peak_worker.py"
+
+
+def measured(layers: int, hidden: int, rows: int, tokens: int, checkpointing: bool) -> dict:
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, str(WORKER), str(layers), str(hidden), str(rows), str(tokens),
+                          str(int(checkpointing))], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("layers,hidden,rows,tokens,checkpointing", [
+    (4, 256, 16, 128, False), (6, 384, 4, 512, False), (6, 384, 4, 512, True)])
+def test_the_estimate_bounds_an_update_pass_measured_on_the_cpu(layers, hidden, rows, tokens, checkpointing):
+    got = measured(layers, hidden, rows, tokens, checkpointing)
+    assert got["mode"] == ("checkpointed" if checkpointing else "plain") and got["micro_tokens"] == rows * tokens
+    ratio = got["peak_bytes"] / (got["activations"] + got["head"])
+    # an upper bound (a planner that undercounts runs out of memory), and not a loose one
+    assert 0.6 <= ratio <= 1.0, (got, ratio)
+
+
+def hf_config(name: str) -> transformers.Qwen2Config:
+    s = bench_shape(name)
+    return transformers.Qwen2Config(vocab_size=s.vocab_size, hidden_size=s.hidden_size, num_hidden_layers=s.num_layers,
+                                    intermediate_size=s.intermediate_size, num_attention_heads=s.num_heads,
+                                    num_key_value_heads=s.num_kv_heads, tie_word_embeddings=s.tied_embeddings)
+
+
+def long_cap(name: str, cap: int, lora: bool):
+    cfg = from_dict({"actor": {"model_name": "m", **({"lora": {"r": 64}} if lora else {})},
+                     "rollout": {"max_new_tokens": cap, "n": 8},
+                     "trainer": {"train_batch_size": 16, "max_prompt_length": 512}})
+    hf = hf_config(name)
+    shape = memory_plan.shape_from_config(hf, cfg.actor.lora)
+    return cfg, hf, shape
+
+
+def test_a_15b_full_fine_tune_at_a_16k_cap_fits_one_h100():
+    cfg, hf, shape = long_cap("Qwen2.5-1.5B", 16384, lora=False)
+    assert shape.parameters == bench_shape("Qwen2.5-1.5B").params() and shape.trained == shape.parameters
+    # fp32 weights, their gradients, AdamW's two moments, the passes' and the decode's bf16 copies
+    assert memory_plan.plan(cfg, shape, H100, False, False).static_bytes == 20 * shape.parameters
+    est = memory_plan.estimate(cfg, shape, hf, H100, compiled=True, fused_head=True)
+    sequence = 512 + 16384
+    assert est.micro_tokens >= sequence and est.peak <= H100
+    assert est.rollout_peak <= H100 and 1 <= est.rollout_prompts < 16  # the decode splits the step's prompts
+    # a whole sequence of activations fits (no recompute), and only with the fused head: the plain
+    # head's [16896, 151936] logits and their gradient would not
+    assert est.mode == "plain"
+    whole = memory_plan.ACTIVATION_BYTES * shape.layers * shape.width * (1 + 1 / shape.layers)
+    assert est.static + sequence * whole + memory_plan.head_bytes(sequence, shape.hidden, shape.vocab, True) <= H100
+    assert est.static + sequence * whole + memory_plan.head_bytes(sequence, shape.hidden, shape.vocab, False) > H100
+
+
+def test_7b_lora_at_an_8k_cap_fits_one_h100_with_checkpointing():
+    cfg, hf, shape = long_cap("Qwen2.5-7B", 8192, lora=True)
+    est = memory_plan.estimate(cfg, shape, hf, H100, peft=True, compiled=False, fused_head=True)
+    assert est.mode == "checkpointed" and est.micro_tokens >= 512 + 8192 and est.peak <= H100
+    assert est.rollout_peak <= H100 and est.rollout_prompts < 16
+    # the frozen base in bf16 and the decode's merged bf16 copy: 4 bytes a base parameter, the adapters
+    # fp32 with their gradients, AdamW's moments and bf16 copies
+    base = shape.parameters - shape.trained
+    assert est.static == pytest.approx(4 * base + (4 + 4 + 8 + 2 + 2) * shape.trained)
+    eager = memory_plan.ACTIVATION_BYTES * shape.layers * shape.width * memory_plan.EAGER_FACTOR
+    eager += memory_plan.adapter_per_token(shape.adapted, True)
+    assert est.static + (512 + 8192) * eager > H100  # unrecomputed, one sequence would not fit
+
+
+def test_the_estimate_takes_a_set_token_budget_and_refuses_nothing_silently():
+    cfg, hf, shape = long_cap("Qwen2.5-1.5B", 4096, lora=False)
+    cfg.actor.max_token_len_per_gpu = 20000
+    est = memory_plan.estimate(cfg, shape, hf, H100)
+    assert est.micro_tokens == 20000
+    cfg.actor.max_token_len_per_gpu = 100  # below one sequence: a sequence is never split
+    assert memory_plan.estimate(cfg, shape, hf, H100).micro_tokens == 512 + 4096
