@@ -145,7 +145,7 @@ def test_example_runs_one_step(folder, models, tmp_path, monkeypatch):
         assert "reward/code/seconds" in records[0] and records[0]["reward/mean"] == 0.0
     if folder == "judge_reward":  # random weights write no score: every verdict fails to parse
         assert records[0]["reward/judge/parse_failures"] == 1.0 and "reward/judge/seconds" in records[0]
-    if folder == "tool_calling":  # a multi-turn rollout ran, with its tool figures
+    if folder in ("tool_calling", "mcp_tools"):  # a multi-turn rollout ran, with its tool figures
         assert records[0]["multi_turn/turns_mean"] >= 1 and "multi_turn/tool_calls" in records[0]
 
 
