@@ -21,6 +21,7 @@ from verl_fast.agents.tools import ToolExecutor, resolve_tools, tool_schema  # n
 SERVER = textwrap.dedent('''
     import os, sys, time
     from mcp.server.mcpserver import MCPServer
+    from mcp.server.mcpserver.exceptions import ToolError
 
     with open(os.environ["PIDS"], "a") as f:   # every start of this server, by pid
         f.write(f"{os.getpid()}\\n")
@@ -33,8 +34,8 @@ SERVER = textwrap.dedent('''
 
     @server.tool()
     def refuse(reason: str) -> str:
-        """Always fails."""
-        raise RuntimeError(f"refused: {reason}")
+        """Always fails (ToolError: the message reaches the client)."""
+        raise ToolError(f"refused: {reason}")
 
     @server.tool()
     def hang() -> str:

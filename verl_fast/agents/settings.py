@@ -13,6 +13,7 @@ from verl_fast.config import option, read_section
 
 BUILT_IN_ENVIRONMENTS = ("tools", "reasoning_gym", "single_turn")
 TOOL_FORMATS = ("auto", "hermes", "llama3", "mistral")
+OPENENV_ADAPTER = "verl_fast.agents.openenv_env:OpenEnvEnvironment"
 
 
 @dataclass
@@ -91,5 +92,12 @@ def _needs_mcp(cfg: config_mod.Config) -> Optional[str]:
     return "rollout.multi_turn.mcp_servers" if isinstance(mt, dict) and mt.get("mcp_servers") else None
 
 
+def _needs_openenv(cfg: config_mod.Config) -> Optional[str]:
+    mt = cfg.rollout.multi_turn
+    env = mt.get("environment") if isinstance(mt, dict) else None
+    return f"rollout.multi_turn.environment={env}" if env == OPENENV_ADAPTER else None
+
+
 config_mod.register_check(_check)
 extras.register("mcp", "agents", _needs_mcp)
+extras.register("openenv", "openenv", _needs_openenv)
