@@ -61,7 +61,10 @@ SERVER = textwrap.dedent('''
         return "x" * n
 
     if __name__ == "__main__":
-        server.run()
+        if len(sys.argv) > 1:  # a port: streamable HTTP
+            server.run(transport="streamable-http", host="127.0.0.1", port=int(sys.argv[1]))
+        else:
+            server.run()
 ''')
 
 
@@ -166,7 +169,7 @@ def test_a_server_that_cannot_start_is_one_line_naming_it(tmp_path):
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("rollout.multi_turn.mcp_servers[0] (")
     assert "could not start" in msg and "no config here" in msg
-    with pytest.raises(ValueError, match=r"mcp_servers\[0\].*did not answer within .*=2"):
+    with pytest.raises(ValueError, match=r"mcp_servers\[0\].*did not answer within .*mcp_start_timeout_s=2$"):
         mcp_tools([{"command": sys.executable, "args": ["-c", "import time; time.sleep(60)"]}], start_timeout_s=2)
 
 
@@ -186,6 +189,36 @@ def test_server_entries():
     assert parse_server("https://tools.example/mcp", "k[1]").url == "https://tools.example/mcp"
     s = parse_server({"command": "python3", "args": ["x.py"], "env": {"B": "2", "A": "1"}, "cwd": "/tmp"}, "k[2]")
     assert s.env == (("A", "1"), ("B", "2")) and s.cwd == "/tmp"
+
+
+def test_a_server_by_url(server, tmp_path):
+    import socket
+    import subprocess
+
+    from ports import free_port
+
+    entry, _ = server
+    port = free_port()
+    proc = subprocess.Popen([entry["command"], *entry["args"], str(port)], env={**os.environ, **entry["env"]},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, "the HTTP server did not start"
+                time.sleep(0.2)
+        tools = resolve_tools(mcp_tools([f"http://127.0.0.1:{port}/mcp"], start_timeout_s=60))
+        assert sorted(tools) == ["add", "big", "die", "garbage", "hang", "refuse"]
+        with ToolExecutor(tools, workers=1, timeout_s=60) as ex:
+            assert ex.call("add", {"a": 5, "b": 6}).content == "11"
+            r = ex.call("refuse", {"reason": "by url"})
+            assert r.status == "error" and "refused: by url" in r.content
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_the_config_key_is_checked_and_the_trainer_lists_the_servers_tools(server, tmp_path):

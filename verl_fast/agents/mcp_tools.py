@@ -87,7 +87,7 @@ def parse_server(entry: Any, where: str) -> McpServer:
         raise ValueError(f"{where}: env must map names to strings, got {env!r:.80}")
     if cwd is not None and not isinstance(cwd, str):
         raise ValueError(f"{where}: cwd must be a path, got {cwd!r}")
-    if shutil.which(command, path=None if os.sep not in command else "") is None and not os.access(command, os.X_OK):
+    if shutil.which(command) is None:
         raise ValueError(f"{where}: command {command!r} is not an executable on PATH")
     shown = " ".join([command, *args])
     return McpServer(f"{where} ({shown:.80})", command=command, args=tuple(args), env=tuple(sorted(env.items())),
@@ -251,17 +251,18 @@ def list_tools(server: McpServer, timeout_s: float) -> List[McpTool]:
         with tempfile.TemporaryFile() as errlog:
             try:
                 box["tools"] = asyncio.run(_list(server, timeout_s, errlog))
+            except asyncio.TimeoutError:
+                box["error"] = f"did not answer within rollout.multi_turn.mcp_start_timeout_s={timeout_s:g}"
             except BaseException as e:  # noqa: BLE001 - reported in one line below
-                why = "no answer" if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}"
-                box["error"] = f"{why}{_last_line(errlog)}"
+                box["error"] = f"could not start: {type(e).__name__}: {e}"
+            if "error" in box:
+                box["error"] += _last_line(errlog)
 
     thread = threading.Thread(target=run, name="verl_fast mcp start")
     thread.start()
     thread.join()
     if "error" in box:
-        what = "did not answer within" if box["error"].startswith("no answer") else "could not start"
-        raise ValueError(f"{server.label}: the MCP server {what} (rollout.multi_turn.mcp_start_timeout_s="
-                         f"{timeout_s:g}): {' '.join(box['error'].split())[:400]}")
+        raise ValueError(f"{server.label}: the MCP server {' '.join(box['error'].split())[:500]}")
     out = []
     for tool in box["tools"]:
         function = {"name": tool.name, "description": tool.description or "",
