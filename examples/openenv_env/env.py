@@ -55,7 +55,8 @@ class GuessEnv(Environment[GuessAction, GuessObservation, State]):
             feedback = "That is not a number."
         else:
             feedback = "Higher." if guess < self.target else "Lower."
-        obs = GuessObservation(feedback=feedback, done=guess == self.target or self._state.step_count >= self.max_guesses)
+        done = guess == self.target or self._state.step_count >= self.max_guesses
+        obs = GuessObservation(feedback=feedback, done=done)
         obs.reward = self._apply_rubric(action, obs)
         return obs
 

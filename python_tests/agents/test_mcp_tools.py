@@ -175,7 +175,8 @@ def test_a_server_that_cannot_start_is_one_line_naming_it(tmp_path):
 
 @pytest.mark.parametrize("entry, match", [
     (3, "must be a command line"), ({"url": "ftp://x"}, "a URL server"), ({"comand": "x"}, "unknown key 'comand'"),
-    ({"command": "x", "args": "a b"}, "args must be a list"), ({"command": "no-such-program-here"}, "not an executable"),
+    ({"command": "x", "args": "a b"}, "args must be a list"),
+    ({"command": "no-such-program-here"}, "not an executable"),
     ({"command": "python3", "env": {"A": 1}}, "env must map"), ("", "needs a command"), ("a 'b", "cannot split")])
 def test_bad_server_entries_are_named(entry, match):
     with pytest.raises(ValueError, match=match) as e:

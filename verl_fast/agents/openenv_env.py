@@ -53,9 +53,10 @@ def _fields(observation: Any) -> Dict[str, Any]:
 class OpenEnvEnvironment(Environment):
     """One trajectory's OpenEnv environment (see the module docstring)."""
 
-    def __init__(self, env: Optional[str] = None, url: Optional[str] = None, env_kwargs: Optional[Dict[str, Any]] = None,
-                 action: Optional[str] = None, action_field: str = "message", observation_field: Optional[str] = None,
-                 role: str = "user", system_prompt: Optional[str] = None):
+    def __init__(self, env: Optional[str] = None, url: Optional[str] = None,
+                 env_kwargs: Optional[Dict[str, Any]] = None, action: Optional[str] = None,
+                 action_field: str = "message", observation_field: Optional[str] = None, role: str = "user",
+                 system_prompt: Optional[str] = None):
         if (env is None) == (url is None):
             raise ValueError("OpenEnvEnvironment needs one of env (module:Class, an OpenEnv Environment) or url (a "
                              "running OpenEnv server), in rollout.multi_turn.environment_kwargs")
