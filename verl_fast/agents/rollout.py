@@ -328,6 +328,7 @@ def build_operator(cfg: Any, engine: RolloutEngine, tokenizer: Any, default: Sam
                    tools: Sequence[Any] = ()) -> Optional[MultiTurnRolloutOperator]:
     """The run's multi-turn operator, or None when ``rollout.multi_turn`` is unset and no tools are passed."""
     from verl_fast.agents import settings as mt_config
+    from verl_fast.agents.mcp_tools import mcp_tools
     from verl_fast.agents.tools import resolve_tools
 
     mt = mt_config.parse(cfg.rollout)
@@ -337,6 +338,6 @@ def build_operator(cfg: Any, engine: RolloutEngine, tokenizer: Any, default: Sam
     if engine.collective:  # ranks would make different numbers of generate calls
         raise ValueError("rollout.multi_turn is not supported with a collective engine (vLLM under torchrun); use "
                          "rollout.type=hf there, or one process")
-    resolved = resolve_tools(list(mt.tools) + list(tools))
+    resolved = resolve_tools(list(mt.tools) + list(tools) + mcp_tools(mt.mcp_servers, mt.mcp_start_timeout_s))
     return MultiTurnRolloutOperator(engine, default, tokenizer, mt, resolved, system_prompt=cfg.trainer.system_prompt,
                                     max_num_seqs=cfg.rollout.max_num_seqs)

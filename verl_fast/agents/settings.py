@@ -4,14 +4,16 @@ config validation (before any model loads; the tools are imported and their sche
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from verl_fast import config as config_mod
+from verl_fast import extras
 from verl_fast.algos import registry as algorithms
 from verl_fast.config import option, read_section
 
 BUILT_IN_ENVIRONMENTS = ("tools", "reasoning_gym", "single_turn")
 TOOL_FORMATS = ("auto", "hermes", "llama3", "mistral")
+OPENENV_ADAPTER = "verl_fast.agents.openenv_env:OpenEnvEnvironment"
 
 
 @dataclass
@@ -35,6 +37,11 @@ class MultiTurnConfig:
     tool_output_max_bytes: int = option(4096, min=0, doc="what a tool call prints (its stdout and its stderr, each) is "
                                     "captured in its worker and cut to this many bytes; every byte is counted in "
                                     "the metrics")
+    mcp_servers: List[Union[str, Dict[str, Any]]] = option(list, doc="MCP servers whose tools the model may call "
+                                    "next to the Python tools (under the same limits): each a command line, an "
+                                    "http(s) URL (streamable HTTP), or {command, args, env, cwd} / {url}")
+    mcp_start_timeout_s: float = option(60.0, min=0.001, doc="each MCP server must start and list its tools within "
+                                    "this at start-up, or the run stops naming it")
     max_tool_calls: int = option(8, min=1, doc="tool calls per trajectory; later calls are refused and the episode ends")
     env_timeout_s: float = option(120.0, min=0.001, doc="an environment's reset or step running longer is given up: a "
                               "step ends its trajectory (multi_turn/env_timeouts), a reset stops the run")
@@ -64,7 +71,10 @@ def _check(cfg: config_mod.Config) -> None:
     if not algorithms.spec(cfg).samples:
         raise ValueError(f"rollout.multi_turn is not supported with algorithm.type={cfg.algorithm.type}, which samples "
                          "nothing; remove it")
+    from verl_fast.agents.mcp_tools import parse_servers
     from verl_fast.agents.tools import resolve_tools, tool_schema
+
+    parse_servers(mt.mcp_servers)
 
     for i, spec in enumerate(mt.tools):
         try:
@@ -77,4 +87,17 @@ def _check(cfg: config_mod.Config) -> None:
             raise ValueError(f"rollout.multi_turn.tools[{i}]: {e}") from None
 
 
+def _needs_mcp(cfg: config_mod.Config) -> Optional[str]:
+    mt = cfg.rollout.multi_turn
+    return "rollout.multi_turn.mcp_servers" if isinstance(mt, dict) and mt.get("mcp_servers") else None
+
+
+def _needs_openenv(cfg: config_mod.Config) -> Optional[str]:
+    mt = cfg.rollout.multi_turn
+    env = mt.get("environment") if isinstance(mt, dict) else None
+    return f"rollout.multi_turn.environment={env}" if env == OPENENV_ADAPTER else None
+
+
 config_mod.register_check(_check)
+extras.register("mcp", "agents", _needs_mcp)
+extras.register("openenv", "openenv", _needs_openenv)

@@ -68,7 +68,11 @@ def load_tool(spec: str) -> Callable[..., Any]:
 
 
 def tool_schema(fn: Callable[..., Any]) -> Dict[str, Any]:
-    """The function's JSON schema, as chat templates take tools (``{"type": "function", "function": ...}``)."""
+    """The function's JSON schema, as chat templates take tools (``{"type": "function", "function": ...}``);
+    a tool that carries its own (an MCP server's: ``openai_schema``) gives that."""
+    own = getattr(fn, "openai_schema", None)
+    if isinstance(own, dict):
+        return own
     from transformers.utils import get_json_schema
 
     try:
