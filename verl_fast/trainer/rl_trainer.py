@@ -129,7 +129,7 @@ class RLTrainer:
         self.vision = VisionProcessor.of(tokenizer)
         if self.vision is not None:
             tokenizer = self.vision.tokenizer
-            vision_model.check_run(cfg, actor_model, distributed.world_size())
+            vision_model.check_run(cfg, actor_model)
         critic_inner = critic_model.model if isinstance(critic_model, ValueModel) else critic_model
         for model in (actor_model, critic_inner):  # a vision-language critic's tower as the actor's
             if model is not None and vision_model.is_vision_model(model) and cfg.actor.freeze_vision_tower:
@@ -274,6 +274,8 @@ class RLTrainer:
         if cfg.train_batch_size % self.world:
             raise ValueError(f"trainer.train_batch_size={cfg.train_batch_size} must be a multiple of the "
                              f"number of processes ({self.world}) so that every rank gets the same share")
+        if self.vision is not None:
+            vision_model.check_rows(items, self.world)
         self._items = items  # an algorithm's select_experience may draw extra prompts from them
         per_epoch = max(1, len(items) // cfg.train_batch_size)
         total = cfg.total_steps or cfg.num_epochs * per_epoch
