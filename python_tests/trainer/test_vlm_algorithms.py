@@ -124,6 +124,19 @@ def test_sft_refuses_a_cut_through_image_tokens(tmp_path):
         trainer.algorithm.encode(trainer.processor, sft_rows()[:1])
 
 
+@pytest.mark.parametrize("algorithm, rows, message", [
+    ("sft", lambda: [{**sft_rows()[0], "images": [b"not a picture"]}], r"SFT row 0: images\[0\]: cannot read"),
+    ("dpo", lambda: [{**dpo_rows()[0], "images": [b"not a picture"]}], r"preference row 0: images\[0\]: cannot read"),
+    ("dpo", lambda: [{**dpo_rows()[1], "images": dpo_rows()[1]["images"][:1]}],
+     "preference row 0: the prompt has 2 image placeholders for 1 images"),
+])
+def test_bad_image_rows_named(tmp_path, algorithm, rows, message):
+    model, processor = build_vlm("qwen2_vl")
+    trainer = RLTrainer(actor_model=model, tokenizer=processor, config=config(tmp_path, algorithm))
+    with pytest.raises(ValueError, match=message):
+        trainer.algorithm.encode(trainer.processor, rows())
+
+
 @pytest.mark.parametrize("reference_free", [False, True])
 def test_dpo_loss_with_images(tmp_path, reference_free):
     """DPO's first loss: sigmoid of beta times the chosen-minus-rejected log-ratio margins, each sequence's
@@ -167,6 +180,7 @@ def test_ppo_critic_values_with_images(tmp_path):
     from test_vlm_trainer import verl_rows
 
     actor, processor = build_vlm("qwen2_vl")
+    actor_tower = tower(actor)
     backbone, _ = build_vlm("qwen2_vl", seed=2)
     critic = ValueModel(backbone)
     torch.nn.init.normal_(critic.head.weight, std=0.5)
@@ -196,3 +210,34 @@ def test_ppo_critic_values_with_images(tmp_path):
     assert len(history) == 2 and all(torch.isfinite(torch.tensor(h["critic/vf_loss"])) for h in history)
     assert not torch.equal(critic_lm, backbone.model.language_model.layers[0].mlp.up_proj.weight)
     assert all(torch.equal(p, critic_tower[n]) for n, p in backbone.model.visual.named_parameters())
+    assert all(torch.equal(p, actor_tower[n]) for n, p in actor.model.visual.named_parameters())
+
+
+def test_sft_resume_with_images_matches_the_uninterrupted_run(tmp_path):
+    """Two SFT steps with the tower trained, against one step, a checkpoint, and a trainer on other weights
+    that resumes it for the second: the same weights (model and optimiser state restored)."""
+    def run(folder, steps, seed):
+        model, processor = build_vlm("qwen2_vl", seed=seed)
+        cfg = config(folder, "sft", freeze_vision_tower=False)
+        cfg["trainer"].update(train_batch_size=3, total_steps=steps)
+        RLTrainer(actor_model=model, tokenizer=processor, config=cfg).fit(sft_rows())
+        return model
+
+    whole = run(tmp_path / "whole", 2, 0)
+    run(tmp_path / "cut", 1, 0)
+    resumed = run(tmp_path / "cut", 2, 1)  # seed 1: the checkpoint's weights must win
+    for (name, a), b in zip(whole.named_parameters(), resumed.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("algorithm", ["orpo", "simpo"])
+def test_reference_free_pair_losses_step_with_images(tmp_path, algorithm):
+    """ORPO / SimPO read the pairs as DPO does (both rows of a pair with its images): they step."""
+    model, processor = build_vlm("qwen2_vl")
+    frozen, head = tower(model), model.lm_head.weight.detach().clone()
+    cfg = config(tmp_path, algorithm)
+    cfg["trainer"]["train_batch_size"] = 4
+    history = RLTrainer(actor_model=model, tokenizer=processor, config=cfg).fit(dpo_rows())
+    assert len(history) == 2 and all(torch.isfinite(torch.tensor(h[f"{algorithm}/loss"])) for h in history)
+    assert not torch.equal(head, model.lm_head.weight)
+    assert all(torch.equal(p, frozen[n]) for n, p in model.model.visual.named_parameters())
