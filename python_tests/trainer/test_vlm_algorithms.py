@@ -93,6 +93,10 @@ def test_sft_loss_with_images(tmp_path, batching):
         answer = processor.tokenizer.decode([t for t, m in zip(e.ids, e.loss_mask) if m])
         last = (row["completion"] if "completion" in row else row["messages"])[-1]["content"]
         assert answer == (last if isinstance(last, str) else last[0]["text"]) + "<|im_end|>\n", answer
+    exp = trainer.algorithm.experience(examples, processor.tokenizer.pad_token_id, trainer.device)
+    micro = trainer.updates.micro(exp)
+    counts = [sorted(0 if v is None else v.num_images for v in exp.select(idx).vision) for idx in micro]
+    assert len(micro) > 1 and any(len(set(c)) > 1 for c in counts), counts  # ragged image counts in a pass
     total, count = 0.0, 0
     for e in examples:
         mask = torch.tensor(e.loss_mask[1:], dtype=torch.float64)
