@@ -18,7 +18,7 @@
 # class: LoRA and full fine-tune, ours or TRL's by SEVEN_B), shapes (a new token count's first-call cost), decode (the rollout's decode alone), merge (the LoRA merge before a rollout),
 # overlap (the reward beside the old-log-prob pass), agent_endpoint (an agent through the rollout endpoint, issue 68), hotpaths (the ops as users call them, before / after issue 48), vllm (every vLLM test, on the GPU's vLLM), trainer (the CLI
 # with vLLM rollout: GRPO + resume, PPO, the default config), advantage, logprobs, reshard, hybrid, e2e,
-# sft (our SFT step beside TRL's SFTTrainer), ragged (GRPO at users' response lengths, issue 66), async (off / one_step / full), dist (needs 2 GPUs), megatron (2 GPUs; megatron-core's wheel in .whl/),
+# sft (our SFT step beside TRL's SFTTrainer), vlm (vision-language GRPO and SFT at the Qwen2.5-VL-3B shape beside TRL's, issue 70), ragged (GRPO at users' response lengths, issue 66), async (off / one_step / full), dist (needs 2 GPUs), megatron (2 GPUs; megatron-core's wheel in .whl/),
 # fp8 (FP8 rollout vs bf16 at 7B: sync, HF decode, vLLM), bench (`verl-fast bench` itself, quick sizes), ncu (Nsight Compute on the GAE scan kernel, where the image has it).
 # That machine: H200(s), torch 2.11 + CUDA 13, Triton 3.6, Python 3.12, no vLLM / megatron-core, no
 # network: build with --no-build-isolation --no-deps; pure-Python wheels (liger-kernel for the
@@ -324,6 +324,18 @@ if want long_caps; then
   timeout 580 "$py" benchmarks/bench_long_caps.py --device cuda --rows-set "${LONG_CAPS_ROWS:-1.5b_16k,7b_lora_8k}" \
     >> "$OUT/bench.log" 2>&1 || failed+=("bench_long_caps")
   grep -E "^(1.5b_16k|7b_lora_8k):" "$OUT/bench.log" | tail -n 2
+fi
+
+# ---- vlm (issue 70): vision-language GRPO (16 prompts x 8 samples, one 448 x 448 picture each, up to 256 new tokens)
+# and SFT (32 rows of a picture and a 128-word answer) on a Qwen2.5-VL-3B-shaped random-weight model, ours vs TRL's
+# GRPOTrainer (vLLM colocate) / SFTTrainer; results/vlm_cuda.json. TRL needs trl, datasets, dill, multiprocess (.whl/),
+# vLLM (the .dv* pieces) and torchvision (transformers' Qwen2.5-VL processor); ours needs none of them. Each run is
+# its own process (VLM_RUN_TIMEOUT s); VLM_ALGOS=grpo / sft splits it over two calls if one does not fit ----
+if want vlm; then
+  timeout ${VLM_TIMEOUT:-580} "$py" benchmarks/bench_vlm.py --device cuda --algos "${VLM_ALGOS:-grpo,sft}" \
+    --impls "${VLM_IMPLS:-ours,trl}" --steps "${VLM_STEPS:-3}" --timeout "${VLM_RUN_TIMEOUT:-200}" \
+    >> "$OUT/bench.log" 2>&1 || failed+=("bench_vlm")
+  sed -n '/^vlm on/,$p' "$OUT/bench.log" | tail -n 8
 fi
 
 # ---- decode (issues 24, 42, 66): the rollout's compiled, graph-captured decode alone, 16 prompts x 8 samples:

@@ -43,7 +43,10 @@ def pair_experience(pairs: Sequence[Any], pad_id: int, device: torch.device) -> 
     """``pairs`` (``prompt_ids`` / ``chosen_ids`` / ``rejected_ids``) as ``2B`` interleaved rows."""
     prompts = [p.prompt_ids for p in pairs for _ in range(2)]
     responses = [ids for p in pairs for ids in (p.chosen_ids, p.rejected_ids)]
-    return rows_experience(prompts, responses, [i for i in range(len(pairs)) for _ in range(2)], pad_id, device)
+    exp = rows_experience(prompts, responses, [i for i in range(len(pairs)) for _ in range(2)], pad_id, device)
+    if any(p.vision is not None for p in pairs):  # both rows of a pair carry its images
+        exp.vision = [p.vision for p in pairs for _ in range(2)]
+    return exp
 
 
 def micro_batches(num_items: int, per_micro: int, rows_per_item: int, device: torch.device) -> List[torch.Tensor]:

@@ -62,7 +62,8 @@ class SFT:
 
     def encode(self, processor: RLDataProcessor, rows: List[Dict[str, Any]]) -> List[SFTExample]:
         a = self.cfg.algorithm
-        return sft_data.encode(processor.tokenizer, rows, a.sft_max_length, a.sft_columns, a.sft_truncation)
+        return sft_data.encode(processor.tokenizer, rows, a.sft_max_length, a.sft_columns, a.sft_truncation,
+                               processor.image_limits)
 
     def experience(self, batch: List[SFTExample], pad_id: int, device: torch.device) -> Experience:
         return experience(batch, pad_id, device)
@@ -86,6 +87,8 @@ def experience(batch: List[SFTExample], pad_id: int, device: torch.device) -> Ex
     for row, w in enumerate(weights):
         adv[row, : len(w)] = torch.as_tensor(w, dtype=torch.float32)
     exp.advantages = adv.to(device)
+    if any(e.vision is not None for e in batch):  # each row's images go with its tokens
+        exp.vision = [e.vision for e in batch]
     return exp
 
 

@@ -123,15 +123,19 @@ def vision_messages(messages: List[Dict[str, Any]], count: int) -> List[Dict[str
 def encode_row(processor: VisionProcessor, messages: List[Dict[str, Any]], raw: List[Any],
                limits: ImageLimits) -> Tuple[List[int], str, VisionInputs]:
     """(token ids, templated text, images' inputs) of one row's prompt ``messages`` and raw images."""
-    images = [_read(v, k, limits) for k, v in enumerate(raw)]
+    images = read_images(raw, limits)
     text = processor.template(vision_messages(messages, len(images)))
     ids, inputs = processor.encode(text, images)
     return ids, text, inputs
 
 
-def _read(value: Any, k: int, limits: ImageLimits):
-    try:
-        return read_image(value, limits)
-    except ValueError as e:
-        raise ValueError(f"images[{k}]: {e}") from None
+def read_images(raw: List[Any], limits: ImageLimits) -> List[Any]:
+    """A row's raw images as RGB PIL images (``read_image``); an error names the image's index."""
+    out = []
+    for k, value in enumerate(raw):
+        try:
+            out.append(read_image(value, limits))
+        except ValueError as e:
+            raise ValueError(f"images[{k}]: {e}") from None
+    return out
 

@@ -11,10 +11,20 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 from verl_fast import config
 from verl_fast.data import readers
-from verl_fast.data.images import ImageLimits, VisionProcessor, encode_row, row_images
+from verl_fast.data.images import ImageLimits, VisionInputs, VisionProcessor, encode_row, row_images, vision_messages
 from verl_fast.data.preference import preference_parts
 from verl_fast.data.sources import load_rows, reasoning_gym_rows
 from verl_fast.records.prompts import PreferencePair, PromptRow
+
+
+def _text(content: Any) -> Optional[str]:
+    """A response message's text: its string content, or its content list's text items joined (TRL's
+    vision-language format); None for anything else."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(c, dict) and c.get("type") == "text" for c in content):
+        return "".join(str(c.get("text", "")) for c in content)
+    return None
 
 
 OVERLONG_PROMPTS = ("skip", "error", "truncate_left")
@@ -98,27 +108,31 @@ class RLDataProcessor:
             got = sorted(row) if isinstance(row, dict) else type(row).__name__
             raise ValueError(f"a row needs a 'prompt' field (verl format), got {got}")
         readers.check_truth(row)  # rows given in Python too: never a ground truth silently None
-        raw_images, inputs = row_images(row), None
-        if raw_images is not None:
-            if self.vision is None:
-                raise ValueError("the row has images, but the tokenizer is not a vision-language processor (give "
-                                 "the model's processor, e.g. AutoProcessor.from_pretrained)")
-            ids, text, inputs = encode_row(self.vision, self.messages(row["prompt"]), raw_images, self.image_limits)
-            if len(ids) > self.max_prompt_length and self.overlong_prompts == "truncate_left":
-                raise ValueError(f"a prompt with images has {len(ids)} tokens, more than max_prompt_length="
-                                 f"{self.max_prompt_length}: truncate_left would cut its image tokens")
-        else:
-            text = self.template(row["prompt"])
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            if self.vision is not None and self.vision.image_token_id in ids:
-                raise ValueError(f"the prompt holds {self.vision.image_token}, but the row has no images (an 'images' "
-                                 "or 'image' column)")
+        ids, text, inputs = self._prompt(row["prompt"], row_images(row))
         fitted = self._fit(ids, text)
         if fitted is None:
             return None
         return PromptRow(prompt_ids=fitted[0], prompt_text=fitted[1], ground_truth=readers.ground_truth(row),
                          data_source=str(row.get("data_source", "")), extra_info=dict(row.get("extra_info") or {}),
                          columns=dict(row), vision=inputs)
+
+    def _prompt(self, prompt: Any, raw_images: Optional[List[Any]]) -> Tuple[List[int], str, Optional[VisionInputs]]:
+        """(token ids, templated text, images' inputs or None) of a row's prompt and raw images."""
+        if raw_images is None:
+            text = self.template(prompt)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if self.vision is not None and self.vision.image_token_id in ids:
+                raise ValueError(f"the prompt holds {self.vision.image_token}, but the row has no images (an 'images' "
+                                 "or 'image' column)")
+            return ids, text, None
+        if self.vision is None:
+            raise ValueError("the row has images, but the tokenizer is not a vision-language processor (give "
+                             "the model's processor, e.g. AutoProcessor.from_pretrained)")
+        ids, text, inputs = encode_row(self.vision, self.messages(prompt), raw_images, self.image_limits)
+        if len(ids) > self.max_prompt_length and self.overlong_prompts == "truncate_left":
+            raise ValueError(f"a prompt with images has {len(ids)} tokens, more than max_prompt_length="
+                             f"{self.max_prompt_length}: truncate_left would cut its image tokens")
+        return ids, text, inputs
 
     def encode_all(self, rows: Iterable[Dict[str, Any]]) -> List[PromptRow]:
         """Every row's prompt; overlong ones skipped are counted in ``skipped_overlong``; an error
@@ -154,17 +168,23 @@ class RLDataProcessor:
             if parts is None:
                 continue
             prompt, chosen, rejected = parts
-            text = self.template(prompt)
-            chosen = self.response_text(prompt, chosen, "chosen")
-            rejected = self.response_text(prompt, rejected, "rejected")
-            fitted = self._fit(self.tokenizer(text, add_special_tokens=False)["input_ids"], text)
+            raw_images = row_images(row)
+            try:
+                ids, text, inputs = self._prompt(prompt, raw_images)
+                if raw_images is not None:  # the responses follow the prompt with its image items
+                    prompt = vision_messages(self.messages(prompt), len(raw_images))
+                chosen = self.response_text(prompt, chosen, "chosen")
+                rejected = self.response_text(prompt, rejected, "rejected")
+            except ValueError as e:
+                raise ValueError(f"preference row {i}: {e}") from None
+            fitted = self._fit(ids, text)
             if fitted is None:
                 self.skipped_overlong += 1
                 continue
             prompt_ids, text = fitted
             pairs.append(PreferencePair(prompt=text, chosen=chosen, rejected=rejected, prompt_ids=prompt_ids,
                                         chosen_ids=self._response_ids(chosen),
-                                        rejected_ids=self._response_ids(rejected)))
+                                        rejected_ids=self._response_ids(rejected), vision=inputs))
         return pairs
 
     def response_text(self, prompt: Any, response: Any, key: str) -> str:
@@ -174,10 +194,10 @@ class RLDataProcessor:
         if isinstance(response, str):
             return response
         if not (isinstance(response, list) and response
-                and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in response)):
+                and all(isinstance(m, dict) and _text(m.get("content")) is not None for m in response)):
             raise ValueError(f"{key} must be a string or a non-empty list of chat messages "
                              f"({{'role': ..., 'content': ...}}), got {response!r}")
-        turns = [{"role": m.get("role", "assistant"), "content": m["content"]} for m in response]
+        turns = [{"role": m.get("role", "assistant"), "content": _text(m["content"])} for m in response]
         if not getattr(self.tokenizer, "chat_template", None):
             return "\n".join(m["content"] for m in turns)
         head = self.template(prompt)

@@ -9,14 +9,23 @@
 - ``text``: plain text, EOS appended; the loss on every token but the first.
 
 Rows longer than ``max_length`` tokens are cut to it.
+
+A row with images (TRL's ``images`` / ``image`` column, or verl's ``<image>`` placeholders) and a
+vision-language processor: ``messages`` or conversational ``prompt`` / ``completion`` whose content lists
+hold ``{"type": "image"}`` items (none: the images open the first user turn); each image's placeholder
+is expanded to its token count and the example carries the images' ``VisionInputs``. A cut that would
+drop image tokens is refused, naming the row.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from verl_fast.data import readers
+from verl_fast.data.images import ImageLimits, read_images, row_images, vision_messages
+from verl_fast.models.vision_processor import VisionProcessor
+from verl_fast.records.prompts import VisionInputs
 
 
 @dataclass
@@ -25,6 +34,7 @@ class SFTExample:
 
     ids: List[int]
     loss_mask: List[int]
+    vision: Optional[VisionInputs] = None  # its images (a vision-language row), None for text
 
 
 def _render(tokenizer: Any, messages: Sequence[Dict[str, Any]], generation_prompt: bool) -> str:
@@ -89,6 +99,42 @@ def encode_row(tokenizer: Any, row: Dict[str, Any], where: str) -> SFTExample:
     return SFTExample(ids, mask)
 
 
+def encode_vision_row(vision: VisionProcessor, row: Dict[str, Any], raw: List[Any], limits: ImageLimits,
+                      where: str) -> SFTExample:
+    """A conversational row with images (module docstring) as an SFTExample with its ``VisionInputs``."""
+    images = read_images(raw, limits)
+    if "messages" in row:
+        text, spans = chat_spans(vision, vision_messages(row["messages"], len(images)), where)
+    elif isinstance(row.get("prompt"), list) and isinstance(row.get("completion"), list):
+        prompt = vision_messages(row["prompt"], len(images))
+        text, spans = chat_spans(vision, prompt + list(row["completion"]), where)
+        cut = len(_render(vision, prompt, True))
+        spans = [(max(a, cut), b) for a, b in spans if b > cut]
+    else:
+        raise ValueError(f"{where}: an SFT row with images needs messages, or prompt / completion chat messages, "
+                         f"got keys {sorted(row)}")
+    expanded, inputs = vision.expand(text, images)
+    ids, mask = _tokens(vision, expanded, _shifted(spans, text, vision, inputs))
+    return SFTExample(ids, mask, inputs)
+
+
+def _shifted(spans: List[Tuple[int, int]], text: str, vision: VisionProcessor,
+             inputs: VisionInputs) -> List[Tuple[int, int]]:
+    """``spans`` of ``text`` moved onto its expanded text: each image placeholder before a position
+    grows by its image's tokens less one."""
+    token = vision.image_token
+    marks, start = [], text.find(token)
+    while start >= 0:
+        marks.append(start)
+        start = text.find(token, start + len(token))
+    grow = [len(token) * (vision.tokens_of(g) - 1) for g in inputs.image_grid_thw]
+
+    def moved(pos: int) -> int:
+        return pos + sum(g for m, g in zip(marks, grow) if m < pos)
+
+    return [(moved(a), moved(b)) for a, b in spans]
+
+
 def _column(row: Dict[str, Any], path: str, where: str) -> Any:
     node: Any = row
     for part in path.split("."):
@@ -111,17 +157,33 @@ def remap(row: Dict[str, Any], columns: Dict[str, str], where: str) -> Dict[str,
 
 
 def encode(tokenizer: Any, rows: Sequence[Dict[str, Any]], max_length: int, columns: Optional[Dict[str, str]] = None,
-           truncation: str = "right") -> List[SFTExample]:
+           truncation: str = "right", limits: ImageLimits = ImageLimits()) -> List[SFTExample]:
     """Every row (its ``columns`` read under our names) as an SFTExample, cut to ``max_length`` tokens
     (``truncation="error"``: a longer row refused, naming it); a row with no trained token (after the
-    cut) is refused, naming it."""
-    out = []
+    cut) is refused, naming it. A row with images needs ``tokenizer`` to be a vision-language processor
+    (images resized within ``limits``)."""
+    out, vision = [], VisionProcessor.of(tokenizer)
     for i, row in enumerate(rows):
-        e = encode_row(tokenizer, remap(row, columns or {}, f"SFT row {i}"), f"SFT row {i}")
+        where, raw = f"SFT row {i}", row_images(row) if isinstance(row, dict) else None
+        mapped = remap(row, columns or {}, where)
+        if raw is None:
+            e = encode_row(tokenizer, mapped, where)
+        elif vision is None:
+            raise ValueError(f"{where}: the row has images, but the tokenizer is not a vision-language processor "
+                             "(give the model's processor, e.g. AutoProcessor.from_pretrained)")
+        else:
+            try:
+                e = encode_vision_row(vision, mapped, raw, limits, where)
+            except ValueError as err:
+                raise ValueError(err if str(err).startswith(where) else f"{where}: {err}") from None
         if truncation == "error" and len(e.ids) > max_length:
             raise ValueError(f"SFT row {i}: {len(e.ids)} tokens, more than algorithm.sft_max_length={max_length} "
                              "(verl's data.max_length; data.truncation=right cuts it)")
-        e = SFTExample(e.ids[:max_length], e.loss_mask[:max_length])
+        if e.vision is not None and vision.image_token_id in e.ids[max_length:]:
+            raise ValueError(f"SFT row {i}: {len(e.ids)} tokens, more than algorithm.sft_max_length={max_length}, "
+                             "and the cut would drop image tokens; raise the limit or shrink the images "
+                             "(trainer.image_max_pixels)")
+        e = replace(e, ids=e.ids[:max_length], loss_mask=e.loss_mask[:max_length])
         if not any(e.loss_mask[1:]):  # the first token has nothing before it to be predicted from
             raise ValueError(f"SFT row {i}: no assistant / completion token within algorithm.sft_max_length="
                              f"{max_length} (its length: {len(e.ids)} tokens)")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any, Optional, Sequence
+
 import torch
 from torch import nn
 
+from verl_fast.models.vision import model_inputs
 from verl_fast.models.wrapping import wrapper_kind
 
 
@@ -29,7 +32,9 @@ class ValueModel(nn.Module):
                 raise ValueError(f"a token-classification critic needs num_labels=1, got {config.num_labels}")
             self.backbone, self.head = None, None
         else:
-            hidden = getattr(config, "hidden_size", None)
+            # a vision-language model's width is its language model's (``text_config``)
+            text = config.get_text_config() if hasattr(config, "get_text_config") else config
+            hidden = getattr(config, "hidden_size", None) or getattr(text, "hidden_size", None)
             if hidden is None:
                 raise ValueError(f"cannot find hidden_size in the critic's config ({type(model).__name__})")
             # A model the user wrapped with FSDP gathers its top-level shards (embeddings, final
@@ -42,23 +47,28 @@ class ValueModel(nn.Module):
             param = next(model.parameters())
             self.head.to(device=param.device, dtype=param.dtype)
 
-    def forward(self, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
+    def forward(self, input_ids, attention_mask, position_ids=None, **extra) -> torch.Tensor:
+        """``extra``: a vision-language model's image keywords (``models/vision.model_inputs``)."""
         if self.token_classifier:
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **extra)
             return out.logits[..., 0].float()
         if self.backbone is None:
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             use_cache=False, output_hidden_states=True, logits_to_keep=1)
+                             use_cache=False, output_hidden_states=True, logits_to_keep=1, **extra)
             return self.head(out.hidden_states[-1]).squeeze(-1).float()
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=False)
+                            use_cache=False, **extra)
         return self.head(out.last_hidden_state).squeeze(-1).float()
 
 
 def response_values(critic: ValueModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    response_length: int) -> torch.Tensor:
+                    response_length: int, vision: Optional[Sequence[Any]] = None) -> torch.Tensor:
     """Values of the states in which each of the last ``response_length`` tokens is produced: the
-    position before each token (as verl's critic reads them). ``[B, L]``."""
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    values = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    position before each token (as verl's critic reads them). ``[B, L]``. ``vision``: each row's
+    prompt's images (a vision-language critic: its pixel values, patch grids and M-RoPE positions)."""
+    if vision is not None:
+        extra = model_inputs(critic.model, input_ids, attention_mask, vision)
+    else:
+        extra = {"position_ids": (attention_mask.long().cumsum(-1) - 1).clamp(min=0)}
+    values = critic(input_ids=input_ids, attention_mask=attention_mask, **extra)
     return values[:, -response_length - 1 : -1]

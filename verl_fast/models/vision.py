@@ -28,19 +28,29 @@ def is_vision_model(model: Any) -> bool:
     return getattr(config, "vision_config", None) is not None and getattr(config, "image_token_id", None) is not None
 
 
-def check_run(cfg: Any, model: Any, world: int) -> None:
+def check_run(cfg: Any, model: Any) -> None:
     """A run with a vision-language processor: what it supports, each refusal one line."""
     if not is_vision_model(model):
         raise ValueError("a vision-language processor was given, but the actor is not a vision-language model "
                          "(Qwen2-VL / Qwen2.5-VL, AutoModelForImageTextToText); give its tokenizer instead")
-    refused = [(world > 1, f"{world} processes", "one process (no torchrun)"),
-               (cfg.actor.strategy == "megatron", "actor.strategy=megatron", "actor.strategy: none"),
+    refused = [(cfg.actor.strategy == "megatron", "actor.strategy=megatron", "actor.strategy: none"),
                (cfg.rollout.type == "vllm", "rollout.type=vllm", "rollout.type: hf"),
                (cfg.trainer.async_mode != "off", f"trainer.async_mode={cfg.trainer.async_mode}",
                 "trainer.async_mode: off")]
     for bad, what, use in refused:
         if bad:
             raise ValueError(f"a vision-language actor is not supported with {what}; use {use}")
+
+
+def check_rows(items: Sequence[Any], world: int) -> None:
+    """With several processes every row has images: FSDP2 gathers the vision tower's shards when a
+    micro-batch has images, and a rank whose micro-batch held none would skip that collective (a hang)."""
+    if world > 1:
+        bare = next((i for i, item in enumerate(items) if getattr(item, "vision", None) is None), None)
+        if bare is not None:
+            raise ValueError(f"encoded row {bare} has no images: with {world} processes a vision-language run needs "
+                             "images in every row (a rank without any would skip the vision tower's collectives); "
+                             "drop the text-only rows or run one process")
 
 
 def _core(model: torch.nn.Module) -> torch.nn.Module:

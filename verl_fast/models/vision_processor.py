@@ -62,12 +62,22 @@ class VisionProcessor:
         return self
 
     def template(self, messages: List[Dict[str, Any]]) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                  chat_template=self.chat_template)
+        return self.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def apply_chat_template(self, messages: List[Dict[str, Any]], **kwargs: Any) -> Any:
+        """The tokenizer's ``apply_chat_template`` with the processor's template (content lists with
+        image items render each image as one ``image_token``)."""
+        return self.tokenizer.apply_chat_template(messages, **{"chat_template": self.chat_template, **kwargs})
 
     def encode(self, text: str, images: Sequence[Any]) -> Tuple[List[int], VisionInputs]:
         """Token ids of ``text`` (one ``image_token`` per image) with each placeholder expanded to its
         image's tokens, and the images' inputs."""
+        expanded, inputs = self.expand(text, images)
+        return self.tokenizer(expanded, add_special_tokens=False)["input_ids"], inputs
+
+    def expand(self, text: str, images: Sequence[Any]) -> Tuple[str, VisionInputs]:
+        """``text`` (one ``image_token`` per image) with each placeholder repeated to its image's token
+        count, and the images' inputs."""
         found = text.count(self.image_token)
         if found != len(images):
             raise ValueError(f"the templated prompt has {found} {self.image_token} for {len(images)} images")
@@ -80,9 +90,12 @@ class VisionProcessor:
         pieces = text.split(self.image_token)
         expanded = pieces[0]
         for k, piece in enumerate(pieces[1:]):
-            expanded += self.image_token * (int(grid[k].prod()) // self.merge ** 2) + piece
-        ids = self.tokenizer(expanded, add_special_tokens=False)["input_ids"]
-        return ids, VisionInputs(out["pixel_values"].float(), grid, tuple(images))
+            expanded += self.image_token * self.tokens_of(grid[k]) + piece
+        return expanded, VisionInputs(out["pixel_values"].float(), grid, tuple(images))
+
+    def tokens_of(self, grid_thw: Any) -> int:
+        """The token count of an image of patch grid ``grid_thw`` (its patches, merged ``merge`` x ``merge``)."""
+        return int(grid_thw.prod()) // self.merge ** 2
 
     # the tokenizer's face, for code that takes either
     def __getattr__(self, name: str) -> Any:

@@ -66,3 +66,4 @@ class PreferencePair:
     prompt_ids: List[int]
     chosen_ids: List[int]
     rejected_ids: List[int]
+    vision: Optional[VisionInputs] = None  # the prompt's images, None for a text prompt

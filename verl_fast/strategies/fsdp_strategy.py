@@ -272,7 +272,7 @@ class HFCritic:
                 sub = exp.select(idx)
                 with self.autocast():
                     out[idx, : sub.response_length] = response_values(self.model, sub.input_ids, sub.attention_mask,
-                                                                       sub.response_length).float()
+                                                                       sub.response_length, sub.vision).float()
         return out
 
     def forward_backward(self, exp: Experience, micro: List[torch.Tensor], loss_fn: LossFn) -> List[Dict[str, Any]]:
@@ -281,7 +281,8 @@ class HFCritic:
         for idx in sharding.micro_steps(self.model, micro):
             sub = exp.select(idx)
             with self.autocast():
-                values = response_values(self.model, sub.input_ids, sub.attention_mask, sub.response_length)
+                values = response_values(self.model, sub.input_ids, sub.attention_mask, sub.response_length,
+                                         sub.vision)
             loss, stats = loss_fn(values, sub)
             loss.backward()
             results.append(stats)

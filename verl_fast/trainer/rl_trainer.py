@@ -44,6 +44,7 @@ from verl_fast.config import verl_config as config_verl
 from verl_fast.files import hub
 from verl_fast.data import RLDataProcessor
 from verl_fast.data.images import ImageLimits
+from verl_fast.data.sft_data import SFTExample
 from verl_fast.models.vision_processor import VisionProcessor
 from verl_fast.records.prompts import PreferencePair, PromptRow
 from verl_fast.trainer import preflight
@@ -51,6 +52,7 @@ from verl_fast.records.experience import Experience, build_experience, last_toke
 from verl_fast.metrics.logger import MetricsLogger
 from verl_fast.models import checks, lora
 from verl_fast.models import vision as vision_model
+from verl_fast.models.value import ValueModel
 from verl_fast.rewards import RewardStopped, RewardTimeout, build_reward, scoring
 from verl_fast.records.generation import GenerationOutput, SamplingSpec
 from verl_fast.rollout.base import RolloutEngine
@@ -127,13 +129,17 @@ class RLTrainer:
         self.vision = VisionProcessor.of(tokenizer)
         if self.vision is not None:
             tokenizer = self.vision.tokenizer
-            vision_model.check_run(cfg, actor_model, distributed.world_size())
-        if vision_model.is_vision_model(actor_model) and cfg.actor.freeze_vision_tower:
-            vision_model.freeze_vision_tower(actor_model)
+            vision_model.check_run(cfg, actor_model)
+        critic_inner = critic_model.model if isinstance(critic_model, ValueModel) else critic_model
+        for model in (actor_model, critic_inner):  # a vision-language critic's tower as the actor's
+            if model is not None and vision_model.is_vision_model(model) and cfg.actor.freeze_vision_tower:
+                vision_model.freeze_vision_tower(model)
         self.algorithm = algorithms.build(cfg)
-        if self.vision is not None and (self.algorithm.step is not Step.POLICY_GRADIENT or self.algorithm.needs_critic):
+        # with images: the policy gradient (PPO's critic too), SFT, and the dataset's preference pairs
+        if self.vision is not None and self.algorithm.step is not Step.POLICY_GRADIENT and (
+                self.algorithm.samples or self.algorithm.item_type not in (PreferencePair, SFTExample)):
             raise ValueError(f"algorithm.type={self.algorithm.name} is not supported with a vision-language actor; "
-                             "use a critic-free policy-gradient algorithm (grpo, drgrpo, rloo, reinforce_pp, ...)")
+                             "use a policy-gradient algorithm (grpo, ppo, rloo, ...), sft, or dpo (orpo, simpo, cpo)")
         self.tokenizer = tokenizer
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
@@ -268,6 +274,8 @@ class RLTrainer:
         if cfg.train_batch_size % self.world:
             raise ValueError(f"trainer.train_batch_size={cfg.train_batch_size} must be a multiple of the "
                              f"number of processes ({self.world}) so that every rank gets the same share")
+        if self.vision is not None:
+            vision_model.check_rows(items, self.world)
         self._items = items  # an algorithm's select_experience may draw extra prompts from them
         per_epoch = max(1, len(items) // cfg.train_batch_size)
         total = cfg.total_steps or cfg.num_epochs * per_epoch

@@ -1,0 +1,232 @@
+"""Vision-language GRPO and SFT: our trainer's step against TRL's ``GRPOTrainer`` (vLLM colocate) and
+``SFTTrainer`` on the same rows, in the same call, on one GPU: the step's wall time, tokens/s, our
+update MFU (``perf/mfu_update``), peak memory.
+
+The setup: a Qwen2.5-VL-3B-shaped model with random bf16 weights (``verl_fast.models.random_vlm``'s
+``3b`` shape: hidden 2048, 36 layers, the 32-block vision tower; its locally trained 512-token
+vocabulary) built in each run's process; one 448 x 448 random-noise picture a prompt (256 image
+tokens after the 2 x 2 merge). GRPO: 16 prompts x 8 samples, up to 256 new tokens at temperature 1,
+a length reward; ours with the HF rollout (``generate`` with the images in the prefill), TRL 1.16
+with ``use_vllm=True, vllm_mode="colocate"``, ``beta=0`` as ours (no reference). SFT: 32 rows of a
+picture, a question and a 128-word answer, the loss on the answer; ours with the defaults, TRL's
+``SFTTrainer`` with its vision-language collator. The vision tower is frozen in both. Each run is its
+own process; the first ``--skip`` steps are warm-up, the figures medians of the rest.
+
+    python benchmarks/bench_vlm.py --device cuda [--algos grpo,sft] [--impls ours,trl]
+    python benchmarks/bench_vlm.py --device cpu --tiny     # smoke test: the tiny shape, small pictures
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import Report  # noqa: E402
+
+QUESTION = "Describe the picture."
+WORDS = "red square blue line the picture shows a large small corner left right top bottom and of".split()
+
+
+def picture(size: int, seed: int):
+    from PIL import Image
+
+    return Image.frombytes("RGB", (size, size), random.Random(seed).randbytes(size * size * 3))
+
+
+def sizes(args) -> Dict[str, int]:
+    """Picture side, prompts, samples, new tokens, SFT rows and answer words (``--tiny``: small ones)."""
+    if args.tiny:
+        return dict(side=56, prompts=2, n=2, tokens=8, rows=4, words=8)
+    return dict(side=448, prompts=16, n=8, tokens=256, rows=32, words=128)
+
+
+def build(args):
+    from verl_fast.models import random_vlm
+
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    model, processor = random_vlm.build("qwen2_5_vl", "tiny" if args.tiny else "3b", 0, dtype=dtype)
+    return model.to(args.device), processor  # the pictures' size: trainer.image_min_pixels / image_max_pixels
+
+
+def grpo_rows(args, trl: bool) -> List[Dict[str, Any]]:
+    s = sizes(args)
+    if trl:  # TRL's format: a conversational prompt with an image item, the picture in ``image``
+        return [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}],
+                 "image": picture(s["side"], i)} for i in range(s["prompts"] * args.steps)]
+    return [{"data_source": "bench", "images": [picture(s["side"], i)], "reward_model": {"ground_truth": "0"},
+             "prompt": [{"role": "user", "content": "<image>" + QUESTION}]} for i in range(s["prompts"] * args.steps)]
+
+
+def sft_rows(args) -> List[Dict[str, Any]]:
+    s, rng = sizes(args), random.Random(0)
+    return [{"images": [picture(s["side"], i)],
+             "messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]},
+                          {"role": "assistant", "content": [{"type": "text", "text": " ".join(
+                              rng.choice(WORDS) for _ in range(s["words"]))}]}]}
+            for i in range(s["rows"] * args.steps)]
+
+
+def length_reward(completions, **kwargs) -> List[float]:
+    return [float(len(c if isinstance(c, str) else c[0]["content"]) % 7) for c in completions]
+
+
+def synced() -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+
+
+def worker_ours(args) -> Dict[str, Any]:
+    from verl_fast.trainer.rl_trainer import RLTrainer
+
+    model, processor = build(args)
+    s = sizes(args)
+    side = s["side"] * s["side"]
+    trainer_cfg = {"total_steps": args.steps, "progress_bar": False, "plot": False, "device": args.device,
+                   "output_dir": tempfile.mkdtemp(prefix="bench_vlm_ours_"), "image_min_pixels": side,
+                   "image_max_pixels": side}
+    if args.algo == "grpo":
+        cfg = {"algorithm": {"type": "grpo"}, "actor": {"lr": 1e-6},
+               "rollout": {"type": "hf", "n": s["n"], "max_new_tokens": s["tokens"], "temperature": 1.0},
+               "trainer": {**trainer_cfg, "train_batch_size": s["prompts"], "max_prompt_length": 512}}
+        trainer = RLTrainer(actor_model=model, tokenizer=processor, reward_fn=length_reward, config=cfg)
+        items = trainer.processor.encode_all(grpo_rows(args, trl=False))
+        per = s["prompts"]
+    else:
+        cfg = {"algorithm": {"type": "sft", "sft_max_length": 1024}, "actor": {"lr": 1e-6},
+               "trainer": {**trainer_cfg, "train_batch_size": s["rows"]}}
+        trainer = RLTrainer(actor_model=model, tokenizer=processor, config=cfg)
+        items = trainer.algorithm.encode(trainer.processor, sft_rows(args))
+        per = s["rows"]
+    trainer.total_steps = args.steps
+    steps = []
+    for i in range(args.steps):
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        start = synced()
+        metrics = trainer.train_step(items[i * per : (i + 1) * per])
+        wall = synced() - start
+        steps.append({"wall_s": wall, "mfu_update": metrics.get("perf/mfu_update"), "peak_memory_gib": peak_gib(),
+                      "response_length": metrics.get("response/length"), "tokens": metrics.get("perf/tokens")})
+        print(f"ours {args.algo}: step {i + 1} {wall:.2f} s {steps[-1]}", flush=True)
+    return {"impl": "verl_fast", "steps": steps}
+
+
+def worker_trl(args) -> Dict[str, Any]:
+    import trl
+    from datasets import Dataset
+    from transformers import AutoProcessor, TrainerCallback
+
+    from verl_fast.models import random_vlm
+
+    folder = Path(tempfile.mkdtemp(prefix="bench_vlm_model_"))
+    random_vlm.save(folder, "qwen2_5_vl", "tiny" if args.tiny else "3b")  # TRL loads the model and its processor
+    processor = AutoProcessor.from_pretrained(folder)  # transformers' Qwen2.5-VL processor (needs torchvision)
+    side = sizes(args)["side"] ** 2
+    processor.image_processor.min_pixels = processor.image_processor.max_pixels = side
+    s = sizes(args)
+
+    class Timer(TrainerCallback):
+        def __init__(self):
+            self.steps: List[Dict[str, float]] = []
+
+        def on_step_begin(self, *a, **k):
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            self.start = synced()
+
+        def on_step_end(self, *a, **k):
+            self.steps.append({"wall_s": synced() - self.start, "peak_memory_gib": peak_gib()})
+
+    common = dict(output_dir=tempfile.mkdtemp(prefix="bench_vlm_trl_"), learning_rate=1e-6, max_steps=args.steps,
+                  logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
+                  bf16=args.device == "cuda", use_cpu=args.device == "cpu")
+    timer = Timer()
+    dtype = "float32" if args.device == "cpu" else "bfloat16"
+    if args.algo == "grpo":
+        config = trl.GRPOConfig(per_device_train_batch_size=s["prompts"] * s["n"], num_generations=s["n"],
+                                max_completion_length=s["tokens"], temperature=1.0, beta=0.0,
+                                use_vllm=args.device == "cuda", vllm_mode="colocate",
+                                model_init_kwargs={"dtype": dtype}, **common)
+        trainer = trl.GRPOTrainer(model=str(folder), reward_funcs=length_reward, args=config, callbacks=[timer],
+                                  train_dataset=Dataset.from_list(grpo_rows(args, trl=True)),
+                                  processing_class=processor)
+    else:
+        config = trl.SFTConfig(per_device_train_batch_size=s["rows"], max_length=None, model_init_kwargs={"dtype": dtype},
+                               dataset_num_proc=1, **common)
+        trainer = trl.SFTTrainer(model=str(folder), args=config, train_dataset=Dataset.from_list(sft_rows(args)),
+                                 processing_class=processor, callbacks=[timer])
+    for name, p in trainer.model.named_parameters():  # the vision tower frozen, as ours by default
+        if ".visual." in f".{name}":
+            p.requires_grad_(False)
+    trainer.train()
+    return {"impl": f"trl {trl.__version__}", "steps": timer.steps}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--algos", default="grpo,sft")
+    ap.add_argument("--impls", default="ours,trl")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--skip", type=int, default=1)
+    ap.add_argument("--timeout", type=int, default=300, help="seconds per run")
+    ap.add_argument("--tiny", action="store_true", help="the tiny shape and small pictures (CPU smoke test)")
+    ap.add_argument("--name", default="vlm", help="the report's name (results/<name>_<device>.json)")
+    ap.add_argument("--run", help=argparse.SUPPRESS)  # a worker: impl
+    ap.add_argument("--algo", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.run:
+        result = (worker_ours if args.run == "ours" else worker_trl)(args)
+        Path(args.out).write_text(json.dumps(result))
+        return 0
+    report = Report(args.name + ("_tiny" if args.tiny else ""), args.device)
+    report.meta.update(steps=args.steps, skip=args.skip, sizes=sizes(args), shape="tiny" if args.tiny else "3b")
+    for algo in args.algos.split(","):
+        case = f"{algo} step ms"
+        for impl in args.impls.split(","):
+            out = Path(tempfile.mkdtemp(prefix="bench_vlm_")) / "result.json"
+            cmd = [sys.executable, __file__, "--run", impl, "--algo", algo, "--out", str(out), "--device",
+                   args.device, "--steps", str(args.steps)] + (["--tiny"] if args.tiny else [])
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                print(f"{algo} {impl}: timed out after {args.timeout} s", flush=True)
+                continue
+            if done.returncode != 0 or not out.is_file():
+                print(f"{algo} {impl}: failed\n{(done.stdout + done.stderr)[-3000:]}", flush=True)
+                continue
+            result = json.loads(out.read_text())
+            timed = result["steps"][min(args.skip, len(result["steps"]) - 1):]
+            wall = statistics.median(s["wall_s"] for s in timed)
+            mfu = [s["mfu_update"] for s in timed if s.get("mfu_update")]
+            note = f"peak {max(s['peak_memory_gib'] for s in timed):.1f} GiB" + \
+                (f", update MFU {100 * statistics.median(mfu):.1f}%" if mfu else "")
+            name = "verl_fast (ours)" if impl == "ours" else result["impl"] + \
+                (" GRPOTrainer (vLLM colocate)" if algo == "grpo" else " SFTTrainer")
+            report.add(case, name, wall * 1e3, note=note)
+            report.meta[f"{algo}/{impl}"] = {"wall_s": wall, "steps": timed}
+            print(f"{algo} {name}: {wall:.2f} s/step, {note}", flush=True)
+    print(report.table())
+    print(f"saved {report.save()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
