@@ -56,7 +56,7 @@ def test_greedy_ties_go_to_the_first_index_as_argmax():
     assert tokens[:, 2].tolist() == [7, BLOCK + 3, 5] == logits.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.parametrize("temperature", [0.6])
 def test_sampled_distribution_and_log_probs_match_the_float64_reference(temperature):
     torch.manual_seed(0)
     row = torch.randn(12) * 2

@@ -11,8 +11,9 @@ max and sum of exp for the log-softmax (online, per lane), and the draw as the r
 argmax_i (s_i + G_i), G_i = -log(-log U_i) a Gumbel variate (the same exponential race as
 ``hf_decode.sample``: argmax of s - log E with E = -log U ~ Exp(1)), which picks token i with
 probability softmax(s)_i exactly. The uniforms come from Triton's Philox keyed by ``seed`` + the
-step's output column (a fresh key per step) with the row's element index as the counter, so no
-generator state is read on the host and a captured graph's replays draw fresh numbers every step.
+step's output column (a fresh key per step), the counter the row and the element's position (one
+Philox call gives the uniforms of four elements a quarter block apart), so no generator state is read
+on the host and a captured graph's replays draw fresh numbers every step.
 
 Temperature / greedy only: top-k and top-p need an order over the row, which the torch form keeps
 (``supports`` says which settings this kernel takes).
@@ -32,6 +33,23 @@ TINY = tl.constexpr(1.1754943508222875e-38)  # float32's smallest normal: a unif
 
 
 @triton.jit
+def _take(row, i, V, temp, u, m, total, best, best_i, GREEDY: tl.constexpr):
+    """One block of a row folded into the lanes' running log-softmax statistics and race."""
+    ok = i < V
+    x = tl.load(row + i, mask=ok, other=float("-inf"))
+    if not GREEDY:
+        x = x / temp  # a division, as ``logits / temperature`` rounds
+    m_new = tl.maximum(m, x)
+    total = total * tl.exp(m - m_new) + tl.exp(x - m_new)
+    if GREEDY:
+        race = x
+    else:
+        race = x - tl.log(-tl.log(tl.maximum(u, TINY)))  # s + Gumbel: s - log E, E = -log U
+    better = ok & (race > best)  # strict: a lane keeps its first index of a tie
+    return m_new, total, tl.where(better, race, best), tl.where(better, i, best_i)
+
+
+@triton.jit
 def _sample_kernel(logits_ptr, seed_ptr, t_ptr, done_ptr, pad_ptr, stop_ptr, tokens_ptr, logprobs_ptr, current_ptr,
                    position_ptr, V, S, temperature, s_logits, s_tokens, s_logprobs, s_current, s_position,
                    GREEDY: tl.constexpr, BLOCK: tl.constexpr):
@@ -40,28 +58,25 @@ def _sample_kernel(logits_ptr, seed_ptr, t_ptr, done_ptr, pad_ptr, stop_ptr, tok
     t = tl.load(t_ptr)
     key = tl.load(seed_ptr) + t  # one Philox key per step
     row = logits_ptr + b * s_logits
-    lane = tl.arange(0, BLOCK)
-    m = tl.full((BLOCK,), NEG_BIG, tl.float32)  # per lane: running max and sum of exp(s - max)
-    total = tl.zeros((BLOCK,), tl.float32)
-    best = tl.full((BLOCK,), float("-inf"), tl.float32)  # per lane: the race's best value and its index
-    best_i = tl.full((BLOCK,), V, tl.int64)
+    Q: tl.constexpr = BLOCK // 4  # one Philox call gives four uniforms: a block is four quarters
+    lane = tl.arange(0, Q)
+    m = tl.full((Q,), NEG_BIG, tl.float32)  # per lane: running max and sum of exp(s - max)
+    total = tl.zeros((Q,), tl.float32)
+    best = tl.full((Q,), float("-inf"), tl.float32)  # per lane: the race's best value and its index
+    best_i = tl.full((Q,), V, tl.int64)
     for start in range(0, V, BLOCK):
-        i = start + lane
-        ok = i < V
-        x = tl.load(row + i, mask=ok, other=float("-inf"))
-        if not GREEDY:
-            x = x / temp  # a division, as ``logits / temperature`` rounds
-        m_new = tl.maximum(m, x)
-        total = total * tl.exp(m - m_new) + tl.exp(x - m_new)
-        m = m_new
         if GREEDY:
-            race = x
-        else:
-            u = tl.rand(key, b * V + i)  # in [0, 1); the counter is 64-bit
-            race = x - tl.log(-tl.log(tl.maximum(u, TINY)))
-        better = ok & (race > best)  # strict: a lane keeps its first index of a tie
-        best = tl.where(better, race, best)
-        best_i = tl.where(better, i, best_i)
+            u0 = tl.zeros((Q,), tl.float32)  # unused
+            u1 = u0
+            u2 = u0
+            u3 = u0
+        else:  # counters: the row in the high word, the block's quarter position in the low one
+            u0, u1, u2, u3 = tl.rand4x(key, (b << 32) + start // 4 + lane)
+        i = start + lane
+        m, total, best, best_i = _take(row, i, V, temp, u0, m, total, best, best_i, GREEDY)
+        m, total, best, best_i = _take(row, i + Q, V, temp, u1, m, total, best, best_i, GREEDY)
+        m, total, best, best_i = _take(row, i + 2 * Q, V, temp, u2, m, total, best, best_i, GREEDY)
+        m, total, best, best_i = _take(row, i + 3 * Q, V, temp, u3, m, total, best, best_i, GREEDY)
     top = tl.max(best, 0)
     token = tl.min(tl.where(best == top, best_i, V), 0)  # the first index of the maximum, as argmax gives
     token = tl.where(token < V, token, 0)  # every score NaN / -inf: token 0, as argmax of such a row
@@ -121,5 +136,5 @@ def sample_step(logits: torch.Tensor, temperature: float, seed: torch.Tensor, t:
         return
     _sample_kernel[(B,)](logits, seed, t, done, pad, stop, tokens, logprobs, current, position, V, stop.shape[0],
                          float(temperature) or 1.0, logits.stride(0), tokens.stride(0), logprobs.stride(0),
-                         current.stride(0), position.stride(0), GREEDY=temperature == 0, BLOCK=min(BLOCK, triton.next_power_of_2(V)),
+                         current.stride(0), position.stride(0), GREEDY=temperature == 0, BLOCK=max(4, min(BLOCK, triton.next_power_of_2(V))),
                          num_warps=NUM_WARPS)
