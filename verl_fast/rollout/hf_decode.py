@@ -335,7 +335,7 @@ class CompiledForward:
     autocast the linear layers run on copies of their weights in the autocast dtype, kept here and
     refreshed from the parameters at every rollout (what autocast would cast them to: the same
     numbers), because a compiled graph cannot use autocast's cast cache and would cast every weight
-    at every token. The step's sampling and bookkeeping (``record``) are compiled too. A compacted batch
+    at every token. The step's sampling and bookkeeping (``record``, or ``record_fused``) are compiled too. A compacted batch
     (``decode``) brings new row counts: the first compiles once more with the rows symbolic."""
 
     WIDTH = 64
@@ -491,7 +491,10 @@ class _Decoder:
         logits = self.forward(self.module, self.current, self.mask, self.position, self.cache)
         state = (logits, self.sampling, self.done, self.pad, self.stop, self.tokens, self.logprobs, self.current,
                  self.position, self.col, self.t)
-        self.record(*state) if self.seed is None else self.record(*state, self.seed)
+        if self.seed is None:
+            self.record(*state)
+        else:
+            self.record(*state, self.seed)
 
 
 def record(logits, sampling, done, pad, stop, tokens, logprobs, current, position, col, t) -> None:
