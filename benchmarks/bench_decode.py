@@ -10,7 +10,10 @@ new tokens of the Qwen2 shapes of bench_e2e, in variants of our own code, one pr
 - ``prefill_each``: merged, the prompt's rows prefilled one by one (the loop before ``rows``);
 - ``kernel_attention``: merged, each step's attention through the Triton kernel
   ``kernels.decode_attention`` (``hf_decode.KERNEL``; the cache's empty columns unread, the scores in
-  registers): the trainer's default.
+  registers);
+- ``fused``: ``kernel_attention`` with the decode step's fused Triton kernels (``decode(fused=True)``:
+  rotary + KV-cache write in one kernel a layer, ``kernels.rope_cache``; the sampling tail in one,
+  ``kernels.decode_sampling``): the trainer's default on a GPU (``rollout.hf_fused_kernels: auto``).
 
 ``kernel_attention:block_n=32,warps=8,stages=3,splits=2`` runs the kernel with other launch settings
 (any of the four; ``splits`` fixed instead of ``splits_for``'s choice): a sweep in one call.
@@ -19,7 +22,8 @@ Ragged lengths (``ragged``, ``ragged_whole``): the trainer's default decode (``k
 ``--cap`` new tokens, rows ending where they sample one of the ``vocab / --mean`` lowest token ids (a
 random-weight model's next-token distribution is close to uniform, so lengths are close to geometric
 with that mean; the decode is told only the stop ids). ``ragged`` compacts finished rows out of the
-batch, ``ragged_whole`` steps the whole batch to the longest row. Reported: the steps run, the rows'
+batch, ``ragged_whole`` steps the whole batch to the longest row (the GPU's default, ``rollout.hf_compact_rows``),
+``ragged_fused`` is ``ragged_whole`` with the fused kernels. Reported: the steps run, the rows'
 lengths and the batch rows from each step, all of the last timed call; generated tokens and tokens/s;
 the median of the calls' time per step (each call's time over its own steps); and the floor (per step,
 the bf16 weights once and the unfinished rows' KV cache, at the card's HBM bandwidth).
@@ -33,6 +37,7 @@ the bf16 weights and the KV cache read once per token at the card's HBM bandwidt
 
     python benchmarks/bench_decode.py [--shapes 0.5b,1.5b,7b] [--variants unmerged,merged,prefill_each,kernel_attention]
     python benchmarks/bench_decode.py --variants kernel_attention,ragged,ragged_whole --cap 1024 --mean 150
+    python benchmarks/bench_decode.py --variants kernel_attention,fused,ragged_whole,ragged_fused  # A/B
 """
 
 from __future__ import annotations
@@ -49,8 +54,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Report, hbm_bytes_per_s  # noqa: E402
 from bench_e2e import SHAPES, kernel_profile  # noqa: E402
 
-VARIANTS = ("unmerged", "merged", "prefill_each", "kernel_attention", "ragged", "ragged_whole")
-RAGGED = ("ragged", "ragged_whole")
+VARIANTS = ("unmerged", "merged", "prefill_each", "kernel_attention", "fused", "ragged", "ragged_whole", "ragged_fused")
+RAGGED = ("ragged", "ragged_whole", "ragged_fused")
+FUSED = ("fused", "ragged_fused")
+WHOLE = ("ragged_whole", "ragged_fused")  # the whole batch stepped to the longest row
 
 
 def build(shape: str):
@@ -81,7 +88,7 @@ def knobs_of(variant: str) -> dict:
     """``kernel_attention:block_n=32,warps=8`` -> {"BLOCK_N": 32, "NUM_WARPS": 8}; raises ValueError
     naming an unknown variant or setting."""
     base, _, spec = variant.partition(":")
-    if base not in VARIANTS or (spec and base in RAGGED + ("unmerged", "merged", "prefill_each")):
+    if base not in VARIANTS or (spec and base in RAGGED + FUSED + ("unmerged", "merged", "prefill_each")):
         raise ValueError(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)} (settings after "
                          f"kernel_attention: {', '.join(KNOBS)})")
     out = {}
@@ -105,14 +112,14 @@ def run_variant(model, ids, mask, n: int, tokens: int, variant: str, reps: int, 
     if base == "unmerged":
         merged_projections.ATTENTIONS = merged_projections.MLPS = frozenset()
     kernel = hf_decode.KERNEL
-    hf_decode.KERNEL = base in ("kernel_attention",) + RAGGED
+    hf_decode.KERNEL = base in ("kernel_attention",) + FUSED + RAGGED
     knobs = knobs_of(variant)
     if "splits_for" in knobs:
         knobs["splits_for"] = lambda *_, s=knobs["splits_for"]: s
     launch = {name: getattr(kernel_module, name) for name in knobs}
     for name, value in knobs.items():
         setattr(kernel_module, name, value)
-    key = "ragged" if base in RAGGED else variant
+    key = ("ragged" if base in RAGGED else variant) + ("+fused" if base in FUSED else "")
     if shared is None or shared.get("key") != key:
         torch._dynamo.reset()
         shared = {} if shared is None else shared
@@ -127,7 +134,8 @@ def run_variant(model, ids, mask, n: int, tokens: int, variant: str, reps: int, 
         with torch.autocast("cuda", dtype=torch.bfloat16):
             out = hf_decode.decode(model, ids, mask, tokens, 1.0, 0, 1.0, list(stop), 0, use_graph=True,
                                    graphs=shared["graphs"], compiled=shared["compiled"], rows=rows,
-                                   min_rows=None if base == "ragged_whole" else hf_decode.MIN_ROWS, log=log)
+                                   min_rows=None if base in WHOLE else hf_decode.MIN_ROWS, log=log,
+                                   fused=base in FUSED)
         torch.cuda.synchronize()
         return out
 

@@ -19,7 +19,7 @@
 # overlap (the reward beside the old-log-prob pass), agent_endpoint (an agent through the rollout endpoint, issue 68), hotpaths (the ops as users call them, before / after issue 48), vllm (every vLLM test, on the GPU's vLLM), trainer (the CLI
 # with vLLM rollout: GRPO + resume, PPO, the default config), advantage, logprobs, reshard, hybrid, e2e,
 # sft (our SFT step beside TRL's SFTTrainer), vlm (vision-language GRPO and SFT at the Qwen2.5-VL-3B shape beside TRL's, issue 70), ragged (GRPO at users' response lengths, issue 66), async (off / one_step / full), dist (needs 2 GPUs), megatron (2 GPUs; megatron-core's wheel in .whl/),
-# fp8 (FP8 rollout vs bf16 at 7B: sync, HF decode, vLLM), bench (`verl-fast bench` itself, quick sizes), ncu (Nsight Compute on the GAE scan kernel, where the image has it).
+# fp8 (FP8 rollout vs bf16 at 7B: sync, HF decode, vLLM), decode_fused (the decode's fused kernels on / off, issue 66), bench (`verl-fast bench` itself, quick sizes), ncu (Nsight Compute on the GAE scan kernel, where the image has it).
 # That machine: H200(s), torch 2.11 + CUDA 13, Triton 3.6, Python 3.12, no vLLM / megatron-core, no
 # network: build with --no-build-isolation --no-deps; pure-Python wheels (liger-kernel for the
 # logprobs baseline; trl, datasets, dill, multiprocess for e2e; megatron-core) travel in .whl/ (carry it);
@@ -348,6 +348,21 @@ if want decode; then
     --variants "${DECODE_VARIANTS:-kernel_attention,ragged,ragged_whole}" --reps "${DECODE_REPS:-3}" \
     >> "$OUT/bench.log" 2>&1 || failed+=("bench_decode")
   grep -E "^(0.5b|1.5b|7b) " "$OUT/bench.log" | grep -v "top kernels" | tail -n 12
+fi
+
+# ---- decode_fused (issue 66): the decode step's fused Triton kernels (rollout.hf_fused_kernels) A/B in one call:
+# their GPU tests, then bench_decode's unfused (kernel_attention, ragged_whole) and fused (fused, ragged_fused)
+# variants, 128 rows, uniform 256 and ragged cap 1,024, kernels per step counted by the profiler; JSON under
+# $OUT/results. ~8-9 minutes for both shapes; DECODE_FUSED_SHAPES=0.5b (then =1.5b) splits it over two calls ----
+if want decode_fused; then
+  timeout 180 "$py" -m pytest python_tests/ops/test_decode_sampling.py python_tests/ops/test_rope_cache.py \
+    python_tests/rollout/test_decode_fused.py -q -x -p no:cacheprovider > "$OUT/decode_fused_tests.log" 2>&1 ||
+    failed+=("decode_fused tests")
+  tail -n 3 "$OUT/decode_fused_tests.log"
+  timeout ${DECODE_FUSED_TIMEOUT:-400} "$py" benchmarks/bench_decode.py --shapes "${DECODE_FUSED_SHAPES:-0.5b,1.5b}" \
+    --variants kernel_attention,fused,ragged_whole,ragged_fused --reps "${DECODE_REPS:-3}" \
+    >> "$OUT/bench.log" 2>&1 || failed+=("bench_decode fused")
+  grep -E "^(0.5b|1.5b) " "$OUT/bench.log" | grep -v "top kernels\|batch rows" | tail -n 8
 fi
 
 # ---- ncu (diagnostic): Nsight Compute's full set on compute_gae's scan kernel at 1024 x 4096 (what bounds it:

@@ -126,15 +126,21 @@ def transition_logits(m, vocab):
         return m(input_ids=torch.arange(vocab, device=device_of(m))[:, None]).logits[:, 0].double().cpu()
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p,compiled,device", [
-    (1.0, 0, 1.0, False, "cpu"), (0.8, 6, 0.95, False, "cpu"), (0.9, 0, 0.9, True, "cpu"),
-    pytest.param(0.9, 0, 0.9, True, "cuda", marks=pytest.mark.gpu)])
-def test_sampled_rows_keep_the_exact_distribution_through_compaction(temperature, top_k, top_p, compiled, device):
+@pytest.mark.parametrize("temperature,top_k,top_p,compiled,device,fused", [
+    (1.0, 0, 1.0, False, "cpu", False), (0.8, 6, 0.95, False, "cpu", False), (0.9, 0, 0.9, True, "cpu", False),
+    (0.7, 0, 1.0, False, "cpu", True),
+    pytest.param(0.9, 0, 0.9, True, "cuda", False, marks=pytest.mark.gpu),
+    pytest.param(0.9, 0, 1.0, True, "cuda", True, marks=pytest.mark.gpu)])
+def test_sampled_rows_keep_the_exact_distribution_through_compaction(temperature, top_k, top_p, compiled, device,
+                                                                     fused):
     """Transitions sampled from 400 rows of one prompt, compacted as they finish (checked every step,
     down to a few rows): their counts against the exact transition matrix (temperature, top-k, top-p applied in
     float64) by a chi-square test, and every recorded log-prob equal to the matrix's unfiltered one; also
     with the step's forward, sampling and bookkeeping compiled (Inductor's own random stream), and on a
-    GPU replayed from each batch size's CUDA graph (each replay must draw fresh noise)."""
+    GPU replayed from each batch size's CUDA graph (each replay must draw fresh noise); and with the fused
+    sampling kernel (``fused``: Triton's Philox, keyed per step; on CPU tensors under TRITON_INTERPRET)."""
+    if fused and hf_decode.decode_sampling is None:
+        pytest.skip("the fused sampling kernel needs Triton")
     from test_hf_decode import reference_probs
 
     vocab = 12
@@ -149,7 +155,7 @@ def test_sampled_rows_keep_the_exact_distribution_through_compaction(temperature
                                           use_graph=device == "cuda", check_every=1 if device == "cpu" else 4,
                                           min_rows=8 if compiled else 1,  # (fewer compiles)
                                           rows=torch.zeros(rows, dtype=torch.long, device=device), log=log,
-                                          compiled=hf_decode.CompiledForward() if compiled else None)
+                                          compiled=hf_decode.CompiledForward() if compiled else None, fused=fused)
     assert mode == ("graph" if device == "cuda" else "eager")
     assert len(log) > 6 and log[-2][1] <= 96, log  # compacted many times
     counts = torch.zeros(vocab, vocab, dtype=torch.float64)

@@ -32,9 +32,10 @@ from transformers.cache_utils import Cache, StaticCache, StaticLayer
 from verl_fast.rollout import merged_projections
 
 try:
+    from verl_fast.kernels import decode_sampling, rope_cache
     from verl_fast.kernels.decode_attention import decode_attention
-except ImportError:  # no Triton: the matmul form everywhere
-    decode_attention = None
+except ImportError:  # no Triton: the matmul form and the torch sampling everywhere
+    decode_attention = decode_sampling = rope_cache = None
 # The GPU decode step's attention through the Triton kernel (True) or the matmul form (False):
 # bench_decode's kernel_attention variant measures the two inside the compiled, graph-captured decode.
 KERNEL = True
@@ -130,17 +131,32 @@ class StaticKV(Cache):
     (transformers' StaticCache gives keys and values the dtype of the first keys; under autocast
     values leave a bf16 projection while keys leave the float32 rotary product.) The first forward
     (the prefill) may come with fewer sequences than the cache holds: row b of the cache then holds
-    sequence ``rows[b]`` of it (the samples of one prompt share its prefill)."""
+    sequence ``rows[b]`` of it (the samples of one prompt share its prefill). With ``fused`` set, a
+    decode step's attention may hand its merged q/k/v product to ``write_rotated`` instead (the rotary
+    embedding and the write in one kernel)."""
 
     is_compileable = False
 
-    def __init__(self, num_layers: int, length: int, rows: Optional[torch.Tensor] = None):  # no Cache.__init__
+    def __init__(self, num_layers: int, length: int, rows: Optional[torch.Tensor] = None,
+                 fused: bool = False):  # no Cache.__init__
         self.keys: list = [None] * num_layers
         self.values: list = [None] * num_layers
         self.length = length
         self.rows = rows  # None: the prefill's sequences are the cache's rows
         self.cols: Optional[torch.Tensor] = None
         self.seen = 0  # host-side count, for transformers versions that derive positions from it
+        self.fused = fused and rope_cache is not None
+
+    def write_rotated(self, layer_idx: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      heads: int) -> Optional[torch.Tensor]:
+        """A decode step's queries rotated [B, heads, 1, D], its keys rotated and its values written at
+        ``cols`` (``kernels.rope_cache``), from the merged product ``qkv`` [B, 1, (heads + 2 kv_heads) * D];
+        None where the fused kernel does not apply (not ``fused``, the prefill, another table shape):
+        the caller then rotates and calls ``update``."""
+        keys = self.keys[layer_idx]
+        if not self.fused or keys is None or qkv.shape[1] != 1 or cos.shape[-1] != keys.shape[-1]:
+            return None
+        return rope_cache.rope_cache_write(qkv, cos, sin, keys, self.values[layer_idx], self.cols, heads)
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None, *args, **kwargs):
         if self.keys[layer_idx] is not None:  # a decode step: its column written, the whole cache attended
@@ -319,7 +335,7 @@ class CompiledForward:
     autocast the linear layers run on copies of their weights in the autocast dtype, kept here and
     refreshed from the parameters at every rollout (what autocast would cast them to: the same
     numbers), because a compiled graph cannot use autocast's cast cache and would cast every weight
-    at every token. The step's sampling and bookkeeping (``record``) are compiled too. A compacted batch
+    at every token. The step's sampling and bookkeeping (``record``, or ``record_fused``) are compiled too. A compacted batch
     (``decode``) brings new row counts: the first compiles once more with the rows symbolic."""
 
     WIDTH = 64
@@ -327,6 +343,7 @@ class CompiledForward:
     def __init__(self) -> None:
         self.fn = torch.compile(model_step)
         self.record = torch.compile(record)
+        self.record_fused = torch.compile(record_fused)
         self.copies: dict = {}
         self.merged = merged_projections.Merged()
 
@@ -370,7 +387,8 @@ class _Decoder:
 
     def __init__(self, module, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
                  sampling: Tuple[float, int, float], stop_ids: Sequence[int], pad_id: int,
-                 compiled: Optional["CompiledForward"] = None, rows: Optional[torch.Tensor] = None):
+                 compiled: Optional["CompiledForward"] = None, rows: Optional[torch.Tensor] = None,
+                 fused: bool = False):
         self.module = module
         self.sampling = sampling
         self.forward = compiled.fn if compiled is not None else model_step  # the decode steps' forward
@@ -379,7 +397,11 @@ class _Decoder:
         B = input_ids.shape[0] if rows is None else rows.shape[0]
         device = input_ids.device
         L = W + max_new_tokens
-        self.cache = StaticKV(module.config.num_hidden_layers, L, rows)
+        self.cache = StaticKV(module.config.num_hidden_layers, L, rows, fused)
+        self.seed = None  # the fused sampling's random key (None: the torch sampling)
+        if fused and decode_sampling is not None and decode_sampling.supports(*sampling[1:]):
+            self.seed = torch.randint(0, 2 ** 62, (1,), dtype=torch.long, device=device)
+            self.record = compiled.record_fused if compiled is not None else record_fused
         self.stop = torch.tensor(sorted(set(stop_ids)) or [-1], dtype=torch.long, device=device)
         self.pad = torch.tensor(pad_id, dtype=torch.long, device=device)
         self.tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
@@ -467,8 +489,12 @@ class _Decoder:
     def step(self) -> None:
         self.valid.index_fill_(1, self.col, True)
         logits = self.forward(self.module, self.current, self.mask, self.position, self.cache)
-        self.record(logits, self.sampling, self.done, self.pad, self.stop, self.tokens, self.logprobs, self.current,
-                    self.position, self.col, self.t)
+        state = (logits, self.sampling, self.done, self.pad, self.stop, self.tokens, self.logprobs, self.current,
+                 self.position, self.col, self.t)
+        if self.seed is None:
+            self.record(*state)
+        else:
+            self.record(*state, self.seed)
 
 
 def record(logits, sampling, done, pad, stop, tokens, logprobs, current, position, col, t) -> None:
@@ -484,6 +510,14 @@ def record(logits, sampling, done, pad, stop, tokens, logprobs, current, positio
     done |= torch.isin(token, stop)
     current.copy_(token[:, None])
     position.add_(1)
+    col.add_(1)
+    t.add_(1)
+
+
+def record_fused(logits, sampling, done, pad, stop, tokens, logprobs, current, position, col, t, seed) -> None:
+    """``record`` with the draw, the log-prob and the per-row bookkeeping in one kernel
+    (``kernels.decode_sampling``: temperature or greedy, no top-k / top-p), its Philox key ``seed`` + ``t``."""
+    decode_sampling.sample_step(logits, sampling[0], seed, t, done, pad, stop, tokens, logprobs, current, position)
     col.add_(1)
     t.add_(1)
 
@@ -548,8 +582,8 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
            temperature: float, top_k: int, top_p: float, stop_ids: Sequence[int], pad_id: int,
            use_graph: bool, check_every: int = 16, graphs: Optional[GraphPool] = None,
            compiled: Optional[CompiledForward] = None, rows: Optional[torch.Tensor] = None,
-           min_rows: Optional[int] = MIN_ROWS,
-           log: Optional[List[Tuple[int, int]]] = None) -> Tuple[torch.Tensor, torch.Tensor, str]:
+           min_rows: Optional[int] = MIN_ROWS, log: Optional[List[Tuple[int, int]]] = None,
+           fused: bool = False) -> Tuple[torch.Tensor, torch.Tensor, str]:
     """New tokens [B, max_new_tokens] (pad after a row's stop token, and after an early exit once
     every row stopped) and their log-probs [B, max_new_tokens] (0 past the end), on the host, and
     how the steps ran: "graph" (replays) or "eager".
@@ -570,7 +604,13 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
     the whole batch, so greedy tokens and log-probs are the uncompacted call's; sampled rows draw fresh
     Exp(1) noise per row and step from the one generator either way, so each row's distribution is
     the same (the draws themselves differ once the batch has changed). ``log``: (step, batch rows)
-    appended at the first step and at each compaction, then (steps run, 0)."""
+    appended at the first step and at each compaction, then (steps run, 0).
+
+    ``fused``: the decode steps run the fused Triton kernels (Triton on the device, or its interpreter):
+    a merged attention's rotary embedding and cache write in one (``StaticKV.write_rotated``), and the
+    sampling and bookkeeping in one (``record_fused``, where no top-k / top-p filter is asked for; its
+    draws come from Triton's Philox keyed from the device generator, so they differ from the torch
+    sampling's, with the same distribution)."""
     if compiled is not None:
         extra = -input_ids.shape[1] % compiled.WIDTH
         input_ids = torch.nn.functional.pad(input_ids, (extra, 0), value=pad_id)
@@ -580,7 +620,7 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
         if compiled is not None:
             stack.enter_context(compiled.weights(module))
         dec = _Decoder(module, input_ids, attention_mask, max_new_tokens, (temperature, top_k, top_p), stop_ids,
-                       pad_id, compiled, rows)  # the prefill: sdpa, eager
+                       pad_id, compiled, rows, fused)  # the prefill: sdpa, eager
         stack.enter_context(_attention(module, ATTENTION))
         steps, graphed = _run_steps(dec, max_new_tokens, use_graph, check_every,
                                     graphs if graphs is not None else GraphPool(), min_rows, log)

@@ -117,6 +117,8 @@ class HFGenerateEngine(RolloutEngine):
     (``hf_decode.CompiledForward``; an unsharded actor only), compiled at the first rollout of
     each batch shape. ``compact_rows``: finished rows leave the loop's batch (``hf_decode.decode``'s
     ``min_rows``); ``auto`` is ``off`` on a GPU, where a step's time barely falls with its rows.
+    ``fused_kernels``: the loop's decode steps run its fused Triton kernels (``hf_decode.decode``'s
+    ``fused``: rotary + cache write, and the sampling tail, each one kernel); ``auto`` is ``on`` on a GPU.
 
     Log-probs of the sampled tokens come from the raw logits divided by the temperature (what the
     trainer's log-prob pass computes), not from the top-k/top-p-filtered scores.
@@ -143,20 +145,25 @@ class HFGenerateEngine(RolloutEngine):
         return cls(actor, tokenizer, autocast_dtype=autocast_dtype, fast_decode=cfg.rollout.hf_fast_decode,
                    record_routing=cfg.rollout.record_routing or cfg.actor.routing_replay,
                    compile_decode=compiles_decode(actor, cfg.rollout.hf_compile_decode),
-                   quantization=cfg.rollout.quantization, compact_rows=cfg.rollout.hf_compact_rows)
+                   quantization=cfg.rollout.quantization, compact_rows=cfg.rollout.hf_compact_rows,
+                   fused_kernels=cfg.rollout.hf_fused_kernels)
 
     def __init__(self, model, tokenizer, max_batch_size: int = 64, autocast_dtype: Optional[torch.dtype] = None,
                  fast_decode: str = "auto", record_routing: bool = False, compile_decode: bool = False,
-                 quantization: Optional[str] = None, compact_rows: str = "auto"):
-        for name, value in (("fast_decode", fast_decode), ("compact_rows", compact_rows)):
+                 quantization: Optional[str] = None, compact_rows: str = "auto", fused_kernels: str = "auto"):
+        for name, value in (("fast_decode", fast_decode), ("compact_rows", compact_rows),
+                            ("fused_kernels", fused_kernels)):
             if value not in FAST_DECODE:
                 raise ValueError(f"{name} must be one of {list(FAST_DECODE)}, got {value!r}")
+        if fused_kernels == "on" and hf_decode.decode_sampling is None:
+            raise ValueError("fused_kernels=on needs Triton (rollout.hf_fused_kernels); use auto or off")
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.autocast_dtype = autocast_dtype
         self.fast_decode = fast_decode
         self.compact_rows = compact_rows
+        self.fused_kernels = fused_kernels
         # MoE: each sequence's experts per token and layer, from hooks on the routers (models.routing)
         self.record_routing = record_routing
         if record_routing and not routing.routers(hf_module(model)):
@@ -185,7 +192,8 @@ class HFGenerateEngine(RolloutEngine):
         modes' rollout copies decode as the trainer's engine does)."""
         return {"max_batch_size": self.max_batch_size, "autocast_dtype": self.autocast_dtype,
                 "fast_decode": self.fast_decode, "compile_decode": self._compiled is not None,
-                "quantization": "fp8" if self._fp8 is not None else None, "compact_rows": self.compact_rows}
+                "quantization": "fp8" if self._fp8 is not None else None, "compact_rows": self.compact_rows,
+                "fused_kernels": self.fused_kernels}
 
     def _module(self):
         return hf_module(self.model)  # FSDP1 / DDP keep the HF model in .module
@@ -357,7 +365,9 @@ class HFGenerateEngine(RolloutEngine):
                 spec.temperature, spec.top_k, spec.top_p, list(eos) + list(spec.stop_token_ids), self.pad_token_id,
                 use_graph=device.type == "cuda" and not _fsdp1(self.model), graphs=self._graphs,
                 compiled=self._compiled if not is_sharded(self.model) else None,
-                rows=prompt_of.repeat_interleave(spec.n // copies).to(device), min_rows=self._min_rows(device))
+                rows=prompt_of.repeat_interleave(spec.n // copies).to(device), min_rows=self._min_rows(device),
+                fused=self.fused_kernels == "on" or (self.fused_kernels == "auto" and device.type == "cuda"
+                                                     and hf_decode.decode_sampling is not None))
         except Exception as e:  # noqa: BLE001 - the loop is an optimisation: generate still works
             self.fast_failed = f"the static-cache loop failed before ({type(e).__name__}: {e})"
             logger.warning("fast HF decoding failed, using generate from now on: %s: %s", type(e).__name__, e)

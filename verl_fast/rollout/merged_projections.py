@@ -89,15 +89,23 @@ def attention_forward(attn, hidden_states: torch.Tensor, position_embeddings: Tu
     batch_shape = hidden_states.shape[:-1]
     shape = (*batch_shape, -1, attn.head_dim)
     q_size, kv_size = attn.q_proj.out_features, attn.k_proj.out_features
-    q, k, v = merged(attn, hidden_states).split([q_size, kv_size, kv_size], -1)
-    q, k, v = q.view(shape), k.view(shape), v.view(shape)
-    if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head RMSNorm before the rotary embedding
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    qkv = merged(attn, hidden_states)
     cos, sin = position_embeddings
-    q, k = sys.modules[type(attn).__module__].apply_rotary_pos_emb(q, k, cos, sin)
-    if past_key_values is not None:
-        k, v = past_key_values.update(k, v, attn.layer_idx)
+    q = None
+    if getattr(past_key_values, "fused", False) and getattr(attn, "q_norm", None) is None:
+        # a decode step of ``hf_decode``'s cache: rotary and cache write in one kernel (None: not this step)
+        q = past_key_values.write_rotated(attn.layer_idx, qkv, cos, sin, q_size // attn.head_dim)
+    if q is not None:
+        k, v = past_key_values.keys[attn.layer_idx], past_key_values.values[attn.layer_idx]
+    else:
+        q, k, v = qkv.split([q_size, kv_size, kv_size], -1)
+        q, k, v = q.view(shape), k.view(shape), v.view(shape)
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head RMSNorm before the rotary embedding
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = sys.modules[type(attn).__module__].apply_rotary_pos_emb(q, k, cos, sin)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, attn.layer_idx)
     interface: Callable = ALL_ATTENTION_FUNCTIONS[attn.config._attn_implementation]
     # Qwen2/3 keep a per-layer window (None on full-attention layers), Mistral reads its config's
     window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(attn.config, "sliding_window", None)
