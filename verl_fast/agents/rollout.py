@@ -257,7 +257,7 @@ class MultiTurnRolloutOperator(RolloutOperator):
         if not done:
             done, _ = concurrent.futures.wait(list(pending), return_when=concurrent.futures.FIRST_COMPLETED)
         ready = []
-        for future in done:
+        for future in [f for f in pending if f in done]:  # in submission order: a seed's rollout repeats
             t = pending.pop(future)
             self._observe(t, future.result())
             if not t.done:
