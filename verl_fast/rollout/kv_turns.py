@@ -46,7 +46,8 @@ class _Store:
 
 @dataclass
 class _Cached:
-    """A conversation's cached tokens: row ``row`` of ``store`` holds them at ``columns`` [len(tokens)]."""
+    """A conversation's cached tokens: row ``row`` of ``store`` holds them at ``columns`` [len(tokens)] (on
+    the host: a call's gather index is built there and copied over once)."""
 
     tokens: List[int]
     store: _Store
@@ -80,7 +81,7 @@ def pack(cached: Sequence[Optional[_Cached]], device: torch.device) -> hf_decode
     cache: none valid), one gather per layer and source decode."""
     C = max(len(c.tokens) for c in cached if c is not None)
     B = len(cached)
-    valid = torch.zeros((B, C), dtype=torch.bool, device=device)
+    valid = torch.zeros((B, C), dtype=torch.bool)
     position = torch.tensor([0 if c is None else len(c.tokens) for c in cached], dtype=torch.long, device=device)
     sources: Dict[int, Tuple[_Store, List[int]]] = {}
     for b, c in enumerate(cached):
@@ -95,10 +96,11 @@ def pack(cached: Sequence[Optional[_Cached]], device: torch.device) -> hf_decode
     for store, members in sources.values():
         _, heads, length, dim = store.keys[0].shape
         # each row's source columns, right-aligned (column 0 where it has none: never attended)
-        cols = torch.zeros((len(members), C), dtype=torch.long, device=device)
+        cols = torch.zeros((len(members), C), dtype=torch.long)
         for r, b in enumerate(members):
             c = cached[b]
             cols[r, C - len(c.tokens):] = c.columns
+        cols = cols.to(device)
         src = torch.tensor([cached[b].row for b in members], dtype=torch.long, device=device)
         # flat row index of [row, head, column] in a [B * heads * length, dim] view of the source
         flat = ((src[:, None, None] * heads + torch.arange(heads, device=device)[None, :, None]) * length
@@ -113,7 +115,7 @@ def pack(cached: Sequence[Optional[_Cached]], device: torch.device) -> hf_decode
                 if out[layer] is None:
                     out[layer] = part.new_zeros((B, heads, C, dim))
                 out[layer].index_copy_(0, where, part)
-    return hf_decode.Past(keys, values, valid, position)
+    return hf_decode.Past(keys, values, valid.to(device), position)
 
 
 class TurnCache:
@@ -233,13 +235,12 @@ class TurnCache:
         dec = kept[0]
         store = _Store(dec.cache.keys, dec.cache.values)
         width = dec.cache.length - spec.max_tokens  # the prefill's columns: the past's and the new tokens'
-        before = dec.valid[:, :width]
+        before = dec.valid[:, :width].cpu()
         stops = set(eos) | set(spec.stop_token_ids)
         for b, i in enumerate(members):
             row = tokens[b].tolist()
             n, reason = cut(row, specs[i].max_tokens, stops)
             results[i] = (row[:n], logprobs[b, :n].tolist() if spec.logprobs else [0.0] * n, reason)
-            columns = torch.cat([before[b].nonzero().squeeze(-1),
-                                 torch.arange(width, width + n - 1, device=before.device)])
+            columns = torch.cat([before[b].nonzero().squeeze(-1), torch.arange(width, width + n - 1)])
             self.rows[keys[i]] = _Cached(list(prompts[i]) + row[: n - 1], store, b, columns)
         self.calls.append({"rows": len(members), "prefilled": fed, "reused": reused})
