@@ -212,9 +212,8 @@ def main(argv=None) -> int:
                            prompt_tokens_mean=statistics.mean(len(r.prompt_ids) for r in rows))
         print(f"{args.shape} multi-turn {m_rate:.0f} tokens/s vs single-turn {s_rate:.0f} tokens/s: "
               f"{m_rate / s_rate:.2f}x (target >= 0.85x); re-prefilling every turn {r_rate / s_rate:.2f}x; prefill "
-              f"tokens {m_metrics['multi_turn/prefill_tokens']:.0f} (re-prefill "
-              f"{r_metrics['multi_turn/prefill_tokens']:.0f}, saved {m_metrics['multi_turn/prefill_tokens_saved']:.0f})",
-              flush=True)
+              f"tokens {report.meta['prefill_tokens']:.0f} (re-prefill {report.meta['prefill_tokens_reprefill']:.0f}, "
+              f"saved {report.meta['prefill_tokens_saved']:.0f})", flush=True)
         if "trl" in impls:
             report.save(summary=False)  # ours' figures kept should TRL's process not come back
             del single, multi, refill, model
