@@ -15,8 +15,8 @@ environment's ``step`` on a thread pool (tool calls run in the ``ToolExecutor``'
 
 Each continues from its own tokens: vLLM's prefix cache reuses them; the HF decode keeps each
 trajectory's keys and values between its turns (``engine.turns()``, ``rollout/kv_turns.py``; off with
-``kv_continuation: false``) and prefills only the observation after the model's last token. A trajectory ends when its
-environment says done (no tool call), after ``max_turns`` model turns, or when its tokens reach
+``kv_continuation: false``) and prefills only the observation after the model's last token. A
+trajectory ends when its environment says done (no tool call), after ``max_turns`` model turns, or when its tokens reach
 ``rollout.max_new_tokens``.
 
 The output is a ``GenerationOutput`` whose response is everything after the first prompt:
@@ -168,7 +168,8 @@ class MultiTurnRolloutOperator(RolloutOperator):
                 self._prefill.update(turns.metrics())
                 turns.close()
 
-    def _generate(self, ready: List[Trajectory], turns: Any):
+    def _generate(self, ready: List[Trajectory], turns: Any) -> GenerationOutput:
+        """The ready trajectories' next turns: continued from their caches (``turns``), or whole."""
         prompts, specs = [t.prompt_ids + t.ids for t in ready], [self._turn_spec(t) for t in ready]
         if turns is not None:
             return turns.generate([id(t) for t in ready], prompts, specs)
