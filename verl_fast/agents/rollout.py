@@ -16,8 +16,8 @@ environment's ``step`` on a thread pool (tool calls run in the ``ToolExecutor``'
 Each continues from its own tokens: vLLM's prefix cache reuses them; the HF decode keeps each
 trajectory's keys and values between its turns (``engine.turns()``, ``rollout/kv_turns.py``; off with
 ``kv_continuation: false``) and prefills only the observation after the model's last token. A
-trajectory ends when its environment says done (no tool call), after ``max_turns`` model turns, or when its tokens reach
-``rollout.max_new_tokens``.
+trajectory ends when its environment says done (no tool call), after ``max_turns`` model turns, or
+when its tokens reach ``rollout.max_new_tokens``.
 
 The output is a ``GenerationOutput`` whose response is everything after the first prompt:
 ``response_mask`` is 1 on the model's tokens only (observations are holes: masked out of the
