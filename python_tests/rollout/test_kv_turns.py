@@ -47,9 +47,9 @@ def observation(tok, row, turn):
 
 def run_turns(engine, tok, turns_of, max_tokens, use_cache, temperature=0.0, seed=None, stop_every=None):
     """Conversations of ``TEXTS``, row r running ``turns_of[r]`` turns of at most ``max_tokens[r]`` tokens
-    each, an observation after every turn; through ``engine.turns()`` (``use_cache``) or ``generate`` on the
+    each, an observation after every turn; through ``engine.turn_cache()`` (``use_cache``) or ``generate`` on the
     whole conversation. Returns per row the turns' (tokens, log-probs, reason), and the cache."""
-    cache = engine.turns() if use_cache else None
+    cache = engine.turn_cache() if use_cache else None
     convs = {r: tok(TEXTS[r])["input_ids"] for r in range(len(turns_of))}
     out = {r: [] for r in convs}
     turn = 0
@@ -124,7 +124,7 @@ def test_changed_tokens_prefill_the_whole_conversation(model, tok):
     fast = HFGenerateEngine(model, tok, fast_decode="on", compact_rows="off")
     spec = SamplingSpec(temperature=0.0, max_tokens=4)
     prompts = [tok(TEXTS[r])["input_ids"] for r in range(3)]
-    cache = fast.turns()
+    cache = fast.turn_cache()
     first = cache.generate([0, 1, 2], prompts, spec)
     nxt = [p + first.response_ids[r, : int(first.response_mask[r].sum())].tolist() + observation(tok, r, 0)
            for r, p in enumerate(prompts)]
@@ -144,7 +144,7 @@ def test_sampled_next_turn_draws_from_the_conversations_distribution(model, tok)
     fast = HFGenerateEngine(model, tok, fast_decode="on", compact_rows="off")
     R, T, top_k = 2000, 0.8, 8
     prompt = tok(TEXTS[2])["input_ids"]
-    cache = fast.turns()
+    cache = fast.turn_cache()
     first = cache.generate(list(range(R)), [prompt] * R, SamplingSpec(temperature=0.0, max_tokens=5))
     conv = prompt + first.response_ids[0, :5].tolist() + observation(tok, 0, 1)
     out = cache.generate(list(range(R)), [conv] * R, SamplingSpec(temperature=T, top_k=top_k, max_tokens=1, seed=5))
@@ -174,7 +174,7 @@ def test_sampled_next_turn_draws_from_the_conversations_distribution(model, tok)
 
 
 def test_the_call_refuses_more_than_one_sample_and_mismatched_lengths(model, tok):
-    cache = HFGenerateEngine(model, tok, fast_decode="on").turns()
+    cache = HFGenerateEngine(model, tok, fast_decode="on").turn_cache()
     with pytest.raises(ValueError, match=r"one response per conversation \(n=1\), got n=2"):
         cache.generate([0], [[1, 2]], SamplingSpec(n=2))
     with pytest.raises(ValueError, match="2 keys, 1 prompts, 1 specs"):
@@ -182,7 +182,7 @@ def test_the_call_refuses_more_than_one_sample_and_mismatched_lengths(model, tok
 
 
 def test_no_cache_where_the_loop_does_not_decode(model, tok):
-    assert HFGenerateEngine(model, tok, fast_decode="off").turns() is None
+    assert HFGenerateEngine(model, tok, fast_decode="off").turn_cache() is None
 
 
 @pytest.mark.gpu

@@ -14,7 +14,7 @@ environment's ``step`` on a thread pool (tool calls run in the ``ToolExecutor``'
   then its trajectory joins a later call.
 
 Each continues from its own tokens: vLLM's prefix cache reuses them; the HF decode keeps each
-trajectory's keys and values between its turns (``engine.turns()``, ``rollout/kv_turns.py``; off with
+trajectory's keys and values between its turns (``engine.turn_cache()``, ``rollout/kv_turns.py``; off with
 ``kv_continuation: false``) and prefills only the observation after the model's last token. A
 trajectory ends when its environment says done (no tool call), after ``max_turns`` model turns, or
 when its tokens reach ``rollout.max_new_tokens``.
@@ -160,7 +160,7 @@ class MultiTurnRolloutOperator(RolloutOperator):
         """Turn by turn: the ready trajectories in one ``generate`` call (HF decode), each continuing its
         cached keys and values where the engine keeps them. Returns the seconds spent generating and the
         number of calls."""
-        turns = self.engine.turns() if self.mt.kv_continuation else None
+        turns = self.engine.turn_cache() if self.mt.kv_continuation else None
         try:
             return self._wave_loop(trajectories, turns)
         finally:

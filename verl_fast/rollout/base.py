@@ -67,7 +67,7 @@ class RolloutEngine:
     #: multi-turn rollout then continues each trajectory as soon as its observation is in.
     streams: bool = False
 
-    def turns(self):
+    def turn_cache(self):
         """A cache of each conversation's state between a multi-turn rollout's calls, whose ``generate(keys,
         prompts, specs)`` continues the conversation cached under each key and feeds only its new tokens
         (the HF engine's ``rollout/kv_turns.TurnCache``). None: each call reads its prompts whole (vLLM

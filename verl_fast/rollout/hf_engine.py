@@ -280,7 +280,7 @@ class HFGenerateEngine(RolloutEngine):
             return torch.empty((), dtype=self.autocast_dtype).element_size()
         return next(self._module().parameters()).element_size()
 
-    def turns(self) -> Optional["kv_turns.TurnCache"]:
+    def turn_cache(self) -> Optional["kv_turns.TurnCache"]:
         """A multi-turn rollout's cache of each conversation's keys and values between turns
         (``rollout/kv_turns.py``), where the static-cache loop decodes; else None."""
         if self._fast_reason(SamplingSpec()) is not None:

@@ -2,7 +2,7 @@
 kept from one turn to the next, so that a turn prefills only its new tokens (the tool or environment
 messages after the model's last turn) instead of the whole conversation again.
 
-A ``TurnCache`` (``HFGenerateEngine.turns()``) serves one multi-turn rollout. Its ``generate(keys,
+A ``TurnCache`` (``HFGenerateEngine.turn_cache()``) serves one multi-turn rollout. Its ``generate(keys,
 prompts, specs)`` takes each conversation's whole token list, as ``RolloutEngine.generate`` does, under a
 key of the caller's (its trajectory). Where the tokens cached under the key begin the prompt, only the
 rest is prefilled, at the row's own positions after them; otherwise (a first turn, or tokens that differ)
