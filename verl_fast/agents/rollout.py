@@ -13,9 +13,11 @@ environment's ``step`` on a thread pool (tool calls run in the ``ToolExecutor``'
   (``_waves``); a slow tool holds the others no longer than half a generate call (or ``GRACE_S``),
   then its trajectory joins a later call.
 
-Each continues from its own tokens (vLLM's prefix cache reuses them). A trajectory ends when its
-environment says done (no tool call), after ``max_turns`` model turns, or when its tokens reach
-``rollout.max_new_tokens``.
+Each continues from its own tokens: vLLM's prefix cache reuses them; the HF decode keeps each
+trajectory's keys and values between its turns (``engine.turn_cache()``, ``rollout/kv_turns.py``; off with
+``kv_continuation: false``) and prefills only the observation after the model's last token. A
+trajectory ends when its environment says done (no tool call), after ``max_turns`` model turns, or
+when its tokens reach ``rollout.max_new_tokens``.
 
 The output is a ``GenerationOutput`` whose response is everything after the first prompt:
 ``response_mask`` is 1 on the model's tokens only (observations are holes: masked out of the
@@ -93,6 +95,7 @@ class MultiTurnRolloutOperator(RolloutOperator):
         self._threads = concurrent.futures.ThreadPoolExecutor(max(mt.tool_workers, 1),
                                                               thread_name_prefix="verl_fast env step")
         self._metrics: Dict[str, float] = {}
+        self._prefill: Dict[str, float] = {}  # the rollout's prefill counts (TurnCache.metrics)
 
     # ------------------------------------------------------------------ environments
 
@@ -136,6 +139,7 @@ class MultiTurnRolloutOperator(RolloutOperator):
     def rollout(self, batch: Sequence[PromptRow], seed: Optional[int] = None) -> GenerationOutput:
         start = time.perf_counter()
         trajectories: List[Trajectory] = []
+        self._prefill = {}
         try:
             self._start(batch, self.specs(batch, seed), trajectories)
             run = self._stream if self.engine.streams else self._waves
@@ -153,14 +157,34 @@ class MultiTurnRolloutOperator(RolloutOperator):
                        seed=None if t.spec.seed is None else t.spec.seed + 7919 * len(t.turn_ends))
 
     def _waves(self, trajectories: List[Trajectory]) -> Tuple[float, int]:
-        """Turn by turn: the ready trajectories in one ``generate`` call (HF decode). Returns the
-        seconds spent generating and the number of calls."""
+        """Turn by turn: the ready trajectories in one ``generate`` call (HF decode), each continuing its
+        cached keys and values where the engine keeps them. Returns the seconds spent generating and the
+        number of calls."""
+        turns = self.engine.turn_cache() if self.mt.kv_continuation else None
+        try:
+            return self._wave_loop(trajectories, turns)
+        finally:
+            if turns is not None:
+                self._prefill.update(turns.metrics())
+                turns.close()
+
+    def _generate(self, ready: List[Trajectory], turns: Any) -> GenerationOutput:
+        """The ready trajectories' next turns: continued from their caches (``turns``), or whole."""
+        prompts, specs = [t.prompt_ids + t.ids for t in ready], [self._turn_spec(t) for t in ready]
+        if turns is not None:
+            return turns.generate([id(t) for t in ready], prompts, specs)
+        # what a re-prefilling engine feeds: each distinct conversation once
+        self._prefill["prefill_tokens"] = self._prefill.get("prefill_tokens", 0.0) + sum(
+            len(p) for p in set(map(tuple, prompts)))
+        return self.engine.generate(prompts, specs)
+
+    def _wave_loop(self, trajectories: List[Trajectory], turns: Any) -> Tuple[float, int]:
         ready, pending = list(trajectories), {}
         generate_s, calls = 0.0, 0
         while ready or pending:
             if ready:
                 t0 = time.perf_counter()
-                out = self.engine.generate([t.prompt_ids + t.ids for t in ready], [self._turn_spec(t) for t in ready])
+                out = self._generate(ready, turns)
                 generate_s += time.perf_counter() - t0
                 calls += 1
                 for row, t in enumerate(ready):
@@ -170,9 +194,11 @@ class MultiTurnRolloutOperator(RolloutOperator):
                                               out.finish_reasons[row] if out.finish_reasons else "stop")
                     if not t.done:
                         pending[self._threads.submit(t.env.step, message)] = t
+                    elif turns is not None:
+                        turns.drop(id(t))
                 ready = []
             if pending:
-                ready = self._collect(pending, grace=max(GRACE_S, 0.5 * generate_s / max(calls, 1)))
+                ready = self._collect(pending, grace=max(GRACE_S, 0.5 * generate_s / max(calls, 1)), turns=turns)
         return generate_s, calls
 
     def _stream(self, trajectories: List[Trajectory]) -> Tuple[float, int]:
@@ -223,18 +249,22 @@ class MultiTurnRolloutOperator(RolloutOperator):
         own = toks[:-1] if t.stop_token is not None else toks  # the turn's text without its stop token
         return {"role": "assistant", "content": self.tokenizer.decode(own, skip_special_tokens=False)}
 
-    def _collect(self, pending: Dict[concurrent.futures.Future, Trajectory], grace: float) -> List[Trajectory]:
+    def _collect(self, pending: Dict[concurrent.futures.Future, Trajectory], grace: float,
+                 turns: Any = None) -> List[Trajectory]:
         """The trajectories whose environment step finished (within ``grace`` seconds of waiting for
-        all; at least one), with their observations appended; done ones are dropped."""
+        all; at least one), with their observations appended; done ones are dropped (and their cached
+        keys and values, ``turns``)."""
         done, _ = concurrent.futures.wait(list(pending), timeout=grace)
         if not done:
             done, _ = concurrent.futures.wait(list(pending), return_when=concurrent.futures.FIRST_COMPLETED)
         ready = []
-        for future in done:
+        for future in [f for f in pending if f in done]:  # in submission order: a seed's rollout repeats
             t = pending.pop(future)
             self._observe(t, future.result())
             if not t.done:
                 ready.append(t)
+            elif turns is not None:
+                turns.drop(id(t))
         return ready
 
     def _observe(self, t: Trajectory, result: StepResult) -> None:
@@ -297,7 +327,7 @@ class MultiTurnRolloutOperator(RolloutOperator):
                "multi_turn/generate_calls": float(calls),
                "multi_turn/generate_seconds": generate_s,
                "multi_turn/seconds": seconds}
-        for k, v in counts.items():
+        for k, v in list(counts.items()) + list(self._prefill.items()):
             out[f"multi_turn/{k}"] = v
         if "tool_calls" in counts:
             out["multi_turn/tool_calls_per_trajectory"] = counts["tool_calls"] / n
@@ -310,7 +340,7 @@ class MultiTurnRolloutOperator(RolloutOperator):
         """This operator with another default sampling (validation's), sharing its tool workers and
         threads (its own metrics)."""
         other = copy.copy(self)
-        other.default, other._metrics = default, {}
+        other.default, other._metrics, other._prefill = default, {}, {}
         return other
 
     def close(self) -> None:

@@ -45,6 +45,9 @@ class MultiTurnConfig:
     max_tool_calls: int = option(8, min=1, doc="tool calls per trajectory; later calls are refused and the episode ends")
     env_timeout_s: float = option(120.0, min=0.001, doc="an environment's reset or step running longer is given up: a "
                               "step ends its trajectory (multi_turn/env_timeouts), a reset stops the run")
+    kv_continuation: bool = option(True, doc="the HF decode keeps each trajectory's keys and values between its "
+                                   "turns and prefills only the new tool / environment tokens (false: every turn "
+                                   "prefills the whole conversation again); vLLM reuses its prefix cache either way")
     env_isolation: str = option("thread", choices=("thread", "process"), doc="where an environment runs: thread (the "
                             "trainer's process) or process (a worker process per trajectory, killed with every "
                             "process it started when the trajectory ends or times out)")

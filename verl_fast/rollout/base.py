@@ -67,6 +67,13 @@ class RolloutEngine:
     #: multi-turn rollout then continues each trajectory as soon as its observation is in.
     streams: bool = False
 
+    def turn_cache(self):
+        """A cache of each conversation's state between a multi-turn rollout's calls, whose ``generate(keys,
+        prompts, specs)`` continues the conversation cached under each key and feeds only its new tokens
+        (the HF engine's ``rollout/kv_turns.TurnCache``). None: each call reads its prompts whole (vLLM
+        serves them from its prefix cache)."""
+        return None
+
     def sync_from(self, model: torch.nn.Module) -> Dict[str, float]:
         """Makes the engine generate with ``model``'s current weights (after every optimizer step;
         collective when the model is sharded; engines that own weights also take a Megatron actor).

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -124,6 +125,21 @@ def prompts_per_call(config, width: int, max_new_tokens: int, samples: int, prom
     return max(1, min(prompts, int(room // per_prompt)))
 
 
+@dataclass
+class Past:
+    """Earlier columns a decode continues from (a conversation's next turn, ``rollout/kv_turns.py``):
+    each row's cached keys and values, its valid columns and the position its next token takes."""
+
+    keys: List[torch.Tensor]  # per layer [B, kv_heads, C, head_dim]
+    values: List[torch.Tensor]  # per layer [B, kv_heads, C, head_dim]
+    valid: torch.Tensor  # [B, C] bool: columns holding a token of the row
+    position: torch.Tensor  # [B] long: the position of each row's first new token
+
+    @property
+    def columns(self) -> int:
+        return self.valid.shape[1]
+
+
 class StaticKV(Cache):
     """Keys and values of every layer in tensors of fixed shape [B, kv_heads, length, head_dim],
     written at the columns ``cols`` (a device tensor the caller advances). The model calls only
@@ -133,16 +149,19 @@ class StaticKV(Cache):
     (the prefill) may come with fewer sequences than the cache holds: row b of the cache then holds
     sequence ``rows[b]`` of it (the samples of one prompt share its prefill). With ``fused`` set, a
     decode step's attention may hand its merged q/k/v product to ``write_rotated`` instead (the rotary
-    embedding and the write in one kernel)."""
+    embedding and the write in one kernel). With a ``past``, each layer's cache is made at its first
+    update from the past's columns (then freed), and every forward writes its columns and attends to
+    the whole cache."""
 
     is_compileable = False
 
     def __init__(self, num_layers: int, length: int, rows: Optional[torch.Tensor] = None,
-                 fused: bool = False):  # no Cache.__init__
+                 fused: bool = False, past: Optional[Past] = None):  # no Cache.__init__
         self.keys: list = [None] * num_layers
         self.values: list = [None] * num_layers
         self.length = length
         self.rows = rows  # None: the prefill's sequences are the cache's rows
+        self.past = past
         self.cols: Optional[torch.Tensor] = None
         self.seen = 0  # host-side count, for transformers versions that derive positions from it
         self.fused = fused and rope_cache is not None
@@ -159,6 +178,12 @@ class StaticKV(Cache):
         return rope_cache.rope_cache_write(qkv, cos, sin, keys, self.values[layer_idx], self.cols, heads)
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None, *args, **kwargs):
+        if self.keys[layer_idx] is None and self.past is not None:  # the layer's cache: the past, then room
+            for store, old in ((self.keys, self.past.keys), (self.values, self.past.values)):
+                shape = old[layer_idx].shape
+                store[layer_idx] = old[layer_idx].new_zeros(shape[:2] + (self.length, shape[3]))
+                store[layer_idx][:, :, : shape[2]] = old[layer_idx]
+                old[layer_idx] = None
         if self.keys[layer_idx] is not None:  # a decode step: its column written, the whole cache attended
             self.keys[layer_idx].index_copy_(2, self.cols, key_states.to(self.keys[layer_idx].dtype))
             self.values[layer_idx].index_copy_(2, self.cols, value_states.to(self.values[layer_idx].dtype))
@@ -388,7 +413,7 @@ class _Decoder:
     def __init__(self, module, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
                  sampling: Tuple[float, int, float], stop_ids: Sequence[int], pad_id: int,
                  compiled: Optional["CompiledForward"] = None, rows: Optional[torch.Tensor] = None,
-                 fused: bool = False):
+                 fused: bool = False, past: Optional[Past] = None):
         self.module = module
         self.sampling = sampling
         self.forward = compiled.fn if compiled is not None else model_step  # the decode steps' forward
@@ -396,8 +421,9 @@ class _Decoder:
         W = input_ids.shape[1]
         B = input_ids.shape[0] if rows is None else rows.shape[0]
         device = input_ids.device
-        L = W + max_new_tokens
-        self.cache = StaticKV(module.config.num_hidden_layers, L, rows, fused)
+        C = 0 if past is None else past.columns  # the past's columns: the prompts follow them
+        L = C + W + max_new_tokens
+        self.cache = StaticKV(module.config.num_hidden_layers, L, rows, fused=fused, past=past)
         self.seed = None  # the fused sampling's random key (None: the torch sampling)
         if fused and decode_sampling is not None and decode_sampling.supports(*sampling[1:]):
             self.seed = torch.randint(0, 2 ** 62, (1,), dtype=torch.long, device=device)
@@ -407,14 +433,17 @@ class _Decoder:
         self.tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
         self.logprobs = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
         positions = attention_mask.long().cumsum(-1) - 1
+        if past is not None:
+            positions += past.position[:, None]
         positions.masked_fill_(attention_mask == 0, 1)  # as generate does for left padding
-        self._prefill(input_ids, attention_mask.bool(), positions, W, rows)
+        valid = attention_mask.bool() if past is None else torch.cat([past.valid, attention_mask.bool()], 1)
+        self._prefill(input_ids, valid, positions, C, rows)
         per_row = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
         self.valid = torch.zeros((B, L), dtype=torch.bool, device=device)  # keys each row may attend to
-        self.valid[:, :W] = per_row(attention_mask.bool())
+        self.valid[:, : C + W] = per_row(valid)
         self.mask = self.valid[:, None, None, :]  # the decode step's [B, 1, 1, L] view
         self.position = per_row(positions[:, -1:]) + 1  # [B, 1]
-        self.col = torch.tensor([W], dtype=torch.long, device=device)  # cache column of the next token
+        self.col = torch.tensor([C + W], dtype=torch.long, device=device)  # cache column of the next token
         self.t = torch.tensor([1], dtype=torch.long, device=device)  # output column of the next token
         self.cache.cols = self.col
         # the call's output rows; row i of the batch decodes output row origin[i] (-1: a filler)
@@ -455,18 +484,21 @@ class _Decoder:
         self._flush()
         return self.out_tokens.cpu(), self.out_logprobs.cpu()
 
-    def _prefill(self, input_ids, valid, positions, W, rows):
+    def _prefill(self, input_ids, valid, positions, C, rows):
         """The prompts' forward, each prompt once, in chunks of at most ``PREFILL_CHUNK`` columns (a later
         chunk's queries attend to the cache's earlier columns: activations and mask over a chunk, not the
-        whole prompt), and each row's first token from its prompt's logits."""
+        whole prompt), and each row's first token from its prompt's logits. ``valid`` [P, C + W]: the
+        past's ``C`` columns (cached, not run again) and the prompts'."""
         device = input_ids.device
-        chunked = W > PREFILL_CHUNK
+        W = C + input_ids.shape[1]
+        chunked = W - C > PREFILL_CHUNK
         if chunked:  # the chunks' keys and values kept per prompt, copied to the rows that decode them after
             self.cache.rows = None
-        for start in range(0, W, PREFILL_CHUNK):
+        for start in range(C, W, PREFILL_CHUNK):
             end = min(start + PREFILL_CHUNK, W)
-            # keys attended: the first chunk's own (the cache returns them), a later chunk's the whole cache's
-            keys = end if start == 0 else self.cache.length
+            # keys attended: the first chunk's own (the cache returns them), a later chunk's (or a chunk after
+            # a past) the whole cache's
+            keys = end if start == 0 and self.cache.past is None else self.cache.length
             query = torch.arange(start, end, device=device)[:, None]
             key = torch.arange(keys, device=device)[None, :]
             attended = torch.nn.functional.pad(valid, (0, max(keys - W, 0)))[:, :keys]
@@ -474,7 +506,8 @@ class _Decoder:
             mask = (((key <= query)[None] & attended[:, None, :]) | (key == query)[None])[:, None]
             self.cache.cols = torch.arange(start, end, device=device)
             self.cache.seen = start
-            logits = model_step(self.module, input_ids[:, start:end], mask, positions[:, start:end], self.cache)
+            logits = model_step(self.module, input_ids[:, start - C : end - C], mask, positions[:, start - C : end - C],
+                                self.cache)
         if chunked and rows is not None:
             for store in (self.cache.keys, self.cache.values):
                 for layer, tensor in enumerate(store):
@@ -583,7 +616,8 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
            use_graph: bool, check_every: int = 16, graphs: Optional[GraphPool] = None,
            compiled: Optional[CompiledForward] = None, rows: Optional[torch.Tensor] = None,
            min_rows: Optional[int] = MIN_ROWS, log: Optional[List[Tuple[int, int]]] = None,
-           fused: bool = False) -> Tuple[torch.Tensor, torch.Tensor, str]:
+           fused: bool = False, past: Optional[Past] = None,
+           keep: Optional[list] = None) -> Tuple[torch.Tensor, torch.Tensor, str]:
     """New tokens [B, max_new_tokens] (pad after a row's stop token, and after an early exit once
     every row stopped) and their log-probs [B, max_new_tokens] (0 past the end), on the host, and
     how the steps ran: "graph" (replays) or "eager".
@@ -610,7 +644,16 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
     a merged attention's rotary embedding and cache write in one (``StaticKV.write_rotated``), and the
     sampling and bookkeeping in one (``record_fused``, where no top-k / top-p filter is asked for; its
     draws come from Triton's Philox keyed from the device generator, so they differ from the torch
-    sampling's, with the same distribution)."""
+    sampling's, with the same distribution).
+
+    A conversation's next turn (``rollout/kv_turns.py``): ``past`` holds each row's cached columns (one
+    row per prompt, ``rows`` None), which the prompts (the new tokens) follow at each row's own
+    positions; ``keep``: the decoder appended to it at the end, its cache and masks kept for the turn
+    after (it needs ``min_rows`` None: a compaction drops the finished rows' caches)."""
+    if past is not None and rows is not None:
+        raise ValueError("decode: past continues one row per prompt; rows must be None with it")
+    if keep is not None and min_rows is not None:
+        raise ValueError("decode: keep needs min_rows=None (a compaction drops the finished rows' caches)")
     if compiled is not None:
         extra = -input_ids.shape[1] % compiled.WIDTH
         input_ids = torch.nn.functional.pad(input_ids, (extra, 0), value=pad_id)
@@ -620,11 +663,13 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
         if compiled is not None:
             stack.enter_context(compiled.weights(module))
         dec = _Decoder(module, input_ids, attention_mask, max_new_tokens, (temperature, top_k, top_p), stop_ids,
-                       pad_id, compiled, rows, fused)  # the prefill: sdpa, eager
+                       pad_id, compiled, rows, fused=fused, past=past)  # the prefill: sdpa, eager
         stack.enter_context(_attention(module, ATTENTION))
         steps, graphed = _run_steps(dec, max_new_tokens, use_graph, check_every,
                                     graphs if graphs is not None else GraphPool(), min_rows, log)
         tokens, logprobs = dec.result()
+    if keep is not None:
+        keep.append(dec)
     if log is not None:
         log.append((steps, 0))
     return tokens, logprobs, "graph" if graphed else "eager"

@@ -13,7 +13,7 @@ from verl_fast.distributed import MEMORY_FRACTION, collective_device, usable_byt
 from verl_fast.models import routing, vision as vision_model
 from verl_fast.models.wrapping import hf_module, is_sharded
 from verl_fast.records.generation import GenerationOutput, SamplingSpec, pad_completions
-from verl_fast.rollout import fp8_linear, hf_decode, sync_check
+from verl_fast.rollout import fp8_linear, hf_decode, kv_turns, sync_check
 from verl_fast.rollout.base import RolloutEngine
 
 logger = logging.getLogger(__name__)
@@ -272,9 +272,7 @@ class HFGenerateEngine(RolloutEngine):
         step = hf_decode.CompiledForward.WIDTH  # the compiled loop pads prompts to a multiple of it
         width = -(-max(len(prompts[i]) for i in members) // step) * step
         rows = 1 if spec.temperature == 0.0 else spec.n
-        # the cache's element: the autocast dtype's keys and values (StaticKV), else the model's
-        element = (torch.empty((), dtype=self.autocast_dtype).element_size() if self.autocast_dtype is not None
-                   else next(self._module().parameters()).element_size())
+        element = self.kv_element_bytes()
         config = self._module().config
         fits = hf_decode.prompts_per_call(config, width, spec.max_tokens, rows, len(members), room, element)
         if fits < len(members):
@@ -282,6 +280,20 @@ class HFGenerateEngine(RolloutEngine):
             logger.info("HF decode: %d of %d prompts per call (%.1f GiB of room at %.0f MiB a prompt)", fits,
                         len(members), room / 2**30, per_prompt / 2**20)
         return fits
+
+    def kv_element_bytes(self) -> int:
+        """Bytes of one element of the loop's cache: the autocast dtype's keys and values (StaticKV), else
+        the model's."""
+        if self.autocast_dtype is not None:
+            return torch.empty((), dtype=self.autocast_dtype).element_size()
+        return next(self._module().parameters()).element_size()
+
+    def turn_cache(self) -> Optional["kv_turns.TurnCache"]:
+        """A multi-turn rollout's cache of each conversation's keys and values between turns
+        (``rollout/kv_turns.py``), where the static-cache loop decodes; else None."""
+        if self._fast_reason(SamplingSpec()) is not None:
+            return None
+        return kv_turns.TurnCache(self, eos_token_ids(self._module(), self.tokenizer))
 
     def _room_bytes(self) -> Optional[float]:
         """The device bytes the loop's rows may take (None off a GPU: no limit): ``MEMORY_FRACTION`` of what
@@ -324,21 +336,13 @@ class HFGenerateEngine(RolloutEngine):
         eos = eos_token_ids(module, self.tokenizer)
         greedy = spec.temperature == 0.0
         copies = spec.n if greedy else 1  # greedy samples are identical: decode once, copy n times
-        was_training = module.training
-        module.eval()
-        autocast = (torch.autocast(device.type, dtype=self.autocast_dtype) if self.autocast_dtype is not None
-                    else contextlib.nullcontext())
         recording = routing.record(module) if self.record_routing else contextlib.nullcontext()
-        try:
-            fp8 = self._fp8.swapped(module) if self._fp8 is not None else contextlib.nullcontext()
-            with _full_params(self.model), fp8, autocast, recording as rec:
-                new, logp, self.last_mode = self._decode_fast(module, ids, mask, spec, eos, copies)
-                if new is None:
-                    images = {} if vision is None else vision_model.image_inputs(module, ids.to(device), vision)
-                    new, logp = self._decode_generate(module, ids, mask, spec, eos, copies, images)
-                    self.last_mode = "generate"
-        finally:
-            module.train(was_training)
+        with self.decoding(module), recording as rec:
+            new, logp, self.last_mode = self.decode_fast(module, ids, mask, spec, eos, copies)
+            if new is None:
+                images = {} if vision is None else vision_model.image_inputs(module, ids.to(device), vision)
+                new, logp = self._decode_generate(module, ids, mask, spec, eos, copies, images)
+                self.last_mode = "generate"
         if not spec.logprobs:
             logp = None
         elif logp is not None:
@@ -350,22 +354,41 @@ class HFGenerateEngine(RolloutEngine):
             return grouped, None
         return grouped, _routes(rec.stacked(rows).repeat_interleave(copies, dim=0), grouped, prompts, width, spec.n)
 
-    def _decode_fast(self, module, ids, mask, spec: SamplingSpec, eos: List[int], copies: int):
-        """(new tokens, log-probs, mode) on the host from hf_decode, or Nones where it does not apply."""
+    @contextlib.contextmanager
+    def decoding(self, module):
+        """What a decode of ``module`` (the engine's model) runs under: eval mode, whole parameters, the FP8
+        copies (rollout.quantization fp8) and the autocast dtype."""
+        was_training = module.training
+        module.eval()
+        autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype is not None
+                    else contextlib.nullcontext())
+        try:
+            fp8 = self._fp8.swapped(module) if self._fp8 is not None else contextlib.nullcontext()
+            with _full_params(self.model), fp8, autocast:
+                yield
+        finally:
+            module.train(was_training)
+
+    def decode_fast(self, module, ids, mask, spec: SamplingSpec, eos: List[int], copies: int,
+                    past: Optional[hf_decode.Past] = None, keep: Optional[list] = None):
+        """(new tokens, log-probs, mode) on the host from hf_decode, or Nones where it does not apply.
+        ``past`` / ``keep``: a conversation's next turn (``hf_decode.decode``; its rows not compacted)."""
         if self._fast_reason(spec) is not None:
             return None, None, None
-        # each distinct prompt prefilled once (a prompt's samples, a trajectory's first turn), its cache
-        # copied to the rows that decode it
-        width = ids.shape[1]
-        distinct, prompt_of = torch.unique(torch.cat([ids, mask], 1), dim=0, return_inverse=True)
         device = self.device
+        rows = None
+        if past is None:  # each distinct prompt prefilled once (a prompt's samples, a trajectory's first turn),
+            width = ids.shape[1]  # its cache copied to the rows that decode it
+            distinct, prompt_of = torch.unique(torch.cat([ids, mask], 1), dim=0, return_inverse=True)
+            ids, mask, rows = distinct[:, :width], distinct[:, width:], prompt_of.repeat_interleave(spec.n // copies)
         try:
             return hf_decode.decode(
-                module, distinct[:, :width].to(device), distinct[:, width:].to(device), spec.max_tokens,
+                module, ids.to(device), mask.to(device), spec.max_tokens,
                 spec.temperature, spec.top_k, spec.top_p, list(eos) + list(spec.stop_token_ids), self.pad_token_id,
                 use_graph=device.type == "cuda" and not _fsdp1(self.model), graphs=self._graphs,
                 compiled=self._compiled if not is_sharded(self.model) else None,
-                rows=prompt_of.repeat_interleave(spec.n // copies).to(device), min_rows=self._min_rows(device),
+                rows=None if rows is None else rows.to(device),
+                min_rows=None if keep is not None else self._min_rows(device), past=past, keep=keep,
                 fused=self.fused_kernels == "on" or (self.fused_kernels == "auto" and device.type == "cuda"
                                                      and hf_decode.decode_sampling is not None))
         except Exception as e:  # noqa: BLE001 - the loop is an optimisation: generate still works

@@ -1,0 +1,199 @@
+"""Multi-turn KV continuation (rollout/kv_turns.py, hf_decode's ``past``): each turn of a conversation,
+continued from its cached keys and values, against the whole conversation prefilled again (the static-cache
+loop) and against plain ``generate`` on it; the next turn's sampled tokens against a float64 reference
+distribution; the prefill counts."""
+
+import math
+
+import pytest
+import torch
+
+from tiny_models import build_model, build_tokenizer
+from verl_fast.records.generation import SamplingSpec
+from verl_fast.rollout import hf_decode
+from verl_fast.rollout.hf_engine import HFGenerateEngine
+
+
+@pytest.fixture(autouse=True)
+def full_fp32_matmuls():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def model(request, tok):
+    torch.manual_seed(0)
+    m = build_model(request.param, vocab_size=len(tok), num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                    eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    m.generation_config.eos_token_id = tok.eos_token_id
+    return m
+
+
+TEXTS = ["What is 1 + 2?", "the answer is", "compute the sum of 41 and 7 please and then add the total", "x",
+         "What is 99 - 3? total"]
+
+
+def observation(tok, row, turn):
+    """A ragged observation: row- and turn-dependent length."""
+    return tok(" plus" * (1 + (row + turn) % 4) + " equals")["input_ids"]
+
+
+def run_turns(engine, tok, turns_of, max_tokens, use_cache, temperature=0.0, seed=None, stop_every=None):
+    """Conversations of ``TEXTS``, row r running ``turns_of[r]`` turns of at most ``max_tokens[r]`` tokens
+    each, an observation after every turn; through ``engine.turn_cache()`` (``use_cache``) or ``generate`` on the
+    whole conversation. Returns per row the turns' (tokens, log-probs, reason), and the cache."""
+    cache = engine.turn_cache() if use_cache else None
+    convs = {r: tok(TEXTS[r])["input_ids"] for r in range(len(turns_of))}
+    out = {r: [] for r in convs}
+    turn = 0
+    while convs:
+        live = sorted(convs)
+        specs = [SamplingSpec(temperature=temperature, max_tokens=max_tokens[r], seed=seed) for r in live]
+        prompts = [convs[r] for r in live]
+        res = cache.generate(live, prompts, specs) if use_cache else engine.generate(prompts, specs)
+        for b, r in enumerate(live):
+            n = int(res.response_mask[b].sum())
+            toks = res.response_ids[b, :n].tolist()
+            out[r].append((toks, res.logprobs[b, :n], res.finish_reasons[b]))
+            if len(out[r]) == turns_of[r]:
+                del convs[r]
+                if cache is not None:
+                    cache.drop(r)
+            else:
+                convs[r] = convs[r] + toks + observation(tok, r, turn)
+        turn += 1
+    return out, cache
+
+
+def assert_same_turns(a, b, atol=1e-5):
+    assert a.keys() == b.keys()
+    for r in a:
+        assert [t[0] for t in a[r]] == [t[0] for t in b[r]], f"row {r}"
+        assert [t[2] for t in a[r]] == [t[2] for t in b[r]], f"row {r}"
+        for (_, la, _), (_, lb, _) in zip(a[r], b[r]):
+            torch.testing.assert_close(la, lb, atol=atol, rtol=0)
+
+
+def test_greedy_turns_equal_reprefill_and_generate(model, tok):
+    """Ragged prompts and observations, rows ending at different turns, per-row token caps in one call."""
+    fast = HFGenerateEngine(model, tok, fast_decode="on", compact_rows="off")
+    plain = HFGenerateEngine(model, tok, fast_decode="off")
+    turns_of, caps = [4, 2, 3, 1, 4], [5, 7, 4, 6, 3]
+    cont, cache = run_turns(fast, tok, turns_of, caps, use_cache=True)
+    again, _ = run_turns(fast, tok, turns_of, caps, use_cache=False)
+    generated, _ = run_turns(plain, tok, turns_of, caps, use_cache=False)
+    assert fast.last_mode == "eager" and plain.last_mode == "generate"
+    assert_same_turns(cont, again)
+    assert_same_turns(cont, generated)
+    assert [len(cont[r]) for r in range(5)] == turns_of
+    # the prefill: the prompts once, then per continued row its last sampled token and the observation
+    prompts = sum(len(tok(TEXTS[r])["input_ids"]) for r in range(5))
+    continued = [(r, k) for r in range(5) for k in range(turns_of[r] - 1)]
+    assert [c["rows"] for c in cache.calls] == [5, 4, 3, 2]
+    assert cache.calls[0] == {"rows": 5, "prefilled": prompts, "reused": 0}
+    fed = prompts + sum(1 + len(observation(tok, r, k)) for r, k in continued)
+    total = sum(len(tok(TEXTS[r])["input_ids"]) + sum(len(t[0]) + len(observation(tok, r, k))
+                                                     for k, t in enumerate(cont[r][: j + 1]))
+                for r, j in continued)  # each continued turn's whole conversation
+    metrics = cache.metrics()
+    assert metrics["prefill_tokens"] == fed
+    assert metrics["prefill_tokens"] + metrics["prefill_tokens_saved"] == prompts + total
+    assert not cache.rows  # every conversation dropped
+
+
+def test_new_tokens_prefilled_in_chunks_after_the_past(model, tok, monkeypatch):
+    """A prefill chunk of 5 columns: the new tokens run in several chunks, each attending to the past."""
+    monkeypatch.setattr(hf_decode, "PREFILL_CHUNK", 5)
+    fast = HFGenerateEngine(model, tok, fast_decode="on", compact_rows="off")
+    turns_of, caps = [3, 2, 3], [4, 6, 5]
+    cont, _ = run_turns(fast, tok, turns_of, caps, use_cache=True)
+    again, _ = run_turns(fast, tok, turns_of, caps, use_cache=False)
+    assert_same_turns(cont, again)
+
+
+def test_changed_tokens_prefill_the_whole_conversation(model, tok):
+    """A conversation whose cached tokens no longer begin its prompt (edited) is prefilled whole; the other
+    rows of the call still continue their caches."""
+    fast = HFGenerateEngine(model, tok, fast_decode="on", compact_rows="off")
+    spec = SamplingSpec(temperature=0.0, max_tokens=4)
+    prompts = [tok(TEXTS[r])["input_ids"] for r in range(3)]
+    cache = fast.turn_cache()
+    first = cache.generate([0, 1, 2], prompts, spec)
+    nxt = [p + first.response_ids[r, : int(first.response_mask[r].sum())].tolist() + observation(tok, r, 0)
+           for r, p in enumerate(prompts)]
+    nxt[1] = tok(TEXTS[4])["input_ids"] + nxt[1][len(prompts[1]):]  # row 1's history rewritten
+    got = cache.generate([0, 1, 2], nxt, spec)
+    want = fast.generate(nxt, spec)
+    assert torch.equal(got.response_ids, want.response_ids)
+    obs = [len(observation(tok, r, 0)) for r in range(3)]
+    assert cache.calls[1]["prefilled"] == (1 + obs[0]) + len(nxt[1]) + (1 + obs[2])
+    assert cache.calls[1]["reused"] == (len(nxt[0]) - 1 - obs[0]) + (len(nxt[2]) - 1 - obs[2])
+
+
+def test_sampled_next_turn_draws_from_the_conversations_distribution(model, tok):
+    """2,000 copies of one conversation: a greedy first turn, then one sampled token from the cached
+    context; its histogram against the float64 softmax of the whole conversation's logits (chi-square),
+    and each draw's log-prob against the reference's."""
+    fast = HFGenerateEngine(model, tok, fast_decode="on", compact_rows="off")
+    R, T, top_k = 2000, 0.8, 8
+    prompt = tok(TEXTS[2])["input_ids"]
+    cache = fast.turn_cache()
+    first = cache.generate(list(range(R)), [prompt] * R, SamplingSpec(temperature=0.0, max_tokens=5))
+    conv = prompt + first.response_ids[0, :5].tolist() + observation(tok, 0, 1)
+    out = cache.generate(list(range(R)), [conv] * R, SamplingSpec(temperature=T, top_k=top_k, max_tokens=1, seed=5))
+    assert cache.calls[1]["prefilled"] == R * (1 + len(observation(tok, 0, 1)))
+    with torch.no_grad():
+        logits = model.double()(input_ids=torch.tensor([conv])).logits[0, -1] / T
+    model.float()
+    logp = torch.log_softmax(logits, -1)
+    probs = logp.exp()
+    if top_k:
+        kth = torch.topk(logits, top_k).values[-1]
+        probs = torch.where(logits >= kth, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum()
+    drawn = out.response_ids[:, 0]
+    torch.testing.assert_close(out.logprobs[:, 0].double(), logp[drawn], atol=1e-5, rtol=0)
+    counts = torch.bincount(drawn, minlength=len(probs)).double()
+    assert counts[probs == 0].sum() == 0  # nothing outside top-k
+    expected = probs * R
+    big = expected >= 5  # bins with enough mass; the rest pooled into one
+    observed_bins = torch.cat([counts[big], counts[~big].sum()[None]])
+    expected_bins = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = expected_bins > 0
+    chi2 = (((observed_bins - expected_bins) ** 2) / expected_bins)[keep].sum()
+    dof = int(keep.sum()) - 1
+    p_value = torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), chi2 / 2).item()
+    assert p_value > 1e-3, (chi2.item(), dof)
+
+
+def test_the_call_refuses_more_than_one_sample_and_mismatched_lengths(model, tok):
+    cache = HFGenerateEngine(model, tok, fast_decode="on").turn_cache()
+    with pytest.raises(ValueError, match=r"one response per conversation \(n=1\), got n=2"):
+        cache.generate([0], [[1, 2]], SamplingSpec(n=2))
+    with pytest.raises(ValueError, match="2 keys, 1 prompts, 1 specs"):
+        cache.generate([0, 1], [[1, 2]], [SamplingSpec()])
+
+
+def test_no_cache_where_the_loop_does_not_decode(model, tok):
+    assert HFGenerateEngine(model, tok, fast_decode="off").turn_cache() is None
+
+
+@pytest.mark.gpu
+def test_graph_decode_continues_turns_on_cuda(model, tok):
+    model.to("cuda")
+    try:
+        fast = HFGenerateEngine(model, tok, fast_decode="on")
+        turns_of, caps = [3, 2, 3, 1, 2], [20, 20, 20, 20, 20]
+        cont, _ = run_turns(fast, tok, turns_of, caps, use_cache=True)
+        assert fast.last_mode == "graph"
+        again, _ = run_turns(fast, tok, turns_of, caps, use_cache=False)
+        assert_same_turns(cont, again, atol=1e-4)
+    finally:
+        model.to("cpu")

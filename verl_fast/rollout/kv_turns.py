@@ -1,0 +1,246 @@
+"""Multi-turn continuation for the HF engine's static-cache decode: each conversation's keys and values
+kept from one turn to the next, so that a turn prefills only its new tokens (the tool or environment
+messages after the model's last turn) instead of the whole conversation again.
+
+A ``TurnCache`` (``HFGenerateEngine.turn_cache()``) serves one multi-turn rollout. Its ``generate(keys,
+prompts, specs)`` takes each conversation's whole token list, as ``RolloutEngine.generate`` does, under a
+key of the caller's (its trajectory). Where the tokens cached under the key begin the prompt, only the
+rest is prefilled, at the row's own positions after them; otherwise (a first turn, or tokens that differ)
+the whole prompt is. After the call each row keeps the columns of its tokens: the prompt's, and those of
+its sampled tokens but the last (the decode's last token was sampled, never fed: the next turn feeds it
+first). ``drop(key)`` frees a finished conversation's rows.
+
+The rows of one call are packed (``hf_decode.Past``): each row's cached columns right-aligned in ``C``
+columns, the most any row has, gathered from the decodes that hold them in one copy per layer, the new
+tokens left-padded after them; columns no row needs are left behind, so the cache is about as wide as
+the longest conversation's. A row attends to its own tokens at the positions the whole conversation
+gives them, so the logits are those of the re-prefilled conversation (to float rounding of the cached
+keys): greedy rows decode its tokens, sampled rows draw from its distribution (with the same noise, the
+same tokens). Rows of one call share its sampling (temperature, top-k, top-p) and may differ in
+``max_tokens``: the call decodes to the largest and each row's tokens are cut at its own.
+
+Counted per call (``calls``): rows, tokens prefilled (fed through the model) and tokens served from the
+cache (what re-prefilling the conversations would have fed again).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from verl_fast.records.generation import GenerationOutput, SamplingSpec, pad_completions
+from verl_fast.rollout import hf_decode
+
+Turn = Tuple[List[int], List[float], str]  # a row's tokens, their log-probs, why it ended
+
+
+@dataclass
+class _Store:
+    """A finished decode's per-layer keys and values [B, kv_heads, L, head_dim], shared by its rows."""
+
+    keys: List[torch.Tensor]
+    values: List[torch.Tensor]
+
+
+@dataclass
+class _Cached:
+    """A conversation's cached tokens: row ``row`` of ``store`` holds them at ``columns`` [len(tokens)] (on
+    the host: a call's gather index is built there and copied over once)."""
+
+    tokens: List[int]
+    store: _Store
+    row: int
+    columns: torch.Tensor
+
+
+def cut(tokens: Sequence[int], limit: int, stops: set) -> Tuple[int, str]:
+    """How many of a row's decoded ``tokens`` are its response (up to and with its first stop token,
+    at most ``limit``) and why it ended there."""
+    for i, tok in enumerate(tokens[:limit]):
+        if tok in stops:
+            return i + 1, "stop"
+    return limit, "length"
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Token lists left-padded to the longest: ids and attention mask [len(rows), width]."""
+    width = max(1, max(len(r) for r in rows))
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for b, r in enumerate(rows):
+        if len(r):
+            ids[b, width - len(r):] = torch.as_tensor(list(r), dtype=torch.long)
+            mask[b, width - len(r):] = 1
+    return ids, mask
+
+
+def pack(cached: Sequence[Optional[_Cached]], device: torch.device) -> hf_decode.Past:
+    """The rows' cached columns right-aligned in as many columns as the longest holds (a row without a
+    cache: none valid), one gather per layer and source decode."""
+    C = max(len(c.tokens) for c in cached if c is not None)
+    B = len(cached)
+    valid = torch.zeros((B, C), dtype=torch.bool)
+    position = torch.tensor([0 if c is None else len(c.tokens) for c in cached], dtype=torch.long, device=device)
+    sources: Dict[int, Tuple[_Store, List[int]]] = {}
+    for b, c in enumerate(cached):
+        if c is not None:
+            sources.setdefault(id(c.store), (c.store, []))[1].append(b)
+            valid[b, C - len(c.tokens):] = True
+    first = next(iter(sources.values()))[0]
+    layers = len(first.keys)
+    whole = len(sources) == 1 and len(next(iter(sources.values()))[1]) == B  # one source, every row: no scatter
+    keys: List[Any] = [None] * layers
+    values: List[Any] = [None] * layers
+    for store, members in sources.values():
+        _, heads, length, dim = store.keys[0].shape
+        # each row's source columns, right-aligned (column 0 where it has none: never attended)
+        cols = torch.zeros((len(members), C), dtype=torch.long)
+        for r, b in enumerate(members):
+            c = cached[b]
+            cols[r, C - len(c.tokens):] = c.columns
+        cols = cols.to(device)
+        src = torch.tensor([cached[b].row for b in members], dtype=torch.long, device=device)
+        # flat row index of [row, head, column] in a [B * heads * length, dim] view of the source
+        flat = ((src[:, None, None] * heads + torch.arange(heads, device=device)[None, :, None]) * length
+                + cols[:, None, :]).reshape(-1)
+        where = torch.tensor(members, dtype=torch.long, device=device)
+        for out, held in ((keys, store.keys), (values, store.values)):
+            for layer in range(layers):
+                part = held[layer].reshape(-1, dim).index_select(0, flat).view(len(members), heads, C, dim)
+                if whole:
+                    out[layer] = part
+                    continue
+                if out[layer] is None:
+                    out[layer] = part.new_zeros((B, heads, C, dim))
+                out[layer].index_copy_(0, where, part)
+    return hf_decode.Past(keys, values, valid.to(device), position)
+
+
+class TurnCache:
+    """Each conversation's keys and values between the turns of one rollout (see the module docstring).
+    ``engine``: the ``HFGenerateEngine`` that decodes; ``eos``: the ids that end a response."""
+
+    def __init__(self, engine: Any, eos: Sequence[int]):
+        self.engine, self.eos = engine, list(eos)
+        self.rows: Dict[Hashable, _Cached] = {}
+        self.calls: List[Dict[str, int]] = []  # per decode: rows, prefilled, reused tokens
+
+    def drop(self, key: Hashable) -> None:
+        """Frees a finished conversation's cache (its decode's memory goes when no row holds it)."""
+        self.rows.pop(key, None)
+
+    def close(self) -> None:
+        self.rows.clear()
+
+    def metrics(self) -> Dict[str, float]:
+        """``prefill_tokens`` (fed through the model), ``prefill_tokens_saved`` (served from the cache) and
+        ``prefill_tokens_per_call``, over the calls so far."""
+        fed = sum(c["prefilled"] for c in self.calls)
+        return {"prefill_tokens": float(fed), "prefill_tokens_saved": float(sum(c["reused"] for c in self.calls)),
+                "prefill_tokens_per_call": fed / max(len(self.calls), 1)}
+
+    def generate(self, keys: Sequence[Hashable], prompts: Sequence[Sequence[int]],
+                 sampling: Union[SamplingSpec, Sequence[SamplingSpec]]) -> GenerationOutput:
+        """One response per conversation (``n`` 1), as ``RolloutEngine.generate`` returns it; the prompts
+        whose specs share a sampling decode together (a seed, as the engine's, seeds the call once)."""
+        specs = [sampling] * len(prompts) if isinstance(sampling, SamplingSpec) else list(sampling)
+        if not (len(keys) == len(prompts) == len(specs)):
+            raise ValueError(f"TurnCache.generate: one key and one spec per prompt expected: {len(keys)} keys, "
+                             f"{len(prompts)} prompts, {len(specs)} specs")
+        for spec in specs:
+            spec.validate()
+            if spec.n != 1:
+                raise ValueError(f"TurnCache.generate decodes one response per conversation (n=1), got n={spec.n}")
+        seeds = [s.seed for s in specs if s.seed is not None]
+        if seeds:
+            torch.manual_seed(seeds[0])
+        groups: Dict[SamplingSpec, List[int]] = {}
+        for i, spec in enumerate(specs):
+            groups.setdefault(replace(spec, seed=None, max_tokens=1), []).append(i)
+        results: Dict[int, Turn] = {}
+        for spec, members in groups.items():
+            spec = replace(spec, max_tokens=max(specs[i].max_tokens for i in members))
+            if self.engine._fast_reason(spec) is not None:
+                self._plain(members, keys, prompts, specs, results)
+                continue
+            cached = [self._take(keys[i], prompts[i]) for i in members]
+            for start, end in self._chunks(cached, [prompts[i] for i in members], spec):
+                self._decode(members[start:end], cached[start:end], keys, prompts, specs, spec, results)
+        order = range(len(prompts))
+        tokenizer = self.engine.tokenizer
+        return pad_completions([results[i][0] for i in order], [results[i][1] for i in order], list(order),
+                               self.engine.pad_token_id,
+                               [tokenizer.decode(results[i][0], skip_special_tokens=True) for i in order],
+                               [results[i][2] for i in order])
+
+    def _take(self, key: Hashable, prompt: Sequence[int]) -> Optional[_Cached]:
+        """The conversation's cache, taken out (its rows are rewritten after the call), where its tokens
+        begin ``prompt`` and leave at least one token to feed; else None (and the cache dropped)."""
+        c = self.rows.pop(key, None)
+        if c is None or len(c.tokens) >= len(prompt) or list(prompt[: len(c.tokens)]) != c.tokens:
+            return None
+        return c
+
+    def _chunks(self, cached: List[Optional[_Cached]], prompts: List[Sequence[int]],
+                spec: SamplingSpec) -> List[Tuple[int, int]]:
+        """The group's rows in calls the device's room holds (``hf_decode.prompts_per_call`` at the packed
+        width: cached columns, new tokens, the turn's tokens, and the packed copy beside)."""
+        engine = self.engine
+        room = engine._room_bytes()
+        rows = len(prompts)
+        if room is None:
+            return [(0, rows)]
+        C = max((len(c.tokens) for c in cached if c is not None), default=0)
+        width = C + max(len(p) - (0 if c is None else len(c.tokens)) for p, c in zip(prompts, cached))
+        config = engine._module().config
+        element = engine.kv_element_bytes()
+        packed = hf_decode.kv_bytes_per_token(getattr(config, "text_config", None) or config, element) * C
+        per_call = hf_decode.prompts_per_call(config, width, spec.max_tokens, 1, rows, room - packed * rows, element)
+        return [(s, min(s + per_call, rows)) for s in range(0, rows, per_call)]
+
+    def _plain(self, members: List[int], keys, prompts, specs, results: Dict[int, Turn]) -> None:
+        """Rows the static-cache loop cannot serve: the engine's own ``generate``, nothing cached."""
+        for i in members:
+            self.rows.pop(keys[i], None)
+        out = self.engine.generate([prompts[i] for i in members], [specs[i] for i in members])
+        for row, i in enumerate(members):
+            n = int(out.response_mask[row].sum())
+            lps = out.logprobs[row, :n].tolist() if out.logprobs is not None else [0.0] * n
+            results[i] = (out.response_ids[row, :n].tolist(), lps, out.finish_reasons[row])
+
+    def _decode(self, members: List[int], cached: List[Optional[_Cached]], keys, prompts, specs,
+                spec: SamplingSpec, results: Dict[int, Turn]) -> None:
+        """One decode of ``members`` (their caches ``cached``), each row's cache rewritten after it."""
+        engine = self.engine
+        module = engine._module()
+        device = engine.device
+        new = [prompts[i][0 if c is None else len(c.tokens):] for i, c in zip(members, cached)]
+        ids, mask = left_pad(new, engine.pad_token_id)
+        continued = any(c is not None for c in cached)
+        past = pack(cached, device) if continued else None
+        reused = sum(len(c.tokens) for c in cached if c is not None)
+        # a first turn prefills each distinct prompt once (the engine's dedup of a prompt's samples)
+        fed = sum(len(n) for n in (new if continued else set(map(tuple, new))))
+        del cached  # the old decodes' memory goes once no other row holds it
+        eos = self.eos
+        kept: List[Any] = []
+        with engine.decoding(module):
+            tokens, logprobs, mode = engine.decode_fast(module, ids, mask, spec, eos, 1, past=past, keep=kept)
+        if tokens is None:  # the loop failed (the engine logged why and uses generate from now on)
+            self._plain(members, keys, prompts, specs, results)
+            return
+        engine.last_mode = mode
+        dec = kept[0]
+        store = _Store(dec.cache.keys, dec.cache.values)
+        width = dec.cache.length - spec.max_tokens  # the prefill's columns: the past's and the new tokens'
+        before = dec.valid[:, :width].cpu()
+        stops = set(eos) | set(spec.stop_token_ids)
+        for b, i in enumerate(members):
+            row = tokens[b].tolist()
+            n, reason = cut(row, specs[i].max_tokens, stops)
+            results[i] = (row[:n], logprobs[b, :n].tolist() if spec.logprobs else [0.0] * n, reason)
+            columns = torch.cat([before[b].nonzero().squeeze(-1), torch.arange(width, width + n - 1)])
+            self.rows[keys[i]] = _Cached(list(prompts[i]) + row[: n - 1], store, b, columns)
+        self.calls.append({"rows": len(members), "prefilled": fed, "reused": reused})
