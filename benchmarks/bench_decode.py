@@ -13,7 +13,7 @@ new tokens of the Qwen2 shapes of bench_e2e, in variants of our own code, one pr
   registers);
 - ``fused``: ``kernel_attention`` with the decode step's fused Triton kernels (``decode(fused=True)``:
   rotary + KV-cache write in one kernel a layer, ``kernels.rope_cache``; the sampling tail in one,
-  ``kernels.decode_sampling``): the trainer's default on a GPU (``rollout.hf_fused_kernels: auto``).
+  ``kernels.decode_sampling``): what ``rollout.hf_fused_kernels: auto`` runs on a GPU.
 
 ``kernel_attention:block_n=32,warps=8,stages=3,splits=2`` runs the kernel with other launch settings
 (any of the four; ``splits`` fixed instead of ``splits_for``'s choice): a sweep in one call.

@@ -254,11 +254,12 @@ class RolloutConfig:
                                   "one (the KV cache shrinks with it; a new graph capture per batch size); auto: "
                                   "off on a GPU, where the step's time barely falls with its rows "
                                   "(docs/hotpaths.md), on elsewhere")
-    hf_fused_kernels: str = _f("auto", choices=("auto", "on", "off"),
+    hf_fused_kernels: str = _f("off", choices=("auto", "on", "off"),
                                doc="type hf, fast decode: the decode steps' fused Triton kernels (a Llama-family "
                                    "layer's rotary embedding and KV-cache write in one kernel; the sampling, its "
                                    "log-prob and the rows' bookkeeping in one where no top-k / top-p is set); "
-                                   "auto: on a GPU; off: the torch / Inductor forms (docs/hotpaths.md)")
+                                   "auto: on a GPU; off (the default until they are measured on one): the "
+                                   "torch / Inductor forms (docs/hotpaths.md)")
     quantization: Optional[str] = _f(None, doc="fp8: the engine's linear layers in FP8 e4m3, written by every "
                                      "weight sync (vllm: block-FP8 layers, 128x128 scales, a GPU; hf: per-channel "
                                      "scales, torch._scaled_mm on a GPU of compute capability 8.9+, emulated "

@@ -118,7 +118,8 @@ class HFGenerateEngine(RolloutEngine):
     each batch shape. ``compact_rows``: finished rows leave the loop's batch (``hf_decode.decode``'s
     ``min_rows``); ``auto`` is ``off`` on a GPU, where a step's time barely falls with its rows.
     ``fused_kernels``: the loop's decode steps run its fused Triton kernels (``hf_decode.decode``'s
-    ``fused``: rotary + cache write, and the sampling tail, each one kernel); ``auto`` is ``on`` on a GPU.
+    ``fused``: rotary + cache write, and the sampling tail, each one kernel); ``auto`` is ``on`` on a GPU,
+    ``off`` (the default) the torch / Inductor forms.
 
     Log-probs of the sampled tokens come from the raw logits divided by the temperature (what the
     trainer's log-prob pass computes), not from the top-k/top-p-filtered scores.
@@ -150,7 +151,7 @@ class HFGenerateEngine(RolloutEngine):
 
     def __init__(self, model, tokenizer, max_batch_size: int = 64, autocast_dtype: Optional[torch.dtype] = None,
                  fast_decode: str = "auto", record_routing: bool = False, compile_decode: bool = False,
-                 quantization: Optional[str] = None, compact_rows: str = "auto", fused_kernels: str = "auto"):
+                 quantization: Optional[str] = None, compact_rows: str = "auto", fused_kernels: str = "off"):
         for name, value in (("fast_decode", fast_decode), ("compact_rows", compact_rows),
                             ("fused_kernels", fused_kernels)):
             if value not in FAST_DECODE:
