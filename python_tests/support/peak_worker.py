@@ -1,6 +1,7 @@
 """One update pass (response log-probs, forward and backward) of a tiny random qwen2 model on the CPU,
 in a process of its own, printing as JSON the process's peak resident memory above what it held just
-before the pass (``ru_maxrss``: the high-water mark, which a fresh process keeps clean) and the memory
+before the pass (the kernel's high-water mark ``VmHWM``, reset just before the pass through
+``/proc/self/clear_refs``, so nothing earlier in the process, imports included, counts) and the memory
 plan's estimate of the same pass (``memory_plan.estimate``: the activations, the plain log-prob head; the
 gradients exist before the pass). Run it with ``MALLOC_MMAP_THRESHOLD_=65536``: tensors of 64 KiB and more
 are then mapped and unmapped one by one (glibc otherwise raises its threshold and keeps freed blocks), so
@@ -11,6 +12,7 @@ the mark follows the live tensors.
 
 import gc
 import json
+import re
 import resource
 import sys
 from pathlib import Path
@@ -28,6 +30,11 @@ from verl_fast.strategies import memory_plan  # noqa: E402
 def resident() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def peak_resident() -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
 
 
 def main() -> None:
@@ -48,9 +55,11 @@ def main() -> None:
 
     update_pass(16)  # libraries, thread pools and the gradients' buffers in place
     gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the high-water mark back to the resident size now
     before = resident()
     update_pass(tokens)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    peak = peak_resident() - before
 
     cfg = from_dict({"actor": {"model_name": "m", "autocast": "none", "gradient_checkpointing": bool(checkpointing),
                                "max_token_len_per_gpu": rows * tokens},
