@@ -442,7 +442,7 @@ KEYS: List[VerlKey] = [
     N(f"{A}.shuffle", "the step's sequences are split into mini-batches in order"),
     N(f"{A}.data_loader_seed", "trainer.seed sets the run's randomness"),
     N(f"{A}.calculate_entropy", "actor/entropy is always logged"),
-    N(f"{A}.freeze_vision_tower", "text models only here"),
+    M(f"{A}.freeze_vision_tower", "actor.freeze_vision_tower"),
     N(f"{A}.use_prefix_grouper", "actor.share_prompt_forward runs a group's prompt once"),
     N(f"{A}.calculate_sum_pi_squared", "not computed here"),
     N(f"{A}.sum_pi_squared_checkpointing", "not computed here"),
