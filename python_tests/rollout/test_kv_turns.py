@@ -81,9 +81,11 @@ def assert_same_turns(a, b, atol=1e-5):
             torch.testing.assert_close(la, lb, atol=atol, rtol=0)
 
 
-def test_greedy_turns_equal_reprefill_and_generate(model, tok):
-    """Ragged prompts and observations, rows ending at different turns, per-row token caps in one call."""
-    fast = HFGenerateEngine(model, tok, fast_decode="on", compact_rows="off")
+@pytest.mark.parametrize("fused", ["off", "on"])
+def test_greedy_turns_equal_reprefill_and_generate(model, tok, fused):
+    """Ragged prompts and observations, rows ending at different turns, per-row token caps in one call;
+    with the decode's fused kernels too (their rotary + cache write lands in the continued cache)."""
+    fast = HFGenerateEngine(model, tok, fast_decode="on", compact_rows="off", fused_kernels=fused)
     plain = HFGenerateEngine(model, tok, fast_decode="off")
     turns_of, caps = [4, 2, 3, 1, 4], [5, 7, 4, 6, 3]
     cont, cache = run_turns(fast, tok, turns_of, caps, use_cache=True)
