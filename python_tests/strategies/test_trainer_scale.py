@@ -127,10 +127,10 @@ def test_packed_rows_on_two_ranks_train_as_one_padded_process(runs):
     actor, reference and update): the same training as one process on padded rows."""
     multi = runs(2, "grpo_packed")
     assert multi["packs"] and not runs(1, "grpo")["packs"]  # on the CPU only when asked for
-    # packed sequences sum in another order than padded rows: seen up to 2.9e-5 on rarely used embedding rows
-    # (AdamW's step, lr 1e-3, is about as large for a near-zero gradient as for a large one); a wrong
-    # attention or layout moves the weights by ~lr a step
-    assert_same_training(runs(1, "grpo"), multi, weight_atol=1e-4)
+    # packed sequences sum in another order than padded rows: seen up to 1.1e-4 on rarely used embedding rows
+    # in a full-suite run (AdamW's step, lr 1e-3, is about as large for a near-zero gradient as for a large
+    # one); a wrong attention or layout moves the weights by ~lr a step, 3e-3 over the three steps
+    assert_same_training(runs(1, "grpo"), multi, weight_atol=3e-4)
 
 
 def test_user_wrapped_models_used_as_they_are(runs):
