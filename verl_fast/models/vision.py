@@ -34,7 +34,6 @@ def check_run(cfg: Any, model: Any) -> None:
         raise ValueError("a vision-language processor was given, but the actor is not a vision-language model "
                          "(Qwen2-VL / Qwen2.5-VL, AutoModelForImageTextToText); give its tokenizer instead")
     refused = [(cfg.actor.strategy == "megatron", "actor.strategy=megatron", "actor.strategy: none"),
-               (cfg.rollout.type == "vllm", "rollout.type=vllm", "rollout.type: hf"),
                (cfg.trainer.async_mode != "off", f"trainer.async_mode={cfg.trainer.async_mode}",
                 "trainer.async_mode: off")]
     for bad, what, use in refused:

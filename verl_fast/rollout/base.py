@@ -30,6 +30,9 @@ class RolloutEngine:
     #: that pads a call's batch to its longest prompt gains; one that schedules its own does not)
     waves_by_default: bool = False
 
+    #: True when it generates for a vision-language actor from prompts with images
+    takes_images: bool = False
+
     #: the optional packages it imports: (import name, the verl_fast extra that installs it)
     packages: Tuple[Tuple[str, str], ...] = ()
 

@@ -126,6 +126,7 @@ class HFGenerateEngine(RolloutEngine):
     """
 
     owns_weights = False
+    takes_images = True  # the prefill takes the images' pixel values and grids
     waves_by_default = True  # a call pads its batch to the longest prompt and decodes to the longest response
 
     @classmethod

@@ -130,6 +130,10 @@ class RLTrainer:
         if self.vision is not None:
             tokenizer = self.vision.tokenizer
             vision_model.check_run(cfg, actor_model)
+            engine = rollout_engines.named(cfg)
+            if engine is not None and not engine.takes_images:
+                raise ValueError(f"a vision-language actor is not supported with rollout.type={cfg.rollout.type}; "
+                                 "use rollout.type: hf")
         critic_inner = critic_model.model if isinstance(critic_model, ValueModel) else critic_model
         for model in (actor_model, critic_inner):  # a vision-language critic's tower as the actor's
             if model is not None and vision_model.is_vision_model(model) and cfg.actor.freeze_vision_tower:
