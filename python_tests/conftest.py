@@ -37,3 +37,13 @@ def pytest_collection_modifyitems(config, items):
 
 # Parametrise a test over devices with DEVICES: the CUDA case carries the gpu mark.
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture
+def full_fp32_matmuls():
+    """Full float32 matrix products and convolutions on a GPU for the test (the decode tests compare
+    tokens exactly; a process may turn TF32 on, as ``trainer.tf32`` says), restored after."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

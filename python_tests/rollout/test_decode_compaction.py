@@ -13,12 +13,7 @@ VOCAB = 256
 CAP = 40
 
 
-@pytest.fixture(autouse=True)
-def full_fp32_matmuls():
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = saved
+pytestmark = pytest.mark.usefixtures("full_fp32_matmuls")
 
 
 @pytest.fixture(scope="module", params=["qwen2", "llama"])

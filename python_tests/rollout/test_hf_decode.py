@@ -14,14 +14,7 @@ from verl_fast.records.generation import SamplingSpec
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 
 
-@pytest.fixture(autouse=True)
-def full_fp32_matmuls():
-    """The comparisons here hold float32 products to 1e-5: TF32 off (a trainer built earlier in the
-    process turns it on, as ``trainer.tf32`` says), restored after."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+pytestmark = pytest.mark.usefixtures("full_fp32_matmuls")
 
 
 @pytest.fixture(scope="module")

@@ -14,12 +14,7 @@ from verl_fast.rollout import hf_decode
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 
 
-@pytest.fixture(autouse=True)
-def full_fp32_matmuls():
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+pytestmark = pytest.mark.usefixtures("full_fp32_matmuls")
 
 
 @pytest.fixture(scope="module")
