@@ -200,8 +200,8 @@ def analyse(model, samples, exits: Sequence[int], label: str) -> Dict[str, Any]:
     for m in exits:
         schemes[f"exit{m}"] = {**scheme_figures(early[m], [torch.ones(len(c), dtype=torch.bool) for c in early[m]]),
                                "draft_layers": m}
-    return {"responses": len(samples), "lengths": {"mean": statistics.mean(lengths), "median": statistics.median(lengths),
-                                                    "max": max(lengths)},
+    spread = {"mean": statistics.mean(lengths), "median": statistics.median(lengths), "max": max(lengths)}
+    return {"responses": len(samples), "lengths": spread,
             "policy_max_prob": {"mean": allp.mean().item(), "median": allp.median().item()},
             "branch_check_max_abs_diff": max_diff, "first_keep_min": FIRST_KEEP_MIN, "schemes": schemes}
 
@@ -260,7 +260,8 @@ def random_model_samples(shape: str, rows: int, tokens: int, cap: int, seed: int
         bench_e2e.build_model(shape, Path(folder), "cpu", cap=cap, prompts=prompts)
         tokenizer = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
-    ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False) for p in prompts]
+    ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)
+           for p in prompts]
     return model, tokenizer, sample(model, tokenizer, ids, tokens, rows, seed)
 
 
