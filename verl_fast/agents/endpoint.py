@@ -28,7 +28,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from verl_fast.agents.chat import ChatRenderer
 from verl_fast.agents.parsing import parse_tool_calls
@@ -42,6 +42,13 @@ class Refused(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
         self.status = status
+
+
+class _Request(NamedTuple):
+    prompt_ids: List[int]
+    spec: SamplingSpec
+    future: Future
+    key: Optional[str]  # the trajectory whose cache a one-sample call continues (None: nothing cached)
 
 
 class EngineBatcher:
@@ -59,7 +66,7 @@ class EngineBatcher:
                  continuation: bool = True):
         self.engine, self.window_s, self.max_batch = engine, window_s, max_batch
         self.continuation = continuation
-        self._queue: "queue.Queue[Optional[Tuple[List[int], SamplingSpec, Future, Optional[str]]]]" = queue.Queue()
+        self._queue: "queue.Queue[Optional[_Request]]" = queue.Queue()
         self.calls, self.seconds = 0, 0.0
         self._turns: Any = None  # the rollout's TurnCache, between begin() and end()
         self._turns_lock = threading.Lock()  # the worker's decodes against drop() / end() of other threads
@@ -95,7 +102,7 @@ class EngineBatcher:
         """``spec.n`` samples of ``prompt_ids``: (token ids, their log-probs, finish reason) each. ``key``:
         the trajectory whose cache a one-sample call continues (None: nothing cached)."""
         future: Future = Future()
-        self._queue.put((prompt_ids, spec, future, key))
+        self._queue.put(_Request(prompt_ids, spec, future, key))
         return future.result()
 
     def _loop(self) -> None:
@@ -115,27 +122,27 @@ class EngineBatcher:
                 batch.append(item)
             self._run(batch)
 
-    def _run(self, batch: List[Tuple[List[int], SamplingSpec, Future, Optional[str]]]) -> None:
+    def _run(self, batch: List[_Request]) -> None:
         with self._turns_lock:
             turns = self._turns
-            cached = [b for b in batch if turns is not None and b[3] is not None and b[1].n == 1]
-            whole = [b for b in batch if not (turns is not None and b[3] is not None and b[1].n == 1)]
+            cached = [r for r in batch if turns is not None and r.key is not None and r.spec.n == 1]
+            whole = [r for r in batch if r not in cached]
             if cached:
-                self._call(cached, lambda prompts, specs: turns.generate([b[3] for b in cached], prompts, specs))
+                self._call(cached, lambda prompts, specs: turns.generate([r.key for r in cached], prompts, specs))
             if whole:
-                self._fed_whole += sum(len(b[0]) for b in whole)  # a call's n samples share its prefill
+                self._fed_whole += sum(len(r.prompt_ids) for r in whole)  # a call's n samples share its prefill
                 self._call(whole, self.engine.generate)
 
-    def _call(self, batch: List[Tuple[List[int], SamplingSpec, Future, Optional[str]]], run: Any) -> None:
+    def _call(self, batch: List[_Request], run: Any) -> None:
         """One engine call for ``batch``; each request's future gets its samples (or the engine's error)."""
         try:
             start = time.perf_counter()
-            out = run([b[0] for b in batch], [b[1] for b in batch])
+            out = run([r.prompt_ids for r in batch], [r.spec for r in batch])
             self.seconds += time.perf_counter() - start
             self.calls += 1
         except Exception as e:  # noqa: BLE001 - every waiting request gets the engine's error
-            for b in batch:
-                b[2].set_exception(e)
+            for r in batch:
+                r.future.set_exception(e)
             return
         rows: Dict[int, List[Tuple[List[int], List[float], str]]] = {}
         for r, i in enumerate(out.prompt_index.tolist()):
@@ -144,8 +151,8 @@ class EngineBatcher:
             logprobs = out.logprobs[r, :n].tolist() if out.logprobs is not None else [0.0] * n
             reason = out.finish_reasons[r] if out.finish_reasons else "stop"
             rows.setdefault(i, []).append((ids, logprobs, reason))
-        for i, b in enumerate(batch):
-            b[2].set_result(rows.get(i, []))
+        for i, r in enumerate(batch):
+            r.future.set_result(rows.get(i, []))
 
     def close(self) -> None:
         self._queue.put(None)
