@@ -159,9 +159,15 @@ def test_a_grpo_step_judged_on_the_rollout_engine(tiny, tmp_path):
     tr = RLTrainer(actor_model=model, tokenizer=tok, config=cfg)
     judge = tr.reward.parts[0][2].inner.backend
     assert isinstance(judge, RolloutJudge) and judge.engine is tr.engine
+    events = []
+    for name in ("wake_up", "sleep", "generate"):  # the engine's calls, in order
+        method = getattr(tr.engine, name)
+        setattr(tr.engine, name, lambda *a, _m=method, _n=name, **k: events.append(_n) or _m(*a, **k))
     history = tr.fit([{"prompt": [{"role": "user", "content": f"What is {a} + 1?"}], "ground_truth": str(a + 1)}
                       for a in range(2)])
     assert judge.calls == 2  # one engine call per step for the step's 4 verdicts
+    # each step: the rollout's and the judge's generate calls, then the sleep (wake-ups are idempotent)
+    assert events[0] == "wake_up" and [e for e in events if e != "wake_up"] == ["generate", "generate", "sleep"] * 2
     assert "reward/judge/parse_failures" in history[-1] and history[-1]["reward/judge/seconds"] > 0
     assert "actor/pg_loss" in history[-1]
 
