@@ -48,7 +48,7 @@ def rows(tok, n):
 
 def make_agent(log, edit_at=None, turns=3, n_at=None):
     """A urllib agent of ``turns`` greedy calls, a tool result after each; at call ``edit_at`` it rewrites the
-    first user message (an edited history); at call ``n_at`` it asks for 2 samples. ``log[base_url]``: per
+    first user message (an edited history); at call ``n_at`` it asks for 2 samples. ``log[trajectory id]``: per
     call (prompt tokens, the first choice's token ids, continued)."""
     def agent(row, base_url):
         messages, calls = list(row["messages"]), []
