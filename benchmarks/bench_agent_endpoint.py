@@ -7,7 +7,9 @@ turns of ``tokens / turns`` tokens, every turn answered with the same short user
 
 - built-in: ``MultiTurnRolloutOperator`` with bench_multi_turn's scripted environment;
 - endpoint: ``AgentRolloutOperator`` with a plain urllib agent per trajectory (all ``--prompts x --n``
-  in flight), each turn one ``/chat/completions`` call that continues the previous one.
+  in flight), each turn one ``/chat/completions`` call that continues the previous one; run with each
+  call's KV cache continued (``rollout.server.kv_continuation``, the default) and re-prefilled, and the
+  prefill tokens of both (``prefill_tokens_saved``: what the continued calls found cached).
 
 Throughput counts the model's sampled tokens. Target: endpoint >= 0.8x built-in tokens/s at 128
 trajectories.
@@ -76,28 +78,38 @@ def main(argv=None) -> int:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(args.device).eval()
         rows = RLDataProcessor(tokenizer, 1024, args.tokens).encode_all(
             [{"prompt": m} for m in tool_prompts(args.prompts)])
-        _, builtin = operators(model, tokenizer, args, args.device)
+        _, builtin, _ = operators(model, tokenizer, args, args.device)  # built-in: KV continued
         settings = ServerConfig(concurrency=args.prompts * args.n, batch_window_s=args.window, timeout_s=3600.0)
-        agent = AgentRolloutOperator(builtin.engine, replace(builtin.default, logprobs=True), tokenizer,
-                                     scripted_agent, settings)
+        agents = {kv: AgentRolloutOperator(builtin.engine, replace(builtin.default, logprobs=True), tokenizer,
+                                           scripted_agent, replace(settings, kv_continuation=kv))
+                  for kv in (True, False)}
         report = Report("agent_endpoint", args.device)
         case = f"{args.shape} {args.prompts}x{args.n}x{args.tokens} t{args.turns}"
         b_time, b_tokens = timed(builtin, rows, args.reps, args.device)
-        a_time, a_tokens = timed(agent, rows, args.reps, args.device)
-        a_metrics = agent.metrics()
+        a_time, a_tokens = timed(agents[True], rows, args.reps, args.device)
+        r_time, r_tokens = timed(agents[False], rows, args.reps, args.device)
+        a_metrics, r_metrics = agents[True].metrics(), agents[False].metrics()
         builtin.close()
-        agent.close()
-        b_rate, a_rate = b_tokens / b_time, a_tokens / a_time
+        for agent in agents.values():
+            agent.close()
+        b_rate, a_rate, r_rate = b_tokens / b_time, a_tokens / a_time, r_tokens / r_time
+        saved = a_metrics.get("agent/prefill_tokens_saved", 0.0)
         report.add(case, "built-in multi-turn", b_time * 1e3, note=f"{b_tokens} model tokens, {b_rate:.0f} tokens/s")
         report.add(case, "agent through the endpoint", a_time * 1e3,
                    note=f"{a_tokens} model tokens, {a_rate:.0f} tokens/s, {a_rate / b_rate:.2f}x built-in, "
-                        f"{a_metrics['agent/engine_calls']:.0f} generate calls")
+                        f"{a_metrics['agent/engine_calls']:.0f} generate calls, {saved:.0f} prefill tokens saved")
+        report.add(case, "agent through the endpoint, re-prefill", r_time * 1e3,
+                   note=f"{r_tokens} model tokens, {r_rate:.0f} tokens/s, {r_rate / b_rate:.2f}x built-in, "
+                        f"{r_metrics['agent/prefill_tokens']:.0f} prefill tokens")
         report.meta.update(setup=f"{args.prompts} prompts x {args.n} trajectories in flight, {args.tokens} model tokens "
                                  f"in {args.turns} turns, HF decode engine, temperature 1, window {args.window} s",
                            builtin_tokens_per_s=b_rate, endpoint_tokens_per_s=a_rate, ratio=a_rate / b_rate,
-                           target_ratio=0.8, agent_metrics=a_metrics)
+                           target_ratio=0.8, agent_metrics=a_metrics, reprefill_tokens_per_s=r_rate,
+                           ratio_reprefill=r_rate / b_rate, prefill_tokens=a_metrics.get("agent/prefill_tokens"),
+                           prefill_tokens_reprefill=r_metrics.get("agent/prefill_tokens"),
+                           prefill_tokens_saved=saved)
         print(f"{args.shape} endpoint {a_rate:.0f} tokens/s vs built-in {b_rate:.0f} tokens/s: {a_rate / b_rate:.2f}x "
-              "(target >= 0.8x)", flush=True)
+              f"(target >= 0.8x); {saved:.0f} prefill tokens saved (re-prefill: {r_rate / b_rate:.2f}x)", flush=True)
     print(report.table())
     print(f"saved {report.save()}")
     return 0

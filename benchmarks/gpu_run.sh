@@ -438,12 +438,12 @@ fi
 
 # ---- agent_endpoint (issue 68): an agent program (urllib, 4 chat calls each) driving the rollout through the
 # OpenAI-compatible endpoint against the built-in multi-turn rollout, the same turns and tokens, 16 x 8 = 128
-# trajectories in flight, HF decode engine, 0.5B random weights, 256 model tokens (~2-3 minutes); needs
-# .bench_assets/ ----
+# trajectories in flight, HF decode engine, 0.5B random weights, 256 model tokens; the endpoint with each
+# call's KV cache continued and re-prefilled, the prefill tokens saved (~3-4 minutes); needs .bench_assets/ ----
 if want agent_endpoint; then
   timeout ${AGENT_ENDPOINT_TIMEOUT:-500} "$py" benchmarks/bench_agent_endpoint.py --device cuda --shape 0.5b \
     >> "$OUT/bench.log" 2>&1 || failed+=("bench_agent_endpoint")
-  sed -n '/^agent_endpoint on/,/^saved/p' "$OUT/bench.log" | tail -n 6
+  sed -n '/^agent_endpoint on/,/^saved/p' "$OUT/bench.log" | tail -n 7
 fi
 
 # ---- bench (issue 17): `verl-fast bench` itself on the GPU (CUDA events, peak memory, the one table,

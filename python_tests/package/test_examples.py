@@ -57,8 +57,6 @@ def overrides(folder, models, out_dir):
         sets += ["trainer.train_batch_size=2", "rollout.type=hf", "rollout.n=2", "rollout.max_new_tokens=4"]
         if folder not in ("code_reward", "openenv_env"):  # their datasets are their own files
             sets.append("trainer.dataset_kwargs={size: 8, seed: 1}")
-    if folder == "judge_reward":  # the tiny model judges too
-        sets.append(f"reward_fn.judge.model_name={models['qwen2']}")
     if folder == "ppo":
         sets.append(f"critic.model_name={models['llama']}")  # another family than the actor
     return [arg for s in sets for arg in ("--set", s)]

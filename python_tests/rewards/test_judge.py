@@ -125,10 +125,15 @@ def test_url_judge_through_the_config(stub_server, monkeypatch):
 
 
 def test_judge_config_is_checked_in_one_line():
-    with pytest.raises(ValueError, match=r"reward_fn.type=judge needs reward_fn.judge with model_name or url"):
-        config_mod.from_dict({"reward_fn": {"type": "judge"}})
-    with pytest.raises(ValueError, match=r"reward_fn.judge needs exactly one of model_name"):
+    with pytest.raises(ValueError, match=r"reward_fn.judge takes one of model_name .* and url .*, got both"):
         config_mod.from_dict({"reward_fn": {"type": "judge", "judge": {"model_name": "a", "url": "http://x"}}})
+    with pytest.raises(ValueError, match=r"reward_fn.judge.engine=url needs reward_fn.judge.url$"):
+        config_mod.from_dict({"reward_fn": {"type": "judge", "judge": {"engine": "url", "model_name": "a"}}})
+    with pytest.raises(ValueError, match=r"reward_fn.judge.engine=rollout judges on the run's rollout engine: "
+                                         r"remove reward_fn.judge.model_name"):
+        config_mod.from_dict({"reward_fn": {"type": "judge", "judge": {"engine": "rollout", "model_name": "a"}}})
+    with pytest.raises(ValueError, match=r"reward_fn.judge.engine must be one of"):
+        config_mod.from_dict({"reward_fn": {"type": "judge", "judge": {"engine": "vllm"}}})
     with pytest.raises(ValueError, match=r"reward_fn.judge.parser must be one of \['score', 'verdict'\]"):
         config_mod.from_dict({"reward_fn": {"type": "judge", "judge": {"url": "http://x", "parser": "regex"}}})
     with pytest.raises(ValueError, match=r"unknown key reward_fn.judge.temperature"):

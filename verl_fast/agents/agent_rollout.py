@@ -70,7 +70,7 @@ class AgentRolloutOperator(RolloutOperator):
                  settings: ServerConfig, system_prompt: Optional[str] = None):
         super().__init__(engine, default)
         self.tokenizer, self.agent, self.settings, self.system_prompt = tokenizer, agent, settings, system_prompt
-        self.batcher = EngineBatcher(engine, settings.batch_window_s)
+        self.batcher = EngineBatcher(engine, settings.batch_window_s, continuation=settings.kv_continuation)
         self.endpoint = Endpoint(self.batcher, tokenizer, settings.tool_format, settings.host, settings.port)
         self._slots = threading.Semaphore(settings.concurrency)
         self._release_lock = threading.Lock()
@@ -119,6 +119,18 @@ class AgentRolloutOperator(RolloutOperator):
     def rollout(self, batch: Sequence[PromptRow], seed: Optional[int] = None) -> GenerationOutput:
         started = time.perf_counter()
         calls0, seconds0 = self.batcher.calls, self.batcher.seconds
+        self.batcher.begin()
+        try:
+            out, counts = self._run_agents(batch, seed)
+        finally:
+            self.batcher.end()
+        counts.update({"engine_calls": self.batcher.calls - calls0, "engine_seconds": self.batcher.seconds - seconds0,
+                       "seconds": time.perf_counter() - started, **self.batcher.prefill})
+        self._metrics = {f"agent/{k}": float(v) for k, v in counts.items()}
+        return out
+
+    def _run_agents(self, batch: Sequence[PromptRow], seed: Optional[int]) -> Tuple[GenerationOutput, Dict[str, float]]:
+        """Every sample's agent run, to its end or timeout; their trajectories and counts."""
         runs: List[_Run] = []
         for i, (row, spec) in enumerate(zip(batch, self.specs(batch, seed))):
             payload = self._row(row)
@@ -130,11 +142,7 @@ class AgentRolloutOperator(RolloutOperator):
                 self._start(run, dict(payload), url, runs)
         while self._check_timeouts(runs):
             time.sleep(0.005)
-        out, counts = self._output(runs, batch)
-        counts.update({"engine_calls": self.batcher.calls - calls0, "engine_seconds": self.batcher.seconds - seconds0,
-                       "seconds": time.perf_counter() - started})
-        self._metrics = {f"agent/{k}": float(v) for k, v in counts.items()}
-        return out
+        return self._output(runs, batch)
 
     def _output(self, runs: List[_Run], batch: Sequence[PromptRow]) -> Tuple[GenerationOutput, Dict[str, float]]:
         counts = {"failed": 0, "crashed": 0, "timeouts": 0, "no_calls": 0, "calls": 0, "calls_dropped": 0,

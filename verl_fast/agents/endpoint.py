@@ -8,7 +8,9 @@ Each trajectory has its own base URL, ``http://127.0.0.1:<port>/t/<id>/v1``, so 
 (``prompt`` as text or token ids) and ``GET /models``.
 
 Requests from all trajectories meet in ``EngineBatcher``: those that arrive within ``batch_window_s`` of
-each other go to the engine in one ``generate`` call.
+each other go to the engine in one ``generate`` call. On the HF decode a trajectory's call that extends
+its previous call's prompt and sampled tokens exactly prefills only the new tokens (the previous call's
+keys and values kept, ``rollout/kv_turns.py``).
 
 A chat call whose messages repeat the trajectory's previous call and the assistant message returned to
 it, then add tool / user messages, continues that call's tokens: its prompt is the previous prompt, the
@@ -26,7 +28,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from verl_fast.agents.chat import ChatRenderer
 from verl_fast.agents.parsing import parse_tool_calls
@@ -42,21 +44,65 @@ class Refused(Exception):
         self.status = status
 
 
+class _Request(NamedTuple):
+    prompt_ids: List[int]
+    spec: SamplingSpec
+    future: Future
+    key: Optional[str]  # the trajectory whose cache a one-sample call continues (None: nothing cached)
+
+
 class EngineBatcher:
     """Calls of many trajectories as few ``generate`` calls: a worker thread takes every request that
-    arrives within ``window_s`` of the first (at most ``max_batch``) and generates them together."""
+    arrives within ``window_s`` of the first (at most ``max_batch``) and generates them together.
 
-    def __init__(self, engine: RolloutEngine, window_s: float = 0.02, max_batch: int = 256):
+    Between ``begin()`` and ``end()`` (one rollout: the weights do not change inside it), with
+    ``continuation`` on and an engine that keeps conversations' caches (``engine.turn_cache()``, the HF
+    decode's ``rollout/kv_turns.py``), a one-sample call of a trajectory continues the keys and values of
+    that trajectory's previous call: where its prompt extends the previous prompt and sampled tokens
+    exactly, only the new tokens are prefilled; otherwise (a first call, an edited history) the whole
+    prompt is. Calls of ``n`` > 1 samples go to ``engine.generate`` (nothing cached)."""
+
+    def __init__(self, engine: RolloutEngine, window_s: float = 0.02, max_batch: int = 256,
+                 continuation: bool = True):
         self.engine, self.window_s, self.max_batch = engine, window_s, max_batch
-        self._queue: "queue.Queue[Optional[Tuple[List[int], SamplingSpec, Future]]]" = queue.Queue()
+        self.continuation = continuation
+        self._queue: "queue.Queue[Optional[_Request]]" = queue.Queue()
         self.calls, self.seconds = 0, 0.0
+        self._turns: Any = None  # the rollout's TurnCache, between begin() and end()
+        self._turns_lock = threading.Lock()  # the worker's decodes against drop() / end() of other threads
+        self.prefill: Dict[str, float] = {}  # the last rollout's prefill_tokens (fed) and prefill_tokens_saved
+        self._fed_whole = 0  # tokens the rollout's calls prefilled whole (not through the TurnCache)
         self._thread = threading.Thread(target=self._loop, name="verl_fast endpoint engine", daemon=True)
         self._thread.start()
 
-    def generate(self, prompt_ids: List[int], spec: SamplingSpec) -> List[Tuple[List[int], List[float], str]]:
-        """``spec.n`` samples of ``prompt_ids``: (token ids, their log-probs, finish reason) each."""
+    def begin(self) -> None:
+        """A rollout starts: conversations' caches are kept from now (where the engine keeps them)."""
+        with self._turns_lock:
+            self._turns = self.engine.turn_cache() if self.continuation else None
+            self.prefill, self._fed_whole = {}, 0
+
+    def end(self) -> None:
+        """The rollout is over: every cache freed, its prefill counts kept in ``prefill``."""
+        with self._turns_lock:
+            cached = self._turns.metrics() if self._turns is not None else {}
+            self.prefill = {"prefill_tokens": self._fed_whole + cached.get("prefill_tokens", 0.0),
+                            "prefill_tokens_saved": cached.get("prefill_tokens_saved", 0.0)}
+            if self._turns is not None:
+                self._turns.close()
+            self._turns = None
+
+    def drop(self, key: str) -> None:
+        """Frees trajectory ``key``'s cache (it makes no more calls)."""
+        with self._turns_lock:
+            if self._turns is not None:
+                self._turns.drop(key)
+
+    def generate(self, prompt_ids: List[int], spec: SamplingSpec, key: Optional[str] = None
+                 ) -> List[Tuple[List[int], List[float], str]]:
+        """``spec.n`` samples of ``prompt_ids``: (token ids, their log-probs, finish reason) each. ``key``:
+        the trajectory whose cache a one-sample call continues (None: nothing cached)."""
         future: Future = Future()
-        self._queue.put((prompt_ids, spec, future))
+        self._queue.put(_Request(prompt_ids, spec, future, key))
         return future.result()
 
     def _loop(self) -> None:
@@ -76,15 +122,27 @@ class EngineBatcher:
                 batch.append(item)
             self._run(batch)
 
-    def _run(self, batch: List[Tuple[List[int], SamplingSpec, Future]]) -> None:
+    def _run(self, batch: List[_Request]) -> None:
+        with self._turns_lock:
+            turns = self._turns
+            cached = [r for r in batch if turns is not None and r.key is not None and r.spec.n == 1]
+            whole = [r for r in batch if r not in cached]
+            if cached:
+                self._call(cached, lambda prompts, specs: turns.generate([r.key for r in cached], prompts, specs))
+            if whole:
+                self._fed_whole += sum(len(r.prompt_ids) for r in whole)  # a call's n samples share its prefill
+                self._call(whole, self.engine.generate)
+
+    def _call(self, batch: List[_Request], run: Any) -> None:
+        """One engine call for ``batch``; each request's future gets its samples (or the engine's error)."""
         try:
             start = time.perf_counter()
-            out = self.engine.generate([p for p, _, _ in batch], [s for _, s, _ in batch])
+            out = run([r.prompt_ids for r in batch], [r.spec for r in batch])
             self.seconds += time.perf_counter() - start
             self.calls += 1
         except Exception as e:  # noqa: BLE001 - every waiting request gets the engine's error
-            for _, _, future in batch:
-                future.set_exception(e)
+            for r in batch:
+                r.future.set_exception(e)
             return
         rows: Dict[int, List[Tuple[List[int], List[float], str]]] = {}
         for r, i in enumerate(out.prompt_index.tolist()):
@@ -93,8 +151,8 @@ class EngineBatcher:
             logprobs = out.logprobs[r, :n].tolist() if out.logprobs is not None else [0.0] * n
             reason = out.finish_reasons[r] if out.finish_reasons else "stop"
             rows.setdefault(i, []).append((ids, logprobs, reason))
-        for i, (_, _, future) in enumerate(batch):
-            future.set_result(rows.get(i, []))
+        for i, r in enumerate(batch):
+            r.future.set_result(rows.get(i, []))
 
     def close(self) -> None:
         self._queue.put(None)
@@ -120,6 +178,7 @@ class Recorder:
     """The calls of one trajectory, and what ended it."""
 
     spec: SamplingSpec  # the sample's sampling: max_tokens bounds the model and observation tokens after the prompt
+    key: Optional[str] = None  # the trajectory's id: its engine cache's key
     calls: List[Call] = field(default_factory=list)
     renderer: Optional[ChatRenderer] = None
     closed: Optional[str] = None  # why no more calls are served (timeout, finished)
@@ -188,7 +247,7 @@ class Endpoint:
 
     def open(self, tid: str, spec: SamplingSpec) -> str:
         with self._lock:
-            self.trajectories[tid] = Recorder(spec)
+            self.trajectories[tid] = Recorder(spec, key=tid)
         return f"http://{self.host}:{self.port}/t/{tid}/v1"
 
     def close_trajectory(self, tid: str, why: str) -> None:
@@ -196,10 +255,13 @@ class Endpoint:
             rec = self.trajectories.get(tid)
         if rec is not None and rec.closed is None:
             rec.closed = why
+            self.batcher.drop(tid)
 
     def pop(self, tid: str) -> Recorder:
         with self._lock:
-            return self.trajectories.pop(tid)
+            rec = self.trajectories.pop(tid)
+        self.batcher.drop(tid)
+        return rec
 
     def close(self) -> None:
         self.server.shutdown()
@@ -282,7 +344,7 @@ class Endpoint:
         prompt_ids, previous = self._continued(rec, messages)
         spec = self._spec(rec, request, prompt_ids)
         choices = []
-        for k, (ids, logprobs, reason) in enumerate(self.batcher.generate(prompt_ids, spec)):
+        for k, (ids, logprobs, reason) in enumerate(self.batcher.generate(prompt_ids, spec, rec.key)):
             stop_token = ids[-1] if ids and reason == "stop" else None
             own = ids[:-1] if stop_token is not None else ids
             text = self.tokenizer.decode(own, skip_special_tokens=False)
@@ -329,7 +391,7 @@ class Endpoint:
             raise Refused(400, "prompt must be a non-empty string or a list of token ids")
         spec = self._spec(rec, request, prompt_ids)
         choices = []
-        for k, (ids, logprobs, reason) in enumerate(self.batcher.generate(prompt_ids, spec)):
+        for k, (ids, logprobs, reason) in enumerate(self.batcher.generate(prompt_ids, spec, rec.key)):
             out_text = self.tokenizer.decode(ids, skip_special_tokens=True)
             rec.calls.append(Call(prompt_ids, ids, logprobs, reason, prompt_text=text, text=out_text))
             choice_out: Dict[str, Any] = {"index": k, "text": out_text, "finish_reason": reason, "token_ids": ids}

@@ -25,6 +25,9 @@ class ServerConfig:
                                "the engine in one generate call")
     tool_format: str = option("auto", choices=TOOL_FORMATS, doc="how tool calls in the model's text are read into "
                           "tool_calls (auto: from the chat template)")
+    kv_continuation: bool = option(True, doc="HF decode: a trajectory's call that extends its previous call's "
+                                   "prompt and sampled tokens exactly prefills only the new tokens (the previous "
+                                   "call's KV cache kept); false: every call prefills its whole prompt")
 
 
 def parse(rollout_cfg: Any) -> Optional[ServerConfig]:

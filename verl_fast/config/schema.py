@@ -312,8 +312,9 @@ class RewardConfig:
                        "(the weighted sum)")
     name: Optional[str] = _f(None, doc="in a list of reward functions: this one's metric reward/<name>/mean "
                              "(default: the function's name, or the type)")
-    judge: Optional[Dict[str, Any]] = _f(None, doc="type judge: the judge model {model_name | url, prompt_template, "
-                                         "parser, max_score, verdicts, ...}; the keys: verl_fast/rewards/judge.py, "
+    judge: Optional[Dict[str, Any]] = _f(None, doc="type judge: the judge {engine (rollout: the run's own "
+                                         "rollout engine, the default; model_name; url), prompt_template, parser, "
+                                         "max_score, verdicts, ...}; the keys: verl_fast/rewards/judge.py, "
                                          "docs/agents.md")
     sandbox: Optional[Dict[str, Any]] = _f(None, doc="type code: the sandbox of the model's programs {isolation, "
                                            "cpu_s, wall_s, memory_mb, output_bytes, processes, file_mb, workers, "

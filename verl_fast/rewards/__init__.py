@@ -22,6 +22,7 @@ from verl_fast.rewards.by_source import DataSourceReward
 from verl_fast.rewards.rule import GSM8KReward, ReasoningGymReward, gsm8k_answer, last_number
 from verl_fast.rewards.weighted import WeightedRewards
 from verl_fast.rewards import code, judge, verl_managers
+from verl_fast.rewards.judge import bind_engine as bind_judge_engine
 
 
 def build_reward(cfg: Any, override: Optional[Any] = None, tokenizer: Optional[Any] = None

@@ -4,9 +4,12 @@ parser reads the score from it: ``score`` (``Score: 7`` read as 7 / ``max_score`
 last of the ``verdicts`` words found, e.g. yes -> 1, no -> 0) or ``module:function`` (text -> float or
 None). A verdict the parser cannot read scores ``failure_score`` and is counted.
 
-The judge is a Hugging Face causal LM (``model_name``: greedy, batched, left-padded, on the GPU when
-there is one) or an OpenAI-compatible server (``url``: ``/chat/completions`` requests, ``batch_size``
-of them in flight)."""
+The judge (``engine``) is the run's own rollout engine (``rollout``: the actor's current weights, on the
+engine that sampled the responses, the batch's judge prompts in one greedy ``generate`` call after the
+rollout and before the engine sleeps; the default where neither ``model_name`` nor ``url`` is given), a
+Hugging Face causal LM loaded once (``model``, from ``model_name``: greedy, batched, left-padded, on the
+GPU when there is one) or an OpenAI-compatible server (``url``: ``/chat/completions`` requests,
+``batch_size`` of them in flight)."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import string
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from verl_fast import config
@@ -28,12 +31,16 @@ DEFAULT_TEMPLATE = ("You are grading an answer.\n\nQuestion:\n{prompt}\n\nRefere
                     "Answer to grade:\n{response}\n\nReply with one line 'Score: N', N from 0 (wrong) to 10 "
                     "(right and complete).")
 PARSERS = ("score", "verdict")
+ENGINES = ("auto", "rollout", "model", "url")
 # the placeholders every row fills; a template may also name any dataset column
 FIELDS = ("prompt", "response", "ground_truth", "data_source")
 
 
 @dataclass
 class JudgeConfig:
+    engine: str = option("auto", choices=ENGINES, doc="who writes the verdicts: rollout (the run's own rollout engine, "
+                         "the actor's weights), model (model_name loaded once), url (an OpenAI-compatible server); "
+                         "auto: url or model where given, else rollout")
     model_name: Optional[str] = option(None, doc="the judge as a Hugging Face causal LM (local folder or Hub name)")
     url: Optional[str] = option(None, doc="the judge as an OpenAI-compatible server's base URL (http://host:port/v1)")
     model: str = option("judge", doc="url: the model name sent with each request")
@@ -54,9 +61,17 @@ class JudgeConfig:
 
 def parse(raw: Optional[Dict[str, Any]], key: str = "reward_fn") -> JudgeConfig:
     cfg = read_section(JudgeConfig, raw or {}, f"{key}.judge")
-    if (cfg.model_name is None) == (cfg.url is None):
-        raise ValueError(f"{key}.judge needs exactly one of model_name (a causal LM) and url (an OpenAI-compatible "
-                         "server)")
+    given = [k for k in ("model_name", "url") if getattr(cfg, k) is not None]
+    if len(given) > 1:
+        raise ValueError(f"{key}.judge takes one of model_name (a causal LM) and url (an OpenAI-compatible server), "
+                         "got both")
+    engine = cfg.engine if cfg.engine != "auto" else {"model_name": "model", "url": "url"}.get(
+        given[0] if given else "", "rollout")
+    needs = {"model": "model_name", "url": "url"}.get(engine)
+    if given != ([needs] if needs else []):
+        raise ValueError(f"{key}.judge.engine={engine} " + (f"needs {key}.judge.{needs}" if needs else
+                         f"judges on the run's rollout engine: remove {key}.judge.{given[0]}"))
+    cfg = replace(cfg, engine=engine)
     if cfg.parser not in PARSERS and ":" not in cfg.parser:
         raise ValueError(f"{key}.judge.parser must be one of {list(PARSERS)} or module:function, got {cfg.parser!r}")
     try:
@@ -100,6 +115,14 @@ def verdict_parser(verdicts: Dict[str, float]) -> Callable[[str], Optional[float
     return read
 
 
+def judge_text(tokenizer: Any, prompt: str) -> str:
+    """The judge's prompt as a user turn of the tokenizer's chat template, where it has one."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+    return prompt
+
+
 class HFJudge:
     """Greedy verdicts from a causal LM, ``batch_size`` prompts per ``generate`` (left-padded); the prompt
     goes through the tokenizer's chat template as a user turn when it has one."""
@@ -122,12 +145,6 @@ class HFJudge:
         model = pretrained(AutoModelForCausalLM, path, "reward_fn.judge.model_name", dtype=dtype).to(device)
         return cls(model, pretrained(AutoTokenizer, path, "reward_fn.judge.model_name"), **kwargs)
 
-    def _text(self, prompt: str) -> str:
-        if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                      add_generation_prompt=True)
-        return prompt
-
     def complete(self, prompts: Sequence[str]) -> List[str]:
         import torch
 
@@ -135,7 +152,7 @@ class HFJudge:
         side, self.tokenizer.padding_side = self.tokenizer.padding_side, "left"
         try:
             for i in range(0, len(prompts), self.batch_size):
-                enc = self.tokenizer([self._text(p) for p in prompts[i:i + self.batch_size]], return_tensors="pt",
+                enc = self.tokenizer([judge_text(self.tokenizer, p) for p in prompts[i:i + self.batch_size]], return_tensors="pt",
                                      padding=True, add_special_tokens=False).to(self.model.device)
                 with torch.no_grad():
                     ids = self.model.generate(**enc, max_new_tokens=self.max_new_tokens, do_sample=False,
@@ -144,6 +161,47 @@ class HFJudge:
         finally:
             self.tokenizer.padding_side = side
         return out
+
+
+class RolloutJudge:
+    """Greedy verdicts from the run's own rollout engine (``bind``: the trainer's engine and tokenizer): the
+    batch's judge prompts in one ``engine.generate`` call. The torch RNG state is restored after the call, so
+    the rollout's sampling goes on as without the judge; the engine's weights are read, never written."""
+
+    def __init__(self, max_new_tokens: int = 64):
+        self.max_new_tokens = max_new_tokens
+        self.engine: Any = None
+        self.tokenizer: Any = None
+        self.calls = 0  # engine calls made
+
+    def bind(self, engine: Any, tokenizer: Any) -> None:
+        self.engine, self.tokenizer = engine, tokenizer
+
+    def complete(self, prompts: Sequence[str]) -> List[str]:
+        import torch
+
+        from verl_fast.records.generation import SamplingSpec
+
+        if self.engine is None:
+            raise ValueError("reward_fn.judge.engine=rollout judges on the trainer's rollout engine, and none is bound "
+                             "(RLTrainer binds it; alone, call bind_engine(reward, engine, tokenizer))")
+        ids = [list(self.tokenizer(judge_text(self.tokenizer, p), add_special_tokens=False)["input_ids"])
+               for p in prompts]
+        spec = SamplingSpec(n=1, temperature=0.0, max_tokens=self.max_new_tokens, logprobs=False)
+        cpu = torch.random.get_rng_state()
+        gpu = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        try:
+            out = self.engine.generate(ids, spec)
+        finally:
+            torch.random.set_rng_state(cpu)
+            if gpu is not None:
+                torch.cuda.set_rng_state_all(gpu)
+        self.calls += 1
+        texts = [""] * len(prompts)
+        for r, i in enumerate(out.prompt_index.tolist()):
+            n = int(out.response_mask[r].sum())
+            texts[i] = self.tokenizer.decode(out.response_ids[r, :n].tolist(), skip_special_tokens=True)
+        return texts
 
 
 class URLJudge:
@@ -212,10 +270,12 @@ class JudgeReward(RewardFunction):
 
     @classmethod
     def from_config(cls, settings: JudgeConfig) -> "JudgeReward":
-        if settings.url is not None:
+        if settings.engine == "rollout":
+            backend: Any = RolloutJudge(settings.max_new_tokens)
+        elif settings.engine == "url":
             key = os.environ.get(settings.api_key_env) if settings.api_key_env else None
-            backend: Any = URLJudge(settings.url, settings.model, key, settings.max_new_tokens, settings.batch_size,
-                                    settings.request_timeout_s)
+            backend = URLJudge(settings.url, settings.model, key, settings.max_new_tokens, settings.batch_size,
+                               settings.request_timeout_s)
         else:
             backend = HFJudge.from_pretrained(settings.model_name, max_new_tokens=settings.max_new_tokens,
                                               batch_size=settings.batch_size)
@@ -247,13 +307,29 @@ class JudgeReward(RewardFunction):
         return scores
 
 
+def bind_engine(reward: Any, engine: Any, tokenizer: Any) -> bool:
+    """Gives the rollout engine to every judge of ``reward`` (a reward function, guarded, or weighted) that
+    judges on it; whether there is one (the engine must then stay awake until the reward has scored)."""
+    parts = getattr(reward, "parts", None)
+    if parts is not None:
+        return any([bind_engine(r, engine, tokenizer) for _, _, r in parts])
+    inner = getattr(reward, "inner", None)
+    if inner is not None:
+        return bind_engine(inner, engine, tokenizer)
+    if isinstance(reward, JudgeReward) and isinstance(reward.backend, RolloutJudge):
+        if engine is None:
+            raise ValueError("reward_fn.judge.engine=rollout judges on the rollout engine, and this run has none (an "
+                             "offline algorithm); set reward_fn.judge.model_name or url")
+        reward.backend.bind(engine, tokenizer)
+        return True
+    return False
+
+
 def _check(cfg: config.Config) -> None:
     for key, r in config.keyed_reward_functions(cfg.reward_fn):
         if r.judge and r.type != "judge":
             raise ValueError(f"{key}.judge applies to {key}.type=judge only, got type {r.type}")
         if r.type == "judge":
-            if not r.judge:
-                raise ValueError(f"{key}.type=judge needs {key}.judge with model_name or url")
             parse(r.judge, key)
 
 

@@ -53,7 +53,7 @@ from verl_fast.metrics.logger import MetricsLogger
 from verl_fast.models import checks, lora
 from verl_fast.models import vision as vision_model
 from verl_fast.models.value import ValueModel
-from verl_fast.rewards import RewardStopped, RewardTimeout, build_reward, scoring
+from verl_fast.rewards import RewardStopped, RewardTimeout, bind_judge_engine, build_reward, scoring
 from verl_fast.records.generation import GenerationOutput, SamplingSpec
 from verl_fast.rollout.base import RolloutEngine
 from verl_fast.rollout import engines as rollout_engines
@@ -206,6 +206,7 @@ class RLTrainer:
                 self.step + 1, diff, self._weight_differences, {})
         # rollout.partial_step_tokens: a step's unfinished samples carried into the next (None: off)
         self.partial = partial_checks.build(cfg, self.engine, tokenizer, self.world) if self.rollout else None
+        self._bind_judge()
         if self.is_main:  # what the defaults became here, once (the token budget: at the first update)
             settings = dict(s.resolved())
             if self.engine is not None:
@@ -252,6 +253,15 @@ class RLTrainer:
     def update_reward_fn(self, reward_fn: Any) -> None:
         """Swaps the reward without a restart; the next step scores with it."""
         self.reward = build_reward(self.cfg.reward_fn, reward_fn, self.tokenizer)
+        self._bind_judge()
+
+    def _bind_judge(self) -> None:
+        """A judge that scores on the rollout engine (``reward_fn.judge.engine: rollout``) gets it; the engine
+        then stays awake from the rollout to the reward's end (``_judge_on_engine``)."""
+        self._judge_on_engine = bind_judge_engine(self.reward, self.engine, self.tokenizer)
+        if self._judge_on_engine and self.async_rollout is not None:
+            raise ValueError("reward_fn.judge.engine=rollout is not supported with trainer.async_mode (the engine "
+                             "generates ahead while the judge would score); use reward_fn.judge.model_name or url")
 
     # ------------------------------------------------------------------ the loop
 
@@ -460,6 +470,8 @@ class RLTrainer:
         """Chosen / rejected pairs (the dataset's, or sampled and ranked by the reward), one DPO update."""
         metrics: Dict[str, Any] = {}
         pairs = self.algorithm.pairs(batch, self._sample, self._score, metrics)
+        if self._judge_on_engine and self.engine is not None:  # the judge has ranked the samples
+            self.engine.sleep()
         if pairs:  # no pair (every prompt's samples tied): no update
             metrics.update(self._update_on_pairs(pairs))
         self._sync_engine(metrics)  # also without an update: a sleep may have discarded the engine's weights
@@ -485,20 +497,22 @@ class RLTrainer:
     # ------------------------------------------------------------------ experience
 
     @contextlib.contextmanager
-    def _engine_awake(self) -> Iterator[None]:
-        """The engine holds its generation memory while inside; forwards run under the actor's autocast."""
+    def _engine_awake(self, judged: bool = False) -> Iterator[None]:
+        """The engine holds its generation memory while inside; forwards run under the actor's autocast.
+        ``judged``: the rollout's reward may judge on the engine, which then sleeps after it (``make_experience``)."""
         self.engine.wake_up()
         with self.strategy.autocast():
             yield
-        self.engine.sleep()
+        if not (judged and self._judge_on_engine):
+            self.engine.sleep()
 
     def _seed(self, step: Optional[int] = None) -> int:
         step = self.step if step is None else step
         return self.cfg.rollout.seed * 1_000_003 + step * 997 + self.rank * 7919
 
     def _sample(self, batch: List[PromptRow]) -> GenerationOutput:
-        """The step's samples of ``batch``."""
-        with self._engine_awake():
+        """The step's samples of ``batch`` (a judge on the engine ranks them before it sleeps)."""
+        with self._engine_awake(judged=True):
             return self.rollout.rollout(batch, seed=self._seed())
 
     def make_experience(self, batch: List[PromptRow], metrics: Dict[str, Any]) -> Experience:
@@ -506,7 +520,7 @@ class RLTrainer:
         reward where they may run), the algorithm's choice of rows, old / reference log-probs and
         values, the rollout correction's weights, shaped rewards and advantages."""
         timed, algorithm = self.perf.phase, self.algorithm
-        early = not algorithm.scores_decide_rows and scoring.beside_passes(
+        early = not algorithm.scores_decide_rows and not self._judge_on_engine and scoring.beside_passes(
             self.cfg.reward_fn.launch_reward_fn_async, self.device, self.reward)
         exp, extra, batch = self._scored_rollout(batch, metrics, self._model_passes if early else None)
         self.guardrails.after_rewards(self.step + 1, exp, metrics["response/truncated"],
@@ -522,6 +536,8 @@ class RLTrainer:
             baselines = algorithm.reward_baselines(batch, extra, self._score, exp, metrics)
         more = MorePrompts(self._items, self.step, lambda prompts: self._scored_rollout(prompts, {})[0])
         exp = algorithm.select_experience(exp, more, metrics)
+        if self._judge_on_engine:  # the judge has scored (baselines and more prompts too): the engine sleeps now
+            self.engine.sleep()
         if not early:
             self._model_passes(exp)
         if self.async_rollout is None:  # samples of the weights the actor has now (async: of an older version)
@@ -557,12 +573,12 @@ class RLTrainer:
             with timed("generation"):
                 gen, extra = self.async_rollout.take(self.step, batch, metrics), None
         elif self.partial is not None:  # partial hook: the groups this step completed, the rest carried
-            with timed("generation"), self._engine_awake():
+            with timed("generation"), self._engine_awake(judged=True):
                 seed = self._seed()
                 batch, gen = self.partial.rollout(batch, self.rollout.specs(batch, seed), self.step, seed, metrics)
             extra = None
         else:
-            with timed("generation"), self._engine_awake():
+            with timed("generation"), self._engine_awake(judged=True):
                 gen = self.rollout.rollout(batch, seed=self._seed())
                 extra = self.algorithm.extra_rollout(self.rollout.generate, batch)
         metrics.update({f"rollout/{k}": v for k, v in self.engine.metrics().items()})
