@@ -7,6 +7,7 @@ where it cannot). On a GPU (gpu-marked): the CUDA-graph and compiled decode, fp3
 trainer's bf16 autocast within a bf16 margin."""
 
 import logging
+import os
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from test_hf_decode import reference_probs  # noqa: E402
 from tiny_vlm import VLM_FAMILIES, build_vlm, square_image  # noqa: E402
 from verl_fast.models import vision  # noqa: E402
 from verl_fast.records.generation import SamplingSpec  # noqa: E402
+from verl_fast.rollout import merged_projections  # noqa: E402
 from verl_fast.rollout.hf_engine import HFGenerateEngine  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("full_fp32_matmuls")
@@ -35,7 +37,8 @@ def vlm_prompts(processor, rows=ROWS):
     ids, images = [], []
     for k, (count, words) in enumerate(rows):
         pictures = [square_image(1 + (j + k) % 9, 56 + 28 * ((j + k) % 2), k) for j in range(count)]
-        text = f"<|vision_start|>{processor.image_token}<|vision_end|>" * count + "how many red squares?" + " one" * words
+        picture = f"<|vision_start|>{processor.image_token}<|vision_end|>"
+        text = picture * count + "how many red squares?" + " one" * words
         if count:
             row, inputs = processor.encode(text, pictures)
         else:
@@ -155,6 +158,55 @@ def test_sampled_tokens_follow_the_models_own_forward(vlm, count, device):
     p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
                                             torch.tensor(chi2 / 2, dtype=torch.float64)))  # chi-square survival
     assert p_value > 1e-3, (chi2, dof)
+    model.to("cpu")
+
+
+def test_compiled_decode_steps_match_generate(vlm):
+    """``compile_decode``: the decode steps' forward compiled (Inductor's CPU code), the language model's
+    q/k/v and gate/up products merged, gives ``generate``'s greedy tokens and log-probs with the images."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model, processor = vlm
+    prompts, images = vlm_prompts(processor)
+    spec = SamplingSpec(n=2, temperature=0.0, max_tokens=10)
+    want = HFGenerateEngine(model, processor.tokenizer, fast_decode="off").generate(prompts, spec, vision=images)
+    engine = HFGenerateEngine(model, processor.tokenizer, fast_decode="on", compile_decode=True)
+    got = engine.generate(prompts, spec, vision=images)
+    assert engine.fast_failed is None and engine.last_mode == "eager"
+    assert {k.rsplit(".", 2)[-2] for k in engine._compiled.merged.copies} == {"self_attn", "mlp"}
+    assert torch.equal(got.response_ids, want.response_ids)
+    torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernels on CPU tensors need TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fused_rotary_cache_write_takes_the_mrope_tables(vlm, device, monkeypatch):
+    """``fused_kernels``: the merged attention's rotary embedding and cache write in one kernel
+    (``kernels.rope_cache``) from the M-RoPE cos / sin tables; the sampling stays torch's (it leaves the
+    placeholders out). Greedy tokens and log-probs: ``generate``'s."""
+    pytest.importorskip("triton")
+    from verl_fast.kernels import rope_cache
+
+    model, processor = vlm
+    model.to(device)
+    prompts, images = vlm_prompts(processor)
+    spec = SamplingSpec(n=2, temperature=0.0, max_tokens=8)
+    want = HFGenerateEngine(model, processor.tokenizer, fast_decode="off").generate(prompts, spec, vision=images)
+    ran = []
+    write = rope_cache.rope_cache_write
+    monkeypatch.setattr(rope_cache, "rope_cache_write", lambda *a, **k: ran.append(1) or write(*a, **k))
+    engine = HFGenerateEngine(model, processor.tokenizer, fast_decode="on", fused_kernels="on")
+    done = []
+    merged_projections.Merged().install(model, None, done)
+    try:
+        got = engine.generate(prompts, spec, vision=images)
+    finally:
+        merged_projections.Merged.remove(done)
+    assert engine.fast_failed is None and len(ran) >= model.config.get_text_config().num_hidden_layers
+    assert torch.equal(got.response_ids, want.response_ids)
+    torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
     model.to("cpu")
 
 
