@@ -13,9 +13,9 @@ product with it instead, and gets no copies.
 
 The forwards below restate the attention and MLP of the Llama family (Llama, Mistral, Qwen2, Qwen3,
 and the language models of Qwen2-VL / Qwen2.5-VL) with the merged products: the same operations in
-the same order as transformers' modules, the rotary embedding taken from the model's own modeling module, the attention from the interface the
-config names (sdpa for the prefill, ``grouped_attention`` for the decode steps). Other architectures
-keep their modules' forwards (and unmerged products).
+the same order as transformers' modules, the rotary embedding taken from the model's own modeling
+module, the attention from the interface the config names (sdpa for the prefill, ``grouped_attention``
+for the decode steps). Other architectures keep their modules' forwards (and unmerged products).
 """
 
 from __future__ import annotations
