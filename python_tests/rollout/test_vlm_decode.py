@@ -217,7 +217,7 @@ def engine_stop_ids(model, processor):
     return set(eos_token_ids(model, processor.tokenizer))
 
 
-def test_engine_falls_back_to_generate_with_one_logged_reason(vlm, caplog):
+def test_engine_falls_back_to_generate_with_one_logged_reason(vlm, caplog, monkeypatch):
     """A vision-language model the loop cannot serve (here eager attention) decodes through ``generate``,
     the reason logged once however many calls; the loop itself serves the model in sdpa."""
     model, processor = vlm
@@ -237,6 +237,11 @@ def test_engine_falls_back_to_generate_with_one_logged_reason(vlm, caplog):
         model.config._attn_implementation = before
     assert vision.decode_unsupported(model) is None
     assert engine.turn_cache() is None  # a later turn has no images: multi-turn continuation stays text only
+    monkeypatch.setattr(type(model.model), "get_rope_index", None)  # a vision-language model without a rope index
+    engine = HFGenerateEngine(model, processor.tokenizer, fast_decode="on")
+    with caplog.at_level(logging.INFO, logger="verl_fast.rollout.hf_engine"):
+        engine.generate([prompts[0]], spec, vision=[images[0]])
+    assert engine.last_mode == "generate" and "has no get_rope_index" in caplog.records[-1].getMessage()
 
 
 @pytest.mark.gpu

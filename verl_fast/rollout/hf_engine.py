@@ -317,9 +317,8 @@ class HFGenerateEngine(RolloutEngine):
             return "record_routing"
         if spec.stop:
             return "stop strings"
-        if self.vision_language and vision_model.decode_unsupported(self._module()):
-            return vision_model.decode_unsupported(self._module())
-        return hf_decode.unsupported(self._module())
+        return ((self.vision_language and vision_model.decode_unsupported(self._module()))
+                or hf_decode.unsupported(self._module()))
 
     @torch.no_grad()
     def _generate(self, prompts: List[Sequence[int]], spec: SamplingSpec,
