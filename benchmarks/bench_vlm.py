@@ -6,7 +6,8 @@ The setup: a Qwen2.5-VL-3B-shaped model with random bf16 weights (``verl_fast.mo
 ``3b`` shape: hidden 2048, 36 layers, the 32-block vision tower; its locally trained 512-token
 vocabulary) built in each run's process; one 448 x 448 random-noise picture a prompt (256 image
 tokens after the 2 x 2 merge). GRPO: 16 prompts x 8 samples, up to 256 new tokens at temperature 1,
-a length reward; ours with the HF rollout (``generate`` with the images in the prefill), TRL 1.16
+a length reward; ours with the HF rollout (the compiled, graph-captured decode: the images in its
+prefill, ``rollout/cuda_graph`` 1 in each step's record when the steps replayed graphs), TRL 1.16
 with ``use_vllm=True, vllm_mode="colocate"``, ``beta=0`` as ours (no reference). SFT: 32 rows of a
 picture, a question and a 128-word answer, the loss on the answer; ours with the defaults, TRL's
 ``SFTTrainer`` with its vision-language collator. The vision tower is frozen in both. Each run is its
@@ -122,7 +123,8 @@ def worker_ours(args) -> Dict[str, Any]:
         metrics = trainer.train_step(items[i * per : (i + 1) * per])
         wall = synced() - start
         steps.append({"wall_s": wall, "mfu_update": metrics.get("perf/mfu_update"), "peak_memory_gib": peak_gib(),
-                      "response_length": metrics.get("response/length"), "tokens": metrics.get("perf/tokens")})
+                      "response_length": metrics.get("response/length"), "tokens": metrics.get("perf/tokens"),
+                      "cuda_graph": metrics.get("rollout/cuda_graph")})
         print(f"ours {args.algo}: step {i + 1} {wall:.2f} s {steps[-1]}", flush=True)
     return {"impl": "verl_fast", "steps": steps}
 

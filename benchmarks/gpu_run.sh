@@ -338,6 +338,15 @@ if want vlm; then
   sed -n '/^vlm on/,$p' "$OUT/bench.log" | tail -n 8
 fi
 
+# ---- vlm_decode (issue 70): the HF engine's compiled, graph-captured decode serving tiny Qwen2-VL / Qwen2.5-VL
+# with 0-2 images a row against generate with the same images (fp32 exactly, bf16 autocast within a bf16 margin),
+# the sampled tokens' chi-square, the fused rotary + cache write on M-RoPE tables (~2 minutes; also in `tests`) ----
+if want vlm_decode; then
+  timeout ${VLM_DECODE_TIMEOUT:-400} "$py" -m pytest -m gpu -v -p no:cacheprovider --durations=5 \
+    python_tests/rollout/test_vlm_decode.py > "$OUT/pytest_vlm_decode.log" 2>&1 || failed+=("pytest vlm_decode")
+  grep -E "^(FAILED|ERROR)| (FAILED|ERROR) |[0-9]+ passed|failed" "$OUT/pytest_vlm_decode.log" | tail -n 12
+fi
+
 # ---- decode (issues 24, 42, 66): the rollout's compiled, graph-captured decode alone, 16 prompts x 8 samples:
 # the trainer's default (kernel_attention) at 256 new tokens, then ragged lengths (geometric, mean 150, cap
 # 1,024) with finished rows compacted out of the batch (ragged) and without (ragged_whole), each call's

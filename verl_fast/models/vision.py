@@ -12,7 +12,7 @@ or on which rows share its micro-batch, and text-only rows get plain positions i
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -95,7 +95,25 @@ def model_inputs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     ``vision`` (one ``VisionInputs`` or None a row): ``position_ids [3, B, T]``, ``mm_token_type_ids``
     and, when a row has images, ``pixel_values`` / ``image_grid_thw``."""
     out = image_inputs(model, input_ids, vision)
-    out["position_ids"], _ = _core(model).get_rope_index(input_ids, out["mm_token_type_ids"],
-                                                        image_grid_thw=out.get("image_grid_thw"),
-                                                        attention_mask=attention_mask)
+    out["position_ids"], _ = rope_positions(model, input_ids, attention_mask, out)
     return out
+
+
+def rope_positions(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   inputs: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The model's own ``get_rope_index`` over rows ``input_ids [B, T]`` (left-padded) with their
+    ``image_inputs``: the M-RoPE ``position_ids [3, B, T]`` and each row's rope delta [B] (how far a text
+    token after the prompt sits beyond its text position: all three components of its position are that
+    text position plus the delta)."""
+    positions, deltas = _core(model).get_rope_index(input_ids, inputs["mm_token_type_ids"],
+                                                    image_grid_thw=inputs.get("image_grid_thw"),
+                                                    attention_mask=attention_mask)
+    return positions, deltas.reshape(-1)
+
+
+def decode_unsupported(model: torch.nn.Module) -> Optional[str]:
+    """Why the static-cache decode cannot serve this vision-language model (None when it can): it takes
+    the decode steps' positions from the model's rope index."""
+    if not callable(getattr(_core(model), "get_rope_index", None)):
+        return f"{type(hf_module(model)).__name__} has no get_rope_index (the decode steps' M-RoPE positions)"
+    return None

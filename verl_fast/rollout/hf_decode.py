@@ -17,6 +17,13 @@ attention mask), temperature then top-k then top-p over the float32 logits, a dr
 resulting categorical distribution (the exponential race: argmax of log p - log E with E ~ Exp(1),
 exactly categorical, and free of host syncs), pad after a row's EOS. The sampled tokens' log-probs
 are taken from the raw logits divided by the temperature, as the HF engine reports them.
+
+A vision-language model (Qwen2-VL / Qwen2.5-VL, ``Images``): the prefill runs the model's own forward
+with the prompts' pixel values and image grids at their M-RoPE positions (the model's rope index), in
+one chunk; each decode step is text only, and a text token after the prompt has all three M-RoPE
+components equal to its text position plus the row's rope delta, so the step passes those positions
+explicitly ([3, B, 1]) and nothing rests on state the model caches between calls. The image
+placeholder tokens are never sampled (``Images.never``), as the HF engine's ``generate`` suppresses them.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from transformers import AttentionInterface
@@ -58,7 +65,8 @@ _PLAIN_GENERATION = {
 def unsupported(module: torch.nn.Module) -> Optional[str]:
     """Why this model cannot use the loop (None when it can)."""
     cfg = getattr(module, "config", None)
-    attn = getattr(cfg, "_attn_implementation", None)
+    text = cfg.get_text_config() if cfg is not None else None  # a vision-language model's language model
+    attn = getattr(text, "_attn_implementation", None)
     if attn != "sdpa":  # the 4-D boolean mask below is sdpa's format
         return f"attention implementation {attn!r} (the static-cache loop needs 'sdpa')"
     if getattr(cfg, "is_encoder_decoder", False):
@@ -123,6 +131,20 @@ def prompts_per_call(config, width: int, max_new_tokens: int, samples: int, prom
         return prompts
     per_prompt = bytes_per_prompt(config, width, max_new_tokens, samples, kv_element_bytes)
     return max(1, min(prompts, int(room // per_prompt)))
+
+
+@dataclass
+class Images:
+    """A vision-language prefill's inputs beside the prompts' token ids [P, W] (Qwen2-VL / Qwen2.5-VL)."""
+
+    inputs: Dict[str, torch.Tensor]  # the prefill forward's keywords: pixel_values, image_grid_thw (none: no image)
+    positions: torch.Tensor  # [3, P, W] the prompts' M-RoPE positions (the model's rope index)
+    deltas: torch.Tensor  # [P] each prompt's rope delta: a text token's position beyond its text position
+    never: torch.Tensor  # [K] token ids never sampled (the image placeholders)
+
+    def padded(self, extra: int) -> "Images":
+        """The same inputs for prompts left-padded by ``extra`` more columns."""
+        return Images(self.inputs, torch.nn.functional.pad(self.positions, (extra, 0)), self.deltas, self.never)
 
 
 @dataclass
@@ -243,7 +265,7 @@ AttentionInterface.register(ATTENTION, grouped_attention)
 @contextlib.contextmanager
 def _attention(module, name: str) -> Iterator[None]:
     """The model's attention implementation set to ``name`` for the decode steps only."""
-    cfg = module.config
+    cfg = module.config.get_text_config()  # a vision-language model's vision tower keeps its own
     before = cfg._attn_implementation
     cfg._attn_implementation = name
     try:
@@ -252,13 +274,17 @@ def _attention(module, name: str) -> Iterator[None]:
         cfg._attn_implementation = before
 
 
-def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Next tokens [B] and their log-probs [B] from float32 logits [B, V] (temperature 0: greedy)."""
+def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+           never: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Next tokens [B] and their log-probs [B] from float32 logits [B, V] (temperature 0: greedy); the ids
+    ``never`` are drawn from none of them (taken out before top-k / top-p; the log-probs stay unfiltered)."""
     if temperature == 0:
-        token = logits.argmax(-1)
+        token = (logits if never is None else logits.index_fill(-1, never, float("-inf"))).argmax(-1)
         return token, torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)
     scores = logits / temperature
     logp = torch.log_softmax(scores, -1)
+    if never is not None:
+        scores = scores.index_fill(-1, never, float("-inf"))
     if 0 < top_k < scores.shape[-1]:
         kth = torch.topk(scores, top_k, dim=-1).values[:, -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -295,10 +321,11 @@ def _without_fsdp_hooks(module: torch.nn.Module) -> Iterator[None]:
             m._forward_pre_hooks, m._forward_hooks = pre, post
 
 
-def model_step(module, ids, mask, positions, cache) -> torch.Tensor:
-    """One forward over the cache: the last position's float32 logits [B, V]."""
+def model_step(module, ids, mask, positions, cache, **inputs) -> torch.Tensor:
+    """One forward over the cache: the last position's float32 logits [B, V]. ``inputs``: a
+    vision-language prefill's image keywords."""
     out = module(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
-                 logits_to_keep=1)
+                 logits_to_keep=1, **inputs)
     return out.logits[:, -1].float()
 
 
@@ -413,9 +440,9 @@ class _Decoder:
     def __init__(self, module, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
                  sampling: Tuple[float, int, float], stop_ids: Sequence[int], pad_id: int,
                  compiled: Optional["CompiledForward"] = None, rows: Optional[torch.Tensor] = None,
-                 fused: bool = False, past: Optional[Past] = None):
+                 fused: bool = False, past: Optional[Past] = None, images: Optional[Images] = None):
         self.module = module
-        self.sampling = sampling
+        self.sampling = (*sampling, None if images is None else images.never)  # sample()'s arguments after logits
         self.forward = compiled.fn if compiled is not None else model_step  # the decode steps' forward
         self.record = compiled.record if compiled is not None else record  # and their sampling
         W = input_ids.shape[1]
@@ -423,9 +450,9 @@ class _Decoder:
         device = input_ids.device
         C = 0 if past is None else past.columns  # the past's columns: the prompts follow them
         L = C + W + max_new_tokens
-        self.cache = StaticKV(module.config.num_hidden_layers, L, rows, fused=fused, past=past)
-        self.seed = None  # the fused sampling's random key (None: the torch sampling)
-        if fused and decode_sampling is not None and decode_sampling.supports(*sampling[1:]):
+        self.cache = StaticKV(module.config.get_text_config().num_hidden_layers, L, rows, fused=fused, past=past)
+        self.seed = None  # the fused sampling's random key (None: the torch sampling, which also leaves out ``never``)
+        if fused and decode_sampling is not None and decode_sampling.supports(*sampling[1:]) and images is None:
             self.seed = torch.randint(0, 2 ** 62, (1,), dtype=torch.long, device=device)
             self.record = compiled.record_fused if compiled is not None else record_fused
         self.stop = torch.tensor(sorted(set(stop_ids)) or [-1], dtype=torch.long, device=device)
@@ -437,7 +464,10 @@ class _Decoder:
             positions += past.position[:, None]
         positions.masked_fill_(attention_mask == 0, 1)  # as generate does for left padding
         valid = attention_mask.bool() if past is None else torch.cat([past.valid, attention_mask.bool()], 1)
-        self._prefill(input_ids, valid, positions, C, rows)
+        self.mrope = images is not None  # the decode steps' positions go in as [3, B, 1]
+        self._prefill(input_ids, valid, positions if images is None else images.positions, C, rows, images)
+        if images is not None:  # a text token's M-RoPE position: its text position plus the prompt's delta
+            positions = positions + images.deltas[:, None]
         per_row = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
         self.valid = torch.zeros((B, L), dtype=torch.bool, device=device)  # keys each row may attend to
         self.valid[:, : C + W] = per_row(valid)
@@ -484,18 +514,20 @@ class _Decoder:
         self._flush()
         return self.out_tokens.cpu(), self.out_logprobs.cpu()
 
-    def _prefill(self, input_ids, valid, positions, C, rows):
+    def _prefill(self, input_ids, valid, positions, C, rows, images: Optional[Images] = None):
         """The prompts' forward, each prompt once, in chunks of at most ``PREFILL_CHUNK`` columns (a later
         chunk's queries attend to the cache's earlier columns: activations and mask over a chunk, not the
         whole prompt), and each row's first token from its prompt's logits. ``valid`` [P, C + W]: the
-        past's ``C`` columns (cached, not run again) and the prompts'."""
+        past's ``C`` columns (cached, not run again) and the prompts'. With ``images``, one chunk (the
+        model places all of a forward's image features on that forward's placeholders), positions [3, P, W]."""
         device = input_ids.device
         W = C + input_ids.shape[1]
-        chunked = W - C > PREFILL_CHUNK
+        chunk = PREFILL_CHUNK if images is None else W - C
+        chunked = W - C > chunk
         if chunked:  # the chunks' keys and values kept per prompt, copied to the rows that decode them after
             self.cache.rows = None
-        for start in range(C, W, PREFILL_CHUNK):
-            end = min(start + PREFILL_CHUNK, W)
+        for start in range(C, W, chunk):
+            end = min(start + chunk, W)
             # keys attended: the first chunk's own (the cache returns them), a later chunk's (or a chunk after
             # a past) the whole cache's
             keys = end if start == 0 and self.cache.past is None else self.cache.length
@@ -506,8 +538,9 @@ class _Decoder:
             mask = (((key <= query)[None] & attended[:, None, :]) | (key == query)[None])[:, None]
             self.cache.cols = torch.arange(start, end, device=device)
             self.cache.seen = start
-            logits = model_step(self.module, input_ids[:, start - C : end - C], mask, positions[:, start - C : end - C],
-                                self.cache)
+            logits = model_step(self.module, input_ids[:, start - C : end - C], mask,
+                                positions[..., start - C : end - C], self.cache,
+                                **({} if images is None else images.inputs))
         if chunked and rows is not None:
             for store in (self.cache.keys, self.cache.values):
                 for layer, tensor in enumerate(store):
@@ -521,7 +554,8 @@ class _Decoder:
 
     def step(self) -> None:
         self.valid.index_fill_(1, self.col, True)
-        logits = self.forward(self.module, self.current, self.mask, self.position, self.cache)
+        position = self.position[None].expand(3, -1, -1) if self.mrope else self.position  # a view: graph-safe
+        logits = self.forward(self.module, self.current, self.mask, position, self.cache)
         state = (logits, self.sampling, self.done, self.pad, self.stop, self.tokens, self.logprobs, self.current,
                  self.position, self.col, self.t)
         if self.seed is None:
@@ -617,7 +651,7 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
            compiled: Optional[CompiledForward] = None, rows: Optional[torch.Tensor] = None,
            min_rows: Optional[int] = MIN_ROWS, log: Optional[List[Tuple[int, int]]] = None,
            fused: bool = False, past: Optional[Past] = None,
-           keep: Optional[list] = None) -> Tuple[torch.Tensor, torch.Tensor, str]:
+           keep: Optional[list] = None, images: Optional[Images] = None) -> Tuple[torch.Tensor, torch.Tensor, str]:
     """New tokens [B, max_new_tokens] (pad after a row's stop token, and after an early exit once
     every row stopped) and their log-probs [B, max_new_tokens] (0 past the end), on the host, and
     how the steps ran: "graph" (replays) or "eager".
@@ -649,7 +683,12 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
     A conversation's next turn (``rollout/kv_turns.py``): ``past`` holds each row's cached columns (one
     row per prompt, ``rows`` None), which the prompts (the new tokens) follow at each row's own
     positions; ``keep``: the decoder appended to it at the end, its cache and masks kept for the turn
-    after (it needs ``min_rows`` None: a compaction drops the finished rows' caches)."""
+    after (it needs ``min_rows`` None: a compaction drops the finished rows' caches).
+
+    ``images``: a vision-language model's prompts' images and M-RoPE positions (``Images``; the fused
+    sampling kernel, which cannot leave out the placeholder ids, gives way to the torch sampling)."""
+    if images is not None and past is not None:
+        raise ValueError("decode: images go with a conversation's first turn only (past must be None with them)")
     if past is not None and rows is not None:
         raise ValueError("decode: past continues one row per prompt; rows must be None with it")
     if keep is not None and min_rows is not None:
@@ -658,12 +697,13 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
         extra = -input_ids.shape[1] % compiled.WIDTH
         input_ids = torch.nn.functional.pad(input_ids, (extra, 0), value=pad_id)
         attention_mask = torch.nn.functional.pad(attention_mask, (extra, 0), value=0)
+        images = images.padded(extra) if images is not None else None
     with contextlib.ExitStack() as stack:
         stack.enter_context(_without_fsdp_hooks(module))
         if compiled is not None:
             stack.enter_context(compiled.weights(module))
         dec = _Decoder(module, input_ids, attention_mask, max_new_tokens, (temperature, top_k, top_p), stop_ids,
-                       pad_id, compiled, rows, fused=fused, past=past)  # the prefill: sdpa, eager
+                       pad_id, compiled, rows, fused=fused, past=past, images=images)  # the prefill: sdpa, eager
         stack.enter_context(_attention(module, ATTENTION))
         steps, graphed = _run_steps(dec, max_new_tokens, use_graph, check_every,
                                     graphs if graphs is not None else GraphPool(), min_rows, log)

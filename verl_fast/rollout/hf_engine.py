@@ -173,9 +173,7 @@ class HFGenerateEngine(RolloutEngine):
                              "has no top-k routers")
         self.fast_failed: Optional[str] = None
         self.vision_language = vision_model.is_vision_model(model)
-        if self.vision_language and fast_decode != "off":
-            logger.info("HF rollout: a vision-language model decodes through generate (images in the prefill; "
-                        "the compiled decode is text only)")
+        self._told: set = set()  # the reasons already logged for decoding through generate
         self.last_mode: Optional[str] = None  # how the last call decoded: graph, eager or generate
         self._graphs = hf_decode.GraphPool()  # the decode graph's memory, reused by the next call's graph
         self._compiled = hf_decode.CompiledForward() if compile_decode else None
@@ -221,7 +219,7 @@ class HFGenerateEngine(RolloutEngine):
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Union[SamplingSpec, Sequence[SamplingSpec]],
                  vision: Optional[Sequence[Optional[Any]]] = None) -> GenerationOutput:
         """``vision``: each prompt's images (``VisionInputs``, None for a text prompt) for a
-        vision-language actor, which decodes through ``generate`` (the compiled loop is text only)."""
+        vision-language actor (the images go through the prefill; the decode steps are text only)."""
         specs = [sampling] * len(prompts) if isinstance(sampling, SamplingSpec) else list(sampling)
         if len(specs) != len(prompts):
             raise ValueError(f"one sampling spec per prompt expected: {len(prompts)} prompts, {len(specs)} specs")
@@ -293,7 +291,7 @@ class HFGenerateEngine(RolloutEngine):
     def turn_cache(self) -> Optional["kv_turns.TurnCache"]:
         """A multi-turn rollout's cache of each conversation's keys and values between turns
         (``rollout/kv_turns.py``), where the static-cache loop decodes; else None."""
-        if self._fast_reason(SamplingSpec()) is not None:
+        if self.vision_language or self._fast_reason(SamplingSpec()) is not None:  # (a later turn: no images)
             return None
         return kv_turns.TurnCache(self, eos_token_ids(self._module(), self.tokenizer))
 
@@ -311,8 +309,6 @@ class HFGenerateEngine(RolloutEngine):
 
     def _fast_reason(self, spec: SamplingSpec) -> Optional[str]:
         """Why this call goes to ``generate`` rather than the static-cache loop (None: it does not)."""
-        if self.vision_language:
-            return "a vision-language model (the static-cache loop decodes text models)"
         if self.fast_decode == "off" or (self.fast_decode == "auto" and self.device.type != "cuda"):
             return f"fast_decode={self.fast_decode} on {self.device.type}"
         if self.fast_failed:
@@ -321,7 +317,8 @@ class HFGenerateEngine(RolloutEngine):
             return "record_routing"
         if spec.stop:
             return "stop strings"
-        return hf_decode.unsupported(self._module())
+        return ((self.vision_language and vision_model.decode_unsupported(self._module()))
+                or hf_decode.unsupported(self._module()))
 
     @torch.no_grad()
     def _generate(self, prompts: List[Sequence[int]], spec: SamplingSpec,
@@ -340,7 +337,7 @@ class HFGenerateEngine(RolloutEngine):
         copies = spec.n if greedy else 1  # greedy samples are identical: decode once, copy n times
         recording = routing.record(module) if self.record_routing else contextlib.nullcontext()
         with self.decoding(module), recording as rec:
-            new, logp, self.last_mode = self.decode_fast(module, ids, mask, spec, eos, copies)
+            new, logp, self.last_mode = self.decode_fast(module, ids, mask, spec, eos, copies, vision=vision)
             if new is None:
                 images = {} if vision is None else vision_model.image_inputs(module, ids.to(device), vision)
                 new, logp = self._decode_generate(module, ids, mask, spec, eos, copies, images)
@@ -372,14 +369,23 @@ class HFGenerateEngine(RolloutEngine):
             module.train(was_training)
 
     def decode_fast(self, module, ids, mask, spec: SamplingSpec, eos: List[int], copies: int,
-                    past: Optional[hf_decode.Past] = None, keep: Optional[list] = None):
-        """(new tokens, log-probs, mode) on the host from hf_decode, or Nones where it does not apply.
-        ``past`` / ``keep``: a conversation's next turn (``hf_decode.decode``; its rows not compacted)."""
-        if self._fast_reason(spec) is not None:
+                    past: Optional[hf_decode.Past] = None, keep: Optional[list] = None,
+                    vision: Optional[Sequence[Optional[Any]]] = None):
+        """(new tokens, log-probs, mode) on the host from hf_decode, or Nones where it does not apply (the
+        reason logged once). ``past`` / ``keep``: a conversation's next turn (``hf_decode.decode``; its rows
+        not compacted). ``vision``: a vision-language actor's prompts' images (None a text prompt)."""
+        reason = self._fast_reason(spec)
+        if reason is not None:
+            if reason not in self._told:
+                self._told.add(reason)
+                logger.info("HF rollout decodes through generate: %s", reason)
             return None, None, None
         device = self.device
-        rows = None
-        if past is None:  # each distinct prompt prefilled once (a prompt's samples, a trajectory's first turn),
+        rows, images = None, None
+        if self.vision_language:  # each prompt prefilled once with its own images
+            images = self._images(module, ids.to(device), mask.to(device), vision)
+            rows = torch.arange(ids.shape[0]).repeat_interleave(spec.n // copies)
+        elif past is None:  # each distinct prompt prefilled once (a prompt's samples, a trajectory's first turn),
             width = ids.shape[1]  # its cache copied to the rows that decode it
             distinct, prompt_of = torch.unique(torch.cat([ids, mask], 1), dim=0, return_inverse=True)
             ids, mask, rows = distinct[:, :width], distinct[:, width:], prompt_of.repeat_interleave(spec.n // copies)
@@ -390,13 +396,22 @@ class HFGenerateEngine(RolloutEngine):
                 use_graph=device.type == "cuda" and not _fsdp1(self.model), graphs=self._graphs,
                 compiled=self._compiled if not is_sharded(self.model) else None,
                 rows=None if rows is None else rows.to(device),
-                min_rows=None if keep is not None else self._min_rows(device), past=past, keep=keep,
+                min_rows=None if keep is not None else self._min_rows(device), past=past, keep=keep, images=images,
                 fused=self.fused_kernels == "on" or (self.fused_kernels == "auto" and device.type == "cuda"
                                                      and hf_decode.decode_sampling is not None))
         except Exception as e:  # noqa: BLE001 - the loop is an optimisation: generate still works
             self.fast_failed = f"the static-cache loop failed before ({type(e).__name__}: {e})"
             logger.warning("fast HF decoding failed, using generate from now on: %s: %s", type(e).__name__, e)
             return None, None, None
+
+    @staticmethod
+    def _images(module, ids: torch.Tensor, mask: torch.Tensor, vision) -> hf_decode.Images:
+        """A vision-language prefill's ``hf_decode.Images`` for left-padded prompts ``ids`` [P, W] on the
+        device: their images (``vision``, None a text prompt, or None for all) and M-RoPE positions."""
+        inputs = vision_model.image_inputs(module, ids, vision if vision is not None else [None] * ids.shape[0])
+        positions, deltas = vision_model.rope_positions(module, ids, mask, inputs)
+        never = torch.tensor(vision_model.placeholder_ids(module), dtype=torch.long, device=ids.device)
+        return hf_decode.Images({k: v for k, v in inputs.items() if k != "mm_token_type_ids"}, positions, deltas, never)
 
     def _min_rows(self, device: torch.device) -> Optional[int]:
         """``decode``'s ``min_rows`` for ``compact_rows`` (None: the whole batch to the longest row)."""

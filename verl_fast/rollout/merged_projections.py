@@ -11,11 +11,11 @@ by ``hf_decode.CompiledForward.weights``; the model's own modules are left as th
 module given a ``merged_product`` submodule (the FP8 decode's stacked FP8 copies) computes its merged
 product with it instead, and gets no copies.
 
-The forwards below restate the attention and MLP of the Llama family (Llama, Mistral, Qwen2, Qwen3)
-with the merged products: the same operations in the same order as transformers' modules, the
-rotary embedding taken from the model's own modeling module, the attention from the interface the
-config names (sdpa for the prefill, ``grouped_attention`` for the decode steps). Other architectures
-keep their modules' forwards (and unmerged products).
+The forwards below restate the attention and MLP of the Llama family (Llama, Mistral, Qwen2, Qwen3,
+and the language models of Qwen2-VL / Qwen2.5-VL) with the merged products: the same operations in
+the same order as transformers' modules, the rotary embedding taken from the model's own modeling
+module, the attention from the interface the config names (sdpa for the prefill, ``grouped_attention``
+for the decode steps). Other architectures keep their modules' forwards (and unmerged products).
 """
 
 from __future__ import annotations
@@ -29,8 +29,10 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-# the modules whose forward ``attention_forward`` / ``mlp_forward`` restate (transformers 5.x)
-ATTENTIONS = frozenset({"LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention"})
+# the modules whose forward ``attention_forward`` / ``mlp_forward`` restate (transformers 5.x); Qwen2-VL's and
+# Qwen2.5-VL's language-model attention is Qwen2's (their M-RoPE is in the cos / sin tables they are given)
+ATTENTIONS = frozenset({"LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention", "Qwen2VLAttention",
+                        "Qwen2_5_VLAttention"})
 MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
 PARTS = {"attention": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
 
