@@ -114,8 +114,9 @@ class FakeLLM:
     expand each folded placeholder to ``expand_to`` tokens, as vLLM's processor would."""
 
     def __init__(self, config, expand_to):
-        self.llm_engine = type("E", (), {"model_config": type("M", (), {"hf_config": config})()})()
-        self.expand_to, self.requests, self.loaded = expand_to, [], []
+        self.llm_engine = type("E", (), {"model_config": type("M", (), {"hf_config": config})(),
+                                         "reset_encoder_cache": lambda engine: self.resets.append(len(self.loaded))})()
+        self.expand_to, self.requests, self.loaded, self.resets = expand_to, [], [], []
 
     def generate(self, prompts, params, use_tqdm, lora_request):
         self.requests.extend(zip(prompts, params))
@@ -188,6 +189,8 @@ def test_sync_sends_the_tower_first_then_only_while_it_trains(frozen):
     assert all(torch.equal(first[n], p) for n, p in params.items())
     tower = {n for n in params if n.startswith("model.visual.")}
     assert tower and set(second) == (set(params) - tower if frozen else set(params))
+    # the vision encoder's cached outputs dropped after each load that changed the tower
+    assert engine.llm.resets == ([1] if frozen else [1, 2])
 
 
 # ---------------------------------------------------------------- factory and trainer

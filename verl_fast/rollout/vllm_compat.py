@@ -227,6 +227,14 @@ def model_dtype(llm) -> Optional[torch.dtype]:
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
+def reset_encoder_cache(llm) -> None:
+    """Drops the vision encoder's cached outputs (after the vision tower's weights change: a picture seen
+    before would otherwise reuse its old embeddings); vLLM's reload path does it too where it has one."""
+    reset = getattr(llm.llm_engine, "reset_encoder_cache", None)
+    if reset is not None:
+        reset()
+
+
 # the most negative logit bias vLLM takes: a token's probability times e^-100, never sampled
 BANNED_LOGIT_BIAS = -100.0
 

@@ -562,7 +562,10 @@ class VLLMInferenceEngine(RolloutEngine):
             self._last_update_s = time.perf_counter() - start
             return {"bytes": 0}
         if vision_model.is_vision_model(model):
-            self.update_weights(self._vision_language_tensors(model))
+            tensors, tower = self._vision_language_tensors(model)
+            self.update_weights(tensors)
+            if tower:
+                compat.reset_encoder_cache(self.llm)
             return {"bytes": 0}
         if self._sync is None:
             self._sync = self._weight_sync(model)
@@ -578,14 +581,15 @@ class VLLMInferenceEngine(RolloutEngine):
         self._last_update_s = time.perf_counter() - start
         return {"bytes": self._sync.received_bytes}
 
-    def _vision_language_tensors(self, model: torch.nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
+    def _vision_language_tensors(self, model: torch.nn.Module) -> Tuple[Iterator[Tuple[str, torch.Tensor]], bool]:
         """A Qwen2-VL / Qwen2.5-VL actor's HF-named tensors for vLLM's loader (which maps the names:
         ``rollout/vlm_weights.py``): the language model, and the vision tower at the first sync (the
-        engine's placeholder weights) or while it trains (``actor.freeze_vision_tower: false``)."""
+        engine's placeholder weights) or while it trains (``actor.freeze_vision_tower: false``); and
+        whether the tower is among them."""
         params = [(clean_name(k), v) for k, v in hf_module(model).named_parameters()]
         tower = not self._tower_synced or any(v.requires_grad for k, v in params if vlm_weights.is_vision(k))
         self._tower_synced = True
-        return ((k, v) for k, v in params if tower or not vlm_weights.is_vision(k))
+        return ((k, v) for k, v in params if tower or not vlm_weights.is_vision(k)), tower
 
     def _weight_sync(self, model: torch.nn.Module, direct: Optional[bool] = None):
         from verl_fast import distributed
