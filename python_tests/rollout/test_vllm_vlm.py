@@ -193,6 +193,28 @@ def test_sync_sends_the_tower_first_then_only_while_it_trains(frozen):
     assert engine.llm.resets == ([1] if frozen else [1, 2])
 
 
+def test_weight_differences_name_vllms_groups():
+    """The sync check of a vision-language engine: vLLM's parameters as a GPU engine keeps them (bf16, the
+    vocabulary padded to 512 rows, the patch embedding flattened), compared with the actor's."""
+    model, _ = build_vlm("qwen2_5_vl")
+    held = {k: v.detach().to(torch.bfloat16).clone()
+            for k, v in vlm_weights.engine_tensors(model.named_parameters()).items()}
+    for name in ("language_model.model.embed_tokens.weight", "language_model.lm_head.weight"):
+        held[name] = torch.cat([held[name], torch.zeros(512 - held[name].shape[0], held[name].shape[1],
+                                                        dtype=torch.bfloat16)])
+    held["visual.patch_embed.proj.weight"] = held["visual.patch_embed.proj.weight"].flatten(1)
+    engine = fake_engine(model, expand_to=1)
+    engine._params, engine._sleeping = held, set()
+    assert engine.weight_differences(model) == []
+    with torch.no_grad():
+        model.model.language_model.layers[1].self_attn.v_proj.weight[0, 0] += 1.0
+        model.model.visual.blocks[0].mlp.up_proj.bias.add_(0.5)
+        model.lm_head.weight[3] += 1.0
+    assert sorted(engine.weight_differences(model)) == ["language_model.lm_head",
+                                                        "language_model.model.layers.1.self_attn.qkv_proj",
+                                                        "visual.blocks.0.mlp.gate_up_proj"]
+
+
 # ---------------------------------------------------------------- factory and trainer
 
 def test_engine_folder_processor_resizes_as_the_trainer(tmp_path):
