@@ -400,7 +400,7 @@ class VLLMInferenceEngine(RolloutEngine):
         want_logprobs = all(p.logprobs is not None for _, p in requests)
         tokens, logprobs, index, texts, reasons, routed = [], [], [], [], [], []
         undecoded = []  # completions of requests without vLLM's detokenisation: decoded below in one call
-        for (request, params), owner, out in zip(requests, owners, outputs):
+        for (_, params), owner, out in zip(requests, owners, outputs):
             if vision is not None and vision[owner] is not None:
                 vlm_prompts.check_expansion(prompts[owner], out.prompt_token_ids, owner)
             self._stats.count(out)
