@@ -20,8 +20,8 @@ pytest.importorskip("torchvision", reason="vLLM's Qwen2-VL module imports transf
                                           "which need torchvision")
 
 from rollout_refs import BF16_FACTOR, BF16_FLOOR, rows  # noqa: E402
-from tiny_vlm import build_vlm, square_image  # noqa: E402
-from verl_fast.models import vision as vision_model  # noqa: E402
+from tiny_vlm import build_processor, square_image  # noqa: E402
+from verl_fast.models import random_vlm, vision as vision_model  # noqa: E402
 from verl_fast.records.generation import SamplingSpec  # noqa: E402
 from verl_fast.rollout.hf_engine import HFGenerateEngine  # noqa: E402
 from verl_fast.rollout.vllm_engine import VLLMInferenceEngine  # noqa: E402
@@ -32,11 +32,24 @@ TOKENS = 8
 PROMPTS = [[(1, 56)], [(3, 84)], [(2, 112), (4, 56)]]
 
 
+def tiny_qwen2_vl():
+    """The tests' tiny Qwen2-VL with one vision head (head size 32: vLLM's GPU attention takes no 16)."""
+    from transformers import AutoModelForImageTextToText
+
+    processor = build_processor()
+    config = random_vlm.build_config("qwen2_vl", processor.tokenizer, "tiny")
+    config.vision_config.num_heads = 1
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = processor.tokenizer.eos_token_id
+    return model, processor
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    model, processor = build_vlm("qwen2_vl")
+    model, processor = tiny_qwen2_vl()
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)  # peaked next-token distributions: few near-ties for greedy to flip
     path = tmp_path_factory.mktemp("vlm") / "qwen2_vl"
