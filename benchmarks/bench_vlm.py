@@ -7,13 +7,14 @@ The setup: a Qwen2.5-VL-3B-shaped model with random bf16 weights (``verl_fast.mo
 vocabulary) built in each run's process; one 448 x 448 random-noise picture a prompt (256 image
 tokens after the 2 x 2 merge). GRPO: 16 prompts x 8 samples, up to 256 new tokens at temperature 1,
 a length reward; ours with the HF rollout (the compiled, graph-captured decode: the images in its
-prefill, ``rollout/cuda_graph`` 1 in each step's record when the steps replayed graphs), TRL 1.16
+prefill, ``rollout/cuda_graph`` 1 in each step's record when the steps replayed graphs) and, as
+``ours_vllm``, with vLLM's (``rollout.type: vllm``: the images per request; GRPO only), TRL 1.16
 with ``use_vllm=True, vllm_mode="colocate"``, ``beta=0`` as ours (no reference). SFT: 32 rows of a
 picture, a question and a 128-word answer, the loss on the answer; ours with the defaults, TRL's
 ``SFTTrainer`` with its vision-language collator. The vision tower is frozen in both. Each run is its
 own process; the first ``--skip`` steps are warm-up, the figures medians of the rest.
 
-    python benchmarks/bench_vlm.py --device cuda [--algos grpo,sft] [--impls ours,trl]
+    python benchmarks/bench_vlm.py --device cuda [--algos grpo,sft] [--impls ours,ours_vllm,trl]
     python benchmarks/bench_vlm.py --device cpu --tiny     # smoke test: the tiny shape, small pictures
 """
 
@@ -93,6 +94,7 @@ def peak_gib() -> float:
 
 
 def worker_ours(args) -> Dict[str, Any]:
+    """Our trainer's steps; ``--run ours_vllm``: GRPO's rollout through vLLM."""
     from verl_fast.trainer.rl_trainer import RLTrainer
 
     model, processor = build(args)
@@ -103,7 +105,7 @@ def worker_ours(args) -> Dict[str, Any]:
                    "image_max_pixels": side}
     if args.algo == "grpo":
         cfg = {"algorithm": {"type": "grpo"}, "actor": {"lr": 1e-6},
-               "rollout": {"type": "hf", "n": s["n"], "max_new_tokens": s["tokens"], "temperature": 1.0},
+               "rollout": {"type": "vllm" if args.run == "ours_vllm" else "hf", "n": s["n"], "max_new_tokens": s["tokens"], "temperature": 1.0},
                "trainer": {**trainer_cfg, "train_batch_size": s["prompts"], "max_prompt_length": 512}}
         trainer = RLTrainer(actor_model=model, tokenizer=processor, reward_fn=length_reward, config=cfg)
         items = trainer.processor.encode_all(grpo_rows(args, trl=False))
@@ -195,7 +197,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.run:
-        result = (worker_ours if args.run == "ours" else worker_trl)(args)
+        result = (worker_ours if args.run in ("ours", "ours_vllm") else worker_trl)(args)
         Path(args.out).write_text(json.dumps(result))
         return 0
     report = Report(args.name + ("_tiny" if args.tiny else ""), args.device)
@@ -203,6 +205,8 @@ def main(argv=None) -> int:
     for algo in args.algos.split(","):
         case = f"{algo} step ms"
         for impl in args.impls.split(","):
+            if impl == "ours_vllm" and algo != "grpo":
+                continue  # no rollout in SFT: the same run as ours
             out = Path(tempfile.mkdtemp(prefix="bench_vlm_")) / "result.json"
             cmd = [sys.executable, __file__, "--run", impl, "--algo", algo, "--out", str(out), "--device",
                    args.device, "--steps", str(args.steps)] + (["--tiny"] if args.tiny else [])
@@ -220,7 +224,7 @@ def main(argv=None) -> int:
             mfu = [s["mfu_update"] for s in timed if s.get("mfu_update")]
             note = f"peak {max(s['peak_memory_gib'] for s in timed):.1f} GiB" + \
                 (f", update MFU {100 * statistics.median(mfu):.1f}%" if mfu else "")
-            name = "verl_fast (ours)" if impl == "ours" else result["impl"] + \
+            name = {"ours": "verl_fast (ours)", "ours_vllm": "verl_fast (ours, vLLM rollout)"}.get(impl) or result["impl"] + \
                 (" GRPOTrainer (vLLM colocate)" if algo == "grpo" else " SFTTrainer")
             report.add(case, name, wall * 1e3, note=note)
             report.meta[f"{algo}/{impl}"] = {"wall_s": wall, "steps": timed}

@@ -330,8 +330,16 @@ fi
 # and SFT (32 rows of a picture and a 128-word answer) on a Qwen2.5-VL-3B-shaped random-weight model, ours vs TRL's
 # GRPOTrainer (vLLM colocate) / SFTTrainer; results/vlm_cuda.json. TRL needs trl, datasets, dill, multiprocess (.whl/),
 # vLLM (the .dv* pieces) and torchvision (transformers' Qwen2.5-VL processor); ours needs none of them. Each run is
-# its own process (VLM_RUN_TIMEOUT s); VLM_ALGOS=grpo / sft splits it over two calls if one does not fit ----
+# its own process (VLM_RUN_TIMEOUT s); VLM_ALGOS=grpo / sft splits it over two calls if one does not fit.
+# First the vLLM engine with images (issue 70b; vLLM + torchvision, ~1-2 min; VLM_VLLM_TEST= skips it):
+# greedy / log-probs against HF with the same images, the weight sync. VLM_IMPLS=ours,ours_vllm,trl adds
+# our GRPO step with rollout.type=vllm ----
 if want vlm; then
+  if [ -n "${VLM_VLLM_TEST-python_tests/rollout/test_vllm_vlm_gpu.py}" ]; then
+    timeout ${VLM_VLLM_TEST_TIMEOUT:-300} "$py" -m pytest -v -p no:cacheprovider -rs \
+      ${VLM_VLLM_TEST-python_tests/rollout/test_vllm_vlm_gpu.py} > "$OUT/pytest_vlm_vllm.log" 2>&1 || failed+=("pytest vlm vllm")
+    grep -E "(PASSED|FAILED|ERROR|SKIPPED)|[0-9]+ (passed|failed|skipped)" "$OUT/pytest_vlm_vllm.log" | tail -n 8
+  fi
   timeout ${VLM_TIMEOUT:-580} "$py" benchmarks/bench_vlm.py --device cuda --algos "${VLM_ALGOS:-grpo,sft}" \
     --impls "${VLM_IMPLS:-ours,trl}" --steps "${VLM_STEPS:-3}" --timeout "${VLM_RUN_TIMEOUT:-200}" \
     >> "$OUT/bench.log" 2>&1 || failed+=("bench_vlm")

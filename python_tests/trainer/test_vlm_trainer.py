@@ -138,7 +138,6 @@ def test_resume_continues_the_run(tmp_path):
 
 
 @pytest.mark.parametrize("section, key, value, message", [
-    ("rollout", "type", "vllm", "not supported with rollout.type=vllm; use rollout.type: hf"),
     ("algorithm", "type", "online_dpo", "algorithm.type=online_dpo is not supported with a vision-language actor"),
     ("trainer", "async_mode", "one_step", "not supported with trainer.async_mode=one_step"),
 ])

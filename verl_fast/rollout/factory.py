@@ -29,6 +29,7 @@ of them), or offloaded to the host where no sync rewrites them (a LoRA actor's b
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -41,6 +42,7 @@ import torch
 from verl_fast import distributed
 from verl_fast.config import Config, LoraConfig
 from verl_fast.models.vision import is_vision_model
+from verl_fast.models.vision_processor import VisionProcessor
 from verl_fast.models.wrapping import hf_module, is_sharded
 from verl_fast.ops.reshard.spec import MOE_FAMILIES
 from verl_fast.rollout import engines, hf_decode
@@ -56,7 +58,7 @@ def resolve_type(kind: str, actor: Optional[torch.nn.Module] = None) -> str:
     if kind != "auto":
         return kind
     if actor is not None and is_vision_model(actor):
-        return "hf"  # images through the prefill of generate (vLLM's multimodal requests: not yet)
+        return "hf"  # images through the prefill of generate (vLLM takes them when asked: rollout.type vllm)
     whole = actor is not None and distributed.world_size() == 1
     if whole and compiles_decode(actor) and getattr(hf_module(actor).config, "model_type", None) not in MOE_FAMILIES \
             and hf_decode.unsupported(hf_module(actor)) is None:
@@ -81,13 +83,16 @@ def build_engine(cfg: Config, actor: torch.nn.Module, tokenizer: Any, model_path
                  autocast_dtype: Optional[torch.dtype] = None, source: Any = None,
                  hf_decode_by_default: bool = True) -> RolloutEngine:
     """The engine for ``cfg.rollout`` (``rollout.type``, ``auto`` resolved here, see the module docstring),
-    built by its class (``engines.py``); collective under torchrun. ``source``: what an engine that owns
+    built by its class (``engines.py``); collective under torchrun. ``tokenizer``: a vision-language
+    actor's ``VisionProcessor`` (an engine that owns weights saves it in its folder) or a tokenizer. ``source``: what an engine that owns
     weights takes them from, when not the actor itself (a strategy's own copy). ``hf_decode_by_default``:
     whether ``rollout.type: auto`` may pick HF decode for ``actor`` (not where the strategy trains another
     copy and only exports into it after each update)."""
     kind = resolve_type(cfg.rollout.type, actor if hf_decode_by_default else None)
-    return engines.engine_class(kind).build(cfg, actor, tokenizer, model_path=model_path,
-                                             autocast_dtype=autocast_dtype, source=source)
+    cls = engines.engine_class(kind)
+    if isinstance(tokenizer, VisionProcessor) and not cls.owns_weights:
+        tokenizer = tokenizer.tokenizer  # the processor goes to engines that load a folder of their own
+    return cls.build(cfg, actor, tokenizer, model_path=model_path, autocast_dtype=autocast_dtype, source=source)
 
 
 def build_vllm(cls: type, cfg: Config, actor: torch.nn.Module, tokenizer: Any, model_path: Optional[str],
@@ -105,6 +110,9 @@ def build_vllm(cls: type, cfg: Config, actor: torch.nn.Module, tokenizer: Any, m
                          "engine's quantized weights cannot take the trainer's updates; train a LoRA (PEFT) actor on "
                          "the quantized base, whose adapter is what moves, or drop rollout.quantization")
     world = distributed.world_size()
+    vision = is_vision_model(actor)
+    if vision:
+        images_per_prompt = check_vision_engine(world, peft, r.quantization == "fp8", tokenizer)
     if peft and model_path is None:
         raise ValueError("a PEFT actor with rollout.type=vllm needs model_path (the base model's folder); "
                          "the adapter is pushed to the engine after each update")
@@ -117,10 +125,12 @@ def build_vllm(cls: type, cfg: Config, actor: torch.nn.Module, tokenizer: Any, m
         check_fp8_engine(world)
     if r.kv_cache_dtype != "auto":
         kwargs["kv_cache_dtype"] = r.kv_cache_dtype
-    placeholder = model_path is None or fp8_weights
+    if vision:
+        kwargs["limit_mm_per_prompt"] = images_per_prompt
+    placeholder = model_path is None or fp8_weights or vision  # a VLM: the folder's image processor is the run's
     if placeholder:
-        model_path = engine_folder(actor, tokenizer, {"quantization_config": QUANTIZATION_CONFIG} if fp8_weights
-                                   else None)
+        model_path = engine_folder(actor, engine_processor(tokenizer) if vision else tokenizer,
+                                   {"quantization_config": QUANTIZATION_CONFIG} if fp8_weights else None)
         kwargs["load_format"] = "dummy"
     if world > 1:
         kwargs["distributed_executor_backend"] = "external_launcher"
@@ -149,6 +159,40 @@ def build_vllm(cls: type, cfg: Config, actor: torch.nn.Module, tokenizer: Any, m
     if world > 1:
         return DataParallelEngine(engine, r.tensor_parallel_size, engine.pad_token_id)
     return engine
+
+
+#: images one prompt may hold in a vLLM request (vLLM sizes its multimodal profiling by it); no videos
+MAX_IMAGES_PER_PROMPT = 8
+
+
+def check_vision_engine(world: int, peft: bool, fp8: bool, processor: Any) -> Dict[str, int]:
+    """A vLLM engine for a vision-language actor: one process, full weights in the actor's dtype, the run's
+    processor (each refusal one line); returns vLLM's ``limit_mm_per_prompt``."""
+    refused = [(world > 1, f"{world} processes", "run one process"),
+               (peft, "a LoRA (PEFT) actor", "drop actor.lora"),
+               (fp8, "rollout.quantization=fp8", "drop rollout.quantization")]
+    for bad, what, use in refused:
+        if bad:
+            raise ValueError(f"rollout.type=vllm with a vision-language actor is not supported with {what}; {use} "
+                             "or use rollout.type: hf")
+    if not isinstance(processor, VisionProcessor):
+        raise ValueError("rollout.type=vllm with a vision-language actor needs its processor (AutoProcessor or "
+                         "verl_fast.data.images.VisionProcessor) as the tokenizer: vLLM reads the images with it")
+    return {"image": MAX_IMAGES_PER_PROMPT, "video": 0}
+
+
+def engine_processor(processor: VisionProcessor) -> VisionProcessor:
+    """``processor`` with its resize bounds (``trainer.image_min_pixels`` / ``image_max_pixels``) written into
+    its image processor, so that vLLM, which reads the saved one, resizes each picture as the trainer did."""
+    image = copy.deepcopy(processor.image_processor)
+    if processor.size:
+        own = image.size
+        image.size = {"shortest_edge": processor.size.get("shortest_edge", own["shortest_edge"]),
+                      "longest_edge": processor.size.get("longest_edge", own["longest_edge"])}
+        for key, bound in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+            if getattr(image, key, None) is not None:  # older processors keep the bounds twice
+                setattr(image, key, image.size[bound])
+    return VisionProcessor(image, processor.tokenizer, processor.chat_template, processor.image_token)
 
 
 def check_fp8_engine(world: int) -> None:

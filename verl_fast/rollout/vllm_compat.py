@@ -227,6 +227,25 @@ def model_dtype(llm) -> Optional[torch.dtype]:
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
+def reset_encoder_cache(llm) -> None:
+    """Drops the vision encoder's cached outputs (after the vision tower's weights change: a picture seen
+    before would otherwise reuse its old embeddings); vLLM's reload path does it too where it has one."""
+    reset = getattr(llm.llm_engine, "reset_encoder_cache", None)
+    if reset is not None:
+        reset()
+
+
+# the most negative logit bias vLLM takes: a token's probability times e^-100, never sampled
+BANNED_LOGIT_BIAS = -100.0
+
+
+def placeholder_ids(llm) -> List[int]:
+    """The engine's model's image then video placeholder tokens (a vision-language model's; none else)."""
+    config = getattr(getattr(getattr(llm, "llm_engine", None), "model_config", None), "hf_config", None)
+    ids = (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None))
+    return [int(t) for t in ids if t is not None] if getattr(config, "vision_config", None) is not None else []
+
+
 def reload_weights(llm, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
     """Loads HF-named tensors into the running model in place, then drops the prefix cache."""
     from vllm.v1.worker.gpu_worker import Worker

@@ -60,16 +60,20 @@ import tempfile
 import time
 import weakref
 from dataclasses import replace
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from verl_fast.rollout import fp8_sync
+from verl_fast.rollout import fp8_sync, vlm_prompts, vlm_weights
 from verl_fast.rollout import vllm_compat as compat
 from verl_fast.records.generation import GenerationOutput, SamplingSpec, pad_completions
+from verl_fast.records.prompts import VisionInputs
 from verl_fast.rollout.base import RolloutEngine
 from verl_fast.rollout.vllm_env import IN_PROCESS, configure_vllm_env
+from verl_fast.models import vision as vision_model
 from verl_fast.models.lora import is_peft
+from verl_fast.models.wrapping import hf_module
+from verl_fast.ops.reshard.layout import clean_name
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +197,14 @@ def _check_sleep_allocator(enable_sleep_mode: bool) -> None:
             + _holders())
 
 
+def _fitted(expected: torch.Tensor, engine: Optional[torch.Tensor]) -> torch.Tensor:
+    """``expected`` laid out as the engine's tensor where it can be (else as it is: then it differs)."""
+    if engine is None:
+        return expected
+    fitted = vlm_weights.fit_to_engine(expected.to(engine.device), engine)
+    return expected if fitted is None else fitted
+
+
 class VLLMInferenceEngine(RolloutEngine):
     """``vllm.LLM`` in this process, with in-place weight updates (see the module docstring).
 
@@ -216,6 +228,7 @@ class VLLMInferenceEngine(RolloutEngine):
     """
 
     owns_weights = True
+    takes_images = True  # a Qwen2-VL / Qwen2.5-VL engine: each prompt's pictures go with its request
     packages = (("vllm", "vllm"),)
 
     @classmethod
@@ -324,6 +337,8 @@ class VLLMInferenceEngine(RolloutEngine):
         self.tensor_parallel_size = int(tensor_parallel_size)
         self.external_launcher = external
         self._sync = None  # WeightSync, built at the first sync_from
+        self._tower_synced = False  # a vision-language model's vision tower, sent by a sync since the build
+        self._placeholders = compat.placeholder_ids(self.llm)  # never sampled (a vision-language model's)
         self.sleep_freed_bytes = 0
         self.dtype = compat.model_dtype(self.llm)  # weights are cast to it on update
         self.enable_sleep_mode = enable_sleep_mode
@@ -350,6 +365,7 @@ class VLLMInferenceEngine(RolloutEngine):
         self,
         prompts: Sequence[Prompt],
         sampling: Union[SamplingSpec, Sequence[SamplingSpec], Any, Sequence[Any], None] = None,
+        vision: Optional[Sequence[Optional[VisionInputs]]] = None,
     ) -> GenerationOutput:
         """``n`` completions per prompt, grouped by prompt in prompt order (see ``GenerationOutput``).
 
@@ -360,14 +376,21 @@ class VLLMInferenceEngine(RolloutEngine):
         which the response mask covers; ``texts`` are the responses' strings (special tokens skipped, as
         vLLM's detokeniser writes them; decoded in one batch after generation unless stop strings need
         vLLM's own detokenisation during it).
+        ``vision``: a vision-language model's images, one ``VisionInputs`` (or None: a text prompt) per
+        prompt, whose token ids hold each image's placeholder expanded (``rollout/vlm_prompts.py``).
         """
         if self._sleeping:
             raise RuntimeError("the engine is asleep: call wake_up() before generate()")
         prompts = list(prompts)
+        if vision is not None and len(vision) != len(prompts):
+            raise ValueError(f"vision must hold one entry per prompt: {len(prompts)} prompts, {len(vision)} entries")
         requests, owners = [], []
         for i, (prompt, spec) in enumerate(zip(prompts, self._per_prompt(sampling, len(prompts)))):
             params, copies = self._to_vllm_params(spec)
-            requests.extend([(self._to_vllm_prompt(prompt, i), params)] * copies)
+            request = self._to_vllm_prompt(prompt, i)
+            if vision is not None and vision[i] is not None:
+                request = vlm_prompts.image_request(request, vision[i], self._image_token(), i)
+            requests.extend([(request, params)] * copies)
             owners.extend([i] * copies)
         if not requests:
             return pad_completions([], [], [], self.pad_token_id)
@@ -378,6 +401,8 @@ class VLLMInferenceEngine(RolloutEngine):
         tokens, logprobs, index, texts, reasons, routed = [], [], [], [], [], []
         undecoded = []  # completions of requests without vLLM's detokenisation: decoded below in one call
         for (_, params), owner, out in zip(requests, owners, outputs):
+            if vision is not None and vision[owner] is not None:
+                vlm_prompts.check_expansion(prompts[owner], out.prompt_token_ids, owner)
             self._stats.count(out)
             for completion in out.outputs:
                 tokens.append(list(completion.token_ids))
@@ -449,10 +474,11 @@ class VLLMInferenceEngine(RolloutEngine):
             raise ValueError(f"sampling must be one spec or one per prompt ({count}), got {len(sampling)}")
         return sampling
 
-    @staticmethod
-    def _to_vllm_params(spec):
+    def _to_vllm_params(self, spec):
         """``(vllm.SamplingParams, copies)`` for one prompt; refuses guided decoding. vLLM refuses
-        greedy sampling with ``n > 1``, so that becomes ``n`` copies of a one-sample request."""
+        greedy sampling with ``n > 1``, so that becomes ``n`` copies of a one-sample request. A
+        vision-language model never samples its image / video placeholders (each in a sequence stands for
+        a picture the trainer's passes are given; ``models/vision.placeholder_ids``)."""
         if compat.is_sampling_params(spec):
             field = compat.guided_field(spec)
             if field:
@@ -470,10 +496,18 @@ class VLLMInferenceEngine(RolloutEngine):
             max_tokens=spec.max_tokens, stop=list(spec.stop) or None,
             stop_token_ids=list(spec.stop_token_ids) or None, seed=spec.seed,
             logprobs=0 if spec.logprobs else None,
+            logit_bias={t: compat.BANNED_LOGIT_BIAS for t in self._placeholders} or None,
             # vLLM detokenises every request at every step on the host (inside the decode loop); without
             # stop strings to match, the texts come from one batch decode after generation instead
             detokenize=bool(spec.stop))
         return params, copies
+
+    def _image_token(self) -> int:
+        token = next(iter(self._placeholders), None)
+        if token is None:
+            raise ValueError("prompts with images need a vision-language model (Qwen2-VL / Qwen2.5-VL); this "
+                             "engine's model has no image token")
+        return token
 
     @staticmethod
     def _to_vllm_prompt(prompt: Prompt, i: int):
@@ -527,6 +561,12 @@ class VLLMInferenceEngine(RolloutEngine):
             self._weights_stale = False
             self._last_update_s = time.perf_counter() - start
             return {"bytes": 0}
+        if vision_model.is_vision_model(model):
+            tensors, tower = self._vision_language_tensors(model)
+            self.update_weights(tensors)
+            if tower:
+                compat.reset_encoder_cache(self.llm)
+            return {"bytes": 0}
         if self._sync is None:
             self._sync = self._weight_sync(model)
         self._wake(["weights"])  # after sleep(): weights must be resident before they are written
@@ -541,8 +581,17 @@ class VLLMInferenceEngine(RolloutEngine):
         self._last_update_s = time.perf_counter() - start
         return {"bytes": self._sync.received_bytes}
 
+    def _vision_language_tensors(self, model: torch.nn.Module) -> Tuple[Iterator[Tuple[str, torch.Tensor]], bool]:
+        """A Qwen2-VL / Qwen2.5-VL actor's HF-named tensors for vLLM's loader (which maps the names:
+        ``rollout/vlm_weights.py``): the language model, and the vision tower at the first sync (the
+        engine's placeholder weights) or while it trains (``actor.freeze_vision_tower: false``); and
+        whether the tower is among them."""
+        params = [(clean_name(k), v) for k, v in hf_module(model).named_parameters()]
+        tower = not self._tower_synced or any(v.requires_grad for k, v in params if vlm_weights.is_vision(k))
+        self._tower_synced = True
+        return ((k, v) for k, v in params if tower or not vlm_weights.is_vision(k)), tower
+
     def _weight_sync(self, model: torch.nn.Module, direct: Optional[bool] = None):
-        from verl_fast.models.wrapping import hf_module
         from verl_fast import distributed
         from verl_fast.ops.reshard import ModelSpec
         from verl_fast.ops.reshard.vllm import consecutive_tp_ranks
@@ -567,8 +616,12 @@ class VLLMInferenceEngine(RolloutEngine):
         if is_peft(model) or self.fp8_weights or distributed.world_size() > 1:
             return None
         self._wake(["weights"])
-        expected = self._weight_sync(model, direct=True).run(model)
         engine = self._engine_parameters()
+        if vision_model.is_vision_model(model):
+            named = ((clean_name(k), v.detach()) for k, v in hf_module(model).named_parameters())
+            expected = {k: _fitted(v, engine.get(k)) for k, v in vlm_weights.engine_tensors(named).items()}
+        else:
+            expected = self._weight_sync(model, direct=True).run(model)
         # vLLM-CPU may repack a linear weight into oneDNN's own buffer and leave the parameter empty
         unreadable = {k for k, v in engine.items() if not v.numel() and expected.get(k, v).numel()}
         groups = sync_check.differing_groups({k: v for k, v in engine.items() if k not in unreadable},

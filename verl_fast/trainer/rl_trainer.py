@@ -179,7 +179,7 @@ class RLTrainer:
             self.engine = rollout_operator.engine
         elif self.algorithm.samples:
             self.engine = s.rollout_engine(rollout_engine or build_engine(
-                cfg, s.actor, tokenizer, model_path, s.autocast_dtype, source=s.weight_source(owns_weights=True),
+                cfg, s.actor, self.vision or tokenizer, model_path, s.autocast_dtype, source=s.weight_source(owns_weights=True),
                 hf_decode_by_default=s.hf_decode_by_default))
             self.rollout = self._operator(generation_config)
         elif rollout_engines.unused(cfg, self.algorithm.name):
