@@ -163,7 +163,9 @@ def worker_trl(args) -> Dict[str, Any]:
     timer = Timer()
     dtype = "float32" if args.device == "cpu" else "bfloat16"
     if args.algo == "grpo":
-        config = trl.GRPOConfig(per_device_train_batch_size=s["prompts"] * s["n"], num_generations=s["n"],
+        # micro-batches of 16 completions, 8 of them a step: one generation of 16 prompts x 8 (bench_e2e's TRL runs)
+        config = trl.GRPOConfig(per_device_train_batch_size=s["prompts"], gradient_accumulation_steps=s["n"],
+                                num_generations=s["n"],
                                 max_completion_length=s["tokens"], temperature=1.0, beta=0.0,
                                 use_vllm=args.device == "cuda", vllm_mode="colocate",
                                 model_init_kwargs={"dtype": dtype}, **common)
