@@ -10,7 +10,7 @@ pytest.importorskip("PIL")
 
 from tiny_vlm import VLM_FAMILIES, build_vlm, square_image  # noqa: E402
 from verl_fast.data import RLDataProcessor  # noqa: E402
-from verl_fast.models import vision  # noqa: E402
+from verl_fast.models import packed, vision  # noqa: E402
 from verl_fast.models.response_logprobs import response_logprobs  # noqa: E402
 from verl_fast.records.experience import Experience, concat  # noqa: E402
 
@@ -73,6 +73,24 @@ def test_logprobs_with_images_match_own_forward(family, fused):
         blind, _ = response_logprobs(model, ids, mask, L, fused=fused)
     assert not torch.allclose(blind[0, :5], logp[0, :5], atol=1e-3)
     assert torch.allclose(blind[2, :7], logp[2, :7], atol=1e-5)  # the text row: plain positions agree
+
+
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_packed_attention_switch_leaves_the_vision_tower_its_own(family):
+    """Under ``packed.attention_switched`` (the update's packed rows) the config hands the varlen name
+    to the vision tower's config too: the tower's unpacked calls must still attend as before, and
+    every config gets its own implementation back."""
+    model, processor = build_vlm(family)
+    prompts, responses = _rows(processor)
+    ids, mask, L = _batch(prompts, responses, processor.pad_token_id)
+    inputs = vision.model_inputs(model, ids, mask, [p.vision for p in prompts])
+    names = (model.config._attn_implementation, model.config.vision_config._attn_implementation)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, **inputs).logits
+        with packed.attention_switched(model):
+            got = model(input_ids=ids, attention_mask=mask, **inputs).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert (model.config._attn_implementation, model.config.vision_config._attn_implementation) == names
 
 
 def test_gradients_reach_language_model_not_frozen_tower():

@@ -302,17 +302,23 @@ def attention_switched(model: torch.nn.Module) -> Iterator[None]:
     packed forwards by the varlen sequences, others by its own implementation. Hold it over the
     backward too: a recomputed (gradient-checkpointed) layer looks the attention up again."""
     cfg = model.config
-    before = cfg._attn_implementation
-    if before == ATTENTION:  # already switched by an outer caller
+    if cfg._attn_implementation == ATTENTION:  # already switched by an outer caller
         yield
         return
-    cfg._verl_fast_attention = before
+    # a composite config (a vision-language model's) hands the name on to its sub-configs, whose
+    # modules (the vision tower's blocks) then call varlen_attention unpacked: each keeps its own
+    configs = [cfg, *(getattr(cfg, key) for key in getattr(cfg, "sub_configs", {}) if getattr(cfg, key, None) is not None)]
+    before = [c._attn_implementation for c in configs]
+    for c, name in zip(configs, before):
+        c._verl_fast_attention = name
     cfg._attn_implementation = ATTENTION
     try:
         yield
     finally:
-        cfg._attn_implementation = before
-        del cfg._verl_fast_attention
+        cfg._attn_implementation = before[0]
+        for c, name in zip(configs, before):
+            c._attn_implementation = name
+            del c._verl_fast_attention
 
 
 # ---------------------------------------------------------------- log-probs
