@@ -214,8 +214,10 @@ def main(argv=None) -> int:
                    args.device, "--steps", str(args.steps)] + (["--tiny"] if args.tiny else [])
             try:
                 done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-            except subprocess.TimeoutExpired:
-                print(f"{algo} {impl}: timed out after {args.timeout} s", flush=True)
+            except subprocess.TimeoutExpired as stopped:
+                said = "".join(t.decode(errors="replace") if isinstance(t, bytes) else t
+                               for t in (stopped.stdout or "", stopped.stderr or ""))
+                print(f"{algo} {impl}: timed out after {args.timeout} s\n{said[-3000:]}", flush=True)
                 continue
             if done.returncode != 0 or not out.is_file():
                 print(f"{algo} {impl}: failed\n{(done.stdout + done.stderr)[-3000:]}", flush=True)

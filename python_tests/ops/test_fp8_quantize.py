@@ -218,7 +218,10 @@ def test_cuda_nan_and_inf_match_cpu():
     for block in [(2, 128), "channel"]:
         q, s = fp8.quantize(x, block)
         qc, sc = fp8.quantize(x.cuda(), block)
-        assert torch.equal(qc.cpu().view(torch.uint8), q.view(torch.uint8)) and torch.equal(sc.cpu(), s)
+        # a NaN's sign means nothing: the hardware conversion (sm_89+) writes the one canonical NaN code
+        nan = lambda codes: torch.where((codes & 0x7F) == 0x7F, 0x7F, codes)  # noqa: E731
+        assert torch.equal(nan(qc.cpu().view(torch.uint8)), nan(q.view(torch.uint8)))
+        torch.testing.assert_close(sc.cpu(), s, atol=0, rtol=0, equal_nan=True)
 
 
 @pytest.mark.gpu

@@ -78,8 +78,10 @@ def test_fused_greedy_equals_generate_and_the_torch_step(model, device, min_rows
                                            check_every=2, min_rows=min_rows, log=logs[fused], fused=fused)
     steps = logs[True][-1][0]
     layers = model.config.num_hidden_layers
-    # every decode step ran both kernels (a graph's warm-up and capture run the step twice)
-    assert calls["sample"] >= steps - 1 and calls["rope"] == layers * calls["sample"], (calls, steps)
+    # every step the Python ran called both kernels: each step on the CPU; on a GPU the steps before the
+    # graph's capture, its warm-up and capture (the replays call no Python)
+    assert calls["sample"] >= (steps - 1 if device == "cpu" else 1), (calls, steps)
+    assert calls["rope"] == layers * calls["sample"], (calls, steps)
     assert logs[True] == logs[False]  # the same steps and batch sizes
     tokens, logp, _ = runs[True]
     assert torch.equal(tokens, want) and torch.equal(tokens, runs[False][0])

@@ -132,7 +132,7 @@ def test_sampled_tokens_follow_the_models_own_forward(vlm, count, device):
     samples = 3000
     out = engine.generate(prompts, SamplingSpec(n=samples, temperature=temperature, top_k=top_k, top_p=top_p,
                                                 max_tokens=2, seed=0), vision=images)
-    assert engine.last_mode == ("graph" if device == "cuda" else "eager")
+    assert engine.last_mode == "eager"  # the loop, not generate; two tokens are too few steps to capture a graph
     never = vision.placeholder_ids(model)
 
     def distribution(logits):
