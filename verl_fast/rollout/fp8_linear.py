@@ -76,16 +76,10 @@ class FP8Linear(torch.nn.Module):
             torch.empty(w.shape, dtype=fp8.FP8, device=w.device),
             torch.empty(w.shape[0], 1, dtype=torch.float32, device=w.device))
         self.dequantized: Optional[torch.Tensor] = None  # the emulation's float32 weight
-        self.version = -1  # linear.weight._version the copy was written from
-
-    def stale(self) -> bool:
-        """Whether the weight changed since the FP8 copy was written (its version counter moved)."""
-        return self.linear.weight._version != self.version
 
     def written(self) -> None:
         """Notes that ``weight_fp8`` / ``weight_scale`` now hold the weight quantised (``refresh``)."""
         self.dequantized = None if self.fast else fp8.dequantize(self.weight_fp8, self.weight_scale, "channel")
-        self.version = self.linear.weight._version
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return product(x, self.weight_fp8, self.weight_scale, self.dequantized, self.linear.bias)
@@ -125,14 +119,15 @@ class FP8Stack(torch.nn.Module):
 
 
 def refresh(layers: List[FP8Linear]) -> int:
-    """The stale layers' weights quantised into their FP8 copies in one call (``fp8.quantize_many``: one
-    kernel launch per 32 layers on a GPU, no host synchronisation); how many were."""
-    stale = [layer for layer in layers if layer.stale()]
-    fp8.quantize_many([layer.linear.weight.detach() for layer in stale], [layer.weight_fp8 for layer in stale],
-                      [layer.weight_scale for layer in stale], "channel")
-    for layer in stale:
+    """The layers' weights quantised into their FP8 copies in one call (``fp8.quantize_many``: one kernel
+    launch per 32 layers on a GPU, no host synchronisation); how many were. Every layer, every call: an
+    update does not always tell (the fused AdamW writes the weights without moving their version counter),
+    and a copy left stale would sample from an older policy."""
+    fp8.quantize_many([layer.linear.weight.detach() for layer in layers], [layer.weight_fp8 for layer in layers],
+                      [layer.weight_scale for layer in layers], "channel")
+    for layer in layers:
         layer.written()
-    return len(stale)
+    return len(layers)
 
 
 class FP8Decode:
