@@ -25,8 +25,9 @@
 # logprobs baseline; trl, datasets, dill, multiprocess for e2e; megatron-core) travel in .whl/ (carry it);
 # e2e also needs the demo tokenizer in .bench_assets/ (`python benchmarks/bench_e2e.py --prepare-assets`
 # here; carry it). vLLM 0.26 travels in pieces (../shared/tools/device_vllm/README.md: `prepare.sh` lays
-# out .dv0 ... .dv4, .dvdeps1, .dvdeps2): six short calls back to back copy .dv0 ... .dv4 and .dvdeps1 into
-# /tmp/dv/ (`mkdir -p /tmp/dv && cp .dvN/* /tmp/dv/`, each carrying its folder); the call that carries
+# out .dv0 ... .dv4, .dvdeps1, .dvdeps2; the tree and a piece must stay under the call's 64 MiB, so the wheel may be
+# re-split into more, smaller folders, each holding vllm.part.N): short calls back to back copy each piece folder and
+# .dvdeps1 into /tmp/dv/ (`mkdir -p /tmp/dv && cp .dvpN/* /tmp/dv/`, each carrying its folder); the call that carries
 # .dvdeps2 installs it all into /tmp/site (later calls on the same machine find it there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
