@@ -270,3 +270,35 @@ def test_server_config_is_checked_in_one_line():
         config_mod.from_dict({"rollout": {"server": {"agent": "nowhere.py:run"}}})
     with pytest.raises(ValueError, match=r"rollout.server is not supported with rollout.multi_turn"):
         config_mod.from_dict({"rollout": {"server": {}, "multi_turn": {"environment": "reasoning_gym"}}})
+
+
+def test_a_rollouts_worth_of_agents_connecting_at_once_are_all_served(tiny):
+    """Every trajectory of a rollout may open its connection in the same instant: none is reset (the
+    listen backlog holds them all)."""
+    import threading
+
+    from verl_fast.agents.endpoint import EngineBatcher, Endpoint
+
+    _, model, tok = tiny
+    endpoint = Endpoint(EngineBatcher(HFGenerateEngine(model, tok)), tok)
+    spec = SamplingSpec(n=1, temperature=1.0, max_tokens=4)
+    urls = [endpoint.open(f"t{i}", spec) for i in range(256)]
+    start, answers = threading.Barrier(len(urls)), []
+
+    def call(url):
+        start.wait()
+        try:
+            with urllib.request.urlopen(f"{url}/models", timeout=60) as response:
+                answers.append(response.status)
+        except OSError as e:
+            answers.append(repr(e))
+
+    threads = [threading.Thread(target=call, args=(url,)) for url in urls]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        endpoint.close()
+    assert answers == [200] * len(urls), sorted(set(map(str, answers)))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import queue
+import socket
 import threading
 import time
 from concurrent.futures import Future
@@ -213,6 +214,14 @@ def _tool_call_json(call: Any) -> Dict[str, Any]:
             "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
 
 
+class _Server(ThreadingHTTPServer):
+    """A thread per connection, and a listen backlog for every trajectory of a rollout connecting at once
+    (socketserver's default of 5 pending connections resets the rest)."""
+
+    daemon_threads = True
+    request_queue_size = socket.SOMAXCONN
+
+
 class Endpoint:
     """The HTTP server (``host``, ``port`` 0: any free one) over ``batcher``, rendering with ``tokenizer``.
     ``open(tid, spec)`` registers a trajectory sampled as ``spec`` (a request's arguments override it) and
@@ -239,8 +248,7 @@ class Endpoint:
             def log_message(self, *args):
                 pass
 
-        self.server = ThreadingHTTPServer((host, port), Handler)
-        self.server.daemon_threads = True
+        self.server = _Server((host, port), Handler)
         self._thread = threading.Thread(target=self.server.serve_forever, name="verl_fast endpoint", daemon=True)
         self._thread.start()
         self.host, self.port = self.server.server_address[:2]
