@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--window", type=float, default=0.02, help="rollout.server.batch_window_s")
+    p.add_argument("--window", type=float, default=None, help="rollout.server.batch_window_s (default: the config's)")
     args = p.parse_args(argv)
     if args.turns < 1 or args.tokens < args.turns:
         p.error(f"--turns {args.turns} must be >= 1 and <= --tokens {args.tokens}")
@@ -79,7 +79,8 @@ def main(argv=None) -> int:
         rows = RLDataProcessor(tokenizer, 1024, args.tokens).encode_all(
             [{"prompt": m} for m in tool_prompts(args.prompts)])
         _, builtin, _ = operators(model, tokenizer, args, args.device)  # built-in: KV continued
-        settings = ServerConfig(concurrency=args.prompts * args.n, batch_window_s=args.window, timeout_s=3600.0)
+        window = {} if args.window is None else {"batch_window_s": args.window}
+        settings = ServerConfig(concurrency=args.prompts * args.n, timeout_s=3600.0, **window)
         agents = {kv: AgentRolloutOperator(builtin.engine, replace(builtin.default, logprobs=True), tokenizer,
                                            scripted_agent, replace(settings, kv_continuation=kv))
                   for kv in (True, False)}
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
                    note=f"{r_tokens} model tokens, {r_rate:.0f} tokens/s, {r_rate / b_rate:.2f}x built-in, "
                         f"{r_metrics['agent/prefill_tokens']:.0f} prefill tokens")
         report.meta.update(setup=f"{args.prompts} prompts x {args.n} trajectories in flight, {args.tokens} model tokens "
-                                 f"in {args.turns} turns, HF decode engine, temperature 1, window {args.window} s",
+                                 f"in {args.turns} turns, HF decode engine, temperature 1, window {settings.batch_window_s} s",
                            builtin_tokens_per_s=b_rate, endpoint_tokens_per_s=a_rate, ratio=a_rate / b_rate,
                            target_ratio=0.8, agent_metrics=a_metrics, reprefill_tokens_per_s=r_rate,
                            ratio_reprefill=r_rate / b_rate, prefill_tokens=a_metrics.get("agent/prefill_tokens"),

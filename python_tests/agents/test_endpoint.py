@@ -302,3 +302,27 @@ def test_a_rollouts_worth_of_agents_connecting_at_once_are_all_served(tiny):
     finally:
         endpoint.close()
     assert answers == [200] * len(urls), sorted(set(map(str, answers)))
+
+
+def test_the_batch_goes_as_soon_as_every_running_agent_waits(tiny):
+    """With a long window, turns of agents that call back at once still go one generate call a turn, without
+    waiting the window out (every running agent's request is in the batch)."""
+    _, _, tok = tiny
+
+    def three_calls(row, base_url):
+        messages = list(row["messages"])
+        for _ in range(3):
+            status, reply = post(f"{base_url}/chat/completions", {"messages": messages, "max_tokens": 4})
+            assert status == 200, reply
+            content = reply["choices"][0]["message"]["content"]
+            messages += [{"role": "assistant", "content": content}, {"role": "user", "content": "Again."}]
+
+    op = operator(tiny, three_calls, max_tokens=400, batch_window_s=30.0, concurrency=8)
+    try:
+        start = time.monotonic()
+        out = op.rollout(rows(tok, 8))
+        seconds = time.monotonic() - start
+    finally:
+        op.close()
+    assert out.num_sequences == 8 and op.metrics()["agent/calls"] == 24
+    assert op.metrics()["agent/engine_calls"] == 3 and seconds < 30.0

@@ -70,7 +70,10 @@ class AgentRolloutOperator(RolloutOperator):
                  settings: ServerConfig, system_prompt: Optional[str] = None):
         super().__init__(engine, default)
         self.tokenizer, self.agent, self.settings, self.system_prompt = tokenizer, agent, settings, system_prompt
-        self.batcher = EngineBatcher(engine, settings.batch_window_s, continuation=settings.kv_continuation)
+        self._running = 0  # agent runs started and not yet released
+        self._unstarted = 0  # the rollout's runs not yet started
+        self.batcher = EngineBatcher(engine, settings.batch_window_s, continuation=settings.kv_continuation,
+                                     live=self._live)
         self.endpoint = Endpoint(self.batcher, tokenizer, settings.tool_format, settings.host, settings.port)
         self._slots = threading.Semaphore(settings.concurrency)
         self._release_lock = threading.Lock()
@@ -80,10 +83,16 @@ class AgentRolloutOperator(RolloutOperator):
         return {**row.columns, "messages": row_messages(row, self.system_prompt), "ground_truth": row.ground_truth,
                 "data_source": row.data_source, "extra_info": dict(row.extra_info)}
 
+    def _live(self) -> int:
+        """The runs that may call the endpoint now or at once: those going, and those about to start
+        into the free slots."""
+        return self._running + min(self._unstarted, self.settings.concurrency - self._running)
+
     def _release(self, run: _Run) -> None:
         with self._release_lock:
             if not run.released:
                 run.released = True
+                self._running -= 1
                 self._slots.release()
 
     def _start(self, run: _Run, row: Dict[str, Any], url: str, runs: List[_Run]) -> None:
@@ -100,6 +109,9 @@ class AgentRolloutOperator(RolloutOperator):
         while not self._slots.acquire(timeout=0.05):  # a run past its time gives its slot back
             self._check_timeouts(runs)
         run.start = time.monotonic()
+        with self._release_lock:
+            self._running += 1
+            self._unstarted -= 1
         threading.Thread(target=body, name=f"verl_fast agent {run.tid}", daemon=True).start()
 
     def _check_timeouts(self, runs: List[_Run]) -> bool:
@@ -132,7 +144,9 @@ class AgentRolloutOperator(RolloutOperator):
     def _run_agents(self, batch: Sequence[PromptRow], seed: Optional[int]) -> Tuple[GenerationOutput, Dict[str, float]]:
         """Every sample's agent run, to its end or timeout; their trajectories and counts."""
         runs: List[_Run] = []
-        for i, (row, spec) in enumerate(zip(batch, self.specs(batch, seed))):
+        specs = self.specs(batch, seed)
+        self._unstarted = sum(spec.n for spec in specs)
+        for i, (row, spec) in enumerate(zip(batch, specs)):
             payload = self._row(row)
             for k in range(spec.n):
                 run = _Run(i, k, uuid.uuid4().hex[:12])

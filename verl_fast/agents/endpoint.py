@@ -29,7 +29,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from verl_fast.agents.chat import ChatRenderer
 from verl_fast.agents.parsing import parse_tool_calls
@@ -54,7 +54,8 @@ class _Request(NamedTuple):
 
 class EngineBatcher:
     """Calls of many trajectories as few ``generate`` calls: a worker thread takes every request that
-    arrives within ``window_s`` of the first (at most ``max_batch``) and generates them together.
+    arrives within ``window_s`` of the first (at most ``max_batch``) and generates them together; it goes
+    at once when ``live()`` (the agent runs that may still call) says every one of them is waiting in it.
 
     Between ``begin()`` and ``end()`` (one rollout: the weights do not change inside it), with
     ``continuation`` on and an engine that keeps conversations' caches (``engine.turn_cache()``, the HF
@@ -64,8 +65,8 @@ class EngineBatcher:
     prompt is. Calls of ``n`` > 1 samples go to ``engine.generate`` (nothing cached)."""
 
     def __init__(self, engine: RolloutEngine, window_s: float = 0.02, max_batch: int = 256,
-                 continuation: bool = True):
-        self.engine, self.window_s, self.max_batch = engine, window_s, max_batch
+                 continuation: bool = True, live: Optional[Callable[[], int]] = None):
+        self.engine, self.window_s, self.max_batch, self.live = engine, window_s, max_batch, live
         self.continuation = continuation
         self._queue: "queue.Queue[Optional[_Request]]" = queue.Queue()
         self.calls, self.seconds = 0, 0.0
@@ -112,16 +113,22 @@ class EngineBatcher:
             if first is None:
                 return
             batch, deadline = [first], time.monotonic() + self.window_s
-            while len(batch) < self.max_batch:
-                try:
-                    item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            while len(batch) < self.max_batch and not self._everyone_waits(len(batch)):
+                left = deadline - time.monotonic()
+                try:  # a run that ends meanwhile may leave everyone else waiting: look again every 5 ms
+                    item = self._queue.get(timeout=max(0.0, min(left, 0.005) if self.live else left))
                 except queue.Empty:
+                    if time.monotonic() < deadline:
+                        continue
                     break
                 if item is None:
                     self._queue.put(None)
                     break
                 batch.append(item)
             self._run(batch)
+
+    def _everyone_waits(self, waiting: int) -> bool:
+        return self.live is not None and waiting >= self.live()
 
     def _run(self, batch: List[_Request]) -> None:
         with self._turns_lock:

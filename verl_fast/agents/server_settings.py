@@ -21,8 +21,8 @@ class ServerConfig:
     concurrency: int = option(64, min=1, doc="agent runs at once")
     timeout_s: float = option(300.0, above=0.0, doc="seconds one agent run may take; then its trajectory is closed "
                           "(later calls refused) and the sample scored as failed")
-    batch_window_s: float = option(0.02, min=0.0, doc="requests arriving within this many seconds of each other go to "
-                               "the engine in one generate call")
+    batch_window_s: float = option(0.2, min=0.0, doc="the longest a request waits for others to join its generate "
+                               "call; the call goes at once when every running agent has a request waiting")
     tool_format: str = option("auto", choices=TOOL_FORMATS, doc="how tool calls in the model's text are read into "
                           "tool_calls (auto: from the chat template)")
     kv_continuation: bool = option(True, doc="HF decode: a trajectory's call that extends its previous call's "
