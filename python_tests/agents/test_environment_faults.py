@@ -88,3 +88,36 @@ def test_lone_surrogates_in_an_environments_messages_are_replaced():
 
     r = checked_step(StepResult([{"role": "user", "content": "caf\udce9"}]), "E")
     assert r.messages[0]["content"].encode("utf-8").startswith(b"caf") and "\ufffd" in r.messages[0]["content"]
+
+
+
+def test_environment_calls_reuse_their_threads_and_a_hung_one_is_left_behind(monkeypatch):
+    """Calls on the thread isolation reuse idle threads (a thread start per call cost the multi-turn rollout
+    more than its environments did); a call past its time keeps its thread, and the next call gets another."""
+    import threading
+
+    from verl_fast.agents import guarded
+
+    class Echo:
+        def __init__(self):
+            self.release = threading.Event()
+
+        def step(self, message):
+            if message == "hang":
+                self.release.wait(30)
+            return threading.current_thread().ident
+
+    started = []
+    real_start = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda self: (started.append(self.name), real_start(self))[1])
+    monkeypatch.setattr(guarded, "_THREADS", guarded._DaemonThreads())
+    echo = Echo()
+    env = guarded.GuardedEnvironment(lambda: echo, "echo", timeout_s=0.3)
+    try:
+        first = {env._call("step", "hi") for _ in range(20)}
+        assert len(first) == 1 and started.count("verl_fast environment") == 1
+        assert env._call("step", "hang") is guarded._TIMEOUT
+        assert env._call("step", "hi") not in first  # the hung thread is not handed the next call
+        assert started.count("verl_fast environment") == 2
+    finally:
+        echo.release.set()

@@ -2,7 +2,7 @@
 
 ``GuardedEnvironment`` wraps one trajectory's environment (``rollout.multi_turn.environment``):
 
-- ``reset`` and ``step`` run on a daemon thread (``isolation: thread``, the default) or in a worker
+- ``reset`` and ``step`` run on a daemon thread (``isolation: thread``, the default; threads reused) or in a worker
   process (``isolation: process``: ``agents/isolation.py``, a fork per trajectory that builds the
   environment there, killed with its process group when the trajectory ends), and are waited on for
   ``timeout_s`` at most. A ``step`` that does not return in time ends its trajectory (counted in
@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import queue
 import threading
 from concurrent.futures import Future
 from typing import Any, Callable, Dict, List, Optional
@@ -35,17 +36,37 @@ class EnvironmentTimeout(RuntimeError):
     """A reset that did not return within the limit (the message names the environment)."""
 
 
-def _on_daemon_thread(fn: Callable[..., Any], *args: Any) -> "Future[Any]":
-    future: "Future[Any]" = Future()
+class _DaemonThreads:
+    """Daemon threads kept from call to call: a call starts a thread only when none is idle. A thread
+    stuck in a call past its time stays a daemon, never waited for, and is simply not reused."""
 
-    def run() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread, which raises it
-            future.set_exception(e)
+    def __init__(self) -> None:
+        self._tasks: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._idle = 0
+        self._lock = threading.Lock()
 
-    threading.Thread(target=run, daemon=True, name="verl_fast environment").start()
-    return future
+    def submit(self, fn: Callable[..., Any], *args: Any) -> "Future[Any]":
+        future: "Future[Any]" = Future()
+        with self._lock:
+            spawn = self._idle == 0
+            self._idle -= 0 if spawn else 1  # an idle thread is promised to this call
+        self._tasks.put((future, fn, args))
+        if spawn:
+            threading.Thread(target=self._work, daemon=True, name="verl_fast environment").start()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            future, fn, args = self._tasks.get()
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread, which raises it
+                future.set_exception(e)
+            with self._lock:
+                self._idle += 1
+
+
+_THREADS = _DaemonThreads()
 
 
 def _serve(conn: Any, parent: int, make: Callable[[], Environment], name: str) -> None:
@@ -92,7 +113,7 @@ class GuardedEnvironment(Environment):
 
     def _in_thread(self, method: str, arg: Any) -> Any:
         fn = getattr(self._env, method)
-        future = _on_daemon_thread(fn, *(() if arg is None else (arg,)))
+        future = _THREADS.submit(fn, *(() if arg is None else (arg,)))
         try:
             return future.result(timeout=self.timeout_s)
         except TimeoutError:
