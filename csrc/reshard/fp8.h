@@ -113,10 +113,10 @@ void fp8_quantize(const TensorRef& src, const TensorRef& dst, const TensorRef& s
 int64_t fp8_blocks(const Fp8Job& job);
 
 void fp8_quantize_cpu(const std::vector<Fp8Job>& jobs, int num_threads);
-#if defined(VF_WITH_CUDA)
 // The jobs a CUDA launch carries as its kernel parameter (within the 4 KiB every driver accepts): each
 // thread block finds its job by binary search over first_block.
 constexpr int kFp8BatchJobs = 32;
+#if defined(VF_WITH_CUDA)
 struct Fp8Batch {
   Fp8Job jobs[kFp8BatchJobs];
   int64_t first_block[kFp8BatchJobs + 1];

@@ -62,7 +62,8 @@ def quantize_many(sources: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
     GPU one launch per 32 tensors of a dtype, no host synchronisation (what a weight sync runs). ``outs``
     (float8_e4m3fn) and ``scale_outs`` (float32): existing tensors, e.g. views into an engine's parameters,
     disjoint; every tensor on one device. ``block``: one shape for all (``"channel"`` per tensor's rows).
-    ``kernel``: one of ``KERNELS`` (CUDA only)."""
+    ``kernel``: one of ``KERNELS`` (CUDA only). On a GPU the launches start while the later tensors are read:
+    a bad tensor is named after the ones before it were queued."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
     if not (len(sources) == len(outs) == len(scale_outs)):
