@@ -175,8 +175,10 @@ __device__ void vector_block(const typename Src<D>::raw* src, int64_t src_rs, ui
     amax = fmaxf(amax, vec_amax<D>(v));
   }
   const float scale = block_scale(amax, scale_at);
-  if (use_rcp<D, AllowRcp>(scale)) vector_stores<D, true>(src, src_rs, dst, dst_rs, h, vw, cache, {scale, __frcp_rn(scale)});
-  else vector_stores<D, false>(src, src_rs, dst, dst_rs, h, vw, cache, {scale, 0.0f});
+  if (use_rcp<D, AllowRcp>(scale))
+    vector_stores<D, true>(src, src_rs, dst, dst_rs, h, vw, cache, {scale, __frcp_rn(scale)});
+  else
+    vector_stores<D, false>(src, src_rs, dst, dst_rs, h, vw, cache, {scale, 0.0f});
 }
 
 // An h x w block of any strides, element by element.
@@ -199,8 +201,10 @@ __device__ void strided_block(const typename Src<D>::raw* src, int64_t src_rs, i
     amax = fmaxf(amax, fabsf(Src<D>::to_float(src[r * src_rs + c * src_cs])));
   }
   const float scale = block_scale(amax, scale_at);
-  if (use_rcp<D, AllowRcp>(scale)) strided_stores<D, true>(src, src_rs, src_cs, dst, dst_rs, h, w, {scale, __frcp_rn(scale)});
-  else strided_stores<D, false>(src, src_rs, src_cs, dst, dst_rs, h, w, {scale, 0.0f});
+  if (use_rcp<D, AllowRcp>(scale))
+    strided_stores<D, true>(src, src_rs, src_cs, dst, dst_rs, h, w, {scale, __frcp_rn(scale)});
+  else
+    strided_stores<D, false>(src, src_rs, src_cs, dst, dst_rs, h, w, {scale, 0.0f});
 }
 
 // AllowRcp: fp8_divide where it applies, else IEEE division everywhere; MinBlocks: thread blocks an SM must
