@@ -206,9 +206,11 @@ def linear_part(shape: str, reps: int, report: Report) -> Dict[str, dict]:
         for act in fp8_linear.ACTIVATIONS:
             per_token = act == "token"
             q, s = fp8_linear.quantize_rows(x, per_token)
-            gemm = (lambda: torch._scaled_mm(q, wq.t(), scale_a=s, scale_b=ws.view(1, -1), out_dtype=torch.bfloat16)) \
-                if per_token else (lambda: torch._scaled_mm(q, wq.t(), scale_a=s, scale_b=s.new_ones(()),
-                                                           out_dtype=torch.bfloat16))
+            # the GEMM alone: row-wise scales, or the tensor-wise product before the per-channel multiply
+            scale_b = ws.view(1, -1) if per_token else s.new_ones(())
+            def gemm(q=q, s=s, scale_b=scale_b):
+                return torch._scaled_mm(q, wq.t(), scale_a=s, scale_b=scale_b, out_dtype=torch.bfloat16)
+
             try:
                 rows[f"fp8 {act}"] = (graph_us(lambda: fp8_linear.product(x, wq, ws, None, None, per_token), reps),
                                       n * k + n * 4)
