@@ -208,6 +208,7 @@ def linear_part(shape: str, reps: int, report: Report) -> Dict[str, dict]:
             q, s = fp8_linear.quantize_rows(x, per_token)
             # the GEMM alone: row-wise scales, or the tensor-wise product before the per-channel multiply
             scale_b = ws.view(1, -1) if per_token else s.new_ones(())
+
             def gemm(q=q, s=s, scale_b=scale_b):
                 return torch._scaled_mm(q, wq.t(), scale_a=s, scale_b=scale_b, out_dtype=torch.bfloat16)
 
