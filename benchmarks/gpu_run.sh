@@ -451,7 +451,7 @@ if want fp8; then
       failed+=("bench_guardrails")
     grep -A4 "^guardrails_cost" "$OUT/bench.log" | tail -n 5
   fi
-  timeout 120 "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/ops/test_fp8_quantize.py \
+  timeout 180 "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/ops/test_fp8_quantize.py \
     python_tests/rollout/test_fp8_rollout.py > "$OUT/pytest_fp8.log" 2>&1 || failed+=("pytest fp8")
   tail -n 3 "$OUT/pytest_fp8.log"
 fi
