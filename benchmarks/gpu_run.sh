@@ -436,20 +436,23 @@ if want multi_turn; then
 fi
 
 # ---- fp8 (issue 69): FP8 rollout at the Qwen2.5-7B shape, one GPU (benchmarks/bench_fp8.py): the sync's work
-# (bf16 reshard vs the FP8 kernel into fused rows), the HF decode bf16 vs FP8 (_scaled_mm) tokens/s, vLLM bf16 vs
-# block-FP8 tokens/s and sync (where vLLM is installed); then the FP8 gpu tests (kernel vs CPU byte for byte, the
-# vLLM block-FP8 engine); then the guardrails' cost at 0.5B (benchmarks/bench_guardrails.py: training steps with the
-# guardrails on vs off, two pairs; FP8_GUARDRAILS=0 skips it, ~4 min). FP8_PARTS picks parts (default sync,hf,vllm);
-# ~6 min without the guardrails' runs ----
+# (bf16 reshard vs the FP8 kernel into fused rows, each kernel variant, its parts and copies for scale), the FP8
+# products at M = 128 per activation scaling vs the bf16 matmul, the HF decode bf16 vs FP8 (both activation
+# scalings) tokens/s, vLLM bf16 vs block-FP8 tokens/s and sync (where vLLM is installed); then the FP8 gpu tests
+# (kernel variants vs CPU byte for byte, _scaled_mm vs float64, the vLLM block-FP8 engine); then the guardrails'
+# cost at 0.5B (benchmarks/bench_guardrails.py: training steps with the guardrails on vs off, two pairs;
+# FP8_GUARDRAILS=0 skips it, ~4 min). FP8_PARTS picks parts (default sync,linear,hf,vllm); the candidates side by
+# side in one call: FP8_GUARDRAILS=0 FP8_PARTS=sync,linear,hf SECTIONS=fp8 (~7 min with the build) ----
 if want fp8; then
-  timeout 420 "$py" benchmarks/bench_fp8.py --parts "${FP8_PARTS:-sync,hf,vllm}" >> "$OUT/bench.log" 2>&1 || failed+=("bench_fp8")
-  grep -A8 "^fp8_rollout" "$OUT/bench.log" | tail -n 9
+  timeout 420 "$py" benchmarks/bench_fp8.py --parts "${FP8_PARTS:-sync,linear,hf,vllm}" >> "$OUT/bench.log" 2>&1 ||
+    failed+=("bench_fp8")
+  sed -n '/^fp8_rollout on/,$p' "$OUT/bench.log" | tail -n 45
   if [ "${FP8_GUARDRAILS:-1}" = 1 ]; then
     timeout 360 "$py" benchmarks/bench_guardrails.py --shape 0.5b --steps 5 --pairs 2 >> "$OUT/bench.log" 2>&1 ||
       failed+=("bench_guardrails")
     grep -A4 "^guardrails_cost" "$OUT/bench.log" | tail -n 5
   fi
-  timeout 120 "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/ops/test_fp8_quantize.py \
+  timeout 180 "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/ops/test_fp8_quantize.py \
     python_tests/rollout/test_fp8_rollout.py > "$OUT/pytest_fp8.log" 2>&1 || failed+=("pytest fp8")
   tail -n 3 "$OUT/pytest_fp8.log"
 fi

@@ -139,3 +139,6 @@ class ReshardPlan:
 
 def fp8_quantize(src: torch.Tensor, dst: torch.Tensor, scale: torch.Tensor, block_rows: int, block_cols: int,
                  stream: Optional[torch.cuda.Stream] = None, num_threads: int = 0) -> None: ...
+def fp8_quantize_many(srcs: List[torch.Tensor], dsts: List[torch.Tensor], scales: List[torch.Tensor], block_rows: int,
+                      block_cols: int, stream: Optional[torch.cuda.Stream] = None, num_threads: int = 0,
+                      kernel: int = 0) -> None: ...

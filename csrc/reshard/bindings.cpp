@@ -133,13 +133,24 @@ void bind_reshard(py::module_& m) {
   m.def(
       "fp8_quantize_many",
       [](const py::list& srcs, const py::list& dsts, const py::list& scales, py::handle block_rows,
-         py::handle block_cols, CudaStream stream, py::handle threads) {
+         py::handle block_cols, CudaStream stream, py::handle threads, py::handle kernel_index) {
         const int64_t br = strict_int(block_rows, "block_rows"), bc = strict_int(block_cols, "block_cols");
         const int num_threads = strict_scalar<int>(threads, "num_threads");
+        const int64_t kernel = strict_int(kernel_index, "kernel");
+        VF_CHECK(kernel >= 0 && kernel <= 2, "kernel must be 0 (reciprocal), 1 (reciprocal_4) or 2 (division), got ",
+                 kernel);
         VF_CHECK(dsts.size() == srcs.size() && scales.size() == srcs.size(), "srcs, dsts and scales must be as long, "
                  "got ", srcs.size(), ", ", dsts.size(), " and ", scales.size());
         std::vector<TensorRef> held;  // the tensors stay referenced until the launches are queued
         std::vector<Fp8Job> jobs;
+        // on CUDA the jobs are queued a launch's worth at a time: the GPU starts while the rest are read from
+        // Python (microseconds a tensor); a bad tensor is named after the ones before it were queued
+        auto run = [&]() {
+          py::gil_scoped_release nogil;
+          fp8_quantize_jobs(jobs, held[0].device, held[0].device_index, stream, num_threads,
+                            static_cast<Fp8Kernel>(kernel));
+          jobs.clear();
+        };
         for (size_t i = 0; i < srcs.size(); ++i) {
           const std::string what = "[" + std::to_string(i) + "]";
           held.push_back(tensor_ref_from_py(srcs[i]));
@@ -148,17 +159,14 @@ void bind_reshard(py::module_& m) {
           const TensorRef &s = held[held.size() - 3], &d = held[held.size() - 2], &sc = held.back();
           check_same_device(held[0], "srcs[0]", s, ("srcs" + what).c_str());
           jobs.push_back(fp8_job(s, d, sc, br, bc, what));
+          if (held[0].device == Device::cuda && jobs.size() == static_cast<size_t>(kFp8BatchJobs)) run();
         }
-        if (jobs.empty()) return;
-        const Device device = held[0].device;
-        const int index = held[0].device_index;
-        py::gil_scoped_release nogil;
-        fp8_quantize_jobs(jobs, device, index, stream, num_threads);
+        if (!jobs.empty()) run();
       },
       py::arg("srcs"), py::arg("dsts"), py::arg("scales"), py::arg("block_rows"), py::arg("block_cols"),
-      py::arg("stream") = py::none(), py::arg("num_threads") = 0,
+      py::arg("stream") = py::none(), py::arg("num_threads") = 0, py::arg("kernel") = 0,
       "fp8_quantize of each srcs[i] into dsts[i] and scales[i] (one block shape, destinations disjoint), in "
-      "as few CUDA launches as fp8.h allows; see csrc/reshard/fp8.h");
+      "as few CUDA launches as fp8.h allows; kernel: fp8.h's Fp8Kernel (CUDA only); see csrc/reshard/fp8.h");
 }
 
 }  // namespace vf

@@ -4,8 +4,12 @@
 // read in 16-byte vectors held in registers: its amax (warp shuffles, then shared memory), then its bytes
 // from the registers, written 2-8 at a time; the block is read from memory once (a block larger than the
 // registers hold, kCache vectors a thread, reads the rest again, from L2). Other layouts (transposed,
-// stepped) read element by element, twice. On sm_89+ the e4m3 rounding is the hardware's conversion
-// (cvt.rn.satfinite, two values an instruction), elsewhere fp8.h's; both give fp8.h's bytes.
+// stepped) read element by element, twice. The division by the scale is the work per element: for 16-bit
+// sources fp8.h's fp8_divide (the block's reciprocal and one correcting FMA: three instructions, the same
+// float as IEEE division for every 16-bit pair), else __fdiv_rn (IEEE division whatever the compile flags,
+// as the CPU path divides; a dozen instructions and a branch). On sm_89+ the e4m3 rounding is the hardware's
+// conversion (cvt.rn.satfinite, two values an instruction), elsewhere fp8.h's; both give fp8.h's bytes, but
+// for a NaN's sign (the hardware writes one NaN code).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -46,16 +50,23 @@ template <> struct Bytes<8> { using type = uint2; };
 template <> struct Bytes<4> { using type = uint32_t; };
 template <> struct Bytes<2> { using type = uint16_t; };
 
+// A block's divisor: its scale and, where fp8_divide is used (Rcp), the scale's reciprocal.
+struct Divisor {
+  float scale, inv;
+};
+
+template <bool Rcp>
+__device__ __forceinline__ float divide(float x, const Divisor& d) {
+  if constexpr (Rcp) return fp8_divide(x, d.scale, d.inv);
+  else return __fdiv_rn(x, d.scale);
+}
+
 // The e4m3 bytes of a / scale and b / scale, a's in the low byte.
-__device__ __forceinline__ uint32_t e4m3_pair(float a, float b, float scale) {
-  // __fdiv_rn: IEEE division whatever the compile flags, as the CPU path divides
-  const float qa = __fdiv_rn(a, scale), qb = __fdiv_rn(b, scale);
+template <bool Rcp>
+__device__ __forceinline__ uint32_t e4m3_pair(float a, float b, const Divisor& d) {
+  const float qa = divide<Rcp>(a, d), qb = divide<Rcp>(b, d);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  uint32_t p = __nv_cvt_float2_to_fp8x2(make_float2(qa, qb), __NV_SATFINITE, __NV_E4M3);
-  // satfinite leaves magnitude code 0x7f to NaN alone; fp8.h gives NaN the value's sign
-  if (((p & 0x7fu) == 0x7fu) | ((p & 0x7f00u) == 0x7f00u))
-    p = float_to_e4m3(qa) | (static_cast<uint32_t>(float_to_e4m3(qb)) << 8);
-  return p;
+  return __nv_cvt_float2_to_fp8x2(make_float2(qa, qb), __NV_SATFINITE, __NV_E4M3);
 #else
   return float_to_e4m3(qa) | (static_cast<uint32_t>(float_to_e4m3(qb)) << 8);
 #endif
@@ -76,13 +87,13 @@ __device__ __forceinline__ float vec_amax(const Vec<D>& v) {
   return m;
 }
 
-template <DType D>
-__device__ __forceinline__ typename Bytes<Vec<D>::n>::type vec_e4m3(const Vec<D>& v, float scale) {
+template <DType D, bool Rcp>
+__device__ __forceinline__ typename Bytes<Vec<D>::n>::type vec_e4m3(const Vec<D>& v, const Divisor& d) {
   constexpr int n = Vec<D>::n;
   uint32_t w[(n + 3) / 4] = {};
 #pragma unroll
   for (int t = 0; t < n; t += 2)
-    w[t / 4] |= e4m3_pair(Src<D>::to_float(v.e[t]), Src<D>::to_float(v.e[t + 1]), scale) << (8 * (t % 4));
+    w[t / 4] |= e4m3_pair<Rcp>(Src<D>::to_float(v.e[t]), Src<D>::to_float(v.e[t + 1]), d) << (8 * (t % 4));
   if constexpr (n == 8) return make_uint2(w[0], w[1]);
   else if constexpr (n == 4) return w[0];
   else return static_cast<uint16_t>(w[0]);
@@ -105,69 +116,101 @@ __device__ __forceinline__ float block_scale(float amax, float* scale_at) {
   return scale;
 }
 
-// An h x w block of 16-byte aligned rows (w a multiple of the vector's elements).
-template <DType D>
-__device__ void vector_block(const typename Src<D>::raw* src, int64_t src_rs, uint8_t* dst, int64_t dst_rs,
-                             int h, int w, float* scale_at) {
+// Whether a block of this source type divides with fp8_divide (fp8.h: 16-bit sources, a scale in range).
+template <DType D, bool AllowRcp>
+__device__ __forceinline__ bool use_rcp(float scale) {
+  return AllowRcp && sizeof(typename Src<D>::raw) == 2 && fp8_reciprocal_ok(scale);
+}
+
+// Thread threadIdx.x's vectors of an h x vw block (vw vectors a row): vector threadIdx.x + k * kThreads at
+// (r, c) for k = 0, 1, ...; one division a thread, then steps (an integer division is ~15 instructions).
+struct Walk {
+  int r, c;
+  const int vw, dr, dc;
+  __device__ __forceinline__ explicit Walk(int vw_)
+      : r(threadIdx.x / vw_), c(threadIdx.x % vw_), vw(vw_), dr(kThreads / vw_), dc(kThreads % vw_) {}
+  __device__ __forceinline__ void next() {
+    r += dr;
+    c += dc;
+    if (c >= vw) c -= vw, ++r;
+  }
+};
+
+// An h x w block of 16-byte aligned rows (w a multiple of the vector's elements): the bytes of each thread's
+// first kCache vectors from its registers, of the rest read again.
+template <DType D, bool Rcp>
+__device__ __forceinline__ void vector_stores(const typename Src<D>::raw* src, int64_t src_rs, uint8_t* dst,
+                                              int64_t dst_rs, int h, int vw, const Vec<D> (&cache)[kCache],
+                                              const Divisor& d) {
   constexpr int V = Vec<D>::n;
   using Out = typename Bytes<V>::type;
-  const int vw = w / V, n = h * vw;
-  auto load = [&](int i, Vec<D>& v) {
-    const int r = i / vw, c = (i - r * vw) * V;
-    v.bits = __ldg(reinterpret_cast<const uint4*>(src + r * src_rs + c));
-  };
-  auto store = [&](int i, const Vec<D>& v, float scale) {
-    const int r = i / vw, c = (i - r * vw) * V;
-    *reinterpret_cast<Out*>(dst + r * dst_rs + c) = vec_e4m3<D>(v, scale);
-  };
-  Vec<D> cache[kCache];
-  float amax = 0.0f;
+  Walk p(vw);
 #pragma unroll
-  for (int k = 0; k < kCache; ++k) {
-    const int i = threadIdx.x + k * kThreads;
-    if (i < n) {
-      load(i, cache[k]);
-      amax = fmaxf(amax, vec_amax<D>(cache[k]));
-    }
-  }
-  for (int i = threadIdx.x + kCache * kThreads; i < n; i += kThreads) {
+  for (int k = 0; k < kCache; ++k, p.next())
+    if (p.r < h) *reinterpret_cast<Out*>(dst + p.r * dst_rs + p.c * V) = vec_e4m3<D, Rcp>(cache[k], d);
+  for (; p.r < h; p.next()) {
     Vec<D> v;
-    load(i, v);
-    amax = fmaxf(amax, vec_amax<D>(v));
-  }
-  const float scale = block_scale(amax, scale_at);
-#pragma unroll
-  for (int k = 0; k < kCache; ++k) {
-    const int i = threadIdx.x + k * kThreads;
-    if (i < n) store(i, cache[k], scale);
-  }
-  for (int i = threadIdx.x + kCache * kThreads; i < n; i += kThreads) {
-    Vec<D> v;
-    load(i, v);
-    store(i, v, scale);
+    v.bits = __ldg(reinterpret_cast<const uint4*>(src + p.r * src_rs + p.c * V));
+    *reinterpret_cast<Out*>(dst + p.r * dst_rs + p.c * V) = vec_e4m3<D, Rcp>(v, d);
   }
 }
 
+template <DType D, bool AllowRcp>
+__device__ void vector_block(const typename Src<D>::raw* src, int64_t src_rs, uint8_t* dst, int64_t dst_rs,
+                             int h, int w, float* scale_at) {
+  constexpr int V = Vec<D>::n;
+  const int vw = w / V;
+  Vec<D> cache[kCache];
+  float amax = 0.0f;
+  Walk p(vw);
+#pragma unroll
+  for (int k = 0; k < kCache; ++k, p.next())
+    if (p.r < h) {
+      cache[k].bits = __ldg(reinterpret_cast<const uint4*>(src + p.r * src_rs + p.c * V));
+      amax = fmaxf(amax, vec_amax<D>(cache[k]));
+    }
+  for (; p.r < h; p.next()) {
+    Vec<D> v;
+    v.bits = __ldg(reinterpret_cast<const uint4*>(src + p.r * src_rs + p.c * V));
+    amax = fmaxf(amax, vec_amax<D>(v));
+  }
+  const float scale = block_scale(amax, scale_at);
+  if (use_rcp<D, AllowRcp>(scale))
+    vector_stores<D, true>(src, src_rs, dst, dst_rs, h, vw, cache, {scale, __frcp_rn(scale)});
+  else
+    vector_stores<D, false>(src, src_rs, dst, dst_rs, h, vw, cache, {scale, 0.0f});
+}
+
 // An h x w block of any strides, element by element.
-template <DType D>
+template <DType D, bool Rcp>
+__device__ void strided_stores(const typename Src<D>::raw* src, int64_t src_rs, int64_t src_cs, uint8_t* dst,
+                               int64_t dst_rs, int h, int w, const Divisor& d) {
+  for (int i = threadIdx.x; i < h * w; i += kThreads) {
+    const int r = i / w, c = i - r * w;
+    const float x = Src<D>::to_float(src[r * src_rs + c * src_cs]);
+    dst[r * dst_rs + c] = static_cast<uint8_t>(e4m3_pair<Rcp>(x, 0.0f, d) & 0xffu);
+  }
+}
+
+template <DType D, bool AllowRcp>
 __device__ void strided_block(const typename Src<D>::raw* src, int64_t src_rs, int64_t src_cs, uint8_t* dst,
                               int64_t dst_rs, int h, int w, float* scale_at) {
-  const int n = h * w;
   float amax = 0.0f;
-  for (int i = threadIdx.x; i < n; i += kThreads) {
+  for (int i = threadIdx.x; i < h * w; i += kThreads) {
     const int r = i / w, c = i - r * w;
     amax = fmaxf(amax, fabsf(Src<D>::to_float(src[r * src_rs + c * src_cs])));
   }
   const float scale = block_scale(amax, scale_at);
-  for (int i = threadIdx.x; i < n; i += kThreads) {
-    const int r = i / w, c = i - r * w;
-    const float x = Src<D>::to_float(src[r * src_rs + c * src_cs]);
-    dst[r * dst_rs + c] = static_cast<uint8_t>(e4m3_pair(x, 0.0f, scale) & 0xffu);
-  }
+  if (use_rcp<D, AllowRcp>(scale))
+    strided_stores<D, true>(src, src_rs, src_cs, dst, dst_rs, h, w, {scale, __frcp_rn(scale)});
+  else
+    strided_stores<D, false>(src, src_rs, src_cs, dst, dst_rs, h, w, {scale, 0.0f});
 }
 
-template <DType D>
-__global__ void __launch_bounds__(kThreads) fp8_quantize_kernel(const __grid_constant__ Fp8Batch batch) {
+// AllowRcp: fp8_divide where it applies, else IEEE division everywhere; MinBlocks: thread blocks an SM must
+// hold at once (the register cap that follows: 4 -> 64 registers a thread).
+template <DType D, bool AllowRcp, int MinBlocks>
+__global__ void __launch_bounds__(kThreads, MinBlocks) fp8_quantize_kernel(const __grid_constant__ Fp8Batch batch) {
   using raw = typename Src<D>::raw;
   constexpr int V = Vec<D>::n;
   const int64_t b = blockIdx.x;
@@ -189,19 +232,24 @@ __global__ void __launch_bounds__(kThreads) fp8_quantize_kernel(const __grid_con
   const bool vectors = j.src_cs == 1 && j.block_cols % V == 0 && j.cols % V == 0 &&
                        reinterpret_cast<uintptr_t>(j.src) % 16 == 0 && reinterpret_cast<uintptr_t>(j.dst) % V == 0 &&
                        (one_row || ((j.src_rs * sizeof(raw)) % 16 == 0 && j.dst_rs % V == 0));
-  if (vectors) vector_block<D>(src, j.src_rs, dst, j.dst_rs, h, w, scale_at);
-  else strided_block<D>(src, j.src_rs, j.src_cs, dst, j.dst_rs, h, w, scale_at);
+  if (vectors) vector_block<D, AllowRcp>(src, j.src_rs, dst, j.dst_rs, h, w, scale_at);
+  else strided_block<D, AllowRcp>(src, j.src_rs, j.src_cs, dst, j.dst_rs, h, w, scale_at);
 }
 
 template <DType D>
-void launch(const Fp8Batch& batch, int64_t blocks, cudaStream_t stream) {
-  fp8_quantize_kernel<D><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(batch);
+void launch(const Fp8Batch& batch, int64_t blocks, cudaStream_t stream, Fp8Kernel kernel) {
+  const unsigned grid = static_cast<unsigned>(blocks);
+  switch (kernel) {
+    case Fp8Kernel::reciprocal: fp8_quantize_kernel<D, true, 1><<<grid, kThreads, 0, stream>>>(batch); break;
+    case Fp8Kernel::reciprocal_4: fp8_quantize_kernel<D, true, 4><<<grid, kThreads, 0, stream>>>(batch); break;
+    case Fp8Kernel::division: fp8_quantize_kernel<D, false, 1><<<grid, kThreads, 0, stream>>>(batch); break;
+  }
   VF_CUDA_LAUNCH_CHECK("fp8_quantize_kernel");
 }
 
 }  // namespace
 
-void fp8_quantize_cuda(const std::vector<Fp8Job>& jobs, uintptr_t stream, int device) {
+void fp8_quantize_cuda(const std::vector<Fp8Job>& jobs, uintptr_t stream, int device, Fp8Kernel kernel) {
   DeviceGuard guard(device);
   const auto s = reinterpret_cast<cudaStream_t>(stream);
   for (size_t i = 0; i < jobs.size();) {
@@ -217,10 +265,10 @@ void fp8_quantize_cuda(const std::vector<Fp8Job>& jobs, uintptr_t stream, int de
     batch.first_block[batch.count] = blocks;
     VF_CHECK(blocks < (int64_t{1} << 31), "too many FP8 scale blocks (", blocks, ") for one launch");
     switch (static_cast<DType>(dtype)) {
-      case DType::f32: launch<DType::f32>(batch, blocks, s); break;
-      case DType::f64: launch<DType::f64>(batch, blocks, s); break;
-      case DType::bf16: launch<DType::bf16>(batch, blocks, s); break;
-      case DType::f16: launch<DType::f16>(batch, blocks, s); break;
+      case DType::f32: launch<DType::f32>(batch, blocks, s, kernel); break;
+      case DType::f64: launch<DType::f64>(batch, blocks, s, kernel); break;
+      case DType::bf16: launch<DType::bf16>(batch, blocks, s, kernel); break;
+      case DType::f16: launch<DType::f16>(batch, blocks, s, kernel); break;
       default: throw TypeError(cat("unsupported float dtype ", dtype_name(static_cast<DType>(dtype))));
     }
   }

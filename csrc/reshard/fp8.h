@@ -72,6 +72,24 @@ VF_HD uint8_t float_to_e4m3(float v) {
 
 VF_HD float fp8_scale(float amax) { return amax > 0.0f ? amax / kFp8Max : 1.0f; }
 
+// x / scale as IEEE division rounds it, from inv = 1 / scale (correctly rounded, once per block) instead of
+// a division per element: q = x * inv, then one correction with the exact remainder r = x - q * scale (an
+// FMA), q + r * inv (Markstein's step); copysign keeps the sign of a zero quotient (-0 / scale is -0, the
+// correction would give +0). Used where fp8_reciprocal_ok(scale) and the source is 16-bit (bfloat16,
+// float16): for every (x, amax) pair of those types it gives the bytes of float_to_e4m3(x / scale), which
+// python_tests/ops/test_fp8_division.py checks by running this header over all of them.
+VF_HD bool fp8_reciprocal_ok(float scale) { return scale >= 0x1p-60f && scale <= 0x1p60f; }
+
+VF_HD float fp8_divide(float x, float scale, float inv) {
+#if defined(__CUDA_ARCH__)
+  const float q = __fmul_rn(x, inv);  // never contracted into an FMA
+  return copysignf(__fmaf_rn(__fmaf_rn(-q, scale, x), inv, q), x);
+#else
+  const float q = x * inv;
+  return std::copysign(std::fma(std::fma(-q, scale, x), inv, q), x);
+#endif
+}
+
 // The tensors of one quantisation checked (each named, `what` first: "srcs[3]" for the fourth of a list)
 // and described as a job. block_cols = 0 means the whole row (per-channel scales).
 Fp8Job fp8_job(const TensorRef& src, const TensorRef& dst, const TensorRef& scale, int64_t block_rows,
@@ -80,8 +98,12 @@ Fp8Job fp8_job(const TensorRef& src, const TensorRef& dst, const TensorRef& scal
 // Quantises jobs[i] for every i (their destinations disjoint): on the CPU, every block of every job over
 // up to num_threads threads; on CUDA, in as few launches on `stream` as kFp8BatchJobs and the jobs'
 // source dtypes allow (consecutive jobs of one dtype share a launch), with no host synchronisation.
+// kernel (CUDA only; the same bytes, benchmarks/bench_fp8.py compares their speed): reciprocal (fp8_divide
+// for 16-bit sources), reciprocal_4 (the same at <= 64 registers a thread: 4 thread blocks an SM), division
+// (IEEE division per element).
+enum class Fp8Kernel : int32_t { reciprocal = 0, reciprocal_4 = 1, division = 2 };
 void fp8_quantize_jobs(const std::vector<Fp8Job>& jobs, Device device, int device_index, uintptr_t stream,
-                       int num_threads);
+                       int num_threads, Fp8Kernel kernel = Fp8Kernel::reciprocal);
 
 // One quantisation: fp8_job, then fp8_quantize_jobs.
 void fp8_quantize(const TensorRef& src, const TensorRef& dst, const TensorRef& scale, int64_t block_rows,
@@ -91,17 +113,17 @@ void fp8_quantize(const TensorRef& src, const TensorRef& dst, const TensorRef& s
 int64_t fp8_blocks(const Fp8Job& job);
 
 void fp8_quantize_cpu(const std::vector<Fp8Job>& jobs, int num_threads);
-#if defined(VF_WITH_CUDA)
 // The jobs a CUDA launch carries as its kernel parameter (within the 4 KiB every driver accepts): each
 // thread block finds its job by binary search over first_block.
 constexpr int kFp8BatchJobs = 32;
+#if defined(VF_WITH_CUDA)
 struct Fp8Batch {
   Fp8Job jobs[kFp8BatchJobs];
   int64_t first_block[kFp8BatchJobs + 1];
   int32_t count;
 };
 static_assert(sizeof(Fp8Batch) <= 4096, "an Fp8Batch must fit a kernel's 4 KiB of parameters");
-void fp8_quantize_cuda(const std::vector<Fp8Job>& jobs, uintptr_t stream, int device);  // fp8.cu
+void fp8_quantize_cuda(const std::vector<Fp8Job>& jobs, uintptr_t stream, int device, Fp8Kernel kernel);  // fp8.cu
 #endif
 
 }  // namespace vf::reshard

@@ -197,17 +197,37 @@ def test_nan_keeps_its_sign_and_inf_saturates():
     assert codes[:2] == [0x7F, 0xFF] and codes[4:] == [0x7E, 0xFE] and s.item() == pytest.approx(1e30 / 448)
 
 
+def extreme_sources():
+    """16-bit blocks whose scale sits at and beyond fp8_divide's range (fp8_reciprocal_ok: 2^-60 .. 2^60; the
+    kernel divides outside it), with signed zeros and subnormal quotients inside each block."""
+    g = torch.Generator().manual_seed(6)
+    out = []
+    for dtype, exps in [(torch.bfloat16, [-100, -70, -51, -52, 0, 68, 69, 120]), (torch.float16, [-20, -14, 0, 12])]:
+        for e in exps:
+            x = torch.randn(64, 128, generator=g) * 2.0 ** e
+            x[0, :4] = torch.tensor([0.0, -0.0, 2.0 ** (e - 40), -(2.0 ** (e - 40))])
+            out.append(x.to(dtype))
+    return out
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", fp8.KERNELS)
 @pytest.mark.parametrize("block", [(128, 128), "channel", (16, 32)])
-def test_cuda_quantize_many_matches_cpu_byte_for_byte(block):
-    sources = many_sources()
+def test_cuda_quantize_many_matches_cpu_byte_for_byte(block, kernel):
+    sources = many_sources() + extreme_sources()
     def run(device):
         outs = [torch.empty(x.shape, dtype=fp8.FP8, device=device) for x in sources]
         scales = [torch.empty(fp8.scale_shape(tuple(x.shape), block), device=device) for x in sources]
-        fp8.quantize_many([x.to(device) for x in sources], outs, scales, block)
+        fp8.quantize_many([x.to(device) for x in sources], outs, scales, block, kernel=kernel)
         return [o.cpu().view(torch.uint8) for o in outs], [s.cpu() for s in scales]
     (q, s), (qc, sc) = run("cpu"), run("cuda")
     assert all(torch.equal(a, b) for a, b in zip(q, qc)) and all(torch.equal(a, b) for a, b in zip(s, sc))
+
+
+def test_quantize_many_names_a_bad_kernel():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="kernel must be one of reciprocal, reciprocal_4, division, got 'fast'"):
+        fp8.quantize_many([x], [torch.empty(4, 8, dtype=fp8.FP8)], [torch.empty(1, 1)], kernel="fast")
 
 
 @pytest.mark.gpu
@@ -226,7 +246,7 @@ def test_cuda_nan_and_inf_match_cpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block", [(128, 128), "channel"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cuda_matches_cpu_byte_for_byte(block, dtype):
     g = torch.Generator().manual_seed(4)
     for shape in SHAPES + [(3584, 3584), (18944, 3584)]:

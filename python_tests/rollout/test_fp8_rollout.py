@@ -25,11 +25,11 @@ def load(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
 
 
-def per_row_fp8_f64(x):
-    """float64 reference: each row scaled by amax / 448 (1 for a zero row), rounded to e4m3 by torch's own
-    cast (round to nearest even), dequantised."""
+def per_row_fp8_f64(x, per_row=True):
+    """float64 reference: each row (or, not ``per_row``, the whole tensor) scaled by amax / 448 (1 for zeros),
+    rounded to e4m3 by torch's own cast (round to nearest even), dequantised."""
     x = x.double()
-    amax = x.abs().amax(-1, keepdim=True)
+    amax = x.abs().amax(-1, keepdim=True) if per_row else x.abs().amax().reshape(1, 1)
     scale = torch.where(amax > 0, (amax.float() / 448.0).double(), torch.ones_like(amax))
     q = (x / scale).float().clamp(-448, 448).to(torch.float8_e4m3fn).double()
     return q * scale
@@ -37,22 +37,60 @@ def per_row_fp8_f64(x):
 
 @pytest.mark.parametrize("shape", [(1, 64), (7, 96), (33, 128)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_fp8_linear_matches_the_float64_w8a8_reference(shape, bias):
+@pytest.mark.parametrize("activations", fp8_linear.ACTIVATIONS)
+def test_fp8_linear_matches_the_float64_w8a8_reference(shape, bias, activations):
     g = torch.Generator().manual_seed(shape[0])
     lin = torch.nn.Linear(shape[1], 48, bias=bias)
     with torch.no_grad():
         lin.weight.copy_(torch.randn(48, shape[1], generator=g) * 0.1)
-    layer = fp8_linear.FP8Linear(lin, fast=False)
+    layer = fp8_linear.FP8Linear(lin, fast=False, per_token=activations == "token")
     assert fp8_linear.refresh([layer]) == 1
-    x = torch.randn(shape, generator=g) * 3
-    x[-1] = 0.0 if shape[0] > 1 else x[-1]  # a zero row: scale 1, output the bias
-    expected = per_row_fp8_f64(x) @ per_row_fp8_f64(lin.weight.detach()).t()
+    x = torch.randn(shape, generator=g) * 3 * torch.logspace(-2, 0, shape[0]).view(-1, 1)  # tokens' sizes differ
+    x[-1] = 0.0 if shape[0] > 1 else x[-1]  # a zero row: scale 1 (per token), output the bias
+    expected = per_row_fp8_f64(x, activations == "token") @ per_row_fp8_f64(lin.weight.detach()).t()
     if bias:
         expected = expected + lin.bias.detach().double()
     got = layer(x)
     assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-5), (got.double() - expected).abs().max()
     # and FP8 is not the float32 product: the quantisation is really there
     assert (got - lin(x)).abs().max() > 1e-4
+
+
+def test_per_tensor_activations_differ_from_per_token_ones():
+    """The two ``activations`` are different quantisations (a small token loses precision to a large one)."""
+    g = torch.Generator().manual_seed(3)
+    lin = torch.nn.Linear(64, 32, bias=False)
+    x = torch.randn(4, 64, generator=g) * torch.tensor([[1e-4], [1.0], [1.0], [30.0]])
+    err = {}
+    for activations in fp8_linear.ACTIVATIONS:
+        layer = fp8_linear.FP8Linear(lin, fast=False, per_token=activations == "token")
+        fp8_linear.refresh([layer])
+        with torch.no_grad():  # the activations' error alone: against the FP8 weight's exact product
+            err[activations] = (layer(x)[0] - x[0] @ layer.dequantized.t()).abs().max()
+    assert err["token"] < 0.25 * err["tensor"], err  # the small token sits in one scale's subnormals
+    with pytest.raises(ValueError, match="activations must be one of token, tensor, got 'row'"):
+        fp8_linear.FP8Decode(activations="row")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activations", fp8_linear.ACTIVATIONS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_scaled_mm_product_matches_the_float64_reference(activations, dtype):
+    """``torch._scaled_mm`` (both activation modes) against the float64 w8a8 reference, at the decode's M=128
+    and a 7B projection's K; tolerance 2^-7 of the largest output: a bf16 output's rounding and the FP8 tensor
+    cores' accumulation (a wrong scale or rounding is off by 2^-4 and more)."""
+    g = torch.Generator().manual_seed(7)
+    lin = torch.nn.Linear(3584, 512, bias=True).cuda()
+    with torch.no_grad():
+        lin.weight.copy_((torch.randn(512, 3584, generator=g) * 0.02).cuda())
+    layer = fp8_linear.FP8Linear(lin, fast=True, per_token=activations == "token")
+    fp8_linear.refresh([layer])
+    x = (torch.randn(128, 3584, generator=g) * torch.logspace(-1, 1, 128).view(-1, 1)).to(dtype)
+    expected = (per_row_fp8_f64(x, activations == "token") @ per_row_fp8_f64(lin.weight.detach().cpu()).t()
+                + lin.bias.detach().cpu().double())
+    got = layer(x.cuda()).double().cpu()
+    assert torch.allclose(got, expected, rtol=2 ** -7, atol=2 ** -7 * expected.abs().max().item()), \
+        (got - expected).abs().max()
 
 
 def test_hf_engine_decodes_with_fp8_copies_and_restores_the_model(tiny_path):

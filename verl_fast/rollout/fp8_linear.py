@@ -10,6 +10,10 @@ with one scale per output channel (``ops.reshard.fp8``), and its input quantised
 - The product: ``torch._scaled_mm`` (FP8 tensor cores, float32 accumulation) on a GPU that has it
   (compute capability 8.9+: Ada, Hopper); elsewhere the same numbers emulated in float32 from the
   dequantised operands (the CPU: tests and the CPU demo), announced once in one line.
+- The input's scales (``ACTIVATIONS``): ``"token"``, one per token (the product scales rows and columns:
+  ``_scaled_mm``'s row-wise mode); ``"tensor"``, one for the whole input (the product is tensor-wise scaled,
+  cuBLASLt's FP8 GEMM, and the weight's per-channel scales multiply its output). Per-token scales follow
+  each token's magnitude; one scale costs the small tokens of a batch precision where one token is large.
 - LoRA layers (PEFT) keep their own forward: only plain linear layers are quantised.
 """
 
@@ -27,6 +31,7 @@ from verl_fast.rollout import merged_projections, sync_check
 logger = logging.getLogger(__name__)
 
 SKIPPED = ("lm_head", "embed_tokens", "score")  # layers kept in the actor's dtype (vLLM's FP8 models too)
+ACTIVATIONS = ("token", "tensor")  # the input's scales: one per token, one per input (module docstring)
 
 
 def scaled_mm_available(device: torch.device) -> bool:
@@ -35,27 +40,35 @@ def scaled_mm_available(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
-def quantize_rows(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Activations ``[M, K]`` as FP8 with one scale per row (amax / 448; 1 for a zero row), in torch ops
-    (traceable by torch.compile and CUDA graphs): ``(q [M, K], scale [M, 1] float32)``."""
-    amax = x.detach().abs().amax(dim=-1, keepdim=True).float()
+def quantize_rows(x: torch.Tensor, per_token: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Activations ``[M, K]`` as FP8 with one scale per row (``per_token``) or one for all (amax / 448; 1 for
+    zeros), in torch ops (traceable by torch.compile and CUDA graphs): ``(q [M, K], scale [M, 1] or [1, 1]
+    float32)``."""
+    a = x.detach().abs()
+    amax = (a.amax(dim=-1, keepdim=True) if per_token else a.amax().reshape(1, 1)).float()
     scale = torch.where(amax > 0, amax / fp8.FP8_MAX, torch.ones_like(amax))
     q = (x.float() / scale).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8)
     return q, scale
 
 
 def product(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
-            dequantized: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> torch.Tensor:
+            dequantized: Optional[torch.Tensor], bias: Optional[torch.Tensor], per_token: bool = True) -> torch.Tensor:
     """``(q_x * s_x) @ (q_w * s_w)^T + b``: ``torch._scaled_mm`` where ``dequantized`` is None, else the same
-    operands in float32 (what the FP8 tensor cores compute, up to the order of the sums)."""
+    operands in float32 (what the FP8 tensor cores compute, up to the order of the sums). ``per_token``: the
+    input's scales (``ACTIVATIONS``)."""
     shape = x.shape
-    q, s = quantize_rows(x.reshape(-1, shape[-1]))
+    q, s = quantize_rows(x.reshape(-1, shape[-1]), per_token)
     out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
-    if dequantized is None:
+    if dequantized is not None:
+        y = (q.float() * s) @ dequantized.t()
+    elif per_token:
         y = torch._scaled_mm(q, weight_fp8.t(), scale_a=s, scale_b=weight_scale.view(1, -1),
                              out_dtype=out_dtype if out_dtype != torch.float32 else torch.bfloat16)
     else:
-        y = (q.float() * s) @ dequantized.t()
+        # tensor-wise: the input's one scale in the GEMM, the weight's per-channel scales on its output (one
+        # pointwise multiply, which the compiled decode fuses with the bias and the cast)
+        y = torch._scaled_mm(q, weight_fp8.t(), scale_a=s, scale_b=s.new_ones(()), out_dtype=out_dtype)
+        y = y * weight_scale.view(1, -1)
     y = y.to(out_dtype)
     if bias is not None:
         y = y + bias.to(out_dtype)
@@ -67,9 +80,9 @@ class FP8Linear(torch.nn.Module):
     stack's buffers (``FP8Stack``) to keep the copy in, else buffers of its own."""
 
     def __init__(self, linear: torch.nn.Linear, fast: bool,
-                 storage: Optional[Tuple[torch.Tensor, torch.Tensor]] = None):
+                 storage: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, per_token: bool = True):
         super().__init__()
-        self.linear, self.fast = linear, fast
+        self.linear, self.fast, self.per_token = linear, fast, per_token
         self.in_features, self.out_features = linear.in_features, linear.out_features  # as nn.Linear reads
         w = linear.weight
         self.weight_fp8, self.weight_scale = storage if storage is not None else (
@@ -82,7 +95,7 @@ class FP8Linear(torch.nn.Module):
         self.dequantized = None if self.fast else fp8.dequantize(self.weight_fp8, self.weight_scale, "channel")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return product(x, self.weight_fp8, self.weight_scale, self.dequantized, self.linear.bias)
+        return product(x, self.weight_fp8, self.weight_scale, self.dequantized, self.linear.bias, self.per_token)
 
 
 class FP8Stack(torch.nn.Module):
@@ -91,7 +104,7 @@ class FP8Stack(torch.nn.Module):
     one quantisation of the input where the layers' own would run three or two. Per-channel scales make
     each layer's rows its own quantisation: the layers' ``FP8Linear`` copies are views into these buffers."""
 
-    def __init__(self, linears: List[torch.nn.Linear], fast: bool):
+    def __init__(self, linears: List[torch.nn.Linear], fast: bool, per_token: bool = True):
         super().__init__()
         w = linears[0].weight
         rows = sum(lin.weight.shape[0] for lin in linears)
@@ -101,11 +114,12 @@ class FP8Stack(torch.nn.Module):
         at = 0
         for lin in linears:
             n = lin.weight.shape[0]
-            self.parts.append(FP8Linear(lin, fast, (self.weight_fp8[at:at + n], self.weight_scale[at:at + n])))
+            self.parts.append(FP8Linear(lin, fast, (self.weight_fp8[at:at + n], self.weight_scale[at:at + n]),
+                                        per_token))
             at += n
         biased = all(lin.bias is not None for lin in linears)
         self.bias = torch.empty(rows, dtype=linears[0].bias.dtype, device=w.device) if biased else None
-        self.fast = fast
+        self.fast, self.per_token = fast, per_token
         self.dequantized: Optional[torch.Tensor] = None
 
     def written(self) -> None:
@@ -115,7 +129,7 @@ class FP8Stack(torch.nn.Module):
         self.dequantized = None if self.fast else fp8.dequantize(self.weight_fp8, self.weight_scale, "channel")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return product(x, self.weight_fp8, self.weight_scale, self.dequantized, self.bias)
+        return product(x, self.weight_fp8, self.weight_scale, self.dequantized, self.bias, self.per_token)
 
 
 def refresh(layers: List[FP8Linear]) -> int:
@@ -132,9 +146,13 @@ def refresh(layers: List[FP8Linear]) -> int:
 
 class FP8Decode:
     """The FP8 copies of one model's linear layers (module docstring); ``swapped(model)`` puts them in place
-    for the length of a rollout, and gives each mergeable attention / MLP its stacked copy."""
+    for the length of a rollout, and gives each mergeable attention / MLP its stacked copy. ``activations``:
+    the input's scales, one of ``ACTIVATIONS``."""
 
-    def __init__(self) -> None:
+    def __init__(self, activations: str = ACTIVATIONS[0]) -> None:
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+        self.per_token = activations == "token"
         self.layers: Dict[str, FP8Linear] = {}
         self.stacks: Dict[str, FP8Stack] = {}
         self._noted = False
@@ -160,7 +178,7 @@ class FP8Decode:
             linears = [getattr(sub, part) for part in merged_projections.PARTS[found]]
             stack = self.stacks.get(name)
             if stack is None or stack.fast != fast or [p.linear for p in stack.parts] != linears:
-                stack = self.stacks[name] = FP8Stack(linears, fast)
+                stack = self.stacks[name] = FP8Stack(linears, fast, self.per_token)
             for part, lin in zip(merged_projections.PARTS[found], stack.parts):
                 self.layers[f"{name}.{part}" if name else part] = lin
             out.append((name, sub))
@@ -181,7 +199,7 @@ class FP8Decode:
             for full, _, _, child in targets:
                 layer = self.layers.get(full)
                 if layer is None or layer.linear is not child or layer.fast != fast:
-                    self.layers[full] = FP8Linear(child, fast)
+                    self.layers[full] = FP8Linear(child, fast, per_token=self.per_token)
             self.refreshed = refresh([self.layers[full] for full, *_ in targets])
             for name, _ in stacked:
                 self.stacks[name].written()
