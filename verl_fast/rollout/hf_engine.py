@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from verl_fast.distributed import MEMORY_FRACTION, collective_device, usable_bytes
-from verl_fast.models import routing, vision as vision_model
+from verl_fast.models import routing, vision as vision_model, vision_attention
 from verl_fast.models.wrapping import hf_module, is_sharded
 from verl_fast.records.generation import GenerationOutput, SamplingSpec, pad_completions
 from verl_fast.rollout import fp8_linear, hf_decode, kv_turns, sync_check
@@ -356,14 +356,15 @@ class HFGenerateEngine(RolloutEngine):
     @contextlib.contextmanager
     def decoding(self, module):
         """What a decode of ``module`` (the engine's model) runs under: eval mode, whole parameters, the FP8
-        copies (rollout.quantization fp8) and the autocast dtype."""
+        copies (rollout.quantization fp8), the autocast dtype and a vision tower's batched segment attention
+        (``models/vision_attention``)."""
         was_training = module.training
         module.eval()
         autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype is not None
                     else contextlib.nullcontext())
         try:
             fp8 = self._fp8.swapped(module) if self._fp8 is not None else contextlib.nullcontext()
-            with _full_params(self.model), fp8, autocast:
+            with _full_params(self.model), fp8, autocast, vision_attention.batched(module):
                 yield
         finally:
             module.train(was_training)

@@ -31,7 +31,7 @@ from verl_fast import distributed
 from verl_fast.checkpoint import sharded as checkpoint
 from verl_fast.config import Config
 from verl_fast.records.experience import Experience
-from verl_fast.models import compiled_blocks, lora, lora_linear, packed, routing, vision
+from verl_fast.models import compiled_blocks, lora, lora_linear, packed, routing, vision, vision_attention
 from verl_fast.models.response_logprobs import accepts, response_logprobs
 from verl_fast.models.shared_prefix import experience_logprobs, packed_layout
 from verl_fast.models.value import ValueModel, response_values
@@ -183,8 +183,9 @@ def removes_padding(actor: torch.nn.Module, cfg: Config, device: torch.device,
 def passes(model: torch.nn.Module, compiled: bool, packs: bool) -> ContextManager[Any]:
     """Around a pass's micro-batches, forward and backward: LoRA layers as GEMMs only where
     ``lora_linear.FUSED`` is on, the compiled norms and MLPs (``compiled_blocks``), the varlen attention
-    of packed rows (``packed``)."""
+    of packed rows (``packed``), a vision tower's batched segment attention (``vision_attention``)."""
     stack = contextlib.ExitStack()
+    stack.enter_context(vision_attention.batched(model))
     stack.enter_context(lora_linear.fused(hf_module(model), lora_linear.FUSED))
     stack.enter_context(compiled_blocks.compiled(hf_module(model), compiled))
     if packs:
