@@ -228,11 +228,12 @@ def micro_logprobs(model: torch.nn.Module, sub: Experience, cfg: Config, lay: Op
     sampling temperature (else the PPO ratio of an unchanged actor is not 1 when ``rollout.temperature``
     is not 1); packed by ``lay`` when there is one (``prepared``). Recorded routing maps one-to-one
     onto the plain forward's tokens: no shared prompt pass then. Rows with images run padded, each with
-    its own prompt (``models/vision``)."""
+    its own prompt, each distinct prompt's images once through the vision tower (``models/vision``)."""
     if sub.vision is not None:
-        return response_logprobs(model, sub.input_ids, sub.attention_mask, sub.response_length,
-                                 cfg.rollout.temperature or 1.0, with_entropy, fused=FUSED[cfg.actor.fused_logprobs],
-                                 model_inputs=vision.model_inputs(model, sub.input_ids, sub.attention_mask, sub.vision))
+        with vision.images_once(model, sub.input_ids, sub.attention_mask, sub.vision) as inputs:
+            return response_logprobs(model, sub.input_ids, sub.attention_mask, sub.response_length,
+                                     cfg.rollout.temperature or 1.0, with_entropy,
+                                     fused=FUSED[cfg.actor.fused_logprobs], model_inputs=inputs)
     return experience_logprobs(model, sub.input_ids, sub.attention_mask, sub.response_length, sub.prompt_index,
                                temperature=cfg.rollout.temperature or 1.0, with_entropy=with_entropy,
                                fused=FUSED[cfg.actor.fused_logprobs],
