@@ -14,6 +14,11 @@ picture, a question and a 128-word answer, the loss on the answer; ours with the
 ``SFTTrainer`` with its vision-language collator. The vision tower is frozen in both. Each run is its
 own process; the first ``--skip`` steps are warm-up, the figures medians of the rest.
 
+Ours prints where its time goes as it runs (a run that times out still shows it): the setup (model,
+trainer, encoding), each phase of each step as it ends (``time/<phase>``), then each step's phase times,
+the HF rollout's prefill and decode seconds and CUDA-graph captures, and torch.compile's graphs compiled
+and graph breaks in that step. ``--set section.key=value`` (repeatable) overrides our config.
+
     python benchmarks/bench_vlm.py --device cuda [--algos grpo,sft] [--impls ours,ours_vllm,trl]
     python benchmarks/bench_vlm.py --device cpu --tiny     # smoke test: the tiny shape, small pictures
 """
@@ -21,6 +26,7 @@ own process; the first ``--skip`` steps are warm-up, the figures medians of the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -93,11 +99,55 @@ def peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
 
 
+def overrides(cfg: Dict[str, Any], pairs: List[str]) -> Dict[str, Any]:
+    """``cfg`` with each ``section.key=value`` of ``pairs`` set (the value read as JSON where it parses)."""
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        section, dot, name = key.partition(".")
+        if not (sep and dot and name):
+            raise SystemExit(f"--set {pair!r}: expected section.key=value")
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = value
+        cfg.setdefault(section, {})[name] = parsed
+    return cfg
+
+
+def dynamo_counts() -> Dict[str, int]:
+    """torch.compile's graphs compiled and graph breaks so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return {"compiled_graphs": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(counters["graph_break"].values()))}
+
+
+def live_phases(trainer, began: float) -> None:
+    """Each of the trainer's phases printed as it ends (seconds since ``began``), so that a run cut off by
+    the timeout still shows how far it got."""
+    phase = trainer.perf.phase
+
+    @contextlib.contextmanager
+    def printed(name):
+        start = time.perf_counter()
+        with phase(name):
+            yield
+        print(f"  {name}: {time.perf_counter() - start:.2f} s (at {time.perf_counter() - began:.1f} s)", flush=True)
+
+    trainer.perf.phase = printed
+
+
+STEP_FIGURES = ("rollout/prefill_s", "rollout/decode_s", "rollout/graph_captures", "rollout/cuda_graph",
+                "perf/graph_compiles", "perf/kernel_compiles", "perf/token_budget")
+
+
 def worker_ours(args) -> Dict[str, Any]:
     """Our trainer's steps; ``--run ours_vllm``: GRPO's rollout through vLLM."""
     from verl_fast.trainer.rl_trainer import RLTrainer
 
+    began = time.perf_counter()
     model, processor = build(args)
+    print(f"ours {args.algo}: model built in {time.perf_counter() - began:.1f} s", flush=True)
     s = sizes(args)
     side = s["side"] * s["side"]
     trainer_cfg = {"total_steps": args.steps, "progress_bar": False, "plot": False, "device": args.device,
@@ -107,26 +157,34 @@ def worker_ours(args) -> Dict[str, Any]:
         cfg = {"algorithm": {"type": "grpo"}, "actor": {"lr": 1e-6},
                "rollout": {"type": "vllm" if args.run == "ours_vllm" else "hf", "n": s["n"], "max_new_tokens": s["tokens"], "temperature": 1.0},
                "trainer": {**trainer_cfg, "train_batch_size": s["prompts"], "max_prompt_length": 512}}
-        trainer = RLTrainer(actor_model=model, tokenizer=processor, reward_fn=length_reward, config=cfg)
+        trainer = RLTrainer(actor_model=model, tokenizer=processor, reward_fn=length_reward,
+                            config=overrides(cfg, args.set))
         items = trainer.processor.encode_all(grpo_rows(args, trl=False))
         per = s["prompts"]
     else:
         cfg = {"algorithm": {"type": "sft", "sft_max_length": 1024}, "actor": {"lr": 1e-6},
                "trainer": {**trainer_cfg, "train_batch_size": s["rows"]}}
-        trainer = RLTrainer(actor_model=model, tokenizer=processor, config=cfg)
+        trainer = RLTrainer(actor_model=model, tokenizer=processor, config=overrides(cfg, args.set))
         items = trainer.algorithm.encode(trainer.processor, sft_rows(args))
         per = s["rows"]
+    print(f"ours {args.algo}: trainer built and rows encoded at {time.perf_counter() - began:.1f} s", flush=True)
+    live_phases(trainer, began)
     trainer.total_steps = args.steps
     steps = []
     for i in range(args.steps):
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
+        before = dynamo_counts()
         start = synced()
         metrics = trainer.train_step(items[i * per : (i + 1) * per])
         wall = synced() - start
+        after = dynamo_counts()
         steps.append({"wall_s": wall, "mfu_update": metrics.get("perf/mfu_update"), "peak_memory_gib": peak_gib(),
                       "response_length": metrics.get("response/length"), "tokens": metrics.get("perf/tokens"),
-                      "cuda_graph": metrics.get("rollout/cuda_graph")})
+                      "cuda_graph": metrics.get("rollout/cuda_graph"),
+                      "phases_s": {k[5:]: round(v, 3) for k, v in metrics.items() if k.startswith("time/")},
+                      **{k.split("/")[1]: metrics[k] for k in STEP_FIGURES if k in metrics},
+                      **{f"step_{k}": after[k] - before[k] for k in after}})
         print(f"ours {args.algo}: step {i + 1} {wall:.2f} s {steps[-1]}", flush=True)
     return {"impl": "verl_fast", "steps": steps}
 
@@ -194,6 +252,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=int, default=300, help="seconds per run")
     ap.add_argument("--tiny", action="store_true", help="the tiny shape and small pictures (CPU smoke test)")
     ap.add_argument("--name", default="vlm", help="the report's name (results/<name>_<device>.json)")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="our config's key set to VALUE (JSON where it parses), e.g. rollout.hf_compile_decode=false")
     ap.add_argument("--run", help=argparse.SUPPRESS)  # a worker: impl
     ap.add_argument("--algo", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -211,7 +271,8 @@ def main(argv=None) -> int:
                 continue  # no rollout in SFT: the same run as ours
             out = Path(tempfile.mkdtemp(prefix="bench_vlm_")) / "result.json"
             cmd = [sys.executable, __file__, "--run", impl, "--algo", algo, "--out", str(out), "--device",
-                   args.device, "--steps", str(args.steps)] + (["--tiny"] if args.tiny else [])
+                   args.device, "--steps", str(args.steps)] + (["--tiny"] if args.tiny else []) + \
+                [f"--set={pair}" for pair in args.set]
             try:
                 done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             except subprocess.TimeoutExpired as stopped:
@@ -222,6 +283,7 @@ def main(argv=None) -> int:
             if done.returncode != 0 or not out.is_file():
                 print(f"{algo} {impl}: failed\n{(done.stdout + done.stderr)[-3000:]}", flush=True)
                 continue
+            print(done.stdout[-4000:], end="", flush=True)  # the worker's own lines (ours: its phases and steps)
             result = json.loads(out.read_text())
             timed = result["steps"][min(args.skip, len(result["steps"]) - 1):]
             wall = statistics.median(s["wall_s"] for s in timed)

@@ -334,7 +334,9 @@ fi
 # its own process (VLM_RUN_TIMEOUT s); VLM_ALGOS=grpo / sft splits it over two calls if one does not fit.
 # First the vLLM engine with images (issue 70b; vLLM + torchvision, ~1-2 min; VLM_VLLM_TEST= skips it):
 # greedy / log-probs against HF with the same images, the weight sync. VLM_IMPLS=ours,ours_vllm,trl adds
-# our GRPO step with rollout.type=vllm ----
+# our GRPO step with rollout.type=vllm. VLM_SET="rollout.hf_compile_decode=false ..." overrides our config
+# (bench_vlm --set each); ours logs its setup, every phase as it ends and each step's phase times, HF
+# prefill / decode seconds, CUDA-graph captures and torch.compile graphs (printed below from bench.log) ----
 if want vlm; then
   if [ -n "${VLM_VLLM_TEST-python_tests/rollout/test_vllm_vlm_gpu.py}" ]; then
     timeout ${VLM_VLLM_TEST_TIMEOUT:-300} "$py" -m pytest -v -p no:cacheprovider -rs \
@@ -343,7 +345,8 @@ if want vlm; then
   fi
   timeout ${VLM_TIMEOUT:-580} "$py" benchmarks/bench_vlm.py --device cuda --algos "${VLM_ALGOS:-grpo,sft}" \
     --impls "${VLM_IMPLS:-ours,trl}" --steps "${VLM_STEPS:-3}" --timeout "${VLM_RUN_TIMEOUT:-200}" \
-    >> "$OUT/bench.log" 2>&1 || failed+=("bench_vlm")
+    $(for pair in ${VLM_SET:-}; do printf -- '--set=%s ' "$pair"; done) >> "$OUT/bench.log" 2>&1 || failed+=("bench_vlm")
+  grep -E "^(ours|  [a-z_]+: [0-9.]+ s|grpo|sft)" "$OUT/bench.log" | cut -c1-600 | tail -n 30
   sed -n '/^vlm on/,$p' "$OUT/bench.log" | tail -n 8
 fi
 

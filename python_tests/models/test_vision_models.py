@@ -1,6 +1,7 @@
 """Vision-language actors: exact response log-probs with images against the model's own forward, the
 vision tower frozen, LoRA on the language model only."""
 
+import contextlib
 import copy
 
 import pytest
@@ -130,3 +131,49 @@ def test_experience_keeps_images_with_rows():
                            prompt_index=torch.tensor([0]))
     both = concat([sub, text_only])
     assert both.vision == [prompts[2].vision, prompts[0].vision, None]
+
+
+def _tower_patches(model):
+    """A list that collects the patch count of each vision-tower call of ``model``."""
+    seen = []
+    model.model.visual.register_forward_pre_hook(lambda module, args: seen.append(int(args[0].shape[0])))
+    return seen
+
+
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_images_once_runs_each_prompts_images_once_with_the_same_logprobs_and_gradients(family):
+    """Three samples of each prompt (the same ``VisionInputs`` objects, as a rollout's experience holds
+    them): the log-probs and every gradient (tower trained) equal the plain forward's over per-row copies
+    (float32: only the sums' order differs), while the tower sees each prompt's patches once."""
+    model, processor = build_vlm(family)
+    prompts, responses = _rows(processor)
+    prompts, responses = [p for p in prompts for _ in range(3)], [r for r in responses for _ in range(3)]
+    ids, mask, L = _batch(prompts, responses, processor.pad_token_id)
+    shared = [p.vision for p in prompts]
+    copies = [None if v is None else copy.deepcopy(v) for v in shared]  # no two rows share an object
+    patches = _tower_patches(model)
+
+    def run(context):
+        model.zero_grad(set_to_none=True)
+        with context as inputs:
+            logp, _ = response_logprobs(model, ids, mask, L, model_inputs=inputs)
+        (logp * torch.linspace(-1, 1, logp.numel()).reshape(logp.shape)).sum().backward()
+        return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want, want_grads = run(contextlib.nullcontext(vision.model_inputs(model, ids, mask, copies)))
+    looped = patches.pop()
+    got, got_grads = run(vision.images_once(model, ids, mask, shared))
+    once = patches.pop()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert want_grads.keys() == got_grads.keys() and any(".visual." in f".{n}" for n in got_grads)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert looped == 3 * once == 3 * sum(int(v.pixel_values.shape[0]) for v in shared[::3] if v is not None)
+    assert "get_image_features" not in vars(vision._core(model))  # the model's own method again
+
+
+def test_distinct_images_indexes_each_rows_images():
+    one, two = _rows(build_vlm("qwen2_vl")[1])[0][:2]
+    a, b = one.vision, two.vision  # two pictures, one picture
+    firsts, index = vision.distinct_images([b, a, None, b, a, a])
+    assert firsts == [b, a] and index == [0, 1, 2, 0, 1, 2, 1, 2]

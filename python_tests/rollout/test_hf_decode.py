@@ -55,7 +55,11 @@ def test_greedy_equals_generate(model, tok, device):
     spec = SamplingSpec(n=2, temperature=0.0, max_tokens=12)
     a, b = fast.generate(prompts(tok), spec), plain.generate(prompts(tok), spec)
     assert fast.last_mode == ("graph" if device == "cuda" else "eager") and plain.last_mode == "generate"
-    assert fast.metrics() == {"cuda_graph": float(device == "cuda")}
+    figures = fast.metrics()
+    assert figures.keys() == {"cuda_graph", "prefill_s", "decode_s", "graph_captures"}
+    assert figures["cuda_graph"] == figures["graph_captures"] == float(device == "cuda")  # one batch size: one graph
+    assert figures["prefill_s"] > 0 and figures["decode_s"] > 0
+    assert plain.metrics() == {"cuda_graph": 0.0}
     assert torch.equal(a.response_ids, b.response_ids)
     assert torch.equal(a.response_mask, b.response_mask)
     assert a.finish_reasons == b.finish_reasons

@@ -124,6 +124,23 @@ def test_old_logprobs_over_micro_batches_match_each_row(tmp_path):
         assert (got[r, n:L] == 0).all()
 
 
+def test_token_budget_counts_image_rows_padded(tmp_path):
+    """Under a token budget with packed passes on, rows with images (which run padded) are cut by rows x
+    their longest, within the budget; counted packed, a micro-batch's padded rows went past it."""
+    model, processor = build_vlm("qwen2_5_vl")
+    cfg = config(tmp_path)
+    cfg["actor"].update(use_dynamic_bsz=True, use_remove_padding=True, max_token_len_per_gpu=135)
+    cfg["rollout"]["max_new_tokens"] = 12
+    trainer = RLTrainer(actor_model=model, tokenizer=processor, reward_fn=length_reward, config=cfg)
+    assert trainer.strategy.packs_sequences
+    exp = trainer.make_experience(trainer.processor.encode_all(verl_rows(3)), {})
+    lengths = exp.attention_mask.sum(-1)
+    assert lengths.max() * 2 <= 135 < lengths.sum()  # more than one micro-batch, more than one row each
+    micro = trainer.updates.micro(exp)
+    assert sorted(torch.cat(micro).tolist()) == list(range(exp.num_sequences))
+    assert all(len(idx) * int(lengths[idx].max()) <= 135 for idx in micro), [lengths[idx].tolist() for idx in micro]
+
+
 def test_resume_continues_the_run(tmp_path):
     model, processor = build_vlm("qwen2_vl")
     first = RLTrainer(actor_model=model, tokenizer=processor, reward_fn=length_reward,

@@ -8,11 +8,15 @@ order), the token types, and the 3-D rotary positions (M-RoPE: an image's tokens
 positions, the text after it continues from the image's largest) computed by the model's own
 ``get_rope_index`` over the left-padded rows -- so a row's positions do not depend on its padding
 or on which rows share its micro-batch, and text-only rows get plain positions in all three.
+``images_once`` gives the same forward with each distinct ``VisionInputs`` of a micro-batch through the
+vision tower once (a prompt's samples share their prompt's): the features are gathered back to every
+row's placeholders inside the forward.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import contextlib
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -99,16 +103,65 @@ def model_inputs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     return out
 
 
+def distinct_images(vision: Sequence[Optional[Any]]) -> Tuple[List[Any], List[int]]:
+    """The rows' distinct ``VisionInputs`` (the same object: a prompt's samples share it) in first-seen
+    order, and for each image of the rows, in row order, its index among the distinct ones' images."""
+    firsts: List[Any] = []
+    start: Dict[int, int] = {}
+    index: List[int] = []
+    count = 0
+    for v in vision:
+        if v is None:
+            continue
+        if id(v) not in start:
+            start[id(v)] = count
+            firsts.append(v)
+            count += v.num_images
+        index.extend(range(start[id(v)], start[id(v)] + v.num_images))
+    return firsts, index
+
+
+@contextlib.contextmanager
+def images_once(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                vision: Sequence[Optional[Any]]) -> Iterator[Dict[str, torch.Tensor]]:
+    """``model_inputs``'s keywords with the pixel values and grids of the rows' distinct ``VisionInputs``
+    only (``distinct_images``); inside, the model's image features (its ``get_image_features``, called by
+    its forward) are gathered back to every row's images in row order, so a prompt's samples run its
+    images through the vision tower once. The rows' forward is the plain one's; a trained tower's
+    gradients sum over the rows that share an image, as they would over copies."""
+    out = model_inputs(model, input_ids, attention_mask, vision)
+    firsts, index = distinct_images(vision)
+    if len(index) == sum(v.num_images for v in firsts):  # no row shares another's images
+        yield out
+        return
+    out["pixel_values"] = torch.cat([v.pixel_values for v in firsts]).to(input_ids.device)
+    out["image_grid_thw"] = torch.cat([v.image_grid_thw for v in firsts]).to(input_ids.device)
+    core = _core(model)
+    features_of = core.get_image_features
+
+    def gathered(pixel_values, image_grid_thw=None, **kwargs):
+        features = features_of(pixel_values, image_grid_thw, **kwargs)
+        features.pooler_output = tuple(features.pooler_output[i] for i in index)  # one tensor per image
+        return features
+
+    core.get_image_features = gathered  # the instance's, over the class's method, for this forward only
+    try:
+        yield out
+    finally:
+        del core.get_image_features
+
+
 def rope_positions(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    inputs: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     """The model's own ``get_rope_index`` over rows ``input_ids [B, T]`` (left-padded) with their
     ``image_inputs``: the M-RoPE ``position_ids [3, B, T]`` and each row's rope delta [B] (how far a text
     token after the prompt sits beyond its text position: all three components of its position are that
-    text position plus the delta)."""
-    positions, deltas = _core(model).get_rope_index(input_ids, inputs["mm_token_type_ids"],
-                                                    image_grid_thw=inputs.get("image_grid_thw"),
-                                                    attention_mask=attention_mask)
-    return positions, deltas.reshape(-1)
+    text position plus the delta), on the rows' device. The index is computed on host copies: it reads
+    every row back to the host (on a GPU, two waits for the device a row, where one copy waits once)."""
+    host = [None if t is None else t.cpu() for t in (input_ids, inputs["mm_token_type_ids"],
+                                                     inputs.get("image_grid_thw"), attention_mask)]
+    positions, deltas = _core(model).get_rope_index(host[0], host[1], image_grid_thw=host[2], attention_mask=host[3])
+    return positions.to(input_ids.device), deltas.reshape(-1).to(input_ids.device)
 
 
 def decode_unsupported(model: torch.nn.Module) -> Optional[str]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -606,6 +607,7 @@ class GraphPool:
     def __init__(self) -> None:
         self.last: Optional["torch.cuda.CUDAGraph"] = None
         self.stream: Optional["torch.cuda.Stream"] = None
+        self.captures = 0  # graphs captured so far (each call's batch sizes: its first step of each)
 
     def capture(self, decoder: "_Decoder") -> "torch.cuda.CUDAGraph":
         """Runs one real step on the side stream (warm-up), then captures the step (capturing runs nothing)."""
@@ -625,6 +627,7 @@ class GraphPool:
                 graph.capture_end()
         torch.cuda.current_stream().wait_stream(self.stream)
         self.last = graph
+        self.captures += 1
         return graph
 
 
@@ -651,7 +654,8 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
            compiled: Optional[CompiledForward] = None, rows: Optional[torch.Tensor] = None,
            min_rows: Optional[int] = MIN_ROWS, log: Optional[List[Tuple[int, int]]] = None,
            fused: bool = False, past: Optional[Past] = None,
-           keep: Optional[list] = None, images: Optional[Images] = None) -> Tuple[torch.Tensor, torch.Tensor, str]:
+           keep: Optional[list] = None, images: Optional[Images] = None,
+           times: Optional[Dict[str, float]] = None) -> Tuple[torch.Tensor, torch.Tensor, str]:
     """New tokens [B, max_new_tokens] (pad after a row's stop token, and after an early exit once
     every row stopped) and their log-probs [B, max_new_tokens] (0 past the end), on the host, and
     how the steps ran: "graph" (replays) or "eager".
@@ -686,7 +690,10 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
     after (it needs ``min_rows`` None: a compaction drops the finished rows' caches).
 
     ``images``: a vision-language model's prompts' images and M-RoPE positions (``Images``; the fused
-    sampling kernel, which cannot leave out the placeholder ids, gives way to the torch sampling)."""
+    sampling kernel, which cannot leave out the placeholder ids, gives way to the torch sampling).
+
+    ``times``: the call's wall seconds written into it, ``prefill_s`` (the prefill and the first token,
+    the device waited for after it) and ``decode_s`` (the steps after it, to the tokens on the host)."""
     if images is not None and past is not None:
         raise ValueError("decode: images go with a conversation's first turn only (past must be None with them)")
     if past is not None and rows is not None:
@@ -702,12 +709,20 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
         stack.enter_context(_without_fsdp_hooks(module))
         if compiled is not None:
             stack.enter_context(compiled.weights(module))
+        start = time.perf_counter()
         dec = _Decoder(module, input_ids, attention_mask, max_new_tokens, (temperature, top_k, top_p), stop_ids,
                        pad_id, compiled, rows, fused=fused, past=past, images=images)  # the prefill: sdpa, eager
+        if times is not None:
+            if input_ids.is_cuda:
+                torch.cuda.synchronize(input_ids.device)
+            times["prefill_s"] = time.perf_counter() - start
+            start = time.perf_counter()
         stack.enter_context(_attention(module, ATTENTION))
         steps, graphed = _run_steps(dec, max_new_tokens, use_graph, check_every,
                                     graphs if graphs is not None else GraphPool(), min_rows, log)
         tokens, logprobs = dec.result()
+        if times is not None:
+            times["decode_s"] = time.perf_counter() - start
     if keep is not None:
         keep.append(dec)
     if log is not None:

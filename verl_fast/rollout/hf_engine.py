@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from verl_fast.distributed import MEMORY_FRACTION, collective_device, usable_bytes
-from verl_fast.models import routing, vision as vision_model
+from verl_fast.models import routing, vision as vision_model, vision_attention
 from verl_fast.models.wrapping import hf_module, is_sharded
 from verl_fast.records.generation import GenerationOutput, SamplingSpec, pad_completions
 from verl_fast.rollout import fp8_linear, hf_decode, kv_turns, sync_check
@@ -175,6 +175,7 @@ class HFGenerateEngine(RolloutEngine):
         self.vision_language = vision_model.is_vision_model(model)
         self._told: set = set()  # the reasons already logged for decoding through generate
         self.last_mode: Optional[str] = None  # how the last call decoded: graph, eager or generate
+        self._last: Dict[str, float] = {}  # the last generate's loop figures, summed over its calls (metrics)
         self._graphs = hf_decode.GraphPool()  # the decode graph's memory, reused by the next call's graph
         self._compiled = hf_decode.CompiledForward() if compile_decode else None
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -225,6 +226,7 @@ class HFGenerateEngine(RolloutEngine):
             raise ValueError(f"one sampling spec per prompt expected: {len(prompts)} prompts, {len(specs)} specs")
         for spec in specs:
             spec.validate()
+        self._last = {}
         # generate() samples from the global RNG: seed it once per call (per-request seeds would
         # force one generate call per prompt), and batch the prompts whose other settings agree.
         seeds = [s.seed for s in specs if s.seed is not None]
@@ -356,14 +358,15 @@ class HFGenerateEngine(RolloutEngine):
     @contextlib.contextmanager
     def decoding(self, module):
         """What a decode of ``module`` (the engine's model) runs under: eval mode, whole parameters, the FP8
-        copies (rollout.quantization fp8) and the autocast dtype."""
+        copies (rollout.quantization fp8), the autocast dtype and a vision tower's batched segment attention
+        (``models/vision_attention``)."""
         was_training = module.training
         module.eval()
         autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype is not None
                     else contextlib.nullcontext())
         try:
             fp8 = self._fp8.swapped(module) if self._fp8 is not None else contextlib.nullcontext()
-            with _full_params(self.model), fp8, autocast:
+            with _full_params(self.model), fp8, autocast, vision_attention.batched(module):
                 yield
         finally:
             module.train(was_training)
@@ -389,8 +392,10 @@ class HFGenerateEngine(RolloutEngine):
             width = ids.shape[1]  # its cache copied to the rows that decode it
             distinct, prompt_of = torch.unique(torch.cat([ids, mask], 1), dim=0, return_inverse=True)
             ids, mask, rows = distinct[:, :width], distinct[:, width:], prompt_of.repeat_interleave(spec.n // copies)
+        times: Dict[str, float] = {}
+        captures = self._graphs.captures
         try:
-            return hf_decode.decode(
+            out = hf_decode.decode(
                 module, ids.to(device), mask.to(device), spec.max_tokens,
                 spec.temperature, spec.top_k, spec.top_p, list(eos) + list(spec.stop_token_ids), self.pad_token_id,
                 use_graph=device.type == "cuda" and not _fsdp1(self.model), graphs=self._graphs,
@@ -398,7 +403,11 @@ class HFGenerateEngine(RolloutEngine):
                 rows=None if rows is None else rows.to(device),
                 min_rows=None if keep is not None else self._min_rows(device), past=past, keep=keep, images=images,
                 fused=self.fused_kernels == "on" or (self.fused_kernels == "auto" and device.type == "cuda"
-                                                     and hf_decode.decode_sampling is not None))
+                                                     and hf_decode.decode_sampling is not None), times=times)
+            times["graph_captures"] = float(self._graphs.captures - captures)
+            for key, value in times.items():  # summed over the calls of one generate
+                self._last[key] = self._last.get(key, 0.0) + value
+            return out
         except Exception as e:  # noqa: BLE001 - the loop is an optimisation: generate still works
             self.fast_failed = f"the static-cache loop failed before ({type(e).__name__}: {e})"
             logger.warning("fast HF decoding failed, using generate from now on: %s: %s", type(e).__name__, e)
@@ -419,8 +428,13 @@ class HFGenerateEngine(RolloutEngine):
         return hf_decode.MIN_ROWS if compact else None
 
     def metrics(self) -> dict:
-        """``cuda_graph``: 1 when the last call decoded by graph replays, 0 otherwise."""
-        return {"cuda_graph": float(self.last_mode == "graph")} if self.last_mode else {}
+        """``cuda_graph``: 1 when the last call decoded by graph replays, 0 otherwise; where the static-cache
+        loop decoded the last ``generate``, its ``prefill_s`` / ``decode_s`` and the CUDA graphs it captured
+        (``graph_captures``), summed over its calls."""
+        if not self.last_mode:
+            return {}
+        return {"cuda_graph": float(self.last_mode == "graph"),
+                **(self._last if self.last_mode != "generate" else {})}
 
     def _decode_generate(self, module, ids, mask, spec: SamplingSpec, eos: List[int], copies: int,
                          images: Optional[Dict[str, torch.Tensor]] = None):

@@ -31,7 +31,7 @@ from verl_fast import distributed
 from verl_fast.checkpoint import sharded as checkpoint
 from verl_fast.config import Config
 from verl_fast.records.experience import Experience
-from verl_fast.models import compiled_blocks, lora, lora_linear, packed, routing, vision
+from verl_fast.models import compiled_blocks, lora, lora_linear, packed, routing, vision, vision_attention
 from verl_fast.models.response_logprobs import accepts, response_logprobs
 from verl_fast.models.shared_prefix import experience_logprobs, packed_layout
 from verl_fast.models.value import ValueModel, response_values
@@ -183,8 +183,9 @@ def removes_padding(actor: torch.nn.Module, cfg: Config, device: torch.device,
 def passes(model: torch.nn.Module, compiled: bool, packs: bool) -> ContextManager[Any]:
     """Around a pass's micro-batches, forward and backward: LoRA layers as GEMMs only where
     ``lora_linear.FUSED`` is on, the compiled norms and MLPs (``compiled_blocks``), the varlen attention
-    of packed rows (``packed``)."""
+    of packed rows (``packed``), a vision tower's batched segment attention (``vision_attention``)."""
     stack = contextlib.ExitStack()
+    stack.enter_context(vision_attention.batched(model))
     stack.enter_context(lora_linear.fused(hf_module(model), lora_linear.FUSED))
     stack.enter_context(compiled_blocks.compiled(hf_module(model), compiled))
     if packs:
@@ -227,11 +228,12 @@ def micro_logprobs(model: torch.nn.Module, sub: Experience, cfg: Config, lay: Op
     sampling temperature (else the PPO ratio of an unchanged actor is not 1 when ``rollout.temperature``
     is not 1); packed by ``lay`` when there is one (``prepared``). Recorded routing maps one-to-one
     onto the plain forward's tokens: no shared prompt pass then. Rows with images run padded, each with
-    its own prompt (``models/vision``)."""
+    its own prompt, each distinct prompt's images once through the vision tower (``models/vision``)."""
     if sub.vision is not None:
-        return response_logprobs(model, sub.input_ids, sub.attention_mask, sub.response_length,
-                                 cfg.rollout.temperature or 1.0, with_entropy, fused=FUSED[cfg.actor.fused_logprobs],
-                                 model_inputs=vision.model_inputs(model, sub.input_ids, sub.attention_mask, sub.vision))
+        with vision.images_once(model, sub.input_ids, sub.attention_mask, sub.vision) as inputs:
+            return response_logprobs(model, sub.input_ids, sub.attention_mask, sub.response_length,
+                                     cfg.rollout.temperature or 1.0, with_entropy,
+                                     fused=FUSED[cfg.actor.fused_logprobs], model_inputs=inputs)
     return experience_logprobs(model, sub.input_ids, sub.attention_mask, sub.response_length, sub.prompt_index,
                                temperature=cfg.rollout.temperature or 1.0, with_entropy=with_entropy,
                                fused=FUSED[cfg.actor.fused_logprobs],

@@ -48,7 +48,9 @@ class Updates:
     def micro(self, exp: Experience, rows: Optional[torch.Tensor] = None, for_update: bool = True,
               size: Optional[int] = None) -> List[torch.Tensor]:
         """Micro-batches of ``rows`` (every row of ``exp`` by default): by count, or under a token
-        budget (``actor.use_dynamic_bsz``; unset: on a GPU, where the strategy budgets tokens)."""
+        budget (``actor.use_dynamic_bsz``; unset: on a GPU, where the strategy budgets tokens), counted
+        packed where the passes pack rows; rows with images run padded (``fsdp_strategy.prepared``), so
+        theirs count rows x longest."""
         a = self.cfg.actor
         if rows is None:
             rows = torch.arange(exp.num_sequences, device=self.device)
@@ -57,7 +59,7 @@ class Updates:
             by_tokens = self.device.type == "cuda" and self.strategy.budgets_tokens
         if by_tokens:
             return micro_batches(rows, exp.attention_mask.sum(-1), max_tokens=self.token_budget(),
-                                 group=self.dp_group, packed=self.strategy.packs_sequences)
+                                 group=self.dp_group, packed=self.strategy.packs_sequences and exp.vision is None)
         return micro_batches(rows, size=size or (a.micro_batch_size if for_update else max(a.micro_batch_size, 16)))
 
     def token_budget(self) -> int:
