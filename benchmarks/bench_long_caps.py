@@ -41,7 +41,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
@@ -82,12 +82,12 @@ class LongRow:
 
 
 ROWS = {
-    "1.5b_16k": LongRow("Qwen2.5-1.5B", 512, 16384, timeout=120),
-    "7b_lora_8k": LongRow("Qwen2.5-7B", 512, 8192, 64, timeout=150),
-    "qwen3_0.6b_16k": LongRow("Qwen3-0.6B", 512, 15872, timeout=90, published="Qwen3-0.6B"),
+    "1.5b_16k": LongRow("Qwen2.5-1.5B", 512, 16384, timeout=100),
+    "7b_lora_8k": LongRow("Qwen2.5-7B", 512, 8192, 64, timeout=130),
+    "qwen3_0.6b_16k": LongRow("Qwen3-0.6B", 512, 15872, timeout=80, published="Qwen3-0.6B"),
     "qwen3_0.6b_16k_matched": LongRow("Qwen3-0.6B", 512, 15872, actor={"gradient_checkpointing": True,
                                                                        "max_token_len_per_gpu": 16384},
-                                      timeout=90, published="Qwen3-0.6B"),
+                                      timeout=80, published="Qwen3-0.6B"),
     "qwen3_4b_lora_64k": LongRow("Qwen3-4B", 512, 65024, 16, rows=1, timeout=170, published="Qwen3-4B"),
     # CPU smoke rows: the same code paths at tiny sizes (the Qwen3 one past its model's positions, packed,
     # checkpointed, the fused head's chunked torch path)
@@ -135,7 +135,8 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def worker(name: str, device: torch.device, steps: int) -> Dict[str, Any]:
+def worker(name: str, device: torch.device, steps: int, save: Callable[[Dict[str, Any]], None]) -> None:
+    """Runs the row, handing ``save`` its result after every step (a row cut short keeps its steps)."""
     from transformers import AutoModelForCausalLM
 
     from verl_fast.config import from_dict
@@ -180,6 +181,8 @@ def worker(name: str, device: torch.device, steps: int) -> Dict[str, Any]:
         ratio = torch.exp(logp - sub.old_logprobs)
         return -(ratio * sub.advantages).mean(), {}
 
+    attn_width = hf.num_attention_heads * (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+    peak = peak_bf16_flops(device)
     out = []
     for _ in range(steps):
         sync(device)
@@ -195,16 +198,14 @@ def worker(name: str, device: torch.device, steps: int) -> Dict[str, Any]:
         end = time.perf_counter()
         out.append({"old_logprob_s": mid - start, "update_s": end - mid, "tokens": tokens, "pairs": pairs,
                     "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None})
-    last = out[-1]
-    attn_width = hf.num_attention_heads * (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
-    flops = update_flops(params, hf.num_hidden_layers, attn_width, last["tokens"], last["pairs"])
-    peak = peak_bf16_flops(device)
-    return {"row": name, "steps": out, "estimate": est.as_dict(), "free_bytes": free, "token_budget": budget,
-            "micro_batches": len(micro), "resolved": {k: str(v) for k, v in strategy.resolved().items()},
-            "sequence_tokens": length, "sequences": row.rows, "lora_rank": row.rank, "parameters": params,
-            "update_flops": flops, "tokens_per_s": last["tokens"] / last["update_s"],
-            "mfu": flops / last["update_s"] / peak if peak else None,
-            "published": PRIME_RL.get(row.published) if row.published else None}
+        last = out[-1]
+        flops = update_flops(params, hf.num_hidden_layers, attn_width, last["tokens"], last["pairs"])
+        save({"row": name, "steps": out, "estimate": est.as_dict(), "free_bytes": free, "token_budget": budget,
+              "micro_batches": len(micro), "resolved": {k: str(v) for k, v in strategy.resolved().items()},
+              "sequence_tokens": length, "sequences": row.rows, "lora_rank": row.rank, "parameters": params,
+              "update_flops": flops, "tokens_per_s": last["tokens"] / last["update_s"],
+              "mfu": flops / last["update_s"] / peak if peak else None,
+              "published": PRIME_RL.get(row.published) if row.published else None})
 
 
 def summary(result: Dict[str, Any]) -> str:
@@ -238,8 +239,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.run:
-        result = worker(args.run, torch.device(args.device), args.steps)
-        Path(args.out).write_text(json.dumps(result))
+        worker(args.run, torch.device(args.device), args.steps, lambda r: Path(args.out).write_text(json.dumps(r)))
         return 0
     chosen = list(TINY_ROWS) if args.tiny else args.rows_set.split(",")
     unknown = [r for r in chosen if r not in ROWS]
@@ -255,20 +255,24 @@ def main(argv=None) -> int:
         cmd = [sys.executable, __file__, "--run", name, "--out", str(out), "--device", args.device,
                "--steps", str(args.steps)]
         timeout = args.timeout or (ROWS[name].timeout if args.device.startswith("cuda") else 600)
+        cut = ""
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             print(f"{name}: timed out after {timeout} s", flush=True)
-            failed = True
-            continue
-        if done.returncode != 0 or not out.is_file():
-            print(f"{name}: failed\n{(done.stdout + done.stderr)[-3000:]}", flush=True)
-            failed = True
+            failed, cut = True, f" (cut at {timeout} s)"
+        else:
+            if done.returncode != 0:
+                print(f"{name}: failed\n{(done.stdout + done.stderr)[-3000:]}", flush=True)
+                failed = True
+                continue
+        if not out.is_file():
             continue
         result = json.loads(out.read_text())
+        result["cut_short"] = bool(cut)
         report.meta["results"][name] = result
         last = result["steps"][-1]
-        note = summary(result)
+        note = summary(result) + f"; {len(result['steps'])} of {args.steps} steps{cut}"
         report.add(f"update {name}", "verl_fast", last["update_s"] * 1e3, extra_bytes=last["peak_bytes"], note=note)
         print(f"{name}: {last['update_s']:.2f} s an update (old log-probs {last['old_logprob_s']:.2f} s), {note}",
               flush=True)
