@@ -91,3 +91,61 @@ def test_rows_past_the_positions_train_as_the_float64_reference(rank):
         assert g is not None, name
         rel = ((g.double() - want).norm() / want.norm().clamp_min(1e-12)).item()
         assert rel < 1e-4, (name, rel)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rank", [None, 16], ids=["full", "lora"])
+def test_a_32k_row_on_cuda_trains_within_bf16_error_of_the_float32_forward(rank):
+    """The GPU's own path at a long row: bf16 autocast and copies, compiled norms and MLPs, torch's varlen
+    flash attention, the Triton fused head, gradient checkpointing; one 32,768-token row (128 times the
+    model's positions) and a short one, against the float32 plain forward (sdpa, causal) of each row."""
+    torch.manual_seed(0)
+    model = tiny_model("qwen3", max_position_embeddings=POSITIONS, hidden_size=128, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=32).cuda()
+    P, lengths = 64, (32768 - 64, 300)
+    L = max(lengths)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, model.config.vocab_size, (2, P + L), generator=g)
+    mask = torch.zeros_like(ids)
+    for r, n in enumerate(lengths):
+        mask[r, : P + n] = 1
+    ids, mask = (ids * mask).cuda(), mask.cuda()
+    actor = {"model_name": "m", "gradient_checkpointing": True}
+    if rank:
+        actor["lora"] = {"r": rank, "alpha": 2 * rank}
+    cfg = from_dict({"actor": actor, "rollout": {"max_new_tokens": L, "n": 2},
+                     "trainer": {"train_batch_size": 1, "max_prompt_length": P, "device": "cuda"}})
+    if rank:
+        model = lora_mod.apply(model, cfg.actor.lora)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0.0, 0.1)
+    advantages = torch.randn(2, L, generator=g).cuda()
+    ref = copy.deepcopy(model)
+    want = torch.zeros(2, L, device="cuda")
+    for r, n in enumerate(lengths):
+        seq = ids[r, : P + n][None]
+        logits = ref(input_ids=seq, use_cache=False).logits[0].float()
+        want[r, :n] = torch.log_softmax(logits[:-1], -1).gather(-1, seq[0, 1:, None])[:, 0][-n:]
+    loss_of(want, advantages, mask[:, -L:]).backward()
+    truth = {name: p.grad for name, p in ref.named_parameters() if p.requires_grad}
+
+    strategy = FSDPStrategy(cfg, model, None, None, needs_reference=False)
+    assert strategy.checkpointing and strategy.packs_sequences and strategy.autocast_dtype == torch.bfloat16
+    exp = Experience(input_ids=ids, attention_mask=mask, prompt_index=torch.arange(2, device="cuda"),
+                     response_mask=mask[:, -L:], advantages=advantages)
+    micro = [torch.arange(2, device="cuda")]
+    logp = strategy.actor_logprobs(exp, micro)
+    torch.testing.assert_close(logp, want.detach() * mask[:, -L:], atol=0.05, rtol=0.02)
+
+    def loss_fn(lp, ent, sub):
+        return loss_of(lp, sub.advantages, sub.response_mask), {}
+
+    strategy.forward_backward(exp, micro, loss_fn)
+    got = {name: p.grad for name, p in strategy.actor.named_parameters() if p.requires_grad}
+    assert got.keys() == truth.keys()
+    for name, grad in got.items():
+        off = float((grad.float() - truth[name]).norm() / truth[name].norm())
+        assert off <= 0.1, (name, off)
