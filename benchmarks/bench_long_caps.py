@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import tempfile
@@ -241,6 +242,8 @@ def main(argv=None) -> int:
     if args.run:
         worker(args.run, torch.device(args.device), args.steps, lambda r: Path(args.out).write_text(json.dumps(r)))
         return 0
+    # a SIGTERM (gpu_run.sh's timeout) ends the row's process too: subprocess.run kills it on the exit
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     chosen = list(TINY_ROWS) if args.tiny else args.rows_set.split(",")
     unknown = [r for r in chosen if r not in ROWS]
     if unknown:
