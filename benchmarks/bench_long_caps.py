@@ -98,7 +98,7 @@ ROWS = {
                                actor={"use_remove_padding": True, "gradient_checkpointing": True,
                                       "fused_logprobs": "on"}),
 }
-GPU_ROWS = ("1.5b_16k", "7b_lora_8k", "qwen3_0.6b_16k", "qwen3_0.6b_16k_matched", "qwen3_4b_lora_64k")
+GPU_ROWS = ("qwen3_4b_lora_64k", "qwen3_0.6b_16k", "1.5b_16k", "7b_lora_8k", "qwen3_0.6b_16k_matched")
 TINY_ROWS = ("tiny", "tiny_lora", "tiny_qwen3_long")
 
 
