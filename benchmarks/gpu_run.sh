@@ -14,7 +14,7 @@
 #   VLLM_IMPORT_PROFILE=1 SECTIONS=hotpaths ...                     # and where `import vllm` goes, module by module
 #   HOTPATHS_DEVICE=cpu CMAKE_ARGS=-DVERL_FAST_CUDA=OFF SECTIONS=hotpaths ...  # the section checked on a CPU at small sizes
 #
-# Sections: tests (every gpu-marked test), long_caps (the update's peak memory at 8k-16k caps, issue 66), defaults (the trainer's defaults at 0.5B / 1.5B, issue 42), 7b (the 7B
+# Sections: tests (every gpu-marked test), long_caps (the update's peak memory at 8k-16k caps and prime-rl's 16k / 64k rows, issue 66), defaults (the trainer's defaults at 0.5B / 1.5B, issue 42), 7b (the 7B
 # class: LoRA and full fine-tune, ours or TRL's by SEVEN_B), shapes (a new token count's first-call cost), decode (the rollout's decode alone), merge (the LoRA merge before a rollout),
 # overlap (the reward beside the old-log-prob pass), agent_endpoint (an agent through the rollout endpoint, issue 68), hotpaths (the ops as users call them, before / after issue 48), vllm (every vLLM test, on the GPU's vLLM), trainer (the CLI
 # with vLLM rollout: GRPO + resume, PPO, the default config), advantage, logprobs, reshard, hybrid, e2e,
@@ -317,14 +317,17 @@ if want sft; then
   sed -n '/^sft on/,$p' "$OUT/bench.log" | tail -n 14
 fi
 
-# ---- long_caps (issue 66): the update at long caps, measured peak memory beside the memory plan's estimate
-# (strategies/memory_plan.estimate; docs/memory.md): the 1.5B shape full fine-tune at a 16k cap and the 7B shape
-# with LoRA r 64 at an 8k cap, two sequences of the whole length, two steps each (~4 minutes); both must peak
-# <= 75 GiB on an 80 GB H100 (results/long_caps_cuda.json). LONG_CAPS_ROWS=1.5b_16k for one row ----
+# ---- long_caps (issue 66): the update at long sequences, measured peak memory beside the memory plan's estimate
+# (strategies/memory_plan.estimate; docs/memory.md), trained tokens/s and MFU: prime-rl's single-H100 rows first
+# (Qwen3-4B shape, LoRA r16, one 65,536-token sequence; Qwen3-0.6B shape full fine-tune, two 16,384-token
+# sequences, with the defaults and memory-matched; their published figures beside ours), then the 1.5B shape full
+# fine-tune at a 16k cap and the 7B shape with LoRA r 64 at an 8k cap (both must peak <= 75 GiB on an 80 GB H100).
+# Each row its own process, two steps (~6 minutes in all, cut at 7; results/long_caps_cuda.json, saved after every row).
+# LONG_CAPS_ROWS=qwen3_4b_lora_64k,qwen3_0.6b_16k for some rows (two calls if one does not hold them all) ----
 if want long_caps; then
-  timeout 580 "$py" benchmarks/bench_long_caps.py --device cuda --rows-set "${LONG_CAPS_ROWS:-1.5b_16k,7b_lora_8k}" \
-    >> "$OUT/bench.log" 2>&1 || failed+=("bench_long_caps")
-  grep -E "^(1.5b_16k|7b_lora_8k):" "$OUT/bench.log" | tail -n 2
+  timeout ${LONG_CAPS_TIMEOUT:-420} "$py" benchmarks/bench_long_caps.py --device cuda \
+    ${LONG_CAPS_ROWS:+--rows-set "$LONG_CAPS_ROWS"} >> "$OUT/bench.log" 2>&1 || failed+=("bench_long_caps")
+  grep -E "^(qwen3_|1.5b_16k|7b_lora_8k)" "$OUT/bench.log" | tail -n 5
 fi
 
 # ---- vlm (issue 70): vision-language GRPO (16 prompts x 8 samples, one 448 x 448 picture each, up to 256 new tokens)

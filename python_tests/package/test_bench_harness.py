@@ -87,6 +87,23 @@ def test_shapes_registry():
         shape("qwen-7b")
 
 
+@pytest.mark.parametrize("name", ["Qwen3-0.6B", "Qwen3-4B", "Qwen2.5-1.5B"])
+def test_shape_params_match_the_built_model(name):
+    # the count a benchmark's MFU divides by, against the model transformers builds from the shape
+    # (Qwen3's per-head query / key norms included)
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
+
+    s = shape(name)
+    cls = Qwen3Config if s.qk_norm else Qwen2Config
+    cfg = cls(vocab_size=s.vocab_size, hidden_size=s.hidden_size, num_hidden_layers=s.num_layers,
+              intermediate_size=s.intermediate_size, num_attention_heads=s.num_heads,
+              num_key_value_heads=s.num_kv_heads, head_dim=s.head_dim, tie_word_embeddings=s.tied_embeddings)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    assert s.params() == sum(p.numel() for p in model.parameters())
+
+
 def _fake_report(name="fake"):
     return {"name": name, "environment": {"device": "test cpu"}, "floors_ms": {"case a": 1.0},
             "meta": {"quality": [{"case": "pack n=8", "plan": "fixed 4 seqs/micro-batch", "padded_util": 0.5},

@@ -1,6 +1,7 @@
 """The memory plan's estimate (strategies/memory_plan.estimate): an update pass's measured peak on the CPU
 against it at tiny sizes, and the long-cap shapes of issue 66 (1.5B full fine-tune at a 16k cap, 7B LoRA at
-an 8k cap) within one 80 GB H100 (75 GiB) by its count. The GPU's measured peaks of the same two shapes:
+an 8k cap; prime-rl's Qwen3-0.6B at 16k-token and Qwen3-4B LoRA at 65k-token sequences) within one 80 GB
+H100 (75 GiB) by its count. The GPU's measured peaks of the same shapes:
 ``SECTIONS=long_caps`` in benchmarks/gpu_run.sh."""
 
 import json
@@ -39,15 +40,17 @@ def test_the_estimate_bounds_an_update_pass_measured_on_the_cpu(layers, hidden, 
     assert 0.6 <= ratio <= 1.0, (got, ratio)
 
 
-def hf_config(name: str) -> transformers.Qwen2Config:
+def hf_config(name: str) -> transformers.PretrainedConfig:
     s = bench_shape(name)
-    return transformers.Qwen2Config(vocab_size=s.vocab_size, hidden_size=s.hidden_size, num_hidden_layers=s.num_layers,
-                                    intermediate_size=s.intermediate_size, num_attention_heads=s.num_heads,
-                                    num_key_value_heads=s.num_kv_heads, tie_word_embeddings=s.tied_embeddings)
+    qwen3 = {"head_dim": s.head_dim, "max_position_embeddings": 65536} if s.qk_norm else {}
+    return (transformers.Qwen3Config if s.qk_norm else transformers.Qwen2Config)(
+        vocab_size=s.vocab_size, hidden_size=s.hidden_size, num_hidden_layers=s.num_layers,
+        intermediate_size=s.intermediate_size, num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads,
+        tie_word_embeddings=s.tied_embeddings, **qwen3)
 
 
-def long_cap(name: str, cap: int, lora: bool):
-    cfg = from_dict({"actor": {"model_name": "m", **({"lora": {"r": 64}} if lora else {})},
+def long_cap(name: str, cap: int, lora: bool, rank: int = 64):
+    cfg = from_dict({"actor": {"model_name": "m", **({"lora": {"r": rank}} if lora else {})},
                      "rollout": {"max_new_tokens": cap, "n": 8},
                      "trainer": {"train_batch_size": 16, "max_prompt_length": 512}})
     hf = hf_config(name)
@@ -84,6 +87,30 @@ def test_7b_lora_at_an_8k_cap_fits_one_h100_with_checkpointing():
     eager = memory_plan.ACTIVATION_BYTES * shape.layers * shape.width * memory_plan.EAGER_FACTOR
     eager += memory_plan.adapter_per_token(shape.adapted, True)
     assert est.static + (512 + 8192) * eager > H100  # unrecomputed, one sequence would not fit
+
+
+def test_qwen3_4b_lora_at_65k_token_sequences_fits_one_h100_only_checkpointed():
+    # prime-rl's single-H100 LoRA row (bench_long_caps qwen3_4b_lora_64k): one sequence is a micro-batch,
+    # never split, its activations recomputed layer by layer
+    cfg, hf, shape = long_cap("Qwen3-4B", 65536 - 512, lora=True, rank=16)
+    assert shape.parameters - shape.trained == bench_shape("Qwen3-4B").params()
+    est = memory_plan.estimate(cfg, shape, hf, H100, peft=True, compiled=False, fused_head=True)
+    assert est.mode == "checkpointed" and est.micro_tokens >= 65536 and est.update_peak <= H100
+    eager = memory_plan.ACTIVATION_BYTES * shape.layers * shape.width * memory_plan.EAGER_FACTOR
+    eager += memory_plan.adapter_per_token(shape.adapted, True)
+    assert est.static + 65536 * eager > 4 * H100  # unrecomputed, one sequence would need several GPUs
+
+
+def test_qwen3_06b_at_16k_token_sequences_spends_the_room_or_matches_a_small_peak():
+    # prime-rl's full fine-tune row: the defaults keep whole activations of several sequences a micro-batch;
+    # checkpointed with one sequence a micro-batch, the update's activations are a small part of the peak
+    cfg, hf, shape = long_cap("Qwen3-0.6B", 16384 - 512, lora=False)
+    est = memory_plan.estimate(cfg, shape, hf, H100, compiled=True, fused_head=True)
+    assert est.mode == "plain" and est.micro_tokens >= 2 * 16384 and est.update_peak <= H100
+    cfg.actor.gradient_checkpointing, cfg.actor.max_token_len_per_gpu = True, 16384
+    matched = memory_plan.estimate(cfg, shape, hf, H100, compiled=True, fused_head=True)
+    assert matched.mode == "checkpointed" and matched.micro_tokens == 16384
+    assert matched.activations + matched.head < 0.25 * matched.static
 
 
 def test_the_estimate_takes_a_set_token_budget_and_refuses_nothing_silently():

@@ -9,7 +9,8 @@ Before loading (``check_folder``; a local folder, or a Hub name's snapshot in th
   its own ``blobs/`` are how the HF cache stores files and pass;
 - ``config.json`` and ``tokenizer_config.json`` are JSON objects, each ``*.safetensors`` has a
   header (8-byte length, then a JSON object whose offsets lie inside the file);
-- ``rollout.max_new_tokens`` fits the model's context (``max_position_embeddings``).
+- ``rollout.max_new_tokens`` fits the model's context (``max_position_embeddings``, stretched by a
+  YaRN / linear / dynamic RoPE scaling).
 
 After loading: weights the folder lacks (``missing_weights``: transformers would leave them at their
 random initial values) and a reference model with another vocabulary than the actor's (``same_vocab``).
@@ -103,14 +104,38 @@ def safetensors_names(path: Path, key: str) -> Dict[str, Any]:
     return tensors
 
 
+# RoPE scalings that stretch a context of original_max_position_embeddings (else max_position_embeddings)
+# positions by their factor; llama3's and longrope's configs state the stretched length itself
+_STRETCHING_ROPE = ("yarn", "linear", "dynamic")
+
+
+def _positive_int(value: Any) -> Optional[int]:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _scaled_positions(section: Dict[str, Any], positions: int) -> int:
+    """``positions`` stretched by the section's RoPE scaling (``rope_scaling``, transformers 5's
+    ``rope_parameters``), as Qwen's model cards add YaRN for contexts past the trained one while their
+    config keeps ``max_position_embeddings``."""
+    rope = section.get("rope_scaling") or section.get("rope_parameters")
+    if not isinstance(rope, dict) or (rope.get("rope_type") or rope.get("type")) not in _STRETCHING_ROPE:
+        return positions
+    factor = rope.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 1:
+        return positions
+    base = _positive_int(rope.get("original_max_position_embeddings")) or positions
+    return max(positions, int(base * factor))
+
+
 def context_length(config: Dict[str, Any]) -> Optional[int]:
     """The model's positions (``max_position_embeddings``, GPT-2's ``n_positions``; a multimodal
-    config's ``text_config``), None when the config gives none."""
+    config's ``text_config``; stretched by a YaRN / linear / dynamic RoPE scaling), None when the
+    config gives none."""
     for section in (config, config.get("text_config") or {}):
         for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-            value = section.get(name) if isinstance(section, dict) else None
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
+            value = _positive_int(section.get(name)) if isinstance(section, dict) else None
+            if value is not None:
+                return _scaled_positions(section, value)
     return None
 
 
