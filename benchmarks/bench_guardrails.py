@@ -55,7 +55,10 @@ def main(argv=None) -> int:
     report = Report("guardrails_cost", device, meta={"shape": args.shape, "steps": args.steps, "pairs": args.pairs,
                                                      "off": OFF, "set": args.set, "runs": {"on": [], "off": []}})
     with tempfile.TemporaryDirectory(prefix="bench_guardrails_") as tmp:
-        shape = {} if args.shape == "tiny" else SHAPES[args.shape]
+        hf = {} if args.shape == "tiny" else SHAPES[args.shape]  # HF config names -> tiny_models' arguments
+        names = {"num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
+                 "num_key_value_heads": "num_kv_heads"}
+        shape = {names.get(k, k): v for k, v in hf.items()}
         model = save_tiny_model(Path(tmp) / "model", family="qwen2", **shape)
         for pair in range(args.pairs):
             for mode in (("on", "off") if pair % 2 == 0 else ("off", "on")):
