@@ -115,7 +115,7 @@ class EngineBatcher:
             batch, deadline = [first], time.monotonic() + self.window_s
             while len(batch) < self.max_batch and not self._everyone_waits(len(batch)):
                 left = deadline - time.monotonic()
-                try:  # a run that ends meanwhile may leave everyone else waiting: look again every 5 ms
+                try:  # a run that ends meanwhile may leave everyone else waiting: look again in short waits
                     item = self._queue.get(timeout=max(0.0, min(left, 0.005) if self.live else left))
                 except queue.Empty:
                     if time.monotonic() < deadline:
