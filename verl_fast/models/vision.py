@@ -79,16 +79,17 @@ def freeze_vision_tower(model: torch.nn.Module) -> int:
 
 
 def image_inputs(model: torch.nn.Module, input_ids: torch.Tensor,
-                 vision: Sequence[Optional[Any]]) -> Dict[str, torch.Tensor]:
+                 vision: Sequence[Optional[Any]], pixels: bool = True) -> Dict[str, torch.Tensor]:
     """``mm_token_type_ids`` of rows ``input_ids [B, T]`` and, when a row has images (``vision``: one
-    ``VisionInputs`` or None a row), their ``pixel_values`` / ``image_grid_thw`` in row order, on the
-    rows' device: what ``generate`` takes (it computes the 3-D positions itself)."""
+    ``VisionInputs`` or None a row), their ``pixel_values`` (unless not ``pixels``) / ``image_grid_thw`` in
+    row order, on the rows' device: what ``generate`` takes (it computes the 3-D positions itself)."""
     if len(vision) != input_ids.shape[0]:
         raise ValueError(f"vision must hold one entry per row: {input_ids.shape[0]} rows, {len(vision)} entries")
     out = {"mm_token_type_ids": (input_ids == hf_module(model).config.image_token_id).int()}
     rows = [v for v in vision if v is not None]
-    if rows:
+    if rows and pixels:
         out["pixel_values"] = torch.cat([v.pixel_values for v in rows]).to(input_ids.device)
+    if rows:
         out["image_grid_thw"] = torch.cat([v.image_grid_thw for v in rows]).to(input_ids.device)
     return out
 
@@ -129,11 +130,12 @@ def images_once(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
     its forward) are gathered back to every row's images in row order, so a prompt's samples run its
     images through the vision tower once. The rows' forward is the plain one's; a trained tower's
     gradients sum over the rows that share an image, as they would over copies."""
-    out = model_inputs(model, input_ids, attention_mask, vision)
     firsts, index = distinct_images(vision)
     if len(index) == sum(v.num_images for v in firsts):  # no row shares another's images
-        yield out
+        yield model_inputs(model, input_ids, attention_mask, vision)
         return
+    out = image_inputs(model, input_ids, vision, pixels=False)  # every row's grids: its positions
+    out["position_ids"], _ = rope_positions(model, input_ids, attention_mask, out)
     out["pixel_values"] = torch.cat([v.pixel_values for v in firsts]).to(input_ids.device)
     out["image_grid_thw"] = torch.cat([v.image_grid_thw for v in firsts]).to(input_ids.device)
     core = _core(model)
