@@ -24,9 +24,9 @@
 # network: build with --no-build-isolation --no-deps; pure-Python wheels (liger-kernel for the
 # logprobs baseline; trl, datasets, dill, multiprocess for e2e; megatron-core) travel in .whl/ (carry it);
 # e2e also needs the demo tokenizer in .bench_assets/ (`python benchmarks/bench_e2e.py --prepare-assets`
-# here; carry it). vLLM 0.26 travels in pieces (../shared/tools/device_vllm/README.md: `prepare.sh` lays
-# out .dv0 ... .dv4, .dvdeps1, .dvdeps2; the tree and a piece must stay under the call's 64 MiB, so the wheel may be
-# re-split into more, smaller folders, each holding vllm.part.N): short calls back to back copy each piece folder and
+# here; carry it). vLLM 0.26 travels in pieces (../shared/tools/device_vllm/README.md: `prepare.sh` downloads it and
+# lays out .dvdeps1, .dvdeps2; `python scripts/vllm_pieces.py` rewrites the wheel without what an SM90 GPU never
+# loads and splits it into .dvp0 .. .dvp2, each holding vllm.part.N): short calls back to back copy each piece folder and
 # .dvdeps1 into /tmp/dv/ (`mkdir -p /tmp/dv && cp .dvpN/* /tmp/dv/`, each carrying its folder); the call that carries
 # .dvdeps2 installs it all into /tmp/site (later calls on the same machine find it there).
 set -uo pipefail
@@ -337,7 +337,7 @@ fi
 # its own process (VLM_RUN_TIMEOUT s); VLM_ALGOS=grpo / sft splits it over two calls if one does not fit.
 # First the vLLM engine with images (issue 70b; vLLM + torchvision, ~1-2 min; VLM_VLLM_TEST= skips it):
 # greedy / log-probs against HF with the same images, the weight sync. VLM_IMPLS=ours,ours_vllm,trl adds
-# our GRPO step with rollout.type=vllm. VLM_SET="rollout.hf_compile_decode=false ..." overrides our config
+# our GRPO step with rollout.type=vllm; VLM_NAME names the result file (two calls: two names). VLM_SET="rollout.hf_compile_decode=false ..." overrides our config
 # (bench_vlm --set each); ours logs its setup, every phase as it ends and each step's phase times, HF
 # prefill / decode seconds, CUDA-graph captures and torch.compile graphs (printed below from bench.log) ----
 if want vlm; then
@@ -347,7 +347,7 @@ if want vlm; then
     grep -E "(PASSED|FAILED|ERROR|SKIPPED)|[0-9]+ (passed|failed|skipped)" "$OUT/pytest_vlm_vllm.log" | tail -n 8
   fi
   timeout ${VLM_TIMEOUT:-580} "$py" benchmarks/bench_vlm.py --device cuda --algos "${VLM_ALGOS:-grpo,sft}" \
-    --impls "${VLM_IMPLS:-ours,trl}" --steps "${VLM_STEPS:-3}" --timeout "${VLM_RUN_TIMEOUT:-200}" \
+    --impls "${VLM_IMPLS:-ours,trl}" --steps "${VLM_STEPS:-3}" --timeout "${VLM_RUN_TIMEOUT:-200}" ${VLM_NAME:+--name "$VLM_NAME"} \
     $(for pair in ${VLM_SET:-}; do printf -- '--set=%s ' "$pair"; done) >> "$OUT/bench.log" 2>&1 || failed+=("bench_vlm")
   grep -E "^(ours|  [a-z_]+: [0-9.]+ s|grpo|sft)" "$OUT/bench.log" | cut -c1-600 | tail -n 30
   sed -n '/^vlm on/,$p' "$OUT/bench.log" | tail -n 8
