@@ -92,8 +92,8 @@ def test_lone_surrogates_in_an_environments_messages_are_replaced():
 
 
 def test_environment_calls_reuse_their_threads_and_a_hung_one_is_left_behind(monkeypatch):
-    """Calls on the thread isolation reuse idle threads (a thread start per call cost the multi-turn rollout
-    more than its environments did); a call past its time keeps its thread, and the next call gets another."""
+    """Calls on the thread isolation reuse idle threads; a call past its time keeps its thread, and the next
+    call gets another."""
     import threading
 
     from verl_fast.agents import guarded
@@ -121,3 +121,40 @@ def test_environment_calls_reuse_their_threads_and_a_hung_one_is_left_behind(mon
         assert started.count("verl_fast environment") == 2
     finally:
         echo.release.set()
+
+
+def test_idle_environment_threads_end():
+    import threading
+    import time
+
+    from verl_fast.agents import guarded
+
+    threads = guarded._DaemonThreads(idle_s=0.2)
+    assert [threads.submit(lambda i=i: i).result(timeout=5) for i in range(3)] == [0, 1, 2]
+    named = lambda: [t for t in threading.enumerate() if t.name == "verl_fast environment"]  # noqa: E731
+    before = len(named())
+    assert before >= 1
+    deadline = time.monotonic() + 10
+    while len(named()) >= before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(named()) < before
+    assert threads.submit(lambda: "again").result(timeout=5) == "again"  # a new thread for the next call
+
+
+def test_a_forked_child_starts_its_own_environment_threads():
+    """The child of a fork has none of its parent's threads: its first call must not be promised the
+    parent's idle one (it would wait for it forever)."""
+    import os
+
+    from verl_fast.agents import guarded
+
+    assert guarded._THREADS.submit(lambda: 1).result(timeout=5) == 1  # the parent has an idle thread now
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 when its call is answered
+        try:
+            code = 0 if guarded._THREADS.submit(lambda: 7).result(timeout=5) == 7 else 1
+        except BaseException:  # noqa: BLE001 - any failure is the child's exit code
+            code = 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

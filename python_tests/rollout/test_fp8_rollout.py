@@ -74,11 +74,12 @@ def test_per_tensor_activations_differ_from_per_token_ones():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("activations", fp8_linear.ACTIVATIONS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_scaled_mm_product_matches_the_float64_reference(activations, dtype):
     """``torch._scaled_mm`` (both activation modes) against the float64 w8a8 reference, at the decode's M=128
     and a 7B projection's K; tolerance 2^-7 of the largest output: a bf16 output's rounding and the FP8 tensor
-    cores' accumulation (a wrong scale or rounding is off by 2^-4 and more)."""
+    cores' accumulation (a wrong scale or rounding is off by 2^-4 and more). float16: the product before the
+    weight's scales is thousands of times the output, beyond float16's range unless kept in float32."""
     g = torch.Generator().manual_seed(7)
     lin = torch.nn.Linear(3584, 512, bias=True).cuda()
     with torch.no_grad():

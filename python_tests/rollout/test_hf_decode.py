@@ -56,7 +56,8 @@ def test_greedy_equals_generate(model, tok, device):
     a, b = fast.generate(prompts(tok), spec), plain.generate(prompts(tok), spec)
     assert fast.last_mode == ("graph" if device == "cuda" else "eager") and plain.last_mode == "generate"
     figures = fast.metrics()
-    assert figures.keys() == {"cuda_graph", "prefill_s", "decode_s", "graph_captures"}
+    assert figures.keys() == {"cuda_graph", "prefill_s", "decode_s", "graph_captures", "decode_calls"}
+    assert figures["decode_calls"] == 1.0
     assert figures["cuda_graph"] == figures["graph_captures"] == float(device == "cuda")  # one batch size: one graph
     assert figures["prefill_s"] > 0 and figures["decode_s"] > 0
     assert plain.metrics() == {"cuda_graph": 0.0}

@@ -178,6 +178,18 @@ def test_the_call_refuses_more_than_one_sample_and_mismatched_lengths(model, tok
         cache.generate([0, 1], [[1, 2]], [SamplingSpec()])
 
 
+def test_the_engine_metrics_are_each_rollouts_own(model, tok):
+    """A multi-turn rollout's turns decode through the loop one call each: ``metrics()`` reports that
+    rollout's calls and times, not the sum over every rollout so far."""
+    fast = HFGenerateEngine(model, tok, fast_decode="on")
+    turns_of, caps = [3, 2, 3, 1, 2], [6] * 5
+    for _ in range(2):
+        run_turns(fast, tok, turns_of, caps, use_cache=True)
+        figures = fast.metrics()
+        assert figures["decode_calls"] == max(turns_of) and figures["prefill_s"] > 0, figures
+    assert fast.metrics() == {"cuda_graph": 0.0}  # read: nothing decoded since
+
+
 def test_no_cache_where_the_loop_does_not_decode(model, tok):
     assert HFGenerateEngine(model, tok, fast_decode="off").turn_cache() is None
 

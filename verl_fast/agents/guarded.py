@@ -38,9 +38,15 @@ class EnvironmentTimeout(RuntimeError):
 
 class _DaemonThreads:
     """Daemon threads kept from call to call: a call starts a thread only when none is idle. A thread
-    stuck in a call past its time stays a daemon, never waited for, and is simply not reused."""
+    stuck in a call past its time stays a daemon, never waited for, and is simply not reused; a thread
+    idle for ``idle_s`` ends. ``_idle`` counts the threads waiting for a task that no call has been
+    promised yet (a call that finds one takes it, under the lock)."""
 
-    def __init__(self) -> None:
+    def __init__(self, idle_s: float = 60.0) -> None:
+        self.idle_s = idle_s
+        self._reset()
+
+    def _reset(self) -> None:
         self._tasks: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._idle = 0
         self._lock = threading.Lock()
@@ -57,16 +63,28 @@ class _DaemonThreads:
 
     def _work(self) -> None:
         while True:
-            future, fn, args = self._tasks.get()
             try:
-                future.set_result(fn(*args))
+                future, fn, args = self._tasks.get(timeout=self.idle_s)
+            except queue.Empty:
+                with self._lock:
+                    if self._idle > 0:  # more idle threads than calls promised them: this one ends
+                        self._idle -= 1
+                        return
+                continue  # promised to a call whose task is on its way
+            try:
+                result, error = fn(*args), None
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread, which raises it
-                future.set_exception(e)
-            with self._lock:
+                result, error = None, e
+            with self._lock:  # idle before the caller hears back, so that its next call finds this thread
                 self._idle += 1
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
 
 
 _THREADS = _DaemonThreads()
+os.register_at_fork(after_in_child=lambda: _THREADS._reset())  # a forked child has none of the parent's threads
 
 
 def _serve(conn: Any, parent: int, make: Callable[[], Environment], name: str) -> None:

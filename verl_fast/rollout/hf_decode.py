@@ -692,8 +692,9 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
     ``images``: a vision-language model's prompts' images and M-RoPE positions (``Images``; the fused
     sampling kernel, which cannot leave out the placeholder ids, gives way to the torch sampling).
 
-    ``times``: the call's wall seconds written into it, ``prefill_s`` (the prefill and the first token,
-    the device waited for after it) and ``decode_s`` (the steps after it, to the tokens on the host)."""
+    ``times``: the call's seconds written into it, ``prefill_s`` (the prefill and the first token; on a GPU
+    the device's time between two events around it, so that the call never waits for the device to time it)
+    and ``decode_s`` (the rest of the call's wall time, to the tokens on the host)."""
     if images is not None and past is not None:
         raise ValueError("decode: images go with a conversation's first turn only (past must be None with them)")
     if past is not None and rows is not None:
@@ -710,19 +711,24 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
         if compiled is not None:
             stack.enter_context(compiled.weights(module))
         start = time.perf_counter()
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if times is not None and input_ids.is_cuda \
+            else None
+        if events:
+            events[0].record()
         dec = _Decoder(module, input_ids, attention_mask, max_new_tokens, (temperature, top_k, top_p), stop_ids,
                        pad_id, compiled, rows, fused=fused, past=past, images=images)  # the prefill: sdpa, eager
-        if times is not None:
-            if input_ids.is_cuda:
-                torch.cuda.synchronize(input_ids.device)
+        if events:
+            events[1].record()
+        elif times is not None:
             times["prefill_s"] = time.perf_counter() - start
-            start = time.perf_counter()
         stack.enter_context(_attention(module, ATTENTION))
         steps, graphed = _run_steps(dec, max_new_tokens, use_graph, check_every,
                                     graphs if graphs is not None else GraphPool(), min_rows, log)
-        tokens, logprobs = dec.result()
+        tokens, logprobs = dec.result()  # on the host: the device is done with both events
+        if events:
+            times["prefill_s"] = events[0].elapsed_time(events[1]) / 1e3
         if times is not None:
-            times["decode_s"] = time.perf_counter() - start
+            times["decode_s"] = time.perf_counter() - start - times["prefill_s"]
     if keep is not None:
         keep.append(dec)
     if log is not None:

@@ -175,7 +175,7 @@ class HFGenerateEngine(RolloutEngine):
         self.vision_language = vision_model.is_vision_model(model)
         self._told: set = set()  # the reasons already logged for decoding through generate
         self.last_mode: Optional[str] = None  # how the last call decoded: graph, eager or generate
-        self._last: Dict[str, float] = {}  # the last generate's loop figures, summed over its calls (metrics)
+        self._last: Dict[str, float] = {}  # the loop's figures since metrics() last read them, summed over calls
         self._graphs = hf_decode.GraphPool()  # the decode graph's memory, reused by the next call's graph
         self._compiled = hf_decode.CompiledForward() if compile_decode else None
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -226,7 +226,6 @@ class HFGenerateEngine(RolloutEngine):
             raise ValueError(f"one sampling spec per prompt expected: {len(prompts)} prompts, {len(specs)} specs")
         for spec in specs:
             spec.validate()
-        self._last = {}
         # generate() samples from the global RNG: seed it once per call (per-request seeds would
         # force one generate call per prompt), and batch the prompts whose other settings agree.
         seeds = [s.seed for s in specs if s.seed is not None]
@@ -405,7 +404,8 @@ class HFGenerateEngine(RolloutEngine):
                 fused=self.fused_kernels == "on" or (self.fused_kernels == "auto" and device.type == "cuda"
                                                      and hf_decode.decode_sampling is not None), times=times)
             times["graph_captures"] = float(self._graphs.captures - captures)
-            for key, value in times.items():  # summed over the calls of one generate
+            times["decode_calls"] = 1.0
+            for key, value in times.items():  # summed over the calls until metrics() reads them
                 self._last[key] = self._last.get(key, 0.0) + value
             return out
         except Exception as e:  # noqa: BLE001 - the loop is an optimisation: generate still works
@@ -429,12 +429,13 @@ class HFGenerateEngine(RolloutEngine):
 
     def metrics(self) -> dict:
         """``cuda_graph``: 1 when the last call decoded by graph replays, 0 otherwise; where the static-cache
-        loop decoded the last ``generate``, its ``prefill_s`` / ``decode_s`` and the CUDA graphs it captured
-        (``graph_captures``), summed over its calls."""
+        loop decoded, its ``prefill_s`` / ``decode_s``, the CUDA graphs it captured (``graph_captures``) and its
+        calls (``decode_calls``: a multi-turn rollout's turns go through it one call each), summed over the
+        calls since the last ``metrics()``, which hands them over (a step's figures are that step's)."""
+        figures, self._last = self._last, {}
         if not self.last_mode:
             return {}
-        return {"cuda_graph": float(self.last_mode == "graph"),
-                **(self._last if self.last_mode != "generate" else {})}
+        return {"cuda_graph": float(self.last_mode == "graph"), **(figures if self.last_mode != "generate" else {})}
 
     def _decode_generate(self, module, ids, mask, spec: SamplingSpec, eos: List[int], copies: int,
                          images: Optional[Dict[str, torch.Tensor]] = None):
