@@ -7,7 +7,7 @@ for Pythons other than 3.12 (the GPU image's); the RECORD loses their lines. The
 ``.dvp0`` ... ``.dvpN`` (``vllm.part.K``, the wheel's name in ``.dvp0/WHEEL_NAME``), which
 ``benchmarks/gpu_run.sh`` joins on the machine.
 
-    python scripts/vllm_pieces.py [--wheel .dvcache/vllm-0.26.0-...whl] [--piece-mb 52]
+    python scripts/vllm_pieces.py [--wheel .dvcache/vllm-0.26.0-...whl] [--piece-mb 54]
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         slimmed = Path(tmp) / wheel.name
         slim(wheel, slimmed)
+        pieces = -(-slimmed.stat().st_size // piece)
+        if pieces > 10:
+            raise SystemExit(f"{pieces} pieces: gpu_run.sh joins vllm.part.0 .. vllm.part.9; raise --piece-mb")
         for old in glob.glob(".dvp*"):
             shutil.rmtree(old)
         with open(slimmed, "rb") as f:
@@ -60,8 +63,6 @@ def main(argv=None) -> int:
                 folder.mkdir()
                 (folder / f"vllm.part.{k}").write_bytes(chunk)
                 k += 1
-        if k > 10:
-            raise SystemExit(f"{k} pieces: gpu_run.sh joins vllm.part.0 .. vllm.part.9; raise --piece-mb")
         Path(".dvp0/WHEEL_NAME").write_text(wheel.name + "\n")
         print(f"{wheel.name}: {wheel.stat().st_size / 1e6:.0f} MB -> {slimmed.stat().st_size / 1e6:.0f} MB "
               f"in {k} pieces (.dvp0 .. .dvp{k - 1})")

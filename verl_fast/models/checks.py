@@ -154,7 +154,8 @@ def check_folder(folder: Path, key: str, max_new_tokens: Optional[int] = None) -
         positions = context_length(_json_object(config_path, key))
         if positions is not None and max_new_tokens >= positions:
             raise ValueError(f"rollout.max_new_tokens={max_new_tokens} does not fit {key}'s context of {positions} "
-                             f"positions (max_position_embeddings in {config_path}): at most {positions - 1}, less "
+                             f"positions ({config_path}: its max_position_embeddings, times its RoPE scaling's factor where "
+                             f"it has one): at most {positions - 1}, less "
                              "the prompt's tokens")
 
 
