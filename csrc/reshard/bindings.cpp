@@ -144,7 +144,7 @@ void bind_reshard(py::module_& m) {
         std::vector<TensorRef> held;  // the tensors stay referenced until the launches are queued
         std::vector<Fp8Job> jobs;
         // on CUDA the jobs are queued a launch's worth at a time: the GPU starts while the rest are read from
-        // Python (microseconds a tensor); a bad tensor is named after the ones before it were queued
+        // Python; a bad tensor is named after the ones before it were queued
         auto run = [&]() {
           py::gil_scoped_release nogil;
           fp8_quantize_jobs(jobs, held[0].device, held[0].device_index, stream, num_threads,

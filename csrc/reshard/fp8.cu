@@ -5,9 +5,9 @@
 // from the registers, written 2-8 at a time; the block is read from memory once (a block larger than the
 // registers hold, kCache vectors a thread, reads the rest again, from L2). Other layouts (transposed,
 // stepped) read element by element, twice. The division by the scale is the work per element: for 16-bit
-// sources fp8.h's fp8_divide (the block's reciprocal and one correcting FMA: three instructions, the same
-// float as IEEE division for every 16-bit pair), else __fdiv_rn (IEEE division whatever the compile flags,
-// as the CPU path divides; a dozen instructions and a branch). On sm_89+ the e4m3 rounding is the hardware's
+// sources fp8.h's fp8_divide (the block's reciprocal and one correcting FMA: the same e4m3 bytes as IEEE
+// division for every 16-bit pair), else __fdiv_rn (IEEE division whatever the compile flags, as the CPU path
+// divides; longer, and a branch). On sm_89+ the e4m3 rounding is the hardware's
 // conversion (cvt.rn.satfinite, two values an instruction), elsewhere fp8.h's; both give fp8.h's bytes, but
 // for a NaN's sign (the hardware writes one NaN code).
 #include <cuda_bf16.h>
@@ -123,7 +123,7 @@ __device__ __forceinline__ bool use_rcp(float scale) {
 }
 
 // Thread threadIdx.x's vectors of an h x vw block (vw vectors a row): vector threadIdx.x + k * kThreads at
-// (r, c) for k = 0, 1, ...; one division a thread, then steps (an integer division is ~15 instructions).
+// (r, c) for k = 0, 1, ...; one integer division a thread (a long instruction sequence), then steps.
 struct Walk {
   int r, c;
   const int vw, dr, dc;

@@ -223,7 +223,7 @@ def _tool_call_json(call: Any) -> Dict[str, Any]:
 
 class _Server(ThreadingHTTPServer):
     """A thread per connection, and a listen backlog for every trajectory of a rollout connecting at once
-    (socketserver's default of 5 pending connections resets the rest)."""
+    (past socketserver's default of 5 pending connections the system drops or resets the rest)."""
 
     daemon_threads = True
     request_queue_size = socket.SOMAXCONN

@@ -4,8 +4,7 @@ The tower runs every image of a forward as one sequence of patches and attends w
 given by ``cu_seqlens``: each image (Qwen2-VL, and Qwen2.5-VL's full-attention blocks) or each
 window of 8 x 8 patches (Qwen2.5-VL's other blocks). With transformers' ``sdpa`` the tower loops
 over the segments in Python, one attention call (and a split and a concatenation) per segment:
-a 448 x 448 picture is 16 windows, so a Qwen2.5-VL-3B tower over 128 pictures makes ~58,000
-attention calls, each a few tiny kernels. transformers takes the segments' boundaries in one call
+per block, one call for every window of every picture, each a few tiny kernels. transformers takes the segments' boundaries in one call
 only for an implementation whose name says "flash" (its variable-length kernels); ``ATTENTION`` is
 such a name for ``segment_attention``, which groups the segments by length and runs one batched
 ``scaled_dot_product_attention`` per distinct length (a picture's windows are all one length, bar

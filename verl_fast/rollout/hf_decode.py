@@ -714,11 +714,11 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
         events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if times is not None and input_ids.is_cuda \
             else None
         if events:
-            events[0].record()
+            events[0].record(torch.cuda.current_stream(input_ids.device))
         dec = _Decoder(module, input_ids, attention_mask, max_new_tokens, (temperature, top_k, top_p), stop_ids,
                        pad_id, compiled, rows, fused=fused, past=past, images=images)  # the prefill: sdpa, eager
         if events:
-            events[1].record()
+            events[1].record(torch.cuda.current_stream(input_ids.device))
         elif times is not None:
             times["prefill_s"] = time.perf_counter() - start
         stack.enter_context(_attention(module, ATTENTION))
