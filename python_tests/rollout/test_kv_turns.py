@@ -10,7 +10,7 @@ import torch
 
 from tiny_models import build_model, build_tokenizer
 from verl_fast.records.generation import SamplingSpec
-from verl_fast.rollout import hf_decode
+from verl_fast.rollout import hf_decode, kv_turns
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 
 
@@ -40,11 +40,14 @@ def observation(tok, row, turn):
     return tok(" plus" * (1 + (row + turn) % 4) + " equals")["input_ids"]
 
 
-def run_turns(engine, tok, turns_of, max_tokens, use_cache, temperature=0.0, seed=None, stop_every=None):
+def run_turns(engine, tok, turns_of, max_tokens, use_cache, temperature=0.0, seed=None, reserve=0, figures=None):
     """Conversations of ``TEXTS``, row r running ``turns_of[r]`` turns of at most ``max_tokens[r]`` tokens
-    each, an observation after every turn; through ``engine.turn_cache()`` (``use_cache``) or ``generate`` on the
-    whole conversation. Returns per row the turns' (tokens, log-probs, reason), and the cache."""
+    each, an observation after every turn; through ``engine.turn_cache()`` (``use_cache``, its ``reserve`` set)
+    or ``generate`` on the whole conversation (each call's ``engine.metrics()`` appended to ``figures``). Returns
+    per row the turns' (tokens, log-probs, reason), and the cache."""
     cache = engine.turn_cache() if use_cache else None
+    if reserve:
+        cache.reserve(reserve)
     convs = {r: tok(TEXTS[r])["input_ids"] for r in range(len(turns_of))}
     out = {r: [] for r in convs}
     turn = 0
@@ -53,6 +56,8 @@ def run_turns(engine, tok, turns_of, max_tokens, use_cache, temperature=0.0, see
         specs = [SamplingSpec(temperature=temperature, max_tokens=max_tokens[r], seed=seed) for r in live]
         prompts = [convs[r] for r in live]
         res = cache.generate(live, prompts, specs) if use_cache else engine.generate(prompts, specs)
+        if figures is not None:
+            figures.append(engine.metrics())
         for b, r in enumerate(live):
             n = int(res.response_mask[b].sum())
             toks = res.response_ids[b, :n].tolist()
@@ -94,7 +99,8 @@ def test_greedy_turns_equal_reprefill_and_generate(model, tok, fused):
     prompts = sum(len(tok(TEXTS[r])["input_ids"]) for r in range(5))
     continued = [(r, k) for r in range(5) for k in range(turns_of[r] - 1)]
     assert [c["rows"] for c in cache.calls] == [5, 4, 3, 2]
-    assert cache.calls[0] == {"rows": 5, "prefilled": prompts, "reused": 0}
+    assert [c["restarted"] for c in cache.calls] == [0, 0, 0, 0]  # fewer rows each call: a new decoder each
+    assert cache.calls[0] == {"rows": 5, "prefilled": prompts, "reused": 0, "restarted": 0}
     fed = prompts + sum(1 + len(observation(tok, r, k)) for r, k in continued)
     total = sum(len(tok(TEXTS[r])["input_ids"]) + sum(len(t[0]) + len(observation(tok, r, k))
                                                      for k, t in enumerate(cont[r][: j + 1]))
@@ -103,6 +109,50 @@ def test_greedy_turns_equal_reprefill_and_generate(model, tok, fused):
     assert metrics["prefill_tokens"] == fed
     assert metrics["prefill_tokens"] + metrics["prefill_tokens_saved"] == prompts + total
     assert not cache.rows  # every conversation dropped
+
+
+@pytest.mark.parametrize("fused", ["off", "on"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_lockstep_turns_restart_one_decoder(model, tok, monkeypatch, fused, temperature):
+    """Every conversation in every call (a lockstep rollout), the first cache reserved for the longest
+    conversation: each later turn restarts in the first turn's decoder, and its turns are those of a new
+    decoder per turn -- the same draws (the same noise, consumed in the same order), log-probs to float
+    rounding of the wider cache -- and, greedy, those of re-prefilling and of ``generate``."""
+    fast = HFGenerateEngine(model, tok, fast_decode="on", compact_rows="off", fused_kernels=fused)
+    turns_of, caps = [4] * 5, [6] * 5
+    longest = max(len(tok(t)["input_ids"]) for t in TEXTS) + 4 * 6 + 4 * len(observation(tok, 2, 1))
+    kept, cache = run_turns(fast, tok, turns_of, caps, use_cache=True, temperature=temperature, seed=3,
+                            reserve=longest)
+    assert [c["restarted"] for c in cache.calls] == [0, 1, 1, 1]
+    monkeypatch.setattr(kv_turns, "RESTART", False)
+    fresh, again = run_turns(fast, tok, turns_of, caps, use_cache=True, temperature=temperature, seed=3,
+                             reserve=longest)
+    assert [c["restarted"] for c in again.calls] == [0, 0, 0, 0]
+    assert_same_turns(kept, fresh)
+    if temperature == 0.0:
+        whole, _ = run_turns(fast, tok, turns_of, caps, use_cache=False)
+        assert_same_turns(kept, whole)
+    else:  # sampled: the turns differ from turn to turn (the draws are not all one token)
+        assert len({tuple(t[0]) for r in kept for t in kept[r]}) > 5
+
+
+def test_a_decoder_another_conversation_holds_is_not_restarted(model, tok):
+    """Two calls of two conversations each, then the first two again: the last decoder (the second call's)
+    still holds conversations 2 and 3, so the third call decodes anew, and 2 and 3 continue as before."""
+    fast = HFGenerateEngine(model, tok, fast_decode="on", compact_rows="off")
+    spec = SamplingSpec(temperature=0.0, max_tokens=4)
+    prompts = {r: tok(TEXTS[r])["input_ids"] for r in range(4)}
+    cache = fast.turn_cache()
+    cache.reserve(64)
+    for pair in ([0, 1], [2, 3], [0, 1], [2, 3]):
+        got = cache.generate(pair, [prompts[r] for r in pair], spec)
+        want = fast.generate([prompts[r] for r in pair], spec)
+        assert torch.equal(got.response_ids, want.response_ids)
+        torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+        for b, r in enumerate(pair):
+            prompts[r] = prompts[r] + got.response_ids[b, : int(got.response_mask[b].sum())].tolist() + \
+                observation(tok, r, 0)
+    assert [c["restarted"] for c in cache.calls] == [0, 0, 0, 0]
 
 
 def test_new_tokens_prefilled_in_chunks_after_the_past(model, tok, monkeypatch):
@@ -192,5 +242,30 @@ def test_graph_decode_continues_turns_on_cuda(model, tok):
         assert fast.last_mode == "graph"
         again, _ = run_turns(fast, tok, turns_of, caps, use_cache=False)
         assert_same_turns(cont, again, atol=1e-4)
+    finally:
+        model.to("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_lockstep_turns_capture_one_graph_on_cuda(model, tok, monkeypatch, compiled):
+    """A 4-turn lockstep rollout on the GPU captures the decode step's graph once (the first turn) and replays
+    it for the later turns, with the tokens and log-probs of a new decoder and graph per turn."""
+    model.to("cuda")
+    try:
+        fast = HFGenerateEngine(model, tok, fast_decode="on", compile_decode=compiled)
+        turns_of, caps = [4] * 5, [20] * 5
+        longest = max(len(tok(t)["input_ids"]) for t in TEXTS) + 4 * 20 + 4 * len(observation(tok, 2, 1))
+        kept_figures, fresh_figures = [], []
+        kept, cache = run_turns(fast, tok, turns_of, caps, use_cache=True, reserve=longest, figures=kept_figures)
+        assert fast.last_mode == "graph"
+        assert [c["restarted"] for c in cache.calls] == [0, 1, 1, 1]
+        assert [f["graph_captures"] for f in kept_figures] == [1, 0, 0, 0]
+        monkeypatch.setattr(kv_turns, "RESTART", False)
+        fresh, _ = run_turns(fast, tok, turns_of, caps, use_cache=True, reserve=longest, figures=fresh_figures)
+        assert [f["graph_captures"] for f in fresh_figures] == [1, 1, 1, 1]
+        assert_same_turns(kept, fresh, atol=1e-4)
+        whole, _ = run_turns(fast, tok, turns_of, caps, use_cache=False)
+        assert_same_turns(kept, whole, atol=1e-4)
     finally:
         model.to("cpu")

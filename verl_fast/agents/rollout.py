@@ -96,6 +96,9 @@ class MultiTurnRolloutOperator(RolloutOperator):
                                                               thread_name_prefix="verl_fast env step")
         self._metrics: Dict[str, float] = {}
         self._prefill: Dict[str, float] = {}  # the rollout's prefill counts (TurnCache.metrics)
+        # the last rollout's generate calls (HF decode, turn by turn): each call's rows, its seconds, the host
+        # seconds since the previous call ended (the first: since the rollout began) and the engine's metrics
+        self.calls: List[Dict[str, float]] = []
 
     # ------------------------------------------------------------------ environments
 
@@ -137,9 +140,9 @@ class MultiTurnRolloutOperator(RolloutOperator):
     # ------------------------------------------------------------------ the loop
 
     def rollout(self, batch: Sequence[PromptRow], seed: Optional[int] = None) -> GenerationOutput:
-        start = time.perf_counter()
+        start = self._began = time.perf_counter()
         trajectories: List[Trajectory] = []
-        self._prefill = {}
+        self._prefill, self.calls = {}, []
         try:
             self._start(batch, self.specs(batch, seed), trajectories)
             run = self._stream if self.engine.streams else self._waves
@@ -161,6 +164,8 @@ class MultiTurnRolloutOperator(RolloutOperator):
         cached keys and values where the engine keeps them. Returns the seconds spent generating and the
         number of calls."""
         turns = self.engine.turn_cache() if self.mt.kv_continuation else None
+        if turns is not None:  # the longest conversation: the first turn's cache holds every later turn
+            turns.reserve(max(len(t.prompt_ids) + t.spec.max_tokens for t in trajectories))
         try:
             return self._wave_loop(trajectories, turns)
         finally:
@@ -180,17 +185,22 @@ class MultiTurnRolloutOperator(RolloutOperator):
 
     def _wave_loop(self, trajectories: List[Trajectory], turns: Any) -> Tuple[float, int]:
         ready, pending = list(trajectories), {}
-        generate_s, calls = 0.0, 0
+        generate_s, calls, ended = 0.0, 0, self._began
         while ready or pending:
             if ready:
                 t0 = time.perf_counter()
                 out = self._generate(ready, turns)
-                generate_s += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                generate_s += t1 - t0
                 calls += 1
+                self.calls.append({"rows": float(len(ready)), "generate_s": t1 - t0, "host_s": t0 - ended,
+                                   **self.engine.metrics()})
+                ended = t1
+                ids, lengths = out.response_ids.tolist(), out.response_mask.sum(1).tolist()  # one conversion each
+                lps = out.logprobs.tolist() if out.logprobs is not None else None
                 for row, t in enumerate(ready):
-                    n = int(out.response_mask[row].sum())
-                    message = self._take_turn(t, out.response_ids[row, :n].tolist(),
-                                              None if out.logprobs is None else out.logprobs[row, :n].tolist(),
+                    n = lengths[row]
+                    message = self._take_turn(t, ids[row][:n], None if lps is None else lps[row][:n],
                                               out.finish_reasons[row] if out.finish_reasons else "stop")
                     if not t.done:
                         pending[self._threads.submit(t.env.step, message)] = t
@@ -340,7 +350,7 @@ class MultiTurnRolloutOperator(RolloutOperator):
         """This operator with another default sampling (validation's), sharing its tool workers and
         threads (its own metrics)."""
         other = copy.copy(self)
-        other.default, other._metrics, other._prefill = default, {}, {}
+        other.default, other._metrics, other._prefill, other.calls = default, {}, {}, []
         return other
 
     def close(self) -> None:

@@ -226,7 +226,7 @@ class HFGenerateEngine(RolloutEngine):
             raise ValueError(f"one sampling spec per prompt expected: {len(prompts)} prompts, {len(specs)} specs")
         for spec in specs:
             spec.validate()
-        self._last = {}
+        self.begin_call()
         # generate() samples from the global RNG: seed it once per call (per-request seeds would
         # force one generate call per prompt), and batch the prompts whose other settings agree.
         seeds = [s.seed for s in specs if s.seed is not None]
@@ -371,12 +371,17 @@ class HFGenerateEngine(RolloutEngine):
         finally:
             module.train(was_training)
 
+    def begin_call(self) -> None:
+        """A call begins: ``metrics``' loop figures count its decodes from here."""
+        self._last = {}
+
     def decode_fast(self, module, ids, mask, spec: SamplingSpec, eos: List[int], copies: int,
                     past: Optional[hf_decode.Past] = None, keep: Optional[list] = None,
-                    vision: Optional[Sequence[Optional[Any]]] = None):
+                    vision: Optional[Sequence[Optional[Any]]] = None, reuse: Any = None, columns: int = 0):
         """(new tokens, log-probs, mode) on the host from hf_decode, or Nones where it does not apply (the
-        reason logged once). ``past`` / ``keep``: a conversation's next turn (``hf_decode.decode``; its rows
-        not compacted). ``vision``: a vision-language actor's prompts' images (None a text prompt)."""
+        reason logged once). ``past`` / ``keep`` / ``reuse`` / ``columns``: a conversation's next turn
+        (``hf_decode.decode``; its rows not compacted). ``vision``: a vision-language actor's prompts' images
+        (None a text prompt)."""
         reason = self._fast_reason(spec)
         if reason is not None:
             if reason not in self._told:
@@ -403,7 +408,8 @@ class HFGenerateEngine(RolloutEngine):
                 rows=None if rows is None else rows.to(device),
                 min_rows=None if keep is not None else self._min_rows(device), past=past, keep=keep, images=images,
                 fused=self.fused_kernels == "on" or (self.fused_kernels == "auto" and device.type == "cuda"
-                                                     and hf_decode.decode_sampling is not None), times=times)
+                                                     and hf_decode.decode_sampling is not None), times=times,
+                reuse=reuse, columns=columns)
             times["graph_captures"] = float(self._graphs.captures - captures)
             for key, value in times.items():  # summed over the calls of one generate
                 self._last[key] = self._last.get(key, 0.0) + value
