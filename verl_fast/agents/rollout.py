@@ -123,7 +123,9 @@ class MultiTurnRolloutOperator(RolloutOperator):
                                **self.mt.environment_kwargs)
 
     def _start(self, batch: Sequence[PromptRow], specs: List[SamplingSpec], out: List[Trajectory]) -> None:
-        """Appends every sample's trajectory to ``out`` (its environment reset)."""
+        """Appends every sample's trajectory to ``out`` (its environment reset), the first messages rendered
+        and encoded together (each distinct conversation once)."""
+        rendered: List[Tuple[Trajectory, List[Dict[str, Any]]]] = []
         for i, (row, spec) in enumerate(zip(batch, specs)):
             for k in range(spec.n):
                 env, single = self._environment(row)
@@ -133,9 +135,13 @@ class MultiTurnRolloutOperator(RolloutOperator):
                     _close(env)
                     raise
                 # a single-turn row keeps its own prompt tokens: the single-turn rollout's exactly
-                ids = list(row.prompt_ids) if single else self.renderer.prompt_ids(messages)
                 sample_seed = None if spec.seed is None else spec.seed * 1009 + k
-                out.append(Trajectory(i, env, ids, replace(spec, n=1, seed=sample_seed), single_turn=single))
+                out.append(Trajectory(i, env, list(row.prompt_ids) if single else [],
+                                      replace(spec, n=1, seed=sample_seed), single_turn=single))
+                if not single:
+                    rendered.append((out[-1], messages))
+        for (t, _), ids in zip(rendered, self.renderer.prompts_ids([m for _, m in rendered])):
+            t.prompt_ids = ids
 
     # ------------------------------------------------------------------ the loop
 
@@ -234,9 +240,9 @@ class MultiTurnRolloutOperator(RolloutOperator):
                 done = [f for f in pending if f.done()]
             else:
                 done, _ = concurrent.futures.wait(list(pending), return_when=concurrent.futures.FIRST_COMPLETED)
-            for future in done:
-                t = pending.pop(future)
-                self._observe(t, future.result())
+            observed = [(pending.pop(future), future.result()) for future in done]
+            self._observe(observed)
+            for t, _ in observed:
                 if not t.done:
                     inflight[self.engine.submit(t.prompt_ids + t.ids, self._turn_spec(t))] = t
                     submitted += 1
@@ -268,29 +274,35 @@ class MultiTurnRolloutOperator(RolloutOperator):
         if not done:
             done, _ = concurrent.futures.wait(list(pending), return_when=concurrent.futures.FIRST_COMPLETED)
         ready = []
-        for future in [f for f in pending if f in done]:  # in submission order: a seed's rollout repeats
-            t = pending.pop(future)
-            self._observe(t, future.result())
+        # in submission order: a seed's rollout repeats
+        observed = [(pending.pop(future), future.result()) for future in [f for f in pending if f in done]]
+        self._observe(observed)
+        for t, _ in observed:
             if not t.done:
                 ready.append(t)
             elif turns is not None:
                 turns.drop(id(t))
         return ready
 
-    def _observe(self, t: Trajectory, result: StepResult) -> None:
-        if result.reward is not None:
-            t.rewards.append((t.turn_ends[-1], float(result.reward)))
-        final = len(t.turn_ends) >= self.mt.max_turns or len(t.ids) >= t.spec.max_tokens
-        if result.done or final or not result.messages:
-            t.done = True
-            return
-        obs = self.renderer.observation_ids(result.messages, t.stop_token)
-        room = t.spec.max_tokens - len(t.ids)
-        if len(obs) >= room:  # no room left for the model to answer: the observation is cut, the episode ends
-            obs, t.done, t.finish = obs[:room], True, "length"
-        t.ids += obs
-        t.mask += [0] * len(obs)
-        t.logprobs += [0.0] * len(obs)
+    def _observe(self, observed: List[Tuple[Trajectory, StepResult]]) -> None:
+        """Each trajectory's environment step: its reward kept, then its end, or its observation's tokens
+        appended (the observations rendered and encoded together, each distinct one once)."""
+        going: List[Tuple[Trajectory, List[Dict[str, Any]]]] = []
+        for t, result in observed:
+            if result.reward is not None:
+                t.rewards.append((t.turn_ends[-1], float(result.reward)))
+            final = len(t.turn_ends) >= self.mt.max_turns or len(t.ids) >= t.spec.max_tokens
+            if result.done or final or not result.messages:
+                t.done = True
+            else:
+                going.append((t, result.messages))
+        for (t, _), obs in zip(going, self.renderer.observations_ids([(m, t.stop_token) for t, m in going])):
+            room = t.spec.max_tokens - len(t.ids)
+            if len(obs) >= room:  # no room left for the model to answer: the observation is cut, the episode ends
+                obs, t.done, t.finish = obs[:room], True, "length"
+            t.ids += obs
+            t.mask += [0] * len(obs)
+            t.logprobs += [0.0] * len(obs)
 
     # ------------------------------------------------------------------ output
 
