@@ -136,6 +136,27 @@ def test_lockstep_turns_restart_one_decoder(model, tok, monkeypatch, fused, temp
         assert len({tuple(t[0]) for r in kept for t in kept[r]}) > 5
 
 
+def test_compiled_turns_prefill_their_new_tokens_unpadded(tok):
+    """The compiled loop pads a first turn's prompts to a multiple of ``CompiledForward.WIDTH`` columns, not a
+    later turn's new tokens (its cache is as wide as the turns need whatever they are): the turns' tokens are
+    the eager loop's, each later turn's prefill as wide as its past and its longest new part."""
+    torch.manual_seed(0)
+    m = build_model("qwen2", vocab_size=len(tok), num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                    eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    m.generation_config.eos_token_id = tok.eos_token_id
+    compiled = HFGenerateEngine(m, tok, fast_decode="on", compact_rows="off", compile_decode=True)
+    eager = HFGenerateEngine(m, tok, fast_decode="on", compact_rows="off")
+    turns_of, caps = [3, 3, 3], [5, 5, 5]
+    got, cache = run_turns(compiled, tok, turns_of, caps, use_cache=True, reserve=80)
+    want, _ = run_turns(eager, tok, turns_of, caps, use_cache=True, reserve=80)
+    assert compiled.fast_failed is None
+    assert_same_turns(got, want)
+    assert [c["restarted"] for c in cache.calls] == [0, 1, 1]
+    new = [1 + len(observation(tok, r, 1)) for r in range(3)]  # the last turn's: its first token, the observation
+    past = max(len(tok(TEXTS[r])["input_ids"]) + 5 + len(observation(tok, r, 0)) + 4 for r in range(3))
+    assert cache.decoder.prefilled == past + max(new)
+
+
 def test_a_decoder_another_conversation_holds_is_not_restarted(model, tok):
     """Two calls of two conversations each, then the first two again: the last decoder (the second call's)
     still holds conversations 2 and 3, so the third call decodes anew, and 2 and 3 continue as before."""

@@ -383,7 +383,8 @@ class CompiledForward:
     compiled function serves every rollout: compiled for the first rollout's shapes, then once more
     with the lengths left symbolic when a rollout of another prompt width comes (torch.compile's
     automatic dynamic shapes), never again after that; prompts are left-padded to a multiple of
-    ``WIDTH`` so that nearby prompt lengths keep the first, static compile. A Llama-family layer's q/k/v
+    ``WIDTH`` so that nearby prompt lengths keep the first, static compile (not a conversation's next turn,
+    whose new tokens the eager prefill runs as they are). A Llama-family layer's q/k/v
     and gate/up products run merged, two GEMMs where there were five (``merged_projections``). Under
     autocast the linear layers run on copies of their weights in the autocast dtype, kept here and
     refreshed from the parameters at every rollout (what autocast would cast them to: the same
@@ -751,7 +752,7 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
         raise ValueError("decode: past continues one row per prompt; rows must be None with it")
     if keep is not None and min_rows is not None:
         raise ValueError("decode: keep needs min_rows=None (a compaction drops the finished rows' caches)")
-    if compiled is not None:
+    if compiled is not None and past is None:  # (a continued turn's cache width moves with its past: not padded)
         extra = -input_ids.shape[1] % compiled.WIDTH
         input_ids = torch.nn.functional.pad(input_ids, (extra, 0), value=pad_id)
         attention_mask = torch.nn.functional.pad(attention_mask, (extra, 0), value=0)
