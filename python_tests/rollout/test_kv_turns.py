@@ -268,13 +268,14 @@ def test_graph_decode_continues_turns_on_cuda(model, tok):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compiled", [False, True])
-def test_lockstep_turns_capture_one_graph_on_cuda(model, tok, monkeypatch, compiled):
+@pytest.mark.parametrize("compiled,fused", [(False, "off"), (True, "on")])
+def test_lockstep_turns_capture_one_graph_on_cuda(model, tok, monkeypatch, compiled, fused):
     """A 4-turn lockstep rollout on the GPU captures the decode step's graph once (the first turn) and replays
-    it for the later turns, with the tokens and log-probs of a new decoder and graph per turn."""
+    it for the later turns, with the tokens and log-probs of a new decoder and graph per turn (eager, and
+    compiled with the fused kernels: their rotary + cache write and sampling in the replayed graph)."""
     model.to("cuda")
     try:
-        fast = HFGenerateEngine(model, tok, fast_decode="on", compile_decode=compiled)
+        fast = HFGenerateEngine(model, tok, fast_decode="on", compile_decode=compiled, fused_kernels=fused)
         turns_of, caps = [4] * 5, [20] * 5
         longest = max(len(tok(t)["input_ids"]) for t in TEXTS) + 4 * 20 + 4 * len(observation(tok, 2, 1))
         kept_figures, fresh_figures = [], []

@@ -637,9 +637,11 @@ def record_fused(logits, sampling, done, pad, stop, tokens, logprobs, current, p
 
 class GraphPool:
     """Where the decode step's CUDA graphs are captured, kept from one rollout to the next, so that a
-    rollout leaves the caching allocator as it found it. Each rollout captures its own graphs, one per
+    rollout leaves the caching allocator as it found it. Each call captures its own graphs, one per
     batch size it compacts to (the buffers they address -- the cache, the rows' state -- are that
-    call's; kept for the next call they would hold every batch size's cache through the update).
+    call's; kept for the next call they would hold every batch size's cache through the update), but
+    for a conversation's next turn that restarts in the previous turn's decoder (``decode``'s ``reuse``),
+    which replays that decoder's graph while it is still the newest here.
     ``torch.cuda.graph`` empties the allocator's cache before every capture: the update's cached working
     set went back to the driver at each rollout and was allocated again in the next update (hundreds
     of ``cudaFree`` + ``cudaMalloc`` a step: docs/benchmarks.md); here the capture is begun and
