@@ -312,18 +312,13 @@ class MultiTurnRolloutOperator(RolloutOperator):
         N, L = len(ts), max(1, max(len(t.ids) for t in ts))
         pad = self.engine.pad_token_id
         pad = int(pad if pad is not None else self.tokenizer.pad_token_id or 0)
-        ids = torch.full((N, L), pad, dtype=torch.int64)
-        mask = torch.zeros((N, L), dtype=torch.int64)
-        attn = torch.zeros((N, L), dtype=torch.int64)
-        logp = torch.zeros((N, L), dtype=torch.float32)
+        # each field in one conversion: the rows right-padded as lists first
+        ids = torch.tensor([t.ids + [pad] * (L - len(t.ids)) for t in ts], dtype=torch.int64)
+        mask = torch.tensor([t.mask + [0] * (L - len(t.mask)) for t in ts], dtype=torch.int64)
+        attn = (torch.arange(L)[None, :] < torch.tensor([len(t.ids) for t in ts])[:, None]).to(torch.int64)
+        logp = torch.tensor([t.logprobs + [0.0] * (L - len(t.logprobs)) for t in ts], dtype=torch.float32)
         rewards = torch.zeros((N, L), dtype=torch.float32)
         for r, t in enumerate(ts):
-            k = len(t.ids)
-            if k:
-                ids[r, :k] = torch.tensor(t.ids)
-                mask[r, :k] = torch.tensor(t.mask)
-                attn[r, :k] = 1
-                logp[r, :k] = torch.tensor(t.logprobs)
             for pos, value in t.rewards:
                 rewards[r, pos] += value
         want_logp = self.default.logprobs
@@ -337,8 +332,8 @@ class MultiTurnRolloutOperator(RolloutOperator):
     def _summary(self, ts: List[Trajectory], seconds: float, generate_s: float, calls: int) -> Dict[str, float]:
         n = max(len(ts), 1)
         counts: Dict[str, float] = {}
-        for t in ts:
-            for k, v in t.env.metrics().items():
+        for figures in self._threads.map(lambda t: t.env.metrics(), ts):  # (a guarded environment's call waits)
+            for k, v in figures.items():
                 counts[k] = counts.get(k, 0.0) + float(v)
         model = sum(sum(t.mask) for t in ts)
         total = sum(len(t.ids) for t in ts)
