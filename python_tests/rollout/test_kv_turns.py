@@ -157,6 +157,27 @@ def test_compiled_turns_prefill_their_new_tokens_unpadded(tok):
     assert cache.decoder.prefilled == past + max(new)
 
 
+def test_the_reserve_gives_way_where_the_room_does_not_hold_it(model, tok, monkeypatch):
+    """The first turn's cache is made as wide as ``reserve`` asks where the device's room holds the whole call
+    at that width; where it holds the call only at its own width, the call is not cut into pieces for the
+    reserve: one call, its cache as wide as it needs."""
+    fast = HFGenerateEngine(model, tok, fast_decode="on", compact_rows="off")
+    prompts = [tok(TEXTS[r])["input_ids"] for r in range(3)]
+    spec, reserve = SamplingSpec(temperature=0.0, max_tokens=4), 200
+    width = max(len(p) for p in prompts)
+    wide = reserve + 4 + hf_decode.CompiledForward.WIDTH  # the reserve, a turn, the compiled loop's padding
+
+    def need(columns):  # three rows' bytes at a width
+        return 3 * hf_decode.bytes_per_prompt(model.config, columns, 4, 1, fast.kv_element_bytes())
+
+    for room, length in ((need(width) + 1, width + 4), (need(wide - 4) + 1, wide)):
+        monkeypatch.setattr(fast, "_room_bytes", lambda room=room: room)
+        cache = fast.turn_cache()
+        cache.reserve(reserve)
+        cache.generate([0, 1, 2], prompts, spec)
+        assert len(cache.calls) == 1 and cache.decoder.cache.length == length
+
+
 def test_a_decoder_another_conversation_holds_is_not_restarted(model, tok):
     """Two calls of two conversations each, then the first two again: the last decoder (the second call's)
     still holds conversations 2 and 3, so the third call decodes anew, and 2 and 3 continue as before."""

@@ -185,8 +185,9 @@ class TurnCache:
                 self._plain(members, keys, prompts, specs, results)
                 continue
             cached = [self._take(keys[i], prompts[i]) for i in members]
-            for start, end in self._chunks(cached, [prompts[i] for i in members], spec):
-                self._decode(members[start:end], cached[start:end], keys, prompts, specs, spec, results)
+            chunks, columns = self._chunks(cached, [prompts[i] for i in members], spec)
+            for start, end in chunks:
+                self._decode(members[start:end], cached[start:end], keys, prompts, specs, spec, columns, results)
         order = range(len(prompts))
         tokenizer = self.engine.tokenizer
         return pad_completions([results[i][0] for i in order], [results[i][1] for i in order], list(order),
@@ -203,22 +204,27 @@ class TurnCache:
         return c
 
     def _chunks(self, cached: List[Optional[_Cached]], prompts: List[Sequence[int]],
-                spec: SamplingSpec) -> List[Tuple[int, int]]:
+                spec: SamplingSpec) -> Tuple[List[Tuple[int, int]], int]:
         """The group's rows in calls the device's room holds (``hf_decode.prompts_per_call`` at the packed
-        width: cached columns, new tokens, the turn's tokens, and the packed copy beside)."""
+        width: cached columns, new tokens, the turn's tokens, and the packed copy beside), and a new
+        decoder's least cache width: the reserved one (``_columns``) where the whole group fits it in one
+        call, else none (the call's own width)."""
         engine = self.engine
         room = engine._room_bytes()
         rows = len(prompts)
         if room is None:
-            return [(0, rows)]
+            return [(0, rows)], self._columns(spec)
         C = max((len(c.tokens) for c in cached if c is not None), default=0)
         width = C + max(len(p) - (0 if c is None else len(c.tokens)) for p, c in zip(prompts, cached))
-        width = max(width, self._columns(spec) - spec.max_tokens)  # a new decoder's cache is at least that wide
         config = engine._module().config
         element = engine.kv_element_bytes()
         packed = hf_decode.kv_bytes_per_token(getattr(config, "text_config", None) or config, element) * C
+        per_call = hf_decode.prompts_per_call(config, max(width, self._columns(spec) - spec.max_tokens),
+                                              spec.max_tokens, 1, rows, room - packed * rows, element)
+        if per_call >= rows:
+            return [(0, rows)], self._columns(spec)
         per_call = hf_decode.prompts_per_call(config, width, spec.max_tokens, 1, rows, room - packed * rows, element)
-        return [(s, min(s + per_call, rows)) for s in range(0, rows, per_call)]
+        return [(s, min(s + per_call, rows)) for s in range(0, rows, per_call)], 0
 
     def _plain(self, members: List[int], keys, prompts, specs, results: Dict[int, Turn]) -> None:
         """Rows the static-cache loop cannot serve: the engine's own ``generate``, nothing cached."""
@@ -231,8 +237,9 @@ class TurnCache:
             results[i] = (out.response_ids[row, :n].tolist(), lps, out.finish_reasons[row])
 
     def _decode(self, members: List[int], cached: List[Optional[_Cached]], keys, prompts, specs,
-                spec: SamplingSpec, results: Dict[int, Turn]) -> None:
-        """One decode of ``members`` (their caches ``cached``), each row's cache rewritten after it."""
+                spec: SamplingSpec, columns: int, results: Dict[int, Turn]) -> None:
+        """One decode of ``members`` (their caches ``cached``; a new decoder's cache at least ``columns``
+        wide), each row's cache rewritten after it."""
         engine = self.engine
         module = engine._module()
         device = engine.device
@@ -250,7 +257,7 @@ class TurnCache:
         self.decoder = None  # (a failed call leaves none behind)
         with engine.decoding(module):
             tokens, logprobs, mode = engine.decode_fast(module, ids, mask, spec, eos, 1, past=past, keep=kept,
-                                                        reuse=reuse, columns=self._columns(spec))
+                                                        reuse=reuse, columns=columns)
         if tokens is None:  # the loop failed (the engine logged why and uses generate from now on)
             self._plain(members, keys, prompts, specs, results)
             return
