@@ -460,7 +460,9 @@ class _Decoder:
         if fused and decode_sampling is not None and decode_sampling.supports(*sampling[1:]) and images is None:
             self.seed = torch.randint(0, 2 ** 62, (1,), dtype=torch.long, device=device)
             self.record = compiled.record_fused if compiled is not None else record_fused
-        self.stop = torch.tensor(sorted(set(stop_ids)) or [-1], dtype=torch.long, device=device)
+        self.stop_ids = sorted(set(stop_ids)) or [-1]  # (and on the host: ``fits`` reads them, ``restart`` the pad)
+        self.stop = torch.tensor(self.stop_ids, dtype=torch.long, device=device)
+        self.pad_id = pad_id
         self.pad = torch.tensor(pad_id, dtype=torch.long, device=device)
         self.tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
         self.logprobs = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
@@ -497,7 +499,7 @@ class _Decoder:
         return (self.rows == rows and self.out_tokens is self.tokens and self.cache.length >= columns
                 and self.tokens.shape[1] >= max_new_tokens and self.sampling[:3] == tuple(sampling)
                 and self.sampling[3] is None and self.forward is forward
-                and self.stop.tolist() == (sorted(set(stop_ids)) or [-1]))
+                and self.stop_ids == (sorted(set(stop_ids)) or [-1]))
 
     def restart(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, past: Past) -> None:
         """A conversation's next turn in this decoder's own buffers (``fits``): the past's columns written
@@ -508,7 +510,7 @@ class _Decoder:
         C, W = past.columns, input_ids.shape[1]
         if self.seed is not None:  # drawn as a new decoder draws it, before its prefill
             self.seed.copy_(torch.randint(0, 2 ** 62, (1,), dtype=torch.long, device=device))
-        self.tokens.fill_(int(self.pad))
+        self.tokens.fill_(self.pad_id)
         self.logprobs.zero_()
         for store, old in ((self.cache.keys, past.keys), (self.cache.values, past.values)):
             for layer, tensor in enumerate(store):
