@@ -10,8 +10,15 @@ its forward compiled on a GPU), Qwen2 shapes of bench_e2e with random weights an
   answering every turn with a short user message (random weights never call a tool, so the turns are
   driven by the environment and each ends at its fixed length), each trajectory's KV cache continued
   across turns (``rollout.multi_turn.kv_continuation``, the default: a turn prefills only the new tokens);
+- multi-turn, a decoder per turn: the same with each turn's decode in a decoder of its own (on a GPU its
+  step's CUDA graph captured again every turn: ``kv_turns.RESTART`` off), in the same run;
 - multi-turn, re-prefill: the same with ``kv_continuation: false`` (every turn prefills the whole
   conversation again), in the same run. Meta has both variants' prefill tokens and the tokens saved.
+
+Each multi-turn variant's generate calls (the last repetition's) are printed and kept in meta (``calls``): the
+call's rows and seconds, the host seconds before it (since the previous call ended; the first: since the
+rollout began) and the engine's figures (``prefill_s``, ``decode_s``, ``graph_captures``: ``HFGenerateEngine.
+metrics``), and each variant's host seconds (the rollout's seconds outside its generate calls).
 
 The system message describes the calculator of examples/tool_calling/ as ours does for a chat template
 without tools (``tools_system_prompt``), so our prompts carry the tool as TRL's do (its template renders
@@ -53,6 +60,7 @@ from bench_e2e import build_model, chat_prompts  # noqa: E402
 from multi_turn_trl import CALCULATOR  # noqa: E402
 
 from verl_fast.agents.environments import Environment, StepResult, row_messages  # noqa: E402
+from verl_fast.rollout import kv_turns  # noqa: E402
 
 
 class FixedTurns(Environment):
@@ -96,16 +104,36 @@ def operators(model, tokenizer, args, device: str):
             MultiTurnRolloutOperator(engine, multi, tokenizer, again, {}))
 
 
-def timed(op, rows, reps: int, device: str):
+def timed(op, rows, reps: int, device: str, restart: bool = True):
+    """The median seconds of ``reps`` rollouts after a warm-up, and the model tokens of the last; ``restart``
+    off: each turn's decode in a decoder of its own (``kv_turns.RESTART``)."""
     times, out = [], None
-    for i in range(reps + 1):  # the first call warms up (compiles on a GPU)
-        sync(device)
-        start = time.perf_counter()
-        out = op.rollout(rows, seed=i)
-        sync(device)
-        if i:
-            times.append(time.perf_counter() - start)
+    kv_turns.RESTART = restart
+    try:
+        for i in range(reps + 1):  # the first call warms up (compiles on a GPU)
+            sync(device)
+            start = time.perf_counter()
+            out = op.rollout(rows, seed=i)
+            sync(device)
+            if i:
+                times.append(time.perf_counter() - start)
+    finally:
+        kv_turns.RESTART = True
     return statistics.median(times), int(out.response_mask.sum())
+
+
+def calls_of(name: str, op) -> dict:
+    """A multi-turn variant's last rollout: its generate calls (printed) and its host seconds."""
+    metrics = op.metrics()
+    host = metrics["multi_turn/seconds"] - metrics["multi_turn/generate_seconds"]
+    print(f"{name}: {metrics['multi_turn/seconds']:.3f} s, {metrics['multi_turn/generate_seconds']:.3f} s in "
+          f"{len(op.calls)} generate calls, {host:.3f} s host", flush=True)
+    for k, c in enumerate(op.calls, 1):
+        engine = (f" (prefill {c['prefill_s'] * 1e3:.1f} ms, decode {c['decode_s'] * 1e3:.1f} ms, "
+                  f"{c['graph_captures']:.0f} graph captures)" if "decode_s" in c else "")
+        print(f"  call {k}: {c['rows']:.0f} rows, {c['host_s'] * 1e3:.1f} ms host before it, generate "
+              f"{c['generate_s'] * 1e3:.1f} ms{engine}", flush=True)
+    return {"calls": list(op.calls), "host_s": host, "seconds": metrics["multi_turn/seconds"]}
 
 
 def trl_rollout(args) -> str:
@@ -185,19 +213,26 @@ def main(argv=None) -> int:
         report = Report("multi_turn", args.device)
         case = f"{args.shape} {args.prompts}x{args.n}x{args.tokens} t{args.turns}"
         s_time, s_tokens = timed(single, rows, args.reps, args.device)
+        s_engine = single.engine.metrics()
+        print(f"single-turn: {s_time:.3f} s, engine {s_engine}", flush=True)
         m_time, m_tokens = timed(multi, rows, args.reps, args.device)
-        m_metrics = multi.metrics()
+        m_metrics, m_calls = multi.metrics(), calls_of("multi-turn, KV continued", multi)
+        d_time, d_tokens = timed(multi, rows, args.reps, args.device, restart=False)
+        d_calls = calls_of("multi-turn, KV continued, a decoder per turn", multi)
         r_time, r_tokens = timed(refill, rows, args.reps, args.device)
-        r_metrics = refill.metrics()
+        r_metrics, r_calls = refill.metrics(), calls_of("multi-turn, re-prefill", refill)
         multi.close()
         refill.close()
-        s_rate, m_rate, r_rate = s_tokens / s_time, m_tokens / m_time, r_tokens / r_time
+        s_rate, m_rate, r_rate, d_rate = s_tokens / s_time, m_tokens / m_time, r_tokens / r_time, d_tokens / d_time
         report.floors[case] = s_time * 1e3 * m_tokens / s_tokens  # single-turn's rate at multi-turn's token count
         report.add(case, "single-turn", s_time * 1e3, note=f"{s_tokens} tokens, {s_rate:.0f} tokens/s")
         report.add(case, "verl_fast multi-turn", m_time * 1e3,
                    note=f"{m_tokens} model tokens, {m_rate:.0f} tokens/s, {m_rate / s_rate:.2f}x single-turn, "
                         f"{m_metrics['multi_turn/generate_calls']:.0f} generate calls, KV continued: "
                         f"{m_metrics['multi_turn/prefill_tokens']:.0f} prefill tokens")
+        report.add(case, "verl_fast multi-turn, a decoder per turn", d_time * 1e3,
+                   note=f"{d_tokens} model tokens, {d_rate:.0f} tokens/s, {d_rate / s_rate:.2f}x single-turn, KV "
+                        f"continued, {sum(c.get('graph_captures', 0) for c in d_calls['calls']):.0f} graph captures")
         report.add(case, "verl_fast multi-turn, re-prefill", r_time * 1e3,
                    note=f"{r_tokens} model tokens, {r_rate:.0f} tokens/s, {r_rate / s_rate:.2f}x single-turn, "
                         f"{r_metrics['multi_turn/prefill_tokens']:.0f} prefill tokens")
@@ -209,9 +244,12 @@ def main(argv=None) -> int:
                            prefill_tokens_reprefill=r_metrics["multi_turn/prefill_tokens"],
                            prefill_tokens_saved=m_metrics["multi_turn/prefill_tokens_saved"],
                            multi_turn_metrics=m_metrics, reprefill_metrics=r_metrics, impls=impls,
+                           single_engine=s_engine, multi_turn_calls=m_calls, decoder_per_turn_calls=d_calls,
+                           decoder_per_turn_tokens_per_s=d_rate, reprefill_calls=r_calls,
                            prompt_tokens_mean=statistics.mean(len(r.prompt_ids) for r in rows))
         print(f"{args.shape} multi-turn {m_rate:.0f} tokens/s vs single-turn {s_rate:.0f} tokens/s: "
-              f"{m_rate / s_rate:.2f}x (target >= 0.85x); re-prefilling every turn {r_rate / s_rate:.2f}x; prefill "
+              f"{m_rate / s_rate:.2f}x (target >= 0.85x); a decoder per turn {d_rate / s_rate:.2f}x; re-prefilling every "
+              f"turn {r_rate / s_rate:.2f}x; prefill "
               f"tokens {report.meta['prefill_tokens']:.0f} (re-prefill {report.meta['prefill_tokens_reprefill']:.0f}, "
               f"saved {report.meta['prefill_tokens_saved']:.0f})", flush=True)
         if "trl" in impls:

@@ -424,21 +424,25 @@ fi
 
 # ---- multi_turn (issues 46, 68): multi-turn rollout (4 turns, a scripted environment) against single-turn at the
 # same model-token count, HF decode engine, 0.5B random weights, 16 x 8 x 256 tokens, each trajectory's KV cache
-# continued across turns, and beside it re-prefilled every turn (kv_continuation false); prefill tokens and tokens
-# saved in the JSON's meta; first the gpu-marked continuation test (graph decode) (~3 minutes: compiles);
+# continued across turns (the later turns replaying the first turn's decoder and graph), beside it a new decoder
+# and graph per turn, and re-prefilled every turn (kv_continuation false); prefill tokens, tokens saved and each
+# generate call's prefill / decode seconds, graph captures and the host seconds between calls in the JSON's meta
+# (and printed); first the gpu-marked continuation tests (graph decode, one capture a lockstep rollout, eager and
+# compiled) (~3-4 minutes: compiles);
 # then TRL 1.16's tool-calling GRPO rollout (GRPOTrainer tools=[calculator]) on the same model and lengths, in its
 # own process: vLLM colocate where vLLM imports (carry .dvdeps2 after the .dv* calls, or an earlier call left
 # /tmp/site), else HF generate; needs trl, datasets, dill, multiprocess (.whl/) and .bench_assets/ (~1.5-2.5
 # minutes: TRL's engine start). MULTI_TURN_IMPLS=ours leaves TRL out ----
 if want multi_turn; then
-  timeout 180 "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/rollout/test_kv_turns.py \
+  timeout 240 "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/rollout/test_kv_turns.py \
     > "$OUT/pytest_kv_turns.log" 2>&1 || failed+=("pytest kv_turns")
   tail -n 3 "$OUT/pytest_kv_turns.log"
   timeout ${MULTI_TURN_TIMEOUT:-500} "$py" benchmarks/bench_multi_turn.py --device cuda --shape 0.5b \
     --turns "${MULTI_TURN_TURNS:-4}" --impls "${MULTI_TURN_IMPLS:-ours,trl}" --trl-rollout "${MULTI_TURN_TRL:-auto}" \
     --trl-timeout "${MULTI_TURN_TRL_TIMEOUT:-270}" >> "$OUT/bench.log" 2>&1 || failed+=("bench_multi_turn")
   grep -E "^0.5b multi-turn|^TRL " "$OUT/bench.log" | tail -n 3
-  sed -n '/^multi_turn on/,/^saved/p' "$OUT/bench.log" | tail -n 9
+  grep -E "^multi-turn|^  call |^single-turn:" "$OUT/bench.log" | tail -n 19
+  sed -n '/^multi_turn on/,/^saved/p' "$OUT/bench.log" | tail -n 10
 fi
 
 # ---- fp8 (issue 69): FP8 rollout at the Qwen2.5-7B shape, one GPU (benchmarks/bench_fp8.py): the sync's work

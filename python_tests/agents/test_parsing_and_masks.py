@@ -140,3 +140,22 @@ def test_trajectory_is_the_templates_rendering_with_an_exact_mask(family):
     assert out.texts[0] == tok.decode(turn2, skip_special_tokens=True)
     assert metrics["multi_turn/tool_calls"] == 2 and metrics["multi_turn/turns_mean"] == 2
     assert metrics["multi_turn/masked_tokens"] == 2 * obs
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_batched_rendering_equals_one_by_one(family):
+    """``prompts_ids`` / ``observations_ids`` (each distinct conversation rendered once, all encoded in one
+    tokenizer call) give each item's ``prompt_ids`` / ``observation_ids``: repeated, distinct and empty items,
+    the same messages after different stop tokens."""
+    tok = family_tokenizer(family)
+    renderer = ChatRenderer(tok, [tool_schema(add)])
+    other = {"role": "user", "content": "and 7 + 8, twice over?"}
+    conversations = [[USER], [other], [USER], [{"role": "system", "content": "Be brief."}, other], [USER]]
+    assert renderer.prompts_ids(conversations) == [renderer.prompt_ids(m) for m in conversations]
+    tool = {"role": "tool", "name": "add", "tool_call_id": "call00000", "content": "5"}
+    stop = tok.convert_tokens_to_ids(FAMILIES[family][2])
+    items = [([tool], stop), ([tool], None), ([other], stop), ([tool], stop), ([tool, other], stop)]
+    assert renderer.observations_ids(items) == [renderer.observation_ids(m, last) for m, last in items]
+    assert renderer.observations_ids([]) == [] and renderer.prompts_ids([]) == []
+    texts = ["", "a b", "a b", " 12 + 30 = 42"]
+    assert renderer.encode_all(texts) == [renderer.encode(t) for t in texts]

@@ -10,7 +10,7 @@ import torch
 
 from tiny_models import build_model, build_tokenizer
 from verl_fast.records.generation import SamplingSpec
-from verl_fast.rollout import hf_decode
+from verl_fast.rollout import hf_decode, kv_turns
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 
 
@@ -40,11 +40,14 @@ def observation(tok, row, turn):
     return tok(" plus" * (1 + (row + turn) % 4) + " equals")["input_ids"]
 
 
-def run_turns(engine, tok, turns_of, max_tokens, use_cache, temperature=0.0, seed=None, stop_every=None):
+def run_turns(engine, tok, turns_of, max_tokens, use_cache, temperature=0.0, seed=None, reserve=0, figures=None):
     """Conversations of ``TEXTS``, row r running ``turns_of[r]`` turns of at most ``max_tokens[r]`` tokens
-    each, an observation after every turn; through ``engine.turn_cache()`` (``use_cache``) or ``generate`` on the
-    whole conversation. Returns per row the turns' (tokens, log-probs, reason), and the cache."""
+    each, an observation after every turn; through ``engine.turn_cache()`` (``use_cache``, its ``reserve`` set)
+    or ``generate`` on the whole conversation (each call's ``engine.metrics()`` appended to ``figures``). Returns
+    per row the turns' (tokens, log-probs, reason), and the cache."""
     cache = engine.turn_cache() if use_cache else None
+    if reserve:
+        cache.reserve(reserve)
     convs = {r: tok(TEXTS[r])["input_ids"] for r in range(len(turns_of))}
     out = {r: [] for r in convs}
     turn = 0
@@ -53,6 +56,8 @@ def run_turns(engine, tok, turns_of, max_tokens, use_cache, temperature=0.0, see
         specs = [SamplingSpec(temperature=temperature, max_tokens=max_tokens[r], seed=seed) for r in live]
         prompts = [convs[r] for r in live]
         res = cache.generate(live, prompts, specs) if use_cache else engine.generate(prompts, specs)
+        if figures is not None:
+            figures.append(engine.metrics())
         for b, r in enumerate(live):
             n = int(res.response_mask[b].sum())
             toks = res.response_ids[b, :n].tolist()
@@ -94,7 +99,8 @@ def test_greedy_turns_equal_reprefill_and_generate(model, tok, fused):
     prompts = sum(len(tok(TEXTS[r])["input_ids"]) for r in range(5))
     continued = [(r, k) for r in range(5) for k in range(turns_of[r] - 1)]
     assert [c["rows"] for c in cache.calls] == [5, 4, 3, 2]
-    assert cache.calls[0] == {"rows": 5, "prefilled": prompts, "reused": 0}
+    assert [c["restarted"] for c in cache.calls] == [0, 0, 0, 0]  # fewer rows each call: a new decoder each
+    assert cache.calls[0] == {"rows": 5, "prefilled": prompts, "reused": 0, "restarted": 0}
     fed = prompts + sum(1 + len(observation(tok, r, k)) for r, k in continued)
     total = sum(len(tok(TEXTS[r])["input_ids"]) + sum(len(t[0]) + len(observation(tok, r, k))
                                                      for k, t in enumerate(cont[r][: j + 1]))
@@ -103,6 +109,92 @@ def test_greedy_turns_equal_reprefill_and_generate(model, tok, fused):
     assert metrics["prefill_tokens"] == fed
     assert metrics["prefill_tokens"] + metrics["prefill_tokens_saved"] == prompts + total
     assert not cache.rows  # every conversation dropped
+
+
+@pytest.mark.parametrize("fused", ["off", "on"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_lockstep_turns_restart_one_decoder(model, tok, monkeypatch, fused, temperature):
+    """Every conversation in every call (a lockstep rollout), the first cache reserved for the longest
+    conversation: each later turn restarts in the first turn's decoder, and its turns are those of a new
+    decoder per turn -- the same draws (the same noise, consumed in the same order), log-probs to float
+    rounding of the wider cache -- and, greedy, those of re-prefilling and of ``generate``."""
+    fast = HFGenerateEngine(model, tok, fast_decode="on", compact_rows="off", fused_kernels=fused)
+    turns_of, caps = [4] * 5, [6] * 5
+    longest = max(len(tok(t)["input_ids"]) for t in TEXTS) + 4 * 6 + 4 * len(observation(tok, 2, 1))
+    kept, cache = run_turns(fast, tok, turns_of, caps, use_cache=True, temperature=temperature, seed=3,
+                            reserve=longest)
+    assert [c["restarted"] for c in cache.calls] == [0, 1, 1, 1]
+    monkeypatch.setattr(kv_turns, "RESTART", False)
+    fresh, again = run_turns(fast, tok, turns_of, caps, use_cache=True, temperature=temperature, seed=3,
+                             reserve=longest)
+    assert [c["restarted"] for c in again.calls] == [0, 0, 0, 0]
+    assert_same_turns(kept, fresh)
+    if temperature == 0.0:
+        whole, _ = run_turns(fast, tok, turns_of, caps, use_cache=False)
+        assert_same_turns(kept, whole)
+    else:  # sampled: the turns differ from turn to turn (the draws are not all one token)
+        assert len({tuple(t[0]) for r in kept for t in kept[r]}) > 5
+
+
+def test_compiled_turns_prefill_their_new_tokens_unpadded(tok):
+    """The compiled loop pads a first turn's prompts to a multiple of ``CompiledForward.WIDTH`` columns, not a
+    later turn's new tokens (its cache is as wide as the turns need whatever they are): the turns' tokens are
+    the eager loop's, each later turn's prefill as wide as its past and its longest new part."""
+    torch.manual_seed(0)
+    m = build_model("qwen2", vocab_size=len(tok), num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                    eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    m.generation_config.eos_token_id = tok.eos_token_id
+    compiled = HFGenerateEngine(m, tok, fast_decode="on", compact_rows="off", compile_decode=True)
+    eager = HFGenerateEngine(m, tok, fast_decode="on", compact_rows="off")
+    turns_of, caps = [3, 3, 3], [5, 5, 5]
+    got, cache = run_turns(compiled, tok, turns_of, caps, use_cache=True, reserve=80)
+    want, _ = run_turns(eager, tok, turns_of, caps, use_cache=True, reserve=80)
+    assert compiled.fast_failed is None
+    assert_same_turns(got, want)
+    assert [c["restarted"] for c in cache.calls] == [0, 1, 1]
+    new = [1 + len(observation(tok, r, 1)) for r in range(3)]  # the last turn's: its first token, the observation
+    past = max(len(tok(TEXTS[r])["input_ids"]) + 5 + len(observation(tok, r, 0)) + 4 for r in range(3))
+    assert cache.decoder.prefilled == past + max(new)
+
+
+def test_the_reserve_gives_way_where_the_room_does_not_hold_it(model, tok, monkeypatch):
+    """The first turn's cache is made as wide as ``reserve`` asks where the device's room holds the whole call
+    at that width; where it holds the call only at its own width, the call is not cut into pieces for the
+    reserve: one call, its cache as wide as it needs."""
+    fast = HFGenerateEngine(model, tok, fast_decode="on", compact_rows="off")
+    prompts = [tok(TEXTS[r])["input_ids"] for r in range(3)]
+    spec, reserve = SamplingSpec(temperature=0.0, max_tokens=4), 200
+    width = max(len(p) for p in prompts)
+    wide = reserve + 4 + hf_decode.CompiledForward.WIDTH  # the reserve, a turn, the compiled loop's padding
+
+    def need(columns):  # three rows' bytes at a width
+        return 3 * hf_decode.bytes_per_prompt(model.config, columns, 4, 1, fast.kv_element_bytes())
+
+    for room, length in ((need(width) + 1, width + 4), (need(wide - 4) + 1, wide)):
+        monkeypatch.setattr(fast, "_room_bytes", lambda room=room: room)
+        cache = fast.turn_cache()
+        cache.reserve(reserve)
+        cache.generate([0, 1, 2], prompts, spec)
+        assert len(cache.calls) == 1 and cache.decoder.cache.length == length
+
+
+def test_a_decoder_another_conversation_holds_is_not_restarted(model, tok):
+    """Two calls of two conversations each, then the first two again: the last decoder (the second call's)
+    still holds conversations 2 and 3, so the third call decodes anew, and 2 and 3 continue as before."""
+    fast = HFGenerateEngine(model, tok, fast_decode="on", compact_rows="off")
+    spec = SamplingSpec(temperature=0.0, max_tokens=4)
+    prompts = {r: tok(TEXTS[r])["input_ids"] for r in range(4)}
+    cache = fast.turn_cache()
+    cache.reserve(64)
+    for pair in ([0, 1], [2, 3], [0, 1], [2, 3]):
+        got = cache.generate(pair, [prompts[r] for r in pair], spec)
+        want = fast.generate([prompts[r] for r in pair], spec)
+        assert torch.equal(got.response_ids, want.response_ids)
+        torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+        for b, r in enumerate(pair):
+            prompts[r] = prompts[r] + got.response_ids[b, : int(got.response_mask[b].sum())].tolist() + \
+                observation(tok, r, 0)
+    assert [c["restarted"] for c in cache.calls] == [0, 0, 0, 0]
 
 
 def test_new_tokens_prefilled_in_chunks_after_the_past(model, tok, monkeypatch):
@@ -204,5 +296,31 @@ def test_graph_decode_continues_turns_on_cuda(model, tok):
         assert fast.last_mode == "graph"
         again, _ = run_turns(fast, tok, turns_of, caps, use_cache=False)
         assert_same_turns(cont, again, atol=1e-4)
+    finally:
+        model.to("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled,fused", [(False, "off"), (True, "on")])
+def test_lockstep_turns_capture_one_graph_on_cuda(model, tok, monkeypatch, compiled, fused):
+    """A 4-turn lockstep rollout on the GPU captures the decode step's graph once (the first turn) and replays
+    it for the later turns, with the tokens and log-probs of a new decoder and graph per turn (eager, and
+    compiled with the fused kernels: their rotary + cache write and sampling in the replayed graph)."""
+    model.to("cuda")
+    try:
+        fast = HFGenerateEngine(model, tok, fast_decode="on", compile_decode=compiled, fused_kernels=fused)
+        turns_of, caps = [4] * 5, [20] * 5
+        longest = max(len(tok(t)["input_ids"]) for t in TEXTS) + 4 * 20 + 4 * len(observation(tok, 2, 1))
+        kept_figures, fresh_figures = [], []
+        kept, cache = run_turns(fast, tok, turns_of, caps, use_cache=True, reserve=longest, figures=kept_figures)
+        assert fast.last_mode == "graph"
+        assert [c["restarted"] for c in cache.calls] == [0, 1, 1, 1]
+        assert [f["graph_captures"] for f in kept_figures] == [1, 0, 0, 0]
+        monkeypatch.setattr(kv_turns, "RESTART", False)
+        fresh, _ = run_turns(fast, tok, turns_of, caps, use_cache=True, reserve=longest, figures=fresh_figures)
+        assert [f["graph_captures"] for f in fresh_figures] == [1, 1, 1, 1]
+        assert_same_turns(kept, fresh, atol=1e-4)
+        whole, _ = run_turns(fast, tok, turns_of, caps, use_cache=False)
+        assert_same_turns(kept, whole, atol=1e-4)
     finally:
         model.to("cpu")

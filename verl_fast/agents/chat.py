@@ -12,7 +12,8 @@ except that the model's turns are its sampled tokens.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+import json
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from verl_fast.agents.parsing import detect_format, tools_system_prompt
 
@@ -48,6 +49,14 @@ class ChatRenderer:
     def encode(self, text: str) -> List[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def encode_all(self, texts: Sequence[str]) -> List[List[int]]:
+        """Each of ``texts`` as ``encode`` gives it, the distinct ones in one call of the tokenizer."""
+        distinct = list(dict.fromkeys(texts))
+        if not distinct:
+            return []
+        ids = dict(zip(distinct, self.tokenizer(distinct, add_special_tokens=False)["input_ids"]))
+        return [list(ids[text]) for text in texts]
+
     def with_tool_instructions(self, messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         """``messages`` with the Hermes tool instructions in the system message, where the template
         renders no tools itself (else as they are)."""
@@ -60,12 +69,37 @@ class ChatRenderer:
 
     def prompt_ids(self, messages: List[Dict[str, Any]]) -> List[int]:
         """The first prompt's tokens: ``messages`` (the tools rendered or described) and the generation prompt."""
-        tools = self.schemas if self.template_renders_tools and self.schemas else None
-        return self.encode(self._render(self.with_tool_instructions(messages), True, tools))
+        return self.encode(self._prompt_text(messages))
+
+    def prompts_ids(self, conversations: Sequence[List[Dict[str, Any]]]) -> List[List[int]]:
+        """``prompt_ids`` of each of ``conversations``: each distinct one rendered once, all encoded together."""
+        keys = [_key(m) for m in conversations]
+        texts: Dict[str, str] = {}
+        for key, messages in zip(keys, conversations):
+            if key not in texts:
+                texts[key] = self._prompt_text(messages)
+        return self.encode_all([texts[key] for key in keys])
 
     def observation_ids(self, messages: List[Dict[str, Any]], last_token: Optional[int]) -> List[int]:
         """The tokens between a model turn that ended with ``last_token`` and the model's next turn:
         the end of the turn the model did not write, ``messages``, the next generation prompt."""
+        return self.encode(self._observation_text(messages, last_token))
+
+    def observations_ids(self, items: Sequence[Tuple[List[Dict[str, Any]], Optional[int]]]) -> List[List[int]]:
+        """``observation_ids`` of each (messages, last token): each distinct one rendered once, all encoded
+        together."""
+        keys = [_key(messages, last) for messages, last in items]
+        texts: Dict[str, str] = {}
+        for key, (messages, last) in zip(keys, items):
+            if key not in texts:
+                texts[key] = self._observation_text(messages, last)
+        return self.encode_all([texts[key] for key in keys])
+
+    def _prompt_text(self, messages: List[Dict[str, Any]]) -> str:
+        tools = self.schemas if self.template_renders_tools and self.schemas else None
+        return self._render(self.with_tool_instructions(messages), True, tools)
+
+    def _observation_text(self, messages: List[Dict[str, Any]], last_token: Optional[int]) -> str:
         whole = self._render(self._prefix + list(messages), generation_prompt=True)
         if not whole.startswith(self._base):
             raise ValueError("the chat template renders a conversation differently once observation messages follow "
@@ -75,4 +109,9 @@ class ChatRenderer:
             emitted = self.tokenizer.decode([last_token], skip_special_tokens=False)
             if emitted and end.startswith(emitted):
                 end = end[len(emitted):]
-        return self.encode(end + whole[len(self._base):])
+        return end + whole[len(self._base):]
+
+
+def _key(messages: List[Dict[str, Any]], last_token: Optional[int] = None) -> str:
+    """What a rendering depends on: the messages and the token before them."""
+    return json.dumps([messages, last_token], sort_keys=True, default=str)

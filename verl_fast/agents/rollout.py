@@ -96,6 +96,9 @@ class MultiTurnRolloutOperator(RolloutOperator):
                                                               thread_name_prefix="verl_fast env step")
         self._metrics: Dict[str, float] = {}
         self._prefill: Dict[str, float] = {}  # the rollout's prefill counts (TurnCache.metrics)
+        # the last rollout's generate calls (HF decode, turn by turn): each call's rows, its seconds, the host
+        # seconds since the previous call ended (the first: since the rollout began) and the engine's metrics
+        self.calls: List[Dict[str, float]] = []
 
     # ------------------------------------------------------------------ environments
 
@@ -120,7 +123,9 @@ class MultiTurnRolloutOperator(RolloutOperator):
                                **self.mt.environment_kwargs)
 
     def _start(self, batch: Sequence[PromptRow], specs: List[SamplingSpec], out: List[Trajectory]) -> None:
-        """Appends every sample's trajectory to ``out`` (its environment reset)."""
+        """Appends every sample's trajectory to ``out`` (its environment reset), the first messages rendered
+        and encoded together (each distinct conversation once)."""
+        rendered: List[Tuple[Trajectory, List[Dict[str, Any]]]] = []
         for i, (row, spec) in enumerate(zip(batch, specs)):
             for k in range(spec.n):
                 env, single = self._environment(row)
@@ -130,16 +135,20 @@ class MultiTurnRolloutOperator(RolloutOperator):
                     _close(env)
                     raise
                 # a single-turn row keeps its own prompt tokens: the single-turn rollout's exactly
-                ids = list(row.prompt_ids) if single else self.renderer.prompt_ids(messages)
                 sample_seed = None if spec.seed is None else spec.seed * 1009 + k
-                out.append(Trajectory(i, env, ids, replace(spec, n=1, seed=sample_seed), single_turn=single))
+                out.append(Trajectory(i, env, list(row.prompt_ids) if single else [],
+                                      replace(spec, n=1, seed=sample_seed), single_turn=single))
+                if not single:
+                    rendered.append((out[-1], messages))
+        for (t, _), ids in zip(rendered, self.renderer.prompts_ids([m for _, m in rendered])):
+            t.prompt_ids = ids
 
     # ------------------------------------------------------------------ the loop
 
     def rollout(self, batch: Sequence[PromptRow], seed: Optional[int] = None) -> GenerationOutput:
-        start = time.perf_counter()
+        start = self._began = time.perf_counter()
         trajectories: List[Trajectory] = []
-        self._prefill = {}
+        self._prefill, self.calls = {}, []
         try:
             self._start(batch, self.specs(batch, seed), trajectories)
             run = self._stream if self.engine.streams else self._waves
@@ -161,6 +170,8 @@ class MultiTurnRolloutOperator(RolloutOperator):
         cached keys and values where the engine keeps them. Returns the seconds spent generating and the
         number of calls."""
         turns = self.engine.turn_cache() if self.mt.kv_continuation else None
+        if turns is not None:  # the longest conversation: the first turn's cache holds every later turn
+            turns.reserve(max(len(t.prompt_ids) + t.spec.max_tokens for t in trajectories))
         try:
             return self._wave_loop(trajectories, turns)
         finally:
@@ -180,17 +191,22 @@ class MultiTurnRolloutOperator(RolloutOperator):
 
     def _wave_loop(self, trajectories: List[Trajectory], turns: Any) -> Tuple[float, int]:
         ready, pending = list(trajectories), {}
-        generate_s, calls = 0.0, 0
+        generate_s, calls, ended = 0.0, 0, self._began
         while ready or pending:
             if ready:
                 t0 = time.perf_counter()
                 out = self._generate(ready, turns)
-                generate_s += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                generate_s += t1 - t0
                 calls += 1
+                self.calls.append({"rows": float(len(ready)), "generate_s": t1 - t0, "host_s": t0 - ended,
+                                   **self.engine.call_metrics()})
+                ended = t1
+                ids, lengths = out.response_ids.tolist(), out.response_mask.sum(1).tolist()  # one conversion each
+                lps = out.logprobs.tolist() if out.logprobs is not None else None
                 for row, t in enumerate(ready):
-                    n = int(out.response_mask[row].sum())
-                    message = self._take_turn(t, out.response_ids[row, :n].tolist(),
-                                              None if out.logprobs is None else out.logprobs[row, :n].tolist(),
+                    n = lengths[row]
+                    message = self._take_turn(t, ids[row][:n], None if lps is None else lps[row][:n],
                                               out.finish_reasons[row] if out.finish_reasons else "stop")
                     if not t.done:
                         pending[self._threads.submit(t.env.step, message)] = t
@@ -224,9 +240,9 @@ class MultiTurnRolloutOperator(RolloutOperator):
                 done = [f for f in pending if f.done()]
             else:
                 done, _ = concurrent.futures.wait(list(pending), return_when=concurrent.futures.FIRST_COMPLETED)
-            for future in done:
-                t = pending.pop(future)
-                self._observe(t, future.result())
+            observed = [(pending.pop(future), future.result()) for future in done]
+            self._observe(observed)
+            for t, _ in observed:
                 if not t.done:
                     inflight[self.engine.submit(t.prompt_ids + t.ids, self._turn_spec(t))] = t
                     submitted += 1
@@ -258,29 +274,35 @@ class MultiTurnRolloutOperator(RolloutOperator):
         if not done:
             done, _ = concurrent.futures.wait(list(pending), return_when=concurrent.futures.FIRST_COMPLETED)
         ready = []
-        for future in [f for f in pending if f in done]:  # in submission order: a seed's rollout repeats
-            t = pending.pop(future)
-            self._observe(t, future.result())
+        # in submission order: a seed's rollout repeats
+        observed = [(pending.pop(future), future.result()) for future in [f for f in pending if f in done]]
+        self._observe(observed)
+        for t, _ in observed:
             if not t.done:
                 ready.append(t)
             elif turns is not None:
                 turns.drop(id(t))
         return ready
 
-    def _observe(self, t: Trajectory, result: StepResult) -> None:
-        if result.reward is not None:
-            t.rewards.append((t.turn_ends[-1], float(result.reward)))
-        final = len(t.turn_ends) >= self.mt.max_turns or len(t.ids) >= t.spec.max_tokens
-        if result.done or final or not result.messages:
-            t.done = True
-            return
-        obs = self.renderer.observation_ids(result.messages, t.stop_token)
-        room = t.spec.max_tokens - len(t.ids)
-        if len(obs) >= room:  # no room left for the model to answer: the observation is cut, the episode ends
-            obs, t.done, t.finish = obs[:room], True, "length"
-        t.ids += obs
-        t.mask += [0] * len(obs)
-        t.logprobs += [0.0] * len(obs)
+    def _observe(self, observed: List[Tuple[Trajectory, StepResult]]) -> None:
+        """Each trajectory's environment step: its reward kept, then its end, or its observation's tokens
+        appended (the observations rendered and encoded together, each distinct one once)."""
+        going: List[Tuple[Trajectory, List[Dict[str, Any]]]] = []
+        for t, result in observed:
+            if result.reward is not None:
+                t.rewards.append((t.turn_ends[-1], float(result.reward)))
+            final = len(t.turn_ends) >= self.mt.max_turns or len(t.ids) >= t.spec.max_tokens
+            if result.done or final or not result.messages:
+                t.done = True
+            else:
+                going.append((t, result.messages))
+        for (t, _), obs in zip(going, self.renderer.observations_ids([(m, t.stop_token) for t, m in going])):
+            room = t.spec.max_tokens - len(t.ids)
+            if len(obs) >= room:  # no room left for the model to answer: the observation is cut, the episode ends
+                obs, t.done, t.finish = obs[:room], True, "length"
+            t.ids += obs
+            t.mask += [0] * len(obs)
+            t.logprobs += [0.0] * len(obs)
 
     # ------------------------------------------------------------------ output
 
@@ -290,18 +312,13 @@ class MultiTurnRolloutOperator(RolloutOperator):
         N, L = len(ts), max(1, max(len(t.ids) for t in ts))
         pad = self.engine.pad_token_id
         pad = int(pad if pad is not None else self.tokenizer.pad_token_id or 0)
-        ids = torch.full((N, L), pad, dtype=torch.int64)
-        mask = torch.zeros((N, L), dtype=torch.int64)
-        attn = torch.zeros((N, L), dtype=torch.int64)
-        logp = torch.zeros((N, L), dtype=torch.float32)
+        # each field in one conversion: the rows right-padded as lists first
+        ids = torch.tensor([t.ids + [pad] * (L - len(t.ids)) for t in ts], dtype=torch.int64)
+        mask = torch.tensor([t.mask + [0] * (L - len(t.mask)) for t in ts], dtype=torch.int64)
+        attn = (torch.arange(L)[None, :] < torch.tensor([len(t.ids) for t in ts])[:, None]).to(torch.int64)
+        logp = torch.tensor([t.logprobs + [0.0] * (L - len(t.logprobs)) for t in ts], dtype=torch.float32)
         rewards = torch.zeros((N, L), dtype=torch.float32)
         for r, t in enumerate(ts):
-            k = len(t.ids)
-            if k:
-                ids[r, :k] = torch.tensor(t.ids)
-                mask[r, :k] = torch.tensor(t.mask)
-                attn[r, :k] = 1
-                logp[r, :k] = torch.tensor(t.logprobs)
             for pos, value in t.rewards:
                 rewards[r, pos] += value
         want_logp = self.default.logprobs
@@ -315,8 +332,8 @@ class MultiTurnRolloutOperator(RolloutOperator):
     def _summary(self, ts: List[Trajectory], seconds: float, generate_s: float, calls: int) -> Dict[str, float]:
         n = max(len(ts), 1)
         counts: Dict[str, float] = {}
-        for t in ts:
-            for k, v in t.env.metrics().items():
+        for figures in self._threads.map(lambda t: t.env.metrics(), ts):  # (a guarded environment's call waits)
+            for k, v in figures.items():
                 counts[k] = counts.get(k, 0.0) + float(v)
         model = sum(sum(t.mask) for t in ts)
         total = sum(len(t.ids) for t in ts)
@@ -340,7 +357,7 @@ class MultiTurnRolloutOperator(RolloutOperator):
         """This operator with another default sampling (validation's), sharing its tool workers and
         threads (its own metrics)."""
         other = copy.copy(self)
-        other.default, other._metrics, other._prefill = default, {}, {}
+        other.default, other._metrics, other._prefill, other.calls = default, {}, {}, []
         return other
 
     def close(self) -> None:

@@ -72,9 +72,10 @@ class RolloutEngine:
 
     def turn_cache(self):
         """A cache of each conversation's state between a multi-turn rollout's calls, whose ``generate(keys,
-        prompts, specs)`` continues the conversation cached under each key and feeds only its new tokens
-        (the HF engine's ``rollout/kv_turns.TurnCache``). None: each call reads its prompts whole (vLLM
-        serves them from its prefix cache)."""
+        prompts, specs)`` continues the conversation cached under each key and feeds only its new tokens, and
+        ``reserve(tokens)`` is told the longest conversation the rollout expects (the HF engine's
+        ``rollout/kv_turns.TurnCache``). None: each call reads its prompts whole (vLLM serves them from its
+        prefix cache)."""
         return None
 
     def sync_from(self, model: torch.nn.Module) -> Dict[str, float]:
@@ -100,4 +101,9 @@ class RolloutEngine:
 
     def metrics(self) -> dict:
         """Engine-side metrics (e.g. prefix-cache hit rate, KV-cache usage) for the trainer's metrics."""
+        return {}
+
+    def call_metrics(self) -> dict:
+        """The last generate call's own figures, where the engine keeps any (a multi-turn rollout's record of
+        each call; ``metrics`` is the trainer's, per step)."""
         return {}

@@ -383,7 +383,8 @@ class CompiledForward:
     compiled function serves every rollout: compiled for the first rollout's shapes, then once more
     with the lengths left symbolic when a rollout of another prompt width comes (torch.compile's
     automatic dynamic shapes), never again after that; prompts are left-padded to a multiple of
-    ``WIDTH`` so that nearby prompt lengths keep the first, static compile. A Llama-family layer's q/k/v
+    ``WIDTH`` so that nearby prompt lengths keep the first, static compile (not a conversation's next turn,
+    whose new tokens the eager prefill runs as they are). A Llama-family layer's q/k/v
     and gate/up products run merged, two GEMMs where there were five (``merged_projections``). Under
     autocast the linear layers run on copies of their weights in the autocast dtype, kept here and
     refreshed from the parameters at every rollout (what autocast would cast them to: the same
@@ -441,7 +442,8 @@ class _Decoder:
     def __init__(self, module, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
                  sampling: Tuple[float, int, float], stop_ids: Sequence[int], pad_id: int,
                  compiled: Optional["CompiledForward"] = None, rows: Optional[torch.Tensor] = None,
-                 fused: bool = False, past: Optional[Past] = None, images: Optional[Images] = None):
+                 fused: bool = False, past: Optional[Past] = None, images: Optional[Images] = None,
+                 columns: int = 0):
         self.module = module
         self.sampling = (*sampling, None if images is None else images.never)  # sample()'s arguments after logits
         self.forward = compiled.fn if compiled is not None else model_step  # the decode steps' forward
@@ -450,13 +452,17 @@ class _Decoder:
         B = input_ids.shape[0] if rows is None else rows.shape[0]
         device = input_ids.device
         C = 0 if past is None else past.columns  # the past's columns: the prompts follow them
-        L = C + W + max_new_tokens
+        L = max(C + W + max_new_tokens, columns)
+        self.graph: Optional["torch.cuda.CUDAGraph"] = None  # the step's graph, once captured (``restart``)
+        self.prefilled = C + W  # the cache column of the first decoded token
         self.cache = StaticKV(module.config.get_text_config().num_hidden_layers, L, rows, fused=fused, past=past)
         self.seed = None  # the fused sampling's random key (None: the torch sampling, which also leaves out ``never``)
         if fused and decode_sampling is not None and decode_sampling.supports(*sampling[1:]) and images is None:
             self.seed = torch.randint(0, 2 ** 62, (1,), dtype=torch.long, device=device)
             self.record = compiled.record_fused if compiled is not None else record_fused
-        self.stop = torch.tensor(sorted(set(stop_ids)) or [-1], dtype=torch.long, device=device)
+        self.stop_ids = sorted(set(stop_ids)) or [-1]  # (and on the host: ``fits`` reads them, ``restart`` the pad)
+        self.stop = torch.tensor(self.stop_ids, dtype=torch.long, device=device)
+        self.pad_id = pad_id
         self.pad = torch.tensor(pad_id, dtype=torch.long, device=device)
         self.tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
         self.logprobs = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
@@ -484,6 +490,43 @@ class _Decoder:
     @property
     def rows(self) -> int:
         return self.done.shape[0]
+
+    def fits(self, rows: int, columns: int, max_new_tokens: int, sampling: Tuple[float, int, float],
+             stop_ids: Sequence[int], forward) -> bool:
+        """Whether a call of ``rows`` rows needing ``columns`` cache columns (its past's, its prompts' and its
+        new tokens') can ``restart`` in this decoder: the same rows (never compacted), room in the cache and
+        the outputs, the same sampling, stop ids and forward (what its captured step computes)."""
+        return (self.rows == rows and self.out_tokens is self.tokens and self.cache.length >= columns
+                and self.tokens.shape[1] >= max_new_tokens and self.sampling[:3] == tuple(sampling)
+                and self.sampling[3] is None and self.forward is forward
+                and self.stop_ids == (sorted(set(stop_ids)) or [-1]))
+
+    def restart(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, past: Past) -> None:
+        """A conversation's next turn in this decoder's own buffers (``fits``): the past's columns written
+        into the cache (the rest of it left as it is, never attended), the prompts prefilled after them,
+        every per-row buffer rewritten in place, so that the step captured at its first call replays for
+        this one. What each row computes is what a new decoder computes (its cache only wider)."""
+        device = input_ids.device
+        C, W = past.columns, input_ids.shape[1]
+        if self.seed is not None:  # drawn as a new decoder draws it, before its prefill
+            self.seed.copy_(torch.randint(0, 2 ** 62, (1,), dtype=torch.long, device=device))
+        self.tokens.fill_(self.pad_id)
+        self.logprobs.zero_()
+        for store, old in ((self.cache.keys, past.keys), (self.cache.values, past.values)):
+            for layer, tensor in enumerate(store):
+                tensor[:, :, :C].copy_(old[layer])
+                old[layer] = None
+        positions = attention_mask.long().cumsum(-1) - 1 + past.position[:, None]
+        positions.masked_fill_(attention_mask == 0, 1)
+        valid = torch.cat([past.valid, attention_mask.bool()], 1)
+        self.prefilled = C + W
+        self._prefill(input_ids, valid, positions, C, None)
+        self.valid.zero_()
+        self.valid[:, : C + W] = valid
+        self.position.copy_(positions[:, -1:] + 1)
+        self.col.fill_(C + W)
+        self.t.fill_(1)
+        self.cache.cols = self.col
 
     def compact(self, rows: int) -> None:
         """The batch cut to ``rows`` rows: the unfinished rows in their order, then finished ones as
@@ -531,7 +574,7 @@ class _Decoder:
             end = min(start + chunk, W)
             # keys attended: the first chunk's own (the cache returns them), a later chunk's (or a chunk after
             # a past) the whole cache's
-            keys = end if start == 0 and self.cache.past is None else self.cache.length
+            keys = end if start == 0 and self.cache.past is None and self.cache.keys[0] is None else self.cache.length
             query = torch.arange(start, end, device=device)[:, None]
             key = torch.arange(keys, device=device)[None, :]
             attended = torch.nn.functional.pad(valid, (0, max(keys - W, 0)))[:, :keys]
@@ -550,8 +593,12 @@ class _Decoder:
         self.cache.seen = W
         self.tokens[:, 0] = token
         self.logprobs[:, 0] = logp
-        self.done = torch.isin(token, self.stop)
-        self.current = token[:, None].clone()
+        if hasattr(self, "done"):  # a restart: the buffers a captured step addresses, rewritten in place
+            self.done.copy_(torch.isin(token, self.stop))
+            self.current.copy_(token[:, None])
+        else:
+            self.done = torch.isin(token, self.stop)
+            self.current = token[:, None].clone()
 
     def step(self) -> None:
         self.valid.index_fill_(1, self.col, True)
@@ -592,9 +639,11 @@ def record_fused(logits, sampling, done, pad, stop, tokens, logprobs, current, p
 
 class GraphPool:
     """Where the decode step's CUDA graphs are captured, kept from one rollout to the next, so that a
-    rollout leaves the caching allocator as it found it. Each rollout captures its own graphs, one per
+    rollout leaves the caching allocator as it found it. Each call captures its own graphs, one per
     batch size it compacts to (the buffers they address -- the cache, the rows' state -- are that
-    call's; kept for the next call they would hold every batch size's cache through the update).
+    call's; kept for the next call they would hold every batch size's cache through the update), but
+    for a conversation's next turn that restarts in the previous turn's decoder (``decode``'s ``reuse``),
+    which replays that decoder's graph while it is still the newest here.
     ``torch.cuda.graph`` empties the allocator's cache before every capture: the update's cached working
     set went back to the driver at each rollout and was allocated again in the next update (hundreds
     of ``cudaFree`` + ``cudaMalloc`` a step: docs/benchmarks.md); here the capture is begun and
@@ -655,7 +704,8 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
            min_rows: Optional[int] = MIN_ROWS, log: Optional[List[Tuple[int, int]]] = None,
            fused: bool = False, past: Optional[Past] = None,
            keep: Optional[list] = None, images: Optional[Images] = None,
-           times: Optional[Dict[str, float]] = None) -> Tuple[torch.Tensor, torch.Tensor, str]:
+           times: Optional[Dict[str, float]] = None, reuse: Optional[_Decoder] = None,
+           columns: int = 0) -> Tuple[torch.Tensor, torch.Tensor, str]:
     """New tokens [B, max_new_tokens] (pad after a row's stop token, and after an early exit once
     every row stopped) and their log-probs [B, max_new_tokens] (0 past the end), on the host, and
     how the steps ran: "graph" (replays) or "eager".
@@ -694,14 +744,20 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
 
     ``times``: the call's seconds written into it, ``prefill_s`` (the prefill and the first token; on a GPU
     the device's time between two events around it, so that the call never waits for the device to time it)
-    and ``decode_s`` (the rest of the call's wall time, to the tokens on the host)."""
+    and ``decode_s`` (the rest of the call's wall time, to the tokens on the host).
+
+    ``reuse``: a decoder kept (``keep``) from the conversations' previous turn, whose buffers nothing else
+    holds any more: where the call ``fits`` it (a ``past``, as many rows, room in its cache), it restarts in
+    them (``_Decoder.restart``) and replays the step's graph it captured, if that is still the pool's newest,
+    so a rollout's turns capture once; else a new decoder. ``columns``: a new decoder's cache at least this
+    wide (the rollout's longest conversation, so that its later turns fit)."""
     if images is not None and past is not None:
         raise ValueError("decode: images go with a conversation's first turn only (past must be None with them)")
     if past is not None and rows is not None:
         raise ValueError("decode: past continues one row per prompt; rows must be None with it")
     if keep is not None and min_rows is not None:
         raise ValueError("decode: keep needs min_rows=None (a compaction drops the finished rows' caches)")
-    if compiled is not None:
+    if compiled is not None and past is None:  # (a continued turn's cache width moves with its past: not padded)
         extra = -input_ids.shape[1] % compiled.WIDTH
         input_ids = torch.nn.functional.pad(input_ids, (extra, 0), value=pad_id)
         attention_mask = torch.nn.functional.pad(attention_mask, (extra, 0), value=0)
@@ -715,8 +771,15 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
             else None
         if events:
             events[0].record(torch.cuda.current_stream(input_ids.device))
-        dec = _Decoder(module, input_ids, attention_mask, max_new_tokens, (temperature, top_k, top_p), stop_ids,
-                       pad_id, compiled, rows, fused=fused, past=past, images=images)  # the prefill: sdpa, eager
+        sampling = (temperature, top_k, top_p)
+        if (reuse is not None and past is not None and rows is None and images is None
+                and reuse.fits(input_ids.shape[0], past.columns + input_ids.shape[1] + max_new_tokens,
+                               max_new_tokens, sampling, stop_ids, compiled.fn if compiled is not None else model_step)):
+            dec = reuse
+            dec.restart(input_ids, attention_mask, past)  # the prefill: sdpa, eager
+        else:
+            dec = _Decoder(module, input_ids, attention_mask, max_new_tokens, sampling, stop_ids, pad_id, compiled,
+                           rows, fused=fused, past=past, images=images, columns=columns)  # the prefill: sdpa, eager
         if events:
             events[1].record(torch.cuda.current_stream(input_ids.device))
         elif times is not None:
@@ -725,6 +788,7 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
         steps, graphed = _run_steps(dec, max_new_tokens, use_graph, check_every,
                                     graphs if graphs is not None else GraphPool(), min_rows, log)
         tokens, logprobs = dec.result()  # on the host: the device is done with both events
+        tokens, logprobs = tokens[:, :max_new_tokens], logprobs[:, :max_new_tokens]  # a restart's may be wider
         if events:
             times["prefill_s"] = events[0].elapsed_time(events[1]) / 1e3
         if times is not None:
@@ -741,7 +805,8 @@ def _run_steps(dec: _Decoder, max_new_tokens: int, use_graph: bool, check_every:
     """``decode``'s loop from the second token on: steps replayed from the current batch's graph (captured
     on its first step) or run eagerly, the batch compacted as rows finish. A failed capture is logged
     and the rest runs eagerly. Returns the steps run and whether they ran from graphs."""
-    graph, captured, steps = None, False, 1
+    graph = dec.graph if dec.graph is not None and pool.last is dec.graph else None  # a restart's, still valid
+    captured, steps = graph is not None, 1
     if log is not None:
         log.append((1, dec.rows))
     while steps < max_new_tokens:
@@ -770,4 +835,5 @@ def _run_steps(dec: _Decoder, max_new_tokens: int, use_graph: bool, check_every:
         else:
             dec.step()
         steps += 1
+    dec.graph = graph if use_graph else None
     return steps, captured and use_graph

@@ -176,6 +176,7 @@ class HFGenerateEngine(RolloutEngine):
         self._told: set = set()  # the reasons already logged for decoding through generate
         self.last_mode: Optional[str] = None  # how the last call decoded: graph, eager or generate
         self._last: Dict[str, float] = {}  # the loop's figures since metrics() last read them, summed over calls
+        self._call: Dict[str, float] = {}  # the current call's (begin_call)
         self._graphs = hf_decode.GraphPool()  # the decode graph's memory, reused by the next call's graph
         self._compiled = hf_decode.CompiledForward() if compile_decode else None
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -226,6 +227,7 @@ class HFGenerateEngine(RolloutEngine):
             raise ValueError(f"one sampling spec per prompt expected: {len(prompts)} prompts, {len(specs)} specs")
         for spec in specs:
             spec.validate()
+        self.begin_call()
         # generate() samples from the global RNG: seed it once per call (per-request seeds would
         # force one generate call per prompt), and batch the prompts whose other settings agree.
         seeds = [s.seed for s in specs if s.seed is not None]
@@ -370,12 +372,21 @@ class HFGenerateEngine(RolloutEngine):
         finally:
             module.train(was_training)
 
+    def begin_call(self) -> None:
+        """A call begins: ``call_metrics`` counts its decodes from here."""
+        self._call = {}
+
+    def call_metrics(self) -> dict:
+        """The loop's figures of the current (last) call alone: ``metrics``' keys bar ``cuda_graph``."""
+        return dict(self._call)
+
     def decode_fast(self, module, ids, mask, spec: SamplingSpec, eos: List[int], copies: int,
                     past: Optional[hf_decode.Past] = None, keep: Optional[list] = None,
-                    vision: Optional[Sequence[Optional[Any]]] = None):
+                    vision: Optional[Sequence[Optional[Any]]] = None, reuse: Any = None, columns: int = 0):
         """(new tokens, log-probs, mode) on the host from hf_decode, or Nones where it does not apply (the
-        reason logged once). ``past`` / ``keep``: a conversation's next turn (``hf_decode.decode``; its rows
-        not compacted). ``vision``: a vision-language actor's prompts' images (None a text prompt)."""
+        reason logged once). ``past`` / ``keep`` / ``reuse`` / ``columns``: a conversation's next turn
+        (``hf_decode.decode``; its rows not compacted). ``vision``: a vision-language actor's prompts' images
+        (None a text prompt)."""
         reason = self._fast_reason(spec)
         if reason is not None:
             if reason not in self._told:
@@ -402,11 +413,13 @@ class HFGenerateEngine(RolloutEngine):
                 rows=None if rows is None else rows.to(device),
                 min_rows=None if keep is not None else self._min_rows(device), past=past, keep=keep, images=images,
                 fused=self.fused_kernels == "on" or (self.fused_kernels == "auto" and device.type == "cuda"
-                                                     and hf_decode.decode_sampling is not None), times=times)
+                                                     and hf_decode.decode_sampling is not None), times=times,
+                reuse=reuse, columns=columns)
             times["graph_captures"] = float(self._graphs.captures - captures)
             times["decode_calls"] = 1.0
-            for key, value in times.items():  # summed over the calls until metrics() reads them
-                self._last[key] = self._last.get(key, 0.0) + value
+            for figures in (self._last, self._call):  # summed: until metrics() reads them; over this call
+                for key, value in times.items():
+                    figures[key] = figures.get(key, 0.0) + value
             return out
         except Exception as e:  # noqa: BLE001 - the loop is an optimisation: generate still works
             self.fast_failed = f"the static-cache loop failed before ({type(e).__name__}: {e})"

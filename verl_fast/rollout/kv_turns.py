@@ -19,8 +19,15 @@ keys): greedy rows decode its tokens, sampled rows draw from its distribution (w
 same tokens). Rows of one call share its sampling (temperature, top-k, top-p) and may differ in
 ``max_tokens``: the call decodes to the largest and each row's tokens are cut at its own.
 
-Counted per call (``calls``): rows, tokens prefilled (fed through the model) and tokens served from the
-cache (what re-prefilling the conversations would have fed again).
+A call whose conversations are exactly the rows of the previous call's decoder (every conversation of a
+lockstep rollout, turn after turn) restarts in that decoder's buffers (``hf_decode.decode``'s ``reuse``):
+the cache is gathered into itself, and on a GPU the step's CUDA graph captured at the first turn replays for
+every later one. ``reserve(tokens)`` sizes the first decoder's cache for the rollout's longest conversation,
+so that the later turns fit it.
+
+Counted per call (``calls``): rows, tokens prefilled (fed through the model), tokens served from the
+cache (what re-prefilling the conversations would have fed again) and whether the call restarted the
+previous decoder (``restarted``).
 """
 
 from __future__ import annotations
@@ -32,6 +39,9 @@ import torch
 
 from verl_fast.records.generation import GenerationOutput, SamplingSpec, pad_completions
 from verl_fast.rollout import hf_decode
+
+# Whether a call restarts the previous call's decoder where it fits (the A/B switch of tests and benchmarks)
+RESTART = True
 
 Turn = Tuple[List[int], List[float], str]  # a row's tokens, their log-probs, why it ended
 
@@ -125,7 +135,14 @@ class TurnCache:
     def __init__(self, engine: Any, eos: Sequence[int]):
         self.engine, self.eos = engine, list(eos)
         self.rows: Dict[Hashable, _Cached] = {}
-        self.calls: List[Dict[str, int]] = []  # per decode: rows, prefilled, reused tokens
+        self.calls: List[Dict[str, int]] = []  # per decode: rows, prefilled, reused tokens, restarted
+        self.decoder: Any = None  # the last decode's hf_decode._Decoder (its buffers, its step's graph)
+        self.tokens = 0  # the longest conversation a rollout expects (``reserve``)
+
+    def reserve(self, tokens: int) -> None:
+        """The most tokens a conversation of this rollout reaches (its prompt and its whole budget): a new
+        decoder's cache holds that many and a turn's new tokens, so that later turns restart in it."""
+        self.tokens = max(int(tokens), 0)
 
     def drop(self, key: Hashable) -> None:
         """Frees a finished conversation's cache (its decode's memory goes when no row holds it)."""
@@ -133,6 +150,7 @@ class TurnCache:
 
     def close(self) -> None:
         self.rows.clear()
+        self.decoder = None
 
     def metrics(self) -> Dict[str, float]:
         """``prefill_tokens`` (fed through the model), ``prefill_tokens_saved`` (served from the cache) and
@@ -156,6 +174,7 @@ class TurnCache:
         seeds = [s.seed for s in specs if s.seed is not None]
         if seeds:
             torch.manual_seed(seeds[0])
+        self.engine.begin_call()
         groups: Dict[SamplingSpec, List[int]] = {}
         for i, spec in enumerate(specs):
             groups.setdefault(replace(spec, seed=None, max_tokens=1), []).append(i)
@@ -166,8 +185,9 @@ class TurnCache:
                 self._plain(members, keys, prompts, specs, results)
                 continue
             cached = [self._take(keys[i], prompts[i]) for i in members]
-            for start, end in self._chunks(cached, [prompts[i] for i in members], spec):
-                self._decode(members[start:end], cached[start:end], keys, prompts, specs, spec, results)
+            chunks, columns = self._chunks(cached, [prompts[i] for i in members], spec)
+            for start, end in chunks:
+                self._decode(members[start:end], cached[start:end], keys, prompts, specs, spec, columns, results)
         order = range(len(prompts))
         tokenizer = self.engine.tokenizer
         return pad_completions([results[i][0] for i in order], [results[i][1] for i in order], list(order),
@@ -184,21 +204,27 @@ class TurnCache:
         return c
 
     def _chunks(self, cached: List[Optional[_Cached]], prompts: List[Sequence[int]],
-                spec: SamplingSpec) -> List[Tuple[int, int]]:
+                spec: SamplingSpec) -> Tuple[List[Tuple[int, int]], int]:
         """The group's rows in calls the device's room holds (``hf_decode.prompts_per_call`` at the packed
-        width: cached columns, new tokens, the turn's tokens, and the packed copy beside)."""
+        width: cached columns, new tokens, the turn's tokens, and the packed copy beside), and a new
+        decoder's least cache width: the reserved one (``_columns``) where the whole group fits it in one
+        call, else none (the call's own width)."""
         engine = self.engine
         room = engine._room_bytes()
         rows = len(prompts)
         if room is None:
-            return [(0, rows)]
+            return [(0, rows)], self._columns(spec)
         C = max((len(c.tokens) for c in cached if c is not None), default=0)
         width = C + max(len(p) - (0 if c is None else len(c.tokens)) for p, c in zip(prompts, cached))
         config = engine._module().config
         element = engine.kv_element_bytes()
         packed = hf_decode.kv_bytes_per_token(getattr(config, "text_config", None) or config, element) * C
+        per_call = hf_decode.prompts_per_call(config, max(width, self._columns(spec) - spec.max_tokens),
+                                              spec.max_tokens, 1, rows, room - packed * rows, element)
+        if per_call >= rows:
+            return [(0, rows)], self._columns(spec)
         per_call = hf_decode.prompts_per_call(config, width, spec.max_tokens, 1, rows, room - packed * rows, element)
-        return [(s, min(s + per_call, rows)) for s in range(0, rows, per_call)]
+        return [(s, min(s + per_call, rows)) for s in range(0, rows, per_call)], 0
 
     def _plain(self, members: List[int], keys, prompts, specs, results: Dict[int, Turn]) -> None:
         """Rows the static-cache loop cannot serve: the engine's own ``generate``, nothing cached."""
@@ -211,8 +237,9 @@ class TurnCache:
             results[i] = (out.response_ids[row, :n].tolist(), lps, out.finish_reasons[row])
 
     def _decode(self, members: List[int], cached: List[Optional[_Cached]], keys, prompts, specs,
-                spec: SamplingSpec, results: Dict[int, Turn]) -> None:
-        """One decode of ``members`` (their caches ``cached``), each row's cache rewritten after it."""
+                spec: SamplingSpec, columns: int, results: Dict[int, Turn]) -> None:
+        """One decode of ``members`` (their caches ``cached``; a new decoder's cache at least ``columns``
+        wide), each row's cache rewritten after it."""
         engine = self.engine
         module = engine._module()
         device = engine.device
@@ -226,21 +253,38 @@ class TurnCache:
         del cached  # the old decodes' memory goes once no other row holds it
         eos = self.eos
         kept: List[Any] = []
+        reuse = self._restartable()
+        self.decoder = None  # (a failed call leaves none behind)
         with engine.decoding(module):
-            tokens, logprobs, mode = engine.decode_fast(module, ids, mask, spec, eos, 1, past=past, keep=kept)
+            tokens, logprobs, mode = engine.decode_fast(module, ids, mask, spec, eos, 1, past=past, keep=kept,
+                                                        reuse=reuse, columns=columns)
         if tokens is None:  # the loop failed (the engine logged why and uses generate from now on)
             self._plain(members, keys, prompts, specs, results)
             return
         engine.last_mode = mode
-        dec = kept[0]
+        dec = self.decoder = kept[0]
         store = _Store(dec.cache.keys, dec.cache.values)
-        width = dec.cache.length - spec.max_tokens  # the prefill's columns: the past's and the new tokens'
+        width = dec.prefilled  # the prefill's columns: the past's and the new tokens'
         before = dec.valid[:, :width].cpu()
         stops = set(eos) | set(spec.stop_token_ids)
+        rows, lps = tokens.tolist(), logprobs.tolist() if spec.logprobs else None  # one conversion each
         for b, i in enumerate(members):
-            row = tokens[b].tolist()
+            row = rows[b]
             n, reason = cut(row, specs[i].max_tokens, stops)
-            results[i] = (row[:n], logprobs[b, :n].tolist() if spec.logprobs else [0.0] * n, reason)
+            results[i] = (row[:n], lps[b][:n] if lps is not None else [0.0] * n, reason)
             columns = torch.cat([before[b].nonzero().squeeze(-1), torch.arange(width, width + n - 1)])
             self.rows[keys[i]] = _Cached(list(prompts[i]) + row[: n - 1], store, b, columns)
-        self.calls.append({"rows": len(members), "prefilled": fed, "reused": reused})
+        self.calls.append({"rows": len(members), "prefilled": fed, "reused": reused,
+                           "restarted": int(dec is reuse)})
+
+    def _restartable(self) -> Any:
+        """The previous decoder, where no conversation outside this call still holds its cache (else None)."""
+        dec = self.decoder
+        if not RESTART or dec is None or any(c.store.keys is dec.cache.keys for c in self.rows.values()):
+            return None
+        return dec
+
+    def _columns(self, spec: SamplingSpec) -> int:
+        """A new decoder's least cache width: ``reserve``'s tokens, the turn's, and the columns the compiled
+        loop may pad a turn's new tokens with (0: as wide as the call needs)."""
+        return self.tokens + spec.max_tokens + hf_decode.CompiledForward.WIDTH if self.tokens else 0
