@@ -111,6 +111,67 @@ def test_greedy_turns_equal_reprefill_and_generate(model, tok, fused):
     assert not cache.rows  # every conversation dropped
 
 
+def test_a_call_in_chunks_never_restarts_in_a_cache_its_later_chunks_hold(model, tok, monkeypatch):
+    """Where the device's room cuts a call into chunks, the rows of its later chunks still hold the previous
+    turn's cache until their own decode gathers it: the first chunk must not restart in (overwrite) it. The
+    turns equal those of a new decoder per turn, with shrinking caps as the agents' turns have."""
+    monkeypatch.setattr(hf_decode, "prompts_per_call", lambda *a, **k: 2)  # two rows a call fit
+    turns_of, caps = [2] * 4, [[8] * 4, [4, 6, 3, 5]]
+
+    def turns(restart):
+        monkeypatch.setattr(kv_turns, "RESTART", restart)
+        engine = HFGenerateEngine(model, tok, fast_decode="on", compact_rows="off")
+        monkeypatch.setattr(engine, "_room_bytes", lambda: 10 ** 12)
+        cache = engine.turn_cache()
+        convs = {r: tok(TEXTS[r])["input_ids"] for r in range(4)}
+        out = []
+        for turn in range(2):
+            res = cache.generate(list(range(4)), [convs[r] for r in range(4)],
+                                 [SamplingSpec(temperature=0.0, max_tokens=caps[turn][r]) for r in range(4)])
+            for r in range(4):
+                n = int(res.response_mask[r].sum())
+                out.append((res.response_ids[r, :n].tolist(), res.logprobs[r, :n]))
+                convs[r] = convs[r] + out[-1][0] + observation(tok, r, turn)
+        return out, cache
+
+    got, cache = turns(True)
+    want, _ = turns(False)
+    assert len(cache.calls) == 4  # two chunks a call
+    for (a, la), (b, lb) in zip(got, want):
+        assert a == b
+        torch.testing.assert_close(la, lb, atol=1e-5, rtol=0)
+
+
+def test_a_restart_drops_the_graph_when_the_weights_moved(model, tok, monkeypatch):
+    """A captured step replays the addresses it was captured with: a turn that restarts in the previous
+    decoder keeps its graph only while every weight the step reads is where it was (an FSDP gather or an
+    FP8 copy made again moves them); the graph is stood in for by a marker (no CUDA here)."""
+    marker, seen = object(), []
+    run_steps = hf_decode._run_steps
+
+    def spy(dec, *args, **kwargs):
+        seen.append(dec.graph is marker)
+        return run_steps(dec, *args, **kwargs)
+
+    monkeypatch.setattr(hf_decode, "_run_steps", spy)
+    engine = HFGenerateEngine(model, tok, fast_decode="on", compact_rows="off")
+    cache = engine.turn_cache()
+    cache.reserve(200)
+    convs = {r: tok(TEXTS[r])["input_ids"] for r in range(3)}
+    weight = next(model.parameters())
+    for turn in range(3):
+        if cache.decoder is not None:
+            cache.decoder.graph = marker
+        if turn == 2:
+            weight.data = weight.data.clone()  # the same numbers elsewhere
+        res = cache.generate(list(range(3)), [convs[r] for r in range(3)], SamplingSpec(temperature=0.0, max_tokens=4))
+        for r in range(3):
+            convs[r] = convs[r] + res.response_ids[r, : int(res.response_mask[r].sum())].tolist() + \
+                observation(tok, r, turn)
+    assert [c["restarted"] for c in cache.calls] == [0, 1, 1]
+    assert seen == [False, True, False]
+
+
 @pytest.mark.parametrize("fused", ["off", "on"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_lockstep_turns_restart_one_decoder(model, tok, monkeypatch, fused, temperature):

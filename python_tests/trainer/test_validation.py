@@ -70,7 +70,7 @@ def test_validation_metrics_generations_and_loggers(tiny_path, tmp_path, monkeyp
     val_file.write_text("".join(json.dumps(r) + "\n" for r in VAL))
     out = tmp_path / "run"
     cfg = {"actor": {"lr": 1e-3},
-           "rollout": {"type": "hf", "n": 2, "max_new_tokens": 5, "temperature": 1.0},
+           "rollout": {"type": "hf", "n": 2, "max_new_tokens": 5, "temperature": 1.0, "hf_fast_decode": "on"},
            "trainer": {"total_steps": 3, "train_batch_size": 2, "output_dir": str(out), "progress_bar": False,
                        "plot": False, "device": "cpu", "hf_export": "none", "val_dataset": str(val_file),
                        "val_freq": 2, "val_before_train": True, "val_max_new_tokens": 7, "log_generations": 3,
@@ -89,6 +89,8 @@ def test_validation_metrics_generations_and_loggers(tiny_path, tmp_path, monkeyp
             assert record[f"val/{source}/reward/mean"] == pytest.approx(math.fsum(mine) / len(mine), abs=1e-12)
         assert 5 < record["val/response/length"] <= 7  # val_max_new_tokens, not rollout.max_new_tokens
     assert "val/reward/mean" not in history[1]
+    # the engine's figures: validation's under val/rollout/, a step's its own rollout's (one call each)
+    assert history[1]["rollout/decode_calls"] == 1.0 and history[0]["val/rollout/decode_calls"] == 1.0
     # the first 3 samples of each step and validation, as the reward saw them
     lines = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
     assert [(g["step"], g["kind"]) for g in lines] == (

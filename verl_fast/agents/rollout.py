@@ -171,7 +171,7 @@ class MultiTurnRolloutOperator(RolloutOperator):
         number of calls."""
         turns = self.engine.turn_cache() if self.mt.kv_continuation else None
         if turns is not None:  # the longest conversation: the first turn's cache holds every later turn
-            turns.reserve(max(len(t.prompt_ids) + t.spec.max_tokens for t in trajectories))
+            turns.reserve(max((len(t.prompt_ids) + t.spec.max_tokens for t in trajectories), default=0))
         try:
             return self._wave_loop(trajectories, turns)
         finally:

@@ -104,6 +104,6 @@ class RolloutEngine:
         return {}
 
     def call_metrics(self) -> dict:
-        """The last generate call's own figures, where the engine keeps any (a multi-turn rollout's record of
-        each call; ``metrics`` is the trainer's, per step)."""
+        """The engine's own figures since this was last read, where it keeps any (read after each call of a
+        multi-turn rollout: that call's; ``metrics`` is the trainer's, per step)."""
         return {}

@@ -454,6 +454,7 @@ class _Decoder:
         C = 0 if past is None else past.columns  # the past's columns: the prompts follow them
         L = max(C + W + max_new_tokens, columns)
         self.graph: Optional["torch.cuda.CUDAGraph"] = None  # the step's graph, once captured (``restart``)
+        self.addresses: Optional[Tuple[int, ...]] = None  # where the weights it read were (``_addresses``)
         self.prefilled = C + W  # the cache column of the first decoded token
         self.cache = StaticKV(module.config.get_text_config().num_hidden_layers, L, rows, fused=fused, past=past)
         self.seed = None  # the fused sampling's random key (None: the torch sampling, which also leaves out ``never``)
@@ -772,14 +773,18 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
         if events:
             events[0].record(torch.cuda.current_stream(input_ids.device))
         sampling = (temperature, top_k, top_p)
+        addresses = _addresses(module) if keep is not None else None
         if (reuse is not None and past is not None and rows is None and images is None
                 and reuse.fits(input_ids.shape[0], past.columns + input_ids.shape[1] + max_new_tokens,
                                max_new_tokens, sampling, stop_ids, compiled.fn if compiled is not None else model_step)):
             dec = reuse
+            if dec.addresses != addresses:  # its graph reads weights that have moved (e.g. gathered again)
+                dec.graph = None
             dec.restart(input_ids, attention_mask, past)  # the prefill: sdpa, eager
         else:
             dec = _Decoder(module, input_ids, attention_mask, max_new_tokens, sampling, stop_ids, pad_id, compiled,
                            rows, fused=fused, past=past, images=images, columns=columns)  # the prefill: sdpa, eager
+        dec.addresses = addresses
         if events:
             events[1].record(torch.cuda.current_stream(input_ids.device))
         elif times is not None:
@@ -798,6 +803,17 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
     if log is not None:
         log.append((steps, 0))
     return tokens, logprobs, "graph" if graphed else "eager"
+
+
+def _addresses(module: torch.nn.Module) -> Tuple[int, ...]:
+    """Where the tensors a captured step reads live: every parameter, buffer and tensor attribute of
+    ``module``'s modules as the rollout's contexts left them (merged and autocast copies, FP8 copies,
+    gathered shards). A graph replays the addresses it was captured with."""
+    out: List[int] = []
+    for m in module.modules():
+        out += [t.data_ptr() for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
+        out += [v.data_ptr() for v in vars(m).values() if isinstance(v, torch.Tensor)]
+    return tuple(out)
 
 
 def _run_steps(dec: _Decoder, max_new_tokens: int, use_graph: bool, check_every: int, pool: GraphPool,

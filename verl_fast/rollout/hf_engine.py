@@ -176,7 +176,7 @@ class HFGenerateEngine(RolloutEngine):
         self._told: set = set()  # the reasons already logged for decoding through generate
         self.last_mode: Optional[str] = None  # how the last call decoded: graph, eager or generate
         self._last: Dict[str, float] = {}  # the loop's figures since metrics() last read them, summed over calls
-        self._call: Dict[str, float] = {}  # the current call's (begin_call)
+        self._call: Dict[str, float] = {}  # the same since call_metrics() last read them
         self._graphs = hf_decode.GraphPool()  # the decode graph's memory, reused by the next call's graph
         self._compiled = hf_decode.CompiledForward() if compile_decode else None
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -227,7 +227,6 @@ class HFGenerateEngine(RolloutEngine):
             raise ValueError(f"one sampling spec per prompt expected: {len(prompts)} prompts, {len(specs)} specs")
         for spec in specs:
             spec.validate()
-        self.begin_call()
         # generate() samples from the global RNG: seed it once per call (per-request seeds would
         # force one generate call per prompt), and batch the prompts whose other settings agree.
         seeds = [s.seed for s in specs if s.seed is not None]
@@ -372,13 +371,11 @@ class HFGenerateEngine(RolloutEngine):
         finally:
             module.train(was_training)
 
-    def begin_call(self) -> None:
-        """A call begins: ``call_metrics`` counts its decodes from here."""
-        self._call = {}
-
     def call_metrics(self) -> dict:
-        """The loop's figures of the current (last) call alone: ``metrics``' keys bar ``cuda_graph``."""
-        return dict(self._call)
+        """The loop's figures since ``call_metrics`` last read them (read after each call: that call's),
+        which it hands over: ``metrics``' keys bar ``cuda_graph``."""
+        figures, self._call = self._call, {}
+        return figures
 
     def decode_fast(self, module, ids, mask, spec: SamplingSpec, eos: List[int], copies: int,
                     past: Optional[hf_decode.Past] = None, keep: Optional[list] = None,
@@ -417,7 +414,7 @@ class HFGenerateEngine(RolloutEngine):
                 reuse=reuse, columns=columns)
             times["graph_captures"] = float(self._graphs.captures - captures)
             times["decode_calls"] = 1.0
-            for figures in (self._last, self._call):  # summed: until metrics() reads them; over this call
+            for figures in (self._last, self._call):  # summed until metrics() / call_metrics() read them
                 for key, value in times.items():
                     figures[key] = figures.get(key, 0.0) + value
             return out

@@ -174,7 +174,6 @@ class TurnCache:
         seeds = [s.seed for s in specs if s.seed is not None]
         if seeds:
             torch.manual_seed(seeds[0])
-        self.engine.begin_call()
         groups: Dict[SamplingSpec, List[int]] = {}
         for i, spec in enumerate(specs):
             groups.setdefault(replace(spec, seed=None, max_tokens=1), []).append(i)
@@ -187,7 +186,8 @@ class TurnCache:
             cached = [self._take(keys[i], prompts[i]) for i in members]
             chunks, columns = self._chunks(cached, [prompts[i] for i in members], spec)
             for start, end in chunks:
-                self._decode(members[start:end], cached[start:end], keys, prompts, specs, spec, columns, results)
+                self._decode(members[start:end], cached[start:end], keys, prompts, specs, spec, columns, results,
+                             later=cached[end:])
         order = range(len(prompts))
         tokenizer = self.engine.tokenizer
         return pad_completions([results[i][0] for i in order], [results[i][1] for i in order], list(order),
@@ -237,9 +237,9 @@ class TurnCache:
             results[i] = (out.response_ids[row, :n].tolist(), lps, out.finish_reasons[row])
 
     def _decode(self, members: List[int], cached: List[Optional[_Cached]], keys, prompts, specs,
-                spec: SamplingSpec, columns: int, results: Dict[int, Turn]) -> None:
+                spec: SamplingSpec, columns: int, results: Dict[int, Turn], later: List[Optional[_Cached]]) -> None:
         """One decode of ``members`` (their caches ``cached``; a new decoder's cache at least ``columns``
-        wide), each row's cache rewritten after it."""
+        wide), each row's cache rewritten after it; ``later``: the caches of the call's chunks still to decode."""
         engine = self.engine
         module = engine._module()
         device = engine.device
@@ -253,7 +253,7 @@ class TurnCache:
         del cached  # the old decodes' memory goes once no other row holds it
         eos = self.eos
         kept: List[Any] = []
-        reuse = self._restartable()
+        reuse = self._restartable(later)
         self.decoder = None  # (a failed call leaves none behind)
         with engine.decoding(module):
             tokens, logprobs, mode = engine.decode_fast(module, ids, mask, spec, eos, 1, past=past, keep=kept,
@@ -277,10 +277,12 @@ class TurnCache:
         self.calls.append({"rows": len(members), "prefilled": fed, "reused": reused,
                            "restarted": int(dec is reuse)})
 
-    def _restartable(self) -> Any:
-        """The previous decoder, where no conversation outside this call still holds its cache (else None)."""
+    def _restartable(self, later: List[Optional[_Cached]]) -> Any:
+        """The previous decoder, where no conversation outside this call, nor one of its chunks still to decode
+        (``later``), still holds its cache (else None): a restart overwrites it."""
         dec = self.decoder
-        if not RESTART or dec is None or any(c.store.keys is dec.cache.keys for c in self.rows.values()):
+        holders = [*self.rows.values(), *(c for c in later if c is not None)]
+        if not RESTART or dec is None or any(c.store.keys is dec.cache.keys for c in holders):
             return None
         return dec
 

@@ -41,7 +41,7 @@ class Validation:
         if len(rows) < world:
             raise ValueError(f"trainer.val_dataset has {len(rows)} prompts, fewer than the {world} processes; "
                              "every rank needs one")
-        self.cfg, self.rank, self.world, self.group = cfg, rank, world, group
+        self.cfg, self.rank, self.world, self.group, self.engine = cfg, rank, world, group, engine
         self.rows = rows[rank::world]
         self.sources = sorted({r.data_source for r in rows if r.data_source})
         self.operator = operator_for(sampling(cfg)) if operator_for is not None else \
@@ -50,6 +50,8 @@ class Validation:
     def run(self, score: Score, reward: Any, seed: int) -> Tuple[Dict[str, float], List[Dict[str, Any]]]:
         """The metrics over the whole set, and this rank's samples (prompt, response, reward, data_source)."""
         gen = self.operator.rollout(self.rows, seed=seed)
+        # the engine's figures since its last read are this rollout's (read here, not in the next step's)
+        engine_figures = self.engine.metrics()
         scores = score(self.rows, gen).double().cpu()
         index = gen.prompt_index.tolist()
         lengths = gen.response_mask.sum(-1).double().cpu()
@@ -69,6 +71,7 @@ class Validation:
             if n:
                 metrics[f"val/{source}/reward/mean"] = s / n
         metrics.update({f"val/{k}": v for k, v in extra.items()})
+        metrics.update({f"val/rollout/{k}": v for k, v in engine_figures.items()})  # this rank's
         samples = [{"prompt": self.rows[i].prompt_text, "response": text, "reward": float(r),
                     "data_source": self.rows[i].data_source}
                    for i, text, r in zip(index, gen.texts, scores.tolist())]
