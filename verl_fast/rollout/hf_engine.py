@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -177,6 +178,7 @@ class HFGenerateEngine(RolloutEngine):
         self.last_mode: Optional[str] = None  # how the last call decoded: graph, eager or generate
         self._last: Dict[str, float] = {}  # the loop's figures since metrics() last read them, summed over calls
         self._call: Dict[str, float] = {}  # the same since call_metrics() last read them
+        self._figures_lock = threading.Lock()  # an async rollout decodes while the trainer reads them
         self._graphs = hf_decode.GraphPool()  # the decode graph's memory, reused by the next call's graph
         self._compiled = hf_decode.CompiledForward() if compile_decode else None
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -374,7 +376,8 @@ class HFGenerateEngine(RolloutEngine):
     def call_metrics(self) -> dict:
         """The loop's figures since ``call_metrics`` last read them (read after each call: that call's),
         which it hands over: ``metrics``' keys bar ``cuda_graph``."""
-        figures, self._call = self._call, {}
+        with self._figures_lock:
+            figures, self._call = self._call, {}
         return figures
 
     def decode_fast(self, module, ids, mask, spec: SamplingSpec, eos: List[int], copies: int,
@@ -414,9 +417,10 @@ class HFGenerateEngine(RolloutEngine):
                 reuse=reuse, columns=columns)
             times["graph_captures"] = float(self._graphs.captures - captures)
             times["decode_calls"] = 1.0
-            for figures in (self._last, self._call):  # summed until metrics() / call_metrics() read them
-                for key, value in times.items():
-                    figures[key] = figures.get(key, 0.0) + value
+            with self._figures_lock:
+                for figures in (self._last, self._call):  # summed until metrics() / call_metrics() read them
+                    for key, value in times.items():
+                        figures[key] = figures.get(key, 0.0) + value
             return out
         except Exception as e:  # noqa: BLE001 - the loop is an optimisation: generate still works
             self.fast_failed = f"the static-cache loop failed before ({type(e).__name__}: {e})"
@@ -442,7 +446,8 @@ class HFGenerateEngine(RolloutEngine):
         loop decoded, its ``prefill_s`` / ``decode_s``, the CUDA graphs it captured (``graph_captures``) and its
         calls (``decode_calls``: a multi-turn rollout's turns go through it one call each), summed over the
         calls since the last ``metrics()``, which hands them over (a step's figures are that step's)."""
-        figures, self._last = self._last, {}
+        with self._figures_lock:
+            figures, self._last = self._last, {}
         if not self.last_mode:
             return {}
         return {"cuda_graph": float(self.last_mode == "graph"), **(figures if self.last_mode != "generate" else {})}

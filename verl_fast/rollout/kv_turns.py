@@ -288,5 +288,5 @@ class TurnCache:
 
     def _columns(self, spec: SamplingSpec) -> int:
         """A new decoder's least cache width: ``reserve``'s tokens, the turn's, and the columns the compiled
-        loop may pad a turn's new tokens with (0: as wide as the call needs)."""
+        loop may pad a first turn's prompts with (0: as wide as the call needs)."""
         return self.tokens + spec.max_tokens + hf_decode.CompiledForward.WIDTH if self.tokens else 0
