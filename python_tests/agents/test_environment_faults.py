@@ -156,5 +156,14 @@ def test_a_forked_child_starts_its_own_environment_threads():
         except BaseException:  # noqa: BLE001 - any failure is the child's exit code
             code = 1
         os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    import signal
+    import time
+
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:  # stuck: the test fails rather than hangs
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's environment call never returned")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
