@@ -13,7 +13,7 @@ except that the model's turns are its sampled tokens.
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from verl_fast.agents.parsing import detect_format, tools_system_prompt
 
@@ -73,12 +73,7 @@ class ChatRenderer:
 
     def prompts_ids(self, conversations: Sequence[List[Dict[str, Any]]]) -> List[List[int]]:
         """``prompt_ids`` of each of ``conversations``: each distinct one rendered once, all encoded together."""
-        keys = [_key(m) for m in conversations]
-        texts: Dict[str, str] = {}
-        for key, messages in zip(keys, conversations):
-            if key not in texts:
-                texts[key] = self._prompt_text(messages)
-        return self.encode_all([texts[key] for key in keys])
+        return self.encode_all(_each_once([_key(m) for m in conversations], conversations, self._prompt_text))
 
     def observation_ids(self, messages: List[Dict[str, Any]], last_token: Optional[int]) -> List[int]:
         """The tokens between a model turn that ended with ``last_token`` and the model's next turn:
@@ -88,12 +83,8 @@ class ChatRenderer:
     def observations_ids(self, items: Sequence[Tuple[List[Dict[str, Any]], Optional[int]]]) -> List[List[int]]:
         """``observation_ids`` of each (messages, last token): each distinct one rendered once, all encoded
         together."""
-        keys = [_key(messages, last) for messages, last in items]
-        texts: Dict[str, str] = {}
-        for key, (messages, last) in zip(keys, items):
-            if key not in texts:
-                texts[key] = self._observation_text(messages, last)
-        return self.encode_all([texts[key] for key in keys])
+        return self.encode_all(_each_once([_key(m, last) for m, last in items], items,
+                                          lambda item: self._observation_text(*item)))
 
     def _prompt_text(self, messages: List[Dict[str, Any]]) -> str:
         tools = self.schemas if self.template_renders_tools and self.schemas else None
@@ -110,6 +101,15 @@ class ChatRenderer:
             if emitted and end.startswith(emitted):
                 end = end[len(emitted):]
         return end + whole[len(self._base):]
+
+
+def _each_once(keys: List[str], items: Sequence[Any], render: Callable[[Any], str]) -> List[str]:
+    """``render(item)`` for each of ``items``, rendered once per distinct key."""
+    texts: Dict[str, str] = {}
+    for key, item in zip(keys, items):
+        if key not in texts:
+            texts[key] = render(item)
+    return [texts[key] for key in keys]
 
 
 def _key(messages: List[Dict[str, Any]], last_token: Optional[int] = None) -> str:

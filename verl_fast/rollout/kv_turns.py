@@ -219,10 +219,10 @@ class TurnCache:
         config = engine._module().config
         element = engine.kv_element_bytes()
         packed = hf_decode.kv_bytes_per_token(getattr(config, "text_config", None) or config, element) * C
-        per_call = hf_decode.prompts_per_call(config, max(width, self._columns(spec) - spec.max_tokens),
-                                              spec.max_tokens, 1, rows, room - packed * rows, element)
-        if per_call >= rows:
-            return [(0, rows)], self._columns(spec)
+        reserved = self._columns(spec)
+        if reserved and hf_decode.prompts_per_call(config, max(width, reserved - spec.max_tokens), spec.max_tokens,
+                                                   1, rows, room - packed * rows, element) >= rows:
+            return [(0, rows)], reserved
         per_call = hf_decode.prompts_per_call(config, width, spec.max_tokens, 1, rows, room - packed * rows, element)
         return [(s, min(s + per_call, rows)) for s in range(0, rows, per_call)], 0
 
