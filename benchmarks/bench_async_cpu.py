@@ -51,7 +51,8 @@ def run_one(mode: str, seed: int, steps: int, work: Path, extra: List[str]) -> D
     with open(work / f"{mode}_{seed}.log", "w") as log:
         code = subprocess.run(cmd, cwd=work, stdout=log, stderr=subprocess.STDOUT).returncode
     if code != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited with {code}; see {work / f'{mode}_{seed}.log'}")
+        tail = (work / f"{mode}_{seed}.log").read_text().splitlines()[-15:]
+        raise RuntimeError(f"{' '.join(cmd)} exited with {code}; its log ends:\n" + "\n".join(tail))
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rewards = [r["reward/mean"] for r in records if "reward/mean" in r]
     stale = [r.get("async/staleness_mean", r.get("partial/max_age", 0.0)) for r in records if "reward/mean" in r]

@@ -94,6 +94,37 @@ def test_packed_attention_switch_leaves_the_vision_tower_its_own(family):
     assert (model.config._attn_implementation, model.config.vision_config._attn_implementation) == names
 
 
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_packed_switch_inside_the_batched_tower_keeps_its_segments(family, monkeypatch):
+    """The update's passes hold ``vision_attention.batched`` and then ``packed.attention_switched``: the
+    tower still attends through the batched segment attention, given its segments' boundaries (the
+    composite config's varlen name reached the tower, whose per-window calls then came without them)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from verl_fast.models import vision_attention
+
+    model, processor = build_vlm(family)
+    prompts, responses = _rows(processor)
+    ids, mask, L = _batch(prompts, responses, processor.pad_token_id)
+    inputs = vision.model_inputs(model, ids, mask, [p.vision for p in prompts])
+    segmented = []
+    original = vision_attention.segment_attention
+
+    def counted(*args, cu_seq_lens_q=None, **kwargs):
+        segmented.append(cu_seq_lens_q is not None)
+        return original(*args, cu_seq_lens_q=cu_seq_lens_q, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, vision_attention.ATTENTION, counted)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, **inputs).logits
+        with vision_attention.batched(model), packed.attention_switched(model):
+            assert model.config.vision_config._attn_implementation == vision_attention.ATTENTION
+            got = model(input_ids=ids, attention_mask=mask, **inputs).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert segmented and all(segmented)
+    assert model.config.vision_config._attn_implementation == "sdpa"
+
+
 def test_gradients_reach_language_model_not_frozen_tower():
     model, processor = build_vlm("qwen2_vl")
     assert vision.freeze_vision_tower(model) > 0

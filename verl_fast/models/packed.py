@@ -305,13 +305,19 @@ def attention_switched(model: torch.nn.Module) -> Iterator[None]:
     if cfg._attn_implementation == ATTENTION:  # already switched by an outer caller
         yield
         return
-    # a composite config (a vision-language model's) hands the name on to its sub-configs, whose
-    # modules (the vision tower's blocks) then call varlen_attention unpacked: each keeps its own
+    # a composite config (a vision-language model's) hands the name on to its sub-configs: the language
+    # model's keeps it (its packed forwards), the others (the vision tower's) get their own back, since
+    # transformers passes a tower's segment boundaries only to an implementation named for them
+    # (``vision_attention``); a call that reaches varlen_attention unpacked goes to its own implementation
     configs = [cfg, *(getattr(cfg, key) for key in getattr(cfg, "sub_configs", {}) if getattr(cfg, key, None) is not None)]
     before = [c._attn_implementation for c in configs]
     for c, name in zip(configs, before):
         c._verl_fast_attention = name
     cfg._attn_implementation = ATTENTION
+    text = cfg.get_text_config()
+    for c, name in zip(configs[1:], before[1:]):
+        if c is not text:
+            c._attn_implementation = name
     try:
         yield
     finally:

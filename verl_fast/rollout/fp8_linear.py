@@ -69,7 +69,7 @@ def product(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tenso
         # pointwise multiply, which the compiled decode fuses with the bias and the cast). The GEMM's output
         # is the product over the weight's scales, up to 1 / min(scale) times the true one: kept in float32
         # until they multiply it, so that a float16 output does not overflow and a bf16 one is rounded once
-        y = torch._scaled_mm(q, weight_fp8.t(), scale_a=s, scale_b=s.new_ones(()), out_dtype=torch.float32)
+        y = torch._scaled_mm(q, weight_fp8.t(), scale_a=s, scale_b=s.new_ones((1, 1)), out_dtype=torch.float32)
         y = y * weight_scale.view(1, -1)
     y = y.to(out_dtype)
     if bias is not None:
