@@ -4,8 +4,8 @@
   the direct sync runs every step). FP8: every projection quantised by the FP8 kernel (128 x 128 blocks)
   straight into its rows of the fused FP8 destination and its scales, all of them in one ``quantize_many``
   call (a launch per 32 projections), the other tensors copied in bf16 (``torch._foreach_copy_``: what an FP8
-  engine's parameters receive). Beside it, each part alone: the kernel per variant (``fp8.KERNELS``: the same
-  bytes, the division done differently) with its TB/s, the call's host time (before the GPU waits), the
+  engine's parameters receive). Beside it, each part alone: the kernel with its TB/s, the call's host time
+  (before the GPU waits), the
   other tensors' copy, and two copies for scale: the projections copied in bf16, and one flat copy (the
   device's copy rate). Median of ``--reps`` calls, CUDA-synchronised.
 - ``linear``: the FP8 products alone at the decode's M = 128 for the 7B's four projection shapes (q/k/v
@@ -137,23 +137,19 @@ def sync_part(model, shape: str, device: str, reps: int, report: Report) -> Dict
     t_rest = median_s(lambda: torch._foreach_copy_(rest_dst, rest_src), reps, device)
     report.add(case, "part: the other tensors' bf16 copy", t_rest * 1e3, note=f"{rest_bytes / t_rest / 1e12:.2f} TB/s")
     result = {"bf16_s": t_bf16, "rest_s": t_rest, "kernel_bytes": kernel_bytes, "bf16_bytes_moved": weights * 4,
-              "fp8_bytes_moved": kernel_bytes + rest_bytes, "kernels": {}}
-    for kernel in fp8.KERNELS:
-        run = lambda: fp8.quantize_many(sources, outs, scales, fp8.BLOCK, kernel=kernel)  # noqa: E731
-        t_kernel, t_host = median_s(run, reps, device), host_s(run, reps, device)
+              "fp8_bytes_moved": kernel_bytes + rest_bytes}
+    run = lambda: fp8.quantize_many(sources, outs, scales, fp8.BLOCK)  # noqa: E731
+    t_kernel, t_host = median_s(run, reps, device), host_s(run, reps, device)
 
-        def full():
-            run()
-            torch._foreach_copy_(rest_dst, rest_src)
+    def full():
+        run()
+        torch._foreach_copy_(rest_dst, rest_src)
 
-        t_full = median_s(full, reps, device)
-        result["kernels"][kernel] = {"fp8_s": t_full, "kernel_s": t_kernel, "host_s": t_host}
-        report.add(case, f"part: FP8 kernel {kernel}", t_kernel * 1e3,
-                   note=f"{kernel_bytes / t_kernel / 1e12:.2f} TB/s of {kernel_bytes / 1e9:.2f} GB; "
-                        f"host {t_host * 1e3:.2f} ms")
-        report.add(case, f"verl_fast fp8 ({kernel})", t_full * 1e3, note=f"{t_full / t_bf16:.2f}x the bf16 sync")
-    best = min(result["kernels"], key=lambda k: result["kernels"][k]["fp8_s"])
-    result["fp8_s"], result["fp8_kernel"] = result["kernels"][best]["fp8_s"], best
+    t_full = median_s(full, reps, device)
+    result.update(fp8_s=t_full, kernel_s=t_kernel, host_s=t_host)
+    report.add(case, "part: the FP8 kernel", t_kernel * 1e3,
+               note=f"{kernel_bytes / t_kernel / 1e12:.2f} TB/s of {kernel_bytes / 1e9:.2f} GB; host {t_host * 1e3:.2f} ms")
+    report.add(case, "verl_fast fp8", t_full * 1e3, note=f"{t_full / t_bf16:.2f}x the bf16 sync")
     # for scale: the projections copied in bf16 (4 bytes an element), and the device's flat copy rate
     scratch = torch.empty(max(x.numel() for x in sources), dtype=torch.bfloat16, device=device)
     t_copy = median_s(lambda: [scratch[:x.numel()].view(x.shape).copy_(x) for x in sources], reps, device)

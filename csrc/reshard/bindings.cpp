@@ -133,12 +133,9 @@ void bind_reshard(py::module_& m) {
   m.def(
       "fp8_quantize_many",
       [](const py::list& srcs, const py::list& dsts, const py::list& scales, py::handle block_rows,
-         py::handle block_cols, CudaStream stream, py::handle threads, py::handle kernel_index) {
+         py::handle block_cols, CudaStream stream, py::handle threads) {
         const int64_t br = strict_int(block_rows, "block_rows"), bc = strict_int(block_cols, "block_cols");
         const int num_threads = strict_scalar<int>(threads, "num_threads");
-        const int64_t kernel = strict_int(kernel_index, "kernel");
-        VF_CHECK(kernel >= 0 && kernel <= 2, "kernel must be 0 (reciprocal), 1 (reciprocal_4) or 2 (division), got ",
-                 kernel);
         VF_CHECK(dsts.size() == srcs.size() && scales.size() == srcs.size(), "srcs, dsts and scales must be as long, "
                  "got ", srcs.size(), ", ", dsts.size(), " and ", scales.size());
         std::vector<TensorRef> held;  // the tensors stay referenced until the launches are queued
@@ -147,8 +144,7 @@ void bind_reshard(py::module_& m) {
         // Python; a bad tensor is named after the ones before it were queued
         auto run = [&]() {
           py::gil_scoped_release nogil;
-          fp8_quantize_jobs(jobs, held[0].device, held[0].device_index, stream, num_threads,
-                            static_cast<Fp8Kernel>(kernel));
+          fp8_quantize_jobs(jobs, held[0].device, held[0].device_index, stream, num_threads);
           jobs.clear();
         };
         for (size_t i = 0; i < srcs.size(); ++i) {
@@ -164,9 +160,9 @@ void bind_reshard(py::module_& m) {
         if (!jobs.empty()) run();
       },
       py::arg("srcs"), py::arg("dsts"), py::arg("scales"), py::arg("block_rows"), py::arg("block_cols"),
-      py::arg("stream") = py::none(), py::arg("num_threads") = 0, py::arg("kernel") = 0,
+      py::arg("stream") = py::none(), py::arg("num_threads") = 0,
       "fp8_quantize of each srcs[i] into dsts[i] and scales[i] (one block shape, destinations disjoint), in "
-      "as few CUDA launches as fp8.h allows; kernel: fp8.h's Fp8Kernel (CUDA only); see csrc/reshard/fp8.h");
+      "as few CUDA launches as fp8.h allows; see csrc/reshard/fp8.h");
 }
 
 }  // namespace vf

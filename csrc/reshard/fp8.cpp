@@ -83,7 +83,7 @@ Fp8Job fp8_job(const TensorRef& src, const TensorRef& dst, const TensorRef& scal
 }
 
 void fp8_quantize_jobs(const std::vector<Fp8Job>& jobs, Device device, int device_index, uintptr_t stream,
-                       int num_threads, Fp8Kernel kernel) {
+                       int num_threads) {
   VF_CHECK(num_threads >= 0, "num_threads must be >= 0 (0: all cores), got ", num_threads);
   std::vector<Fp8Job> work;
   for (const auto& j : jobs)
@@ -91,11 +91,10 @@ void fp8_quantize_jobs(const std::vector<Fp8Job>& jobs, Device device, int devic
   if (work.empty()) return;
   if (device == Device::cuda) {
 #if defined(VF_WITH_CUDA)
-    return fp8_quantize_cuda(work, stream, device_index, kernel);
+    return fp8_quantize_cuda(work, stream, device_index);
 #else
     (void)stream;
     (void)device_index;
-    (void)kernel;
     throw ValueError("verl_fast._C was built without CUDA; reinstall with a CUDA toolkit to use CUDA tensors");
 #endif
   }

@@ -117,9 +117,9 @@ __device__ __forceinline__ float block_scale(float amax, float* scale_at) {
 }
 
 // Whether a block of this source type divides with fp8_divide (fp8.h: 16-bit sources, a scale in range).
-template <DType D, bool AllowRcp>
+template <DType D>
 __device__ __forceinline__ bool use_rcp(float scale) {
-  return AllowRcp && sizeof(typename Src<D>::raw) == 2 && fp8_reciprocal_ok(scale);
+  return sizeof(typename Src<D>::raw) == 2 && fp8_reciprocal_ok(scale);
 }
 
 // Thread threadIdx.x's vectors of an h x vw block (vw vectors a row): vector threadIdx.x + k * kThreads at
@@ -155,7 +155,7 @@ __device__ __forceinline__ void vector_stores(const typename Src<D>::raw* src, i
   }
 }
 
-template <DType D, bool AllowRcp>
+template <DType D>
 __device__ void vector_block(const typename Src<D>::raw* src, int64_t src_rs, uint8_t* dst, int64_t dst_rs,
                              int h, int w, float* scale_at) {
   constexpr int V = Vec<D>::n;
@@ -175,7 +175,7 @@ __device__ void vector_block(const typename Src<D>::raw* src, int64_t src_rs, ui
     amax = fmaxf(amax, vec_amax<D>(v));
   }
   const float scale = block_scale(amax, scale_at);
-  if (use_rcp<D, AllowRcp>(scale))
+  if (use_rcp<D>(scale))
     vector_stores<D, true>(src, src_rs, dst, dst_rs, h, vw, cache, {scale, __frcp_rn(scale)});
   else
     vector_stores<D, false>(src, src_rs, dst, dst_rs, h, vw, cache, {scale, 0.0f});
@@ -192,7 +192,7 @@ __device__ void strided_stores(const typename Src<D>::raw* src, int64_t src_rs, 
   }
 }
 
-template <DType D, bool AllowRcp>
+template <DType D>
 __device__ void strided_block(const typename Src<D>::raw* src, int64_t src_rs, int64_t src_cs, uint8_t* dst,
                               int64_t dst_rs, int h, int w, float* scale_at) {
   float amax = 0.0f;
@@ -201,16 +201,16 @@ __device__ void strided_block(const typename Src<D>::raw* src, int64_t src_rs, i
     amax = fmaxf(amax, fabsf(Src<D>::to_float(src[r * src_rs + c * src_cs])));
   }
   const float scale = block_scale(amax, scale_at);
-  if (use_rcp<D, AllowRcp>(scale))
+  if (use_rcp<D>(scale))
     strided_stores<D, true>(src, src_rs, src_cs, dst, dst_rs, h, w, {scale, __frcp_rn(scale)});
   else
     strided_stores<D, false>(src, src_rs, src_cs, dst, dst_rs, h, w, {scale, 0.0f});
 }
 
-// AllowRcp: fp8_divide where it applies, else IEEE division everywhere; MinBlocks: thread blocks an SM must
-// hold at once (the register cap that follows: 4 -> 64 registers a thread).
-template <DType D, bool AllowRcp, int MinBlocks>
-__global__ void __launch_bounds__(kThreads, MinBlocks) fp8_quantize_kernel(const __grid_constant__ Fp8Batch batch) {
+// Four thread blocks an SM at once (a cap of 64 registers a thread): the occupancy that keeps the reads in
+// flight (benchmarks/bench_fp8.py measured it against one block an SM and against IEEE division throughout).
+template <DType D>
+__global__ void __launch_bounds__(kThreads, 4) fp8_quantize_kernel(const __grid_constant__ Fp8Batch batch) {
   using raw = typename Src<D>::raw;
   constexpr int V = Vec<D>::n;
   const int64_t b = blockIdx.x;
@@ -232,24 +232,19 @@ __global__ void __launch_bounds__(kThreads, MinBlocks) fp8_quantize_kernel(const
   const bool vectors = j.src_cs == 1 && j.block_cols % V == 0 && j.cols % V == 0 &&
                        reinterpret_cast<uintptr_t>(j.src) % 16 == 0 && reinterpret_cast<uintptr_t>(j.dst) % V == 0 &&
                        (one_row || ((j.src_rs * sizeof(raw)) % 16 == 0 && j.dst_rs % V == 0));
-  if (vectors) vector_block<D, AllowRcp>(src, j.src_rs, dst, j.dst_rs, h, w, scale_at);
-  else strided_block<D, AllowRcp>(src, j.src_rs, j.src_cs, dst, j.dst_rs, h, w, scale_at);
+  if (vectors) vector_block<D>(src, j.src_rs, dst, j.dst_rs, h, w, scale_at);
+  else strided_block<D>(src, j.src_rs, j.src_cs, dst, j.dst_rs, h, w, scale_at);
 }
 
 template <DType D>
-void launch(const Fp8Batch& batch, int64_t blocks, cudaStream_t stream, Fp8Kernel kernel) {
-  const unsigned grid = static_cast<unsigned>(blocks);
-  switch (kernel) {
-    case Fp8Kernel::reciprocal: fp8_quantize_kernel<D, true, 1><<<grid, kThreads, 0, stream>>>(batch); break;
-    case Fp8Kernel::reciprocal_4: fp8_quantize_kernel<D, true, 4><<<grid, kThreads, 0, stream>>>(batch); break;
-    case Fp8Kernel::division: fp8_quantize_kernel<D, false, 1><<<grid, kThreads, 0, stream>>>(batch); break;
-  }
+void launch(const Fp8Batch& batch, int64_t blocks, cudaStream_t stream) {
+  fp8_quantize_kernel<D><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(batch);
   VF_CUDA_LAUNCH_CHECK("fp8_quantize_kernel");
 }
 
 }  // namespace
 
-void fp8_quantize_cuda(const std::vector<Fp8Job>& jobs, uintptr_t stream, int device, Fp8Kernel kernel) {
+void fp8_quantize_cuda(const std::vector<Fp8Job>& jobs, uintptr_t stream, int device) {
   DeviceGuard guard(device);
   const auto s = reinterpret_cast<cudaStream_t>(stream);
   for (size_t i = 0; i < jobs.size();) {
@@ -265,10 +260,10 @@ void fp8_quantize_cuda(const std::vector<Fp8Job>& jobs, uintptr_t stream, int de
     batch.first_block[batch.count] = blocks;
     VF_CHECK(blocks < (int64_t{1} << 31), "too many FP8 scale blocks (", blocks, ") for one launch");
     switch (static_cast<DType>(dtype)) {
-      case DType::f32: launch<DType::f32>(batch, blocks, s, kernel); break;
-      case DType::f64: launch<DType::f64>(batch, blocks, s, kernel); break;
-      case DType::bf16: launch<DType::bf16>(batch, blocks, s, kernel); break;
-      case DType::f16: launch<DType::f16>(batch, blocks, s, kernel); break;
+      case DType::f32: launch<DType::f32>(batch, blocks, s); break;
+      case DType::f64: launch<DType::f64>(batch, blocks, s); break;
+      case DType::bf16: launch<DType::bf16>(batch, blocks, s); break;
+      case DType::f16: launch<DType::f16>(batch, blocks, s); break;
       default: throw TypeError(cat("unsupported float dtype ", dtype_name(static_cast<DType>(dtype))));
     }
   }

@@ -98,12 +98,8 @@ Fp8Job fp8_job(const TensorRef& src, const TensorRef& dst, const TensorRef& scal
 // Quantises jobs[i] for every i (their destinations disjoint): on the CPU, every block of every job over
 // up to num_threads threads; on CUDA, in as few launches on `stream` as kFp8BatchJobs and the jobs'
 // source dtypes allow (consecutive jobs of one dtype share a launch), with no host synchronisation.
-// kernel (CUDA only; the same bytes, benchmarks/bench_fp8.py compares their speed): reciprocal (fp8_divide
-// for 16-bit sources), reciprocal_4 (the same at <= 64 registers a thread: 4 thread blocks an SM), division
-// (IEEE division per element).
-enum class Fp8Kernel : int32_t { reciprocal = 0, reciprocal_4 = 1, division = 2 };
 void fp8_quantize_jobs(const std::vector<Fp8Job>& jobs, Device device, int device_index, uintptr_t stream,
-                       int num_threads, Fp8Kernel kernel = Fp8Kernel::reciprocal);
+                       int num_threads);
 
 // One quantisation: fp8_job, then fp8_quantize_jobs.
 void fp8_quantize(const TensorRef& src, const TensorRef& dst, const TensorRef& scale, int64_t block_rows,
@@ -123,7 +119,7 @@ struct Fp8Batch {
   int32_t count;
 };
 static_assert(sizeof(Fp8Batch) <= 4096, "an Fp8Batch must fit a kernel's 4 KiB of parameters");
-void fp8_quantize_cuda(const std::vector<Fp8Job>& jobs, uintptr_t stream, int device, Fp8Kernel kernel);  // fp8.cu
+void fp8_quantize_cuda(const std::vector<Fp8Job>& jobs, uintptr_t stream, int device);  // fp8.cu
 #endif
 
 }  // namespace vf::reshard

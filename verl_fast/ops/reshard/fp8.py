@@ -18,9 +18,6 @@ Block = Union[Tuple[int, int], str]
 BLOCK = (128, 128)  # vLLM's weight_block_size
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value (csrc/reshard/fp8.h's kFp8Max)
-# the CUDA kernel's ways to divide by a block's scale, in csrc/reshard/fp8.h's Fp8Kernel order (the same bytes;
-# benchmarks/bench_fp8.py compares their speed)
-KERNELS = ("reciprocal", "reciprocal_4", "division")
 
 
 def block_shape(block: Block, cols: int) -> Tuple[int, int]:
@@ -57,15 +54,13 @@ def quantize(x: torch.Tensor, block: Block = BLOCK, out: Optional[torch.Tensor] 
 
 
 def quantize_many(sources: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], scale_outs: Sequence[torch.Tensor],
-                  block: Block = BLOCK, num_threads: int = 0, kernel: str = KERNELS[0]) -> None:
+                  block: Block = BLOCK, num_threads: int = 0) -> None:
     """``quantize(sources[i], block, out=outs[i], scale_out=scale_outs[i])`` for every ``i`` in one call: on a
     GPU one launch per 32 tensors of a dtype, no host synchronisation (what a weight sync runs). ``outs``
     (float8_e4m3fn) and ``scale_outs`` (float32): existing tensors, e.g. views into an engine's parameters,
     disjoint; every tensor on one device. ``block``: one shape for all (``"channel"`` per tensor's rows).
-    ``kernel``: one of ``KERNELS`` (CUDA only). On a GPU the launches start while the later tensors are read:
-    a bad tensor is named after the ones before it were queued."""
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    On a GPU the launches start while the later tensors are read: a bad tensor is named after the ones before
+    it were queued."""
     if not (len(sources) == len(outs) == len(scale_outs)):
         raise ValueError(f"sources, outs and scale_outs must be as long, got {len(sources)}, {len(outs)} and "
                          f"{len(scale_outs)}")
@@ -76,7 +71,7 @@ def quantize_many(sources: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
             raise TypeError(f"outs[{i}] must be float8_e4m3fn, got {out.dtype}")
     br, bc = (1, 0) if block == "channel" else block_shape(block, 1)
     ext().fp8_quantize_many(list(sources), [o.view(torch.uint8) for o in outs], list(scale_outs), br, bc,
-                            cuda_stream(sources[0]), num_threads, KERNELS.index(kernel))
+                            cuda_stream(sources[0]), num_threads)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, block: Block = BLOCK,
