@@ -446,10 +446,10 @@ if want multi_turn; then
 fi
 
 # ---- fp8 (issue 69): FP8 rollout at the Qwen2.5-7B shape, one GPU (benchmarks/bench_fp8.py): the sync's work
-# (bf16 reshard vs the FP8 kernel into fused rows, each kernel variant, its parts and copies for scale), the FP8
+# (bf16 reshard vs the FP8 kernel into fused rows, its parts and copies for scale), the FP8
 # products at M = 128 per activation scaling vs the bf16 matmul, the HF decode bf16 vs FP8 (both activation
 # scalings) tokens/s, vLLM bf16 vs block-FP8 tokens/s and sync (where vLLM is installed); then the FP8 gpu tests
-# (kernel variants vs CPU byte for byte, _scaled_mm vs float64, the vLLM block-FP8 engine); then the guardrails'
+# (the kernel vs CPU byte for byte, _scaled_mm vs float64, the vLLM block-FP8 engine); then the guardrails'
 # cost at 0.5B (benchmarks/bench_guardrails.py: training steps with the guardrails on vs off, two pairs;
 # FP8_GUARDRAILS=0 skips it, ~4 min). FP8_PARTS picks parts (default sync,linear,hf,vllm); the candidates side by
 # side in one call: FP8_GUARDRAILS=0 FP8_PARTS=sync,linear,hf SECTIONS=fp8 (~7 min with the build) ----
