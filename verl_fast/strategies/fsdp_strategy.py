@@ -429,6 +429,16 @@ class FSDPStrategy:
             self.bf16.accumulate()
         return stats
 
+    def recompute_activations(self) -> bool:
+        """Gradient checkpointing on for the rest of the run (the update's re-plan after running out of
+        memory, ``trainer/updates.py``); False where it is on already."""
+        if self.checkpointing:
+            return False
+        sharding.enable_checkpointing(hf_module(self.actor))
+        self.layout = replace(self.layout, gradient_checkpointing=True)
+        self.checkpointing = True
+        return True
+
     def _bf16_passes(self) -> ContextManager[None]:
         return self.bf16.active() if self.bf16 is not None else contextlib.nullcontext()
 
