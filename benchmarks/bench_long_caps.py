@@ -162,8 +162,6 @@ def worker(name: str, device: torch.device, steps: int, save: Callable[[Dict[str
     if row.rank:
         model = lora_mod.apply(model, cfg.actor.lora)
     strategy = FSDPStrategy(cfg, model, None, None, needs_reference=False)
-    est = memory_plan.estimate(cfg, memory_plan.shape_of(strategy.actor), hf, free, peft=bool(row.rank),
-                               compiled=strategy.compiled, fused_head=device.type == "cuda")
     length = row.prompt + row.cap
     ids = torch.randint(3, hf.vocab_size, (row.rows, length), device=device)
     exp = Experience(input_ids=ids, attention_mask=torch.ones_like(ids),
@@ -177,6 +175,10 @@ def worker(name: str, device: torch.device, steps: int, save: Callable[[Dict[str
         state_bytes=memory_plan.OPTIMIZER_STATE_BYTES[cfg.actor.optimizer])
     micro = micro_batches(torch.arange(row.rows, device=device), exp.attention_mask.sum(-1), max_tokens=budget,
                           packed=strategy.packs_sequences)
+    # the plan at the micro-batch these rows make (the trainer's would be cut from a whole step's rows)
+    est = memory_plan.estimate(cfg, memory_plan.shape_of(strategy.actor), hf, free, peft=bool(row.rank),
+                               compiled=strategy.compiled, fused_head=device.type == "cuda",
+                               micro_tokens=max(int(exp.attention_mask[idx].sum()) for idx in micro))
 
     def loss_fn(logp, ent, sub):
         ratio = torch.exp(logp - sub.old_logprobs)
@@ -214,9 +216,11 @@ def summary(result: Dict[str, Any]) -> str:
     last, est = result["steps"][-1], result["estimate"]
     peak = last["peak_bytes"]
     fits = "" if peak is None else f"; fits 75 GiB: {peak <= H100_FIT}"
-    note = (f"peak {'-' if peak is None else f'{peak / GIB:.1f}'} GiB against the plan's {est['peak'] / GIB:.1f} "
-            f"(update {est['update_peak'] / GIB:.1f}: static {est['static'] / GIB:.1f}, activations "
-            f"{est['activations'] / GIB:.1f} as {est['mode']}, head {est['head'] / GIB:.2f}){fits}; "
+    planned = max(est["update_peak"], est["logprob_peak"])  # the passes this runs (no rollout)
+    note = (f"peak {'-' if peak is None else f'{peak / GIB:.1f}'} GiB against the plan's {planned / GIB:.1f} "
+            f"(static {est['static'] / GIB:.1f} with the decode's bf16 copy, not held here; activations "
+            f"{est['activations'] / GIB:.1f} as {est['mode']} at {est['micro_tokens']} tokens, head "
+            f"{est['head'] / GIB:.2f}; log-prob pass {est['logprob_pass'] / GIB:.2f}){fits}; "
             f"{result['micro_batches']} micro-batches at {result['token_budget']} tokens; update "
             f"{result['tokens_per_s']:.0f} tokens/s")
     if result["mfu"] is not None:

@@ -322,7 +322,8 @@ fi
 # (Qwen3-4B shape, LoRA r16, one 65,536-token sequence; Qwen3-0.6B shape full fine-tune, two 16,384-token
 # sequences, with the defaults and memory-matched; their published figures beside ours), then the 1.5B shape full
 # fine-tune at a 16k cap and the 7B shape with LoRA r 64 at an 8k cap (both must peak <= 75 GiB on an 80 GB H100).
-# Each row its own process, two steps (~6 minutes in all, cut at 7; results/long_caps_cuda.json, saved after every row).
+# Each row its own process, two steps (~6 minutes in all, cut at 7; results/long_caps_cuda.json, saved after every row);
+# each row's plan is taken at the micro-batch it ran, beside its measured peak.
 # LONG_CAPS_ROWS=qwen3_4b_lora_64k,qwen3_0.6b_16k for some rows (two calls if one does not hold them all) ----
 if want long_caps; then
   timeout ${LONG_CAPS_TIMEOUT:-420} "$py" benchmarks/bench_long_caps.py --device cuda \

@@ -1,14 +1,8 @@
-"""The memory plan's estimate (strategies/memory_plan.estimate): an update pass's measured peak on the CPU
-against it at tiny sizes, and the long-cap shapes of issue 66 (1.5B full fine-tune at a 16k cap, 7B LoRA at
-an 8k cap; prime-rl's Qwen3-0.6B at 16k-token and Qwen3-4B LoRA at 65k-token sequences) within one 80 GB
-H100 (75 GiB) by its count. The GPU's measured peaks of the same shapes:
+"""The memory plan's estimate (strategies/memory_plan.estimate) at the long-cap shapes of issue 66 (1.5B
+full fine-tune at a 16k cap, 7B LoRA at an 8k cap; prime-rl's Qwen3-0.6B at 16k-token and Qwen3-4B LoRA at
+65k-token sequences) within one 80 GB H100 (75 GiB) by its count. Its count against the passes' counted
+peak on the CPU: test_activation_count.py; the GPU's measured peaks of the same shapes:
 ``SECTIONS=long_caps`` in benchmarks/gpu_run.sh."""
-
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import transformers
@@ -19,25 +13,6 @@ from verl_fast.strategies import memory_plan
 
 GIB = 2**30
 H100 = 75 * GIB
-WORKER = Path(__file__).resolve().parents[1] / "support" / "peak_worker.py"
-
-
-def measured(layers: int, hidden: int, rows: int, tokens: int, checkpointing: bool) -> dict:
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, str(WORKER), str(layers), str(hidden), str(rows), str(tokens),
-                          str(int(checkpointing))], capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.parametrize("layers,hidden,rows,tokens,checkpointing", [
-    (4, 256, 16, 128, False), (6, 384, 4, 512, False), (6, 384, 4, 512, True)])
-def test_the_estimate_bounds_an_update_pass_measured_on_the_cpu(layers, hidden, rows, tokens, checkpointing):
-    got = measured(layers, hidden, rows, tokens, checkpointing)
-    assert got["mode"] == ("checkpointed" if checkpointing else "plain") and got["micro_tokens"] == rows * tokens
-    ratio = got["peak_bytes"] / (got["activations"] + got["head"])
-    # an upper bound (a planner that undercounts runs out of memory), and not a loose one
-    assert 0.6 <= ratio <= 1.0, (got, ratio)
 
 
 def hf_config(name: str) -> transformers.PretrainedConfig:
@@ -70,7 +45,7 @@ def test_a_15b_full_fine_tune_at_a_16k_cap_fits_one_h100():
     # a whole sequence of activations fits (no recompute), and only with the fused head: the plain
     # head's [16896, 151936] logits and their gradient would not
     assert est.mode == "plain"
-    whole = memory_plan.ACTIVATION_BYTES * shape.layers * shape.width * (1 + 1 / shape.layers)
+    whole = memory_plan.activation_bytes(shape, 2, compiled=True, checkpointed=False)
     assert est.static + sequence * whole + memory_plan.head_bytes(sequence, shape.hidden, shape.vocab, True) <= H100
     assert est.static + sequence * whole + memory_plan.head_bytes(sequence, shape.hidden, shape.vocab, False) > H100
 
@@ -84,8 +59,7 @@ def test_7b_lora_at_an_8k_cap_fits_one_h100_with_checkpointing():
     # fp32 with their gradients, AdamW's moments and bf16 copies
     base = shape.parameters - shape.trained
     assert est.static == pytest.approx(4 * base + (4 + 4 + 8 + 2 + 2) * shape.trained)
-    eager = memory_plan.ACTIVATION_BYTES * shape.layers * shape.width * memory_plan.EAGER_FACTOR
-    eager += memory_plan.adapter_per_token(shape.adapted, True)
+    eager = memory_plan.activation_bytes(shape, 2, compiled=False, checkpointed=False)
     assert est.static + (512 + 8192) * eager > H100  # unrecomputed, one sequence would not fit
 
 
@@ -96,8 +70,7 @@ def test_qwen3_4b_lora_at_65k_token_sequences_fits_one_h100_only_checkpointed():
     assert shape.parameters - shape.trained == bench_shape("Qwen3-4B").params()
     est = memory_plan.estimate(cfg, shape, hf, H100, peft=True, compiled=False, fused_head=True)
     assert est.mode == "checkpointed" and est.micro_tokens >= 65536 and est.update_peak <= H100
-    eager = memory_plan.ACTIVATION_BYTES * shape.layers * shape.width * memory_plan.EAGER_FACTOR
-    eager += memory_plan.adapter_per_token(shape.adapted, True)
+    eager = memory_plan.activation_bytes(shape, 2, compiled=False, checkpointed=False)
     assert est.static + 65536 * eager > 4 * H100  # unrecomputed, one sequence would need several GPUs
 
 
@@ -120,3 +93,14 @@ def test_the_estimate_takes_a_set_token_budget_and_refuses_nothing_silently():
     assert est.micro_tokens == 20000
     cfg.actor.max_token_len_per_gpu = 100  # below one sequence: a sequence is never split
     assert memory_plan.estimate(cfg, shape, hf, H100).micro_tokens == 512 + 4096
+
+
+def test_the_estimate_at_a_given_micro_batch_and_its_log_prob_pass():
+    # a caller that cut its micro-batches (the benchmark's two rows) plans at their tokens, below one
+    # sequence included; the log-prob passes without a graph hold far less than the update
+    cfg, hf, shape = long_cap("Qwen2.5-1.5B", 16384, lora=False)
+    est = memory_plan.estimate(cfg, shape, hf, H100, micro_tokens=16896)
+    assert est.micro_tokens == 16896
+    assert est.activations == pytest.approx(16896 * memory_plan.activation_bytes(shape, 2, True, est.mode != "plain"))
+    assert 0 < est.logprob_pass < 0.1 * est.activations and est.peak >= est.logprob_peak > est.static
+    assert memory_plan.estimate(cfg, shape, hf, H100, micro_tokens=100).micro_tokens == 100

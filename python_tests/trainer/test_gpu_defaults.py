@@ -2,6 +2,7 @@
 GPU, today's choices on the CPU; gradient checkpointing and the refusal of a run that cannot fit, from
 the memory plan (strategies/memory_plan.py)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -97,8 +98,7 @@ def test_adapted_width_is_the_same_from_the_folder_and_from_the_built_peft_model
     shape = memory_plan.shape_from_folder(_folder(tmp_path, **QWEN25_7B), LoraConfig(r=64))
     assert shape.adapted == shape.trained // 64 == 28 * (6 * 3584 + 18944 + 3584 * 3 + 512 * 2 + 18944 * 2)
     cfg = from_dict({"actor": {"lora": {"r": 64}}})
-    plain = memory_plan.plan(cfg, memory_plan.Shape(shape.parameters, shape.trained, shape.layers, shape.width,
-                                                    shape.hidden), 139 * GIB, False, True)
+    plain = memory_plan.plan(cfg, dataclasses.replace(shape, adapted=0), 139 * GIB, False, True)
     with_lora = memory_plan.plan(cfg, shape, 139 * GIB, False, True)
     assert with_lora.per_token - plain.per_token == memory_plan.ADAPTER_ACTIVATION_BYTES * shape.adapted
 

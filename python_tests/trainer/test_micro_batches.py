@@ -124,12 +124,13 @@ def test_two_ranks_agree_on_count_and_match_the_global_token_mean_gradient(tmp_p
 
 
 def test_auto_token_budget_counts_free_memory_less_what_the_update_will_allocate(monkeypatch):
+    from verl_fast.strategies import memory_plan
     from verl_fast.trainer import batching
 
     model = tiny_model("qwen2", seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    cfg = model.config
-    per_token = batching.ACTIVATION_BYTES * cfg.num_hidden_layers * (cfg.hidden_size + cfg.intermediate_size)
+    shape = memory_plan.shape_of(model)
+    per_token = memory_plan.activation_bytes(shape, 2, compiled=True, checkpointed=False)
     params = sum(p.numel() for p in model.parameters())
     cuda = torch.device("cuda")
     free = 8 * 2**30
@@ -149,9 +150,13 @@ def test_auto_token_budget_counts_free_memory_less_what_the_update_will_allocate
     optimizer.step()
     stepped = batching.token_budget(model, optimizer, cuda, compiled=True, half=True)
     assert stepped == int(batching.MEMORY_FRACTION * (free + 2 * 2**20) / per_token)
-    # eager norms and MLPs keep more per token, float32 activations twice as much
+    # eager norms and MLPs keep more per token, float32 activations twice as much; checkpointed, far less
+    eager32 = memory_plan.activation_bytes(shape, 4, compiled=False, checkpointed=False)
+    assert eager32 > 2 * per_token
     assert batching.token_budget(model, optimizer, cuda, compiled=False, half=False) == \
-        int(batching.MEMORY_FRACTION * (free + 2 * 2**20) / (per_token * 1.3 * 2))
+        int(batching.MEMORY_FRACTION * (free + 2 * 2**20) / eager32)
+    assert batching.token_budget(model, optimizer, cuda, compiled=True, half=True, checkpointed=True) == \
+        int(batching.MEMORY_FRACTION * (free + 2 * 2**20) / memory_plan.activation_bytes(shape, 2, True, True))
     # a per-process cap (set_per_process_memory_fraction): what the cap leaves beyond the reserved 3 MiB
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", fraction(0.25))
     assert batching.token_budget(model, optimizer, cuda, compiled=True, half=True) == \

@@ -240,12 +240,15 @@ def micro_logprobs(model: torch.nn.Module, sub: Experience, cfg: Config, lay: Op
                                share=cfg.actor.share_prompt_forward and sub.routed_experts is None, layout=lay)
 
 
+@torch.no_grad()
 def hf_logprobs(model: torch.nn.Module, exp: Experience, micro: List[torch.Tensor], cfg: Config,
                 autocast: Callable[[], ContextManager[Any]], device: torch.device,
                 replay: bool = False, compiled: bool = False, packs: bool = False) -> torch.Tensor:
     """[N, L] float32 response log-probs of an HF model (actor or reference), micro-batch by micro-batch
-    (``micro_logprobs``); ``replay``: the actor, whose routers follow the rollout's routing where it
-    was recorded; ``compiled`` / ``packs``: as ``passes`` says."""
+    (``micro_logprobs``), without a graph: whoever calls it, no micro-batch's activations outlive its
+    pass (written into ``out`` with grad on, every micro-batch's graph stayed alive until the last);
+    ``replay``: the actor, whose routers follow the rollout's routing where it was recorded;
+    ``compiled`` / ``packs``: as ``passes`` says."""
     out = torch.zeros(exp.response_mask.shape, dtype=torch.float32, device=device)
     batches = prepared(model, exp, micro, cfg, packs)
     with sharding.gathered_for_passes(model, len(micro)), passes(model, compiled, packs):
@@ -425,6 +428,16 @@ class FSDPStrategy:
         if self.bf16 is not None:
             self.bf16.accumulate()
         return stats
+
+    def recompute_activations(self) -> bool:
+        """Gradient checkpointing on for the rest of the run (the update's re-plan after running out of
+        memory, ``trainer/updates.py``); False where it is on already."""
+        if self.checkpointing:
+            return False
+        sharding.enable_checkpointing(hf_module(self.actor))
+        self.layout = replace(self.layout, gradient_checkpointing=True)
+        self.checkpointing = True
+        return True
 
     def _bf16_passes(self) -> ContextManager[None]:
         return self.bf16.active() if self.bf16 is not None else contextlib.nullcontext()

@@ -13,9 +13,9 @@ Bytes that stay for the whole run (``static``), per parameter of the actor:
   the trained parameters (an HF engine's; a LoRA base is shared); ``full`` with its workers on this GPU
   (one GPU on the host), the pushed buffer and, per worker, its model and staging copy of every parameter.
 
-What is left holds the activations of the micro-batches (``ACTIVATION_BYTES`` per token, layer and
-unit of width without checkpointing; with it, one bf16 hidden state per token and
-layer plus one layer's full activations). ``gradient_checkpointing``'s auto turns it on when the rest
+What is left holds the activations of the micro-batches: without checkpointing, what each decoder
+layer's forward keeps for its backward, counted tensor by tensor (``layer_bytes``); with it, each
+layer's input plus one layer's full activations for the recompute (``activation_bytes``). ``gradient_checkpointing``'s auto turns it on when the rest
 cannot hold, without it, the activations of one prompt group (``rollout.n`` sequences of the longest
 length) or of a micro-batch large enough to be worth splitting the update into, whichever is fewer
 tokens (never less than one sequence): a micro-batch more costs ``MICRO_BATCH_S`` beyond its tokens'
@@ -47,18 +47,13 @@ from verl_fast.rollout import hf_decode
 logger = logging.getLogger(__name__)
 
 GIB = 2**30
-# Activation bytes a training pass keeps for its backward, per token, per layer and per unit of
-# (hidden + intermediate) width, packed rows under bf16 autocast with compiled norms and MLPs:
-# 8 rounds up what the 0.5B and 1.5B shapes keep (docs/benchmarks.md, "Measurements behind the code's
-# choices"); eager norms and MLPs keep ~1.3x as much, no autocast (float32 activations) ~2x.
-ACTIVATION_BYTES = 8.0
-EAGER_FACTOR = 1.3  # eager norms and MLPs' activations against compiled ones'
+FP32 = 4  # bytes of the norms' float32 upcast and of the attention's log-sum-exp
 # LoRA's passes keep more per token than the model alone (each adapted layer's input cast again for
 # lora_A, the base + adapter sum kept by the next operation, the residual stream in float32 beside
-# frozen float32 weights): more than ACTIVATION_BYTES x 1.3 counts at the Qwen2.5-7B shape with r 64 on
-# every linear layer (its SFT ran out of memory with that count; docs/benchmarks.md). Counted per unit of
-# the adapted layers' (in + out) width.
+# frozen float32 weights): measured at the Qwen2.5-7B shape with r 64 on every linear layer
+# (docs/benchmarks.md). Counted per unit of the adapted layers' (in + out) width.
 ADAPTER_ACTIVATION_BYTES = 1.0
+QK_NORM_FAMILIES = frozenset({"qwen3", "qwen3_moe"})  # per-head query / key norms
 OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "adamw_8bit": 2.0}  # per trained parameter (8-bit: + block scales)
 # What one micro-batch more costs an update beyond its tokens' work (launches, the passes' weight reads,
 # the per-micro-batch bookkeeping), at the 0.5B shape (docs/benchmarks.md).
@@ -74,13 +69,6 @@ class DoesNotFit(ValueError):
     """The run's weights, gradients and optimizer states leave no room for one sequence's activations."""
 
 
-def checkpointed_per_token(per_token: float, layers: int, hidden: int, element: int = 2) -> float:
-    """Activation bytes per token under gradient checkpointing, from ``per_token`` without it: each
-    layer's input kept (``element`` bytes: bf16 under autocast, 4 in float32), one layer's full
-    activations at a time in the recompute."""
-    return float(element) * layers * hidden + per_token / max(layers, 1)
-
-
 @dataclass(frozen=True)
 class Shape:
     """What the plan needs of a model: parameter counts and the layers' widths."""
@@ -92,6 +80,62 @@ class Shape:
     hidden: int
     adapted: int = 0  # the (in + out) widths of the linear layers carrying LoRA adapters, summed
     vocab: int = 0  # the output head's rows
+    attention: int = 0  # query heads x head_dim (0: hidden)
+    kv: int = 0  # key / value heads x head_dim (0: hidden)
+    heads: int = 0  # query heads
+    qk_norm: bool = False  # RMSNorms on each head's queries and keys (Qwen3)
+
+    @property
+    def intermediate(self) -> int:
+        return self.width - self.hidden
+
+
+def layer_bytes(shape: Shape, element: int, compiled: bool) -> float:
+    """Bytes one decoder layer's forward keeps for its backward, per token (a Qwen2 / Qwen3 / Llama layer,
+    packed rows through the varlen flash attention, ``element`` bytes a value: 2 in bf16 passes, 4 in
+    float32), as autograd saves them (``python_tests/strategies/test_activation_count.py`` checks the
+    count against the saved tensors of the real modules):
+
+    - each RMSNorm: compiled, its input; eager, its float32 upcast and its normalised output (HF's
+      ``weight * hidden.to(dtype)``), its input not kept; and its output, which the next projections keep;
+    - the attention: the contiguous [tokens, heads, head_dim] queries, keys and values the kernel keeps,
+      its output (o_proj's input) and its float32 log-sum-exp a head; the rotary product keeps only the
+      shared cos / sin; Qwen3's per-head norms keep their inputs as a norm does;
+    - the MLP: compiled (Inductor's partition), gate, up and their product; eager, gate, silu's output,
+      up and the product (down_proj's input)."""
+    h, i = shape.hidden, shape.intermediate
+    q, kv = shape.attention or h, shape.kv or h
+
+    def norm(width: int) -> float:  # what a norm keeps besides its output
+        return element * width if compiled else (FP32 + element) * width
+
+    out = 2 * (norm(h) + element * h)  # the two norms and their outputs
+    out += element * (2 * q + 2 * kv) + FP32 * (shape.heads or 1)
+    if shape.qk_norm:
+        out += norm(q) + norm(kv)
+    out += element * i * (3 if compiled else 4)
+    return float(out)
+
+
+def activation_bytes(shape: Shape, element: int, compiled: bool, checkpointed: bool) -> float:
+    """Activation bytes per token of a training pass's micro-batch at its peak, early in its backward:
+    every layer's saved tensors (``layer_bytes``, LoRA's ``adapter_per_token`` on top; checkpointed, each
+    layer's input, ``element`` bytes, plus one layer's recomputed ones), the final norm's and the head's
+    input, the rotary cos / sin, and the gradients the backward holds beside them (``logprob_pass_bytes``:
+    the residual stream's and one MLP's intermediates)."""
+    h = shape.hidden
+    head_dim = (shape.attention or h) // max(shape.heads, 1)
+    layer = layer_bytes(shape, element, compiled) + adapter_per_token(shape.adapted, element == 2) / max(shape.layers, 1)
+    kept = element * shape.layers * h + layer if checkpointed else shape.layers * layer
+    final = (1 if compiled else 1 + FP32 / element) * element * h + element * h + 2 * element * head_dim
+    return kept + final + logprob_pass_bytes(shape, element)
+
+
+def logprob_pass_bytes(shape: Shape, element: int) -> float:
+    """Per-token bytes of a layer's transient tensors: a log-prob pass without a graph (old log-probs, the
+    reference's) holds at its peak the residual stream and a norm's output, and the MLP's gate, up and
+    product inside one layer; a backward, the gradients of the same tensors."""
+    return float(element * (2 * shape.hidden + 3 * shape.intermediate))
 
 
 def adapter_per_token(adapted: int, half: bool) -> float:
@@ -113,10 +157,14 @@ def shape_of(model: torch.nn.Module) -> Shape:
     params = list(model.parameters())
     local = [(p.to_local() if hasattr(p, "to_local") else p) for p in params]
     hidden = int(getattr(cfg, "hidden_size", 0) or 0)
+    heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
+    head_dim = int(getattr(cfg, "head_dim", 0) or (hidden // heads if heads else 0))
+    kv_heads = int(getattr(cfg, "num_key_value_heads", 0) or heads)
     return Shape(sum(t.numel() for t in local), sum(t.numel() for p, t in zip(params, local) if p.requires_grad),
                  int(getattr(cfg, "num_hidden_layers", 0) or 0),
                  hidden + int(getattr(cfg, "intermediate_size", 0) or 0), hidden, adapted_width(model),
-                 int(getattr(cfg, "vocab_size", 0) or 0))
+                 int(getattr(cfg, "vocab_size", 0) or 0), heads * head_dim, kv_heads * head_dim, heads,
+                 getattr(cfg, "model_type", None) in QK_NORM_FAMILIES)
 
 
 def shape_from_folder(folder: str, lora: Optional[LoraConfig], trust_remote_code: bool = False) -> Shape:
@@ -165,6 +213,7 @@ class Plan:
     group_tokens: int  # one prompt group's tokens at the longest length
     sequence_tokens: int
     worthwhile_tokens: float  # the micro-batch from which splitting costs less than recomputing
+    element: int = 2  # bytes of an activation: 2 in bf16 passes, 4 in float32
 
     @property
     def room(self) -> float:
@@ -181,8 +230,10 @@ class Plan:
         return self.room >= self.sequence_tokens * self.per_token_checkpointed
 
 
-def plan(cfg: Config, shape: Shape, free_bytes: float, needs_reference: bool, peft: bool) -> Plan:
-    """The memory of a run of ``cfg`` on a GPU with ``free_bytes`` free (module docstring)."""
+def plan(cfg: Config, shape: Shape, free_bytes: float, needs_reference: bool, peft: bool,
+         compiled: Optional[bool] = None) -> Plan:
+    """The memory of a run of ``cfg`` on a GPU with ``free_bytes`` free (module docstring); ``compiled``:
+    the norms and MLPs compiled (None: ``actor.compile_blocks``, whose auto leaves a LoRA actor's eager)."""
     a, r = cfg.actor, cfg.rollout
     weight = DTYPE_BYTES[a.dtype]
     trained_weight = 4 if peft else weight  # peft's adapters train in float32
@@ -200,13 +251,14 @@ def plan(cfg: Config, shape: Shape, free_bytes: float, needs_reference: bool, pe
     elif weight == 4 and bf16_autocast:  # the passes' bf16 copies (or autocast's casts) and the decode's
         static += 2 * 2 * shape.parameters
     static += async_copies(cfg, shape, 2 if bf16_autocast else weight)
-    half = bf16_autocast or weight == 2
-    per_token = ACTIVATION_BYTES * shape.layers * shape.width * (1.0 if half else 2.0)
-    per_token += adapter_per_token(shape.adapted, half)
-    checkpointed = checkpointed_per_token(per_token, shape.layers, shape.hidden, 2 if half else 4)
+    element = 2 if bf16_autocast or weight == 2 else 4
+    if compiled is None:
+        compiled = a.compile_blocks if a.compile_blocks is not None else not peft
+    per_token = activation_bytes(shape, element, compiled, checkpointed=False)
+    checkpointed = activation_bytes(shape, element, compiled, checkpointed=True)
     sequence = cfg.trainer.max_prompt_length + r.max_new_tokens
     worthwhile = MICRO_BATCH_S * UPDATE_FLOPS_PER_S / (2.0 * shape.parameters) if shape.parameters else float("inf")
-    return Plan(static, free_bytes, per_token, checkpointed, r.n * sequence, sequence, worthwhile)
+    return Plan(static, free_bytes, per_token, checkpointed, r.n * sequence, sequence, worthwhile, element)
 
 
 def async_copies(cfg: Config, shape: Shape, nbytes: int) -> float:
@@ -232,19 +284,31 @@ def head_bytes(tokens: int, hidden: int, vocab: int, fused: bool) -> float:
     return tokens * vocab * (2 + 4)
 
 
+def logprob_head_bytes(tokens: int, shape: Shape, element: int, fused: bool) -> float:
+    """What the head of a log-prob pass without a graph holds: fused, one chunk of logits at a time (and
+    the hidden states it reads); plain, the [tokens, vocab] logits."""
+    if fused:
+        from verl_fast.kernels.linear_logprobs import LinearConfig
+
+        return tokens * shape.hidden * element + LinearConfig.chunk_bytes
+    return tokens * shape.vocab * element
+
+
 @dataclass(frozen=True)
 class Estimate:
     """A run's peak device bytes by phase: what stays (``static``), then either the update's micro-batch
-    (its saved activations as ``mode`` keeps them, and the log-prob head) or the rollout's decode (its
-    KV cache and sampling rows), which never hold memory at the same time."""
+    (its saved activations as ``mode`` keeps them, and the log-prob head), a log-prob pass without a graph
+    (old log-probs, the reference's: ``logprob_pass``) or the rollout's decode (its KV cache and sampling
+    rows), which never hold memory at the same time."""
 
     static: float
     mode: str  # "plain" | "checkpointed": how the update keeps its activations
     micro_tokens: int  # the update's micro-batch, in tokens
     activations: float
-    head: float
+    head: float  # what the log-prob head adds to the update's peak (checkpointed: beyond a recomputed layer's)
     rollout: float
     rollout_prompts: int  # the prompts one decode call takes
+    logprob_pass: float = 0.0  # a log-prob pass's peak over the same micro-batch, its head included
 
     @property
     def update_peak(self) -> float:
@@ -255,45 +319,50 @@ class Estimate:
         return self.static + self.rollout
 
     @property
+    def logprob_peak(self) -> float:
+        return self.static + self.logprob_pass
+
+    @property
     def peak(self) -> float:
-        return max(self.update_peak, self.rollout_peak)
+        return max(self.update_peak, self.rollout_peak, self.logprob_peak)
 
     def as_dict(self) -> dict:
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        return {**out, "update_peak": self.update_peak, "rollout_peak": self.rollout_peak, "peak": self.peak}
+        return {**out, "update_peak": self.update_peak, "rollout_peak": self.rollout_peak,
+                "logprob_peak": self.logprob_peak, "peak": self.peak}
 
 
 def estimate(cfg: Config, shape: Shape, hf_config: Any, free_bytes: float, needs_reference: bool = False,
-             peft: bool = False, compiled: bool = True, fused_head: bool = True) -> Estimate:
+             peft: bool = False, compiled: bool = True, fused_head: bool = True,
+             micro_tokens: Optional[int] = None) -> Estimate:
     """The peak of a run of ``cfg`` on a GPU with ``free_bytes`` free, phase by phase (``Estimate``).
 
-    The update: the micro-batch is ``actor.max_token_len_per_gpu`` when set, else what the trainer's
-    auto budget takes (``trainer/batching.token_budget``: the room over the per-token activations, at
-    most the step's tokens), never less than one sequence; its activations are kept whole where the
-    room holds them (``plan``'s ``checkpointing``, or ``actor.gradient_checkpointing`` when set), else
-    checkpointed. ``compiled``: the norms and MLPs compiled (``actor.compile_blocks``; eager ones keep
-    ``EAGER_FACTOR`` more); ``fused_head``: the fused log-prob head (``head_bytes``). The rollout: the
-    compiled HF decode's prompts per call in the room (``decode_prompts_per_call``) at their cache."""
+    The update: the micro-batch is ``micro_tokens`` when given (the one a caller cut), else
+    ``actor.max_token_len_per_gpu`` when set, else what the trainer's auto budget takes
+    (``trainer/batching.token_budget``: the room over the per-token activations, at most the step's
+    tokens), never less than one sequence; its activations are kept whole where the room holds them
+    (``plan``'s ``checkpointing``, or ``actor.gradient_checkpointing`` when set), else checkpointed
+    (``activation_bytes``). ``compiled``: the norms and MLPs compiled (``actor.compile_blocks``);
+    ``fused_head``: the fused log-prob head (``head_bytes``). The rollout: the compiled HF decode's
+    prompts per call in the room (``decode_prompts_per_call``) at their cache."""
     a, r, t = cfg.actor, cfg.rollout, cfg.trainer
-    p = plan(cfg, shape, free_bytes, needs_reference, peft)
-    whole = p.per_token * (1.0 if compiled else EAGER_FACTOR)
+    p = plan(cfg, shape, free_bytes, needs_reference, peft, compiled)
     checkpointing = p.checkpointing if a.gradient_checkpointing is None else a.gradient_checkpointing
-    per_token = whole
-    if checkpointing:
-        half = a.autocast in (None, "auto", "bfloat16", "float16") or a.dtype != "float32"
-        per_token = checkpointed_per_token(whole, shape.layers, shape.hidden, 2 if half else 4)
-    # the backward of a layer holds its activations' gradients beside them: one layer's more
-    per_token += whole / max(shape.layers, 1)
+    per_token = p.per_token_checkpointed if checkpointing else p.per_token
     step_tokens = t.train_batch_size * r.n * p.sequence_tokens
-    budget = a.max_token_len_per_gpu or min(step_tokens, int(max(p.room, 0.0) // per_token))
-    tokens = max(p.sequence_tokens, budget)
+    budget = micro_tokens or a.max_token_len_per_gpu or min(step_tokens, int(max(p.room, 0.0) // per_token))
+    tokens = budget if micro_tokens else max(p.sequence_tokens, budget)
     step = hf_decode.CompiledForward.WIDTH
     width = -(-t.max_prompt_length // step) * step
     element = 2 if a.autocast in (None, "auto", "bfloat16", "float16") else DTYPE_BYTES[a.dtype]
     prompts = decode_prompts_per_call(p, cfg, hf_config)
     rollout = prompts * hf_decode.bytes_per_prompt(hf_config, width, r.max_new_tokens, r.n, element)
+    passes = tokens * logprob_pass_bytes(shape, p.element) + logprob_head_bytes(tokens, shape, p.element, fused_head)
+    head = head_bytes(tokens, shape.hidden, shape.vocab, fused_head)
+    if checkpointing:  # the head's backward runs before any layer is recomputed: only its excess over one counts
+        head = max(0.0, head - tokens * (p.per_token_checkpointed - p.element * shape.layers * shape.hidden))
     return Estimate(p.static_bytes, "checkpointed" if checkpointing else "plain", tokens, tokens * per_token,
-                    head_bytes(tokens, shape.hidden, shape.vocab, fused_head), rollout, prompts)
+                    head, rollout, prompts, passes)
 
 
 def refusal(p: Plan, cfg: Config) -> str:

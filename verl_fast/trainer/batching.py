@@ -21,8 +21,7 @@ from verl_fast.algos.loss_terms import active_rows
 from verl_fast.distributed import usable_bytes
 from verl_fast.ops import schedule
 from verl_fast.records.experience import Experience, concat
-from verl_fast.strategies.memory_plan import (ACTIVATION_BYTES, EAGER_FACTOR, MEMORY_FRACTION, adapted_width, adapter_per_token,
-                                              checkpointed_per_token)
+from verl_fast.strategies.memory_plan import MEMORY_FRACTION, activation_bytes, shape_of
 
 __all__ = ["loss_normalisers", "micro_batches", "balance_across_ranks", "token_budget"]
 
@@ -69,24 +68,18 @@ def token_budget(model: torch.nn.Module, optimizer: torch.optim.Optimizer, devic
                  compiled: bool, half: bool, state_bytes: float = 8.0, checkpointed: bool = False,
                  casts_weights: bool = False) -> int:
     """``actor.max_token_len_per_gpu``'s auto: on a GPU, the tokens whose activations
-    (``ACTIVATION_BYTES``; ``compiled``: the norms and MLPs compiled, ``half``: bf16 / fp16 autocast)
-    fit ``MEMORY_FRACTION`` of the memory free now less what the update is still to allocate (the
-    gradients of parameters that have none yet, the optimizer's states before its first step:
-    ``state_bytes`` per trained parameter, 8 for AdamW's two fp32 moments); at
-    least 4096; ``checkpointed``: under gradient checkpointing (memory_plan's per-token count);
-    ``casts_weights``: autocast casts fp32 weights in each pass (no bf16 copies of them). Call it
-    before the first update; elsewhere ``CPU_TOKEN_BUDGET``."""
+    (``memory_plan.activation_bytes``; ``compiled``: the norms and MLPs compiled, ``half``: bf16 / fp16
+    passes, ``checkpointed``: under gradient checkpointing) fit ``MEMORY_FRACTION`` of the memory free now
+    less what the update is still to allocate (the gradients of parameters that have none yet, the
+    optimizer's states before its first step: ``state_bytes`` per trained parameter, 8 for AdamW's two
+    fp32 moments); at least 4096; ``casts_weights``: autocast casts fp32 weights in each pass (no bf16
+    copies of them). Call it before the first update; elsewhere ``CPU_TOKEN_BUDGET``."""
     if device.type != "cuda":
         return CPU_TOKEN_BUDGET
-    cfg = getattr(getattr(model, "module", model), "config", None)
-    width = (getattr(cfg, "hidden_size", 0) or 0) + (getattr(cfg, "intermediate_size", 0) or 0)
-    layers = getattr(cfg, "num_hidden_layers", 0) or 0
-    if not width or not layers:
+    shape = shape_of(model)
+    if not shape.width or not shape.layers:
         return CPU_TOKEN_BUDGET
-    per_token = ACTIVATION_BYTES * layers * width * (1.0 if compiled else EAGER_FACTOR) * (1.0 if half else 2.0)
-    per_token += adapter_per_token(adapted_width(model), half)  # LoRA's own (none without adapters)
-    if checkpointed:
-        per_token = checkpointed_per_token(per_token, layers, cfg.hidden_size, 2 if half else 4)
+    per_token = activation_bytes(shape, 2 if half else 4, compiled, checkpointed)
 
     # (trained parameter, this rank's shard of it: a DTensor's local tensor)
     trained = [(p, p.to_local() if hasattr(p, "to_local") else p) for p in model.parameters() if p.requires_grad]

@@ -7,6 +7,7 @@ preference algorithms'). Losses aggregate over the whole mini-batch (``batching.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import weakref
@@ -28,6 +29,13 @@ logger = logging.getLogger(__name__)
 ActorLoss = Callable[..., Tuple[torch.Tensor, Dict[str, Any]]]
 
 
+def free_device_memory(device: torch.device) -> None:
+    """What the failed passes held, returned to the device (their tensors collected, the allocator's cache emptied)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 class Updates:
     """The optimiser steps of one trainer (module docstring); ``perf``: the step's FLOP counter."""
 
@@ -42,6 +50,8 @@ class Updates:
         # the experience whose gap was checked: a rollout meets the engine's policy once, in the first update
         # over it (a second update over the same rows starts from a policy that has moved since)
         self._gap_checked: Optional[weakref.ReferenceType] = None
+        self.split = 1  # the micro-batches' budget (tokens or rows) divided by this: a re-plan's (``_safer_plan``)
+        self.replanned = False  # an out-of-memory step has been re-planned (once a run)
 
     # ---- micro-batches
 
@@ -58,9 +68,10 @@ class Updates:
         if by_tokens is None:
             by_tokens = self.device.type == "cuda" and self.strategy.budgets_tokens
         if by_tokens:
-            return micro_batches(rows, exp.attention_mask.sum(-1), max_tokens=self.token_budget(),
+            return micro_batches(rows, exp.attention_mask.sum(-1), max_tokens=max(1, self.token_budget() // self.split),
                                  group=self.dp_group, packed=self.strategy.packs_sequences and exp.vision is None)
-        return micro_batches(rows, size=size or (a.micro_batch_size if for_update else max(a.micro_batch_size, 16)))
+        size = size or (a.micro_batch_size if for_update else max(a.micro_batch_size, 16))
+        return micro_batches(rows, size=max(1, size // self.split))
 
     def token_budget(self) -> int:
         """``actor.max_token_len_per_gpu``; its auto is resolved at the first use (before the first
@@ -98,6 +109,54 @@ class Updates:
         if before_step is not None:
             before_step(stats)
         return stats, self.strategy.optimizer_step()
+
+    def fitted_step(self, exp: Experience, rows: torch.Tensor, loss_fn: Callable[..., Any],
+                    before_step: Callable[[List[torch.Tensor]], Optional[Callable[[List[Dict]], None]]]
+                    ) -> Tuple[List[torch.Tensor], List[Dict], float]:
+        """``step`` over ``rows`` cut into micro-batches (``micro``): the micro-batches, their statistics and
+        the gradient norm; ``before_step(micro)`` gives the step's ``before_step``. A step whose passes run
+        out of device memory is re-planned once a run where a safer plan exists (``_safer_plan``): its
+        partial gradients dropped, the memory freed, the step retried, one line logged."""
+        micro = self.micro(exp, rows)
+        while True:
+            try:
+                return (micro, *self.step(exp, micro, loss_fn, before_step=before_step(micro)))
+            except torch.OutOfMemoryError as e:
+                error = str(e).splitlines()[0] if str(e) else "out of memory"
+            # outside the except clause: the error's traceback, which holds the failed passes' tensors, is gone
+            change = self._safer_plan(micro)
+            if change is None:
+                raise torch.OutOfMemoryError(f"{error} (the actor update has no safer plan left: {self._limits()})")
+            self.strategy.optimizer.zero_grad(set_to_none=True)
+            free_device_memory(self.device)
+            logger.warning("actor update: out of memory at micro-batches of up to %d rows (%s); retrying the step "
+                           "with %s", max(len(idx) for idx in micro), error, change)
+            micro = self.micro(exp, rows)
+
+    def _safer_plan(self, micro: List[torch.Tensor]) -> Optional[str]:
+        """What the re-plan of an out-of-memory step changes, in words (None: nothing left to change, or
+        several ranks, whose passes must stay in step): gradient checkpointing turned on where the
+        strategy can (``recompute_activations``), else the micro-batches halved where one holds more
+        than one row."""
+        if self.world > 1 or self.replanned:
+            return None
+        recompute = getattr(self.strategy, "recompute_activations", None)
+        if recompute is not None and recompute():
+            change = "gradient checkpointing on"
+        elif max(len(idx) for idx in micro) > 1:
+            self.split *= 2
+            change = f"micro-batches of half the budget ({self.split} x smaller than planned)"
+        else:
+            return None
+        self.replanned = True
+        return change
+
+    def _limits(self) -> str:
+        if self.world > 1:
+            return "several ranks re-plan together only at start-up; set actor.gradient_checkpointing or a smaller actor.max_token_len_per_gpu"
+        if self.replanned:
+            return "re-planned once already"
+        return "one row a micro-batch, activations recomputed"
 
     def _sync_gap(self, exp: Experience, micro: List[torch.Tensor]) -> Callable[[List[Dict]], None]:
         """``before_step`` of the update's first step: the token-weighted SYNC_GAP of its micro-batches over
@@ -141,14 +200,14 @@ class Updates:
             for start in range(0, N, mini):
                 mb = order[start : start + mini]
                 counts = loss_normalisers(exp.response_mask[mb], self.dp_group, self._norm_length(a))
-                micro = self.micro(exp, mb[active[mb]])
                 every += counts["num_tokens"] * counts["dp_size"]
                 first = (epoch == 0 and start == 0 and self.sync_gap_check is not None
                          and (self._gap_checked is None or self._gap_checked() is not exp))
                 if first:
                     self._gap_checked = weakref.ref(exp)
-                stats, norm = self.step(exp, micro, lambda logp, entropy, sub: loss(logp, entropy, sub, counts),
-                                        before_step=self._sync_gap(exp, micro) if first else None)
+                micro, stats, norm = self.fitted_step(
+                    exp, mb[active[mb]], lambda logp, entropy, sub: loss(logp, entropy, sub, counts),
+                    lambda micro: self._sync_gap(exp, micro) if first else None)
                 skipped = nonfinite_step(epoch * math.ceil(N / mini) + start // mini, steps, norm, stats)
                 if skipped is not None:  # the strategy did not step (guardrails name it)
                     self.skipped.append(skipped)
