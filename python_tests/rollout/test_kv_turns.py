@@ -40,14 +40,18 @@ def observation(tok, row, turn):
     return tok(" plus" * (1 + (row + turn) % 4) + " equals")["input_ids"]
 
 
-def run_turns(engine, tok, turns_of, max_tokens, use_cache, temperature=0.0, seed=None, reserve=0, figures=None):
+def run_turns(engine, tok, turns_of, max_tokens, use_cache, temperature=0.0, seed=None, reserve=0, figures=None,
+              hold=False):
     """Conversations of ``TEXTS``, row r running ``turns_of[r]`` turns of at most ``max_tokens[r]`` tokens
-    each, an observation after every turn; through ``engine.turn_cache()`` (``use_cache``, its ``reserve`` set)
-    or ``generate`` on the whole conversation (each call's ``engine.metrics()`` appended to ``figures``). Returns
-    per row the turns' (tokens, log-probs, reason), and the cache."""
+    each, an observation after every turn; through ``engine.turn_cache()`` (``use_cache``, its ``reserve`` set,
+    the engine's decoding state held over the turns with ``hold``) or ``generate`` on the whole conversation
+    (each call's ``engine.metrics()`` appended to ``figures``). Returns per row the turns' (tokens, log-probs,
+    reason), and the cache."""
     cache = engine.turn_cache() if use_cache else None
     if reserve:
         cache.reserve(reserve)
+    if hold:
+        cache.hold()
     convs = {r: tok(TEXTS[r])["input_ids"] for r in range(len(turns_of))}
     out = {r: [] for r in convs}
     turn = 0
@@ -341,6 +345,77 @@ def test_the_engine_metrics_are_each_rollouts_own(model, tok):
         figures = fast.metrics()
         assert figures["decode_calls"] == max(turns_of) and figures["prefill_s"] > 0, figures
     assert fast.metrics() == {"cuda_graph": 0.0}  # read: nothing decoded since
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_held_turns_are_the_turns_entered_per_call(model, tok, temperature):
+    """The engine's decoding state held over a rollout's turns (``TurnCache.hold``): the same tokens, log-probs
+    and reasons as entering it at every call, greedy and sampled (the same seed), under autocast too; each call's
+    phases figured (``launch_s``, ``return_s``); ``close`` lets the state go (the actor's train mode back)."""
+    model.train()
+    for autocast in (None, torch.bfloat16):
+        engine = HFGenerateEngine(model, tok, fast_decode="on", compact_rows="off", autocast_dtype=autocast)
+        turns_of, caps = [3, 2, 3, 1, 2], [5, 6, 4, 6, 5]
+        per_call, _ = run_turns(engine, tok, turns_of, caps, use_cache=True, temperature=temperature, seed=7)
+        assert model.training
+        held, cache = run_turns(engine, tok, turns_of, caps, use_cache=True, temperature=temperature, seed=7,
+                                hold=True)
+        assert not model.training  # held: eval mode between the calls
+        figures = cache.call_metrics()
+        assert figures["launch_s"] > 0 and figures["return_s"] > 0, figures
+        assert cache.call_metrics() == {}  # read: handed over
+        cache.close()
+        assert model.training
+        assert_same_turns(held, per_call, atol=0)
+
+
+def test_holding_keeps_decoding_entered_on_its_own_thread_only(model, tok):
+    """Inside ``holding``, a decode call's ``decoding`` enters nothing more on that thread (its exit leaves eval
+    mode on); on another thread ``decoding`` is entered as ever."""
+    import threading
+
+    engine = HFGenerateEngine(model, tok, fast_decode="on")
+    model.train()
+    with engine.holding(model):
+        with engine.decoding(model):
+            pass
+        assert not model.training
+        other = []
+        thread = threading.Thread(target=lambda: other.append(engine._held.__dict__.get("module")))
+        thread.start()
+        thread.join()
+        assert other == [None]
+    assert model.training
+
+
+def test_compiled_weights_entered_again_inside_themselves_swap_once(model):
+    """``CompiledForward.weights`` inside itself (a held rollout's decode calls): the swapped weights stay until
+    the outer exit, which puts the parameters back."""
+    compiled = hf_decode.CompiledForward()
+    lm_head, attention = model.lm_head, model.model.layers[0].self_attn
+    before = lm_head.weight
+    with torch.autocast("cpu", dtype=torch.bfloat16), compiled.weights(model):
+        swapped, merged = lm_head.weight, attention._parameters["merged_weight"]
+        assert swapped is not before and swapped.dtype == torch.bfloat16
+        with compiled.weights(model):
+            assert lm_head.weight is swapped
+        assert lm_head.weight is swapped and attention._parameters.get("merged_weight") is merged
+    assert lm_head.weight is before and "merged_weight" not in attention._parameters and compiled.inside is None
+
+
+def test_a_held_cache_lets_the_state_go_for_generate(model, tok):
+    """A call the static-cache loop cannot serve (stop strings) goes to the engine's ``generate``: the held state
+    is released first, and the turn is generate's."""
+    engine = HFGenerateEngine(model, tok, fast_decode="on")
+    cache = engine.turn_cache()
+    cache.hold()
+    prompt = tok(TEXTS[0])["input_ids"]
+    spec = SamplingSpec(temperature=0.0, max_tokens=4, stop=("zzz",))
+    out = cache.generate([0], [prompt], spec)
+    assert cache._held is None
+    plain = engine.generate([prompt], spec)
+    assert out.response_ids.tolist() == plain.response_ids.tolist()
+    cache.close()
 
 
 def test_no_cache_where_the_loop_does_not_decode(model, tok):
