@@ -201,22 +201,41 @@ def test_lockstep_turns_restart_one_decoder(model, tok, monkeypatch, fused, temp
         assert len({tuple(t[0]) for r in kept for t in kept[r]}) > 5
 
 
-def test_compiled_turns_prefill_their_new_tokens_unpadded(tok):
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_compiled_turns_prefill_their_new_tokens_unpadded(tok, temperature, monkeypatch):
     """The compiled loop pads a first turn's prompts to a multiple of ``CompiledForward.WIDTH`` columns, not a
-    later turn's new tokens (its cache is as wide as the turns need whatever they are): the turns' tokens are
-    the eager loop's, each later turn's prefill as wide as its past and its longest new part."""
+    later turn's new tokens (its cache is as wide as the turns need whatever they are): each later turn's prefill
+    as wide as its past and its longest new part, run by the compiled forward (a restart's prefill: its new tokens
+    in one call of it). Its turns are, greedy, the eager loop's; sampled (the same seed), those of a compiled
+    decoder per turn, whose prefill is eager (the compiled steps draw their noise otherwise than eager ones)."""
     torch.manual_seed(0)
     m = build_model("qwen2", vocab_size=len(tok), num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
                     eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
     m.generation_config.eos_token_id = tok.eos_token_id
     compiled = HFGenerateEngine(m, tok, fast_decode="on", compact_rows="off", compile_decode=True)
     eager = HFGenerateEngine(m, tok, fast_decode="on", compact_rows="off")
+    widths, forward = [], compiled._compiled.fn
+
+    def counted(module, ids, *args, **kwargs):
+        widths.append(ids.shape[1])
+        return forward(module, ids, *args, **kwargs)
+
+    compiled._compiled.fn = counted
     turns_of, caps = [3, 3, 3], [5, 5, 5]
-    got, cache = run_turns(compiled, tok, turns_of, caps, use_cache=True, reserve=80)
-    want, _ = run_turns(eager, tok, turns_of, caps, use_cache=True, reserve=80)
+    got, cache = run_turns(compiled, tok, turns_of, caps, use_cache=True, reserve=80, temperature=temperature,
+                           seed=11, hold=True)
+    if temperature == 0.0:
+        want, _ = run_turns(eager, tok, turns_of, caps, use_cache=True, reserve=80)
+    else:
+        monkeypatch.setattr(kv_turns, "RESTART", False)
+        compiled._compiled.fn = forward
+        want, _ = run_turns(compiled, tok, turns_of, caps, use_cache=True, reserve=80, temperature=temperature,
+                            seed=11, hold=True)
     assert compiled.fast_failed is None
     assert_same_turns(got, want)
     assert [c["restarted"] for c in cache.calls] == [0, 1, 1]
+    new_widths = [1 + max(len(observation(tok, r, turn)) for r in range(3)) for turn in (0, 1)]
+    assert [w for w in widths if w > 1] == new_widths  # the two restarts' prefills; the steps feed one column
     new = [1 + len(observation(tok, r, 1)) for r in range(3)]  # the last turn's: its first token, the observation
     past = max(len(tok(TEXTS[r])["input_ids"]) + 5 + len(observation(tok, r, 0)) + 4 for r in range(3))
     assert cache.decoder.prefilled == past + max(new)

@@ -528,7 +528,11 @@ class _Decoder:
         positions.masked_fill_(attention_mask == 0, 1)
         valid = torch.cat([past.valid, attention_mask.bool()], 1)
         self.prefilled = C + W
-        self._prefill(input_ids, valid, positions, C, None)
+        # the new tokens' forward through the decode steps' own, compiled: its norms, rotary and casts fused into a
+        # few kernels a layer where the eager forward launches some forty (a turn's prefill of a few new tokens a
+        # row is launch-bound); its attention stays sdpa, as the eager prefill's (no [rows, heads, new, cache]
+        # scores materialised)
+        self._prefill(input_ids, valid, positions, C, None, forward=self.forward)
         self.valid.zero_()
         self.valid[:, : C + W] = valid
         self.position.copy_(positions[:, -1:] + 1)
@@ -566,12 +570,13 @@ class _Decoder:
         self._flush()
         return self.out_tokens.cpu(), self.out_logprobs.cpu()
 
-    def _prefill(self, input_ids, valid, positions, C, rows, images: Optional[Images] = None):
+    def _prefill(self, input_ids, valid, positions, C, rows, images: Optional[Images] = None, forward=model_step):
         """The prompts' forward, each prompt once, in chunks of at most ``PREFILL_CHUNK`` columns (a later
         chunk's queries attend to the cache's earlier columns: activations and mask over a chunk, not the
         whole prompt), and each row's first token from its prompt's logits. ``valid`` [P, C + W]: the
         past's ``C`` columns (cached, not run again) and the prompts'. With ``images``, one chunk (the
-        model places all of a forward's image features on that forward's placeholders), positions [3, P, W]."""
+        model places all of a forward's image features on that forward's placeholders), positions [3, P, W].
+        ``forward``: ``model_step`` (eager), or a restart's compiled one (its cache made already)."""
         device = input_ids.device
         W = C + input_ids.shape[1]
         chunk = PREFILL_CHUNK if images is None else W - C
@@ -590,9 +595,8 @@ class _Decoder:
             mask = (((key <= query)[None] & attended[:, None, :]) | (key == query)[None])[:, None]
             self.cache.cols = torch.arange(start, end, device=device)
             self.cache.seen = start
-            logits = model_step(self.module, input_ids[:, start - C : end - C], mask,
-                                positions[..., start - C : end - C], self.cache,
-                                **({} if images is None else images.inputs))
+            logits = forward(self.module, input_ids[:, start - C : end - C], mask,
+                             positions[..., start - C : end - C], self.cache, **({} if images is None else images.inputs))
         if chunked and rows is not None:
             for store in (self.cache.keys, self.cache.values):
                 for layer, tensor in enumerate(store):
