@@ -18,7 +18,9 @@ its forward compiled on a GPU), Qwen2 shapes of bench_e2e with random weights an
 Each multi-turn variant's generate calls (the last repetition's) are printed and kept in meta (``calls``): the
 call's rows and seconds, the host seconds before it (since the previous call ended; the first: since the
 rollout began) and the engine's figures (``prefill_s``, ``decode_s``, ``graph_captures``: ``HFGenerateEngine.
-metrics``), and each variant's host seconds (the rollout's seconds outside its generate calls).
+metrics``), with the KV-continued variants' ``launch_s`` (the call's entry to its prefill's launch) and
+``return_s`` (its tokens on the host to its return: ``TurnCache.call_metrics``), and each variant's host
+seconds (the rollout's seconds outside its generate calls).
 
 The system message describes the calculator of examples/tool_calling/ as ours does for a chat template
 without tools (``tools_system_prompt``), so our prompts carry the tool as TRL's do (its template renders
@@ -129,8 +131,10 @@ def calls_of(name: str, op) -> dict:
     print(f"{name}: {metrics['multi_turn/seconds']:.3f} s, {metrics['multi_turn/generate_seconds']:.3f} s in "
           f"{len(op.calls)} generate calls, {host:.3f} s host", flush=True)
     for k, c in enumerate(op.calls, 1):
-        engine = (f" (prefill {c['prefill_s'] * 1e3:.1f} ms, decode {c['decode_s'] * 1e3:.1f} ms, "
-                  f"{c['graph_captures']:.0f} graph captures)" if "decode_s" in c else "")
+        phases = (f"launch {c['launch_s'] * 1e3:.1f} ms, " if "launch_s" in c else "")
+        engine = (f" ({phases}prefill {c['prefill_s'] * 1e3:.1f} ms, decode {c['decode_s'] * 1e3:.1f} ms"
+                  + (f", return {c['return_s'] * 1e3:.1f} ms" if "return_s" in c else "")
+                  + f", {c['graph_captures']:.0f} graph captures)" if "decode_s" in c else "")
         print(f"  call {k}: {c['rows']:.0f} rows, {c['host_s'] * 1e3:.1f} ms host before it, generate "
               f"{c['generate_s'] * 1e3:.1f} ms{engine}", flush=True)
     return {"calls": list(op.calls), "host_s": host, "seconds": metrics["multi_turn/seconds"]}

@@ -427,7 +427,8 @@ fi
 # same model-token count, HF decode engine, 0.5B random weights, 16 x 8 x 256 tokens, each trajectory's KV cache
 # continued across turns (the later turns replaying the first turn's decoder and graph), beside it a new decoder
 # and graph per turn, and re-prefilled every turn (kv_continuation false); prefill tokens, tokens saved and each
-# generate call's prefill / decode seconds, graph captures and the host seconds between calls in the JSON's meta
+# generate call's launch (entry to the prefill's launch) / prefill / decode / return seconds, graph captures and the
+# host seconds between calls in the JSON's meta
 # (and printed); first the gpu-marked continuation tests (graph decode, one capture a lockstep rollout, eager and
 # compiled) (~3-4 minutes: compiles);
 # then TRL 1.16's tool-calling GRPO rollout (GRPOTrainer tools=[calculator]) on the same model and lengths, in its

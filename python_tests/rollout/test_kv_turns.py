@@ -40,14 +40,18 @@ def observation(tok, row, turn):
     return tok(" plus" * (1 + (row + turn) % 4) + " equals")["input_ids"]
 
 
-def run_turns(engine, tok, turns_of, max_tokens, use_cache, temperature=0.0, seed=None, reserve=0, figures=None):
+def run_turns(engine, tok, turns_of, max_tokens, use_cache, temperature=0.0, seed=None, reserve=0, figures=None,
+              hold=False):
     """Conversations of ``TEXTS``, row r running ``turns_of[r]`` turns of at most ``max_tokens[r]`` tokens
-    each, an observation after every turn; through ``engine.turn_cache()`` (``use_cache``, its ``reserve`` set)
-    or ``generate`` on the whole conversation (each call's ``engine.metrics()`` appended to ``figures``). Returns
-    per row the turns' (tokens, log-probs, reason), and the cache."""
+    each, an observation after every turn; through ``engine.turn_cache()`` (``use_cache``, its ``reserve`` set,
+    the engine's decoding state held over the turns with ``hold``) or ``generate`` on the whole conversation
+    (each call's ``engine.metrics()`` appended to ``figures``). Returns per row the turns' (tokens, log-probs,
+    reason), and the cache."""
     cache = engine.turn_cache() if use_cache else None
     if reserve:
         cache.reserve(reserve)
+    if hold:
+        cache.hold()
     convs = {r: tok(TEXTS[r])["input_ids"] for r in range(len(turns_of))}
     out = {r: [] for r in convs}
     turn = 0
@@ -197,22 +201,41 @@ def test_lockstep_turns_restart_one_decoder(model, tok, monkeypatch, fused, temp
         assert len({tuple(t[0]) for r in kept for t in kept[r]}) > 5
 
 
-def test_compiled_turns_prefill_their_new_tokens_unpadded(tok):
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_compiled_turns_prefill_their_new_tokens_unpadded(tok, temperature, monkeypatch):
     """The compiled loop pads a first turn's prompts to a multiple of ``CompiledForward.WIDTH`` columns, not a
-    later turn's new tokens (its cache is as wide as the turns need whatever they are): the turns' tokens are
-    the eager loop's, each later turn's prefill as wide as its past and its longest new part."""
+    later turn's new tokens (its cache is as wide as the turns need whatever they are): each later turn's prefill
+    as wide as its past and its longest new part, run by the compiled forward (a restart's prefill: its new tokens
+    in one call of it). Its turns are, greedy, the eager loop's; sampled (the same seed), those of a compiled
+    decoder per turn, whose prefill is eager (the compiled steps draw their noise otherwise than eager ones)."""
     torch.manual_seed(0)
     m = build_model("qwen2", vocab_size=len(tok), num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
                     eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
     m.generation_config.eos_token_id = tok.eos_token_id
     compiled = HFGenerateEngine(m, tok, fast_decode="on", compact_rows="off", compile_decode=True)
     eager = HFGenerateEngine(m, tok, fast_decode="on", compact_rows="off")
+    widths, forward = [], compiled._compiled.fn
+
+    def counted(module, ids, *args, **kwargs):
+        widths.append(ids.shape[1])
+        return forward(module, ids, *args, **kwargs)
+
+    compiled._compiled.fn = counted
     turns_of, caps = [3, 3, 3], [5, 5, 5]
-    got, cache = run_turns(compiled, tok, turns_of, caps, use_cache=True, reserve=80)
-    want, _ = run_turns(eager, tok, turns_of, caps, use_cache=True, reserve=80)
+    got, cache = run_turns(compiled, tok, turns_of, caps, use_cache=True, reserve=80, temperature=temperature,
+                           seed=11, hold=True)
+    if temperature == 0.0:
+        want, _ = run_turns(eager, tok, turns_of, caps, use_cache=True, reserve=80)
+    else:
+        monkeypatch.setattr(kv_turns, "RESTART", False)
+        compiled._compiled.fn = forward
+        want, _ = run_turns(compiled, tok, turns_of, caps, use_cache=True, reserve=80, temperature=temperature,
+                            seed=11, hold=True)
     assert compiled.fast_failed is None
     assert_same_turns(got, want)
     assert [c["restarted"] for c in cache.calls] == [0, 1, 1]
+    new_widths = [1 + max(len(observation(tok, r, turn)) for r in range(3)) for turn in (0, 1)]
+    assert [w for w in widths if w > 1] == new_widths  # the two restarts' prefills; the steps feed one column
     new = [1 + len(observation(tok, r, 1)) for r in range(3)]  # the last turn's: its first token, the observation
     past = max(len(tok(TEXTS[r])["input_ids"]) + 5 + len(observation(tok, r, 0)) + 4 for r in range(3))
     assert cache.decoder.prefilled == past + max(new)
@@ -341,6 +364,77 @@ def test_the_engine_metrics_are_each_rollouts_own(model, tok):
         figures = fast.metrics()
         assert figures["decode_calls"] == max(turns_of) and figures["prefill_s"] > 0, figures
     assert fast.metrics() == {"cuda_graph": 0.0}  # read: nothing decoded since
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_held_turns_are_the_turns_entered_per_call(model, tok, temperature):
+    """The engine's decoding state held over a rollout's turns (``TurnCache.hold``): the same tokens, log-probs
+    and reasons as entering it at every call, greedy and sampled (the same seed), under autocast too; each call's
+    phases figured (``launch_s``, ``return_s``); ``close`` lets the state go (the actor's train mode back)."""
+    model.train()
+    for autocast in (None, torch.bfloat16):
+        engine = HFGenerateEngine(model, tok, fast_decode="on", compact_rows="off", autocast_dtype=autocast)
+        turns_of, caps = [3, 2, 3, 1, 2], [5, 6, 4, 6, 5]
+        per_call, _ = run_turns(engine, tok, turns_of, caps, use_cache=True, temperature=temperature, seed=7)
+        assert model.training
+        held, cache = run_turns(engine, tok, turns_of, caps, use_cache=True, temperature=temperature, seed=7,
+                                hold=True)
+        assert not model.training  # held: eval mode between the calls
+        figures = cache.call_metrics()
+        assert figures["launch_s"] > 0 and figures["return_s"] > 0, figures
+        assert cache.call_metrics() == {}  # read: handed over
+        cache.close()
+        assert model.training
+        assert_same_turns(held, per_call, atol=0)
+
+
+def test_holding_keeps_decoding_entered_on_its_own_thread_only(model, tok):
+    """Inside ``holding``, a decode call's ``decoding`` enters nothing more on that thread (its exit leaves eval
+    mode on); on another thread ``decoding`` is entered as ever."""
+    import threading
+
+    engine = HFGenerateEngine(model, tok, fast_decode="on")
+    model.train()
+    with engine.holding(model):
+        with engine.decoding(model):
+            pass
+        assert not model.training
+        other = []
+        thread = threading.Thread(target=lambda: other.append(engine._held.__dict__.get("module")))
+        thread.start()
+        thread.join()
+        assert other == [None]
+    assert model.training
+
+
+def test_compiled_weights_entered_again_inside_themselves_swap_once(model):
+    """``CompiledForward.weights`` inside itself (a held rollout's decode calls): the swapped weights stay until
+    the outer exit, which puts the parameters back."""
+    compiled = hf_decode.CompiledForward()
+    lm_head, attention = model.lm_head, model.model.layers[0].self_attn
+    before = lm_head.weight
+    with torch.autocast("cpu", dtype=torch.bfloat16), compiled.weights(model):
+        swapped, merged = lm_head.weight, attention._parameters["merged_weight"]
+        assert swapped is not before and swapped.dtype == torch.bfloat16
+        with compiled.weights(model):
+            assert lm_head.weight is swapped
+        assert lm_head.weight is swapped and attention._parameters.get("merged_weight") is merged
+    assert lm_head.weight is before and "merged_weight" not in attention._parameters and compiled.inside is None
+
+
+def test_a_held_cache_lets_the_state_go_for_generate(model, tok):
+    """A call the static-cache loop cannot serve (stop strings) goes to the engine's ``generate``: the held state
+    is released first, and the turn is generate's."""
+    engine = HFGenerateEngine(model, tok, fast_decode="on")
+    cache = engine.turn_cache()
+    cache.hold()
+    prompt = tok(TEXTS[0])["input_ids"]
+    spec = SamplingSpec(temperature=0.0, max_tokens=4, stop=("zzz",))
+    out = cache.generate([0], [prompt], spec)
+    assert cache._held is None
+    plain = engine.generate([prompt], spec)
+    assert out.response_ids.tolist() == plain.response_ids.tolist()
+    cache.close()
 
 
 def test_no_cache_where_the_loop_does_not_decode(model, tok):

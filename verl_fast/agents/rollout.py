@@ -173,6 +173,8 @@ class MultiTurnRolloutOperator(RolloutOperator):
         if turns is not None:  # the longest conversation: the first turn's cache holds every later turn
             turns.reserve(max((len(t.prompt_ids) + t.spec.max_tokens for t in trajectories), default=0))
         try:
+            if turns is not None:  # the engine's decoding state entered once for every turn (released at close)
+                turns.hold()
             return self._wave_loop(trajectories, turns)
         finally:
             if turns is not None:
@@ -200,7 +202,7 @@ class MultiTurnRolloutOperator(RolloutOperator):
                 generate_s += t1 - t0
                 calls += 1
                 self.calls.append({"rows": float(len(ready)), "generate_s": t1 - t0, "host_s": t0 - ended,
-                                   **self.engine.call_metrics()})
+                                   **self.engine.call_metrics(), **(turns.call_metrics() if turns is not None else {})})
                 ended = t1
                 ids, lengths = out.response_ids.tolist(), out.response_mask.sum(1).tolist()  # one conversion each
                 lps = out.logprobs.tolist() if out.logprobs is not None else None

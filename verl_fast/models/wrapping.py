@@ -15,7 +15,9 @@ def is_sharded(model: torch.nn.Module) -> bool:
         return False
     if isinstance(model, (FSDP, FSDPModule)):
         return True
-    return any(type(p).__name__ == "DTensor" for p in model.parameters())
+    # each module's own parameters (not ``model.parameters()``, which names and de-duplicates them: a few
+    # times slower, and this is asked at every decode call)
+    return any(type(p).__name__ == "DTensor" for m in model.modules() for p in m._parameters.values())
 
 
 def hf_module(model: torch.nn.Module) -> torch.nn.Module:

@@ -400,16 +400,22 @@ class CompiledForward:
         self.record_fused = torch.compile(record_fused)
         self.copies: dict = {}
         self.merged = merged_projections.Merged()
+        self.inside: Optional[torch.nn.Module] = None  # the module whose weights are swapped now
 
     @contextlib.contextmanager
     def weights(self, module: torch.nn.Module) -> Iterator[None]:
         """For the length of a rollout: ``module``'s q/k/v and gate/up products merged (merged copies
         and forwards, ``merged_projections``), and under autocast its other linear weights and biases
-        replaced by kept copies in the autocast dtype."""
+        replaced by kept copies in the autocast dtype. Entered again inside itself (a multi-turn rollout
+        holds it over its turns, ``HFGenerateEngine.holding``): nothing more."""
+        if self.inside is module:
+            yield
+            return
         device = next(module.parameters()).device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         swapped, merged, adapters = [], [], []
         try:
+            self.inside = module
             merge_adapters(module, dtype, self.copies, adapters)
             self.merged.install(module, dtype, merged)
             inside = {id(layer) for _, layers in merged for layer in layers}  # merged: no copies of their own
@@ -429,6 +435,7 @@ class CompiledForward:
                     swapped.append((layer, key, param))
             yield
         finally:
+            self.inside = None
             for layer, key, param in swapped:
                 layer._parameters[key] = param
             merged_projections.Merged.remove(merged)
@@ -521,7 +528,11 @@ class _Decoder:
         positions.masked_fill_(attention_mask == 0, 1)
         valid = torch.cat([past.valid, attention_mask.bool()], 1)
         self.prefilled = C + W
-        self._prefill(input_ids, valid, positions, C, None)
+        # the new tokens' forward through the decode steps' own, compiled: its norms, rotary and casts fused into a
+        # few kernels a layer where the eager forward launches some forty (a turn's prefill of a few new tokens a
+        # row is launch-bound); its attention stays sdpa, as the eager prefill's (no [rows, heads, new, cache]
+        # scores materialised)
+        self._prefill(input_ids, valid, positions, C, None, forward=self.forward)
         self.valid.zero_()
         self.valid[:, : C + W] = valid
         self.position.copy_(positions[:, -1:] + 1)
@@ -559,12 +570,13 @@ class _Decoder:
         self._flush()
         return self.out_tokens.cpu(), self.out_logprobs.cpu()
 
-    def _prefill(self, input_ids, valid, positions, C, rows, images: Optional[Images] = None):
+    def _prefill(self, input_ids, valid, positions, C, rows, images: Optional[Images] = None, forward=model_step):
         """The prompts' forward, each prompt once, in chunks of at most ``PREFILL_CHUNK`` columns (a later
         chunk's queries attend to the cache's earlier columns: activations and mask over a chunk, not the
         whole prompt), and each row's first token from its prompt's logits. ``valid`` [P, C + W]: the
         past's ``C`` columns (cached, not run again) and the prompts'. With ``images``, one chunk (the
-        model places all of a forward's image features on that forward's placeholders), positions [3, P, W]."""
+        model places all of a forward's image features on that forward's placeholders), positions [3, P, W].
+        ``forward``: ``model_step`` (eager), or a restart's compiled one (its cache made already)."""
         device = input_ids.device
         W = C + input_ids.shape[1]
         chunk = PREFILL_CHUNK if images is None else W - C
@@ -583,9 +595,8 @@ class _Decoder:
             mask = (((key <= query)[None] & attended[:, None, :]) | (key == query)[None])[:, None]
             self.cache.cols = torch.arange(start, end, device=device)
             self.cache.seen = start
-            logits = model_step(self.module, input_ids[:, start - C : end - C], mask,
-                                positions[..., start - C : end - C], self.cache,
-                                **({} if images is None else images.inputs))
+            logits = forward(self.module, input_ids[:, start - C : end - C], mask,
+                             positions[..., start - C : end - C], self.cache, **({} if images is None else images.inputs))
         if chunked and rows is not None:
             for store in (self.cache.keys, self.cache.values):
                 for layer, tensor in enumerate(store):
@@ -706,7 +717,7 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
            fused: bool = False, past: Optional[Past] = None,
            keep: Optional[list] = None, images: Optional[Images] = None,
            times: Optional[Dict[str, float]] = None, reuse: Optional[_Decoder] = None,
-           columns: int = 0) -> Tuple[torch.Tensor, torch.Tensor, str]:
+           columns: int = 0, stamps: Optional[Dict[str, float]] = None) -> Tuple[torch.Tensor, torch.Tensor, str]:
     """New tokens [B, max_new_tokens] (pad after a row's stop token, and after an early exit once
     every row stopped) and their log-probs [B, max_new_tokens] (0 past the end), on the host, and
     how the steps ran: "graph" (replays) or "eager".
@@ -751,7 +762,10 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
     holds any more: where the call ``fits`` it (a ``past``, as many rows, room in its cache), it restarts in
     them (``_Decoder.restart``) and replays the step's graph it captured, if that is still the pool's newest,
     so a rollout's turns capture once; else a new decoder. ``columns``: a new decoder's cache at least this
-    wide (the rollout's longest conversation, so that its later turns fit)."""
+    wide (the rollout's longest conversation, so that its later turns fit).
+
+    ``stamps``: ``time.perf_counter()`` at the prefill's launch (``launched``) and once the tokens are on the host
+    (``ended``) written into it, so that a caller can time its own work around the decode."""
     if images is not None and past is not None:
         raise ValueError("decode: images go with a conversation's first turn only (past must be None with them)")
     if past is not None and rows is not None:
@@ -793,6 +807,8 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
         steps, graphed = _run_steps(dec, max_new_tokens, use_graph, check_every,
                                     graphs if graphs is not None else GraphPool(), min_rows, log)
         tokens, logprobs = dec.result()  # on the host: the device is done with both events
+        if stamps is not None:
+            stamps.update(launched=start, ended=time.perf_counter())
         tokens, logprobs = tokens[:, :max_new_tokens], logprobs[:, :max_new_tokens]  # a restart's may be wider
         if events:
             times["prefill_s"] = events[0].elapsed_time(events[1]) / 1e3

@@ -179,6 +179,7 @@ class HFGenerateEngine(RolloutEngine):
         self._last: Dict[str, float] = {}  # the loop's figures since metrics() last read them, summed over calls
         self._call: Dict[str, float] = {}  # the same since call_metrics() last read them
         self._figures_lock = threading.Lock()  # an async rollout decodes while the trainer reads them
+        self._held = threading.local()  # .module: the model ``holding`` keeps entered on this thread
         self._graphs = hf_decode.GraphPool()  # the decode graph's memory, reused by the next call's graph
         self._compiled = hf_decode.CompiledForward() if compile_decode else None
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -313,8 +314,9 @@ class HFGenerateEngine(RolloutEngine):
 
     def _fast_reason(self, spec: SamplingSpec) -> Optional[str]:
         """Why this call goes to ``generate`` rather than the static-cache loop (None: it does not)."""
-        if self.fast_decode == "off" or (self.fast_decode == "auto" and self.device.type != "cuda"):
-            return f"fast_decode={self.fast_decode} on {self.device.type}"
+        kind = self.device.type if self.fast_decode == "auto" else None
+        if self.fast_decode == "off" or (kind is not None and kind != "cuda"):
+            return f"fast_decode={self.fast_decode}" + (f" on {kind}" if kind else "")
         if self.fast_failed:
             return self.fast_failed
         if self.record_routing:  # the routers' hooks must run at every step (a replayed CUDA graph runs none)
@@ -361,7 +363,10 @@ class HFGenerateEngine(RolloutEngine):
     def decoding(self, module):
         """What a decode of ``module`` (the engine's model) runs under: eval mode, whole parameters, the FP8
         copies (rollout.quantization fp8), the autocast dtype and a vision tower's batched segment attention
-        (``models/vision_attention``)."""
+        (``models/vision_attention``). Inside ``holding(module)`` on the same thread: nothing more (entered)."""
+        if getattr(self._held, "module", None) is module:
+            yield
+            return
         was_training = module.training
         module.eval()
         autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype is not None
@@ -373,6 +378,21 @@ class HFGenerateEngine(RolloutEngine):
         finally:
             module.train(was_training)
 
+    @contextlib.contextmanager
+    def holding(self, module):
+        """``decoding(module)`` and, where the loop decodes compiled, its weight copies (``CompiledForward.
+        weights``), entered once for the many decode calls of a multi-turn rollout (``kv_turns.TurnCache.hold``)
+        rather than at each: the walks over the model's modules and the copies of its weights are a turn's
+        host time otherwise. The calls inside, on this thread, find them entered."""
+        compiled = self._compiled if self._compiled is not None and not is_sharded(self.model) else None
+        with self.decoding(module):
+            self._held.module = module
+            try:
+                with compiled.weights(module) if compiled is not None else contextlib.nullcontext():
+                    yield
+            finally:
+                self._held.module = None
+
     def call_metrics(self) -> dict:
         """The loop's figures since ``call_metrics`` last read them (read after each call: that call's),
         which it hands over: ``metrics``' keys bar ``cuda_graph``."""
@@ -382,9 +402,10 @@ class HFGenerateEngine(RolloutEngine):
 
     def decode_fast(self, module, ids, mask, spec: SamplingSpec, eos: List[int], copies: int,
                     past: Optional[hf_decode.Past] = None, keep: Optional[list] = None,
-                    vision: Optional[Sequence[Optional[Any]]] = None, reuse: Any = None, columns: int = 0):
+                    vision: Optional[Sequence[Optional[Any]]] = None, reuse: Any = None, columns: int = 0,
+                    stamps: Optional[Dict[str, float]] = None):
         """(new tokens, log-probs, mode) on the host from hf_decode, or Nones where it does not apply (the
-        reason logged once). ``past`` / ``keep`` / ``reuse`` / ``columns``: a conversation's next turn
+        reason logged once). ``past`` / ``keep`` / ``reuse`` / ``columns`` / ``stamps``: a conversation's next turn
         (``hf_decode.decode``; its rows not compacted). ``vision``: a vision-language actor's prompts' images
         (None a text prompt)."""
         reason = self._fast_reason(spec)
@@ -394,6 +415,7 @@ class HFGenerateEngine(RolloutEngine):
                 logger.info("HF rollout decodes through generate: %s", reason)
             return None, None, None
         device = self.device
+        sharded = is_sharded(self.model)
         rows, images = None, None
         if self.vision_language:  # each prompt prefilled once with its own images
             images = self._images(module, ids.to(device), mask.to(device), vision)
@@ -409,12 +431,12 @@ class HFGenerateEngine(RolloutEngine):
                 module, ids.to(device), mask.to(device), spec.max_tokens,
                 spec.temperature, spec.top_k, spec.top_p, list(eos) + list(spec.stop_token_ids), self.pad_token_id,
                 use_graph=device.type == "cuda" and not _fsdp1(self.model), graphs=self._graphs,
-                compiled=self._compiled if not is_sharded(self.model) else None,
+                compiled=self._compiled if not sharded else None,
                 rows=None if rows is None else rows.to(device),
                 min_rows=None if keep is not None else self._min_rows(device), past=past, keep=keep, images=images,
                 fused=self.fused_kernels == "on" or (self.fused_kernels == "auto" and device.type == "cuda"
                                                      and hf_decode.decode_sampling is not None), times=times,
-                reuse=reuse, columns=columns)
+                reuse=reuse, columns=columns, stamps=stamps)
             times["graph_captures"] = float(self._graphs.captures - captures)
             times["decode_calls"] = 1.0
             with self._figures_lock:

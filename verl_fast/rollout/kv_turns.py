@@ -35,6 +35,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
+import contextlib
+import time
+
 import torch
 
 from verl_fast.records.generation import GenerationOutput, SamplingSpec, pad_completions
@@ -138,6 +141,8 @@ class TurnCache:
         self.calls: List[Dict[str, int]] = []  # per decode: rows, prefilled, reused tokens, restarted
         self.decoder: Any = None  # the last decode's hf_decode._Decoder (its buffers, its step's graph)
         self.tokens = 0  # the longest conversation a rollout expects (``reserve``)
+        self._held: Optional[contextlib.ExitStack] = None  # the engine's decoding state, entered by ``hold``
+        self._figures: Dict[str, float] = {}  # the calls' phases since ``call_metrics`` last read them
 
     def reserve(self, tokens: int) -> None:
         """The most tokens a conversation of this rollout reaches (its prompt and its whole budget): a new
@@ -148,9 +153,35 @@ class TurnCache:
         """Frees a finished conversation's cache (its decode's memory goes when no row holds it)."""
         self.rows.pop(key, None)
 
+    def hold(self) -> None:
+        """The engine's decoding state (``HFGenerateEngine.holding``: eval mode, whole parameters, autocast, the
+        compiled loop's weight copies) entered now and kept until ``release`` / ``close``, so that each call of a
+        rollout's turns (on this thread) finds it entered rather than entering it again. A call that goes to the
+        engine's ``generate`` releases it first."""
+        if self._held is None:
+            stack = contextlib.ExitStack()
+            stack.enter_context(self.engine.holding(self.engine._module()))
+            self._held = stack
+
+    def release(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            held.close()
+
     def close(self) -> None:
+        self.release()
         self.rows.clear()
         self.decoder = None
+
+    def call_metrics(self) -> Dict[str, float]:
+        """The phases of the calls since ``call_metrics`` last read them, summed, in seconds: ``launch_s`` from a
+        call's entry to its prefill's launch (the rows' caches taken and packed, the decode set up) and
+        ``return_s`` from its tokens on the host to its return (the rows' caches kept, the output built)."""
+        figures, self._figures = self._figures, {}
+        return figures
+
+    def _add(self, key: str, seconds: float) -> None:
+        self._figures[key] = self._figures.get(key, 0.0) + seconds
 
     def metrics(self) -> Dict[str, float]:
         """``prefill_tokens`` (fed through the model), ``prefill_tokens_saved`` (served from the cache) and
@@ -163,6 +194,7 @@ class TurnCache:
                  sampling: Union[SamplingSpec, Sequence[SamplingSpec]]) -> GenerationOutput:
         """One response per conversation (``n`` 1), as ``RolloutEngine.generate`` returns it; the prompts
         whose specs share a sampling decode together (a seed, as the engine's, seeds the call once)."""
+        entered = time.perf_counter()
         specs = [sampling] * len(prompts) if isinstance(sampling, SamplingSpec) else list(sampling)
         if not (len(keys) == len(prompts) == len(specs)):
             raise ValueError(f"TurnCache.generate: one key and one spec per prompt expected: {len(keys)} keys, "
@@ -178,6 +210,7 @@ class TurnCache:
         for i, spec in enumerate(specs):
             groups.setdefault(replace(spec, seed=None, max_tokens=1), []).append(i)
         results: Dict[int, Turn] = {}
+        stamps: Dict[str, float] = {"since": entered}  # the decodes' launches and ends (``_decode``)
         for spec, members in groups.items():
             spec = replace(spec, max_tokens=max(specs[i].max_tokens for i in members))
             if self.engine._fast_reason(spec) is not None:
@@ -187,13 +220,16 @@ class TurnCache:
             chunks, columns = self._chunks(cached, [prompts[i] for i in members], spec)
             for start, end in chunks:
                 self._decode(members[start:end], cached[start:end], keys, prompts, specs, spec, columns, results,
-                             later=cached[end:])
+                             later=cached[end:], stamps=stamps)
         order = range(len(prompts))
         tokenizer = self.engine.tokenizer
-        return pad_completions([results[i][0] for i in order], [results[i][1] for i in order], list(order),
-                               self.engine.pad_token_id,
-                               [tokenizer.decode(results[i][0], skip_special_tokens=True) for i in order],
-                               [results[i][2] for i in order])
+        out = pad_completions([results[i][0] for i in order], [results[i][1] for i in order], list(order),
+                              self.engine.pad_token_id,
+                              [tokenizer.decode(results[i][0], skip_special_tokens=True) for i in order],
+                              [results[i][2] for i in order])
+        if "ended" in stamps:
+            self._add("return_s", time.perf_counter() - stamps["ended"])
+        return out
 
     def _take(self, key: Hashable, prompt: Sequence[int]) -> Optional[_Cached]:
         """The conversation's cache, taken out (its rows are rewritten after the call), where its tokens
@@ -227,7 +263,9 @@ class TurnCache:
         return [(s, min(s + per_call, rows)) for s in range(0, rows, per_call)], 0
 
     def _plain(self, members: List[int], keys, prompts, specs, results: Dict[int, Turn]) -> None:
-        """Rows the static-cache loop cannot serve: the engine's own ``generate``, nothing cached."""
+        """Rows the static-cache loop cannot serve: the engine's own ``generate``, nothing cached (and the
+        decoding state ``hold`` kept let go: generate enters its own)."""
+        self.release()
         for i in members:
             self.rows.pop(keys[i], None)
         out = self.engine.generate([prompts[i] for i in members], [specs[i] for i in members])
@@ -237,9 +275,12 @@ class TurnCache:
             results[i] = (out.response_ids[row, :n].tolist(), lps, out.finish_reasons[row])
 
     def _decode(self, members: List[int], cached: List[Optional[_Cached]], keys, prompts, specs,
-                spec: SamplingSpec, columns: int, results: Dict[int, Turn], later: List[Optional[_Cached]]) -> None:
+                spec: SamplingSpec, columns: int, results: Dict[int, Turn], later: List[Optional[_Cached]],
+                stamps: Dict[str, float]) -> None:
         """One decode of ``members`` (their caches ``cached``; a new decoder's cache at least ``columns``
-        wide), each row's cache rewritten after it; ``later``: the caches of the call's chunks still to decode."""
+        wide), each row's cache rewritten after it; ``later``: the caches of the call's chunks still to decode.
+        ``stamps``: ``since`` (when the call or its previous chunk's decode ended), the prefill's launch and the
+        decode's end written into it (``hf_decode.decode``'s ``stamps``), their phases added to the figures."""
         engine = self.engine
         module = engine._module()
         device = engine.device
@@ -257,7 +298,11 @@ class TurnCache:
         self.decoder = None  # (a failed call leaves none behind)
         with engine.decoding(module):
             tokens, logprobs, mode = engine.decode_fast(module, ids, mask, spec, eos, 1, past=past, keep=kept,
-                                                        reuse=reuse, columns=columns)
+                                                        reuse=reuse, columns=columns, stamps=stamps)
+        launched = stamps.pop("launched", None)
+        if launched is not None and "ended" in stamps:
+            self._add("launch_s", launched - stamps["since"])
+            stamps["since"] = stamps["ended"]
         if tokens is None:  # the loop failed (the engine logged why and uses generate from now on)
             self._plain(members, keys, prompts, specs, results)
             return
@@ -266,13 +311,15 @@ class TurnCache:
         store = _Store(dec.cache.keys, dec.cache.values)
         width = dec.prefilled  # the prefill's columns: the past's and the new tokens'
         before = dec.valid[:, :width].cpu()
+        held = before.nonzero()[:, 1].split(before.sum(1).tolist())  # each row's valid prefill columns, one pass
         stops = set(eos) | set(spec.stop_token_ids)
         rows, lps = tokens.tolist(), logprobs.tolist() if spec.logprobs else None  # one conversion each
+        after = torch.arange(width, width + tokens.shape[1])  # the decoded tokens' columns
         for b, i in enumerate(members):
             row = rows[b]
             n, reason = cut(row, specs[i].max_tokens, stops)
             results[i] = (row[:n], lps[b][:n] if lps is not None else [0.0] * n, reason)
-            columns = torch.cat([before[b].nonzero().squeeze(-1), torch.arange(width, width + n - 1)])
+            columns = torch.cat([held[b], after[: n - 1]])
             self.rows[keys[i]] = _Cached(list(prompts[i]) + row[: n - 1], store, b, columns)
         self.calls.append({"rows": len(members), "prefilled": fed, "reused": reused,
                            "restarted": int(dec is reuse)})
