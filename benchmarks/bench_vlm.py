@@ -63,8 +63,8 @@ def build(args):
     from verl_fast.models import random_vlm
 
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
-    model, processor = random_vlm.build("qwen2_5_vl", "tiny" if args.tiny else "3b", 0, dtype=dtype)
-    return model.to(args.device), processor  # the pictures' size: trainer.image_min_pixels / image_max_pixels
+    # the pictures' size: trainer.image_min_pixels / image_max_pixels
+    return random_vlm.build("qwen2_5_vl", "tiny" if args.tiny else "3b", 0, dtype=dtype, device=args.device)
 
 
 def grpo_rows(args, trl: bool) -> List[Dict[str, Any]]:
@@ -197,7 +197,7 @@ def worker_trl(args) -> Dict[str, Any]:
     from verl_fast.models import random_vlm
 
     folder = Path(tempfile.mkdtemp(prefix="bench_vlm_model_"))
-    random_vlm.save(folder, "qwen2_5_vl", "tiny" if args.tiny else "3b")  # TRL loads the model and its processor
+    random_vlm.save(folder, "qwen2_5_vl", "tiny" if args.tiny else "3b", device=args.device)  # TRL loads the model and its processor
     processor = AutoProcessor.from_pretrained(folder)  # transformers' Qwen2.5-VL processor (needs torchvision)
     side = sizes(args)["side"] ** 2
     processor.image_processor.min_pixels = processor.image_processor.max_pixels = side

@@ -116,23 +116,26 @@ def build_config(family: str, tokenizer: Any, shape: str = "tiny", tie_word_embe
 
 
 def build(family: str = "qwen2_vl", shape: str = "tiny", seed: int = 0, vocab_size: int = 512,
-          dtype: torch.dtype = torch.float32) -> Tuple[Any, VisionProcessor]:
-    """``(model, processor)``: a random-weight VLM in eval mode (its generation config's EOS and pad set)."""
+          dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu") -> Tuple[Any, VisionProcessor]:
+    """``(model, processor)``: a random-weight VLM in eval mode (its generation config's EOS and pad set),
+    its weights drawn on ``device`` (a GPU draws a 3B model's in a moment, a CPU core in minutes)."""
     import transformers
 
     processor = build_processor(vocab_size)
     config = build_config(family, processor.tokenizer, shape)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForImageTextToText.from_config(config, dtype=dtype).eval()
+    with torch.device(device):
+        model = transformers.AutoModelForImageTextToText.from_config(config, dtype=dtype).eval()
     model.generation_config.eos_token_id = processor.tokenizer.eos_token_id
     model.generation_config.pad_token_id = processor.tokenizer.eos_token_id
     return model, processor
 
 
-def save(path: Union[str, Path], family: str = "qwen2_vl", shape: str = "tiny", seed: int = 0) -> Path:
-    """Model and processor saved as one HF folder at ``path``; returns the path."""
+def save(path: Union[str, Path], family: str = "qwen2_vl", shape: str = "tiny", seed: int = 0,
+         device: Union[str, torch.device] = "cpu") -> Path:
+    """Model and processor saved as one HF folder at ``path`` (the weights drawn on ``device``); returns the path."""
     path = Path(path)
-    model, processor = build(family, shape, seed)
+    model, processor = build(family, shape, seed, device=device)
     model.save_pretrained(path, safe_serialization=True)
     processor.save_pretrained(str(path))
     return path
