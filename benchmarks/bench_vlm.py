@@ -197,7 +197,8 @@ def worker_trl(args) -> Dict[str, Any]:
     from verl_fast.models import random_vlm
 
     folder = Path(tempfile.mkdtemp(prefix="bench_vlm_model_"))
-    random_vlm.save(folder, "qwen2_5_vl", "tiny" if args.tiny else "3b", device=args.device)  # TRL loads the model and its processor
+    # TRL loads the model and its processor from the folder
+    random_vlm.save(folder, "qwen2_5_vl", "tiny" if args.tiny else "3b", device=args.device)
     processor = AutoProcessor.from_pretrained(folder)  # transformers' Qwen2.5-VL processor (needs torchvision)
     side = sizes(args)["side"] ** 2
     processor.image_processor.min_pixels = processor.image_processor.max_pixels = side

@@ -208,7 +208,7 @@ __device__ void strided_block(const typename Src<D>::raw* src, int64_t src_rs, i
 }
 
 // Four thread blocks an SM at once (a cap of 64 registers a thread): the occupancy that keeps the reads in
-// flight (benchmarks/bench_fp8.py measured it against one block an SM and against IEEE division throughout).
+// flight (docs/rollout.md gives the measured alternatives).
 template <DType D>
 __global__ void __launch_bounds__(kThreads, 4) fp8_quantize_kernel(const __grid_constant__ Fp8Batch batch) {
   using raw = typename Src<D>::raw;

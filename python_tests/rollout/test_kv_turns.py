@@ -239,6 +239,16 @@ def test_compiled_turns_prefill_their_new_tokens_unpadded(tok, temperature, monk
     new = [1 + len(observation(tok, r, 1)) for r in range(3)]  # the last turn's: its first token, the observation
     past = max(len(tok(TEXTS[r])["input_ids"]) + 5 + len(observation(tok, r, 0)) + 4 for r in range(3))
     assert cache.decoder.prefilled == past + max(new)
+    # the compiles are bounded: once a conversation has run down to one row (the rows' and the new widths'
+    # 1 / many specialisations seen), conversations of other lengths and row counts compile nothing more, and
+    # the forward's compiles stay below dynamo's recompile limit (past it the steps would run eager)
+    graphs = [torch._dynamo.utils.counters["stats"]["unique_graphs"]]
+    for turns_of, caps in (([2, 4], [7, 3]), ([4, 1, 2], [3, 6, 4]), ([3, 2], [4, 5])):
+        run_turns(compiled, tok, turns_of, caps, use_cache=True, reserve=80, temperature=temperature, seed=5, hold=True)
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert graphs[1] == graphs[2] == graphs[3], graphs
+    code = forward._torchdynamo_orig_callable.__code__  # this engine's own (``hf_decode.own_code``)
+    assert len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code)) < torch._dynamo.config.recompile_limit
 
 
 def test_the_reserve_gives_way_where_the_room_does_not_hold_it(model, tok, monkeypatch):

@@ -83,6 +83,24 @@ def test_copies_follow_the_masters_and_gradients_accumulate():
     assert all(torch.equal(p.detach(), m) for p, m in zip(model.parameters(), masters))  # no write to the masters
 
 
+def test_a_failing_pass_leaves_the_masters_back_and_its_gradients_dropped(monkeypatch):
+    """An out-of-memory pass (the update re-plans and retries it): the fp32 masters are back on every
+    parameter, no gradient of the failed pass is summed (summing allocates, which could fail again)."""
+    model = tiny()
+    bf16 = BF16Compute(model)
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(6))
+    masters = [p.data for p in bf16.params]
+    summed = []
+    monkeypatch.setattr(bf16, "accumulate", lambda: summed.append(True))
+    with pytest.raises(torch.OutOfMemoryError):
+        with bf16.active():
+            token_logprob_loss(model, ids).backward()
+            raise torch.OutOfMemoryError("CUDA out of memory")
+    assert not summed
+    assert all(p.data_ptr() == m.data_ptr() and p.dtype == torch.float32 for p, m in zip(bf16.params, masters))
+    assert all(p.grad is None for p in bf16.params)
+
+
 def test_micro_batches_add_up_in_fp32():
     """Gradients of several micro-batches inside one ``active`` sum in fp32 (``accumulate`` after
     each backward), exactly as their fp32 conversions added one by one; bf16 sums would round."""

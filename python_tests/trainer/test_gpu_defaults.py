@@ -158,7 +158,7 @@ def test_a_small_model_recomputes_rather_than_splitting_a_prompt_group(tmp_path)
 
 def test_checkpointing_stays_off_on_the_cpu():
     cfg = from_dict({})
-    assert memory_plan.wants_checkpointing(cfg, build_model("qwen2"), torch.device("cpu"), False) is False
+    assert memory_plan.wants_checkpointing(cfg, build_model("qwen2"), torch.device("cpu"), False, False) is False
 
 
 def test_an_8bit_optimizer_trains_a_tiny_model_like_adamw():

@@ -102,3 +102,28 @@ def test_one_row_a_micro_batch_recomputed_has_no_safer_plan(model):
     failing(strategy, times=1)
     with pytest.raises(torch.OutOfMemoryError, match="one row a micro-batch, activations recomputed"):
         updates.actor(experience(), loss, skip_idle=False, step=0)
+
+
+def test_an_out_of_memory_optimizer_step_is_not_retried(model):
+    """Only the passes are retried: an optimiser step that failed part-way has moved some of its states."""
+    strategy, updates = built(model, checkpointing=False)
+    steps = []
+
+    def optimizer_step():
+        steps.append(True)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    strategy.optimizer_step = optimizer_step
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 1.00 GiB"):
+        updates.actor(experience(), loss, skip_idle=False, step=0)
+    assert steps == [True] and not updates.replanned
+
+
+def test_a_strategy_without_a_re_plan_raises(model):
+    """Megatron's strategy (no ``recompute_activations``): its ranks and gradient buffers are not re-planned."""
+    strategy, updates = built(model, checkpointing=False)
+    failing(strategy, times=1)
+    strategy.recompute_activations = None  # as Megatron's strategy: it has none
+    with pytest.raises(torch.OutOfMemoryError, match="re-plans only at start-up"):
+        updates.actor(experience(), loss, skip_idle=False, step=0)
+    assert not updates.replanned

@@ -118,7 +118,7 @@ def build_config(family: str, tokenizer: Any, shape: str = "tiny", tie_word_embe
 def build(family: str = "qwen2_vl", shape: str = "tiny", seed: int = 0, vocab_size: int = 512,
           dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu") -> Tuple[Any, VisionProcessor]:
     """``(model, processor)``: a random-weight VLM in eval mode (its generation config's EOS and pad set),
-    its weights drawn on ``device`` (a GPU draws a 3B model's in a moment, a CPU core in minutes)."""
+    its weights drawn on ``device`` (a large model's draw is far quicker on a GPU than on the CPU)."""
     import transformers
 
     processor = build_processor(vocab_size)

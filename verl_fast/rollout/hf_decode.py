@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import types
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -376,15 +377,24 @@ def merge_adapters(module: torch.nn.Module, dtype: Optional[torch.dtype], copies
         done.append((parent, attr, sub))
 
 
+def own_code(fn):
+    """``fn`` over a copy of its code object. torch.compile keeps a function's graphs, and counts its recompiles
+    against ``torch._dynamo.config.recompile_limit`` (past which the calls run eager), per code object: each
+    ``CompiledForward`` (one an engine, its model's) keeps its own rather than sharing the limit with every
+    other model decoded in the process (a judge's, an asynchronous rollout's copy)."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 class CompiledForward:
     """The decode steps' forward compiled by torch.compile (Inductor): a step's norms, rotary, casts,
-    masking and softmax fuse into a few kernels per layer where eager runs ~50 (the captured step at
-    the 0.5B shape was ~1,300 small kernels per token, the GPU busy 1.0 s of a 1.4 s rollout). One
+    masking and softmax fuse into a few kernels per layer where eager launches dozens (docs/hotpaths.md
+    counts them). One
     compiled function serves every rollout: compiled for the first rollout's shapes, then once more
     with the lengths left symbolic when a rollout of another prompt width comes (torch.compile's
     automatic dynamic shapes), never again after that; prompts are left-padded to a multiple of
     ``WIDTH`` so that nearby prompt lengths keep the first, static compile (not a conversation's next turn,
-    whose new tokens the eager prefill runs as they are). A Llama-family layer's q/k/v
+    whose new tokens run as they are, through this same compiled forward when the turn continues a held
+    decoder: ``_Decoder.restart``). A Llama-family layer's q/k/v
     and gate/up products run merged, two GEMMs where there were five (``merged_projections``). Under
     autocast the linear layers run on copies of their weights in the autocast dtype, kept here and
     refreshed from the parameters at every rollout (what autocast would cast them to: the same
@@ -395,9 +405,9 @@ class CompiledForward:
     WIDTH = 64
 
     def __init__(self) -> None:
-        self.fn = torch.compile(model_step)
-        self.record = torch.compile(record)
-        self.record_fused = torch.compile(record_fused)
+        self.fn = torch.compile(own_code(model_step))
+        self.record = torch.compile(own_code(record))
+        self.record_fused = torch.compile(own_code(record_fused))
         self.copies: dict = {}
         self.merged = merged_projections.Merged()
         self.inside: Optional[torch.nn.Module] = None  # the module whose weights are swapped now
@@ -529,7 +539,7 @@ class _Decoder:
         valid = torch.cat([past.valid, attention_mask.bool()], 1)
         self.prefilled = C + W
         # the new tokens' forward through the decode steps' own, compiled: its norms, rotary and casts fused into a
-        # few kernels a layer where the eager forward launches some forty (a turn's prefill of a few new tokens a
+        # few kernels a layer where the eager forward launches dozens (a turn's prefill of a few new tokens a
         # row is launch-bound); its attention stays sdpa, as the eager prefill's (no [rows, heads, new, cache]
         # scores materialised)
         self._prefill(input_ids, valid, positions, C, None, forward=self.forward)
@@ -794,7 +804,7 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
             dec = reuse
             if dec.addresses != addresses:  # its graph reads weights that have moved (e.g. gathered again)
                 dec.graph = None
-            dec.restart(input_ids, attention_mask, past)  # the prefill: sdpa, eager
+            dec.restart(input_ids, attention_mask, past)  # the new tokens' prefill: the compiled forward
         else:
             dec = _Decoder(module, input_ids, attention_mask, max_new_tokens, sampling, stop_ids, pad_id, compiled,
                            rows, fused=fused, past=past, images=images, columns=columns)  # the prefill: sdpa, eager

@@ -383,7 +383,8 @@ class HFGenerateEngine(RolloutEngine):
         """``decoding(module)`` and, where the loop decodes compiled, its weight copies (``CompiledForward.
         weights``), entered once for the many decode calls of a multi-turn rollout (``kv_turns.TurnCache.hold``)
         rather than at each: the walks over the model's modules and the copies of its weights are a turn's
-        host time otherwise. The calls inside, on this thread, find them entered."""
+        host time otherwise. The calls inside, on this thread, find them entered; the weight swap is the
+        module's own, seen from every thread, so no other thread decodes ``module`` while it is held."""
         compiled = self._compiled if self._compiled is not None and not is_sharded(self.model) else None
         with self.decoding(module):
             self._held.module = module

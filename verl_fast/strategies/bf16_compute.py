@@ -48,7 +48,8 @@ class BF16Compute:
     def active(self) -> Iterator[None]:
         """While active, the parameters' data are their bf16 copies, refreshed from the masters on
         entry; on exit the masters are back, their gradients the fp32 sums of the passes' (added to
-        an fp32 gradient already there)."""
+        an fp32 gradient already there). A body that raises leaves the masters back and the passes'
+        gradients unsummed (the caller drops them: an out-of-memory step, ``trainer/updates.py``)."""
         masters = [p.data for p in self.params]
         with torch.no_grad():
             torch._foreach_copy_(self.copies, masters)
@@ -56,14 +57,19 @@ class BF16Compute:
         for p, c in zip(self.params, self.copies):
             p.grad = None
             p.data = c
+        failed = True
         try:
             yield
+            failed = False
         finally:
-            self.accumulate()
-            for p, master, total in zip(self.params, masters, self.sums):
-                p.data = master
-                p.grad = total
-            self.sums = []
+            try:
+                if not failed:  # summing allocates fp32 gradients: not while a failed pass still holds its memory
+                    self.accumulate()
+            finally:
+                for p, master, total in zip(self.params, masters, self.sums):
+                    p.data = master
+                    p.grad = None if failed else total
+                self.sums = []
 
     def accumulate(self) -> None:
         """Adds the bf16 gradients left by the backward passes so far to the fp32 sums: call it after

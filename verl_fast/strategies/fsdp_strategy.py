@@ -131,11 +131,8 @@ def routed(model: torch.nn.Module, sub: Experience, cfg: Config) -> ContextManag
 
 
 def compiles_blocks(actor: torch.nn.Module, cfg: Config, device: torch.device) -> bool:
-    """``actor.compile_blocks`` resolved (its null: auto, as the config's doc says)."""
-    setting = cfg.actor.compile_blocks
-    if setting is not None:
-        return setting
-    return device.type == "cuda" and not is_sharded(actor) and not is_peft(actor)
+    """``actor.compile_blocks`` resolved for ``actor`` (``memory_plan.blocks_compiled``)."""
+    return memory_plan.blocks_compiled(cfg, device, is_sharded(actor), is_peft(actor))
 
 
 def keeps_base_in_bf16(actor: torch.nn.Module, cfg: Config, layout: Sharding, device: torch.device,
@@ -246,7 +243,7 @@ def hf_logprobs(model: torch.nn.Module, exp: Experience, micro: List[torch.Tenso
                 replay: bool = False, compiled: bool = False, packs: bool = False) -> torch.Tensor:
     """[N, L] float32 response log-probs of an HF model (actor or reference), micro-batch by micro-batch
     (``micro_logprobs``), without a graph: whoever calls it, no micro-batch's activations outlive its
-    pass (written into ``out`` with grad on, every micro-batch's graph stayed alive until the last);
+    pass (``out`` would otherwise hold every micro-batch's graph until the last);
     ``replay``: the actor, whose routers follow the rollout's routing where it was recorded;
     ``compiled`` / ``packs``: as ``passes`` says."""
     out = torch.zeros(exp.response_mask.shape, dtype=torch.float32, device=device)
@@ -360,7 +357,7 @@ class FSDPStrategy:
         copies_reference = needs_reference and ref is None and not self.ref_is_base
         if cfg.actor.gradient_checkpointing is None:  # auto: when the memory left needs it (memory_plan)
             layout = replace(layout, gradient_checkpointing=memory_plan.wants_checkpointing(
-                cfg, actor, self.device, copies_reference))
+                cfg, actor, self.device, copies_reference, layout.strategy != "none"))
         self.layout, self.checkpointing = layout, layout.gradient_checkpointing
         use_tf32(cfg.trainer.tf32, self.device)
         self.actor = sharding.shard(actor, layout, self.device)

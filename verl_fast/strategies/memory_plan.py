@@ -15,7 +15,8 @@ Bytes that stay for the whole run (``static``), per parameter of the actor:
 
 What is left holds the activations of the micro-batches: without checkpointing, what each decoder
 layer's forward keeps for its backward, counted tensor by tensor (``layer_bytes``); with it, each
-layer's input plus one layer's full activations for the recompute (``activation_bytes``). ``gradient_checkpointing``'s auto turns it on when the rest
+layer's input plus one layer's full activations for the recompute (``activation_bytes``).
+``gradient_checkpointing``'s auto turns it on when the rest
 cannot hold, without it, the activations of one prompt group (``rollout.n`` sequences of the longest
 length) or of a micro-batch large enough to be worth splitting the update into, whichever is fewer
 tokens (never less than one sequence): a micro-batch more costs ``MICRO_BATCH_S`` beyond its tokens'
@@ -125,7 +126,8 @@ def activation_bytes(shape: Shape, element: int, compiled: bool, checkpointed: b
     the residual stream's and one MLP's intermediates)."""
     h = shape.hidden
     head_dim = (shape.attention or h) // max(shape.heads, 1)
-    layer = layer_bytes(shape, element, compiled) + adapter_per_token(shape.adapted, element == 2) / max(shape.layers, 1)
+    adapters = adapter_per_token(shape.adapted, element == 2) / max(shape.layers, 1)
+    layer = layer_bytes(shape, element, compiled) + adapters
     kept = element * shape.layers * h + layer if checkpointed else shape.layers * layer
     final = (1 if compiled else 1 + FP32 / element) * element * h + element * h + 2 * element * head_dim
     return kept + final + logprob_pass_bytes(shape, element)
@@ -230,10 +232,17 @@ class Plan:
         return self.room >= self.sequence_tokens * self.per_token_checkpointed
 
 
+def blocks_compiled(cfg: Config, device: torch.device, sharded: bool, peft: bool) -> bool:
+    """``actor.compile_blocks`` resolved (its null: auto, on a GPU for an unsharded actor without adapters)."""
+    if cfg.actor.compile_blocks is not None:
+        return cfg.actor.compile_blocks
+    return device.type == "cuda" and not sharded and not peft
+
+
 def plan(cfg: Config, shape: Shape, free_bytes: float, needs_reference: bool, peft: bool,
          compiled: Optional[bool] = None) -> Plan:
     """The memory of a run of ``cfg`` on a GPU with ``free_bytes`` free (module docstring); ``compiled``:
-    the norms and MLPs compiled (None: ``actor.compile_blocks``, whose auto leaves a LoRA actor's eager)."""
+    the norms and MLPs compiled (None: ``blocks_compiled`` for an unsharded actor)."""
     a, r = cfg.actor, cfg.rollout
     weight = DTYPE_BYTES[a.dtype]
     trained_weight = 4 if peft else weight  # peft's adapters train in float32
@@ -253,7 +262,7 @@ def plan(cfg: Config, shape: Shape, free_bytes: float, needs_reference: bool, pe
     static += async_copies(cfg, shape, 2 if bf16_autocast else weight)
     element = 2 if bf16_autocast or weight == 2 else 4
     if compiled is None:
-        compiled = a.compile_blocks if a.compile_blocks is not None else not peft
+        compiled = blocks_compiled(cfg, torch.device("cuda"), False, peft)
     per_token = activation_bytes(shape, element, compiled, checkpointed=False)
     checkpointed = activation_bytes(shape, element, compiled, checkpointed=True)
     sequence = cfg.trainer.max_prompt_length + r.max_new_tokens
@@ -399,13 +408,17 @@ def check_before_loading(cfg: Config, folder: str, needs_reference: bool, device
     shape = shape_from_folder(folder, cfg.actor.lora, cfg.actor.trust_remote_code)
     free = allocatable_bytes(device)
     peft = cfg.actor.lora is not None  # fresh adapters: the reference is the base, no copy (fsdp_strategy)
-    p = plan(cfg, shape, free, needs_reference and not peft, peft)
+    from verl_fast.distributed import world_size
+    from verl_fast.strategies.sharding import Sharding
+
+    sharded = Sharding.from_config(cfg.actor, "actor", world_size()).strategy != "none"
+    p = plan(cfg, shape, free, needs_reference and not peft, peft, blocks_compiled(cfg, device, sharded, peft))
     if not p.fits():
         raise DoesNotFit(refusal(p, cfg))
     from transformers import AutoConfig
 
-    per_call = decode_prompts_per_call(p, cfg, AutoConfig.from_pretrained(folder,
-                                                                           trust_remote_code=cfg.actor.trust_remote_code))
+    model_config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.actor.trust_remote_code)
+    per_call = decode_prompts_per_call(p, cfg, model_config)
     if per_call < cfg.trainer.train_batch_size:
         logger.info("memory plan: the HF decode takes %d of a step's %d prompts per call (KV cache at %d new tokens "
                     "in %.1f GiB of room)", per_call, cfg.trainer.train_batch_size, cfg.rollout.max_new_tokens,
@@ -413,13 +426,15 @@ def check_before_loading(cfg: Config, folder: str, needs_reference: bool, device
     return p
 
 
-def wants_checkpointing(cfg: Config, model: torch.nn.Module, device: torch.device, needs_reference: bool) -> bool:
+def wants_checkpointing(cfg: Config, model: torch.nn.Module, device: torch.device, needs_reference: bool,
+                        sharded: bool) -> bool:
     """``actor.gradient_checkpointing``'s auto for ``model`` (on ``device``, not yet holding its
-    gradients or optimizer states): off on the CPU, where memory is not the limit."""
+    gradients or optimizer states; ``sharded``: it will be): off on the CPU, where memory is not the limit."""
     if device.type != "cuda":
         return False
     free = allocatable_bytes(device)
     shape = shape_of(model)
     here = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cuda")
     peft = is_peft(model)
-    return plan(cfg, shape, free + here, needs_reference, peft).checkpointing
+    compiled = blocks_compiled(cfg, device, sharded, peft)
+    return plan(cfg, shape, free + here, needs_reference, peft, compiled).checkpointing

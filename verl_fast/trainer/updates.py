@@ -104,11 +104,17 @@ class Updates:
         """One optimiser step of the actor over ``micro`` with ``loss_fn(logp, entropy, sub)`` (entropy
         None with ``entropy=False``): each micro-batch's statistics and the gradient norm (the passes'
         work counted in ``perf``); ``before_step(stats)`` runs between the backward and the step."""
+        stats = self.passes(exp, micro, loss_fn, entropy, before_step)
+        return stats, self.strategy.optimizer_step()
+
+    def passes(self, exp: Experience, micro: List[torch.Tensor], loss_fn: Callable[..., Any],
+               entropy: bool = True, before_step: Optional[Callable[[List[Dict]], None]] = None) -> List[Dict]:
+        """``step``'s forward and backward passes and its ``before_step``, without the optimiser step."""
         stats, cost = self.strategy.forward_backward(exp, micro, loss_fn, entropy=entropy)
         self.perf.count_update(*cost)
         if before_step is not None:
             before_step(stats)
-        return stats, self.strategy.optimizer_step()
+        return stats
 
     def fitted_step(self, exp: Experience, rows: torch.Tensor, loss_fn: Callable[..., Any],
                     before_step: Callable[[List[torch.Tensor]], Optional[Callable[[List[Dict]], None]]]
@@ -116,11 +122,13 @@ class Updates:
         """``step`` over ``rows`` cut into micro-batches (``micro``): the micro-batches, their statistics and
         the gradient norm; ``before_step(micro)`` gives the step's ``before_step``. A step whose passes run
         out of device memory is re-planned once a run where a safer plan exists (``_safer_plan``): its
-        partial gradients dropped, the memory freed, the step retried, one line logged."""
+        partial gradients dropped, the memory freed, the passes run again, one line logged. Only the
+        passes are retried: an optimiser step that fails part-way has moved some states already."""
         micro = self.micro(exp, rows)
         while True:
             try:
-                return (micro, *self.step(exp, micro, loss_fn, before_step=before_step(micro)))
+                stats = self.passes(exp, micro, loss_fn, before_step=before_step(micro))
+                break
             except torch.OutOfMemoryError as e:
                 error = str(e).splitlines()[0] if str(e) else "out of memory"
             # outside the except clause: the error's traceback, which holds the failed passes' tensors, is gone
@@ -130,20 +138,23 @@ class Updates:
             self.strategy.optimizer.zero_grad(set_to_none=True)
             free_device_memory(self.device)
             logger.warning("actor update: out of memory at micro-batches of up to %d rows (%s); retrying the step "
-                           "with %s", max(len(idx) for idx in micro), error, change)
+                           "with %s", max((len(idx) for idx in micro), default=0), error, change)
             micro = self.micro(exp, rows)
+        return micro, stats, self.strategy.optimizer_step()
 
     def _safer_plan(self, micro: List[torch.Tensor]) -> Optional[str]:
         """What the re-plan of an out-of-memory step changes, in words (None: nothing left to change, or
         several ranks, whose passes must stay in step): gradient checkpointing turned on where the
         strategy can (``recompute_activations``), else the micro-batches halved where one holds more
-        than one row."""
-        if self.world > 1 or self.replanned:
-            return None
+        than one row. Only a strategy that says how (``recompute_activations``: the FSDP one) in a run of
+        one process re-plans: Megatron's ranks (tensor or pipeline parallel too) and gradient buffers are
+        not one process's to change."""
         recompute = getattr(self.strategy, "recompute_activations", None)
-        if recompute is not None and recompute():
+        if self.replanned or recompute is None or distributed.world_size() > 1:
+            return None
+        if recompute():
             change = "gradient checkpointing on"
-        elif max(len(idx) for idx in micro) > 1:
+        elif max((len(idx) for idx in micro), default=0) > 1:
             self.split *= 2
             change = f"micro-batches of half the budget ({self.split} x smaller than planned)"
         else:
@@ -152,8 +163,9 @@ class Updates:
         return change
 
     def _limits(self) -> str:
-        if self.world > 1:
-            return "several ranks re-plan together only at start-up; set actor.gradient_checkpointing or a smaller actor.max_token_len_per_gpu"
+        if distributed.world_size() > 1 or getattr(self.strategy, "recompute_activations", None) is None:
+            return ("a run of several processes, or Megatron's, re-plans only at start-up; set "
+                    "actor.gradient_checkpointing or a smaller actor.max_token_len_per_gpu")
         if self.replanned:
             return "re-planned once already"
         return "one row a micro-batch, activations recomputed"
