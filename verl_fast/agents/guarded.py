@@ -12,11 +12,14 @@
   naming the environment, the method and what was wrong. From a worker, what crosses is JSON
   bytes (``MAX_ANSWER_BYTES`` at most), never a pickled object.
 - an environment whose worker dies ends its trajectory (``env_crashes``).
+- at the trajectory's end, ``close`` kills the worker, or calls the environment's own ``close`` where it
+  has one (an OpenEnv session, a verifiers rollout the limits cut short).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import queue
@@ -30,6 +33,7 @@ from verl_fast.data import PromptRow
 
 ISOLATIONS = ("thread", "process")
 MAX_ANSWER_BYTES = 16 << 20  # an answer from an environment's worker
+logger = logging.getLogger(__name__)
 
 
 class EnvironmentTimeout(RuntimeError):
@@ -193,9 +197,15 @@ class GuardedEnvironment(Environment):
         return out
 
     def close(self) -> None:
-        """Kills the environment's worker, if it has one (idempotent)."""
+        """Kills the environment's worker, if it has one, else calls the environment's own ``close``
+        where it has one (under the time limit; not after a call timed out, which may still run)."""
         if self._worker is not None:
             self._worker.kill()
+        elif not self._broken and callable(getattr(self._env, "close", None)):
+            try:
+                self._in_thread("close", None)
+            except Exception as e:  # the trajectory is complete: its environment's clean-up failing is reported
+                logger.warning("environment %s: close failed: %s: %s", self.name, type(e).__name__, e)
 
 
 class _Crash:

@@ -1,5 +1,6 @@
 """``rollout.multi_turn``: the keys of a multi-turn (tool-calling, environment) rollout, checked at
-config validation (before any model loads; the tools are imported and their schemas built then)."""
+config validation (before any model loads; the tools are imported and their schemas built then), the
+optional packages they need, and the ``verifiers:<env>`` dataset source (a verifiers environment's rows)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from verl_fast import config as config_mod
 from verl_fast import extras
 from verl_fast.algos import registry as algorithms
 from verl_fast.config import option, read_section
+from verl_fast.data import sources
 
 BUILT_IN_ENVIRONMENTS = ("tools", "reasoning_gym", "single_turn")
 TOOL_FORMATS = ("auto", "hermes", "llama3", "mistral")
 OPENENV_ADAPTER = "verl_fast.agents.openenv_env:OpenEnvEnvironment"
+VERIFIERS_ADAPTER = "verl_fast.agents.verifiers_env:VerifiersEnvironment"
 
 
 @dataclass
@@ -101,6 +104,26 @@ def _needs_openenv(cfg: config_mod.Config) -> Optional[str]:
     return f"rollout.multi_turn.environment={env}" if env == OPENENV_ADAPTER else None
 
 
+def _needs_verifiers(cfg: config_mod.Config) -> Optional[str]:
+    mt = cfg.rollout.multi_turn
+    env = mt.get("environment") if isinstance(mt, dict) else None
+    if env == VERIFIERS_ADAPTER:
+        return f"rollout.multi_turn.environment={env}"
+    for key in ("dataset", "val_dataset"):
+        source = getattr(cfg.trainer, key)
+        if isinstance(source, str) and source.startswith("verifiers:"):
+            return f"trainer.{key}={source}"
+    return None
+
+
+def _verifiers_rows(env: str, **env_kwargs: Any) -> List[Dict[str, Any]]:
+    from verl_fast.agents.verifiers_env import verifiers_rows  # imports verifiers: only when asked
+
+    return verifiers_rows(env, **env_kwargs)
+
+
 config_mod.register_check(_check)
+sources.register("verifiers", _verifiers_rows)
 extras.register("mcp", "agents", _needs_mcp)
 extras.register("openenv", "openenv", _needs_openenv)
+extras.register("verifiers", "verifiers", _needs_verifiers)

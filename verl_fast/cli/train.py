@@ -14,7 +14,7 @@ from verl_fast.errors import ConfigError
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML config (default: the embedded GRPO SmolLM2 chain_sum run)")
     p.add_argument("--dataset_path", help="parquet / jsonl / json / .pt file, a datasets folder, a Hub dataset "
-                                          "name (org/name), or reasoning_gym:<task>")
+                                          "name (org/name), reasoning_gym:<task>, or verifiers:<env>")
     p.add_argument("--metrics_port", type=int, help="serve OpenMetrics (Prometheus) on this port")
     p.add_argument("--output_dir", help="where checkpoints, metrics.jsonl and the reward curve go")
     p.add_argument("--set", dest="overrides", action="append", nargs="+", default=[], metavar="KEY=VALUE",

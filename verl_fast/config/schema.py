@@ -388,7 +388,9 @@ class TrainerConfig:
                         doc="HF safetensors beside which checkpoints (the sharded state is always written)")
     dataset: Optional[Union[str, List[str]]] = _f(None, doc="parquet/jsonl/json path, datasets folder, Hub dataset "
                                                   "name (org/name or org/name:split, through datasets.load_dataset), "
-                                                  "or reasoning_gym:<task>; a list of files: their rows in turn")
+                                                  "reasoning_gym:<task>, or verifiers:<env> (a verifiers environment's "
+                                                  "dataset, dataset_kwargs its arguments); a list of files: their rows "
+                                                  "in turn")
     dataset_kwargs: Dict[str, Any] = _f(dict)
     val_dataset: Optional[Union[str, List[str]]] = _f(None, doc="validation prompts, in the formats of trainer.dataset (null: no "
                                     "validation)")

@@ -1,10 +1,11 @@
 """A dataset source as verl-format rows: a parquet / JSONL / JSON / .pt file, a folder saved by
-``datasets``, a Hub dataset, a reasoning-gym task, or rows given in Python (``load_rows``)."""
+``datasets``, a Hub dataset, a reasoning-gym task, a verifiers environment's dataset, or rows given in
+Python (``load_rows``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence
 
 from verl_fast.data import readers
 from verl_fast.files import hub
@@ -20,6 +21,15 @@ def _to_plain(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_to_plain(v) for v in x]
     return x
+
+
+# ``<kind>:<name>`` sources that other parts serve (``register``): kind -> rows(name, **kwargs)
+NAMED: Dict[str, Callable[..., List[Dict[str, Any]]]] = {}
+
+
+def register(kind: str, rows: Callable[..., List[Dict[str, Any]]]) -> None:
+    """``trainer.dataset: <kind>:<name>`` loads ``rows(name, **dataset_kwargs)`` (the agents' ``verifiers:<env>``)."""
+    NAMED[kind] = rows
 
 
 def hub_rows(name: str, split: str = "train", **kwargs: Any) -> List[Dict[str, Any]]:
@@ -48,18 +58,23 @@ def hub_rows(name: str, split: str = "train", **kwargs: Any) -> List[Dict[str, A
 def load_rows(source: Any, **kwargs: Any) -> List[Dict[str, Any]]:
     """verl-format rows from a parquet / JSONL / JSON file, a folder saved by ``datasets``, a Hub
     dataset name (``org/name``; kwargs go to ``datasets.load_dataset``: ``name``, ``split``, ...), a
-    ``datasets.Dataset``, ``"reasoning_gym:<task>"`` (kwargs go to ``create_dataset``), or a list."""
+    ``datasets.Dataset``, ``"reasoning_gym:<task>"`` (kwargs go to ``create_dataset``),
+    ``"<kind>:<name>"`` of a registered kind (``"verifiers:<env>"``: a verifiers environment's dataset,
+    kwargs its arguments, ``agents/verifiers_env.py``), or a list."""
     if isinstance(source, (list, tuple)) and source and all(isinstance(s, (str, Path)) for s in source):
         return [row for one in source for row in load_rows(one, **kwargs)]  # verl's list of files
     if isinstance(source, str) and source.startswith("reasoning_gym:"):
         return reasoning_gym_rows(source.split(":", 1)[1], **kwargs)
+    if isinstance(source, str) and source.partition(":")[0] in NAMED and ":" in source:
+        kind, _, name = source.partition(":")
+        return readers.checked(NAMED[kind](name, **kwargs), source)
     if isinstance(source, (str, Path)):
         path = Path(source).expanduser()  # verl's configs write ~/data/...
         if not path.exists() and hub.is_repo_id(str(source)):
             return readers.checked(hub_rows(str(source), **kwargs), str(source))
         if not path.exists():
             raise FileNotFoundError(f"dataset {source} not found (parquet, jsonl, json, a datasets folder, "
-                                    "a Hub dataset name, or reasoning_gym:<task>)")
+                                    "a Hub dataset name, reasoning_gym:<task> or verifiers:<env>)")
         if path.is_dir():
             import datasets
 

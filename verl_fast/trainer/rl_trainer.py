@@ -266,8 +266,8 @@ class RLTrainer:
     # ------------------------------------------------------------------ the loop
 
     def fit(self, dataset: Any, val_dataset: Any = None, **dataset_kwargs: Any) -> List[Dict[str, Any]]:
-        """Trains on ``dataset`` (rows in verl format, a path, a datasets.Dataset, or
-        ``reasoning_gym:<task>``; preference pairs for DPO), validating on ``val_dataset`` (the same
+        """Trains on ``dataset`` (rows in verl format, a path, a datasets.Dataset, ``reasoning_gym:<task>``
+        or ``verifiers:<env>``; preference pairs for DPO), validating on ``val_dataset`` (the same
         forms; default ``trainer.val_dataset``) as ``trainer.val_freq`` says. Returns the per-step
         metrics (a validation before training, ``trainer.val_before_train``, is the record of step 0)."""
         cfg = self.cfg.trainer
