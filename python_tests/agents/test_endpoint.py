@@ -113,8 +113,83 @@ def test_an_agents_calls_become_one_trajectory_with_the_engines_exact_tokens(tin
         assert torch.allclose(out.logprobs[r, :n][mask].double(), ref[mask], atol=1e-4)
         lp = [x["logprob"] for x in first["choices"][0]["logprobs"]["content"]]
         assert lp == pytest.approx(out.logprobs[r, :len(a)].tolist(), abs=1e-6)
+        assert [x["token"] for x in first["choices"][0]["logprobs"]["content"]] == [tok.decode([t]) for t in a]
         assert out.token_rewards[r, n - 1] == 0.5 and out.token_rewards[r].sum() == 0.5
         assert out.texts[r] == second["choices"][0]["message"]["content"]
+
+
+def mixed_agent(row, base_url):
+    """Two calls of the row's kind: chat with tools / without / tool_choice none / n=2 first / an edited
+    history second, a text completion continued by the next, a token-id completion."""
+    kind, log, messages = row["kind"], [], list(row["messages"])
+    for turn in range(2):
+        if kind in ("text", "ids"):
+            prompt = [3, 4, 5 + turn] if kind == "ids" else (
+                log[-1]["prompt"] + log[-1]["reply"]["choices"][0]["text"] + " d" if log else "a b c")
+            reply = post(f"{base_url}/completions", {"prompt": prompt, "max_tokens": 3})[1]
+            log.append({"prompt": prompt, "reply": reply})
+            continue
+        body = {"messages": list(messages), "max_tokens": 3, "n": 2 if kind == "n2" and turn == 0 else 1}
+        if kind != "plain":
+            body["tools"] = TOOLS
+        if kind == "none":
+            body["tool_choice"] = "none"
+        status, reply = post(f"{base_url}/chat/completions", body)
+        assert status == 200, reply
+        log.append({"messages": body["messages"], "reply": reply})
+        messages += [{"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+                     {"role": "user" if kind == "plain" else "tool", "content": "42"}]
+        if kind == "edited":
+            messages[0] = {"role": "user", "content": messages[0]["content"] + " (edited)"}
+    SEEN[kind] = (base_url.split("/t/")[1].split("/")[0], log)
+
+
+def test_a_batch_of_mixed_calls_gets_each_calls_prompt_ids_made_alone(tiny):
+    """Agents whose calls meet in one batch a turn (chat with and without tools, tool_choice none, n=2, an
+    edited history, text and token-id completions): each call's prompt ids are those of rendering and
+    tokenising it alone (a continued call: the previous prompt and samples kept, the new messages rendered
+    after them), and each batch's texts are tokenised in one tokenizer call."""
+    _, _, tok = tiny
+    kinds = ["tools", "plain", "none", "n2", "edited", "text", "ids"]
+    batch = rows(tok, len(kinds))
+    for row, kind in zip(batch, kinds):
+        row.columns["kind"] = kind
+    op = operator(tiny, mixed_agent, batch_window_s=30.0, concurrency=len(kinds))
+    recorders, batches, encoded = {}, [], []
+    pop, run, encode = op.endpoint.pop, op.batcher._run, type(tok).__call__
+    op.endpoint.pop = lambda tid: recorders.setdefault(tid, pop(tid))
+    op.batcher._run = lambda requests: (batches.append(len(requests)), run(requests))
+
+    def counted(self, *args, **kwargs):
+        encoded.append(args[0])
+        return encode(self, *args, **kwargs)
+
+    type(tok).__call__ = counted
+    try:
+        op.rollout(batch)
+    finally:
+        type(tok).__call__ = encode
+        op.close()
+    assert batches == [len(kinds)] * 2 and len(encoded) == 2  # one tokenizer call a batch
+    for kind in kinds:
+        tid, log = SEEN[kind]
+        calls = recorders[tid].calls
+        first, second = calls[0], calls[-1]
+        assert len(calls) == (3 if kind == "n2" else 2)
+        if kind == "ids":
+            assert [c.prompt_ids for c in calls] == [[3, 4, 5], [3, 4, 6]]
+        elif kind == "text":
+            before, prompt = first.prompt_text + tok.decode(first.ids, skip_special_tokens=False), log[1]["prompt"]
+            want = (first.prompt_ids + first.ids + tok.encode(prompt[len(before):], add_special_tokens=False)
+                    if prompt.startswith(before) else tok.encode(prompt, add_special_tokens=False))
+            assert first.prompt_ids == tok.encode("a b c", add_special_tokens=False) and second.prompt_ids == want
+        else:
+            renderer = ChatRenderer(tok, [] if kind in ("plain", "none") else TOOLS)
+            assert first.prompt_ids == renderer.prompt_ids(log[0]["messages"])
+            assert log[1]["reply"]["continued"] is (kind != "edited")
+            stop = first.ids[-1] if first.finish == "stop" else None
+            continued = first.prompt_ids + first.ids + renderer.observation_ids(log[1]["messages"][-1:], stop)
+            assert second.prompt_ids == (renderer.prompt_ids(log[1]["messages"]) if kind == "edited" else continued)
 
 
 def test_concurrent_agents_are_batched_into_few_generate_calls(tiny):
@@ -326,3 +401,67 @@ def test_the_batch_goes_as_soon_as_every_running_agent_waits(tiny):
         op.close()
     assert out.num_sequences == 8 and op.metrics()["agent/calls"] == 24
     assert op.metrics()["agent/engine_calls"] == 3 and seconds < 30.0
+
+
+def test_a_batch_goes_once_the_last_agent_not_waiting_ends(tiny):
+    """An agent that ends without calling leaves the others waiting in the batch: it goes then, not at the
+    end of the window."""
+    _, _, tok = tiny
+
+    def agent(row, base_url):
+        if row["ground_truth"] == "1":
+            time.sleep(0.5)
+            return None
+        post(f"{base_url}/chat/completions", {"messages": row["messages"], "max_tokens": 2})
+        return None
+
+    op = operator(tiny, agent, batch_window_s=30.0, concurrency=4)
+    try:
+        start = time.monotonic()
+        op.rollout(rows(tok, 4))
+        seconds = time.monotonic() - start
+    finally:
+        op.close()
+    assert op.metrics()["agent/engine_calls"] == 1 and op.metrics()["agent/calls"] == 3 and seconds < 15.0
+
+
+def test_later_connections_are_served_by_the_threads_of_closed_ones(tiny):
+    """A client opening a connection per call (urllib) is served by the endpoint's threads whose connections
+    closed, not by a thread started per connection; closing the endpoint ends them."""
+    import threading
+
+    from verl_fast.agents.endpoint import EngineBatcher, Endpoint
+
+    _, model, tok = tiny
+    endpoint = Endpoint(EngineBatcher(HFGenerateEngine(model, tok)), tok)
+    url = endpoint.open("t", SamplingSpec(n=1, temperature=1.0, max_tokens=4))
+    served, route = [], endpoint._route
+    endpoint._route = lambda path, body: (served.append(threading.current_thread()), route(path, body))[1]
+    start = threading.Barrier(8)
+
+    def call():
+        start.wait()
+        with urllib.request.urlopen(f"{url}/models", timeout=60) as response:
+            assert response.status == 200
+
+    try:
+        for _ in range(3):
+            clients = [threading.Thread(target=call) for _ in range(8)]
+            for t in clients:
+                t.start()
+            for t in clients:
+                t.join()
+            deadline = time.monotonic() + 10  # every handler back waiting for a connection
+
+            def busy():
+                return sum(t.is_alive() for t in set(served)) - getattr(endpoint.server, "_idle", 0)
+
+            while busy() > 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+    finally:
+        endpoint.close()
+    threads = list({id(t): t for t in served}.values())
+    assert len(served) == 24 and len(threads) <= 8  # at most one thread per connection open at once
+    for t in threads:
+        t.join(timeout=10)
+    assert not any(t.is_alive() for t in threads)

@@ -159,3 +159,55 @@ def test_batched_rendering_equals_one_by_one(family):
     assert renderer.observations_ids([]) == [] and renderer.prompts_ids([]) == []
     texts = ["", "a b", "a b", " 12 + 30 = 42"]
     assert renderer.encode_all(texts) == [renderer.encode(t) for t in texts]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_batch_of_endpoint_prompts_equals_each_made_alone(family):
+    """``chat.prompts_ids`` (the endpoint's batch: every distinct text rendered once, all encoded in one
+    tokenizer call) gives each prompt the ids of making it alone, for a mix: fresh conversations with and
+    without tools (two renderers), observations continuing kept tokens after a stop token or none, plain
+    text after kept tokens, given ids, repeats; a prompt whose rendering raises gets its error, alone."""
+    from verl_fast.agents.chat import Prompt, prompts_ids, render_key
+
+    tok = family_tokenizer(family)
+    tools, plain = ChatRenderer(tok, [tool_schema(add)]), ChatRenderer(tok, [])
+    other = {"role": "user", "content": "and 7 + 8, twice over?"}
+    tool = {"role": "tool", "name": "add", "tool_call_id": "call00000", "content": "5"}
+    stop = tok.convert_tokens_to_ids(FAMILIES[family][2])
+    head = tools.prompt_ids([USER]) + tok("The sum is", add_special_tokens=False)["input_ids"] + [stop]
+
+    def fresh(renderer, messages):
+        return (Prompt([], lambda: renderer.prompt_text(messages), (renderer, "prompt", render_key(messages)), tok),
+                renderer.prompt_ids(messages))
+
+    def observed(renderer, messages, last):
+        return (Prompt(head, lambda: renderer.observation_text(messages, last),
+                       (renderer, "observations", render_key(messages, last)), tok),
+                head + renderer.observation_ids(messages, last))
+
+    def text(before, words):
+        return Prompt(before, lambda: words, ("text", words), tok), before + tok.encode(words, add_special_tokens=False)
+
+    def broken():
+        raise ValueError("the template refused")
+
+    brief = {"role": "system", "content": "Be brief."}
+    cases = [fresh(tools, [USER]), fresh(plain, [USER]), fresh(tools, [USER]), fresh(plain, [brief, other]),
+             observed(tools, [tool], stop), observed(tools, [tool], None), observed(plain, [other], stop),
+             observed(tools, [tool], stop), observed(tools, [tool, other], stop), text([5, 6], " 12 + 30 = 42"),
+             text([], "a b"), (Prompt([7, 8, 9]), [7, 8, 9]), (Prompt([1], broken, "broken", tok), None)]
+    calls = []
+    encode = tok.__class__.__call__
+
+    def counted(self, *args, **kwargs):
+        calls.append(args[0])
+        return encode(self, *args, **kwargs)
+
+    tok.__class__.__call__ = counted
+    try:
+        got = prompts_ids([p for p, _ in cases])
+    finally:
+        tok.__class__.__call__ = encode
+    assert got[:-1] == [want for _, want in cases[:-1]]
+    assert isinstance(got[-1], ValueError) and str(got[-1]) == "the template refused"
+    assert len(calls) == 1 and isinstance(calls[0], list)  # one tokenizer call for the batch

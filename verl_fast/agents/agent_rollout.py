@@ -38,6 +38,8 @@ from verl_fast.rollout.operator import RolloutOperator
 
 logger = logging.getLogger(__name__)
 
+_TIMEOUT_CHECK_S = 0.05  # the rollout looks for runs past timeout_s this often (and whenever a run ends)
+
 
 @dataclass
 class _Run:
@@ -77,6 +79,7 @@ class AgentRolloutOperator(RolloutOperator):
         self.endpoint = Endpoint(self.batcher, tokenizer, settings.tool_format, settings.host, settings.port)
         self._slots = threading.Semaphore(settings.concurrency)
         self._release_lock = threading.Lock()
+        self._ended = threading.Event()  # a run ended (or timed out) since the rollout's loop last looked
         self._metrics: Dict[str, float] = {}
 
     def _row(self, row: PromptRow) -> Dict[str, Any]:
@@ -90,10 +93,13 @@ class AgentRolloutOperator(RolloutOperator):
 
     def _release(self, run: _Run) -> None:
         with self._release_lock:
-            if not run.released:
-                run.released = True
-                self._running -= 1
-                self._slots.release()
+            if run.released:
+                return
+            run.released = True
+            self._running -= 1
+            self._slots.release()
+        self._ended.set()
+        self.batcher.wake()  # one agent fewer to wait for
 
     def _start(self, run: _Run, row: Dict[str, Any], url: str, runs: List[_Run]) -> None:
         def body() -> None:
@@ -155,7 +161,8 @@ class AgentRolloutOperator(RolloutOperator):
                 runs.append(run)
                 self._start(run, dict(payload), url, runs)
         while self._check_timeouts(runs):
-            time.sleep(0.005)
+            self._ended.wait(_TIMEOUT_CHECK_S)
+            self._ended.clear()
         return self._output(runs, batch)
 
     def _output(self, runs: List[_Run], batch: Sequence[PromptRow]) -> Tuple[GenerationOutput, Dict[str, float]]:

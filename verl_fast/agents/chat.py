@@ -8,12 +8,16 @@ them after a fixed stand-in conversation and keeping what the template adds
 the template's end of an assistant turn (e.g. ``<|im_end|>\\n``) minus the stop token the model
 already emitted. So the token sequence is what the template writes for the whole conversation,
 except that the model's turns are its sampled tokens.
+
+A batch's texts are rendered once each where equal and encoded in one tokenizer call, with the ids of
+encoding each alone: ``ChatRenderer.prompts_ids`` / ``observations_ids`` for the built-in multi-turn
+rollout's turns, ``prompts_ids`` for the endpoint's batch of calls (``Prompt``: kept ids, then a text).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from verl_fast.agents.parsing import detect_format, tools_system_prompt
 
@@ -51,11 +55,7 @@ class ChatRenderer:
 
     def encode_all(self, texts: Sequence[str]) -> List[List[int]]:
         """Each of ``texts`` as ``encode`` gives it, the distinct ones in one call of the tokenizer."""
-        distinct = list(dict.fromkeys(texts))
-        if not distinct:
-            return []
-        ids = dict(zip(distinct, self.tokenizer(distinct, add_special_tokens=False)["input_ids"]))
-        return [list(ids[text]) for text in texts]
+        return encode_all(self.tokenizer, texts)
 
     def with_tool_instructions(self, messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         """``messages`` with the Hermes tool instructions in the system message, where the template
@@ -69,28 +69,30 @@ class ChatRenderer:
 
     def prompt_ids(self, messages: List[Dict[str, Any]]) -> List[int]:
         """The first prompt's tokens: ``messages`` (the tools rendered or described) and the generation prompt."""
-        return self.encode(self._prompt_text(messages))
+        return self.encode(self.prompt_text(messages))
 
     def prompts_ids(self, conversations: Sequence[List[Dict[str, Any]]]) -> List[List[int]]:
         """``prompt_ids`` of each of ``conversations``: each distinct one rendered once, all encoded together."""
-        return self.encode_all(_each_once([_key(m) for m in conversations], conversations, self._prompt_text))
+        return self.encode_all(_each_once([render_key(m) for m in conversations], conversations, self.prompt_text))
 
     def observation_ids(self, messages: List[Dict[str, Any]], last_token: Optional[int]) -> List[int]:
         """The tokens between a model turn that ended with ``last_token`` and the model's next turn:
         the end of the turn the model did not write, ``messages``, the next generation prompt."""
-        return self.encode(self._observation_text(messages, last_token))
+        return self.encode(self.observation_text(messages, last_token))
 
     def observations_ids(self, items: Sequence[Tuple[List[Dict[str, Any]], Optional[int]]]) -> List[List[int]]:
         """``observation_ids`` of each (messages, last token): each distinct one rendered once, all encoded
         together."""
-        return self.encode_all(_each_once([_key(m, last) for m, last in items], items,
-                                          lambda item: self._observation_text(*item)))
+        return self.encode_all(_each_once([render_key(m, last) for m, last in items], items,
+                                          lambda item: self.observation_text(*item)))
 
-    def _prompt_text(self, messages: List[Dict[str, Any]]) -> str:
+    def prompt_text(self, messages: List[Dict[str, Any]]) -> str:
+        """The text ``prompt_ids`` encodes."""
         tools = self.schemas if self.template_renders_tools and self.schemas else None
         return self._render(self.with_tool_instructions(messages), True, tools)
 
-    def _observation_text(self, messages: List[Dict[str, Any]], last_token: Optional[int]) -> str:
+    def observation_text(self, messages: List[Dict[str, Any]], last_token: Optional[int]) -> str:
+        """The text ``observation_ids`` encodes."""
         whole = self._render(self._prefix + list(messages), generation_prompt=True)
         if not whole.startswith(self._base):
             raise ValueError("the chat template renders a conversation differently once observation messages follow "
@@ -103,6 +105,49 @@ class ChatRenderer:
         return end + whole[len(self._base):]
 
 
+class Prompt(NamedTuple):
+    """A call's prompt as ``prompts_ids`` makes it tokens with the other prompts of a batch: ``head`` (token
+    ids kept as they are: a previous call's prompt and sampled tokens, or ids given), then ``text()`` encoded
+    by ``tokenizer`` (None: nothing follows). Prompts of equal ``key`` have equal texts (rendered once)."""
+
+    head: List[int]
+    text: Optional[Callable[[], str]] = None
+    key: Hashable = None
+    tokenizer: Any = None
+
+
+def prompts_ids(prompts: Sequence[Prompt]) -> List[Union[List[int], Exception]]:
+    """Each prompt's token ids: ``head`` and the tokens of its text, each distinct text rendered once and
+    the texts of one tokenizer encoded in one call. A prompt whose rendering raised gets the exception."""
+    texts: Dict[Hashable, Union[str, Exception]] = {}
+    for p in prompts:
+        if p.text is not None and p.key not in texts:
+            try:
+                texts[p.key] = p.text()
+            except Exception as e:  # noqa: BLE001 - a template's failure on one request is that request's answer
+                texts[p.key] = e
+    rendered = [p for p in prompts if p.text is not None and isinstance(texts[p.key], str)]
+    tokens: Dict[Tuple[int, Hashable], List[int]] = {}
+    for tokenizer_id in dict.fromkeys(id(p.tokenizer) for p in rendered):
+        group = [p for p in rendered if id(p.tokenizer) == tokenizer_id]
+        keys = list(dict.fromkeys(p.key for p in group))
+        ids = encode_all(group[0].tokenizer, [texts[k] for k in keys])
+        tokens.update(((tokenizer_id, k), i) for k, i in zip(keys, ids))
+    return [list(p.head) if p.text is None else
+            texts[p.key] if isinstance(texts[p.key], Exception) else list(p.head) + tokens[id(p.tokenizer), p.key]
+            for p in prompts]
+
+
+def encode_all(tokenizer: Any, texts: Sequence[str]) -> List[List[int]]:
+    """Each of ``texts`` as ``tokenizer(text, add_special_tokens=False)`` encodes it, the distinct ones in one
+    call of the tokenizer."""
+    distinct = list(dict.fromkeys(texts))
+    if not distinct:
+        return []
+    ids = dict(zip(distinct, tokenizer(distinct, add_special_tokens=False)["input_ids"]))
+    return [list(ids[text]) for text in texts]
+
+
 def _each_once(keys: List[str], items: Sequence[Any], render: Callable[[Any], str]) -> List[str]:
     """``render(item)`` for each of ``items``, rendered once per distinct key."""
     texts: Dict[str, str] = {}
@@ -112,6 +157,6 @@ def _each_once(keys: List[str], items: Sequence[Any], render: Callable[[Any], st
     return [texts[key] for key in keys]
 
 
-def _key(messages: List[Dict[str, Any]], last_token: Optional[int] = None) -> str:
+def render_key(messages: List[Dict[str, Any]], last_token: Optional[int] = None) -> str:
     """What a rendering depends on: the messages and the token before them."""
     return json.dumps([messages, last_token], sort_keys=True, default=str)

@@ -8,7 +8,10 @@ Each trajectory has its own base URL, ``http://127.0.0.1:<port>/t/<id>/v1``, so 
 (``prompt`` as text or token ids) and ``GET /models``.
 
 Requests from all trajectories meet in ``EngineBatcher``: those that arrive within ``batch_window_s`` of
-each other go to the engine in one ``generate`` call. On the HF decode a trajectory's call that extends
+each other go to the engine in one ``generate`` call. A request's handler parses it and finds what its
+prompt continues; the batcher renders the prompts of a batch through the chat template and tokenises them
+together (``chat.prompts_ids``: each distinct text rendered once, one tokenizer call), as the built-in
+multi-turn rollout renders its turns, before the engine call. On the HF decode a trajectory's call that extends
 its previous call's prompt and sampled tokens exactly prefills only the new tokens (the previous call's
 keys and values kept, ``rollout/kv_turns.py``).
 
@@ -31,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from verl_fast.agents.chat import ChatRenderer
+from verl_fast.agents.chat import ChatRenderer, Prompt, prompts_ids, render_key
 from verl_fast.agents.parsing import parse_tool_calls
 from verl_fast.records.generation import SamplingSpec
 from verl_fast.rollout.base import RolloutEngine
@@ -45,17 +48,31 @@ class Refused(Exception):
         self.status = status
 
 
+Samples = List[Tuple[List[int], List[float], str]]  # per sample: token ids, their log-probs, finish reason
+
+
 class _Request(NamedTuple):
-    prompt_ids: List[int]
-    spec: SamplingSpec
+    prompt: Prompt  # made token ids when its batch goes, with the batch's other prompts
+    sampling: Callable[[List[int]], SamplingSpec]  # the call's sampling, given its prompt ids (or Refused)
     future: Future
     key: Optional[str]  # the trajectory whose cache a one-sample call continues (None: nothing cached)
+
+
+_WAKE = object()  # put by wake(): the worker looks at live() again
+
+
+class _Ready(NamedTuple):
+    request: _Request
+    prompt_ids: List[int]
+    spec: SamplingSpec
 
 
 class EngineBatcher:
     """Calls of many trajectories as few ``generate`` calls: a worker thread takes every request that
     arrives within ``window_s`` of the first (at most ``max_batch``) and generates them together; it goes
     at once when ``live()`` (the agent runs that may still call) says every one of them is waiting in it.
+    The batch's prompts are made token ids together first (``chat.prompts_ids``), then each request's
+    sampling is fixed from its prompt ids (a request refused there gets its error, the others go).
 
     Between ``begin()`` and ``end()`` (one rollout: the weights do not change inside it), with
     ``continuation`` on and an engine that keeps conversations' caches (``engine.turn_cache()``, the HF
@@ -68,7 +85,7 @@ class EngineBatcher:
                  continuation: bool = True, live: Optional[Callable[[], int]] = None):
         self.engine, self.window_s, self.max_batch, self.live = engine, window_s, max_batch, live
         self.continuation = continuation
-        self._queue: "queue.Queue[Optional[_Request]]" = queue.Queue()
+        self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()  # requests, _WAKE, None (stop)
         self.calls, self.seconds = 0, 0.0
         self._turns: Any = None  # the rollout's TurnCache, between begin() and end()
         self._turns_lock = threading.Lock()  # the worker's decodes against drop() / end() of other threads
@@ -99,50 +116,76 @@ class EngineBatcher:
             if self._turns is not None:
                 self._turns.drop(key)
 
-    def generate(self, prompt_ids: List[int], spec: SamplingSpec, key: Optional[str] = None
-                 ) -> List[Tuple[List[int], List[float], str]]:
-        """``spec.n`` samples of ``prompt_ids``: (token ids, their log-probs, finish reason) each. ``key``:
-        the trajectory whose cache a one-sample call continues (None: nothing cached)."""
+    def generate(self, prompt: Prompt, sampling: Callable[[List[int]], SamplingSpec], key: Optional[str] = None
+                 ) -> Tuple[List[int], Samples]:
+        """The prompt's token ids and ``spec.n`` samples of them, ``spec = sampling(prompt ids)`` (its
+        exception raised here). ``key``: the trajectory whose cache a one-sample call continues (None:
+        nothing cached)."""
         future: Future = Future()
-        self._queue.put(_Request(prompt_ids, spec, future, key))
+        self._queue.put(_Request(prompt, sampling, future, key))
         return future.result()
+
+    def wake(self) -> None:
+        """``live()`` fell (a run ended): a batch that waits for it may go."""
+        self._queue.put(_WAKE)
 
     def _loop(self) -> None:
         while True:
             first = self._queue.get()
             if first is None:
                 return
+            if first is _WAKE:
+                continue
             batch, deadline = [first], time.monotonic() + self.window_s
             while len(batch) < self.max_batch and not self._everyone_waits(len(batch)):
-                left = deadline - time.monotonic()
-                try:  # a run that ends meanwhile may leave everyone else waiting: look again in short waits
-                    item = self._queue.get(timeout=max(0.0, min(left, 0.005) if self.live else left))
+                try:
+                    item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
                 except queue.Empty:
-                    if time.monotonic() < deadline:
-                        continue
                     break
                 if item is None:
                     self._queue.put(None)
                     break
-                batch.append(item)
+                if item is not _WAKE:
+                    batch.append(item)
             self._run(batch)
 
     def _everyone_waits(self, waiting: int) -> bool:
         return self.live is not None and waiting >= self.live()
 
-    def _run(self, batch: List[_Request]) -> None:
+    def _run(self, requests: List[_Request]) -> None:
+        batch = self._prepare(requests)
         with self._turns_lock:
             turns = self._turns
-            cached = [r for r in batch if turns is not None and r.key is not None and r.spec.n == 1]
-            whole = [r for r in batch if r not in cached]
+            cached = [r for r in batch if turns is not None and r.request.key is not None and r.spec.n == 1]
+            whole = [r for r in batch if turns is None or r.request.key is None or r.spec.n != 1]
             if cached:
-                self._call(cached, lambda prompts, specs: turns.generate([r.key for r in cached], prompts, specs))
+                keys = [r.request.key for r in cached]
+                self._call(cached, lambda prompts, specs: turns.generate(keys, prompts, specs))
             if whole:
                 self._fed_whole += sum(len(r.prompt_ids) for r in whole)  # a call's n samples share its prefill
                 self._call(whole, self.engine.generate)
 
-    def _call(self, batch: List[_Request], run: Any) -> None:
-        """One engine call for ``batch``; each request's future gets its samples (or the engine's error)."""
+    @staticmethod
+    def _prepare(requests: List[_Request]) -> List[_Ready]:
+        """The requests' prompt ids (made together) and sampling; a request whose rendering or sampling
+        fails gets its error and stays out."""
+        try:
+            made = prompts_ids([r.prompt for r in requests])
+        except Exception as e:  # noqa: BLE001 - the tokenizer failed on the batch: each request gets the error
+            made = [e] * len(requests)
+        ready = []
+        for r, ids in zip(requests, made):
+            try:
+                if isinstance(ids, Exception):
+                    raise ids
+                ready.append(_Ready(r, ids, r.sampling(ids)))
+            except Exception as e:  # noqa: BLE001 - the request's handler answers with it
+                r.future.set_exception(e)
+        return ready
+
+    def _call(self, batch: List[_Ready], run: Any) -> None:
+        """One engine call for ``batch``; each request's future gets its prompt ids and samples (or the
+        engine's error)."""
         try:
             start = time.perf_counter()
             out = run([r.prompt_ids for r in batch], [r.spec for r in batch])
@@ -150,9 +193,9 @@ class EngineBatcher:
             self.calls += 1
         except Exception as e:  # noqa: BLE001 - every waiting request gets the engine's error
             for r in batch:
-                r.future.set_exception(e)
+                r.request.future.set_exception(e)
             return
-        rows: Dict[int, List[Tuple[List[int], List[float], str]]] = {}
+        rows: Dict[int, Samples] = {}
         for r, i in enumerate(out.prompt_index.tolist()):
             n = int(out.response_mask[r].sum())
             ids = out.response_ids[r, :n].tolist()
@@ -160,7 +203,7 @@ class EngineBatcher:
             reason = out.finish_reasons[r] if out.finish_reasons else "stop"
             rows.setdefault(i, []).append((ids, logprobs, reason))
         for i, r in enumerate(batch):
-            r.future.set_result(rows.get(i, []))
+            r.request.future.set_result((r.prompt_ids, rows.get(i, [])))
 
     def close(self) -> None:
         self._queue.put(None)
@@ -212,6 +255,11 @@ class Recorder:
         return max(held, sum(len(c.ids) for c in self.calls))
 
 
+def _text_prompt(head: List[int], text: str, tokenizer: Any) -> Prompt:
+    """``head`` then ``text`` as the tokenizer encodes it alone."""
+    return Prompt(head, (lambda: text) if text else None, ("text", text), tokenizer)
+
+
 def _same(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
     return a.get("role") == b.get("role") and (a.get("content") or "") == (b.get("content") or "")
 
@@ -221,12 +269,54 @@ def _tool_call_json(call: Any) -> Dict[str, Any]:
             "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
 
 
+_RENDERERS_KEPT = 64  # distinct tool sets whose renderers the endpoint keeps
+
+
 class _Server(ThreadingHTTPServer):
-    """A thread per connection, and a listen backlog for every trajectory of a rollout connecting at once
-    (past socketserver's default of 5 pending connections the system drops or resets the rest)."""
+    """A thread per open connection, and a listen backlog for every trajectory of a rollout connecting at
+    once (past socketserver's default of 5 pending connections the system drops or resets the rest).
+
+    A thread whose connection closed waits for the next one: a client that opens a connection per call
+    (urllib) is served by an idle thread, handed the connection through a queue, rather than by a thread
+    started for it (a start waits for the new thread to run, behind every other thread holding the GIL).
+    The threads are daemons: a connection a client keeps open holds no exit."""
 
     daemon_threads = True
     request_queue_size = socket.SOMAXCONN
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self._idle, self._idle_lock, self._closed = 0, threading.Lock(), False  # _idle: threads in _connections
+        self._connections: "queue.SimpleQueue[Optional[Tuple[Any, Any]]]" = queue.SimpleQueue()
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._idle_lock:
+            reuse = self._idle > 0
+            self._idle -= reuse
+        if reuse:
+            self._connections.put((request, client_address))
+        else:
+            threading.Thread(target=self._serve, args=(request, client_address), name="verl_fast endpoint handler",
+                             daemon=True).start()
+
+    def _serve(self, request: Any, client_address: Any) -> None:
+        while True:
+            self.process_request_thread(request, client_address)  # answers, then closes the connection
+            with self._idle_lock:
+                if self._closed:
+                    return
+                self._idle += 1
+            item = self._connections.get()
+            if item is None:
+                return
+            request, client_address = item
+
+    def server_close(self) -> None:
+        super().server_close()
+        with self._idle_lock:
+            idle, self._idle, self._closed = self._idle, 0, True
+        for _ in range(idle):
+            self._connections.put(None)
 
 
 class Endpoint:
@@ -239,11 +329,17 @@ class Endpoint:
         self.batcher, self.tokenizer = batcher, tokenizer
         self.tool_format, self.model_name = tool_format, model_name
         self.trajectories: Dict[str, Recorder] = {}
+        self._renderers: Dict[str, ChatRenderer] = {}  # by the tools' JSON, the most recently used last
+        self._pieces: Dict[int, str] = {}  # a token's text alone, as the log-probs name it
         self._lock = threading.Lock()
         endpoint = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # an answer leaves in one write (status, headers and body buffered, flushed after do_*): each
+            # socket call gives up the GIL and waits for it back behind the other agents' threads
+            wbufsize = -1
+            disable_nagle_algorithm = True  # a body past the buffer is not held back for the headers' ACK
 
             def do_GET(self):  # noqa: N802 - http.server's name
                 endpoint._answer(self, None)
@@ -296,7 +392,7 @@ class Endpoint:
         handler.send_header("Content-Type", "application/json")
         handler.send_header("Content-Length", str(len(data)))
         handler.end_headers()
-        handler.wfile.write(data)
+        handler.wfile.write(data)  # sent when handle_one_request flushes the buffer
 
     def _route(self, path: str, body: Optional[bytes]) -> Dict[str, Any]:
         parts = path.split("?")[0].strip("/").split("/")
@@ -322,28 +418,49 @@ class Endpoint:
         with rec.lock:  # one call of a trajectory at a time: its calls form one history
             return self._chat(rec, request) if route == "chat/completions" else self._completion(rec, request)
 
-    def _spec(self, rec: Recorder, request: Dict[str, Any], prompt_ids: List[int]) -> SamplingSpec:
+    def _sampling(self, rec: Recorder, request: Dict[str, Any]) -> Callable[[List[int]], SamplingSpec]:
+        """The request's sampling arguments, checked now; the returned function bounds its ``max_tokens``
+        by what the token budget leaves once the prompt's ids are known (in the batch)."""
         unsupported = [k for k in ("response_format", "guided_json", "logit_bias") if request.get(k)]
         if unsupported:
             raise Refused(400, f"{unsupported[0]} is not supported: RL samples from the policy unconstrained")
         base = rec.spec
-        left = base.max_tokens - rec.used(prompt_ids)
-        if left <= 0:
-            rec.refused += 1
-            raise Refused(400, f"the trajectory's token budget (rollout.max_new_tokens={base.max_tokens}) is spent")
         asked = request.get("max_completion_tokens") or request.get("max_tokens") or base.max_tokens
         stop = request.get("stop") or ()
         # a seed of its own per call, as the built-in multi-turn rollout's per turn
         seed = request.get("seed", None if base.seed is None else base.seed + 7919 * len(rec.calls))
         try:
-            spec = replace(base, n=int(request.get("n", 1)), max_tokens=min(int(asked), left),
+            spec = replace(base, n=int(request.get("n", 1)), max_tokens=int(asked),
                            temperature=float(request.get("temperature", base.temperature)),
                            top_p=float(request.get("top_p", base.top_p)),
                            stop=(stop,) if isinstance(stop, str) else tuple(stop), seed=seed, logprobs=True)
             spec.validate()
         except (TypeError, ValueError) as e:
             raise Refused(400, f"bad sampling argument: {e}") from None
-        return spec
+
+        def within_budget(prompt_ids: List[int]) -> SamplingSpec:
+            left = base.max_tokens - rec.used(prompt_ids)
+            if left <= 0:
+                rec.refused += 1
+                raise Refused(400, f"the trajectory's token budget (rollout.max_new_tokens={base.max_tokens}) "
+                              "is spent")
+            return replace(spec, max_tokens=min(spec.max_tokens, left))
+
+        return within_budget
+
+    def _renderer(self, tools: List[Dict[str, Any]]) -> ChatRenderer:
+        """The renderer of ``tools``, shared by the trajectories calling with the same tools (their prompts
+        rendered once per batch where equal)."""
+        key = json.dumps(tools, sort_keys=True)
+        with self._lock:
+            renderer = self._renderers.pop(key, None)
+        if renderer is None:
+            renderer = ChatRenderer(self.tokenizer, tools, self.tool_format)
+        with self._lock:
+            self._renderers[key] = renderer  # the most recent last: the oldest of too many goes first
+            while len(self._renderers) > _RENDERERS_KEPT:
+                self._renderers.pop(next(iter(self._renderers)))
+        return renderer
 
     def _chat(self, rec: Recorder, request: Dict[str, Any]) -> Dict[str, Any]:
         messages = request.get("messages")
@@ -355,15 +472,15 @@ class Endpoint:
                           "(use auto or none)")
         tools = [] if choice == "none" else list(request.get("tools") or [])
         if rec.renderer is None or rec.renderer.schemas != tools:
-            rec.renderer = ChatRenderer(self.tokenizer, tools, self.tool_format)
-        prompt_ids, previous = self._continued(rec, messages)
-        spec = self._spec(rec, request, prompt_ids)
+            rec.renderer = self._renderer(tools)
+        prompt, previous = self._continued(rec, messages)
+        prompt_ids, samples = self.batcher.generate(prompt, self._sampling(rec, request), rec.key)
         choices = []
-        for k, (ids, logprobs, reason) in enumerate(self.batcher.generate(prompt_ids, spec, rec.key)):
+        for k, (ids, logprobs, reason) in enumerate(samples):
             stop_token = ids[-1] if ids and reason == "stop" else None
             own = ids[:-1] if stop_token is not None else ids
-            text = self.tokenizer.decode(own, skip_special_tokens=False)
-            calls = parse_tool_calls(text, rec.renderer.format) if tools else []
+            calls = parse_tool_calls(self.tokenizer.decode(own, skip_special_tokens=False), rec.renderer.format
+                                     ) if tools else []
             reply: Dict[str, Any] = {"role": "assistant",
                                      "content": self.tokenizer.decode(own, skip_special_tokens=True)}
             if calls:
@@ -374,16 +491,16 @@ class Endpoint:
                                           "finish_reason": "tool_calls" if reply.get("tool_calls") else reason}
             if request.get("logprobs"):
                 choice_out["logprobs"] = {"content": [
-                    {"token": self.tokenizer.decode([t]), "logprob": lp, "top_logprobs": []}
+                    {"token": self._piece(t), "logprob": lp, "top_logprobs": []}
                     for t, lp in zip(ids, logprobs)]}
             choice_out["token_ids"] = ids
             choices.append(choice_out)
         return self._envelope("chat.completion", choices, prompt_ids, previous)
 
-    def _continued(self, rec: Recorder, messages: List[Dict[str, Any]]) -> Tuple[List[int], bool]:
-        """The prompt's tokens: the previous chat call's prompt and sampled tokens plus the new messages
-        where ``messages`` continue it (True), else the whole history rendered (False)."""
-        latest = rec.calls[-1].prompt_ids if rec.calls else None
+    def _continued(self, rec: Recorder, messages: List[Dict[str, Any]]) -> Tuple[Prompt, bool]:
+        """The prompt: the previous chat call's prompt and sampled tokens plus the new messages where
+        ``messages`` continue it (True), else the whole history rendered (False)."""
+        renderer, latest = rec.renderer, rec.calls[-1].prompt_ids if rec.calls else None
         for call in reversed(rec.calls):  # the latest request's choices (n of them)
             if call.messages is None or call.prompt_ids != latest:
                 break
@@ -391,41 +508,49 @@ class Endpoint:
             if (len(messages) > k + 1 and all(_same(a, b) for a, b in zip(messages[:k], call.messages))
                     and _same(messages[k], call.reply) and all(m.get("role") != "assistant" for m in messages[k + 1:])):
                 stop_token = call.ids[-1] if call.ids and call.finish == "stop" else None
-                rest = rec.renderer.observation_ids(messages[k + 1:], stop_token)
-                return call.prompt_ids + call.ids + rest, True
-        return rec.renderer.prompt_ids(messages), False
+                rest = messages[k + 1:]
+                return Prompt(call.prompt_ids + call.ids, lambda: renderer.observation_text(rest, stop_token),
+                              (renderer, "observations", render_key(rest, stop_token)), self.tokenizer), True
+        return Prompt([], lambda: renderer.prompt_text(messages), (renderer, "prompt", render_key(messages)),
+                      self.tokenizer), False
+
+    def _piece(self, token: int) -> str:
+        """``tokenizer.decode([token])``, decoded once per token id."""
+        piece = self._pieces.get(token)
+        if piece is None:
+            piece = self._pieces[token] = self.tokenizer.decode([token])
+        return piece
 
     def _completion(self, rec: Recorder, request: Dict[str, Any]) -> Dict[str, Any]:
         prompt = request.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            prompt_ids, text = list(prompt), None
+            made, text = Prompt(list(prompt)), None
         elif isinstance(prompt, str) and prompt:
             text = prompt
-            prompt_ids = self._completion_prefix(rec, prompt)
+            made = self._completion_prefix(rec, prompt)
         else:
             raise Refused(400, "prompt must be a non-empty string or a list of token ids")
-        spec = self._spec(rec, request, prompt_ids)
+        prompt_ids, samples = self.batcher.generate(made, self._sampling(rec, request), rec.key)
         choices = []
-        for k, (ids, logprobs, reason) in enumerate(self.batcher.generate(prompt_ids, spec, rec.key)):
+        for k, (ids, logprobs, reason) in enumerate(samples):
             out_text = self.tokenizer.decode(ids, skip_special_tokens=True)
             rec.calls.append(Call(prompt_ids, ids, logprobs, reason, prompt_text=text, text=out_text))
             choice_out: Dict[str, Any] = {"index": k, "text": out_text, "finish_reason": reason, "token_ids": ids}
             if request.get("logprobs") is not None:
-                choice_out["logprobs"] = {"tokens": [self.tokenizer.decode([t]) for t in ids],
+                choice_out["logprobs"] = {"tokens": [self._piece(t) for t in ids],
                                           "token_logprobs": list(logprobs)}
             choices.append(choice_out)
         return self._envelope("text_completion", choices, prompt_ids, False)
 
-    def _completion_prefix(self, rec: Recorder, prompt: str) -> List[int]:
+    def _completion_prefix(self, rec: Recorder, prompt: str) -> Prompt:
         """A text prompt that extends the previous completion call's prompt and text keeps their tokens."""
         for call in reversed(rec.calls[-1:]):
             if call.prompt_text is not None:
                 before = call.prompt_text + self.tokenizer.decode(call.ids, skip_special_tokens=False)
                 if prompt.startswith(before):
                     rest = prompt[len(before):]
-                    extra = list(self.tokenizer(rest, add_special_tokens=False)["input_ids"]) if rest else []
-                    return call.prompt_ids + call.ids + extra
-        return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+                    return _text_prompt(call.prompt_ids + call.ids, rest, self.tokenizer)
+        return _text_prompt([], prompt, self.tokenizer)
 
     def _envelope(self, kind: str, choices: List[Dict[str, Any]], prompt_ids: Sequence[int], continued: bool
                   ) -> Dict[str, Any]:
