@@ -68,7 +68,8 @@ class Trajectory:
     logprobs: List[float] = field(default_factory=list)
     turn_ends: List[int] = field(default_factory=list)  # position (in ids) of each model turn's last token
     rewards: List[Tuple[int, float]] = field(default_factory=list)  # (position, reward) per rewarded turn
-    last_text: str = ""  # the latest model turn (special tokens skipped)
+    last_text: str = ""  # the latest model turn (special tokens skipped), where ``last_turn`` is None
+    last_turn: Optional[List[int]] = None  # the latest model turn's tokens, decoded into the output's text at the end
     stop_token: Optional[int] = None  # the token that ended the latest turn (None: it ran out of tokens)
     finish: str = "stop"
     done: bool = False
@@ -262,7 +263,7 @@ class MultiTurnRolloutOperator(RolloutOperator):
         t.turn_ends.append(max(len(t.ids) - 1, 0))
         t.finish = reason
         t.stop_token = toks[-1] if toks and reason == "stop" else None
-        t.last_text = self.tokenizer.decode(toks, skip_special_tokens=True)
+        t.last_turn = toks  # (its text is decoded once, for the output: only the final turn's is read)
         t.done = t.single_turn
         own = toks[:-1] if t.stop_token is not None else toks  # the turn's text without its stop token
         return {"role": "assistant", "content": self.tokenizer.decode(own, skip_special_tokens=False)}
@@ -326,7 +327,7 @@ class MultiTurnRolloutOperator(RolloutOperator):
         want_logp = self.default.logprobs
         return GenerationOutput(
             prompt_index=torch.tensor([t.row for t in ts], dtype=torch.int64), response_ids=ids, response_mask=mask,
-            logprobs=logp if want_logp else None, texts=[t.last_text for t in ts],
+            logprobs=logp if want_logp else None, texts=[_last_text(self.tokenizer, t) for t in ts],
             finish_reasons=[t.finish for t in ts], attention_mask=attn, prompt_ids=[t.prompt_ids for t in ts],
             turn_ends=[list(t.turn_ends) for t in ts],
             token_rewards=rewards if any(t.rewards for t in ts) else None)
@@ -366,6 +367,11 @@ class MultiTurnRolloutOperator(RolloutOperator):
         self._threads.shutdown(wait=False)
         if self.executor is not None:
             self.executor.close()
+
+
+def _last_text(tokenizer: Any, t: Trajectory) -> str:
+    """The trajectory's latest model turn as text, special tokens skipped."""
+    return t.last_text if t.last_turn is None else tokenizer.decode(t.last_turn, skip_special_tokens=True)
 
 
 def _close(env: Environment) -> None:
