@@ -124,10 +124,10 @@ def test_a_trajectorys_text_is_its_final_turn_decoded_once(model, tok, monkeypat
     spec = SamplingSpec(n=1, temperature=0.0, max_tokens=100, logprobs=True)
     decode, skipped = tok.decode, []
 
-    def counted(ids, *args, **kwargs):
+    def counted(*args, **kwargs):
         if kwargs.get("skip_special_tokens"):
-            skipped.append(list(ids))
-        return decode(ids, *args, **kwargs)
+            skipped.append(list(args[0] if args else kwargs["token_ids"]))
+        return decode(*args, **kwargs)
 
     monkeypatch.setattr(tok, "decode", counted)
     out, _ = rollout(HFGenerateEngine(model, tok, fast_decode="on", compact_rows="off"), tok, spec, continued=True)
@@ -140,3 +140,20 @@ def test_a_trajectorys_text_is_its_final_turn_decoded_once(model, tok, monkeypat
             start -= 1
         final = out.response_ids[r, start : ends[-1] + 1].tolist()
         assert final in skipped and out.texts[r] == decode(final, skip_special_tokens=True)
+
+
+def test_a_calls_turns_reach_their_environments_decoded_in_one_call(model, tok, monkeypatch):
+    """The turns of one generate call become their assistant messages' texts in one call of the tokenizer (each
+    as its own ``decode`` gives it: the trajectories are those of a turn decoded at a time)."""
+    spec = SamplingSpec(n=1, temperature=0.0, max_tokens=100, logprobs=True)
+    batch_decode, batches = tok.batch_decode, []
+
+    def counted(rows, **kwargs):
+        batches.append(len(rows))
+        return batch_decode(rows, **kwargs)
+
+    monkeypatch.setattr(tok, "batch_decode", counted)
+    out, metrics = rollout(HFGenerateEngine(model, tok, fast_decode="on", compact_rows="off"), tok, spec,
+                           continued=True)
+    assert len(batches) == metrics["multi_turn/generate_calls"] == 4
+    assert sum(batches) == sum(len(t) for t in out.turn_ends)  # every turn went to its environment's step
