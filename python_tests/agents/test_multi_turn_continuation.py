@@ -116,3 +116,44 @@ def test_sampled_continuation_draws_what_reprefilling_draws(model, tok):
     again, _ = rollout(fast, tok, spec, continued=False, seed=7)
     assert_same(cont, again)
     assert not torch.equal(cont.response_ids[0], cont.response_ids[1])  # the samples of a prompt differ
+
+
+def test_a_trajectorys_text_is_its_final_turn_decoded_once(model, tok, monkeypatch):
+    """Only the final model turn's text is read (the output's ``texts``): each trajectory's is decoded once, at the
+    end, rather than every turn's as it comes; it is that turn's tokens decoded, special tokens skipped."""
+    spec = SamplingSpec(n=1, temperature=0.0, max_tokens=100, logprobs=True)
+    decode, skipped = tok.decode, []
+
+    def counted(*args, **kwargs):
+        if kwargs.get("skip_special_tokens"):
+            skipped.append(list(args[0] if args else kwargs["token_ids"]))
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(tok, "decode", counted)
+    out, _ = rollout(HFGenerateEngine(model, tok, fast_decode="on", compact_rows="off"), tok, spec, continued=True)
+    assert sum(len(t) for t in out.turn_ends) > len(out.turn_ends)  # more turns than trajectories
+    assert len(skipped) == len(out.turn_ends)
+    for r, ends in enumerate(out.turn_ends):
+        model_tokens = out.response_mask[r].tolist()
+        start = ends[-1]
+        while start > 0 and model_tokens[start - 1] == 1:  # the final turn: the last run of the model's tokens
+            start -= 1
+        final = out.response_ids[r, start : ends[-1] + 1].tolist()
+        assert final in skipped and out.texts[r] == decode(final, skip_special_tokens=True)
+
+
+def test_a_calls_turns_reach_their_environments_decoded_in_one_call(model, tok, monkeypatch):
+    """The turns of one generate call become their assistant messages' texts in one call of the tokenizer (each
+    as its own ``decode`` gives it: the trajectories are those of a turn decoded at a time)."""
+    spec = SamplingSpec(n=1, temperature=0.0, max_tokens=100, logprobs=True)
+    batch_decode, batches = tok.batch_decode, []
+
+    def counted(rows, **kwargs):
+        batches.append(len(rows))
+        return batch_decode(rows, **kwargs)
+
+    monkeypatch.setattr(tok, "batch_decode", counted)
+    out, metrics = rollout(HFGenerateEngine(model, tok, fast_decode="on", compact_rows="off"), tok, spec,
+                           continued=True)
+    assert len(batches) == metrics["multi_turn/generate_calls"] == 4
+    assert sum(batches) == sum(len(t) for t in out.turn_ends)  # every turn went to its environment's step

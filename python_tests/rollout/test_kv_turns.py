@@ -447,6 +447,132 @@ def test_a_held_cache_lets_the_state_go_for_generate(model, tok):
     cache.close()
 
 
+def test_a_held_rollout_reads_the_model_once(model, tok, monkeypatch):
+    """Held (``TurnCache.hold``), what each call would read off the model -- the weights' addresses a restart
+    checks, whether the model is sharded, whether the loop serves it -- is read once, at the hold, for all of the
+    rollout's calls; a call outside a hold reads it again (its weights may have moved since the last)."""
+    from verl_fast.rollout import hf_engine
+
+    counts = {"addresses": 0, "sharded": 0, "unsupported": 0}
+
+    def counted(name, fn):
+        def inner(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return inner
+
+    monkeypatch.setattr(hf_decode, "_addresses", counted("addresses", hf_decode._addresses))
+    monkeypatch.setattr(hf_engine, "is_sharded", counted("sharded", hf_engine.is_sharded))
+    monkeypatch.setattr(hf_decode, "unsupported", counted("unsupported", hf_decode.unsupported))
+    engine = HFGenerateEngine(model, tok, fast_decode="on", compact_rows="off")
+
+    def three_turns(hold):
+        cache = engine.turn_cache()
+        cache.reserve(200)
+        if hold:
+            cache.hold()
+        convs = [tok(TEXTS[r])["input_ids"] for r in range(3)]
+        start = dict(counts)
+        for turn in range(3):
+            res = cache.generate(list(range(3)), convs, SamplingSpec(temperature=0.0, max_tokens=4))
+            convs = [c + res.response_ids[r, : int(res.response_mask[r].sum())].tolist() + observation(tok, r, turn)
+                     for r, c in enumerate(convs)]
+        cache.close()
+        return cache, {k: counts[k] - start[k] for k in counts}
+
+    cache, held = three_turns(hold=True)
+    assert [c["restarted"] for c in cache.calls] == [0, 1, 1]
+    assert held == {"addresses": 0, "sharded": 0, "unsupported": 0}, held  # (the hold read each once)
+    _, per_call = three_turns(hold=False)
+    assert per_call["addresses"] == 3 and per_call["sharded"] >= 3 and per_call["unsupported"] >= 3, per_call
+
+
+def test_a_call_decodes_no_texts(model, tok, monkeypatch):
+    """The callers of ``TurnCache.generate`` keep tokens: a call decodes none of its rows to text."""
+    cache = HFGenerateEngine(model, tok, fast_decode="on").turn_cache()
+    decoded = []
+    monkeypatch.setattr(tok, "decode", lambda *args, **kwargs: decoded.append(args) or "")
+    out = cache.generate([0, 1], [tok(TEXTS[0])["input_ids"], tok(TEXTS[1])["input_ids"]],
+                         SamplingSpec(temperature=0.0, max_tokens=3))
+    assert out.response_ids.shape[0] == 2 and out.texts == [] and decoded == []
+
+
+def test_cut_ends_each_row_at_its_first_stop_within_its_limit():
+    """``cut`` against a row-by-row scan: the first stop token within the row's limit, inclusive; else the limit."""
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 9, (40, 11), generator=gen)
+    limits = torch.randint(1, 12, (40,), generator=gen).tolist()
+    stops = {2, 7}
+    n, reasons = kv_turns.cut(tokens, limits, stops)
+    for row, limit, got, why in zip(tokens.tolist(), limits, n.tolist(), reasons):
+        hits = [i for i, t in enumerate(row[:limit]) if t in stops]
+        assert (got, why) == ((hits[0] + 1, "stop") if hits else (limit, "length"))
+    assert {"stop", "length"} <= set(reasons)
+    n, reasons = kv_turns.cut(tokens, limits, set())  # no stop ids
+    assert n.tolist() == limits and set(reasons) == {"length"}
+
+
+def test_left_pad_and_padded_lay_out_rows_as_the_row_by_row_forms():
+    """``left_pad``: each row right-aligned behind pad tokens, mask 1 on its tokens; ``padded``: the parts' rows in
+    the call's order as ``pad_completions`` lays out the same rows (log-probs 0 for a part without them)."""
+    from verl_fast.records.generation import pad_completions
+
+    rows = [[5, 6, 7], [], [8], [1, 2, 3, 4, 9]]
+    ids, mask = kv_turns.left_pad(rows, pad=0)
+    assert ids.tolist() == [[0, 0, 5, 6, 7], [0, 0, 0, 0, 0], [0, 0, 0, 0, 8], [1, 2, 3, 4, 9]]
+    assert mask.tolist() == [[0, 0, 1, 1, 1], [0] * 5, [0, 0, 0, 0, 1], [1] * 5] and mask.dtype == torch.long
+    gen = torch.Generator().manual_seed(1)
+    first = ([3, 0, 4], torch.randint(10, 20, (3, 6), generator=gen), torch.tensor([6, 1, 4]),
+             torch.randn(3, 6, generator=gen), ["length", "stop", "stop"])
+    second = ([1, 2], torch.randint(10, 20, (2, 3), generator=gen), torch.tensor([2, 3]), None, ["stop", "length"])
+    out = kv_turns.padded([first, second], 5, pad=99)
+    turns = {}
+    for members, tokens, n, lps, why in (first, second):
+        for k, i in enumerate(members):
+            m = int(n[k])
+            turns[i] = (tokens[k, :m].tolist(), lps[k, :m].tolist() if lps is not None else [0.0] * m, why[k])
+    want = pad_completions([turns[i][0] for i in range(5)], [turns[i][1] for i in range(5)], list(range(5)), 99,
+                           finish_reasons=[turns[i][2] for i in range(5)])
+    for name in ("prompt_index", "response_ids", "response_mask", "logprobs"):
+        assert torch.equal(getattr(out, name), getattr(want, name)), name
+    assert out.finish_reasons == want.finish_reasons and out.texts == []
+
+
+def test_pack_right_aligns_each_rows_kept_columns_from_its_decode():
+    """``pack`` against a row-by-row gather: rows of two decodes, in mixed order, and a row without a cache; each
+    row's kept columns (in order) right-aligned in the longest row's count and valid there only, the others
+    zeros; each row's position its count."""
+    gen = torch.Generator().manual_seed(2)
+    layers, heads, dim = 3, 2, 4
+
+    def store(rows, length, counts):
+        kept = torch.zeros((rows, length), dtype=torch.bool)
+        for r, k in enumerate(counts):
+            kept[r, torch.randperm(length, generator=gen)[:k]] = True
+        return kv_turns._Store([torch.randn(rows, heads, length, dim, generator=gen) for _ in range(layers)],
+                               [torch.randn(rows, heads, length, dim, generator=gen) for _ in range(layers)], kept)
+
+    a, b = store(3, 9, [4, 9, 2]), store(2, 12, [7, 11])
+    cached = [kv_turns._Cached([0] * 9, a, 1), None, kv_turns._Cached([0] * 7, b, 0),
+              kv_turns._Cached([0] * 2, a, 2), kv_turns._Cached([0] * 11, b, 1)]
+    past = kv_turns.pack(cached, torch.device("cpu"))
+    C = 11
+    assert past.columns == C and past.position.tolist() == [9, 0, 7, 2, 11]
+    for r, c in enumerate(cached):
+        count = 0 if c is None else len(c.tokens)
+        assert past.valid[r].tolist() == [False] * (C - count) + [True] * count
+        cols = torch.zeros(C, dtype=torch.long)
+        if c is not None:
+            cols[C - count:] = c.store.kept[c.row].nonzero().squeeze(1)
+        for layer in range(layers):
+            for got, held in ((past.keys, "keys"), (past.values, "values")):
+                want = getattr(c.store, held)[layer][c.row][:, cols] if c is not None else None
+                if want is not None:
+                    assert torch.equal(got[layer][r], want), (r, layer, held)
+                else:
+                    assert torch.equal(got[layer][r], torch.zeros(heads, C, dim)), (r, layer, held)
+
+
 def test_no_cache_where_the_loop_does_not_decode(model, tok):
     assert HFGenerateEngine(model, tok, fast_decode="off").turn_cache() is None
 

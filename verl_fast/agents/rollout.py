@@ -68,7 +68,8 @@ class Trajectory:
     logprobs: List[float] = field(default_factory=list)
     turn_ends: List[int] = field(default_factory=list)  # position (in ids) of each model turn's last token
     rewards: List[Tuple[int, float]] = field(default_factory=list)  # (position, reward) per rewarded turn
-    last_text: str = ""  # the latest model turn (special tokens skipped)
+    last_text: str = ""  # the latest model turn (special tokens skipped), where ``last_turn`` is None
+    last_turn: Optional[List[int]] = None  # the latest model turn's tokens, decoded into the output's text at the end
     stop_token: Optional[int] = None  # the token that ended the latest turn (None: it ran out of tokens)
     finish: str = "stop"
     done: bool = False
@@ -206,13 +207,13 @@ class MultiTurnRolloutOperator(RolloutOperator):
                 ended = t1
                 ids, lengths = out.response_ids.tolist(), out.response_mask.sum(1).tolist()  # one conversion each
                 lps = out.logprobs.tolist() if out.logprobs is not None else None
-                for row, t in enumerate(ready):
-                    n = lengths[row]
-                    message = self._take_turn(t, ids[row][:n], None if lps is None else lps[row][:n],
-                                              out.finish_reasons[row] if out.finish_reasons else "stop")
-                    if not t.done:
-                        pending[self._threads.submit(t.env.step, message)] = t
-                    elif turns is not None:
+                taken = [(t, ids[row][:n], None if lps is None else lps[row][:n],
+                          out.finish_reasons[row] if out.finish_reasons else "stop")
+                         for row, (t, n) in enumerate(zip(ready, lengths))]
+                for t, message in self._take_turns(taken):
+                    pending[self._threads.submit(t.env.step, message)] = t
+                for t in ready:
+                    if t.done and turns is not None:
                         turns.drop(id(t))
                 ready = []
             if pending:
@@ -231,11 +232,9 @@ class MultiTurnRolloutOperator(RolloutOperator):
                 t0 = time.perf_counter()
                 finished = self.engine.step()
                 engine_s += time.perf_counter() - t0
-                for request, toks, logprobs, reason in finished:
-                    t = inflight.pop(request)
-                    message = self._take_turn(t, toks, logprobs, reason)
-                    if not t.done:
-                        pending[self._threads.submit(t.env.step, message)] = t
+                taken = [(inflight.pop(request), toks, logprobs, reason) for request, toks, logprobs, reason in finished]
+                for t, message in self._take_turns(taken):
+                    pending[self._threads.submit(t.env.step, message)] = t
             if not pending:
                 continue
             if inflight:  # the engine has work: take the observations that are in, without waiting
@@ -250,22 +249,29 @@ class MultiTurnRolloutOperator(RolloutOperator):
                     submitted += 1
         return engine_s, submitted
 
-    def _take_turn(self, t: Trajectory, toks: List[int], logprobs: Optional[List[float]], reason: str) -> Dict[str, Any]:
-        """Appends the model's turn (its tokens, their log-probs, why it ended) to ``t`` and returns it
-        as an assistant message. A single-turn row is then done; any other turn goes to its
-        environment's step, also the last one the limits allow (``_observe`` ends it there, its
-        reward kept)."""
-        n = len(toks)
-        t.ids += toks
-        t.mask += [1] * n
-        t.logprobs += list(logprobs) if logprobs is not None else [0.0] * n
-        t.turn_ends.append(max(len(t.ids) - 1, 0))
-        t.finish = reason
-        t.stop_token = toks[-1] if toks and reason == "stop" else None
-        t.last_text = self.tokenizer.decode(toks, skip_special_tokens=True)
-        t.done = t.single_turn
-        own = toks[:-1] if t.stop_token is not None else toks  # the turn's text without its stop token
-        return {"role": "assistant", "content": self.tokenizer.decode(own, skip_special_tokens=False)}
+    def _take_turns(self, taken: Sequence[Tuple[Trajectory, List[int], Optional[List[float]], str]]
+                    ) -> List[Tuple[Trajectory, Dict[str, Any]]]:
+        """Appends each model turn (its trajectory, its tokens, their log-probs, why it ended) to its trajectory,
+        and returns the trajectories whose environment steps next, each with its turn as an assistant message
+        (the messages' texts decoded in one call). A single-turn row is then done; any other turn goes to its
+        environment's step, also the last one the limits allow (``_observe`` ends it there, its reward kept)."""
+        going: List[Trajectory] = []
+        own: List[List[int]] = []
+        for t, toks, logprobs, reason in taken:
+            n = len(toks)
+            t.ids += toks
+            t.mask += [1] * n
+            t.logprobs += list(logprobs) if logprobs is not None else [0.0] * n
+            t.turn_ends.append(max(len(t.ids) - 1, 0))
+            t.finish = reason
+            t.stop_token = toks[-1] if toks and reason == "stop" else None
+            t.last_turn = toks  # (its text is decoded once, for the output: only the final turn's is read)
+            t.done = t.single_turn
+            if not t.done:
+                going.append(t)
+                own.append(toks[:-1] if t.stop_token is not None else toks)  # the turn's text without its stop token
+        texts = self.tokenizer.batch_decode(own, skip_special_tokens=False) if own else []
+        return [(t, {"role": "assistant", "content": text}) for t, text in zip(going, texts)]
 
     def _collect(self, pending: Dict[concurrent.futures.Future, Trajectory], grace: float,
                  turns: Any = None) -> List[Trajectory]:
@@ -326,7 +332,7 @@ class MultiTurnRolloutOperator(RolloutOperator):
         want_logp = self.default.logprobs
         return GenerationOutput(
             prompt_index=torch.tensor([t.row for t in ts], dtype=torch.int64), response_ids=ids, response_mask=mask,
-            logprobs=logp if want_logp else None, texts=[t.last_text for t in ts],
+            logprobs=logp if want_logp else None, texts=[_last_text(self.tokenizer, t) for t in ts],
             finish_reasons=[t.finish for t in ts], attention_mask=attn, prompt_ids=[t.prompt_ids for t in ts],
             turn_ends=[list(t.turn_ends) for t in ts],
             token_rewards=rewards if any(t.rewards for t in ts) else None)
@@ -366,6 +372,11 @@ class MultiTurnRolloutOperator(RolloutOperator):
         self._threads.shutdown(wait=False)
         if self.executor is not None:
             self.executor.close()
+
+
+def _last_text(tokenizer: Any, t: Trajectory) -> str:
+    """The trajectory's latest model turn as text, special tokens skipped."""
+    return t.last_text if t.last_turn is None else tokenizer.decode(t.last_turn, skip_special_tokens=True)
 
 
 def _close(env: Environment) -> None:

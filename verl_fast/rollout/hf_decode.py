@@ -302,20 +302,23 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
 
-@contextlib.contextmanager
-def _without_fsdp_hooks(module: torch.nn.Module) -> Iterator[None]:
-    """FSDP2 modules whose parameters the caller has unsharded for the whole decode: their forward
-    hooks would only re-check that state (and record stream events a graph capture cannot hold)."""
+def _fsdp_modules(module: torch.nn.Module) -> Tuple[torch.nn.Module, ...]:
+    """``module``'s FSDP2 (``fully_shard``) modules."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover
-        yield
-        return
+        return ()
+    return tuple(m for m in module.modules() if isinstance(m, FSDPModule))
+
+
+@contextlib.contextmanager
+def _without_fsdp_hooks(modules: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """FSDP2 modules (``_fsdp_modules``) whose parameters the caller has unsharded for the whole decode: their
+    forward hooks would only re-check that state (and record stream events a graph capture cannot hold)."""
     saved = []
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            saved.append((m, m._forward_pre_hooks, m._forward_hooks))
-            m._forward_pre_hooks, m._forward_hooks = type(m._forward_pre_hooks)(), type(m._forward_hooks)()
+    for m in modules:
+        saved.append((m, m._forward_pre_hooks, m._forward_hooks))
+        m._forward_pre_hooks, m._forward_hooks = type(m._forward_pre_hooks)(), type(m._forward_hooks)()
     try:
         yield
     finally:
@@ -727,7 +730,8 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
            fused: bool = False, past: Optional[Past] = None,
            keep: Optional[list] = None, images: Optional[Images] = None,
            times: Optional[Dict[str, float]] = None, reuse: Optional[_Decoder] = None,
-           columns: int = 0, stamps: Optional[Dict[str, float]] = None) -> Tuple[torch.Tensor, torch.Tensor, str]:
+           columns: int = 0, stamps: Optional[Dict[str, float]] = None,
+           walked: Optional[Walked] = None) -> Tuple[torch.Tensor, torch.Tensor, str]:
     """New tokens [B, max_new_tokens] (pad after a row's stop token, and after an early exit once
     every row stopped) and their log-probs [B, max_new_tokens] (0 past the end), on the host, and
     how the steps ran: "graph" (replays) or "eager".
@@ -775,7 +779,10 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
     wide (the rollout's longest conversation, so that its later turns fit).
 
     ``stamps``: ``time.perf_counter()`` at the prefill's launch (``launched``) and once the tokens are on the host
-    (``ended``) written into it, so that a caller can time its own work around the decode."""
+    (``ended``) written into it, so that a caller can time its own work around the decode.
+
+    ``walked``: ``Walked.of(module)``, read by a caller that holds the module unchanged over many calls, its weights
+    swapped in as ``compiled.weights`` swaps them (``HFGenerateEngine.holding``); None: the module walked here."""
     if images is not None and past is not None:
         raise ValueError("decode: images go with a conversation's first turn only (past must be None with them)")
     if past is not None and rows is not None:
@@ -788,7 +795,7 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
         attention_mask = torch.nn.functional.pad(attention_mask, (extra, 0), value=0)
         images = images.padded(extra) if images is not None else None
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_without_fsdp_hooks(module))
+        stack.enter_context(_without_fsdp_hooks(walked.fsdp if walked is not None else _fsdp_modules(module)))
         if compiled is not None:
             stack.enter_context(compiled.weights(module))
         start = time.perf_counter()
@@ -797,7 +804,7 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
         if events:
             events[0].record(torch.cuda.current_stream(input_ids.device))
         sampling = (temperature, top_k, top_p)
-        addresses = _addresses(module) if keep is not None else None
+        addresses = None if keep is None else walked.addresses if walked is not None else _addresses(module)
         if (reuse is not None and past is not None and rows is None and images is None
                 and reuse.fits(input_ids.shape[0], past.columns + input_ids.shape[1] + max_new_tokens,
                                max_new_tokens, sampling, stop_ids, compiled.fn if compiled is not None else model_step)):
@@ -829,6 +836,22 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
     if log is not None:
         log.append((steps, 0))
     return tokens, logprobs, "graph" if graphed else "eager"
+
+
+@dataclass(frozen=True)
+class Walked:
+    """What ``decode`` finds by walking its module's submodules: its FSDP2 modules (``_without_fsdp_hooks``) and
+    where the tensors a captured step reads live (``_addresses``). A caller that keeps the module as it is over
+    many calls (a multi-turn rollout's turns, ``HFGenerateEngine.holding``) walks it once (``of``) and hands this
+    to each call."""
+
+    fsdp: Tuple[torch.nn.Module, ...]
+    addresses: Tuple[int, ...]
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> "Walked":
+        """``module`` walked as it is now (its weights as the decode's contexts leave them)."""
+        return cls(_fsdp_modules(module), _addresses(module))
 
 
 def _addresses(module: torch.nn.Module) -> Tuple[int, ...]:

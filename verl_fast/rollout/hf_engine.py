@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -102,6 +102,17 @@ def _unsharded(modules):
         for m in modules:
             m.reshard()
             m.set_reshard_after_forward(True, recurse=False)
+
+
+@dataclass(frozen=True)
+class _Held:
+    """What a decode call reads off the model, read once by ``HFGenerateEngine.holding`` for the calls inside."""
+
+    module: torch.nn.Module  # the held model
+    device: torch.device  # HFGenerateEngine.device
+    sharded: bool  # is_sharded
+    unsupported: Optional[str]  # why the static-cache loop cannot decode it (_model_unsupported)
+    walked: hf_decode.Walked  # its FSDP2 modules and weights' addresses, the compiled loop's copies swapped in
 
 
 class HFGenerateEngine(RolloutEngine):
@@ -217,9 +228,17 @@ class HFGenerateEngine(RolloutEngine):
 
     @property
     def device(self) -> torch.device:
+        held = self._held_facts()
+        if held is not None:
+            return held.device
         if is_sharded(self.model):  # shards may be offloaded to the CPU: compute runs where collectives do
             return collective_device()
         return next(self._module().parameters()).device
+
+    def _held_facts(self, module=None) -> Optional["_Held"]:
+        """What ``holding`` read off the model it holds on this thread (of ``module``, where given), else None."""
+        held = getattr(self._held, "facts", None)
+        return held if held is not None and (module is None or held.module is module) else None
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Union[SamplingSpec, Sequence[SamplingSpec]],
                  vision: Optional[Sequence[Optional[Any]]] = None) -> GenerationOutput:
@@ -323,6 +342,11 @@ class HFGenerateEngine(RolloutEngine):
             return "record_routing"
         if spec.stop:
             return "stop strings"
+        held = self._held_facts()
+        return held.unsupported if held is not None else self._model_unsupported()
+
+    def _model_unsupported(self) -> Optional[str]:
+        """Why the model cannot use the static-cache loop (None: it can)."""
         return ((self.vision_language and vision_model.decode_unsupported(self._module()))
                 or hf_decode.unsupported(self._module()))
 
@@ -382,17 +406,23 @@ class HFGenerateEngine(RolloutEngine):
     def holding(self, module):
         """``decoding(module)`` and, where the loop decodes compiled, its weight copies (``CompiledForward.
         weights``), entered once for the many decode calls of a multi-turn rollout (``kv_turns.TurnCache.hold``)
-        rather than at each: the walks over the model's modules and the copies of its weights are a turn's
-        host time otherwise. The calls inside, on this thread, find them entered; the weight swap is the
-        module's own, seen from every thread, so no other thread decodes ``module`` while it is held."""
-        compiled = self._compiled if self._compiled is not None and not is_sharded(self.model) else None
+        rather than at each, and what a call reads off the model (``_Held``: its device, whether it is sharded,
+        whether the loop serves it, its FSDP2 modules and its weights' addresses) read once: the walks over the
+        model's modules and the copies of its weights are a turn's host time otherwise. The calls inside, on this
+        thread, find them entered; the weight swap is the module's own, seen from every thread, so no other
+        thread decodes ``module`` while it is held."""
+        sharded = is_sharded(self.model)
+        compiled = self._compiled if self._compiled is not None and not sharded else None
         with self.decoding(module):
             self._held.module = module
             try:
                 with compiled.weights(module) if compiled is not None else contextlib.nullcontext():
+                    # what each call would read off the model again, read once: it stays as it is while held
+                    self._held.facts = _Held(module, self.device, sharded, self._model_unsupported(),
+                                             hf_decode.Walked.of(module))
                     yield
             finally:
-                self._held.module = None
+                self._held.module = self._held.facts = None
 
     def call_metrics(self) -> dict:
         """The loop's figures since ``call_metrics`` last read them (read after each call: that call's),
@@ -416,7 +446,8 @@ class HFGenerateEngine(RolloutEngine):
                 logger.info("HF rollout decodes through generate: %s", reason)
             return None, None, None
         device = self.device
-        sharded = is_sharded(self.model)
+        held = self._held_facts(module)
+        sharded = held.sharded if held is not None else is_sharded(self.model)
         rows, images = None, None
         if self.vision_language:  # each prompt prefilled once with its own images
             images = self._images(module, ids.to(device), mask.to(device), vision)
@@ -437,7 +468,7 @@ class HFGenerateEngine(RolloutEngine):
                 min_rows=None if keep is not None else self._min_rows(device), past=past, keep=keep, images=images,
                 fused=self.fused_kernels == "on" or (self.fused_kernels == "auto" and device.type == "cuda"
                                                      and hf_decode.decode_sampling is not None), times=times,
-                reuse=reuse, columns=columns, stamps=stamps)
+                reuse=reuse, columns=columns, stamps=stamps, walked=held.walked if held is not None else None)
             times["graph_captures"] = float(self._graphs.captures - captures)
             times["decode_calls"] = 1.0
             with self._figures_lock:

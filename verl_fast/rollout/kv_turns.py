@@ -36,99 +36,131 @@ from dataclasses import dataclass, replace
 from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
 import contextlib
+import itertools
 import time
 
 import torch
 
-from verl_fast.records.generation import GenerationOutput, SamplingSpec, pad_completions
+from verl_fast.records.generation import GenerationOutput, SamplingSpec
 from verl_fast.rollout import hf_decode
 
 # Whether a call restarts the previous call's decoder where it fits (the A/B switch of tests and benchmarks)
 RESTART = True
 
-Turn = Tuple[List[int], List[float], str]  # a row's tokens, their log-probs, why it ended
+# One decode's rows in a call: their places in the call, their decoded tokens [m, T] and how many of each are its
+# response [m] (on the host), their log-probs [m, T] (None: not asked for) and why each ended
+Part = Tuple[List[int], torch.Tensor, torch.Tensor, Optional[torch.Tensor], List[str]]
 
 
 @dataclass
 class _Store:
-    """A finished decode's per-layer keys and values [B, kv_heads, L, head_dim], shared by its rows."""
+    """A finished decode's per-layer keys and values [B, kv_heads, L, head_dim], shared by its rows, and the
+    columns each row keeps, ``kept`` [B, W] bool on their device (its conversation's tokens, in order: a call's
+    gather index is built from it there, without a copy to or from the host)."""
 
     keys: List[torch.Tensor]
     values: List[torch.Tensor]
+    kept: torch.Tensor
 
 
 @dataclass
 class _Cached:
-    """A conversation's cached tokens: row ``row`` of ``store`` holds them at ``columns`` [len(tokens)] (on
-    the host: a call's gather index is built there and copied over once)."""
+    """A conversation's cached tokens: row ``row`` of ``store`` holds them, at the columns its ``kept`` marks."""
 
     tokens: List[int]
     store: _Store
     row: int
-    columns: torch.Tensor
 
 
-def cut(tokens: Sequence[int], limit: int, stops: set) -> Tuple[int, str]:
-    """How many of a row's decoded ``tokens`` are its response (up to and with its first stop token,
-    at most ``limit``) and why it ended there."""
-    for i, tok in enumerate(tokens[:limit]):
-        if tok in stops:
-            return i + 1, "stop"
-    return limit, "length"
+def cut(tokens: torch.Tensor, limits: Sequence[int], stops: Sequence[int]) -> Tuple[torch.Tensor, List[str]]:
+    """How many of each row's decoded ``tokens`` [B, T] are its response -- up to and with its first stop token,
+    at most its entry of ``limits`` -- [B], and why it ended there ("stop" or "length")."""
+    steps = tokens.shape[1]
+    limit = torch.tensor(list(limits), dtype=torch.long, device=tokens.device)
+    within = torch.arange(steps, device=tokens.device)[None, :] < limit[:, None]
+    hit = torch.isin(tokens, torch.tensor(sorted(stops), dtype=tokens.dtype, device=tokens.device)) & within
+    stopped = hit.any(1)
+    # argmax returns the first of equal maxima: the first stop token's column
+    n = torch.where(stopped, hit.to(torch.uint8).argmax(1) + 1, limit)
+    return n, ["stop" if s else "length" for s in stopped.tolist()]
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Token lists left-padded to the longest: ids and attention mask [len(rows), width]."""
     width = max(1, max(len(r) for r in rows))
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    mask = torch.arange(width)[None, :] >= width - lengths[:, None]
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for b, r in enumerate(rows):
-        if len(r):
-            ids[b, width - len(r):] = torch.as_tensor(list(r), dtype=torch.long)
-            mask[b, width - len(r):] = 1
-    return ids, mask
+    ids[mask] = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.long)  # row by row, in order
+    return ids, mask.long()
+
+
+def padded(parts: Sequence[Part], rows: int, pad: int) -> GenerationOutput:
+    """The parts' rows as one output of ``rows`` rows in the call's order, right-padded as ``pad_completions``
+    lays them out (log-probs 0 where a part has none), with no texts."""
+    width = max([1] + [int(n.max()) for _, _, n, _, _ in parts if len(n)])
+    ids = torch.full((rows, width), pad, dtype=torch.int64)
+    mask = torch.zeros((rows, width), dtype=torch.int64)
+    logprobs = torch.zeros((rows, width), dtype=torch.float32)
+    reasons = [""] * rows
+    for members, tokens, n, lps, why in parts:
+        index = torch.tensor(members, dtype=torch.long)
+        w = min(width, tokens.shape[1])
+        inside = torch.arange(w)[None, :] < n[:, None]
+        ids[index, :w] = tokens[:, :w].to(torch.int64).masked_fill(~inside, pad)
+        mask[index, :w] = inside.to(torch.int64)
+        if lps is not None:
+            logprobs[index, :w] = lps[:, :w].to(torch.float32).masked_fill(~inside, 0.0)
+        for k, i in enumerate(members):
+            reasons[i] = why[k]
+    return GenerationOutput(prompt_index=torch.arange(rows, dtype=torch.int64), response_ids=ids, response_mask=mask,
+                            logprobs=logprobs, finish_reasons=reasons)
 
 
 def pack(cached: Sequence[Optional[_Cached]], device: torch.device) -> hf_decode.Past:
     """The rows' cached columns right-aligned in as many columns as the longest holds (a row without a
-    cache: none valid), one gather per layer and source decode."""
-    C = max(len(c.tokens) for c in cached if c is not None)
-    B = len(cached)
-    valid = torch.zeros((B, C), dtype=torch.bool)
-    position = torch.tensor([0 if c is None else len(c.tokens) for c in cached], dtype=torch.long, device=device)
+    cache: none valid), one gather per layer and source decode, its index built on the device from one copy of
+    the rows' lengths and places (a copy from the host waits for the device's queue: made before any gather)."""
+    lengths = [0 if c is None else len(c.tokens) for c in cached]
+    C, B = max(lengths), len(cached)
     sources: Dict[int, Tuple[_Store, List[int]]] = {}
     for b, c in enumerate(cached):
         if c is not None:
             sources.setdefault(id(c.store), (c.store, []))[1].append(b)
-            valid[b, C - len(c.tokens):] = True
-    first = next(iter(sources.values()))[0]
-    layers = len(first.keys)
-    whole = len(sources) == 1 and len(next(iter(sources.values()))[1]) == B  # one source, every row: no scatter
+    groups = list(sources.values())
+    members = [b for _, group in groups for b in group]
+    index = torch.tensor(lengths + [cached[b].row for b in members] + members, dtype=torch.long).to(device)
+    position, rows, places = index[:B], index[B : B + len(members)], index[B + len(members):]
+    valid = torch.arange(C, device=device)[None, :] >= (C - position)[:, None]  # each row's last columns
+    layers = len(groups[0][0].keys)
+    whole = len(groups) == 1 and len(members) == B  # one source, every row: no scatter
     keys: List[Any] = [None] * layers
     values: List[Any] = [None] * layers
-    for store, members in sources.values():
+    start = 0
+    for store, group in groups:
         _, heads, length, dim = store.keys[0].shape
-        # each row's source columns, right-aligned (column 0 where it has none: never attended)
-        cols = torch.zeros((len(members), C), dtype=torch.long)
-        for r, b in enumerate(members):
-            c = cached[b]
-            cols[r, C - len(c.tokens):] = c.columns
-        cols = cols.to(device)
-        src = torch.tensor([cached[b].row for b in members], dtype=torch.long, device=device)
+        src, where = rows[start : start + len(group)], places[start : start + len(group)]
+        start += len(group)
+        # each row's source columns, right-aligned: a stable sort of its kept marks puts its kept columns last, in
+        # order (column 0 where it has none: never attended)
+        order = torch.sort(store.kept.index_select(0, src).to(torch.uint8), dim=1, stable=True).indices
+        width = min(C, order.shape[1])
+        cols = torch.zeros((len(group), C), dtype=torch.long, device=device)
+        cols[:, C - width:] = order[:, order.shape[1] - width:]
+        cols.masked_fill_(~(valid if whole else valid.index_select(0, where)), 0)
         # flat row index of [row, head, column] in a [B * heads * length, dim] view of the source
         flat = ((src[:, None, None] * heads + torch.arange(heads, device=device)[None, :, None]) * length
                 + cols[:, None, :]).reshape(-1)
-        where = torch.tensor(members, dtype=torch.long, device=device)
         for out, held in ((keys, store.keys), (values, store.values)):
             for layer in range(layers):
-                part = held[layer].reshape(-1, dim).index_select(0, flat).view(len(members), heads, C, dim)
+                part = held[layer].reshape(-1, dim).index_select(0, flat).view(len(group), heads, C, dim)
                 if whole:
                     out[layer] = part
                     continue
                 if out[layer] is None:
                     out[layer] = part.new_zeros((B, heads, C, dim))
                 out[layer].index_copy_(0, where, part)
-    return hf_decode.Past(keys, values, valid.to(device), position)
+    return hf_decode.Past(keys, values, valid, position)
 
 
 class TurnCache:
@@ -192,7 +224,8 @@ class TurnCache:
 
     def generate(self, keys: Sequence[Hashable], prompts: Sequence[Sequence[int]],
                  sampling: Union[SamplingSpec, Sequence[SamplingSpec]]) -> GenerationOutput:
-        """One response per conversation (``n`` 1), as ``RolloutEngine.generate`` returns it; the prompts
+        """One response per conversation (``n`` 1), as ``RolloutEngine.generate`` returns it but for its texts
+        (none: the callers keep tokens, and a rollout's turns would decode every row for nothing); the prompts
         whose specs share a sampling decode together (a seed, as the engine's, seeds the call once)."""
         entered = time.perf_counter()
         specs = [sampling] * len(prompts) if isinstance(sampling, SamplingSpec) else list(sampling)
@@ -209,24 +242,19 @@ class TurnCache:
         groups: Dict[SamplingSpec, List[int]] = {}
         for i, spec in enumerate(specs):
             groups.setdefault(replace(spec, seed=None, max_tokens=1), []).append(i)
-        results: Dict[int, Turn] = {}
+        parts: List[Part] = []
         stamps: Dict[str, float] = {"since": entered}  # the decodes' launches and ends (``_decode``)
         for spec, members in groups.items():
             spec = replace(spec, max_tokens=max(specs[i].max_tokens for i in members))
             if self.engine._fast_reason(spec) is not None:
-                self._plain(members, keys, prompts, specs, results)
+                self._plain(members, keys, prompts, specs, parts)
                 continue
             cached = [self._take(keys[i], prompts[i]) for i in members]
             chunks, columns = self._chunks(cached, [prompts[i] for i in members], spec)
             for start, end in chunks:
-                self._decode(members[start:end], cached[start:end], keys, prompts, specs, spec, columns, results,
+                self._decode(members[start:end], cached[start:end], keys, prompts, specs, spec, columns, parts,
                              later=cached[end:], stamps=stamps)
-        order = range(len(prompts))
-        tokenizer = self.engine.tokenizer
-        out = pad_completions([results[i][0] for i in order], [results[i][1] for i in order], list(order),
-                              self.engine.pad_token_id,
-                              [tokenizer.decode(results[i][0], skip_special_tokens=True) for i in order],
-                              [results[i][2] for i in order])
+        out = padded(parts, len(prompts), self.engine.pad_token_id)
         if "ended" in stamps:
             self._add("return_s", time.perf_counter() - stamps["ended"])
         return out
@@ -262,23 +290,21 @@ class TurnCache:
         per_call = hf_decode.prompts_per_call(config, width, spec.max_tokens, 1, rows, room - packed * rows, element)
         return [(s, min(s + per_call, rows)) for s in range(0, rows, per_call)], 0
 
-    def _plain(self, members: List[int], keys, prompts, specs, results: Dict[int, Turn]) -> None:
+    def _plain(self, members: List[int], keys, prompts, specs, parts: List[Part]) -> None:
         """Rows the static-cache loop cannot serve: the engine's own ``generate``, nothing cached (and the
         decoding state ``hold`` kept let go: generate enters its own)."""
         self.release()
         for i in members:
             self.rows.pop(keys[i], None)
         out = self.engine.generate([prompts[i] for i in members], [specs[i] for i in members])
-        for row, i in enumerate(members):
-            n = int(out.response_mask[row].sum())
-            lps = out.logprobs[row, :n].tolist() if out.logprobs is not None else [0.0] * n
-            results[i] = (out.response_ids[row, :n].tolist(), lps, out.finish_reasons[row])
+        parts.append((members, out.response_ids, out.response_mask.sum(1), out.logprobs, list(out.finish_reasons)))
 
     def _decode(self, members: List[int], cached: List[Optional[_Cached]], keys, prompts, specs,
-                spec: SamplingSpec, columns: int, results: Dict[int, Turn], later: List[Optional[_Cached]],
+                spec: SamplingSpec, columns: int, parts: List[Part], later: List[Optional[_Cached]],
                 stamps: Dict[str, float]) -> None:
         """One decode of ``members`` (their caches ``cached``; a new decoder's cache at least ``columns``
-        wide), each row's cache rewritten after it; ``later``: the caches of the call's chunks still to decode.
+        wide), its rows appended to ``parts``, each row's cache rewritten after it; ``later``: the caches of the
+        call's chunks still to decode.
         ``stamps``: ``since`` (when the call or its previous chunk's decode ended), the prefill's launch and the
         decode's end written into it (``hf_decode.decode``'s ``stamps``), their phases added to the figures."""
         engine = self.engine
@@ -287,6 +313,8 @@ class TurnCache:
         new = [prompts[i][0 if c is None else len(c.tokens):] for i, c in zip(members, cached)]
         ids, mask = left_pad(new, engine.pad_token_id)
         continued = any(c is not None for c in cached)
+        if continued:  # the new tokens copied over before the gathers are queued (a copy from the host waits for them)
+            ids, mask = ids.to(device), mask.to(device)
         past = pack(cached, device) if continued else None
         reused = sum(len(c.tokens) for c in cached if c is not None)
         # a first turn prefills each distinct prompt once (the engine's dedup of a prompt's samples)
@@ -304,23 +332,20 @@ class TurnCache:
             self._add("launch_s", launched - stamps["since"])
             stamps["since"] = stamps["ended"]
         if tokens is None:  # the loop failed (the engine logged why and uses generate from now on)
-            self._plain(members, keys, prompts, specs, results)
+            self._plain(members, keys, prompts, specs, parts)
             return
         engine.last_mode = mode
         dec = self.decoder = kept[0]
-        store = _Store(dec.cache.keys, dec.cache.values)
-        width = dec.prefilled  # the prefill's columns: the past's and the new tokens'
-        before = dec.valid[:, :width].cpu()
-        held = before.nonzero()[:, 1].split(before.sum(1).tolist())  # each row's valid prefill columns, one pass
-        stops = set(eos) | set(spec.stop_token_ids)
-        rows, lps = tokens.tolist(), logprobs.tolist() if spec.logprobs else None  # one conversion each
-        after = torch.arange(width, width + tokens.shape[1])  # the decoded tokens' columns
+        n, reasons = cut(tokens, [specs[i].max_tokens for i in members], set(eos) | set(spec.stop_token_ids))
+        parts.append((members, tokens, n, logprobs if spec.logprobs else None, reasons))
+        # the columns each row keeps: its prefill's valid ones (the past's and the new tokens'), then those of its
+        # sampled tokens but the last (never fed), marked on the device
+        valid = dec.valid
+        sampled = torch.arange(tokens.shape[1], device=valid.device)[None, :] < (n - 1).to(valid.device)[:, None]
+        store = _Store(dec.cache.keys, dec.cache.values, torch.cat([valid[:, : dec.prefilled], sampled], 1))
+        rows, lengths = tokens.tolist(), n.tolist()  # one conversion each
         for b, i in enumerate(members):
-            row = rows[b]
-            n, reason = cut(row, specs[i].max_tokens, stops)
-            results[i] = (row[:n], lps[b][:n] if lps is not None else [0.0] * n, reason)
-            columns = torch.cat([held[b], after[: n - 1]])
-            self.rows[keys[i]] = _Cached(list(prompts[i]) + row[: n - 1], store, b, columns)
+            self.rows[keys[i]] = _Cached(list(prompts[i]) + rows[b][: lengths[b] - 1], store, b)
         self.calls.append({"rows": len(members), "prefilled": fed, "reused": reused,
                            "restarted": int(dec is reuse)})
 
