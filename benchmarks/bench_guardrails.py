@@ -2,7 +2,10 @@
 
 Each run is ``verl-fast train`` of the embedded default config (``bench_async_cpu.run_one``: synchronous, the
 HF engine) on a random Qwen2 model of ``--shape`` (``tiny``: the tests' tiny model; ``0.5b``: Qwen2.5-0.5B's
-shape, bench_e2e.SHAPES) with the tests' small tokenizer, seeded alike, guardrails on (the defaults) and off
+shape, bench_e2e.SHAPES) with the tests' small tokenizer, seeded alike, on sums of two digits written here as
+JSONL and scored by the response's last number (the default run's task and scoring, without reasoning-gym,
+which the GPU machine lacks); on a GPU the step is the GPU rows' (``GPU``: 16 prompts x 8 samples x 256 new
+tokens, the schema's micro-batch size in place of the preset's 32); guardrails on (the defaults) and off
 (``OFF``: no sync check, so the engine returns no log-probs either, no watchdog, no non-finite step count),
 ``--pairs`` pairs run one after the other, the order alternating (on/off, off/on, ...) so that a machine's
 drift falls on both. A run's figure is the median ``time/step`` of its steps after the first (the first
@@ -16,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
+import re
 import statistics
 import sys
 import tempfile
@@ -31,6 +36,26 @@ from bench_e2e import SHAPES  # noqa: E402
 
 OFF = ["guardrails.sync_check=false", "guardrails.watchdog=off", "guardrails.max_nonfinite_steps=0"]
 CASE = "a training step, guardrails on vs off"
+# on a GPU: the step of the GPU rows (bench_e2e's 16 x 8 x 256), not the CPU preset's 4 x 8 x 16
+GPU = ["trainer.device=cuda", "trainer.train_batch_size=16", "rollout.max_new_tokens=256",
+       "actor.micro_batch_size=8"]
+
+
+def last_number(solution_str, ground_truth, **kwargs) -> float:
+    """1.0 when the response's last number is the answer (how the default run's task is scored)."""
+    found = re.findall(r"-?\d+", solution_str)
+    return float(bool(found) and found[-1] == str(ground_truth))
+
+
+def write_sums(path: Path, count: int = 1000, seed: int = 42) -> Path:
+    """``count`` verl-format rows asking for the sum of two one-digit numbers (the default run's chain_sum)."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(count):
+            a, b = rng.randint(0, 9), rng.randint(0, 9)
+            f.write(json.dumps({"data_source": "sums", "prompt": [{"role": "user", "content": f"{a} + {b} ="}],
+                                "reward_model": {"ground_truth": str(a + b)}}) + "\n")
+    return path
 
 
 def step_times(out: Path) -> List[float]:
@@ -53,18 +78,21 @@ def main(argv=None) -> int:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     report = Report("guardrails_cost", device, meta={"shape": args.shape, "steps": args.steps, "pairs": args.pairs,
-                                                     "off": OFF, "set": args.set, "runs": {"on": [], "off": []}})
+                                                     "off": OFF, "set": args.set, "gpu_step": GPU if device == "cuda" else None, "runs": {"on": [], "off": []}})
     with tempfile.TemporaryDirectory(prefix="bench_guardrails_") as tmp:
         hf = {} if args.shape == "tiny" else SHAPES[args.shape]  # HF config names -> tiny_models' arguments
         names = {"num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
                  "num_key_value_heads": "num_kv_heads"}
         shape = {names.get(k, k): v for k, v in hf.items()}
         model = save_tiny_model(Path(tmp) / "model", family="qwen2", **shape)
+        task = [f"trainer.dataset={write_sums(Path(tmp) / 'sums.jsonl')}", "trainer.dataset_kwargs={}",
+                "reward_fn.type=callable", f"reward_fn.path={Path(__file__).resolve()}:last_number",
+                *(GPU if device == "cuda" else [])]
         for pair in range(args.pairs):
             for mode in (("on", "off") if pair % 2 == 0 else ("off", "on")):
                 work = Path(tmp) / f"{mode}_{pair}"
                 work.mkdir()
-                extra = [f"actor.model_name={model}", *args.set, *(OFF if mode == "off" else [])]
+                extra = [f"actor.model_name={model}", *task, *args.set, *(OFF if mode == "off" else [])]
                 run = run_one("off", 0, args.steps, work, extra)
                 times = step_times(work / "off_0")
                 report.meta["runs"][mode].append({"step_s": times, "wall_s": run["wall_s"]})

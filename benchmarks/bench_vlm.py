@@ -176,7 +176,16 @@ def worker_ours(args) -> Dict[str, Any]:
             torch.cuda.reset_peak_memory_stats()
         before = dynamo_counts()
         start = synced()
-        metrics = trainer.train_step(items[i * per : (i + 1) * per])
+        try:
+            metrics = trainer.train_step(items[i * per : (i + 1) * per])
+        except torch.OutOfMemoryError:  # what held the memory, for the run's log
+            u = trainer.updates
+            print(f"ours {args.algo}: out of memory at step {i + 1}: token budget {u.auto_budget or trainer.cfg.actor.max_token_len_per_gpu}, "
+                  f"checkpointing {getattr(trainer.strategy, 'checkpointing', None)}, compiled blocks "
+                  f"{getattr(trainer.strategy, 'compiled', None)}, {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated, "
+                  f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB\n"
+                  f"{torch.cuda.memory_summary(abbreviated=True)}", flush=True)
+            raise
         wall = synced() - start
         after = dynamo_counts()
         steps.append({"wall_s": wall, "mfu_update": metrics.get("perf/mfu_update"), "peak_memory_gib": peak_gib(),
@@ -187,6 +196,18 @@ def worker_ours(args) -> Dict[str, Any]:
                       **{f"step_{k}": after[k] - before[k] for k in after}})
         print(f"ours {args.algo}: step {i + 1} {wall:.2f} s {steps[-1]}", flush=True)
     return {"impl": "verl_fast", "steps": steps}
+
+
+def never_placeholders(folder: Path, vllm: bool) -> Dict[str, Any]:
+    """TRL's sampling kept off the image / video placeholder ids, as ours is (``models/vision.placeholder_ids``):
+    a random model samples them, and TRL's passes then find more placeholders than image features and stop. The
+    same ban through vLLM's ``logit_bias`` (our vLLM engine's) or transformers' ``suppress_tokens`` (our HF
+    engine's)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    ids = [i for i in (config.image_token_id, getattr(config, "video_token_id", None)) if i is not None]
+    return {"logit_bias": {i: -100.0 for i in ids}} if vllm else {"suppress_tokens": ids}
 
 
 def worker_trl(args) -> Dict[str, Any]:
@@ -227,6 +248,7 @@ def worker_trl(args) -> Dict[str, Any]:
                                 num_generations=s["n"],
                                 max_completion_length=s["tokens"], temperature=1.0, beta=0.0,
                                 use_vllm=args.device == "cuda", vllm_mode="colocate",
+                                generation_kwargs=never_placeholders(folder, args.device == "cuda"),
                                 model_init_kwargs={"dtype": dtype}, **common)
         trainer = trl.GRPOTrainer(model=str(folder), reward_funcs=length_reward, args=config, callbacks=[timer],
                                   train_dataset=Dataset.from_list(grpo_rows(args, trl=True)),

@@ -208,3 +208,15 @@ def test_distinct_images_indexes_each_rows_images():
     a, b = one.vision, two.vision  # two pictures, one picture
     firsts, index = vision.distinct_images([b, a, None, b, a, a])
     assert firsts == [b, a] and index == [0, 1, 2, 0, 1, 2, 1, 2]
+
+
+def test_benchmark_shape_draws_its_weights_as_the_published_model():
+    """The 3B benchmark model's weights are drawn at Qwen2.5-VL-3B's standard deviation (0.02): drawn at the tiny
+    model's 0.1, its 36 layers grow the stream until two bf16 forwards disagree by over a nat a token, and the
+    guardrails' sync check stops the run (as it did on the GPU). The config alone: no weights are drawn."""
+    from verl_fast.models import random_vlm
+
+    processor = random_vlm.build_processor()
+    for family in random_vlm.FAMILIES:
+        assert random_vlm.build_config(family, processor.tokenizer, "3b").text_config.initializer_range == 0.02
+        assert random_vlm.build_config(family, processor.tokenizer, "tiny").text_config.initializer_range == 0.1

@@ -29,6 +29,19 @@ def test_step_kv_cache_bytes_unknown_config():
     assert factory.step_kv_cache_bytes(Opaque(), 4, 32, "bfloat16", 1) is None
 
 
+def test_engine_length_is_held_to_the_models_positions():
+    """With rollout.max_model_len unset the engine's length is the longest prompt plus the new tokens, but never
+    past the model's positions (vLLM refuses such a length: the GPU's FP8 engine test met it at 512 + 8)."""
+    from verl_fast import config
+
+    model = tiny_model("qwen2")
+    positions = model.config.max_position_embeddings
+    cfg = config.from_dict({"trainer": {"max_prompt_length": positions}, "rollout": {"max_new_tokens": 8}})
+    assert factory.derived_max_len(cfg, model) == positions
+    cfg = config.from_dict({"trainer": {"max_prompt_length": 64}, "rollout": {"max_new_tokens": 8}})
+    assert factory.derived_max_len(cfg, model) == 72
+
+
 def test_capture_sizes_follow_vllm_stride_up_to_the_batch():
     assert capture_sizes(1) == [1]
     assert capture_sizes(16) == [1, 2, 4, 8, 16]

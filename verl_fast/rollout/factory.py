@@ -41,6 +41,7 @@ import torch
 
 from verl_fast import distributed
 from verl_fast.config import Config, LoraConfig
+from verl_fast.models.checks import context_length
 from verl_fast.models.vision import is_vision_model
 from verl_fast.models.vision_processor import VisionProcessor
 from verl_fast.models.wrapping import hf_module, is_sharded
@@ -136,7 +137,7 @@ def build_vllm(cls: type, cfg: Config, actor: torch.nn.Module, tokenizer: Any, m
         kwargs["distributed_executor_backend"] = "external_launcher"
     dtype = r.dtype if r.dtype != "auto" else (str(autocast_dtype).removeprefix("torch.") if autocast_dtype
                                                else cfg.actor.dtype)
-    max_len = r.max_model_len or (cfg.trainer.max_prompt_length + r.max_new_tokens)
+    max_len = r.max_model_len or derived_max_len(cfg, actor)
     if r.compilation_config is not None:
         kwargs["compilation_config"] = r.compilation_config
     per_engine = max(1, cfg.trainer.train_batch_size * r.n // max(1, world // r.tensor_parallel_size))
@@ -163,6 +164,14 @@ def build_vllm(cls: type, cfg: Config, actor: torch.nn.Module, tokenizer: Any, m
 
 #: images one prompt may hold in a vLLM request (vLLM sizes its multimodal profiling by it); no videos
 MAX_IMAGES_PER_PROMPT = 8
+
+
+def derived_max_len(cfg: Config, actor: torch.nn.Module) -> int:
+    """The engine's sequence length when ``rollout.max_model_len`` is unset: the longest prompt plus the new
+    tokens, held to the model's positions (vLLM refuses a length past them; a row cannot use more anyway)."""
+    wanted = cfg.trainer.max_prompt_length + cfg.rollout.max_new_tokens
+    positions = context_length(hf_module(actor).config.to_dict())
+    return min(wanted, positions) if positions else wanted
 
 
 def check_vision_engine(world: int, peft: bool, fp8: bool, processor: Any) -> Dict[str, int]:
