@@ -21,10 +21,9 @@
 # sft (our SFT step beside TRL's SFTTrainer), vlm (vision-language GRPO and SFT at the Qwen2.5-VL-3B shape beside TRL's, issue 70), ragged (GRPO at users' response lengths, issue 66), async (off / one_step / full), dist (needs 2 GPUs), megatron (2 GPUs; megatron-core's wheel in .whl/),
 # fp8 (FP8 rollout vs bf16 at 7B: sync, HF decode, vLLM), decode_fused (the decode's fused kernels on / off, issue 66), bench (`verl-fast bench` itself, quick sizes), ncu (Nsight Compute on the GAE scan kernel, where the image has it).
 # That machine: H200(s), torch 2.11 + CUDA 13, Triton 3.6, Python 3.12, no vLLM / megatron-core, no
-# network: build with --no-build-isolation --no-deps; pure-Python wheels (liger-kernel for the
-# logprobs baseline; trl, datasets, dill, multiprocess for e2e; megatron-core) travel in .whl/ (carry it);
-# e2e also needs the demo tokenizer in .bench_assets/ (`python benchmarks/bench_e2e.py --prepare-assets`
-# here; carry it). vLLM 0.26 travels in pieces (../shared/tools/device_vllm/README.md: `prepare.sh` downloads it and
+# network: build with --no-build-isolation --no-deps; `bash scripts/gpu_prepare.sh` lays out here what the sections
+# carry: pure-Python wheels (trl, datasets, dill, multiprocess for TRL's runs; megatron-core; liger-kernel for the
+# logprobs baseline by hand) in .whl/, the demo tokenizer in .bench_assets/, and vLLM 0.26 in pieces (../shared/tools/device_vllm/README.md: `prepare.sh` downloads it and
 # lays out .dvdeps1, .dvdeps2; `python scripts/vllm_pieces.py` rewrites the wheel without what an SM90 GPU never
 # loads and splits it into .dvp0 .. .dvp2, each holding vllm.part.N): short calls back to back copy each piece folder and
 # .dvdeps1 into /tmp/dv/ (`mkdir -p /tmp/dv && cp .dvpN/* /tmp/dv/`, each carrying its folder); the call that carries
