@@ -9,7 +9,7 @@ new tokens of the Qwen2 shapes of bench_e2e, in variants of our own code, one pr
   and read back);
 - ``prefill_each``: merged, the prompt's rows prefilled one by one (the loop before ``rows``);
 - ``kernel_attention``: merged, each step's attention through the Triton kernel
-  ``kernels.decode_attention`` (``hf_decode.KERNEL``; the cache's empty columns unread, the scores in
+  ``kernels.decode_attention`` (``static_kv.KERNEL``; the cache's empty columns unread, the scores in
   registers);
 - ``fused``: ``kernel_attention`` with the decode step's fused Triton kernels (``decode(fused=True)``:
   rotary + KV-cache write in one kernel a layer, ``kernels.rope_cache``; the sampling tail in one,
@@ -105,14 +105,14 @@ def run_variant(model, ids, mask, n: int, tokens: int, variant: str, reps: int, 
     that keeps the compiled forward and graph pool from one call of the same settings to the next (the
     ragged variants differ in compaction only: one compile serves both)."""
     from verl_fast.kernels import decode_attention as kernel_module
-    from verl_fast.rollout import hf_decode, merged_projections
+    from verl_fast.rollout import hf_decode, merged_projections, static_kv
 
     base = variant.partition(":")[0]
     saved = merged_projections.ATTENTIONS, merged_projections.MLPS
     if base == "unmerged":
         merged_projections.ATTENTIONS = merged_projections.MLPS = frozenset()
-    kernel = hf_decode.KERNEL
-    hf_decode.KERNEL = base in ("kernel_attention",) + FUSED + RAGGED
+    kernel = static_kv.KERNEL
+    static_kv.KERNEL = base in ("kernel_attention",) + FUSED + RAGGED
     knobs = knobs_of(variant)
     if "splits_for" in knobs:
         knobs["splits_for"] = lambda *_, s=knobs["splits_for"]: s
@@ -155,7 +155,7 @@ def run_variant(model, ids, mask, n: int, tokens: int, variant: str, reps: int, 
         profiled = kernel_profile(call)
     finally:
         merged_projections.ATTENTIONS, merged_projections.MLPS = saved
-        hf_decode.KERNEL = kernel
+        static_kv.KERNEL = kernel
         for name, value in launch.items():
             setattr(kernel_module, name, value)
     steps = batches[-1][0]

@@ -1,6 +1,6 @@
 """The decode step's attention kernel (kernels/decode_attention.py, Triton; on CPU tensors under
 TRITON_INTERPRET) against a float64 reference written here and against the matmul form the CPU runs
-(``hf_decode.grouped_attention``): grouped query heads, masks with holes, columns past the newest key
+(``static_kv.grouped_attention``): grouped query heads, masks with holes, columns past the newest key
 left unread, splits over the cache's columns, bad input."""
 
 import math
@@ -14,7 +14,7 @@ if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     pytest.skip("the Triton kernel on CPU tensors needs TRITON_INTERPRET=1", allow_module_level=True)
 
 from verl_fast.kernels.decode_attention import BLOCK_N, decode_attention, splits_for  # noqa: E402
-from verl_fast.rollout import hf_decode  # noqa: E402
+from verl_fast.rollout import static_kv  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -73,7 +73,7 @@ def test_matches_the_float64_reference_and_the_matmul_form(case, dtype):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.cpu().double(), want, atol=tol, rtol=0)
     zeroed = [t.nan_to_num(0.0) for t in (key, value)]  # the matmul form multiplies every column
-    matmul, _ = hf_decode.grouped_attention(None, query, *zeroed, keep[:, None, None, :], scaling=scale)
+    matmul, _ = static_kv.grouped_attention(None, query, *zeroed, keep[:, None, None, :], scaling=scale)
     torch.testing.assert_close(out.double(), matmul.double(), atol=tol, rtol=0)
 
 
@@ -122,5 +122,5 @@ def test_the_gpu_kernel_matches_the_cpu_path():
     query, key, value, keep = inputs(16, 28, 4, 320, 128, torch.bfloat16, 200, seed=3)
     out = decode_attention(query, key, value, keep, 128 ** -0.5)
     cpu = [t.cpu().nan_to_num(0.0) if t.is_floating_point() else t.cpu() for t in (query, key, value, keep)]
-    matmul, _ = hf_decode.grouped_attention(None, *cpu[:3], cpu[3][:, None, None, :], scaling=128 ** -0.5)
+    matmul, _ = static_kv.grouped_attention(None, *cpu[:3], cpu[3][:, None, None, :], scaling=128 ** -0.5)
     torch.testing.assert_close(out.cpu().double(), matmul.double(), atol=2e-2, rtol=0)

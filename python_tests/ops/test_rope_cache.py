@@ -1,6 +1,6 @@
 """The decode step's fused rotary embedding + KV-cache write (kernels/rope_cache.py, Triton; on CPU
 tensors under TRITON_INTERPRET) against a float64 reference written here and against the torch form
-it replaces (transformers' ``apply_rotary_pos_emb`` and ``hf_decode.StaticKV.update``): grouped and
+it replaces (transformers' ``apply_rotary_pos_emb`` and ``static_kv.StaticKV.update``): grouped and
 plain heads, head sizes that are no power of two, bf16 products into bf16 / float32 caches, a strided
 product, only the step's column written, bad input."""
 
@@ -16,7 +16,7 @@ if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
 from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb  # noqa: E402
 
 from verl_fast.kernels.rope_cache import rope_cache_write  # noqa: E402
-from verl_fast.rollout import hf_decode  # noqa: E402
+from verl_fast.rollout import static_kv  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -82,7 +82,7 @@ def test_matches_the_torch_form(dtypes):
     qkv_dtype, cache_dtype, _ = dtypes
     b, heads, kv_heads, d, length, col = 3, 14, 2, 64, 20, 11
     qkv, cos, sin, keys, values = inputs(b, heads, kv_heads, d, length, qkv_dtype, cache_dtype, seed=3)
-    cache = hf_decode.StaticKV(1, length)
+    cache = static_kv.StaticKV(1, length)
     cache.keys[0], cache.values[0] = keys.clone(), values.clone()
     cache.cols = torch.tensor([col], device=DEVICE)
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)
@@ -100,14 +100,14 @@ def test_matches_the_torch_form(dtypes):
 def test_the_cache_hook_applies_to_decode_steps_only():
     b, heads, kv_heads, d = 2, 4, 2, 8
     qkv, cos, sin, keys, values = inputs(b, heads, kv_heads, d, 6, torch.float32, torch.float32)
-    cache = hf_decode.StaticKV(1, 6, fused=True)
+    cache = static_kv.StaticKV(1, 6, fused=True)
     cache.cols = torch.tensor([2], device=DEVICE)
     assert cache.write_rotated(0, qkv, cos, sin, heads) is None  # the prefill: no cache yet
     cache.keys[0], cache.values[0] = keys, values
     assert cache.write_rotated(0, qkv.expand(b, 3, -1), cos, sin, heads) is None  # several columns
     assert cache.write_rotated(0, qkv, cos[..., :4], sin[..., :4], heads) is None  # a partial rotary table
     assert cache.write_rotated(0, qkv, cos, sin, heads).shape == (b, heads, 1, d)
-    assert hf_decode.StaticKV(1, 6).write_rotated(0, qkv, cos, sin, heads) is None  # not fused
+    assert static_kv.StaticKV(1, 6).write_rotated(0, qkv, cos, sin, heads) is None  # not fused
 
 
 @pytest.mark.parametrize("bad,match", [("cache", "keys and values"), ("qkv", "qkv must be"), ("cos", "cos must be"),

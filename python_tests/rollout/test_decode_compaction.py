@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tiny_models import build_model, build_tokenizer
-from verl_fast.rollout import hf_decode
+from verl_fast.rollout import decode_memory, hf_decode
 
 VOCAB = 256
 CAP = 40
@@ -202,7 +202,7 @@ def test_a_prompt_prefilled_in_chunks_decodes_as_prefilled_at_once(model, monkey
     whole = hf_decode.decode(model, ids, mask, 12, 0.0, 0, 1.0, [-1], 0, use_graph=False, rows=rows)
     widths = []
     hook = model.model.embed_tokens.register_forward_hook(lambda mod, args, out: widths.append(args[0].shape[1]))
-    monkeypatch.setattr(hf_decode, "PREFILL_CHUNK", 4)
+    monkeypatch.setattr(decode_memory, "PREFILL_CHUNK", 4)
     try:
         chunked = hf_decode.decode(model, ids, mask, 12, 0.0, 0, 1.0, [-1], 0, use_graph=False, rows=rows)
     finally:

@@ -1,4 +1,4 @@
-"""What the HF decode plans to hold at long caps: ``hf_decode.prompts_per_call`` and the memory plan's
+"""What the HF decode plans to hold at long caps: ``decode_memory.prompts_per_call`` and the memory plan's
 ``decode_prompts_per_call`` against the KV arithmetic written out here, at the 1.5B full fine-tune with
 a 16k cap and the 7B LoRA with an 8k cap on one H100 (80 GiB): a step's prompts in several calls,
 never the whole batch x cap that does not fit."""
@@ -7,7 +7,7 @@ import pytest
 import transformers
 
 from verl_fast.config import from_dict
-from verl_fast.rollout import hf_decode
+from verl_fast.rollout import decode_memory
 from verl_fast.strategies import memory_plan
 
 GIB = 2**30
@@ -24,9 +24,9 @@ def per_prompt_bytes(shape, width, cap, n, element):
     head_dim = shape["hidden_size"] // shape["num_attention_heads"]
     kv = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * element * (width + cap)
     if width <= 2048:  # one forward over the prompt
-        prefill = hf_decode.PREFILL_BYTES * width * (shape["hidden_size"] + shape["intermediate_size"]) + width * width
+        prefill = decode_memory.PREFILL_BYTES * width * (shape["hidden_size"] + shape["intermediate_size"]) + width * width
     else:  # chunks of 2,048 columns, a later one's mask over the whole cache
-        prefill = hf_decode.PREFILL_BYTES * 2048 * (shape["hidden_size"] + shape["intermediate_size"]) + \
+        prefill = decode_memory.PREFILL_BYTES * 2048 * (shape["hidden_size"] + shape["intermediate_size"]) + \
             2048 * (width + cap)
     return n * (kv + 6 * 4 * shape["vocab_size"]) + prefill
 
@@ -35,12 +35,12 @@ def per_prompt_bytes(shape, width, cap, n, element):
 def test_prompts_per_call_is_what_the_room_holds(element):
     cfg = transformers.Qwen2Config(**QWEN25_1_5B)
     one = per_prompt_bytes(QWEN25_1_5B, 512, 16384, 8, element)
-    assert hf_decode.bytes_per_prompt(cfg, 512, 16384, 8, element) == one
-    assert hf_decode.PREFILL_CHUNK == 2048
-    assert hf_decode.bytes_per_prompt(cfg, 8192, 4096, 8, element) == per_prompt_bytes(QWEN25_1_5B, 8192, 4096, 8,
+    assert decode_memory.bytes_per_prompt(cfg, 512, 16384, 8, element) == one
+    assert decode_memory.PREFILL_CHUNK == 2048
+    assert decode_memory.bytes_per_prompt(cfg, 8192, 4096, 8, element) == per_prompt_bytes(QWEN25_1_5B, 8192, 4096, 8,
                                                                                        element)
     for room, want in ((None, 16), (100 * one, 16), (5.5 * one, 5), (one - 1, 1), (0.0, 1)):
-        assert hf_decode.prompts_per_call(cfg, 512, 16384, 8, 16, room, element) == want
+        assert decode_memory.prompts_per_call(cfg, 512, 16384, 8, 16, room, element) == want
 
 
 @pytest.mark.parametrize("case", ["1.5b full fine-tune, cap 16k", "7b lora r16, cap 8k"])

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tiny_models import build_model, build_tokenizer, save_tiny_model
-from verl_fast.rollout import hf_decode
+from verl_fast.rollout import decode_memory, hf_decode, static_kv
 from verl_fast.records.generation import SamplingSpec
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 
@@ -277,7 +277,7 @@ def test_grouped_attention_matches_per_head_reference(q_len):
     key, value = torch.randn(b, kv_heads, length, d), torch.randn(b, kv_heads, length, d)
     mask = torch.rand(b, 1, q_len, length) > 0.4
     mask[..., 0] = True
-    out, _ = hf_decode.grouped_attention(None, query, key, value, mask, scaling=0.3)
+    out, _ = static_kv.grouped_attention(None, query, key, value, mask, scaling=0.3)
     want = torch.empty(b, q_len, heads, d, dtype=torch.float64)
     for i in range(b):
         for h in range(heads):
@@ -288,7 +288,7 @@ def test_grouped_attention_matches_per_head_reference(q_len):
                 want[i, t, h] = torch.softmax(s, 0) @ value[i, kh].double()
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=0)
     with pytest.raises(NotImplementedError, match="softcap"):
-        hf_decode.grouped_attention(None, query, key, value, mask, softcap=30.0)
+        static_kv.grouped_attention(None, query, key, value, mask, softcap=30.0)
 
 
 def test_compiled_decode_steps_match_eager(tok):
@@ -341,8 +341,8 @@ def test_compiled_decode_steps_match_eager(tok):
 def test_compiled_decode_steps_in_the_cuda_graph(model, tok, kernel, monkeypatch):
     """The compiled forward captured in the decode graph: the eager graph's greedy tokens (fp32), and
     under the trainer's bf16 autocast greedy tokens within a bf16 margin of a float32 forward's; the
-    attention in its matmul form or through the Triton kernel (``hf_decode.KERNEL``)."""
-    monkeypatch.setattr(hf_decode, "KERNEL", kernel)
+    attention in its matmul form or through the Triton kernel (``static_kv.KERNEL``)."""
+    monkeypatch.setattr(static_kv, "KERNEL", kernel)
     model.to("cuda")
     spec = SamplingSpec(n=4, temperature=0.0, max_tokens=24)
     for autocast in (None, torch.bfloat16):
@@ -363,9 +363,9 @@ def test_bytes_per_prompt_counts_each_samples_cache_and_sampling_and_one_prefill
     cfg = m.config
     width, new = 64, 16
     kv = 2 * 2 * 2 * (64 // 4) * 4 * (width + new)  # layers x (k, v) x kv heads x head_dim x 4 B x columns
-    prefill = hf_decode.PREFILL_BYTES * width * (64 + cfg.intermediate_size) + width * width
+    prefill = decode_memory.PREFILL_BYTES * width * (64 + cfg.intermediate_size) + width * width
     for samples in (1, 3):
-        assert hf_decode.bytes_per_prompt(cfg, width, new, samples) == samples * (kv + 6 * 4 * len(tok)) + prefill
+        assert decode_memory.bytes_per_prompt(cfg, width, new, samples) == samples * (kv + 6 * 4 * len(tok)) + prefill
 
 
 def test_the_prefill_runs_each_prompt_once_for_all_its_samples(model, tok):
@@ -395,7 +395,7 @@ def test_the_prefill_runs_each_prompt_once_for_all_its_samples(model, tok):
         assert batches[0] == (2, max(len(p[0]), len(p[1]))) and set(batches[1:]) == {(6, 1)} and out.num_sequences == 6
     finally:
         hook.remove()
-    cache = hf_decode.StaticKV(1, 4, rows=torch.tensor([1, 0, 1]))
+    cache = static_kv.StaticKV(1, 4, rows=torch.tensor([1, 0, 1]))
     cache.cols = torch.arange(3)
     key, value = torch.randn(2, 1, 3, 2), torch.randn(2, 1, 3, 2)
     k, v = cache.update(key, value, 0)  # the prefill: two prompts, attending to their own keys
@@ -411,7 +411,7 @@ def test_a_group_larger_than_the_room_decodes_in_calls_that_fit(model, tok, monk
     fast, _ = engines(model, tok)
     spec = SamplingSpec(n=2, temperature=0.0, max_tokens=8)
     whole = fast.generate(prompts(tok), spec)
-    per_prompt = hf_decode.bytes_per_prompt(model.config, hf_decode.CompiledForward.WIDTH, spec.max_tokens, 1)
+    per_prompt = decode_memory.bytes_per_prompt(model.config, hf_decode.CompiledForward.WIDTH, spec.max_tokens, 1)
     calls = []
     run = fast._generate
     monkeypatch.setattr(fast, "_room_bytes", lambda: 2.5 * per_prompt)  # greedy: one row a prompt

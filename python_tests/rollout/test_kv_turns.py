@@ -3,14 +3,13 @@ continued from its cached keys and values, against the whole conversation prefil
 loop) and against plain ``generate`` on it; the next turn's sampled tokens against a float64 reference
 distribution; the prefill counts."""
 
-import math
 
 import pytest
 import torch
 
 from tiny_models import build_model, build_tokenizer
 from verl_fast.records.generation import SamplingSpec
-from verl_fast.rollout import hf_decode, kv_turns
+from verl_fast.rollout import decode_memory, hf_decode, kv_turns
 from verl_fast.rollout.hf_engine import HFGenerateEngine
 
 
@@ -119,7 +118,7 @@ def test_a_call_in_chunks_never_restarts_in_a_cache_its_later_chunks_hold(model,
     """Where the device's room cuts a call into chunks, the rows of its later chunks still hold the previous
     turn's cache until their own decode gathers it: the first chunk must not restart in (overwrite) it. The
     turns equal those of a new decoder per turn, with shrinking caps as the agents' turns have."""
-    monkeypatch.setattr(hf_decode, "prompts_per_call", lambda *a, **k: 2)  # two rows a call fit
+    monkeypatch.setattr(decode_memory, "prompts_per_call", lambda *a, **k: 2)  # two rows a call fit
     turns_of, caps = [2] * 4, [[8] * 4, [4, 6, 3, 5]]
 
     def turns(restart):
@@ -262,7 +261,7 @@ def test_the_reserve_gives_way_where_the_room_does_not_hold_it(model, tok, monke
     wide = reserve + 4 + hf_decode.CompiledForward.WIDTH  # the reserve, a turn, the compiled loop's padding
 
     def need(columns):  # three rows' bytes at a width
-        return 3 * hf_decode.bytes_per_prompt(model.config, columns, 4, 1, fast.kv_element_bytes())
+        return 3 * decode_memory.bytes_per_prompt(model.config, columns, 4, 1, fast.kv_element_bytes())
 
     for room, length in ((need(width) + 1, width + 4), (need(wide - 4) + 1, wide)):
         monkeypatch.setattr(fast, "_room_bytes", lambda room=room: room)
@@ -293,7 +292,7 @@ def test_a_decoder_another_conversation_holds_is_not_restarted(model, tok):
 
 def test_new_tokens_prefilled_in_chunks_after_the_past(model, tok, monkeypatch):
     """A prefill chunk of 5 columns: the new tokens run in several chunks, each attending to the past."""
-    monkeypatch.setattr(hf_decode, "PREFILL_CHUNK", 5)
+    monkeypatch.setattr(decode_memory, "PREFILL_CHUNK", 5)
     fast = HFGenerateEngine(model, tok, fast_decode="on", compact_rows="off")
     turns_of, caps = [3, 2, 3], [4, 6, 5]
     cont, _ = run_turns(fast, tok, turns_of, caps, use_cache=True)

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from tiny_models import tiny_model
-from verl_fast.rollout import hf_decode
+from verl_fast.rollout import hf_decode, static_kv
 from verl_fast.rollout.merged_projections import Merged, kind
 
 
 def forward_twice(model, ids, mask):
     """The prefill over ``ids`` then one decode step over a static cache: both steps' logits."""
     B, W = ids.shape
-    cache = hf_decode.StaticKV(model.config.num_hidden_layers, W + 1)
+    cache = static_kv.StaticKV(model.config.num_hidden_layers, W + 1)
     cache.cols = torch.arange(W)
     causal = torch.ones(W, W, dtype=torch.bool).tril() & mask[:, None, :].bool()
     full = (causal | torch.eye(W, dtype=torch.bool))[:, None]  # the prefill attends to its own W columns
@@ -23,7 +23,7 @@ def forward_twice(model, ids, mask):
     cache.cols = torch.tensor([W])
     step_mask = torch.cat([mask.bool(), torch.ones(B, 1, dtype=torch.bool)], -1)[:, None, None, :]
     nxt = first.argmax(-1, keepdim=True)
-    with hf_decode._attention(model, hf_decode.ATTENTION):
+    with static_kv.attention_set(model, static_kv.ATTENTION):
         second = hf_decode.model_step(model, nxt, step_mask, positions[:, -1:] + 1, cache)
     return first, second
 

@@ -3,7 +3,7 @@ KV head and the query heads that share it, reads the cached keys and values once
 cache column the mask leaves empty.
 
 The cache is allocated for the longest sequence (prompt width + new tokens) and a graph-captured
-decode step cannot change shapes, so the matmul form (``hf_decode.grouped_attention``) attends every
+decode step cannot change shapes, so the matmul form (``static_kv.grouped_attention``) attends every
 column of it at every token: on average twice the columns that hold keys, and each step also writes
 the [B, kv_heads, group, L] float32 scores, reads them back for the softmax and writes the
 probabilities (three more passes over the cache's width). Here the scores stay in registers

@@ -46,7 +46,7 @@ from verl_fast.models.vision import is_vision_model
 from verl_fast.models.vision_processor import VisionProcessor
 from verl_fast.models.wrapping import hf_module, is_sharded
 from verl_fast.ops.reshard.spec import MOE_FAMILIES
-from verl_fast.rollout import engines, hf_decode
+from verl_fast.rollout import decode_memory, engines, hf_decode
 from verl_fast.rollout.base import RolloutEngine
 from verl_fast.rollout.fp8_sync import QUANTIZATION_CONFIG
 
@@ -236,7 +236,7 @@ def step_kv_cache_bytes(hf_config: Any, sequences: int, max_len: int, dtype: str
     ``gpu_memory_utilization``). vLLM's own default fills half the GPU, of which a small model's step uses
     a sliver, and every sleep / wake unmaps / maps all of it."""
     element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    per_token = hf_decode.kv_bytes_per_token(hf_config, element, tensor_parallel_size)
+    per_token = decode_memory.kv_bytes_per_token(hf_config, element, tensor_parallel_size)
     if per_token is None:
         return None
     tokens = sequences * -(-max_len // 16) * 16

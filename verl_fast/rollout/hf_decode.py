@@ -10,7 +10,7 @@ replays it for every token; finished rows are checked every ``check_every`` toke
 batch once the rest fit a smaller one (``decode``: the batch and its cache compacted, one graph per
 batch size). The prefill
 runs the model's own sdpa attention; the decode steps an attention that reads each cached KV head
-once for all the query heads that share it (``grouped_attention``).
+once for all the query heads that share it (``static_kv.grouped_attention``).
 
 What it computes is what ``generate`` computes: the same forward (left padding, positions from the
 attention mask), temperature then top-k then top-p over the float32 logits, a draw from the
@@ -36,19 +36,15 @@ from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-from transformers import AttentionInterface
-from transformers.cache_utils import Cache, StaticCache, StaticLayer
+from transformers.cache_utils import StaticCache, StaticLayer
 
-from verl_fast.rollout import merged_projections
+from verl_fast.rollout import decode_memory, merged_projections
+from verl_fast.rollout.static_kv import ATTENTION, Past, StaticKV, attention_set
 
 try:
-    from verl_fast.kernels import decode_sampling, rope_cache
-    from verl_fast.kernels.decode_attention import decode_attention
-except ImportError:  # no Triton: the matmul form and the torch sampling everywhere
-    decode_attention = decode_sampling = rope_cache = None
-# The GPU decode step's attention through the Triton kernel (True) or the matmul form (False):
-# bench_decode's kernel_attention variant measures the two inside the compiled, graph-captured decode.
-KERNEL = True
+    from verl_fast.kernels import decode_sampling
+except ImportError:  # no Triton: the torch sampling everywhere
+    decode_sampling = None
 
 logger = logging.getLogger(__name__)
 
@@ -85,56 +81,6 @@ def unsupported(module: torch.nn.Module) -> Optional[str]:
     return None
 
 
-def kv_bytes_per_token(config, element_bytes: int, shards: int = 1) -> Optional[int]:
-    """Every layer's key and value of one token at ``element_bytes`` an element, the KV heads split over
-    ``shards`` (tensor parallelism); None where the config does not say."""
-    layers = getattr(config, "num_hidden_layers", None)
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
-    if not (layers and kv_heads and head_dim):
-        return None
-    return 2 * layers * max(1, kv_heads // shards) * head_dim * element_bytes
-
-
-# The most prompt columns one prefill forward takes: longer prompts run in chunks of it
-PREFILL_CHUNK = 2048
-
-# Device bytes the prefill holds per prompt token and unit of the layers' (hidden + intermediate) width:
-# one layer's temporaries at a time (the MLP's gate, up and product, the attention's q, k, v and output,
-# in bf16) beside the float32 residual stream; a round upper count, not measured
-PREFILL_BYTES = 8
-
-
-def bytes_per_prompt(config, width: int, max_new_tokens: int, samples: int, kv_element_bytes: int = 4) -> int:
-    """Device bytes one prompt decoded ``samples`` times takes in the loop at its peak (the first step:
-    compaction only shrinks it): each sample's KV cache (every layer's keys and values for ``width +
-    max_new_tokens`` columns at ``kv_element_bytes`` an element: the autocast dtype's under autocast,
-    ``StaticKV``, else the model's) and float32 sampling rows over the vocabulary (the logits and a few
-    temporaries of their size), and once for the prompt the prefill's activations over its ``width``
-    columns, or one chunk's (``PREFILL_CHUNK``), and its boolean attention mask (the prefill runs each
-    prompt once, ``decode``'s ``rows``)."""
-    cfg = getattr(config, "text_config", None) or config
-    length = width + max_new_tokens
-    kv = kv_bytes_per_token(cfg, kv_element_bytes) * length
-    inner = getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size
-    chunk = min(width, PREFILL_CHUNK)  # a chunk after the first attends to the whole cache's columns
-    prefill = PREFILL_BYTES * chunk * (cfg.hidden_size + inner) + chunk * (width if width <= PREFILL_CHUNK else length)
-    return samples * (kv + 6 * 4 * cfg.vocab_size) + prefill
-
-
-def prompts_per_call(config, width: int, max_new_tokens: int, samples: int, prompts: int,
-                     room: Optional[float], kv_element_bytes: int) -> int:
-    """How many of ``prompts`` prompts (each decoded ``samples`` times) one call of the loop takes:
-    all of them, or as many as ``room`` bytes hold at ``bytes_per_prompt`` (at least one; None: no
-    limit). The rest decode in further calls: the cache is never planned at the whole batch x cap when
-    that does not fit."""
-    if room is None:
-        return prompts
-    per_prompt = bytes_per_prompt(config, width, max_new_tokens, samples, kv_element_bytes)
-    return max(1, min(prompts, int(room // per_prompt)))
-
-
 @dataclass
 class Images:
     """A vision-language prefill's inputs beside the prompts' token ids [P, W] (Qwen2-VL / Qwen2.5-VL)."""
@@ -147,133 +93,6 @@ class Images:
     def padded(self, extra: int) -> "Images":
         """The same inputs for prompts left-padded by ``extra`` more columns."""
         return Images(self.inputs, torch.nn.functional.pad(self.positions, (extra, 0)), self.deltas, self.never)
-
-
-@dataclass
-class Past:
-    """Earlier columns a decode continues from (a conversation's next turn, ``rollout/kv_turns.py``):
-    each row's cached keys and values, its valid columns and the position its next token takes."""
-
-    keys: List[torch.Tensor]  # per layer [B, kv_heads, C, head_dim]
-    values: List[torch.Tensor]  # per layer [B, kv_heads, C, head_dim]
-    valid: torch.Tensor  # [B, C] bool: columns holding a token of the row
-    position: torch.Tensor  # [B] long: the position of each row's first new token
-
-    @property
-    def columns(self) -> int:
-        return self.valid.shape[1]
-
-
-class StaticKV(Cache):
-    """Keys and values of every layer in tensors of fixed shape [B, kv_heads, length, head_dim],
-    written at the columns ``cols`` (a device tensor the caller advances). The model calls only
-    ``update``; masks come in as ready 4-D tensors, so nothing asks the cache for lengths.
-    (transformers' StaticCache gives keys and values the dtype of the first keys; under autocast
-    values leave a bf16 projection while keys leave the float32 rotary product.) The first forward
-    (the prefill) may come with fewer sequences than the cache holds: row b of the cache then holds
-    sequence ``rows[b]`` of it (the samples of one prompt share its prefill). With ``fused`` set, a
-    decode step's attention may hand its merged q/k/v product to ``write_rotated`` instead (the rotary
-    embedding and the write in one kernel). With a ``past``, each layer's cache is made at its first
-    update from the past's columns (then freed), and every forward writes its columns and attends to
-    the whole cache."""
-
-    is_compileable = False
-
-    def __init__(self, num_layers: int, length: int, rows: Optional[torch.Tensor] = None,
-                 fused: bool = False, past: Optional[Past] = None):  # no Cache.__init__
-        self.keys: list = [None] * num_layers
-        self.values: list = [None] * num_layers
-        self.length = length
-        self.rows = rows  # None: the prefill's sequences are the cache's rows
-        self.past = past
-        self.cols: Optional[torch.Tensor] = None
-        self.seen = 0  # host-side count, for transformers versions that derive positions from it
-        self.fused = fused and rope_cache is not None
-
-    def write_rotated(self, layer_idx: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      heads: int) -> Optional[torch.Tensor]:
-        """A decode step's queries rotated [B, heads, 1, D], its keys rotated and its values written at
-        ``cols`` (``kernels.rope_cache``), from the merged product ``qkv`` [B, 1, (heads + 2 kv_heads) * D];
-        None where the fused kernel does not apply (not ``fused``, the prefill, another table shape):
-        the caller then rotates and calls ``update``."""
-        keys = self.keys[layer_idx]
-        if not self.fused or keys is None or qkv.shape[1] != 1 or cos.shape[-1] != keys.shape[-1]:
-            return None
-        return rope_cache.rope_cache_write(qkv, cos, sin, keys, self.values[layer_idx], self.cols, heads)
-
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None, *args, **kwargs):
-        if self.keys[layer_idx] is None and self.past is not None:  # the layer's cache: the past, then room
-            for store, old in ((self.keys, self.past.keys), (self.values, self.past.values)):
-                shape = old[layer_idx].shape
-                store[layer_idx] = old[layer_idx].new_zeros(shape[:2] + (self.length, shape[3]))
-                store[layer_idx][:, :, : shape[2]] = old[layer_idx]
-                old[layer_idx] = None
-        if self.keys[layer_idx] is not None:  # a decode step: its column written, the whole cache attended
-            self.keys[layer_idx].index_copy_(2, self.cols, key_states.to(self.keys[layer_idx].dtype))
-            self.values[layer_idx].index_copy_(2, self.cols, value_states.to(self.values[layer_idx].dtype))
-            return self.keys[layer_idx], self.values[layer_idx]
-        # the prefill: the cache allocated, each sequence's keys and values written into the rows that
-        # decode it; its attention reads the sequences' own (the cache's later columns are empty). Under
-        # autocast, sdpa casts its inputs to the autocast dtype: keys stored in it attend exactly as the
-        # fp32 keys would, with half the bytes read per token
-        device = key_states.device.type
-        key_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else key_states.dtype
-        for store, new, dtype in ((self.keys, key_states, key_dtype), (self.values, value_states, value_states.dtype)):
-            per_row = new if self.rows is None else new.index_select(0, self.rows)
-            store[layer_idx] = per_row.new_zeros((per_row.shape[0], per_row.shape[1], self.length, per_row.shape[3]),
-                                                 dtype=dtype)
-            store[layer_idx].index_copy_(2, self.cols, per_row.to(dtype))
-        return key_states, value_states
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.seen
-
-    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
-        return self.length
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-
-def grouped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Decode-step attention that reads each cached key and value once: the query heads sharing a KV
-    head are stacked into one matrix ([B, kv, group * q, D] against [B, kv, L, D]). With a mask,
-    sdpa needs the KV heads repeated to every query head first (a copy of the whole cache per layer
-    and token, 7x its size for 14 heads over 2). ``attention_mask``: [B, 1, q, L] boolean, True =
-    attend. Returns [B, q, heads, D] as transformers' attention functions do. With ``KERNEL`` set, a
-    decode step (one query column) on a GPU runs the Triton kernel ``kernels.decode_attention``, which
-    also leaves the cache's empty columns unread; this matmul form is its reference."""
-    for name in ("softcap", "s_aux", "sinks", "sliding_window"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"grouped_attention does not implement {name}")
-    b, heads, q_len, d = query.shape
-    scaling = scaling if scaling is not None else d ** -0.5
-    if KERNEL and decode_attention is not None and query.is_cuda and q_len == 1:
-        return decode_attention(query, key, value, attention_mask[:, 0, 0], scaling), None
-    kv_heads, length = key.shape[1], key.shape[2]
-    group = heads // kv_heads
-    q = query.reshape(b, kv_heads, group * q_len, d)  # head h uses KV head h // group, as repeat_kv does
-    scores = torch.matmul(q, key.transpose(-1, -2)).float() * scaling
-    mask = attention_mask[:, :, None].expand(b, 1, group, q_len, length).reshape(b, 1, group * q_len, length)
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(value.dtype)
-    out = torch.matmul(probs, value).reshape(b, heads, q_len, d).transpose(1, 2)
-    return out, None
-
-
-ATTENTION = "verl_fast_grouped"
-AttentionInterface.register(ATTENTION, grouped_attention)
-
-
-@contextlib.contextmanager
-def _attention(module, name: str) -> Iterator[None]:
-    """The model's attention implementation set to ``name`` for the decode steps only."""
-    cfg = module.config.get_text_config()  # a vision-language model's vision tower keeps its own
-    before = cfg._attn_implementation
-    cfg._attn_implementation = name
-    try:
-        yield
-    finally:
-        cfg._attn_implementation = before
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -584,7 +403,7 @@ class _Decoder:
         return self.out_tokens.cpu(), self.out_logprobs.cpu()
 
     def _prefill(self, input_ids, valid, positions, C, rows, images: Optional[Images] = None, forward=model_step):
-        """The prompts' forward, each prompt once, in chunks of at most ``PREFILL_CHUNK`` columns (a later
+        """The prompts' forward, each prompt once, in chunks of at most ``decode_memory.PREFILL_CHUNK`` columns (a later
         chunk's queries attend to the cache's earlier columns: activations and mask over a chunk, not the
         whole prompt), and each row's first token from its prompt's logits. ``valid`` [P, C + W]: the
         past's ``C`` columns (cached, not run again) and the prompts'. With ``images``, one chunk (the
@@ -592,7 +411,7 @@ class _Decoder:
         ``forward``: ``model_step`` (eager), or a restart's compiled one (its cache made already)."""
         device = input_ids.device
         W = C + input_ids.shape[1]
-        chunk = PREFILL_CHUNK if images is None else W - C
+        chunk = decode_memory.PREFILL_CHUNK if images is None else W - C
         chunked = W - C > chunk
         if chunked:  # the chunks' keys and values kept per prompt, copied to the rows that decode them after
             self.cache.rows = None
@@ -820,7 +639,7 @@ def decode(module: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
             events[1].record(torch.cuda.current_stream(input_ids.device))
         elif times is not None:
             times["prefill_s"] = time.perf_counter() - start
-        stack.enter_context(_attention(module, ATTENTION))
+        stack.enter_context(attention_set(module, ATTENTION))
         steps, graphed = _run_steps(dec, max_new_tokens, use_graph, check_every,
                                     graphs if graphs is not None else GraphPool(), min_rows, log)
         tokens, logprobs = dec.result()  # on the host: the device is done with both events

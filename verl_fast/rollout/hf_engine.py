@@ -14,7 +14,7 @@ from verl_fast.distributed import MEMORY_FRACTION, collective_device, usable_byt
 from verl_fast.models import routing, vision as vision_model, vision_attention
 from verl_fast.models.wrapping import hf_module, is_sharded
 from verl_fast.records.generation import GenerationOutput, SamplingSpec, pad_completions
-from verl_fast.rollout import fp8_linear, hf_decode, kv_turns, sync_check
+from verl_fast.rollout import decode_memory, fp8_linear, hf_decode, kv_turns, static_kv, sync_check
 from verl_fast.rollout.base import RolloutEngine
 
 logger = logging.getLogger(__name__)
@@ -287,7 +287,7 @@ class HFGenerateEngine(RolloutEngine):
 
     def _fast_prompts_per_call(self, prompts: Sequence[Sequence[int]], members: List[int], spec: SamplingSpec) -> int:
         """How many of a sampling group's prompts the static-cache loop decodes at once: all of them, or on
-        a GPU as many as its room holds (``hf_decode.bytes_per_prompt``; a greedy prompt decodes once).
+        a GPU as many as its room holds (``decode_memory.bytes_per_prompt``; a greedy prompt decodes once).
         Where that cuts the group, the sampled values differ from an uncut call's (one draw sequence per
         call), never their distribution."""
         room = self._room_bytes()
@@ -298,9 +298,9 @@ class HFGenerateEngine(RolloutEngine):
         rows = 1 if spec.temperature == 0.0 else spec.n
         element = self.kv_element_bytes()
         config = self._module().config
-        fits = hf_decode.prompts_per_call(config, width, spec.max_tokens, rows, len(members), room, element)
+        fits = decode_memory.prompts_per_call(config, width, spec.max_tokens, rows, len(members), room, element)
         if fits < len(members):
-            per_prompt = hf_decode.bytes_per_prompt(config, width, spec.max_tokens, rows, element)
+            per_prompt = decode_memory.bytes_per_prompt(config, width, spec.max_tokens, rows, element)
             logger.info("HF decode: %d of %d prompts per call (%.1f GiB of room at %.0f MiB a prompt)", fits,
                         len(members), room / 2**30, per_prompt / 2**20)
         return fits
@@ -432,7 +432,7 @@ class HFGenerateEngine(RolloutEngine):
         return figures
 
     def decode_fast(self, module, ids, mask, spec: SamplingSpec, eos: List[int], copies: int,
-                    past: Optional[hf_decode.Past] = None, keep: Optional[list] = None,
+                    past: Optional[static_kv.Past] = None, keep: Optional[list] = None,
                     vision: Optional[Sequence[Optional[Any]]] = None, reuse: Any = None, columns: int = 0,
                     stamps: Optional[Dict[str, float]] = None):
         """(new tokens, log-probs, mode) on the host from hf_decode, or Nones where it does not apply (the

@@ -10,7 +10,7 @@ the whole prompt is. After the call each row keeps the columns of its tokens: th
 its sampled tokens but the last (the decode's last token was sampled, never fed: the next turn feeds it
 first). ``drop(key)`` frees a finished conversation's rows.
 
-The rows of one call are packed (``hf_decode.Past``): each row's cached columns right-aligned in ``C``
+The rows of one call are packed (``static_kv.Past``): each row's cached columns right-aligned in ``C``
 columns, the most any row has, gathered from the decodes that hold them in one copy per layer, the new
 tokens left-padded after them; columns no row needs are left behind, so the cache is about as wide as
 the longest conversation's. A row attends to its own tokens at the positions the whole conversation
@@ -42,7 +42,7 @@ import time
 import torch
 
 from verl_fast.records.generation import GenerationOutput, SamplingSpec
-from verl_fast.rollout import hf_decode
+from verl_fast.rollout import decode_memory, hf_decode, static_kv
 
 # Whether a call restarts the previous call's decoder where it fits (the A/B switch of tests and benchmarks)
 RESTART = True
@@ -117,7 +117,7 @@ def padded(parts: Sequence[Part], rows: int, pad: int) -> GenerationOutput:
                             logprobs=logprobs, finish_reasons=reasons)
 
 
-def pack(cached: Sequence[Optional[_Cached]], device: torch.device) -> hf_decode.Past:
+def pack(cached: Sequence[Optional[_Cached]], device: torch.device) -> static_kv.Past:
     """The rows' cached columns right-aligned in as many columns as the longest holds (a row without a
     cache: none valid), one gather per layer and source decode, its index built on the device from one copy of
     the rows' lengths and places (a copy from the host waits for the device's queue: made before any gather)."""
@@ -160,7 +160,7 @@ def pack(cached: Sequence[Optional[_Cached]], device: torch.device) -> hf_decode
                 if out[layer] is None:
                     out[layer] = part.new_zeros((B, heads, C, dim))
                 out[layer].index_copy_(0, where, part)
-    return hf_decode.Past(keys, values, valid, position)
+    return static_kv.Past(keys, values, valid, position)
 
 
 class TurnCache:
@@ -269,7 +269,7 @@ class TurnCache:
 
     def _chunks(self, cached: List[Optional[_Cached]], prompts: List[Sequence[int]],
                 spec: SamplingSpec) -> Tuple[List[Tuple[int, int]], int]:
-        """The group's rows in calls the device's room holds (``hf_decode.prompts_per_call`` at the packed
+        """The group's rows in calls the device's room holds (``decode_memory.prompts_per_call`` at the packed
         width: cached columns, new tokens, the turn's tokens, and the packed copy beside), and a new
         decoder's least cache width: the reserved one (``_columns``) where the whole group fits it in one
         call, else none (the call's own width)."""
@@ -282,12 +282,12 @@ class TurnCache:
         width = C + max(len(p) - (0 if c is None else len(c.tokens)) for p, c in zip(prompts, cached))
         config = engine._module().config
         element = engine.kv_element_bytes()
-        packed = hf_decode.kv_bytes_per_token(getattr(config, "text_config", None) or config, element) * C
+        packed = decode_memory.kv_bytes_per_token(getattr(config, "text_config", None) or config, element) * C
         reserved = self._columns(spec)
-        if reserved and hf_decode.prompts_per_call(config, max(width, reserved - spec.max_tokens), spec.max_tokens,
+        if reserved and decode_memory.prompts_per_call(config, max(width, reserved - spec.max_tokens), spec.max_tokens,
                                                    1, rows, room - packed * rows, element) >= rows:
             return [(0, rows)], reserved
-        per_call = hf_decode.prompts_per_call(config, width, spec.max_tokens, 1, rows, room - packed * rows, element)
+        per_call = decode_memory.prompts_per_call(config, width, spec.max_tokens, 1, rows, room - packed * rows, element)
         return [(s, min(s + per_call, rows)) for s in range(0, rows, per_call)], 0
 
     def _plain(self, members: List[int], keys, prompts, specs, parts: List[Part]) -> None:

@@ -27,7 +27,7 @@ weights load when it cannot hold one sequence's even with it.
 
 The rollout's compiled HF decode holds its KV cache in the same room while it runs (the update's
 activations are gone by then): ``decode_prompts_per_call`` counts how many of a step's prompts one
-decode call takes at ``rollout.max_new_tokens`` (``hf_decode.prompts_per_call``), the rest decoding in
+decode call takes at ``rollout.max_new_tokens`` (``decode_memory.prompts_per_call``), the rest decoding in
 further calls, and ``check_before_loading`` logs it where that is fewer than the step's.
 """
 
@@ -43,7 +43,7 @@ from verl_fast.config import Config, LoraConfig
 from verl_fast.distributed import MEMORY_FRACTION, allocatable_bytes
 from verl_fast.models.lora import is_peft
 from verl_fast.rollout import engines as rollout_engines
-from verl_fast.rollout import hf_decode
+from verl_fast.rollout import decode_memory, hf_decode
 
 logger = logging.getLogger(__name__)
 
@@ -365,7 +365,7 @@ def estimate(cfg: Config, shape: Shape, hf_config: Any, free_bytes: float, needs
     width = -(-t.max_prompt_length // step) * step
     element = 2 if a.autocast in (None, "auto", "bfloat16", "float16") else DTYPE_BYTES[a.dtype]
     prompts = decode_prompts_per_call(p, cfg, hf_config)
-    rollout = prompts * hf_decode.bytes_per_prompt(hf_config, width, r.max_new_tokens, r.n, element)
+    rollout = prompts * decode_memory.bytes_per_prompt(hf_config, width, r.max_new_tokens, r.n, element)
     passes = tokens * logprob_pass_bytes(shape, p.element) + logprob_head_bytes(tokens, shape, p.element, fused_head)
     head = head_bytes(tokens, shape.hidden, shape.vocab, fused_head)
     if checkpointing:  # the head's backward runs before any layer is recomputed: only its excess over one counts
@@ -395,7 +395,7 @@ def decode_prompts_per_call(p: Plan, cfg: Config, hf_config: Any) -> int:
     step = hf_decode.CompiledForward.WIDTH
     width = -(-t.max_prompt_length // step) * step
     element = 2 if a.autocast in (None, "auto", "bfloat16", "float16") else DTYPE_BYTES[a.dtype]
-    return hf_decode.prompts_per_call(hf_config, width, r.max_new_tokens, r.n, t.train_batch_size, max(p.room, 0.0),
+    return decode_memory.prompts_per_call(hf_config, width, r.max_new_tokens, r.n, t.train_batch_size, max(p.room, 0.0),
                                       element)
 
 
