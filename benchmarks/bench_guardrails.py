@@ -3,8 +3,8 @@
 Each run is ``verl-fast train`` of the embedded default config (``bench_async_cpu.run_one``: synchronous, the
 HF engine) on a random Qwen2 model of ``--shape`` (``tiny``: the tests' tiny model; ``0.5b``: Qwen2.5-0.5B's
 shape, bench_e2e.SHAPES) with the tests' small tokenizer, seeded alike, on sums of two digits written here as
-JSONL and scored by the response's last number (the default run's task and scoring, without reasoning-gym,
-which the GPU machine lacks); on a GPU the step is the GPU rows' (``GPU``: 16 prompts x 8 samples x 256 new
+JSONL and scored by the response's last number (``reward_fn.type: gsm8k``: the default run's task and scoring,
+without reasoning-gym, which the GPU machine lacks); on a GPU the step is the GPU rows' (``GPU``: 16 prompts x 8 samples x 256 new
 tokens, the schema's micro-batch size in place of the preset's 32); guardrails on (the defaults) and off
 (``OFF``: no sync check, so the engine returns no log-probs either, no watchdog, no non-finite step count),
 ``--pairs`` pairs run one after the other, the order alternating (on/off, off/on, ...) so that a machine's
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
 import statistics
 import sys
 import tempfile
@@ -39,12 +38,6 @@ CASE = "a training step, guardrails on vs off"
 # on a GPU: the step of the GPU rows (bench_e2e's 16 x 8 x 256), not the CPU preset's 4 x 8 x 16
 GPU = ["trainer.device=cuda", "trainer.train_batch_size=16", "rollout.max_new_tokens=256",
        "actor.micro_batch_size=8"]
-
-
-def last_number(solution_str, ground_truth, **kwargs) -> float:
-    """1.0 when the response's last number is the answer (how the default run's task is scored)."""
-    found = re.findall(r"-?\d+", solution_str)
-    return float(bool(found) and found[-1] == str(ground_truth))
 
 
 def write_sums(path: Path, count: int = 1000, seed: int = 42) -> Path:
@@ -86,7 +79,7 @@ def main(argv=None) -> int:
         shape = {names.get(k, k): v for k, v in hf.items()}
         model = save_tiny_model(Path(tmp) / "model", family="qwen2", **shape)
         task = [f"trainer.dataset={write_sums(Path(tmp) / 'sums.jsonl')}", "trainer.dataset_kwargs={}",
-                "reward_fn.type=callable", f"reward_fn.path={Path(__file__).resolve()}:last_number",
+                "reward_fn.type=gsm8k",
                 *(GPU if device == "cuda" else [])]
         for pair in range(args.pairs):
             for mode in (("on", "off") if pair % 2 == 0 else ("off", "on")):

@@ -205,8 +205,9 @@ def never_placeholders(folder: Path, vllm: bool) -> Dict[str, Any]:
     engine's)."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(folder)
-    ids = [i for i in (config.image_token_id, getattr(config, "video_token_id", None)) if i is not None]
+    from verl_fast.models.vision import config_placeholder_ids
+
+    ids = config_placeholder_ids(AutoConfig.from_pretrained(folder))
     return {"logit_bias": {i: -100.0 for i in ids}} if vllm else {"suppress_tokens": ids}
 
 

@@ -64,7 +64,11 @@ def _core(model: torch.nn.Module) -> torch.nn.Module:
 def placeholder_ids(model: Any) -> List[int]:
     """The token ids the forward replaces by vision features (image and video placeholders): never
     sampled, so that every one in a sequence stands for an image it was given."""
-    config = hf_module(model).config
+    return config_placeholder_ids(hf_module(model).config)
+
+
+def config_placeholder_ids(config: Any) -> List[int]:
+    """``placeholder_ids`` of a model's config (a model not loaded: a folder's ``AutoConfig``)."""
     return [i for i in (config.image_token_id, getattr(config, "video_token_id", None)) if i is not None]
 
 
