@@ -218,6 +218,7 @@ def worker_trl(args) -> Dict[str, Any]:
 
     from verl_fast.models import random_vlm
 
+    began = time.perf_counter()
     folder = Path(tempfile.mkdtemp(prefix="bench_vlm_model_"))
     # TRL loads the model and its processor from the folder
     random_vlm.save(folder, "qwen2_5_vl", "tiny" if args.tiny else "3b", device=args.device)
@@ -235,8 +236,12 @@ def worker_trl(args) -> Dict[str, Any]:
                 torch.cuda.reset_peak_memory_stats()
             self.start = synced()
 
+        def on_train_begin(self, *a, **k):
+            print(f"trl {args.algo}: training begins at {time.perf_counter() - began:.1f} s", flush=True)
+
         def on_step_end(self, *a, **k):
             self.steps.append({"wall_s": synced() - self.start, "peak_memory_gib": peak_gib()})
+            print(f"trl {args.algo}: step {len(self.steps)} {self.steps[-1]['wall_s']:.2f} s", flush=True)
 
     common = dict(output_dir=tempfile.mkdtemp(prefix="bench_vlm_trl_"), learning_rate=1e-6, max_steps=args.steps,
                   logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
@@ -305,7 +310,8 @@ def main(argv=None) -> int:
                 print(f"{algo} {impl}: timed out after {args.timeout} s\n{said[-3000:]}", flush=True)
                 continue
             if done.returncode != 0 or not out.is_file():
-                print(f"{algo} {impl}: failed\n{(done.stdout + done.stderr)[-3000:]}", flush=True)
+                # each stream's own tail: the worker's last lines (ours: its out-of-memory report) above the traceback
+                print(f"{algo} {impl}: failed\n{done.stdout[-2500:]}\n{done.stderr[-2500:]}", flush=True)
                 continue
             print(done.stdout[-4000:], end="", flush=True)  # the worker's own lines (ours: its phases and steps)
             result = json.loads(out.read_text())

@@ -223,6 +223,7 @@ fi
 # lengths, cap 2,048, lr 2e-5, ours + TRL; its GGUF joined on the machine as ../shared/PLATFORM.md says, its
 # path in DEMO_GGUF, the gguf wheel in .whl/). Needs .bench_assets/, trl + datasets + dill + multiprocess + peft
 # in .whl/ and vLLM (the .dv* calls first, as the e2e section's TRL-vLLM runs). ----
+# RAGGED_SWEEP="default,rollout.partial_step_tokens=256+algorithm.rollout_correction=true": ours once per item
 if want ragged; then
   common=(--device cuda --gpus 1 --no-profile --impls "${RAGGED_IMPLS:-ours,trl_vllm}" --trl-steps vllm:4 --skip 1)
   for row in ${RAGGED_ROWS:-cap1k}; do
@@ -239,6 +240,7 @@ if want ragged; then
       *) echo "RAGGED_ROWS: unknown row $row (cap1k, cap4k, cap8k, uniform, 7b4k, 7b4k_trl, demo)"; failed+=("ragged $row"); continue ;;
     esac
     timeout ${RAGGED_TIMEOUT:-570} "$py" benchmarks/bench_e2e.py "${common[@]}" "${args[@]}" --timeout "${RAGGED_RUN_TIMEOUT:-280}" \
+      ${RAGGED_SWEEP:+--sweep "$RAGGED_SWEEP"} \
       --name "e2e_ragged_$row" >> "$OUT/bench.log" 2>&1 || failed+=("ragged $row")
     sed -n '/^responses at ragged/,/^step s:/p' "$OUT/bench.log" | tail -n 6
   done
