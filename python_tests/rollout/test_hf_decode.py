@@ -3,6 +3,7 @@ exactly, sampled tokens' log-probs against a teacher-forced forward, the sampler
 against a float64 reference, stop tokens, and the fallbacks. The CUDA-graph path: gpu-marked."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -415,9 +416,42 @@ def test_a_group_larger_than_the_room_decodes_in_calls_that_fit(model, tok, monk
     calls = []
     run = fast._generate
     monkeypatch.setattr(fast, "_room_bytes", lambda: 2.5 * per_prompt)  # greedy: one row a prompt
-    monkeypatch.setattr(fast, "_generate", lambda ps, s, v=None: calls.append(len(ps)) or run(ps, s, v))
+    monkeypatch.setattr(fast, "_generate", lambda ps, s, v=None, **kw: calls.append(len(ps)) or run(ps, s, v, **kw))
     cut = fast.generate(prompts(tok), spec)
     assert calls == [2, 2, 1]
     assert torch.equal(cut.response_ids, whole.response_ids) and cut.finish_reasons == whole.finish_reasons
     torch.testing.assert_close(cut.logprobs, whole.logprobs, atol=1e-5, rtol=0)
     assert HFGenerateEngine(model, tok, fast_decode="on")._room_bytes() is None  # off a GPU: no limit
+
+
+def test_requests_of_other_sample_counts_and_limits_decode_in_one_call(model, tok):
+    """A partial rollout's round asks for fresh prompts' n samples beside carried samples (n = 1) with the
+    tokens each has left: the static-cache loop takes them in one call to the longest limit, each row cut to
+    its own. Greedy rows are those of one call per request; sampled rows end at their limits, by "length"
+    only there; log-probs are the model's of the tokens kept; generate (the loop off) serves the same."""
+    ps = prompts(tok, 4)
+    specs = [SamplingSpec(n=3, temperature=0.0, max_tokens=10), SamplingSpec(n=1, temperature=0.0, max_tokens=4),
+             SamplingSpec(n=2, temperature=0.0, max_tokens=7, seed=3), SamplingSpec(n=1, temperature=0.0, max_tokens=10)]
+    fast, plain = engines(model, tok)
+    mixed = fast.generate(ps, specs)
+    assert fast.metrics()["decode_calls"] == 1.0
+    for out in (mixed, plain.generate(ps, specs)):
+        assert out.prompt_index.tolist() == [0, 0, 0, 1, 2, 2, 3]
+        for r, p in enumerate(out.prompt_index.tolist()):
+            alone = fast.generate([ps[p]], replace(specs[p], n=1))
+            width = int(out.response_mask[r].sum())
+            assert width == int(alone.response_mask[0].sum()) <= specs[p].max_tokens
+            assert torch.equal(out.response_ids[r, :width], alone.response_ids[0, :width])
+            assert out.finish_reasons[r] == alone.finish_reasons[0]
+            torch.testing.assert_close(out.logprobs[r, :width], alone.logprobs[0, :width], atol=1e-5, rtol=0)
+    sampled = [replace(s, temperature=1.0, seed=7) for s in specs]
+    fast.metrics()  # (the figures of the calls above handed over)
+    out = fast.generate(ps, sampled)
+    assert fast.metrics()["decode_calls"] == 1.0 and out.num_sequences == 7
+    for r, p in enumerate(out.prompt_index.tolist()):
+        width = int(out.response_mask[r].sum())
+        assert width <= sampled[p].max_tokens
+        assert (out.finish_reasons[r] == "length") == (width == sampled[p].max_tokens
+                                                        and out.response_ids[r, width - 1] != tok.eos_token_id)
+        want = teacher_forced_logprobs(model, ps[p], out.response_ids[r, :width].tolist(), 1.0)
+        torch.testing.assert_close(out.logprobs[r, :width].double(), want, atol=1e-4, rtol=0)

@@ -256,10 +256,13 @@ class HFGenerateEngine(RolloutEngine):
             torch.manual_seed(seeds[0])
         groups: Dict[SamplingSpec, List[int]] = {}
         for i, spec in enumerate(specs):
-            groups.setdefault(replace(spec, seed=None), []).append(i)
+            groups.setdefault(self._batch_key(spec), []).append(i)
         results: Dict[int, List[Tuple[List[int], List[float], str]]] = {}
         routes: Dict[int, List[torch.Tensor]] = {}
-        for spec, members in groups.items():
+        for members in groups.values():
+            # one call for the group: as many samples as its largest n per prompt at most, to its longest limit
+            spec = replace(specs[members[0]], seed=None, n=max(specs[i].n for i in members),
+                           max_tokens=max(specs[i].max_tokens for i in members))
             # the static-cache loop takes the whole group at once (its batch is the point), as far as the
             # GPU's memory holds it
             per_call = (self._fast_prompts_per_call(prompts, members, spec) if self._fast_reason(spec) is None
@@ -267,7 +270,9 @@ class HFGenerateEngine(RolloutEngine):
             for start in range(0, len(members), per_call):
                 chunk = members[start : start + per_call]
                 grouped, routed = self._generate([prompts[i] for i in chunk], spec,
-                                                 None if vision is None else [vision[i] for i in chunk])
+                                                 None if vision is None else [vision[i] for i in chunk],
+                                                 counts=[specs[i].n for i in chunk],
+                                                 caps=[specs[i].max_tokens for i in chunk])
                 for k, i in enumerate(chunk):
                     results[i] = grouped[k]
                     if routed is not None:
@@ -285,9 +290,20 @@ class HFGenerateEngine(RolloutEngine):
         return pad_completions(completions, logprobs, index, self.pad_token_id, texts, reasons,
                                routed_all if self.record_routing else None)
 
+    def _batch_key(self, spec: SamplingSpec) -> SamplingSpec:
+        """The settings that put requests in one call: all but the seed (the call seeds once); where the
+        static-cache loop serves them (without expert routes recorded), all but the samples per prompt and the
+        token limit too, since its rows are any prompts' samples and a row's tokens past its own limit are cut.
+        A partial rollout's round (fresh prompts with n samples beside carried samples with n = 1, each with
+        the tokens it has left) is then one call, not one per limit, each decoding its own longest row."""
+        if self.record_routing or self._fast_reason(spec) is not None:
+            return replace(spec, seed=None)
+        return replace(spec, seed=None, n=1, max_tokens=1)
+
     def _fast_prompts_per_call(self, prompts: Sequence[Sequence[int]], members: List[int], spec: SamplingSpec) -> int:
         """How many of a sampling group's prompts the static-cache loop decodes at once: all of them, or on
-        a GPU as many as its room holds (``decode_memory.bytes_per_prompt``; a greedy prompt decodes once).
+        a GPU as many as its room holds (``decode_memory.bytes_per_prompt``; a greedy prompt decodes once; a
+        mixed group, ``_batch_key``, counted at its largest sample count and limit, ``spec``'s).
         Where that cuts the group, the sampled values differ from an uncut call's (one draw sequence per
         call), never their distribution."""
         room = self._room_bytes()
@@ -352,7 +368,16 @@ class HFGenerateEngine(RolloutEngine):
 
     @torch.no_grad()
     def _generate(self, prompts: List[Sequence[int]], spec: SamplingSpec,
-                  vision: Optional[Sequence[Optional[Any]]] = None) -> List[List[Tuple[List[int], List[float], str]]]:
+                  vision: Optional[Sequence[Optional[Any]]] = None, counts: Optional[List[int]] = None,
+                  caps: Optional[List[int]] = None) -> List[List[Tuple[List[int], List[float], str]]]:
+        """Per prompt, its samples (tokens, log-probs, reason). ``counts`` / ``caps``: each prompt's samples and
+        token limit where they differ (``_batch_key``: the static-cache loop's calls; ``spec`` then holds
+        their largest); by default ``spec.n`` and ``spec.max_tokens`` for every prompt."""
+        counts = counts or [spec.n] * len(prompts)
+        caps = caps or [spec.max_tokens] * len(prompts)
+        uniform = len(set(counts)) == 1
+        if self._fast_reason(spec) is not None and not (uniform and len(set(caps)) == 1):
+            return self._generate_each(prompts, spec, vision, counts, caps)  # the loop failed since the grouping
         module = self._module()
         device = self.device
         width = max(len(p) for p in prompts)
@@ -365,23 +390,41 @@ class HFGenerateEngine(RolloutEngine):
         eos = eos_token_ids(module, self.tokenizer)
         greedy = spec.temperature == 0.0
         copies = spec.n if greedy else 1  # greedy samples are identical: decode once, copy n times
+        # the rows each prompt decodes, and each decoded row's copies in the output
+        decoded = torch.tensor([1 if greedy else n for n in counts])
+        copied = torch.tensor(counts if greedy else [1] * sum(counts))
         recording = routing.record(module) if self.record_routing else contextlib.nullcontext()
         with self.decoding(module), recording as rec:
-            new, logp, self.last_mode = self.decode_fast(module, ids, mask, spec, eos, copies, vision=vision)
-            if new is None:
+            new, logp, self.last_mode = self.decode_fast(module, ids, mask, spec, eos, copies, vision=vision,
+                                                         counts=None if uniform else decoded)
+            if new is None:  # (``_batch_key`` and the check above: generate's calls are uniform)
                 images = {} if vision is None else vision_model.image_inputs(module, ids.to(device), vision)
                 new, logp = self._decode_generate(module, ids, mask, spec, eos, copies, images)
                 self.last_mode = "generate"
         if not spec.logprobs:
             logp = None
         elif logp is not None:
-            logp = logp.repeat_interleave(copies, dim=0)
+            logp = logp.repeat_interleave(copied, dim=0)
         rows = new.shape[0]
-        new = new.repeat_interleave(copies, dim=0)
-        grouped = self._split(new, logp, prompts, spec, eos)
+        new = new.repeat_interleave(copied, dim=0)
+        owners = torch.arange(len(prompts)).repeat_interleave(torch.tensor(counts)).tolist()
+        grouped = self._split(new, logp, prompts, spec, eos, owners, caps)
         if rec is None:
             return grouped, None
-        return grouped, _routes(rec.stacked(rows).repeat_interleave(copies, dim=0), grouped, prompts, width, spec.n)
+        return grouped, _routes(rec.stacked(rows).repeat_interleave(copied, dim=0), grouped, prompts, width, spec.n)
+
+    def _generate_each(self, prompts, spec: SamplingSpec, vision, counts: List[int], caps: List[int]):
+        """``_generate`` of a mixed call through ``generate``: one call per samples-and-limit pair."""
+        grouped: List[Any] = [None] * len(prompts)
+        pairs: Dict[Tuple[int, int], List[int]] = {}
+        for i, pair in enumerate(zip(counts, caps)):
+            pairs.setdefault(pair, []).append(i)
+        for (n, cap), members in pairs.items():
+            part, _ = self._generate([prompts[i] for i in members], replace(spec, n=n, max_tokens=cap),
+                                     None if vision is None else [vision[i] for i in members])
+            for i, samples in zip(members, part):
+                grouped[i] = samples
+        return grouped, None
 
     @contextlib.contextmanager
     def decoding(self, module):
@@ -434,11 +477,13 @@ class HFGenerateEngine(RolloutEngine):
     def decode_fast(self, module, ids, mask, spec: SamplingSpec, eos: List[int], copies: int,
                     past: Optional[static_kv.Past] = None, keep: Optional[list] = None,
                     vision: Optional[Sequence[Optional[Any]]] = None, reuse: Any = None, columns: int = 0,
-                    stamps: Optional[Dict[str, float]] = None):
+                    stamps: Optional[Dict[str, float]] = None, counts: Optional[torch.Tensor] = None):
         """(new tokens, log-probs, mode) on the host from hf_decode, or Nones where it does not apply (the
         reason logged once). ``past`` / ``keep`` / ``reuse`` / ``columns`` / ``stamps``: a conversation's next turn
         (``hf_decode.decode``; its rows not compacted). ``vision``: a vision-language actor's prompts' images
-        (None a text prompt)."""
+        (None a text prompt). ``counts``: the rows each prompt decodes, in prompt order (None: ``spec.n //
+        copies`` each)."""
+        per_prompt = counts if counts is not None else spec.n // copies
         reason = self._fast_reason(spec)
         if reason is not None:
             if reason not in self._told:
@@ -451,11 +496,11 @@ class HFGenerateEngine(RolloutEngine):
         rows, images = None, None
         if self.vision_language:  # each prompt prefilled once with its own images
             images = self._images(module, ids.to(device), mask.to(device), vision)
-            rows = torch.arange(ids.shape[0]).repeat_interleave(spec.n // copies)
+            rows = torch.arange(ids.shape[0]).repeat_interleave(per_prompt)
         elif past is None:  # each distinct prompt prefilled once (a prompt's samples, a trajectory's first turn),
             width = ids.shape[1]  # its cache copied to the rows that decode it
             distinct, prompt_of = torch.unique(torch.cat([ids, mask], 1), dim=0, return_inverse=True)
-            ids, mask, rows = distinct[:, :width], distinct[:, width:], prompt_of.repeat_interleave(spec.n // copies)
+            ids, mask, rows = distinct[:, :width], distinct[:, width:], prompt_of.repeat_interleave(per_prompt)
         times: Dict[str, float] = {}
         captures = self._graphs.captures
         try:
@@ -531,12 +576,15 @@ class HFGenerateEngine(RolloutEngine):
             logp = torch.log_softmax(logits, dim=-1).gather(-1, new[:, : logits.shape[1], None]).squeeze(-1)
         return new, logp
 
-    def _split(self, new: torch.Tensor, logp: Optional[torch.Tensor], prompts, spec: SamplingSpec, eos: List[int]):
-        """Rows of new tokens -> per prompt, (tokens up to and with the stop token, log-probs, reason)."""
+    def _split(self, new: torch.Tensor, logp: Optional[torch.Tensor], prompts, spec: SamplingSpec, eos: List[int],
+               owners: List[int], caps: List[int]):
+        """Rows of new tokens -> per prompt, (tokens up to and with the stop token, log-probs, reason);
+        ``owners``: each row's prompt; ``caps``: each prompt's token limit (a row's later tokens are cut, which
+        leaves those kept as a call with that limit samples them)."""
         stop_ids = set(eos) | set(spec.stop_token_ids)
         grouped: List[List[Tuple[List[int], List[float], str]]] = [[] for _ in prompts]
         for row in range(new.shape[0]):
-            toks = new[row].tolist()
+            toks = new[row, : caps[owners[row]]].tolist()
             end, reason = len(toks), "length"
             for t, tok in enumerate(toks):
                 if tok in stop_ids:
@@ -548,5 +596,5 @@ class HFGenerateEngine(RolloutEngine):
                     end -= 1
                 reason = "stop" if end < len(toks) else reason
             lps = logp[row, :end].tolist() if logp is not None else [0.0] * end
-            grouped[row // spec.n].append((toks[:end], lps, reason))
+            grouped[owners[row]].append((toks[:end], lps, reason))
         return grouped
