@@ -131,8 +131,10 @@ def routed(model: torch.nn.Module, sub: Experience, cfg: Config) -> ContextManag
 
 
 def compiles_blocks(actor: torch.nn.Module, cfg: Config, device: torch.device) -> bool:
-    """``actor.compile_blocks`` resolved for ``actor`` (``memory_plan.blocks_compiled``)."""
-    return memory_plan.blocks_compiled(cfg, device, is_sharded(actor), is_peft(actor))
+    """``actor.compile_blocks`` resolved for ``actor`` (``memory_plan.blocks_compiled``: off for a family
+    whose norms and MLPs ``compiled_blocks`` leaves eager, so that the token budget counts eager ones)."""
+    return memory_plan.blocks_compiled(cfg, device, is_sharded(actor), is_peft(actor),
+                                       memory_plan.family_of(hf_module(actor)))
 
 
 def keeps_base_in_bf16(actor: torch.nn.Module, cfg: Config, layout: Sharding, device: torch.device,

@@ -41,6 +41,7 @@ import torch
 
 from verl_fast.config import Config, LoraConfig
 from verl_fast.distributed import MEMORY_FRACTION, allocatable_bytes
+from verl_fast.models import compiled_blocks
 from verl_fast.models.lora import is_peft
 from verl_fast.rollout import engines as rollout_engines
 from verl_fast.rollout import decode_memory, hf_decode
@@ -91,7 +92,7 @@ class Shape:
         return self.width - self.hidden
 
 
-def layer_bytes(shape: Shape, element: int, compiled: bool) -> float:
+def layer_bytes(shape: Shape, element: int, compiled: bool, padded_width: int = 0) -> float:
     """Bytes one decoder layer's forward keeps for its backward, per token (a Qwen2 / Qwen3 / Llama layer,
     packed rows through the varlen flash attention, ``element`` bytes a value: 2 in bf16 passes, 4 in
     float32), as autograd saves them (``python_tests/strategies/test_activation_count.py`` checks the
@@ -103,31 +104,40 @@ def layer_bytes(shape: Shape, element: int, compiled: bool) -> float:
       its output (o_proj's input) and its float32 log-sum-exp a head; the rotary product keeps only the
       shared cos / sin; Qwen3's per-head norms keep their inputs as a norm does;
     - the MLP: compiled (Inductor's partition), gate, up and their product; eager, gate, silu's output,
-      up and the product (down_proj's input)."""
+      up and the product (down_proj's input).
+
+    ``padded_width`` (rows that run padded to that width through transformers' ``sdpa`` with their padding
+    mask, as rows with images do): the attention keeps the keys and values repeated to the query heads
+    (transformers hands sdpa grouped keys only without a mask) and the mask as a bias in the passes'
+    dtype, one value per key of the row."""
     h, i = shape.hidden, shape.intermediate
     q, kv = shape.attention or h, shape.kv or h
+    if padded_width:
+        kv = q
 
     def norm(width: int) -> float:  # what a norm keeps besides its output
         return element * width if compiled else (FP32 + element) * width
 
     out = 2 * (norm(h) + element * h)  # the two norms and their outputs
-    out += element * (2 * q + 2 * kv) + FP32 * (shape.heads or 1)
+    out += element * (2 * q + 2 * kv + padded_width) + FP32 * (shape.heads or 1)
     if shape.qk_norm:
         out += norm(q) + norm(kv)
     out += element * i * (3 if compiled else 4)
     return float(out)
 
 
-def activation_bytes(shape: Shape, element: int, compiled: bool, checkpointed: bool) -> float:
+def activation_bytes(shape: Shape, element: int, compiled: bool, checkpointed: bool,
+                     padded_width: int = 0) -> float:
     """Activation bytes per token of a training pass's micro-batch at its peak, early in its backward:
-    every layer's saved tensors (``layer_bytes``, LoRA's ``adapter_per_token`` on top; checkpointed, each
+    every layer's saved tensors (``layer_bytes``, of rows padded to ``padded_width`` where given; LoRA's
+    ``adapter_per_token`` on top; checkpointed, each
     layer's input, ``element`` bytes, plus one layer's recomputed ones), the final norm's and the head's
     input, the rotary cos / sin, and the gradients the backward holds beside them (``logprob_pass_bytes``:
     the residual stream's and one MLP's intermediates)."""
     h = shape.hidden
     head_dim = (shape.attention or h) // max(shape.heads, 1)
     adapters = adapter_per_token(shape.adapted, element == 2) / max(shape.layers, 1)
-    layer = layer_bytes(shape, element, compiled) + adapters
+    layer = layer_bytes(shape, element, compiled, padded_width) + adapters
     kept = element * shape.layers * h + layer if checkpointed else shape.layers * layer
     final = (1 if compiled else 1 + FP32 / element) * element * h + element * h + 2 * element * head_dim
     return kept + final + logprob_pass_bytes(shape, element)
@@ -150,6 +160,11 @@ def adapted_width(model: torch.nn.Module) -> int:
     """The summed (in + out) widths of ``model``'s linear layers that carry peft LoRA adapters."""
     return sum(int(m.in_features) + int(m.out_features) for m in model.modules()
                if hasattr(m, "lora_A") and hasattr(m, "in_features") and hasattr(m, "out_features"))
+
+
+def family_of(model: torch.nn.Module) -> Optional[str]:
+    """The ``model_type`` of a built model's config (under an FSDP1 / DDP wrapper too)."""
+    return getattr(getattr(getattr(model, "module", model), "config", None), "model_type", None)
 
 
 def shape_of(model: torch.nn.Module) -> Shape:
@@ -232,8 +247,13 @@ class Plan:
         return self.room >= self.sequence_tokens * self.per_token_checkpointed
 
 
-def blocks_compiled(cfg: Config, device: torch.device, sharded: bool, peft: bool) -> bool:
-    """``actor.compile_blocks`` resolved (its null: auto, on a GPU for an unsharded actor without adapters)."""
+def blocks_compiled(cfg: Config, device: torch.device, sharded: bool, peft: bool,
+                    model_type: Optional[str] = None) -> bool:
+    """``actor.compile_blocks`` resolved (its null: auto, on a GPU for an unsharded actor without adapters);
+    off, whatever the key, for a model whose ``model_type`` is not one whose norms and MLPs
+    ``compiled_blocks`` compiles (a vision-language model's run eager, and keep what eager ones keep)."""
+    if model_type is not None and model_type not in compiled_blocks.FAMILIES:
+        return False
     if cfg.actor.compile_blocks is not None:
         return cfg.actor.compile_blocks
     return device.type == "cuda" and not sharded and not peft
@@ -411,13 +431,14 @@ def check_before_loading(cfg: Config, folder: str, needs_reference: bool, device
     from verl_fast.distributed import world_size
     from verl_fast.strategies.sharding import Sharding
 
-    sharded = Sharding.from_config(cfg.actor, "actor", world_size()).strategy != "none"
-    p = plan(cfg, shape, free, needs_reference and not peft, peft, blocks_compiled(cfg, device, sharded, peft))
-    if not p.fits():
-        raise DoesNotFit(refusal(p, cfg))
     from transformers import AutoConfig
 
     model_config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.actor.trust_remote_code)
+    sharded = Sharding.from_config(cfg.actor, "actor", world_size()).strategy != "none"
+    compiled = blocks_compiled(cfg, device, sharded, peft, getattr(model_config, "model_type", None))
+    p = plan(cfg, shape, free, needs_reference and not peft, peft, compiled)
+    if not p.fits():
+        raise DoesNotFit(refusal(p, cfg))
     per_call = decode_prompts_per_call(p, cfg, model_config)
     if per_call < cfg.trainer.train_batch_size:
         logger.info("memory plan: the HF decode takes %d of a step's %d prompts per call (KV cache at %d new tokens "
@@ -436,5 +457,5 @@ def wants_checkpointing(cfg: Config, model: torch.nn.Module, device: torch.devic
     shape = shape_of(model)
     here = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cuda")
     peft = is_peft(model)
-    compiled = blocks_compiled(cfg, device, sharded, peft)
+    compiled = blocks_compiled(cfg, device, sharded, peft, family_of(model))
     return plan(cfg, shape, free + here, needs_reference, peft, compiled).checkpointing

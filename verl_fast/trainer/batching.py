@@ -21,11 +21,12 @@ from verl_fast.algos.loss_terms import active_rows
 from verl_fast.distributed import usable_bytes
 from verl_fast.ops import schedule
 from verl_fast.records.experience import Experience, concat
-from verl_fast.strategies.memory_plan import MEMORY_FRACTION, activation_bytes, shape_of
+from verl_fast.strategies.memory_plan import MEMORY_FRACTION, Shape, activation_bytes, shape_of
 
-__all__ = ["loss_normalisers", "micro_batches", "balance_across_ranks", "token_budget"]
+__all__ = ["loss_normalisers", "micro_batches", "balance_across_ranks", "token_budget", "padded_budget"]
 
 CPU_TOKEN_BUDGET = 16384  # actor.max_token_len_per_gpu unset where the free memory is not known
+MIN_TOKEN_BUDGET = 4096  # the auto budget's floor
 
 
 def loss_normalisers(response_mask: torch.Tensor, group=None, norm_length: float = 0) -> Dict[str, float]:
@@ -72,8 +73,9 @@ def token_budget(model: torch.nn.Module, optimizer: torch.optim.Optimizer, devic
     passes, ``checkpointed``: under gradient checkpointing) fit ``MEMORY_FRACTION`` of the memory free now
     less what the update is still to allocate (the gradients of parameters that have none yet, the
     optimizer's states before its first step: ``state_bytes`` per trained parameter, 8 for AdamW's two
-    fp32 moments); at least 4096; ``casts_weights``: autocast casts fp32 weights in each pass (no bf16
-    copies of them). Call it before the first update; elsewhere ``CPU_TOKEN_BUDGET``."""
+    fp32 moments); at least ``MIN_TOKEN_BUDGET``; ``casts_weights``: autocast casts fp32 weights in each
+    pass (no bf16 copies of them). Counted for packed rows (``padded_budget``: for rows that run padded).
+    Call it before the first update; elsewhere ``CPU_TOKEN_BUDGET``."""
     if device.type != "cuda":
         return CPU_TOKEN_BUDGET
     shape = shape_of(model)
@@ -89,7 +91,17 @@ def token_budget(model: torch.nn.Module, optimizer: torch.optim.Optimizer, devic
     if casts_weights:  # autocast's bf16 casts of the fp32 weights, held by each pass (frozen ones for its backward)
         pending += sum(2 * p.numel() for p in model.parameters() if p.dtype == torch.float32)
     available = usable_bytes(device) - pending
-    return max(4096, int(MEMORY_FRACTION * max(available, 0) / per_token))
+    return max(MIN_TOKEN_BUDGET, int(MEMORY_FRACTION * max(available, 0) / per_token))
+
+
+def padded_budget(budget: int, shape: Shape, width: int, half: bool, compiled: bool, checkpointed: bool = False) -> int:
+    """``token_budget``'s ``budget`` (counted for packed rows) for rows that run padded to ``width``: the
+    same activation memory over what such rows keep a token (``memory_plan.layer_bytes``'s
+    ``padded_width``); at least the floor."""
+    element = 2 if half else 4
+    packed_bytes = activation_bytes(shape, element, compiled, checkpointed)
+    padded_bytes = activation_bytes(shape, element, compiled, checkpointed, padded_width=width)
+    return max(MIN_TOKEN_BUDGET, int(budget * packed_bytes / padded_bytes))
 
 
 def balance_across_ranks(exp: Experience, group=None) -> tuple[Experience, Dict[str, Any]]:

@@ -20,7 +20,7 @@ from verl_fast.algos.policy_losses import SYNC_GAP
 from verl_fast.config import Config
 from verl_fast.records.experience import Experience
 from verl_fast.strategies import memory_plan
-from verl_fast.trainer.batching import loss_normalisers, micro_batches, token_budget
+from verl_fast.trainer.batching import loss_normalisers, micro_batches, padded_budget, token_budget
 from verl_fast.trainer.guardrails import nonfinite_step
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,8 @@ class Updates:
         self.cfg, self.strategy, self.perf = cfg, strategy, perf
         self.device, self.dp_group, self.world = strategy.device, strategy.dp_group, strategy.dp_size
         self.auto_budget: Optional[int] = None  # actor.max_token_len_per_gpu's auto (token_budget)
+        self._budget_kind: Dict[str, bool] = {}  # how the passes keep activations, as auto_budget counts them
+        self.last_budget: Optional[int] = None  # the token budget the latest micro-batches were cut under
         self.skipped: List[str] = []  # the last actor update's steps skipped for a non-finite gradient, named
         # given the engine / actor log-prob gap the update's first forward measured (policy_losses.py's
         # SYNC_GAP, every rank's tokens), before the first optimiser step (the trainer's sync guardrail)
@@ -60,7 +62,7 @@ class Updates:
         """Micro-batches of ``rows`` (every row of ``exp`` by default): by count, or under a token
         budget (``actor.use_dynamic_bsz``; unset: on a GPU, where the strategy budgets tokens), counted
         packed where the passes pack rows; rows with images run padded (``fsdp_strategy.prepared``), so
-        theirs count rows x longest."""
+        theirs count rows x longest, under the auto budget for rows padded to ``exp``'s width."""
         a = self.cfg.actor
         if rows is None:
             rows = torch.arange(exp.num_sequences, device=self.device)
@@ -68,28 +70,41 @@ class Updates:
         if by_tokens is None:
             by_tokens = self.device.type == "cuda" and self.strategy.budgets_tokens
         if by_tokens:
-            return micro_batches(rows, exp.attention_mask.sum(-1), max_tokens=max(1, self.token_budget() // self.split),
-                                 group=self.dp_group, packed=self.strategy.packs_sequences and exp.vision is None)
+            packs = self.strategy.packs_sequences and exp.vision is None
+            # a micro-batch's width is at most the experience's (``Experience.select`` only cuts columns)
+            budget = self.token_budget(0 if packs else exp.input_ids.shape[1])
+            self.last_budget = budget
+            return micro_batches(rows, exp.attention_mask.sum(-1), max_tokens=max(1, budget // self.split),
+                                 group=self.dp_group, packed=packs)
         size = size or (a.micro_batch_size if for_update else max(a.micro_batch_size, 16))
         return micro_batches(rows, size=max(1, size // self.split))
 
-    def token_budget(self) -> int:
+    def token_budget(self, padded_width: int = 0) -> int:
         """``actor.max_token_len_per_gpu``; its auto is resolved at the first use (before the first
-        update, so the memory the update will take is still free) and kept for the run."""
+        update, so the memory the update will take is still free) and kept for the run, counted for
+        packed rows; ``padded_width``: the auto for rows that run padded to that width, which keep more
+        a token (``batching.padded_budget``)."""
         if self.cfg.actor.max_token_len_per_gpu is not None:
             return self.cfg.actor.max_token_len_per_gpu
         if self.auto_budget is None:
             s = self.strategy
-            self.auto_budget = token_budget(s.actor, s.optimizer, self.device, compiled=getattr(s, "compiled", False),
-                                            checkpointed=getattr(s, "checkpointing", False),
+            # how the passes keep their activations, as the budget was counted (a re-plan may turn
+            # checkpointing on later: the budget is the run's, and so is the padded rows' count of it)
+            self._budget_kind = dict(compiled=getattr(s, "compiled", False), checkpointed=getattr(s, "checkpointing", False),
+                                     half=s.autocast_dtype in (torch.bfloat16, torch.float16))
+            self.auto_budget = token_budget(s.actor, s.optimizer, self.device,
                                             casts_weights=s.autocast_dtype is not None and getattr(s, "bf16", None) is None,
-                                            half=s.autocast_dtype in (torch.bfloat16, torch.float16),
-                                            state_bytes=memory_plan.OPTIMIZER_STATE_BYTES[self.cfg.actor.optimizer])
+                                            state_bytes=memory_plan.OPTIMIZER_STATE_BYTES[self.cfg.actor.optimizer],
+                                            **self._budget_kind)
             logger.info("actor.max_token_len_per_gpu (auto): %d tokens per micro-batch", self.auto_budget)
-        return self.auto_budget
+        if not padded_width or self.device.type != "cuda":  # the CPU's fixed budget counts no memory
+            return self.auto_budget
+        return padded_budget(self.auto_budget, memory_plan.shape_of(self.strategy.actor), padded_width,
+                             **self._budget_kind)
 
     def budget_metrics(self) -> Dict[str, float]:
-        return {} if self.auto_budget is None else {"perf/token_budget": float(self.auto_budget)}
+        """The auto budget the latest micro-batches were cut under (padded rows': theirs)."""
+        return {} if self.auto_budget is None else {"perf/token_budget": float(self.last_budget or self.auto_budget)}
 
     def _norm_length(self, section) -> float:
         """seq-mean-token-sum-norm's divisor for the actor or critic ``section``: one constant for
