@@ -179,6 +179,44 @@ def test_compiled_decode_steps_match_generate(vlm):
     torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
 
 
+def test_compiled_decode_compiles_once_whatever_training_leaves_on_the_model():
+    """What an update and ``generate`` leave on the model between rollouts -- gradient checkpointing turned on
+    (the update's out-of-memory re-plan, ``sharding.enable_checkpointing``) and trained with, Qwen2.5-VL's cached
+    rope deltas (a ``generate`` call) -- compiles the decode's forward no second time; the model keeps both."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from verl_fast.models.wrapping import hf_module
+    from verl_fast.strategies import sharding
+
+    torch._dynamo.reset()
+    model, processor = build_vlm("qwen2_5_vl")
+    prompts, images = vlm_prompts(processor, ROWS[1:3])
+    spec = SamplingSpec(n=2, temperature=1.0, max_tokens=3)
+    engine = HFGenerateEngine(model, processor.tokenizer, fast_decode="on", compile_decode=True)
+
+    def compiles_of_a_rollout():
+        before = counters["stats"]["unique_graphs"]
+        engine.generate(prompts, spec, vision=images)
+        assert engine.fast_failed is None and engine.last_mode == "eager"
+        return counters["stats"]["unique_graphs"] - before
+
+    assert compiles_of_a_rollout() == 2  # the forward and the sampling
+    sharding.enable_checkpointing(hf_module(model))
+    model.train()
+    ids = torch.tensor([prompts[0]])
+    mask = torch.ones_like(ids)
+    inputs = vision.model_inputs(model, ids, mask, [images[0]])
+    model(input_ids=ids, attention_mask=mask, **inputs).logits.sum().backward()  # the update's forward and backward
+    model.eval()
+    assert compiles_of_a_rollout() == 0
+    HFGenerateEngine(model, processor.tokenizer, fast_decode="off").generate(prompts, spec, vision=images)
+    deltas = model.model.rope_deltas
+    assert deltas is not None  # generate's, kept on the model
+    assert compiles_of_a_rollout() == 0
+    assert model.model.rope_deltas is deltas and model.model.language_model.layers[0].gradient_checkpointing
+
+
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernels on CPU tensors need TRITON_INTERPRET=1")),
     pytest.param("cuda", marks=pytest.mark.gpu)])

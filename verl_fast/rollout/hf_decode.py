@@ -199,6 +199,34 @@ def merge_adapters(module: torch.nn.Module, dtype: Optional[torch.dtype], copies
         done.append((parent, attr, sub))
 
 
+@contextlib.contextmanager
+def inference_state(module: torch.nn.Module) -> Iterator[None]:
+    """For the length of a rollout, ``module``'s state that training or ``generate`` leaves on it and its
+    decode never uses set as the model is built (put back at the end): gradient checkpointing off (only a
+    training forward checkpoints; the update's out-of-memory re-plan turns it on mid-run,
+    ``trainer/updates.py``) and no cached M-RoPE deltas (Qwen2-VL / Qwen2.5-VL keep the last ``generate``'s,
+    or a forward's without positions, for calls that give none; the decode gives every position). The
+    compiled forward reads both, and torch.compile guards on what it read: either changed cost the next
+    rollout a compile of the whole forward again, as long as its first."""
+    saved = []
+    for m in module.modules():
+        own = vars(m)
+        if "gradient_checkpointing" in own:
+            saved.append((m, "gradient_checkpointing", own["gradient_checkpointing"]))
+            if getattr(type(m), "gradient_checkpointing", None) is False:  # the layers: their class's False
+                del m.gradient_checkpointing
+            else:  # the models: an attribute of their own, False as built
+                m.gradient_checkpointing = False
+        if own.get("rope_deltas") is not None:
+            saved.append((m, "rope_deltas", own["rope_deltas"]))
+            m.rope_deltas = None
+    try:
+        yield
+    finally:
+        for m, name, value in saved:
+            setattr(m, name, value)
+
+
 def own_code(fn):
     """``fn`` over a copy of its code object. torch.compile keeps a function's graphs, and counts its recompiles
     against ``torch._dynamo.config.recompile_limit`` (past which the calls run eager), per code object: each
@@ -213,7 +241,8 @@ class CompiledForward:
     counts them). One
     compiled function serves every rollout: compiled for the first rollout's shapes, then once more
     with the lengths left symbolic when a rollout of another prompt width comes (torch.compile's
-    automatic dynamic shapes), never again after that; prompts are left-padded to a multiple of
+    automatic dynamic shapes), never again after that (whatever training leaves on the model:
+    ``inference_state``); prompts are left-padded to a multiple of
     ``WIDTH`` so that nearby prompt lengths keep the first, static compile (not a conversation's next turn,
     whose new tokens run as they are, through this same compiled forward when the turn continues a held
     decoder: ``_Decoder.restart``). A Llama-family layer's q/k/v
@@ -238,8 +267,9 @@ class CompiledForward:
     def weights(self, module: torch.nn.Module) -> Iterator[None]:
         """For the length of a rollout: ``module``'s q/k/v and gate/up products merged (merged copies
         and forwards, ``merged_projections``), and under autocast its other linear weights and biases
-        replaced by kept copies in the autocast dtype. Entered again inside itself (a multi-turn rollout
-        holds it over its turns, ``HFGenerateEngine.holding``): nothing more."""
+        replaced by kept copies in the autocast dtype, and its training state as built (``inference_state``).
+        Entered again inside itself (a multi-turn rollout holds it over its turns, ``HFGenerateEngine.holding``):
+        nothing more."""
         if self.inside is module:
             yield
             return
@@ -265,7 +295,8 @@ class CompiledForward:
                     copy.copy_(param.detach())
                     layer._parameters[key] = copy  # a tied lm_head gets its own copy; the embedding keeps fp32
                     swapped.append((layer, key, param))
-            yield
+            with inference_state(module):
+                yield
         finally:
             self.inside = None
             for layer, key, param in swapped:
