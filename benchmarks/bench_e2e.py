@@ -669,7 +669,7 @@ def summarise_ours(run: Dict[str, Any], skip: int) -> Dict[str, Any]:
     # each steady step's phases beside what can make a step slower than the next (issue 24's swings)
     detail = ("time/step", "time/generation", "time/update_actor", "perf/gc_s", "perf/gc_full", "perf/cuda_mallocs",
               "perf/cuda_frees", "perf/alloc_retries", "perf/kernel_compiles", "perf/kernel_compile_s", "perf/graph_compiles",
-              "response/length", "perf/token_budget", "rollout/prefill_s", "rollout/decode_s", "rollout/graph_captures",
+              "response/length", "perf/token_budget", "perf/update_replanned", "rollout/prefill_s", "rollout/decode_s", "rollout/graph_captures",
               "partial/rounds", "partial/trained_groups", "partial/trained_from_carry", "partial/max_age",
               "partial/carried_groups", "partial/carried_tokens") + tuple(
                   f"prof/{phase}_{k}" for phase in ("rollout", "update")

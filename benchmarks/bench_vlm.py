@@ -138,7 +138,7 @@ def live_phases(trainer, began: float) -> None:
 
 
 STEP_FIGURES = ("rollout/prefill_s", "rollout/decode_s", "rollout/graph_captures", "rollout/cuda_graph",
-                "perf/graph_compiles", "perf/kernel_compiles", "perf/token_budget")
+                "perf/graph_compiles", "perf/kernel_compiles", "perf/token_budget", "perf/update_replanned")
 
 
 def worker_ours(args) -> Dict[str, Any]:

@@ -76,8 +76,10 @@ def test_an_out_of_memory_step_is_replanned_retried_and_trains_as_a_clean_one(mo
 
     strategy, updates = built(model, checkpointing)
     calls = failing(strategy, times=1)
+    assert updates.budget_metrics()["perf/update_replanned"] == 0.0
     with caplog.at_level(logging.WARNING, logger="verl_fast.trainer.updates"):
-        updates.actor(experience(), loss, skip_idle=False, step=0)
+        out = updates.actor(experience(), loss, skip_idle=False, step=0)
+    assert out["perf/update_replanned"] == 1.0  # the step's metrics say so, not only the log
     lines = [r.getMessage() for r in caplog.records if "out of memory" in r.getMessage()]
     assert len(lines) == 1 and "retrying the step" in lines[0]
     if checkpointing:  # on already: the micro-batches halve

@@ -103,8 +103,12 @@ class Updates:
                              **self._budget_kind)
 
     def budget_metrics(self) -> Dict[str, float]:
-        """The auto budget the latest micro-batches were cut under (padded rows': theirs)."""
-        return {} if self.auto_budget is None else {"perf/token_budget": float(self.last_budget or self.auto_budget)}
+        """The auto budget the latest micro-batches were cut under (padded rows': theirs), and whether an
+        out-of-memory step has been re-planned so far (``perf/update_replanned``: 1 from that step on)."""
+        out = {"perf/update_replanned": float(self.replanned)}
+        if self.auto_budget is not None:
+            out["perf/token_budget"] = float(self.last_budget or self.auto_budget)
+        return out
 
     def _norm_length(self, section) -> float:
         """seq-mean-token-sum-norm's divisor for the actor or critic ``section``: one constant for
