@@ -3,6 +3,8 @@ the trained tokens' mean NLL and against TRL's SFTTrainer; gradient accumulation
 checkpoint and resume.
 The preference algorithms (kto, orpo, simpo, cpo) run a step through the trainer."""
 
+import logging
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -50,7 +52,7 @@ def reference_nll(model, examples):
     return total / count
 
 
-def run(model_path, out, data, **over):
+def run(model_path, out, data, patch=None, **over):
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(model_path)
     trainer_cfg = {"total_steps": 1, "output_dir": str(out), "progress_bar": False, "plot": False, "device": "cpu",
@@ -65,6 +67,8 @@ def run(model_path, out, data, **over):
         return step()
 
     trainer.strategy.optimizer_step = record
+    if patch is not None:
+        patch(trainer)
     return trainer, trainer.fit(data), grads, model
 
 
@@ -80,6 +84,35 @@ def test_sft_loss_is_the_trained_tokens_mean_nll_and_exact_under_accumulation(mo
     scale = g1[0].abs().max()
     assert (g1[0] - g3[0]).abs().max() <= 1e-5 * scale
     assert (tmp_path / "one" / "checkpoints").exists()
+
+
+def test_an_sft_step_out_of_memory_is_replanned_and_trains_as_a_clean_one(model_path, tmp_path, caplog):
+    """Passes that run out of device memory after a first micro-batch (injected on the CPU): the step is
+    re-planned once (gradient checkpointing on), its partial gradients dropped, and trains as a step that
+    never failed; the step's metrics say so."""
+    data = CHATS + PLAIN
+
+    def fail_once(trainer):
+        passes, calls = trainer.strategy.forward_backward, []
+
+        def forward_backward(exp, micro, loss_fn, entropy=True):
+            calls.append(len(micro))
+            if len(calls) == 1:
+                passes(exp, micro[:1], loss_fn, entropy)
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return passes(exp, micro, loss_fn, entropy)
+
+        trainer.strategy.forward_backward = forward_backward
+
+    _, clean, g_clean, _ = run(model_path, tmp_path / "clean", data, actor={"micro_batch_size": 4})
+    with caplog.at_level(logging.WARNING, logger="verl_fast.trainer.updates"):
+        trainer, failed, g_failed, _ = run(model_path, tmp_path / "failed", data, patch=fail_once,
+                                           actor={"micro_batch_size": 4})
+    assert any("retrying the step with gradient checkpointing on" in r.getMessage() for r in caplog.records)
+    assert trainer.strategy.checkpointing and failed[-1]["perf/update_replanned"] == 1.0
+    assert clean[-1]["perf/update_replanned"] == 0.0
+    assert failed[-1]["sft/loss"] == pytest.approx(clean[-1]["sft/loss"], rel=1e-6)
+    assert (g_failed[0] - g_clean[0]).abs().max() <= 1e-5 * g_clean[0].abs().max()
 
 
 def test_sft_validation_through_fit(model_path, tmp_path):

@@ -1,6 +1,7 @@
 """The trainer's ``SUPERVISED`` step (``algos/algorithm.py``; SFT): the batch's rows as one
 ``Experience`` (the algorithm's), micro-batched as the RL update's (``updates.Updates.micro``: a token
-budget or ``actor.micro_batch_size`` rows), one optimiser step through the strategy's
+budget or ``actor.micro_batch_size`` rows) and re-planned as it is on running out of device memory
+(``Updates.fitted_step``), one optimiser step through the strategy's
 ``forward_backward`` / ``optimizer_step`` with the algorithm's loss (token-mean over the step's trained tokens on every rank:
 ``batching.loss_normalisers``); and the validation set's loss (``LossValidation``)."""
 
@@ -21,8 +22,10 @@ def update(trainer: Any, batch: List[Any]) -> Dict[str, float]:
     exp = alg.experience(batch, trainer.tokenizer.pad_token_id, trainer.device)
     counts = loss_normalisers(exp.advantages, trainer.dp_group)
     strategy.actor.train()
-    stats, norm = updates.step(exp, updates.micro(exp), lambda logp, entropy, sub: alg.loss(logp, sub, counts),
-                               entropy=False)
+    rows = torch.arange(exp.num_sequences, device=trainer.device)
+    # re-planned once a run if its passes run out of device memory, as the RL update is
+    _, stats, norm = updates.fitted_step(exp, rows, lambda logp, entropy, sub: alg.loss(logp, sub, counts),
+                                         before_step=lambda micro: None, entropy=False)
     trainer.perf.count_step_tokens(exp.attention_mask)
     strategy.actor_updated(False)
     # over the step's trained tokens of every rank (num_tokens: their count / ranks), so the ranks' mean

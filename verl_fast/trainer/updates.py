@@ -136,8 +136,8 @@ class Updates:
         return stats
 
     def fitted_step(self, exp: Experience, rows: torch.Tensor, loss_fn: Callable[..., Any],
-                    before_step: Callable[[List[torch.Tensor]], Optional[Callable[[List[Dict]], None]]]
-                    ) -> Tuple[List[torch.Tensor], List[Dict], float]:
+                    before_step: Callable[[List[torch.Tensor]], Optional[Callable[[List[Dict]], None]]],
+                    entropy: bool = True) -> Tuple[List[torch.Tensor], List[Dict], float]:
         """``step`` over ``rows`` cut into micro-batches (``micro``): the micro-batches, their statistics and
         the gradient norm; ``before_step(micro)`` gives the step's ``before_step``. A step whose passes run
         out of device memory is re-planned once a run where a safer plan exists (``_safer_plan``): its
@@ -146,7 +146,7 @@ class Updates:
         micro = self.micro(exp, rows)
         while True:
             try:
-                stats = self.passes(exp, micro, loss_fn, before_step=before_step(micro))
+                stats = self.passes(exp, micro, loss_fn, entropy, before_step=before_step(micro))
                 break
             except torch.OutOfMemoryError as e:
                 error = str(e).splitlines()[0] if str(e) else "out of memory"
