@@ -461,7 +461,7 @@ if want fp8; then
     failed+=("bench_fp8")
   sed -n '/^fp8_rollout on/,$p' "$OUT/bench.log" | tail -n 45
   if [ "${FP8_GUARDRAILS:-1}" = 1 ]; then
-    timeout 360 "$py" benchmarks/bench_guardrails.py --shape 0.5b --steps 5 --pairs 2 >> "$OUT/bench.log" 2>&1 ||
+    timeout 360 "$py" benchmarks/bench_guardrails.py --shape 0.5b --steps ${GUARDRAILS_STEPS:-5} --pairs 2 >> "$OUT/bench.log" 2>&1 ||
       failed+=("bench_guardrails")
     grep -A4 "^guardrails_cost" "$OUT/bench.log" | tail -n 5
   fi
