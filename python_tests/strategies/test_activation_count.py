@@ -12,7 +12,7 @@ keeps (support/live_bytes.py):
 import pytest
 import torch
 
-from support.live_bytes import LiveBytes, flash_like
+from support.live_bytes import LiveBytes, flash_like, layer_saves
 from support.tiny_models import tiny_model
 from verl_fast.config import from_dict
 from verl_fast.models import compiled_blocks, packed
@@ -45,23 +45,7 @@ def test_layer_bytes_is_what_a_layer_saves_for_its_backward(flash, family, compi
     model = tiny_model(family, dtype=torch.bfloat16, **SHAPES[family]).train()
     ids, lay = rows(model, 2, 40, 200)
     layer = model.model.layers[1]
-    static = {p.untyped_storage().data_ptr() for p in model.parameters()}  # weights: the plan's static bytes
-    saved = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in static:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    def forward(self, *args, **kwargs):
-        # the rotary cos / sin are the model's, computed once and shared by every layer
-        static.update(t.untyped_storage().data_ptr() for t in kwargs["position_embeddings"])
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            return type(self).forward(self, *args, **kwargs)
-
-    layer.forward = forward.__get__(layer)
-    with passes(model, compiled, True):
+    with passes(model, compiled, True), layer_saves(model, layer) as saved:
         logp, _ = packed.packed_logprobs(model, ids, lay, 200)
     assert saved
     want = memory_plan.layer_bytes(memory_plan.shape_of(model), 2, compiled) * lay.tokens

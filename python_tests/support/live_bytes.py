@@ -12,11 +12,16 @@ gradients), its values computed through the per-sequence reference outside the c
         loss = model(...).sum()
         loss.backward()
     live.peak  # bytes above what existed before the ``with``
+
+``layer_saves``: the bytes one layer saves for its backward, beyond the model's weights and the rotary
+cos / sin that every layer shares (what ``memory_plan.layer_bytes`` counts).
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from typing import Dict, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -78,3 +83,29 @@ class FlashLikeAttention(torch.autograd.Function):
 
 def flash_like(q, k, v, lay, scale):
     return FlashLikeAttention.apply(q, k, v, lay, scale)
+
+
+@contextlib.contextmanager
+def layer_saves(model: torch.nn.Module, layer: torch.nn.Module) -> Iterator[Dict[int, int]]:
+    """While active, ``layer``'s forwards record each storage they save for the backward (its bytes, by its
+    address) in the dict yielded, bar ``model``'s parameters and the shared rotary cos / sin."""
+    static = {p.untyped_storage().data_ptr() for p in model.parameters()}  # weights: the plan's static bytes
+    saved: Dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in static:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def forward(self, *args, **kwargs):
+        # the rotary cos / sin are the model's, computed once and shared by every layer
+        static.update(t.untyped_storage().data_ptr() for t in kwargs["position_embeddings"])
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return type(self).forward(self, *args, **kwargs)
+
+    layer.forward = forward.__get__(layer)
+    try:
+        yield saved
+    finally:
+        del layer.forward

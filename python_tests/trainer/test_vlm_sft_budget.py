@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("PIL")
 
-from live_bytes import LiveBytes  # noqa: E402
+from live_bytes import LiveBytes, layer_saves  # noqa: E402
 from tiny_vlm import square_image  # noqa: E402
 from verl_fast.models import random_vlm  # noqa: E402
 from verl_fast.models.wrapping import hf_module  # noqa: E402
@@ -88,24 +88,8 @@ def test_a_vision_language_layer_saves_what_the_plan_counts_for_padded_rows(sft_
     assert not trainer.strategy.compiled
     model = model.to(torch.bfloat16)  # the GPU passes' dtype
     layer = model.model.language_model.layers[1]
-    static = {p.untyped_storage().data_ptr() for p in model.parameters()}  # weights: the plan's static bytes
-    saved = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in static:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    def forward(self, *args, **kwargs):
-        # the rotary cos / sin are the model's, computed once and shared by every layer
-        static.update(t.untyped_storage().data_ptr() for t in kwargs["position_embeddings"])
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            return type(self).forward(self, *args, **kwargs)
-
-    layer.forward = forward.__get__(layer)
     sub = exp.select(torch.arange(3))  # the tower casts the float32 pixels to its weights' dtype
-    with passes(model, True, False):
+    with passes(model, True, False), layer_saves(model, layer) as saved:
         micro_logprobs(model, sub, cfg, None)
     rows, width = sub.input_ids.shape
     shape = memory_plan.shape_of(model)

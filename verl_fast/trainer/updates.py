@@ -44,6 +44,7 @@ class Updates:
         self.device, self.dp_group, self.world = strategy.device, strategy.dp_group, strategy.dp_size
         self.auto_budget: Optional[int] = None  # actor.max_token_len_per_gpu's auto (token_budget)
         self._budget_kind: Dict[str, bool] = {}  # how the passes keep activations, as auto_budget counts them
+        self._budget_shape: Optional[memory_plan.Shape] = None  # the actor's, as auto_budget counted it
         self.last_budget: Optional[int] = None  # the token budget the latest micro-batches were cut under
         self.skipped: List[str] = []  # the last actor update's steps skipped for a non-finite gradient, named
         # given the engine / actor log-prob gap the update's first forward measured (policy_losses.py's
@@ -92,6 +93,7 @@ class Updates:
             # checkpointing on later: the budget is the run's, and so is the padded rows' count of it)
             self._budget_kind = dict(compiled=getattr(s, "compiled", False), checkpointed=getattr(s, "checkpointing", False),
                                      half=s.autocast_dtype in (torch.bfloat16, torch.float16))
+            self._budget_shape = memory_plan.shape_of(s.actor)
             self.auto_budget = token_budget(s.actor, s.optimizer, self.device,
                                             casts_weights=s.autocast_dtype is not None and getattr(s, "bf16", None) is None,
                                             state_bytes=memory_plan.OPTIMIZER_STATE_BYTES[self.cfg.actor.optimizer],
@@ -99,8 +101,7 @@ class Updates:
             logger.info("actor.max_token_len_per_gpu (auto): %d tokens per micro-batch", self.auto_budget)
         if not padded_width or self.device.type != "cuda":  # the CPU's fixed budget counts no memory
             return self.auto_budget
-        return padded_budget(self.auto_budget, memory_plan.shape_of(self.strategy.actor), padded_width,
-                             **self._budget_kind)
+        return padded_budget(self.auto_budget, self._budget_shape, padded_width, **self._budget_kind)
 
     def budget_metrics(self) -> Dict[str, float]:
         """The auto budget the latest micro-batches were cut under (padded rows': theirs), and whether an
