@@ -335,17 +335,27 @@ def profile_phases(trainer, batch, label: str) -> Dict[str, Any]:
 
 
 def kernel_profile(run, top: int = 10, operators: bool = False) -> Dict[str, Any]:
-    """``run()`` under the profiler: wall seconds, seconds some kernel ran (the union of kernel
-    intervals), the kernel count, the ``top`` kernels of most total time and, with ``operators``, the
-    ``top`` operators (aten and autograd) whose own launches took the most kernel time: which call a
-    kernel came from (the host-side trace slows a launch-bound ``run``: its wall then reads longer)."""
+    """``run()`` under the profiler: ``profiled``'s figures."""
+    with profiled(top, operators) as out:
+        run()
+    return out
+
+
+@contextlib.contextmanager
+def profiled(top: int = 10, operators: bool = False):
+    """The ``with`` body under the profiler; the dict it yields is filled on exit: wall seconds, seconds
+    some kernel ran (the union of kernel intervals), the kernel count, the ``top`` kernels of most total
+    time and, with ``operators``, the ``top`` operators (aten and autograd) whose own launches took the
+    most kernel time: which call a kernel came from (the host-side trace slows a launch-bound body: its
+    wall then reads longer)."""
     from torch.profiler import ProfilerActivity, profile
 
+    out: Dict[str, Any] = {}
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA] if operators
                  else [ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
-        run()
+        yield out
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     intervals = kernel_intervals(prof)
@@ -355,15 +365,14 @@ def kernel_profile(run, top: int = 10, operators: bool = False) -> Dict[str, Any
     cuda = torch.autograd.DeviceType.CUDA
     on_gpu = sorted((e for e in averages if e.device_type == cuda), key=lambda e: e.device_time_total,
                     reverse=True)[:top]
-    out = {"wall_s": wall, "gpu_busy_s": busy, "kernels": kernels, "idle": idle,
-           "top_kernels": [{"name": e.key[:160], "calls": e.count, "total_ms": e.device_time_total / 1e3}
-                           for e in on_gpu]}
+    out.update({"wall_s": wall, "gpu_busy_s": busy, "kernels": kernels, "idle": idle,
+                "top_kernels": [{"name": e.key[:160], "calls": e.count, "total_ms": e.device_time_total / 1e3}
+                                for e in on_gpu]})
     if operators:
         ops = sorted((e for e in averages if e.device_type != cuda and e.self_device_time_total > 0),
                      key=lambda e: e.self_device_time_total, reverse=True)[:top]
         out["top_ops"] = [{"name": e.key[:160], "calls": e.count, "kernel_ms": e.self_device_time_total / 1e3}
                           for e in ops]
-    return out
 
 
 def kernel_intervals(prof) -> List[tuple]:

@@ -41,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Report  # noqa: E402
+from bench_e2e import profiled  # noqa: E402
 
 QUESTION = "Describe the picture."
 WORDS = "red square blue line the picture shows a large small corner left right top bottom and of".split()
@@ -122,19 +123,33 @@ def dynamo_counts() -> Dict[str, int]:
             "graph_breaks": int(sum(counters["graph_break"].values()))}
 
 
-def live_phases(trainer, began: float) -> None:
+def live_phases(trainer, began: float, profile: Dict[str, Any]) -> None:
     """Each of the trainer's phases printed as it ends (seconds since ``began``), so that a run cut off by
-    the timeout still shows how far it got."""
+    the timeout still shows how far it got; while ``profile["armed"]``, the update phase runs under the
+    profiler (``bench_e2e.profiled``: kernel-busy time, top kernels and operators), its figures kept in
+    ``profile["update"]``."""
     phase = trainer.perf.phase
 
     @contextlib.contextmanager
     def printed(name):
         start = time.perf_counter()
-        with phase(name):
+        watched = profile.get("armed") and name == "update_actor" and torch.cuda.is_available()
+        with phase(name), (profiled(top=25, operators=True) if watched else contextlib.nullcontext()) as prof:
             yield
+        if watched:
+            profile["update"] = prof
         print(f"  {name}: {time.perf_counter() - start:.2f} s (at {time.perf_counter() - began:.1f} s)", flush=True)
 
     trainer.perf.phase = printed
+
+
+def print_profile(p: Dict[str, Any]) -> None:
+    print(f"ours: profiled update {p['wall_s']:.2f} s, kernels running {p['gpu_busy_s']:.2f} s ({p['kernels']} "
+          f"kernels), idle in gaps >= 1 ms {p['idle']['gaps_s']:.2f} s", flush=True)
+    for k in p["top_kernels"]:
+        print(f"  kernel {k['total_ms']:8.1f} ms x{k['calls']:<6} {k['name'][:110]}", flush=True)
+    for k in p.get("top_ops", []):
+        print(f"  op     {k['kernel_ms']:8.1f} ms x{k['calls']:<6} {k['name'][:110]}", flush=True)
 
 
 STEP_FIGURES = ("rollout/prefill_s", "rollout/decode_s", "rollout/graph_captures", "rollout/cuda_graph",
@@ -168,16 +183,18 @@ def worker_ours(args) -> Dict[str, Any]:
         items = trainer.algorithm.encode(trainer.processor, sft_rows(args))
         per = s["rows"]
     print(f"ours {args.algo}: trainer built and rows encoded at {time.perf_counter() - began:.1f} s", flush=True)
-    live_phases(trainer, began)
-    trainer.total_steps = args.steps
+    profile: Dict[str, Any] = {}
+    live_phases(trainer, began, profile)
+    trainer.total_steps = args.steps + args.profile
     steps = []
-    for i in range(args.steps):
+    for i in range(args.steps + args.profile):
+        profile["armed"] = i >= args.steps  # the extra step: its update profiled, not timed
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         before = dynamo_counts()
         start = synced()
         try:
-            metrics = trainer.train_step(items[i * per : (i + 1) * per])
+            metrics = trainer.train_step(items[i % args.steps * per : (i % args.steps + 1) * per])
         except torch.OutOfMemoryError:  # what held the memory, for the run's log
             u = trainer.updates
             print(f"ours {args.algo}: out of memory at step {i + 1}: token budget {u.auto_budget or trainer.cfg.actor.max_token_len_per_gpu}, "
@@ -187,6 +204,10 @@ def worker_ours(args) -> Dict[str, Any]:
                   f"{torch.cuda.memory_summary(abbreviated=True)}", flush=True)
             raise
         wall = synced() - start
+        if profile.get("armed"):
+            if "update" in profile:
+                print_profile(profile["update"])
+            continue
         after = dynamo_counts()
         steps.append({"wall_s": wall, "mfu_update": metrics.get("perf/mfu_update"), "peak_memory_gib": peak_gib(),
                       "response_length": metrics.get("response/length"), "tokens": metrics.get("perf/tokens"),
@@ -195,7 +216,7 @@ def worker_ours(args) -> Dict[str, Any]:
                       **{k.split("/")[1]: metrics[k] for k in STEP_FIGURES if k in metrics},
                       **{f"step_{k}": after[k] - before[k] for k in after}})
         print(f"ours {args.algo}: step {i + 1} {wall:.2f} s {steps[-1]}", flush=True)
-    return {"impl": "verl_fast", "steps": steps}
+    return {"impl": "verl_fast", "steps": steps, **({"update_profile": profile["update"]} if "update" in profile else {})}
 
 
 def never_placeholders(folder: Path, vllm: bool) -> Dict[str, Any]:
@@ -280,6 +301,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", type=int, default=1)
     ap.add_argument("--timeout", type=int, default=300, help="seconds per run")
     ap.add_argument("--tiny", action="store_true", help="the tiny shape and small pictures (CPU smoke test)")
+    ap.add_argument("--profile", type=int, choices=(0, 1), default=0,
+                    help="1: ours runs one more step, its update under the profiler (top kernels and operators)")
     ap.add_argument("--name", default="vlm", help="the report's name (results/<name>_<device>.json)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="our config's key set to VALUE (JSON where it parses), e.g. rollout.hf_compile_decode=false")
@@ -300,7 +323,7 @@ def main(argv=None) -> int:
                 continue  # no rollout in SFT: the same run as ours
             out = Path(tempfile.mkdtemp(prefix="bench_vlm_")) / "result.json"
             cmd = [sys.executable, __file__, "--run", impl, "--algo", algo, "--out", str(out), "--device",
-                   args.device, "--steps", str(args.steps)] + (["--tiny"] if args.tiny else []) + \
+                   args.device, "--steps", str(args.steps), "--profile", str(args.profile)] + (["--tiny"] if args.tiny else []) + \
                 [f"--set={pair}" for pair in args.set]
             try:
                 done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -323,7 +346,8 @@ def main(argv=None) -> int:
             name = {"ours": "verl_fast (ours)", "ours_vllm": "verl_fast (ours, vLLM rollout)"}.get(impl) or result["impl"] + \
                 (" GRPOTrainer (vLLM colocate)" if algo == "grpo" else " SFTTrainer")
             report.add(case, name, wall * 1e3, note=note)
-            report.meta[f"{algo}/{impl}"] = {"wall_s": wall, "steps": timed}
+            report.meta[f"{algo}/{impl}"] = {"wall_s": wall, "steps": timed,
+                                             **{k: result[k] for k in ("update_profile",) if k in result}}
             print(f"{algo} {name}: {wall:.2f} s/step, {note}", flush=True)
     print(report.table())
     print(f"saved {report.save()}")

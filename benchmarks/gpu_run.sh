@@ -223,13 +223,14 @@ fi
 # lengths, cap 2,048, lr 2e-5, ours + TRL; its GGUF joined on the machine as ../shared/PLATFORM.md says, its
 # path in DEMO_GGUF, the gguf wheel in .whl/). Needs .bench_assets/, trl + datasets + dill + multiprocess + peft
 # in .whl/ and vLLM (the .dv* calls first, as the e2e section's TRL-vLLM runs). ----
-# RAGGED_SWEEP="default,rollout.partial_step_tokens=256+algorithm.rollout_correction=true": ours once per item
+# RAGGED_SWEEP="default,rollout.partial_step_tokens=256+algorithm.rollout_correction=true": ours once per item;
+# RAGGED_SHAPES=1.5b: cap1k / cap4k at some shapes; RAGGED_NAME=_trl: results/e2e_ragged_<row>_trl_cuda.json
 if want ragged; then
   common=(--device cuda --gpus 1 --no-profile --impls "${RAGGED_IMPLS:-ours,trl_vllm}" --trl-steps vllm:4 --skip 1)
   for row in ${RAGGED_ROWS:-cap1k}; do
     case $row in
-      cap1k) args=(--lengths ragged --shapes 0.5b,1.5b --tokens 1024 --steps 7 --models /tmp/vf_models) ;;
-      cap4k) args=(--lengths ragged --shapes 0.5b,1.5b --tokens 4096 --steps 5 --models /tmp/vf_models) ;;
+      cap1k) args=(--lengths ragged --shapes "${RAGGED_SHAPES:-0.5b,1.5b}" --tokens 1024 --steps 7 --models /tmp/vf_models) ;;
+      cap4k) args=(--lengths ragged --shapes "${RAGGED_SHAPES:-0.5b,1.5b}" --tokens 4096 --steps 5 --models /tmp/vf_models) ;;
       cap8k) args=(--lengths ragged --shapes 0.5b --tokens 8192 --steps 4 --models /tmp/vf_models) ;;
       uniform) args=(--shapes 0.5b,1.5b --tokens 256 --steps 7 --models /tmp/vf_models) ;;
       7b4k) args=(--lengths ragged --shapes 7b --lora 64 --tokens 4096 --steps 4 --impls ours --models /dev/shm/vf_models) ;;
@@ -241,7 +242,7 @@ if want ragged; then
     esac
     timeout ${RAGGED_TIMEOUT:-570} "$py" benchmarks/bench_e2e.py "${common[@]}" "${args[@]}" --timeout "${RAGGED_RUN_TIMEOUT:-280}" \
       ${RAGGED_SWEEP:+--sweep "$RAGGED_SWEEP"} \
-      --name "e2e_ragged_$row" >> "$OUT/bench.log" 2>&1 || failed+=("ragged $row")
+      --name "e2e_ragged_$row${RAGGED_NAME:-}" >> "$OUT/bench.log" 2>&1 || failed+=("ragged $row")
     sed -n '/^responses at ragged/,/^step s:/p' "$OUT/bench.log" | tail -n 6
   done
 fi
@@ -339,8 +340,9 @@ fi
 # its own process (VLM_RUN_TIMEOUT s); VLM_ALGOS=grpo / sft splits it over two calls if one does not fit.
 # First the vLLM engine with images (issue 70b; vLLM + torchvision, ~1-2 min; VLM_VLLM_TEST= skips it):
 # greedy / log-probs against HF with the same images, the weight sync. VLM_IMPLS=ours,ours_vllm,trl adds
-# our GRPO step with rollout.type=vllm; VLM_NAME names the result file (two calls: two names). VLM_SET="rollout.hf_compile_decode=false ..." overrides our config
-# (bench_vlm --set each); ours logs its setup, every phase as it ends and each step's phase times, HF
+# our GRPO step with rollout.type=vllm; VLM_PROFILE=1 adds one step to ours, its update profiled (top kernels and
+# operators); VLM_NAME names the result file (two calls: two names). VLM_SET="rollout.hf_compile_decode=false ..."
+# overrides our config (bench_vlm --set each); ours logs its setup, every phase as it ends and each step's phase times, HF
 # prefill / decode seconds, CUDA-graph captures and torch.compile graphs (printed below from bench.log) ----
 if want vlm; then
   if [ -n "${VLM_VLLM_TEST-python_tests/rollout/test_vllm_vlm_gpu.py}" ]; then
@@ -349,9 +351,9 @@ if want vlm; then
     grep -E "(PASSED|FAILED|ERROR|SKIPPED)|[0-9]+ (passed|failed|skipped)" "$OUT/pytest_vlm_vllm.log" | tail -n 8
   fi
   timeout ${VLM_TIMEOUT:-580} "$py" benchmarks/bench_vlm.py --device cuda --algos "${VLM_ALGOS:-grpo,sft}" \
-    --impls "${VLM_IMPLS:-ours,trl}" --steps "${VLM_STEPS:-3}" --timeout "${VLM_RUN_TIMEOUT:-200}" ${VLM_NAME:+--name "$VLM_NAME"} \
+    --impls "${VLM_IMPLS:-ours,trl}" --steps "${VLM_STEPS:-3}" --timeout "${VLM_RUN_TIMEOUT:-200}" ${VLM_NAME:+--name "$VLM_NAME"} --profile "${VLM_PROFILE:-0}" \
     $(for pair in ${VLM_SET:-}; do printf -- '--set=%s ' "$pair"; done) >> "$OUT/bench.log" 2>&1 || failed+=("bench_vlm")
-  grep -E "^(ours|  [a-z_]+: [0-9.]+ s|grpo|sft)" "$OUT/bench.log" | cut -c1-600 | tail -n 30
+  grep -E "^(ours|  [a-z_]+: [0-9.]+ s|  (kernel|op) |grpo|sft)" "$OUT/bench.log" | cut -c1-600 | tail -n 80
   sed -n '/^vlm on/,$p' "$OUT/bench.log" | tail -n 8
 fi
 
@@ -455,19 +457,24 @@ fi
 # (the kernel vs CPU byte for byte, _scaled_mm vs float64, the vLLM block-FP8 engine); then the guardrails'
 # cost at 0.5B (benchmarks/bench_guardrails.py: training steps with the guardrails on vs off, two pairs;
 # FP8_GUARDRAILS=0 skips it, ~4 min). FP8_PARTS picks parts (default sync,linear,hf,vllm); the candidates side by
-# side in one call: FP8_GUARDRAILS=0 FP8_PARTS=sync,linear,hf SECTIONS=fp8 (~7 min with the build) ----
+# side in one call: FP8_GUARDRAILS=0 FP8_PARTS=sync,linear,hf SECTIONS=fp8 (~7 min with the build); FP8_PARTS= runs no
+# bench_fp8, FP8_TESTS=0 no tests; GUARDRAILS_STEPS / GUARDRAILS_PAIRS / GUARDRAILS_TIMEOUT size the cost runs ----
 if want fp8; then
-  timeout 420 "$py" benchmarks/bench_fp8.py --parts "${FP8_PARTS:-sync,linear,hf,vllm}" >> "$OUT/bench.log" 2>&1 ||
-    failed+=("bench_fp8")
-  sed -n '/^fp8_rollout on/,$p' "$OUT/bench.log" | tail -n 45
+  if [ -n "${FP8_PARTS-sync,linear,hf,vllm}" ]; then
+    timeout 420 "$py" benchmarks/bench_fp8.py --parts "${FP8_PARTS-sync,linear,hf,vllm}" >> "$OUT/bench.log" 2>&1 ||
+      failed+=("bench_fp8")
+    sed -n '/^fp8_rollout on/,$p' "$OUT/bench.log" | tail -n 45
+  fi
   if [ "${FP8_GUARDRAILS:-1}" = 1 ]; then
-    timeout 360 "$py" benchmarks/bench_guardrails.py --shape 0.5b --steps ${GUARDRAILS_STEPS:-5} --pairs 2 >> "$OUT/bench.log" 2>&1 ||
-      failed+=("bench_guardrails")
+    timeout ${GUARDRAILS_TIMEOUT:-360} "$py" benchmarks/bench_guardrails.py --shape 0.5b --steps ${GUARDRAILS_STEPS:-5} \
+      --pairs ${GUARDRAILS_PAIRS:-2} >> "$OUT/bench.log" 2>&1 || failed+=("bench_guardrails")
     grep -A4 "^guardrails_cost" "$OUT/bench.log" | tail -n 5
   fi
-  timeout 180 "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/ops/test_fp8_quantize.py \
-    python_tests/rollout/test_fp8_rollout.py > "$OUT/pytest_fp8.log" 2>&1 || failed+=("pytest fp8")
-  tail -n 3 "$OUT/pytest_fp8.log"
+  if [ "${FP8_TESTS:-1}" = 1 ]; then
+    timeout 180 "$py" -m pytest -m gpu -q -p no:cacheprovider python_tests/ops/test_fp8_quantize.py \
+      python_tests/rollout/test_fp8_rollout.py > "$OUT/pytest_fp8.log" 2>&1 || failed+=("pytest fp8")
+    tail -n 3 "$OUT/pytest_fp8.log"
+  fi
 fi
 
 # ---- agent_endpoint (issue 68): an agent program (urllib, 4 chat calls each) driving the rollout through the
