@@ -164,3 +164,37 @@ def test_stop_strings_are_refused_when_the_rollout_runs(ragged_path):
     _, rows, partial = pool(ragged_path)
     with pytest.raises(ValueError, match="not supported with stop strings"):
         partial.rollout(rows[:1], [SamplingSpec(n=2, max_tokens=CAP, stop=("x",))], 0, 0, {})
+
+
+def test_the_default_carry_lets_a_sample_reach_its_cap_on_the_step_budgets_alone():
+    """partial_max_carry's null: ceil(cap / budget) - 1 (bounded 1..4), so no overdue group needs rounds past a
+    step's budget; a value set is kept."""
+    from verl_fast.trainer.partial_checks import max_carry
+
+    def resolved(cap, budget, carry=None):
+        return max_carry(config_mod.from_dict({"rollout": {"max_new_tokens": cap, "partial_step_tokens": budget,
+                                                           "partial_max_carry": carry},
+                                               "algorithm": {"rollout_correction": True}}).rollout)
+
+    assert [resolved(1024, 256), resolved(1024, 512), resolved(1000, 256), resolved(1024, 1024),
+            resolved(16384, 256), resolved(1024, 256, carry=2)] == [3, 1, 3, 1, 4, 2]
+
+
+def overdue_rounds(path, max_carry, steps=10):
+    """Each step's rounds run after the budget for its overdue groups alone (partial/overdue_rounds)."""
+    _, rows, partial = pool(path, step_tokens=6, max_carry=max_carry)
+    out = []
+    for step in range(steps):
+        batch = [rows[(3 * step + i) % len(rows)] for i in range(3)]
+        metrics = {}
+        partial.rollout(batch, specs(batch, 11 * step), step, 11 * step, metrics)
+        out.append(metrics["partial/overdue_rounds"])
+    return out
+
+
+def test_with_the_default_carry_no_step_decodes_past_its_budget_for_overdue_groups(ragged_path):
+    """Budget 6, cap 24: the default carry (3) gives a sample 4 budgets before it is overdue, which reach the
+    cap, so no step runs rounds for overdue groups after its budget; a carry of 1 leaves overdue samples short
+    of their cap, finished in rounds of their own."""
+    assert overdue_rounds(ragged_path, max_carry=3) == [0.0] * 10
+    assert sum(overdue_rounds(ragged_path, max_carry=1)) > 0

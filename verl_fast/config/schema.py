@@ -238,8 +238,11 @@ class RolloutConfig:
                                              "this many tokens and stops after the round that completes as many "
                                              "prompts' groups as the step trains (null: one round of "
                                              "partial_step_tokens)")
-    partial_max_carry: int = _f(2, min=1, doc="partial rollouts: a group carried this many steps is finished in the "
-                                "step whatever the budget (no token trained more than this many versions old)")
+    partial_max_carry: Optional[int] = _f(None, min=1, doc="partial rollouts: a group carried this many steps is "
+                                          "finished in the step whatever the budget (no token trained more than "
+                                          "this many versions old); null: the steps a sample needs to reach "
+                                          "max_new_tokens on the step budgets alone, ceil(max_new_tokens / "
+                                          "partial_step_tokens) - 1, at least 1 and at most 4")
     hf_fast_decode: str = _f("auto", choices=("auto", "on", "off"),
                              doc="type hf: static-KV-cache decoding of the whole batch, CUDA graphs on a GPU "
                                  "(auto: on a GPU); off: model.generate")

@@ -74,21 +74,23 @@ class PartialRollout:
                                  "across two rounds would be missed); use stop_token_ids, or "
                                  "rollout.partial_step_tokens=0")
         pool = self.carry + [Group(row, spec, step) for row, spec in zip(batch, specs)]
-        used, rounds = 0, 0
+        used, rounds, overdue_rounds = 0, 0, 0
         while True:
             done = sum(g.complete for g in pool)
             running = [g for g in pool if not g.complete]
-            if rounds and (done >= len(batch) or used >= self.step_tokens) and done:  # stopped: the overdue only
+            stopped = rounds and (done >= len(batch) or used >= self.step_tokens) and done
+            if stopped:  # the overdue groups only
                 running = [g for g in running if step - g.born >= self.max_carry]
             if not running:
                 break
             tokens = min(self.round_tokens, self.step_tokens - used) if used < self.step_tokens else self.round_tokens
             self._round(running, tokens, seed + 100_003 * rounds)
-            used, rounds = used + tokens, rounds + 1
+            used, rounds, overdue_rounds = used + tokens, rounds + 1, overdue_rounds + bool(stopped)
         ready = sorted((g for g in pool if g.complete), key=lambda g: g.born)[: len(batch)]
         chosen = {id(g) for g in ready}
         self.carry = [g for g in pool if id(g) not in chosen]
-        metrics.update({"partial/rounds": float(rounds), "partial/trained_groups": float(len(ready)),
+        metrics.update({"partial/rounds": float(rounds), "partial/overdue_rounds": float(overdue_rounds),
+                        "partial/trained_groups": float(len(ready)),
                         "partial/carried_groups": float(len(self.carry)),
                         "partial/trained_from_carry": float(sum(g.born < step for g in ready)),
                         "partial/max_age": float(max((step - g.born for g in ready), default=0)),

@@ -50,7 +50,20 @@ def build(cfg: config.Config, engine: Any, tokenizer: Any, world: int) -> Option
     if world > 1:
         raise ValueError(f"{KEY} is not supported with {world} training processes yet (each rank's rounds would "
                          f"differ); run one training process or set {KEY}=0")
-    return PartialRollout(engine, tokenizer, r.partial_step_tokens, r.partial_round_tokens, r.partial_max_carry)
+    return PartialRollout(engine, tokenizer, r.partial_step_tokens, r.partial_round_tokens, max_carry(r))
+
+
+MOST_CARRY = 4  # the derived max_carry's bound: samples at most this many versions old
+
+
+def max_carry(r: Any) -> int:
+    """``rollout.partial_max_carry`` resolved. Its null: the fewest steps after its first that let a sample reach
+    ``max_new_tokens`` on the step budgets alone, so that a step's rollout is one budget of decode steps (a smaller
+    carry finishes the overdue groups in rounds of their own after the budget: a second stretch of decode steps,
+    for a few rows, at nearly a full batch's cost a step); bounded to 1..``MOST_CARRY``."""
+    if r.partial_max_carry is not None:
+        return r.partial_max_carry
+    return min(MOST_CARRY, max(1, -(-r.max_new_tokens // r.partial_step_tokens) - 1))
 
 
 config.register_check(check)
