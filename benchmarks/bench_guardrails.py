@@ -9,7 +9,10 @@ tokens, the schema's micro-batch size in place of the preset's 32); guardrails o
 (``OFF``: no sync check, so the engine returns no log-probs either, no watchdog, no non-finite step count),
 ``--pairs`` pairs run one after the other, the order alternating (on/off, off/on, ...) so that a machine's
 drift falls on both. A run's figure is the median ``time/step`` of its steps after the first (the first
-compiles); a mode's is the median over its runs; the cost is on / off - 1.
+compiles); a mode's is the median over its runs; the cost is on / off - 1. Beside it, the checks' own time
+inside the on runs' steps (``perf/guardrails_s``, median), against the step: the part of the cost that is
+the trainer's checks, without the A/B's step-to-step noise (the rest: the engine returning log-probs, and
+the watchdog's thread).
 
     python benchmarks/bench_guardrails.py [--shape tiny] [--steps 6] [--pairs 2] [--set SECTION.KEY=VALUE]
     python benchmarks/bench_guardrails.py --shape 0.5b --steps 6 --pairs 2   # the GPU section (gpu_run.sh)
@@ -51,9 +54,11 @@ def write_sums(path: Path, count: int = 1000, seed: int = 42) -> Path:
     return path
 
 
-def step_times(out: Path) -> List[float]:
+def step_figures(out: Path) -> Dict[str, List[float]]:
+    """Each step's ``time/step`` and ``perf/guardrails_s`` (the checks' own seconds) from a run's metrics."""
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [r["time/step"] for r in records if "time/step" in r]
+    steps = [r for r in records if "time/step" in r]
+    return {"step_s": [r["time/step"] for r in steps], "checks_s": [r.get("perf/guardrails_s", 0.0) for r in steps]}
 
 
 def main(argv=None) -> int:
@@ -87,15 +92,20 @@ def main(argv=None) -> int:
                 work.mkdir()
                 extra = [f"actor.model_name={model}", *task, *args.set, *(OFF if mode == "off" else [])]
                 run = run_one("off", 0, args.steps, work, extra)
-                times = step_times(work / "off_0")
-                report.meta["runs"][mode].append({"step_s": times, "wall_s": run["wall_s"]})
-                print(f"pair {pair} {mode}: steps {[round(t, 3) for t in times]}", flush=True)
+                figures = step_figures(work / "off_0")
+                report.meta["runs"][mode].append({**figures, "wall_s": run["wall_s"]})
+                print(f"pair {pair} {mode}: steps {[round(t, 3) for t in figures['step_s']]}, the checks "
+                      f"{[round(t * 1e3, 2) for t in figures['checks_s']]} ms", flush=True)
     med: Dict[str, float] = {mode: statistics.median(statistics.median(r["step_s"][1:]) for r in runs)
                              for mode, runs in report.meta["runs"].items()}
     cost = med["on"] / med["off"] - 1
-    report.meta["cost"] = cost
+    # the checks' own time inside the on runs' steps: what the A/B's step-to-step noise cannot resolve
+    checks = statistics.median(statistics.median(r["checks_s"][1:]) for r in report.meta["runs"]["on"])
+    report.meta.update(cost=cost, checks_s=checks, checks_share=checks / med["on"])
     report.add(CASE, "baseline: guardrails off", med["off"] * 1e3, note=f"{args.shape}, median of steps 2..")
-    report.add(CASE, "verl_fast guardrails on (defaults)", med["on"] * 1e3, note=f"{cost * 100:+.2f}% of a step")
+    report.add(CASE, "verl_fast guardrails on (defaults)", med["on"] * 1e3,
+               note=f"{cost * 100:+.2f}% of a step; the checks' own time {checks * 1e3:.2f} ms "
+                    f"({checks / med['on'] * 100:.2f}% of a step)")
     report.save()
     print(report.table())
     return 0

@@ -237,3 +237,25 @@ def test_the_watchdog_off_starts_no_thread_and_a_fast_phase_prints_nothing():
     with dog, dog.phase("generation"):
         time.sleep(0.05)
     assert out.getvalue() == ""
+
+
+# ---- their cost
+
+
+def test_each_step_reports_the_seconds_its_checks_took(tiny_path, tmp_path, monkeypatch):
+    """perf/guardrails_s: the checks' own time in the step; a check made slower by 50 ms shows in it."""
+    import time
+
+    from verl_fast.trainer import guardrails
+
+    model, tok = load(tiny_path)
+    trainer = RLTrainer(actor_model=model, tokenizer=tok, reward_fn=length_reward, config=config(tmp_path))
+    plain = trainer.fit(PROMPTS)
+    assert all(0 < m["perf/guardrails_s"] < m["time/step"] for m in plain), plain
+    counted = guardrails.flat_group_fraction
+    monkeypatch.setattr(guardrails, "flat_group_fraction", lambda *a: (time.sleep(0.05), counted(*a))[1])
+    model, tok = load(tiny_path)
+    slow = RLTrainer(actor_model=model, tokenizer=tok, reward_fn=length_reward,
+                     config=config(tmp_path / "slow")).fit(PROMPTS)
+    assert all(m["perf/guardrails_s"] >= 0.05 for m in slow), slow
+    assert max(m["perf/guardrails_s"] for m in plain) < 0.05

@@ -17,8 +17,10 @@ the run.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -59,6 +61,18 @@ def flat_group_fraction(scores: torch.Tensor, prompt_index: torch.Tensor) -> flo
     return float(((hi == lo) & several).sum()) / counted if counted else 0.0
 
 
+def _timed(method):
+    """The check's seconds added to its ``Guardrails``' ``seconds`` (the step's ``perf/guardrails_s``)."""
+    @functools.wraps(method)
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - start
+    return timed
+
+
 class Guardrails:
     """One trainer's guardrails (module docstring); ``group``: the data-parallel ranks, whose figures a
     stopping check agrees on (every rank stops together)."""
@@ -70,6 +84,13 @@ class Guardrails:
         self.constant = Streak(cfg.flat_groups_steps)
         self.nonfinite_in_a_row = 0
         self._warned_no_logprobs = False
+        self.seconds = 0.0  # spent in the checks since the last ``take_seconds``
+
+    def take_seconds(self) -> float:
+        """The seconds the checks took since the last call (the trainer's phases synchronise the device
+        around them, so their device work is inside)."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
     def _warn(self, message: str) -> None:
         if self.is_main:
@@ -83,6 +104,7 @@ class Guardrails:
 
     # ---- the samples' signal
 
+    @_timed
     def after_rewards(self, step: int, exp: Experience, truncated: float, not_applicable: int,
                       metrics: Dict[str, Any]) -> None:
         """Step ``step``'s scored samples (``exp.scores``, ``exp.prompt_index``), the share cut at
@@ -116,6 +138,7 @@ class Guardrails:
 
     # ---- the weight sync
 
+    @_timed
     def sync_gap(self, exp: Experience) -> Optional[float]:
         """The mean |engine - actor| log-prob per response token of ``exp`` from its old log-probs (every
         rank's tokens), or None where the step has none (the update's forward then measures it:
@@ -132,6 +155,7 @@ class Guardrails:
         total, tokens = self._sum([gap, mask.sum()])
         return total / max(tokens, 1.0)
 
+    @_timed
     def check_sync(self, step: int, diff: Optional[float], differences: Callable[[], Optional[List[str]]],
                    metrics: Dict[str, Any]) -> None:
         """Past ``sync_logprob_tolerance``, stops naming ``differences()`` (the parameter groups whose engine
@@ -153,6 +177,7 @@ class Guardrails:
 
     # ---- the update
 
+    @_timed
     def after_update(self, step: int, skipped: List[str], metrics: Dict[str, Any]) -> None:
         """``skipped``: one line per optimiser step of this update skipped for a non-finite gradient."""
         for line in skipped:

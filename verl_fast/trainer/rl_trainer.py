@@ -380,7 +380,8 @@ class RLTrainer:
         metrics = self._step(batch)
         metrics.update(rates)
         self.step += 1
-        metrics.update(step=self.step, **{"time/step": time.perf_counter() - start})
+        metrics.update(step=self.step, **{"time/step": time.perf_counter() - start,
+                                          "perf/guardrails_s": self.guardrails.take_seconds()})
         metrics.update(perf.throughput(metrics))
         return metrics
 
