@@ -679,8 +679,8 @@ def summarise_ours(run: Dict[str, Any], skip: int) -> Dict[str, Any]:
     detail = ("time/step", "time/generation", "time/update_actor", "perf/gc_s", "perf/gc_full", "perf/cuda_mallocs",
               "perf/cuda_frees", "perf/alloc_retries", "perf/kernel_compiles", "perf/kernel_compile_s", "perf/graph_compiles",
               "response/length", "perf/token_budget", "perf/update_replanned", "rollout/prefill_s", "rollout/decode_s", "rollout/graph_captures",
-              "partial/rounds", "partial/trained_groups", "partial/trained_from_carry", "partial/max_age",
-              "partial/carried_groups", "partial/carried_tokens") + tuple(
+              "partial/rounds", "partial/overdue_rounds", "partial/trained_groups", "partial/trained_from_carry",
+              "partial/max_age", "partial/carried_groups", "partial/carried_tokens", "perf/guardrails_s") + tuple(
                   f"prof/{phase}_{k}" for phase in ("rollout", "update")
                   for k in ("busy_s", "kernels", "sm_mhz", "thread_cpu_s", "process_cpu_s"))
     out["steady_detail"] = [{k: s[k] for k in detail if k in s} for s in run["steps"][skip:]]

@@ -152,7 +152,7 @@ def print_profile(p: Dict[str, Any]) -> None:
         print(f"  op     {k['kernel_ms']:8.1f} ms x{k['calls']:<6} {k['name'][:110]}", flush=True)
 
 
-STEP_FIGURES = ("rollout/prefill_s", "rollout/decode_s", "rollout/graph_captures", "rollout/cuda_graph",
+STEP_FIGURES = ("rollout/prefill_s", "rollout/decode_s", "rollout/graph_captures", "rollout/cuda_graph", "perf/guardrails_s",
                 "perf/graph_compiles", "perf/kernel_compiles", "perf/token_budget", "perf/update_replanned")
 
 

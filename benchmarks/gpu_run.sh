@@ -224,12 +224,12 @@ fi
 # path in DEMO_GGUF, the gguf wheel in .whl/). Needs .bench_assets/, trl + datasets + dill + multiprocess + peft
 # in .whl/ and vLLM (the .dv* calls first, as the e2e section's TRL-vLLM runs). ----
 # RAGGED_SWEEP="default,rollout.partial_step_tokens=256+algorithm.rollout_correction=true": ours once per item;
-# RAGGED_SHAPES=1.5b: cap1k / cap4k at some shapes; RAGGED_NAME=_trl: results/e2e_ragged_<row>_trl_cuda.json
+# RAGGED_SHAPES=1.5b: cap1k / cap4k at some shapes; RAGGED_STEPS: cap1k's steps; RAGGED_NAME=_trl: results/e2e_ragged_<row>_trl_cuda.json
 if want ragged; then
   common=(--device cuda --gpus 1 --no-profile --impls "${RAGGED_IMPLS:-ours,trl_vllm}" --trl-steps vllm:4 --skip 1)
   for row in ${RAGGED_ROWS:-cap1k}; do
     case $row in
-      cap1k) args=(--lengths ragged --shapes "${RAGGED_SHAPES:-0.5b,1.5b}" --tokens 1024 --steps 7 --models /tmp/vf_models) ;;
+      cap1k) args=(--lengths ragged --shapes "${RAGGED_SHAPES:-0.5b,1.5b}" --tokens 1024 --steps "${RAGGED_STEPS:-7}" --models /tmp/vf_models) ;;
       cap4k) args=(--lengths ragged --shapes "${RAGGED_SHAPES:-0.5b,1.5b}" --tokens 4096 --steps 5 --models /tmp/vf_models) ;;
       cap8k) args=(--lengths ragged --shapes 0.5b --tokens 8192 --steps 4 --models /tmp/vf_models) ;;
       uniform) args=(--shapes 0.5b,1.5b --tokens 256 --steps 7 --models /tmp/vf_models) ;;
