@@ -232,7 +232,13 @@ def hf_part(model, tokens: int, reps: int, report: Report) -> Dict[str, float]:
         with ctx:
             r = run_variant(model, ids, mask, SAMPLES, tokens, "kernel_attention", reps)
         rate = PROMPTS * SAMPLES * tokens / r["median_s"]
-        out[mode] = {"tokens_per_s": rate, "first_s": r["first_s"], "median_s": r["median_s"]}
+        # where a step's time goes: its kernels (one profiled call), the share of the call some kernel ran
+        out[mode] = {"tokens_per_s": rate, "first_s": r["first_s"], "median_s": r["median_s"],
+                     "step_ms": r["step_ms"], "kernels_per_token": r["kernels_per_token"],
+                     "busy_share": r["busy_share"], "top_kernels": r["top_kernels"]}
+        print(f"{mode}: {r['step_ms']:.2f} ms a step, {r['kernels_per_token']:.0f} kernels a step, busy "
+              f"{r['busy_share']:.0%}; top: " + "; ".join(f"{k['name'][:70]} {k['total_ms']:.1f} ms x{k['calls']}"
+                                                          for k in r["top_kernels"][:10]), flush=True)
         report.add(f"HF decode, {PROMPTS}x{SAMPLES}x{tokens} tokens", "baseline: bf16" if mode == "bf16" else
                    f"verl_fast {mode} (_scaled_mm)", r["median_s"] * 1e3,
                    note=f"{rate:.0f} tokens/s ({rate / out['bf16']['tokens_per_s']:.2f}x bf16); first call "
