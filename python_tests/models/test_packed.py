@@ -108,6 +108,59 @@ def test_bucketed_layout_gives_the_same_logprobs_and_gradients():
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
+def test_one_long_sequence_is_a_single_self_attending_sequence_past_the_threshold(monkeypatch):
+    monkeypatch.setattr(packed, "LONG_SEQUENCE", 6)
+    one = grouped_batch(50, [4], 1, [5])
+    two = grouped_batch(50, [4], 2, [5, 3])
+    short = grouped_batch(50, [2], 1, [3])
+    lay = lambda b, share=False, bucketed=False: packed.layout(  # noqa: E731
+        b[1], b[3], prompt_groups(b[0], b[1], b[2], b[3]) if share else None, bucketed=bucketed)
+    assert packed.one_long_sequence(lay(one)) and packed.one_long_sequence(lay(one, bucketed=True))
+    assert packed.one_long_sequence(lay(one, share=True))  # a group of one row: its prompt is not split off
+    assert not packed.one_long_sequence(lay(two)) and not packed.one_long_sequence(lay(two, share=True))
+    assert not packed.one_long_sequence(lay(short))
+
+
+def test_the_dense_causal_call_gives_the_sequences_attention_with_grouped_heads_and_a_filler():
+    """float64, the math backend: the real tokens' outputs are the per-sequence reference's (the filler's
+    own outputs are not used)."""
+    from torch.nn.attention import SDPBackend
+
+    ids, mask, _, L = grouped_batch(50, [7], 1, [9])
+    lay = packed.layout(mask, L, bucketed=True)
+    assert lay.filler
+    T = lay.source.numel()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(T, heads, 8, generator=g, dtype=torch.float64) for heads in (4, 2, 2))
+    got = packed._dense_causal(q, k, v, lay, 0.3, backends=[SDPBackend.MATH])
+    want = packed._reference(q, k, v, lay, 0.3)
+    torch.testing.assert_close(got[: lay.tokens], want[: lay.tokens], atol=1e-12, rtol=0)
+
+
+def test_a_long_sequence_takes_the_dense_call_in_the_models_forward_and_backward(monkeypatch):
+    """The dispatch: a one-sequence micro-batch past the threshold attends through ``_dense_causal`` (the
+    varlen call not made), with the log-probs and gradients of the per-sequence path."""
+    from torch.nn.attention import SDPBackend
+
+    ids, mask, group, L = grouped_batch(320, [6], 1, [9])
+    lay = packed.layout(mask, L, bucketed=True)
+    runs = []
+    for dense in (False, True):
+        model = tiny_model("qwen2", seed=4)
+        if dense:
+            monkeypatch.setattr(packed, "LONG_SEQUENCE", 8)
+            monkeypatch.setattr(packed, "flash_available", lambda *a: True)
+            monkeypatch.setattr(packed, "_flash", lambda *a: pytest.fail("the varlen call was made"))
+            monkeypatch.setattr(packed, "_long_backends", lambda: ([SDPBackend.MATH], {}))
+        with packed.attention_switched(model):
+            lp, _ = packed.packed_logprobs(model, ids, lay, L)
+            lp.sum().backward()
+        runs.append((lp.detach(), [p.grad for p in model.parameters()]))
+    torch.testing.assert_close(runs[0][0], runs[1][0], atol=1e-5, rtol=1e-5)
+    for a, b in zip(runs[0][1], runs[1][1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
 def test_layout_refuses_holes_empty_prompts_and_large_batches():
     ids, mask, group, L = grouped_batch(50, [5, 3], 2, [4, 2])
     assert packed.layout(mask, L) is not None
@@ -275,3 +328,30 @@ def test_flash_varlen_on_cuda_matches_the_float32_forward(share):
     for (name, _), true, grad, grad_alone in zip(model.named_parameters(), truth, together[1], alone[1]):
         apart, off = float((grad - grad_alone).norm() / true.norm()), float((grad - true).norm() / true.norm())
         assert apart <= 0.05 and off <= 0.1, (name, apart, off)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_long_sequence_on_cuda_attends_through_the_dense_call_as_the_varlen_kernel_does(monkeypatch):
+    """One sequence past ``LONG_SEQUENCE`` under bf16 autocast (grouped KV heads, the bucket's filler): the
+    dense causal call (cuDNN first) gives the log-probs and gradients the varlen flash kernel gives, within
+    bf16 error of each other and of the float32 forward."""
+    model = tiny_model("qwen2", seed=1, hidden_size=128, num_attention_heads=4, num_key_value_heads=2).cuda()
+    ids, mask, _, L = grouped_batch(model.config.vocab_size, [300], 1, [packed.LONG_SEQUENCE])
+    ids, mask = ids.cuda(), mask.cuda()
+    lay = packed.layout(mask, L, bucketed=True)
+    assert packed.one_long_sequence(lay) and lay.filler
+
+    def run(autocast, dense):
+        model.zero_grad()
+        monkeypatch.setattr(packed, "LONG_SEQUENCE", packed.LONG_SEQUENCE if dense else 1 << 40)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast), packed.attention_switched(model):
+            lp, _ = packed.packed_logprobs(model, ids, lay, L)
+            lp.float().sum().backward()
+        return lp.detach().float().cpu(), [p.grad.float().cpu() for p in model.parameters()]
+
+    truth, dense, varlen = run(False, False), run(True, True), run(True, False)
+    torch.testing.assert_close(dense[0], varlen[0], atol=0.03, rtol=0)
+    torch.testing.assert_close(dense[0], truth[0], atol=0.06, rtol=0.02)
+    for (name, _), true, a, b in zip(model.named_parameters(), truth[1], dense[1], varlen[1]):
+        assert float((a - b).norm() / true.norm()) <= 0.05 and float((a - true).norm() / true.norm()) <= 0.1, name

@@ -14,7 +14,10 @@ tokens see which is one rule, two ways to apply it:
   so response token j sees the prompt and response tokens 0..j. Nothing is built per shape: cuDNN's
   SDPA, which the padded forward gets on Hopper, builds (and, for a new kernel variant, compiles)
   a plan for every new shape, about a second for a step whose micro-batches changed shape
-  (``benchmarks/NOTES.md``). Elsewhere (CPU, fp32) the same sequences run one at a time
+  (``benchmarks/NOTES.md``). A micro-batch that is one long sequence (``LONG_SEQUENCE`` tokens or more:
+  the update at long caps, where the attention is most of the work) is the exception: it attends as one
+  dense causal call through cuDNN's fused attention, torch's flash kernel where cuDNN does not take it
+  (``one_long_sequence``), its bucketed length keeping the plans few. Elsewhere (CPU, fp32) the same sequences run one at a time
   through ``scaled_dot_product_attention`` (the reference the GPU test checks against).
 - ``dense``: the model's own sdpa / eager attention with a [T, T] boolean mask, for small CPU
   batches (up to ``DENSE_MAX_TOKENS``), where one masked call beats a loop over sequences.
@@ -41,6 +44,7 @@ from verl_fast.ops.logprobs import logprobs_from_logits
 
 ATTENTION = "verl_fast_varlen"  # the name the packed forward's attention is registered under
 DENSE_MAX_TOKENS = 4096  # the dense path's [T, T] mask and scores stay small (4096^2 booleans = 16 MiB)
+LONG_SEQUENCE = 8192  # one sequence of at least this many tokens attends through cuDNN's fused attention
 
 
 @dataclass(frozen=True)
@@ -227,6 +231,39 @@ def _flash(q, k, v, lay: PackedLayout, scale: Optional[float]) -> torch.Tensor:
     return varlen_attn(q, k, v, lay.cu_q, lay.cu_k, lay.max_q, lay.max_k, **kw)
 
 
+def one_long_sequence(lay: PackedLayout) -> bool:
+    """Whether the layout is one query sequence of at least ``LONG_SEQUENCE`` tokens attending itself (a
+    bucket's filler after it allowed): it attends as one dense causal call (``_dense_causal``)."""
+    cu_q = lay.bounds[0]
+    return lay.k_index is None and len(cu_q) - 1 == 1 + bool(lay.filler) and cu_q[1] >= LONG_SEQUENCE
+
+
+@functools.lru_cache(maxsize=1)
+def _long_backends():
+    """``sdpa_kernel``'s arguments for a long sequence: cuDNN's fused attention first, torch's flash kernel where
+    cuDNN does not take the call (in that order where this torch's ``sdpa_kernel`` takes a priority)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if "set_priority" in inspect.signature(sdpa_kernel).parameters:
+        return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION], {"set_priority": True}
+    return [SDPBackend.CUDNN_ATTENTION], {}
+
+
+def _dense_causal(q, k, v, lay: PackedLayout, scale: Optional[float], backends=None) -> torch.Tensor:
+    """A ``one_long_sequence`` layout's attention as one causal ``scaled_dot_product_attention`` over all its
+    tokens ([T, H, D] queries, [T, Hkv, D] keys). The real tokens come first, so causality keeps them from the
+    filler, whose outputs (its tokens then attend the real ones too) feed only its own positions, which predict
+    nothing. ``backends``: ``sdpa_kernel``'s (default ``_long_backends``)."""
+    from torch.nn.attention import sdpa_kernel
+
+    chosen, kw = _long_backends() if backends is None else (backends, {})
+    qd, kd, vd = (t.transpose(0, 1)[None] for t in (q, k, v))
+    with sdpa_kernel(chosen, **kw):
+        out = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale,
+                                             enable_gqa=kd.shape[1] != qd.shape[1])
+    return out[0].transpose(0, 1)
+
+
 def _reference(q, k, v, lay: PackedLayout, scale: Optional[float]) -> torch.Tensor:
     """The same attention one query sequence at a time ([T, H, D] queries, [Tk, Hkv, D] keys)."""
     group = q.shape[1] // k.shape[1]
@@ -264,7 +301,8 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     q, k, v = (t[0].transpose(0, 1).to(dtype, memory_format=torch.contiguous_format) for t in (query, key, value))
     if lay.k_index is not None:
         k, v = k[lay.k_index], v[lay.k_index]
-    attend = _flash if flash_available(query.device, dtype) else _reference
+    fast = flash_available(query.device, dtype)
+    attend = (_dense_causal if one_long_sequence(lay) else _flash) if fast else _reference
     return attend(q, k, v, lay, scaling)[None], None
 
 
