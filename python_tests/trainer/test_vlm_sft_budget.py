@@ -1,12 +1,12 @@
 """The token budget of an SFT step on rows with images (trainer/updates.py ``micro``, trainer/batching.py
 ``token_budget`` / ``padded_budget``, strategies/memory_plan.py ``layer_bytes``) against what the passes
 really hold, on the CPU: a small random Qwen2.5-VL whose language model has the 3B's proportions (MLP
-much wider than the stream, grouped keys), with ``actor.compile_blocks`` on as a GPU run resolves it.
+much wider than the stream, grouped keys), with ``actor.compile_blocks`` set true.
 
-- A vision-language model's norms and MLPs are not among those ``compiled_blocks`` compiles: the plan
-  counts them eager, and rows with images (padded, attended through sdpa with their padding mask) keep
-  their keys and values repeated to the query heads and the mask; one decoder layer's saved tensors are
-  that count.
+- A vision-language model's language norms and MLPs compile only where the key is true (its auto: off), and
+  the plan counts them eager either way; rows with images (padded, attended through sdpa with their padding
+  mask) keep their keys and values repeated to the query heads and the mask; one eager decoder layer's
+  saved tensors are that count, a compiled one's at most that.
 - The auto budget (free memory faked as a GPU's) cuts the step's rows into micro-batches whose passes'
   peak, counted as an allocator sees it (``LiveBytes``, the frozen vision tower's forward included),
   stays within each micro-batch's share of the memory the budget was given; the split step's loss is
@@ -82,21 +82,28 @@ def test_a_vision_language_layer_saves_what_the_plan_counts_for_padded_rows(sft_
     trainer, exp = sft_step
     model, cfg = trainer.strategy.actor, trainer.cfg
     family = memory_plan.family_of(hf_module(model))
-    # on a GPU the key would be on (an unsharded actor without adapters); the family's blocks stay eager
-    assert not memory_plan.blocks_compiled(cfg, torch.device("cuda"), False, False, family)
-    assert memory_plan.blocks_compiled(cfg, torch.device("cuda"), False, False, "qwen2")
-    assert not trainer.strategy.compiled
+    cuda, auto = torch.device("cuda"), type(cfg)()
+    # the key set true compiles the language blocks; the budget counts them eager; the auto leaves them eager
+    assert memory_plan.blocks_compiled(cfg, cuda, False, False, family)
+    assert not memory_plan.blocks_compiled(cfg, cuda, False, False, family, counted=True)
+    assert not memory_plan.blocks_compiled(auto, cuda, False, False, family)
+    assert memory_plan.blocks_compiled(auto, cuda, False, False, "qwen2", counted=True)
+    assert trainer.strategy.compiled and not trainer.strategy.compiled_counted
     model = model.to(torch.bfloat16)  # the GPU passes' dtype
     layer = model.model.language_model.layers[1]
     sub = exp.select(torch.arange(3))  # the tower casts the float32 pixels to its weights' dtype
-    with passes(model, True, False), layer_saves(model, layer) as saved:
-        micro_logprobs(model, sub, cfg, None)
+    held = {}
+    for compiled in (False, True):
+        with passes(model, compiled, False), layer_saves(model, layer) as saved:
+            micro_logprobs(model, sub, cfg, None)
+        held[compiled] = float(sum(saved.values()))
     rows, width = sub.input_ids.shape
     shape = memory_plan.shape_of(model)
     want = memory_plan.layer_bytes(shape, 2, False, padded_width=width) * rows * width
-    got = float(sum(saved.values()))
+    got = held[False]
     # what the count leaves out: the norms' float32 rsqrt a token (4 bytes each)
     assert abs(got - want) <= 0.03 * want, (got, want)
+    assert held[True] < got, held  # compiled, the layer keeps less than the eager count
     # counted as packed rows through compiled blocks, about a third of the layer would go uncounted
     assert memory_plan.layer_bytes(shape, 2, True) * rows * width < 0.8 * got
 
@@ -132,3 +139,30 @@ def test_sft_micro_batches_with_images_fit_the_memory_their_budget_was_given(mon
         assert live.peak <= room
     stats, _ = strategy.forward_backward(exp, [rows], loss, entropy=False)
     assert split == pytest.approx(float(stats[0]["loss_sum"]), rel=1e-5)
+
+
+def test_compiled_language_blocks_give_the_eager_logprobs_and_gradients(sft_step):
+    """``actor.compile_blocks: true`` on a vision-language actor: the language model's norms and MLPs (every
+    layer's two norms and MLP, the final norm; none of the vision tower's) run compiled, with the eager
+    passes' log-probs and gradients."""
+    from verl_fast.models import compiled_blocks
+
+    trainer, exp = sft_step
+    model, cfg = trainer.strategy.actor, trainer.cfg
+    swapped = compiled_blocks.blocks(hf_module(model))
+    names = {n for n, m in hf_module(model).named_modules() if any(m is s for s in swapped)}
+    assert len(swapped) == 3 * SHAPE["num_layers"] + 1 and not any("visual" in n for n in names), names
+    sub = exp.select(torch.arange(3))
+    weights = torch.randn(sub.response_mask.shape, generator=torch.Generator().manual_seed(1))
+    runs = []
+    for compiled in (False, True):
+        model.zero_grad(set_to_none=True)
+        with passes(model, compiled, False):
+            lp, _ = micro_logprobs(model, sub, cfg, None)
+            (lp * weights * sub.response_mask).sum().backward()
+        runs.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    valid = sub.response_mask.bool()
+    torch.testing.assert_close(runs[1][0][valid], runs[0][0][valid], atol=2e-5, rtol=2e-5)
+    assert runs[0][1].keys() == runs[1][1].keys() and runs[0][1]
+    for name, grad in runs[1][1].items():
+        torch.testing.assert_close(grad, runs[0][1][name], atol=5e-5, rtol=1e-4, msg=name)

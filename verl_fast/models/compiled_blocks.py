@@ -16,7 +16,8 @@ count and the first new width each recompiled, ~1-2 s inside whichever steady st
 them), and once per grad mode. The compiled forwards are installed
 for the length of a ``with`` only -- the training and log-prob passes -- so the rollout's decode
 (eager or itself compiled whole) runs the model as it was. Families: the dense ones whose norms and
-MLPs are the plain HF modules (``FAMILIES``).
+MLPs are the plain HF modules (``FAMILIES``), and the language model of the vision-language ones built on
+them (``VISION_FAMILIES``, on request only).
 """
 
 from __future__ import annotations
@@ -28,14 +29,20 @@ from typing import Iterator, List
 import torch
 
 FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# vision-language models whose language model's norms and MLPs are those plain modules (their vision tower's
+# left eager): compiled where actor.compile_blocks is set true (memory_plan.blocks_compiled)
+VISION_FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl"})
 BLOCKS = ("RMSNorm", "MLP")  # class-name endings of the modules compiled (LlamaRMSNorm, Qwen2MLP, ...)
 
 
 def blocks(model: torch.nn.Module) -> List[torch.nn.Module]:
-    """The norm and MLP modules of a model of ``FAMILIES`` that ``compiled`` swaps; [] for other models."""
-    if getattr(getattr(model, "config", None), "model_type", None) not in FAMILIES:
+    """The norm and MLP modules of a model of ``FAMILIES`` (of ``VISION_FAMILIES``: its language model's)
+    that ``compiled`` swaps; [] for other models."""
+    family = getattr(getattr(model, "config", None), "model_type", None)
+    if family not in FAMILIES | VISION_FAMILIES:
         return []
-    return [m for m in model.modules() if type(m).__name__.endswith(BLOCKS) and "forward" not in m.__dict__]
+    return [m for name, m in model.named_modules() if type(m).__name__.endswith(BLOCKS) and "forward" not in m.__dict__
+            and not (family in VISION_FAMILIES and "visual" in name.split("."))]
 
 
 @functools.cache

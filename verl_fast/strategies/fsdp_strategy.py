@@ -130,11 +130,11 @@ def routed(model: torch.nn.Module, sub: Experience, cfg: Config) -> ContextManag
     return routing.follow(hf_module(model), sub.routed_experts, cfg.actor.routing_replay)
 
 
-def compiles_blocks(actor: torch.nn.Module, cfg: Config, device: torch.device) -> bool:
+def compiles_blocks(actor: torch.nn.Module, cfg: Config, device: torch.device, counted: bool = False) -> bool:
     """``actor.compile_blocks`` resolved for ``actor`` (``memory_plan.blocks_compiled``: off for a family
-    whose norms and MLPs ``compiled_blocks`` leaves eager, so that the token budget counts eager ones)."""
+    whose norms and MLPs ``compiled_blocks`` leaves eager); ``counted``: as the token budget counts them."""
     return memory_plan.blocks_compiled(cfg, device, is_sharded(actor), is_peft(actor),
-                                       memory_plan.family_of(hf_module(actor)))
+                                       memory_plan.family_of(hf_module(actor)), counted)
 
 
 def keeps_base_in_bf16(actor: torch.nn.Module, cfg: Config, layout: Sharding, device: torch.device,
@@ -376,6 +376,7 @@ class FSDPStrategy:
         bf16 = computes_in_bf16(self.actor, cfg, layout, self.device, self.autocast_dtype)
         self.bf16 = BF16Compute(self.actor) if bf16 else None
         self.compiled = compiles_blocks(self.actor, cfg, self.device)
+        self.compiled_counted = compiles_blocks(self.actor, cfg, self.device, counted=True)  # the token budget's
         self.packs_sequences = removes_padding(self.actor, cfg, self.device, self.autocast_dtype)
 
     def resolved(self) -> Dict[str, Any]:

@@ -248,10 +248,14 @@ class Plan:
 
 
 def blocks_compiled(cfg: Config, device: torch.device, sharded: bool, peft: bool,
-                    model_type: Optional[str] = None) -> bool:
+                    model_type: Optional[str] = None, counted: bool = False) -> bool:
     """``actor.compile_blocks`` resolved (its null: auto, on a GPU for an unsharded actor without adapters);
     off, whatever the key, for a model whose ``model_type`` is not one whose norms and MLPs
-    ``compiled_blocks`` compiles (a vision-language model's run eager, and keep what eager ones keep)."""
+    ``compiled_blocks`` compiles. A vision-language model's (``compiled_blocks.VISION_FAMILIES``) compile
+    where the key is true, and its auto is off; ``counted``: as the token budget counts them, where a
+    vision-language model's count as eager ones (what they keep, at most)."""
+    if model_type in compiled_blocks.VISION_FAMILIES:
+        return cfg.actor.compile_blocks is True and not counted
     if model_type is not None and model_type not in compiled_blocks.FAMILIES:
         return False
     if cfg.actor.compile_blocks is not None:
@@ -435,7 +439,7 @@ def check_before_loading(cfg: Config, folder: str, needs_reference: bool, device
 
     model_config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.actor.trust_remote_code)
     sharded = Sharding.from_config(cfg.actor, "actor", world_size()).strategy != "none"
-    compiled = blocks_compiled(cfg, device, sharded, peft, getattr(model_config, "model_type", None))
+    compiled = blocks_compiled(cfg, device, sharded, peft, getattr(model_config, "model_type", None), counted=True)
     p = plan(cfg, shape, free, needs_reference and not peft, peft, compiled)
     if not p.fits():
         raise DoesNotFit(refusal(p, cfg))
@@ -457,5 +461,5 @@ def wants_checkpointing(cfg: Config, model: torch.nn.Module, device: torch.devic
     shape = shape_of(model)
     here = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cuda")
     peft = is_peft(model)
-    compiled = blocks_compiled(cfg, device, sharded, peft, family_of(model))
+    compiled = blocks_compiled(cfg, device, sharded, peft, family_of(model), counted=True)
     return plan(cfg, shape, free + here, needs_reference, peft, compiled).checkpointing
