@@ -85,7 +85,9 @@ class ActorConfig(ModelLayoutConfig, ScheduleConfig):
     model_name: Optional[str] = _f(None, doc="Hub name (org/name, from the HF cache or the Hub), local HF "
                                    "folder, or the demo name 'smollm2-135m-instruct'")
     type: str = _f("hf", choices=("hf", "hf_transformers", "vllm"), doc="older spelling: vllm sets rollout.type")
-    dtype: str = _f("float32", choices=DTYPES)
+    dtype: str = _f("float32", choices=DTYPES, doc="the dtype a model loaded by name is loaded in; a 16-bit one on a CPU without "
+                    "its matrix instructions loads float32, with a one-line notice (torch emulates 16-bit products "
+                    "there, tens of times slower)")
     autocast: Optional[str] = _f(None, choices=(None, "none", "auto", "bfloat16", "float16"),
                                  doc="autocast for forward passes and the decode. null (the default): bfloat16 on a "
                                      "GPU that computes it, none on the CPU; auto: bfloat16 wherever the device "
@@ -175,7 +177,7 @@ class ActorConfig(ModelLayoutConfig, ScheduleConfig):
 class CriticConfig(ModelLayoutConfig, ScheduleConfig):
     model_name: Optional[str] = _f(None, doc="Hub name or local HF folder of the critic's base model (PPO)")
     type: str = _f("hf_transformers", choices=("hf", "hf_transformers"))
-    dtype: str = _f("float32", choices=DTYPES)
+    dtype: str = _f("float32", choices=DTYPES, doc="as actor.dtype")
     lr: float = _f(1e-5, min=0.0, doc="peak rate (lr_scheduler shapes it over the run)")
     weight_decay: float = _f(0.0, min=0.0, doc="AdamW's decoupled weight decay")
     max_grad_norm: float = _f(1.0, min=0.0)

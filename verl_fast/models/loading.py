@@ -5,6 +5,7 @@ folder, the demo alias, or a Hub name, which transformers finds in the HF cache 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import warnings
 from pathlib import Path
@@ -16,6 +17,29 @@ from verl_fast.files import hub
 
 DEMO_ALIASES = ("smollm2-135m-instruct", "SmolLM2-135M-Instruct", "demo")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+logger = logging.getLogger(__name__)
+HALF_CHECKS = {"bfloat16": "_is_mkldnn_bf16_supported", "float16": "_is_mkldnn_fp16_supported"}  # torch's own
+
+
+def cpu_has_native(dtype: str) -> bool:
+    """Whether this CPU multiplies ``dtype`` matrices with its own instructions (AVX-512 BF16 / FP16, AMX);
+    without them torch emulates the products, tens of times slower than float32's."""
+    if dtype not in HALF_CHECKS:
+        return True
+    check = getattr(torch.ops.mkldnn, HALF_CHECKS[dtype], None)
+    return bool(check is not None and check())
+
+
+def load_dtype(dtype: str, on_cpu: bool, key: str) -> str:
+    """The dtype to load a model in for ``key`` (``actor.dtype``...): ``dtype``, except a 16-bit one on a CPU
+    that only emulates it, where the model is loaded in float32 with a one-line notice (a CPU run of a GPU
+    config, such as the examples': the same training, in float32, its exports in float32 too)."""
+    if not on_cpu or dtype not in HALF_CHECKS or cpu_has_native(dtype):
+        return dtype
+    logger.warning("%s=%s on a CPU without %s matrix instructions: loading in float32 (torch emulates %s products "
+                   "there, tens of times slower)", key, dtype, dtype, dtype)
+    return "float32"
 
 
 def resolve(name: str) -> str:

@@ -40,17 +40,18 @@ def _distributed(cfg: Config):
 
 def _load_models(cfg: Config, device: Any):
     """The actor, its tokenizer and (PPO) the critic, by name, on ``device``."""
-    from verl_fast.models.loading import attention_kwargs, load_causal_lm
+    from verl_fast.models.loading import attention_kwargs, load_causal_lm, load_dtype
 
     cuda = device is not None and device.type == "cuda"
-    actor, tokenizer = load_causal_lm(cfg.actor.model_name, cfg.actor.dtype,
+    actor, tokenizer = load_causal_lm(cfg.actor.model_name, load_dtype(cfg.actor.dtype, not cuda, "actor.dtype"),
                                       **attention_kwargs(cfg.actor, "actor", cuda))
     actor.to(device)
     critic = None  # the reference, when KL needs one, is built from the actor's weights
     if algorithms.spec(cfg).needs_critic:
         if not cfg.critic.model_name:
             raise LaunchRefused(f"algorithm.type={cfg.algorithm.type} needs critic.model_name")
-        critic, _ = load_causal_lm(cfg.critic.model_name, cfg.critic.dtype, "critic.model_name",
+        critic, _ = load_causal_lm(cfg.critic.model_name, load_dtype(cfg.critic.dtype, not cuda, "critic.dtype"),
+                                   "critic.model_name",
                                    **attention_kwargs(cfg.critic, "critic", cuda))
         critic.to(device)
     return actor, tokenizer, critic

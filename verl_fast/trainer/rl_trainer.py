@@ -80,10 +80,11 @@ def _from_mapping(config: Optional[Dict[str, Any]]) -> Config:
 
 def _load_actor(cfg: Config, name: str, tokenizer: Any, model_path: Optional[str]) -> tuple:
     """The actor (and its tokenizer, unless one is given) by Hub name or folder; its folder for vLLM."""
-    from verl_fast.models.loading import attention_kwargs, load_causal_lm, resolve
+    from verl_fast.models.loading import attention_kwargs, load_causal_lm, load_dtype, resolve
 
-    model, own = load_causal_lm(name, cfg.actor.dtype, "actor_model",
-                                **attention_kwargs(cfg.actor, "actor", torch.cuda.is_available()))
+    cuda = cfg.trainer.device != "cpu" and torch.cuda.is_available()
+    model, own = load_causal_lm(name, load_dtype(cfg.actor.dtype, not cuda, "actor.dtype"), "actor_model",
+                                **attention_kwargs(cfg.actor, "actor", cuda))
     return model, tokenizer if tokenizer is not None else own, model_path or resolve(name)
 
 
