@@ -17,8 +17,9 @@ tokens see which is one rule, two ways to apply it:
   (``benchmarks/NOTES.md``). A micro-batch that is one long sequence (``LONG_SEQUENCE`` tokens or more:
   the update at long caps, where the attention is most of the work) is the exception: it attends as one
   dense causal call through cuDNN's fused attention, torch's flash kernel where cuDNN does not take it
-  (``one_long_sequence``), its bucketed length keeping the plans few. Elsewhere (CPU, fp32) the same sequences run one at a time
-  through ``scaled_dot_product_attention`` (the reference the GPU test checks against).
+  (``one_long_sequence``), its bucketed length keeping the plans few. Elsewhere (CPU, fp32) the same
+  sequences run one at a time through ``scaled_dot_product_attention`` (the reference the GPU test
+  checks against).
 - ``dense``: the model's own sdpa / eager attention with a [T, T] boolean mask, for small CPU
   batches (up to ``DENSE_MAX_TOKENS``), where one masked call beats a loop over sequences.
 
