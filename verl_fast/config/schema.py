@@ -85,9 +85,10 @@ class ActorConfig(ModelLayoutConfig, ScheduleConfig):
     model_name: Optional[str] = _f(None, doc="Hub name (org/name, from the HF cache or the Hub), local HF "
                                    "folder, or the demo name 'smollm2-135m-instruct'")
     type: str = _f("hf", choices=("hf", "hf_transformers", "vllm"), doc="older spelling: vllm sets rollout.type")
-    dtype: str = _f("float32", choices=DTYPES, doc="the dtype a model loaded by name is loaded in; a 16-bit one on a CPU without "
-                    "its matrix instructions loads float32, with a one-line notice (torch emulates 16-bit products "
-                    "there, tens of times slower)")
+    dtype: str = _f("float32", choices=DTYPES,
+                    doc="the dtype a model loaded by name is loaded in; a 16-bit one on a CPU without its matrix "
+                        "instructions loads float32, with a one-line notice (torch emulates 16-bit products there, "
+                        "tens of times slower)")
     autocast: Optional[str] = _f(None, choices=(None, "none", "auto", "bfloat16", "float16"),
                                  doc="autocast for forward passes and the decode. null (the default): bfloat16 on a "
                                      "GPU that computes it, none on the CPU; auto: bfloat16 wherever the device "
@@ -140,8 +141,9 @@ class ActorConfig(ModelLayoutConfig, ScheduleConfig):
                             "AdamW8bit, block-quantised states (2 bytes: a quarter of adamw's; pip install "
                             "torchao)")
     compile_blocks: Optional[bool] = _f(None, doc="torch.compile the norms and MLPs of the training and log-prob "
-                                        "passes (llama / mistral / qwen2 / qwen3; the language model of qwen2_vl / qwen2_5_vl when "
-                                        "true); null (auto): on for an unsharded, non-PEFT text actor on a GPU "
+                                        "passes (llama / mistral / qwen2 / qwen3; the language model of qwen2_vl / "
+                                        "qwen2_5_vl when true); null (auto): on for an unsharded, non-PEFT text "
+                                        "actor on a GPU "
                                         "(gradient_checkpointing's recompute runs them compiled too)")
     trust_remote_code: bool = _f(False, doc="actor and reference: let transformers run the model folder's own code")
     attn_implementation: Optional[str] = _f(None, choices=ATTN_IMPLEMENTATIONS,

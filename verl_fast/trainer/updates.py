@@ -91,7 +91,8 @@ class Updates:
             s = self.strategy
             # how the passes keep their activations, as the budget was counted (a re-plan may turn
             # checkpointing on later: the budget is the run's, and so is the padded rows' count of it)
-            self._budget_kind = dict(compiled=getattr(s, "compiled_counted", False), checkpointed=getattr(s, "checkpointing", False),
+            self._budget_kind = dict(compiled=getattr(s, "compiled_counted", False),
+                                     checkpointed=getattr(s, "checkpointing", False),
                                      half=s.autocast_dtype in (torch.bfloat16, torch.float16))
             self._budget_shape = memory_plan.shape_of(s.actor)
             self.auto_budget = token_budget(s.actor, s.optimizer, self.device,
