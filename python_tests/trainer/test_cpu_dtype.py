@@ -13,7 +13,7 @@ from verl_fast.trainer.rl_trainer import RLTrainer
 
 
 def test_the_dtype_kept_on_a_gpu_and_where_the_cpu_has_the_instructions(monkeypatch, caplog):
-    monkeypatch.setattr(loading, "cpu_has_native", lambda dtype: dtype == "float16")
+    monkeypatch.setattr(loading, "cpu_has_native", lambda dtype: dtype != "bfloat16")
     with caplog.at_level(logging.WARNING, logger="verl_fast.models.loading"):
         assert loading.load_dtype("bfloat16", False, "actor.dtype") == "bfloat16"
         assert loading.load_dtype("float16", True, "actor.dtype") == "float16"

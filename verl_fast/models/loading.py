@@ -35,7 +35,7 @@ def load_dtype(dtype: str, on_cpu: bool, key: str) -> str:
     """The dtype to load a model in for ``key`` (``actor.dtype``...): ``dtype``, except a 16-bit one on a CPU
     that only emulates it, where the model is loaded in float32 with a one-line notice (a CPU run of a GPU
     config, such as the examples': the same training, in float32, its exports in float32 too)."""
-    if not on_cpu or dtype not in HALF_CHECKS or cpu_has_native(dtype):
+    if not on_cpu or cpu_has_native(dtype):
         return dtype
     logger.warning("%s=%s on a CPU without %s matrix instructions: loading in float32 (torch emulates %s products "
                    "there, tens of times slower)", key, dtype, dtype, dtype)
