@@ -20,7 +20,7 @@ PAGE = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- verl-fast bench: begin (generated) -->", "<!-- verl-fast bench: end -->"
 E2E_BEGIN, E2E_END = "<!-- bench_e2e ragged: begin (generated) -->", "<!-- bench_e2e ragged: end -->"
 E2E_PAGES = (ROOT / "README.md", PAGE)
-E2E_ORDER = ("demo", "cap1k_trl", "cap1k", "cap4k", "cap8k", "7b4k", "7b4k_trl", "uniform")  # users' shapes first
+E2E_ORDER = ("demo", "cap1k_trl", "cap1k_partial", "cap1k_partial_05b", "cap1k", "cap4k", "cap8k", "7b4k", "7b4k_trl", "uniform")  # users' shapes first
 ROWS_PER_OP = 3  # the full table is in the Markdown report beside the results JSON
 
 
@@ -84,14 +84,15 @@ def e2e_rows(results: Dict[str, Any], source: str) -> List[str]:
             ours = key.startswith("ours")
             gen = (run.get("phases_s") or {}).get("generation")
             floor = got.get("decode_floor_s")
+            steps = f"{_n(got.get('decode_steps'), '.0f')} / {_n(d.get('mean'), '.0f')}" if got else ""
+            spread = (f"{d.get('median', '')} / {d.get('p90', '')} / {d.get('p99', '')} / {d.get('max', '')} / "
+                      f"{_n(100 * d['at_cap'], '.1f', '%')}") if d else ""
             lines.append(
                 f"| {label} | {'verl_fast, defaults' if key in ('ours', 'ours:default') else key} | {_n(run['step_s'], '.2f', ' s')} | "
                 f"{_n(run['step_s'] / trl if ours and trl else (1 if key == 'trl_vllm' else None), '.2f', 'x')} | "
                 f"{_n(gen, '.2f', ' s')}{f' ({floor:.2f} s)' if floor else ''} | "
                 f"{_n(got.get('generated_tokens_per_s_of_generation') if ours else got.get('generated_tokens_per_s_of_step'), ',.0f')} | "
-                f"{_n(got.get('decode_steps'), '.0f')} / {_n(d.get('mean'), '.0f')} | "
-                f"{d.get('median', '')} / {d.get('p90', '')} / {d.get('p99', '')} / {d.get('max', '')} / "
-                f"{_n(100 * d['at_cap'] if d else None, '.1f', '%')} | {_n(run.get('peak_memory_gib'), '.1f')} | "
+                f"{steps} | {spread} | {_n(run.get('peak_memory_gib'), '.1f')} | "
                 f"`{source}`, {device}, {results['time'][:10]} |")
     return lines
 

@@ -3,8 +3,8 @@
 really hold, on the CPU: a small random Qwen2.5-VL whose language model has the 3B's proportions (MLP
 much wider than the stream, grouped keys), with ``actor.compile_blocks`` set true.
 
-- A vision-language model's language norms and MLPs compile only where the key is true (its auto: off), and
-  the plan counts them eager either way; rows with images (padded, attended through sdpa with their padding
+- A vision-language model's language norms and MLPs compile as a text model's do (the key's auto: on a GPU
+  for an unsharded actor without adapters), and the plan counts them eager either way; rows with images (padded, attended through sdpa with their padding
   mask) keep their keys and values repeated to the query heads and the mask; one eager decoder layer's
   saved tensors are that count, a compiled one's at most that.
 - The auto budget (free memory faked as a GPU's) cuts the step's rows into micro-batches whose passes'
@@ -83,10 +83,12 @@ def test_a_vision_language_layer_saves_what_the_plan_counts_for_padded_rows(sft_
     model, cfg = trainer.strategy.actor, trainer.cfg
     family = memory_plan.family_of(hf_module(model))
     cuda, auto = torch.device("cuda"), type(cfg)()
-    # the key set true compiles the language blocks; the budget counts them eager; the auto leaves them eager
+    # the key set true, or its auto on a GPU, compiles the language blocks; the budget counts them eager
     assert memory_plan.blocks_compiled(cfg, cuda, False, False, family)
     assert not memory_plan.blocks_compiled(cfg, cuda, False, False, family, counted=True)
-    assert not memory_plan.blocks_compiled(auto, cuda, False, False, family)
+    assert memory_plan.blocks_compiled(auto, cuda, False, False, family)
+    assert not memory_plan.blocks_compiled(auto, torch.device("cpu"), False, False, family)
+    assert not memory_plan.blocks_compiled(auto, cuda, False, True, family)
     assert memory_plan.blocks_compiled(auto, cuda, False, False, "qwen2", counted=True)
     assert trainer.strategy.compiled and not trainer.strategy.compiled_counted
     model = model.to(torch.bfloat16)  # the GPU passes' dtype

@@ -142,8 +142,7 @@ class ActorConfig(ModelLayoutConfig, ScheduleConfig):
                             "torchao)")
     compile_blocks: Optional[bool] = _f(None, doc="torch.compile the norms and MLPs of the training and log-prob "
                                         "passes (llama / mistral / qwen2 / qwen3; the language model of qwen2_vl / "
-                                        "qwen2_5_vl when true); null (auto): on for an unsharded, non-PEFT text "
-                                        "actor on a GPU "
+                                        "qwen2_5_vl); null (auto): on for an unsharded, non-PEFT actor on a GPU "
                                         "(gradient_checkpointing's recompute runs them compiled too)")
     trust_remote_code: bool = _f(False, doc="actor and reference: let transformers run the model folder's own code")
     attn_implementation: Optional[str] = _f(None, choices=ATTN_IMPLEMENTATIONS,

@@ -17,7 +17,7 @@ them), and once per grad mode. The compiled forwards are installed
 for the length of a ``with`` only -- the training and log-prob passes -- so the rollout's decode
 (eager or itself compiled whole) runs the model as it was. Families: the dense ones whose norms and
 MLPs are the plain HF modules (``FAMILIES``), and the language model of the vision-language ones built on
-them (``VISION_FAMILIES``, on request only).
+them (``VISION_FAMILIES``, the vision tower left eager).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 
 FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # vision-language models whose language model's norms and MLPs are those plain modules (their vision tower's
-# left eager): compiled where actor.compile_blocks is set true (memory_plan.blocks_compiled)
+# left eager)
 VISION_FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl"})
 BLOCKS = ("RMSNorm", "MLP")  # class-name endings of the modules compiled (LlamaRMSNorm, Qwen2MLP, ...)
 

@@ -251,12 +251,12 @@ def blocks_compiled(cfg: Config, device: torch.device, sharded: bool, peft: bool
                     model_type: Optional[str] = None, counted: bool = False) -> bool:
     """``actor.compile_blocks`` resolved (its null: auto, on a GPU for an unsharded actor without adapters);
     off, whatever the key, for a model whose ``model_type`` is not one whose norms and MLPs
-    ``compiled_blocks`` compiles. A vision-language model's (``compiled_blocks.VISION_FAMILIES``) compile
-    where the key is true, and its auto is off; ``counted``: as the token budget counts them, where a
-    vision-language model's count as eager ones (what they keep, at most)."""
-    if model_type in compiled_blocks.VISION_FAMILIES:
-        return cfg.actor.compile_blocks is True and not counted
-    if model_type is not None and model_type not in compiled_blocks.FAMILIES:
+    ``compiled_blocks`` compiles. ``counted``: as the token budget counts them, where a vision-language
+    model's (``compiled_blocks.VISION_FAMILIES``, its language model's) count as eager ones (what they keep,
+    at most)."""
+    if model_type in compiled_blocks.VISION_FAMILIES and counted:
+        return False
+    if model_type is not None and model_type not in compiled_blocks.FAMILIES | compiled_blocks.VISION_FAMILIES:
         return False
     if cfg.actor.compile_blocks is not None:
         return cfg.actor.compile_blocks
