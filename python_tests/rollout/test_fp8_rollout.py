@@ -2,6 +2,8 @@
 w8a8 with per-channel / per-token scales, their refresh after an update, the engine's sync check naming a
 spoiled copy, the config's defaults and refusals, and a trainer step with rollout correction."""
 
+import contextlib
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -70,6 +72,35 @@ def test_per_tensor_activations_differ_from_per_token_ones():
     assert err["token"] < 0.25 * err["tensor"], err  # the small token sits in one scale's subnormals
     with pytest.raises(ValueError, match="activations must be one of token, tensor, got 'row'"):
         fp8_linear.FP8Decode(activations="row")
+
+
+@pytest.mark.parametrize("activations", fp8_linear.ACTIVATIONS)
+def test_under_autocast_the_fp8_product_returns_the_layers_autocast_dtype(tiny_path, activations):
+    """The trainer's float32 weights decode under bf16 autocast: every FP8 product returns bf16 as the
+    layer's own would (a float32 output would cache the values in float32, doubling what the decode's
+    attention reads, and carry float32 activations into the next products), and the decode's KV cache holds
+    the bf16 rollout's dtypes; outside autocast the input's dtype."""
+    from verl_fast.rollout import hf_decode, static_kv
+
+    lin = torch.nn.Linear(64, 32)
+    layer = fp8_linear.FP8Linear(lin, fast=False, per_token=activations == "token")
+    fp8_linear.refresh([layer])
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        assert layer(x).dtype == torch.float32 and layer(x.bfloat16()).dtype == torch.bfloat16
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert layer(x).dtype == lin(x).dtype == torch.bfloat16
+    model, _ = load(tiny_path)
+    ids, mask = torch.randint(3, 100, (2, 5)), torch.ones(2, 5, dtype=torch.long)
+    caches = {}
+    for mode in ("bf16", "fp8"):
+        kept = []
+        swap = fp8_linear.FP8Decode(activations).swapped(model) if mode == "fp8" else contextlib.nullcontext()
+        with swap, torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+            hf_decode.decode(model, ids, mask, 3, 1.0, 0, 1.0, [-1], 0, use_graph=False, min_rows=None, keep=kept)
+        cache: static_kv.StaticKV = kept[0].cache
+        caches[mode] = {(t.dtype, t.shape) for t in cache.keys + cache.values}
+    assert caches["fp8"] == caches["bf16"] and {d for d, _ in caches["bf16"]} == {torch.bfloat16}
 
 
 @pytest.mark.gpu

@@ -58,7 +58,11 @@ def product(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tenso
     input's scales (``ACTIVATIONS``)."""
     shape = x.shape
     q, s = quantize_rows(x.reshape(-1, shape[-1]), per_token)
-    out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+    # the dtype the layer's own product returns: autocast's where it is on (float32 weights and activations under
+    # bf16 autocast give bf16, as the bf16 rollout's products do: its values cached and attended in bf16), else x's
+    device = x.device.type
+    out_dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                 else x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32)
     if dequantized is not None:
         y = (q.float() * s) @ dequantized.t()
     elif per_token:

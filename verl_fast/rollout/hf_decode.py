@@ -444,6 +444,12 @@ class _Decoder:
         W = C + input_ids.shape[1]
         chunk = decode_memory.PREFILL_CHUNK if images is None else W - C
         chunked = W - C > chunk
+        if C == 0 and not chunked and images is None and forward is model_step:
+            # prompts of very different widths: each bucket of similar ones runs over its own columns only
+            first = valid.int().argmax(1)  # each prompt's first column (left padding before it)
+            buckets = width_buckets((W - first).tolist(), PREFILL_BUCKET_STEP, PREFILL_BUCKET_TOKENS)
+            if len(buckets) > 1:
+                return self._prefill_buckets(input_ids, valid, positions, rows, buckets)
         if chunked:  # the chunks' keys and values kept per prompt, copied to the rows that decode them after
             self.cache.rows = None
         for start in range(C, W, chunk):
@@ -464,6 +470,39 @@ class _Decoder:
             for store in (self.cache.keys, self.cache.values):
                 for layer, tensor in enumerate(store):
                     store[layer] = tensor.index_select(0, rows)
+        self._first_token(logits, rows, W)
+
+    def _prefill_buckets(self, input_ids, valid, positions, rows, buckets: List[Tuple[int, List[int]]]) -> None:
+        """The prefill of ``_prefill`` (no past, one chunk, no images) in width ``buckets`` (``width_buckets``):
+        each bucket's prompts over its last ``width`` columns, where all of their tokens are, attending to
+        their own keys; each writes its rows of the cache (the rows that decode its prompts) at those
+        columns. What each prompt's tokens attend to is what the whole batch's forward gives them."""
+        device, (P, W) = input_ids.device, input_ids.shape
+        self.cache.rows = None
+        self.cache.batch = P if rows is None else rows.shape[0]
+        logits = None
+        for width, members in buckets:
+            idx = torch.tensor(members, device=device)
+            place = torch.full((P,), -1, dtype=torch.long, device=device)
+            place[idx] = torch.arange(len(members), device=device)
+            of_row = place if rows is None else place.index_select(0, rows)  # each cache row's prompt in the bucket
+            dest = (of_row >= 0).nonzero().squeeze(1)
+            self.cache.writes = (dest, of_row.index_select(0, dest))
+            self.cache.cols = torch.arange(W - width, W, device=device)
+            self.cache.seen = 0
+            own = valid.index_select(0, idx)[:, W - width:]
+            span = torch.arange(width, device=device)
+            mask = (((span[None, :] <= span[:, None])[None] & own[:, None, :]) | (span[None, :] == span[:, None])[None])
+            part = model_step(self.module, input_ids.index_select(0, idx)[:, W - width:], mask[:, None],
+                              positions.index_select(0, idx)[:, W - width:], self.cache)
+            if logits is None:
+                logits = part.new_empty((P, part.shape[1]))
+            logits.index_copy_(0, idx, part)
+        self.cache.writes = None
+        self._first_token(logits, rows, W)
+
+    def _first_token(self, logits, rows, W) -> None:
+        """Each row's first token drawn from its prompt's last ``logits`` [P, V]."""
         token, logp = sample(logits if rows is None else logits.index_select(0, rows), *self.sampling)
         self.cache.seen = W
         self.tokens[:, 0] = token
@@ -569,6 +608,45 @@ def bucket_rows(live: int, smallest: int) -> int:
 
 # The fewest rows a decode compacts to: below it a step costs the weights' read, whatever its rows
 MIN_ROWS = 8
+
+# The prefill's width buckets (``width_buckets``): widths rounded up to a multiple of STEP columns, and what
+# one more bucket's forward costs, counted in the prompt tokens it could have run instead (its launches
+# and the host's walk over the layers)
+PREFILL_BUCKET_STEP = 64
+PREFILL_BUCKET_TOKENS = 4096
+
+
+def width_buckets(needs: Sequence[int], step: int, overhead: int) -> List[Tuple[int, List[int]]]:
+    """The prompts split into buckets of similar width for the prefill: [(width, prompt indices)], widest
+    first, each prompt in the bucket of the least width that holds its ``needs`` columns (rounded up to
+    ``step``; the batch's own width caps it). Minimises the columns run, each prompt counted at its
+    bucket's width, plus ``overhead`` a bucket beyond the first: the rows of a ragged batch (a partial
+    rollout's carried samples beside fresh prompts, conversations' turns) run their own tokens rather
+    than the widest prompt's padding."""
+    if not needs:
+        return []
+    top = max(needs)
+    rounded = [min(-(-max(n, 1) // step) * step, top) for n in needs]
+    widths = sorted(set(rounded), reverse=True)
+    counts = [rounded.count(w) for w in widths]
+    # best[j]: the least cost of the first j widths, a bucket running widths[i:j] at widths[i]
+    best, cut = [0.0] + [float("inf")] * len(widths), [0] * (len(widths) + 1)
+    for j in range(1, len(widths) + 1):
+        rows = 0
+        for i in range(j - 1, -1, -1):
+            rows += counts[i]
+            cost = best[i] + rows * widths[i] + (overhead if i else 0)
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    spans, j = [], len(widths)
+    while j:
+        spans.append((cut[j], j))
+        j = cut[j]
+    out = []
+    for i, j in reversed(spans):
+        held = set(widths[i:j])
+        out.append((widths[i], [p for p, w in enumerate(rounded) if w in held]))
+    return out
 
 
 @torch.no_grad()

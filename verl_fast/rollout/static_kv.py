@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator, List, Optional
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 from transformers import AttentionInterface
@@ -61,6 +61,10 @@ class StaticKV(Cache):
         self.rows = rows  # None: the prefill's sequences are the cache's rows
         self.past = past
         self.cols: Optional[torch.Tensor] = None
+        # a prefill in width buckets (``hf_decode``'s ``width_buckets``): the cache's rows, and the rows the
+        # current forward writes (``dest``) from which of its sequences (``src``)
+        self.batch = 0
+        self.writes: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self.seen = 0  # host-side count, for transformers versions that derive positions from it
         self.fused = fused and rope_cache is not None
 
@@ -82,6 +86,15 @@ class StaticKV(Cache):
                 store[layer_idx] = old[layer_idx].new_zeros(shape[:2] + (self.length, shape[3]))
                 store[layer_idx][:, :, : shape[2]] = old[layer_idx]
                 old[layer_idx] = None
+        if self.writes is not None:  # one width bucket of the prefill: its sequences' own keys attended
+            dest, src = self.writes
+            for store, new, dtype in zip((self.keys, self.values), (key_states, value_states),
+                                         self._dtypes(key_states, value_states)):
+                if store[layer_idx] is None:  # every row's columns before its bucket's stay empty (never attended)
+                    store[layer_idx] = new.new_zeros((self.batch, new.shape[1], self.length, new.shape[3]), dtype=dtype)
+                # rows dest at columns cols: [rows, cols, kv_heads, head_dim] as advanced indexing orders them
+                store[layer_idx][dest[:, None], :, self.cols[None, :]] = new.index_select(0, src).to(dtype).transpose(1, 2)
+            return key_states, value_states
         if self.keys[layer_idx] is not None:  # a decode step: its column written, the whole cache attended
             self.keys[layer_idx].index_copy_(2, self.cols, key_states.to(self.keys[layer_idx].dtype))
             self.values[layer_idx].index_copy_(2, self.cols, value_states.to(self.values[layer_idx].dtype))
@@ -90,14 +103,20 @@ class StaticKV(Cache):
         # decode it; its attention reads the sequences' own (the cache's later columns are empty). Under
         # autocast, sdpa casts its inputs to the autocast dtype: keys stored in it attend exactly as the
         # fp32 keys would, with half the bytes read per token
-        device = key_states.device.type
-        key_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else key_states.dtype
-        for store, new, dtype in ((self.keys, key_states, key_dtype), (self.values, value_states, value_states.dtype)):
+        for store, new, dtype in zip((self.keys, self.values), (key_states, value_states),
+                                     self._dtypes(key_states, value_states)):
             per_row = new if self.rows is None else new.index_select(0, self.rows)
             store[layer_idx] = per_row.new_zeros((per_row.shape[0], per_row.shape[1], self.length, per_row.shape[3]),
                                                  dtype=dtype)
             store[layer_idx].index_copy_(2, self.cols, per_row.to(dtype))
         return key_states, value_states
+
+    @staticmethod
+    def _dtypes(key_states: torch.Tensor, value_states: torch.Tensor) -> Tuple[torch.dtype, torch.dtype]:
+        """The cache's key and value dtypes: the keys' the autocast dtype where autocast is on (above)."""
+        device = key_states.device.type
+        return (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else key_states.dtype,
+                value_states.dtype)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen
