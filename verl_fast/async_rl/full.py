@@ -30,6 +30,7 @@ from verl_fast.async_rl import transport
 from verl_fast.async_rl.records import AsyncStats, Sampled, check_staleness, staleness_figures
 from verl_fast.async_rl.worker import Task, WorkerSetup, main
 from verl_fast.models.wrapping import hf_module
+from verl_fast.records.generation import texts_of
 from verl_fast.rollout.hf_engine import eos_token_ids
 from verl_fast.rollout.operator import RolloutOperator
 
@@ -199,6 +200,6 @@ class FullAsyncRollout:
             return
         if record["step"] not in self._prompts:  # a step already trained (cannot happen: each is issued once)
             raise RuntimeError(f"a rollout worker returned samples for step {record['step']}, which is not pending")
-        record["texts"] = [self.tokenizer.decode(t, skip_special_tokens=True) for t in record["tokens"]]
+        record["texts"] = texts_of(self.tokenizer, record["tokens"])
         self._busy += record["gen_seconds"] / len(self._procs)
         self._ready[record["step"]] = Sampled.from_state(record, self.pad_id)

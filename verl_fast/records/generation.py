@@ -8,7 +8,7 @@ online DPO's pairs) gets a ``Generate`` callable, not the rollout operator.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -28,6 +28,7 @@ class SamplingSpec:
     stop_token_ids: Tuple[int, ...] = ()
     seed: Optional[int] = None
     logprobs: bool = True  # return the sampled tokens' log-probs
+    detokenize: bool = True  # return the samples' texts (off: empty strings, for a caller that reads the tokens only)
 
     @staticmethod
     def from_kwargs(base: "SamplingSpec", kwargs: dict) -> "SamplingSpec":
@@ -85,6 +86,20 @@ class GenerationOutput:
         return int(self.response_ids.shape[0])
 
 
+def _flat(rows: Sequence[Sequence[Any]]) -> List[Any]:
+    """The rows' values in one list, row after row (a tensor row as its values)."""
+    return [v for row in rows for v in (row.tolist() if isinstance(row, torch.Tensor) else row)]
+
+
+def texts_of(tokenizer: Any, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> List[str]:
+    """Each token list's text, as ``tokenizer.decode(ids, skip_special_tokens=...)`` gives it. A transformers
+    tokenizer's ``decode`` first converts its argument to plain Python, checking every element (on a fast
+    tokenizer, about twice the time of the decoding itself); token lists are plain already, so its
+    one-sequence ``_decode``, which ``decode`` calls after that, is called directly where it has one."""
+    one = getattr(tokenizer, "_decode", None) or tokenizer.decode
+    return [one(list(ids), skip_special_tokens=skip_special_tokens) for ids in sequences]
+
+
 def pad_completions(
     completions: Sequence[Sequence[int]],
     logprobs: Optional[Sequence[Sequence[float]]],
@@ -94,20 +109,21 @@ def pad_completions(
     finish_reasons: Sequence[str] = (),
     routed_experts: Optional[Sequence[torch.Tensor]] = None,
 ) -> GenerationOutput:
-    """Right-pads token lists (and their log-probs) into a ``GenerationOutput``."""
+    """Right-pads token lists (and their log-probs) into a ``GenerationOutput``: each list's values in one
+    flat tensor, scattered to the mask's positions in row order (one conversion, not one a row)."""
     N = len(completions)
-    L = max((len(c) for c in completions), default=0)
-    L = max(L, 1)
+    lengths = torch.tensor([len(c) for c in completions], dtype=torch.int64)
+    L = max(int(lengths.max()) if N else 0, 1)
+    mask = (torch.arange(L)[None, :] < lengths[:, None]).to(torch.int64)
+    kept = mask.bool()
     ids = torch.full((N, L), pad_token_id, dtype=torch.int64)
-    mask = torch.zeros((N, L), dtype=torch.int64)
-    lp = torch.zeros((N, L), dtype=torch.float32) if logprobs is not None else None
-    for i, toks in enumerate(completions):
-        k = len(toks)
-        if k:
-            ids[i, :k] = torch.as_tensor(list(toks), dtype=torch.int64)
-            mask[i, :k] = 1
-            if lp is not None:
-                lp[i, :k] = torch.as_tensor(list(logprobs[i]), dtype=torch.float32)
+    ids[kept] = torch.tensor(_flat(completions), dtype=torch.int64)
+    lp = None
+    if logprobs is not None:
+        if [len(x) for x in logprobs] != lengths.tolist():
+            raise ValueError("pad_completions: every completion needs one log-prob per token")
+        lp = torch.zeros((N, L), dtype=torch.float32)
+        lp[kept] = torch.tensor(_flat(logprobs), dtype=torch.float32)
     return GenerationOutput(
         prompt_index=torch.as_tensor(list(prompt_index), dtype=torch.int64),
         response_ids=ids,

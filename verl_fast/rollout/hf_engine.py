@@ -13,7 +13,7 @@ import torch
 from verl_fast.distributed import MEMORY_FRACTION, collective_device, usable_bytes
 from verl_fast.models import routing, vision as vision_model, vision_attention
 from verl_fast.models.wrapping import hf_module, is_sharded
-from verl_fast.records.generation import GenerationOutput, SamplingSpec, pad_completions
+from verl_fast.records.generation import GenerationOutput, SamplingSpec, pad_completions, texts_of
 from verl_fast.rollout import decode_memory, fp8_linear, hf_decode, kv_turns, static_kv, sync_check
 from verl_fast.rollout.base import RolloutEngine
 
@@ -255,8 +255,11 @@ class HFGenerateEngine(RolloutEngine):
         if seeds:
             torch.manual_seed(seeds[0])
         groups: Dict[SamplingSpec, List[int]] = {}
+        served: Dict[Tuple[str, ...], bool] = {}  # whether the loop serves a spec, by its stop strings
         for i, spec in enumerate(specs):
-            groups.setdefault(self._batch_key(spec), []).append(i)
+            if spec.stop not in served:  # (what ``_fast_reason`` reads of a spec: a call's hundreds share it)
+                served[spec.stop] = self._fast_reason(spec) is None
+            groups.setdefault(self._batch_key(spec, served[spec.stop]), []).append(i)
         results: Dict[int, List[Tuple[List[int], List[float], str]]] = {}
         routes: Dict[int, List[torch.Tensor]] = {}
         for members in groups.values():
@@ -277,28 +280,33 @@ class HFGenerateEngine(RolloutEngine):
                     results[i] = grouped[k]
                     if routed is not None:
                         routes[i] = routed[k]
-        completions, logprobs, index, texts, reasons, routed_all = [], [], [], [], [], []
+        completions, logprobs, index, reasons, routed_all = [], [], [], [], []
         for i in range(len(prompts)):
             for j, (toks, lps, reason) in enumerate(results[i]):
                 completions.append(toks)
                 logprobs.append(lps)
                 index.append(i)
                 reasons.append(reason)
-                texts.append(self.tokenizer.decode(toks, skip_special_tokens=True))
                 if self.record_routing:
                     routed_all.append(routes[i][j])
+        wanted = [k for k, i in enumerate(index) if specs[i].detokenize]
+        texts = [""] * len(completions)
+        for k, text in zip(wanted, texts_of(self.tokenizer, [completions[k] for k in wanted])):
+            texts[k] = text
         return pad_completions(completions, logprobs, index, self.pad_token_id, texts, reasons,
                                routed_all if self.record_routing else None)
 
-    def _batch_key(self, spec: SamplingSpec) -> SamplingSpec:
-        """The settings that put requests in one call: all but the seed (the call seeds once); where the
+    def _batch_key(self, spec: SamplingSpec, served: bool) -> SamplingSpec:
+        """The settings that put requests in one call: all but the seed (the call seeds once) and whether the
+        texts are wanted (decoded after the call, sample by sample); where the
         static-cache loop serves them (without expert routes recorded), all but the samples per prompt and the
         token limit too, since its rows are any prompts' samples and a row's tokens past its own limit are cut.
         A partial rollout's round (fresh prompts with n samples beside carried samples with n = 1, each with
-        the tokens it has left) is then one call, not one per limit, each decoding its own longest row."""
-        if self.record_routing or self._fast_reason(spec) is not None:
-            return replace(spec, seed=None)
-        return replace(spec, seed=None, n=1, max_tokens=1)
+        the tokens it has left) is then one call, not one per limit, each decoding its own longest row.
+        ``served``: the static-cache loop serves ``spec`` (``_fast_reason`` None)."""
+        if self.record_routing or not served:
+            return replace(spec, seed=None, detokenize=True)
+        return replace(spec, seed=None, detokenize=True, n=1, max_tokens=1)
 
     def _fast_prompts_per_call(self, prompts: Sequence[Sequence[int]], members: List[int], spec: SamplingSpec) -> int:
         """How many of a sampling group's prompts the static-cache loop decodes at once: all of them, or on
@@ -348,7 +356,8 @@ class HFGenerateEngine(RolloutEngine):
         return max(room, 0.0)
 
     def _fast_reason(self, spec: SamplingSpec) -> Optional[str]:
-        """Why this call goes to ``generate`` rather than the static-cache loop (None: it does not)."""
+        """Why this call goes to ``generate`` rather than the static-cache loop (None: it does not). Of the
+        spec it reads the stop strings only (``generate`` asks once per distinct value)."""
         kind = self.device.type if self.fast_decode == "auto" else None
         if self.fast_decode == "off" or (kind is not None and kind != "cuda"):
             return f"fast_decode={self.fast_decode}" + (f" on {kind}" if kind else "")

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from verl_fast.records.prompts import PromptRow
-from verl_fast.records.generation import GenerationOutput, SamplingSpec, pad_completions
+from verl_fast.records.generation import GenerationOutput, SamplingSpec, pad_completions, texts_of
 from verl_fast.rollout.base import RolloutEngine
 
 
@@ -98,21 +98,22 @@ class PartialRollout:
         return [g.row for g in ready], self._output(ready)
 
     def _round(self, groups: Sequence[Group], tokens: int, seed: int) -> None:
-        """One ``engine.generate`` call: up to ``tokens`` more tokens for every running sample of ``groups``."""
+        """One ``engine.generate`` call: up to ``tokens`` more tokens for every running sample of ``groups``
+        (their texts not asked for: the trained samples' are decoded once, whole, in ``_output``)."""
         prompts, specs, targets = [], [], []  # targets: per prompt, the samples its output rows extend
         for g in groups:
             cap = g.spec.max_tokens
             if not g.samples:  # fresh: its n samples from the prompt
                 g.samples = [Sample() for _ in range(g.spec.n)]
                 prompts.append(list(g.row.prompt_ids))
-                specs.append(replace(g.spec, max_tokens=min(tokens, cap), seed=seed + len(specs)))
+                specs.append(replace(g.spec, max_tokens=min(tokens, cap), seed=seed + len(specs), detokenize=False))
                 targets.append((cap, g.samples))
                 continue
             for s in g.samples:
                 if s.finished is None:  # prompt + its tokens so far, one sample
                     prompts.append(list(g.row.prompt_ids) + s.tokens)
                     specs.append(replace(g.spec, n=1, max_tokens=min(tokens, cap - len(s.tokens)),
-                                         seed=seed + len(specs)))
+                                         seed=seed + len(specs), detokenize=False))
                     targets.append((cap, [s]))
         out = self.engine.generate(prompts, specs)
         if out.logprobs is None:
@@ -139,7 +140,7 @@ class PartialRollout:
                 logprobs.append(s.logprobs)
                 index.append(i)
                 reasons.append(s.finished)
-        texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in completions]
+        texts = texts_of(self.tokenizer, completions)
         return pad_completions(completions, logprobs, index, self.tokenizer.pad_token_id, texts, reasons)
 
     # ---------------------------------------------------------------- checkpoints

@@ -384,8 +384,10 @@ class VLLMInferenceEngine(RolloutEngine):
         prompts = list(prompts)
         if vision is not None and len(vision) != len(prompts):
             raise ValueError(f"vision must hold one entry per prompt: {len(prompts)} prompts, {len(vision)} entries")
-        requests, owners = [], []
+        requests, owners, textless = [], [], set()  # textless: prompts whose SamplingSpec asks for no texts
         for i, (prompt, spec) in enumerate(zip(prompts, self._per_prompt(sampling, len(prompts)))):
+            if isinstance(spec, SamplingSpec) and not spec.detokenize:
+                textless.add(i)
             params, copies = self._to_vllm_params(spec)
             request = self._to_vllm_prompt(prompt, i)
             if vision is not None and vision[i] is not None:
@@ -412,7 +414,7 @@ class VLLMInferenceEngine(RolloutEngine):
                 if want_logprobs:
                     logprobs.append(compat.completion_logprobs(completion))
                 index.append(owner)
-                if not params.detokenize:
+                if not params.detokenize and owner not in textless:
                     undecoded.append(len(texts))
                 texts.append(completion.text)
                 reasons.append(completion.finish_reason or "length")
