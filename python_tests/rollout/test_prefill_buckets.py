@@ -89,12 +89,14 @@ def run(model, ids, mask, rows, temperature, min_rows, monkeypatch, bucket_token
     return out, kept, shapes
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("rows", [None, [0, 0, 3, 1, 4, 4, 2, 3]])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_bucketed_prefill_decodes_as_the_padded_one(model, rows, temperature, monkeypatch):
+def test_a_bucketed_prefill_decodes_as_the_padded_one(model, rows, temperature, device, monkeypatch):
     widths = [3, 37, 5, 21, 36]
-    ids, mask = batch(widths)
-    rows = None if rows is None else torch.tensor(rows)
+    ids, mask = (t.to(device) for t in batch(widths))
+    rows = None if rows is None else torch.tensor(rows, device=device)
+    model.to(device)
     plain, plain_kept, plain_shapes = run(model, ids, mask, rows, temperature, None, monkeypatch, 10 ** 9)
     split, split_kept, split_shapes = run(model, ids, mask, rows, temperature, None, monkeypatch, 10)
     assert plain_shapes[0] == (5, 37) and len(split_shapes) == len(plain_shapes) + 2
@@ -113,6 +115,7 @@ def test_a_bucketed_prefill_decodes_as_the_padded_one(model, rows, temperature, 
 
 
 def test_a_bucketed_prefill_with_compaction(model, monkeypatch):
+    model.to("cpu")
     ids, mask = batch([2, 30, 4, 29, 3, 5, 31, 2, 6], seed=1)
     stop = [int(ids[0, -1])]  # a common token: rows stop early, the batch compacts
     outs = []
