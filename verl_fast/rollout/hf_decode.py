@@ -621,8 +621,8 @@ def width_buckets(needs: Sequence[int], step: int, overhead: int) -> List[Tuple[
     first, each prompt in the bucket of the least width that holds its ``needs`` columns (rounded up to
     ``step``; the batch's own width caps it). Minimises the columns run, each prompt counted at its
     bucket's width, plus ``overhead`` a bucket beyond the first: the rows of a ragged batch (a partial
-    rollout's carried samples beside fresh prompts, conversations' turns) run their own tokens rather
-    than the widest prompt's padding."""
+    rollout's carried samples beside fresh prompts, a dataset's prompts of many lengths) run their own
+    tokens rather than the widest prompt's padding."""
     if not needs:
         return []
     top = max(needs)
