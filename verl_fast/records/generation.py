@@ -114,8 +114,8 @@ def pad_completions(
     N = len(completions)
     lengths = torch.tensor([len(c) for c in completions], dtype=torch.int64)
     L = max(int(lengths.max()) if N else 0, 1)
-    mask = (torch.arange(L)[None, :] < lengths[:, None]).to(torch.int64)
-    kept = mask.bool()
+    kept = torch.arange(L)[None, :] < lengths[:, None]
+    mask = kept.to(torch.int64)
     ids = torch.full((N, L), pad_token_id, dtype=torch.int64)
     ids[kept] = torch.tensor(_flat(completions), dtype=torch.int64)
     lp = None

@@ -306,6 +306,13 @@ class CompiledForward:
                 setattr(parent, attr, adapted)
 
 
+def prefill_mask(query: torch.Tensor, key: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """A prefill forward's [P, 1, q, k] boolean mask: query column ``query`` [q, 1] sees key column ``key`` [1, k]
+    at or before it where ``attended`` [P, k] holds a token of the prompt; a left-pad query attends to itself only
+    (with no key its states would be NaN)."""
+    return (((key <= query)[None] & attended[:, None, :]) | (key == query)[None])[:, None]
+
+
 class _Decoder:
     """The loop's state: static buffers and the step that advances them by one token."""
 
@@ -460,8 +467,7 @@ class _Decoder:
             query = torch.arange(start, end, device=device)[:, None]
             key = torch.arange(keys, device=device)[None, :]
             attended = torch.nn.functional.pad(valid, (0, max(keys - W, 0)))[:, :keys]
-            # causal over the prompts' own keys; a left-pad query attends to itself only (no key: NaN states)
-            mask = (((key <= query)[None] & attended[:, None, :]) | (key == query)[None])[:, None]
+            mask = prefill_mask(query, key, attended)
             self.cache.cols = torch.arange(start, end, device=device)
             self.cache.seen = start
             logits = forward(self.module, input_ids[:, start - C : end - C], mask,
@@ -490,10 +496,9 @@ class _Decoder:
             self.cache.writes = (dest, of_row.index_select(0, dest))
             self.cache.cols = torch.arange(W - width, W, device=device)
             self.cache.seen = 0
-            own = valid.index_select(0, idx)[:, W - width:]
             span = torch.arange(width, device=device)
-            mask = (((span[None, :] <= span[:, None])[None] & own[:, None, :]) | (span[None, :] == span[:, None])[None])
-            part = model_step(self.module, input_ids.index_select(0, idx)[:, W - width:], mask[:, None],
+            mask = prefill_mask(span[:, None], span[None, :], valid.index_select(0, idx)[:, W - width:])
+            part = model_step(self.module, input_ids.index_select(0, idx)[:, W - width:], mask,
                               positions.index_select(0, idx)[:, W - width:], self.cache)
             if logits is None:
                 logits = part.new_empty((P, part.shape[1]))
